@@ -1,0 +1,234 @@
+"""State building blocks shared by every producer.
+
+Two ideas live here.
+
+**The fed-token record.** Every producer with memory keeps the ids it actually consumed, in
+position order, and for each position whether the input there was an injected embedding (and
+which one). Prefix reuse, history bookkeeping, rollback and speculative commits all key on this
+record, never on counts derived elsewhere.
+
+**Append-only buffers versus by-value leaves.** A state dataclass marks its large buffers with
+:func:`append_only`: rows at positions ``>= fed.count`` are dead, so such a buffer rolls back by
+moving the cursor and can be donated to XLA without losing anything a checkpoint needs. Every
+other leaf is small and rolls back by value. :func:`by_value` extracts the small part (that is
+what a checkpoint keeps), :func:`restore_by_value` puts it back, and :func:`live_equal` compares
+two states on what is live.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+_APPEND_ONLY = "turbospark_append_only_axis"
+
+#: Identity stored where a position consumed its token id (no injected embedding).
+NOT_INJECTED = 0
+
+
+def append_only(axis: int) -> Any:
+    """Mark a state field as an append-only buffer whose ``axis`` is the position axis."""
+    return struct.field(pytree_node=True, metadata={_APPEND_ONLY: axis})
+
+
+@struct.dataclass(kw_only=True)
+class FedRecord:
+    """What a state has consumed, position by position.
+
+    Fields (``T`` = the state's position capacity):
+      ids:      int32[T]  token id fed at each position; rows >= count are dead.
+      injected: int32[T]  identity of the embedding injected at each position,
+                          ``NOT_INJECTED`` (0) where the token id itself was embedded.
+      count:    int32[]   number of positions consumed: the cursor.
+    """
+
+    ids: jax.Array = append_only(axis=0)
+    injected: jax.Array = append_only(axis=0)
+    count: jax.Array
+
+    @classmethod
+    def empty(cls, capacity: int) -> FedRecord:
+        return cls(
+            ids=jnp.zeros((capacity,), jnp.int32),
+            injected=jnp.zeros((capacity,), jnp.int32),
+            count=jnp.zeros((), jnp.int32),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return int(self.ids.shape[0])
+
+    def append(self, tokens: jax.Array, live: jax.Array) -> FedRecord:
+        """Record ``tokens[:live]`` at the cursor (jittable; rows past ``live`` write nothing)."""
+        n = tokens.shape[0]
+        pos = self.count + jnp.arange(n, dtype=jnp.int32)
+        pos = jnp.where(jnp.arange(n) < live, pos, self.capacity)  # out of range: dropped
+        return self.replace(
+            ids=self.ids.at[pos].set(tokens.astype(jnp.int32), mode="drop"),
+            injected=self.injected.at[pos].set(NOT_INJECTED, mode="drop"),
+            count=self.count + live.astype(jnp.int32),
+        )
+
+    def to_host(self) -> HostFedRecord:
+        count = int(self.count)
+        return HostFedRecord(
+            ids=tuple(int(t) for t in np.asarray(self.ids)[:count]),
+            injected=tuple(int(t) for t in np.asarray(self.injected)[:count]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class HostFedRecord:
+    """A host copy of the live part of a :class:`FedRecord`."""
+
+    ids: tuple[int, ...]
+    injected: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return len(self.ids)
+
+    def reusable_prefix(
+        self, prompt_ids: Sequence[int], injected: Mapping[int, int] | None = None
+    ) -> int:
+        """Longest prefix of ``prompt_ids`` this record can stand for, leaving one to feed.
+
+        A position matches when the ids agree and the injected identities agree (both
+        ``NOT_INJECTED``, or the same embedding identity named by ``injected``).
+        """
+        injected = injected or {}
+        limit = min(self.count, len(prompt_ids) - 1)
+        n = 0
+        while n < limit:
+            if self.ids[n] != int(prompt_ids[n]):
+                break
+            if self.injected[n] != injected.get(n, NOT_INJECTED):
+                break
+            n += 1
+        return max(n, 0)
+
+
+def _append_axes(state: Any) -> dict[str, int]:
+    return {
+        f.name: f.metadata[_APPEND_ONLY]
+        for f in dataclasses.fields(state)
+        if _APPEND_ONLY in f.metadata
+    }
+
+
+def _is_state_node(x: Any) -> bool:
+    return dataclasses.is_dataclass(x) and not isinstance(x, type)
+
+
+def by_value(state: Any) -> Any:
+    """The small, by-value part of ``state``: every append-only buffer replaced by ``None``."""
+    if not _is_state_node(state):
+        return state
+    axes = _append_axes(state)
+    changes = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        changes[f.name] = None if f.name in axes else by_value(value)
+    return dataclasses.replace(state, **changes)
+
+
+def restore_by_value(state: Any, values: Any) -> Any:
+    """``state`` with its by-value leaves taken from ``values`` (as made by :func:`by_value`)."""
+    if not _is_state_node(state):
+        return values
+    axes = _append_axes(state)
+    changes = {}
+    for f in dataclasses.fields(state):
+        if f.name in axes:
+            continue
+        changes[f.name] = restore_by_value(getattr(state, f.name), getattr(values, f.name))
+    return dataclasses.replace(state, **changes)
+
+
+def copy_state(state: Any) -> Any:
+    """A deep copy of every array leaf, so the copy survives donation of the original."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, state)
+
+
+def find_fed(state: Any) -> FedRecord | None:
+    """The first :class:`FedRecord` found in ``state`` (depth-first), or ``None``."""
+    if isinstance(state, FedRecord):
+        return state
+    if _is_state_node(state):
+        for f in dataclasses.fields(state):
+            found = find_fed(getattr(state, f.name))
+            if found is not None:
+                return found
+    if isinstance(state, (tuple, list)):
+        for item in state:
+            found = find_fed(item)
+            if found is not None:
+                return found
+    return None
+
+
+def live_view(state: Any, count: int | None = None) -> Any:
+    """``state`` with dead rows of every append-only buffer zeroed, as numpy arrays.
+
+    ``count`` is the cursor; by default that of the state's own :class:`FedRecord` (nested
+    states with their own record, such as a drafter's, use theirs).
+    """
+    if isinstance(state, jax.Array | np.ndarray):
+        return np.asarray(state)
+    if isinstance(state, (tuple, list)):
+        return type(state)(live_view(s) for s in state)
+    if not _is_state_node(state):
+        return state
+    own = state if isinstance(state, FedRecord) else None
+    if own is None:
+        fed = next(
+            (getattr(state, f.name) for f in dataclasses.fields(state)
+             if isinstance(getattr(state, f.name), FedRecord)),
+            None,
+        )
+        own = fed
+    if own is not None:
+        count = int(own.count)
+    axes = _append_axes(state)
+    changes = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if f.name in axes:
+            arr = np.array(value)
+            if count is None:
+                raise ValueError(f"field {f.name!r} is append-only but no cursor is known")
+            index = [slice(None)] * arr.ndim
+            index[axes[f.name]] = slice(count, None)
+            arr[tuple(index)] = 0
+            changes[f.name] = arr
+        elif isinstance(value, FedRecord):
+            changes[f.name] = live_view(value)
+        else:
+            changes[f.name] = live_view(value, count)
+    return dataclasses.replace(state, **changes)
+
+
+def tree_bitwise_equal(a: Any, b: Any) -> bool:
+    """Whether two pytrees have the same structure and bitwise-equal leaves."""
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    if ta != tb:
+        return False
+    for x, y in zip(la, lb, strict=True):
+        x, y = np.ascontiguousarray(x), np.ascontiguousarray(y)
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not np.array_equal(x.view(np.uint8), y.view(np.uint8)):
+            return False
+    return True
+
+
+def live_equal(a: Any, b: Any) -> bool:
+    """Bitwise equality of two states on their live rows and by-value leaves."""
+    return tree_bitwise_equal(live_view(a), live_view(b))
