@@ -27,6 +27,7 @@ import numpy as np
 from flax import struct
 
 _APPEND_ONLY = "turbospark_append_only_axis"
+_SCRATCH = "turbospark_scratch"
 
 #: Identity stored where a position consumed its token id (no injected embedding).
 NOT_INJECTED = 0
@@ -35,6 +36,12 @@ NOT_INJECTED = 0
 def append_only(axis: int) -> Any:
     """Mark a state field as an append-only buffer whose ``axis`` is the position axis."""
     return struct.field(pytree_node=True, metadata={_APPEND_ONLY: axis})
+
+
+def scratch() -> Any:
+    """Mark a state field as scratch: carried along (a verify tape, say) but not part of what
+    the state *means*, so :func:`live_equal` ignores it."""
+    return struct.field(pytree_node=True, metadata={_SCRATCH: True})
 
 
 @struct.dataclass(kw_only=True)
@@ -199,7 +206,9 @@ def live_view(state: Any, count: int | None = None) -> Any:
     changes = {}
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
-        if f.name in axes:
+        if f.metadata.get(_SCRATCH):
+            changes[f.name] = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)), value)
+        elif f.name in axes:
             arr = np.array(value)
             if count is None:
                 raise ValueError(f"field {f.name!r} is append-only but no cursor is known")

@@ -1,0 +1,511 @@
+"""One compiled program for every path a guarantee compares.
+
+Measured on the H200 (DESIGN.md section 2): a jitted ``lax.scan`` of a decode step is not
+bitwise equal to the same step called token by token, and a batched pass over a chunk is not
+either. What held on both CPU and GPU is *one* executable over a fixed-width block of ``W``
+rows, called with different data: padding rows write nothing, decode has one live row, a
+prefill chunk has ``W`` live rows, a verify has ``k + 1``. Wrapping that block in a
+``while_loop`` with a traced trip count keeps it one executable while serving decode bursts
+and long chunks alike.
+
+So this module compiles exactly one program per (model, ``W``, steps per call, donation) and
+:class:`BlockProducer` routes ``produce``, ``produce_prefill``, ``prefill_chunk``, ``verify``
+and device-side decode bursts through it. A model family only supplies
+:meth:`BlockModel.block_forward`.
+
+Each step of the loop:
+
+1. feeds a block of ``W`` tokens at the cursor (``live`` of them real);
+2. optionally computes the output head (``need_head``, a traced flag, so a headless prefill is
+   the same program);
+3. writes the ``W`` logits rows into the output at a per-step row offset;
+4. in *feedback* (decode) mode samples the next token from the last live row, checks it
+   against the stop ids, and feeds it at the next step.
+
+Nothing about the request is static: sampling parameters, stop ids, step counts and live
+counts are all data, so switching between them never compiles anything new.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from turbospark_jax import sampling
+from turbospark_jax.errors import BadInputError, ContextOverflowError, ProducerFailedError
+from turbospark_jax.protocols import ChunkedPrefillRunner, VerifyingTarget
+from turbospark_jax.state import FedRecord, by_value, restore_by_value
+
+#: How many stop token ids one decode burst checks on device.
+MAX_STOP_IDS = 16
+
+#: Finish codes a decode burst reports.
+RUNNING, STOPPED_ON_TOKEN, NON_FINITE = 0, 1, 2
+
+# XLA on the CPU cannot alias donated buffers and says so once per compile; that is expected.
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+class BlockModel(Protocol):
+    """What a model family gives the block program. Instances are hashable and static."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def init_cache(self, capacity: int) -> Any:
+        """A fresh cache pytree holding ``capacity`` positions (append-only buffers marked)."""
+        ...
+
+    def block_forward(
+        self,
+        params: Any,
+        cache: Any,
+        tokens: jax.Array,
+        positions: jax.Array,
+        live: jax.Array,
+        need_head: jax.Array,
+    ) -> tuple[jax.Array, Any]:
+        """Run ``W`` rows; rows ``>= live`` write nothing. Returns float32 ``[W, V]`` logits."""
+        ...
+
+
+@struct.dataclass(kw_only=True)
+class BlockState:
+    """The state of a :class:`BlockProducer`.
+
+    Fields:
+      cache: the model's cache pytree (KV rows ``[L, T, KV, D]`` or recurrent leaves).
+      fed:   what has been consumed, position by position (the cursor is ``fed.count``).
+    """
+
+    cache: Any
+    fed: FedRecord
+
+    @property
+    def count(self) -> int:
+        return int(self.fed.count)
+
+
+@struct.dataclass(kw_only=True)
+class Plan:
+    """Per-step inputs of one program call; ``S`` steps of ``W`` rows, fixed shapes.
+
+    Fields:
+      tokens:     int32[S, W]  tokens to feed (decode mode overrides row 0 from step 1 on).
+      live:       int32[S]     real rows in each step's block.
+      need_head:  bool[S]      whether the output head runs on that step.
+      out_offset: int32[S]     first row of the output that the step's ``W`` rows go to.
+    """
+
+    tokens: jax.Array
+    live: jax.Array
+    need_head: jax.Array
+    out_offset: jax.Array
+
+
+@struct.dataclass(kw_only=True)
+class Control:
+    """Decode-mode controls; all data, never static.
+
+    Fields:
+      feedback:  bool[]            decode mode: step ``i > 0`` feeds the token step ``i-1`` sampled.
+      params:    SamplingParams    traced sampling settings.
+      history:   History           penalty bookkeeping, updated with every sampled token.
+      key:       PRNG key          the request's base key.
+      gen_index: int32[]           index of the token step 0 samples (for ``token_key``).
+      stop_ids:  int32[MAX_STOP_IDS]  padded with -1.
+    """
+
+    feedback: jax.Array
+    params: sampling.SamplingParams
+    history: sampling.History
+    key: jax.Array
+    gen_index: jax.Array
+    stop_ids: jax.Array
+
+
+@struct.dataclass(kw_only=True)
+class StepOutput:
+    """What one program call returns besides the new state.
+
+    Fields:
+      logits:  float32[S + W - 1, V]  logits rows written at each step's offset.
+      sampled: int32[S]               decode mode: the token sampled at each step.
+      steps:   int32[]                steps actually run (a stop ends the loop early).
+      finish:  int32[]                RUNNING, STOPPED_ON_TOKEN or NON_FINITE.
+      history: History                updated penalty bookkeeping.
+    """
+
+    logits: jax.Array
+    sampled: jax.Array
+    steps: jax.Array
+    finish: jax.Array
+    history: sampling.History
+
+
+def _run_blocks(
+    model: BlockModel,
+    params: Any,
+    state: BlockState,
+    plan: Plan,
+    control: Control,
+    n_steps: jax.Array,
+) -> tuple[BlockState, StepOutput]:
+    steps_cap, width = plan.tokens.shape
+    vocab = model.vocab_size
+    out0 = jnp.zeros((steps_cap + width - 1, vocab), jnp.float32)
+    rows = jnp.arange(width, dtype=jnp.int32)
+
+    def cond(carry):
+        i, _, _, _, finish, _, _ = carry
+        return (i < n_steps) & (finish == RUNNING)
+
+    def body(carry):
+        i, st, out, sampled, finish, history, pending = carry
+        tokens = plan.tokens[i]
+        tokens = jnp.where(control.feedback & (i > 0), tokens.at[0].set(pending), tokens)
+        live = plan.live[i]
+        positions = st.fed.count + rows
+        with jax.named_scope("block_forward"):
+            logits, cache = model.block_forward(
+                params, st.cache, tokens, positions, live, plan.need_head[i]
+            )
+        st = st.replace(cache=cache, fed=st.fed.append(tokens, live))
+        out = jax.lax.dynamic_update_slice(out, logits, (plan.out_offset[i], 0))
+        last = logits[live - 1]
+        finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[i]
+
+        def draw(history):
+            key = sampling.token_key(control.key, control.gen_index + i)
+            tok = sampling.sample(last, control.params, history, key).astype(jnp.int32)
+            return tok, history.add(tok)
+
+        def skip(history):
+            return jnp.int32(-1), history
+
+        with jax.named_scope("sample"):
+            tok, history = jax.lax.cond(control.feedback & finite, draw, skip, history)
+        sampled = sampled.at[i].set(tok)
+        hit = control.feedback & jnp.any(control.stop_ids == tok)
+        finish = jnp.where(~finite, NON_FINITE, jnp.where(hit, STOPPED_ON_TOKEN, RUNNING))
+        return i + 1, st, out, sampled, finish, history, tok
+
+    carry = (
+        jnp.int32(0),
+        state,
+        out0,
+        jnp.full((steps_cap,), -1, jnp.int32),
+        jnp.int32(RUNNING),
+        control.history,
+        jnp.int32(-1),
+    )
+    steps, state, out, sampled, finish, history, _ = jax.lax.while_loop(cond, body, carry)
+    return state, StepOutput(
+        logits=out, sampled=sampled, steps=steps, finish=finish, history=history
+    )
+
+
+@functools.cache
+def _compiled(model: BlockModel, donate: bool) -> Any:
+    """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``)."""
+    fn = functools.partial(_run_blocks, model)
+    return jax.jit(fn, donate_argnums=(1,) if donate else ())
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBurst:
+    """The host view of one decode burst: tokens sampled, how it ended, the new history."""
+
+    tokens: list[int]
+    finish: int
+    history: sampling.History
+    logits: jax.Array  # float32[steps, V], row i is what token i was sampled from (on device)
+
+
+class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState, BlockState]):
+    """A :class:`BlockModel` served through the one block program.
+
+    Args:
+      model: the model family instance (hashable, static under jit).
+      params: its parameters pytree.
+      capacity: positions a state can hold (the preallocated context).
+      width: ``W``, rows per block. Decode pays for ``W`` rows of compute, the exact prefill
+        runs ``W`` tokens per step; on a GPU a decode step costs about the same for small
+        ``W`` because the weights are read once either way.
+      steps_per_call: ``S``, blocks per program call (the longest decode burst).
+      donate: let the program consume the state's buffers (no KV copy per call). When True,
+        a state passed to any method is invalid afterwards; keep :meth:`checkpoint` or a
+        :func:`~turbospark_jax.state.copy_state` copy to go back.
+    """
+
+    def __init__(
+        self,
+        model: BlockModel,
+        params: Any,
+        *,
+        capacity: int,
+        width: int = 8,
+        steps_per_call: int = 32,
+        donate: bool = True,
+    ) -> None:
+        if capacity < 1 or width < 1 or steps_per_call < 1:
+            raise BadInputError(
+                f"capacity, width and steps_per_call must be >= 1; got {capacity}, {width}, "
+                f"{steps_per_call}"
+            )
+        self.model = model
+        self.params = params
+        self.capacity = capacity
+        self.width = width
+        self.steps_per_call = steps_per_call
+        self.donate = donate
+        self._program = _compiled(model, donate)
+        self._idle = self._idle_control()
+
+    # -- basic protocol -----------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def max_positions(self) -> int:
+        return self.capacity
+
+    def init_state(self) -> BlockState:
+        # The record keeps room for a block that starts at the last position.
+        return BlockState(
+            cache=self.model.init_cache(self.capacity), fed=FedRecord.empty(self.capacity)
+        )
+
+    def try_reuse_prefix(
+        self,
+        state: BlockState,
+        prompt_ids: Sequence[int],
+        *,
+        injected: Mapping[int, int] | None = None,
+    ) -> tuple[int, BlockState]:
+        record = state.fed.to_host()
+        n = record.reusable_prefix(prompt_ids, injected)
+        if not getattr(self.model, "rewindable", True) and n != record.count:
+            # Recurrent leaves hold the whole fed history: only a full match is exact.
+            n = 0
+        if n == 0:
+            return 0, self.init_state()
+        return n, self._with_count(state, n)
+
+    def produce(self, state: BlockState, token: int, position: int) -> tuple[jax.Array, BlockState]:
+        self._check_tokens([token], position, state)
+        out, state = self._call(state, self._single_plan(token, need_head=True), self._idle, 1)
+        return out.logits[0], state
+
+    def produce_prefill(self, state: BlockState, token: int, position: int) -> BlockState:
+        self._check_tokens([token], position, state)
+        return self._call(state, self._single_plan(token, need_head=False), self._idle, 1)[1]
+
+    def prefill_chunk(
+        self, state: BlockState, tokens: Sequence[int], start_position: int
+    ) -> tuple[jax.Array, BlockState]:
+        tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
+        width, steps_cap = self.width, self.steps_per_call
+        blocks = [tokens[i : i + width] for i in range(0, len(tokens), width)]
+        logits = None
+        for first in range(0, len(blocks), steps_cap):
+            group = blocks[first : first + steps_cap]
+            final_group = first + steps_cap >= len(blocks)
+            plan = self._plan(group, head_on_last=final_group)
+            out, state = self._call(state, plan, self._idle, len(group))
+            if final_group:
+                logits = out.logits[len(group[-1]) - 1]
+        assert logits is not None
+        return logits, state
+
+    # -- target side of speculative decoding ------------------------------------------
+
+    def verify(
+        self, state: BlockState, feed: Sequence[int], base: int
+    ) -> tuple[jax.Array, BlockState]:
+        feed = self._check_tokens(feed, base, state, what="verify block")
+        rows = []
+        for i in range(0, len(feed), self.width):
+            block = feed[i : i + self.width]
+            plan = self._plan([block], head_on_last=True)
+            out, state = self._call(state, plan, self._idle, 1)
+            rows.append(out.logits[: len(block)])
+        return (rows[0] if len(rows) == 1 else jnp.concatenate(rows)), state
+
+    def checkpoint(self, state: BlockState) -> BlockState:
+        return by_value(state)
+
+    def rollback(self, state: BlockState, point: BlockState) -> BlockState:
+        return restore_by_value(state, point)
+
+    def supports_retaining_rollback(self) -> bool:
+        return True
+
+    def rollback_retaining(
+        self, state: BlockState, point: BlockState, keep_rows: int
+    ) -> BlockState:
+        # Rows the verify wrote stay in the append-only buffers; keeping them is moving the
+        # cursor past them. Models with by-value recurrent leaves replay them from a tape.
+        base = int(point.fed.count)
+        if not 0 <= keep_rows <= int(state.fed.count) - base:
+            raise BadInputError(
+                f"keep_rows={keep_rows} but the last verify fed "
+                f"{int(state.fed.count) - base} rows after the checkpoint"
+            )
+        restored = restore_by_value(state, point)
+        retain = getattr(self.model, "retain_rows", None)
+        if retain is not None:
+            restored = restored.replace(cache=retain(restored.cache, state.cache, keep_rows))
+        return self._with_count(restored, base + keep_rows)
+
+    def record_committed(self, state: BlockState, tokens: Sequence[int], pos0: int) -> BlockState:
+        # verify already recorded what it fed; this checks the caller and the record agree, so
+        # a loop that miscounts fails here rather than answering a later turn wrongly.
+        record = state.fed.to_host()
+        end = pos0 + len(tokens)
+        if end > record.count or list(record.ids[pos0:end]) != [int(t) for t in tokens]:
+            raise ProducerFailedError(
+                f"record_committed({list(tokens)}, pos0={pos0}) disagrees with the fed record "
+                f"{list(record.ids[pos0:end])} (cursor {record.count})"
+            )
+        return state
+
+    # -- device-side decode -------------------------------------------------------------
+
+    def decode(
+        self,
+        state: BlockState,
+        token: int,
+        steps: int,
+        *,
+        params: sampling.SamplingParams,
+        history: sampling.History,
+        key: jax.Array,
+        gen_index: int,
+        stop_ids: Sequence[int] = (),
+    ) -> tuple[DecodeBurst, BlockState]:
+        """Feed ``token`` and decode up to ``steps`` tokens on the device in one call.
+
+        Step ``i`` samples with ``token_key(key, gen_index + i)``, so the tokens do not depend
+        on how a generation is split into bursts. The burst ends early after sampling a stop
+        id (which is returned but not fed) or on non-finite logits. The last sampled token is
+        never fed: the next burst starts with it.
+        """
+        if not 1 <= steps <= self.steps_per_call:
+            raise BadInputError(f"steps must be in 1..{self.steps_per_call}, got {steps}")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        self._check_tokens([token], int(state.fed.count), state)
+        if int(state.fed.count) + steps > self.capacity:
+            raise ContextOverflowError(
+                f"decoding {steps} tokens from position {int(state.fed.count)} overflows the "
+                f"context of {self.capacity} positions"
+            )
+        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops[: len(stop_ids)] = list(stop_ids)
+        control = Control(
+            feedback=jnp.bool_(True),
+            params=params,
+            history=history,
+            key=key,
+            gen_index=jnp.int32(gen_index),
+            stop_ids=jnp.asarray(stops),
+        )
+        plan = self._plan([[token]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
+                          offsets=np.arange(self.steps_per_call, dtype=np.int32))
+        out, state = self._call(state, plan, control, steps)
+        n, finish = int(out.steps), int(out.finish)
+        toks = [int(t) for t in np.asarray(out.sampled[:n])]
+        if finish == NON_FINITE:
+            toks = toks[: n - 1]
+        burst = DecodeBurst(tokens=toks, finish=finish, history=out.history, logits=out.logits[:n])
+        return burst, state
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _with_count(self, state: BlockState, n: int) -> BlockState:
+        return state.replace(fed=state.fed.replace(count=jnp.int32(n)))
+
+    def _check_tokens(
+        self,
+        tokens: Sequence[int],
+        position: int,
+        state: BlockState,
+        what: str = "token",
+    ) -> list[int]:
+        tokens = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        if not tokens:
+            raise BadInputError(f"{what} is empty; expected at least one token id")
+        vocab = self.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        count = int(state.fed.count)
+        if position != count:
+            raise BadInputError(
+                f"position {position} does not continue the state, which has consumed "
+                f"{count} positions; pass position={count}"
+            )
+        if count + len(tokens) > self.capacity:
+            raise ContextOverflowError(
+                f"{what} of {len(tokens)} tokens at position {count} overflows the context "
+                f"of {self.capacity} positions"
+            )
+        return tokens
+
+    def _single_plan(self, token: int, need_head: bool) -> Plan:
+        return self._plan([[token]], head_on_last=need_head)
+
+    def _plan(
+        self,
+        blocks: Sequence[Sequence[int]],
+        *,
+        head_on_last: bool,
+        head_all: bool = False,
+        offsets: np.ndarray | None = None,
+    ) -> Plan:
+        steps_cap, width = self.steps_per_call, self.width
+        tokens = np.zeros((steps_cap, width), np.int32)
+        live = np.ones((steps_cap,), np.int32)
+        need = np.zeros((steps_cap,), bool)
+        for i, block in enumerate(blocks):
+            tokens[i, : len(block)] = block
+            live[i] = len(block)
+        if head_all:
+            need[: len(blocks)] = True
+        elif head_on_last:
+            need[len(blocks) - 1] = True
+        if offsets is None:
+            offsets = np.zeros((steps_cap,), np.int32)
+        return Plan(
+            tokens=jnp.asarray(tokens),
+            live=jnp.asarray(live),
+            need_head=jnp.asarray(need),
+            out_offset=jnp.asarray(offsets),
+        )
+
+    def _idle_control(self) -> Control:
+        return Control(
+            feedback=jnp.bool_(False),
+            params=sampling.SamplingParams.greedy(),
+            history=sampling.History.empty(self.vocab_size),
+            key=sampling.request_key(0),
+            gen_index=jnp.int32(0),
+            stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
+        )
+
+    def _call(
+        self, state: BlockState, plan: Plan, control: Control, n_steps: int
+    ) -> tuple[StepOutput, BlockState]:
+        state, out = self._program(self.params, state, plan, control, jnp.int32(n_steps))
+        return out, state

@@ -1,0 +1,80 @@
+"""A producer that replays scripted logit vectors: the generation loop's test fixture.
+
+It decouples the loop's control flow (stop handling, detokenizer ordering, history
+bookkeeping) from any model. Its state is a small immutable value: how many scripted steps
+have been used and which ids were fed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from turbospark_jax.errors import BadInputError, ProducerExhaustedError
+from turbospark_jax.protocols import ChunkedPrefillRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class ScriptedState:
+    """Fields: cursor: scripted steps consumed; fed: ids fed so far, in position order."""
+
+    cursor: int = 0
+    fed: tuple[int, ...] = ()
+
+
+class ScriptedLogitProducer(ChunkedPrefillRunner[ScriptedState]):
+    """Replays ``steps[0], steps[1], ...``: one vector per ``produce`` or ``prefill_chunk``.
+
+    Args:
+      steps: the scripted logit vectors, in the order they are handed out.
+      vocab_size: the logits size every step must have; defaults to the first step's length.
+        A step of another length is reported when it is reached, as the seed fixture does.
+
+    ``produce_prefill`` keeps the protocol default (it consumes a step, like ``produce``);
+    ``prefill_chunk`` consumes exactly one step whatever the chunk length, the scripted
+    analogue of one dispatch writing one logits vector.
+    """
+
+    def __init__(self, steps: Sequence[Sequence[float]], vocab_size: int | None = None) -> None:
+        self._steps = [np.asarray(s, np.float32).reshape(-1) for s in steps]
+        if vocab_size is None:
+            if not self._steps:
+                raise BadInputError("an empty script needs an explicit vocab_size")
+            vocab_size = int(self._steps[0].shape[0])
+        self._vocab = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def init_state(self) -> ScriptedState:
+        return ScriptedState()
+
+    def produce(
+        self, state: ScriptedState, token: int, position: int
+    ) -> tuple[jax.Array, ScriptedState]:
+        del position
+        if state.cursor >= len(self._steps):
+            raise ProducerExhaustedError(
+                f"ScriptedLogitProducer has used all {len(self._steps)} scripted steps"
+            )
+        step = self._steps[state.cursor]
+        if step.shape[0] != self._vocab:
+            raise BadInputError(
+                f"scripted step {state.cursor} has {step.shape[0]} logits, expected {self._vocab}"
+            )
+        new = ScriptedState(cursor=state.cursor + 1, fed=(*state.fed, int(token)))
+        return jnp.asarray(step), new
+
+    def prefill_chunk(
+        self, state: ScriptedState, tokens: Sequence[int], start_position: int
+    ) -> tuple[jax.Array, ScriptedState]:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise BadInputError("prefill_chunk called with an empty chunk")
+        logits, new = self.produce(state, tokens[-1], start_position + len(tokens) - 1)
+        return logits, ScriptedState(cursor=new.cursor, fed=(*state.fed, *tokens))
