@@ -42,7 +42,13 @@ from flax import struct
 from turbospark_jax import sampling
 from turbospark_jax.errors import BadInputError, ContextOverflowError, ProducerFailedError
 from turbospark_jax.protocols import ChunkedPrefillRunner, VerifyingTarget
-from turbospark_jax.state import FedRecord, by_value, restore_by_value
+from turbospark_jax.state import (
+    FedRecord,
+    buffers_only,
+    by_value,
+    merge_parts,
+    restore_by_value,
+)
 
 #: How many stop token ids one decode burst checks on device.
 MAX_STOP_IDS = 16
@@ -154,11 +160,15 @@ class StepOutput:
 def _run_blocks(
     model: BlockModel,
     params: Any,
-    state: BlockState,
+    buffers: BlockState,
+    values: BlockState,
     plan: Plan,
     control: Control,
     n_steps: jax.Array,
-) -> tuple[BlockState, StepOutput]:
+) -> tuple[BlockState, BlockState, StepOutput]:
+    # The state arrives split so that only its append-only buffers are donated: by-value
+    # leaves (cursor, recurrent state) may still be held by a checkpoint.
+    state = merge_parts(buffers, values)
     steps_cap, width = plan.tokens.shape
     vocab = model.vocab_size
     out0 = jnp.zeros((steps_cap + width - 1, vocab), jnp.float32)
@@ -208,7 +218,7 @@ def _run_blocks(
         jnp.int32(-1),
     )
     steps, state, out, sampled, finish, history, _ = jax.lax.while_loop(cond, body, carry)
-    return state, StepOutput(
+    return buffers_only(state), by_value(state), StepOutput(
         logits=out, sampled=sampled, steps=steps, finish=finish, history=history
     )
 
@@ -217,7 +227,7 @@ def _run_blocks(
 def _compiled(model: BlockModel, donate: bool) -> Any:
     """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``)."""
     fn = functools.partial(_run_blocks, model)
-    return jax.jit(fn, donate_argnums=(1,) if donate else ())
+    return jax.jit(fn, donate_argnums=(1,) if donate else ())  # 1: the append-only buffers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +252,9 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         ``W`` because the weights are read once either way.
       steps_per_call: ``S``, blocks per program call (the longest decode burst).
       donate: let the program consume the state's buffers (no KV copy per call). When True,
-        a state passed to any method is invalid afterwards; keep :meth:`checkpoint` or a
-        :func:`~turbospark_jax.state.copy_state` copy to go back.
+        the append-only buffers of a state passed to any method are invalid afterwards (its
+        by-value leaves, and so every :meth:`checkpoint`, stay valid); keep a
+        :func:`~turbospark_jax.state.copy_state` copy to keep a whole old value.
     """
 
     def __init__(
@@ -507,5 +518,7 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
     def _call(
         self, state: BlockState, plan: Plan, control: Control, n_steps: int
     ) -> tuple[StepOutput, BlockState]:
-        state, out = self._program(self.params, state, plan, control, jnp.int32(n_steps))
-        return out, state
+        buffers, values, out = self._program(
+            self.params, buffers_only(state), by_value(state), plan, control, jnp.int32(n_steps)
+        )
+        return out, merge_parts(buffers, values)

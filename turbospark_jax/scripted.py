@@ -7,18 +7,18 @@ have been used and which ids were fed.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from turbospark_jax.errors import BadInputError, ProducerExhaustedError
 from turbospark_jax.protocols import ChunkedPrefillRunner
 
 
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class ScriptedState:
     """Fields: cursor: scripted steps consumed; fed: ids fed so far, in position order."""
 

@@ -158,6 +158,36 @@ def restore_by_value(state: Any, values: Any) -> Any:
     return dataclasses.replace(state, **changes)
 
 
+def buffers_only(state: Any) -> Any:
+    """The append-only part of ``state``: every by-value leaf replaced by ``None``.
+
+    With :func:`by_value` this splits a state into what may be donated to XLA (the buffers)
+    and what a checkpoint keeps (the values); :func:`merge_parts` joins them again.
+    """
+    if not _is_state_node(state):
+        return None
+    axes = _append_axes(state)
+    changes = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        changes[f.name] = value if f.name in axes else buffers_only(value)
+    return dataclasses.replace(state, **changes)
+
+
+def merge_parts(buffers: Any, values: Any) -> Any:
+    """Join :func:`buffers_only` and :func:`by_value` halves back into one state."""
+    if not _is_state_node(values):
+        return values
+    axes = _append_axes(values)
+    changes = {}
+    for f in dataclasses.fields(values):
+        if f.name in axes:
+            changes[f.name] = getattr(buffers, f.name)
+        else:
+            changes[f.name] = merge_parts(getattr(buffers, f.name), getattr(values, f.name))
+    return dataclasses.replace(values, **changes)
+
+
 def copy_state(state: Any) -> Any:
     """A deep copy of every array leaf, so the copy survives donation of the original."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, state)

@@ -1,0 +1,123 @@
+"""The protocol surface: every seed method has a counterpart with the seed's defaults."""
+
+import jax.numpy as jnp
+import pytest
+
+from turbospark_jax import errors
+from turbospark_jax.protocols import (
+    ChunkedPrefillRunner,
+    LogitProducer,
+    SpeculativeProducer,
+    VerifyingTarget,
+    capabilities,
+)
+
+
+class _Minimal(SpeculativeProducer):
+    """Implements only what is abstract, so every default is visible."""
+
+    vocab_size = 4
+
+    def init_state(self):
+        return ()
+
+    def produce(self, state, token, position):
+        return jnp.zeros(4), (*state, token)
+
+    def prime_drafter(self, state, next_token, position):
+        return state
+
+    def draft_step(self, state, token, position):
+        return jnp.zeros(4), state
+
+    def rewind_drafter(self, state, position):
+        return state
+
+    def checkpoint(self, state):
+        return state
+
+    def rollback(self, state, point):
+        return point
+
+    def verify(self, state, feed, base):
+        return jnp.zeros((len(feed), 4)), state
+
+
+def test_seed_capability_defaults():
+    p = _Minimal()
+    assert p.supports_chunked_drafter_prefill() is False
+    assert p.drafts_block_passes() is False
+    assert p.supports_headless_prefill() is False
+    assert p.supports_retaining_rollback() is False
+    assert p.session_slot_evicted(()) is False
+    assert p.max_positions is None
+    assert capabilities(p) == {
+        "chunked_prefill": False,
+        "speculative": True,
+        "chunked_drafter_prefill": False,
+        "block_drafter": False,
+        "headless_prefill": False,
+        "retaining_rollback": False,
+    }
+
+
+def test_default_reuse_is_zero_and_fresh():
+    p = _Minimal()
+    n, state = p.try_reuse_prefix((1, 2, 3), [1, 2, 3, 4])
+    assert n == 0 and state == ()
+
+
+def test_default_prefill_advances_like_produce():
+    p = _Minimal()
+    assert p.produce_prefill((), 3, 0) == p.produce((), 3, 0)[1]
+
+
+def test_reset_is_a_fresh_state():
+    assert _Minimal().reset((1, 2)) == ()
+
+
+def test_record_committed_default_is_identity():
+    assert _Minimal().record_committed((1,), [2, 3], 1) == (1,)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda p: p.prefill_chunk_priming_drafter((), [1], 0, None),
+        lambda p: p.draft_block((), 1, 0, 3),
+        lambda p: p.rollback_retaining((), (), 1),
+    ],
+    ids=["prefill_chunk_priming_drafter", "draft_block", "rollback_retaining"],
+)
+def test_refusing_defaults_raise_our_error(call):
+    with pytest.raises(errors.UnsupportedCapabilityError) as info:
+        call(_Minimal())
+    assert "_Minimal" in str(info.value)
+
+
+def test_every_seed_method_has_a_counterpart():
+    seed_methods = {
+        LogitProducer: ["reset", "try_reuse_prefix", "session_slot_evicted", "produce",
+                        "produce_prefill"],
+        ChunkedPrefillRunner: ["prefill_chunk", "prefill_chunk_with_status"],
+        SpeculativeProducer: [
+            "prime_drafter", "supports_chunked_drafter_prefill", "prefill_chunk_priming_drafter",
+            "draft_step", "drafts_block_passes", "draft_block", "rewind_drafter", "checkpoint",
+            "rollback", "supports_headless_prefill", "record_committed",
+            "supports_retaining_rollback", "rollback_retaining", "verify",
+        ],
+    }
+    for cls, names in seed_methods.items():
+        for name in names:
+            method = getattr(cls, name)
+            assert method.__doc__ and len(method.__doc__) > 40, f"{cls.__name__}.{name} docstring"
+    assert issubclass(SpeculativeProducer, VerifyingTarget)
+
+
+def test_error_hierarchy():
+    for cls in (errors.BadInputError, errors.UnsupportedCapabilityError,
+                errors.ProducerExhaustedError, errors.ModelLoadError, errors.SessionError,
+                errors.ContextOverflowError, errors.ProducerFailedError):
+        assert issubclass(cls, errors.TurbosparkError)
+    assert issubclass(errors.BadInputError, ValueError)
+    assert issubclass(errors.ContextOverflowError, errors.BadInputError)
