@@ -1,0 +1,433 @@
+"""Pure, jittable next-token samplers with every setting a traced value.
+
+Each sampling setting is a traced ``jnp`` scalar inside :class:`SamplingParams`, so one compiled
+program serves greedy decoding, nucleus sampling and everything between: the decode loop runs
+sampling inside one jitted ``while_loop``, and a program per setting would both cost compiles
+and break the "same program, different data" rule our bitwise guarantees rest on.
+
+Composition order (what :func:`process_logits` does to a ``f32[V]`` logits vector):
+
+1. **Penalties**, always, even when greedy:
+
+   * repetition penalty ``r`` (Hugging Face semantics) on every id in ``History.seen`` (the
+     prompt and everything generated): a positive logit is divided by ``r``, a negative one
+     multiplied by ``r``;
+   * presence penalty (OpenAI semantics): subtracted once from every id generated at least once;
+   * frequency penalty: ``penalty * count`` subtracted, ``count`` = times the id was generated.
+
+2. **Greedy stop.** At ``temperature == 0`` the penalized logits are returned as they are: no
+   scaling, no filtering. The greedy token is their argmax, the lowest id among equal maxima.
+
+3. **Temperature.** ``(logits - max(logits)) / temperature``. The shift changes nothing that a
+   softmax sees, but keeps a tiny temperature from overflowing every logit to ``inf``.
+
+4. **Top-k**, then **top-p** (on the distribution renormalized over the top-k survivors), then
+   **min-p** (keep ids whose probability is at least ``min_p`` times the top one's). Filtered ids
+   become ``-inf``. ``top_k == 0`` or ``top_k >= V`` is off; ``top_p == 1`` is off; ``min_p == 0``
+   is off.
+
+Ties: top-k and top-p rank ids by a stable sort on descending logit, so among equal logits the
+lower id ranks first. Top-k therefore keeps exactly ``min(k, V)`` ids (``top_k=1`` is greedy,
+ties included), and top-p keeps the shortest rank prefix whose probability mass reaches ``top_p``
+(never less than the top-ranked id). Min-p compares values, so equal logits are kept or dropped
+together.
+
+Cost: :func:`sample` and :func:`probabilities` branch with ``lax.cond``, so a greedy step never
+sorts the vocabulary and a sampled step sorts only when top-k or top-p is on. (Under ``vmap``
+with a batched setting ``lax.cond`` turns into a select that runs both branches.)
+
+The three public entry points are wrapped in ``jax.jit``: called eagerly they run one cached
+program instead of re-tracing both ``lax.cond`` branches per call; inside an outer ``jit`` they
+simply inline.
+
+Keys: :func:`request_key` turns a request's seed into a key and :func:`token_key` folds in the
+index of the generated token, so a token's randomness never depends on how the decode loop was
+split into bursts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from numbers import Integral, Real
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+from jax import lax
+
+from turbospark_jax.errors import BadInputError
+
+__all__ = [
+    "History",
+    "SamplingParams",
+    "probabilities",
+    "process_logits",
+    "request_key",
+    "sample",
+    "token_key",
+]
+
+
+def _real(name: str, value: object) -> float:
+    """``value`` as a Python float, or BadInputError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, Real | np.ndarray | jax.Array):
+        raise BadInputError(f"{name} must be a real number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError) as exc:
+        raise BadInputError(f"{name} must be a real scalar, got {value!r}") from exc
+
+
+@struct.dataclass(kw_only=True)
+class SamplingParams:
+    """Sampling settings, every one a traced scalar so one program serves them all.
+
+    Build with :meth:`make` (validates on the host) or :meth:`greedy`.
+
+    Fields (all 0-d arrays):
+      temperature:        f32[]  0 means greedy (argmax of the penalized logits).
+      top_k:              i32[]  keep the k best ids; 0 (or >= vocab size) means off.
+      top_p:              f32[]  nucleus mass in (0, 1]; 1 means off.
+      min_p:              f32[]  in [0, 1]; keep ids with p >= min_p * p_max; 0 means off.
+      repetition_penalty: f32[]  > 0; 1 means off. Over prompt and generated ids (``seen``).
+      presence_penalty:   f32[]  0 means off. Subtracted once per generated id.
+      frequency_penalty:  f32[]  0 means off. Subtracted ``count`` times per generated id.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+
+    @classmethod
+    def make(
+        cls,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+    ) -> SamplingParams:
+        """Validate the settings on the host and build the params.
+
+        Args:
+          temperature: >= 0 and finite; 0 selects greedy decoding.
+          top_k: integer >= 0; 0 (or any value >= the vocabulary size) turns it off.
+          top_p: in (0, 1]; 1 turns it off.
+          min_p: in [0, 1]; 0 turns it off.
+          repetition_penalty: finite and > 0; 1 turns it off.
+          presence_penalty: finite; 0 turns it off.
+          frequency_penalty: finite; 0 turns it off.
+
+        Returns:
+          The params, each field a 0-d float32 (``top_k``: int32) array. The dtypes are fixed so
+          that params built from different values never cause a recompile.
+
+        Raises:
+          BadInputError: a setting is outside the range above; the message names it.
+        """
+        t = _real("temperature", temperature)
+        if not (math.isfinite(t) and t >= 0.0):
+            raise BadInputError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
+        if isinstance(top_k, bool) or not isinstance(top_k, Integral | np.integer):
+            raise BadInputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+        k = int(top_k)
+        if k < 0:
+            raise BadInputError(f"top_k must be >= 0 (0 = off), got {k}")
+        # Values past int32 cannot be stored; they exceed any vocabulary, i.e. mean "off".
+        k = min(k, int(np.iinfo(np.int32).max))
+        p = _real("top_p", top_p)
+        if not 0.0 < p <= 1.0:  # NaN fails this comparison too
+            raise BadInputError(f"top_p must be in (0, 1] (1 = off), got {p}")
+        m = _real("min_p", min_p)
+        if not 0.0 <= m <= 1.0:
+            raise BadInputError(f"min_p must be in [0, 1] (0 = off), got {m}")
+        r = _real("repetition_penalty", repetition_penalty)
+        if not (math.isfinite(r) and r > 0.0):
+            raise BadInputError(f"repetition_penalty must be finite and > 0 (1 = off), got {r}")
+        pres = _real("presence_penalty", presence_penalty)
+        if not math.isfinite(pres):
+            raise BadInputError(f"presence_penalty must be finite (0 = off), got {pres}")
+        freq = _real("frequency_penalty", frequency_penalty)
+        if not math.isfinite(freq):
+            raise BadInputError(f"frequency_penalty must be finite (0 = off), got {freq}")
+
+        def f32(x: float) -> jax.Array:
+            return jnp.asarray(np.float32(x))
+
+        return cls(
+            temperature=f32(t),
+            top_k=jnp.asarray(np.int32(k)),
+            top_p=f32(p),
+            min_p=f32(m),
+            repetition_penalty=f32(r),
+            presence_penalty=f32(pres),
+            frequency_penalty=f32(freq),
+        )
+
+    @classmethod
+    def greedy(cls) -> SamplingParams:
+        """Params for plain greedy decoding: temperature 0, no penalties."""
+        return cls.make()
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether these params decode greedily (temperature 0). Host-side: not under ``jit``."""
+        return bool(self.temperature <= 0)
+
+
+@struct.dataclass(kw_only=True)
+class History:
+    """What the penalties look at, kept as fixed-size vectors so updates stay jittable.
+
+    Fields:
+      counts: i32[V]  times each id was generated (presence and frequency penalties).
+      seen:   bool[V] the id appears in the prompt or was generated (repetition penalty).
+    """
+
+    counts: jax.Array
+    seen: jax.Array
+
+    @classmethod
+    def empty(cls, vocab_size: int) -> History:
+        """A history with nothing seen, for a vocabulary of ``vocab_size`` ids.
+
+        Raises:
+          BadInputError: ``vocab_size`` is not a positive integer.
+        """
+        _check_vocab_size(vocab_size)
+        return cls(
+            counts=jnp.zeros((vocab_size,), jnp.int32),
+            seen=jnp.zeros((vocab_size,), jnp.bool_),
+        )
+
+    @classmethod
+    def from_prompt(
+        cls, prompt_ids: Sequence[int] | np.ndarray | jax.Array, vocab_size: int
+    ) -> History:
+        """A history whose ``seen`` marks the prompt ids; nothing counts as generated yet.
+
+        Args:
+          prompt_ids: the prompt's token ids (any 1-d integer sequence, possibly empty).
+          vocab_size: length of the logits vectors the history will be applied to.
+
+        Returns:
+          The history. Under ``jit`` (traced ids) ids outside ``[0, vocab_size)`` are dropped.
+
+        Raises:
+          BadInputError: ``vocab_size`` is not positive, or a concrete id is out of range.
+        """
+        _check_vocab_size(vocab_size)
+        if not isinstance(prompt_ids, jax.core.Tracer):
+            host = np.asarray(prompt_ids)
+            if host.size and (host.ndim != 1 or not np.issubdtype(host.dtype, np.integer)):
+                raise BadInputError(
+                    f"prompt_ids must be a 1-d sequence of integer ids, got shape {host.shape} "
+                    f"dtype {host.dtype}"
+                )
+            bad = host[(host < 0) | (host >= vocab_size)] if host.size else host
+            if bad.size:
+                raise BadInputError(
+                    f"prompt id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
+                )
+            prompt_ids = host.astype(np.int32).reshape(-1)
+        ids = jnp.asarray(prompt_ids, jnp.int32)
+        empty = cls.empty(vocab_size)
+        return empty.replace(seen=empty.seen.at[_droppable(ids, vocab_size)].set(True, mode="drop"))
+
+    def add(self, token: jax.Array) -> History:
+        """Record one generated ``token`` (jittable; an id outside the vocabulary is dropped)."""
+        vocab_size = self.counts.shape[0]
+        index = _droppable(jnp.asarray(token, jnp.int32), vocab_size)
+        return self.replace(
+            counts=self.counts.at[index].add(1, mode="drop"),
+            seen=self.seen.at[index].set(True, mode="drop"),
+        )
+
+
+def _check_vocab_size(vocab_size: int) -> None:
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, Integral) or vocab_size <= 0:
+        raise BadInputError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+
+
+def _droppable(ids: jax.Array, vocab_size: int) -> jax.Array:
+    """Map negative ids past the end so ``mode="drop"`` drops them instead of wrapping."""
+    return jnp.where(ids < 0, vocab_size, ids)
+
+
+def _check_logits(logits: jax.Array, history: History) -> jax.Array:
+    """``logits`` as float32 ``[V]`` matching the history; BadInputError otherwise."""
+    logits = jnp.asarray(logits)
+    if logits.ndim != 1:
+        raise BadInputError(
+            f"logits must be a 1-d [vocab_size] vector (vmap for batches), got shape {logits.shape}"
+        )
+    if history.counts.shape != logits.shape or history.seen.shape != logits.shape:
+        raise BadInputError(
+            f"history is for a vocabulary of {history.counts.shape[0]} ids but logits have "
+            f"{logits.shape[0]}"
+        )
+    return logits.astype(jnp.float32)
+
+
+def _penalize(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
+    """Repetition, then presence, then frequency penalty. Neutral values change no bit."""
+    r = params.repetition_penalty
+    repeated = jnp.where(logits > 0, logits / r, logits * r)
+    logits = jnp.where(history.seen, repeated, logits)
+    generated = (history.counts > 0).astype(jnp.float32)
+    logits = logits - params.presence_penalty * generated
+    return logits - params.frequency_penalty * history.counts.astype(jnp.float32)
+
+
+def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """Top-k then top-p on temperature-scaled logits; returns the bool[V] keep mask."""
+    vocab_size = scaled.shape[0]
+    ids = lax.iota(jnp.int32, vocab_size)
+    # Stable ascending sort of the negated logits: descending logits, lower id first on ties.
+    neg_sorted, order = lax.sort((-scaled, ids), num_keys=1, is_stable=True)
+    sorted_logits = -neg_sorted
+    k = params.top_k
+    k = jnp.where((k <= 0) | (k >= vocab_size), vocab_size, k)
+    keep_sorted = ids < k
+    probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_logits, -jnp.inf))
+    # Mass strictly before each rank: rank 0 sees 0 < top_p, so the top id always survives.
+    mass_before = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)[:-1]])
+    # At top_p == 1 rounding could push the running sum to 1 early; "off" must mean off.
+    keep_sorted &= (mass_before < params.top_p) | (params.top_p >= 1.0)
+    # ``order`` is a permutation: every index is in range and written once.
+    return (
+        jnp.zeros((vocab_size,), jnp.bool_)
+        .at[order]
+        .set(keep_sorted, mode="promise_in_bounds", unique_indices=True)
+    )
+
+
+def _sampling_logits(penalized: jax.Array, params: SamplingParams) -> jax.Array:
+    """Temperature, top-k, top-p, min-p on penalized logits (the temperature > 0 path)."""
+    # Safe divisor: under vmap both cond branches run, and this one must not divide by 0.
+    t = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = (penalized - jnp.max(penalized)) / t
+    needs_sort = ((params.top_k > 0) & (params.top_k < scaled.shape[0])) | (params.top_p < 1.0)
+    keep = lax.cond(
+        needs_sort,
+        _sort_filters,
+        lambda x, _: jnp.ones(x.shape, jnp.bool_),
+        scaled,
+        params,
+    )
+    filtered = jnp.where(keep, scaled, -jnp.inf)
+    # p_i / p_max = exp(l_i - l_max); renormalizing after top-k/top-p leaves the ratio alone.
+    ratio = jnp.exp(filtered - jnp.max(filtered))
+    return jnp.where(ratio >= params.min_p, filtered, -jnp.inf)
+
+
+def _is_sampled(params: SamplingParams) -> jax.Array:
+    return params.temperature > 0
+
+
+@jax.jit
+def process_logits(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
+    """The logits that :func:`sample` draws from, after every step in the module docstring.
+
+    Args:
+      logits: ``[V]`` next-token logits (any float dtype; computed in float32).
+      params: the sampling settings.
+      history: what was seen and generated so far, for the penalties.
+
+    Returns:
+      float32 ``[V]``. At temperature 0: the penalized logits. Otherwise the penalized logits
+      shifted so their maximum is 0, divided by the temperature, with filtered ids at ``-inf``.
+
+    Raises:
+      BadInputError: ``logits`` is not 1-d or its length differs from the history's.
+    """
+    penalized = _penalize(_check_logits(logits, history), params, history)
+    return lax.cond(_is_sampled(params), _sampling_logits, lambda x, _: x, penalized, params)
+
+
+@jax.jit
+def probabilities(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
+    """The exact distribution :func:`sample` draws from.
+
+    Args:
+      logits, params, history: as for :func:`process_logits`.
+
+    Returns:
+      float32 ``[V]`` summing to 1: the softmax of :func:`process_logits`, or at temperature 0
+      a one-hot at the greedy token. Zero exactly where :func:`sample` can never land.
+
+    Raises:
+      BadInputError: as for :func:`process_logits`.
+    """
+    penalized = _penalize(_check_logits(logits, history), params, history)
+    return lax.cond(
+        _is_sampled(params),
+        lambda x, p: jax.nn.softmax(_sampling_logits(x, p)),
+        lambda x, _: jax.nn.one_hot(jnp.argmax(x), x.shape[0], dtype=jnp.float32),
+        penalized,
+        params,
+    )
+
+
+@jax.jit
+def sample(
+    logits: jax.Array, params: SamplingParams, history: History, key: jax.Array
+) -> jax.Array:
+    """Draw the next token.
+
+    Args:
+      logits: ``[V]`` next-token logits.
+      params: the sampling settings; temperature 0 means greedy and ignores ``key``.
+      history: what was seen and generated so far, for the penalties.
+      key: a PRNG key, normally ``token_key(request_key(seed), index)``.
+
+    Returns:
+      int32 scalar token id. Greedy: argmax of the penalized logits, lowest id on ties.
+
+    Raises:
+      BadInputError: as for :func:`process_logits`.
+    """
+    penalized = _penalize(_check_logits(logits, history), params, history)
+    return lax.cond(
+        _is_sampled(params),
+        lambda x, p: jax.random.categorical(key, _sampling_logits(x, p)).astype(jnp.int32),
+        lambda x, _: jnp.argmax(x).astype(jnp.int32),
+        penalized,
+        params,
+    )
+
+
+def token_key(base_key: jax.Array, index: jax.Array | int) -> jax.Array:
+    """The key for the ``index``-th generated token of a request (jittable).
+
+    Folding the index in, rather than splitting a carried key, makes a token's randomness a
+    function of its index alone, however the decode loop is cut into bursts.
+    """
+    return jax.random.fold_in(base_key, index)
+
+
+def request_key(seed: int) -> jax.Array:
+    """A typed PRNG key for a request's ``seed``, an integer in ``[0, 2**64)``.
+
+    Without 64-bit mode JAX keeps only the low 32 bits of a seed, so distinct large seeds would
+    collide; the high 32 bits are folded in instead, which gives the same key either way.
+
+    Raises:
+      BadInputError: ``seed`` is not an integer in ``[0, 2**64)``.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, Integral | np.integer):
+        raise BadInputError(f"seed must be an integer in [0, 2**64), got {seed!r}")
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise BadInputError(f"seed must be an integer in [0, 2**64), got {seed}")
+    key = jax.random.key(seed & 0xFFFFFFFF)
+    high = seed >> 32
+    return jax.random.fold_in(key, high) if high else key
