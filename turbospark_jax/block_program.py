@@ -40,7 +40,12 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax import sampling
-from turbospark_jax.errors import BadInputError, ContextOverflowError, ProducerFailedError
+from turbospark_jax.errors import (
+    BadInputError,
+    ContextOverflowError,
+    ProducerFailedError,
+    UnsupportedCapabilityError,
+)
 from turbospark_jax.protocols import ChunkedPrefillRunner, VerifyingTarget
 from turbospark_jax.state import (
     FedRecord,
@@ -288,6 +293,11 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         return self.model.vocab_size
 
     @property
+    def can_rewind(self) -> bool:
+        """Whether ``try_reuse_prefix`` can stop anywhere inside the fed record (KV caches)."""
+        return getattr(self.model, "rewindable", True)
+
+    @property
     def max_positions(self) -> int:
         return self.capacity
 
@@ -376,7 +386,19 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         restored = restore_by_value(state, point)
         retain = getattr(self.model, "retain_rows", None)
         if retain is not None:
-            restored = restored.replace(cache=retain(restored.cache, state.cache, keep_rows))
+            # The tape holds the rows of the last block only; a verify wider than the block
+            # ran in several, and the earlier rows' states are gone.
+            fed = int(state.fed.count) - base
+            last_block = self.width * ((fed - 1) // self.width) if fed else 0
+            if 0 < keep_rows <= last_block:
+                raise UnsupportedCapabilityError(
+                    f"the verify fed {fed} rows in blocks of {self.width}; the tape keeps only "
+                    f"the last block, so keep_rows={keep_rows} cannot be replayed. Verify at "
+                    f"most width={self.width} rows per round, or use rollback and re-verify"
+                )
+            restored = restored.replace(
+                cache=retain(restored.cache, state.cache, keep_rows - last_block)
+            )
         return self._with_count(restored, base + keep_rows)
 
     def record_committed(self, state: BlockState, tokens: Sequence[int], pos0: int) -> BlockState:
@@ -439,7 +461,9 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         toks = [int(t) for t in np.asarray(out.sampled[:n])]
         if finish == NON_FINITE:
             toks = toks[: n - 1]
-        burst = DecodeBurst(tokens=toks, finish=finish, history=out.history, logits=out.logits[:n])
+        burst = DecodeBurst(
+            tokens=toks, finish=finish, history=out.history, logits=out.logits[: len(toks)]
+        )
         return burst, state
 
     # -- internals ------------------------------------------------------------------------

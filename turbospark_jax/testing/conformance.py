@@ -15,6 +15,7 @@ The checks take care of donation themselves: states they need again are copied f
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ def chunked_prefill(
     """Feed ``tokens`` as chunks split at the sorted interior ``cuts``; logits of the last."""
     edges = [0, *sorted(set(c for c in cuts if 0 < c < len(tokens))), len(tokens)]
     logits = None
-    for a, b in zip(edges[:-1], edges[1:], strict=True):
+    for a, b in itertools.pairwise(edges):
         logits, state = producer.prefill_chunk(state, list(tokens[a:b]), start + a)
     return logits, state
 
@@ -215,10 +216,7 @@ class _SkipChunkPosition(_Proxy):
     # Drops the chunk's first token and feeds its last twice: same length, one position lost.
     def prefill_chunk(self, state, tokens, start_position):
         tokens = list(tokens)
-        if len(tokens) > 1:
-            tokens = [*tokens[1:], tokens[-1]]
-        else:
-            tokens = [tokens[0] ^ 1]
+        tokens = [*tokens[1:], tokens[-1]] if len(tokens) > 1 else [tokens[0] ^ 1]
         return self._inner.prefill_chunk(state, tokens, start_position)
 
 

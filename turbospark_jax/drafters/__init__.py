@@ -1,0 +1,16 @@
+"""Drafters for speculative decoding, and the combinator that pairs one with a target.
+
+* :class:`~turbospark_jax.drafters.draft_model.DraftModelDrafter`: any producer with the
+  target's vocabulary, drafting step by step.
+* :class:`~turbospark_jax.drafters.ngram.NGramDrafter`: prompt lookup, no weights, drafting a
+  block in one pass.
+* :class:`~turbospark_jax.drafters.pair.SpeculativePair`: (target, drafter) as a
+  :class:`~turbospark_jax.protocols.SpeculativeProducer`.
+"""
+
+from turbospark_jax.drafters.base import Drafter
+from turbospark_jax.drafters.draft_model import DraftModelDrafter
+from turbospark_jax.drafters.ngram import NGramDrafter
+from turbospark_jax.drafters.pair import PairState, SpeculativePair
+
+__all__ = ["DraftModelDrafter", "Drafter", "NGramDrafter", "PairState", "SpeculativePair"]
