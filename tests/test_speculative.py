@@ -1,0 +1,251 @@
+"""The speculative loop: greedy is token-for-token (and logit-for-logit) plain greedy, sampled
+preserves the target distribution, rollback by value, stops inside accepted blocks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbospark_jax import sampling
+from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.drafters.ngram import propose
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.generate import CompletionRequest, SamplingConfig, run_raw_completion
+from turbospark_jax.speculative import (
+    MAX_BLOCK,
+    _judge,
+    run_raw_completion_speculative,
+    stream_raw_completion_speculative,
+)
+from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
+
+V = 32
+TARGET = toy_attention_producer(vocab=V, capacity=160, width=16, steps_per_call=8)
+RNN = toy_recurrent_producer(vocab=V, capacity=160, width=16, steps_per_call=8)
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4]
+
+
+def drafters_for(target_factory):
+    return {
+        "same_model": DraftModelDrafter(target_factory(vocab=V, capacity=160, width=16)),
+        "other_model": DraftModelDrafter(target_factory(vocab=V, capacity=160, width=16, seed=5)),
+        "ngram": NGramDrafter(V, max_n=3),
+    }
+
+
+ATT_DRAFTERS = drafters_for(toy_attention_producer)
+RNN_DRAFTERS = drafters_for(toy_recurrent_producer)
+GREEDY = CompletionRequest(prompt_ids=PROMPT, max_tokens=40, record_logits=True)
+PLAIN = {"attention": run_raw_completion(TARGET, GREEDY), "recurrent": run_raw_completion(RNN, GREEDY)}
+
+
+@pytest.mark.parametrize("block", range(1, MAX_BLOCK + 1))
+@pytest.mark.parametrize("drafter", sorted(ATT_DRAFTERS))
+def test_greedy_is_plain_greedy_token_for_token_and_bit_for_bit(block, drafter):
+    spec = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS[drafter]), GREEDY,
+                                          block_size=block)
+    plain = PLAIN["attention"]
+    assert spec.token_ids == plain.token_ids
+    # the target logits behind every emitted token equal plain decoding's, bitwise
+    assert np.array_equal(spec.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert spec.fed_ids == plain.fed_ids
+    assert spec.speculative.rounds >= 1
+
+
+@pytest.mark.parametrize("block", [1, 4, 8])
+@pytest.mark.parametrize("drafter", sorted(RNN_DRAFTERS))
+def test_greedy_lossless_on_a_recurrent_target_rolled_back_by_value(block, drafter):
+    spec = run_raw_completion_speculative(SpeculativePair(RNN, RNN_DRAFTERS[drafter]), GREEDY,
+                                          block_size=block)
+    plain = PLAIN["recurrent"]
+    assert spec.token_ids == plain.token_ids
+    assert np.array_equal(spec.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert spec.fed_ids == plain.fed_ids
+
+
+def test_draft_model_equal_to_target_accepts_nearly_everything():
+    spec = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]),
+                                          GREEDY, block_size=4)
+    stats = spec.speculative
+    assert stats.acceptance_rate >= 0.98
+    assert stats.mean_acceptance_length > 4.0
+    assert stats.acceptance_by_position == [1.0] * 4
+    assert stats.drafted == sum(stats.drafted_by_position)
+
+
+class _NoRetain(SpeculativePair):
+    def supports_retaining_rollback(self):
+        return False
+
+
+@pytest.mark.parametrize("target", ["attention", "recurrent"])
+def test_retaining_rollback_equals_rollback_plus_reverify(target):
+    t, drafters = (TARGET, ATT_DRAFTERS) if target == "attention" else (RNN, RNN_DRAFTERS)
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True,
+                            sampling=SamplingConfig(temperature=0.8), seed=4)
+    fast = run_raw_completion_speculative(SpeculativePair(t, drafters["other_model"]), req,
+                                          block_size=5)
+    slow = run_raw_completion_speculative(_NoRetain(t, drafters["other_model"]), req,
+                                          block_size=5)
+    assert fast.token_ids == slow.token_ids
+    assert np.array_equal(fast.logits, slow.logits)
+    assert fast.fed_ids == slow.fed_ids
+
+
+def test_stop_token_inside_an_accepted_block_matches_plain():
+    plain = PLAIN["attention"]
+    stop = plain.token_ids[6]
+    k = plain.token_ids.index(stop)
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=40, stop_token_ids=[stop])
+    want = run_raw_completion(TARGET, req)
+    got = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]), req,
+                                         block_size=8)
+    assert got.token_ids == want.token_ids == plain.token_ids[: k + 1]
+    assert got.fed_ids == want.fed_ids == tuple(PROMPT + plain.token_ids[:k])
+    assert got.finish_reason is want.finish_reason
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 7, 9])
+def test_max_tokens_and_fed_record_match_plain(max_tokens):
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=max_tokens)
+    want = run_raw_completion(TARGET, req)
+    got = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]), req,
+                                         block_size=4)
+    assert got.token_ids == want.token_ids and got.fed_ids == want.fed_ids
+    assert got.usage == want.usage
+
+
+def test_sampled_runs_reproduce_exactly_with_a_seed():
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=24, seed=9,
+                            sampling=SamplingConfig(temperature=1.0, top_k=12, top_p=0.9,
+                                                    repetition_penalty=1.2))
+    pair = SpeculativePair(TARGET, ATT_DRAFTERS["other_model"])
+    a = run_raw_completion_speculative(pair, req, block_size=3)
+    b = run_raw_completion_speculative(pair, req, block_size=3)
+    assert a.token_ids == b.token_ids
+    assert a.speculative == b.speculative
+
+
+def test_streaming_tokens_equal_the_completion():
+    stream = stream_raw_completion_speculative(SpeculativePair(TARGET, NGramDrafter(V)),
+                                               CompletionRequest(prompt_ids=PROMPT, max_tokens=12))
+    seen = [t for e in stream for t in e.token_ids]
+    assert seen == stream.completion.token_ids
+
+
+def test_reuse_across_speculative_turns():
+    pair = SpeculativePair(TARGET, ATT_DRAFTERS["other_model"])
+    first = run_raw_completion_speculative(pair, CompletionRequest(prompt_ids=PROMPT, max_tokens=8))
+    prompt2 = PROMPT + first.token_ids[:5] + [7, 7]
+    again = run_raw_completion_speculative(pair, CompletionRequest(prompt_ids=prompt2,
+                                                                   max_tokens=8),
+                                           state=first.state)
+    fresh = run_raw_completion(TARGET, CompletionRequest(prompt_ids=prompt2, max_tokens=8))
+    assert again.usage.reused_tokens == len(PROMPT) + 5
+    assert again.token_ids == fresh.token_ids
+
+
+def test_bad_input():
+    other_vocab = toy_attention_producer(vocab=V + 1)
+    with pytest.raises(BadInputError, match="vocabulary"):
+        SpeculativePair(TARGET, DraftModelDrafter(other_vocab))
+    with pytest.raises(BadInputError, match="block_size"):
+        run_raw_completion_speculative(SpeculativePair(TARGET, NGramDrafter(V)), GREEDY,
+                                       block_size=0)
+    with pytest.raises(BadInputError, match="not a SpeculativeProducer"):
+        run_raw_completion_speculative(TARGET, GREEDY)
+    with pytest.raises(BadInputError, match="min_n"):
+        NGramDrafter(V, max_n=1, min_n=2)
+
+
+def test_ngram_proposes_the_latest_match():
+    assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, max_n=3) == [7, 5, 1]
+    assert propose([1, 2, 3, 4], 2, max_n=2) == []
+    assert propose([5, 6, 5], 4, max_n=2) == [6, 5]
+
+
+# -- the rejection sampler preserves the target distribution ---------------------------------
+
+SMALL_V = 8
+
+
+def _first_token_histogram(p_logits, q_probs, proposals_fn, n, seed):
+    """Run the judgement ``n`` times with fresh keys; histogram of the first emitted token."""
+    params = sampling.SamplingParams.make(temperature=1.0)
+    hist = sampling.History.empty(SMALL_V)
+    rows = jnp.zeros((MAX_BLOCK + 1, SMALL_V)).at[: p_logits.shape[0]].set(p_logits)
+    q = jnp.zeros((MAX_BLOCK, SMALL_V)).at[: q_probs.shape[0]].set(q_probs)
+    m = q_probs.shape[0]
+
+    def one(key):
+        k_draft, k_judge = jax.random.split(key)
+        proposals = proposals_fn(k_draft)
+        padded = jnp.zeros((MAX_BLOCK,), jnp.int32).at[:m].set(proposals)
+        toks, count, _ = _judge(rows, q, padded, jnp.int32(m), params, hist, k_judge,
+                                jnp.int32(0))
+        return toks[0], toks[1], count
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), n)
+    first, second, count = jax.jit(jax.vmap(one))(keys)
+    return np.asarray(first), np.asarray(second), np.asarray(count)
+
+
+def _tv(a, b):
+    return 0.5 * float(np.abs(np.asarray(a) - np.asarray(b)).sum())
+
+
+def test_rejection_sampling_matches_the_target_distribution():
+    rng = np.random.RandomState(0)
+    p_logits = jnp.asarray(rng.randn(3, SMALL_V).astype(np.float32) * 1.5)
+    q_probs = jax.nn.softmax(jnp.asarray(rng.randn(2, SMALL_V).astype(np.float32) * 1.5))
+    p0 = np.asarray(jax.nn.softmax(p_logits[0]))
+
+    def draft(key):
+        ks = jax.random.split(key, 2)
+        return jnp.stack([jax.random.categorical(ks[i], jnp.log(q_probs[i])) for i in range(2)])
+
+    distances = []
+    for n in (500, 5000, 50000):
+        first, _, _ = _first_token_histogram(p_logits, q_probs, draft, n, seed=n)
+        emp = np.bincount(first, minlength=SMALL_V) / n
+        distances.append(_tv(emp, p0))
+    assert distances[0] > distances[2], distances
+    assert distances[2] < 0.02, distances
+    # beats random reference distributions by a wide margin
+    refs = [np.asarray(jax.nn.softmax(jnp.asarray(rng.randn(SMALL_V) * 1.5))) for _ in range(20)]
+    emp = np.bincount(first, minlength=SMALL_V) / len(first)
+    assert all(_tv(emp, r) > 3 * distances[2] for r in refs)
+
+
+def test_second_token_after_acceptance_follows_the_next_row():
+    rng = np.random.RandomState(1)
+    p_logits = jnp.asarray(rng.randn(2, SMALL_V).astype(np.float32))
+    q_probs = jax.nn.softmax(jnp.asarray(rng.randn(1, SMALL_V).astype(np.float32)))
+
+    def draft(key):
+        return jax.random.categorical(key, jnp.log(q_probs[0]))[None]
+
+    first, second, count = _first_token_histogram(p_logits, q_probs, draft, 60000, seed=3)
+    bonus = second[count == 2]
+    emp = np.bincount(bonus, minlength=SMALL_V) / len(bonus)
+    assert _tv(emp, np.asarray(jax.nn.softmax(p_logits[1]))) < 0.03
+
+
+def test_point_mass_proposals_are_lossless_too():
+    """A deterministic drafter (n-gram): accept with p(x), else resample from p without x."""
+    rng = np.random.RandomState(2)
+    p_logits = jnp.asarray(rng.randn(2, SMALL_V).astype(np.float32))
+    q_probs = jax.nn.one_hot(jnp.array([3]), SMALL_V)
+    first, _, _ = _first_token_histogram(p_logits, q_probs, lambda key: jnp.array([3]), 40000, 5)
+    emp = np.bincount(first, minlength=SMALL_V) / len(first)
+    assert _tv(emp, np.asarray(jax.nn.softmax(p_logits[0]))) < 0.02
+
+
+def test_control_a_biased_acceptance_rule_is_caught():
+    """The statistical check can fail: always accepting the proposal yields q, not p."""
+    rng = np.random.RandomState(0)
+    p0 = np.asarray(jax.nn.softmax(jnp.asarray(rng.randn(SMALL_V) * 1.5)))
+    q0 = np.asarray(jax.nn.softmax(jnp.asarray(rng.randn(SMALL_V) * 1.5)))
+    draws = np.asarray(jax.random.categorical(jax.random.PRNGKey(0), jnp.log(q0), shape=(50000,)))
+    emp = np.bincount(draws, minlength=SMALL_V) / len(draws)
+    assert _tv(emp, p0) > 0.1
