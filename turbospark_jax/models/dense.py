@@ -1,0 +1,764 @@
+"""The dense decoder family: Llama, Mistral, Qwen2 and Qwen3.
+
+One pre-norm decoder covers all four; they differ only in small switches that
+:class:`DenseConfig` derives from the Hugging Face ``config.json``:
+
+=========  ==========================  ===================  ==========================
+family     attention biases            q/k RMSNorm (head)   sliding window
+=========  ==========================  ===================  ==========================
+llama      q,k,v,o if attention_bias   no                   never
+mistral    none                        no                   every layer if set
+qwen2      q,k,v always, o never       no                   layers marked sliding
+qwen3      q,k,v,o if attention_bias   yes, before RoPE     layers marked sliding
+=========  ==========================  ===================  ==========================
+
+Sliding windows are implemented, not refused: the KV cache keeps every position, and a
+layer with window ``w`` masks keys at positions ``<= q - w`` (Hugging Face's rule: a row sees
+itself and the ``w - 1`` positions before it). That is exact at any context length; it just
+does not save the memory a ring buffer would.
+
+Params layout (``L`` layers, ``D`` hidden, ``H`` query heads, ``KV`` key/value heads, ``hd``
+head dim, ``F`` intermediate, ``V`` vocab); every matrix is ``[in, out]`` so ``x @ W`` is the
+layer, and per-layer leaves are stacked on a leading ``L`` axis::
+
+    embed_tokens              [V, D]
+    norm                      [D]           final RMSNorm
+    lm_head                   [D, V]        absent when tie_word_embeddings
+    layers/
+      input_layernorm         [L, D]
+      q_proj                  [L, D, H, hd]
+      k_proj, v_proj          [L, D, KV, hd]
+      o_proj                  [L, H, hd, D]
+      q_bias                  [L, H, hd]     when config.qkv_bias
+      k_bias, v_bias          [L, KV, hd]    when config.qkv_bias
+      o_bias                  [L, D]         when config.o_bias
+      q_norm, k_norm          [L, hd]        qwen3 only
+      post_attention_layernorm [L, D]
+      gate_proj, up_proj      [L, D, F]
+      down_proj               [L, F, D]
+      gate_bias, up_bias      [L, F]         when mlp_bias (llama)
+      down_bias               [L, D]         when mlp_bias (llama)
+
+The layer loop is a ``lax.scan`` over that stacked axis (one compiled layer body whatever
+``L`` is). The KV cache rides in the scan carry and is updated in place with a scatter; it is
+never re-stacked as a scan output. ``DenseModel(..., scan_layers=False)`` unrolls the loop in
+Python instead, with identical math.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models.layers import (
+    SUPPORTED_ROPE_TYPES,
+    RopeScaling,
+    apply_rope,
+    attend,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    swiglu_mlp,
+)
+from turbospark_jax.state import append_only
+
+Params = dict[str, Any]
+
+#: ``model_type`` values this module implements, with the HF class each saves as.
+ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
+
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+# Values Hugging Face's config classes use when config.json leaves a key out, per family, so a
+# sparse config.json means the same model here as there.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
+    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
+                "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
+              "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
+              "sliding_window": 4096, "head_dim": 128},
+}
+
+_FULL, _SLIDING = "full_attention", "sliding_attention"
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseConfig:
+    """A dense decoder's hyperparameters; field names are the Hugging Face ``config.json`` keys.
+
+    Frozen and hashable: it is static under ``jit``. Build one from a ``config.json`` dict with
+    :meth:`from_hf_dict`; :meth:`to_hf_dict` writes one back.
+
+    Attributes beyond the obvious HF ones:
+      head_dim: per-head width; may differ from ``hidden_size // num_attention_heads``.
+      rope_scaling: ``None`` for plain RoPE, else the parsed scaling.
+      sliding_window: the window of layers marked sliding, ``None`` when no layer slides
+        (Qwen's ``use_sliding_window: false`` lands here as ``None``).
+      layer_types: ``"full_attention"`` / ``"sliding_attention"`` per layer; filled in from
+        the family's rule when left empty.
+      max_window_layers: Qwen's first sliding layer, kept so the config round-trips.
+      eos_token_id: an int, a tuple of ints, or ``None``.
+      dtype: the checkpoint dtype named in config.json (``"bfloat16"``...), if any.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
+    max_window_layers: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_key_value_heads is None:
+            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.model_type in ("qwen2", "qwen3") and self.max_window_layers is None:
+            object.__setattr__(self, "max_window_layers", 28)  # the HF default, for round trips
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if not self.layer_types:
+            slides = self.sliding_window is not None and self.model_type == "mistral"
+            object.__setattr__(
+                self, "layer_types", (_SLIDING if slides else _FULL,) * self.num_hidden_layers
+            )
+        else:
+            object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self._check()
+
+    def _check(self) -> None:
+        def bad(msg: str) -> ModelLoadError:
+            return ModelLoadError(f"invalid {self.model_type} config: {msg}")
+
+        if self.model_type not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported model_type {self.model_type!r}; the dense family supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in (*_REQUIRED_KEYS, "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise bad(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise bad(
+                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.head_dim % 2:
+            raise bad(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.hidden_act != "silu":
+            raise bad(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad(
+                f"layer_types has {len(self.layer_types)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        unknown = set(self.layer_types) - {_FULL, _SLIDING}
+        if unknown:
+            raise bad(f"unsupported layer_types {sorted(unknown)}")
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise bad(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type not in (
+            SUPPORTED_ROPE_TYPES
+        ):
+            raise bad(
+                f"unsupported rope_type {self.rope_scaling.rope_type!r}; supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+
+    # -- derived switches -----------------------------------------------------------------
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether q/k/v projections carry a bias (always for qwen2)."""
+        if self.model_type == "qwen2":
+            return True
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+    @property
+    def o_bias(self) -> bool:
+        """Whether the output projection carries a bias (never for qwen2 and mistral)."""
+        return self.attention_bias and self.model_type in ("llama", "qwen3")
+
+    @property
+    def has_mlp_bias(self) -> bool:
+        """Whether the MLP projections carry biases (a llama-only option)."""
+        return self.mlp_bias and self.model_type == "llama"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k get a per-head RMSNorm before RoPE (qwen3)."""
+        return self.model_type == "qwen3"
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The sliding window of each layer, ``None`` where the layer attends to everything."""
+        return tuple(
+            self.sliding_window if t == _SLIDING and self.sliding_window is not None else None
+            for t in self.layer_types
+        )
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """``eos_token_id`` as a tuple (empty when unset)."""
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    # -- config.json ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> DenseConfig:
+        """Parse a Hugging Face ``config.json`` dict.
+
+        Accepts both rope layouts: transformers 5.x ``rope_parameters`` (holding
+        ``rope_theta`` and the scaling keys) and the older top-level ``rope_theta`` plus a
+        ``rope_scaling`` dict keyed ``rope_type`` or ``type``. Keys left out take the values
+        Hugging Face's config class for that ``model_type`` would give them.
+
+        Args:
+          d: the parsed ``config.json``.
+
+        Returns:
+          The config.
+
+        Raises:
+          ModelLoadError: an unsupported ``model_type`` (the message lists the supported
+            ones), a missing required key, a value of the wrong type, an unsupported RoPE
+            variant or activation, or inconsistent head counts.
+        """
+        if not isinstance(d, Mapping):
+            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        model_type = d.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ModelLoadError(
+                f"unsupported model_type {model_type!r}; the dense family supports "
+                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
+        if missing:
+            raise ModelLoadError(f"config.json is missing required key(s): {', '.join(missing)}")
+        defaults = _HF_DEFAULTS[model_type]
+
+        def get(key: str, kind: Callable[[Any], Any], default: Any = None) -> Any:
+            value = d.get(key, defaults.get(key, default))
+            if value is None:
+                return None
+            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
+                raise ModelLoadError(f"config.json key {key!r} must be a number, got {value!r}")
+            if kind is bool and not isinstance(value, bool):
+                raise ModelLoadError(f"config.json key {key!r} must be true/false, got {value!r}")
+            return kind(value)
+
+        layers = get("num_hidden_layers", int)
+        if model_type == "mistral":
+            window = get("sliding_window", int)
+            layer_types: tuple[str, ...] = ()
+        elif model_type in ("qwen2", "qwen3"):
+            use_window = get("use_sliding_window", bool, False)
+            window = get("sliding_window", int) if use_window else None
+            raw_types = d.get("layer_types")
+            max_window_layers = get("max_window_layers", int, 28)
+            if raw_types is not None:
+                if not isinstance(raw_types, list):
+                    raise ModelLoadError(f"config.json key 'layer_types' must be a list, got "
+                                         f"{raw_types!r}")
+                layer_types = tuple(str(t) for t in raw_types)
+            else:
+                layer_types = tuple(
+                    _SLIDING if window is not None and i >= max_window_layers else _FULL
+                    for i in range(layers)
+                )
+        else:
+            window, layer_types = None, ()
+
+        theta, scaling = _parse_rope(d, get("max_position_embeddings", int))
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            if not all(isinstance(e, int) for e in eos):
+                raise ModelLoadError(f"config.json key 'eos_token_id' must hold integers: {eos!r}")
+            eos = tuple(eos)
+        elif eos is not None and not isinstance(eos, int):
+            raise ModelLoadError(f"config.json key 'eos_token_id' must be an integer, got {eos!r}")
+        dtype = d.get("dtype", d.get("torch_dtype"))
+        return cls(
+            model_type=model_type,
+            vocab_size=get("vocab_size", int),
+            hidden_size=get("hidden_size", int),
+            intermediate_size=get("intermediate_size", int),
+            num_hidden_layers=layers,
+            num_attention_heads=get("num_attention_heads", int),
+            num_key_value_heads=get("num_key_value_heads", int),
+            head_dim=get("head_dim", int),
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=get("max_position_embeddings", int),
+            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            attention_bias=get("attention_bias", bool, False),
+            mlp_bias=get("mlp_bias", bool, False),
+            hidden_act=str(d.get("hidden_act", "silu")),
+            sliding_window=window,
+            layer_types=layer_types,
+            max_window_layers=(
+                get("max_window_layers", int, 28) if model_type in ("qwen2", "qwen3") else None
+            ),
+            bos_token_id=get("bos_token_id", int),
+            eos_token_id=eos,
+            pad_token_id=get("pad_token_id", int),
+            initializer_range=get("initializer_range", float, 0.02),
+            dtype=str(dtype) if dtype is not None else None,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers (5.x and 4.x) and :meth:`from_hf_dict` read
+        back as this config. Rope settings go in 5.x ``rope_parameters``; ``rope_theta`` and
+        ``rope_scaling`` are repeated at the top level for older readers."""
+        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
+        if self.rope_scaling is not None:
+            rope.update(self.rope_scaling.to_hf_dict())
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (
+            self.eos_token_id
+        )
+        out: dict[str, Any] = {
+            "architectures": [ARCHITECTURES[self.model_type]],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_parameters": rope,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": (
+                self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else None
+            ),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+        }
+        if self.model_type in ("llama", "qwen3"):
+            out["attention_bias"] = self.attention_bias
+        if self.model_type == "llama":
+            out["mlp_bias"] = self.mlp_bias
+        if self.model_type == "mistral":
+            out["sliding_window"] = self.sliding_window
+        if self.model_type in ("qwen2", "qwen3"):
+            out["use_sliding_window"] = self.sliding_window is not None
+            out["sliding_window"] = self.sliding_window
+            out["max_window_layers"] = self.max_window_layers
+            out["layer_types"] = list(self.layer_types)
+        if self.dtype is not None:
+            out["dtype"] = self.dtype
+        return out
+
+
+def _parse_rope(d: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
+    # transformers prefers a legacy `rope_scaling` dict over `rope_parameters` when both exist.
+    source = d.get("rope_scaling") or d.get("rope_parameters") or {}
+    if not isinstance(source, Mapping):
+        raise ModelLoadError(f"config.json rope settings must be an object, got {source!r}")
+    if source and all(isinstance(v, Mapping) for v in source.values()):
+        raise ModelLoadError(
+            "per-layer-type rope_parameters are not supported by the dense family"
+        )
+    theta = source.get("rope_theta", d.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float):
+        raise ModelLoadError(f"config.json rope_theta must be a number, got {theta!r}")
+    partial = source.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ModelLoadError(f"partial_rotary_factor {partial!r} is not supported (only 1.0)")
+    kind = source.get("rope_type", source.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(
+            f"unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                "yarn": ()}[kind]
+    absent = [k for k in required if source.get(k) is None]
+    if absent:
+        raise ModelLoadError(f"rope_type {kind!r} needs {', '.join(absent)} in config.json")
+
+    def number(key: str) -> float | None:
+        value = source.get(key)
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ModelLoadError(f"rope setting {key!r} must be a number, got {value!r}")
+        return float(value)
+
+    original = source.get("original_max_position_embeddings")
+    if original is None and kind in ("llama3", "yarn"):
+        original = d.get("original_max_position_embeddings", max_positions)
+    scaling = RopeScaling(
+        rope_type=kind,
+        factor=number("factor"),
+        low_freq_factor=number("low_freq_factor"),
+        high_freq_factor=number("high_freq_factor"),
+        original_max_position_embeddings=int(original) if original is not None else None,
+        beta_fast=number("beta_fast"),
+        beta_slow=number("beta_slow"),
+        attention_factor=number("attention_factor"),
+        mscale=number("mscale"),
+        mscale_all_dim=number("mscale_all_dim"),
+        truncate=bool(source.get("truncate", True)),
+    )
+    return float(theta), scaling
+
+
+# -- params ----------------------------------------------------------------------------------
+
+
+def param_shapes(config: DenseConfig) -> Params:
+    """The params tree of ``config`` with a shape tuple at every leaf (layout in the module doc)."""
+    c = config
+    n, d, f, v = c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.vocab_size
+    h, kv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    layers: dict[str, tuple[int, ...]] = {
+        "input_layernorm": (n, d),
+        "q_proj": (n, d, h, hd),
+        "k_proj": (n, d, kv, hd),
+        "v_proj": (n, d, kv, hd),
+        "o_proj": (n, h, hd, d),
+        "post_attention_layernorm": (n, d),
+        "gate_proj": (n, d, f),
+        "up_proj": (n, d, f),
+        "down_proj": (n, f, d),
+    }
+    if c.qkv_bias:
+        layers.update(q_bias=(n, h, hd), k_bias=(n, kv, hd), v_bias=(n, kv, hd))
+    if c.o_bias:
+        layers["o_bias"] = (n, d)
+    if c.qk_norm:
+        layers.update(q_norm=(n, hd), k_norm=(n, hd))
+    if c.has_mlp_bias:
+        layers.update(gate_bias=(n, f), up_bias=(n, f), down_bias=(n, d))
+    tree: Params = {"embed_tokens": (v, d), "norm": (d,), "layers": layers}
+    if not c.tie_word_embeddings:
+        tree["lm_head"] = (d, v)
+    return tree
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm")
+
+
+def init_params(config: DenseConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random params like Hugging Face's init: matrices ~ N(0, initializer_range), norms 1,
+    biases 0.
+
+    Args:
+      config: the model config.
+      key: a PRNG key.
+      dtype: the dtype of every leaf.
+
+    Returns:
+      A params tree with the layout in the module docstring.
+    """
+    return _init_params(config, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(config: DenseConfig, key: jax.Array, dtype: jnp.dtype) -> Params:
+    # One compiled program instead of one dispatch per leaf.
+    shapes = param_shapes(config)
+    paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    keys = jax.random.split(key, len(paths))
+    leaves = []
+    for (path, shape), k in zip(paths, keys, strict=True):
+        name = path[-1].key
+        if _is_norm(name):
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            # Drawn flat and reshaped: XLA compiles 1-D threefry sampling much faster.
+            flat = jax.random.normal(k, (int(np.prod(shape)),), jnp.float32)
+            w = flat.reshape(shape) * config.initializer_range
+            leaves.append(w.astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# -- the model ------------------------------------------------------------------------------
+
+
+@struct.dataclass(kw_only=True)
+class DenseCache:
+    """KV cache of a dense decoder (``C`` = capacity in positions).
+
+    Fields:
+      k: ``[L, C, KV, hd]`` rotated keys in the model dtype; position axis 1, append-only.
+      v: ``[L, C, KV, hd]`` values, same layout.
+    """
+
+    k: jax.Array = append_only(axis=1)
+    v: jax.Array = append_only(axis=1)
+
+    @property
+    def capacity(self) -> int:
+        """Positions the cache can hold."""
+        return int(self.k.shape[1])
+
+
+LayerFn = Callable[[jax.Array, Any, Params, Any, Any], tuple[jax.Array, Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseModel:
+    """A dense decoder as pure functions over explicit params and cache.
+
+    Frozen and hashable, so it can be a static argument under ``jit``.
+
+    Attributes:
+      config: the hyperparameters.
+      dtype: the activation / cache dtype (float32, bfloat16, float16); params should match.
+      scan_layers: run the layers as a ``lax.scan`` over the stacked layer axis (default), or
+        unroll them in Python (longer compiles, no dynamic slicing of weights or cache).
+    """
+
+    config: DenseConfig
+    dtype: Any = jnp.float32
+    scan_layers: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+
+    @property
+    def vocab_size(self) -> int:
+        """Length of every logits row."""
+        return self.config.vocab_size
+
+    def init_cache(self, capacity: int) -> DenseCache:
+        """A zeroed KV cache holding ``capacity`` positions."""
+        c = self.config
+        shape = (c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim)
+        return DenseCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))
+
+    def init_params(self, key: jax.Array) -> Params:
+        """Random params in this model's dtype (see :func:`init_params`)."""
+        return init_params(self.config, key, self.dtype)
+
+    # -- shared layer pieces --------------------------------------------------------------
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        inv_freq, scale = rope_inv_freq(
+            c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
+        )
+        return rope_cos_sin(positions, inv_freq, scale, self.dtype)
+
+    def _qkv(
+        self, x: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Pre-norm, q/k/v projections, optional q/k norm, RoPE. x [W, D] -> q [W, H, hd],
+        k/v [W, KV, hd]."""
+        c = self.config
+        h = rms_norm(x, lp["input_layernorm"], c.rms_norm_eps)
+        q = jnp.einsum("wd,dnk->wnk", h, lp["q_proj"])  # [W, H, hd]
+        k = jnp.einsum("wd,dnk->wnk", h, lp["k_proj"])  # [W, KV, hd]
+        v = jnp.einsum("wd,dnk->wnk", h, lp["v_proj"])  # [W, KV, hd]
+        if c.qkv_bias:
+            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+        if c.qk_norm:
+            q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
+            k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _finish(self, x: jax.Array, attn: jax.Array, lp: Params) -> jax.Array:
+        """Output projection, residual, post-norm MLP, residual. attn [W, H, hd] -> x [W, D]."""
+        c = self.config
+        o = jnp.einsum("wnk,nkd->wd", attn, lp["o_proj"])  # [W, D]
+        if c.o_bias:
+            o = o + lp["o_bias"]
+        x = x + o
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
+            bias = c.has_mlp_bias
+            x = x + swiglu_mlp(
+                h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
+                lp["gate_bias"] if bias else None,
+                lp["up_bias"] if bias else None,
+                lp["down_bias"] if bias else None,
+            )
+        return x
+
+    def _head(self, params: Params, x: jax.Array) -> jax.Array:
+        """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
+        h = rms_norm(x, params["norm"], self.config.rms_norm_eps)
+        if self.config.tie_word_embeddings:
+            return jnp.einsum(
+                "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32
+            )
+        return jnp.einsum("wd,dv->wv", h, params["lm_head"], preferred_element_type=jnp.float32)
+
+    def _run_layers(self, layers: Params, x: jax.Array, carry: Any, layer_fn: LayerFn) -> Any:
+        """Apply ``layer_fn(x, carry, layer_params, layer_index, window)`` over all layers."""
+        windows = self.config.layer_windows
+        n = self.config.num_hidden_layers
+        if not self.scan_layers:
+            for i in range(n):
+                lp = jax.tree.map(lambda a, i=i: a[i], layers)
+                with jax.named_scope(f"layer_{i}"):
+                    x, carry = layer_fn(x, carry, lp, i, windows[i])
+            return x, carry
+        # A layer without a window gets one wider than any position: the same mask expression
+        # then serves every layer of the scan.
+        any_window = any(w is not None for w in windows)
+        window_array = (
+            jnp.asarray([w if w is not None else 2**30 for w in windows], jnp.int32)
+            if any_window else None
+        )
+
+        def body(state: tuple[jax.Array, Any], xs: tuple[Params, jax.Array, Any]) -> Any:
+            x, carry = state
+            lp, index, window = xs
+            with jax.named_scope("layer"):
+                return layer_fn(x, carry, lp, index, window), None
+
+        (x, carry), _ = jax.lax.scan(
+            body, (x, carry), (layers, jnp.arange(n, dtype=jnp.int32), window_array)
+        )
+        return x, carry
+
+    # -- entry points -----------------------------------------------------------------------
+
+    def block_forward(
+        self,
+        params: Params,
+        cache: DenseCache,
+        tokens: jax.Array,
+        positions: jax.Array,
+        live: jax.Array,
+        need_head: jax.Array,
+    ) -> tuple[jax.Array, DenseCache]:
+        """Run a block of W rows against the cache: write their K/V, attend, return logits.
+
+        Each live row's K/V is written at its position first, then every row attends to the
+        cache positions ``<= its own position`` (within its layer's sliding window), so rows of
+        one block see each other causally. Row ``i``'s computation depends only on row ``i``
+        and the cache: the same compiled program gives row ``i`` bitwise the same result
+        whether 1 or W rows are live.
+
+        Args:
+          params: the params tree.
+          cache: the KV cache.
+          tokens: int32 ``[W]`` token ids.
+          positions: int32 ``[W]`` the position of each row (the engine passes start + i).
+          live: int32 ``[]``; rows ``>= live`` are padding: they write nothing to the cache
+            and their logits are don't-care.
+          need_head: bool ``[]`` (traced); when false the final norm and output head are
+            skipped and the logits are zeros.
+
+        Returns:
+          ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
+        """
+        width = tokens.shape[0]
+        capacity = cache.k.shape[1]
+        # Padding rows scatter to an out-of-range row, which mode="drop" discards.
+        write_at = jnp.where(jnp.arange(width) < live, positions, capacity)  # [W]
+        key_positions = jnp.arange(capacity, dtype=jnp.int32)  # [C]
+        with jax.named_scope("embed"):
+            x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [W, D]
+            cos, sin = self._rope(positions)
+
+        def layer(
+            x: jax.Array, kv: tuple[jax.Array, jax.Array], lp: Params, index: Any, window: Any
+        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            k_all, v_all = kv  # [L, C, KV, hd] each
+            with jax.named_scope("attention"):
+                q, k, v = self._qkv(x, lp, cos, sin)
+                k_all = k_all.at[index, write_at].set(k, mode="drop")
+                v_all = v_all.at[index, write_at].set(v, mode="drop")
+                attn = attend(q, k_all[index], v_all[index], positions, key_positions, window)
+            return self._finish(x, attn, lp), (k_all, v_all)
+
+        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
+        with jax.named_scope("head"):
+            logits = jax.lax.cond(
+                need_head,
+                lambda h: self._head(params, h),
+                lambda h: jnp.zeros((width, self.vocab_size), jnp.float32),
+                x,
+            )
+        return logits, cache.replace(k=k_all, v=v_all)
+
+    def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """Plain causal forward over whole sequences, no cache (training, parity tests).
+
+        Args:
+          params: the params tree.
+          tokens: int32 ``[B, T]``; row ``t`` of each sequence sits at position ``t``.
+
+        Returns:
+          float32 logits ``[B, T, V]``.
+        """
+        return jax.vmap(lambda seq: self._forward_one(params, seq))(tokens)
+
+    def _forward_one(self, params: Params, tokens: jax.Array) -> jax.Array:
+        positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)  # [T]
+        with jax.named_scope("embed"):
+            x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
+            cos, sin = self._rope(positions)
+
+        def layer(x: jax.Array, carry: None, lp: Params, index: Any, window: Any) -> Any:
+            del index
+            with jax.named_scope("attention"):
+                q, k, v = self._qkv(x, lp, cos, sin)
+                attn = attend(q, k, v, positions, positions, window)
+            return self._finish(x, attn, lp), carry
+
+        x, _ = self._run_layers(params["layers"], x, None, layer)
+        with jax.named_scope("head"):
+            return self._head(params, x)
