@@ -1,0 +1,495 @@
+"""Load and save model folders in the Hugging Face layout.
+
+A folder holds ``config.json``, the weights as ``model.safetensors`` or as shards listed in
+``model.safetensors.index.json``, optionally ``generation_config.json`` and tokenizer files.
+Weights are read with ``safetensors`` in numpy mode (bfloat16 arrives as an ``ml_dtypes``
+array); nothing is ever unpickled, so ``pytorch_model.bin`` folders are refused.
+
+Tensor policy:
+  * every tensor the model needs must be present with the Hugging Face shape, or a
+    :class:`~turbospark_jax.errors.ModelLoadError` names it (and both shapes);
+  * an unexpected tensor is an error naming it, with two tolerated exceptions: rotary
+    ``inv_freq`` buffers that old checkpoints carry (we recompute them), and a tied model's
+    ``lm_head.weight`` when it is bitwise equal to the embeddings (a tied model that saved its
+    head anyway). A tied model whose ``lm_head.weight`` differs from its embeddings is refused:
+    which of the two the author meant is not ours to guess.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models.dense import DenseConfig, DenseModel, Params, param_shapes
+from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+#: Default shard limit for :func:`save_folder` (transformers' historical default).
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+_DTYPES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """The generation defaults a folder ships (``generation_config.json``).
+
+    Attributes:
+      eos_token_ids: every id that ends a reply (``eos_token_id`` may be one id or a list).
+      bos_token_id: the beginning-of-sequence id, if any.
+      pad_token_id: the padding id, if any.
+      extra: every other key as read (``do_sample``, ``temperature``, ``top_p``...).
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> GenerationConfig:
+        """Parse a ``generation_config.json`` dict.
+
+        Raises:
+          ModelLoadError: a token id that is not an integer.
+        """
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        for name, value in (("eos_token_id", e) for e in eos_list):
+            _check_id(name, value)
+        bos, pad = d.get("bos_token_id"), d.get("pad_token_id")
+        _check_id("bos_token_id", bos)
+        _check_id("pad_token_id", pad)
+        extra = {
+            k: v for k, v in d.items() if k not in ("eos_token_id", "bos_token_id", "pad_token_id")
+        }
+        return cls(eos_token_ids=tuple(eos_list), bos_token_id=bos, pad_token_id=pad, extra=extra)
+
+    @classmethod
+    def from_model_config(cls, config: DenseConfig) -> GenerationConfig:
+        """The defaults implied by ``config.json`` alone (what transformers derives too)."""
+        return cls(
+            eos_token_ids=config.eos_token_ids,
+            bos_token_id=config.bos_token_id,
+            pad_token_id=config.pad_token_id,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``generation_config.json`` dict."""
+        out: dict[str, Any] = dict(self.extra)
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            ids = list(self.eos_token_ids)
+            out["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+        if self.pad_token_id is not None:
+            out["pad_token_id"] = self.pad_token_id
+        return out
+
+
+def _check_id(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ModelLoadError(f"{GENERATION_CONFIG_FILE}: {name} must be an integer, got {value!r}")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """Everything a model folder provides.
+
+    Attributes:
+      model: the runnable model (static under ``jit``).
+      params: its params tree, on the default device.
+      config: the parsed ``config.json``.
+      tokenizer: the tokenizer, or ``None`` when the folder has no ``tokenizer.json``.
+      generation_config: ``generation_config.json``, or defaults derived from ``config.json``.
+      path: the folder it came from.
+    """
+
+    model: DenseModel
+    params: Params
+    config: DenseConfig
+    tokenizer: Tokenizer | None
+    generation_config: GenerationConfig
+    path: str
+
+
+# -- the tensor map --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One Hugging Face tensor and where it lives in our params.
+
+    ``key`` is the params path (``("layers", "q_proj")``), ``layer`` the index on the stacked
+    axis (``None`` for top-level leaves). Hugging Face keeps ``nn.Linear`` weights as
+    ``[out, in]``; ``transpose`` marks those, which we keep as ``[in, out]``.
+    """
+
+    name: str
+    key: tuple[str, ...]
+    layer: int | None
+    hf_shape: tuple[int, ...]
+    transpose: bool
+
+
+def _tensor_map(config: DenseConfig) -> list[_Tensor]:
+    shapes = param_shapes(config)
+    out = [
+        _Tensor("model.embed_tokens.weight", ("embed_tokens",), None, shapes["embed_tokens"], False)
+    ]
+    per_layer = {
+        "input_layernorm": ("input_layernorm.weight", False),
+        "q_proj": ("self_attn.q_proj.weight", True),
+        "k_proj": ("self_attn.k_proj.weight", True),
+        "v_proj": ("self_attn.v_proj.weight", True),
+        "o_proj": ("self_attn.o_proj.weight", True),
+        "q_bias": ("self_attn.q_proj.bias", False),
+        "k_bias": ("self_attn.k_proj.bias", False),
+        "v_bias": ("self_attn.v_proj.bias", False),
+        "o_bias": ("self_attn.o_proj.bias", False),
+        "q_norm": ("self_attn.q_norm.weight", False),
+        "k_norm": ("self_attn.k_norm.weight", False),
+        "post_attention_layernorm": ("post_attention_layernorm.weight", False),
+        "gate_proj": ("mlp.gate_proj.weight", True),
+        "up_proj": ("mlp.up_proj.weight", True),
+        "down_proj": ("mlp.down_proj.weight", True),
+        "gate_bias": ("mlp.gate_proj.bias", False),
+        "up_bias": ("mlp.up_proj.bias", False),
+        "down_bias": ("mlp.down_proj.bias", False),
+    }
+    for i in range(config.num_hidden_layers):
+        for key, shape in shapes["layers"].items():
+            suffix, transpose = per_layer[key]
+            ours = shape[1:]
+            if transpose:  # ours is [in..., out...]; HF is [prod(out), prod(in)]
+                split = 2 if key == "o_proj" else 1
+                hf = (int(np.prod(ours[split:])), int(np.prod(ours[:split])))
+            else:
+                hf = (int(np.prod(ours)),)
+            out.append(_Tensor(f"model.layers.{i}.{suffix}", ("layers", key), i, hf, transpose))
+    out.append(_Tensor("model.norm.weight", ("norm",), None, shapes["norm"], False))
+    if not config.tie_word_embeddings:
+        d, v = shapes["lm_head"]
+        out.append(_Tensor("lm_head.weight", ("lm_head",), None, (v, d), True))
+    return out
+
+
+def _leaf_shape(shapes: Params, t: _Tensor) -> tuple[int, ...]:
+    node: Any = shapes
+    for k in t.key:
+        node = node[k]
+    return tuple(node[1:]) if t.layer is not None else tuple(node)
+
+
+def _from_hf(array: np.ndarray, t: _Tensor, shape: tuple[int, ...]) -> np.ndarray:
+    return (array.T if t.transpose else array).reshape(shape)
+
+
+def _to_hf(array: np.ndarray, t: _Tensor) -> np.ndarray:
+    hf_t = t.hf_shape[::-1] if t.transpose else t.hf_shape
+    flat = array.reshape(hf_t)
+    return np.ascontiguousarray(flat.T if t.transpose else flat)
+
+
+def _tolerated_extra(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{what} {path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise ModelLoadError(f"could not read {what} {path}: {e}") from e
+
+
+def _resolve_dtype(dtype: Any, config: DenseConfig) -> jnp.dtype:
+    if dtype is None:
+        dtype = config.dtype or "float32"
+    if isinstance(dtype, str):
+        if dtype not in _DTYPES:
+            raise ModelLoadError(
+                f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}"
+            )
+        dtype = _DTYPES[dtype]
+    resolved = jnp.dtype(dtype)
+    if resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
+        raise ModelLoadError(f"unsupported dtype {resolved}; supported: {', '.join(_DTYPES)}")
+    return resolved
+
+
+def _weight_files(folder: str) -> dict[str, str]:
+    """Map each tensor name to the file holding it, as the folder declares."""
+    index_path = os.path.join(folder, WEIGHTS_INDEX_FILE)
+    single_path = os.path.join(folder, WEIGHTS_FILE)
+    if os.path.isfile(index_path):
+        index = _read_json(index_path, "weight index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ModelLoadError(f"{index_path} has no valid 'weight_map' object")
+        for shard in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(folder, shard)):
+                raise ModelLoadError(f"weight shard {shard} listed in {index_path} is missing")
+        return dict(weight_map)
+    if os.path.isfile(single_path):
+        with _open_safetensors(single_path) as f:
+            return dict.fromkeys(f.keys(), WEIGHTS_FILE)
+    hint = ""
+    if any(n.endswith(".bin") or n.endswith(".pt") for n in os.listdir(folder)):
+        hint = " (pickled torch weights are never loaded; convert them to safetensors)"
+    raise ModelLoadError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {folder}{hint}")
+
+
+class _open_safetensors:
+    """``safe_open`` that turns the library's errors into a ModelLoadError naming the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._ctx: Any = None
+
+    def __enter__(self) -> Any:
+        try:
+            self._ctx = safe_open(self.path, framework="np")
+            return self._ctx.__enter__()
+        except Exception as e:  # SafetensorError, OSError, ...: all mean "unreadable"
+            raise ModelLoadError(
+                f"could not read safetensors file {self.path} (corrupt or truncated?): {e}"
+            ) from e
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def _iter_tensors(folder: str, weight_map: Mapping[str, str]) -> Iterator[tuple[str, Any, str]]:
+    """Yield ``(name, handle, file)`` for every tensor, one shard open at a time."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    for file in sorted(by_file):
+        path = os.path.join(folder, file)
+        with _open_safetensors(path) as f:
+            present = set(f.keys())
+            for name in by_file[file]:
+                if name not in present:
+                    raise ModelLoadError(f"tensor {name} is listed for {file} but not in it")
+                yield name, f, path
+
+
+def load_folder(path: str | os.PathLike[str], dtype: Any = None) -> LoadedModel:
+    """Load a Hugging Face model folder of the dense family.
+
+    Args:
+      path: the folder.
+      dtype: the params / activation dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a
+        jnp dtype); by default the ``dtype`` (or ``torch_dtype``) that ``config.json`` names,
+        else float32. Tensors stored in another dtype are cast (round to nearest even).
+
+    Returns:
+      The :class:`LoadedModel`.
+
+    Raises:
+      ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
+        or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
+        missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
+        a safetensors file is corrupt or truncated (named).
+    """
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder}")
+    raw_config = _read_json(config_path, "model config")
+    config = DenseConfig.from_hf_dict(raw_config)
+    resolved = _resolve_dtype(dtype, config)
+    np_dtype = np.dtype(resolved)
+
+    weight_map = _weight_files(folder)
+    tensors = _tensor_map(config)
+    wanted = {t.name: t for t in tensors}
+    missing = [t.name for t in tensors if t.name not in weight_map]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}{more}")
+    shapes = param_shapes(config)
+    host: Params = jax.tree.map(
+        lambda s: np.empty(s, np_dtype), shapes, is_leaf=lambda x: isinstance(x, tuple)
+    )
+    spare_head: tuple[Any, str] | None = None
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = wanted.get(name)
+        if t is None:
+            if _tolerated_extra(name):
+                continue
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                spare_head = (handle.get_tensor(name), file)
+                continue
+            raise ModelLoadError(f"unexpected tensor {name} in {file}")
+        try:
+            got = tuple(handle.get_slice(name).get_shape())
+            if got != t.hf_shape:
+                raise ModelLoadError(
+                    f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}"
+                )
+            array = handle.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
+        converted = _from_hf(array, t, _leaf_shape(shapes, t)).astype(np_dtype)
+        leaf = host
+        for k in t.key[:-1]:
+            leaf = leaf[k]
+        if t.layer is None:
+            leaf[t.key[-1]] = converted
+        else:
+            leaf[t.key[-1]][t.layer] = converted
+    if spare_head is not None:
+        head, file = spare_head
+        embed = host["embed_tokens"]
+        if head.shape != embed.shape or not np.array_equal(head.astype(np_dtype), embed):
+            raise ModelLoadError(
+                f"tie_word_embeddings is true but {file} holds an lm_head.weight that differs "
+                "from model.embed_tokens.weight; set tie_word_embeddings false or drop the head"
+            )
+
+    tokenizer = Tokenizer.from_folder(folder) if os.path.isfile(
+        os.path.join(folder, TOKENIZER_FILE)
+    ) else None
+    gen_path = os.path.join(folder, GENERATION_CONFIG_FILE)
+    if os.path.isfile(gen_path):
+        raw_gen = _read_json(gen_path, "generation config")
+        if not isinstance(raw_gen, dict):
+            raise ModelLoadError(f"{gen_path} must hold a JSON object")
+        generation = GenerationConfig.from_hf_dict(raw_gen)
+        if not generation.eos_token_ids and config.eos_token_ids:
+            generation = dataclasses.replace(generation, eos_token_ids=config.eos_token_ids)
+    else:
+        generation = GenerationConfig.from_model_config(config)
+    params = jax.tree.map(jnp.asarray, host)
+    return LoadedModel(
+        model=DenseModel(config, resolved),
+        params=params,
+        config=config,
+        tokenizer=tokenizer,
+        generation_config=generation,
+        path=folder,
+    )
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+
+def save_folder(
+    path: str | os.PathLike[str],
+    config: DenseConfig,
+    params: Params,
+    tokenizer: Tokenizer | None = None,
+    generation_config: GenerationConfig | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write a Hugging Face folder that this loader and ``transformers`` both load.
+
+    Writes ``config.json`` (with ``architectures``, and ``dtype`` set to the params' dtype),
+    the weights in the params' dtype as ``model.safetensors`` or, past ``max_shard_bytes``,
+    as ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``,
+    ``generation_config.json`` (given, or derived from ``config``) and the tokenizer files.
+    Weight files already in the folder are removed first so no stale shard survives.
+
+    Args:
+      path: the destination folder (created if needed).
+      config: the model config.
+      params: the params tree (layout in :mod:`turbospark_jax.models.dense`).
+      tokenizer: written alongside when given.
+      generation_config: written as ``generation_config.json``; derived when ``None``.
+      max_shard_bytes: the most tensor bytes in one file (a larger tensor gets a file alone).
+
+    Raises:
+      ModelLoadError: the params do not have the shapes ``config`` implies.
+    """
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    shapes = param_shapes(config)
+    tensors = _tensor_map(config)
+    expected = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params),
+                          is_leaf=lambda x: isinstance(x, tuple))
+    if jax.tree.structure(shapes, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.structure(
+        jax.tree.map(lambda a: 0, params)
+    ) or list(map(tuple, expected)) != got:
+        raise ModelLoadError("params do not match the layout the config implies")
+    host = jax.tree.map(np.asarray, params)
+    dtype_name = np.dtype(host["embed_tokens"].dtype).name
+
+    hf: dict[str, np.ndarray] = {}
+    for t in tensors:
+        leaf: Any = host
+        for k in t.key:
+            leaf = leaf[k]
+        hf[t.name] = _to_hf(leaf if t.layer is None else leaf[t.layer], t)
+
+    for name in os.listdir(folder):
+        if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and
+                                          name.endswith(".safetensors")):
+            os.remove(os.path.join(folder, name))
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, array in hf.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += array.nbytes
+    metadata = {"format": "pt"}  # transformers expects the torch layout tag
+    if len(shards) == 1:
+        save_file(hf, os.path.join(folder, WEIGHTS_FILE), metadata=metadata)
+    else:
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: hf[n] for n in names}, os.path.join(folder, file), metadata=metadata)
+            weight_map.update(dict.fromkeys(names, file))
+        index = {
+            "metadata": {"total_size": int(sum(a.nbytes for a in hf.values()))},
+            "weight_map": weight_map,
+        }
+        _write_json(os.path.join(folder, WEIGHTS_INDEX_FILE), index)
+
+    config_dict = config.to_hf_dict()
+    config_dict["dtype"] = dtype_name
+    _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
+    generation = generation_config or GenerationConfig.from_model_config(config)
+    _write_json(os.path.join(folder, GENERATION_CONFIG_FILE), generation.to_hf_dict())
+    if tokenizer is not None:
+        tokenizer.save(folder)
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
