@@ -228,6 +228,25 @@ def _run_blocks(
     )
 
 
+def _parallel_block(
+    model: BlockModel, params: Any, buffers: BlockState, values: BlockState,
+    tokens: jax.Array, live: jax.Array,
+) -> tuple[BlockState, BlockState]:
+    """One wide headless pass: the parallel prefill's fast path (not the exact program)."""
+    state = merge_parts(buffers, values)
+    width = tokens.shape[0]
+    positions = state.fed.count + jnp.arange(width, dtype=jnp.int32)
+    _, cache = model.block_forward(params, state.cache, tokens, positions, live, jnp.bool_(False))
+    state = state.replace(cache=cache, fed=state.fed.append(tokens, live))
+    return buffers_only(state), by_value(state)
+
+
+@functools.cache
+def _compiled_parallel(model: BlockModel, donate: bool) -> Any:
+    fn = functools.partial(_parallel_block, model)
+    return jax.jit(fn, donate_argnums=(1,) if donate else ())
+
+
 @functools.cache
 def _compiled(model: BlockModel, donate: bool) -> Any:
     """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``)."""
@@ -348,6 +367,32 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
                 logits = out.logits[len(group[-1]) - 1]
         assert logits is not None
         return logits, state
+
+    def prefill_parallel(
+        self, state: BlockState, tokens: Sequence[int], start_position: int, *,
+        chunk: int = 512,
+    ) -> tuple[jax.Array, BlockState]:
+        """The fast path: all but the last token in wide batched passes, then the last one
+        through the exact program.
+
+        Each pass runs ``chunk`` rows at once (a separate, wider executable, so the cache rows
+        it writes differ from the exact path by rounding: see the tolerance stated in the
+        tests); the final token goes through :meth:`produce`, which is why this needs no
+        output head over the whole chunk. Not part of any bitwise guarantee.
+        """
+        tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
+        program = _compiled_parallel(self.model, self.donate)
+        body = tokens[:-1]
+        for a in range(0, len(body), chunk):
+            piece = body[a : a + chunk]
+            padded = np.zeros((chunk,), np.int32)
+            padded[: len(piece)] = piece
+            buffers, values = program(
+                self.params, buffers_only(state), by_value(state), jnp.asarray(padded),
+                jnp.int32(len(piece)),
+            )
+            state = merge_parts(buffers, values)
+        return self.produce(state, tokens[-1], start_position + len(body))
 
     # -- target side of speculative decoding ------------------------------------------
 

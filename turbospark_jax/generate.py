@@ -105,6 +105,8 @@ class CompletionRequest:
       prefill_chunk_size: tokens per ``prefill_chunk`` call.
       burst: device decode steps per host round trip (never changes the output).
       record_logits: keep the logits each generated token was sampled from.
+      parallel_prefill: use the producer's batched prefill (``prefill_parallel``) when it has
+        one: faster, but equal to the exact path only within a stated tolerance.
     """
 
     prompt_ids: Sequence[int]
@@ -117,6 +119,7 @@ class CompletionRequest:
     prefill_chunk_size: int = 256
     burst: int = 16
     record_logits: bool = False
+    parallel_prefill: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,7 +334,9 @@ class CompletionStream(Iterator[StreamEvent]):
         finish, error = None, None
         first_token_s = 0.0
         try:
-            logits, state = prefill(p, state, prompt[reused:], reused, req.prefill_chunk_size)
+            logits, state = prefill(
+                p, state, prompt[reused:], reused, req.prefill_chunk_size, req.parallel_prefill
+            )
         except (ProducerExhaustedError, ProducerFailedError) as exc:
             finish, error = FinishReason.ERROR, str(exc)
         prefill_s = time.perf_counter() - t0
@@ -391,13 +396,22 @@ class CompletionStream(Iterator[StreamEvent]):
 
 
 def prefill(
-    producer: LogitProducer, state: Any, suffix: list[int], start: int, chunk_size: int
+    producer: LogitProducer,
+    state: Any,
+    suffix: list[int],
+    start: int,
+    chunk_size: int,
+    parallel: bool = False,
 ) -> tuple[Any, Any]:
     """Feed the unreused prompt suffix; return the logits after its last token and the state.
 
     Chunks through ``prefill_chunk_with_status`` when the producer has chunked prefill,
-    otherwise ``produce_prefill`` per token and ``produce`` for the last.
+    otherwise ``produce_prefill`` per token and ``produce`` for the last. With ``parallel``,
+    a producer's ``prefill_parallel`` fast path is used instead when it has one.
     """
+    fast = getattr(producer, "prefill_parallel", None)
+    if parallel and fast is not None:
+        return fast(state, suffix, start, chunk=chunk_size)
     if isinstance(producer, ChunkedPrefillRunner):
         logits = None
         for a in range(0, len(suffix), chunk_size):
