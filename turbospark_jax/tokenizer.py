@@ -7,11 +7,13 @@ of ``tokenizer_config.json`` (a string, or a list of named templates) and specia
 strings or ``{"content": ...}`` objects, possibly in ``special_tokens_map.json``. All of these
 are read.
 
-What matches transformers: ``encode`` (including the post-processor transformers rebuilds
-when ``tokenizer_config.json`` sets ``add_bos_token`` / ``add_eos_token``), ``decode`` without
-``clean_up_tokenization_spaces`` (transformers' default), and ``apply_chat_template`` (same
-sandboxed jinja2 settings, ``raise_exception``, ``strftime_now``, and the named special tokens
-as template variables).
+What matches transformers' generic fast tokenizer (``TokenizersBackend``): ``encode``, whose
+BOS/EOS handling is the ``post_processor`` in ``tokenizer.json`` (an ``add_bos_token`` flag in
+``tokenizer_config.json`` is not consulted: the generic class ignores it too, and
+model-specific tokenizer classes that rebuild the post-processor are not mimicked);
+``decode`` without ``clean_up_tokenization_spaces`` (transformers' default); and
+``apply_chat_template`` (same sandboxed jinja2 settings, ``raise_exception``,
+``strftime_now``, and the named special tokens as template variables).
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
-from tokenizers import processors
 
 from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
 
@@ -159,12 +160,6 @@ class Tokenizer:
             extra_raw = list(extra_raw.values())
         extra = [t for t in (_token_text(x) for x in extra_raw) if t is not None]
         template = _find_chat_template(folder, config)
-        if "add_bos_token" in config or "add_eos_token" in config or tok.post_processor is None:
-            _rebuild_post_processor(
-                tok,
-                special.get("bos_token") if config.get("add_bos_token") else None,
-                special.get("eos_token") if config.get("add_eos_token") else None,
-            )
         kept = {
             k: v for k, v in config.items()
             if k not in SPECIAL_TOKEN_NAMES and k not in ("chat_template", "extra_special_tokens",
@@ -433,18 +428,3 @@ def _find_chat_template(folder: str, config: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
     return template if isinstance(template, str) else None
-
-
-def _rebuild_post_processor(tok: _HFTokenizer, bos: str | None, eos: str | None) -> None:
-    # transformers replaces the post-processor with a BOS/EOS template whenever
-    # tokenizer_config.json states add_bos_token / add_eos_token: do the same so encode agrees.
-    single = " ".join([*([f"{bos}:0"] if bos else []), "$A:0", *([f"{eos}:0"] if eos else [])])
-    pair = " ".join(
-        [single, *([f"{bos}:1"] if bos else []), "$B:1", *([f"{eos}:1"] if eos else [])]
-    )
-    specials = [(t, tok.token_to_id(t)) for t in (bos, eos) if t]
-    if any(i is None for _, i in specials):
-        raise ModelLoadError(f"special tokens {specials} are not all in the vocabulary")
-    tok.post_processor = processors.TemplateProcessing(
-        single=single, pair=pair, special_tokens=specials
-    )
