@@ -278,6 +278,8 @@ class Emission:
         if finish is FinishReason.ERROR:
             state = None  # never offered for reuse
         tail = "" if finish is FinishReason.STOP_STRING else self.text.flush()
+        if finish is FinishReason.LENGTH and self.text.matched is not None:
+            finish = FinishReason.STOP_STRING  # the flush settled a held-back stop string
         completion = Completion(
             token_ids=self.tokens,
             text=self.text.emitted,
@@ -470,10 +472,11 @@ class _TextPipeline:
         if self._detok is None:
             return ""
         out, hit = self._stop.push(self._detok.flush())
-        if hit:
-            self.matched = self._stop.matched
-        else:
+        if not hit:
+            # A stop string still undecided at the end (held for a longer candidate) is
+            # settled here, so ``matched`` is read after the flush.
             out += self._stop.flush()
+        self.matched = self._stop.matched
         self.emitted += out
         return out
 

@@ -1,0 +1,22 @@
+"""The benchmark command's tiny configuration runs on the CPU and writes well-formed results.
+Nothing here looks at a timing: CI machines are shared and noisy."""
+
+import json
+
+from benchmarks.run import main
+
+
+def test_smoke_preset_writes_results(tmp_path):
+    assert main(["--preset", "smoke", "--out", str(tmp_path)]) == 0
+    for part in ("ours", "hf", "exact"):
+        data = json.loads((tmp_path / f"{part}.json").read_text())
+        assert data["meta"]["jax"] and data["records"]
+        for record in data["records"]:
+            assert record["part"] == part and record["shape"] == "tiny"
+    exact = json.loads((tmp_path / "exact.json").read_text())["records"]
+    assert all(r.get("logits_equal") for r in exact)
+    workloads = {r["workload"] for r in json.loads((tmp_path / "ours.json").read_text())["records"]}
+    assert {"decode", "prefill", "width_sweep_decode", "width_sweep_prefill"} <= workloads
+    table = (tmp_path / "results.md").read_text()
+    assert "## Decode" in table and "| tiny |" in table
+    assert (tmp_path / "decode_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

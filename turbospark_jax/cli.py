@@ -1,0 +1,284 @@
+"""The ``turbospark-jax`` command.
+
+``turbospark-jax generate "def fibonacci(n):"`` streams a completion from the embedded default
+model; ``--model PATH`` takes any supported Hugging Face folder. ``--speculative`` drafts with
+the embedded draft model (or ``--draft-model PATH``, or ``--ngram N`` prompt lookup);
+``--chat`` keeps one session across turns read from standard input and reports prefix reuse.
+Errors print one line and exit with status 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from turbospark_jax.errors import TurbosparkError
+
+#: Names of the embedded models under ``models/``.
+DEFAULT_TARGET = "tsj-pycoder"
+DEFAULT_DRAFT = "tsj-pycoder-draft"
+
+
+def embedded_model_path(name: str) -> Path:
+    """Where the embedded model ``name`` lives, in an editable install or an installed wheel.
+
+    Raises:
+      ModelLoadError: it is in neither place.
+    """
+    from turbospark_jax.errors import ModelLoadError
+
+    candidates = []
+    try:
+        from importlib.resources import files
+
+        candidates.append(Path(str(files("turbospark_jax_models") / name)))
+    except ModuleNotFoundError:
+        pass
+    candidates.append(Path(__file__).resolve().parent.parent / "models" / name)
+    for path in candidates:
+        if (path / "config.json").is_file():
+            return path
+    raise ModelLoadError(
+        f"the embedded model {name!r} is missing (looked in {', '.join(map(str, candidates))}); "
+        "pass --model PATH"
+    )
+
+
+class _Spinner:
+    """A progress line on stderr while loading and compiling (silent when not a terminal)."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._label = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = time.perf_counter()
+
+    def set(self, label: str) -> None:
+        self._label = label
+        if not self._stream.isatty():
+            print(f"[turbospark-jax] {label}", file=self._stream, flush=True)
+        elif self._thread is None:
+            self._thread = threading.Thread(target=self._spin, daemon=True)
+            self._thread.start()
+
+    def _spin(self) -> None:
+        frames = "|/-\\"
+        i = 0
+        while not self._stop.wait(0.1):
+            elapsed = time.perf_counter() - self._t0
+            self._stream.write(f"\r{frames[i % 4]} {self._label} ({elapsed:.1f}s)\x1b[K")
+            self._stream.flush()
+            i += 1
+
+    def done(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._stream.write("\r\x1b[K")
+            self._stream.flush()
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="turbospark-jax", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="stream a completion (or chat with --chat)")
+    gen.add_argument("prompt", nargs="?", default=None, help="the prompt text")
+    gen.add_argument("--model", help="a Hugging Face model folder (default: embedded model)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="apply the chat template; read turns "
+                     "from stdin when no prompt is given")
+    gen.add_argument("--speculative", action="store_true",
+                     help="speculative decoding with the embedded draft model")
+    gen.add_argument("--draft-model", help="a draft model folder for speculative decoding")
+    gen.add_argument("--ngram", type=int, default=0, help="prompt-lookup drafting with n-grams "
+                     "up to N")
+    gen.add_argument("--block-size", type=int, default=4, help="proposals per speculative round")
+    gen.add_argument("--context", type=int, default=2048, help="positions to allocate")
+    gen.add_argument("--width", type=int, default=8, help="rows of the exact block program")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    gen.add_argument("--parallel-prefill", action="store_true",
+                     help="batched prefill (faster; equal to the exact path within tolerance)")
+    gen.add_argument("--slots", type=int, default=1, help="session slots (chat)")
+    gen.add_argument("--stats", action="store_true", help="print usage and timings to stderr")
+    return parser
+
+
+def _producer(path: Path, args: argparse.Namespace, spinner: _Spinner) -> tuple[Any, Any]:
+    from turbospark_jax.block_program import BlockProducer
+    from turbospark_jax.loading import load_folder
+
+    spinner.set(f"loading {path}")
+    loaded = load_folder(path, dtype=args.dtype)
+    producer = BlockProducer(
+        loaded.model, loaded.params, capacity=args.context, width=args.width,
+        steps_per_call=32, donate=True,
+    )
+    return loaded, producer
+
+
+def _build(args: argparse.Namespace, spinner: _Spinner) -> tuple[Any, Any, Any]:
+    """(loaded target, producer to drive, stop ids)."""
+    from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+    from turbospark_jax.errors import BadInputError
+
+    target_path = Path(args.model) if args.model else embedded_model_path(DEFAULT_TARGET)
+    loaded, producer = _producer(target_path, args, spinner)
+    if loaded.tokenizer is None:
+        raise BadInputError(f"{target_path} has no tokenizer.json; the CLI needs text")
+    choices = sum(bool(x) for x in (args.speculative, args.draft_model, args.ngram))
+    if choices > 1:
+        raise BadInputError("choose one of --speculative, --draft-model and --ngram")
+    if args.speculative or args.draft_model:
+        draft_path = Path(args.draft_model) if args.draft_model else embedded_model_path(
+            DEFAULT_DRAFT)
+        _, draft = _producer(draft_path, args, spinner)
+        producer = SpeculativePair(producer, DraftModelDrafter(draft))
+    elif args.ngram:
+        producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=args.ngram))
+    stops = set(loaded.generation_config.eos_token_ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        stops.add(loaded.tokenizer.eos_token_id)
+    return loaded, producer, sorted(stops)
+
+
+def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
+    from turbospark_jax.generate import CompletionRequest, SamplingConfig
+
+    return CompletionRequest(
+        prompt_ids=list(prompt_ids),
+        max_tokens=args.max_tokens,
+        stop_token_ids=list(stops),
+        stop_strings=list(args.stop),
+        sampling=SamplingConfig(
+            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+        ),
+        seed=args.seed,
+        parallel_prefill=args.parallel_prefill,
+    )
+
+
+def _stream(producer: Any, request: Any, tokenizer: Any, block: int, state: Any = None) -> Any:
+    from turbospark_jax.drafters import SpeculativePair
+    from turbospark_jax.generate import stream_raw_completion
+    from turbospark_jax.speculative import stream_raw_completion_speculative
+
+    if isinstance(producer, SpeculativePair):
+        return stream_raw_completion_speculative(
+            producer, request, block_size=block, tokenizer=tokenizer, state=state
+        )
+    return stream_raw_completion(producer, request, tokenizer=tokenizer, state=state)
+
+
+def _report(completion: Any, out: TextIO) -> None:
+    u, t = completion.usage, completion.timings
+    line = (
+        f"[{completion.finish_reason.value}] prompt {u.prompt_tokens} (reused {u.reused_tokens}, "
+        f"prefilled {u.prefilled_tokens}), generated {u.generated_tokens}; prefill "
+        f"{t.prefill_s:.2f}s, decode {t.decode_tokens_per_s(u.generated_tokens):.1f} tok/s"
+    )
+    if completion.speculative is not None:
+        s = completion.speculative
+        line += (f"; speculative: {s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, "
+                 f"mean length {s.mean_acceptance_length:.2f}")
+    if completion.error:
+        line += f"; error: {completion.error}"
+    print(line, file=out, flush=True)
+
+
+def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
+    spinner = _Spinner(stderr)
+    try:
+        loaded, producer, stops = _build(args, spinner)
+        tok = loaded.tokenizer
+        if args.chat and args.prompt is None:
+            spinner.done()
+            return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr)
+        text = args.prompt if args.prompt is not None else stdin.read()
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        stream = _stream(producer, _request(args, ids, stops), tok, args.block_size)
+        spinner.set("compiling and prefilling")
+        first = True
+        for event in stream:
+            if first:
+                spinner.done()
+                first = False
+            stdout.write(event.text)
+            stdout.flush()
+        spinner.done()
+        stdout.write("\n")
+        if args.stats or stream.completion.error:
+            _report(stream.completion, stderr)
+        return 1 if stream.completion.error else 0
+    finally:
+        spinner.done()
+
+
+def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
+    """One session across turns: each line of stdin is a user turn."""
+    from turbospark_jax.chat import ChatSession
+    from turbospark_jax.session_pool import SessionPool
+
+    pool = SessionPool(producer, slots=args.slots)
+    session = ChatSession(pool, tok, session_id="cli", stop_token_ids=stops,
+                          request=_request(args, [0], stops),
+                          speculative_block=args.block_size if _is_pair(producer) else None)
+    for line in _lines(stdin):
+        turn = session.send(line, stream_to=stdout)
+        stdout.write("\n")
+        stdout.flush()
+        print(turn.summary(), file=stderr, flush=True)
+    return 0
+
+
+def _is_pair(producer: Any) -> bool:
+    from turbospark_jax.drafters import SpeculativePair
+
+    return isinstance(producer, SpeculativePair)
+
+
+def _lines(stdin: TextIO) -> Iterator[str]:
+    for line in stdin:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None,
+         stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Entry point; returns the exit status."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        return _generate(args, stdin, stdout, stderr)
+    except TurbosparkError as exc:
+        print(f"turbospark-jax: error: {exc}", file=stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"turbospark-jax: error: {exc}", file=stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("turbospark-jax: interrupted", file=stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
