@@ -535,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--report", type=Path, help="only merge the JSON files in this folder")
     parser.add_argument("--shapes", help="comma-separated subset of the preset's shapes")
+    parser.add_argument("--contexts", help="comma-separated decode contexts (override)")
+    parser.add_argument("--widths", help="comma-separated W sweep (override; empty: none)")
     args = parser.parse_args(argv)
     if args.report:
         report(args.report)
@@ -542,6 +544,11 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     if args.shapes:
         preset = dataclasses.replace(preset, shapes=tuple(args.shapes.split(",")))
+    if args.contexts:
+        preset = dataclasses.replace(preset, contexts=tuple(map(int, args.contexts.split(","))))
+    if args.widths is not None:
+        widths = tuple(int(w) for w in args.widths.split(",") if w)
+        preset = dataclasses.replace(preset, sweep_widths=widths)
     meta = _meta()
     parts = ["ours", "hf", "exact"] if args.part == "all" else [args.part]
     if "ours" in parts:
