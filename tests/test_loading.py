@@ -31,6 +31,7 @@ from turbospark_jax.errors import (  # noqa: E402
 )
 from turbospark_jax.loading import GenerationConfig, load_folder, save_folder  # noqa: E402
 from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params  # noqa: E402
+from turbospark_jax.models.layers import RopeScaling  # noqa: E402
 from turbospark_jax.state import tree_bitwise_equal  # noqa: E402
 from turbospark_jax.tokenizer import Tokenizer  # noqa: E402
 
@@ -367,6 +368,54 @@ def test_transformers_loads_our_folder(name: str, tmp_path: Path) -> None:
         forward = jax.jit(DenseModel(config).forward)
         ours = np.asarray(forward(params, jnp.asarray(tokens, jnp.int32)))
     assert float(np.abs(ours - ref).max()) < ATOL
+
+
+CONFIG_ROUND_TRIPS = {
+    "llama3_rope_eos_list": DenseConfig(
+        model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, rope_theta=5e5, eos_token_id=(1, 2),
+        rope_scaling=RopeScaling("llama3", factor=8.0, low_freq_factor=1.0,
+                                 high_freq_factor=4.0, original_max_position_embeddings=16),
+    ),
+    "qwen3_yarn_window": DenseConfig(
+        model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, head_dim=16, max_position_embeddings=64,
+        rope_scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16),
+        sliding_window=8, layer_types=("full_attention", "sliding_attention"),
+        max_window_layers=1,
+    ),
+    "mistral_linear_mqa": DenseConfig(
+        model_type="mistral", vocab_size=64, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1, sliding_window=8,
+        rope_scaling=RopeScaling("linear", factor=2.0),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_ROUND_TRIPS))
+def test_config_round_trips_through_transformers(name: str, tmp_path: Path) -> None:
+    config = CONFIG_ROUND_TRIPS[name]
+    theirs = transformers.AutoConfig.for_model(**config.to_hf_dict())
+    theirs.save_pretrained(tmp_path)
+    assert DenseConfig.from_hf_dict(json.loads((tmp_path / "config.json").read_text())) == config
+
+
+def test_legacy_rope_layout_is_read() -> None:
+    base = dict(model_type="llama", vocab_size=64, hidden_size=32, intermediate_size=48,
+                num_hidden_layers=2, num_attention_heads=4)
+    legacy = DenseConfig.from_hf_dict(
+        {**base, "rope_theta": 500.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
+    )
+    assert legacy.rope_theta == 500.0
+    assert legacy.rope_scaling == RopeScaling("linear", factor=2.0)
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        DenseConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "dynamic", "factor": 2}})
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        DenseConfig.from_hf_dict({**base, "partial_rotary_factor": 0.5})
+    with pytest.raises(ModelLoadError, match="hidden_act"):
+        DenseConfig.from_hf_dict({**base, "hidden_act": "gelu"})
+    with pytest.raises(ModelLoadError, match="num_hidden_layers"):
+        DenseConfig.from_hf_dict({**base, "num_hidden_layers": "two"})
 
 
 def test_generation_config_round_trip() -> None:
