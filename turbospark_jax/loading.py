@@ -17,6 +17,7 @@ Tensor policy:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -265,24 +266,17 @@ def _weight_files(folder: str) -> dict[str, str]:
     raise ModelLoadError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {folder}{hint}")
 
 
-class _open_safetensors:
+@contextlib.contextmanager
+def _open_safetensors(path: str) -> Iterator[Any]:
     """``safe_open`` that turns the library's errors into a ModelLoadError naming the file."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._ctx: Any = None
-
-    def __enter__(self) -> Any:
-        try:
-            self._ctx = safe_open(self.path, framework="np")
-            return self._ctx.__enter__()
-        except Exception as e:  # SafetensorError, OSError, ...: all mean "unreadable"
-            raise ModelLoadError(
-                f"could not read safetensors file {self.path} (corrupt or truncated?): {e}"
-            ) from e
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
+    try:
+        handle = safe_open(path, framework="np")
+    except Exception as e:  # SafetensorError, OSError, ...: all mean "unreadable"
+        raise ModelLoadError(
+            f"could not read safetensors file {path} (corrupt or truncated?): {e}"
+        ) from e
+    with handle as f:
+        yield f
 
 
 def _iter_tensors(folder: str, weight_map: Mapping[str, str]) -> Iterator[tuple[str, Any, str]]:
