@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+# NOT_INJECTED (the identity of a position that consumed its token id) lives with the reuse
+# rule in kv_prefix and is re-exported here, where the fed record stores it.
+from turbospark_jax.kv_prefix import NOT_INJECTED, common_prefix
+
 _APPEND_ONLY = "turbospark_append_only_axis"
 _SCRATCH = "turbospark_scratch"
-
-#: Identity stored where a position consumed its token id (no injected embedding).
-NOT_INJECTED = 0
 
 
 def append_only(axis: int) -> Any:
@@ -107,18 +108,10 @@ class HostFedRecord:
         """Longest prefix of ``prompt_ids`` this record can stand for, leaving one to feed.
 
         A position matches when the ids agree and the injected identities agree (both
-        ``NOT_INJECTED``, or the same embedding identity named by ``injected``).
+        ``NOT_INJECTED``, or the same embedding identity named by ``injected``); see
+        :func:`turbospark_jax.kv_prefix.common_prefix`.
         """
-        injected = injected or {}
-        limit = min(self.count, len(prompt_ids) - 1)
-        n = 0
-        while n < limit:
-            if self.ids[n] != int(prompt_ids[n]):
-                break
-            if self.injected[n] != injected.get(n, NOT_INJECTED):
-                break
-            n += 1
-        return max(n, 0)
+        return common_prefix(self.ids, self.injected, prompt_ids, injected)
 
 
 def _append_axes(state: Any) -> dict[str, int]:
