@@ -1,0 +1,303 @@
+"""Chat sessions: a message history rendered with the chat template, served through a pool.
+
+Each turn renders the WHOLE history (system prompt, every user message, every reply so far,
+then the header of the assistant's next turn) with the tokenizer's chat template, encodes it
+and runs it as one completion in the session's slot of a
+:class:`~turbospark_jax.session_pool.SessionPool`. Nothing is appended to a cached token list:
+the previous reply comes back re-tokenized from its TEXT, exactly as a stateless server would
+see it, and the producer reuses whatever prefix its state actually fed
+(:mod:`turbospark_jax.kv_prefix`). When the model generated the canonical split of its reply,
+reuse runs to the end of the reply; when it generated another split of the same text (or bytes
+that do not form valid UTF-8), reuse stops where the two diverge. Either way the output is the
+same as serving the history from a fresh state.
+
+Generation stops on the tokenizer's end-of-sequence id and any end-of-turn marker it knows
+(:func:`default_stop_ids`), unless the session is given ``stop_token_ids``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from turbospark_jax.errors import BadInputError, SessionError
+from turbospark_jax.generate import Completion, CompletionRequest, FinishReason, validate_request
+from turbospark_jax.session_pool import SessionId, SessionPool, TurnStream, TurnUsage
+
+__all__ = ["END_OF_TURN_TOKENS", "ChatSession", "ChatStream", "ChatTurn", "default_stop_ids"]
+
+#: Tokens that end an assistant turn in common chat templates (ChatML / Qwen, Llama 3,
+#: Gemma, Phi). Those that are single tokens of a tokenizer stop generation by default.
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+
+#: Request settings a session accepts as defaults or per-turn overrides.
+REQUEST_FIELDS = tuple(
+    f.name for f in dataclasses.fields(CompletionRequest) if f.name != "prompt_ids"
+)
+
+
+def default_stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The ids that end a reply: the end-of-sequence id and known end-of-turn markers.
+
+    Args:
+      tokenizer: anything with ``eos_token_id`` and/or ``token_to_id`` (both optional).
+
+    Returns:
+      The distinct ids, end-of-sequence first; empty when the tokenizer names none.
+    """
+    ids: list[int] = []
+    eos = getattr(tokenizer, "eos_token_id", None)
+    for candidate in eos if isinstance(eos, Sequence) else [eos]:
+        if candidate is not None and int(candidate) not in ids:
+            ids.append(int(candidate))
+    lookup = getattr(tokenizer, "token_to_id", None)
+    if callable(lookup):
+        for text in END_OF_TURN_TOKENS:
+            found = lookup(text)
+            if found is not None and int(found) not in ids:
+                ids.append(int(found))
+    return tuple(ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTurn:
+    """One exchange.
+
+    Fields:
+      reply: the assistant's text (a stop token's or unmatched stop string's text excluded).
+      completion: the underlying completion (token ids, finish reason, logits when recorded).
+      usage: prompt / reused / prefilled / generated counts, slot and eviction.
+      prompt_ids: the rendered history as it was encoded and sent.
+    """
+
+    reply: str
+    completion: Completion
+    usage: TurnUsage
+    prompt_ids: tuple[int, ...]
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        """Why the reply ended."""
+        return self.completion.finish_reason
+
+    def summary(self) -> str:
+        """One line: token counts, reuse, slot, eviction and decode speed."""
+        rate = self.completion.timings.decode_tokens_per_s(self.usage.generated_tokens)
+        return self.usage.summary() + (f", {rate:.1f} tokens/s" if rate > 0 else "")
+
+
+class ChatSession:
+    """A conversation with a model, one :meth:`send` per user message.
+
+    Args:
+      pool_or_producer: a :class:`~turbospark_jax.session_pool.SessionPool` shared with other
+        sessions, or a producer (the session then gets a pool of one slot to itself).
+      tokenizer: encodes, decodes and renders the chat template: ``apply_chat_template(
+        messages, add_generation_prompt=True, **template_kwargs)`` returning text (encoded with
+        ``encode(text, add_special_tokens=False)``) or ids; ``decode`` and ``id_to_token`` for
+        the reply text; ``eos_token_id`` / ``token_to_id`` for the default stop ids.
+        :class:`turbospark_jax.tokenizer.Tokenizer` has all of them.
+      session_id: this conversation's id in the pool; a random one when ``None``.
+      system: a system prompt, sent as the first message of every turn.
+      speculative_block: serve turns with the speculative loop at this block size.
+      template_kwargs: extra chat-template variables (``enable_thinking=False``, ...).
+      **defaults: request settings for every turn (``max_tokens``, ``sampling``, ``seed``,
+        ``stop_strings``, ``stop_token_ids``, ``record_logits``, ...; see
+        :class:`~turbospark_jax.generate.CompletionRequest`). ``stop_token_ids`` defaults to
+        :func:`default_stop_ids` of the tokenizer.
+
+    Raises:
+      BadInputError: an unknown or invalid request setting.
+
+    One session runs one turn at a time (a second concurrent turn raises
+    :class:`SessionError`); sessions sharing a pool run concurrently in their own slots.
+    """
+
+    def __init__(
+        self,
+        pool_or_producer: SessionPool | Any,
+        tokenizer: Any,
+        *,
+        session_id: SessionId | None = None,
+        system: str | None = None,
+        speculative_block: int | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        **defaults: Any,
+    ) -> None:
+        if isinstance(pool_or_producer, SessionPool):
+            self.pool = pool_or_producer
+        else:
+            self.pool = SessionPool(pool_or_producer, 1)
+        self.tokenizer = tokenizer
+        self.session_id: SessionId = uuid.uuid4().hex if session_id is None else session_id
+        self.system = system
+        self.speculative_block = speculative_block
+        self.template_kwargs = dict(template_kwargs or {})
+        _check_fields(defaults)
+        defaults.setdefault("stop_token_ids", default_stop_ids(tokenizer))
+        self.defaults = defaults
+        # Fails now on settings no turn could run with (max_tokens beyond the context, ...).
+        validate_request(
+            self.pool.producer, CompletionRequest(prompt_ids=[0], **defaults), tokenizer
+        )
+        self._history: list[dict[str, str]] = []
+        self._version = 0  # bumped whenever the history changes
+        self._busy = threading.Lock()
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation so far (system message first when set), as copies."""
+        head = [{"role": "system", "content": self.system}] if self.system is not None else []
+        return [dict(m) for m in (*head, *self._history)]
+
+    def render(self, user_text: str | None = None) -> list[int]:
+        """The prompt ids of the history (plus ``user_text`` as the next user message).
+
+        Raises:
+          BadInputError: the template refused the messages or rendered nothing.
+        """
+        messages = self.messages
+        if user_text is not None:
+            messages.append({"role": "user", "content": user_text})
+        rendered = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, **self.template_kwargs
+        )
+        if isinstance(rendered, str):
+            encoded = self.tokenizer.encode(rendered, add_special_tokens=False)
+            ids = list(getattr(encoded, "ids", encoded))
+        else:
+            ids = list(rendered)
+        if not ids:
+            raise BadInputError("the chat template rendered an empty prompt")
+        return [int(t) for t in ids]
+
+    def stream(self, user_text: str, **overrides: Any) -> ChatStream:
+        """Start a turn; iterate for the reply's text deltas, then read ``.turn``.
+
+        Args:
+          user_text: the user's message.
+          **overrides: request settings for this turn only (as the constructor's defaults).
+
+        Returns:
+          The turn's stream. The history grows by the user message and the reply when the
+          stream ends without an error; after an error (non-finite logits, an exception, a
+          closed stream) it is unchanged, so the message can be sent again.
+
+        Raises:
+          BadInputError: an unknown or invalid setting, or a prompt that does not fit.
+        """
+        if not isinstance(user_text, str):
+            raise BadInputError(f"user_text must be a str, got {type(user_text).__name__}")
+        _check_fields(overrides)
+        prompt = self.render(user_text)
+        request = CompletionRequest(prompt_ids=prompt, **{**self.defaults, **overrides})
+        turn = self.pool.stream(
+            self.session_id, request, tokenizer=self.tokenizer,
+            speculative_block=self.speculative_block,
+        )
+        return ChatStream(self, user_text, turn, self._version)
+
+    def send(self, user_text: str, **overrides: Any) -> ChatTurn:
+        """Run a turn to the end (see :meth:`stream`) and return it.
+
+        Raises:
+          BadInputError: an unknown or invalid setting, or a prompt that does not fit.
+          SessionError: another turn of this session is running, or the pool refused to wait.
+        """
+        stream = self.stream(user_text, **overrides)
+        for _ in stream:
+            pass
+        assert stream.turn is not None
+        return stream.turn
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and free the session's slot.
+
+        Raises:
+          SessionError: a turn of this session is running.
+        """
+        if not self._busy.acquire(blocking=False):
+            raise SessionError(f"session {self.session_id!r} is running a turn; reset after it")
+        try:
+            self._history.clear()
+            self._version += 1
+            if self.pool.slot_of(self.session_id) is not None:
+                self.pool.drop(self.session_id)
+        finally:
+            self._busy.release()
+
+    def _append(self, user_text: str, reply: str) -> None:
+        self._history.append({"role": "user", "content": user_text})
+        self._history.append({"role": "assistant", "content": reply})
+        self._version += 1
+
+
+class ChatStream(Iterator[str]):
+    """A turn of a :class:`ChatSession`: iterate for text deltas, then read :attr:`turn`."""
+
+    def __init__(
+        self, chat: ChatSession, user_text: str, turn: TurnStream, version: int
+    ) -> None:
+        self.chat = chat
+        self.turn: ChatTurn | None = None
+        self._user_text = user_text
+        self._inner = turn
+        self._version = version
+        self._events = self._run()
+
+    def __next__(self) -> str:
+        return next(self._events)
+
+    def close(self) -> None:
+        """Abandon the turn; the history is left as it was."""
+        self._events.close()
+        self._inner.close()
+
+    def __enter__(self) -> ChatStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _run(self) -> Iterator[str]:
+        chat = self.chat
+        if not chat._busy.acquire(blocking=False):
+            raise SessionError(
+                f"session {chat.session_id!r} is already running a turn; one conversation "
+                "takes one message at a time"
+            )
+        try:
+            if chat._version != self._version:
+                # The prompt was rendered from a history that has since changed.
+                raise SessionError(
+                    f"session {chat.session_id!r} moved on since this turn was prepared; "
+                    "call stream() again"
+                )
+            for event in self._inner:
+                if event.text:
+                    yield event.text
+            result = self._inner.result
+            assert result is not None
+            completion = result.completion
+            if completion.finish_reason is not FinishReason.ERROR:
+                chat._append(self._user_text, completion.text)
+            self.turn = ChatTurn(
+                reply=completion.text,
+                completion=completion,
+                usage=result.usage,
+                prompt_ids=tuple(int(t) for t in self._inner.request.prompt_ids),
+            )
+        finally:
+            chat._busy.release()
+
+
+def _check_fields(settings: Mapping[str, Any]) -> None:
+    unknown = sorted(set(settings) - set(REQUEST_FIELDS))
+    if unknown:
+        raise BadInputError(
+            f"unknown request setting(s) {unknown}; a chat turn accepts {list(REQUEST_FIELDS)} "
+            "(the prompt is rendered from the history)"
+        )
