@@ -20,7 +20,12 @@ from hypothesis import strategies as st
 from turbospark_jax.block_program import BlockProducer
 from turbospark_jax.chat import ChatSession, ChatTurn, default_stop_ids
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
-from turbospark_jax.errors import BadInputError, ContextOverflowError, SessionError
+from turbospark_jax.errors import (
+    BadInputError,
+    ContextOverflowError,
+    SessionError,
+    UnsupportedCapabilityError,
+)
 from turbospark_jax.generate import SamplingConfig
 from turbospark_jax.kv_prefix import common_prefix
 from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params
@@ -253,6 +258,10 @@ def test_bad_settings_and_misuse_are_refused():
         ChatSession(ATT, CHAR, prompt_ids=[1])
     with pytest.raises(ContextOverflowError):
         ChatSession(ATT, CHAR, max_tokens=500)
+    with pytest.raises(BadInputError, match="SpeculativeProducer"):
+        ChatSession(ATT, CHAR, speculative_block=2)
+    with pytest.raises(UnsupportedCapabilityError, match="no chat template"):
+        ChatSession(ATT_BPE, Tokenizer.from_tokenizers(byte_level_bpe()))
     chat = ChatSession(ATT, CHAR, max_tokens=4, seed=1)
     with pytest.raises(BadInputError, match="unknown request setting"):
         chat.send("hi", temperature=1.0)

@@ -576,6 +576,8 @@ def test_a_thread_never_waits_for_a_slot_it_holds_and_a_closed_stream_frees_it()
     next(stream)  # the turn now holds the slot
     with pytest.raises(SessionError, match="already runs a turn"):
         pool.generate("s", request([1, 2, 3], 0))
+    with pytest.raises(SessionError, match="already runs a turn"):
+        pool.generate("t", request([1, 2, 3], 0))  # the only slot is this thread's
     stream.close()
     info = pool.slot_table()[0]
     assert (info.owner, info.busy, info.fed_tokens) == ("s", False, 0)

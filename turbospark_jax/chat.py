@@ -23,8 +23,8 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from turbospark_jax.errors import BadInputError, SessionError
-from turbospark_jax.generate import Completion, CompletionRequest, FinishReason, validate_request
+from turbospark_jax.errors import BadInputError, SessionError, UnsupportedCapabilityError
+from turbospark_jax.generate import Completion, CompletionRequest, FinishReason
 from turbospark_jax.session_pool import SessionId, SessionPool, TurnStream, TurnUsage
 
 __all__ = ["END_OF_TURN_TOKENS", "ChatSession", "ChatStream", "ChatTurn", "default_stop_ids"]
@@ -110,7 +110,10 @@ class ChatSession:
         :func:`default_stop_ids` of the tokenizer.
 
     Raises:
-      BadInputError: an unknown or invalid request setting.
+      BadInputError: an unknown or invalid request setting, or a speculative block size for a
+        producer that cannot draft.
+      UnsupportedCapabilityError: the tokenizer has no chat template.
+      SessionError: an unusable ``session_id`` (``None`` is replaced by a random one).
 
     One session runs one turn at a time (a second concurrent turn raises
     :class:`SessionError`); sessions sharing a pool run concurrently in their own slots.
@@ -139,9 +142,16 @@ class ChatSession:
         _check_fields(defaults)
         defaults.setdefault("stop_token_ids", default_stop_ids(tokenizer))
         self.defaults = defaults
-        # Fails now on settings no turn could run with (max_tokens beyond the context, ...).
-        validate_request(
-            self.pool.producer, CompletionRequest(prompt_ids=[0], **defaults), tokenizer
+        if getattr(tokenizer, "chat_template", "") is None:
+            raise UnsupportedCapabilityError(
+                "this tokenizer has no chat template, so a chat session cannot render its "
+                "history; use a model folder with chat_template.jinja, or run raw completions"
+            )
+        # Building a turn validates without running it: settings no turn could run with
+        # (max_tokens beyond the context, a block size for a non-speculative producer) fail now.
+        self.pool.stream(
+            self.session_id, CompletionRequest(prompt_ids=[0], **defaults),
+            tokenizer=tokenizer, speculative_block=speculative_block,
         )
         self._history: list[dict[str, str]] = []
         self._version = 0  # bumped whenever the history changes

@@ -26,8 +26,8 @@ session keeps the slot, now empty.
 needs a busy slot (the same session from another thread, or any session when every slot is
 busy) waits until it is released, then re-decides which slot to use: ownership may have moved
 while it waited. ``SessionPool(..., wait=0)`` refuses instead (:class:`SessionError`), and a
-positive ``wait`` bounds the wait in seconds. A thread that asks for a slot it already holds
-(an unfinished stream of the same session) is refused at once rather than waiting for itself.
+positive ``wait`` bounds the wait in seconds. A thread that would wait for slots only it
+holds (an unfinished stream of its own) is refused at once rather than waiting for itself.
 Turns in different slots run concurrently.
 """
 
@@ -373,10 +373,15 @@ class SessionPool:
                 slot = self._candidate(session_id, create)
                 if slot is not None and not slot.lock.locked():
                     break
-                if slot is not None and slot.holder == me:
+                # Waiting on slots only this thread can free would never end.
+                mine = [s.index for s in self._slots if s.holder == me]
+                if (slot is not None and slot.holder == me) or (
+                    slot is None and len(mine) == len(self._slots)
+                ):
                     raise SessionError(
-                        f"this thread already runs a turn of session {session_id!r} in slot "
-                        f"{slot.index}; finish or close that stream before starting another"
+                        f"this thread already runs a turn in slot(s) {mine} that session "
+                        f"{session_id!r} would have to wait for; finish or close that stream "
+                        "before starting another turn"
                     )
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
