@@ -537,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", help="comma-separated subset of the preset's shapes")
     parser.add_argument("--contexts", help="comma-separated decode contexts (override)")
     parser.add_argument("--widths", help="comma-separated W sweep (override; empty: none)")
+    parser.add_argument("--no-hf-compile", action="store_true",
+                        help="skip transformers' static cache + torch.compile run")
     args = parser.parse_args(argv)
     if args.report:
         report(args.report)
@@ -546,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
         preset = dataclasses.replace(preset, shapes=tuple(args.shapes.split(",")))
     if args.contexts:
         preset = dataclasses.replace(preset, contexts=tuple(map(int, args.contexts.split(","))))
+    if args.no_hf_compile:
+        preset = dataclasses.replace(preset, hf_compile=False)
     if args.widths is not None:
         widths = tuple(int(w) for w in args.widths.split(",") if w)
         preset = dataclasses.replace(preset, sweep_widths=widths)
