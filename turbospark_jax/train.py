@@ -136,6 +136,7 @@ class Corpus:
       skipped: relative paths left out because they are not valid UTF-8.
       heldout_fraction: the split parameter (see :func:`is_heldout`).
       max_files: the subset size asked for, or ``None`` for every file.
+      name: what the files are, for people (the model card).
     """
 
     root: str
@@ -144,10 +145,12 @@ class Corpus:
     skipped: tuple[str, ...]
     heldout_fraction: float
     max_files: int | None = None
+    name: str = ""
 
     def describe(self) -> dict[str, Any]:
         """Counts and provenance for logs and the model card."""
         return {
+            "name": self.name,
             "root": self.root,
             "python": platform.python_version(),
             "train_files": len(self.train),
@@ -205,7 +208,10 @@ def is_heldout(rel_path: str, fraction: float) -> bool:
 
 
 def load_corpus(
-    root: Path | None = None, heldout_fraction: float = 0.03, max_files: int | None = None
+    root: Path | None = None,
+    heldout_fraction: float = 0.03,
+    max_files: int | None = None,
+    name: str | None = None,
 ) -> Corpus:
     """Read and split the corpus.
 
@@ -214,6 +220,8 @@ def load_corpus(
       heldout_fraction: the share of files (by path hash) held out for evaluation.
       max_files: keep only this many files, evenly spaced over the sorted list so the subset
         spans the whole library (for quick runs and tests); all files when ``None``.
+      name: what the files are, for the model card; by default the running interpreter's
+        standard library, or the root's path for another root.
 
     Returns:
       The :class:`Corpus`.
@@ -224,6 +232,11 @@ def load_corpus(
     """
     if not 0.0 < heldout_fraction < 1.0:
         raise BadInputError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
+    if name is None:
+        name = (
+            f"the standard library of the running interpreter (CPython "
+            f"{platform.python_version()})" if root is None else f"the directory {root}"
+        )
     root = stdlib_root() if root is None else root
     paths = list_corpus_files(root)
     if max_files is not None and len(paths) > max_files:
@@ -245,7 +258,7 @@ def load_corpus(
             f"{len(train)} training and {len(heldout)} held-out files; both must be non-empty"
         )
     return Corpus(str(root), tuple(train), tuple(heldout), tuple(skipped), heldout_fraction,
-                  max_files)
+                  max_files, name)
 
 
 # -- tokenizer ---------------------------------------------------------------------------------
@@ -950,12 +963,18 @@ def greedy_complete(
     Slow but simple and independent of the runtime's cached paths, which makes it a fair
     witness in a model card. Stops at ``<|eos|>``.
 
+    The prompt's last token is healed: it is dropped, and the first generated token is the
+    model's greedy pick among the tokens whose text starts with the dropped token's text. A
+    prompt such as ``"def "`` otherwise ends on a lone space token, a boundary training text
+    almost never has (the space belongs to the next word's token), and the model's
+    continuation of it says little about the model.
+
     Args:
       config: the model config.
       params: the params (cast to ``dtype``).
       tokenizer: encodes prompts (with ``<|bos|>``) and decodes completions.
       prompts: the prompts.
-      max_new_tokens: the most tokens generated per prompt.
+      max_new_tokens: the most tokens generated per prompt (the healed token included).
       dtype: the compute dtype.
 
     Returns:
@@ -969,20 +988,31 @@ def greedy_complete(
     # attention means the padding after position `last` never affects its logits.
     forward = jax.jit(lambda p, t: model.forward(p, t))
     pad = tokenizer.pad_token_id or 0
+    special = set(tokenizer.all_special_ids)
+    # Ids past the tokenizer's vocabulary (a padded embedding) are never allowed to heal.
+    texts = [tokenizer.decode([i]) for i in range(tokenizer.vocab_size)]
+    texts += [""] * (config.vocab_size - len(texts))
     outputs = []
     for ids in encoded:
         ids = list(ids)
-        first_new = len(ids)
+        allowed: np.ndarray | None = None
+        if len(ids) > 1 and ids[-1] not in special:
+            tail = texts[ids.pop()]
+            allowed = np.array(
+                [bool(t) and t.startswith(tail) and i not in special for i, t in enumerate(texts)]
+            )
         for _ in range(max_new_tokens):
             window = np.full((1, width), pad, np.int32)
             window[0, : len(ids)] = ids
-            logits = forward(cast, jnp.asarray(window))
-            token = int(jnp.argmax(logits[0, len(ids) - 1]))
+            row = np.asarray(forward(cast, jnp.asarray(window))[0, len(ids) - 1], np.float32)
+            if allowed is not None:
+                row = np.where(allowed, row, -np.inf)
+                allowed = None
+            token = int(np.argmax(row))
             if token == tokenizer.eos_token_id:
                 break
             ids.append(token)
-        outputs.append(tokenizer.decode(ids[:first_new], skip_special_tokens=True)
-                       + tokenizer.decode(ids[first_new:], skip_special_tokens=True))
+        outputs.append(tokenizer.decode(ids, skip_special_tokens=True))
     return outputs
 
 
@@ -1041,8 +1071,8 @@ def model_card(
         f"# {name}",
         "",
         f"A {n_params / 1e6:.1f}M-parameter Qwen3-architecture base model of Python code, "
-        f"trained from scratch by `turbospark_jax.train` on the standard library of CPython "
-        f"{corpus['python']}. {role}",
+        f"trained from scratch by `turbospark_jax.train` on the Python sources of "
+        f"{corpus['name']}. {role}",
         "",
         "It is a small demonstration model: it completes Python in the style of the standard "
         "library, often plausibly and often wrongly, and it has never seen instructions or "
@@ -1067,7 +1097,8 @@ def model_card(
         "",
         "## Data",
         "",
-        f"The `*.py` files under `{corpus['root']}` (test suites included), except "
+        f"The `*.py` files of {corpus['name']}, read from `{corpus['root']}` (test suites "
+        "included where present), except "
         "third-party packages (`site-packages`), `pydoc_data`, lib2to3's Python 2 fixtures "
         f"and {corpus['skipped_not_utf8']} files that are not UTF-8"
         + (f"; a subset of {corpus['max_files']} files, evenly spaced in path order"
@@ -1110,7 +1141,9 @@ def model_card(
         "| --- | --- | --- |",
         *[f"| {h['step']} | {h['loss']:.4f} | {h['ppl']:.2f} |" for h in evals],
         "",
-        "Greedy completions (the prompt, then the model's continuation):",
+        "Greedy completions (the prompt, then the model's continuation; the prompt's last "
+        "token is healed: the model re-picks it among the tokens that start with its text, "
+        "since a prompt ending in a space splits a boundary that training text never has):",
         "",
     ]
     for text in samples:
@@ -1126,9 +1159,14 @@ def model_card(
         f"PYTHONPATH=. {command}",
         "```",
         "",
-        "The corpus is whatever standard library the interpreter ships, so another Python "
-        "version trains on different files. On the CPU a rerun is bitwise identical; on a GPU "
-        "XLA's reductions may differ in the last bits.",
+        "Without `--corpus-root` the corpus is whatever standard library the running "
+        "interpreter ships (another Python version or distribution trains on other files); "
+        "the steps follow from `--*-epochs` and the corpus size unless `--*-steps` is given."
+        + ("" if result.finished else
+           f" This run was cut short by `--max-seconds` at step {result.steps_done}; a machine "
+           "of another speed stops elsewhere.")
+        + " On the CPU a rerun is bitwise identical; on a GPU XLA's reductions may differ in "
+        "the last bits.",
         "",
     ]
     return "\n".join(lines)
@@ -1301,32 +1339,50 @@ def _add_corpus_args(p: argparse.ArgumentParser) -> None:
                    help="share of files held out by path hash (default 0.03)")
     p.add_argument("--max-files", type=int, default=None,
                    help="use only this many files, evenly spaced (quick runs)")
+    p.add_argument("--corpus-name", default=None,
+                   help="what --corpus-root holds, for the model card (e.g. 'the CPython "
+                   "3.11.7 standard library')")
 
 
-def _add_train_args(p: argparse.ArgumentParser, prefix: str = "", **defaults: Any) -> None:
-    d = {**dataclasses.asdict(TrainConfig()), **defaults}
+def _add_train_args(
+    p: argparse.ArgumentParser, prefix: str = "", *, epochs: float, batch_size: int, lr: float
+) -> None:
     flag = f"--{prefix}" if prefix else "--"
-    p.add_argument(f"{flag}steps", type=int, default=d["steps"], help="optimizer steps")
-    p.add_argument(f"{flag}batch-size", type=int, default=d["batch_size"], help="sequences/step")
-    p.add_argument(f"{flag}lr", type=float, default=d["peak_lr"], help="peak learning rate")
-    p.add_argument(f"{flag}warmup", type=int, default=d["warmup_steps"], help="warmup steps")
-    p.add_argument(f"{flag}eval-every", type=int, default=d["eval_every"],
-                   help="steps between held-out evaluations (0: only at the end)")
+    p.add_argument(f"{flag}epochs", type=float, default=epochs,
+                   help=f"passes over the training rows (default {epochs}); sets the steps")
+    p.add_argument(f"{flag}steps", type=int, default=None,
+                   help="optimizer steps (overrides the epochs)")
+    p.add_argument(f"{flag}batch-size", type=int, default=batch_size,
+                   help=f"sequences per step (default {batch_size})")
+    p.add_argument(f"{flag}lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    p.add_argument(f"{flag}warmup", type=int, default=None,
+                   help="warmup steps (default: 8%% of the steps)")
+    p.add_argument(f"{flag}eval-every", type=int, default=None,
+                   help="steps between held-out evaluations (default: 10 per run; 0: at the end)")
 
 
-def _train_config(args: argparse.Namespace, prefix: str = "") -> TrainConfig:
+def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> TrainConfig:
+    # Training length is set in epochs by default because the corpus is whatever the
+    # interpreter ships: 2.5M tokens on one machine, 8.6M on another. The resolved steps go in
+    # the model card (and the checkpoint), so a run is still pinned down exactly.
     def get(key: str) -> Any:
         return getattr(args, prefix.replace("-", "_") + key)
 
+    batch_size = get("batch_size")
+    steps = get("steps")
+    if steps is None:
+        steps = max(1, math.ceil(get("epochs") * (num_rows // max(batch_size, 1))))
+    warmup = get("warmup")
+    eval_every = get("eval_every")
     return TrainConfig(
-        steps=get("steps"),
-        batch_size=get("batch_size"),
+        steps=steps,
+        batch_size=batch_size,
         seq_len=args.seq_len,
         peak_lr=get("lr"),
-        warmup_steps=get("warmup"),
+        warmup_steps=max(1, round(0.08 * steps)) if warmup is None else warmup,
         weight_decay=args.weight_decay,
         seed=args.seed,
-        eval_every=get("eval_every"),
+        eval_every=max(1, steps // 10) if eval_every is None else eval_every,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
     )
@@ -1368,7 +1424,7 @@ def _build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--preset", choices=tuple(PRESETS), default="target", help="model shape")
     _add_corpus_args(tr)
     _add_common_train_args(tr)
-    _add_train_args(tr)
+    _add_train_args(tr, epochs=8.0, batch_size=32, lr=2e-3)
 
     rec = sub.add_parser("recipe", help="tokenizer, draft and target end to end")
     rec.add_argument("--out", type=Path, required=True,
@@ -1376,16 +1432,14 @@ def _build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--vocab-size", type=int, default=8192)
     rec.add_argument("--target-preset", choices=tuple(PRESETS), default="target")
     rec.add_argument("--draft-preset", choices=tuple(PRESETS), default="draft")
-    rec.add_argument("--draft-share", type=float, default=0.25,
-                     help="most of the training budget the draft may use (default 0.25)")
+    rec.add_argument("--draft-share", type=float, default=0.35,
+                     help="most of the training budget the draft may use (default 0.35)")
     rec.add_argument("--pack-out", type=Path, default=None,
                      help="also pack OUT/target and OUT/draft into 15 MiB parts here")
     _add_corpus_args(rec)
     _add_common_train_args(rec)
-    _add_train_args(rec, "target-", steps=1500, batch_size=128, peak_lr=2e-3, warmup_steps=100,
-                    eval_every=250)
-    _add_train_args(rec, "draft-", steps=1500, batch_size=128, peak_lr=3e-3, warmup_steps=100,
-                    eval_every=250)
+    _add_train_args(rec, "target-", epochs=8.0, batch_size=32, lr=2e-3)
+    _add_train_args(rec, "draft-", epochs=8.0, batch_size=32, lr=3e-3)
 
     pk = sub.add_parser("pack", help="tar.gz folders into parts of at most --part-mib MiB")
     pk.add_argument("folders", type=Path, nargs="+")
@@ -1478,7 +1532,8 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
     print(f"[recipe] jax {jax.__version__} on {jax.devices()}", flush=True)
 
     t = time.monotonic()
-    corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files)
+    corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                         args.corpus_name)
     print(f"[corpus] {json.dumps(corpus.describe())}", flush=True)
     t = _timed(timings, "corpus_s", t)
 
@@ -1499,10 +1554,11 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
     if deadline is not None:
         left = deadline - time.monotonic() - 2 * reserve
         draft_deadline = time.monotonic() + reserve + max(left, 0.0) * args.draft_share
+    rows = len(data[0])
     draft = _train_and_export(
         args=args, name="draft", role="It is the draft model for speculative decoding with "
         "the target model trained in the same run (same tokenizer).",
-        preset=args.draft_preset, tc=_train_config(args, "draft-"), tokenizer=tokenizer,
+        preset=args.draft_preset, tc=_train_config(args, rows, "draft-"), tokenizer=tokenizer,
         corpus=corpus, data=data, run_dir=out, model_dir=out / "draft",
         deadline=draft_deadline, export_reserve=reserve,
     )
@@ -1510,7 +1566,7 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
     target = _train_and_export(
         args=args, name="target", role="It is the target model; a draft model for "
         "speculative decoding was trained in the same run with the same tokenizer.",
-        preset=args.target_preset, tc=_train_config(args, "target-"), tokenizer=tokenizer,
+        preset=args.target_preset, tc=_train_config(args, rows, "target-"), tokenizer=tokenizer,
         corpus=corpus, data=data, run_dir=out, model_dir=out / "target",
         deadline=deadline, export_reserve=reserve,
     )
@@ -1543,18 +1599,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _build_parser().parse_args(argv)
     args.argv = argv  # for the model card's reproduce line
     if args.command == "tokenizer":
-        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files)
+        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                         args.corpus_name)
         tokenizer = train_tokenizer([d.text for d in corpus.train], args.vocab_size)
         tokenizer.save(args.out)
         print(f"tokenizer with {tokenizer.vocab_size} tokens written to {args.out}")
     elif args.command == "train":
         deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
         tokenizer = Tokenizer.from_folder(args.tokenizer)
-        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files)
+        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                         args.corpus_name)
         data = _encode_splits(tokenizer, corpus, args.seq_len)
         result = _train_and_export(
             args=args, name=args.preset, role="", preset=args.preset,
-            tc=_train_config(args), tokenizer=tokenizer, corpus=corpus, data=data,
+            tc=_train_config(args, len(data[0])), tokenizer=tokenizer, corpus=corpus, data=data,
             run_dir=args.out, model_dir=args.out / "model", deadline=deadline,
             export_reserve=20.0,
         )
