@@ -17,7 +17,14 @@ import numpy as np
 import pytest
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.dense import DenseCache, DenseConfig, DenseModel, init_params
+from turbospark_jax.models.dense import (
+    DenseCache,
+    DenseConfig,
+    DenseModel,
+    init_params,
+    stack_layers,
+    unstack_layers,
+)
 from turbospark_jax.models.layers import attend
 from turbospark_jax.state import tree_bitwise_equal
 
@@ -157,6 +164,17 @@ def test_unrolled_layers_agree_with_scan(setup: Any) -> None:
     b, cache_b = _run(unrolled, params, tokens, [4, 4, 4, 1])
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(cache_a.k), np.asarray(cache_b.k), atol=1e-5, rtol=0)
+
+
+def test_listed_layers_agree_with_stacked(setup: Any) -> None:
+    model, params, tokens = setup
+    listed = unstack_layers(params)
+    assert isinstance(listed["layers"], list) and len(listed["layers"]) == 2
+    assert tree_bitwise_equal(stack_layers(listed), params)
+    a, cache_a = _run(model, params, tokens, [4, 4, 4, 1])
+    b, cache_b = _run(model, listed, tokens, [4, 4, 4, 1])
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(cache_a.v), np.asarray(cache_b.v), atol=1e-5, rtol=0)
 
 
 def test_bfloat16_block_runs_in_bfloat16() -> None:

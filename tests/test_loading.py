@@ -30,7 +30,12 @@ from turbospark_jax.errors import (  # noqa: E402
     UnsupportedCapabilityError,
 )
 from turbospark_jax.loading import GenerationConfig, load_folder, save_folder  # noqa: E402
-from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params  # noqa: E402
+from turbospark_jax.models.dense import (  # noqa: E402
+    DenseConfig,
+    DenseModel,
+    init_params,
+    stack_layers,
+)
 from turbospark_jax.models.layers import RopeScaling  # noqa: E402
 from turbospark_jax.state import tree_bitwise_equal  # noqa: E402
 from turbospark_jax.tokenizer import Tokenizer  # noqa: E402
@@ -306,6 +311,14 @@ def test_round_trip_is_bitwise(loaded: Any, tmp_path: Path) -> None:
     bumped = jax.tree.map(lambda a: a, again.params)
     bumped["norm"] = jnp.nextafter(bumped["norm"], jnp.inf)
     assert not tree_bitwise_equal(bumped, loaded.params)
+
+
+def test_list_layout_loads_and_saves(hf_folder: Path, loaded: Any, tmp_path: Path) -> None:
+    listed = load_folder(hf_folder, layer_layout="list")
+    assert isinstance(listed.params["layers"], list) and len(listed.params["layers"]) == 2
+    assert tree_bitwise_equal(stack_layers(listed.params), loaded.params)
+    save_folder(tmp_path, listed.config, listed.params)
+    assert tree_bitwise_equal(load_folder(tmp_path).params, loaded.params)
 
 
 def test_sharded_round_trip(loaded: Any, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +31,14 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.dense import DenseConfig, DenseModel, Params, param_shapes
+from turbospark_jax.models.dense import (
+    DenseConfig,
+    DenseModel,
+    Params,
+    param_shapes,
+    stack_layers,
+    unstack_layers,
+)
 from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -294,7 +301,11 @@ def _iter_tensors(folder: str, weight_map: Mapping[str, str]) -> Iterator[tuple[
                 yield name, f, path
 
 
-def load_folder(path: str | os.PathLike[str], dtype: Any = None) -> LoadedModel:
+def load_folder(
+    path: str | os.PathLike[str],
+    dtype: Any = None,
+    layer_layout: Literal["stacked", "list"] = "stacked",
+) -> LoadedModel:
     """Load a Hugging Face model folder of the dense family.
 
     Args:
@@ -302,6 +313,9 @@ def load_folder(path: str | os.PathLike[str], dtype: Any = None) -> LoadedModel:
       dtype: the params / activation dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a
         jnp dtype); by default the ``dtype`` (or ``torch_dtype``) that ``config.json`` names,
         else float32. Tensors stored in another dtype are cast (round to nearest even).
+      layer_layout: ``"stacked"`` (per-layer leaves on a leading L axis: training, scans,
+        saving) or ``"list"`` (one dict per layer: the fast layout for GPU decoding, see
+        :mod:`turbospark_jax.models.dense`).
 
     Returns:
       The :class:`LoadedModel`.
@@ -355,7 +369,7 @@ def load_folder(path: str | os.PathLike[str], dtype: Any = None) -> LoadedModel:
             raise
         except Exception as e:
             raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
-        converted = _from_hf(array, t, _leaf_shape(shapes, t)).astype(np_dtype)
+        converted = _from_hf(array, t, _leaf_shape(shapes, t)).astype(np_dtype, copy=False)
         leaf = host
         for k in t.key[:-1]:
             leaf = leaf[k]
@@ -386,6 +400,10 @@ def load_folder(path: str | os.PathLike[str], dtype: Any = None) -> LoadedModel:
     else:
         generation = GenerationConfig.from_model_config(config)
     params = jax.tree.map(jnp.asarray, host)
+    if layer_layout == "list":
+        params = unstack_layers(params)
+    elif layer_layout != "stacked":
+        raise ValueError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
     return LoadedModel(
         model=DenseModel(config, resolved),
         params=params,
@@ -418,7 +436,7 @@ def save_folder(
     Args:
       path: the destination folder (created if needed).
       config: the model config.
-      params: the params tree (layout in :mod:`turbospark_jax.models.dense`).
+      params: the params tree, either layer layout (see :mod:`turbospark_jax.models.dense`).
       tokenizer: written alongside when given.
       generation_config: written as ``generation_config.json``; derived when ``None``.
       max_shard_bytes: the most tensor bytes in one file (a larger tensor gets a file alone).
@@ -430,6 +448,7 @@ def save_folder(
     os.makedirs(folder, exist_ok=True)
     shapes = param_shapes(config)
     tensors = _tensor_map(config)
+    params = stack_layers(params)
     expected = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
     got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params),
                           is_leaf=lambda x: isinstance(x, tuple))
