@@ -52,7 +52,7 @@ from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.speculative import stream_raw_completion_speculative
 from turbospark_jax.state import copy_state
 
-__all__ = ["PoolTurn", "SessionPool", "SlotInfo", "TurnStream", "TurnUsage"]
+__all__ = ["PoolTurn", "SessionId", "SessionPool", "SlotInfo", "TurnStream", "TurnUsage"]
 
 #: What identifies a session: any hashable value but ``None`` (which marks a free slot).
 SessionId = Hashable
