@@ -17,7 +17,10 @@ third-party code (``site-packages``, ``dist-packages``), bytecode caches, the bu
 and any file that is not valid UTF-8 (a handful of test files in other encodings, on purpose).
 A file is held out for evaluation when the SHA-256 of its relative path falls below
 ``heldout_fraction``: the split is by file, needs no state, and does not move when other files
-come or go.
+come or go. How much there is depends on the interpreter: a full CPython 3.11 ``Lib/`` gives
+about 8.2M training tokens, a Debian/Ubuntu system Python (tests packaged apart) about 2.5M.
+``--corpus-root`` reads another directory, such as a full ``Lib/`` carried to a machine whose
+Python lacks the tests.
 
 **Tokenizer.** Byte-level BPE (``tokenizers``), trained on the training split only; any text
 round-trips because every byte is in the base alphabet and nothing is normalised. Ids 0, 1, 2
@@ -32,9 +35,11 @@ document boundaries, as in GPT-2 style packing. Each epoch visits the rows in a 
 drawn from ``(seed, epoch)``; batch ``s`` is a pure function of ``s``, so the data position in
 a checkpoint is just the step.
 
-**Training.** AdamW (``b2`` 0.95) with linear warmup and cosine decay to ``min_lr_ratio`` of
-the peak, global-norm clipping, float32 master weights cast to bfloat16 inside the loss, and a
-float32 softmax cross-entropy. Weight decay applies to every matrix, the tied embedding
+**Training.** Length is given in epochs (the data is small, so passes over it, not tokens,
+decide between under- and overfitting); the resolved step count is recorded. AdamW (``b2``
+0.95) with linear warmup and cosine decay to ``min_lr_ratio`` of the peak, global-norm
+clipping, float32 master weights cast to bfloat16 inside the loss, and a float32 softmax
+cross-entropy. Weight decay applies to every matrix, the tied embedding
 included (it is also the output head, so it is decayed like any projection), and not to the
 RMSNorm scales: decaying those pulls them toward zero, which fights the normalisation.
 
