@@ -174,12 +174,13 @@ def _dense(shape: Shape, seed: int = 0) -> tuple[Any, Any, Any]:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.dense import DenseConfig, DenseModel
+    from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
 
     config = DenseConfig.from_hf_dict(shape.hf_dict())
-    model = DenseModel(config, jnp.bfloat16)
+    model = DenseModel(config, jnp.bfloat16, scan_layers=False)
     params = jax.jit(model.init_params)(jax.random.PRNGKey(seed))
-    return config, model, params
+    # One dict per layer: stacked weights get sliced (copied) inside the program's loop.
+    return config, model, unstack_layers(params)
 
 
 def weight_bytes(params: Any, config: Any) -> int:

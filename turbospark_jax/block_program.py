@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -230,21 +231,32 @@ def _run_blocks(
 
 def _parallel_block(
     model: BlockModel, params: Any, buffers: BlockState, values: BlockState,
-    tokens: jax.Array, live: jax.Array,
+    tokens: jax.Array, live: jax.Array, key_limit: int | None, fresh: bool,
 ) -> tuple[BlockState, BlockState]:
     """One wide headless pass: the parallel prefill's fast path (not the exact program)."""
     state = merge_parts(buffers, values)
     width = tokens.shape[0]
     positions = state.fed.count + jnp.arange(width, dtype=jnp.int32)
-    _, cache = model.block_forward(params, state.cache, tokens, positions, live, jnp.bool_(False))
+    extra = {}
+    if _accepts_attention_hints(model):
+        extra = {"key_limit": key_limit, "fresh": fresh}
+    _, cache = model.block_forward(
+        params, state.cache, tokens, positions, live, jnp.bool_(False), **extra
+    )
     state = state.replace(cache=cache, fed=state.fed.append(tokens, live))
     return buffers_only(state), by_value(state)
+
+
+def _accepts_attention_hints(model: BlockModel) -> bool:
+    params = inspect.signature(model.block_forward).parameters
+    return "key_limit" in params and "fresh" in params
 
 
 @functools.cache
 def _compiled_parallel(model: BlockModel, donate: bool) -> Any:
     fn = functools.partial(_parallel_block, model)
-    return jax.jit(fn, donate_argnums=(1,) if donate else ())
+    return jax.jit(fn, donate_argnums=(1,) if donate else (),
+                   static_argnames=("key_limit", "fresh"))
 
 
 @functools.cache
@@ -370,26 +382,40 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
 
     def prefill_parallel(
         self, state: BlockState, tokens: Sequence[int], start_position: int, *,
-        chunk: int = 512,
+        chunk: int = 2048,
     ) -> tuple[jax.Array, BlockState]:
         """The fast path: all but the last token in wide batched passes, then the last one
         through the exact program.
 
-        Each pass runs ``chunk`` rows at once (a separate, wider executable, so the cache rows
-        it writes differ from the exact path by rounding: see the tolerance stated in the
-        tests); the final token goes through :meth:`produce`, which is why this needs no
-        output head over the whole chunk. Not part of any bitwise guarantee.
+        A prompt fed into an empty state goes in one pass over its own rows (width: the next
+        power of two, so prompt lengths share a few programs; cuDNN flash attention on a GPU).
+        Otherwise passes of ``chunk`` rows attend over the cache up to the last row they can
+        see (a static bound rounded up to a multiple of ``chunk``, so at most
+        ``capacity / chunk`` programs). These are different executables from the exact
+        program, so the cache rows they write differ from the exact path's by rounding (the
+        tolerance is stated in the tests); the final token goes through :meth:`produce`, so no
+        pass needs the output head. Not part of any bitwise guarantee.
         """
         tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
         program = _compiled_parallel(self.model, self.donate)
         body = tokens[:-1]
-        for a in range(0, len(body), chunk):
-            piece = body[a : a + chunk]
-            padded = np.zeros((chunk,), np.int32)
+        if body and int(state.fed.count) == 0:
+            width = min(max(256, 1 << (len(body) - 1).bit_length()), self.capacity)
+            pieces = [(body[:width], width, None, len(body) <= width)]
+            pieces += [(body[a : a + chunk], chunk, None, False)
+                       for a in range(width, len(body), chunk)]
+        else:
+            pieces = [(body[a : a + chunk], chunk, None, False)
+                      for a in range(0, len(body), chunk)]
+        for piece, width, _, fresh in pieces:
+            padded = np.zeros((width,), np.int32)
             padded[: len(piece)] = piece
+            limit = None if fresh else min(
+                self.capacity, -(-(int(state.fed.count) + width) // chunk) * chunk
+            )
             buffers, values = program(
                 self.params, buffers_only(state), by_value(state), jnp.asarray(padded),
-                jnp.int32(len(piece)),
+                jnp.int32(len(piece)), key_limit=limit, fresh=fresh,
             )
             state = merge_parts(buffers, values)
         return self.produce(state, tokens[-1], start_position + len(body))

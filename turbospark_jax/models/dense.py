@@ -717,6 +717,9 @@ class DenseModel:
         positions: jax.Array,
         live: jax.Array,
         need_head: jax.Array,
+        *,
+        key_limit: int | None = None,
+        fresh: bool = False,
     ) -> tuple[jax.Array, DenseCache]:
         """Run a block of W rows against the cache: write their K/V, attend, return logits.
 
@@ -735,6 +738,11 @@ class DenseModel:
             and their logits are don't-care.
           need_head: bool ``[]`` (traced); when false the final norm and output head are
             skipped and the logits are zeros.
+          key_limit: static; attend over cache positions ``< key_limit`` only (the parallel
+            prefill's fast path, which knows no row sits past it). ``None``: the whole cache.
+          fresh: static; the block starts at position 0 of an empty cache, so attention runs
+            over the block's own rows (cuDNN flash attention on a GPU in 16-bit dtypes).
+            Parallel prefill only: a different program from the exact path.
 
         Returns:
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
@@ -756,7 +764,12 @@ class DenseModel:
                 q, k, v = self._qkv(x, lp, cos, sin)
                 k_all = k_all.at[index, write_at].set(k, mode="drop")
                 v_all = v_all.at[index, write_at].set(v, mode="drop")
-                attn = attend(q, k_all[index], v_all[index], positions, key_positions, window)
+                if fresh:
+                    attn = self._self_attention(q, k, v, positions, window)
+                else:
+                    limit = capacity if key_limit is None else min(key_limit, capacity)
+                    attn = attend(q, k_all[index, :limit], v_all[index, :limit], positions,
+                                  key_positions[:limit], window)
             return self._finish(x, attn, lp), (k_all, v_all)
 
         x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
@@ -768,6 +781,24 @@ class DenseModel:
                 x,
             )
         return logits, cache.replace(k=k_all, v=v_all)
+
+    def _self_attention(
+        self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: Any
+    ) -> jax.Array:
+        """Causal attention of a block over its own rows (q [W, H, hd], k/v [W, KV, hd])."""
+        flash = (
+            jax.default_backend() == "gpu"
+            and self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and window is None
+            and self.config.head_dim % 8 == 0
+            and self.config.head_dim <= 128
+        )
+        if flash:
+            out = jax.nn.dot_product_attention(
+                q[None], k[None], v[None], is_causal=True, implementation="cudnn"
+            )
+            return out[0]
+        return attend(q, k, v, positions, positions, window)
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Plain causal forward over whole sequences, no cache (training, parity tests).
