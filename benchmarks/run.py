@@ -437,6 +437,8 @@ def report(out: Path) -> None:
     """Merge ``<out>/*.json`` into ``results.md`` and ``decode_vs_context.png``."""
     records, metas = [], {}
     for path in sorted(out.glob("*.json")):
+        if path.stem.startswith("speculative"):
+            continue  # benchmarks/speculative.py writes its own table
         data = json.loads(path.read_text())
         metas[path.stem] = data["meta"]
         records += data["records"]
