@@ -108,8 +108,11 @@ def _parser() -> argparse.ArgumentParser:
                      "up to N")
     gen.add_argument("--block-size", type=int, default=4, help="proposals per speculative round")
     gen.add_argument("--context", type=int, default=2048, help="positions to allocate")
-    gen.add_argument("--width", type=int, default=8, help="rows of the exact block program")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    gen.add_argument("--width", type=int, default=None,
+                     help="rows of the exact block program (default: 16 on a GPU, 4 on a CPU)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                     help="default: the model's own on a GPU, float32 on a CPU (XLA's CPU "
+                          "bfloat16 matmuls are slow)")
     gen.add_argument("--parallel-prefill", action="store_true",
                      help="batched prefill (faster; equal to the exact path within tolerance)")
     gen.add_argument("--slots", type=int, default=1, help="session slots (chat)")
@@ -118,9 +121,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _producer(path: Path, args: argparse.Namespace, spinner: _Spinner) -> tuple[Any, Any]:
+    import jax
+
     from turbospark_jax.block_program import BlockProducer
     from turbospark_jax.loading import load_folder
 
+    on_cpu = jax.default_backend() == "cpu"
+    if args.dtype is None and on_cpu:
+        args.dtype = "float32"
+    if args.width is None:
+        args.width = 4 if on_cpu else 16
     spinner.set(f"loading {path}")
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
@@ -235,18 +245,27 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
 
 def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
     """One session across turns: each line of stdin is a user turn."""
-    from turbospark_jax.chat import ChatSession
+    import dataclasses
+
+    from turbospark_jax.chat import ChatSession, default_stop_ids
     from turbospark_jax.session_pool import SessionPool
 
     pool = SessionPool(producer, slots=args.slots)
-    session = ChatSession(pool, tok, session_id="cli", stop_token_ids=stops,
-                          request=_request(args, [0], stops),
-                          speculative_block=args.block_size if _is_pair(producer) else None)
+    request = _request(args, [0], stops)
+    settings = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
+                if f.name != "prompt_ids"}
+    settings["stop_token_ids"] = sorted({*stops, *default_stop_ids(tok)})
+    session = ChatSession(pool, tok, session_id="cli",
+                          speculative_block=args.block_size if _is_pair(producer) else None,
+                          **settings)
     for line in _lines(stdin):
-        turn = session.send(line, stream_to=stdout)
+        stream = session.stream(line)
+        for delta in stream:
+            stdout.write(delta)
+            stdout.flush()
         stdout.write("\n")
         stdout.flush()
-        print(turn.summary(), file=stderr, flush=True)
+        print(f"[turn] {stream.turn.summary()}", file=stderr, flush=True)
     return 0
 
 
