@@ -1,0 +1,1 @@
+"""Data package ``turbospark_jax_models``: the embedded model folders (Hugging Face layout)."""
