@@ -58,7 +58,7 @@ def run(out: Path, tokens: int, blocks: list[int], dtype: str | None, width: int
         req = CompletionRequest(prompt_ids=ids, max_tokens=tokens, stop_token_ids=stops)
         plain_tokens = None
         for name, k, producer in configs:
-            def go(producer=producer, k=k):
+            def go(producer=producer, k=k, req=req):
                 if k == 0:
                     return run_raw_completion(producer, req)
                 return run_raw_completion_speculative(producer, req, block_size=k)

@@ -119,7 +119,7 @@ def test_speculative_modes_match_plain_greedy(our_folder, extra):
 
 
 def test_chat_mode_keeps_a_session_and_reports_reuse(our_folder):
-    code, out, err = run("generate", "--model", str(our_folder), "--chat", "--max-tokens", "6",
+    code, _, err = run("generate", "--model", str(our_folder), "--chat", "--max-tokens", "6",
                          "--context", "256", stdin="hello\nhow are you\n")
     assert code == 0, err
     lines = [line for line in err.splitlines() if "reused" in line]
@@ -140,7 +140,7 @@ def test_chat_mode_keeps_a_session_and_reports_reuse(our_folder):
 )
 def test_errors_are_one_line_and_nonzero(our_folder, argv, needle):
     argv = [str(our_folder) if a == "FOLDER" else a for a in argv]
-    code, out, err = run(*argv)
+    code, _, err = run(*argv)
     assert code == 1
     lines = [line for line in err.splitlines() if line.strip()]
     assert lines[-1].startswith("turbospark-jax: error:") and needle in lines[-1]

@@ -58,7 +58,7 @@ def test_verify_rows_equal_decode(producer, prefix, feed):
 @given(first=tokens, keep=st.integers(0, 22), tail=st.lists(st.integers(0, VOCAB - 1),
                                                              min_size=1, max_size=5))
 def test_reuse_equals_fresh(producer, first, keep, tail):
-    C.check_reuse_matches_fresh(producer, first, [5, 6], (first + [5, 6])[:keep] + tail)
+    C.check_reuse_matches_fresh(producer, first, [5, 6], [*first, 5, 6][:keep] + tail)
 
 
 def test_rollback_restores(producer):

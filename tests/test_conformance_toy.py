@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from turbospark_jax.kv_prefix import reusable_prefix
 from turbospark_jax.testing import conformance as C
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
@@ -72,7 +73,8 @@ def test_rollback_restores(producer, before, after, probe):
 def test_reuse_equals_fresh(producer, first, generated, keep, tail):
     second = (first + generated)[:keep] + tail
     n = C.check_reuse_matches_fresh(producer, first, generated, second)
-    assert n <= min(keep, len(first) + len(generated))
+    fed = first + generated
+    assert n == reusable_prefix(fed, None, second, rewindable=producer.can_rewind)
 
 
 def test_attention_reuse_hits_and_recurrent_only_on_full_match():
@@ -94,7 +96,7 @@ CHECKS = {
         p, [("chunk", PROMPT[:5])], [("verify", PROMPT[5:8])], 3
     ),
     "reuse_claims_one_more": lambda p: C.check_reuse_matches_fresh(
-        p, PROMPT, [7], PROMPT[:6] + [8, 8]
+        p, PROMPT, [7], [*PROMPT[:6], 8, 8]
     ),
 }
 

@@ -36,7 +36,8 @@ def drafters_for(target_factory):
 ATT_DRAFTERS = drafters_for(toy_attention_producer)
 RNN_DRAFTERS = drafters_for(toy_recurrent_producer)
 GREEDY = CompletionRequest(prompt_ids=PROMPT, max_tokens=40, record_logits=True)
-PLAIN = {"attention": run_raw_completion(TARGET, GREEDY), "recurrent": run_raw_completion(RNN, GREEDY)}
+PLAIN = {"attention": run_raw_completion(TARGET, GREEDY),
+         "recurrent": run_raw_completion(RNN, GREEDY)}
 
 
 @pytest.mark.parametrize("block", range(1, MAX_BLOCK + 1))
@@ -225,7 +226,7 @@ def test_second_token_after_acceptance_follows_the_next_row():
     def draft(key):
         return jax.random.categorical(key, jnp.log(q_probs[0]))[None]
 
-    first, second, count = _first_token_histogram(p_logits, q_probs, draft, 60000, seed=3)
+    _, second, count = _first_token_histogram(p_logits, q_probs, draft, 60000, seed=3)
     bonus = second[count == 2]
     emp = np.bincount(bonus, minlength=SMALL_V) / len(bonus)
     assert _tv(emp, np.asarray(jax.nn.softmax(p_logits[1]))) < 0.03

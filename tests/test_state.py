@@ -41,7 +41,7 @@ def _state(count):
 
 
 def test_by_value_keeps_only_small_leaves_and_restores():
-    cache, fed = _state(4)
+    _, fed = _state(4)
     small = by_value(fed)
     assert small.ids is None and int(small.count) == 4
     moved = fed.replace(count=jnp.int32(6))
@@ -61,6 +61,6 @@ def test_live_equal_ignores_dead_rows_only():
 
 
 def test_copy_state_is_independent():
-    cache, fed = _state(2)
+    cache, _ = _state(2)
     c = copy_state(cache)
     assert tree_bitwise_equal(c, cache) and c.k is not cache.k

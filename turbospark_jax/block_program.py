@@ -47,6 +47,7 @@ from turbospark_jax.errors import (
     ProducerFailedError,
     UnsupportedCapabilityError,
 )
+from turbospark_jax.kv_prefix import reusable_prefix
 from turbospark_jax.protocols import ChunkedPrefillRunner, VerifyingTarget
 from turbospark_jax.state import (
     FedRecord,
@@ -346,10 +347,8 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         injected: Mapping[int, int] | None = None,
     ) -> tuple[int, BlockState]:
         record = state.fed.to_host()
-        n = record.reusable_prefix(prompt_ids, injected)
-        if not getattr(self.model, "rewindable", True) and n != record.count:
-            # Recurrent leaves hold the whole fed history: only a full match is exact.
-            n = 0
+        n = reusable_prefix(record.ids, record.injected, prompt_ids, injected,
+                            rewindable=self.can_rewind)
         if n == 0:
             return 0, self.init_state()
         return n, self._with_count(state, n)
