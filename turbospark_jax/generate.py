@@ -322,8 +322,8 @@ class CompletionStream(Iterator[StreamEvent]):
     def __next__(self) -> StreamEvent:
         return next(self._events)
 
-    # The loop proper; a generator so streaming and non-streaming share every line.
-    def _run(self) -> Iterator[StreamEvent]:
+    def _begin(self) -> tuple[float, list[int], Any, int, Emission, jax.Array, Any]:
+        """What every loop starts with: clock, prompt, reused state, emission, key, history."""
         p, req = self.producer, self.request
         t0 = time.perf_counter()
         prompt = [int(t) for t in req.prompt_ids]
@@ -332,6 +332,12 @@ class CompletionStream(Iterator[StreamEvent]):
         out = Emission(req, self.tokenizer, prompt)
         key = sampling.request_key(req.seed)
         history = sampling.History.from_prompt(prompt, p.vocab_size)
+        return t0, prompt, state, reused, out, key, history
+
+    # The loop proper; a generator so streaming and non-streaming share every line.
+    def _run(self) -> Iterator[StreamEvent]:
+        p, req = self.producer, self.request
+        t0, prompt, state, reused, out, key, history = self._begin()
         device = isinstance(p, DeviceDecoder)
         finish, error = None, None
         first_token_s = 0.0

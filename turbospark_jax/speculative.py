@@ -52,12 +52,11 @@ from turbospark_jax.errors import BadInputError, ProducerExhaustedError, Produce
 from turbospark_jax.generate import (
     Completion,
     CompletionRequest,
-    Emission,
+    CompletionStream,
     FinishReason,
     StreamEvent,
     Timings,
     Usage,
-    validate_request,
 )
 from turbospark_jax.protocols import SpeculativeProducer
 
@@ -159,7 +158,7 @@ def _pad_rows(rows: jax.Array, n: int) -> jax.Array:
     return jnp.zeros((n, rows.shape[-1]), jnp.float32).at[: rows.shape[0]].set(rows)
 
 
-class SpeculativeStream(Iterator[StreamEvent]):
+class SpeculativeStream(CompletionStream):
     """The speculative counterpart of :class:`~turbospark_jax.generate.CompletionStream`."""
 
     def __init__(
@@ -182,26 +181,13 @@ class SpeculativeStream(Iterator[StreamEvent]):
             raise BadInputError(
                 f"block_size must be an integer in 1..{MAX_BLOCK}, got {block_size!r}"
             )
-        self._params = validate_request(producer, request, tokenizer)
-        self.producer, self.request, self.tokenizer = producer, request, tokenizer
         self.block_size = block_size
-        self._state = state
-        self.completion: Completion | None = None
-        self._events = self._run()
-
-    def __next__(self) -> StreamEvent:
-        return next(self._events)
+        super().__init__(producer, request, tokenizer=tokenizer, state=state)
 
     def _run(self) -> Iterator[StreamEvent]:
         p, req = self.producer, self.request
-        t0 = time.perf_counter()
-        prompt = [int(t) for t in req.prompt_ids]
-        state = self._state if self._state is not None else p.init_state()
-        reused, state = p.try_reuse_prefix(state, prompt)
-        out = Emission(req, self.tokenizer, prompt)
-        key = sampling.request_key(req.seed)
+        t0, prompt, state, reused, out, key, history = self._begin()
         draft_key = jax.random.fold_in(key, 1)
-        history = sampling.History.from_prompt(prompt, p.vocab_size)
         stats = _Stats(self.block_size)
         finish, error, first_token_s = None, None, 0.0
         try:
