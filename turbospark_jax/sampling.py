@@ -237,7 +237,10 @@ class History:
                 raise BadInputError(
                     f"prompt id {int(bad[0])} is outside the vocabulary [0, {vocab_size})"
                 )
-            prompt_ids = host.astype(np.int32).reshape(-1)
+            # Built on the host: a device scatter would compile anew for every prompt length.
+            seen = np.zeros((vocab_size,), np.bool_)
+            seen[host.astype(np.int64).reshape(-1)] = True
+            return cls(counts=jnp.zeros((vocab_size,), jnp.int32), seen=jnp.asarray(seen))
         ids = jnp.asarray(prompt_ids, jnp.int32)
         empty = cls.empty(vocab_size)
         return empty.replace(seen=empty.seen.at[_droppable(ids, vocab_size)].set(True, mode="drop"))
