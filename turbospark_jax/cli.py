@@ -107,9 +107,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--ngram", type=int, default=0, help="prompt-lookup drafting with n-grams "
                      "up to N")
     gen.add_argument("--block-size", type=int, default=4, help="proposals per speculative round")
-    gen.add_argument("--context", type=int, default=2048, help="positions to allocate")
+    gen.add_argument("--context", type=int, default=None,
+                     help="positions to allocate (default: what prompt and reply need, at "
+                          "least 256; 2048 for --chat)")
     gen.add_argument("--width", type=int, default=None,
-                     help="rows of the exact block program (default: 16 on a GPU, 4 on a CPU)")
+                     help="rows of the exact block program (default: 16 on a GPU, 1 on a CPU)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                      help="default: the model's own on a GPU, float32 on a CPU (XLA's CPU "
                           "bfloat16 matmuls are slow)")
@@ -120,51 +122,58 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _producer(path: Path, args: argparse.Namespace, spinner: _Spinner) -> tuple[Any, Any]:
+def _load(path: Path, args: argparse.Namespace, spinner: _Spinner) -> Any:
     import jax
 
-    from turbospark_jax.block_program import BlockProducer
     from turbospark_jax.loading import load_folder
 
     on_cpu = jax.default_backend() == "cpu"
     if args.dtype is None and on_cpu:
         args.dtype = "float32"
     if args.width is None:
-        args.width = 4 if on_cpu else 16
+        # A CPU is compute-bound: every padding row costs; a GPU reads the weights once.
+        args.width = 1 if on_cpu else 16
     spinner.set(f"loading {path}")
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
-    loaded = load_folder(path, dtype=args.dtype, layer_layout="list")
-    producer = BlockProducer(
-        loaded.model, loaded.params, capacity=args.context, width=args.width,
-        steps_per_call=32, donate=True,
-    )
-    return loaded, producer
+    return load_folder(path, dtype=args.dtype, layer_layout="list")
 
 
-def _build(args: argparse.Namespace, spinner: _Spinner) -> tuple[Any, Any, Any]:
-    """(loaded target, producer to drive, stop ids)."""
+def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
+    from turbospark_jax.block_program import BlockProducer
+
+    return BlockProducer(loaded.model, loaded.params, capacity=capacity, width=args.width,
+                         steps_per_call=32, donate=True)
+
+
+def _capacity(args: argparse.Namespace, prompt_tokens: int | None) -> int:
+    """``--context``, or the smallest power of two (>= 256) holding prompt and reply: decode
+    attends over the whole preallocated context, so a tight one is faster."""
+    if args.context is not None:
+        return args.context
+    if prompt_tokens is None:
+        return 2048  # a chat grows turn by turn
+    need = prompt_tokens + args.max_tokens + args.width
+    return max(256, 1 << (need - 1).bit_length())
+
+
+def _assemble(loaded: Any, args: argparse.Namespace, spinner: _Spinner,
+              capacity: int) -> tuple[Any, list[int]]:
+    """(producer to drive, stop ids) for the loaded target and the drafting options."""
     from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
-    from turbospark_jax.errors import BadInputError
 
-    target_path = Path(args.model) if args.model else embedded_model_path(DEFAULT_TARGET)
-    loaded, producer = _producer(target_path, args, spinner)
-    if loaded.tokenizer is None:
-        raise BadInputError(f"{target_path} has no tokenizer.json; the CLI needs text")
-    choices = sum(bool(x) for x in (args.speculative, args.draft_model, args.ngram))
-    if choices > 1:
-        raise BadInputError("choose one of --speculative, --draft-model and --ngram")
+    producer = _block_producer(loaded, args, capacity)
     if args.speculative or args.draft_model:
         draft_path = Path(args.draft_model) if args.draft_model else embedded_model_path(
             DEFAULT_DRAFT)
-        _, draft = _producer(draft_path, args, spinner)
+        draft = _block_producer(_load(draft_path, args, spinner), args, capacity)
         producer = SpeculativePair(producer, DraftModelDrafter(draft))
     elif args.ngram:
         producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=args.ngram))
     stops = set(loaded.generation_config.eos_token_ids)
     if loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
-    return loaded, producer, sorted(stops)
+    return producer, sorted(stops)
 
 
 def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
@@ -213,11 +222,19 @@ def _report(completion: Any, out: TextIO) -> None:
 
 
 def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
+    from turbospark_jax.errors import BadInputError
+
     spinner = _Spinner(stderr)
     try:
-        loaded, producer, stops = _build(args, spinner)
+        if sum(bool(x) for x in (args.speculative, args.draft_model, args.ngram)) > 1:
+            raise BadInputError("choose one of --speculative, --draft-model and --ngram")
+        target_path = Path(args.model) if args.model else embedded_model_path(DEFAULT_TARGET)
+        loaded = _load(target_path, args, spinner)
         tok = loaded.tokenizer
+        if tok is None:
+            raise BadInputError(f"{target_path} has no tokenizer.json; the CLI needs text")
         if args.chat and args.prompt is None:
+            producer, stops = _assemble(loaded, args, spinner, _capacity(args, None))
             spinner.done()
             return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr)
         text = args.prompt if args.prompt is not None else stdin.read()
@@ -225,6 +242,7 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
             text = tok.apply_chat_template([{"role": "user", "content": text}],
                                            add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
+        producer, stops = _assemble(loaded, args, spinner, _capacity(args, len(ids)))
         stream = _stream(producer, _request(args, ids, stops), tok, args.block_size)
         spinner.set("compiling and prefilling")
         first = True
