@@ -93,6 +93,25 @@ def test_retaining_rollback_equals_rollback_plus_reverify(target):
     assert fast.fed_ids == slow.fed_ids
 
 
+class _NoBursts(SpeculativePair):
+    def supports_draft_bursts(self):
+        return False
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_device_draft_bursts_equal_step_by_step_drafting(temperature):
+    """One decode call for the draft block proposes exactly what draft_step calls would."""
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=2,
+                            sampling=SamplingConfig(temperature=temperature, top_k=16))
+    fast = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["other_model"]),
+                                          req, block_size=4)
+    slow = run_raw_completion_speculative(_NoBursts(TARGET, ATT_DRAFTERS["other_model"]), req,
+                                          block_size=4)
+    assert fast.token_ids == slow.token_ids
+    assert np.array_equal(fast.logits, slow.logits)
+    assert fast.speculative == slow.speculative
+
+
 def test_stop_token_inside_an_accepted_block_matches_plain():
     plain = PLAIN["attention"]
     stop = plain.token_ids[6]

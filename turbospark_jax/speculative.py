@@ -283,6 +283,25 @@ class SpeculativeStream(CompletionStream):
             for i, t in enumerate(proposals):
                 q[i, t] = 1.0  # a deterministic drafter's proposal is a point mass
             return proposals, jnp.asarray(q), state
+        if getattr(p, "supports_draft_bursts", lambda: False)():
+            proposals, rows, state = p.draft_burst(
+                state, anchor, base, m_cap, params=self._params, history=history,
+                key=draft_key, index=index,
+            )
+            self._drafter_at = base + m_cap
+            if len(proposals) < m_cap:  # non-finite drafter logits cut the burst short
+                state = p.rewind_drafter(state, base)
+                self._drafter_at = base
+            if self._params.is_greedy:
+                for i, t in enumerate(proposals):
+                    q[i, t] = 1.0  # greedy drafting: the proposal distribution is a point mass
+                return proposals, jnp.asarray(q), state
+            qs, hist = [], history
+            for i, t in enumerate(proposals):
+                qs.append(_probabilities(rows[i], self._params, hist))
+                hist = _add(hist, t)
+            q_dev = jnp.zeros((MAX_BLOCK, vocab), jnp.float32).at[: len(qs)].set(jnp.stack(qs))
+            return proposals, q_dev, state
         proposals, tok, hist = [], anchor, history
         qs = []
         for i in range(m_cap):

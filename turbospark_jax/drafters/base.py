@@ -42,6 +42,24 @@ class Drafter(abc.ABC):
         del state, token, position
         raise UnsupportedCapabilityError(f"{type(self).__name__} drafts whole blocks")
 
+    def supports_bursts(self) -> bool:
+        """Whether :meth:`burst` runs several draft steps in one device call. Default: no."""
+        return False
+
+    def burst(
+        self, state: Any, token: int, position: int, count: int, *,
+        params: Any, history: Any, key: jax.Array, index: int,
+    ) -> tuple[list[int], jax.Array, Any]:
+        """``count`` step-wise draft steps in one call: feed ``token`` at ``position``, sample,
+        feed the sample, and so on; token ``i`` samples with ``token_key(key, index + i)``,
+        exactly as ``count`` calls of :meth:`step` plus host sampling would.
+
+        Returns ``(proposals, logits, state)``: the ``count`` sampled tokens and the float32
+        ``[count, V]`` drafter logits each was sampled from.
+        """
+        del state, token, position, count, params, history, key, index
+        raise UnsupportedCapabilityError(f"{type(self).__name__} has no device bursts")
+
     def block(self, state: Any, known: Sequence[int], block: int) -> tuple[list[int], Any]:
         """Propose up to ``block`` tokens following ``known`` (fewer when it has none)."""
         del state, known, block

@@ -42,6 +42,22 @@ class DraftModelDrafter(Drafter):
     def step(self, state: Any, token: int, position: int) -> tuple[jax.Array, Any]:
         return self.producer.produce(state, int(token), position)
 
+    def supports_bursts(self) -> bool:
+        return callable(getattr(self.producer, "decode", None))
+
+    def burst(
+        self, state: Any, token: int, position: int, count: int, *,
+        params: Any, history: Any, key: jax.Array, index: int,
+    ) -> tuple[list[int], jax.Array, Any]:
+        # The producer's device decode is the same block program ``step`` runs, with the
+        # sampling inside the loop: one call instead of ``count``, the same bits.
+        del position  # decode continues at the state's own cursor, which is ``position``
+        burst, state = self.producer.decode(
+            state, int(token), count, params=params, history=history, key=key,
+            gen_index=index,
+        )
+        return burst.tokens, burst.logits, state
+
     def rewind(self, state: Any, known: Sequence[int], position: int) -> Any:
         have = self.consumed(state)
         if have == position:

@@ -129,6 +129,20 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
         logits, drafter = self.drafter.step(state.drafter, token, position)
         return logits, state.replace(drafter=drafter)
 
+    def supports_draft_bursts(self) -> bool:
+        """Whether :meth:`draft_burst` can replace repeated :meth:`draft_step` calls."""
+        return self.drafter.supports_bursts()
+
+    def draft_burst(
+        self, state: PairState, token: int, position: int, count: int, **sampling: Any
+    ) -> tuple[list[int], jax.Array, PairState]:
+        """``count`` draft steps and their sampling in one device call (see
+        :meth:`~turbospark_jax.drafters.base.Drafter.burst`)."""
+        proposals, logits, drafter = self.drafter.burst(
+            state.drafter, token, position, count, **sampling
+        )
+        return proposals, logits, state.replace(drafter=drafter)
+
     def drafts_block_passes(self) -> bool:
         return self.drafter.drafts_blocks
 
