@@ -131,8 +131,10 @@ def _load(path: Path, args: argparse.Namespace, spinner: _Spinner) -> Any:
     if args.dtype is None and on_cpu:
         args.dtype = "float32"
     if args.width is None:
-        # A CPU is compute-bound: every padding row costs; a GPU reads the weights once.
-        args.width = 1 if on_cpu else 16
+        # A CPU is compute-bound: every padding row costs; a GPU reads the weights once. A
+        # speculative verify of block + 1 rows should still be one call.
+        drafting = args.speculative or args.draft_model or args.ngram
+        args.width = (args.block_size + 1 if drafting else 1) if on_cpu else 16
     spinner.set(f"loading {path}")
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
