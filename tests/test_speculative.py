@@ -112,6 +112,17 @@ def test_device_draft_bursts_equal_step_by_step_drafting(temperature):
     assert fast.speculative == slow.speculative
 
 
+def test_draft_burst_longer_than_the_drafters_burst_cap():
+    short = DraftModelDrafter(toy_attention_producer(vocab=V, capacity=160, width=16,
+                                                     steps_per_call=2, seed=5))
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=2,
+                            sampling=SamplingConfig(temperature=0.9))
+    capped = run_raw_completion_speculative(SpeculativePair(TARGET, short), req, block_size=5)
+    stepwise = run_raw_completion_speculative(_NoBursts(TARGET, short), req, block_size=5)
+    assert capped.token_ids == stepwise.token_ids
+    assert np.array_equal(capped.logits, stepwise.logits)
+
+
 def test_stop_token_inside_an_accepted_block_matches_plain():
     plain = PLAIN["attention"]
     stop = plain.token_ids[6]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from turbospark_jax.drafters.base import Drafter
 from turbospark_jax.protocols import LogitProducer
@@ -52,11 +53,21 @@ class DraftModelDrafter(Drafter):
         # The producer's device decode is the same block program ``step`` runs, with the
         # sampling inside the loop: one call instead of ``count``, the same bits.
         del position  # decode continues at the state's own cursor, which is ``position``
-        burst, state = self.producer.decode(
-            state, int(token), count, params=params, history=history, key=key,
-            gen_index=index,
-        )
-        return burst.tokens, burst.logits, state
+        tokens: list[int] = []
+        rows = []
+        while len(tokens) < count:  # more than one call only past the producer's burst cap
+            steps = min(count - len(tokens), self.producer.steps_per_call)
+            burst, state = self.producer.decode(
+                state, int(token), steps, params=params, history=history, key=key,
+                gen_index=index + len(tokens),
+            )
+            tokens += burst.tokens
+            rows.append(burst.logits)
+            if len(burst.tokens) < steps:
+                break  # non-finite logits ended the burst
+            token, history = burst.tokens[-1], burst.history
+        logits = rows[0] if len(rows) == 1 else jnp.concatenate(rows)
+        return tokens, logits, state
 
     def rewind(self, state: Any, known: Sequence[int], position: int) -> Any:
         have = self.consumed(state)
