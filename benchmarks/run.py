@@ -393,8 +393,6 @@ def _hf_compiled_decode(model: Any, shape: Shape, preset: Preset, rec: Recorder,
 
 def part_exact(preset: Preset, rec: Recorder) -> None:
     """Bitwise checks on this backend: chunked == token by token, speculative == plain."""
-    import jax.numpy as jnp
-
     from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
     from turbospark_jax.generate import CompletionRequest, run_raw_completion
     from turbospark_jax.speculative import run_raw_completion_speculative
@@ -430,7 +428,6 @@ def part_exact(preset: Preset, rec: Recorder) -> None:
                     logits_equal=bool(np.array_equal(spec.logits, plain.logits)),
                     acceptance=spec.speculative.acceptance_rate,
                     mean_acceptance_length=spec.speculative.mean_acceptance_length)
-    _ = jnp
 
 
 def report(out: Path) -> None:

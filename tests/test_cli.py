@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import jax
-import numpy as np
 import pytest
 
 from turbospark_jax.cli import main
@@ -157,4 +156,3 @@ def test_unsupported_model_type_is_a_clean_error(our_folder, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     code, _, err = run("generate", "--model", str(bad), "hi")
     assert code == 1 and "gpt2" in err and "Traceback" not in err
-    _ = np

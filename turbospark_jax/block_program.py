@@ -399,14 +399,12 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         program = _compiled_parallel(self.model, self.donate)
         body = tokens[:-1]
         if body and int(state.fed.count) == 0:
+            # The body is shorter than the capacity, so this one pass always holds it.
             width = min(max(256, 1 << (len(body) - 1).bit_length()), self.capacity)
-            pieces = [(body[:width], width, None, len(body) <= width)]
-            pieces += [(body[a : a + chunk], chunk, None, False)
-                       for a in range(width, len(body), chunk)]
+            pieces = [(body, width, True)]
         else:
-            pieces = [(body[a : a + chunk], chunk, None, False)
-                      for a in range(0, len(body), chunk)]
-        for piece, width, _, fresh in pieces:
+            pieces = [(body[a : a + chunk], chunk, False) for a in range(0, len(body), chunk)]
+        for piece, width, fresh in pieces:
             padded = np.zeros((width,), np.int32)
             padded[: len(piece)] = piece
             limit = None if fresh else min(

@@ -50,9 +50,10 @@ from turbospark_jax.errors import (
 from turbospark_jax.protocols import ChunkedPrefillRunner, LogitProducer
 from turbospark_jax.state import FedRecord, find_fed
 
-_NON_FINITE = "the producer returned non-finite logits"
-_sample = jax.jit(sampling.sample)
-_add = jax.jit(sampling.History.add)
+#: The error reason when a producer hands back NaN or infinite logits.
+NON_FINITE_LOGITS = "the producer returned non-finite logits"
+#: ``History.add`` compiled once; both loops update the history on the host side with it.
+add_to_history = jax.jit(sampling.History.add)
 
 
 @runtime_checkable
@@ -353,11 +354,11 @@ class CompletionStream(Iterator[StreamEvent]):
             if not out.tokens or not device:
                 # One token sampled on the host from ``logits`` (prefill's or a host step's).
                 if not bool(np.all(np.isfinite(np.asarray(logits)))):
-                    finish, error = FinishReason.ERROR, _NON_FINITE
+                    finish, error = FinishReason.ERROR, NON_FINITE_LOGITS
                     break
                 index_key = sampling.token_key(key, len(out.tokens))
-                new = [int(_sample(logits, self._params, history, index_key))]
-                history = _add(history, new[0])
+                new = [int(sampling.sample(logits, self._params, history, index_key))]
+                history = add_to_history(history, new[0])
                 new_rows, failed = [logits], False
             else:
                 new, new_rows, failed, history, state = self._device_burst(
@@ -372,7 +373,7 @@ class CompletionStream(Iterator[StreamEvent]):
                 if finish is not None:
                     break
             if finish is None and failed:
-                finish, error = FinishReason.ERROR, _NON_FINITE
+                finish, error = FinishReason.ERROR, NON_FINITE_LOGITS
             if finish is None and not device:
                 try:
                     position = len(prompt) + len(out.tokens) - 1
@@ -440,7 +441,10 @@ def _rewind_overshoot(producer: LogitProducer, state: Any, sequence: list[int]) 
     moved back, so the fed record is the same whichever way generation stopped; others keep
     the longer, still truthful, record.
     """
-    if not getattr(producer, "can_rewind", False) or len(fed_ids_of(state)) < len(sequence):
+    if not getattr(producer, "can_rewind", False):
+        return state
+    fed = find_fed(state)
+    if fed is None or int(fed.count) < len(sequence):  # nothing fed past the last token
         return state
     n, rewound = producer.try_reuse_prefix(state, sequence)
     if n != len(sequence) - 1:

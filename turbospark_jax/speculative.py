@@ -49,6 +49,7 @@ import numpy as np
 
 from turbospark_jax import sampling
 from turbospark_jax.errors import BadInputError, ProducerExhaustedError, ProducerFailedError
+from turbospark_jax.generate import NON_FINITE_LOGITS as _NON_FINITE
 from turbospark_jax.generate import (
     Completion,
     CompletionRequest,
@@ -57,16 +58,13 @@ from turbospark_jax.generate import (
     StreamEvent,
     Timings,
     Usage,
+    add_to_history,
 )
 from turbospark_jax.protocols import SpeculativeProducer
 
 #: The largest block a round may draft (the judgement is compiled once for this size).
 MAX_BLOCK = 8
 
-_NON_FINITE = "the producer returned non-finite logits"
-_sample = jax.jit(sampling.sample)
-_probabilities = jax.jit(sampling.probabilities)
-_add = jax.jit(sampling.History.add)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,8 +196,8 @@ class SpeculativeStream(CompletionStream):
         if finish is None and not bool(np.all(np.isfinite(np.asarray(logits)))):
             finish, error = FinishReason.ERROR, _NON_FINITE
         if finish is None:
-            tok = int(_sample(logits, self._params, history, sampling.token_key(key, 0)))
-            history = _add(history, tok)
+            tok = int(sampling.sample(logits, self._params, history, sampling.token_key(key, 0)))
+            history = add_to_history(history, tok)
             first_token_s = time.perf_counter() - t0 - prefill_s
             event, finish = out.push(tok, logits)
             if event is not None:
@@ -292,27 +290,31 @@ class SpeculativeStream(CompletionStream):
             if len(proposals) < m_cap:  # non-finite drafter logits cut the burst short
                 state = p.rewind_drafter(state, base)
                 self._drafter_at = base
-            if self._params.is_greedy:
-                for i, t in enumerate(proposals):
-                    q[i, t] = 1.0  # greedy drafting: the proposal distribution is a point mass
-                return proposals, jnp.asarray(q), state
-            qs, hist = [], history
+        else:
+            proposals, rows, tok, hist = [], [], anchor, history
+            for i in range(m_cap):
+                logits, state = p.draft_step(state, tok, base + i)
+                self._drafter_at = base + i + 1
+                key = sampling.token_key(draft_key, index + i)
+                tok = int(sampling.sample(logits, self._params, hist, key))
+                hist = add_to_history(hist, tok)
+                proposals.append(tok)
+                rows.append(logits)
+        return proposals, self._proposal_distributions(proposals, rows, history), state
+
+    def _proposal_distributions(self, proposals, rows, history) -> jax.Array:
+        """q for each proposal: the distribution it was sampled from, under the same shaping
+        and history as the target's p."""
+        q = np.zeros((MAX_BLOCK, self.producer.vocab_size), np.float32)
+        if self._params.is_greedy:
             for i, t in enumerate(proposals):
-                qs.append(_probabilities(rows[i], self._params, hist))
-                hist = _add(hist, t)
-            q_dev = jnp.zeros((MAX_BLOCK, vocab), jnp.float32).at[: len(qs)].set(jnp.stack(qs))
-            return proposals, q_dev, state
-        proposals, tok, hist = [], anchor, history
-        qs = []
-        for i in range(m_cap):
-            logits, state = p.draft_step(state, tok, base + i)
-            self._drafter_at = base + i + 1
-            qs.append(_probabilities(logits, self._params, hist))
-            tok = int(_sample(logits, self._params, hist, sampling.token_key(draft_key, index + i)))
-            hist = _add(hist, tok)
-            proposals.append(tok)
-        q_dev = jnp.zeros((MAX_BLOCK, vocab), jnp.float32).at[: len(qs)].set(jnp.stack(qs))
-        return proposals, q_dev, state
+                q[i, t] = 1.0  # greedy drafting: a point mass at the proposal
+            return jnp.asarray(q)
+        qs, hist = [], history
+        for i, t in enumerate(proposals):
+            qs.append(sampling.probabilities(rows[i], self._params, hist))
+            hist = add_to_history(hist, t)
+        return jnp.asarray(q).at[: len(qs)].set(jnp.stack(qs)) if qs else jnp.asarray(q)
 
     def _restore(self, state, point, feed, keep_rows, base):
         p = self.producer
