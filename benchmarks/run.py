@@ -345,7 +345,11 @@ def part_hf(preset: Preset, rec: Recorder) -> None:
                 total = time.perf_counter() - t0
             dt = max(total - t_prefill, 1e-9)
             rec.add(shape=name, workload="decode", context=ctx, impl="transformers-eager-sdpa",
-                    decode_s=dt, tokens_per_s=preset.new_tokens / dt)
+                    decode_s=dt, tokens_per_s=preset.new_tokens / dt, via="generate")
+            dt = _hf_eager_loop(model, ids, preset.new_tokens, sync)
+            rec.add(shape=name, workload="decode", context=ctx, impl="transformers-eager-loop",
+                    decode_s=dt, tokens_per_s=preset.new_tokens / dt,
+                    via="a bare loop of forward calls with a DynamicCache and argmax")
         for length in preset.prefill_lengths:
             ids = torch.tensor(rng.integers(0, shape.vocab_size, (1, length)), device=device)
             with torch.inference_mode():
@@ -366,6 +370,28 @@ def part_hf(preset: Preset, rec: Recorder) -> None:
         del model
         if device == "cuda":
             torch.cuda.empty_cache()
+
+
+def _hf_eager_loop(model: Any, ids: Any, new_tokens: int, sync: Callable[[], None]) -> float:
+    """Seconds for ``new_tokens`` greedy steps of a bare forward loop (no ``generate``
+    bookkeeping): the least overhead eager transformers can have."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        cache = out.past_key_values
+        for _ in range(3):  # warm up the one-token path on a copy-free cache
+            model(tok, past_key_values=cache, use_cache=True)
+        out = model(ids, use_cache=True)
+        tok, cache = out.logits[:, -1:].argmax(-1), out.past_key_values
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            out = model(tok, past_key_values=cache, use_cache=True)
+            tok, cache = out.logits[:, -1:].argmax(-1), out.past_key_values
+        sync()
+        return time.perf_counter() - t0
 
 
 def _hf_compiled_decode(model: Any, shape: Shape, preset: Preset, rec: Recorder,

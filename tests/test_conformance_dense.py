@@ -10,20 +10,23 @@ from hypothesis import strategies as st
 
 from turbospark_jax.block_program import BlockProducer
 from turbospark_jax.generate import CompletionRequest, run_raw_completion
-from turbospark_jax.models.dense import DenseConfig, DenseModel
+from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
 from turbospark_jax.testing import conformance as C
 
 VOCAB = 96
 
 
-def _producer(model_type, dtype, **extra):
+def _producer(model_type, dtype, listed=False, **extra):
     cfg = DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2", **extra,
     )
-    model = DenseModel(cfg, dtype)
+    model = DenseModel(cfg, dtype, scan_layers=not listed)
     params = model.init_params(jax.random.PRNGKey(1))
+    if listed:  # the serving layout: one params dict and one KV buffer per layer
+        params = unstack_layers(params)
+        assert model.init_cache(8).per_layer
     return BlockProducer(model, params, capacity=64, width=4, steps_per_call=4, donate=True)
 
 
@@ -31,6 +34,7 @@ PRODUCERS = {
     "qwen3_f32": _producer("qwen3", jnp.float32),
     "llama_bf16": _producer("llama", jnp.bfloat16),
     "qwen2_f32": _producer("qwen2", jnp.float32),
+    "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True),
 }
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=22)
 

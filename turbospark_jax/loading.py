@@ -405,7 +405,7 @@ def load_folder(
     elif layer_layout != "stacked":
         raise ValueError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
     return LoadedModel(
-        model=DenseModel(config, resolved),
+        model=DenseModel(config, resolved, scan_layers=layer_layout != "list"),
         params=params,
         config=config,
         tokenizer=tokenizer,

@@ -569,18 +569,30 @@ def stack_layers(params: Params) -> Params:
 class DenseCache:
     """KV cache of a dense decoder (``C`` = capacity in positions).
 
-    Fields:
-      k: ``[L, C, KV, hd]`` rotated keys in the model dtype; position axis 1, append-only.
-      v: ``[L, C, KV, hd]`` values, same layout.
+    Two layouts, chosen by the model (:attr:`DenseModel.scan_layers`):
+
+    * stacked (a scanning model): ``k`` and ``v`` are each one ``[L, C, KV, hd]`` array;
+    * per layer (an unrolled model): ``k`` and ``v`` are tuples of ``L`` arrays
+      ``[C, KV, hd]``. Each layer then writes and reads its own buffer in place; slicing one
+      layer out of a stacked buffer inside the compiled loop costs a copy per layer and step
+      on a GPU.
+
+    Either way the position axis is axis 1 of the stacked view (a tuple stacks to it), rows
+    at positions ``>= fed.count`` are dead, and keys are stored rotated, in the model dtype.
     """
 
-    k: jax.Array = append_only(axis=1)
-    v: jax.Array = append_only(axis=1)
+    k: jax.Array | tuple[jax.Array, ...] = append_only(axis=1)
+    v: jax.Array | tuple[jax.Array, ...] = append_only(axis=1)
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the cache holds one buffer per layer."""
+        return isinstance(self.k, tuple | list)
 
     @property
     def capacity(self) -> int:
         """Positions the cache can hold."""
-        return int(self.k.shape[1])
+        return int(self.k[0].shape[0] if self.per_layer else self.k.shape[1])
 
 
 LayerFn = Callable[[jax.Array, Any, Params, Any, Any], tuple[jax.Array, Any]]
@@ -613,10 +625,16 @@ class DenseModel:
         return self.config.vocab_size
 
     def init_cache(self, capacity: int) -> DenseCache:
-        """A zeroed KV cache holding ``capacity`` positions."""
+        """A zeroed KV cache holding ``capacity`` positions: stacked for a scanning model,
+        one buffer per layer for an unrolled one (see :class:`DenseCache`)."""
         c = self.config
-        shape = (c.num_hidden_layers, capacity, c.num_key_value_heads, c.head_dim)
-        return DenseCache(k=jnp.zeros(shape, self.dtype), v=jnp.zeros(shape, self.dtype))
+        shape = (capacity, c.num_key_value_heads, c.head_dim)
+        if self.scan_layers:
+            stacked = (c.num_hidden_layers, *shape)
+            return DenseCache(k=jnp.zeros(stacked, self.dtype), v=jnp.zeros(stacked, self.dtype))
+        n = c.num_hidden_layers
+        return DenseCache(k=tuple(jnp.zeros(shape, self.dtype) for _ in range(n)),
+                          v=tuple(jnp.zeros(shape, self.dtype) for _ in range(n)))
 
     def init_params(self, key: jax.Array) -> Params:
         """Random params in this model's dtype (see :func:`init_params`)."""
@@ -748,7 +766,10 @@ class DenseModel:
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
         """
         width = tokens.shape[0]
-        capacity = cache.k.shape[1]
+        capacity = cache.capacity
+        per_layer = cache.per_layer
+        if per_layer and self.scan_layers and not isinstance(params["layers"], list | tuple):
+            raise ValueError("a per-layer cache needs an unrolled model (scan_layers=False)")
         # Padding rows scatter to an out-of-range row, which mode="drop" discards.
         write_at = jnp.where(jnp.arange(width) < live, positions, capacity)  # [W]
         key_positions = jnp.arange(capacity, dtype=jnp.int32)  # [C]
@@ -756,19 +777,25 @@ class DenseModel:
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [W, D]
             cos, sin = self._rope(positions)
 
-        def layer(
-            x: jax.Array, kv: tuple[jax.Array, jax.Array], lp: Params, index: Any, window: Any
-        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-            k_all, v_all = kv  # [L, C, KV, hd] each
+        limit = capacity if key_limit is None else min(key_limit, capacity)
+
+        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
+            k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
             with jax.named_scope("attention"):
                 q, k, v = self._qkv(x, lp, cos, sin)
-                k_all = k_all.at[index, write_at].set(k, mode="drop")
-                v_all = v_all.at[index, write_at].set(v, mode="drop")
+                if per_layer:  # index is a python int: this layer's own buffers
+                    k_layer = k_all[index].at[write_at].set(k, mode="drop")
+                    v_layer = v_all[index].at[write_at].set(v, mode="drop")
+                    k_all = (*k_all[:index], k_layer, *k_all[index + 1 :])
+                    v_all = (*v_all[:index], v_layer, *v_all[index + 1 :])
+                else:
+                    k_all = k_all.at[index, write_at].set(k, mode="drop")
+                    v_all = v_all.at[index, write_at].set(v, mode="drop")
+                    k_layer, v_layer = k_all[index], v_all[index]
                 if fresh:
                     attn = self._self_attention(q, k, v, positions, window)
                 else:
-                    limit = capacity if key_limit is None else min(key_limit, capacity)
-                    attn = attend(q, k_all[index, :limit], v_all[index, :limit], positions,
+                    attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)
             return self._finish(x, attn, lp), (k_all, v_all)
 
