@@ -67,7 +67,7 @@ def profile_burst(producer: Any, context: int, steps: int, vocab: int) -> dict[s
         _, state = producer.prefill_parallel(state, prompt, 0)
         jax.block_until_ready(state)
         t0 = time.perf_counter()
-        b, state = producer.decode(state, 1, steps, params=greedy,
+        _, state = producer.decode(state, 1, steps, params=greedy,
                                    history=sampling.History.empty(vocab), key=key, gen_index=1)
         jax.block_until_ready(state)
         return time.perf_counter() - t0
