@@ -16,18 +16,19 @@ from turbospark_jax.testing import conformance as C
 VOCAB = 96
 
 
-def _producer(model_type, dtype, listed=False, **extra):
+def _producer(model_type, dtype, listed=False, attention="auto", capacity=64, **extra):
     cfg = DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2", **extra,
     )
-    model = DenseModel(cfg, dtype, scan_layers=not listed)
+    model = DenseModel(cfg, dtype, scan_layers=not listed, attention=attention)
     params = model.init_params(jax.random.PRNGKey(1))
     if listed:  # the serving layout: one params dict and one KV buffer per layer
         params = unstack_layers(params)
         assert model.init_cache(8).per_layer
-    return BlockProducer(model, params, capacity=64, width=4, steps_per_call=4, donate=True)
+    return BlockProducer(model, params, capacity=capacity, width=4, steps_per_call=4,
+                         donate=True)
 
 
 PRODUCERS = {
@@ -35,6 +36,9 @@ PRODUCERS = {
     "llama_bf16": _producer("llama", jnp.bfloat16),
     "qwen2_f32": _producer("qwen2", jnp.float32),
     "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True),
+    # The fused attention kernel (in the Pallas interpreter), over two key blocks.
+    "qwen3_f32_kernel": _producer("qwen3", jnp.float32, listed=True, attention="interpret",
+                                  capacity=80),
 }
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=22)
 

@@ -74,6 +74,7 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models import pallas_attention
 from turbospark_jax.models.layers import (
     SUPPORTED_ROPE_TYPES,
     RopeScaling,
@@ -118,6 +119,9 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
+
+#: Values of :attr:`DenseModel.attention`.
+ATTENTION_MODES = ("auto", "xla", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,15 +613,37 @@ class DenseModel:
       dtype: the activation / cache dtype (float32, bfloat16, float16); params should match.
       scan_layers: for stacked params, run the layers as a ``lax.scan`` (default) or unroll
         them over static slices (longer compiles, same speed). Listed params (see
-        :func:`unstack_layers`) are always unrolled.
+        :func:`unstack_layers`) are always unrolled. An unrolled model keeps one KV buffer
+        per layer (see :class:`DenseCache`).
+      attention: how the block program attends over a per-layer cache: ``"auto"`` (the
+        fused Pallas kernel of :mod:`~turbospark_jax.models.pallas_attention` on a GPU when
+        the shapes suit it, XLA otherwise), ``"xla"`` (always XLA), or ``"interpret"`` (the
+        kernel in the Pallas interpreter: slow, for testing it on a CPU). Each choice is one
+        program for every path, so the bitwise guarantees hold within it.
     """
 
     config: DenseConfig
     dtype: Any = jnp.float32
     scan_layers: bool = True
+    attention: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if self.attention not in ATTENTION_MODES:
+            raise ValueError(
+                f"attention must be one of {', '.join(ATTENTION_MODES)}; got {self.attention!r}"
+            )
+
+    def _fused_attention(self, per_layer: bool, capacity: int) -> bool | str:
+        """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``:
+        in the Pallas interpreter, for tests on a CPU)."""
+        if not per_layer or self.attention == "xla":
+            return False
+        if self.attention == "interpret":
+            return "interpret" if capacity >= pallas_attention.BLOCK_KEYS else False
+        return jax.default_backend() == "gpu" and pallas_attention.supported(
+            self.config.head_dim, capacity
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -778,6 +804,7 @@ class DenseModel:
             cos, sin = self._rope(positions)
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
+        fused = self._fused_attention(per_layer, capacity)
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
@@ -794,6 +821,11 @@ class DenseModel:
                     k_layer, v_layer = k_all[index], v_all[index]
                 if fresh:
                     attn = self._self_attention(q, k, v, positions, window)
+                elif fused:
+                    attn = pallas_attention.cached_attention(
+                        q, k_layer, v_layer, positions, window=window,
+                        interpret=fused == "interpret",
+                    )
                 else:
                     attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)

@@ -1,0 +1,192 @@
+"""Attention of a block of rows over a KV cache as one fused GPU kernel (Pallas, Triton).
+
+XLA runs the block program's attention as about ten kernels per layer (scores, mask, max,
+exp, sum, normalise, the value product, transposes), each a launch of one or two
+microseconds on a GPU; at decode widths that is a fifth of a 1B model's step. This kernel
+does the whole of it in one launch per layer: for every KV head and tile of query rows it
+streams the cache in blocks of keys with an online softmax (FlashAttention style), and for
+long caches it splits the keys over several programs whose partial results XLA combines.
+
+Exactness: the block program's guarantees need a row's result to be independent of how many
+rows the block holds and of how far the keys are scanned. Both hold here:
+
+* rows never mix (the reductions run along each row; the matrix products give each output
+  element its own dot product);
+* the loop over key blocks stops after the block holding the last row's position, so a row
+  early in a block may scan blocks that are wholly masked for it. Such a block changes
+  nothing: its scores are :data:`MASK_VALUE`, so the running maximum stays, the correction
+  factor is ``exp(0) == 1`` and the added probabilities are exactly zero. A split whose
+  keys are all masked ends with a maximum of ``MASK_VALUE`` and is weighted by exactly zero
+  in the combination. (Dead cache rows must hold finite values, which they do: they are
+  zeros or rows of earlier tokens.)
+
+The block boundaries and splits depend only on the cache capacity, never on the data.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from turbospark_jax.models.layers import MASK_VALUE
+
+#: Keys per block of the inner loop.
+BLOCK_KEYS = 64
+#: Most query rows (rows x query heads of one KV head) one program holds.
+MAX_ROW_TILE = 64
+#: Keys one split aims at: long caches are split so enough programs run at once.
+KEYS_PER_SPLIT = 1024
+MAX_SPLITS = 16
+
+
+def supported(head_dim: int, capacity: int) -> bool:
+    """Whether the kernel handles these shapes on a GPU (Triton wants power-of-two tiles)."""
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= BLOCK_KEYS
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _plan(rows: int, capacity: int) -> tuple[int, int, int, int]:
+    """Row tile, row tiles, key splits and keys per split: functions of the shapes only."""
+    tile = min(MAX_ROW_TILE, max(16, 1 << max(0, rows - 1).bit_length()))
+    splits = max(1, min(MAX_SPLITS, capacity // KEYS_PER_SPLIT))
+    split_len = _ceil_div(_ceil_div(capacity, splits), BLOCK_KEYS) * BLOCK_KEYS
+    return tile, _ceil_div(rows, tile), _ceil_div(capacity, split_len), split_len
+
+
+def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
+            capacity: int, split_len: int, window: int | None, normalise: bool) -> None:
+    split = pl.program_id(2)
+    q = q_ref[...]  # [tile, hd]
+    pos = pos_ref[...]  # [tile]
+    first = split * split_len
+    end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound_ref[()])
+    trips = jnp.maximum(0, (end - first + BLOCK_KEYS - 1) // BLOCK_KEYS)
+    tile, head_dim = q.shape
+    lanes = jnp.arange(BLOCK_KEYS, dtype=jnp.int32)
+
+    def body(i, carry):
+        acc, m, l = carry
+        nominal = first + i * BLOCK_KEYS
+        start = jnp.minimum(nominal, capacity - BLOCK_KEYS)  # the last block may overlap
+        keys = start + lanes  # [BK]
+        k = k_ref[pl.ds(start, BLOCK_KEYS), :]  # [BK, hd]
+        v = v_ref[pl.ds(start, BLOCK_KEYS), :]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale  # [tile, BK]
+        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= nominal)
+        if window is not None:
+            visible &= keys[None, :] > pos[:, None] - window
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        correction = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * correction + jnp.sum(p, axis=1)
+        acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
+                                                  preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    acc0 = jnp.zeros((tile, head_dim), jnp.float32)
+    m0 = jnp.full((tile,), MASK_VALUE, jnp.float32)
+    l0 = jnp.zeros((tile,), jnp.float32)
+    acc, m, l = jax.lax.fori_loop(0, trips, body, (acc0, m0, l0))
+    if normalise:  # one split: the kernel writes the finished rows
+        acc_ref[...] = (acc / l[:, None]).astype(acc_ref.dtype)
+    else:
+        acc_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+@functools.partial(jax.jit, static_argnames=("window", "interpret"))
+def cached_attention(
+    q: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    q_positions: jax.Array,
+    window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Causal grouped-query attention of ``W`` rows over a cache, as one fused kernel.
+
+    Same contract as :func:`~turbospark_jax.models.layers.attend` with the keys at positions
+    ``0..C-1``: row ``w`` sees cache row ``s`` iff ``s <= q_positions[w]`` (and
+    ``s > q_positions[w] - window``). Rows of the cache past the largest position are never
+    read.
+
+    Args:
+      q: ``[W, H, hd]`` rotated queries.
+      k_cache, v_cache: ``[C, KV, hd]``, the block's own rows already written.
+      q_positions: int32 ``[W]``.
+      window: static sliding window, or ``None``.
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+
+    Returns:
+      ``[W, H, hd]`` in ``v_cache.dtype``.
+    """
+    width, heads, head_dim = q.shape
+    capacity, kv_heads, _ = k_cache.shape
+    groups = heads // kv_heads
+    rows = width * groups
+    tile, tiles, splits, split_len = _plan(rows, capacity)
+    padded = tiles * tile
+    # Row r of KV head h is query row r // G, head h * G + r % G.
+    qr = q.reshape(width, kv_heads, groups, head_dim).transpose(1, 0, 2, 3)
+    qr = qr.reshape(kv_heads, rows, head_dim)
+    qr = jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
+    pos = jnp.repeat(q_positions.astype(jnp.int32), groups)
+    pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
+    bound = jnp.max(q_positions).astype(jnp.int32) + 1
+    normalise = splits == 1
+    acc_dtype = v_cache.dtype if normalise else jnp.float32
+    kernel = functools.partial(
+        _kernel, scale=1.0 / math.sqrt(head_dim), capacity=capacity, split_len=split_len,
+        window=window, normalise=normalise,
+    )
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    acc, m, l = pl.pallas_call(
+        kernel,
+        grid=(kv_heads, tiles, splits),
+        in_specs=[
+            pl.BlockSpec((), lambda h, t, s: ()),
+            pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),
+            pl.BlockSpec((tile,), lambda h, t, s: (t,)),
+            pl.BlockSpec((capacity, None, head_dim), lambda h, t, s: (0, h, 0)),
+            pl.BlockSpec((capacity, None, head_dim), lambda h, t, s: (0, h, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), acc_dtype),
+            jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
+            jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
+        ],
+        interpret=interpret,
+        name="cached_attention",
+        **kwargs,
+    )(bound, qr, pos, k_cache, v_cache)
+    if normalise:
+        out = acc[0]
+    else:
+        # Splits combine in a fixed order; a split that saw no visible key has maximum
+        # MASK_VALUE and weight exactly zero.
+        top = jnp.max(m, axis=0)  # [KV, R]
+        weight = jnp.exp(m - top[None])  # [S, KV, R]
+        total = jnp.sum(l * weight, axis=0)
+        out = jnp.sum(acc * weight[..., None], axis=0) / total[..., None]
+        out = out.astype(v_cache.dtype)
+    out = out[:, :rows].reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(width, heads, head_dim)
