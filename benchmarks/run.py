@@ -596,6 +596,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", help="comma-separated subset of the preset's shapes")
     parser.add_argument("--contexts", help="comma-separated decode contexts (override)")
     parser.add_argument("--widths", help="comma-separated W sweep (override; empty: none)")
+    parser.add_argument("--sweep-contexts", help="comma-separated W-sweep contexts (override)")
     parser.add_argument("--no-hf-compile", action="store_true",
                         help="skip transformers' static cache + torch.compile run")
     args = parser.parse_args(argv)
@@ -607,6 +608,9 @@ def main(argv: list[str] | None = None) -> int:
         preset = dataclasses.replace(preset, shapes=tuple(args.shapes.split(",")))
     if args.contexts:
         preset = dataclasses.replace(preset, contexts=tuple(map(int, args.contexts.split(","))))
+    if args.sweep_contexts:
+        preset = dataclasses.replace(
+            preset, sweep_contexts=tuple(map(int, args.sweep_contexts.split(","))))
     if args.no_hf_compile:
         preset = dataclasses.replace(preset, hf_compile=False)
     if args.widths is not None:
