@@ -313,7 +313,7 @@ def _hf_model(shape: Shape, device: str) -> Any:
     cfg = cfg_cls[shape.model_type](**shape.hf_dict(), attn_implementation="sdpa")
     torch.manual_seed(0)
     with torch.device(device):
-        model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     return model.eval()
 
 
@@ -417,27 +417,27 @@ def _hf_compiled_decode(model: Any, shape: Shape, preset: Preset, rec: Recorder,
     import transformers
 
     ctx, n = preset.contexts[0], preset.new_tokens
-    ids = torch.randint(0, shape.vocab_size, (1, ctx), device="cuda")
+    device = next(model.parameters()).device
+    ids = torch.randint(0, shape.vocab_size, (1, ctx), device=device)
     cache = transformers.StaticCache(config=model.config, max_cache_len=ctx + n + 8)
     step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def run() -> float:
-        with torch.inference_mode():
+        with torch.inference_mode():  # the cache's tensors are inference tensors: reset here
+            cache.reset()
             out = model(ids, past_key_values=cache, use_cache=True,
-                        cache_position=torch.arange(ctx, device="cuda"))
+                        cache_position=torch.arange(ctx, device=device))
             tok = out.logits[:, -1:].argmax(-1)
             sync()
             t0 = time.perf_counter()
             for i in range(n):
-                pos = torch.tensor([ctx + i], device="cuda")
+                pos = torch.tensor([ctx + i], device=device)
                 torch.compiler.cudagraph_mark_step_begin()
                 logits = step(tok, past_key_values=cache, cache_position=pos,
                               position_ids=pos[None], use_cache=True).logits
                 tok = logits[:, -1:].argmax(-1)
             sync()
-            dt = time.perf_counter() - t0
-        cache.reset()
-        return dt
+            return time.perf_counter() - t0
 
     for _ in range(2):  # compile, record the graphs
         run()
@@ -490,8 +490,8 @@ def report(out: Path) -> None:
     """Merge ``<out>/*.json`` into ``results.md`` and ``decode_vs_context.png``."""
     records, metas = [], {}
     for path in sorted(out.glob("*.json")):
-        if path.stem.startswith("speculative"):
-            continue  # benchmarks/speculative.py writes its own table
+        if path.stem.startswith(("speculative", "profile")):
+            continue  # benchmarks/speculative.py and profile_decode.py write their own
         data = json.loads(path.read_text())
         metas[path.stem] = data["meta"]
         records += data["records"]
