@@ -20,3 +20,18 @@ def test_smoke_preset_writes_results(tmp_path):
     table = (tmp_path / "results.md").read_text()
     assert "## Decode" in table and "| tiny |" in table
     assert (tmp_path / "decode_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_probe_runs_and_records(tmp_path):
+    """The decode profiler runs on the CPU (where the trace has no GPU streams, which it
+    reports instead of failing) and appends one record per width."""
+    from benchmarks.profile_decode import main as profile_main
+
+    args = ["--shape", "tiny", "--widths", "1,4", "--context", "16", "--tokens", "8",
+            "--burst", "4", "--out", str(tmp_path)]
+    assert profile_main(args) == 0
+    rows = json.loads((tmp_path / "profile_tiny.json").read_text())
+    assert [r["width"] for r in rows] == [1, 4]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and row["roofline_tokens_per_s"] > 0
+        assert "error" in row["profile"] or row["profile"]["kernels_per_token"] > 0
