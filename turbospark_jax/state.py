@@ -74,12 +74,14 @@ class FedRecord:
 
     def append(self, tokens: jax.Array, live: jax.Array) -> FedRecord:
         """Record ``tokens[:live]`` at the cursor (jittable; rows past ``live`` write nothing)."""
-        n = tokens.shape[0]
-        pos = self.count + jnp.arange(n, dtype=jnp.int32)
-        pos = jnp.where(jnp.arange(n) < live, pos, self.capacity)  # out of range: dropped
+        rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        # Rows past ``live`` go to distinct out-of-range slots (dropped), so every target
+        # differs and the scatter may say so.
+        pos = jnp.where(rows < live, self.count + rows, self.capacity + rows)
+        scatter = {"mode": "drop", "unique_indices": True}
         return self.replace(
-            ids=self.ids.at[pos].set(tokens.astype(jnp.int32), mode="drop"),
-            injected=self.injected.at[pos].set(NOT_INJECTED, mode="drop"),
+            ids=self.ids.at[pos].set(tokens.astype(jnp.int32), **scatter),
+            injected=self.injected.at[pos].set(NOT_INJECTED, **scatter),
             count=self.count + live.astype(jnp.int32),
         )
 

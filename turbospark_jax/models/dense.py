@@ -813,8 +813,12 @@ class DenseModel:
         per_layer = cache.per_layer
         if per_layer and self.scan_layers and not isinstance(params["layers"], list | tuple):
             raise ValueError("a per-layer cache needs an unrolled model (scan_layers=False)")
-        # Padding rows scatter to an out-of-range row, which mode="drop" discards.
-        write_at = jnp.where(jnp.arange(width) < live, positions, capacity)  # [W]
+        # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The
+        # targets are then all different, which the scatters promise to XLA (unique_indices):
+        # without the promise a GPU scatter of 16-bit values has to write with atomics.
+        rows = jnp.arange(width, dtype=jnp.int32)
+        write_at = jnp.where(rows < live, positions, capacity + rows)  # [W]
+        scatter = {"mode": "drop", "unique_indices": True}
         key_positions = jnp.arange(capacity, dtype=jnp.int32)  # [C]
         with jax.named_scope("embed"):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [W, D]
@@ -828,13 +832,13 @@ class DenseModel:
             with jax.named_scope("attention"):
                 q, k, v = self._qkv(x, lp, cos, sin)
                 if per_layer:  # index is a python int: this layer's own buffers
-                    k_layer = k_all[index].at[write_at].set(k, mode="drop")
-                    v_layer = v_all[index].at[write_at].set(v, mode="drop")
+                    k_layer = k_all[index].at[write_at].set(k, **scatter)
+                    v_layer = v_all[index].at[write_at].set(v, **scatter)
                     k_all = (*k_all[:index], k_layer, *k_all[index + 1 :])
                     v_all = (*v_all[:index], v_layer, *v_all[index + 1 :])
                 else:
-                    k_all = k_all.at[index, write_at].set(k, mode="drop")
-                    v_all = v_all.at[index, write_at].set(v, mode="drop")
+                    k_all = k_all.at[index, write_at].set(k, **scatter)
+                    v_all = v_all.at[index, write_at].set(v, **scatter)
                     k_layer, v_layer = k_all[index], v_all[index]
                 if fresh:
                     attn = self._self_attention(q, k, v, positions, window)
