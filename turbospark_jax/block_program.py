@@ -267,6 +267,15 @@ def _compiled(model: BlockModel, donate: bool) -> Any:
     return jax.jit(fn, donate_argnums=(1,) if donate else ())  # 1: the append-only buffers
 
 
+@functools.cache
+def _compiled_init(model: BlockModel, capacity: int) -> Any:
+    """A fresh state in one device program (a per-layer cache is dozens of buffers; made one by
+    one, each would be a dispatch of its own)."""
+    return jax.jit(
+        lambda: BlockState(cache=model.init_cache(capacity), fed=FedRecord.empty(capacity))
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeBurst:
     """The host view of one decode burst: tokens sampled, how it ended, the new history."""
@@ -334,10 +343,7 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
         return self.capacity
 
     def init_state(self) -> BlockState:
-        # The record keeps room for a block that starts at the last position.
-        return BlockState(
-            cache=self.model.init_cache(self.capacity), fed=FedRecord.empty(self.capacity)
-        )
+        return _compiled_init(self.model, self.capacity)()
 
     def try_reuse_prefix(
         self,
