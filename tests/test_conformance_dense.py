@@ -16,10 +16,11 @@ from turbospark_jax.testing import conformance as C
 VOCAB = 96
 
 
-def _producer(model_type, dtype, listed=False, attention="auto", capacity=64, **extra):
+def _producer(model_type, dtype, listed=False, attention="auto", capacity=64, head_dim=12,
+              **extra):
     cfg = DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2", **extra,
     )
     model = DenseModel(cfg, dtype, scan_layers=not listed, attention=attention)
@@ -35,7 +36,9 @@ PRODUCERS = {
     "qwen3_f32": _producer("qwen3", jnp.float32),
     "llama_bf16": _producer("llama", jnp.bfloat16),
     "qwen2_f32": _producer("qwen2", jnp.float32),
-    "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True),
+    # The serving layout; on a GPU these shapes take the compiled attention kernel.
+    "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True, capacity=80,
+                                   head_dim=16),
     # The fused attention kernel (in the Pallas interpreter), over two key blocks.
     "qwen3_f32_kernel": _producer("qwen3", jnp.float32, listed=True, attention="interpret",
                                   capacity=80),
