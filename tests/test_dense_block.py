@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.dense import (
     DenseCache,
     DenseConfig,
@@ -163,7 +163,20 @@ def test_unrolled_layers_agree_with_scan(setup: Any) -> None:
     a, cache_a = _run(model, params, tokens, [4, 4, 4, 1])
     b, cache_b = _run(unrolled, params, tokens, [4, 4, 4, 1])
     np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(np.asarray(cache_a.k), np.asarray(cache_b.k), atol=1e-5, rtol=0)
+    # The unrolled model keeps one buffer per layer; stacked, they hold the same rows.
+    assert cache_b.per_layer and not cache_a.per_layer
+    assert cache_b.capacity == cache_a.capacity
+    np.testing.assert_allclose(np.asarray(cache_a.k), np.stack(cache_b.k), atol=1e-5, rtol=0)
+
+
+def test_bad_attention_mode_and_cache_layout_are_refused(setup: Any) -> None:
+    model, params, _ = setup
+    with pytest.raises(BadInputError, match="attention must be one of"):
+        DenseModel(model.config, model.dtype, attention="flash")
+    per_layer = DenseModel(model.config, model.dtype, scan_layers=False).init_cache(CAPACITY)
+    with pytest.raises(BadInputError, match="per-layer cache"):
+        model.block_forward(params, per_layer, jnp.zeros((4,), jnp.int32),
+                            jnp.arange(4, dtype=jnp.int32), jnp.int32(4), jnp.bool_(True))
 
 
 def test_listed_layers_agree_with_stacked(setup: Any) -> None:

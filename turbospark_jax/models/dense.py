@@ -78,7 +78,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import pallas_attention
 from turbospark_jax.models.layers import (
     SUPPORTED_ROPE_TYPES,
@@ -646,7 +646,7 @@ class DenseModel:
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         if self.attention not in ATTENTION_MODES:
-            raise ValueError(
+            raise BadInputError(
                 f"attention must be one of {', '.join(ATTENTION_MODES)}; got {self.attention!r}"
             )
 
@@ -812,7 +812,9 @@ class DenseModel:
         capacity = cache.capacity
         per_layer = cache.per_layer
         if per_layer and self.scan_layers and not isinstance(params["layers"], list | tuple):
-            raise ValueError("a per-layer cache needs an unrolled model (scan_layers=False)")
+            raise BadInputError(
+                "a per-layer cache needs an unrolled model (scan_layers=False) or listed params"
+            )
         # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The
         # targets are then all different, which the scatters promise to XLA (unique_indices):
         # without the promise a GPU scatter of 16-bit values has to write with atomics.
