@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import itertools
 
-import jax
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark_jax.block_program import BlockProducer
+from tests.fixtures import multi_turn_producers
 from turbospark_jax.chat import ChatSession, ChatTurn, default_stop_ids
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
 from turbospark_jax.errors import (
@@ -28,11 +27,10 @@ from turbospark_jax.errors import (
 )
 from turbospark_jax.generate import SamplingConfig
 from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
-from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params
 from turbospark_jax.session_pool import SessionPool
 from turbospark_jax.testing.conformance import perturbed
 from turbospark_jax.testing.tokenizers import byte_level_bpe
-from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
+from turbospark_jax.testing.toy import toy_attention_producer
 from turbospark_jax.tokenizer import Tokenizer
 
 
@@ -76,19 +74,10 @@ BPE = Tokenizer.from_tokenizers(
     byte_level_bpe(), bos="<|bos|>", eos="<|eos|>", pad="<|pad|>", chat_template=BPE_TEMPLATE
 )
 
-ATT = toy_attention_producer(vocab=V, capacity=128, width=4, steps_per_call=8, donate=True)
-RNN = toy_recurrent_producer(vocab=V, capacity=128, width=4, steps_per_call=8)
-DENSE_CONFIG = DenseConfig(
-    model_type="qwen3", vocab_size=V, hidden_size=32, intermediate_size=48,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-)
-DENSE = BlockProducer(
-    DenseModel(DENSE_CONFIG), init_params(DENSE_CONFIG, jax.random.PRNGKey(1)),
-    capacity=128, width=4, steps_per_call=8, donate=True,
-)
+PRODUCERS = multi_turn_producers(V)
+ATT = PRODUCERS["attention_donating"]
 ATT_BPE = toy_attention_producer(vocab=BPE.vocab_size, capacity=256, width=4, steps_per_call=8,
                                  donate=True)
-PRODUCERS = {"attention_donating": ATT, "recurrent": RNN, "dense_donating": DENSE}
 SAMPLED = SamplingConfig(temperature=1.0)
 
 

@@ -8,7 +8,6 @@ a computed one does. Each equality has a control showing the check can fail.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -16,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.fixtures import jitted_block
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.dense import (
     DenseCache,
@@ -46,17 +46,7 @@ CONFIGS = {
 }
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _block(
-    model: DenseModel,
-    params: Any,
-    cache: DenseCache,
-    tokens: jax.Array,
-    positions: jax.Array,
-    live: jax.Array,
-    need_head: jax.Array,
-) -> tuple[jax.Array, DenseCache]:
-    return model.block_forward(params, cache, tokens, positions, live, need_head)
+_block = jitted_block
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))

@@ -18,7 +18,6 @@ each shorter than the sequences run.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -29,8 +28,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.fixtures import jitted_block  # noqa: E402
 from turbospark_jax.loading import LoadedModel, load_folder  # noqa: E402
-from turbospark_jax.models.dense import DenseCache, DenseModel  # noqa: E402
+from turbospark_jax.models.dense import DenseModel  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 160
@@ -91,17 +91,7 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _block(
-    model: DenseModel,
-    params: Any,
-    cache: DenseCache,
-    tokens: jax.Array,
-    positions: jax.Array,
-    live: jax.Array,
-    need_head: jax.Array,
-) -> tuple[jax.Array, DenseCache]:
-    return model.block_forward(params, cache, tokens, positions, live, need_head)
+_block = jitted_block
 
 
 _forward = jax.jit(DenseModel.forward, static_argnums=0)

@@ -18,13 +18,13 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.fixtures import multi_turn_producers
 from turbospark_jax.block_program import BlockProducer
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
 from turbospark_jax.errors import BadInputError, SessionError
@@ -36,26 +36,15 @@ from turbospark_jax.generate import (
     run_raw_completion,
 )
 from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
-from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params
 from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.session_pool import SessionPool
 from turbospark_jax.testing.conformance import perturbed
-from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 V = 32
 FIRST, USER, REPLY = 5, 3, 4  # tokens in a first prompt, a user message, a reply
 
-ATT = toy_attention_producer(vocab=V, capacity=128, width=4, steps_per_call=8, donate=True)
-RNN = toy_recurrent_producer(vocab=V, capacity=128, width=4, steps_per_call=8)
-DENSE_CONFIG = DenseConfig(
-    model_type="qwen3", vocab_size=V, hidden_size=32, intermediate_size=48,
-    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-)
-DENSE = BlockProducer(
-    DenseModel(DENSE_CONFIG), init_params(DENSE_CONFIG, jax.random.PRNGKey(1)),
-    capacity=128, width=4, steps_per_call=8, donate=True,
-)
-PRODUCERS = {"attention_donating": ATT, "recurrent": RNN, "dense_donating": DENSE}
+PRODUCERS = multi_turn_producers(V)
+ATT = PRODUCERS["attention_donating"]
 
 
 # -- conversations ----------------------------------------------------------------------------

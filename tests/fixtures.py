@@ -1,0 +1,47 @@
+"""Producers and wrappers that several test modules share."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.models.dense import DenseCache, DenseConfig, DenseModel, init_params
+from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def jitted_block(
+    model: DenseModel,
+    params: Any,
+    cache: DenseCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    live: jax.Array,
+    need_head: jax.Array,
+) -> tuple[jax.Array, DenseCache]:
+    """``model.block_forward`` under one ``jit`` (the model is static)."""
+    return model.block_forward(params, cache, tokens, positions, live, need_head)
+
+
+def multi_turn_producers(vocab: int) -> dict[str, Any]:
+    """A donating toy attention producer, a toy recurrent one and a donating tiny dense qwen3,
+    each with 128 positions, W = 4 and 8 steps per call: the producers the multi-turn tests
+    (session pool, chat) run their properties on."""
+    config = DenseConfig(
+        model_type="qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    )
+    dense = BlockProducer(
+        DenseModel(config), init_params(config, jax.random.PRNGKey(1)),
+        capacity=128, width=4, steps_per_call=8, donate=True,
+    )
+    return {
+        "attention_donating": toy_attention_producer(
+            vocab=vocab, capacity=128, width=4, steps_per_call=8, donate=True
+        ),
+        "recurrent": toy_recurrent_producer(vocab=vocab, capacity=128, width=4, steps_per_call=8),
+        "dense_donating": dense,
+    }
