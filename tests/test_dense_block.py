@@ -46,9 +46,6 @@ CONFIGS = {
 }
 
 
-_block = jitted_block
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
 def setup(request: pytest.FixtureRequest) -> tuple[DenseModel, Any, np.ndarray]:
     config = CONFIGS[request.param]
@@ -72,7 +69,7 @@ def _run(model: DenseModel, params: Any, tokens: np.ndarray, chunks: list[int]) 
         block = np.zeros(W, np.int32)
         block[:n] = tokens[start : start + n]
         positions = np.arange(start, start + W, dtype=np.int32)
-        logits, cache = _block(
+        logits, cache = jitted_block(
             model, params, cache, jnp.asarray(block), jnp.asarray(positions), jnp.int32(n),
             jnp.bool_(True),
         )
@@ -102,7 +99,7 @@ def test_padding_rows_write_nothing(setup: Any) -> None:
     cache = jax.tree.map(lambda a: jnp.full_like(a, 7.0), model.init_cache(CAPACITY))
     before = jax.tree.map(np.asarray, cache)
     live = 2
-    _, after = _block(
+    _, after = jitted_block(
         model, params, cache, jnp.asarray(tokens[:W], jnp.int32),
         jnp.arange(3, 3 + W, dtype=jnp.int32), jnp.int32(live), jnp.bool_(True),
     )
@@ -118,7 +115,7 @@ def test_padding_rows_past_capacity_are_dropped(setup: Any) -> None:
     model, params, tokens = setup
     cache = model.init_cache(CAPACITY)
     positions = jnp.arange(CAPACITY - 1, CAPACITY - 1 + W, dtype=jnp.int32)  # 3 rows past end
-    logits, after = _block(
+    logits, after = jitted_block(
         model, params, cache, jnp.asarray(tokens[:W], jnp.int32), positions, jnp.int32(1),
         jnp.bool_(True),
     )
@@ -131,8 +128,8 @@ def test_headless_block_leaves_same_cache(setup: Any) -> None:
     model, params, tokens = setup
     args = (jnp.asarray(tokens[:W], jnp.int32), jnp.arange(W, dtype=jnp.int32), jnp.int32(W))
     cache = model.init_cache(CAPACITY)
-    logits_on, cache_on = _block(model, params, cache, *args, jnp.bool_(True))
-    logits_off, cache_off = _block(model, params, cache, *args, jnp.bool_(False))
+    logits_on, cache_on = jitted_block(model, params, cache, *args, jnp.bool_(True))
+    logits_off, cache_off = jitted_block(model, params, cache, *args, jnp.bool_(False))
     assert tree_bitwise_equal(cache_on, cache_off)
     assert logits_off.dtype == jnp.float32 and logits_off.shape == (W, model.vocab_size)
     assert not np.any(np.asarray(logits_off))

@@ -91,9 +91,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-_block = jitted_block
-
-
 _forward = jax.jit(DenseModel.forward, static_argnums=0)
 
 
@@ -129,7 +126,7 @@ def _decode(ours: LoadedModel, tokens: np.ndarray, capacity: int) -> np.ndarray:
     cache = ours.model.init_cache(capacity)
     rows = []
     for i, t in enumerate(tokens):
-        logits, cache = _block(
+        logits, cache = jitted_block(
             ours.model, ours.params, cache, jnp.asarray([t], jnp.int32),
             jnp.asarray([i], jnp.int32), jnp.int32(1), jnp.bool_(True),
         )
@@ -172,7 +169,7 @@ def test_greedy_continuation_matches_generate(case: Any) -> None:
         fed = list(prompt)
         generated: list[int] = []
         for position in range(CAPACITY - 1):
-            logits, cache = _block(
+            logits, cache = jitted_block(
                 model, params, cache, jnp.asarray([fed[position]], jnp.int32),
                 jnp.asarray([position], jnp.int32), jnp.int32(1), jnp.bool_(True),
             )
