@@ -200,16 +200,15 @@ def _run_blocks(
         last = logits[live - 1]
         finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[i]
 
-        def draw(history):
-            key = sampling.token_key(control.key, control.gen_index + i)
-            tok = sampling.sample(last, control.params, history, key).astype(jnp.int32)
-            return tok, history.add(tok)
-
-        def skip(history):
-            return jnp.int32(-1), history
-
         with jax.named_scope("sample"):
-            tok, history = jax.lax.cond(control.feedback & finite, draw, skip, history)
+            # Sampled unconditionally and kept by a select: a cond here would cost a
+            # device-to-host round trip per token on a GPU, and a greedy draw (what the idle
+            # control of a prefill or verify asks for) is one argmax.
+            keep = control.feedback & finite
+            key = sampling.token_key(control.key, control.gen_index + i)
+            drawn = sampling.sample(last, control.params, history, key).astype(jnp.int32)
+            tok = jnp.where(keep, drawn, jnp.int32(-1))
+            history = history.add(tok)  # -1 is outside the vocabulary: recorded as nothing
         sampled = sampled.at[i].set(tok)
         hit = control.feedback & jnp.any(control.stop_ids == tok)
         finish = jnp.where(~finite, NON_FINITE, jnp.where(hit, STOPPED_ON_TOKEN, RUNNING))
