@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Everything the H200 benchmark needs, in two device calls of under ten minutes each.
-#   bash benchmarks/h200_session.sh 1 "$OUT"   # GPU tests, exactness, profiles, transformers
+# Everything the H200 benchmark needs, in three device calls of under ten minutes each:
+#   bash benchmarks/h200_session.sh 1 "$OUT"   # GPU tests, exactness, profiles, transformers 1B/0.6B
 #   bash benchmarks/h200_session.sh 2 "$OUT"   # our decode/prefill table and the W sweep
+#   bash benchmarks/h200_session.sh 3 "$OUT"   # transformers for the 8B shape
 # Then, here: copy the JSON files into benchmarks/results and run
 #   python -m benchmarks.run --report benchmarks/results
-# Stage timings seen on one H200 (2026-12-02): GPU tests 20 s, exact 25 s, one profile 40 s,
-# transformers for three shapes over 250 s, ours for three shapes 190 s, sweep at 128 80 s.
+# (hf.json from stages 1 and 3: merge their "records" lists.)
+# Timings seen on one H200 (2026-12-02): GPU tests 20 s, exact 25 s, one profile 40 s,
+# transformers eager for 1B and 0.6B about 150 s (torch.compile not yet seen to work), ours for
+# three shapes 190 s, the sweep at 128 context 80 s.
 set -uo pipefail
-stage=${1:?stage 1 or 2}
+stage=${1:?stage 1, 2 or 3}
 out=${2:?output folder}
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 quiet() { grep -v -i -E "warn|^\s*$" | cut -c1-300; }
-if [ "$stage" = 1 ]; then
+case "$stage" in
+1)
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py \
     tests/test_conformance_dense.py 2>&1 | tail -3
   timeout 90 python3 -m benchmarks.run --preset h200 --part exact --out "$out" 2>&1 | quiet
@@ -19,9 +23,16 @@ if [ "$stage" = 1 ]; then
   XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
     timeout 60 python3 -m benchmarks.profile_decode --widths 16 --label while-graphs \
     --no-trace --out "$out" 2>&1 | quiet | tail -3
-  timeout 280 python3 -m benchmarks.run --preset h200 --part hf --out "$out" 2>&1 | quiet
-else
+  timeout 240 python3 -m benchmarks.run --preset h200 --part hf \
+    --shapes llama-3.2-1b,qwen3-0.6b --out "$out" 2>&1 | quiet
+  ;;
+2)
   timeout 300 python3 -m benchmarks.run --preset h200 --part ours --widths "" --out "$out" 2>&1 | quiet
   timeout 200 python3 -m benchmarks.run --preset h200 --part ours --shapes llama-3.2-1b \
     --contexts 128 --sweep-contexts 128,16384 --out "$out/sweep" 2>&1 | quiet
-fi
+  ;;
+3)
+  timeout 560 python3 -m benchmarks.run --preset h200 --part hf --shapes llama-3.1-8b \
+    --out "$out" 2>&1 | quiet
+  ;;
+esac
