@@ -3,9 +3,10 @@
 #   bash benchmarks/h200_session.sh 1 "$OUT"   # GPU tests, exactness, profiles, transformers 1B/0.6B
 #   bash benchmarks/h200_session.sh 2 "$OUT"   # our decode/prefill table and the W sweep
 #   bash benchmarks/h200_session.sh 3 "$OUT"   # transformers for the 8B shape
-# Then, here: copy the JSON files into benchmarks/results and run
+# Then, here: copy the JSON files into benchmarks/results, each under its own name (stage 2's
+# sweep/ours.json as width_sweep.json, stage 3's hf8b/hf.json as hf_8b.json; the report reads
+# every *.json there), and run
 #   python -m benchmarks.run --report benchmarks/results
-# (hf.json from stages 1 and 3: merge their "records" lists.)
 # Timings seen on one H200 (2026-12-02): GPU tests 20 s, exact 25 s, one profile 40 s,
 # transformers eager for 1B and 0.6B about 150 s (torch.compile not yet seen to work), ours for
 # three shapes 190 s, the sweep at 128 context 80 s.
@@ -33,6 +34,6 @@ case "$stage" in
   ;;
 3)
   timeout 560 python3 -m benchmarks.run --preset h200 --part hf --shapes llama-3.1-8b \
-    --out "$out" 2>&1 | quiet
+    --out "$out/hf8b" 2>&1 | quiet
   ;;
 esac
