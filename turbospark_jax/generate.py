@@ -270,12 +270,23 @@ class Emission:
         self,
         finish: FinishReason,
         error: str | None,
-        usage: Usage,
-        timings: Timings,
         state: Any,
+        *,
+        prompt_len: int,
+        reused: int,
+        started: float,
+        prefill_s: float,
+        first_token_s: float,
         speculative: Any = None,
     ) -> tuple[StreamEvent | None, Completion]:
-        """The closing event (held-back text) and the completion."""
+        """The closing event (held-back text) and the completion.
+
+        ``started`` is the ``time.perf_counter()`` reading the request began at; decode time is
+        what is left of the total after prefill and the first token.
+        """
+        total_s = time.perf_counter() - started
+        usage = Usage(prompt_len, reused, prompt_len - reused, len(self.tokens))
+        timings = Timings(prefill_s, first_token_s, total_s - prefill_s - first_token_s, total_s)
         if finish is FinishReason.ERROR:
             state = None  # never offered for reuse
         tail = "" if finish is FinishReason.STOP_STRING else self.text.flush()
@@ -382,13 +393,9 @@ class CompletionStream(Iterator[StreamEvent]):
                     finish, error = FinishReason.ERROR, str(exc)
         if finish is not FinishReason.ERROR:
             state = _rewind_overshoot(p, state, prompt + out.tokens)
-        decode_s = time.perf_counter() - t0 - prefill_s - first_token_s
         event, self.completion = out.finish(
-            finish,
-            error,
-            Usage(len(prompt), reused, len(prompt) - reused, len(out.tokens)),
-            Timings(prefill_s, first_token_s, decode_s, time.perf_counter() - t0),
-            state,
+            finish, error, state, prompt_len=len(prompt), reused=reused, started=t0,
+            prefill_s=prefill_s, first_token_s=first_token_s,
         )
         if event is not None:
             yield event

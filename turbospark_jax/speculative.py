@@ -56,8 +56,6 @@ from turbospark_jax.generate import (
     CompletionStream,
     FinishReason,
     StreamEvent,
-    Timings,
-    Usage,
     add_to_history,
 )
 from turbospark_jax.protocols import SpeculativeProducer
@@ -238,14 +236,9 @@ class SpeculativeStream(CompletionStream):
             keep_rows = 1 + kept
             state = self._restore(state, point, feed, keep_rows, base)
             state = p.record_committed(state, feed[:keep_rows], base)
-        decode_s = time.perf_counter() - t0 - prefill_s - first_token_s
         event, self.completion = out.finish(
-            finish,
-            error,
-            Usage(len(prompt), reused, len(prompt) - reused, len(out.tokens)),
-            Timings(prefill_s, first_token_s, decode_s, time.perf_counter() - t0),
-            state,
-            speculative=stats.freeze(),
+            finish, error, state, prompt_len=len(prompt), reused=reused, started=t0,
+            prefill_s=prefill_s, first_token_s=first_token_s, speculative=stats.freeze(),
         )
         if event is not None:
             yield event
