@@ -45,3 +45,18 @@ def multi_turn_producers(vocab: int) -> dict[str, Any]:
         "recurrent": toy_recurrent_producer(vocab=vocab, capacity=128, width=4, steps_per_call=8),
         "dense_donating": dense,
     }
+
+
+def randomise_hf_norms_and_biases(model: Any, seed: int = 0) -> None:
+    """Give a transformers model's norm weights (1 + noise) and biases (noise) random values,
+    so parity tests exercise them rather than their ones and zeros."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)

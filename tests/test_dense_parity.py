@@ -28,7 +28,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.fixtures import jitted_block  # noqa: E402
+from tests.fixtures import jitted_block, randomise_hf_norms_and_biases  # noqa: E402
 from turbospark_jax.loading import LoadedModel, load_folder  # noqa: E402
 from turbospark_jax.models.dense import DenseModel  # noqa: E402
 
@@ -94,15 +94,6 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 _forward = jax.jit(DenseModel.forward, static_argnums=0)
 
 
-def _randomise(model: Any, seed: int) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
 
 
 @pytest.fixture(scope="module", params=list(CASES), ids=list(CASES))
@@ -112,7 +103,7 @@ def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     hf = hf.float().eval()
-    _randomise(hf, seed=len(request.param))
+    randomise_hf_norms_and_biases(hf, seed=len(request.param))
     folder = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(folder)
     ours = load_folder(folder, dtype="float32")

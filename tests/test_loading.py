@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from tests.fixtures import randomise_hf_norms_and_biases  # noqa: E402
 from turbospark_jax.errors import (  # noqa: E402
     BadInputError,
     ModelLoadError,
@@ -87,15 +88,6 @@ def _hf_tokenizer() -> Any:
     return fast
 
 
-def _randomise(model: Any) -> None:
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +100,7 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
-    _randomise(model)
+    randomise_hf_norms_and_biases(model)
     folder = tmp_path_factory.mktemp("qwen3")
     model.save_pretrained(folder)
     _hf_tokenizer().save_pretrained(folder)
