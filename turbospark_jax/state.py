@@ -128,29 +128,24 @@ def _is_state_node(x: Any) -> bool:
     return dataclasses.is_dataclass(x) and not isinstance(x, type)
 
 
-def by_value(state: Any) -> Any:
-    """The small, by-value part of ``state``: every append-only buffer replaced by ``None``."""
+def _split(state: Any, buffers: bool) -> Any:
+    # Keep either the append-only buffers or everything else, with None in the other's place.
     if not _is_state_node(state):
-        return state
+        return None if buffers else state
     axes = _append_axes(state)
     changes = {}
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
-        changes[f.name] = None if f.name in axes else by_value(value)
-    return dataclasses.replace(state, **changes)
-
-
-def restore_by_value(state: Any, values: Any) -> Any:
-    """``state`` with its by-value leaves taken from ``values`` (as made by :func:`by_value`)."""
-    if not _is_state_node(state):
-        return values
-    axes = _append_axes(state)
-    changes = {}
-    for f in dataclasses.fields(state):
         if f.name in axes:
-            continue
-        changes[f.name] = restore_by_value(getattr(state, f.name), getattr(values, f.name))
+            changes[f.name] = value if buffers else None
+        else:
+            changes[f.name] = _split(value, buffers)
     return dataclasses.replace(state, **changes)
+
+
+def by_value(state: Any) -> Any:
+    """The small, by-value part of ``state``: every append-only buffer replaced by ``None``."""
+    return _split(state, buffers=False)
 
 
 def buffers_only(state: Any) -> Any:
@@ -159,18 +154,12 @@ def buffers_only(state: Any) -> Any:
     With :func:`by_value` this splits a state into what may be donated to XLA (the buffers)
     and what a checkpoint keeps (the values); :func:`merge_parts` joins them again.
     """
-    if not _is_state_node(state):
-        return None
-    axes = _append_axes(state)
-    changes = {}
-    for f in dataclasses.fields(state):
-        value = getattr(state, f.name)
-        changes[f.name] = value if f.name in axes else buffers_only(value)
-    return dataclasses.replace(state, **changes)
+    return _split(state, buffers=True)
 
 
 def merge_parts(buffers: Any, values: Any) -> Any:
-    """Join :func:`buffers_only` and :func:`by_value` halves back into one state."""
+    """Join :func:`buffers_only` and :func:`by_value` halves back into one state: the
+    append-only buffers of ``buffers`` with every other leaf of ``values``."""
     if not _is_state_node(values):
         return values
     axes = _append_axes(values)
@@ -181,6 +170,12 @@ def merge_parts(buffers: Any, values: Any) -> Any:
         else:
             changes[f.name] = merge_parts(getattr(buffers, f.name), getattr(values, f.name))
     return dataclasses.replace(values, **changes)
+
+
+def restore_by_value(state: Any, values: Any) -> Any:
+    """``state`` with its by-value leaves taken from ``values`` (as made by :func:`by_value`):
+    the buffers stay, so this is :func:`merge_parts` of the state and the values."""
+    return merge_parts(state, values)
 
 
 def copy_state(state: Any) -> Any:
