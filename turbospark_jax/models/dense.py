@@ -79,7 +79,7 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models import pallas_attention
+from turbospark_jax.models import pallas_attention, pallas_glue
 from turbospark_jax.models.layers import (
     SUPPORTED_ROPE_TYPES,
     RopeScaling,
@@ -125,8 +125,8 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
-#: Values of :attr:`DenseModel.attention`.
-ATTENTION_MODES = ("auto", "xla", "interpret")
+#: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.glue`.
+KERNEL_MODES = ("auto", "xla", "interpret")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -642,13 +642,16 @@ class DenseModel:
     dtype: Any = jnp.float32
     scan_layers: bool = True
     attention: str = "auto"
+    glue: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        if self.attention not in ATTENTION_MODES:
-            raise BadInputError(
-                f"attention must be one of {', '.join(ATTENTION_MODES)}; got {self.attention!r}"
-            )
+        for field in ("attention", "glue"):
+            value = getattr(self, field)
+            if value not in KERNEL_MODES:
+                raise BadInputError(
+                    f"{field} must be one of {', '.join(KERNEL_MODES)}; got {value!r}"
+                )
 
     def _fused_attention(self, per_layer: bool, capacity: int) -> bool | str:
         """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``:
@@ -659,6 +662,18 @@ class DenseModel:
             return "interpret" if capacity >= pallas_attention.BLOCK_KEYS else False
         return jax.default_backend() == "gpu" and pallas_attention.supported(
             self.config.head_dim, capacity
+        )
+
+    def _glue(self, per_layer: bool) -> bool | str:
+        """Whether the block program runs add+norm and RoPE+cache write as fused kernels
+        (``"interpret"``: in the Pallas interpreter). They write per-layer buffers in place."""
+        if not per_layer or self.glue == "xla":
+            return False
+        if self.glue == "interpret":
+            return "interpret"
+        c = self.config
+        return jax.default_backend() == "gpu" and pallas_glue.supported(
+            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )
 
     @property
@@ -691,56 +706,73 @@ class DenseModel:
         )
         return rope_cos_sin(positions, inv_freq, scale, self.dtype)
 
-    def _qkv(
-        self, x: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Pre-norm, q/k/v projections, optional q/k norm, RoPE. x [W, D] -> q [W, H, hd],
-        k/v [W, KV, hd]."""
-        c = self.config
-        h = rms_norm(x, lp["input_layernorm"], c.rms_norm_eps)
-        q = _project(h, lp["q_proj"])  # [W, H, hd]
-        k = _project(h, lp["k_proj"])  # [W, KV, hd]
-        v = _project(h, lp["v_proj"])  # [W, KV, hd]
-        if c.qkv_bias:
+    def _add_norm(
+        self, x: jax.Array, delta: jax.Array | None, weight: jax.Array, glue: bool | str
+    ) -> tuple[jax.Array, jax.Array]:
+        """``(h, rms_norm(h))`` with ``h = x + delta``: the residual add that ends a sublayer
+        and the norm that starts the next, as one kernel when ``glue`` says so."""
+        eps = self.config.rms_norm_eps
+        if glue:
+            return pallas_glue.add_rms_norm(x, delta, weight, eps, interpret=glue == "interpret")
+        return pallas_glue.add_rms_norm_xla(x, delta, weight, eps)
+
+    def _projections(self, h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
+        q = _project(h, lp["q_proj"])
+        k = _project(h, lp["k_proj"])
+        v = _project(h, lp["v_proj"])
+        if self.config.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+        return q, k, v
+
+    def _rotate(
+        self, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Optional per-head q/k norm, then RoPE."""
+        c = self.config
         if c.qk_norm:
             q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
             k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def _finish(self, x: jax.Array, attn: jax.Array, lp: Params) -> jax.Array:
-        """Output projection, residual, post-norm MLP, residual. attn [W, H, hd] -> x [W, D]."""
-        c = self.config
+    def _attention_out(self, attn: jax.Array, lp: Params) -> jax.Array:
+        """Output projection. attn [W, H, hd] -> [W, D]."""
         w_o = lp["o_proj"]  # [H, hd, D], contracted as one [H * hd, D] matrix
-        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])  # [W, D]
-        if c.o_bias:
-            o = o + lp["o_bias"]
-        x = x + o
-        with jax.named_scope("mlp"):
-            h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
-            bias = c.has_mlp_bias
-            x = x + swiglu_mlp(
-                h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
-                lp["gate_bias"] if bias else None,
-                lp["up_bias"] if bias else None,
-                lp["down_bias"] if bias else None,
-            )
-        return x
+        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
+        return o + lp["o_bias"] if self.config.o_bias else o
 
-    def _head(self, params: Params, x: jax.Array) -> jax.Array:
-        """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
-        h = rms_norm(x, params["norm"], self.config.rms_norm_eps)
+    def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
+        """The gated MLP of the normed rows. h [W, D] -> [W, D]."""
+        bias = self.config.has_mlp_bias
+        return swiglu_mlp(
+            h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
+            lp["gate_bias"] if bias else None,
+            lp["up_bias"] if bias else None,
+            lp["down_bias"] if bias else None,
+        )
+
+    def _logits(self, params: Params, h: jax.Array) -> jax.Array:
+        """Output head of the final-normed rows. h [W, D] -> float32 logits [W, V]."""
         if self.config.tie_word_embeddings:
             return jnp.einsum(
                 "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32
             )
         return jnp.einsum("wd,dv->wv", h, params["lm_head"], preferred_element_type=jnp.float32)
 
+    def _scans(self, layers: Params) -> bool:
+        """Whether :meth:`_run_layers` runs these layers as a ``lax.scan``."""
+        return self.scan_layers and not isinstance(layers, list | tuple)
+
+    def _first_delta(self, layers: Params, x: jax.Array) -> jax.Array | None:
+        """What the first layer adds to the embeddings before its norm: nothing. A scan needs
+        the same carry at every layer, so there it is zeros (``x + 0 == x``)."""
+        return jnp.zeros_like(x) if self._scans(layers) else None
+
     def _run_layers(self, layers: Params, x: jax.Array, carry: Any, layer_fn: LayerFn) -> Any:
         """Apply ``layer_fn(x, carry, layer_params, layer_index, window)`` over all layers."""
         windows = self.config.layer_windows
         n = self.config.num_hidden_layers
-        if isinstance(layers, list | tuple) or not self.scan_layers:
+        if not self._scans(layers):
             for i in range(n):
                 if isinstance(layers, list | tuple):
                     lp = layers[i]
@@ -828,14 +860,29 @@ class DenseModel:
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
         fused = self._fused_attention(per_layer, capacity)
+        glue = self._glue(per_layer)
+        store = glue and not fresh  # a fresh block attends over its own rotated k
 
-        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
+        def layer(xs: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
+            # The residual stream travels with the last sublayer's output still to be added:
+            # the add then runs with the norm after it (one kernel with ``glue``).
+            x, delta = xs
             k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
+            x, h = self._add_norm(x, delta, lp["input_layernorm"], glue)
             with jax.named_scope("attention"):
-                q, k, v = self._qkv(x, lp, cos, sin)
+                q, k, v = self._projections(h, lp)
+                if store:  # per-layer buffers, written in place by the kernel
+                    norms = (lp["q_norm"], lp["k_norm"]) if self.config.qk_norm else (None, None)
+                    q, k_layer, v_layer = pallas_glue.rope_store(
+                        q, k, v, cos, sin, write_at, k_all[index], v_all[index], *norms,
+                        eps=self.config.rms_norm_eps, interpret=glue == "interpret",
+                    )
+                else:
+                    q, k = self._rotate(q, k, lp, cos, sin)
                 if per_layer:  # index is a python int: this layer's own buffers
-                    k_layer = k_all[index].at[write_at].set(k, **scatter)
-                    v_layer = v_all[index].at[write_at].set(v, **scatter)
+                    if not store:
+                        k_layer = k_all[index].at[write_at].set(k, **scatter)
+                        v_layer = v_all[index].at[write_at].set(v, **scatter)
                     k_all = (*k_all[:index], k_layer, *k_all[index + 1 :])
                     v_all = (*v_all[:index], v_layer, *v_all[index + 1 :])
                 else:
@@ -852,15 +899,22 @@ class DenseModel:
                 else:
                     attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)
-            return self._finish(x, attn, lp), (k_all, v_all)
+                o = self._attention_out(attn, lp)
+            x, h = self._add_norm(x, o, lp["post_attention_layernorm"], glue)
+            with jax.named_scope("mlp"):
+                return (x, self._mlp(h, lp)), (k_all, v_all)
 
-        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
+        start = (x, self._first_delta(params["layers"], x))
+        (x, delta), (k_all, v_all) = self._run_layers(
+            params["layers"], start, (cache.k, cache.v), layer
+        )
         with jax.named_scope("head"):
+            _, h = self._add_norm(x, delta, params["norm"], glue)
             logits = jax.lax.cond(
                 need_head,
-                lambda h: self._head(params, h),
+                lambda h: self._logits(params, h),
                 lambda h: jnp.zeros((width, self.vocab_size), jnp.float32),
-                x,
+                h,
             )
         return logits, cache.replace(k=k_all, v=v_all)
 
@@ -900,13 +954,20 @@ class DenseModel:
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
-        def layer(x: jax.Array, carry: None, lp: Params, index: Any, window: Any) -> Any:
+        def layer(xs: Any, carry: None, lp: Params, index: Any, window: Any) -> Any:
             del index
+            x, delta = xs
+            x, h = self._add_norm(x, delta, lp["input_layernorm"], False)
             with jax.named_scope("attention"):
-                q, k, v = self._qkv(x, lp, cos, sin)
-                attn = attend(q, k, v, positions, positions, window)
-            return self._finish(x, attn, lp), carry
+                q, k, v = self._projections(h, lp)
+                q, k = self._rotate(q, k, lp, cos, sin)
+                o = self._attention_out(attend(q, k, v, positions, positions, window), lp)
+            x, h = self._add_norm(x, o, lp["post_attention_layernorm"], False)
+            with jax.named_scope("mlp"):
+                return (x, self._mlp(h, lp)), carry
 
-        x, _ = self._run_layers(params["layers"], x, None, layer)
+        start = (x, self._first_delta(params["layers"], x))
+        (x, delta), _ = self._run_layers(params["layers"], start, None, layer)
         with jax.named_scope("head"):
-            return self._head(params, x)
+            _, h = self._add_norm(x, delta, params["norm"], False)
+            return self._logits(params, h)
