@@ -17,15 +17,22 @@ export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 quiet() { grep -v -i -E "warn|^\s*$" | cut -c1-300; }
 case "$stage" in
 1)
-  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py \
-    tests/test_conformance_dense.py 2>&1 | tail -3
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py \
+    tests/test_pallas_glue.py tests/test_conformance_dense.py 2>&1 | tail -4
   timeout 90 python3 -m benchmarks.run --preset h200 --part exact --out "$out" 2>&1 | quiet
   timeout 60 python3 -m benchmarks.profile_decode --widths 16 --out "$out" 2>&1 | quiet | tail -12
-  XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE \
-    timeout 60 python3 -m benchmarks.profile_decode --widths 16 --label while-graphs \
-    --no-trace --out "$out" 2>&1 | quiet | tail -3
-  timeout 240 python3 -m benchmarks.run --preset h200 --part hf \
-    --shapes llama-3.2-1b,qwen3-0.6b --out "$out" 2>&1 | quiet
+  timeout 45 python3 -m benchmarks.profile_decode --widths 16 --glue xla --no-trace \
+    --out "$out" 2>&1 | quiet | tail -1
+  for cb in "" "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"; do
+    XLA_FLAGS="--xla_gpu_enable_command_buffer=$cb" timeout 45 python3 -m benchmarks.profile_decode \
+      --widths 16 --label "graphs=$cb" --no-trace --out "$out" 2>&1 | quiet | tail -1
+  done
+  for s in qwen3-0.6b llama-3.1-8b; do
+    timeout 60 python3 -m benchmarks.profile_decode --shape $s --widths 16 --no-trace \
+      --out "$out" 2>&1 | quiet | tail -1
+  done
+  timeout 200 python3 -m benchmarks.run --preset h200 --part hf --shapes llama-3.2-1b \
+    --contexts 128 --out "$out/hf1b" 2>&1 | quiet
   ;;
 2)
   timeout 300 python3 -m benchmarks.run --preset h200 --part ours --widths "" --out "$out" 2>&1 | quiet

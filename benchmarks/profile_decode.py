@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import glob
 import json
 import os
@@ -118,12 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default") or "default")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--no-trace", action="store_true")
+    parser.add_argument("--glue", choices=["auto", "xla"], default="auto",
+                        help="the model's glue kernels (see DenseModel.glue)")
+    parser.add_argument("--attention", choices=["auto", "xla"], default="auto",
+                        help="the model's attention kernel (see DenseModel.attention)")
     args = parser.parse_args(argv)
 
     import jax
 
     shape = SHAPES[args.shape]
     config, model, params = _dense(shape)
+    model = dataclasses.replace(model, glue=args.glue, attention=args.attention)
     bw = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     roof = bw / weight_bytes(params, config)
     rows = []
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         rate = decode_rate(producer, args.context, args.tokens, args.burst, 2048,
                            config.vocab_size)
         row: dict[str, Any] = {"shape": args.shape, "width": width, "context": args.context,
-                               "label": args.label, "tokens_per_s": rate["tokens_per_s"],
+                               "label": args.label, "glue": args.glue,
+                               "attention": args.attention, "tokens_per_s": rate["tokens_per_s"],
                                "roofline_tokens_per_s": roof,
                                "fraction_of_roofline": rate["tokens_per_s"] / roof}
         if not args.no_trace:
@@ -150,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(old + rows, indent=1))
     for row in rows:
         p = row.get("profile", {})
-        print(f"[{row['label']}] {row['shape']} W={row['width']} ctx={row['context']}: "
+        print(f"[{row['label']} glue={row['glue']} attention={row['attention']}] "
+              f"{row['shape']} W={row['width']} ctx={row['context']}: "
               f"{row['tokens_per_s']:.0f} tok/s ({row['fraction_of_roofline']:.0%} of "
               f"{row['roofline_tokens_per_s']:.0f})")
         if "kernels_per_token" in p:
