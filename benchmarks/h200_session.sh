@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything the H200 benchmark needs, in three device calls of under ten minutes each:
-#   bash benchmarks/h200_session.sh 1 "$OUT"   # GPU tests, exactness, profiles, transformers 1B/0.6B
+#   bash benchmarks/h200_session.sh 1 "$OUT"   # GPU tests, exactness, decode profiles and HLO
 #   bash benchmarks/h200_session.sh 2 "$OUT"   # our decode/prefill table and the W sweep
-#   bash benchmarks/h200_session.sh 3 "$OUT"   # transformers for the 8B shape
+#                                              # (SWEEP= skips the sweep)
+#   bash benchmarks/h200_session.sh 3 "$OUT"   # transformers for all three shapes
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (stage 2's
 # sweep/ours.json as width_sweep.json, stage 3's hf8b/hf.json as hf_8b.json; the report reads
 # every *.json there), and run
@@ -20,27 +21,22 @@ case "$stage" in
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_pallas_attention.py \
     tests/test_pallas_glue.py tests/test_conformance_dense.py 2>&1 | tail -4
   timeout 90 python3 -m benchmarks.run --preset h200 --part exact --out "$out" 2>&1 | quiet
-  timeout 60 python3 -m benchmarks.profile_decode --widths 16 --out "$out" 2>&1 | quiet | tail -12
+  # The traced profile also dumps the optimised HLO of the decode program.
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run_blocks.*" \
+    timeout 60 python3 -m benchmarks.profile_decode --widths 16 --out "$out" 2>&1 | quiet | tail -12
+  cp "$(ls /tmp/hlo/*run_blocks*after_optimizations.txt | head -1)" "$out/decode_hlo.txt"
   timeout 45 python3 -m benchmarks.profile_decode --widths 16 --glue xla --no-trace \
     --out "$out" 2>&1 | quiet | tail -1
-  for cb in "" "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"; do
-    XLA_FLAGS="--xla_gpu_enable_command_buffer=$cb" timeout 45 python3 -m benchmarks.profile_decode \
-      --widths 16 --label "graphs=$cb" --no-trace --out "$out" 2>&1 | quiet | tail -1
-  done
-  for s in qwen3-0.6b llama-3.1-8b; do
-    timeout 60 python3 -m benchmarks.profile_decode --shape $s --widths 16 --no-trace \
-      --out "$out" 2>&1 | quiet | tail -1
-  done
-  timeout 200 python3 -m benchmarks.run --preset h200 --part hf --shapes llama-3.2-1b \
-    --contexts 128 --out "$out/hf1b" 2>&1 | quiet
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+    timeout 45 python3 -m benchmarks.profile_decode --widths 16 --label graphs+while \
+    --no-trace --out "$out" 2>&1 | quiet | tail -1
   ;;
 2)
   timeout 300 python3 -m benchmarks.run --preset h200 --part ours --widths "" --out "$out" 2>&1 | quiet
-  timeout 200 python3 -m benchmarks.run --preset h200 --part ours --shapes llama-3.2-1b \
-    --contexts 128 --sweep-contexts 128,16384 --out "$out/sweep" 2>&1 | quiet
+  [ -n "${SWEEP:-1}" ] && timeout 200 python3 -m benchmarks.run --preset h200 --part ours \
+    --shapes llama-3.2-1b --contexts 128 --sweep-contexts 128,16384 --out "$out/sweep" 2>&1 | quiet
   ;;
 3)
-  timeout 560 python3 -m benchmarks.run --preset h200 --part hf --shapes llama-3.1-8b \
-    --out "$out/hf8b" 2>&1 | quiet
+  timeout 560 python3 -m benchmarks.run --preset h200 --part hf --out "$out/hf" 2>&1 | quiet
   ;;
 esac

@@ -636,6 +636,10 @@ class DenseModel:
         the shapes suit it, XLA otherwise), ``"xla"`` (always XLA), or ``"interpret"`` (the
         kernel in the Pallas interpreter: slow, for testing it on a CPU). Each choice is one
         program for every path, so the bitwise guarantees hold within it.
+      glue: the same choice for the kernel of :mod:`~turbospark_jax.models.pallas_glue`,
+        which takes the q/k/v projection's output to the fused attention kernel's input
+        (q/k norm, RoPE, the query layout, the cache writes) in one launch instead of three
+        or four. It feeds that attention kernel, so it runs only where that one does.
     """
 
     config: DenseConfig
@@ -664,16 +668,17 @@ class DenseModel:
             self.config.head_dim, capacity
         )
 
-    def _glue(self, per_layer: bool) -> bool | str:
-        """Whether the block program runs add+norm and RoPE+cache write as fused kernels
-        (``"interpret"``: in the Pallas interpreter). They write per-layer buffers in place."""
-        if not per_layer or self.glue == "xla":
+    def _glue(self, per_layer: bool, fused: bool | str) -> bool | str:
+        """Whether the block program runs q/k norm, RoPE and the cache writes as the fused
+        kernel of :mod:`~turbospark_jax.models.pallas_glue` (``"interpret"``: in the Pallas
+        interpreter). It feeds the fused attention kernel, so it needs that one too."""
+        if not fused or self.glue == "xla":
             return False
         if self.glue == "interpret":
             return "interpret"
         c = self.config
         return jax.default_backend() == "gpu" and pallas_glue.supported(
-            c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )
 
     @property
@@ -706,16 +711,6 @@ class DenseModel:
         )
         return rope_cos_sin(positions, inv_freq, scale, self.dtype)
 
-    def _add_norm(
-        self, x: jax.Array, delta: jax.Array | None, weight: jax.Array, glue: bool | str
-    ) -> tuple[jax.Array, jax.Array]:
-        """``(h, rms_norm(h))`` with ``h = x + delta``: the residual add that ends a sublayer
-        and the norm that starts the next, as one kernel when ``glue`` says so."""
-        eps = self.config.rms_norm_eps
-        if glue:
-            return pallas_glue.add_rms_norm(x, delta, weight, eps, interpret=glue == "interpret")
-        return pallas_glue.add_rms_norm_xla(x, delta, weight, eps)
-
     def _projections(self, h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
         """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
         q = _project(h, lp["q_proj"])
@@ -724,6 +719,18 @@ class DenseModel:
         if self.config.qkv_bias:
             q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
         return q, k, v
+
+    def _merged_projection(self, h: jax.Array, lp: Params) -> jax.Array:
+        """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
+        reads the three weights straight into its matrix kernel; it makes no copy of them.)"""
+        d = h.shape[-1]
+        names = ("q_proj", "k_proj", "v_proj")
+        w = jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
+        qkv = h @ w
+        if self.config.qkv_bias:
+            qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias",
+                                                                     "v_bias")])
+        return qkv
 
     def _rotate(
         self, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
@@ -762,11 +769,6 @@ class DenseModel:
     def _scans(self, layers: Params) -> bool:
         """Whether :meth:`_run_layers` runs these layers as a ``lax.scan``."""
         return self.scan_layers and not isinstance(layers, list | tuple)
-
-    def _first_delta(self, layers: Params, x: jax.Array) -> jax.Array | None:
-        """What the first layer adds to the embeddings before its norm: nothing. A scan needs
-        the same carry at every layer, so there it is zeros (``x + 0 == x``)."""
-        return jnp.zeros_like(x) if self._scans(layers) else None
 
     def _run_layers(self, layers: Params, x: jax.Array, carry: Any, layer_fn: LayerFn) -> Any:
         """Apply ``layer_fn(x, carry, layer_params, layer_index, window)`` over all layers."""
@@ -860,24 +862,23 @@ class DenseModel:
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
         fused = self._fused_attention(per_layer, capacity)
-        glue = self._glue(per_layer)
+        glue = self._glue(per_layer, fused)
         store = glue and not fresh  # a fresh block attends over its own rotated k
+        c = self.config
 
-        def layer(xs: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
-            # The residual stream travels with the last sublayer's output still to be added:
-            # the add then runs with the norm after it (one kernel with ``glue``).
-            x, delta = xs
+        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
-            x, h = self._add_norm(x, delta, lp["input_layernorm"], glue)
+            h = rms_norm(x, lp["input_layernorm"], c.rms_norm_eps)
             with jax.named_scope("attention"):
-                q, k, v = self._projections(h, lp)
-                if store:  # per-layer buffers, written in place by the kernel
-                    norms = (lp["q_norm"], lp["k_norm"]) if self.config.qk_norm else (None, None)
-                    q, k_layer, v_layer = pallas_glue.rope_store(
-                        q, k, v, cos, sin, write_at, k_all[index], v_all[index], *norms,
-                        eps=self.config.rms_norm_eps, interpret=glue == "interpret",
+                if store:  # one kernel from the projection's output to the attention's input
+                    norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
+                    qr, k_layer, v_layer = pallas_glue.rope_store(
+                        self._merged_projection(h, lp), cos, sin, write_at, k_all[index],
+                        v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+                        interpret=glue == "interpret",
                     )
                 else:
+                    q, k, v = self._projections(h, lp)
                     q, k = self._rotate(q, k, lp, cos, sin)
                 if per_layer:  # index is a python int: this layer's own buffers
                     if not store:
@@ -889,7 +890,12 @@ class DenseModel:
                     k_all = k_all.at[index, write_at].set(k, **scatter)
                     v_all = v_all.at[index, write_at].set(v, **scatter)
                     k_layer, v_layer = k_all[index], v_all[index]
-                if fresh:
+                if store:
+                    attn = pallas_attention.cached_attention_arranged(
+                        qr, k_layer, v_layer, positions, heads=c.num_attention_heads,
+                        window=window, interpret=fused == "interpret",
+                    )
+                elif fresh:
                     attn = self._self_attention(q, k, v, positions, window)
                 elif fused:
                     attn = pallas_attention.cached_attention(
@@ -899,22 +905,18 @@ class DenseModel:
                 else:
                     attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)
-                o = self._attention_out(attn, lp)
-            x, h = self._add_norm(x, o, lp["post_attention_layernorm"], glue)
+                x = x + self._attention_out(attn, lp)
             with jax.named_scope("mlp"):
-                return (x, self._mlp(h, lp)), (k_all, v_all)
+                h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
+                return x + self._mlp(h, lp), (k_all, v_all)
 
-        start = (x, self._first_delta(params["layers"], x))
-        (x, delta), (k_all, v_all) = self._run_layers(
-            params["layers"], start, (cache.k, cache.v), layer
-        )
+        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
         with jax.named_scope("head"):
-            _, h = self._add_norm(x, delta, params["norm"], glue)
             logits = jax.lax.cond(
                 need_head,
-                lambda h: self._logits(params, h),
-                lambda h: jnp.zeros((width, self.vocab_size), jnp.float32),
-                h,
+                lambda x: self._logits(params, rms_norm(x, params["norm"], c.rms_norm_eps)),
+                lambda x: jnp.zeros((width, self.vocab_size), jnp.float32),
+                x,
             )
         return logits, cache.replace(k=k_all, v=v_all)
 
@@ -954,20 +956,19 @@ class DenseModel:
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
-        def layer(xs: Any, carry: None, lp: Params, index: Any, window: Any) -> Any:
-            del index
-            x, delta = xs
-            x, h = self._add_norm(x, delta, lp["input_layernorm"], False)
-            with jax.named_scope("attention"):
-                q, k, v = self._projections(h, lp)
-                q, k = self._rotate(q, k, lp, cos, sin)
-                o = self._attention_out(attend(q, k, v, positions, positions, window), lp)
-            x, h = self._add_norm(x, o, lp["post_attention_layernorm"], False)
-            with jax.named_scope("mlp"):
-                return (x, self._mlp(h, lp)), carry
+        c = self.config
 
-        start = (x, self._first_delta(params["layers"], x))
-        (x, delta), _ = self._run_layers(params["layers"], start, None, layer)
+        def layer(x: jax.Array, carry: None, lp: Params, index: Any, window: Any) -> Any:
+            del index
+            with jax.named_scope("attention"):
+                q, k, v = self._projections(rms_norm(x, lp["input_layernorm"], c.rms_norm_eps),
+                                            lp)
+                q, k = self._rotate(q, k, lp, cos, sin)
+                x = x + self._attention_out(attend(q, k, v, positions, positions, window), lp)
+            with jax.named_scope("mlp"):
+                h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
+                return x + self._mlp(h, lp), carry
+
+        x, _ = self._run_layers(params["layers"], x, None, layer)
         with jax.named_scope("head"):
-            _, h = self._add_norm(x, delta, params["norm"], False)
-            return self._logits(params, h)
+            return self._logits(params, rms_norm(x, params["norm"], c.rms_norm_eps))

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.layers import MASK_VALUE
 
 #: Keys per block of the inner loop.
@@ -106,6 +107,24 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
         l_ref[...] = l
 
 
+def query_rows(width: int, heads: int, kv_heads: int, capacity: int) -> int:
+    """Rows per KV head of the kernel's query layout (see :func:`arrange_queries`)."""
+    tile, tiles, _, _ = _plan(width * (heads // kv_heads), capacity)
+    return tile * tiles
+
+
+def arrange_queries(q: jax.Array, kv_heads: int, capacity: int) -> jax.Array:
+    """``q [W, H, hd]`` in the kernel's layout ``[KV, R, hd]``: row ``w * G + g`` of KV head
+    ``h`` is query row ``w``, head ``h * G + g``; rows past ``W * G`` are padding."""
+    width, heads, head_dim = q.shape
+    groups = heads // kv_heads
+    rows = width * groups
+    qr = q.reshape(width, kv_heads, groups, head_dim).transpose(1, 0, 2, 3)
+    qr = qr.reshape(kv_heads, rows, head_dim)
+    padded = query_rows(width, heads, kv_heads, capacity)
+    return jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
+
+
 @functools.partial(jax.jit, static_argnames=("window", "interpret"))
 def cached_attention(
     q: jax.Array,
@@ -132,16 +151,42 @@ def cached_attention(
     Returns:
       ``[W, H, hd]`` in ``v_cache.dtype``.
     """
-    width, heads, head_dim = q.shape
-    capacity, kv_heads, _ = k_cache.shape
+    heads = q.shape[1]
+    qr = arrange_queries(q, k_cache.shape[1], k_cache.shape[0])
+    return cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
+                                     window=window, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "window", "interpret"))
+def cached_attention_arranged(
+    qr: jax.Array,
+    k_cache: jax.Array,
+    v_cache: jax.Array,
+    q_positions: jax.Array,
+    heads: int,
+    window: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """:func:`cached_attention` with the queries already in the kernel's layout (as
+    :func:`arrange_queries` puts them, or a kernel writes them), saving that transpose.
+
+    Args:
+      qr: ``[KV, R, hd]``, ``R = query_rows(W, heads, KV, C)``; padding rows may hold
+        anything (they are computed, never read back).
+      heads: ``H``, the number of query heads.
+      the rest: as for :func:`cached_attention`.
+    """
+    width = q_positions.shape[0]
+    capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
     rows = width * groups
     tile, tiles, splits, split_len = _plan(rows, capacity)
     padded = tiles * tile
-    # Row r of KV head h is query row r // G, head h * G + r % G.
-    qr = q.reshape(width, kv_heads, groups, head_dim).transpose(1, 0, 2, 3)
-    qr = qr.reshape(kv_heads, rows, head_dim)
-    qr = jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
+    if qr.shape != (kv_heads, padded, head_dim):
+        raise BadInputError(
+            f"arranged queries must be [KV, R, hd] = {(kv_heads, padded, head_dim)} for "
+            f"{width} rows of {heads} heads over this cache; got {tuple(qr.shape)}"
+        )
     pos = jnp.repeat(q_positions.astype(jnp.int32), groups)
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1

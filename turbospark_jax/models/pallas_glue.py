@@ -1,20 +1,21 @@
-"""The small steps between a layer's matrix products, fused into single GPU kernels (Pallas).
+"""The steps between a layer's q/k/v projection and its attention, fused into one GPU kernel.
 
-At decode widths a 1B model's layer on an H200 ran 13 kernels, and eight of them were
-elementwise or scatter steps of 1.4-2.5 microseconds each (launch-bound, not bandwidth-bound):
-residual add, RMSNorm, RoPE with its transpose, the K cache write, the V cache write, twice
-over for the norms and adds. That was about a quarter of the layer's time. Two kernels here
-replace six of them:
+At decode widths a 1B model's layer on an H200 ran 13 kernels, most of them launch-bound
+steps of 1.4-2.5 microseconds. Between the q/k/v matrix product and the attention kernel sat
+three: RoPE with the queries' transpose into the attention kernel's layout, the K cache write
+and the V cache write. :func:`rope_store` does all of it in one launch, reading the product's
+output as it comes (one ``[W, (H + 2 KV) hd]`` matrix): the optional per-head q/k RMSNorm
+(Qwen3), the rotation of q and k, the queries written straight into the layout of
+:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged`, and k and v
+written into the layer's cache in place.
 
-* :func:`add_rms_norm`: the residual add and the next RMSNorm in one pass (both results are
-  needed: the sum continues as the residual stream, the normalised row feeds a projection);
-* :func:`rope_store`: the optional per-head q/k RMSNorm, the rotary embedding of q and k and
-  the writes of k and v into the layer's cache, in place.
+(A first version also fused each residual add with the RMSNorm after it. On the H200 that
+was slower: the kernel boundary stopped XLA from fusing the add into the split-K reduction
+of the matrix product before it, and made it slice q, k and v apart before the RoPE kernel.)
 
-Both work row by row: a row's result never depends on another row, so the block program's
-bitwise guarantees (one program, different live rows) hold with them as they do without.
-Each has the XLA expression it replaces beside it (:func:`add_rms_norm_xla`,
-:func:`rope_store_xla`); the model uses those on a CPU and the tests compare the two.
+The kernel works row by row: a row's result never depends on another row, so the block
+program's bitwise guarantees (one program, different live rows) hold with it as without.
+:func:`rope_store_xla` is the XLA expression it replaces; the tests compare the two.
 """
 
 from __future__ import annotations
@@ -27,189 +28,139 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from turbospark_jax.models.layers import apply_rope, rms_norm
+from turbospark_jax.models.pallas_attention import arrange_queries, query_rows
 
 
 def _power_of_two(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
-def supported(hidden: int, heads: int, kv_heads: int, head_dim: int) -> bool:
-    """Whether the kernels take these shapes (Triton tiles are powers of two)."""
-    return all(_power_of_two(n) for n in (hidden, heads, kv_heads, head_dim)) and head_dim >= 16
+def supported(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel takes these shapes (Triton tiles are powers of two)."""
+    return all(_power_of_two(n) for n in (heads, kv_heads, head_dim)) and head_dim >= 16
 
 
-def _compiler_params(interpret: bool) -> dict[str, Any]:
-    if interpret:
-        return {}
-    from jax.experimental.pallas import triton as plgpu
-
-    return {"compiler_params": plgpu.CompilerParams(num_warps=4, num_stages=1)}
-
-
-# -- residual add + RMSNorm -------------------------------------------------------------------
-
-
-def add_rms_norm_xla(
-    x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float
-) -> tuple[jax.Array, jax.Array]:
-    """``(h, rms_norm(h))`` with ``h = x + delta`` (``h = x`` when ``delta`` is None)."""
-    h = x if delta is None else x + delta
-    return h, rms_norm(h, weight, eps)
-
-
-def _add_norm_kernel(*refs: Any, eps: float, has_delta: bool) -> None:
-    if has_delta:
-        x_ref, d_ref, w_ref, h_ref, n_ref = refs
-        h = x_ref[...] + d_ref[...]
-        h_ref[...] = h
-    else:
-        x_ref, w_ref, n_ref = refs
-        h = x_ref[...]
-    h32 = h.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.mean(h32 * h32) + eps)
-    n_ref[...] = w_ref[...] * (h32 * inv).astype(h.dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
-def add_rms_norm(
-    x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array]:
-    """:func:`add_rms_norm_xla` as one kernel, one program per row.
-
-    Args:
-      x: ``[W, D]`` the residual stream.
-      delta: ``[W, D]`` what the last sublayer adds to it, or None (a plain norm).
-      weight: ``[D]`` the norm's scale.
-      eps: added to the mean square.
-      interpret: run in the Pallas interpreter (CPU tests).
-
-    Returns:
-      ``(h, normed)``, both ``[W, D]`` in ``x.dtype``.
-    """
-    width, hidden = x.shape
-    row = pl.BlockSpec((None, hidden), lambda r: (r, 0))
-    whole = pl.BlockSpec((hidden,), lambda r: (0,))
-    has_delta = delta is not None
-    kernel = functools.partial(_add_norm_kernel, eps=eps, has_delta=has_delta)
-    shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    if has_delta:
-        h, normed = pl.pallas_call(
-            kernel, grid=(width,), in_specs=[row, row, whole], out_specs=[row, row],
-            out_shape=[shape, shape], interpret=interpret, name="add_rms_norm",
-            **_compiler_params(interpret),
-        )(x, delta.astype(x.dtype), weight.astype(x.dtype))
-        return h, normed
-    normed = pl.pallas_call(
-        kernel, grid=(width,), in_specs=[row, whole], out_specs=row,
-        out_shape=shape, interpret=interpret, name="rms_norm",
-        **_compiler_params(interpret),
-    )(x, weight.astype(x.dtype))
-    return x, normed
-
-
-# -- q/k norm, RoPE and the cache writes --------------------------------------------------------
+def _split(qkv: jax.Array, heads: int, kv_heads: int) -> tuple[jax.Array, ...]:
+    width = qkv.shape[0]
+    x = qkv.reshape(width, heads + 2 * kv_heads, -1)
+    return x[:, :heads], x[:, heads : heads + kv_heads], x[:, heads + kv_heads :]
 
 
 def rope_store_xla(
-    q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array,
-    write_at: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+    qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
+    k_cache: jax.Array, v_cache: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(rotated q, k_cache, v_cache)`` with row ``i``'s rotated k and its v written at cache
-    row ``write_at[i]``; rows with ``write_at[i] >= C`` write nothing (they must be distinct)."""
+    """The XLA form of :func:`rope_store` (same arguments and results)."""
+    capacity, kv_heads, _ = k_cache.shape
+    q, k, v = _split(qkv, heads, kv_heads)
     if q_norm is not None:
-        q = rms_norm(q, q_norm, eps)
-        k = rms_norm(k, k_norm, eps)
+        q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     scatter = {"mode": "drop", "unique_indices": True}
-    return q, k_cache.at[write_at].set(k, **scatter), v_cache.at[write_at].set(v, **scatter)
+    return (arrange_queries(q, kv_heads, capacity),
+            k_cache.at[write_at].set(k, **scatter), v_cache.at[write_at].set(v, **scatter))
 
 
-def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int) -> None:
+def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
+                       kv_heads: int) -> None:
     if qk_norm:
-        (at_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref, qn_ref, kn_ref,
-         _, _, q_out, k_out, v_out) = refs
+        at_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, _, _, q_out, k_out, v_out = refs
     else:
-        (at_ref, q_ref, k_ref, v_ref, cos_ref, sin_ref,
-         _, _, q_out, k_out, v_out) = refs
+        at_ref, qkv_ref, cos_ref, sin_ref, _, _, q_out, k_out, v_out = refs
         qn_ref = kn_ref = None
-    half = q_ref.shape[-1] // 2
-    first, second = slice(0, half), slice(half, 2 * half)
-    cos, sin = cos_ref[first], sin_ref[first]  # the two halves of the tables are equal
+    row = pl.program_id(0)
+    groups = heads // kv_heads
+    half = qkv_ref.shape[-1] // 2
+    first, second = pl.ds(0, half), pl.ds(half, half)
+    cos, sin = cos_ref[first][None, :], sin_ref[first][None, :]  # both halves are equal
 
-    def rotate(x_ref, w_ref):
-        x1, x2 = x_ref[:, first], x_ref[:, second]  # [N, hd/2] each
-        if w_ref is not None:  # per-head RMSNorm before the rotation, as rms_norm does it
-            full = x_ref[...].astype(jnp.float32)
+    def rotate(start: int, n: int, w_ref: Any) -> tuple[jax.Array, jax.Array]:
+        """Heads ``start..start+n`` of this row, normed (optionally) and rotated: halves."""
+        heads_at = pl.ds(start, n)
+        x1, x2 = qkv_ref[heads_at, first], qkv_ref[heads_at, second]  # [n, hd/2] each
+        if w_ref is not None:  # per-head RMSNorm first, rounded as rms_norm rounds it
+            full = qkv_ref[heads_at, :].astype(jnp.float32)
             inv = jax.lax.rsqrt(jnp.mean(full * full, axis=1) + eps)[:, None]
             x1 = w_ref[first][None, :] * (x1.astype(jnp.float32) * inv).astype(x1.dtype)
             x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
-        c, s = cos[None, :], sin[None, :]
-        return x1 * c + (-x2) * s, x2 * c + x1 * s
+        return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
 
-    q1, q2 = rotate(q_ref, qn_ref)
-    q_out[:, first] = q1
-    q_out[:, second] = q2
+    for h in range(kv_heads):  # this row's query heads of KV head h: rows row*G.. of it
+        q1, q2 = rotate(h * groups, groups, qn_ref)
+        q_out[h, pl.ds(row * groups, groups), first] = q1
+        q_out[h, pl.ds(row * groups, groups), second] = q2
     at = at_ref[0]
 
     @pl.when(at < capacity)
     def _():
-        k1, k2 = rotate(k_ref, kn_ref)
+        k1, k2 = rotate(heads, kv_heads, kn_ref)
         k_out[at, :, first] = k1
         k_out[at, :, second] = k2
-        v_out[at, :, :] = v_ref[...]
+        v_out[at, :, :] = qkv_ref[pl.ds(heads + kv_heads, kv_heads), :]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
 def rope_store(
-    q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array, sin: jax.Array,
-    write_at: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
+    qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
+    k_cache: jax.Array, v_cache: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """:func:`rope_store_xla` as one kernel, one program per row; the caches are updated in
-    place (the outputs alias them).
+    """Norm and rotate a block's queries and keys, and write its keys and values to the cache.
+
+    One program per row; the caches are updated in place (the outputs alias them).
 
     Args:
-      q: ``[W, H, hd]``, k and v ``[W, KV, hd]``: the projections of the block's rows.
+      qkv: ``[W, (H + 2 KV) * hd]``: each row's q heads, then k heads, then v heads.
       cos, sin: ``[W, hd]`` rotary tables.
-      write_at: int32 ``[W]`` the cache row each block row writes (``>= C``: none).
+      write_at: int32 ``[W]`` the cache row each block row writes (``>= C``: none; the live
+        targets must be distinct).
       k_cache, v_cache: ``[C, KV, hd]``.
+      heads: ``H``.
       q_norm, k_norm: ``[hd]`` per-head RMSNorm scales (Qwen3), or None.
       eps: the q/k norm's epsilon.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
-      ``(q, k_cache, v_cache)``: q rotated, the caches with the live rows written.
+      ``(qr, k_cache, v_cache)``: the rotated queries in the attention kernel's layout
+      ``[KV, R, hd]`` (see :func:`~turbospark_jax.models.pallas_attention.arrange_queries`;
+      its padding rows are left unwritten), and the caches with the live rows written.
     """
-    width, heads, head_dim = q.shape
-    capacity, kv_heads, _ = k_cache.shape
-    qk_norm = q_norm is not None
+    width = qkv.shape[0]
+    capacity, kv_heads, head_dim = k_cache.shape
     dtype = k_cache.dtype
-    at = pl.BlockSpec((1,), lambda r: (r,))
-    rows = lambda n: pl.BlockSpec((None, n, head_dim), lambda r: (r, 0, 0))  # noqa: E731
-    table = pl.BlockSpec((None, head_dim), lambda r: (r, 0))
-    vector = pl.BlockSpec((head_dim,), lambda r: (0,))
-    cache = pl.BlockSpec((capacity, kv_heads, head_dim), lambda r: (0, 0, 0))
-    operands = [write_at.astype(jnp.int32), q.astype(dtype), k.astype(dtype), v.astype(dtype),
+    rows = query_rows(width, heads, kv_heads, capacity)
+    qk_norm = q_norm is not None
+    whole = lambda shape: pl.BlockSpec(shape, lambda r: (0,) * len(shape))  # noqa: E731
+    operands = [write_at.astype(jnp.int32),
+                qkv.reshape(width, heads + 2 * kv_heads, head_dim).astype(dtype),
                 cos.astype(dtype), sin.astype(dtype)]
-    specs = [at, rows(heads), rows(kv_heads), rows(kv_heads), table, table]
+    specs = [pl.BlockSpec((1,), lambda r: (r,)),
+             pl.BlockSpec((None, heads + 2 * kv_heads, head_dim), lambda r: (r, 0, 0)),
+             pl.BlockSpec((None, head_dim), lambda r: (r, 0)),
+             pl.BlockSpec((None, head_dim), lambda r: (r, 0))]
     if qk_norm:
         operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
-        specs += [vector, vector]
-    n_in = len(operands)
-    kernel = functools.partial(_rope_store_kernel, eps=eps, qk_norm=qk_norm, capacity=capacity)
+        specs += [whole((head_dim,)), whole((head_dim,))]
+    cache = whole((capacity, kv_heads, head_dim))
+    kernel = functools.partial(_rope_store_kernel, eps=eps, qk_norm=qk_norm, capacity=capacity,
+                               heads=heads, kv_heads=kv_heads)
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
         kernel,
         grid=(width,),
         in_specs=[*specs, cache, cache],
-        out_specs=[rows(heads), cache, cache],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, dtype),
+        out_specs=[whole((kv_heads, rows, head_dim)), cache, cache],
+        out_shape=[jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype),
                    jax.ShapeDtypeStruct(k_cache.shape, dtype),
                    jax.ShapeDtypeStruct(v_cache.shape, dtype)],
-        input_output_aliases={n_in: 1, n_in + 1: 2},
+        input_output_aliases={len(operands): 1, len(operands) + 1: 2},
         interpret=interpret,
         name="rope_store",
-        **_compiler_params(interpret),
+        **kwargs,
     )(*operands, k_cache, v_cache)
