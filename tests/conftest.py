@@ -13,4 +13,11 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
+# A few examples a property: for checks on the GPU machine, whose time is rationed.
+settings.register_profile(
+    "quick",
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

@@ -69,13 +69,13 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
     else:
         at_ref, qkv_ref, cos_ref, sin_ref, _, _, q_out, k_out, v_out = refs
         qn_ref = kn_ref = None
-    row = pl.program_id(0)
+    row, h = pl.program_id(0), pl.program_id(1)  # a row of the block, one of its KV heads
     groups = heads // kv_heads
     half = qkv_ref.shape[-1] // 2
     first, second = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cos_ref[first][None, :], sin_ref[first][None, :]  # both halves are equal
 
-    def rotate(start: int, n: int, w_ref: Any) -> tuple[jax.Array, jax.Array]:
+    def rotate(start: Any, n: int, w_ref: Any) -> tuple[jax.Array, jax.Array]:
         """Heads ``start..start+n`` of this row, normed (optionally) and rotated: halves."""
         heads_at = pl.ds(start, n)
         x1, x2 = qkv_ref[heads_at, first], qkv_ref[heads_at, second]  # [n, hd/2] each
@@ -86,18 +86,18 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
             x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
         return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
 
-    for h in range(kv_heads):  # this row's query heads of KV head h: rows row*G.. of it
-        q1, q2 = rotate(h * groups, groups, qn_ref)
-        q_out[h, pl.ds(row * groups, groups), first] = q1
-        q_out[h, pl.ds(row * groups, groups), second] = q2
+    # The row's query heads of KV head h go to rows row*G.. of that head's query block.
+    q1, q2 = rotate(h * groups, groups, qn_ref)
+    q_out[h, pl.ds(row * groups, groups), first] = q1
+    q_out[h, pl.ds(row * groups, groups), second] = q2
     at = at_ref[0]
 
     @pl.when(at < capacity)
     def _():
-        k1, k2 = rotate(heads, kv_heads, kn_ref)
-        k_out[at, :, first] = k1
-        k_out[at, :, second] = k2
-        v_out[at, :, :] = qkv_ref[pl.ds(heads + kv_heads, kv_heads), :]
+        k1, k2 = rotate(heads + h, 1, kn_ref)
+        k_out[at, pl.ds(h, 1), first] = k1
+        k_out[at, pl.ds(h, 1), second] = k2
+        v_out[at, pl.ds(h, 1), :] = qkv_ref[pl.ds(heads + kv_heads + h, 1), :]
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
@@ -109,7 +109,8 @@ def rope_store(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Norm and rotate a block's queries and keys, and write its keys and values to the cache.
 
-    One program per row; the caches are updated in place (the outputs alias them).
+    One program per row and KV head (the head's queries, its key and its value); the caches
+    are updated in place (the outputs alias them).
 
     Args:
       qkv: ``[W, (H + 2 KV) * hd]``: each row's q heads, then k heads, then v heads.
@@ -132,14 +133,14 @@ def rope_store(
     dtype = k_cache.dtype
     rows = query_rows(width, heads, kv_heads, capacity)
     qk_norm = q_norm is not None
-    whole = lambda shape: pl.BlockSpec(shape, lambda r: (0,) * len(shape))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda r, h: (0,) * len(shape))  # noqa: E731
     operands = [write_at.astype(jnp.int32),
                 qkv.reshape(width, heads + 2 * kv_heads, head_dim).astype(dtype),
                 cos.astype(dtype), sin.astype(dtype)]
-    specs = [pl.BlockSpec((1,), lambda r: (r,)),
-             pl.BlockSpec((None, heads + 2 * kv_heads, head_dim), lambda r: (r, 0, 0)),
-             pl.BlockSpec((None, head_dim), lambda r: (r, 0)),
-             pl.BlockSpec((None, head_dim), lambda r: (r, 0))]
+    specs = [pl.BlockSpec((1,), lambda r, h: (r,)),
+             pl.BlockSpec((None, heads + 2 * kv_heads, head_dim), lambda r, h: (r, 0, 0)),
+             pl.BlockSpec((None, head_dim), lambda r, h: (r, 0)),
+             pl.BlockSpec((None, head_dim), lambda r, h: (r, 0))]
     if qk_norm:
         operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
         specs += [whole((head_dim,)), whole((head_dim,))]
@@ -153,7 +154,7 @@ def rope_store(
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
     return pl.pallas_call(
         kernel,
-        grid=(width,),
+        grid=(width, kv_heads),
         in_specs=[*specs, cache, cache],
         out_specs=[whole((kv_heads, rows, head_dim)), cache, cache],
         out_shape=[jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype),
