@@ -21,8 +21,10 @@ case "$stage" in
   export HYPOTHESIS_PROFILE=quick
   timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
     tests/test_pallas_attention.py tests/test_pallas_glue.py 2>&1 | tail -2
+  echo "kernel tests: exit ${PIPESTATUS[0]}"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings -k llama_bf16_listed \
     tests/test_conformance_dense.py 2>&1 | tail -2
+  echo "conformance on the GPU: exit ${PIPESTATUS[0]}"
   timeout 90 python3 -m benchmarks.run --preset h200 --part exact --out "$out" 2>&1 | quiet
   # The traced profile also dumps the optimised HLO of the decode program.
   XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run_blocks.*" \
