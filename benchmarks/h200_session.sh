@@ -4,13 +4,13 @@
 #   bash benchmarks/h200_session.sh 2 "$OUT"   # our decode/prefill table and the W sweep
 #                                              # (the sweep only with SWEEP=1)
 #   bash benchmarks/h200_session.sh 3 "$OUT"   # transformers for all three shapes
-# Then, here: copy the JSON files into benchmarks/results, each under its own name (stage 2's
-# sweep/ours.json as width_sweep.json, stage 3's hf8b/hf.json as hf_8b.json; the report reads
-# every *.json there), and run
+# Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
+# reads every *.json there; for a (shape, context) the first file in name order gives our row,
+# the last one transformers'), and run
 #   python -m benchmarks.run --report benchmarks/results
-# Timings seen on one H200 (2026-12-02): GPU tests 20 s, exact 25 s, one profile 40 s,
-# transformers eager for 1B and 0.6B about 150 s (torch.compile not yet seen to work), ours for
-# three shapes 190 s, the sweep at 128 context 80 s.
+# A device call returns at most 8 files, so stage 1's and stage 2's logs hold every record too.
+# Timings seen on one H200 (2026-12-02): stage 1 about 170 s; stage 2 about 190 s, 400 s with
+# the sweep; stage 3 about 100 s for the 1B shape, 100 s for 0.6B, 160 s for 8B.
 set -uo pipefail
 stage=${1:?stage 1, 2 or 3}
 out=${2:?output folder}

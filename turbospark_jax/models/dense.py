@@ -60,7 +60,10 @@ of a stacked buffer in the loop cost two copies per layer and step on the H200) 
 attends over it with the fused kernel of
 :mod:`~turbospark_jax.models.pallas_attention`: with the per-layer buffers and 2-D projection
 matrix products, the 1B shape went from 681 to 771 tokens/s at 128 context and from 383 to
-652 at 16k (W = 16). Attention for blocks wider than
+652 at 16k (W = 16). There the cache writes go through the kernel of
+:mod:`~turbospark_jax.models.pallas_glue` instead of a scatter: it takes the merged q/k/v
+product to the attention kernel's input in one launch (1B: 820 tokens/s at 128 context, 667
+at 16k). Attention for blocks wider than
 :data:`~turbospark_jax.models.layers.ATTENTION_QUERY_BLOCK` rows runs in query slices of that
 width; a 2048-row block over a 16384-position cache of the 8B shape (stacked) ran in 387 ms with
 26.5 GB peak device memory, weights included.
