@@ -102,6 +102,17 @@ def test_prompt_context_keeps_the_first_tokens_leading_space() -> None:
     assert full == "Say: hi there"
 
 
+def test_a_prompt_ending_in_special_tokens_still_gives_the_reply_its_space() -> None:
+    """Found by the property below: a prompt whose last ids are all skipped special tokens
+    (here five ``<unk>``) leaves the usual context window empty of text; the detokenizer must
+    reach back past them."""
+    unk = 0
+    prompt = [*BYTE_FALLBACK.encode("Say:").ids, *[unk] * 7]
+    reply = BYTE_FALLBACK.encode(" 0").ids
+    assert BYTE_FALLBACK.decode(prompt + reply) == "Say: 0"
+    assert stream(BYTE_FALLBACK, reply, prompt=prompt)[1] == " 0"
+
+
 def test_array_ids_are_accepted() -> None:
     prompt = np.array(BYTE_LEVEL.encode("Say:").ids)
     reply = BYTE_LEVEL.encode(" 안녕").ids

@@ -87,6 +87,11 @@ class IncrementalDetokenizer:
         self._flushed = False
         self._read = len(self._ids)
         self._prefix = max(0, self._read - PROMPT_CONTEXT_IDS)
+        # A window of ids that decode to nothing (skipped special tokens) is no context: the
+        # first generated token would lose its leading space. Widen it (doubling) until it
+        # holds text or reaches the prompt's start.
+        while self._prefix > 0 and not self._decode(self._prefix, self._read):
+            self._prefix = max(0, self._read - 2 * (self._read - self._prefix))
         # A window that starts inside a multi-byte character would begin with U+FFFD; step back
         # to a character boundary so the context decodes the way it reads.
         while self._prefix > 0 and self._decode(self._prefix, self._read).startswith(REPLACEMENT):
