@@ -745,24 +745,27 @@ class DenseModel:
             k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    def _attention_out(self, attn: jax.Array, lp: Params) -> jax.Array:
-        """Output projection. attn [W, H, hd] -> [W, D]."""
+    def _finish(self, x: jax.Array, attn: jax.Array, lp: Params) -> jax.Array:
+        """Output projection, residual, post-norm MLP, residual. attn [W, H, hd] -> x [W, D]."""
+        c = self.config
         w_o = lp["o_proj"]  # [H, hd, D], contracted as one [H * hd, D] matrix
-        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
-        return o + lp["o_bias"] if self.config.o_bias else o
+        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])  # [W, D]
+        if c.o_bias:
+            o = o + lp["o_bias"]
+        x = x + o
+        with jax.named_scope("mlp"):
+            h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
+            bias = c.has_mlp_bias
+            return x + swiglu_mlp(
+                h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
+                lp["gate_bias"] if bias else None,
+                lp["up_bias"] if bias else None,
+                lp["down_bias"] if bias else None,
+            )
 
-    def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
-        """The gated MLP of the normed rows. h [W, D] -> [W, D]."""
-        bias = self.config.has_mlp_bias
-        return swiglu_mlp(
-            h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
-            lp["gate_bias"] if bias else None,
-            lp["up_bias"] if bias else None,
-            lp["down_bias"] if bias else None,
-        )
-
-    def _logits(self, params: Params, h: jax.Array) -> jax.Array:
-        """Output head of the final-normed rows. h [W, D] -> float32 logits [W, V]."""
+    def _head(self, params: Params, x: jax.Array) -> jax.Array:
+        """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
+        h = rms_norm(x, params["norm"], self.config.rms_norm_eps)
         if self.config.tie_word_embeddings:
             return jnp.einsum(
                 "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32
@@ -848,7 +851,7 @@ class DenseModel:
         width = tokens.shape[0]
         capacity = cache.capacity
         per_layer = cache.per_layer
-        if per_layer and self.scan_layers and not isinstance(params["layers"], list | tuple):
+        if per_layer and self._scans(params["layers"]):
             raise BadInputError(
                 "a per-layer cache needs an unrolled model (scan_layers=False) or listed params"
             )
@@ -908,16 +911,13 @@ class DenseModel:
                 else:
                     attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)
-                x = x + self._attention_out(attn, lp)
-            with jax.named_scope("mlp"):
-                h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
-                return x + self._mlp(h, lp), (k_all, v_all)
+            return self._finish(x, attn, lp), (k_all, v_all)
 
         x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
         with jax.named_scope("head"):
             logits = jax.lax.cond(
                 need_head,
-                lambda x: self._logits(params, rms_norm(x, params["norm"], c.rms_norm_eps)),
+                lambda x: self._head(params, x),
                 lambda x: jnp.zeros((width, self.vocab_size), jnp.float32),
                 x,
             )
@@ -967,11 +967,9 @@ class DenseModel:
                 q, k, v = self._projections(rms_norm(x, lp["input_layernorm"], c.rms_norm_eps),
                                             lp)
                 q, k = self._rotate(q, k, lp, cos, sin)
-                x = x + self._attention_out(attend(q, k, v, positions, positions, window), lp)
-            with jax.named_scope("mlp"):
-                h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
-                return x + self._mlp(h, lp), carry
+                attn = attend(q, k, v, positions, positions, window)
+            return self._finish(x, attn, lp), carry
 
         x, _ = self._run_layers(params["layers"], x, None, layer)
         with jax.named_scope("head"):
-            return self._logits(params, rms_norm(x, params["norm"], c.rms_norm_eps))
+            return self._head(params, x)
