@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +47,7 @@ from turbospark_jax.errors import (
     UnsupportedCapabilityError,
 )
 from turbospark_jax.kv_prefix import reusable_prefix
+from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, VerifyingTarget
 from turbospark_jax.state import (
     FedRecord,
@@ -65,29 +65,6 @@ RUNNING, STOPPED_ON_TOKEN, NON_FINITE = 0, 1, 2
 
 # XLA on the CPU cannot alias donated buffers and says so once per compile; that is expected.
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-
-
-class BlockModel(Protocol):
-    """What a model family gives the block program. Instances are hashable and static."""
-
-    @property
-    def vocab_size(self) -> int: ...
-
-    def init_cache(self, capacity: int) -> Any:
-        """A fresh cache pytree holding ``capacity`` positions (append-only buffers marked)."""
-        ...
-
-    def block_forward(
-        self,
-        params: Any,
-        cache: Any,
-        tokens: jax.Array,
-        positions: jax.Array,
-        live: jax.Array,
-        need_head: jax.Array,
-    ) -> tuple[jax.Array, Any]:
-        """Run ``W`` rows; rows ``>= live`` write nothing. Returns float32 ``[W, V]`` logits."""
-        ...
 
 
 @struct.dataclass(kw_only=True)
@@ -237,19 +214,12 @@ def _parallel_block(
     state = merge_parts(buffers, values)
     width = tokens.shape[0]
     positions = state.fed.count + jnp.arange(width, dtype=jnp.int32)
-    extra = {}
-    if _accepts_attention_hints(model):
-        extra = {"key_limit": key_limit, "fresh": fresh}
     _, cache = model.block_forward(
-        params, state.cache, tokens, positions, live, jnp.bool_(False), **extra
+        params, state.cache, tokens, positions, live, jnp.bool_(False),
+        key_limit=key_limit, fresh=fresh,
     )
     state = state.replace(cache=cache, fed=state.fed.append(tokens, live))
     return buffers_only(state), by_value(state)
-
-
-def _accepts_attention_hints(model: BlockModel) -> bool:
-    params = inspect.signature(model.block_forward).parameters
-    return "key_limit" in params and "fresh" in params
 
 
 @functools.cache
@@ -335,7 +305,7 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
     @property
     def can_rewind(self) -> bool:
         """Whether ``try_reuse_prefix`` can stop anywhere inside the fed record (KV caches)."""
-        return getattr(self.model, "rewindable", True)
+        return self.model.rewindable
 
     @property
     def max_positions(self) -> int:
@@ -457,8 +427,7 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
                 f"{int(state.fed.count) - base} rows after the checkpoint"
             )
         restored = restore_by_value(state, point)
-        retain = getattr(self.model, "retain_rows", None)
-        if retain is not None:
+        if self.model.records_tape:
             # The tape holds the rows of the last block only; a verify wider than the block
             # ran in several, and the earlier rows' states are gone.
             fed = int(state.fed.count) - base
@@ -470,7 +439,7 @@ class BlockProducer(ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState
                     f"most width={self.width} rows per round, or use rollback and re-verify"
                 )
             restored = restored.replace(
-                cache=retain(restored.cache, state.cache, keep_rows - last_block)
+                cache=self.model.retain_rows(restored.cache, state.cache, keep_rows - last_block)
             )
         return self._with_count(restored, base + keep_rows)
 

@@ -83,6 +83,7 @@ from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import pallas_attention, pallas_glue
+from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.layers import (
     SUPPORTED_ROPE_TYPES,
     RopeScaling,
@@ -622,7 +623,7 @@ LayerFn = Callable[[jax.Array, Any, Params, Any, Any], tuple[jax.Array, Any]]
 
 
 @dataclasses.dataclass(frozen=True)
-class DenseModel:
+class DenseModel(BlockModel):
     """A dense decoder as pure functions over explicit params and cache.
 
     Frozen and hashable, so it can be a static argument under ``jit``.
@@ -644,6 +645,8 @@ class DenseModel:
         (q/k norm, RoPE, the query layout, the cache writes) in one launch instead of three
         or four. It feeds that attention kernel, so it runs only where that one does.
     """
+
+    parallel_prefill = True
 
     config: DenseConfig
     dtype: Any = jnp.float32

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.models.base import BlockModel
 from turbospark_jax.state import append_only, scratch
 
 
@@ -31,13 +32,12 @@ class ToyKVCache:
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyAttentionModel:
+class ToyAttentionModel(BlockModel):
     """A tiny causal transformer: single-head attention and a ReLU MLP per layer."""
 
     vocab: int = 32
     dim: int = 16
     layers: int = 2
-    rewindable = True
 
     @property
     def vocab_size(self) -> int:
@@ -62,7 +62,9 @@ class ToyAttentionModel:
         shape = (self.layers, capacity, self.dim)
         return ToyKVCache(k=jnp.zeros(shape, jnp.float32), v=jnp.zeros(shape, jnp.float32))
 
-    def block_forward(self, params, cache, tokens, positions, live, need_head):
+    def block_forward(self, params, cache, tokens, positions, live, need_head, *,
+                      key_limit=None, fresh=False):
+        del key_limit, fresh  # no parallel prefill: hints are ignored
         width, capacity = tokens.shape[0], cache.k.shape[1]
         freqs = jnp.arange(1, self.dim + 1, dtype=jnp.float32) / self.dim
         x = params["embed"][tokens] + jnp.sin(positions[:, None].astype(jnp.float32) * freqs)
@@ -95,13 +97,15 @@ class ToyRecurrentState:
 
 
 @dataclasses.dataclass(frozen=True)
-class ToyRecurrentModel:
+class ToyRecurrentModel(BlockModel):
     """A tanh RNN: the state after a token depends on every earlier token, with no cursor."""
+
+    rewindable = False
+    records_tape = True
 
     vocab: int = 32
     dim: int = 16
     max_width: int = 16
-    rewindable = False
 
     @property
     def vocab_size(self) -> int:
@@ -123,8 +127,9 @@ class ToyRecurrentModel:
             tape=jnp.zeros((self.max_width, self.dim), jnp.float32),
         )
 
-    def block_forward(self, params, cache, tokens, positions, live, need_head):
-        del positions
+    def block_forward(self, params, cache, tokens, positions, live, need_head, *,
+                      key_limit=None, fresh=False):
+        del positions, key_limit, fresh
         width = tokens.shape[0]
         if width > self.max_width:
             raise ValueError(f"block width {width} exceeds the tape of {self.max_width} rows")

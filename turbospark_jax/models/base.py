@@ -1,0 +1,85 @@
+"""The contract between a model family and the block program.
+
+A family is pure functions over explicit params and cache: :meth:`BlockModel.init_cache` and
+:meth:`BlockModel.block_forward` over a block of ``W`` rows with a live count. What else it can
+do is declared here as class attributes, never probed: the engine reads these declarations to
+decide how a state rolls back, how a prefix is reused and which fast paths exist.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, ClassVar
+
+import jax
+
+from turbospark_jax.errors import UnsupportedCapabilityError
+
+
+class BlockModel(abc.ABC):
+    """What a model family gives the block program.
+
+    Instances are frozen and hashable: they are static arguments under ``jit``.
+
+    Declarations (class attributes, with the defaults of a plain KV-cache decoder):
+      rewindable: the cache can be moved back to any earlier position by the cursor alone
+        (append-only KV rows). A recurrent model, whose leaves summarise every fed token,
+        declares ``False``: it rolls back by value only.
+      records_tape: ``block_forward`` keeps the per-row recurrent state of its last block in
+        the cache (a scratch leaf), so :meth:`retain_rows` can restore any row of a verify
+        without replaying it.
+      parallel_prefill: ``block_forward`` accepts blocks much wider than the exact program's
+        ``W`` (a batched prefill pass) and uses the ``key_limit`` / ``fresh`` hints.
+    """
+
+    rewindable: ClassVar[bool] = True
+    records_tape: ClassVar[bool] = False
+    parallel_prefill: ClassVar[bool] = False
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Length of every logits row."""
+
+    @abc.abstractmethod
+    def init_cache(self, capacity: int) -> Any:
+        """A fresh cache pytree holding ``capacity`` positions (append-only buffers marked)."""
+
+    @abc.abstractmethod
+    def block_forward(
+        self,
+        params: Any,
+        cache: Any,
+        tokens: jax.Array,
+        positions: jax.Array,
+        live: jax.Array,
+        need_head: jax.Array,
+        *,
+        key_limit: int | None = None,
+        fresh: bool = False,
+    ) -> tuple[jax.Array, Any]:
+        """Run ``W`` rows against the cache and return float32 ``[W, V]`` logits.
+
+        Args:
+          params: the params tree.
+          cache: the cache pytree.
+          tokens: int32 ``[W]``.
+          positions: int32 ``[W]``, the position of each row (the engine passes start + i).
+          live: int32 ``[]``; rows ``>= live`` are padding and write nothing.
+          need_head: bool ``[]`` (traced); when false the output head may be skipped.
+          key_limit: static hint: no row attends past this position (parallel prefill only).
+          fresh: static hint: the block starts at position 0 of an empty cache (parallel
+            prefill only). A model that does not declare ``parallel_prefill`` ignores both.
+
+        Row ``i``'s result must depend only on row ``i`` and the cache, so the same compiled
+        program gives it bitwise the same result whether 1 or ``W`` rows are live.
+        """
+
+    def retain_rows(self, restored: Any, current: Any, keep_rows: int) -> Any:
+        """The cache ``restored`` (rolled back by value) advanced over the first ``keep_rows``
+        rows of the last block, read from the tape ``current`` holds. Only for models that
+        declare ``records_tape``."""
+        del restored, current, keep_rows
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} records no per-row tape; roll back and re-verify instead"
+        )

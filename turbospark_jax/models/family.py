@@ -1,0 +1,82 @@
+"""What a model family declares so that a Hugging Face folder can be loaded into it.
+
+Each family module (``dense.py``, ...) builds one :class:`Family` value naming the
+``model_type`` values it serves, how to parse their ``config.json``, the shape of its params
+tree, where each Hugging Face tensor goes in that tree, and how to build the runnable model.
+``turbospark_jax.loading`` is generic over this declaration; ``registry.py`` lists the
+families.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from turbospark_jax.models.base import BlockModel
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One Hugging Face tensor and the params leaf it fills.
+
+    Fields:
+      name: its name in the safetensors files (``model.layers.0.self_attn.q_proj.weight``).
+      key: the path to the leaf in our params tree; ``int`` entries index lists (a family
+        whose layers are a list of per-layer dicts puts the layer index here).
+      hf_shape: its shape in the file.
+      transpose: Hugging Face keeps ``nn.Linear`` weights as ``[out, in]``; we keep
+        ``[in, out]`` (then reshape to the leaf's shape).
+      stacked: the index on a stacked leading layer axis of the leaf, ``None`` when the leaf
+        holds this tensor alone.
+    """
+
+    name: str
+    key: tuple[str | int, ...]
+    hf_shape: tuple[int, ...]
+    transpose: bool = False
+    stacked: int | None = None
+
+    def to_ours(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        """The file's array as our leaf (or one slice of a stacked leaf) of ``shape``."""
+        return (array.T if self.transpose else array).reshape(shape)
+
+    def to_hf(self, array: np.ndarray) -> np.ndarray:
+        """Our leaf (or slice) as the file's array."""
+        flat = array.reshape(self.hf_shape[::-1] if self.transpose else self.hf_shape)
+        return np.ascontiguousarray(flat.T if self.transpose else flat)
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family's declaration (see the module docstring).
+
+    Fields:
+      name: the family's name, for messages.
+      architectures: ``model_type`` -> the Hugging Face class name a saved folder names.
+      parse_config: ``config.json`` dict -> the family's frozen config; raises
+        ``ModelLoadError`` naming what is wrong. The config has ``vocab_size``,
+        ``max_position_embeddings``, ``eos_token_ids``, ``bos_token_id``, ``pad_token_id``,
+        ``dtype`` (the name config.json gives, or ``None``) and ``to_hf_dict()``.
+      param_shapes: config -> params tree with a shape tuple at every leaf.
+      hf_tensors: config -> every tensor a folder must hold.
+      build: ``(config, dtype, layer_layout)`` -> the runnable :class:`BlockModel`;
+        ``layer_layout`` is ``"stacked"`` or ``"list"``.
+      tolerated: names of extra tensors a folder may carry that the family ignores
+        (recomputed rotary buffers, heads it does not run).
+      list_layout_only: the family's params have per-layer dicts in a list already (mixed
+        layer kinds); ``load_folder``'s ``layer_layout`` must then be ``"list"``.
+    """
+
+    name: str
+    architectures: Mapping[str, str]
+    parse_config: Callable[[Mapping[str, Any]], Any]
+    param_shapes: Callable[[Any], Params]
+    hf_tensors: Callable[[Any], list[HFTensor]]
+    build: Callable[[Any, Any, str], BlockModel]
+    tolerated: Callable[[str], bool] = lambda name: False
+    list_layout_only: bool = False
