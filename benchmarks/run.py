@@ -204,7 +204,7 @@ def kv_bytes(config: Any, context: int) -> int:
 
 
 def _producer(model: Any, params: Any, capacity: int, width: int, steps: int) -> Any:
-    from turbospark_jax.block_program import BlockProducer
+    from turbospark_jax.block_producer import BlockProducer
 
     return BlockProducer(model, params, capacity=capacity, width=width, steps_per_call=steps,
                          donate=True)

@@ -25,7 +25,7 @@ PROMPTS = [
 
 
 def _load(path: Path, dtype: str | None, width: int, capacity: int) -> Any:
-    from turbospark_jax.block_program import BlockProducer
+    from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.loading import load_folder
 
     loaded = load_folder(path, dtype=dtype, layer_layout="list")

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures import multi_turn_producers
+from turbospark_jax.testing.fixtures import multi_turn_producers
 from turbospark_jax.chat import ChatSession, ChatTurn, default_stop_ids
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
 from turbospark_jax.errors import (

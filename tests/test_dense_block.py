@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.fixtures import jitted_block
+from turbospark_jax.testing.fixtures import jitted_block
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.dense import (
     DenseCache,

@@ -12,7 +12,7 @@ from turbospark_jax.generate import (
     run_raw_completion,
     stream_raw_completion,
 )
-from turbospark_jax.scripted import ScriptedLogitProducer
+from turbospark_jax.testing.scripted import ScriptedLogitProducer
 from turbospark_jax.state import copy_state, tree_bitwise_equal
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
@@ -180,7 +180,7 @@ def test_non_finite_logits_inside_a_device_burst():
 
     params = dict(TOY.params)
     params["head"] = params["head"].at[0, 0].set(jnp.inf)
-    from turbospark_jax.block_program import BlockProducer
+    from turbospark_jax.block_producer import BlockProducer
 
     poisoned = BlockProducer(TOY.model, params, capacity=96, width=4, steps_per_call=8)
     c = run_raw_completion(poisoned, CompletionRequest(prompt_ids=[1, 2], max_tokens=5))

@@ -11,7 +11,7 @@ from turbospark_jax.generate import (
     run_raw_completion,
     stream_raw_completion,
 )
-from turbospark_jax.scripted import ScriptedLogitProducer
+from turbospark_jax.testing.scripted import ScriptedLogitProducer
 from turbospark_jax.testing.tokenizers import byte_level_bpe, byte_token_ids
 
 TOK = byte_level_bpe()

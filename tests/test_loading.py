@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from tests.fixtures import randomise_hf_norms_and_biases  # noqa: E402
+from turbospark_jax.testing.fixtures import randomise_hf_norms_and_biases  # noqa: E402
 from turbospark_jax.errors import (  # noqa: E402
     BadInputError,
     ModelLoadError,

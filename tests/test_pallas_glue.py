@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.models import pallas_glue as glue
 from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
 from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq

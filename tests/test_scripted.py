@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from turbospark_jax.errors import BadInputError, ProducerExhaustedError
-from turbospark_jax.scripted import ScriptedLogitProducer
+from turbospark_jax.testing.scripted import ScriptedLogitProducer
 from turbospark_jax.testing import conformance
 
 

@@ -24,8 +24,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures import multi_turn_producers
-from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.testing.fixtures import multi_turn_producers
+from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
 from turbospark_jax.errors import BadInputError, SessionError
 from turbospark_jax.generate import (

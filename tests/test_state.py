@@ -22,16 +22,6 @@ def test_fed_record_append_drops_padding_rows():
     assert rec.to_host() == HostFedRecord(ids=(4, 5), injected=(0, 0))
 
 
-def test_reusable_prefix_keys_on_ids_and_injections():
-    rec = HostFedRecord(ids=(1, 2, 3, 4), injected=(0, 0, 77, 0))
-    assert rec.reusable_prefix([1, 2, 9, 9]) == 2
-    assert rec.reusable_prefix([1, 2, 3, 4, 5]) == 2  # position 2 held an image
-    assert rec.reusable_prefix([1, 2, 3, 4, 5], injected={2: 77}) == 4
-    assert rec.reusable_prefix([1, 2, 3, 4, 5], injected={2: 78}) == 2
-    assert rec.reusable_prefix([1, 2]) == 1  # always leave one token to feed
-    assert HostFedRecord(ids=(), injected=()).reusable_prefix([1]) == 0
-
-
 def _state(count):
     cache = ToyKVCache(k=jnp.arange(2 * 6 * 3, dtype=jnp.float32).reshape(2, 6, 3),
                        v=jnp.ones((2, 6, 3)))

@@ -20,14 +20,15 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
+from turbospark_jax.completion import Completion, CompletionRequest, FinishReason
 from turbospark_jax.errors import BadInputError, SessionError, UnsupportedCapabilityError
-from turbospark_jax.generate import Completion, CompletionRequest, FinishReason
-from turbospark_jax.session_pool import SessionId, SessionPool, TurnStream, TurnUsage
+from turbospark_jax.session_pool import SessionId, SessionPool
+from turbospark_jax.streams import Stream, StreamEvent
 
-__all__ = ["END_OF_TURN_TOKENS", "ChatSession", "ChatStream", "ChatTurn", "default_stop_ids"]
+__all__ = ["END_OF_TURN_TOKENS", "ChatSession", "default_stop_ids"]
 
 #: Tokens that end an assistant turn in common chat templates (ChatML / Qwen, Llama 3,
 #: Gemma, Phi). Those that are single tokens of a tokenizer stop generation by default.
@@ -62,33 +63,6 @@ def default_stop_ids(tokenizer: Any) -> tuple[int, ...]:
     return tuple(ids)
 
 
-@dataclasses.dataclass(frozen=True)
-class ChatTurn:
-    """One exchange.
-
-    Fields:
-      reply: the assistant's text (a stop token's or unmatched stop string's text excluded).
-      completion: the underlying completion (token ids, finish reason, logits when recorded).
-      usage: prompt / reused / prefilled / generated counts, slot and eviction.
-      prompt_ids: the rendered history as it was encoded and sent.
-    """
-
-    reply: str
-    completion: Completion
-    usage: TurnUsage
-    prompt_ids: tuple[int, ...]
-
-    @property
-    def finish_reason(self) -> FinishReason:
-        """Why the reply ended."""
-        return self.completion.finish_reason
-
-    def summary(self) -> str:
-        """One line: token counts, reuse, slot, eviction and decode speed."""
-        rate = self.completion.timings.decode_tokens_per_s(self.usage.generated_tokens)
-        return self.usage.summary() + (f", {rate:.1f} tokens/s" if rate > 0 else "")
-
-
 class ChatSession:
     """A conversation with a model, one :meth:`send` per user message.
 
@@ -102,16 +76,16 @@ class ChatSession:
         :class:`turbospark_jax.tokenizer.Tokenizer` has all of them.
       session_id: this conversation's id in the pool; a random one when ``None``.
       system: a system prompt, sent as the first message of every turn.
-      speculative_block: serve turns with the speculative loop at this block size.
       template_kwargs: extra chat-template variables (``enable_thinking=False``, ...).
       **defaults: request settings for every turn (``max_tokens``, ``sampling``, ``seed``,
         ``stop_strings``, ``stop_token_ids``, ``record_logits``, ...; see
         :class:`~turbospark_jax.generate.CompletionRequest`). ``stop_token_ids`` defaults to
-        :func:`default_stop_ids` of the tokenizer.
+        :func:`default_stop_ids` of the tokenizer. A speculative producer drafts (``draft_len``
+        sets the proposals per round; 0 decodes plainly).
 
     Raises:
-      BadInputError: an unknown or invalid request setting, or a speculative block size for a
-        producer that cannot draft.
+      BadInputError: an unknown or invalid request setting, or a ``draft_len`` for a producer
+        that cannot draft.
       UnsupportedCapabilityError: the tokenizer has no chat template.
       SessionError: an unusable ``session_id`` (``None`` is replaced by a random one).
 
@@ -126,7 +100,6 @@ class ChatSession:
         *,
         session_id: SessionId | None = None,
         system: str | None = None,
-        speculative_block: int | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
         **defaults: Any,
     ) -> None:
@@ -137,7 +110,6 @@ class ChatSession:
         self.tokenizer = tokenizer
         self.session_id: SessionId = uuid.uuid4().hex if session_id is None else session_id
         self.system = system
-        self.speculative_block = speculative_block
         self.template_kwargs = dict(template_kwargs or {})
         _check_fields(defaults)
         defaults.setdefault("stop_token_ids", default_stop_ids(tokenizer))
@@ -148,10 +120,10 @@ class ChatSession:
                 "history; use a model folder with chat_template.jinja, or run raw completions"
             )
         # Building a turn validates without running it: settings no turn could run with
-        # (max_tokens beyond the context, a block size for a non-speculative producer) fail now.
+        # (max_tokens beyond the context, a draft length for a producer that cannot draft)
+        # fail now.
         self.pool.stream(
-            self.session_id, CompletionRequest(prompt_ids=[0], **defaults),
-            tokenizer=tokenizer, speculative_block=speculative_block,
+            self.session_id, CompletionRequest(prompt_ids=[0], **defaults), tokenizer=tokenizer
         )
         self._history: list[dict[str, str]] = []
         self._version = 0  # bumped whenever the history changes
@@ -184,17 +156,20 @@ class ChatSession:
             raise BadInputError("the chat template rendered an empty prompt")
         return [int(t) for t in ids]
 
-    def stream(self, user_text: str, **overrides: Any) -> ChatStream:
-        """Start a turn; iterate for the reply's text deltas, then read ``.turn``.
+    def stream(self, user_text: str, **overrides: Any) -> Stream[Completion]:
+        """Start a turn; iterate for the reply's events, then read ``.result``.
 
         Args:
           user_text: the user's message.
           **overrides: request settings for this turn only (as the constructor's defaults).
 
         Returns:
-          The turn's stream. The history grows by the user message and the reply when the
-          stream ends without an error; after an error (non-finite logits, an exception, a
-          closed stream) it is unchanged, so the message can be sent again.
+          The turn's stream; its result is the turn's
+          :class:`~turbospark_jax.completion.Completion` (``text`` is the reply,
+          ``prompt_ids`` the rendered history, ``usage`` names the slot). The history grows by
+          the user message and the reply when the stream ends without an error; after an error
+          (non-finite logits, an exception, a closed stream) it is unchanged, so the message
+          can be sent again.
 
         Raises:
           BadInputError: an unknown or invalid setting, or a prompt that does not fit.
@@ -204,24 +179,17 @@ class ChatSession:
         _check_fields(overrides)
         prompt = self.render(user_text)
         request = CompletionRequest(prompt_ids=prompt, **{**self.defaults, **overrides})
-        turn = self.pool.stream(
-            self.session_id, request, tokenizer=self.tokenizer,
-            speculative_block=self.speculative_block,
-        )
-        return ChatStream(self, user_text, turn, self._version)
+        turn = self.pool.stream(self.session_id, request, tokenizer=self.tokenizer)
+        return Stream(self._turn(user_text, turn, self._version))
 
-    def send(self, user_text: str, **overrides: Any) -> ChatTurn:
+    def send(self, user_text: str, **overrides: Any) -> Completion:
         """Run a turn to the end (see :meth:`stream`) and return it.
 
         Raises:
           BadInputError: an unknown or invalid setting, or a prompt that does not fit.
           SessionError: another turn of this session is running, or the pool refused to wait.
         """
-        stream = self.stream(user_text, **overrides)
-        for _ in stream:
-            pass
-        assert stream.turn is not None
-        return stream.turn
+        return self.stream(user_text, **overrides).drain()
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and free the session's slot.
@@ -239,69 +207,36 @@ class ChatSession:
         finally:
             self._busy.release()
 
+    def _turn(
+        self, user_text: str, turn: Stream[Completion], version: int
+    ) -> Generator[StreamEvent, None, Completion]:
+        if not self._busy.acquire(blocking=False):
+            turn.close()
+            raise SessionError(
+                f"session {self.session_id!r} is already running a turn; one conversation "
+                "takes one message at a time"
+            )
+        try:
+            if self._version != version:
+                # The prompt was rendered from a history that has since changed.
+                raise SessionError(
+                    f"session {self.session_id!r} moved on since this turn was prepared; "
+                    "call stream() again"
+                )
+            with turn:
+                yield from turn
+            completion = turn.result
+            assert completion is not None
+            if completion.finish_reason is not FinishReason.ERROR:
+                self._append(user_text, completion.text)
+            return completion
+        finally:
+            self._busy.release()
+
     def _append(self, user_text: str, reply: str) -> None:
         self._history.append({"role": "user", "content": user_text})
         self._history.append({"role": "assistant", "content": reply})
         self._version += 1
-
-
-class ChatStream(Iterator[str]):
-    """A turn of a :class:`ChatSession`: iterate for text deltas, then read :attr:`turn`."""
-
-    def __init__(
-        self, chat: ChatSession, user_text: str, turn: TurnStream, version: int
-    ) -> None:
-        self.chat = chat
-        self.turn: ChatTurn | None = None
-        self._user_text = user_text
-        self._inner = turn
-        self._version = version
-        self._events = self._run()
-
-    def __next__(self) -> str:
-        return next(self._events)
-
-    def close(self) -> None:
-        """Abandon the turn; the history is left as it was."""
-        self._events.close()
-        self._inner.close()
-
-    def __enter__(self) -> ChatStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _run(self) -> Iterator[str]:
-        chat = self.chat
-        if not chat._busy.acquire(blocking=False):
-            raise SessionError(
-                f"session {chat.session_id!r} is already running a turn; one conversation "
-                "takes one message at a time"
-            )
-        try:
-            if chat._version != self._version:
-                # The prompt was rendered from a history that has since changed.
-                raise SessionError(
-                    f"session {chat.session_id!r} moved on since this turn was prepared; "
-                    "call stream() again"
-                )
-            for event in self._inner:
-                if event.text:
-                    yield event.text
-            result = self._inner.result
-            assert result is not None
-            completion = result.completion
-            if completion.finish_reason is not FinishReason.ERROR:
-                chat._append(self._user_text, completion.text)
-            self.turn = ChatTurn(
-                reply=completion.text,
-                completion=completion,
-                usage=result.usage,
-                prompt_ids=tuple(int(t) for t in self._inner.request.prompt_ids),
-            )
-        finally:
-            chat._busy.release()
 
 
 def _check_fields(settings: Mapping[str, Any]) -> None:

@@ -19,35 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from turbospark_jax.errors import TurbosparkError
-
-#: Names of the embedded models under ``models/``.
-DEFAULT_TARGET = "tsj-pycoder"
-DEFAULT_DRAFT = "tsj-pycoder-draft"
-
-
-def embedded_model_path(name: str) -> Path:
-    """Where the embedded model ``name`` lives, in an editable install or an installed wheel.
-
-    Raises:
-      ModelLoadError: it is in neither place.
-    """
-    from turbospark_jax.errors import ModelLoadError
-
-    candidates = []
-    try:
-        from importlib.resources import files
-
-        candidates.append(Path(str(files("turbospark_jax_models") / name)))
-    except ModuleNotFoundError:
-        pass
-    candidates.append(Path(__file__).resolve().parent.parent / "models" / name)
-    for path in candidates:
-        if (path / "config.json").is_file():
-            return path
-    raise ModelLoadError(
-        f"the embedded model {name!r} is missing (looked in {', '.join(map(str, candidates))}); "
-        "pass --model PATH"
-    )
+from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
 
 
 class _Spinner:
@@ -106,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--draft-model", help="a draft model folder for speculative decoding")
     gen.add_argument("--ngram", type=int, default=0, help="prompt-lookup drafting with n-grams "
                      "up to N")
-    gen.add_argument("--block-size", type=int, default=4, help="proposals per speculative round")
+    gen.add_argument("--draft-len", type=int, default=4, help="proposals per speculative round")
     gen.add_argument("--context", type=int, default=None,
                      help="positions to allocate (default: what prompt and reply need, at "
                           "least 256; 2048 for --chat)")
@@ -134,7 +106,7 @@ def _load(path: Path, args: argparse.Namespace, spinner: _Spinner) -> Any:
         # A CPU is compute-bound: every padding row costs; a GPU reads the weights once. A
         # speculative verify of block + 1 rows should still be one call.
         drafting = args.speculative or args.draft_model or args.ngram
-        args.width = (args.block_size + 1 if drafting else 1) if on_cpu else 16
+        args.width = (args.draft_len + 1 if drafting else 1) if on_cpu else 16
     spinner.set(f"loading {path}")
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
@@ -142,7 +114,7 @@ def _load(path: Path, args: argparse.Namespace, spinner: _Spinner) -> Any:
 
 
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
-    from turbospark_jax.block_program import BlockProducer
+    from turbospark_jax.block_producer import BlockProducer
 
     return BlockProducer(loaded.model, loaded.params, capacity=capacity, width=args.width,
                          steps_per_call=32, donate=True)
@@ -178,8 +150,10 @@ def _assemble(loaded: Any, args: argparse.Namespace, spinner: _Spinner,
     return producer, sorted(stops)
 
 
-def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
-    from turbospark_jax.generate import CompletionRequest, SamplingConfig
+def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int],
+             speculative: bool) -> Any:
+    from turbospark_jax.completion import CompletionRequest
+    from turbospark_jax.sampling import SamplingConfig
 
     return CompletionRequest(
         prompt_ids=list(prompt_ids),
@@ -192,19 +166,8 @@ def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequenc
         ),
         seed=args.seed,
         parallel_prefill=args.parallel_prefill,
+        draft_len=args.draft_len if speculative else None,
     )
-
-
-def _stream(producer: Any, request: Any, tokenizer: Any, block: int, state: Any = None) -> Any:
-    from turbospark_jax.drafters import SpeculativePair
-    from turbospark_jax.generate import stream_raw_completion
-    from turbospark_jax.speculative import stream_raw_completion_speculative
-
-    if isinstance(producer, SpeculativePair):
-        return stream_raw_completion_speculative(
-            producer, request, block_size=block, tokenizer=tokenizer, state=state
-        )
-    return stream_raw_completion(producer, request, tokenizer=tokenizer, state=state)
 
 
 def _report(completion: Any, out: TextIO) -> None:
@@ -214,17 +177,16 @@ def _report(completion: Any, out: TextIO) -> None:
         f"prefilled {u.prefilled_tokens}), generated {u.generated_tokens}; prefill "
         f"{t.prefill_s:.2f}s, decode {t.decode_tokens_per_s(u.generated_tokens):.1f} tok/s"
     )
-    if completion.speculative is not None:
-        s = completion.speculative
-        line += (f"; speculative: {s.rounds} rounds, acceptance {s.acceptance_rate:.2f}, "
-                 f"mean length {s.mean_acceptance_length:.2f}")
     if completion.error:
         line += f"; error: {completion.error}"
     print(line, file=out, flush=True)
+    if completion.speculative is not None:
+        print(completion.speculative.summary(), file=out, flush=True)
 
 
 def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
     from turbospark_jax.errors import BadInputError
+    from turbospark_jax.generate import stream_completion
 
     spinner = _Spinner(stderr)
     try:
@@ -245,7 +207,8 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
                                            add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
         producer, stops = _assemble(loaded, args, spinner, _capacity(args, len(ids)))
-        stream = _stream(producer, _request(args, ids, stops), tok, args.block_size)
+        request = _request(args, ids, stops, _is_pair(producer))
+        stream = stream_completion(producer, request, tokenizer=tok)
         spinner.set("compiling and prefilling")
         first = True
         for event in stream:
@@ -256,9 +219,9 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
             stdout.flush()
         spinner.done()
         stdout.write("\n")
-        if args.stats or stream.completion.error:
-            _report(stream.completion, stderr)
-        return 1 if stream.completion.error else 0
+        if args.stats or stream.result.error:
+            _report(stream.result, stderr)
+        return 1 if stream.result.error else 0
     finally:
         spinner.done()
 
@@ -271,21 +234,19 @@ def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
     from turbospark_jax.session_pool import SessionPool
 
     pool = SessionPool(producer, slots=args.slots)
-    request = _request(args, [0], stops)
+    request = _request(args, [0], stops, _is_pair(producer))
     settings = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
                 if f.name != "prompt_ids"}
     settings["stop_token_ids"] = sorted({*stops, *default_stop_ids(tok)})
-    session = ChatSession(pool, tok, session_id="cli",
-                          speculative_block=args.block_size if _is_pair(producer) else None,
-                          **settings)
+    session = ChatSession(pool, tok, session_id="cli", **settings)
     for line in _lines(stdin):
         stream = session.stream(line)
-        for delta in stream:
-            stdout.write(delta)
+        for event in stream:
+            stdout.write(event.text)
             stdout.flush()
         stdout.write("\n")
         stdout.flush()
-        print(f"[turn] {stream.turn.summary()}", file=stderr, flush=True)
+        print(f"[turn] {stream.result.summary()}", file=stderr, flush=True)
     return 0
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 import jax
@@ -506,3 +507,33 @@ def _write_json(path: str, data: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+# -- the embedded models ---------------------------------------------------------------------
+
+#: Names of the embedded models under ``models/``.
+DEFAULT_TARGET = "tsj-pycoder"
+DEFAULT_DRAFT = "tsj-pycoder-draft"
+
+
+def embedded_model_path(name: str) -> Path:
+    """Where the embedded model ``name`` lives, in an editable install or an installed wheel.
+
+    Raises:
+      ModelLoadError: it is in neither place.
+    """
+    candidates = []
+    try:
+        from importlib.resources import files
+
+        candidates.append(Path(str(files("turbospark_jax_models") / name)))
+    except ModuleNotFoundError:
+        pass
+    candidates.append(Path(__file__).resolve().parent.parent / "models" / name)
+    for path in candidates:
+        if (path / "config.json").is_file():
+            return path
+    raise ModelLoadError(
+        f"the embedded model {name!r} is missing (looked in {', '.join(map(str, candidates))}); "
+        "pass --model PATH"
+    )

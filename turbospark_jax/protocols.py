@@ -13,10 +13,12 @@ Three protocols build on each other, mirroring the seed runtime's traits:
 * :class:`SpeculativeProducer`: a drafter side that proposes tokens and a target side that
   verifies a block of them in one pass.
 
-Methods with a default here carry the seed's capability defaults: a producer that does not
-override them answers "no reuse", "not evicted", "no chunked drafter prefill", and so on.
-Defaults that cannot be honoured raise :class:`~turbospark_jax.errors.UnsupportedCapabilityError`
-rather than quietly doing something weaker.
+Capabilities are declared, never probed: each optional one is a ``supports_*`` / ``can_*``
+answer next to the method it unlocks, with the seed's refusing default ("no reuse", "no
+chunked drafter prefill", "no retaining rollback", ...), and an optional family of methods
+(:class:`DeviceDecoder`) is a mixin a producer inherits. Defaults that cannot be honoured raise
+:class:`~turbospark_jax.errors.UnsupportedCapabilityError` rather than quietly doing something
+weaker.
 
 Donation: producers backed by large device buffers may *consume* the buffers of the state they
 are given (XLA buffer donation), so that decoding does not copy a KV cache every step. Such a
@@ -27,18 +29,23 @@ copy made with :func:`turbospark_jax.state.copy_state` when an old value must st
 from __future__ import annotations
 
 import abc
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
 
-from turbospark_jax.errors import UnsupportedCapabilityError
+from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+from turbospark_jax.state import FedRecord
 
 State = TypeVar("State")
 Checkpoint = TypeVar("Checkpoint")
 
 #: Logits are float32 vectors of length ``vocab_size`` (rows of such vectors for ``verify``).
 Logits = jax.Array
+
+#: How a device burst ended (``DecodeBurst.finish``, and the speculative rounds' bursts).
+RUNNING, STOPPED_ON_TOKEN, NON_FINITE = 0, 1, 2
 
 
 class LogitProducer(abc.ABC, Generic[State]):
@@ -66,6 +73,29 @@ class LogitProducer(abc.ABC, Generic[State]):
         del state
         return self.init_state()
 
+    @abc.abstractmethod
+    def fed_record(self, state: State) -> FedRecord:
+        """The record of what ``state`` has consumed, position by position (DESIGN.md section
+        3): reuse, history bookkeeping and speculative commits key on it."""
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether :meth:`rewind` can move a state back to any earlier position. Default: no
+        (a recurrent state summarises every fed token and cannot be cut)."""
+        return False
+
+    def rewind(self, state: State, count: int) -> State:
+        """``state`` as if it had consumed only its first ``count`` positions.
+
+        Raises:
+          UnsupportedCapabilityError: the producer cannot rewind (the default).
+          BadInputError: ``count`` is negative or past what the state has consumed.
+        """
+        del state, count
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} cannot rewind a state; keep a checkpoint and roll back"
+        )
+
     def try_reuse_prefix(
         self,
         state: State,
@@ -87,18 +117,13 @@ class LogitProducer(abc.ABC, Generic[State]):
         ``len(prompt_ids)``: at least one token is left to feed, or there would be no logits.
 
         The default reuses nothing and answers ``(0, fresh state)``.
+
+        Raises:
+          BadInputError: ``prompt_ids`` is empty (no answer can be shorter than it).
         """
-        del state, prompt_ids, injected
+        require_prompt(prompt_ids)
+        del state, injected
         return 0, self.init_state()
-
-    def session_slot_evicted(self, state: State) -> bool:
-        """Whether serving the generation that produced ``state`` discarded another session.
-
-        Answers the narrow question "was a *different* session's non-empty state thrown away
-        to make room", not "is a pool configured". ``False`` for producers without a pool.
-        """
-        del state
-        return False
 
     @abc.abstractmethod
     def produce(self, state: State, token: int, position: int) -> tuple[Logits, State]:
@@ -148,6 +173,72 @@ class ChunkedPrefillRunner(LogitProducer[State]):
         """
         del is_final_prompt_chunk
         return self.prefill_chunk(state, tokens, start_position)
+
+    def supports_parallel_prefill(self) -> bool:
+        """Whether :meth:`prefill_parallel` is available. Default: no."""
+        return False
+
+    def prefill_parallel(
+        self, state: State, tokens: Sequence[int], start_position: int, *, chunk: int = 2048
+    ) -> tuple[Logits, State]:
+        """A faster prefill in wide batched passes, equal to :meth:`prefill_chunk` only within
+        a tolerance the producer states (never part of a bitwise guarantee). The default
+        refuses: only called when :meth:`supports_parallel_prefill` is true."""
+        del state, tokens, start_position, chunk
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} has no parallel prefill; use prefill_chunk"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBurst:
+    """The host view of one burst run on the device (plain decode steps or speculative rounds).
+
+    Fields:
+      tokens: the tokens emitted, in order (a stop token included when one ended the burst).
+      finish: RUNNING (budget used), STOPPED_ON_TOKEN or NON_FINITE (the tokens before the
+        failing step are kept).
+      history: the penalty bookkeeping after the last emitted token.
+      logits: float32 ``[len(tokens), V]`` on the device: row ``i`` is the target row token
+        ``i`` was drawn from; ``None`` when not asked for.
+      rounds: for speculative bursts, ``(drafted, accepted)`` per verify round; empty for
+        plain decoding.
+    """
+
+    tokens: list[int]
+    finish: int
+    history: Any
+    logits: jax.Array | None
+    rounds: tuple[tuple[int, int], ...] = ()
+
+
+class DeviceDecoder(abc.ABC):
+    """An optional capability: decode bursts that sample on the device.
+
+    A producer that mixes this in runs ``steps`` produce + sample + stop-id steps in one device
+    call; the generation loop then returns to the host once per burst instead of per token.
+    """
+
+    #: The most steps one :meth:`decode` call runs.
+    steps_per_call: int
+
+    @abc.abstractmethod
+    def decode(
+        self,
+        state: Any,
+        token: int,
+        steps: int,
+        *,
+        params: Any,
+        history: Any,
+        key: jax.Array,
+        gen_index: int,
+        stop_ids: Sequence[int] = (),
+        record_logits: bool = True,
+    ) -> tuple[DeviceBurst, Any]:
+        """Feed ``token`` and decode up to ``steps`` tokens; step ``i`` samples with
+        ``token_key(key, gen_index + i)`` so the tokens do not depend on how a generation is
+        cut into bursts. The last sampled token is never fed."""
 
 
 class VerifyingTarget(LogitProducer[State], Generic[State, Checkpoint]):
@@ -283,26 +374,56 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
     def rewind_drafter(self, state: State, position: int) -> State:
         """Move the drafter's cursor to ``position``, where the accepted prefix ended."""
 
-    def supports_headless_prefill(self) -> bool:
-        """Whether :meth:`produce_prefill` (which may skip the head) can drive the drafter.
+    @abc.abstractmethod
+    def drafter_position(self, state: State) -> int:
+        """How many positions the drafter has consumed (read from the drafter's state)."""
 
-        False by default: a drafter that reads the post-head hidden state would be primed
-        from stale values by a headless prefill.
-        """
+    def supports_draft_bursts(self) -> bool:
+        """Whether :meth:`draft_burst` can replace repeated :meth:`draft_step` calls. Default:
+        no."""
         return False
 
+    def draft_burst(
+        self, state: State, token: int, position: int, count: int, *,
+        params: Any, history: Any, key: jax.Array, index: int,
+    ) -> tuple[list[int], Logits, State]:
+        """``count`` draft steps and their sampling in one device call: exactly what ``count``
+        :meth:`draft_step` calls plus sampling token ``i`` with ``token_key(key, index + i)``
+        would propose. Returns ``(proposals, drafter_logits[count, V], state)``; fewer
+        proposals when the drafter's logits turned non-finite. The default refuses."""
+        del state, token, position, count, params, history, key, index
+        raise UnsupportedCapabilityError(f"{type(self).__name__} has no draft bursts")
 
-def capabilities(producer: Any) -> dict[str, bool]:
-    """What a producer offers, for logs and error messages."""
-    caps = {
-        "chunked_prefill": isinstance(producer, ChunkedPrefillRunner),
-        "speculative": isinstance(producer, SpeculativeProducer),
-    }
-    if isinstance(producer, SpeculativeProducer):
-        caps.update(
-            chunked_drafter_prefill=producer.supports_chunked_drafter_prefill(),
-            block_drafter=producer.drafts_block_passes(),
-            headless_prefill=producer.supports_headless_prefill(),
-            retaining_rollback=producer.supports_retaining_rollback(),
+    def device_draft_limit(self) -> int:
+        """The largest ``draft_len`` :meth:`device_rounds` takes; 0 (the default) when it runs
+        no rounds on the device, and the speculative loop drives drafter and target call by
+        call instead."""
+        return 0
+
+    def device_rounds(
+        self, state: State, pending: int, *, draft_len: int, budget: int, params: Any,
+        history: Any, key: jax.Array, gen_index: int, remaining: int,
+        stop_ids: Sequence[int] = (), record_logits: bool = True,
+    ) -> tuple[DeviceBurst, State]:
+        """Speculative rounds on the device until ``budget`` tokens are emitted, a stop id is
+        emitted or logits turn non-finite.
+
+        Each round drafts up to ``min(draft_len, remaining - 1)`` tokens after ``pending``
+        (the last emitted token, not yet fed), verifies them in one target pass, judges them
+        (lossless: greedy point masses or rejection sampling, with the host loop's keys:
+        token ``gen_index + i`` of the request) and commits. ``remaining`` counts the tokens
+        the request may still emit, so a round never drafts past ``max_tokens``. The last
+        emitted token is never fed. The default refuses.
+        """
+        del state, pending, draft_len, budget, params, history, key, gen_index, remaining
+        del stop_ids, record_logits
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} runs no speculative rounds on the device for this "
+            "draft length; see device_draft_limit()"
         )
-    return caps
+
+
+def require_prompt(prompt_ids: Sequence[int]) -> None:
+    """Refuse an empty prompt (``try_reuse_prefix`` answers strictly less than its length)."""
+    if len(prompt_ids) == 0:
+        raise BadInputError("the prompt is empty; a prompt needs at least one token id")

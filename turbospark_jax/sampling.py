@@ -47,6 +47,7 @@ split into bursts.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from numbers import Integral, Real
@@ -61,6 +62,7 @@ from turbospark_jax.errors import BadInputError
 
 __all__ = [
     "History",
+    "SamplingConfig",
     "SamplingParams",
     "probabilities",
     "process_logits",
@@ -181,6 +183,24 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """Whether these params decode greedily (temperature 0). Host-side: not under ``jit``."""
         return bool(self.temperature <= 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+    """A request's sampling settings as plain host values (see the module docstring for the
+    order they apply in); :meth:`to_params` validates them into :class:`SamplingParams`."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def to_params(self) -> SamplingParams:
+        """Validated device params; raises BadInputError naming a bad setting."""
+        return SamplingParams.make(**dataclasses.asdict(self))
 
 
 @struct.dataclass(kw_only=True)

@@ -34,71 +34,23 @@ Turns in different slots run concurrently.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Generator, Hashable
 from typing import Any
 
+from turbospark_jax.completion import Completion, CompletionRequest
 from turbospark_jax.errors import BadInputError, SessionError
-from turbospark_jax.generate import (
-    Completion,
-    CompletionRequest,
-    StreamEvent,
-    stream_raw_completion,
-)
+from turbospark_jax.generate import stream_completion
 from turbospark_jax.protocols import LogitProducer
-from turbospark_jax.speculative import stream_raw_completion_speculative
 from turbospark_jax.state import copy_state
+from turbospark_jax.streams import Stream, StreamEvent
 
-__all__ = ["PoolTurn", "SessionId", "SessionPool", "SlotInfo", "TurnStream", "TurnUsage"]
+__all__ = ["SessionId", "SessionPool", "SlotInfo"]
 
 #: What identifies a session: any hashable value but ``None`` (which marks a free slot).
 SessionId = Hashable
-
-
-@dataclasses.dataclass(frozen=True)
-class TurnUsage:
-    """Token counts of one turn and where it ran.
-
-    Fields:
-      prompt_tokens: length of the prompt sent.
-      reused_tokens: leading prompt tokens the slot's state already held (not fed again).
-      prefilled_tokens: prompt tokens fed this turn (``prompt_tokens - reused_tokens``).
-      generated_tokens: tokens generated, a final stop token included.
-      slot: index of the slot that served the turn.
-      evicted: whether taking the slot discarded a different session's non-empty state.
-    """
-
-    prompt_tokens: int
-    reused_tokens: int
-    prefilled_tokens: int
-    generated_tokens: int
-    slot: int
-    evicted: bool
-
-    def summary(self) -> str:
-        """One line for a log or a status bar."""
-        line = (
-            f"prompt {self.prompt_tokens} tokens (reused {self.reused_tokens}, prefilled "
-            f"{self.prefilled_tokens}), generated {self.generated_tokens}, slot {self.slot}"
-        )
-        return line + (", evicted another session" if self.evicted else "")
-
-
-@dataclasses.dataclass(frozen=True)
-class PoolTurn:
-    """The result of one turn: the completion and the turn's usage."""
-
-    session_id: SessionId
-    completion: Completion
-    usage: TurnUsage
-
-    def summary(self) -> str:
-        """:meth:`TurnUsage.summary` plus the decode speed when there is one to report."""
-        rate = self.completion.timings.decode_tokens_per_s(self.usage.generated_tokens)
-        return self.usage.summary() + (f", {rate:.1f} tokens/s" if rate > 0 else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,11 +117,10 @@ class SessionPool:
             raise SessionError(
                 f"wait must be None (wait for a busy slot) or seconds >= 0; got {wait!r}"
             )
-        needed = ("init_state", "try_reuse_prefix")
-        if not all(callable(getattr(producer, name, None)) for name in needed):
+        if not isinstance(producer, LogitProducer):
             raise BadInputError(
-                f"{type(producer).__name__} is not a LogitProducer (no init_state / "
-                "try_reuse_prefix); pass the producer the completions should run on"
+                f"{type(producer).__name__} is not a LogitProducer; pass the producer the "
+                "completions should run on"
             )
         self.producer = producer
         self.wait = wait
@@ -186,31 +137,34 @@ class SessionPool:
         request: CompletionRequest,
         *,
         tokenizer: Any | None = None,
-        speculative_block: int | None = None,
-    ) -> TurnStream:
+    ) -> Stream[Completion]:
         """Start a turn for ``session_id``; iterate for stream events, then read ``.result``.
 
         The request is validated now; the slot is taken when iteration starts and given back
-        when it ends. Iterate to the end, or :meth:`TurnStream.close` it (or use it as a
-        context manager): an abandoned turn holds its slot until it is closed or collected,
-        and leaves the slot fresh.
+        when it ends. Iterate to the end, or close the stream (or use it as a context manager):
+        an abandoned turn holds its slot until it is closed or collected, and leaves the slot
+        fresh. The loop is picked as :func:`~turbospark_jax.generate.stream_completion` picks
+        it (speculative for a producer that can draft, unless ``request.draft_len == 0``).
 
         Args:
           session_id: the conversation (any hashable value but ``None``).
           request: the completion to run; its ``prompt_ids`` are the whole conversation so far.
           tokenizer: for text, stop strings and deltas.
-          speculative_block: run the speculative loop with this block size (the producer must
-            be a SpeculativeProducer); ``None`` runs the plain loop.
 
         Returns:
-          The turn's stream.
+          The turn's stream; its result is the :class:`~turbospark_jax.completion.Completion`
+          with ``usage.slot`` and ``usage.evicted`` filled in and ``state`` left ``None`` (the
+          pool keeps the state).
 
         Raises:
           SessionError: ``session_id`` is ``None`` or unhashable.
-          BadInputError: an invalid request or block size (nothing is touched).
+          BadInputError: an invalid request (nothing is touched).
         """
         _check_session_id(session_id)
-        return TurnStream(self, session_id, request, tokenizer, speculative_block)
+        # Building a stream validates without running anything or touching a state, so bad
+        # input raises here, before any slot is taken.
+        stream_completion(self.producer, request, tokenizer=tokenizer)
+        return Stream(self._turn(session_id, request, tokenizer))
 
     def generate(
         self,
@@ -218,24 +172,31 @@ class SessionPool:
         request: CompletionRequest,
         *,
         tokenizer: Any | None = None,
-        speculative_block: int | None = None,
-    ) -> PoolTurn:
-        """Run a turn for ``session_id`` to the end (see :meth:`stream` for the arguments).
-
-        Returns:
-          The completion and the turn's usage.
+    ) -> Completion:
+        """Run a turn for ``session_id`` to the end (see :meth:`stream`).
 
         Raises:
           SessionError: a bad session id, or the slot stayed busy past the pool's ``wait``.
           BadInputError: an invalid request (nothing is touched).
         """
-        turn = self.stream(
-            session_id, request, tokenizer=tokenizer, speculative_block=speculative_block
-        )
-        for _ in turn:
-            pass
-        assert turn.result is not None
-        return turn.result
+        return self.stream(session_id, request, tokenizer=tokenizer).drain()
+
+    def _turn(
+        self, session_id: SessionId, request: CompletionRequest, tokenizer: Any | None
+    ) -> Generator[StreamEvent, None, Completion]:
+        slot, evicted = self._claim(session_id, create=True)
+        completion: Completion | None = None
+        try:
+            inner = stream_completion(
+                self.producer, request, tokenizer=tokenizer, state=self._take_state(slot)
+            )
+            yield from inner
+            completion = inner.result
+        finally:
+            self._release(slot, store=completion, reset=True)
+        assert completion is not None
+        usage = dataclasses.replace(completion.usage, slot=slot.index, evicted=evicted)
+        return dataclasses.replace(completion, usage=usage, state=None)
 
     # -- sessions ---------------------------------------------------------------------------
 
@@ -433,75 +394,3 @@ def _check_session_id(session_id: Any) -> None:
         raise SessionError(
             f"session_id must be hashable (a str or int, say); got {type(session_id).__name__}"
         ) from e
-
-
-class TurnStream(Iterator[StreamEvent]):
-    """One turn of a :class:`SessionPool`: iterate for events, then read :attr:`result`.
-
-    Built by :meth:`SessionPool.stream`. The slot is taken at the first ``next`` and given
-    back when the stream ends, raises, or is closed.
-    """
-
-    def __init__(
-        self,
-        pool: SessionPool,
-        session_id: SessionId,
-        request: CompletionRequest,
-        tokenizer: Any | None,
-        speculative_block: int | None,
-    ) -> None:
-        self.pool = pool
-        self.session_id = session_id
-        self.request = request
-        self.result: PoolTurn | None = None
-        opener: Callable[..., Iterator[StreamEvent]]
-        if speculative_block is None:
-            opener = functools.partial(stream_raw_completion, pool.producer, request)
-        else:
-            opener = functools.partial(
-                stream_raw_completion_speculative, pool.producer, request,
-                block_size=speculative_block,
-            )
-        self._open = functools.partial(opener, tokenizer=tokenizer)
-        # Building a stream validates the request and block size without running anything or
-        # touching a state, so bad input raises here, before any slot is taken.
-        self._open(state=None)
-        self._events = self._run()
-
-    def __next__(self) -> StreamEvent:
-        return next(self._events)
-
-    def close(self) -> None:
-        """Abandon the turn: its slot is given back, fresh, to the session."""
-        self._events.close()
-
-    def __enter__(self) -> TurnStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _run(self) -> Iterator[StreamEvent]:
-        pool = self.pool
-        slot, evicted = pool._claim(self.session_id, create=True)
-        completion: Completion | None = None
-        try:
-            inner = self._open(state=pool._take_state(slot))
-            yield from inner
-            completion = inner.completion
-        finally:
-            pool._release(slot, store=completion, reset=True)
-        assert completion is not None
-        usage = completion.usage
-        self.result = PoolTurn(
-            session_id=self.session_id,
-            completion=completion,
-            usage=TurnUsage(
-                prompt_tokens=usage.prompt_tokens,
-                reused_tokens=usage.reused_tokens,
-                prefilled_tokens=usage.prefilled_tokens,
-                generated_tokens=usage.generated_tokens,
-                slot=slot.index,
-                evicted=evicted,
-            ),
-        )

@@ -1,7 +1,14 @@
 """The speculative loop: ``run_raw_completion_speculative``, lossless greedy and sampled.
 
 It drives a :class:`~turbospark_jax.protocols.SpeculativeProducer` by the protocol's
-contracts.
+contracts, in one of two ways:
+
+* **on the device**, when the producer runs whole rounds there
+  (:meth:`~turbospark_jax.protocols.SpeculativeProducer.device_rounds`, see
+  :mod:`turbospark_jax.rounds`): one device call runs rounds until ``burst`` tokens are out,
+  and the host handles text and stop strings between bursts;
+* **on the host**, round by round through the protocol's methods: the reference the device
+  loop is tested against, and the path for drafters that cannot run on the device.
 
 **Prompt walk.** After prefix reuse, the target consumes the prompt while the drafter is
 primed over every known pair: in chunks through ``prefill_chunk_priming_drafter`` when the
@@ -9,30 +16,22 @@ producer supports it, otherwise token by token (``produce_prefill`` for the targ
 ``supports_headless_prefill``, else ``produce``) with ``prime_drafter``. The last prompt token
 goes through ``produce``; its logits give the first token exactly as the plain loop does.
 
-**A round**, with the last emitted token ``t`` not yet fed:
+**A host round**, with the last emitted token ``t`` not yet fed:
 
-1. keep the target checkpoint (a value);
-2. draft ``m`` proposals: ``draft_block`` once for block drafters, else ``draft_step``
-   repeatedly (sampling each draft token from the drafter's logits, shaped by the request's
-   sampling settings, which gives the proposal distribution ``q``);
-3. ``verify([t, *proposals])`` in one target pass: row ``i`` holds the target logits ``p``
-   for the token after ``feed[i]``;
-4. accept in one jitted judgement: proposal ``x`` at row ``i`` is kept with probability
-   ``min(1, p(x) / q(x))``; the first rejection draws a replacement from the normalised
-   ``max(0, p - q)``; if all are kept a bonus token is drawn from the last row. At temperature
-   0 ``p`` and ``q`` are point masses, so this is "keep while the proposal is the target's
-   argmax" and the replacement and bonus are the argmax: token for token the plain loop's
-   greedy output;
+1. bring the drafter to the target's position (it may have drafted past it, or lag by the
+   last proposal of a round that kept them all) and keep the target checkpoint (a value);
+2. draft ``m`` proposals: ``draft_block`` for block drafters, else a device ``draft_burst``
+   or ``draft_step`` repeatedly, sampling each draft token with the request's settings
+   (which gives the proposal distribution ``q``);
+3. ``verify([t, *proposals])`` in one target pass;
+4. :func:`~turbospark_jax.rounds.judge` (the device rounds use the same function);
 5. restore the target with ``rollback_retaining`` (keeping the fed rows that survived) when
-   supported, otherwise ``rollback`` and a shortened re-verify;
-6. rewind the drafter to where the accepted prefix ended (not where the target went) and
-   prime it over whatever it has not consumed yet;
-7. ``record_committed``.
+   supported, otherwise ``rollback`` and a shortened re-verify; ``record_committed``.
 
-The emitted tokens pass through the same :class:`~turbospark_jax.generate.Emission` as in the
-plain loop (stop tokens, stop strings, max_tokens), and the target is rolled back to exactly
-the tokens before the last emitted one, so the fed record matches the plain loop's even when
-a stop lands inside an accepted block.
+The emitted tokens pass through the same :class:`~turbospark_jax.completion.Emission` as in
+the plain loop (stop tokens, stop strings, max_tokens), and the target ends having fed exactly
+the tokens before the last emitted one, so the fed record matches the plain loop's even when a
+stop lands inside an accepted block.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Generator
 from typing import Any
 
 import jax
@@ -48,21 +47,37 @@ import jax.numpy as jnp
 import numpy as np
 
 from turbospark_jax import sampling
-from turbospark_jax.errors import BadInputError, ProducerExhaustedError, ProducerFailedError
-from turbospark_jax.generate import NON_FINITE_LOGITS as _NON_FINITE
-from turbospark_jax.generate import (
+from turbospark_jax.completion import (
+    NON_FINITE_LOGITS,
+    PRODUCER_FAILURES,
     Completion,
     CompletionRequest,
-    CompletionStream,
+    Emission,
     FinishReason,
-    StreamEvent,
     add_to_history,
+    rewind_overshoot,
+    validate_request,
 )
-from turbospark_jax.protocols import SpeculativeProducer
+from turbospark_jax.drafters.base import MAX_DRAFT
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.protocols import NON_FINITE, SpeculativeProducer
+from turbospark_jax.rounds import judge, point_masses, proposal_distributions
+from turbospark_jax.streams import Stream, StreamEvent
 
-#: The largest block a round may draft (the judgement is compiled once for this size).
-MAX_BLOCK = 8
+__all__ = [
+    "DEFAULT_DRAFT_LEN",
+    "MAX_DRAFT",
+    "SpeculativeStats",
+    "run_raw_completion_speculative",
+    "speculative_events",
+]
 
+#: Proposals per round when a request leaves ``draft_len`` unset.
+DEFAULT_DRAFT_LEN = 4
+
+_judge = jax.jit(judge)
+_proposal_distributions = jax.jit(proposal_distributions)
+_point_masses = jax.jit(point_masses, static_argnums=2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +90,11 @@ class SpeculativeStats:
       accepted: proposals kept.
       drafted_by_position: proposals verified at draft position ``i`` (0 = first).
       accepted_by_position: proposals kept at draft position ``i``.
+      on_device: whether the rounds ran on the device.
+      device_s: seconds inside device calls of rounds (drafting, verifying and judging).
+      draft_s, verify_s: host loop only: seconds drafting and verifying (device work waited
+        for); zero on the device, where the three run inside one call.
+      host_s: the rest of the decode time (text, stop strings, bookkeeping, dispatch).
     """
 
     rounds: int
@@ -82,6 +102,11 @@ class SpeculativeStats:
     accepted: int
     drafted_by_position: list[int]
     accepted_by_position: list[int]
+    on_device: bool = False
+    device_s: float = dataclasses.field(default=0.0, compare=False)
+    draft_s: float = dataclasses.field(default=0.0, compare=False)
+    verify_s: float = dataclasses.field(default=0.0, compare=False)
+    host_s: float = dataclasses.field(default=0.0, compare=False)
 
     @property
     def acceptance_rate(self) -> float:
@@ -99,248 +124,28 @@ class SpeculativeStats:
         return [a / d if d else 0.0 for a, d in zip(
             self.accepted_by_position, self.drafted_by_position, strict=True)]
 
-
-def _judge(
-    rows: jax.Array,
-    q: jax.Array,
-    proposals: jax.Array,
-    m: jax.Array,
-    params: sampling.SamplingParams,
-    history: sampling.History,
-    key: jax.Array,
-    index: jax.Array,
-) -> tuple[jax.Array, jax.Array, sampling.History]:
-    """Accept or reject ``m`` proposals against target rows; returns (tokens, count, history).
-
-    rows: f32[MAX_BLOCK + 1, V] target logits; q: f32[MAX_BLOCK, V] proposal distributions;
-    proposals: i32[MAX_BLOCK]. Emits ``count`` tokens: the kept proposals and one more.
-    """
-    accept_key = jax.random.fold_in(key, 2)
-    resample_key = jax.random.fold_in(key, 3)
-
-    def row(i, carry):
-        tokens, count, done, hist = carry
-        p = sampling.probabilities(rows[i], params, hist)
-        x = proposals[i]
-        proposing = (i < m) & ~done
-        u = jax.random.uniform(sampling.token_key(accept_key, index + i))
-        keep = proposing & (u * q[i, x] < p[x])
-        # The replacement after a rejection, or the bonus after the last proposal.
-        greedy_or_bonus = sampling.sample(rows[i], params, hist, sampling.token_key(key, index + i))
-        residual = jnp.maximum(p - q[i], 0.0)
-        residual_tok = jax.random.categorical(
-            sampling.token_key(resample_key, index + i),
-            jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0)), -jnp.inf),
-        ).astype(jnp.int32)
-        sampled_rejection = (params.temperature > 0) & (jnp.sum(residual) > 0) & (i < m)
-        other = jnp.where(sampled_rejection, residual_tok, greedy_or_bonus)
-        final = ~done & ~keep & (i <= m)
-        tok = jnp.where(keep, x, other)
-        emit = keep | final
-        tokens = jnp.where(emit, tokens.at[i].set(tok), tokens)
-        hist = jax.tree.map(lambda a, b: jnp.where(emit, a, b), hist.add(tok), hist)
-        return tokens, count + emit.astype(jnp.int32), done | final, hist
-
-    init = (jnp.full((MAX_BLOCK + 1,), -1, jnp.int32), jnp.int32(0), jnp.bool_(False), history)
-    tokens, count, _, history = jax.lax.fori_loop(0, MAX_BLOCK + 1, row, init)
-    return tokens, count, history
-
-
-_judge_jit = jax.jit(_judge)
-
-
-@functools.partial(jax.jit, static_argnums=(1,))
-def _pad_rows(rows: jax.Array, n: int) -> jax.Array:
-    return jnp.zeros((n, rows.shape[-1]), jnp.float32).at[: rows.shape[0]].set(rows)
-
-
-class SpeculativeStream(CompletionStream):
-    """The speculative counterpart of :class:`~turbospark_jax.generate.CompletionStream`."""
-
-    def __init__(
-        self,
-        producer: SpeculativeProducer,
-        request: CompletionRequest,
-        *,
-        block_size: int = 4,
-        tokenizer: Any | None = None,
-        state: Any | None = None,
-    ) -> None:
-        if not isinstance(producer, SpeculativeProducer):
-            raise BadInputError(
-                f"{type(producer).__name__} is not a SpeculativeProducer; pair a target with a "
-                "drafter (turbospark_jax.drafters.SpeculativePair)"
-            )
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or not (
-            1 <= block_size <= MAX_BLOCK
-        ):
-            raise BadInputError(
-                f"block_size must be an integer in 1..{MAX_BLOCK}, got {block_size!r}"
-            )
-        self.block_size = block_size
-        super().__init__(producer, request, tokenizer=tokenizer, state=state)
-
-    def _run(self) -> Iterator[StreamEvent]:
-        p, req = self.producer, self.request
-        t0, prompt, state, reused, out, key, history = self._begin()
-        draft_key = jax.random.fold_in(key, 1)
-        stats = _Stats(self.block_size)
-        finish, error, first_token_s = None, None, 0.0
-        try:
-            logits, state = self._prompt_walk(state, prompt, reused)
-        except (ProducerExhaustedError, ProducerFailedError) as exc:
-            finish, error = FinishReason.ERROR, str(exc)
-        prefill_s = time.perf_counter() - t0
-        if finish is None and not bool(np.all(np.isfinite(np.asarray(logits)))):
-            finish, error = FinishReason.ERROR, _NON_FINITE
-        if finish is None:
-            tok = int(sampling.sample(logits, self._params, history, sampling.token_key(key, 0)))
-            history = add_to_history(history, tok)
-            first_token_s = time.perf_counter() - t0 - prefill_s
-            event, finish = out.push(tok, logits)
-            if event is not None:
-                yield event
-
-        while finish is None:
-            base = len(prompt) + len(out.tokens) - 1  # where the pending token goes
-            remaining = req.max_tokens - len(out.tokens)
-            m_cap = min(self.block_size, remaining - 1)
-            # The drafter must have consumed everything the target has before it drafts.
-            state = self._realign_drafter(state, base, out.tokens[-1])
-            point = p.checkpoint(state)
-            proposals, q, state = self._draft(state, out.tokens[-1], base, m_cap, history,
-                                              draft_key, len(out.tokens))
-            feed = [out.tokens[-1], *proposals]
-            rows, state = p.verify(state, feed, base)
-            if not bool(jnp.all(jnp.isfinite(rows))):
-                finish, error = FinishReason.ERROR, _NON_FINITE
-                break
-            m = len(proposals)
-            toks, count, new_history = _judge_jit(
-                _pad_rows(rows, MAX_BLOCK + 1), q, _pad_proposals(proposals),
-                jnp.int32(m), self._params, history, key, jnp.int32(len(out.tokens)),
-            )
-            emitted = [int(t) for t in np.asarray(toks[: int(count)])]
-            stats.record(m, len(emitted) - 1)
-            history = new_history
-            kept = 0
-            for i, tok in enumerate(emitted):
-                event, finish = out.push(tok, rows[i])
-                kept = i
-                if event is not None:
-                    yield event
-                if finish is not None:
-                    break
-            # Fed rows that stay: the pending token plus the emitted tokens before the last
-            # one (the last emitted token is never fed, as in the plain loop).
-            keep_rows = 1 + kept
-            state = self._restore(state, point, feed, keep_rows, base)
-            state = p.record_committed(state, feed[:keep_rows], base)
-        event, self.completion = out.finish(
-            finish, error, state, prompt_len=len(prompt), reused=reused, started=t0,
-            prefill_s=prefill_s, first_token_s=first_token_s, speculative=stats.freeze(),
+    def summary(self) -> str:
+        """Several lines for ``--stats``."""
+        by_pos = " ".join(f"{a:.2f}" for a in self.acceptance_by_position)
+        where = "device" if self.on_device else "host"
+        times = (f"device {self.device_s:.3f}s, host {self.host_s:.3f}s" if self.on_device else
+                 f"draft {self.draft_s:.3f}s, verify {self.verify_s:.3f}s, host "
+                 f"{self.host_s:.3f}s")
+        return (
+            f"speculative ({where} rounds): {self.rounds} rounds, drafted {self.drafted}, "
+            f"accepted {self.accepted} ({self.acceptance_rate:.2f}), mean acceptance length "
+            f"{self.mean_acceptance_length:.2f} tokens/round\n"
+            f"  acceptance by position: {by_pos}\n  time: {times}"
         )
-        if event is not None:
-            yield event
-
-    def _prompt_walk(self, state: Any, prompt: list[int], start: int) -> tuple[Any, Any]:
-        p, size = self.producer, self.request.prefill_chunk_size
-        self._drafter_at = start
-        if p.supports_chunked_drafter_prefill():
-            logits = None
-            for a in range(start, len(prompt), size):
-                b = min(a + size, len(prompt))
-                nxt = prompt[b] if b < len(prompt) else None
-                logits, state = p.prefill_chunk_priming_drafter(state, prompt[a:b], a, nxt)
-            self._drafter_at = len(prompt) - 1
-            return logits, state
-        for pos in range(start, len(prompt) - 1):
-            if p.supports_headless_prefill():
-                state = p.produce_prefill(state, prompt[pos], pos)
-            else:
-                state = p.produce(state, prompt[pos], pos)[1]
-            state = p.prime_drafter(state, prompt[pos + 1], pos)
-        self._drafter_at = len(prompt) - 1
-        return p.produce(state, prompt[-1], len(prompt) - 1)
-
-    def _draft(self, state, anchor, base, m_cap, history, draft_key, index):
-        p, vocab = self.producer, self.producer.vocab_size
-        q = np.zeros((MAX_BLOCK, vocab), np.float32)
-        if m_cap <= 0:
-            return [], jnp.asarray(q), state
-        if p.drafts_block_passes():
-            proposals, state = p.draft_block(state, anchor, base, m_cap)
-            proposals = [int(t) for t in proposals[:m_cap]]
-            for i, t in enumerate(proposals):
-                q[i, t] = 1.0  # a deterministic drafter's proposal is a point mass
-            return proposals, jnp.asarray(q), state
-        if getattr(p, "supports_draft_bursts", lambda: False)():
-            proposals, rows, state = p.draft_burst(
-                state, anchor, base, m_cap, params=self._params, history=history,
-                key=draft_key, index=index,
-            )
-            self._drafter_at = base + m_cap
-            if len(proposals) < m_cap:  # non-finite drafter logits cut the burst short
-                state = p.rewind_drafter(state, base)
-                self._drafter_at = base
-        else:
-            proposals, rows, tok, hist = [], [], anchor, history
-            for i in range(m_cap):
-                logits, state = p.draft_step(state, tok, base + i)
-                self._drafter_at = base + i + 1
-                key = sampling.token_key(draft_key, index + i)
-                tok = int(sampling.sample(logits, self._params, hist, key))
-                hist = add_to_history(hist, tok)
-                proposals.append(tok)
-                rows.append(logits)
-        return proposals, self._proposal_distributions(proposals, rows, history), state
-
-    def _proposal_distributions(self, proposals, rows, history) -> jax.Array:
-        """q for each proposal: the distribution it was sampled from, under the same shaping
-        and history as the target's p."""
-        q = np.zeros((MAX_BLOCK, self.producer.vocab_size), np.float32)
-        if self._params.is_greedy:
-            for i, t in enumerate(proposals):
-                q[i, t] = 1.0  # greedy drafting: a point mass at the proposal
-            return jnp.asarray(q)
-        qs, hist = [], history
-        for i, t in enumerate(proposals):
-            qs.append(sampling.probabilities(rows[i], self._params, hist))
-            hist = add_to_history(hist, t)
-        return jnp.asarray(q).at[: len(qs)].set(jnp.stack(qs)) if qs else jnp.asarray(q)
-
-    def _restore(self, state, point, feed, keep_rows, base):
-        p = self.producer
-        if p.supports_retaining_rollback():
-            return p.rollback_retaining(state, point, keep_rows)
-        state = p.rollback(state, point)
-        return p.verify(state, feed[:keep_rows], base)[1]
-
-    def _realign_drafter(self, state, target_count, pending):
-        """Bring the drafter to ``target_count`` consumed positions: rewind it to where the
-        accepted prefix ended (it may have drafted past), then prime what it lacks."""
-        p = self.producer
-        if self._drafter_at > target_count:
-            state = p.rewind_drafter(state, target_count)
-            self._drafter_at = target_count
-        while self._drafter_at < target_count:
-            pos = self._drafter_at
-            state = p.prime_drafter(state, pending, pos)  # next token: only a head needs it
-            self._drafter_at += 1
-        return state
-
-
-def _pad_proposals(proposals: list[int]) -> jax.Array:
-    padded = np.zeros((MAX_BLOCK,), np.int32)
-    padded[: len(proposals)] = proposals
-    return jnp.asarray(padded)
 
 
 class _Stats:
-    def __init__(self, block: int) -> None:
+    def __init__(self, draft_len: int, on_device: bool) -> None:
         self.rounds = 0
-        self.drafted = [0] * block
-        self.accepted = [0] * block
+        self.drafted = [0] * draft_len
+        self.accepted = [0] * draft_len
+        self.on_device = on_device
+        self.seconds = {"device": 0.0, "draft": 0.0, "verify": 0.0}
 
     def record(self, drafted: int, accepted: int) -> None:
         self.rounds += 1
@@ -349,55 +154,272 @@ class _Stats:
         for i in range(accepted):
             self.accepted[i] += 1
 
-    def freeze(self) -> SpeculativeStats:
+    def timed(self, phase: str, started: float, result: Any) -> Any:
+        jax.block_until_ready(result)
+        self.seconds[phase] += time.perf_counter() - started
+        return result
+
+    def freeze(self, decode_s: float) -> SpeculativeStats:
+        busy = sum(self.seconds.values())
         return SpeculativeStats(
             rounds=self.rounds,
             drafted=sum(self.drafted),
             accepted=sum(self.accepted),
             drafted_by_position=list(self.drafted),
             accepted_by_position=list(self.accepted),
+            on_device=self.on_device,
+            device_s=self.seconds["device"],
+            draft_s=self.seconds["draft"],
+            verify_s=self.seconds["verify"],
+            host_s=max(decode_s - busy, 0.0),
         )
-
-
-def stream_raw_completion_speculative(
-    producer: SpeculativeProducer,
-    request: CompletionRequest,
-    *,
-    block_size: int = 4,
-    tokenizer: Any | None = None,
-    state: Any | None = None,
-) -> SpeculativeStream:
-    """Start a streaming speculative completion; iterate for deltas, then read ``.completion``."""
-    return SpeculativeStream(producer, request, block_size=block_size, tokenizer=tokenizer,
-                             state=state)
 
 
 def run_raw_completion_speculative(
     producer: SpeculativeProducer,
     request: CompletionRequest,
     *,
-    block_size: int = 4,
     tokenizer: Any | None = None,
     state: Any | None = None,
 ) -> Completion:
-    """Run a speculative completion to the end.
+    """Run a speculative completion to the end (the seed's entry point).
 
     Args:
       producer: a :class:`~turbospark_jax.protocols.SpeculativeProducer`, usually a
         :class:`~turbospark_jax.drafters.SpeculativePair`.
-      request: as for :func:`~turbospark_jax.generate.run_raw_completion`.
-      block_size: proposals per round, 1..``MAX_BLOCK``.
+      request: as for :func:`~turbospark_jax.generate.run_raw_completion`; its ``draft_len``
+        (1..``MAX_DRAFT``, default 4) is the proposals per round.
       tokenizer, state: as for the plain loop.
 
     Returns:
       The completion, with ``speculative`` holding :class:`SpeculativeStats`.
 
     Raises:
-      BadInputError: an invalid request or block size; nothing is touched.
+      BadInputError: an invalid request or draft length, or a producer that cannot draft;
+        nothing is touched.
     """
-    stream = SpeculativeStream(producer, request, block_size=block_size, tokenizer=tokenizer,
-                               state=state)
-    for _ in stream:
-        pass
-    assert stream.completion is not None
-    return stream.completion
+    return Stream(speculative_events(producer, request, tokenizer, state)).drain()
+
+
+def speculative_events(
+    producer: SpeculativeProducer,
+    request: CompletionRequest,
+    tokenizer: Any | None,
+    state: Any | None,
+) -> Generator[StreamEvent, None, Completion]:
+    """The speculative loop as a generator: validates now, runs as it is consumed."""
+    if not isinstance(producer, SpeculativeProducer):
+        raise BadInputError(
+            f"{type(producer).__name__} is not a SpeculativeProducer; pair a target with a "
+            "drafter (turbospark_jax.drafters.SpeculativePair)"
+        )
+    params = validate_request(producer, request, tokenizer)
+    draft_len = DEFAULT_DRAFT_LEN if request.draft_len is None else request.draft_len
+    if not 1 <= draft_len <= MAX_DRAFT:
+        raise BadInputError(
+            f"draft_len must be an integer in 1..{MAX_DRAFT} for speculative decoding, got "
+            f"{draft_len!r}"
+        )
+    return _Loop(producer, request, tokenizer, params, draft_len).run(state)
+
+
+class _Loop:
+    """One speculative completion; :meth:`run` is the generator."""
+
+    def __init__(self, producer: SpeculativeProducer, request: CompletionRequest,
+                 tokenizer: Any | None, params: sampling.SamplingParams, draft_len: int):
+        self.p, self.req, self.params, self.draft_len = producer, request, params, draft_len
+        self.tokenizer = tokenizer
+        self.on_device = draft_len <= producer.device_draft_limit()
+
+    def run(self, state: Any | None) -> Generator[StreamEvent, None, Completion]:
+        p, req = self.p, self.req
+        t0 = time.perf_counter()
+        prompt = [int(t) for t in req.prompt_ids]
+        state = state if state is not None else p.init_state()
+        reused, state = p.try_reuse_prefix(state, prompt)
+        out = Emission(req, self.tokenizer, prompt)
+        key = sampling.request_key(req.seed)
+        history = sampling.History.from_prompt(prompt, p.vocab_size)
+        stats = _Stats(self.draft_len, self.on_device)
+        finish, error, first_token_s = None, None, 0.0
+        try:
+            logits, state = self._prompt_walk(state, prompt, reused)
+        except PRODUCER_FAILURES as exc:
+            finish, error = FinishReason.ERROR, str(exc)
+        prefill_s = time.perf_counter() - t0
+        if finish is None and not bool(np.all(np.isfinite(np.asarray(logits)))):
+            finish, error = FinishReason.ERROR, NON_FINITE_LOGITS
+        if finish is None:
+            tok = int(sampling.sample(logits, self.params, history, sampling.token_key(key, 0)))
+            history = add_to_history(history, tok)
+            first_token_s = time.perf_counter() - t0 - prefill_s
+            event, finish = out.push(tok, logits)
+            if event is not None:
+                yield event
+
+        while finish is None:
+            if self.on_device:
+                finish, history, state = yield from self._device_burst(
+                    state, out, history, key, stats
+                )
+            else:
+                finish, history, state = yield from self._host_round(
+                    state, out, history, key, stats
+                )
+            if finish is FinishReason.ERROR:
+                error = NON_FINITE_LOGITS
+        if finish is not FinishReason.ERROR:
+            state = rewind_overshoot(p, state, len(prompt) + len(out.tokens) - 1)
+        decode_s = time.perf_counter() - t0 - prefill_s - first_token_s
+        event, completion = out.finish(
+            p, finish, error, state, reused=reused, started=t0, prefill_s=prefill_s,
+            first_token_s=first_token_s, speculative=stats.freeze(decode_s),
+        )
+        if event is not None:
+            yield event
+        return completion
+
+    # -- the prompt -------------------------------------------------------------------------
+
+    def _prompt_walk(self, state: Any, prompt: list[int], start: int) -> tuple[Any, Any]:
+        p, size = self.p, self.req.prefill_chunk_size
+        if p.supports_chunked_drafter_prefill():
+            logits = None
+            for a in range(start, len(prompt), size):
+                b = min(a + size, len(prompt))
+                nxt = prompt[b] if b < len(prompt) else None
+                logits, state = p.prefill_chunk_priming_drafter(state, prompt[a:b], a, nxt)
+            return logits, state
+        for pos in range(start, len(prompt) - 1):
+            if p.supports_headless_prefill():
+                state = p.produce_prefill(state, prompt[pos], pos)
+            else:
+                state = p.produce(state, prompt[pos], pos)[1]
+            state = p.prime_drafter(state, prompt[pos + 1], pos)
+        return p.produce(state, prompt[-1], len(prompt) - 1)
+
+    # -- rounds on the device ---------------------------------------------------------------
+
+    def _device_burst(self, state, out, history, key, stats):
+        """One device call of rounds; yields the events, returns (finish, history, state)."""
+        req = self.req
+        started = time.perf_counter()
+        burst, state = self.p.device_rounds(
+            state, out.tokens[-1], draft_len=self.draft_len, budget=req.burst,
+            params=self.params, history=history, key=key, gen_index=len(out.tokens),
+            remaining=req.max_tokens - len(out.tokens), stop_ids=list(req.stop_token_ids),
+            record_logits=req.record_logits,
+        )
+        stats.seconds["device"] += time.perf_counter() - started  # the burst was read back
+        for drafted, accepted in burst.rounds:
+            stats.record(drafted, accepted)
+        rows = list(burst.logits) if burst.logits is not None else [None] * len(burst.tokens)
+        for tok, row in zip(burst.tokens, rows, strict=True):
+            event, finish = out.push(tok, row)
+            if event is not None:
+                yield event
+            if finish is not None:
+                return finish, burst.history, state
+        return (FinishReason.ERROR if burst.finish == NON_FINITE else None), burst.history, state
+
+    def _host_round(self, state, out, history, key, stats):
+        """One round through the protocol's methods; yields the events, returns (finish,
+        history, state)."""
+        p, req = self.p, self.req
+        pending = out.tokens[-1]
+        index = len(out.tokens)
+        base = len(out.prompt) + index - 1  # where the pending token goes
+        m_cap = min(self.draft_len, req.max_tokens - index - 1)
+        state = self._realign_drafter(state, base)
+        point = p.checkpoint(state)
+        started = time.perf_counter()
+        proposals, q, state = stats.timed(
+            "draft", started, self._draft(state, pending, base, m_cap, history, key, index)
+        )
+        feed = [pending, *proposals]
+        started = time.perf_counter()
+        rows, state = stats.timed("verify", started, p.verify(state, feed, base))
+        if not bool(jnp.all(jnp.isfinite(rows))):
+            return FinishReason.ERROR, history, state
+        m = len(proposals)
+        toks, count, history = _judge(
+            _pad_rows(rows, MAX_DRAFT + 1), q, _padded(proposals), jnp.int32(m), self.params,
+            history, key, jnp.int32(index),
+        )
+        emitted = [int(t) for t in np.asarray(toks[: int(count)])]
+        stats.record(m, len(emitted) - 1)
+        finish, kept = None, 0
+        for i, tok in enumerate(emitted):
+            event, finish = out.push(tok, rows[i])
+            kept = i
+            if event is not None:
+                yield event
+            if finish is not None:
+                break
+        # Fed rows that stay: the pending token plus the emitted tokens before the last one
+        # (the last emitted token is never fed, as in the plain loop).
+        keep_rows = 1 + kept
+        state = self._restore(state, point, feed, keep_rows, base)
+        state = p.record_committed(state, feed[:keep_rows], base)
+        return finish, history, state
+
+    def _draft(self, state, anchor, base, m_cap, history, key, index):
+        p, vocab = self.p, self.p.vocab_size
+        if m_cap <= 0:
+            return [], jnp.zeros((MAX_DRAFT, vocab), jnp.float32), state
+        if p.drafts_block_passes():
+            proposals, state = p.draft_block(state, anchor, base, m_cap)
+            proposals = [int(t) for t in proposals[:m_cap]]
+            q = _point_masses(_padded(proposals), jnp.int32(len(proposals)), vocab)
+            return proposals, q, state
+        draft_key = jax.random.fold_in(key, 1)
+        if p.supports_draft_bursts():
+            proposals, rows, state = p.draft_burst(
+                state, anchor, base, m_cap, params=self.params, history=history,
+                key=draft_key, index=index,
+            )
+            if len(proposals) < m_cap:  # non-finite drafter logits cut the burst short
+                state = p.rewind_drafter(state, base)
+        else:
+            proposals, rows, tok, hist = [], [], anchor, history
+            for i in range(m_cap):
+                logits, state = p.draft_step(state, tok, base + i)
+                tok = int(sampling.sample(logits, self.params, hist,
+                                          sampling.token_key(draft_key, index + i)))
+                hist = add_to_history(hist, tok)
+                proposals.append(tok)
+                rows.append(logits)
+            rows = jnp.stack(rows)
+        rows = _pad_rows(jnp.asarray(rows)[: len(proposals)], MAX_DRAFT)
+        q = _proposal_distributions(rows, _padded(proposals), jnp.int32(len(proposals)),
+                                    self.params, history)
+        return proposals, q, state
+
+    def _restore(self, state, point, feed, keep_rows, base):
+        p = self.p
+        if p.supports_retaining_rollback():
+            return p.rollback_retaining(state, point, keep_rows)
+        state = p.rollback(state, point)
+        return p.verify(state, feed[:keep_rows], base)[1]
+
+    def _realign_drafter(self, state: Any, base: int) -> Any:
+        """Bring the drafter to ``base`` consumed positions: rewind it to where the accepted
+        prefix ended (it may have drafted past), then prime what it lacks."""
+        p = self.p
+        if p.drafter_position(state) > base:
+            state = p.rewind_drafter(state, base)
+        while (at := p.drafter_position(state)) < base:
+            state = p.prime_drafter(state, 0, at)  # next token: only a head-style drafter uses it
+        return state
+
+
+def _padded(proposals: list[int]) -> jax.Array:
+    padded = np.zeros((MAX_DRAFT,), np.int32)
+    padded[: len(proposals)] = proposals
+    return jnp.asarray(padded)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _pad_rows(rows: jax.Array, n: int) -> jax.Array:
+    return jnp.zeros((n, rows.shape[-1]), jnp.float32).at[: rows.shape[0]].set(rows)

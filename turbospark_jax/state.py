@@ -18,7 +18,6 @@ two states on what is live.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -27,8 +26,8 @@ import numpy as np
 from flax import struct
 
 # NOT_INJECTED (the identity of a position that consumed its token id) lives with the reuse
-# rule in kv_prefix and is re-exported here, where the fed record stores it.
-from turbospark_jax.kv_prefix import NOT_INJECTED, common_prefix
+# rule in kv_prefix; the fed record stores it.
+from turbospark_jax.kv_prefix import NOT_INJECTED
 
 _APPEND_ONLY = "turbospark_append_only_axis"
 _SCRATCH = "turbospark_scratch"
@@ -104,17 +103,6 @@ class HostFedRecord:
     def count(self) -> int:
         return len(self.ids)
 
-    def reusable_prefix(
-        self, prompt_ids: Sequence[int], injected: Mapping[int, int] | None = None
-    ) -> int:
-        """Longest prefix of ``prompt_ids`` this record can stand for, leaving one to feed.
-
-        A position matches when the ids agree and the injected identities agree (both
-        ``NOT_INJECTED``, or the same embedding identity named by ``injected``); see
-        :func:`turbospark_jax.kv_prefix.common_prefix`.
-        """
-        return common_prefix(self.ids, self.injected, prompt_ids, injected)
-
 
 def _append_axes(state: Any) -> dict[str, int]:
     return {
@@ -181,23 +169,6 @@ def restore_by_value(state: Any, values: Any) -> Any:
 def copy_state(state: Any) -> Any:
     """A deep copy of every array leaf, so the copy survives donation of the original."""
     return jax.tree.map(lambda x: jnp.array(x, copy=True) if isinstance(x, jax.Array) else x, state)
-
-
-def find_fed(state: Any) -> FedRecord | None:
-    """The first :class:`FedRecord` found in ``state`` (depth-first), or ``None``."""
-    if isinstance(state, FedRecord):
-        return state
-    if _is_state_node(state):
-        for f in dataclasses.fields(state):
-            found = find_fed(getattr(state, f.name))
-            if found is not None:
-                return found
-    if isinstance(state, (tuple, list)):
-        for item in state:
-            found = find_fed(item)
-            if found is not None:
-                return found
-    return None
 
 
 def live_view(state: Any, count: int | None = None) -> Any:

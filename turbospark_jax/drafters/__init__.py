@@ -1,16 +1,28 @@
 """Drafters for speculative decoding, and the combinator that pairs one with a target.
 
 * :class:`~turbospark_jax.drafters.draft_model.DraftModelDrafter`: any producer with the
-  target's vocabulary, drafting step by step.
+  target's vocabulary, drafting step by step (on the device too).
 * :class:`~turbospark_jax.drafters.ngram.NGramDrafter`: prompt lookup, no weights, drafting a
-  block in one pass.
+  block in one pass (on the device too).
+* :class:`~turbospark_jax.drafters.oracle.OracleDrafter`: right with a chosen probability,
+  for measuring the loop apart from drafter quality.
 * :class:`~turbospark_jax.drafters.pair.SpeculativePair`: (target, drafter) as a
   :class:`~turbospark_jax.protocols.SpeculativeProducer`.
 """
 
-from turbospark_jax.drafters.base import Drafter
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.drafters.draft_model import DraftModelDrafter
 from turbospark_jax.drafters.ngram import NGramDrafter
+from turbospark_jax.drafters.oracle import OracleDrafter
 from turbospark_jax.drafters.pair import PairState, SpeculativePair
 
-__all__ = ["DraftModelDrafter", "Drafter", "NGramDrafter", "PairState", "SpeculativePair"]
+__all__ = [
+    "MAX_DRAFT",
+    "DeviceDrafter",
+    "DraftModelDrafter",
+    "Drafter",
+    "NGramDrafter",
+    "OracleDrafter",
+    "PairState",
+    "SpeculativePair",
+]

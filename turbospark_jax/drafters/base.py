@@ -1,41 +1,118 @@
 """What a drafter is to :class:`~turbospark_jax.drafters.pair.SpeculativePair`.
 
-A drafter keeps its own state value and sees the committed token sequence (``known``: the
-ids at positions ``0 .. len(known) - 1`` that the target has consumed). Step-wise drafters
-return full logits per step, so the loop can shape them like the target's and keep the
-proposal distribution for rejection sampling; block drafters return a list of proposals and
-are deterministic (their proposal distribution is a point mass).
+Two kinds, declared by :attr:`Drafter.stateless`:
+
+* **lookup drafters** (n-gram, oracle) keep no state: they read the committed sequence (the
+  target's fed record) and are always where the target is;
+* **model drafters** keep their own state value with its own fed record, primed over the
+  committed tokens and rewound when a round rejects what they drafted.
+
+Step-wise drafters return full logits per step, so the loop can shape them like the target's
+and keep the proposal distribution for rejection sampling; block drafters return a list of
+proposals and are deterministic (their proposal distribution is a point mass).
+
+A drafter that can run inside the device speculative loop returns its on-device form from
+:meth:`Drafter.on_device` (a :class:`DeviceDrafter`); one that cannot (a Python-only drafter)
+still runs through the host loop.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import jax
 
 from turbospark_jax.errors import UnsupportedCapabilityError
+from turbospark_jax.state import FedRecord
+
+#: The most tokens one speculative round drafts (the judgement is compiled for this size).
+MAX_DRAFT = 8
+
+
+class DeviceDrafter(abc.ABC):
+    """A drafter's pure functions for the device speculative loop (frozen, hashable: static
+    under ``jit``).
+
+    Declarations:
+      point_mass: proposals are deterministic, so their proposal distribution is a point mass
+        and :meth:`propose` returns no ``q``.
+    """
+
+    point_mass: ClassVar[bool] = True
+
+    @abc.abstractmethod
+    def propose(
+        self,
+        params: Any,
+        state: Any,
+        target_fed: FedRecord,
+        pending: jax.Array,
+        m: jax.Array,
+        sampler: Any,
+    ) -> tuple[jax.Array, jax.Array | None, jax.Array, Any]:
+        """Draft up to ``m`` tokens after ``pending`` (the last emitted token, at position
+        ``target_fed.count``, not fed to the target yet).
+
+        Args:
+          params: the drafter's params (a pytree of arrays; ``()`` for lookup drafters).
+          state: the drafter's state.
+          target_fed: the target's fed record (ids of every committed position).
+          pending: int32 ``[]``.
+          m: int32 ``[]``, at most :data:`MAX_DRAFT`.
+          sampler: :class:`~turbospark_jax.rounds.DraftSampler`: params, history and keys of
+            the request, for drafters that sample.
+
+        Returns:
+          ``(proposals int32[MAX_DRAFT], q float32[MAX_DRAFT, V] or None, count, state)``:
+          ``count <= m`` proposals are real; ``q`` holds each one's proposal distribution
+          (``None`` for point-mass drafters).
+        """
+
+    def commit(self, state: Any, keep: jax.Array) -> Any:
+        """The state after a round whose committed sequence now has ``keep`` positions (the
+        drafter may hold fewer: it never consumed the last proposal). Default: no state."""
+        del keep
+        return state
 
 
 class Drafter(abc.ABC):
-    """A source of draft tokens with an explicit state value."""
+    """A source of draft tokens.
 
-    #: True when the drafter proposes a whole block in one call (:meth:`block`).
-    drafts_blocks: bool = False
+    Declarations:
+      stateless: a lookup drafter (see the module docstring): :meth:`init_state` is ``()``,
+        and priming or rewinding it does nothing.
+      drafts_blocks: proposes a whole block in one call (:meth:`block`) instead of stepping.
+    """
+
+    stateless: ClassVar[bool] = False
+    drafts_blocks: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
     def vocab_size(self) -> int:
         """The vocabulary the drafter's ids and logits refer to."""
 
-    @abc.abstractmethod
     def init_state(self) -> Any:
         """A fresh drafter state."""
+        return ()
 
-    @abc.abstractmethod
-    def prime(self, state: Any, known: Sequence[int], position: int) -> Any:
-        """Learn the committed token at ``position`` (``known[position]``) without drafting."""
+    def position(self, state: Any) -> int:
+        """How many positions a model drafter has consumed (lookup drafters: never asked)."""
+        raise UnsupportedCapabilityError(f"{type(self).__name__} keeps no position")
+
+    def prime(self, state: Any, tokens: Sequence[int], start: int) -> Any:
+        """Consume the committed ``tokens`` at positions ``start, start + 1, ...`` without
+        drafting. Default: nothing to consume."""
+        del tokens, start
+        return state
+
+    def rewind(self, state: Any, position: int, known: Callable[[], Sequence[int]]) -> Any:
+        """The state having consumed exactly the first ``position`` committed ids; ``known()``
+        gives them when the drafter must feed them again. Default: nothing to rewind."""
+        del position, known
+        return state
 
     def step(self, state: Any, token: int, position: int) -> tuple[jax.Array, Any]:
         """Feed ``token`` at ``position`` and return logits for ``position + 1``."""
@@ -54,21 +131,19 @@ class Drafter(abc.ABC):
         feed the sample, and so on; token ``i`` samples with ``token_key(key, index + i)``,
         exactly as ``count`` calls of :meth:`step` plus host sampling would.
 
-        Returns ``(proposals, logits, state)``: the ``count`` sampled tokens and the float32
-        ``[count, V]`` drafter logits each was sampled from.
+        Returns ``(proposals, logits, state)``: the sampled tokens (fewer than ``count`` when
+        the drafter's logits turned non-finite) and the float32 ``[count, V]`` drafter logits
+        each was sampled from.
         """
         del state, token, position, count, params, history, key, index
         raise UnsupportedCapabilityError(f"{type(self).__name__} has no device bursts")
 
-    def block(self, state: Any, known: Sequence[int], block: int) -> tuple[list[int], Any]:
-        """Propose up to ``block`` tokens following ``known`` (fewer when it has none)."""
-        del state, known, block
+    def block(self, state: Any, known: Sequence[int], count: int) -> tuple[list[int], Any]:
+        """Propose up to ``count`` tokens following ``known`` (fewer when it has none)."""
+        del state, known, count
         raise UnsupportedCapabilityError(f"{type(self).__name__} drafts step by step")
 
-    @abc.abstractmethod
-    def rewind(self, state: Any, known: Sequence[int], position: int) -> Any:
-        """Return the state having consumed exactly ``known[:position]``."""
-
-    @abc.abstractmethod
-    def consumed(self, state: Any) -> int:
-        """How many positions the drafter has consumed."""
+    def on_device(self) -> tuple[DeviceDrafter, Any] | None:
+        """The drafter's device form and its params, or ``None`` when it has none (the
+        speculative loop then runs on the host). Default: none."""
+        return None

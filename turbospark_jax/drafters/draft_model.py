@@ -1,24 +1,37 @@
-"""A separate, smaller model as the drafter: any producer with the target's vocabulary."""
+"""A separate, smaller model as the drafter: any producer with the target's vocabulary.
+
+The drafter keeps its own producer state (its own KV rows and fed record), primed over the
+committed tokens and moved back with :meth:`~turbospark_jax.protocols.LogitProducer.rewind`
+when a round rejects what it drafted. Over a
+:class:`~turbospark_jax.block_producer.BlockProducer` whose model can rewind it also runs in
+the device loop (:class:`DraftModelDevice`): its draft steps are the same block program
+``step`` runs, with the sampling inside the loop.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from turbospark_jax.drafters.base import Drafter
-from turbospark_jax.protocols import LogitProducer
-from turbospark_jax.state import find_fed
+from turbospark_jax import sampling
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_program import BlockState, feed_block
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
+from turbospark_jax.rounds import DraftSampler, proposal_distributions
+from turbospark_jax.state import FedRecord
 
 
 class DraftModelDrafter(Drafter):
-    """Drafts with ``producer.produce``; rewinds through ``try_reuse_prefix``.
+    """Drafts with ``producer.produce``; any producer works, a rewinding one best.
 
-    Rewinding keys on the drafter's own fed record: asking it to reuse ``known[:position]``
-    moves its cursor back when it can, and whatever it cannot keep (a recurrent draft model
-    keeps nothing partial) is fed again with ``produce_prefill``. So any producer works.
+    Args:
+      producer: the draft model's producer (same vocabulary as the target).
     """
 
     def __init__(self, producer: LogitProducer) -> None:
@@ -31,20 +44,34 @@ class DraftModelDrafter(Drafter):
     def init_state(self) -> Any:
         return self.producer.init_state()
 
-    def consumed(self, state: Any) -> int:
-        fed = find_fed(state)
-        if fed is not None:
-            return int(fed.count)
-        return len(state.fed)
+    def position(self, state: Any) -> int:
+        return int(self.producer.fed_record(state).count)
 
-    def prime(self, state: Any, known: Sequence[int], position: int) -> Any:
-        return self.producer.produce_prefill(state, int(known[position]), position)
+    def prime(self, state: Any, tokens: Sequence[int], start: int) -> Any:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return state
+        if isinstance(self.producer, ChunkedPrefillRunner):
+            return self.producer.prefill_chunk(state, tokens, start)[1]
+        for i, tok in enumerate(tokens):
+            state = self.producer.produce_prefill(state, tok, start + i)
+        return state
+
+    def rewind(self, state: Any, position: int, known: Callable[[], Sequence[int]]) -> Any:
+        have = self.position(state)
+        if have == position:
+            return state
+        if position < have:
+            if self.producer.can_rewind:
+                return self.producer.rewind(state, position)
+            state, have = self.producer.init_state(), 0  # a recurrent draft model starts over
+        return self.prime(state, list(known())[have:position], have)
 
     def step(self, state: Any, token: int, position: int) -> tuple[jax.Array, Any]:
         return self.producer.produce(state, int(token), position)
 
     def supports_bursts(self) -> bool:
-        return callable(getattr(self.producer, "decode", None))
+        return isinstance(self.producer, DeviceDecoder)
 
     def burst(
         self, state: Any, token: int, position: int, count: int, *,
@@ -69,14 +96,70 @@ class DraftModelDrafter(Drafter):
         logits = rows[0] if len(rows) == 1 else jnp.concatenate(rows)
         return tokens, logits, state
 
-    def rewind(self, state: Any, known: Sequence[int], position: int) -> Any:
-        have = self.consumed(state)
-        if have == position:
-            return state
-        if position == 0:
-            return self.producer.init_state()
-        # Reuse asks to keep all but the one token it must leave to feed: ask for one more.
-        n, state = self.producer.try_reuse_prefix(state, [*known[:position], 0])
-        for p in range(n, position):
-            state = self.producer.produce_prefill(state, int(known[p]), p)
-        return state
+    def on_device(self) -> tuple[DeviceDrafter, Any] | None:
+        p = self.producer
+        if not (isinstance(p, BlockProducer) and p.model.rewindable and p.width >= 2):
+            return None
+        return DraftModelDevice(model=p.model, width=p.width), p.params
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelDevice(DeviceDrafter):
+    """A rewinding draft model's steps inside the device loop.
+
+    At a round's start the drafter may lag the committed sequence by one position (it never
+    consumed the last proposal of a round that kept them all): its first step feeds that
+    committed id and the pending token as one block of two live rows, then one row per step.
+    """
+
+    point_mass = False
+
+    model: BlockModel
+    width: int
+
+    def propose(
+        self, params: Any, state: BlockState, target_fed: FedRecord, pending: jax.Array,
+        m: jax.Array, sampler: DraftSampler,
+    ) -> tuple[jax.Array, jax.Array, jax.Array, BlockState]:
+        rows_w = jnp.arange(self.width, dtype=jnp.int32)
+        lag = target_fed.count - state.fed.count
+        catch_up = jnp.take(target_fed.ids, state.fed.count + rows_w, mode="clip")
+        first = jnp.where(rows_w < lag, catch_up, jnp.where(rows_w == lag, pending, 0))
+        head = m >= 0  # traced, as in the block program's per-step flag
+
+        def cond(c):
+            i, _, _, _, _, _, finite = c
+            return (i < m) & finite
+
+        def body(c):
+            i, st, tokens, proposals, rows, hist, _ = c
+            live = jnp.where(i == 0, lag + 1, 1)
+            logits, st = feed_block(self.model, params, st, tokens, live, head)
+            last = logits[live - 1]
+            finite = jnp.all(jnp.isfinite(last))
+            key = sampling.token_key(sampler.key, sampler.index + i)
+            tok = sampling.sample(last, sampler.params, hist, key).astype(jnp.int32)
+            proposals = jnp.where(finite, proposals.at[i].set(tok), proposals)
+            rows = rows.at[i].set(last)
+            hist = hist.add(tok)
+            nxt = jnp.zeros((self.width,), jnp.int32).at[0].set(tok)
+            return i + 1, st, nxt, proposals, rows, hist, finite
+
+        vocab = self.model.vocab_size
+        init = (jnp.int32(0), state, first, jnp.zeros((MAX_DRAFT,), jnp.int32),
+                jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
+        steps, state, _, proposals, rows, _, finite = jax.lax.while_loop(cond, body, init)
+        # Non-finite logits end the drafting: the proposals before them stand and, as in the
+        # host loop, the drafter goes back to the committed sequence.
+        count = jnp.where(finite, steps, steps - 1)
+        state = jnp_rewind(state, jnp.where(finite, state.fed.count, target_fed.count))
+        q = proposal_distributions(rows, proposals, count, sampler.params, sampler.history)
+        return proposals, q, count, state
+
+    def commit(self, state: BlockState, keep: jax.Array) -> BlockState:
+        return jnp_rewind(state, jnp.minimum(state.fed.count, keep))
+
+
+def jnp_rewind(state: BlockState, count: jax.Array) -> BlockState:
+    """A rewinding model's state moved back to ``count`` positions (traced)."""
+    return state.replace(fed=state.fed.replace(count=count.astype(jnp.int32)))

@@ -1,4 +1,10 @@
-"""(target, drafter) as one :class:`~turbospark_jax.protocols.SpeculativeProducer`."""
+"""(target, drafter) as one :class:`~turbospark_jax.protocols.SpeculativeProducer`.
+
+The pair's state is the two states side by side; the committed sequence is the target's fed
+record, the one record there is: lookup drafters read it, model drafters are primed from it.
+When the target is a :class:`~turbospark_jax.block_producer.BlockProducer` and the drafter has
+a device form, whole rounds run on the device (:mod:`turbospark_jax.rounds`).
+"""
 
 from __future__ import annotations
 
@@ -6,47 +12,58 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
-from turbospark_jax.drafters.base import Drafter
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_program import MAX_STOP_IDS
+from turbospark_jax.drafters.base import MAX_DRAFT, Drafter
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.protocols import ChunkedPrefillRunner, SpeculativeProducer, VerifyingTarget
+from turbospark_jax.protocols import (
+    ChunkedPrefillRunner,
+    DeviceBurst,
+    SpeculativeProducer,
+    VerifyingTarget,
+    require_prompt,
+)
+from turbospark_jax.rounds import MAX_BURST, RoundControl, compiled_rounds
+from turbospark_jax.state import FedRecord, buffers_only, by_value, merge_parts
 
 
 @struct.dataclass(kw_only=True)
 class PairState:
     """Fields:
-      target:  the target producer's state.
-      drafter: the drafter's state.
-      known:   host tuple of the ids the target has consumed, position by position (what
-               drafters look up and prime from; mirrors the target's fed record).
+      target:  the target producer's state (its fed record is the committed sequence).
+      drafter: the drafter's state (``()`` for a lookup drafter).
     """
 
     target: Any
     drafter: Any
-    known: tuple[int, ...] = struct.field(pytree_node=False, default=())
 
 
-@struct.dataclass(kw_only=True)
-class PairCheckpoint:
-    """Fields: target: the target's checkpoint; known: how many known ids to keep."""
-
-    target: Any
-    known: int = struct.field(pytree_node=False, default=0)
-
-
-class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
+class SpeculativePair(SpeculativeProducer[PairState, Any]):
     """Pair a verifying target with a drafter.
 
     Args:
       target: a :class:`~turbospark_jax.protocols.VerifyingTarget` (``BlockProducer``).
       drafter: a :class:`~turbospark_jax.drafters.base.Drafter` with the same vocabulary.
+      device_rounds: run whole rounds on the device when target and drafter allow it (the
+        default); ``False`` keeps the host loop, the reference the tests compare against.
 
     Raises:
-      BadInputError: the vocabularies differ.
+      BadInputError: the vocabularies differ, or an argument has the wrong type.
     """
 
-    def __init__(self, target: VerifyingTarget, drafter: Drafter) -> None:
+    def __init__(self, target: VerifyingTarget, drafter: Drafter, *,
+                 device_rounds: bool = True) -> None:
+        if not isinstance(target, VerifyingTarget):
+            raise BadInputError(
+                f"the target must be a VerifyingTarget (a BlockProducer), got "
+                f"{type(target).__name__}"
+            )
+        if not isinstance(drafter, Drafter):
+            raise BadInputError(f"the drafter must be a Drafter, got {type(drafter).__name__}")
         if target.vocab_size != drafter.vocab_size:
             raise BadInputError(
                 f"the drafter's vocabulary has {drafter.vocab_size} ids but the target's has "
@@ -54,6 +71,8 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
             )
         self.target = target
         self.drafter = drafter
+        device = drafter.on_device() if device_rounds else None
+        self._device = device if isinstance(target, BlockProducer) else None
 
     # -- plain producer: the target ------------------------------------------------------
 
@@ -68,27 +87,31 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
     def init_state(self) -> PairState:
         return PairState(target=self.target.init_state(), drafter=self.drafter.init_state())
 
+    def fed_record(self, state: PairState) -> FedRecord:
+        return self.target.fed_record(state.target)
+
+    @property
+    def can_rewind(self) -> bool:
+        return self.target.can_rewind
+
+    def rewind(self, state: PairState, count: int) -> PairState:
+        target = self.target.rewind(state.target, count)
+        return self._drafter_to(state.replace(target=target), count)
+
     def try_reuse_prefix(
         self, state: PairState, prompt_ids: Sequence[int], *,
         injected: Mapping[int, int] | None = None,
     ) -> tuple[int, PairState]:
+        require_prompt(prompt_ids)
         n, target = self.target.try_reuse_prefix(state.target, prompt_ids, injected=injected)
-        known = state.known[:n]
-        # Leave the drafter at exactly ``n`` too: rewind it, then prime what it lacks.
-        drafter = self.drafter.rewind(
-            state.drafter, known, min(n, self.drafter.consumed(state.drafter))
-        )
-        for position in range(self.drafter.consumed(drafter), n):
-            drafter = self.drafter.prime(drafter, known, position)
-        return n, PairState(target=target, drafter=drafter, known=known)
+        return n, self._drafter_to(state.replace(target=target), n)
 
     def produce(self, state: PairState, token: int, position: int) -> tuple[jax.Array, PairState]:
         logits, target = self.target.produce(state.target, token, position)
-        return logits, state.replace(target=target, known=(*state.known, int(token)))
+        return logits, state.replace(target=target)
 
     def produce_prefill(self, state: PairState, token: int, position: int) -> PairState:
-        target = self.target.produce_prefill(state.target, token, position)
-        return state.replace(target=target, known=(*state.known, int(token)))
+        return state.replace(target=self.target.produce_prefill(state.target, token, position))
 
     def prefill_chunk(
         self, state: PairState, tokens: Sequence[int], start_position: int
@@ -96,16 +119,27 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
         if not isinstance(self.target, ChunkedPrefillRunner):
             raise BadInputError(f"{type(self.target).__name__} has no chunked prefill")
         logits, target = self.target.prefill_chunk(state.target, tokens, start_position)
-        return logits, state.replace(target=target, known=(*state.known, *map(int, tokens)))
+        return logits, state.replace(target=target)
 
     # -- drafter side ----------------------------------------------------------------------
+
+    def drafter_position(self, state: PairState) -> int:
+        if self.drafter.stateless:  # a lookup drafter is always where the target is
+            return int(self.fed_record(state).count)
+        return self.drafter.position(state.drafter)
 
     def prime_drafter(self, state: PairState, next_token: int, position: int) -> PairState:
         # The drafter consumes the committed token at ``position``; ``next_token`` (known
         # during the prompt) is what a head-style drafter would pair it with.
         del next_token
-        self._require_known(state, position)
-        return state.replace(drafter=self.drafter.prime(state.drafter, state.known, position))
+        fed = self.fed_record(state)
+        if not 0 <= position < int(fed.count):
+            raise BadInputError(
+                f"prime_drafter at position {position}, but the target has consumed only "
+                f"{int(fed.count)} positions; feed the target first"
+            )
+        token = int(fed.ids[position])
+        return state.replace(drafter=self.drafter.prime(state.drafter, [token], position))
 
     def supports_chunked_drafter_prefill(self) -> bool:
         return isinstance(self.target, ChunkedPrefillRunner)
@@ -117,10 +151,8 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
         logits, state = self.prefill_chunk(state, tokens, start_position)
         # Prime every position whose next token is known: all of the chunk but, when the
         # chunk ends the prompt, its last token (left for the first draft step).
-        last = start_position + len(tokens) - (1 if next_token is None else 0)
-        drafter = state.drafter
-        for position in range(start_position, last):
-            drafter = self.drafter.prime(drafter, state.known, position)
+        primed = list(tokens)[: len(tokens) - (1 if next_token is None else 0)]
+        drafter = self.drafter.prime(state.drafter, primed, start_position)
         return logits, state.replace(drafter=drafter)
 
     def draft_step(
@@ -130,14 +162,11 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
         return logits, state.replace(drafter=drafter)
 
     def supports_draft_bursts(self) -> bool:
-        """Whether :meth:`draft_burst` can replace repeated :meth:`draft_step` calls."""
         return self.drafter.supports_bursts()
 
     def draft_burst(
         self, state: PairState, token: int, position: int, count: int, **sampling: Any
     ) -> tuple[list[int], jax.Array, PairState]:
-        """``count`` draft steps and their sampling in one device call (see
-        :meth:`~turbospark_jax.drafters.base.Drafter.burst`)."""
         proposals, logits, drafter = self.drafter.burst(
             state.drafter, token, position, count, **sampling
         )
@@ -149,52 +178,103 @@ class SpeculativePair(SpeculativeProducer[PairState, PairCheckpoint]):
     def draft_block(
         self, state: PairState, anchor: int, base: int, block: int
     ) -> tuple[list[int], PairState]:
-        known = (*state.known[:base], int(anchor))
+        known = (*self._known(state)[:base], int(anchor))
         proposals, drafter = self.drafter.block(state.drafter, known, block)
         return proposals, state.replace(drafter=drafter)
 
     def rewind_drafter(self, state: PairState, position: int) -> PairState:
-        drafter = self.drafter.rewind(state.drafter, state.known, position)
+        drafter = self.drafter.rewind(state.drafter, position, lambda: self._known(state))
         return state.replace(drafter=drafter)
 
     def supports_headless_prefill(self) -> bool:
-        # Neither drafter reads the target's hidden states, so skipping its head is safe.
+        # Neither drafter kind reads the target's hidden states, so skipping its head is safe.
         return True
 
     # -- target side -----------------------------------------------------------------------
 
-    def checkpoint(self, state: PairState) -> PairCheckpoint:
-        return PairCheckpoint(target=self.target.checkpoint(state.target), known=len(state.known))
+    def checkpoint(self, state: PairState) -> Any:
+        return self.target.checkpoint(state.target)
 
-    def rollback(self, state: PairState, point: PairCheckpoint) -> PairState:
-        target = self.target.rollback(state.target, point.target)
-        return state.replace(target=target, known=state.known[: point.known])
+    def rollback(self, state: PairState, point: Any) -> PairState:
+        return state.replace(target=self.target.rollback(state.target, point))
 
     def supports_retaining_rollback(self) -> bool:
         return self.target.supports_retaining_rollback()
 
-    def rollback_retaining(
-        self, state: PairState, point: PairCheckpoint, keep_rows: int
-    ) -> PairState:
-        target = self.target.rollback_retaining(state.target, point.target, keep_rows)
-        return state.replace(target=target, known=state.known[: point.known + keep_rows])
+    def rollback_retaining(self, state: PairState, point: Any, keep_rows: int) -> PairState:
+        target = self.target.rollback_retaining(state.target, point, keep_rows)
+        return state.replace(target=target)
 
     def record_committed(self, state: PairState, tokens: Sequence[int], pos0: int) -> PairState:
-        target = self.target.record_committed(state.target, tokens, pos0)
-        if list(state.known[pos0 : pos0 + len(tokens)]) != [int(t) for t in tokens]:
-            raise BadInputError(f"record_committed({list(tokens)}, {pos0}) was never fed")
-        return state.replace(target=target)
+        return state.replace(target=self.target.record_committed(state.target, tokens, pos0))
 
     def verify(
         self, state: PairState, feed: Sequence[int], base: int
     ) -> tuple[jax.Array, PairState]:
         rows, target = self.target.verify(state.target, feed, base)
-        return rows, state.replace(target=target, known=(*state.known, *map(int, feed)))
+        return rows, state.replace(target=target)
 
-    def _require_known(self, state: PairState, position: int) -> None:
-        if not 0 <= position < len(state.known):
-            raise BadInputError(
-                f"prime_drafter at position {position}, but the target has consumed only "
-                f"{len(state.known)} positions; feed the target first"
+    # -- whole rounds on the device ---------------------------------------------------------
+
+    def device_draft_limit(self) -> int:
+        if self._device is None:
+            return 0
+        return min(MAX_DRAFT, self.target.width - 1)
+
+    def device_rounds(
+        self, state: PairState, pending: int, *, draft_len: int, budget: int, params: Any,
+        history: Any, key: jax.Array, gen_index: int, remaining: int,
+        stop_ids: Sequence[int] = (), record_logits: bool = True,
+    ) -> tuple[DeviceBurst, PairState]:
+        limit = self.device_draft_limit()
+        if not 1 <= draft_len <= limit:
+            return super().device_rounds(
+                state, pending, draft_len=draft_len, budget=budget, params=params,
+                history=history, key=key, gen_index=gen_index, remaining=remaining,
+                stop_ids=stop_ids, record_logits=record_logits,
             )
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        target: BlockProducer = self.target  # type: ignore[assignment]
+        count = int(target.fed_record(state.target).count)
+        if count + min(budget, remaining) + MAX_DRAFT > target.capacity:
+            raise BadInputError(
+                f"speculative rounds from position {count} could overflow the context of "
+                f"{target.capacity} positions"
+            )
+        device, device_params = self._device
+        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops[: len(stop_ids)] = list(stop_ids)
+        control = RoundControl(
+            params=params, history=history, key=key, gen_index=jnp.int32(gen_index),
+            remaining=jnp.int32(remaining), budget=jnp.int32(min(budget, MAX_BURST)),
+            draft_len=jnp.int32(draft_len), stop_ids=jnp.asarray(stops),
+        )
+        program = compiled_rounds(target.model, device, target.width, target.donate,
+                                  record_logits)
+        buffers, values, drafter, out = program(
+            target.params, device_params, buffers_only(state.target), by_value(state.target),
+            state.drafter, jnp.int32(pending), control,
+        )
+        n, rounds = int(out.count), int(out.rounds)
+        sizes = np.asarray(out.sizes[:rounds])
+        burst = DeviceBurst(
+            tokens=[int(t) for t in np.asarray(out.tokens[:n])],
+            finish=int(out.finish),
+            history=out.history,
+            logits=out.logits[:n] if record_logits else None,
+            rounds=tuple((int(d), int(a)) for d, a in sizes),
+        )
+        return burst, PairState(target=merge_parts(buffers, values), drafter=drafter)
 
+    # -- internals --------------------------------------------------------------------------
+
+    def _known(self, state: PairState) -> tuple[int, ...]:
+        return self.fed_record(state).to_host().ids
+
+    def _drafter_to(self, state: PairState, n: int) -> PairState:
+        """Leave a model drafter at exactly ``n`` committed positions."""
+        if self.drafter.stateless:
+            return state
+        drafter = self.drafter.rewind(state.drafter, n, lambda: self._known(state))
+        return state.replace(drafter=drafter)

@@ -78,7 +78,8 @@ class BlockModel(abc.ABC):
     def retain_rows(self, restored: Any, current: Any, keep_rows: int) -> Any:
         """The cache ``restored`` (rolled back by value) advanced over the first ``keep_rows``
         rows of the last block, read from the tape ``current`` holds. Only for models that
-        declare ``records_tape``."""
+        declare ``records_tape``. ``keep_rows`` may be traced (the device speculative loop
+        commits inside one compiled program), so select with array operations."""
         del restored, current, keep_rows
         raise UnsupportedCapabilityError(
             f"{type(self).__name__} records no per-row tape; roll back and re-verify instead"

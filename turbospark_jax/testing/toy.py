@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.state import append_only, scratch
 
@@ -152,10 +152,10 @@ class ToyRecurrentModel(BlockModel):
     def retain_rows(
         self, restored: ToyRecurrentState, current: ToyRecurrentState, keep_rows: int
     ) -> ToyRecurrentState:
-        """Replay the hidden state across the first ``keep_rows`` rows of the last block."""
-        if keep_rows == 0:
-            return restored
-        return restored.replace(h=current.tape[keep_rows - 1])
+        """The hidden state after the first ``keep_rows`` rows of the last block (traced or
+        not): the restored one for none, else the tape's row."""
+        row = current.tape[jnp.maximum(keep_rows - 1, 0)]
+        return restored.replace(h=jnp.where(keep_rows > 0, row, restored.h))
 
 
 def toy_attention_producer(

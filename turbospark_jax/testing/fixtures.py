@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.models.dense import DenseCache, DenseConfig, DenseModel, init_params
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 

@@ -1,0 +1,183 @@
+"""The short way in: load a model folder as a ready producer, then generate or stream text.
+
+::
+
+    import turbospark_jax as tsj
+
+    model = tsj.load()                                   # the embedded default model
+    print(tsj.generate(model, "def fibonacci(n):", max_tokens=64).text)
+    for event in tsj.stream(model, "import os", max_tokens=32):
+        print(event.text, end="")
+
+Everything here is built from the layers below it (loading, the block producer, drafters,
+:func:`~turbospark_jax.generate.stream_completion`); reach for those when you need a state,
+a session pool or a custom drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.completion import Completion, CompletionRequest
+from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.generate import stream_completion
+from turbospark_jax.loading import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    LoadedModel,
+    embedded_model_path,
+    load_folder,
+)
+from turbospark_jax.protocols import LogitProducer
+from turbospark_jax.sampling import SamplingConfig
+from turbospark_jax.streams import Stream
+
+__all__ = ["Model", "generate", "load", "stream"]
+
+#: Sampling settings :func:`generate` and :func:`stream` accept as keywords.
+_SAMPLING = tuple(f.name for f in dataclasses.fields(SamplingConfig))
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A loaded model, ready to generate.
+
+    Fields:
+      producer: the producer to drive (a :class:`~turbospark_jax.drafters.SpeculativePair`
+        when a drafter was asked for).
+      tokenizer: the folder's tokenizer (``None`` when it has none: pass token ids then).
+      stop_token_ids: the ids that end a reply (end of sequence, from the folder).
+      loaded: the target as loaded (config, params, generation config, path).
+    """
+
+    producer: LogitProducer
+    tokenizer: Any
+    stop_token_ids: tuple[int, ...]
+    loaded: LoadedModel
+
+
+def default_width(drafting: bool, draft_len: int = 4) -> int:
+    """Rows of the block program: 16 on an accelerator, where a step reads the weights once
+    whatever the width; on a CPU every row costs compute, so 1, or room for one verify."""
+    if jax.default_backend() != "cpu":
+        return 16
+    return draft_len + 1 if drafting else 1
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    draft: str | os.PathLike[str] | bool | None = None,
+    ngram: int = 0,
+    dtype: str | None = None,
+    context: int | None = None,
+    width: int | None = None,
+    draft_len: int = 4,
+) -> Model:
+    """Load a Hugging Face folder (default: the embedded model) as a ready producer.
+
+    Args:
+      path: the model folder; ``None`` for the embedded default model.
+      draft: a draft model folder for speculative decoding, or ``True`` for the embedded
+        draft model.
+      ngram: draft by prompt lookup with n-grams up to this length instead (0: off).
+      dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; default: the folder's own on an
+        accelerator, float32 on a CPU (XLA's CPU bfloat16 matrix products are slow).
+      context: positions a state holds; default: the model's ``max_position_embeddings``,
+        at most 4096.
+      width: rows of the block program (:func:`default_width`).
+      draft_len: the proposals per round the width should leave room for on a CPU.
+
+    Raises:
+      ModelLoadError: the folder cannot be loaded (named, with the reason).
+      BadInputError: both ``draft`` and ``ngram``, or a value of the wrong kind.
+    """
+    if draft and ngram:
+        raise BadInputError("choose one drafter: draft=... or ngram=..., not both")
+    if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
+        raise BadInputError(f"ngram must be an integer >= 0 (0 = off), got {ngram!r}")
+    on_cpu = jax.default_backend() == "cpu"
+    dtype = dtype if dtype is not None or not on_cpu else "float32"
+    width = width if width is not None else default_width(bool(draft or ngram), draft_len)
+    target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
+    loaded = load_folder(target_path, dtype=dtype, layer_layout="list")
+    capacity = context if context is not None else min(
+        loaded.config.max_position_embeddings, 4096
+    )
+    producer: LogitProducer = BlockProducer(
+        loaded.model, loaded.params, capacity=capacity, width=width, donate=True
+    )
+    if draft:
+        draft_path = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
+        small = load_folder(draft_path, dtype=dtype, layer_layout="list")
+        drafter = BlockProducer(small.model, small.params, capacity=capacity, width=width,
+                                donate=True)
+        producer = SpeculativePair(producer, DraftModelDrafter(drafter))
+    elif ngram:
+        producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=ngram))
+    stops = set(loaded.generation_config.eos_token_ids)
+    if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+        stops.add(loaded.tokenizer.eos_token_id)
+    return Model(producer=producer, tokenizer=loaded.tokenizer,
+                 stop_token_ids=tuple(sorted(stops)), loaded=loaded)
+
+
+def stream(
+    model: Model,
+    prompt: str | Sequence[int],
+    *,
+    max_tokens: int = 128,
+    stop: Sequence[str] = (),
+    seed: int = 0,
+    draft_len: int | None = None,
+    **settings: Any,
+) -> Stream[Completion]:
+    """Start generating; iterate for text events, then read ``.result``.
+
+    Args:
+      model: from :func:`load`.
+      prompt: text (encoded with the model's tokenizer) or token ids.
+      max_tokens: the most tokens to generate.
+      stop: stop strings.
+      seed: the sampling seed (same seed, same output).
+      draft_len: proposals per speculative round (0: decode plainly).
+      **settings: sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``,
+        ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) or other
+        :class:`~turbospark_jax.completion.CompletionRequest` fields.
+
+    Raises:
+      BadInputError: an unknown setting, text for a model without a tokenizer, or any invalid
+        request value.
+    """
+    if isinstance(prompt, str):
+        if model.tokenizer is None:
+            raise BadInputError("this model has no tokenizer; pass the prompt as token ids")
+        ids = model.tokenizer.encode(prompt, add_special_tokens=False)
+    else:
+        ids = list(prompt)
+    sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING}
+    fields = {f.name for f in dataclasses.fields(CompletionRequest)}
+    unknown = sorted(set(settings) - fields)
+    if unknown:
+        raise BadInputError(
+            f"unknown setting(s) {unknown}; sampling settings are {list(_SAMPLING)}, request "
+            f"fields {sorted(fields - {'prompt_ids', 'sampling'})}"
+        )
+    settings.setdefault("stop_token_ids", model.stop_token_ids)
+    request = CompletionRequest(
+        prompt_ids=ids, max_tokens=max_tokens, stop_strings=tuple(stop), seed=seed,
+        sampling=SamplingConfig(**sampling), draft_len=draft_len, **settings,
+    )
+    return stream_completion(model.producer, request, tokenizer=model.tokenizer)
+
+
+def generate(model: Model, prompt: str | Sequence[int], **settings: Any) -> Completion:
+    """Generate to the end and return the completion (arguments as for :func:`stream`)."""
+    return stream(model, prompt, **settings).drain()

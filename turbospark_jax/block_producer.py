@@ -1,0 +1,408 @@
+"""``BlockProducer``: the producer protocols served through the one block program.
+
+Every method routes through :func:`~turbospark_jax.block_program.compiled_program` (one
+executable per model and shape), so prefill chunks, verifies and decode bursts that a
+guarantee compares are the same program called with different data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from turbospark_jax import sampling
+from turbospark_jax.block_program import (
+    MAX_STOP_IDS,
+    BlockState,
+    Control,
+    Plan,
+    StepOutput,
+    compiled_init,
+    compiled_parallel,
+    compiled_program,
+)
+from turbospark_jax.errors import (
+    BadInputError,
+    ContextOverflowError,
+    ProducerFailedError,
+    UnsupportedCapabilityError,
+)
+from turbospark_jax.kv_prefix import reusable_prefix
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.protocols import (
+    NON_FINITE,
+    ChunkedPrefillRunner,
+    DeviceBurst,
+    DeviceDecoder,
+    VerifyingTarget,
+    require_prompt,
+)
+from turbospark_jax.state import (
+    FedRecord,
+    buffers_only,
+    by_value,
+    merge_parts,
+    restore_by_value,
+)
+
+
+class BlockProducer(
+    ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState, BlockState], DeviceDecoder
+):
+    """A :class:`BlockModel` served through the one block program.
+
+    Args:
+      model: the model family instance (hashable, static under jit).
+      params: its parameters pytree.
+      capacity: positions a state can hold (the preallocated context).
+      width: ``W``, rows per block. Decode pays for ``W`` rows of compute, the exact prefill
+        runs ``W`` tokens per step; on a GPU a decode step costs about the same for small
+        ``W`` because the weights are read once either way.
+      steps_per_call: ``S``, blocks per program call (the longest decode burst).
+      donate: let the program consume the state's buffers (no KV copy per call). When True,
+        the append-only buffers of a state passed to any method are invalid afterwards (its
+        by-value leaves, and so every :meth:`checkpoint`, stay valid); keep a
+        :func:`~turbospark_jax.state.copy_state` copy to keep a whole old value.
+    """
+
+    def __init__(
+        self,
+        model: BlockModel,
+        params: Any,
+        *,
+        capacity: int,
+        width: int = 8,
+        steps_per_call: int = 32,
+        donate: bool = True,
+    ) -> None:
+        if capacity < 1 or width < 1 or steps_per_call < 1:
+            raise BadInputError(
+                f"capacity, width and steps_per_call must be >= 1; got {capacity}, {width}, "
+                f"{steps_per_call}"
+            )
+        self.model = model
+        self.params = params
+        self.capacity = capacity
+        self.width = width
+        self.steps_per_call = steps_per_call
+        self.donate = donate
+        self._program = compiled_program(model, donate)
+        self._idle = self._idle_control()
+
+    # -- basic protocol -----------------------------------------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def can_rewind(self) -> bool:
+        """Whether a state can be moved back to any position (the model's KV rows behind a
+        cursor); a recurrent model's cannot."""
+        return self.model.rewindable
+
+    def rewind(self, state: BlockState, count: int) -> BlockState:
+        if not self.can_rewind:
+            return super().rewind(state, count)
+        fed = int(state.fed.count)
+        if isinstance(count, bool) or not isinstance(count, int | np.integer) or not (
+            0 <= count <= fed
+        ):
+            raise BadInputError(
+                f"cannot rewind to {count!r}: the state has consumed {fed} positions"
+            )
+        return self._with_count(state, int(count))
+
+    def fed_record(self, state: BlockState) -> FedRecord:
+        return state.fed
+
+    @property
+    def max_positions(self) -> int:
+        return self.capacity
+
+    def init_state(self) -> BlockState:
+        return compiled_init(self.model, self.capacity)()
+
+    def try_reuse_prefix(
+        self,
+        state: BlockState,
+        prompt_ids: Sequence[int],
+        *,
+        injected: Mapping[int, int] | None = None,
+    ) -> tuple[int, BlockState]:
+        require_prompt(prompt_ids)
+        record = state.fed.to_host()
+        n = reusable_prefix(record.ids, record.injected, prompt_ids, injected,
+                            rewindable=self.can_rewind)
+        if n == 0:
+            return 0, self.init_state()
+        return n, self._with_count(state, n)
+
+    def produce(self, state: BlockState, token: int, position: int) -> tuple[jax.Array, BlockState]:
+        self._check_tokens([token], position, state)
+        out, state = self._call(state, self._single_plan(token, need_head=True), self._idle, 1)
+        return out.logits[0], state
+
+    def produce_prefill(self, state: BlockState, token: int, position: int) -> BlockState:
+        self._check_tokens([token], position, state)
+        return self._call(state, self._single_plan(token, need_head=False), self._idle, 1)[1]
+
+    def prefill_chunk(
+        self, state: BlockState, tokens: Sequence[int], start_position: int
+    ) -> tuple[jax.Array, BlockState]:
+        tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
+        width, steps_cap = self.width, self.steps_per_call
+        blocks = [tokens[i : i + width] for i in range(0, len(tokens), width)]
+        logits = None
+        for first in range(0, len(blocks), steps_cap):
+            group = blocks[first : first + steps_cap]
+            final_group = first + steps_cap >= len(blocks)
+            plan = self._plan(group, head_on_last=final_group)
+            out, state = self._call(state, plan, self._idle, len(group))
+            if final_group:
+                logits = out.logits[len(group[-1]) - 1]
+        assert logits is not None
+        return logits, state
+
+    def supports_parallel_prefill(self) -> bool:
+        return self.model.parallel_prefill
+
+    def prefill_parallel(
+        self, state: BlockState, tokens: Sequence[int], start_position: int, *,
+        chunk: int = 2048,
+    ) -> tuple[jax.Array, BlockState]:
+        """The fast path: all but the last token in wide batched passes, then the last one
+        through the exact program.
+
+        A prompt fed into an empty state goes in one pass over its own rows (width: the next
+        power of two, so prompt lengths share a few programs; cuDNN flash attention on a GPU).
+        Otherwise passes of ``chunk`` rows attend over the cache up to the last row they can
+        see (a static bound rounded up to a multiple of ``chunk``, so at most
+        ``capacity / chunk`` programs). These are different executables from the exact
+        program, so the cache rows they write differ from the exact path's by rounding (the
+        tolerance is stated in the tests); the final token goes through :meth:`produce`, so no
+        pass needs the output head. Not part of any bitwise guarantee.
+        """
+        if not self.supports_parallel_prefill():
+            return super().prefill_parallel(state, tokens, start_position, chunk=chunk)
+        tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
+        program = compiled_parallel(self.model, self.donate)
+        body = tokens[:-1]
+        if body and int(state.fed.count) == 0:
+            # The body is shorter than the capacity, so this one pass always holds it.
+            width = min(max(256, 1 << (len(body) - 1).bit_length()), self.capacity)
+            pieces = [(body, width, True)]
+        else:
+            pieces = [(body[a : a + chunk], chunk, False) for a in range(0, len(body), chunk)]
+        for piece, width, fresh in pieces:
+            padded = np.zeros((width,), np.int32)
+            padded[: len(piece)] = piece
+            limit = None if fresh else min(
+                self.capacity, -(-(int(state.fed.count) + width) // chunk) * chunk
+            )
+            buffers, values = program(
+                self.params, buffers_only(state), by_value(state), jnp.asarray(padded),
+                jnp.int32(len(piece)), key_limit=limit, fresh=fresh,
+            )
+            state = merge_parts(buffers, values)
+        return self.produce(state, tokens[-1], start_position + len(body))
+
+    # -- target side of speculative decoding ------------------------------------------
+
+    def verify(
+        self, state: BlockState, feed: Sequence[int], base: int
+    ) -> tuple[jax.Array, BlockState]:
+        feed = self._check_tokens(feed, base, state, what="verify block")
+        rows = []
+        for i in range(0, len(feed), self.width):
+            block = feed[i : i + self.width]
+            plan = self._plan([block], head_on_last=True)
+            out, state = self._call(state, plan, self._idle, 1)
+            rows.append(out.logits[: len(block)])
+        return (rows[0] if len(rows) == 1 else jnp.concatenate(rows)), state
+
+    def checkpoint(self, state: BlockState) -> BlockState:
+        return by_value(state)
+
+    def rollback(self, state: BlockState, point: BlockState) -> BlockState:
+        return restore_by_value(state, point)
+
+    def supports_retaining_rollback(self) -> bool:
+        return True
+
+    def rollback_retaining(
+        self, state: BlockState, point: BlockState, keep_rows: int
+    ) -> BlockState:
+        # Rows the verify wrote stay in the append-only buffers; keeping them is moving the
+        # cursor past them. Models with by-value recurrent leaves replay them from a tape.
+        base = int(point.fed.count)
+        if not 0 <= keep_rows <= int(state.fed.count) - base:
+            raise BadInputError(
+                f"keep_rows={keep_rows} but the last verify fed "
+                f"{int(state.fed.count) - base} rows after the checkpoint"
+            )
+        restored = restore_by_value(state, point)
+        if self.model.records_tape:
+            # The tape holds the rows of the last block only; a verify wider than the block
+            # ran in several, and the earlier rows' states are gone.
+            fed = int(state.fed.count) - base
+            last_block = self.width * ((fed - 1) // self.width) if fed else 0
+            if 0 < keep_rows <= last_block:
+                raise UnsupportedCapabilityError(
+                    f"the verify fed {fed} rows in blocks of {self.width}; the tape keeps only "
+                    f"the last block, so keep_rows={keep_rows} cannot be replayed. Verify at "
+                    f"most width={self.width} rows per round, or use rollback and re-verify"
+                )
+            restored = restored.replace(
+                cache=self.model.retain_rows(restored.cache, state.cache, keep_rows - last_block)
+            )
+        return self._with_count(restored, base + keep_rows)
+
+    def record_committed(self, state: BlockState, tokens: Sequence[int], pos0: int) -> BlockState:
+        # verify already recorded what it fed; this checks the caller and the record agree, so
+        # a loop that miscounts fails here rather than answering a later turn wrongly.
+        record = state.fed.to_host()
+        end = pos0 + len(tokens)
+        if end > record.count or list(record.ids[pos0:end]) != [int(t) for t in tokens]:
+            raise ProducerFailedError(
+                f"record_committed({list(tokens)}, pos0={pos0}) disagrees with the fed record "
+                f"{list(record.ids[pos0:end])} (cursor {record.count})"
+            )
+        return state
+
+    # -- device-side decode -------------------------------------------------------------
+
+    def decode(
+        self,
+        state: BlockState,
+        token: int,
+        steps: int,
+        *,
+        params: sampling.SamplingParams,
+        history: sampling.History,
+        key: jax.Array,
+        gen_index: int,
+        stop_ids: Sequence[int] = (),
+        record_logits: bool = True,
+    ) -> tuple[DeviceBurst, BlockState]:
+        """Feed ``token`` and decode up to ``steps`` tokens on the device in one call.
+
+        Step ``i`` samples with ``token_key(key, gen_index + i)``, so the tokens do not depend
+        on how a generation is split into bursts. The burst ends early after sampling a stop
+        id (which is returned but not fed) or on non-finite logits. The last sampled token is
+        never fed: the next burst starts with it.
+        """
+        if not 1 <= steps <= self.steps_per_call:
+            raise BadInputError(f"steps must be in 1..{self.steps_per_call}, got {steps}")
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        self._check_tokens([token], int(state.fed.count), state)
+        if int(state.fed.count) + steps > self.capacity:
+            raise ContextOverflowError(
+                f"decoding {steps} tokens from position {int(state.fed.count)} overflows the "
+                f"context of {self.capacity} positions"
+            )
+        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops[: len(stop_ids)] = list(stop_ids)
+        control = Control(
+            feedback=jnp.bool_(True),
+            params=params,
+            history=history,
+            key=key,
+            gen_index=jnp.int32(gen_index),
+            stop_ids=jnp.asarray(stops),
+        )
+        plan = self._plan([[token]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
+                          offsets=np.arange(self.steps_per_call, dtype=np.int32))
+        out, state = self._call(state, plan, control, steps)
+        n, finish = int(out.steps), int(out.finish)
+        toks = [int(t) for t in np.asarray(out.sampled[:n])]
+        if finish == NON_FINITE:
+            toks = toks[: n - 1]
+        logits = out.logits[: len(toks)] if record_logits else None
+        return DeviceBurst(tokens=toks, finish=finish, history=out.history, logits=logits), state
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _with_count(self, state: BlockState, n: int) -> BlockState:
+        return state.replace(fed=state.fed.replace(count=jnp.int32(n)))
+
+    def _check_tokens(
+        self,
+        tokens: Sequence[int],
+        position: int,
+        state: BlockState,
+        what: str = "token",
+    ) -> list[int]:
+        tokens = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
+        if not tokens:
+            raise BadInputError(f"{what} is empty; expected at least one token id")
+        vocab = self.vocab_size
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        count = int(state.fed.count)
+        if position != count:
+            raise BadInputError(
+                f"position {position} does not continue the state, which has consumed "
+                f"{count} positions; pass position={count}"
+            )
+        if count + len(tokens) > self.capacity:
+            raise ContextOverflowError(
+                f"{what} of {len(tokens)} tokens at position {count} overflows the context "
+                f"of {self.capacity} positions"
+            )
+        return tokens
+
+    def _single_plan(self, token: int, need_head: bool) -> Plan:
+        return self._plan([[token]], head_on_last=need_head)
+
+    def _plan(
+        self,
+        blocks: Sequence[Sequence[int]],
+        *,
+        head_on_last: bool,
+        head_all: bool = False,
+        offsets: np.ndarray | None = None,
+    ) -> Plan:
+        steps_cap, width = self.steps_per_call, self.width
+        tokens = np.zeros((steps_cap, width), np.int32)
+        live = np.ones((steps_cap,), np.int32)
+        need = np.zeros((steps_cap,), bool)
+        for i, block in enumerate(blocks):
+            tokens[i, : len(block)] = block
+            live[i] = len(block)
+        if head_all:
+            need[: len(blocks)] = True
+        elif head_on_last:
+            need[len(blocks) - 1] = True
+        if offsets is None:
+            offsets = np.zeros((steps_cap,), np.int32)
+        return Plan(
+            tokens=jnp.asarray(tokens),
+            live=jnp.asarray(live),
+            need_head=jnp.asarray(need),
+            out_offset=jnp.asarray(offsets),
+        )
+
+    def _idle_control(self) -> Control:
+        return Control(
+            feedback=jnp.bool_(False),
+            params=sampling.SamplingParams.greedy(),
+            history=sampling.History.empty(self.vocab_size),
+            key=sampling.request_key(0),
+            gen_index=jnp.int32(0),
+            stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
+        )
+
+    def _call(
+        self, state: BlockState, plan: Plan, control: Control, n_steps: int
+    ) -> tuple[StepOutput, BlockState]:
+        buffers, values, out = self._program(
+            self.params, buffers_only(state), by_value(state), plan, control, jnp.int32(n_steps)
+        )
+        return out, merge_parts(buffers, values)

@@ -1,0 +1,105 @@
+"""A drafter of known quality, for measuring the speculative loop apart from any drafter.
+
+Given the sequence the target will produce (its greedy continuation, computed beforehand),
+the oracle proposes each next token correctly with probability ``alpha`` and a wrong token
+otherwise, independently per round and position. With greedy decoding the committed sequence
+always follows the reference (speculation is lossless), so a round keeps ``i`` proposals with
+probability ``alpha**i * (1 - alpha)``: the acceptance of an ideal drafter of quality
+``alpha`` at no drafting cost. The benchmark compares the loop against that ideal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.state import FedRecord
+
+
+class OracleDrafter(Drafter):
+    """Propose ``reference[p]`` at position ``p`` with probability ``alpha``.
+
+    Args:
+      vocab_size: the target's vocabulary size.
+      reference: the full sequence the target produces (prompt, then its continuation).
+      alpha: the chance that each proposal is right, in [0, 1].
+      seed: seeds the per-round, per-position draws.
+
+    Raises:
+      BadInputError: ``alpha`` outside [0, 1] or a reference id outside the vocabulary.
+    """
+
+    stateless = True
+    drafts_blocks = True
+
+    def __init__(
+        self, vocab_size: int, reference: Sequence[int], alpha: float, seed: int = 0
+    ) -> None:
+        if not 0.0 <= float(alpha) <= 1.0:
+            raise BadInputError(f"alpha must be in [0, 1], got {alpha!r}")
+        ref = np.asarray(list(reference), np.int32)
+        if ref.size == 0 or ref.min() < 0 or ref.max() >= vocab_size:
+            raise BadInputError("the reference must be non-empty ids inside the vocabulary")
+        self._vocab = vocab_size
+        self.reference = ref
+        self.alpha = float(alpha)
+        self.seed = seed
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def block(self, state: Any, known: Sequence[int], count: int) -> tuple[list[int], Any]:
+        base = len(known) - 1  # the anchor's position; proposals go to base + 1 ...
+        proposals, n = _oracle(
+            jnp.asarray(self.reference), jnp.int32(base), jnp.int32(count), self._vocab,
+            self.alpha, self.seed,
+        )
+        return [int(t) for t in np.asarray(proposals)[: int(n)]], state
+
+    def on_device(self) -> tuple[DeviceDrafter, Any]:
+        device = OracleDevice(vocab_size=self._vocab, alpha=self.alpha, seed=self.seed)
+        return device, jnp.asarray(self.reference)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _oracle(
+    reference: jax.Array, base: jax.Array, m: jax.Array, vocab: int, alpha: float, seed: int
+) -> tuple[jax.Array, jax.Array]:
+    """Proposals for positions ``base + 1 ..`` (int32[MAX_DRAFT]) and how many are real."""
+    positions = base + 1 + jnp.arange(MAX_DRAFT, dtype=jnp.int32)
+    key = jax.random.fold_in(jax.random.key(seed), base)
+    draws = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(
+        jnp.arange(MAX_DRAFT)
+    )
+    right = jnp.take(reference, positions, mode="clip")
+    proposals = jnp.where(draws < alpha, right, (right + 1) % vocab)
+    count = jnp.clip(jnp.minimum(m, reference.shape[0] - base - 1), 0, MAX_DRAFT)
+    return jnp.where(jnp.arange(MAX_DRAFT) < count, proposals, 0), count
+
+
+@dataclasses.dataclass(frozen=True)
+class OracleDevice(DeviceDrafter):
+    """The oracle on the device; its params are the reference sequence."""
+
+    vocab_size: int
+    alpha: float
+    seed: int
+
+    def propose(
+        self, params: Any, state: Any, target_fed: FedRecord, pending: jax.Array,
+        m: jax.Array, sampler: Any,
+    ) -> tuple[jax.Array, None, jax.Array, Any]:
+        del pending, sampler
+        proposals, count = _oracle(
+            params, target_fed.count, m, self.vocab_size, self.alpha, self.seed
+        )
+        return proposals, None, count, state

@@ -1,0 +1,283 @@
+"""Speculative rounds as pure functions, and many rounds in one device call.
+
+A round, with the last emitted token ``pending`` not yet fed to the target:
+
+1. **draft** up to ``m`` proposals (a :class:`~turbospark_jax.drafters.base.DeviceDrafter`);
+2. **verify** ``[pending, *proposals]`` in one block of the target's block program
+   (:func:`~turbospark_jax.block_program.feed_block`, the step plain decoding runs);
+3. **judge** them with :func:`judge` (greedy point masses or rejection sampling);
+4. **commit**: keep the verified rows of what was accepted (a cursor move for KV caches, a
+   pick from the per-row tape for recurrent models) and bring the drafter to the same place.
+
+:func:`compiled_rounds` runs rounds in a ``while_loop`` until a token budget is reached, a
+stop id is emitted or logits turn non-finite, writing the emitted tokens (and the target rows
+behind them) into output buffers; the host sees the burst only when it ends.
+
+:func:`judge` and :func:`proposal_distributions` are shared with the host loop of
+:mod:`turbospark_jax.speculative`, which stays the reference: with the same keys both loops
+emit the same tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from turbospark_jax import sampling
+from turbospark_jax.block_program import BlockState, feed_block
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.protocols import NON_FINITE, RUNNING, STOPPED_ON_TOKEN
+from turbospark_jax.state import buffers_only, by_value, merge_parts, restore_by_value
+
+#: The most tokens one device burst of rounds emits before it returns to the host (a round
+#: may pass the burst's budget by up to ``MAX_DRAFT``; the buffers hold that too).
+MAX_BURST = 64
+
+
+@struct.dataclass(kw_only=True)
+class DraftSampler:
+    """What a sampling drafter needs of the request (all traced).
+
+    Fields:
+      params: the request's sampling settings (the drafter samples like the target).
+      history: the penalty bookkeeping after every emitted token.
+      key: the request's drafting key (``fold_in(request_key, 1)``).
+      index: int32 ``[]``, the generation index of the first proposal's token: proposal
+        ``i`` samples with ``token_key(key, index + i)``.
+    """
+
+    params: sampling.SamplingParams
+    history: sampling.History
+    key: jax.Array
+    index: jax.Array
+
+
+def history_rows(history: sampling.History, tokens: jax.Array) -> sampling.History:
+    """``history`` extended by ``tokens[:i]`` for every ``i`` in ``0 .. len(tokens)``: a
+    History whose leaves have a leading axis of ``len(tokens) + 1`` rows."""
+    vocab = history.counts.shape[0]
+    onehots = jax.nn.one_hot(tokens, vocab, dtype=jnp.int32)  # ids outside V add nothing
+    before = jnp.concatenate([jnp.zeros((1, vocab), jnp.int32), jnp.cumsum(onehots, axis=0)])
+    return sampling.History(counts=history.counts + before, seen=history.seen | (before > 0))
+
+
+def proposal_distributions(
+    drafter_rows: jax.Array, proposals: jax.Array, count: jax.Array,
+    params: sampling.SamplingParams, history: sampling.History,
+) -> jax.Array:
+    """q for each proposal: the distribution it was sampled from, under the same shaping as
+    the target's p (the history grows by the proposals before it).
+
+    drafter_rows: f32[MAX_DRAFT, V]; proposals: i32[MAX_DRAFT]; ``count`` are real. Returns
+    f32[MAX_DRAFT, V] with zero rows past ``count``.
+    """
+    rows_hist = jax.tree.map(lambda a: a[:-1], history_rows(history, proposals))
+    q = jax.vmap(sampling.probabilities, in_axes=(0, None, 0))(drafter_rows, params, rows_hist)
+    return jnp.where((jnp.arange(q.shape[0]) < count)[:, None], q, 0.0)
+
+
+def point_masses(proposals: jax.Array, count: jax.Array, vocab: int) -> jax.Array:
+    """The proposal distributions of a deterministic drafter: one-hot rows, zero past
+    ``count``."""
+    q = jax.nn.one_hot(proposals, vocab, dtype=jnp.float32)
+    return jnp.where((jnp.arange(q.shape[0]) < count)[:, None], q, 0.0)
+
+
+def judge(
+    rows: jax.Array,
+    q: jax.Array,
+    proposals: jax.Array,
+    m: jax.Array,
+    params: sampling.SamplingParams,
+    history: sampling.History,
+    key: jax.Array,
+    index: jax.Array,
+) -> tuple[jax.Array, jax.Array, sampling.History]:
+    """Accept or reject ``m`` proposals against target rows; returns (tokens, count, history).
+
+    rows: f32[MAX_DRAFT + 1, V] target logits (row ``i`` follows ``feed[i]``); q:
+    f32[MAX_DRAFT, V] proposal distributions; proposals: i32[MAX_DRAFT]. Proposal ``i`` is kept
+    with probability ``min(1, p(x) / q(x))`` while every earlier one was kept; the first
+    rejection is replaced by a draw from the normalised ``max(0, p - q)``, and when all ``m``
+    are kept a bonus token is drawn from row ``m``. At temperature 0 ``p`` and ``q`` are point
+    masses: keep while the proposal is the target's argmax, then the argmax. Emits ``count``
+    tokens (``tokens[:count]``; -1 after); token ``index + i`` uses ``token_key(key, index +
+    i)`` for the bonus draw, as plain decoding does.
+    """
+    accept_key = jax.random.fold_in(key, 2)
+    resample_key = jax.random.fold_in(key, 3)
+    draft = proposals.shape[0]
+    hist = history_rows(history, proposals)  # row i: after the proposals before it
+    p = jax.vmap(sampling.probabilities, in_axes=(0, None, 0))(rows, params, hist)
+    i = jnp.arange(draft, dtype=jnp.int32)
+    u = jax.vmap(lambda j: jax.random.uniform(sampling.token_key(accept_key, index + j)))(i)
+    keep = (i < m) & (u * q[i, proposals] < p[i, proposals])
+    accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32)))
+    at = jax.tree.map(lambda a: a[accepted], hist)
+    bonus = sampling.sample(rows[accepted], params, at, sampling.token_key(key, index + accepted))
+    q_at = jnp.where(accepted < draft, q[jnp.minimum(accepted, draft - 1)], 0.0)
+    residual = jnp.maximum(p[accepted] - q_at, 0.0)
+    resampled = jax.random.categorical(
+        sampling.token_key(resample_key, index + accepted),
+        jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0)), -jnp.inf),
+    ).astype(jnp.int32)
+    rejected = (params.temperature > 0) & (jnp.sum(residual) > 0) & (accepted < m)
+    final = jnp.where(rejected, resampled, bonus).astype(jnp.int32)
+    out = jnp.concatenate([proposals, jnp.full((1,), -1, jnp.int32)])
+    out = jnp.where(jnp.arange(draft + 1) < accepted, out, -1).at[accepted].set(final)
+    return out, accepted + 1, at.add(final)
+
+
+@struct.dataclass(kw_only=True)
+class RoundControl:
+    """The request's side of a burst of rounds; all traced.
+
+    Fields:
+      params, history: sampling settings and penalty bookkeeping after every emitted token.
+      key: the request's base key (judging; drafting uses ``fold_in(key, 1)``).
+      gen_index: int32 ``[]``, tokens emitted before this burst.
+      remaining: int32 ``[]``, tokens the request may still emit (``max_tokens - gen_index``).
+      budget: int32 ``[]``, return to the host once this many tokens were emitted.
+      draft_len: int32 ``[]``, proposals per round (at most MAX_DRAFT).
+      stop_ids: int32 ``[MAX_STOP_IDS]``, padded with -1.
+    """
+
+    params: sampling.SamplingParams
+    history: sampling.History
+    key: jax.Array
+    gen_index: jax.Array
+    remaining: jax.Array
+    budget: jax.Array
+    draft_len: jax.Array
+    stop_ids: jax.Array
+
+
+@struct.dataclass(kw_only=True)
+class RoundsOutput:
+    """What a burst of rounds returns besides the states.
+
+    Fields:
+      tokens: int32[MAX_BURST + MAX_DRAFT + 1], the emitted tokens (``count`` are real).
+      logits: float32[same, V] target rows behind them (``[1, V]`` when not recorded).
+      count: int32 ``[]`` tokens emitted.
+      finish: int32 ``[]`` RUNNING, STOPPED_ON_TOKEN or NON_FINITE.
+      history: the bookkeeping after the emitted tokens.
+      rounds: int32 ``[]`` rounds run.
+      sizes: int32[MAX_BURST, 2], ``(drafted, accepted)`` of each round.
+    """
+
+    tokens: jax.Array
+    logits: jax.Array
+    count: jax.Array
+    finish: jax.Array
+    history: sampling.History
+    rounds: jax.Array
+    sizes: jax.Array
+
+
+def _commit_target(
+    model: BlockModel, before: BlockState, after: BlockState, keep: jax.Array
+) -> BlockState:
+    """The target after a verify that fed from ``before``'s cursor, keeping ``keep`` rows."""
+    if model.records_tape:  # recurrent leaves: restore the values, then pick from the tape
+        restored = restore_by_value(after, by_value(before))
+        after = restored.replace(cache=model.retain_rows(restored.cache, after.cache, keep))
+    return after.replace(fed=after.fed.replace(count=before.fed.count + keep))
+
+
+def _run_rounds(
+    target: BlockModel,
+    drafter: DeviceDrafter,
+    width: int,
+    record_logits: bool,
+    target_params: Any,
+    drafter_params: Any,
+    buffers: BlockState,
+    values: BlockState,
+    drafter_state: Any,
+    pending: jax.Array,
+    control: RoundControl,
+) -> tuple[BlockState, BlockState, Any, RoundsOutput]:
+    state = merge_parts(buffers, values)
+    vocab = target.vocab_size
+    out_rows = MAX_BURST + MAX_DRAFT + 1
+    draft_key = jax.random.fold_in(control.key, 1)
+    # Always true, but traced like plain decoding's per-step flag: a constant would let XLA
+    # fold the head's condition away and compile the verify unlike the decode step.
+    head = control.draft_len >= 0
+
+    def cond(c):
+        i, _, _, _, n, _, _, finish, _, _ = c
+        return (finish == RUNNING) & (n < control.budget) & (n < control.remaining) & (
+            i < MAX_BURST
+        )
+
+    def body(c):
+        i, st, dst, pend, n, toks_out, rows_out, _, hist, sizes = c
+        index = control.gen_index + n
+        m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
+        sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index)
+        proposals, q, drafted, dst = drafter.propose(
+            drafter_params, dst, st.fed, pend, m, sampler
+        )
+        if q is None:
+            q = point_masses(proposals, drafted, vocab)
+        fits = min(width - 1, MAX_DRAFT)  # the host keeps draft_len <= width - 1
+        feed = jnp.zeros((width,), jnp.int32).at[0].set(pend)
+        feed = feed.at[1 : fits + 1].set(proposals[:fits])
+        with jax.named_scope("verify"):
+            rows, verified = feed_block(target, target_params, st, feed, drafted + 1, head)
+        rows = jnp.zeros((MAX_DRAFT + 1, vocab), jnp.float32).at[: fits + 1].set(
+            rows[: fits + 1]
+        )
+        live_rows = jnp.arange(MAX_DRAFT + 1) <= drafted
+        finite = jnp.all(jnp.isfinite(rows) | ~live_rows[:, None])
+        with jax.named_scope("judge"):
+            toks, count, new_hist = judge(rows, q, proposals, drafted, control.params, hist,
+                                          control.key, index)
+        slots = jnp.arange(MAX_DRAFT + 1)
+        stops = jnp.any(toks[:, None] == control.stop_ids[None, :], axis=1) & (slots < count)
+        stopped = jnp.any(stops)
+        kept = jnp.where(stopped, jnp.argmax(stops) + 1, count)
+        kept = jnp.where(finite, kept, 0)
+        st = _commit_target(target, st, verified, kept)
+        dst = drafter.commit(dst, st.fed.count)
+        at = jnp.where(slots < kept, n + slots, out_rows + slots)  # others dropped
+        toks_out = toks_out.at[at].set(toks, mode="drop", unique_indices=True)
+        if record_logits:
+            rows_out = rows_out.at[at].set(rows, mode="drop", unique_indices=True)
+        sizes = sizes.at[i].set(jnp.stack([drafted, count - 1]))
+        finish = jnp.where(~finite, NON_FINITE, jnp.where(stopped, STOPPED_ON_TOKEN, RUNNING))
+        pend = jnp.where(kept > 0, toks[jnp.maximum(kept - 1, 0)], pend)
+        hist = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_hist, hist)
+        return i + 1, st, dst, pend, n + kept, toks_out, rows_out, finish, hist, sizes
+
+    init = (
+        jnp.int32(0), state, drafter_state, pending, jnp.int32(0),
+        jnp.full((out_rows,), -1, jnp.int32),
+        jnp.zeros((out_rows if record_logits else 1, vocab), jnp.float32),
+        jnp.int32(RUNNING), control.history, jnp.zeros((MAX_BURST, 2), jnp.int32),
+    )
+    rounds, state, drafter_state, _, n, toks, rows, finish, hist, sizes = jax.lax.while_loop(
+        cond, body, init
+    )
+    out = RoundsOutput(tokens=toks, logits=rows, count=n, finish=finish, history=hist,
+                       rounds=rounds, sizes=sizes)
+    return buffers_only(state), by_value(state), drafter_state, out
+
+
+@functools.cache
+def compiled_rounds(
+    target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool
+) -> Any:
+    """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
+    of the target program's ``width`` rows (so ``draft_len < width``). Arguments:
+    ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
+    control)``; the target's append-only buffers and the drafter state are donated."""
+    fn = functools.partial(_run_rounds, target, drafter, width, record_logits)
+    return jax.jit(fn, donate_argnums=(2, 4) if donate else ())
