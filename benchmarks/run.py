@@ -449,8 +449,13 @@ def _hf_compiled_decode(model: Any, shape: Shape, preset: Preset, rec: Recorder,
 
 def part_exact(preset: Preset, rec: Recorder) -> None:
     """Bitwise checks on this backend: chunked == token by token, speculative == plain."""
-    from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
-    from turbospark_jax.generate import CompletionRequest, run_raw_completion
+    from turbospark_jax import CompletionRequest, run_raw_completion
+    from turbospark_jax.drafters import (
+        DraftModelDrafter,
+        NGramDrafter,
+        OracleDrafter,
+        SpeculativePair,
+    )
     from turbospark_jax.speculative import run_raw_completion_speculative
     from turbospark_jax.state import live_equal
     from turbospark_jax.testing.conformance import chunked_prefill, sequential_prefill
@@ -474,16 +479,22 @@ def part_exact(preset: Preset, rec: Recorder) -> None:
     req = CompletionRequest(prompt_ids=prompt, max_tokens=64, record_logits=True)
     plain = run_raw_completion(producer, req)
     draft = _producer(model, params, 400, preset.width, preset.burst)
-    for dname, drafter in (("same_model", DraftModelDrafter(draft)),
-                           ("ngram", NGramDrafter(config.vocab_size))):
-        for block in (1, 4, 8):
-            spec = run_raw_completion_speculative(SpeculativePair(producer, drafter), req,
-                                                  block_size=block)
-            rec.add(shape=name, workload="speculative_vs_plain", drafter=dname, block=block,
-                    tokens_equal=spec.token_ids == plain.token_ids,
-                    logits_equal=bool(np.array_equal(spec.logits, plain.logits)),
-                    acceptance=spec.speculative.acceptance_rate,
-                    mean_acceptance_length=spec.speculative.mean_acceptance_length)
+    reference = prompt + plain.token_ids
+    drafters = (("same_model", DraftModelDrafter(draft)),
+                ("ngram", NGramDrafter(config.vocab_size)),
+                ("oracle_0.7", OracleDrafter(config.vocab_size, reference, 0.7)))
+    for dname, drafter in drafters:
+        for device in (True, False):
+            for k in (1, 4, 8):
+                pair = SpeculativePair(producer, drafter, device_rounds=device)
+                spec = run_raw_completion_speculative(pair, dataclasses.replace(req, draft_len=k))
+                rec.add(shape=name, workload="speculative_vs_plain", drafter=dname, block=k,
+                        on_device=spec.speculative.on_device,
+                        tokens_equal=spec.token_ids == plain.token_ids,
+                        logits_equal=bool(np.array_equal(spec.logits.view(np.uint32),
+                                                         plain.logits.view(np.uint32))),
+                        acceptance=spec.speculative.acceptance_rate,
+                        mean_acceptance_length=spec.speculative.mean_acceptance_length)
 
 
 def report(out: Path) -> None:
@@ -545,7 +556,9 @@ def report(out: Path) -> None:
                          f"{r['dtype']} | logits {r['logits_equal']}, state "
                          f"{r['state_equal']} |")
         if r["workload"] == "speculative_vs_plain":
-            lines.append(f"| speculative greedy vs plain greedy | {r['drafter']}, block "
+            where = "device" if r.get("on_device") else "host"
+            lines.append(f"| speculative greedy vs plain greedy ({where} rounds) | {r['drafter']}, "
+                         f"draft length "
                          f"{r['block']}, acceptance {r['acceptance']:.2f} | tokens "
                          f"{r['tokens_equal']}, logits {r['logits_equal']} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")

@@ -16,8 +16,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark_jax.testing.fixtures import multi_turn_producers
-from turbospark_jax.chat import ChatSession, ChatTurn, default_stop_ids
+from turbospark_jax import Completion, SamplingConfig
+from turbospark_jax.chat import ChatSession, default_stop_ids
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
 from turbospark_jax.errors import (
     BadInputError,
@@ -25,10 +25,10 @@ from turbospark_jax.errors import (
     SessionError,
     UnsupportedCapabilityError,
 )
-from turbospark_jax.generate import SamplingConfig
 from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.session_pool import SessionPool
 from turbospark_jax.testing.conformance import perturbed
+from turbospark_jax.testing.fixtures import multi_turn_producers
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import toy_attention_producer
 from turbospark_jax.tokenizer import Tokenizer
@@ -90,19 +90,19 @@ def chat_pair(producer, tokenizer, **settings_):
     return reuse, fresh
 
 
-def send_fresh(chat: ChatSession, text: str) -> ChatTurn:
+def send_fresh(chat: ChatSession, text: str) -> Completion:
     if chat.pool.slot_of(chat.session_id) is not None:
         chat.pool.drop(chat.session_id)
     return chat.send(text)
 
 
-def difference(got: ChatTurn, want: ChatTurn) -> str | None:
+def difference(got: Completion, want: Completion) -> str | None:
     """How two servings of one turn differ (None: bitwise the same)."""
     if got.prompt_ids != want.prompt_ids:
         return "prompts differ"
-    if got.reply != want.reply or got.completion.token_ids != want.completion.token_ids:
-        return f"replies differ: {got.reply!r} vs {want.reply!r}"
-    a, b = got.completion.logits, want.completion.logits
+    if got.text != want.text or got.token_ids != want.token_ids:
+        return f"replies differ: {got.text!r} vs {want.text!r}"
+    a, b = got.logits, want.logits
     if a.shape != b.shape or not np.array_equal(a.view(np.uint32), b.view(np.uint32)):
         return "logits differ"
     return None
@@ -118,12 +118,12 @@ def converse(reuse: ChatSession, fresh: ChatSession, messages: list[str]):
     return turns, problem
 
 
-def reuse_problems(turns: list[ChatTurn], rewindable: bool = True) -> list[str]:
+def reuse_problems(turns: list[Completion], rewindable: bool = True) -> list[str]:
     """Reuse must be the common prefix of the previous turn's FED ids and the new prompt
     (for a state that cannot rewind: all of the record, or nothing)."""
     problems = []
     for i in range(1, len(turns)):
-        fed = turns[i - 1].completion.fed_ids
+        fed = turns[i - 1].fed_ids
         expected = reusable_prefix(fed, None, turns[i].prompt_ids, rewindable=rewindable)
         if turns[i].usage.reused_tokens != expected:
             problems.append(f"turn {i}: reused {turns[i].usage.reused_tokens}, expected {expected}")
@@ -143,10 +143,10 @@ def test_char_chat_with_reuse_equals_fresh_and_reuses_whole_replies(name, messag
     assert problem is None
     assert reuse_problems(turns, producer.can_rewind) == []
     for prev, turn in itertools.pairwise(turns):
-        fed = prev.completion.fed_ids
+        fed = prev.fed_ids
         # The last generated token is never fed; a turn marker before it is dropped from the
         # reply's text, so the next prompt parts from the fed record there.
-        if 1 not in prev.completion.token_ids[:-1]:
+        if 1 not in prev.token_ids[:-1]:
             assert turn.usage.reused_tokens == len(fed)
         elif producer.can_rewind:
             assert turn.usage.reused_tokens < len(fed)
@@ -176,12 +176,12 @@ def test_byte_level_reply_re_tokenizes_differently_and_reuse_stops_inside_it():
     turns, problem = converse(reuse, fresh, ["hello", "how are you?", "안녕하세요"])
     assert problem is None
     first, second = turns[0], turns[1]
-    generated = [t for t in first.completion.token_ids if t not in default_stop_ids(BPE)]
-    assert BPE.encode(first.reply, add_special_tokens=False) != generated
+    generated = [t for t in first.token_ids if t not in default_stop_ids(BPE)]
+    assert BPE.encode(first.text, add_special_tokens=False) != generated
     # reuse covers the previous prompt and stops inside the reply, where the two splits part
-    assert len(first.prompt_ids) <= second.usage.reused_tokens < len(first.completion.fed_ids)
+    assert len(first.prompt_ids) <= second.usage.reused_tokens < len(first.fed_ids)
     assert second.usage.reused_tokens == common_prefix(
-        first.completion.fed_ids, None, second.prompt_ids)
+        first.fed_ids, None, second.prompt_ids)
     assert second.usage.prefilled_tokens == len(second.prompt_ids) - second.usage.reused_tokens
 
 
@@ -201,25 +201,25 @@ def test_sessions_sharing_one_slot_evict_each_other_and_keep_their_replies():
 
 def test_speculative_chat_equals_plain_greedy_chat():
     pair = SpeculativePair(ATT, NGramDrafter(V, max_n=3))
-    spec = ChatSession(pair, CHAR, speculative_block=3, max_tokens=6, record_logits=True)
+    spec = ChatSession(pair, CHAR, draft_len=3, max_tokens=6, record_logits=True)
     plain = ChatSession(ATT, CHAR, max_tokens=6, record_logits=True)
     for text in ["abc ", "abc ", "dcba"]:
         got, want = spec.send(text), plain.send(text)
         assert difference(got, want) is None
-        assert got.completion.speculative is not None
+        assert got.speculative is not None
     assert got.usage.reused_tokens > 0
 
 
 def test_stream_yields_the_reply_and_updates_the_history():
     chat = ChatSession(ATT_BPE, BPE, system="sys", max_tokens=8, sampling=SAMPLED, seed=5)
     stream = chat.stream("hello")
-    deltas = list(stream)
-    turn = stream.turn
-    assert "".join(deltas) == turn.reply
+    deltas = [event.text for event in stream]
+    turn = stream.result
+    assert "".join(deltas) == turn.text
     assert chat.messages == [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": "hello"},
-        {"role": "assistant", "content": turn.reply},
+        {"role": "assistant", "content": turn.text},
     ]
     assert turn.finish_reason.value in ("length", "stop_token")
     assert turn.summary().startswith(f"prompt {len(turn.prompt_ids)} tokens (reused 0")
@@ -248,8 +248,8 @@ def test_bad_settings_and_misuse_are_refused():
         ChatSession(ATT, CHAR, prompt_ids=[1])
     with pytest.raises(ContextOverflowError):
         ChatSession(ATT, CHAR, max_tokens=500)
-    with pytest.raises(BadInputError, match="SpeculativeProducer"):
-        ChatSession(ATT, CHAR, speculative_block=2)
+    with pytest.raises(BadInputError, match="cannot draft"):
+        ChatSession(ATT, CHAR, draft_len=2)
     with pytest.raises(UnsupportedCapabilityError, match="no chat template"):
         ChatSession(ATT_BPE, Tokenizer.from_tokenizers(byte_level_bpe()))
     chat = ChatSession(ATT, CHAR, max_tokens=4, seed=1)

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.generate import CompletionRequest, run_raw_completion
 from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
 from turbospark_jax.testing import conformance as C
 

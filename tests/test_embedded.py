@@ -6,9 +6,9 @@ import json
 import numpy as np
 import pytest
 
+from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.cli import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
-from turbospark_jax.generate import CompletionRequest, run_raw_completion
 from turbospark_jax.loading import load_folder
 
 torch = pytest.importorskip("torch")

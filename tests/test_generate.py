@@ -4,16 +4,16 @@ finish reasons and bad input."""
 import numpy as np
 import pytest
 
-from turbospark_jax.errors import BadInputError, ContextOverflowError
-from turbospark_jax.generate import (
+from turbospark_jax import (
     CompletionRequest,
     FinishReason,
     SamplingConfig,
     run_raw_completion,
-    stream_raw_completion,
+    stream_completion,
 )
-from turbospark_jax.testing.scripted import ScriptedLogitProducer
+from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.state import copy_state, tree_bitwise_equal
+from turbospark_jax.testing.scripted import ScriptedLogitProducer
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 V = 32
@@ -223,10 +223,10 @@ def test_bad_input_raises_and_leaves_state_untouched(name):
     assert tree_bitwise_equal(first.state, kept)  # still valid and unchanged
     if name == "context overflow":
         with pytest.raises(ContextOverflowError):
-            stream_raw_completion(p, CompletionRequest(**fields), state=first.state)
+            stream_completion(p, CompletionRequest(**fields), state=first.state)
 
 
 def test_stream_without_tokenizer_yields_every_token():
-    stream = stream_raw_completion(TOY, CompletionRequest(prompt_ids=[1, 2], max_tokens=7))
+    stream = stream_completion(TOY, CompletionRequest(prompt_ids=[1, 2], max_tokens=7))
     events = list(stream)
-    assert [t for e in events for t in e.token_ids] == stream.completion.token_ids
+    assert [t for e in events for t in e.token_ids] == stream.result.token_ids

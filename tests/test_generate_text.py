@@ -5,11 +5,11 @@ streaming == non-streaming, and the fed record for every finish reason."""
 import numpy as np
 import pytest
 
-from turbospark_jax.generate import (
+from turbospark_jax import (
     CompletionRequest,
     FinishReason,
     run_raw_completion,
-    stream_raw_completion,
+    stream_completion,
 )
 from turbospark_jax.testing.scripted import ScriptedLogitProducer
 from turbospark_jax.testing.tokenizers import byte_level_bpe, byte_token_ids
@@ -38,9 +38,9 @@ def generate(text_or_ids, stop_strings=(), include=False, max_tokens=64, stop_id
                             stop_strings=list(stop_strings), include_stop_string=include,
                             stop_token_ids=list(stop_ids))
     whole = run_raw_completion(forcing(ids), req, tokenizer=TOK)
-    stream = stream_raw_completion(forcing(ids), req, tokenizer=TOK)
+    stream = stream_completion(forcing(ids), req, tokenizer=TOK)
     deltas = [e.text for e in stream]
-    assert "".join(deltas) == whole.text == stream.completion.text
+    assert "".join(deltas) == whole.text == stream.result.text
     assert all("\ufffd" not in d for d in deltas)
     return whole, deltas, ids
 

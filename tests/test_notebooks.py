@@ -17,3 +17,8 @@ def test_notebook_executes(path):
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
     assert not errors
+    charts = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+              if "image/png" in o.get("data", {})]
+    saved = sorted(path.parent.glob(f"{path.stem}_*.png"))
+    # Charts render inline (not a silent non-interactive backend) and are saved beside it.
+    assert len(charts) == len(saved) >= 1

@@ -9,8 +9,8 @@ from turbospark_jax.protocols import (
     LogitProducer,
     SpeculativeProducer,
     VerifyingTarget,
-    capabilities,
 )
+from turbospark_jax.state import FedRecord
 
 
 class _Minimal(SpeculativeProducer):
@@ -33,6 +33,12 @@ class _Minimal(SpeculativeProducer):
     def rewind_drafter(self, state, position):
         return state
 
+    def drafter_position(self, state):
+        return len(state)
+
+    def fed_record(self, state):
+        return FedRecord.empty(4)
+
     def checkpoint(self, state):
         return state
 
@@ -49,22 +55,22 @@ def test_seed_capability_defaults():
     assert p.drafts_block_passes() is False
     assert p.supports_headless_prefill() is False
     assert p.supports_retaining_rollback() is False
-    assert p.session_slot_evicted(()) is False
+    assert p.supports_draft_bursts() is False
+    assert p.device_draft_limit() == 0
+    assert p.can_rewind is False
     assert p.max_positions is None
-    assert capabilities(p) == {
-        "chunked_prefill": False,
-        "speculative": True,
-        "chunked_drafter_prefill": False,
-        "block_drafter": False,
-        "headless_prefill": False,
-        "retaining_rollback": False,
-    }
 
 
 def test_default_reuse_is_zero_and_fresh():
     p = _Minimal()
     n, state = p.try_reuse_prefix((1, 2, 3), [1, 2, 3, 4])
     assert n == 0 and state == ()
+
+
+def test_reuse_of_an_empty_prompt_is_refused():
+    """The answer must be strictly shorter than the prompt, so an empty one has none."""
+    with pytest.raises(errors.BadInputError, match="empty"):
+        _Minimal().try_reuse_prefix((1,), [])
 
 
 def test_default_prefill_advances_like_produce():
@@ -86,8 +92,13 @@ def test_record_committed_default_is_identity():
         lambda p: p.prefill_chunk_priming_drafter((), [1], 0, None),
         lambda p: p.draft_block((), 1, 0, 3),
         lambda p: p.rollback_retaining((), (), 1),
+        lambda p: p.rewind((1, 2), 1),
+        lambda p: p.draft_burst((), 1, 0, 2, params=None, history=None, key=None, index=0),
+        lambda p: p.device_rounds((), 1, draft_len=2, budget=4, params=None, history=None,
+                                  key=None, gen_index=0, remaining=4),
     ],
-    ids=["prefill_chunk_priming_drafter", "draft_block", "rollback_retaining"],
+    ids=["prefill_chunk_priming_drafter", "draft_block", "rollback_retaining", "rewind",
+         "draft_burst", "device_rounds"],
 )
 def test_refusing_defaults_raise_our_error(call):
     with pytest.raises(errors.UnsupportedCapabilityError) as info:
@@ -97,8 +108,7 @@ def test_refusing_defaults_raise_our_error(call):
 
 def test_every_seed_method_has_a_counterpart():
     seed_methods = {
-        LogitProducer: ["reset", "try_reuse_prefix", "session_slot_evicted", "produce",
-                        "produce_prefill"],
+        LogitProducer: ["reset", "try_reuse_prefix", "produce", "produce_prefill"],
         ChunkedPrefillRunner: ["prefill_chunk", "prefill_chunk_with_status"],
         SpeculativeProducer: [
             "prime_drafter", "supports_chunked_drafter_prefill", "prefill_chunk_priming_drafter",

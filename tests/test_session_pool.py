@@ -24,21 +24,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark_jax.testing.fixtures import multi_turn_producers
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.drafters import NGramDrafter, SpeculativePair
-from turbospark_jax.errors import BadInputError, SessionError
-from turbospark_jax.generate import (
+from turbospark_jax import (
     Completion,
     CompletionRequest,
     FinishReason,
     SamplingConfig,
     run_raw_completion,
 )
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.drafters import NGramDrafter, SpeculativePair
+from turbospark_jax.errors import BadInputError, SessionError
 from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.session_pool import SessionPool
+from turbospark_jax.state import FedRecord
 from turbospark_jax.testing.conformance import perturbed
+from turbospark_jax.testing.fixtures import multi_turn_producers
 
 V = 32
 FIRST, USER, REPLY = 5, 3, 4  # tokens in a first prompt, a user message, a reply
@@ -122,7 +123,7 @@ def pool_server(pool: SessionPool, **kwargs) -> Serve:
         u = turn.usage
         assert u.prompt_tokens == len(prompt)
         assert u.prefilled_tokens == len(prompt) - u.reused_tokens
-        return Served(name, prompt, turn.completion, u.reused_tokens, u.slot, u.evicted)
+        return Served(name, prompt, turn, u.reused_tokens, u.slot, u.evicted)
 
     return serve
 
@@ -198,15 +199,12 @@ class ForgetfulPool(SessionPool):
         return evicted
 
 
-class TrustsCount:
+class TrustsCount(BlockProducer):
     """Control producer: reuse trusts the state's cursor instead of comparing fed ids, the
     bug the seed warns about. Harmless while a slot only ever serves one session."""
 
     def __init__(self, inner: BlockProducer) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
+        self.__dict__.update(inner.__dict__)
 
     def try_reuse_prefix(self, state, prompt_ids, *, injected=None):
         del injected
@@ -341,11 +339,9 @@ def test_speculative_turns_through_the_pool_equal_plain_greedy_fresh():
         return Served(name, prompt, c, 0)
 
     def spec(name, prompt, k):
-        t = pool.generate(name, dataclasses.replace(greedy, prompt_ids=prompt),
-                          speculative_block=3)
-        assert t.completion.speculative is not None
-        return Served(name, prompt, t.completion, t.usage.reused_tokens, t.usage.slot,
-                      t.usage.evicted)
+        t = pool.generate(name, dataclasses.replace(greedy, prompt_ids=prompt, draft_len=3))
+        assert t.speculative is not None
+        return Served(name, prompt, t, t.usage.reused_tokens, t.usage.slot, t.usage.evicted)
 
     pool = SessionPool(pair, 1)
     served = converse(spec, convo, schedule)
@@ -389,6 +385,9 @@ class Guarded(LogitProducer[TupleState]):
     def init_state(self) -> TupleState:
         return TupleState()
 
+    def fed_record(self, state) -> FedRecord:
+        return FedRecord.from_ids(state.fed)
+
     def try_reuse_prefix(self, state, prompt_ids, *, injected=None):
         n = common_prefix(state.fed, None, prompt_ids, injected)
         return n, TupleState(state.fed[:n])
@@ -421,10 +420,10 @@ def test_a_failed_turn_leaves_the_session_an_empty_slot():
     p = Guarded()
     pool = SessionPool(p, 1)
     first = pool.generate("s", request([1, 2, 3], 0))
-    assert pool.slot_table()[0].fed_tokens == len(first.completion.fed_ids) > 0
+    assert pool.slot_table()[0].fed_tokens == len(first.fed_ids) > 0
     p.poison = 9
     failed = pool.generate("s", request([1, 2, 3, 9], 0))
-    assert failed.completion.finish_reason is FinishReason.ERROR
+    assert failed.finish_reason is FinishReason.ERROR
     assert failed.usage.reused_tokens == 3
     assert pool.sessions() == {"s": 0} and pool.slot_table()[0].fed_tokens == 0
     assert pool.state_of("s") is None
@@ -442,11 +441,11 @@ def test_state_of_is_a_copy_that_survives_donation():
     first = pool.generate("s", request([1, 2, 3, 4, 5], 0))
     copy = pool.state_of("s")
     run_raw_completion(ATT, request([1, 2, 3, 4, 5, 6], 1), state=copy)  # consumes the copy
-    convo_prompt = [1, 2, 3, 4, 5, *first.completion.token_ids, 7]
+    convo_prompt = [1, 2, 3, 4, 5, *first.token_ids, 7]
     again = pool.generate("s", request(convo_prompt, 1))
     fresh = run_raw_completion(ATT, request(convo_prompt, 1))
     assert again.usage.reused_tokens == FIRST + REPLY - 1
-    assert np.array_equal(again.completion.logits.view(np.uint32), fresh.logits.view(np.uint32))
+    assert np.array_equal(again.logits.view(np.uint32), fresh.logits.view(np.uint32))
 
 
 @pytest.mark.parametrize("slots", [0, -1, True, 1.5, "2"])
@@ -469,13 +468,13 @@ def test_bad_arguments_are_refused_with_actionable_errors():
         pool.generate(None, request([1], 0))
     with pytest.raises(SessionError, match="hashable"):
         pool.generate(["a"], request([1], 0))
-    with pytest.raises(BadInputError, match="SpeculativeProducer"):
-        pool.generate("a", request([1, 2], 0), speculative_block=2)
+    with pytest.raises(BadInputError, match="cannot draft"):
+        pool.generate("a", dataclasses.replace(request([1, 2], 0), draft_len=2))
     with pytest.raises(BadInputError, match="outside the vocabulary"):
         pool.generate("a", request([1, V], 0))
     # refused before any slot was taken: the state is intact and still reused
     assert pool.sessions() == {"a": 0} and not pool.session_slot_evicted("a")
-    again = pool.generate("a", request([1, 2, 3, *first.completion.token_ids], 1))
+    again = pool.generate("a", request([1, 2, 3, *first.token_ids], 1))
     assert again.usage.reused_tokens == 3 + REPLY - 1
     pool.drop("a")
     assert pool.sessions() == {} and pool.slot_of("a") is None
@@ -555,8 +554,8 @@ def test_wait_zero_refuses_a_busy_slot_and_the_turn_in_flight_finishes():
     assert pool.slot_table()[0].busy
     p.gate.set()
     runner.join(10)
-    assert box and box[0].completion.finish_reason is FinishReason.LENGTH
-    assert pool.fed_ids_of("s") == box[0].completion.fed_ids
+    assert box and box[0].finish_reason is FinishReason.LENGTH
+    assert pool.fed_ids_of("s") == box[0].fed_ids
 
 
 def test_a_thread_never_waits_for_a_slot_it_holds_and_a_closed_stream_frees_it():

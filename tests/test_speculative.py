@@ -1,22 +1,31 @@
 """The speculative loop: greedy is token-for-token (and logit-for-logit) plain greedy, sampled
 preserves the target distribution, rollback by value, stops inside accepted blocks."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbospark_jax import sampling
-from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
-from turbospark_jax.drafters.ngram import propose
-from turbospark_jax.errors import BadInputError
-from turbospark_jax.generate import CompletionRequest, SamplingConfig, run_raw_completion
-from turbospark_jax.speculative import (
-    MAX_BLOCK,
-    _judge,
-    run_raw_completion_speculative,
-    stream_raw_completion_speculative,
+from turbospark_jax import (
+    CompletionRequest,
+    SamplingConfig,
+    run_raw_completion,
+    sampling,
+    stream_completion,
 )
+from turbospark_jax.drafters import (
+    DraftModelDrafter,
+    NGramDrafter,
+    OracleDrafter,
+    SpeculativePair,
+)
+from turbospark_jax.drafters.ngram import NGramDevice, propose
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.rounds import judge as _judge
+from turbospark_jax.speculative import MAX_DRAFT, run_raw_completion_speculative
+from turbospark_jax.state import FedRecord
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 V = 32
@@ -40,38 +49,103 @@ PLAIN = {"attention": run_raw_completion(TARGET, GREEDY),
          "recurrent": run_raw_completion(RNN, GREEDY)}
 
 
-@pytest.mark.parametrize("block", range(1, MAX_BLOCK + 1))
+def pair(target, drafter, loop):
+    return SpeculativePair(target, drafter, device_rounds=loop == "device")
+
+
+def spec(producer, request, draft_len, **kwargs):
+    return run_raw_completion_speculative(
+        producer, dataclasses.replace(request, draft_len=draft_len), **kwargs
+    )
+
+
+LOOPS = ["device", "host"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("draft_len", range(1, MAX_DRAFT + 1))
 @pytest.mark.parametrize("drafter", sorted(ATT_DRAFTERS))
-def test_greedy_is_plain_greedy_token_for_token_and_bit_for_bit(block, drafter):
-    spec = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS[drafter]), GREEDY,
-                                          block_size=block)
+def test_greedy_is_plain_greedy_token_for_token_and_bit_for_bit(draft_len, drafter, loop):
+    got = spec(pair(TARGET, ATT_DRAFTERS[drafter], loop), GREEDY, draft_len)
     plain = PLAIN["attention"]
-    assert spec.token_ids == plain.token_ids
+    assert got.speculative.on_device == (loop == "device")
+    assert got.token_ids == plain.token_ids
     # the target logits behind every emitted token equal plain decoding's, bitwise
-    assert np.array_equal(spec.logits.view(np.uint32), plain.logits.view(np.uint32))
-    assert spec.fed_ids == plain.fed_ids
-    assert spec.speculative.rounds >= 1
+    assert np.array_equal(got.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert got.fed_ids == plain.fed_ids
+    assert got.speculative.rounds >= 1
 
 
-@pytest.mark.parametrize("block", [1, 4, 8])
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("draft_len", [1, 4, 8])
 @pytest.mark.parametrize("drafter", sorted(RNN_DRAFTERS))
-def test_greedy_lossless_on_a_recurrent_target_rolled_back_by_value(block, drafter):
-    spec = run_raw_completion_speculative(SpeculativePair(RNN, RNN_DRAFTERS[drafter]), GREEDY,
-                                          block_size=block)
+def test_greedy_lossless_on_a_recurrent_target_rolled_back_by_value(draft_len, drafter, loop):
+    got = spec(pair(RNN, RNN_DRAFTERS[drafter], loop), GREEDY, draft_len)
     plain = PLAIN["recurrent"]
-    assert spec.token_ids == plain.token_ids
-    assert np.array_equal(spec.logits.view(np.uint32), plain.logits.view(np.uint32))
-    assert spec.fed_ids == plain.fed_ids
+    assert got.token_ids == plain.token_ids
+    assert np.array_equal(got.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert got.fed_ids == plain.fed_ids
+
+
+def test_control_a_lossy_judgement_is_caught():
+    """The bitwise check can fail: a target whose verify rows are one bit off (and so differ
+    from its decode rows) breaks spec == plain."""
+    from turbospark_jax.testing.conformance import perturbed
+
+    lossy = perturbed(TARGET, "verify_row_bit")
+    got = spec(pair(lossy, ATT_DRAFTERS["ngram"], "host"), GREEDY, 4)
+    plain = PLAIN["attention"]
+    assert not np.array_equal(got.logits.view(np.uint32), plain.logits.view(np.uint32))
+
+
+@pytest.mark.parametrize("target", ["attention", "recurrent"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("drafter", ["other_model", "ngram", "oracle"])
+def test_device_rounds_equal_host_rounds_on_the_same_seed(drafter, temperature, target):
+    t = TARGET if target == "attention" else RNN
+    # A rewinding draft model has a device form; a recurrent one does not (tested below).
+    d = ATT_DRAFTERS.get(drafter) or OracleDrafter(V, PROMPT + PLAIN[target].token_ids, 0.7)
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=4,
+                            sampling=SamplingConfig(temperature=temperature, top_k=16,
+                                                    repetition_penalty=1.1))
+    device = spec(pair(t, d, "device"), req, 4)
+    host = spec(pair(t, d, "host"), req, 4)
+    assert device.speculative.on_device and not host.speculative.on_device
+    assert device.token_ids == host.token_ids
+    assert np.array_equal(device.logits.view(np.uint32), host.logits.view(np.uint32))
+    assert device.fed_ids == host.fed_ids
+    assert device.speculative.drafted_by_position == host.speculative.drafted_by_position
+    assert device.speculative.accepted_by_position == host.speculative.accepted_by_position
+
+
+def test_a_drafter_without_a_device_form_runs_the_host_loop():
+    p = SpeculativePair(TARGET, RNN_DRAFTERS["other_model"])  # a recurrent draft model
+    assert p.device_draft_limit() == 0
+    got = spec(p, GREEDY, 4)
+    assert not got.speculative.on_device
+    assert got.token_ids == PLAIN["attention"].token_ids
 
 
 def test_draft_model_equal_to_target_accepts_nearly_everything():
-    spec = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]),
-                                          GREEDY, block_size=4)
-    stats = spec.speculative
+    got = spec(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]), GREEDY, 4)
+    stats = got.speculative
     assert stats.acceptance_rate >= 0.98
     assert stats.mean_acceptance_length > 4.0
     assert stats.acceptance_by_position == [1.0] * 4
     assert stats.drafted == sum(stats.drafted_by_position)
+
+
+def test_oracle_acceptance_follows_alpha():
+    """The oracle drafter is right with probability alpha per position: the mean
+    acceptance length approaches the geometric expectation."""
+    long = CompletionRequest(prompt_ids=PROMPT, max_tokens=140)
+    ref = run_raw_completion(TARGET, long)
+    oracle = OracleDrafter(V, PROMPT + ref.token_ids, 0.8, seed=1)
+    got = spec(SpeculativePair(TARGET, oracle), long, 4)
+    expected = sum(0.8**i for i in range(5))  # 1 + a + a^2 + a^3 + a^4
+    assert got.token_ids == ref.token_ids
+    assert abs(got.speculative.mean_acceptance_length - expected) < 0.5
+    assert OracleDrafter(V, PROMPT, 1.0).block((), PROMPT[:3], 2)[0] == PROMPT[3:5]
 
 
 class _NoRetain(SpeculativePair):
@@ -84,10 +158,8 @@ def test_retaining_rollback_equals_rollback_plus_reverify(target):
     t, drafters = (TARGET, ATT_DRAFTERS) if target == "attention" else (RNN, RNN_DRAFTERS)
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True,
                             sampling=SamplingConfig(temperature=0.8), seed=4)
-    fast = run_raw_completion_speculative(SpeculativePair(t, drafters["other_model"]), req,
-                                          block_size=5)
-    slow = run_raw_completion_speculative(_NoRetain(t, drafters["other_model"]), req,
-                                          block_size=5)
+    fast = spec(pair(t, drafters["other_model"], "host"), req, 5)
+    slow = spec(_NoRetain(t, drafters["other_model"], device_rounds=False), req, 5)
     assert fast.token_ids == slow.token_ids
     assert np.array_equal(fast.logits, slow.logits)
     assert fast.fed_ids == slow.fed_ids
@@ -103,10 +175,8 @@ def test_device_draft_bursts_equal_step_by_step_drafting(temperature):
     """One decode call for the draft block proposes exactly what draft_step calls would."""
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=2,
                             sampling=SamplingConfig(temperature=temperature, top_k=16))
-    fast = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["other_model"]),
-                                          req, block_size=4)
-    slow = run_raw_completion_speculative(_NoBursts(TARGET, ATT_DRAFTERS["other_model"]), req,
-                                          block_size=4)
+    fast = spec(pair(TARGET, ATT_DRAFTERS["other_model"], "host"), req, 4)
+    slow = spec(_NoBursts(TARGET, ATT_DRAFTERS["other_model"], device_rounds=False), req, 4)
     assert fast.token_ids == slow.token_ids
     assert np.array_equal(fast.logits, slow.logits)
     assert fast.speculative == slow.speculative
@@ -117,60 +187,68 @@ def test_draft_burst_longer_than_the_drafters_burst_cap():
                                                      steps_per_call=2, seed=5))
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=2,
                             sampling=SamplingConfig(temperature=0.9))
-    capped = run_raw_completion_speculative(SpeculativePair(TARGET, short), req, block_size=5)
-    stepwise = run_raw_completion_speculative(_NoBursts(TARGET, short), req, block_size=5)
+    capped = spec(pair(TARGET, short, "host"), req, 5)
+    stepwise = spec(_NoBursts(TARGET, short, device_rounds=False), req, 5)
     assert capped.token_ids == stepwise.token_ids
     assert np.array_equal(capped.logits, stepwise.logits)
 
 
-def test_stop_token_inside_an_accepted_block_matches_plain():
+@pytest.mark.parametrize("loop", LOOPS)
+def test_stop_token_inside_an_accepted_block_matches_plain(loop):
     plain = PLAIN["attention"]
     stop = plain.token_ids[6]
     k = plain.token_ids.index(stop)
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=40, stop_token_ids=[stop])
     want = run_raw_completion(TARGET, req)
-    got = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]), req,
-                                         block_size=8)
+    got = spec(pair(TARGET, ATT_DRAFTERS["same_model"], loop), req, 8)
     assert got.token_ids == want.token_ids == plain.token_ids[: k + 1]
     assert got.fed_ids == want.fed_ids == tuple(PROMPT + plain.token_ids[:k])
     assert got.finish_reason is want.finish_reason
 
 
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("max_tokens", [1, 2, 7, 9])
-def test_max_tokens_and_fed_record_match_plain(max_tokens):
+def test_max_tokens_and_fed_record_match_plain(max_tokens, loop):
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=max_tokens)
     want = run_raw_completion(TARGET, req)
-    got = run_raw_completion_speculative(SpeculativePair(TARGET, ATT_DRAFTERS["same_model"]), req,
-                                         block_size=4)
+    got = spec(pair(TARGET, ATT_DRAFTERS["same_model"], loop), req, 4)
     assert got.token_ids == want.token_ids and got.fed_ids == want.fed_ids
     assert got.usage == want.usage
+
+
+@pytest.mark.parametrize("burst", [1, 3, 16])
+def test_device_bursts_of_any_length_give_the_same_output(burst):
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=6,
+                            burst=burst, sampling=SamplingConfig(temperature=1.0))
+    ref = spec(pair(TARGET, ATT_DRAFTERS["other_model"], "host"), req, 3)
+    got = spec(pair(TARGET, ATT_DRAFTERS["other_model"], "device"), req, 3)
+    assert got.token_ids == ref.token_ids and got.fed_ids == ref.fed_ids
 
 
 def test_sampled_runs_reproduce_exactly_with_a_seed():
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=24, seed=9,
                             sampling=SamplingConfig(temperature=1.0, top_k=12, top_p=0.9,
                                                     repetition_penalty=1.2))
-    pair = SpeculativePair(TARGET, ATT_DRAFTERS["other_model"])
-    a = run_raw_completion_speculative(pair, req, block_size=3)
-    b = run_raw_completion_speculative(pair, req, block_size=3)
+    p = SpeculativePair(TARGET, ATT_DRAFTERS["other_model"])
+    a, b = spec(p, req, 3), spec(p, req, 3)
     assert a.token_ids == b.token_ids
     assert a.speculative == b.speculative
 
 
 def test_streaming_tokens_equal_the_completion():
-    stream = stream_raw_completion_speculative(SpeculativePair(TARGET, NGramDrafter(V)),
-                                               CompletionRequest(prompt_ids=PROMPT, max_tokens=12))
+    stream = stream_completion(SpeculativePair(TARGET, NGramDrafter(V)),
+                               CompletionRequest(prompt_ids=PROMPT, max_tokens=12))
     seen = [t for e in stream for t in e.token_ids]
-    assert seen == stream.completion.token_ids
+    assert seen == stream.result.token_ids
+    assert stream.result.speculative is not None
 
 
-def test_reuse_across_speculative_turns():
-    pair = SpeculativePair(TARGET, ATT_DRAFTERS["other_model"])
-    first = run_raw_completion_speculative(pair, CompletionRequest(prompt_ids=PROMPT, max_tokens=8))
+@pytest.mark.parametrize("loop", LOOPS)
+def test_reuse_across_speculative_turns(loop):
+    p = pair(TARGET, ATT_DRAFTERS["other_model"], loop)
+    first = spec(p, CompletionRequest(prompt_ids=PROMPT, max_tokens=8), 4)
     prompt2 = PROMPT + first.token_ids[:5] + [7, 7]
-    again = run_raw_completion_speculative(pair, CompletionRequest(prompt_ids=prompt2,
-                                                                   max_tokens=8),
-                                           state=first.state)
+    again = spec(p, CompletionRequest(prompt_ids=prompt2, max_tokens=8), 4, state=first.state)
     fresh = run_raw_completion(TARGET, CompletionRequest(prompt_ids=prompt2, max_tokens=8))
     assert again.usage.reused_tokens == len(PROMPT) + 5
     assert again.token_ids == fresh.token_ids
@@ -180,13 +258,38 @@ def test_bad_input():
     other_vocab = toy_attention_producer(vocab=V + 1)
     with pytest.raises(BadInputError, match="vocabulary"):
         SpeculativePair(TARGET, DraftModelDrafter(other_vocab))
-    with pytest.raises(BadInputError, match="block_size"):
-        run_raw_completion_speculative(SpeculativePair(TARGET, NGramDrafter(V)), GREEDY,
-                                       block_size=0)
+    with pytest.raises(BadInputError, match="draft_len"):
+        spec(SpeculativePair(TARGET, NGramDrafter(V)), GREEDY, MAX_DRAFT + 1)
+    with pytest.raises(BadInputError, match="draft_len"):
+        spec(SpeculativePair(TARGET, NGramDrafter(V)), GREEDY, -1)
     with pytest.raises(BadInputError, match="not a SpeculativeProducer"):
         run_raw_completion_speculative(TARGET, GREEDY)
+    with pytest.raises(BadInputError, match="cannot draft"):
+        stream_completion(TARGET, dataclasses.replace(GREEDY, draft_len=2))
     with pytest.raises(BadInputError, match="min_n"):
         NGramDrafter(V, max_n=1, min_n=2)
+    with pytest.raises(BadInputError, match="alpha"):
+        OracleDrafter(V, PROMPT, 1.5)
+
+
+def test_plain_decoding_through_a_pair_with_draft_len_zero():
+    got = stream_completion(SpeculativePair(TARGET, NGramDrafter(V)),
+                            dataclasses.replace(GREEDY, draft_len=0)).drain()
+    assert got.speculative is None and got.token_ids == PLAIN["attention"].token_ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_device_ngram_lookup_equals_the_host_lookup(seed):
+    rng = np.random.default_rng(seed)
+    known = [int(t) for t in rng.integers(0, 4, rng.integers(1, 40))]
+    fed = FedRecord.from_ids(known[:-1], capacity=48)
+    for max_n, min_n in ((3, 1), (2, 2), (4, 1)):
+        device = NGramDevice(max_n=max_n, min_n=min_n)
+        for m in (1, 3, 8):
+            proposals, _, count, _ = jax.jit(device.propose)(
+                (), (), fed, jnp.int32(known[-1]), jnp.int32(m), None)
+            got = [int(t) for t in np.asarray(proposals)[: int(count)]]
+            assert got == propose(known, m, max_n, min_n), (known, max_n, min_n, m)
 
 
 def test_ngram_proposes_the_latest_match():
@@ -204,14 +307,14 @@ def _first_token_histogram(p_logits, q_probs, proposals_fn, n, seed):
     """Run the judgement ``n`` times with fresh keys; histogram of the first emitted token."""
     params = sampling.SamplingParams.make(temperature=1.0)
     hist = sampling.History.empty(SMALL_V)
-    rows = jnp.zeros((MAX_BLOCK + 1, SMALL_V)).at[: p_logits.shape[0]].set(p_logits)
-    q = jnp.zeros((MAX_BLOCK, SMALL_V)).at[: q_probs.shape[0]].set(q_probs)
+    rows = jnp.zeros((MAX_DRAFT + 1, SMALL_V)).at[: p_logits.shape[0]].set(p_logits)
+    q = jnp.zeros((MAX_DRAFT, SMALL_V)).at[: q_probs.shape[0]].set(q_probs)
     m = q_probs.shape[0]
 
     def one(key):
         k_draft, k_judge = jax.random.split(key)
         proposals = proposals_fn(k_draft)
-        padded = jnp.zeros((MAX_BLOCK,), jnp.int32).at[:m].set(proposals)
+        padded = jnp.zeros((MAX_DRAFT,), jnp.int32).at[:m].set(proposals)
         toks, count, _ = _judge(rows, q, padded, jnp.int32(m), params, hist, k_judge,
                                 jnp.int32(0))
         return toks[0], toks[1], count

@@ -394,6 +394,14 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
         del state, token, position, count, params, history, key, index
         raise UnsupportedCapabilityError(f"{type(self).__name__} has no draft bursts")
 
+    def supports_headless_prefill(self) -> bool:
+        """Whether :meth:`produce_prefill` (which may skip the head) can drive the drafter.
+
+        False by default: a drafter that reads the post-head hidden state would be primed
+        from stale values by a headless prefill.
+        """
+        return False
+
     def device_draft_limit(self) -> int:
         """The largest ``draft_len`` :meth:`device_rounds` takes; 0 (the default) when it runs
         no rounds on the device, and the speculative loop drives drafter and target call by

@@ -18,6 +18,7 @@ two states on what is live.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -66,6 +67,15 @@ class FedRecord:
             injected=jnp.zeros((capacity,), jnp.int32),
             count=jnp.zeros((), jnp.int32),
         )
+
+    @classmethod
+    def from_ids(cls, ids: Sequence[int], capacity: int | None = None) -> FedRecord:
+        """A record of ``ids`` consumed in order (nothing injected), built on the host."""
+        capacity = len(ids) if capacity is None else capacity
+        padded = np.zeros((capacity,), np.int32)
+        padded[: len(ids)] = list(ids)
+        return cls(ids=jnp.asarray(padded), injected=jnp.zeros((capacity,), jnp.int32),
+                   count=jnp.int32(len(ids)))
 
     @property
     def capacity(self) -> int:

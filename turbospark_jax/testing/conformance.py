@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -196,57 +196,51 @@ def _corrupt_last_fed(state: Any) -> Any:
     return state.replace(fed=fed.replace(ids=fed.ids.at[last].set(fed.ids[last] ^ 1)))
 
 
-class _Proxy:
-    """Forwards everything to the wrapped producer except what a control overrides."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+# Each control is a mixin placed before the producer's own class, so the perturbed producer
+# is still an instance of every protocol the original implements.
 
 
-class _FlipChunkLogits(_Proxy):
+class _FlipChunkLogits:
     def prefill_chunk(self, state, tokens, start_position):
-        logits, state = self._inner.prefill_chunk(state, tokens, start_position)
+        logits, state = super().prefill_chunk(state, tokens, start_position)
         return _flip_logit_bit(logits), state
 
 
-class _SkipChunkPosition(_Proxy):
+class _SkipChunkPosition:
     # Drops the chunk's first token and feeds its last twice: same length, one position lost.
     def prefill_chunk(self, state, tokens, start_position):
         tokens = list(tokens)
         tokens = [*tokens[1:], tokens[-1]] if len(tokens) > 1 else [tokens[0] ^ 1]
-        return self._inner.prefill_chunk(state, tokens, start_position)
+        return super().prefill_chunk(state, tokens, start_position)
 
 
-class _PrefillCorruptsState(_Proxy):
+class _PrefillCorruptsState:
     def produce_prefill(self, state, token, position):
-        return _corrupt_last_fed(self._inner.produce_prefill(state, token, position))
+        return _corrupt_last_fed(super().produce_prefill(state, token, position))
 
 
-class _VerifyFlipsRow(_Proxy):
+class _VerifyFlipsRow:
     def verify(self, state, feed, base):
-        rows, state = self._inner.verify(state, feed, base)
+        rows, state = super().verify(state, feed, base)
         return _flip_logit_bit(rows), state
 
 
-class _RollbackOffByOne(_Proxy):
+class _RollbackOffByOne:
     def rollback(self, state, point):
-        restored = self._inner.rollback(state, point)
+        restored = super().rollback(state, point)
         return _corrupt_last_fed(restored) if _count(restored) else restored
 
 
-class _ReuseClaimsOneMore(_Proxy):
+class _ReuseClaimsOneMore:
     # Answers one token more than it rewound to: the continuation then skips a position.
     def try_reuse_prefix(self, state, prompt_ids, *, injected=None):
-        n, state = self._inner.try_reuse_prefix(state, prompt_ids, injected=injected)
+        n, state = super().try_reuse_prefix(state, prompt_ids, injected=injected)
         if n + 1 >= len(prompt_ids):
             return n, _corrupt_last_fed(state) if n else state
         return n + 1, state.replace(fed=state.fed.replace(count=state.fed.count + 1))
 
 
-CONTROLS: dict[str, Callable[[Any], Any]] = {
+CONTROLS: dict[str, type] = {
     "chunk_logits_bit": _FlipChunkLogits,
     "chunk_skips_position": _SkipChunkPosition,
     "prefill_corrupts_state": _PrefillCorruptsState,
@@ -257,5 +251,11 @@ CONTROLS: dict[str, Callable[[Any], Any]] = {
 
 
 def perturbed(producer: Any, control: str) -> Any:
-    """``producer`` wrapped by the named control from :data:`CONTROLS`."""
-    return CONTROLS[control](producer)
+    """A copy of ``producer`` whose class puts the named control from :data:`CONTROLS` first:
+    the same instance data, one method wrong."""
+    base = type(producer)
+    cls = type(f"{CONTROLS[control].__name__.lstrip('_')}{base.__name__}",
+               (CONTROLS[control], base), {})
+    copy = object.__new__(cls)
+    copy.__dict__.update(producer.__dict__)
+    return copy
