@@ -15,7 +15,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbospark_jax.testing.fixtures import jitted_block
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.dense import (
     DenseCache,
@@ -27,6 +26,7 @@ from turbospark_jax.models.dense import (
 )
 from turbospark_jax.models.layers import attend
 from turbospark_jax.state import tree_bitwise_equal
+from turbospark_jax.testing.fixtures import jitted_block
 
 W = 4
 CAPACITY = 16

@@ -28,9 +28,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from turbospark_jax.testing.fixtures import jitted_block, randomise_hf_norms_and_biases  # noqa: E402
 from turbospark_jax.loading import LoadedModel, load_folder  # noqa: E402
 from turbospark_jax.models.dense import DenseModel  # noqa: E402
+from turbospark_jax.testing.fixtures import jitted_block, randomise_hf_norms_and_biases  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 160

@@ -24,7 +24,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from turbospark_jax.testing.fixtures import randomise_hf_norms_and_biases  # noqa: E402
 from turbospark_jax.errors import (  # noqa: E402
     BadInputError,
     ModelLoadError,
@@ -39,6 +38,7 @@ from turbospark_jax.models.dense import (  # noqa: E402
 )
 from turbospark_jax.models.layers import RopeScaling  # noqa: E402
 from turbospark_jax.state import tree_bitwise_equal  # noqa: E402
+from turbospark_jax.testing.fixtures import randomise_hf_norms_and_biases  # noqa: E402
 from turbospark_jax.tokenizer import Tokenizer  # noqa: E402
 
 ATOL = 1e-4
