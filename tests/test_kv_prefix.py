@@ -1,6 +1,6 @@
 """Prefix reuse keyed on the fed record: the rules of kv_prefix, checked against their
 definition with hypothesis, each with a control that breaks one rule; the same rules through
-HostFedRecord and a BlockProducer's try_reuse_prefix (injected embeddings included)."""
+a BlockProducer's try_reuse_prefix (injected embeddings included)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kv_prefix import NOT_INJECTED, common_prefix, reusable_prefix
-from turbospark_jax.state import HostFedRecord
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 PrefixFn = Callable[[Sequence[int], Sequence[int] | None, Sequence[int], Mapping[int, int]], int]
@@ -128,15 +127,6 @@ def test_non_rewindable_states_reuse_only_their_whole_record(case):
     full = common_prefix(fed, fed_injected, prompt, injected)
     assert n == (full if full == len(fed) else 0)
     assert reusable_prefix(fed, fed_injected, prompt, injected) == full
-
-
-@given(cases())
-def test_host_fed_record_delegates_to_kv_prefix(case):
-    fed, fed_injected, prompt, injected = case
-    record = HostFedRecord(ids=tuple(fed), injected=tuple(fed_injected))
-    assert record.reusable_prefix(prompt, injected) == common_prefix(
-        fed, fed_injected, prompt, injected
-    )
 
 
 ATT = toy_attention_producer(vocab=32, capacity=32, width=4, steps_per_call=8)

@@ -319,11 +319,14 @@ class BlockProducer(
         plan = self._plan([[token]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
                           offsets=np.arange(self.steps_per_call, dtype=np.int32))
         out, state = self._call(state, plan, control, steps)
-        n, finish = int(out.steps), int(out.finish)
-        toks = [int(t) for t in np.asarray(out.sampled[:n])]
+        # One transfer for the scalars and tokens; slicing on the device by a count that
+        # changes from call to call would compile a new program per count.
+        n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
+        n, finish = int(n), int(finish)
+        toks = [int(t) for t in sampled[:n]]
         if finish == NON_FINITE:
             toks = toks[: n - 1]
-        logits = out.logits[: len(toks)] if record_logits else None
+        logits = np.asarray(out.logits)[: len(toks)] if record_logits else None
         return DeviceBurst(tokens=toks, finish=finish, history=out.history, logits=logits), state
 
     # -- internals ------------------------------------------------------------------------

@@ -314,7 +314,7 @@ class _Loop:
         stats.seconds["device"] += time.perf_counter() - started  # the burst was read back
         for drafted, accepted in burst.rounds:
             stats.record(drafted, accepted)
-        rows = list(burst.logits) if burst.logits is not None else [None] * len(burst.tokens)
+        rows = np.asarray(burst.logits) if burst.logits is not None else [None] * len(burst.tokens)
         for tok, row in zip(burst.tokens, rows, strict=True):
             event, finish = out.push(tok, row)
             if event is not None:

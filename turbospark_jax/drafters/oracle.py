@@ -60,19 +60,20 @@ class OracleDrafter(Drafter):
     def block(self, state: Any, known: Sequence[int], count: int) -> tuple[list[int], Any]:
         base = len(known) - 1  # the anchor's position; proposals go to base + 1 ...
         proposals, n = _oracle(
-            jnp.asarray(self.reference), jnp.int32(base), jnp.int32(count), self._vocab,
-            self.alpha, self.seed,
+            jnp.asarray(self.reference), jnp.float32(self.alpha), jnp.int32(base),
+            jnp.int32(count), self._vocab, self.seed,
         )
         return [int(t) for t in np.asarray(proposals)[: int(n)]], state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
-        device = OracleDevice(vocab_size=self._vocab, alpha=self.alpha, seed=self.seed)
-        return device, jnp.asarray(self.reference)
+        # alpha travels as data, so oracles of every quality share one compiled program.
+        params = {"reference": jnp.asarray(self.reference), "alpha": jnp.float32(self.alpha)}
+        return OracleDevice(vocab_size=self._vocab, seed=self.seed), params
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+@functools.partial(jax.jit, static_argnums=(4, 5))
 def _oracle(
-    reference: jax.Array, base: jax.Array, m: jax.Array, vocab: int, alpha: float, seed: int
+    reference: jax.Array, alpha: jax.Array, base: jax.Array, m: jax.Array, vocab: int, seed: int
 ) -> tuple[jax.Array, jax.Array]:
     """Proposals for positions ``base + 1 ..`` (int32[MAX_DRAFT]) and how many are real."""
     positions = base + 1 + jnp.arange(MAX_DRAFT, dtype=jnp.int32)
@@ -88,10 +89,9 @@ def _oracle(
 
 @dataclasses.dataclass(frozen=True)
 class OracleDevice(DeviceDrafter):
-    """The oracle on the device; its params are the reference sequence."""
+    """The oracle on the device; its params are the reference sequence and alpha."""
 
     vocab_size: int
-    alpha: float
     seed: int
 
     def propose(
@@ -100,6 +100,7 @@ class OracleDevice(DeviceDrafter):
     ) -> tuple[jax.Array, None, jax.Array, Any]:
         del pending, sampler
         proposals, count = _oracle(
-            params, target_fed.count, m, self.vocab_size, self.alpha, self.seed
+            params["reference"], params["alpha"], target_fed.count, m, self.vocab_size,
+            self.seed,
         )
         return proposals, None, count, state

@@ -256,14 +256,17 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             target.params, device_params, buffers_only(state.target), by_value(state.target),
             state.drafter, jnp.int32(pending), control,
         )
-        n, rounds = int(out.count), int(out.rounds)
-        sizes = np.asarray(out.sizes[:rounds])
+        # One transfer for everything small; slicing on the device by a count that changes
+        # from call to call would compile a new program per count.
+        n, rounds, finish, tokens, sizes = jax.device_get(
+            (out.count, out.rounds, out.finish, out.tokens, out.sizes)
+        )
         burst = DeviceBurst(
-            tokens=[int(t) for t in np.asarray(out.tokens[:n])],
-            finish=int(out.finish),
+            tokens=[int(t) for t in tokens[: int(n)]],
+            finish=int(finish),
             history=out.history,
-            logits=out.logits[:n] if record_logits else None,
-            rounds=tuple((int(d), int(a)) for d, a in sizes),
+            logits=np.asarray(out.logits)[: int(n)] if record_logits else None,
+            rounds=tuple((int(d), int(a)) for d, a in sizes[: int(rounds)]),
         )
         return burst, PairState(target=merge_parts(buffers, values), drafter=drafter)
 
