@@ -1,9 +1,10 @@
 """The model card: rendered from its template, it says what the string-built card said.
 
 ``tests/data/model_card_*.md`` are the cards the string-assembly ``model_card`` wrote (before
-the card became a jinja2 template) for the two fixture runs below: one finished, with
-evaluations, a corpus subset and a commit; one cut short, with none of those. The template's
-card must equal them except for :data:`INTENDED_CHANGES`.
+the card became a jinja2 template) for the two fixture runs below, with the module's name
+updated to ``turbospark_jax.recipe``: one run finished, with evaluations, a corpus subset and a
+commit; one cut short, with none of those. The template's card must equal them except for
+:data:`INTENDED_CHANGES`.
 """
 
 from __future__ import annotations
@@ -22,12 +23,10 @@ DATA = Path(__file__).parent / "data"
 COMMAND = "python -m turbospark_jax.recipe recipe --out runs/x --max-files 40"
 SAMPLES = ("def foo():\n    return 1", "class A:\n    '''```x```'''", "import os")
 
-#: What differs from the string-built card on purpose: the module's new name, and how the
-#: samples are made: by the runtime's generation loop from prompts that end on a word, where
-#: the string-built card's own decoder "healed" a prompt's trailing space token.
+#: What differs from the string-built card on purpose: how the samples are made. They come
+#: from the runtime's generation loop, from prompts that end on a word, where the string-built
+#: card's own decoder "healed" a prompt's trailing space token.
 INTENDED_CHANGES = (
-    ("trained from scratch by `turbospark_jax.train`",
-     "trained from scratch by `turbospark_jax.recipe`"),
     ("Greedy completions (the prompt, then the model's continuation; the prompt's last token "
      "is healed: the model re-picks it among the tokens that start with its text, since a "
      "prompt ending in a space splits a boundary that training text never has):",
