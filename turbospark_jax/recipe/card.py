@@ -112,6 +112,8 @@ def card_samples(
       Prompt plus completion text, one per prompt. A completion the loop ended with an error
       (non-finite logits from a diverged model) carries the error as a trailing comment.
     """
+    if not prompts:
+        return []
     model = DenseModel(config, jnp.dtype(dtype))
     cast = jax.tree.map(lambda p: jnp.asarray(p, model.dtype), params)
     encoded = [tokenizer.encode(p) for p in prompts]

@@ -50,4 +50,3 @@ def export_model(
     loading.save_folder(folder, result.config, params, tokenizer=tokenizer,
                         generation_config=generation, max_shard_bytes=SHARD_BYTES)
     (folder / "README.md").write_text(card, encoding="utf-8")
-

@@ -48,6 +48,7 @@ from turbospark_jax.tokenizer import Tokenizer
 CHECKPOINT_STATE = "state.safetensors"
 CHECKPOINT_META = "meta.json"
 
+
 # -- models --------------------------------------------------------------------------------
 
 #: Model shapes for the recipe (``config.json`` keys). Parameter counts at vocab 8192, with the
@@ -588,4 +589,3 @@ def train_model(
         history=history,
         timings=timings,
     )
-
