@@ -1,0 +1,106 @@
+"""The model card: rendered from its template, it says what the string-built card said.
+
+``tests/data/model_card_*.md`` are the cards the string-assembly ``model_card`` wrote (before
+the card became a jinja2 template) for the two fixture runs below, with the module's name
+updated to ``turbospark_jax.recipe``: one run finished, with evaluations, a corpus subset and a
+commit; one cut short, with none of those. The template's card must equal them except for
+:data:`INTENDED_CHANGES`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from turbospark_jax.models.dense import DenseConfig, init_params
+from turbospark_jax.recipe import card
+from turbospark_jax.recipe.train import TrainConfig, TrainResult
+
+DATA = Path(__file__).parent / "data"
+COMMAND = "python -m turbospark_jax.recipe recipe --out runs/x --max-files 40"
+SAMPLES = ("def foo():\n    return 1", "class A:\n    '''```x```'''", "import os")
+
+#: What differs from the string-built card on purpose: how the samples are made. They come
+#: from the runtime's generation loop, from prompts that end on a word, where the string-built
+#: card's own decoder "healed" a prompt's trailing space token.
+INTENDED_CHANGES = (
+    ("Greedy completions (the prompt, then the model's continuation; the prompt's last token "
+     "is healed: the model re-picks it among the tokens that start with its text, since a "
+     "prompt ending in a space splits a boundary that training text never has):",
+     "Greedy completions from the runtime's own generation loop, with the weights as exported "
+     "(the prompt, then up to 48 tokens of the model's continuation; each prompt ends on a "
+     "whole word, since a prompt ending in a space splits a boundary that training text never "
+     "has):"),
+)
+
+
+def card_inputs(finished: bool) -> dict:
+    config = DenseConfig.from_hf_dict({
+        "model_type": "qwen3", "vocab_size": 300, "hidden_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+        "intermediate_size": 64, "max_position_embeddings": 2048, "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "bos_token_id": 0,
+        "eos_token_id": 1, "pad_token_id": 2,
+    })
+    params = jax.eval_shape(lambda: init_params(config, jax.random.PRNGKey(0), jnp.float32))
+    tc = TrainConfig(steps=12, batch_size=8, seq_len=32, peak_lr=1e-2, warmup_steps=3)
+    steps = 12 if finished else 7
+    history = [
+        {"kind": "train", "step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0, "lr": 1e-3,
+         "tokens_per_s": (1000.0 * s if finished else 0.0)}
+        for s in range(4, steps + 1, 4)
+    ]
+    if finished:
+        history += [{"kind": "eval", "step": 6, "loss": 3.5, "ppl": 33.11545195869231},
+                    {"kind": "eval", "step": 12, "loss": 2.345678, "ppl": 10.44}]
+    result = TrainResult(
+        config=config, params=params, steps_done=steps, finished=finished,
+        tokens_seen=steps * 8 * 32, eval_loss=2.345678 if finished else None,
+        history=history, timings={},
+    )
+    corpus = {
+        "name": "the fixture library", "root": "/fixture/lib", "python": "3.11.0",
+        "train_files": 36, "heldout_files": 4, "train_chars": 1234567, "heldout_chars": 23456,
+        "skipped_not_utf8": 1, "heldout_fraction": 0.1, "max_files": 40 if finished else None,
+    }
+    return dict(
+        name="tiny-card", result=result, train_config=tc, corpus=corpus,
+        tokens={"train": 345678, "heldout": 6789}, samples=SAMPLES, command=COMMAND,
+        save_dtype="bfloat16" if finished else "float32",
+        role="It is the target model." if finished else "",
+        provenance=card.Provenance("gpu", "NVIDIA H200", "0.0.0-fixture",
+                                   "0123abc" if finished else None),
+    )
+
+
+@pytest.mark.parametrize(("finished", "golden"), [(True, "finished"), (False, "cut_short")])
+def test_card_equals_the_string_built_card(finished: bool, golden: str) -> None:
+    want = (DATA / f"model_card_{golden}.md").read_text(encoding="utf-8")
+    for old, new in INTENDED_CHANGES:
+        assert want.count(old) == 1
+        want = want.replace(old, new)
+    assert card.model_card(**card_inputs(finished)) == want
+
+
+def test_card_keeps_samples_inside_their_code_blocks() -> None:
+    text = card.model_card(**card_inputs(True))
+    assert "```python\nclass A:\n    '''` ` `x` ` `'''\n```\n" in text
+    # Every fence opened is closed: the markdown outside the samples stays markdown.
+    assert text.count("```") % 2 == 0
+
+
+def test_card_of_this_process_names_its_device() -> None:
+    inputs = card_inputs(True)
+    del inputs["provenance"]
+    text = card.model_card(**inputs)
+    device = jax.devices()[0]
+    assert f"| device | {device.platform} (" in text and f"jax {jax.__version__} |" in text
+
+
+def test_command_line_is_the_module_form() -> None:
+    assert card.command_line(["recipe", "--out", "a b"]) == (
+        "python -m turbospark_jax.recipe recipe --out 'a b'"
+    )

@@ -1,0 +1,362 @@
+"""The recipe's command line: ``python -m turbospark_jax.recipe COMMAND``.
+
+``recipe`` runs everything; ``tokenizer``, ``train``, ``pack`` and ``unpack`` run one piece.
+Training length is given in epochs and resolved here into steps (see :func:`_train_config`).
+Errors a user can cause (bad arguments, a missing folder, a checkpoint from other settings)
+print one line, ``turbospark-jax recipe: error: ...``, and exit with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+
+from turbospark_jax.errors import BadInputError, TurbosparkError
+from turbospark_jax.recipe.card import card_samples, command_line, model_card
+from turbospark_jax.recipe.corpus import Corpus, encode_documents, load_corpus, pack_rows
+from turbospark_jax.recipe.export import export_model
+from turbospark_jax.recipe.pack import PART_BYTES, pack_folders, unpack_parts
+from turbospark_jax.recipe.tokenizer_training import train_tokenizer
+from turbospark_jax.recipe.train import (
+    PRESETS,
+    TrainConfig,
+    TrainResult,
+    count_params,
+    model_config,
+    train_model,
+)
+from turbospark_jax.tokenizer import Tokenizer
+
+#: How every error line starts.
+ERROR_PREFIX = "turbospark-jax recipe: error:"
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors raise, so :func:`main` reports them like any
+    other error (one line, status 1) instead of argparse's usage block and status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        raise BadInputError(message)
+
+
+def _add_corpus_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--corpus-root", type=Path, default=None,
+                   help="directory of .py files (default: this interpreter's stdlib)")
+    p.add_argument("--heldout-fraction", type=float, default=0.03,
+                   help="share of files held out by path hash (default 0.03)")
+    p.add_argument("--max-files", type=int, default=None,
+                   help="use only this many files, evenly spaced (quick runs)")
+    p.add_argument("--corpus-name", default=None,
+                   help="what --corpus-root holds, for the model card (e.g. 'the CPython "
+                   "3.11.7 standard library')")
+
+
+def _add_train_args(
+    p: argparse.ArgumentParser, prefix: str = "", *, epochs: float, batch_size: int, lr: float
+) -> None:
+    flag = f"--{prefix}" if prefix else "--"
+    p.add_argument(f"{flag}epochs", type=float, default=epochs,
+                   help=f"passes over the training rows (default {epochs}); sets the steps")
+    p.add_argument(f"{flag}steps", type=int, default=None,
+                   help="optimizer steps (overrides the epochs)")
+    p.add_argument(f"{flag}batch-size", type=int, default=batch_size,
+                   help=f"sequences per step (default {batch_size})")
+    p.add_argument(f"{flag}lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
+    p.add_argument(f"{flag}warmup", type=int, default=None,
+                   help="warmup steps (default: 8%% of the steps)")
+    p.add_argument(f"{flag}eval-every", type=int, default=None,
+                   help="steps between held-out evaluations (default: 10 per run; 0: at the end)")
+
+
+def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> TrainConfig:
+    # Training length is set in epochs by default because the corpus is whatever the
+    # interpreter ships: 2.5M tokens on one machine, 8.6M on another. The resolved steps go in
+    # the model card (and the checkpoint), so a run is still pinned down exactly.
+    def get(key: str) -> Any:
+        return getattr(args, prefix.replace("-", "_") + key)
+
+    batch_size = get("batch_size")
+    steps = get("steps")
+    if steps is None:
+        steps = max(1, math.ceil(get("epochs") * (num_rows // max(batch_size, 1))))
+    warmup = get("warmup")
+    eval_every = get("eval_every")
+    return TrainConfig(
+        steps=steps,
+        batch_size=batch_size,
+        seq_len=args.seq_len,
+        peak_lr=get("lr"),
+        warmup_steps=max(1, round(0.08 * steps)) if warmup is None else warmup,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+        eval_every=max(1, steps // 10) if eval_every is None else eval_every,
+        log_every=args.log_every,
+        checkpoint_every=args.checkpoint_every,
+    )
+
+
+def _add_common_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seq-len", type=int, default=512, help="tokens per training sequence")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+    p.add_argument("--log-every", type=int, default=20, help="steps between loss readouts")
+    p.add_argument("--checkpoint-every", type=int, default=0,
+                   help="steps between checkpoints (0: only at the end)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock budget: stop, checkpoint and export before it runs out")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the checkpoints under --out (bitwise on the CPU)")
+    p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                   help="dtype of the exported weights")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m turbospark_jax.recipe",
+        description="Train byte-level BPE tokenizers and small qwen3 models on the Python "
+        "standard library, and ship them as Hugging Face folders.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tok = sub.add_parser("tokenizer", help="train the tokenizer on the corpus' training split")
+    tok.add_argument("--out", type=Path, required=True, help="folder for the tokenizer files")
+    tok.add_argument("--vocab-size", type=int, default=8192)
+    _add_corpus_args(tok)
+
+    tr = sub.add_parser("train", help="train one model with a saved tokenizer")
+    tr.add_argument("--tokenizer", type=Path, required=True, help="folder of tokenizer.json")
+    tr.add_argument("--out", type=Path, required=True,
+                    help="run folder: checkpoint in OUT/ckpt, model in OUT/model")
+    tr.add_argument("--preset", choices=tuple(PRESETS), default="target", help="model shape")
+    _add_corpus_args(tr)
+    _add_common_train_args(tr)
+    _add_train_args(tr, epochs=8.0, batch_size=32, lr=2e-3)
+
+    rec = sub.add_parser("recipe", help="tokenizer, draft and target end to end")
+    rec.add_argument("--out", type=Path, required=True,
+                     help="run folder: OUT/tokenizer, OUT/target, OUT/draft, OUT/ckpt/*")
+    rec.add_argument("--vocab-size", type=int, default=8192)
+    rec.add_argument("--target-preset", choices=tuple(PRESETS), default="target")
+    rec.add_argument("--draft-preset", choices=tuple(PRESETS), default="draft")
+    rec.add_argument("--draft-share", type=float, default=0.35,
+                     help="most of the training budget the draft may use (default 0.35)")
+    rec.add_argument("--pack-out", type=Path, default=None,
+                     help="also pack OUT/target and OUT/draft into 15 MiB parts here")
+    _add_corpus_args(rec)
+    _add_common_train_args(rec)
+    _add_train_args(rec, "target-", epochs=8.0, batch_size=32, lr=2e-3)
+    _add_train_args(rec, "draft-", epochs=8.0, batch_size=32, lr=3e-3)
+
+    pk = sub.add_parser("pack", help="tar.gz folders into parts of at most --part-mib MiB")
+    pk.add_argument("folders", type=Path, nargs="+")
+    pk.add_argument("--out", type=Path, required=True)
+    pk.add_argument("--name", default="models")
+    pk.add_argument("--part-mib", type=float, default=PART_BYTES / 2**20)
+
+    up = sub.add_parser("unpack", help="check and extract parts written by pack")
+    up.add_argument("parts", type=Path, help="folder with NAME.tar.gz.part-* and the manifest")
+    up.add_argument("--to", type=Path, required=True, help="destination folder")
+    up.add_argument("--name", default="models")
+    return parser
+
+
+def _timed(timings: dict[str, float], key: str, t0: float) -> float:
+    now = time.monotonic()
+    timings[key] = round(now - t0, 2)
+    print(f"[time] {key}: {now - t0:.1f}s", flush=True)
+    return now
+
+
+def _encode_splits(
+    tokenizer: Tokenizer, corpus: Corpus, seq_len: int
+) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+    train_stream = encode_documents(tokenizer, corpus.train)
+    heldout_stream = encode_documents(tokenizer, corpus.heldout)
+    tokens = {"train": len(train_stream), "heldout": len(heldout_stream)}
+    print(f"[data] {tokens['train']:,} training tokens, {tokens['heldout']:,} held-out tokens",
+          flush=True)
+    return pack_rows(train_stream, seq_len), pack_rows(heldout_stream, seq_len), tokens
+
+
+def _train_and_export(
+    *,
+    args: argparse.Namespace,
+    name: str,
+    role: str,
+    preset: str,
+    tc: TrainConfig,
+    tokenizer: Tokenizer,
+    corpus: Corpus,
+    data: tuple[np.ndarray, np.ndarray, dict[str, int]],
+    run_dir: Path,
+    model_dir: Path,
+    deadline: float | None,
+    export_reserve: float,
+) -> TrainResult:
+    train_rows, heldout_rows, tokens = data
+    config = model_config(preset, tokenizer)
+    result = train_model(
+        config, tc, train_rows, heldout_rows,
+        checkpoint_dir=run_dir / "ckpt" / name, resume=args.resume,
+        deadline=None if deadline is None else deadline - export_reserve,
+        progress=not args.no_progress, name=name,
+    )
+    t0 = time.monotonic()
+    samples = card_samples(config, result.params, tokenizer, dtype=args.save_dtype)
+    for s in samples:
+        print(f"[{name}] sample: {s!r}", flush=True)
+    card = model_card(name=name, result=result, train_config=tc, corpus=corpus.describe(),
+                      tokens=tokens, samples=samples, command=command_line(args.argv),
+                      save_dtype=args.save_dtype, role=role)
+    export_model(model_dir, result, tokenizer, card, args.save_dtype)
+    result.timings["export_s"] = time.monotonic() - t0
+    with open(run_dir / f"{name}_history.jsonl", "w", encoding="utf-8") as f:
+        for record in result.history:
+            f.write(json.dumps(record) + "\n")
+    return result
+
+
+def _summary(result: TrainResult) -> dict[str, Any]:
+    return {
+        "params": count_params(result.params),
+        "steps_done": result.steps_done,
+        "finished": result.finished,
+        "tokens_seen": result.tokens_seen,
+        "eval_loss": result.eval_loss,
+        "eval_ppl": math.exp(result.eval_loss) if result.eval_loss is not None else None,
+        "timings": {k: round(v, 2) for k, v in result.timings.items()},
+    }
+
+
+def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
+    t_start = time.monotonic()
+    deadline = None if args.max_seconds is None else t_start + args.max_seconds
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    print(f"[recipe] jax {jax.__version__} on {jax.devices()}", flush=True)
+
+    t = time.monotonic()
+    corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                         args.corpus_name)
+    print(f"[corpus] {json.dumps(corpus.describe())}", flush=True)
+    t = _timed(timings, "corpus_s", t)
+
+    tok_dir = out / "tokenizer"
+    if args.resume and (tok_dir / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_folder(tok_dir)
+    else:
+        tokenizer = train_tokenizer([d.text for d in corpus.train], args.vocab_size)
+        tokenizer.save(tok_dir)
+    t = _timed(timings, "tokenizer_s", t)
+    data = _encode_splits(tokenizer, corpus, args.seq_len)
+    t = _timed(timings, "encode_s", t)
+
+    # The draft trains first: it is small and its time predictable, and the target then gets
+    # whatever budget is left. 40 s are kept back per model for samples, card and export.
+    reserve = 40.0
+    draft_deadline = None
+    if deadline is not None:
+        left = deadline - time.monotonic() - 2 * reserve
+        draft_deadline = time.monotonic() + reserve + max(left, 0.0) * args.draft_share
+    rows = len(data[0])
+    draft = _train_and_export(
+        args=args, name="draft", role="It is the draft model for speculative decoding with "
+        "the target model trained in the same run (same tokenizer).",
+        preset=args.draft_preset, tc=_train_config(args, rows, "draft-"), tokenizer=tokenizer,
+        corpus=corpus, data=data, run_dir=out, model_dir=out / "draft",
+        deadline=draft_deadline, export_reserve=reserve,
+    )
+    t = _timed(timings, "draft_s", t)
+    target = _train_and_export(
+        args=args, name="target", role="It is the target model; a draft model for "
+        "speculative decoding was trained in the same run with the same tokenizer.",
+        preset=args.target_preset, tc=_train_config(args, rows, "target-"), tokenizer=tokenizer,
+        corpus=corpus, data=data, run_dir=out, model_dir=out / "target",
+        deadline=deadline, export_reserve=reserve,
+    )
+    t = _timed(timings, "target_s", t)
+    summary: dict[str, Any] = {
+        "command": command_line(args.argv),
+        "corpus": corpus.describe(),
+        "tokens": data[2],
+        "vocab_size": tokenizer.vocab_size,
+        "draft": _summary(draft),
+        "target": _summary(target),
+    }
+    if args.pack_out is not None:
+        parts = pack_folders([out / "target", out / "draft"], args.pack_out)
+        summary["parts"] = [p.name for p in parts]
+        t = _timed(timings, "pack_s", t)
+    timings["total_s"] = round(time.monotonic() - t_start, 2)
+    summary["timings"] = timings
+    text = json.dumps(summary, indent=2)
+    (out / "summary.json").write_text(text + "\n", encoding="utf-8")
+    if args.pack_out is not None:
+        (args.pack_out / "summary.json").write_text(text + "\n", encoding="utf-8")
+    print(text, flush=True)
+    return summary
+
+
+
+def _run(args: argparse.Namespace) -> None:
+    if args.command == "tokenizer":
+        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                             args.corpus_name)
+        tokenizer = train_tokenizer([d.text for d in corpus.train], args.vocab_size)
+        tokenizer.save(args.out)
+        print(f"tokenizer with {tokenizer.vocab_size} tokens written to {args.out}")
+    elif args.command == "train":
+        deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
+        tokenizer = Tokenizer.from_folder(args.tokenizer)
+        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                             args.corpus_name)
+        data = _encode_splits(tokenizer, corpus, args.seq_len)
+        result = _train_and_export(
+            args=args, name=args.preset, role="", preset=args.preset,
+            tc=_train_config(args, len(data[0])), tokenizer=tokenizer, corpus=corpus, data=data,
+            run_dir=args.out, model_dir=args.out / "model", deadline=deadline,
+            export_reserve=20.0,
+        )
+        print(json.dumps(_summary(result), indent=2))
+    elif args.command == "recipe":
+        _run_recipe(args)
+    elif args.command == "pack":
+        for path in pack_folders(args.folders, args.out, args.name, int(args.part_mib * 2**20)):
+            print(path)
+    elif args.command == "unpack":
+        for path in unpack_parts(args.parts, args.to, args.name):
+            print(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m turbospark_jax.recipe``; returns the exit status.
+
+    ``--help`` still exits through ``SystemExit(0)``, as argparse does.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _build_parser().parse_args(argv)
+        args.argv = argv  # for the model card's reproduce line
+        _run(args)
+    except (TurbosparkError, OSError) as exc:
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("turbospark-jax recipe: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

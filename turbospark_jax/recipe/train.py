@@ -1,0 +1,591 @@
+"""Training one model of the recipe: its shape, the optimizer and step, checkpoints, the loop.
+
+**Shapes.** :data:`PRESETS` name the recipe's qwen3 shapes (tied embedding, RoPE base 10000);
+:func:`model_config` fills in the vocabulary and special ids from the tokenizer.
+
+**Training.** Length is given in epochs (the data is small, so passes over it, not tokens,
+decide between under- and overfitting); the command line resolves them into the step count
+that :class:`TrainConfig` holds and the checkpoint records. AdamW (``b2`` 0.95) with linear
+warmup and cosine decay to ``min_lr_ratio`` of the peak, global-norm clipping, float32 master
+weights cast to bfloat16 inside the loss, and a float32 softmax cross-entropy. Weight decay
+applies to every matrix, the tied embedding included (it is also the output head, so it is
+decayed like any projection), and not to the RMSNorm scales: decaying those pulls them toward
+zero, which fights the normalisation.
+
+**Checkpoints.** ``state.safetensors`` (params, optimizer state, step, keyed by tree path)
+plus ``meta.json`` (step, data position, configs, data fingerprint, history), written
+atomically; never pickle. Resuming runs the same compiled step on the same batches (see
+:class:`~turbospark_jax.recipe.corpus.DataOrder`), so on the CPU a resumed run is bitwise
+equal to an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+from safetensors import safe_open
+from safetensors.numpy import save_file
+from tqdm import tqdm
+
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.dense import DenseConfig, DenseModel, Params, init_params
+from turbospark_jax.recipe.corpus import DataOrder, fingerprint
+from turbospark_jax.tokenizer import Tokenizer
+
+CHECKPOINT_STATE = "state.safetensors"
+CHECKPOINT_META = "meta.json"
+
+
+# -- models --------------------------------------------------------------------------------
+
+#: Model shapes for the recipe (``config.json`` keys). Parameter counts at vocab 8192, with the
+#: tied embedding: target 23.1M, draft 3.2M (printed by every run).
+PRESETS: dict[str, dict[str, int]] = {
+    "target": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "intermediate_size": 1024,
+    },
+    "draft": {
+        "hidden_size": 192,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 48,
+        "intermediate_size": 768,
+    },
+    # For tests and CPU smoke runs.
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+    },
+}
+
+
+def model_config(
+    preset: str | Sequence[tuple[str, int]],
+    tokenizer: Tokenizer,
+    max_position_embeddings: int = 2048,
+) -> DenseConfig:
+    """A qwen3 config for one of :data:`PRESETS` (or explicit shape keys) and a tokenizer.
+
+    Args:
+      preset: a :data:`PRESETS` name, or ``(key, value)`` pairs of the same keys.
+      tokenizer: supplies the vocabulary size and the special token ids.
+      max_position_embeddings: the context the config advertises (RoPE needs no table).
+
+    Returns:
+      The config, with tied embeddings and RoPE base 10000 (ample for short contexts).
+
+    Raises:
+      BadInputError: an unknown preset name.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise BadInputError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
+        shape = PRESETS[preset]
+    else:
+        shape = dict(preset)
+    return DenseConfig.from_hf_dict(
+        {
+            "model_type": "qwen3",
+            "vocab_size": tokenizer.vocab_size,
+            **shape,
+            "max_position_embeddings": max_position_embeddings,
+            "rope_theta": 10000.0,
+            "rms_norm_eps": 1e-6,
+            "tie_word_embeddings": True,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+    )
+
+
+def count_params(params: Params) -> int:
+    """Number of parameters (a tied embedding counts once)."""
+    return int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(params)))
+
+
+# -- the train step ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimisation and bookkeeping settings of one training run.
+
+    Attributes:
+      steps: total optimizer steps (the schedule's length).
+      batch_size: sequences per step.
+      seq_len: tokens per sequence.
+      peak_lr: learning rate at the end of warmup.
+      min_lr_ratio: final learning rate as a fraction of ``peak_lr``.
+      warmup_steps: linear warmup length.
+      weight_decay: decoupled AdamW decay on matrices (not on norms).
+      b1, b2, eps: AdamW moments.
+      clip_norm: global gradient-norm clip.
+      seed: parameter init and data order.
+      compute_dtype: the dtype params are cast to inside the loss.
+      eval_every: steps between held-out evaluations (and one at the end); 0 for the end only.
+      eval_rows: at most this many held-out rows per evaluation (the first ones); 0 for all.
+      log_every: steps between loss/throughput readouts (each one syncs with the device).
+      checkpoint_every: steps between checkpoints (and one at the end); 0 for the end only.
+    """
+
+    steps: int = 1000
+    batch_size: int = 64
+    seq_len: int = 512
+    peak_lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    seed: int = 0
+    compute_dtype: str = "bfloat16"
+    eval_every: int = 200
+    eval_rows: int = 0
+    log_every: int = 10
+    checkpoint_every: int = 0
+
+    @property
+    def effective_warmup(self) -> int:
+        """``warmup_steps``, shortened to leave at least one decay step in short runs."""
+        return min(self.warmup_steps, max(self.steps - 1, 0))
+
+    def schedule(self) -> optax.Schedule:
+        """Linear warmup from 0 to ``peak_lr``, then cosine decay to ``min_lr_ratio * peak``."""
+        warmup = self.effective_warmup
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0,
+            peak_value=self.peak_lr,
+            warmup_steps=warmup,
+            decay_steps=max(self.steps, warmup + 1),
+            end_value=self.peak_lr * self.min_lr_ratio,
+        )
+
+    # Settings that change the arithmetic; a resume must match them exactly.
+    def math_dict(self) -> dict[str, Any]:
+        """The fields that determine the trained weights (all but the bookkeeping ones)."""
+        skip = {"eval_every", "eval_rows", "log_every", "checkpoint_every"}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in skip}
+
+
+@struct.dataclass
+class TrainState:
+    """Everything a training step reads and writes.
+
+    Fields:
+      step: int32 ``[]`` optimizer steps taken.
+      params: float32 master weights (layout in :mod:`turbospark_jax.models.dense`).
+      opt_state: the optax state (AdamW moments in float32, counters).
+    """
+
+    step: jax.Array
+    params: Params
+    opt_state: Any
+
+
+def _decay_mask(params: Params) -> Params:
+    # Norm scales are stacked per layer ([L, D]), so ndim cannot tell them from matrices: the
+    # name can.
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not str(path[-1].key).endswith("norm"), params
+    )
+
+
+def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on the warmup-cosine schedule (decay masked off
+    norms)."""
+    return optax.chain(
+        optax.clip_by_global_norm(config.clip_norm),
+        optax.adamw(
+            learning_rate=config.schedule(),
+            b1=config.b1,
+            b2=config.b2,
+            eps=config.eps,
+            weight_decay=config.weight_decay,
+            mask=_decay_mask,
+        ),
+    )
+
+
+def next_token_loss(model: DenseModel, params: Params, rows: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy of packed rows.
+
+    Args:
+      model: the model; its ``dtype`` is the compute dtype the float32 params are cast to.
+      params: float32 params.
+      rows: int32 ``[B, T + 1]`` packed rows.
+
+    Returns:
+      float32 ``[]`` mean negative log-likelihood per target token.
+    """
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
+    logits = model.forward(compute, inputs).astype(jnp.float32)  # [B, T, V]
+    log_z = jax.nn.logsumexp(logits, axis=-1)  # [B, T]
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]  # [B, T]
+    return jnp.mean(log_z - picked)
+
+
+def make_train_step(
+    model: DenseModel, optimizer: optax.GradientTransformation
+) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """The jitted step ``(state, data, indices) -> (state, metrics)``.
+
+    ``data`` is the whole int32 ``[N, T + 1]`` training set on the device and ``indices`` the
+    int32 ``[B]`` rows of this batch, so only the indices travel each step. The incoming state
+    is donated (its buffers are reused for the new one). Metrics: ``loss`` and ``grad_norm``
+    (before clipping).
+    """
+
+    def step(
+        state: TrainState, data: jax.Array, indices: jax.Array
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        rows = jnp.take(data, indices, axis=0)  # [B, T + 1]
+        loss, grads = jax.value_and_grad(functools.partial(next_token_loss, model))(
+            state.params, rows
+        )
+        updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+        return new, {"loss": loss, "grad_norm": grad_norm}
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def make_eval_step(model: DenseModel) -> Callable[[Params, jax.Array], jax.Array]:
+    """The jitted ``(params, rows) -> mean loss`` over one batch of held-out rows."""
+    return jax.jit(functools.partial(next_token_loss, model))
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(model: DenseModel, train_config: TrainConfig) -> tuple[Any, Any]:
+    # jit caches compiled code per function object: handing out the same step functions for
+    # the same model and settings lets a resumed or repeated run in one process skip the
+    # compile (and run the very same executable).
+    return make_train_step(model, make_optimizer(train_config)), make_eval_step(model)
+
+
+def init_state(
+    config: DenseConfig, train_config: TrainConfig, optimizer: optax.GradientTransformation
+) -> TrainState:
+    """Fresh float32 params from ``train_config.seed`` and a zeroed optimizer state."""
+    params = init_params(config, jax.random.PRNGKey(train_config.seed), jnp.float32)
+    return TrainState(
+        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+    )
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def save_checkpoint(folder: Path, state: TrainState, meta: dict[str, Any]) -> None:
+    """Write ``state`` and ``meta`` to ``folder`` atomically.
+
+    Each file is written beside its final name and renamed into place; ``meta.json`` goes
+    last, and it names the step the state file holds, so a crash mid-save leaves either the
+    old pair or a state newer than its meta, which :func:`load_checkpoint` refuses.
+
+    Args:
+      folder: the checkpoint directory (created if needed).
+      state: the train state.
+      meta: JSON-able bookkeeping; ``step`` is added.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    step = int(jax.device_get(state.step))
+    arrays = {jax.tree_util.keystr(path): np.asarray(jax.device_get(leaf)) for path, leaf in leaves}
+    tmp = folder / (CHECKPOINT_STATE + ".tmp")
+    save_file(arrays, str(tmp), metadata={"step": str(step)})
+    os.replace(tmp, folder / CHECKPOINT_STATE)
+    tmp_meta = folder / (CHECKPOINT_META + ".tmp")
+    tmp_meta.write_text(json.dumps({**meta, "step": step}, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp_meta, folder / CHECKPOINT_META)
+
+
+def load_checkpoint(folder: Path, template: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """Read a checkpoint written by :func:`save_checkpoint` into ``template``'s structure.
+
+    Args:
+      folder: the checkpoint directory.
+      template: a state (or ``jax.eval_shape`` of one) with the expected tree, shapes, dtypes.
+
+    Returns:
+      ``(state, meta)``.
+
+    Raises:
+      BadInputError: files missing, a leaf missing or of the wrong shape or dtype, or the
+        state and meta from different saves.
+    """
+    state_path, meta_path = folder / CHECKPOINT_STATE, folder / CHECKPOINT_META
+    if not state_path.is_file() or not meta_path.is_file():
+        raise BadInputError(f"no complete checkpoint in {folder}")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(template)
+    restored = []
+    with safe_open(str(state_path), framework="np") as f:
+        if f.metadata().get("step") != str(meta.get("step")):
+            raise BadInputError(
+                f"checkpoint {folder}: state is from step {f.metadata().get('step')} but "
+                f"meta.json from step {meta.get('step')} (interrupted save?)"
+            )
+        names = set(f.keys())
+        for path, leaf in leaves:
+            name = jax.tree_util.keystr(path)
+            if name not in names:
+                raise BadInputError(f"checkpoint {folder} has no leaf {name}")
+            array = f.get_tensor(name)
+            if array.shape != tuple(leaf.shape) or array.dtype != np.dtype(leaf.dtype):
+                raise BadInputError(
+                    f"checkpoint leaf {name} is {array.dtype}{list(array.shape)}, expected "
+                    f"{np.dtype(leaf.dtype)}{list(leaf.shape)}"
+                )
+            restored.append(jnp.asarray(array))
+    return jax.tree_util.tree_unflatten(treedef, restored), meta
+
+
+# -- the training loop -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What :func:`train_model` returns.
+
+    Attributes:
+      config: the model config.
+      params: the float32 params at the end of the run.
+      steps_done: optimizer steps taken in total (across resumes).
+      finished: whether the schedule ran to its last step.
+      tokens_seen: training tokens consumed in total.
+      eval_loss: the last held-out loss (mean nats per token), or ``None`` if never measured.
+      history: log records (``kind`` "train" or "eval") across resumes.
+      timings: seconds and rates of this invocation (``compile_s``, ``train_s``,
+        ``tokens_per_s`` ...).
+    """
+
+    config: DenseConfig
+    params: Params
+    steps_done: int
+    finished: bool
+    tokens_seen: int
+    eval_loss: float | None
+    history: list[dict[str, Any]]
+    timings: dict[str, float]
+
+
+def evaluate(
+    eval_step: Callable[[Params, jax.Array], jax.Array], params: Params, rows: np.ndarray,
+    batch_size: int,
+) -> float:
+    """Mean held-out loss over whole batches of ``rows`` (the partial tail is dropped).
+
+    Raises:
+      BadInputError: ``rows`` is empty.
+    """
+    if len(rows) == 0:
+        raise BadInputError("no held-out rows to evaluate on")
+    batch = min(batch_size, len(rows))
+    losses = [
+        eval_step(params, jnp.asarray(rows[i : i + batch]))
+        for i in range(0, len(rows) - batch + 1, batch)
+    ]
+    return float(np.mean(jax.device_get(losses)))
+
+
+def train_model(
+    config: DenseConfig,
+    train_config: TrainConfig,
+    train_rows: np.ndarray,
+    heldout_rows: np.ndarray,
+    *,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
+    deadline: float | None = None,
+    stop_at_step: int | None = None,
+    progress: bool = True,
+    name: str = "model",
+) -> TrainResult:
+    """Train (or resume training) one model.
+
+    Args:
+      config: the model config.
+      train_config: the run's settings.
+      train_rows: int32 ``[N, seq_len + 1]`` packed training rows.
+      heldout_rows: int32 ``[M, seq_len + 1]`` packed held-out rows.
+      checkpoint_dir: where checkpoints go; ``None`` for none.
+      resume: continue from the checkpoint in ``checkpoint_dir`` when there is one.
+      deadline: a ``time.monotonic()`` value; the run stops (and checkpoints) before the
+        first step that would start after it.
+      stop_at_step: stop (and checkpoint) once this many steps are done, schedule unchanged.
+      progress: show a tqdm bar.
+      name: label for the bar and log lines.
+
+    Returns:
+      The :class:`TrainResult`.
+
+    Raises:
+      BadInputError: rows of the wrong length, too few rows for a batch, or a checkpoint from
+        a different model, settings or data.
+    """
+    tc = train_config
+    for what, rows in (("training", train_rows), ("held-out", heldout_rows)):
+        if rows.ndim != 2 or rows.shape[1] != tc.seq_len + 1:
+            raise BadInputError(
+                f"{what} rows must be [N, {tc.seq_len + 1}], got {list(rows.shape)}"
+            )
+    model = DenseModel(config, jnp.dtype(tc.compute_dtype))
+    optimizer = make_optimizer(tc)
+    order = DataOrder(len(train_rows), tc.batch_size, tc.seed)
+    if tc.eval_rows:
+        heldout_rows = heldout_rows[: tc.eval_rows]
+    identity = {
+        "model_config": config.to_hf_dict(),
+        "train_config": tc.math_dict(),
+        "data": fingerprint(train_rows),
+    }
+
+    t0 = time.monotonic()
+    history: list[dict[str, Any]] = []
+    resumed = checkpoint_dir is not None and resume and (checkpoint_dir / CHECKPOINT_META).is_file()
+    if resumed:
+        assert checkpoint_dir is not None
+        template = jax.eval_shape(lambda: init_state(config, tc, optimizer))
+        state, meta = load_checkpoint(checkpoint_dir, template)
+        for key, value in identity.items():
+            if meta.get(key) != value:
+                raise BadInputError(
+                    f"checkpoint {checkpoint_dir} was made with a different {key}; resume "
+                    "with the settings and data it was made with, or start a new run"
+                )
+        history = list(meta.get("history", []))
+    else:
+        state = init_state(config, tc, optimizer)
+    start = int(jax.device_get(state.step))
+    n_params = count_params(state.params)
+
+    train_step, eval_step = _programs(model, tc)
+    data = jax.device_put(train_rows)
+    tokens_per_step = tc.batch_size * tc.seq_len
+    schedule = tc.schedule()
+    last_eval = next((h["loss"] for h in reversed(history) if h["kind"] == "eval"), None)
+
+    def meta_now(step: int) -> dict[str, Any]:
+        return {
+            **identity,
+            "samples_seen": step * tc.batch_size,
+            "tokens_seen": step * tokens_per_step,
+            "epoch": step / order.batches_per_epoch,
+            "history": history,
+        }
+
+    def checkpoint() -> None:
+        if checkpoint_dir is not None:
+            save_checkpoint(checkpoint_dir, state, meta_now(int(jax.device_get(state.step))))
+
+    def run_eval(step: int) -> float:
+        loss = evaluate(eval_step, state.params, heldout_rows, tc.batch_size)
+        history.append({"kind": "eval", "step": step, "loss": loss, "ppl": math.exp(loss)})
+        tqdm.write(f"[{name}] step {step}: held-out loss {loss:.4f} ppl {math.exp(loss):.2f}")
+        return loss
+
+    tqdm.write(
+        f"[{name}] {n_params / 1e6:.2f}M params, {len(train_rows)} rows x {tc.seq_len} tokens "
+        f"({order.batches_per_epoch} steps/epoch), steps {start}->{tc.steps}"
+        + (" (resumed)" if resumed else "")
+    )
+    end = tc.steps if stop_at_step is None else min(tc.steps, stop_at_step)
+    bar = tqdm(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress,
+               mininterval=1.0, dynamic_ncols=True)
+    compile_s = 0.0
+    window_t, window_steps = time.monotonic(), 0
+    t_loop = time.monotonic()
+    step = start
+    while step < end:
+        if deadline is not None and time.monotonic() >= deadline:
+            tqdm.write(f"[{name}] time budget reached at step {step}; saving")
+            break
+        state, metrics = train_step(state, data, jnp.asarray(order.indices(step)))
+        step += 1
+        bar.update(1)
+        if step == start + 1:
+            # The first step carries the compile: time it apart so throughput is honest.
+            jax.block_until_ready(metrics)
+            compile_s = time.monotonic() - t_loop
+            window_t, window_steps = time.monotonic(), 0
+        else:
+            window_steps += 1
+        if step % tc.log_every == 0 or step == end:
+            m = jax.device_get(metrics)
+            now = time.monotonic()
+            rate = window_steps * tokens_per_step / max(now - window_t, 1e-9)
+            window_t, window_steps = now, 0
+            record = {"kind": "train", "step": step, "loss": float(m["loss"]),
+                      "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step - 1)),
+                      "tokens_per_s": rate}
+            history.append(record)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}",
+                            lr=f"{record['lr']:.2e}")
+        paused = False
+        if tc.eval_every and step % tc.eval_every == 0 and step != end:
+            last_eval = run_eval(step)
+            paused = True
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step != end:
+            checkpoint()
+            paused = True
+        if paused:  # keep evaluation and checkpoint time out of the throughput window
+            jax.block_until_ready(state)
+            window_t, window_steps = time.monotonic(), 0
+    bar.close()
+    jax.block_until_ready(state)
+    train_s = time.monotonic() - t_loop
+    if step > start:
+        last_eval = run_eval(step)
+    checkpoint()
+    steps_run = step - start
+    timed_steps = max(steps_run - 1, 0)
+    timings = {
+        "compile_s": compile_s,
+        "train_s": train_s,
+        "total_s": time.monotonic() - t0,
+        "steps_run": float(steps_run),
+        "tokens_per_s": timed_steps * tokens_per_step / max(train_s - compile_s, 1e-9),
+    }
+    tqdm.write(
+        f"[{name}] {steps_run} steps in {train_s:.1f}s (first step incl. compile "
+        f"{compile_s:.1f}s), {timings['tokens_per_s']:,.0f} tokens/s"
+    )
+    return TrainResult(
+        config=config,
+        params=state.params,
+        steps_done=step,
+        finished=step >= tc.steps,
+        tokens_seen=step * tokens_per_step,
+        eval_loss=last_eval,
+        history=history,
+        timings=timings,
+    )
