@@ -7,6 +7,7 @@ guarantee compares are the same program called with different data.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -90,6 +91,9 @@ class BlockProducer(
         self.width = width
         self.steps_per_call = steps_per_call
         self.donate = donate
+        # Stamped into every state this producer makes, so a checkpoint from another
+        # producer (even one of the same structure) is refused on rollback.
+        self.identity = int.from_bytes(os.urandom(4), "little") | 1
         self._program = compiled_program(model, donate)
         self._idle = self._idle_control()
 
@@ -125,7 +129,7 @@ class BlockProducer(
         return self.capacity
 
     def init_state(self) -> BlockState:
-        return compiled_init(self.model, self.capacity)()
+        return compiled_init(self.model, self.capacity)(jnp.uint32(self.identity))
 
     def try_reuse_prefix(
         self,
@@ -229,6 +233,7 @@ class BlockProducer(
         return by_value(state)
 
     def rollback(self, state: BlockState, point: BlockState) -> BlockState:
+        self._check_ancestor(state, point)
         return restore_by_value(state, point)
 
     def supports_retaining_rollback(self) -> bool:
@@ -239,6 +244,7 @@ class BlockProducer(
     ) -> BlockState:
         # Rows the verify wrote stay in the append-only buffers; keeping them is moving the
         # cursor past them. Models with by-value recurrent leaves replay them from a tape.
+        self._check_ancestor(state, point)
         base = int(point.fed.count)
         if not 0 <= keep_rows <= int(state.fed.count) - base:
             raise BadInputError(
@@ -331,8 +337,26 @@ class BlockProducer(
 
     # -- internals ------------------------------------------------------------------------
 
+    def _check_ancestor(self, state: BlockState, point: BlockState) -> None:
+        """Refuse a checkpoint that is not of this producer or not an ancestor of ``state``."""
+        if not isinstance(point, BlockState) or not isinstance(point.fed, FedRecord):
+            raise BadInputError(
+                f"a checkpoint must come from checkpoint(); got {type(point).__name__}"
+            )
+        if int(point.fed.owner) != self.identity:
+            raise BadInputError(
+                "this checkpoint was taken from another producer; roll a state back only to "
+                "checkpoints of the producer that made it"
+            )
+        if not state.fed.descends_from(point.fed):
+            raise BadInputError(
+                f"this checkpoint (at position {int(point.fed.count)}) is not an ancestor of "
+                f"the state (at position {int(state.fed.count)}): the state never fed what the "
+                "checkpoint had, so rolling back would claim positions it never consumed"
+            )
+
     def _with_count(self, state: BlockState, n: int) -> BlockState:
-        return state.replace(fed=state.fed.replace(count=jnp.int32(n)))
+        return state.replace(fed=state.fed.moved_to(n))
 
     def _check_tokens(
         self,

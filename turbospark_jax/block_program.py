@@ -236,7 +236,8 @@ def compiled_init(model: BlockModel, capacity: int) -> Any:
     """A fresh state in one device program (a per-layer cache is dozens of buffers; made one by
     one, each would be a dispatch of its own)."""
     return jax.jit(
-        lambda: BlockState(cache=model.init_cache(capacity), fed=FedRecord.empty(capacity))
+        lambda owner: BlockState(cache=model.init_cache(capacity),
+                                 fed=FedRecord.empty(capacity, owner))
     )
 
 

@@ -187,7 +187,7 @@ def _commit_target(
     if model.records_tape:  # recurrent leaves: restore the values, then pick from the tape
         restored = restore_by_value(after, by_value(before))
         after = restored.replace(cache=model.retain_rows(restored.cache, after.cache, keep))
-    return after.replace(fed=after.fed.replace(count=before.fed.count + keep))
+    return after.replace(fed=after.fed.moved_to(before.fed.count + keep))
 
 
 def _run_rounds(

@@ -45,37 +45,63 @@ def scratch() -> Any:
     return struct.field(pytree_node=True, metadata={_SCRATCH: True})
 
 
+def _position_digest(positions: jax.Array, ids: jax.Array, injected: jax.Array) -> jax.Array:
+    """A 32-bit mix of (position, id, injected identity): uint32 per position (jittable)."""
+    x = (positions.astype(jnp.uint32) * jnp.uint32(0x9E3779B1)
+         ^ ids.astype(jnp.uint32) * jnp.uint32(0x85EBCA77)
+         ^ injected.astype(jnp.uint32) * jnp.uint32(0xC2B2AE3D))
+    # murmur3's finaliser: every input bit reaches every output bit.
+    x = (x ^ (x >> 16)) * jnp.uint32(0x85EBCA6B)
+    x = (x ^ (x >> 13)) * jnp.uint32(0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
 @struct.dataclass(kw_only=True)
 class FedRecord:
-    """What a state has consumed, position by position.
+    """What a state has consumed, position by position, and whose state it is.
 
     Fields (``T`` = the state's position capacity):
       ids:      int32[T]  token id fed at each position; rows >= count are dead.
       injected: int32[T]  identity of the embedding injected at each position,
                           ``NOT_INJECTED`` (0) where the token id itself was embedded.
+      prefix:   uint32[T] the digest of positions ``0 .. p`` at row ``p``: the lineage.
       count:    int32[]   number of positions consumed: the cursor.
+      digest:   uint32[]  the digest of the first ``count`` positions (0 for none).
+      owner:    uint32[]  the identity of the producer whose state this is (0: none).
+
+    The digest of a prefix is a sum of per-position mixes, so a record extends it in any
+    block shape and moves back by reading ``prefix``. A checkpoint keeps ``count``, ``digest``
+    and ``owner`` (they are by value); it is an ancestor of a state exactly when the state has
+    the same owner, has fed at least as far, and its ``prefix`` at the checkpoint's cursor
+    equals the checkpoint's digest (:meth:`descends_from`).
     """
 
     ids: jax.Array = append_only(axis=0)
     injected: jax.Array = append_only(axis=0)
+    prefix: jax.Array = append_only(axis=0)
     count: jax.Array
+    digest: jax.Array
+    owner: jax.Array
 
     @classmethod
-    def empty(cls, capacity: int) -> FedRecord:
+    def empty(cls, capacity: int, owner: int | jax.Array = 0) -> FedRecord:
         return cls(
             ids=jnp.zeros((capacity,), jnp.int32),
             injected=jnp.zeros((capacity,), jnp.int32),
+            prefix=jnp.zeros((capacity,), jnp.uint32),
             count=jnp.zeros((), jnp.int32),
+            digest=jnp.zeros((), jnp.uint32),
+            owner=jnp.asarray(owner, jnp.uint32),
         )
 
     @classmethod
     def from_ids(cls, ids: Sequence[int], capacity: int | None = None) -> FedRecord:
         """A record of ``ids`` consumed in order (nothing injected), built on the host."""
         capacity = len(ids) if capacity is None else capacity
-        padded = np.zeros((capacity,), np.int32)
-        padded[: len(ids)] = list(ids)
-        return cls(ids=jnp.asarray(padded), injected=jnp.zeros((capacity,), jnp.int32),
-                   count=jnp.int32(len(ids)))
+        empty = cls.empty(capacity)
+        if not ids:
+            return empty
+        return empty.append(jnp.asarray(list(ids), jnp.int32), jnp.int32(len(ids)))
 
     @property
     def capacity(self) -> int:
@@ -87,12 +113,33 @@ class FedRecord:
         # Rows past ``live`` go to distinct out-of-range slots (dropped), so every target
         # differs and the scatter may say so.
         pos = jnp.where(rows < live, self.count + rows, self.capacity + rows)
+        mixes = jnp.where(rows < live, _position_digest(self.count + rows, tokens,
+                                                        jnp.zeros_like(rows)), 0)
+        running = self.digest + jnp.cumsum(mixes, dtype=jnp.uint32)
         scatter = {"mode": "drop", "unique_indices": True}
         return self.replace(
             ids=self.ids.at[pos].set(tokens.astype(jnp.int32), **scatter),
             injected=self.injected.at[pos].set(NOT_INJECTED, **scatter),
+            prefix=self.prefix.at[pos].set(running, **scatter),
             count=self.count + live.astype(jnp.int32),
+            digest=running[-1],
         )
+
+    def moved_to(self, count: int | jax.Array) -> FedRecord:
+        """The record with its cursor at ``count`` (at most the current one; jittable): the
+        rows before it stay, and the digest is read back from ``prefix``."""
+        count = jnp.asarray(count, jnp.int32)
+        digest = jnp.where(count > 0, self.prefix[jnp.maximum(count - 1, 0)], jnp.uint32(0))
+        return self.replace(count=count, digest=digest)
+
+    def descends_from(self, point: FedRecord) -> bool:
+        """Whether ``point`` (a checkpoint's record, by value) is an ancestor of this record:
+        same owner, not past this cursor, and the same lineage up to its cursor (host)."""
+        owner, count, p_owner, p_count, p_digest = (int(v) for v in jax.device_get(
+            (self.owner, self.count, point.owner, point.count, point.digest)))
+        if owner != p_owner or not 0 <= p_count <= count:
+            return False
+        return p_count == 0 or int(self.prefix[p_count - 1]) == p_digest
 
     def to_host(self) -> HostFedRecord:
         count = int(self.count)

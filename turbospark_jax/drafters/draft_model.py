@@ -162,4 +162,4 @@ class DraftModelDevice(DeviceDrafter):
 
 def jnp_rewind(state: BlockState, count: jax.Array) -> BlockState:
     """A rewinding model's state moved back to ``count`` positions (traced)."""
-    return state.replace(fed=state.fed.replace(count=count.astype(jnp.int32)))
+    return state.replace(fed=state.fed.moved_to(count))
