@@ -51,7 +51,7 @@ def test_control_ancestors_are_accepted(kind):
     p = PRODUCERS[kind]()
     s = _fed(p, [1, 2, 3])
     point = p.checkpoint(s)
-    rows, s2 = p.verify(s, [4, 5, 6], 3)
+    _, s2 = p.verify(s, [4, 5, 6], 3)
     back = p.rollback(s2, point)
     assert int(back.fed.count) == 3
     kept = p.rollback_retaining(s2, point, 2)
