@@ -60,10 +60,10 @@ of a stacked buffer in the loop cost two copies per layer and step on the H200) 
 attends over it with the fused kernel of
 :mod:`~turbospark_jax.models.pallas_attention`: with the per-layer buffers and 2-D projection
 matrix products, the 1B shape went from 681 to 771 tokens/s at 128 context and from 383 to
-652 at 16k (W = 16). There the cache writes go through the kernel of
-:mod:`~turbospark_jax.models.pallas_glue` instead of a scatter: it takes the merged q/k/v
-product to the attention kernel's input in one launch (1B: 820 tokens/s at 128 context, 667
-at 16k). Attention for blocks wider than
+652 at 16k (W = 16). There the cache writes go through the RoPE-and-cache-write kernel of
+:mod:`~turbospark_jax.models.pallas_rope_store` instead of a scatter: it takes the merged
+q/k/v product to the attention kernel's input in one launch (1B: 820 tokens/s at 128
+context, 667 at 16k). Attention for blocks wider than
 :data:`~turbospark_jax.models.layers.ATTENTION_QUERY_BLOCK` rows runs in query slices of that
 width; a 2048-row block over a 16384-position cache of the 8B shape (stacked) ran in 387 ms with
 26.5 GB peak device memory, weights included.
@@ -82,7 +82,7 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models import pallas_attention, pallas_glue
+from turbospark_jax.models import pallas_attention, pallas_rope_store
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.layers import (
     SUPPORTED_ROPE_TYPES,
@@ -129,7 +129,7 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
 
-#: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.glue`.
+#: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.rope_store`.
 KERNEL_MODES = ("auto", "xla", "interpret")
 
 
@@ -640,10 +640,11 @@ class DenseModel(BlockModel):
         the shapes suit it, XLA otherwise), ``"xla"`` (always XLA), or ``"interpret"`` (the
         kernel in the Pallas interpreter: slow, for testing it on a CPU). Each choice is one
         program for every path, so the bitwise guarantees hold within it.
-      glue: the same choice for the kernel of :mod:`~turbospark_jax.models.pallas_glue`,
-        which takes the q/k/v projection's output to the fused attention kernel's input
-        (q/k norm, RoPE, the query layout, the cache writes) in one launch instead of three
-        or four. It feeds that attention kernel, so it runs only where that one does.
+      rope_store: the same choice for the RoPE-and-cache-write kernel of
+        :mod:`~turbospark_jax.models.pallas_rope_store`, which takes the q/k/v projection's
+        output to the fused attention kernel's input (q/k norm, RoPE, the query layout, the
+        cache writes) in one launch instead of three or four. It feeds that attention kernel,
+        so it runs only where that one does.
     """
 
     parallel_prefill = True
@@ -652,11 +653,11 @@ class DenseModel(BlockModel):
     dtype: Any = jnp.float32
     scan_layers: bool = True
     attention: str = "auto"
-    glue: str = "auto"
+    rope_store: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        for field in ("attention", "glue"):
+        for field in ("attention", "rope_store"):
             value = getattr(self, field)
             if value not in KERNEL_MODES:
                 raise BadInputError(
@@ -669,21 +670,22 @@ class DenseModel(BlockModel):
         if not per_layer or self.attention == "xla":
             return False
         if self.attention == "interpret":
-            return "interpret" if capacity >= pallas_attention.BLOCK_KEYS else False
+            return "interpret" if capacity >= pallas_attention.KEY_TILE else False
         return jax.default_backend() == "gpu" and pallas_attention.supported(
             self.config.head_dim, capacity
         )
 
-    def _glue(self, per_layer: bool, fused: bool | str) -> bool | str:
-        """Whether the block program runs q/k norm, RoPE and the cache writes as the fused
-        kernel of :mod:`~turbospark_jax.models.pallas_glue` (``"interpret"``: in the Pallas
-        interpreter). It feeds the fused attention kernel, so it needs that one too."""
-        if not fused or self.glue == "xla":
+    def _uses_rope_store(self, fused: bool | str) -> bool | str:
+        """Whether the block program runs q/k norm, RoPE and the cache writes as the
+        RoPE-and-cache-write kernel of :mod:`~turbospark_jax.models.pallas_rope_store`
+        (``"interpret"``: in the Pallas interpreter). It feeds the fused attention kernel, so
+        it needs that one too."""
+        if not fused or self.rope_store == "xla":
             return False
-        if self.glue == "interpret":
+        if self.rope_store == "interpret":
             return "interpret"
         c = self.config
-        return jax.default_backend() == "gpu" and pallas_glue.supported(
+        return jax.default_backend() == "gpu" and pallas_rope_store.supported(
             c.num_attention_heads, c.num_key_value_heads, c.head_dim
         )
 
@@ -871,8 +873,8 @@ class DenseModel(BlockModel):
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
         fused = self._fused_attention(per_layer, capacity)
-        glue = self._glue(per_layer, fused)
-        store = glue and not fresh  # a fresh block attends over its own rotated k
+        rope_store = self._uses_rope_store(fused)
+        store = rope_store and not fresh  # a fresh block attends over its own rotated k
         c = self.config
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
@@ -881,10 +883,10 @@ class DenseModel(BlockModel):
             with jax.named_scope("attention"):
                 if store:  # one kernel from the projection's output to the attention's input
                     norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
-                    qr, k_layer, v_layer = pallas_glue.rope_store(
+                    qr, k_layer, v_layer = pallas_rope_store.rope_store(
                         self._merged_projection(h, lp), cos, sin, write_at, k_all[index],
                         v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-                        interpret=glue == "interpret",
+                        interpret=rope_store == "interpret",
                     )
                 else:
                     q, k, v = self._projections(h, lp)

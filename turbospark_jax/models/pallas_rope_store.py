@@ -1,4 +1,5 @@
-"""The steps between a layer's q/k/v projection and its attention, fused into one GPU kernel.
+"""The RoPE-and-cache-write kernel: the steps between a layer's q/k/v projection and its
+attention, fused into one GPU kernel.
 
 At decode widths a 1B model's layer on an H200 ran 13 kernels, most of them launch-bound
 steps of 1.4-2.5 microseconds. Between the q/k/v matrix product and the attention kernel sat
@@ -86,7 +87,7 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
             x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
         return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
 
-    # The row's query heads of KV head h go to rows row*G.. of that head's query block.
+    # The row's query heads of KV head h go to rows row*G.. of that head's arranged queries.
     q1, q2 = rotate(h * groups, groups, qn_ref)
     q_out[h, pl.ds(row * groups, groups), first] = q1
     q_out[h, pl.ds(row * groups, groups), second] = q2
