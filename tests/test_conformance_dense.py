@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 from turbospark_jax.block_program import BlockProducer
 from turbospark_jax.generate import CompletionRequest, run_raw_completion
-from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.testing import conformance as C
 
 VOCAB = 96

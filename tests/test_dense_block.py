@@ -19,12 +19,12 @@ from tests.fixtures import jitted_block
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.dense import (
     DenseCache,
-    DenseConfig,
     DenseModel,
     init_params,
     stack_layers,
     unstack_layers,
 )
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import attend
 from turbospark_jax.state import tree_bitwise_equal
 

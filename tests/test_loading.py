@@ -31,12 +31,8 @@ from turbospark_jax.errors import (  # noqa: E402
     UnsupportedCapabilityError,
 )
 from turbospark_jax.loading import GenerationConfig, load_folder, save_folder  # noqa: E402
-from turbospark_jax.models.dense import (  # noqa: E402
-    DenseConfig,
-    DenseModel,
-    init_params,
-    stack_layers,
-)
+from turbospark_jax.models.dense import DenseModel, init_params, stack_layers  # noqa: E402
+from turbospark_jax.models.dense_config import DenseConfig  # noqa: E402
 from turbospark_jax.models.layers import RopeScaling  # noqa: E402
 from turbospark_jax.state import tree_bitwise_equal  # noqa: E402
 from turbospark_jax.tokenizer import Tokenizer  # noqa: E402
@@ -199,6 +195,19 @@ def test_missing_config_key(hf_folder: Path, tmp_path: Path) -> None:
     del config["hidden_size"]
     (folder / "config.json").write_text(json.dumps(config))
     assert "hidden_size" in _load_error(folder)
+
+
+def test_heads_must_split_hidden_size_without_head_dim(hf_folder: Path, tmp_path: Path) -> None:
+    folder = _copy(hf_folder, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama", hidden_size=30)  # 4 heads
+    del config["head_dim"]
+    (folder / "config.json").write_text(json.dumps(config))
+    message = _load_error(folder)
+    assert "hidden_size (30)" in message and "num_attention_heads (4)" in message
+    # Control: with head_dim given, the heads need not split hidden_size.
+    config["head_dim"] = 8
+    assert DenseConfig.from_hf_dict(config).head_dim == 8
 
 
 def test_garbage_config_json(hf_folder: Path, tmp_path: Path) -> None:

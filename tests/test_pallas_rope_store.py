@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turbospark_jax.block_program import BlockProducer
-from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq
 from turbospark_jax.models.pallas_rope_store import rope_store, rope_store_xla, supported
 

@@ -32,13 +32,13 @@ from safetensors.numpy import save_file
 
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.models.dense import (
-    DenseConfig,
     DenseModel,
     Params,
     param_shapes,
     stack_layers,
     unstack_layers,
 )
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 CONFIG_FILE = "config.json"

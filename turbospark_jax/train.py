@@ -92,7 +92,8 @@ from tqdm import tqdm
 
 from turbospark_jax import loading
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.dense import DenseConfig, DenseModel, Params, init_params
+from turbospark_jax.models.dense import DenseModel, Params, init_params
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.tokenizer import Tokenizer
 
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
