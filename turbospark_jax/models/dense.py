@@ -71,24 +71,16 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models import pallas_attention, pallas_rope_store
 from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import DenseConfig
-from turbospark_jax.models.layers import (
-    apply_rope,
-    attend,
-    rms_norm,
-    rope_cos_sin,
-    rope_inv_freq,
-    swiglu_mlp,
-)
+from turbospark_jax.models.layers import rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
 
 #: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.rope_store`.
 KERNEL_MODES = ("auto", "xla", "interpret")
-
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -211,17 +203,8 @@ class DenseCache:
         return int(self.k[0].shape[0] if self.per_layer else self.k.shape[1])
 
 
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [W, D] @ w [D, N, hd] -> [W, N, hd]`` as one 2-D matrix product.
-
-    Written as a plain matrix product over a free reshape of the weight: for a single row,
-    XLA on a GPU lowers the 3-D einsum form to a multiply and a reduction, several times
-    slower than its matrix-vector kernel.
-    """
-    d, n, hd = w.shape
-    return (x @ w.reshape(d, n * hd)).reshape(x.shape[0], n, hd)
-
-
+#: One decoder layer: ``(x [W, D], cache carry, layer params, layer index, window) ->
+#: (x, cache carry)``.
 LayerFn = Callable[[jax.Array, Any, Params, Any, Any], tuple[jax.Array, Any]]
 
 
@@ -246,8 +229,8 @@ class DenseModel(BlockModel):
       rope_store: the same choice for the RoPE-and-cache-write kernel of
         :mod:`~turbospark_jax.models.pallas_rope_store`, which takes the q/k/v projection's
         output to the fused attention kernel's input (q/k norm, RoPE, the query layout, the
-        cache writes) in one launch instead of three or four. It feeds that attention kernel,
-        so it runs only where that one does.
+        cache writes) in one launch. It feeds that attention kernel, so it runs only where
+        that one does.
     """
 
     parallel_prefill = True
@@ -266,31 +249,6 @@ class DenseModel(BlockModel):
                 raise BadInputError(
                     f"{field} must be one of {', '.join(KERNEL_MODES)}; got {value!r}"
                 )
-
-    def _fused_attention(self, per_layer: bool, capacity: int) -> bool | str:
-        """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``:
-        in the Pallas interpreter, for tests on a CPU)."""
-        if not per_layer or self.attention == "xla":
-            return False
-        if self.attention == "interpret":
-            return "interpret" if capacity >= pallas_attention.KEY_TILE else False
-        return jax.default_backend() == "gpu" and pallas_attention.supported(
-            self.config.head_dim, capacity
-        )
-
-    def _uses_rope_store(self, fused: bool | str) -> bool | str:
-        """Whether the block program runs q/k norm, RoPE and the cache writes as the
-        RoPE-and-cache-write kernel of :mod:`~turbospark_jax.models.pallas_rope_store`
-        (``"interpret"``: in the Pallas interpreter). It feeds the fused attention kernel, so
-        it needs that one too."""
-        if not fused or self.rope_store == "xla":
-            return False
-        if self.rope_store == "interpret":
-            return "interpret"
-        c = self.config
-        return jax.default_backend() == "gpu" and pallas_rope_store.supported(
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        )
 
     @property
     def vocab_size(self) -> int:
@@ -313,7 +271,23 @@ class DenseModel(BlockModel):
         """Random params in this model's dtype (see :func:`init_params`)."""
         return init_params(self.config, key, self.dtype)
 
-    # -- shared layer pieces --------------------------------------------------------------
+    # -- one layer ----------------------------------------------------------------------------
+
+    def _layer(self, attention: Attention) -> LayerFn:
+        """One pre-norm decoder layer around ``attention``:
+        ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
+        eps = self.config.rms_norm_eps
+
+        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
+            with jax.named_scope("attention"):
+                attn, kv = attention(rms_norm(x, lp["input_layernorm"], eps), lp, kv, index,
+                                     window)
+            h = x + self._output_projection(attn, lp)
+            with jax.named_scope("mlp"):
+                out = h + self._mlp(rms_norm(h, lp["post_attention_layernorm"], eps), lp)
+            return out, kv
+
+        return layer
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
@@ -322,54 +296,24 @@ class DenseModel(BlockModel):
         )
         return rope_cos_sin(positions, inv_freq, scale, self.dtype)
 
-    def _projections(self, h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
-        q = _project(h, lp["q_proj"])
-        k = _project(h, lp["k_proj"])
-        v = _project(h, lp["v_proj"])
-        if self.config.qkv_bias:
-            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-        return q, k, v
-
-    def _merged_projection(self, h: jax.Array, lp: Params) -> jax.Array:
-        """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
-        reads the three weights straight into its matrix kernel; it makes no copy of them.)"""
-        d = h.shape[-1]
-        names = ("q_proj", "k_proj", "v_proj")
-        w = jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
-        qkv = h @ w
-        if self.config.qkv_bias:
-            qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias",
-                                                                     "v_bias")])
-        return qkv
-
-    def _rotate(
-        self, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """Optional per-head q/k norm, then RoPE."""
-        c = self.config
-        if c.qk_norm:
-            q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    def _finish(self, x: jax.Array, attn: jax.Array, lp: Params) -> jax.Array:
-        """Output projection, residual, post-norm MLP, residual. attn [W, H, hd] -> x [W, D]."""
-        c = self.config
-        w_o = lp["o_proj"]  # [H, hd, D], contracted as one [H * hd, D] matrix
-        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])  # [W, D]
-        if c.o_bias:
+    def _output_projection(self, attn: jax.Array, lp: Params) -> jax.Array:
+        """attn [W, H, hd] -> [W, D]: ``o_proj`` [H, hd, D] contracted as one [H * hd, D]
+        matrix, plus its bias."""
+        w_o = lp["o_proj"]
+        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
+        if self.config.o_bias:
             o = o + lp["o_bias"]
-        x = x + o
-        with jax.named_scope("mlp"):
-            h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
-            bias = c.has_mlp_bias
-            return x + swiglu_mlp(
-                h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
-                lp["gate_bias"] if bias else None,
-                lp["up_bias"] if bias else None,
-                lp["down_bias"] if bias else None,
-            )
+        return o
+
+    def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
+        """SwiGLU of the normed rows, h [W, D] -> [W, D]."""
+        bias = self.config.has_mlp_bias
+        return swiglu_mlp(
+            h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
+            lp["gate_bias"] if bias else None,
+            lp["up_bias"] if bias else None,
+            lp["down_bias"] if bias else None,
+        )
 
     def _head(self, params: Params, x: jax.Array) -> jax.Array:
         """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
@@ -455,73 +399,31 @@ class DenseModel(BlockModel):
 
         Returns:
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
+
+        Raises:
+          BadInputError: a per-layer cache with stacked params run as a scan.
         """
         width = tokens.shape[0]
         capacity = cache.capacity
-        per_layer = cache.per_layer
-        if per_layer and self._scans(params["layers"]):
+        if cache.per_layer and self._scans(params["layers"]):
             raise BadInputError(
                 "a per-layer cache needs an unrolled model (scan_layers=False) or listed params"
             )
-        # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The
-        # targets are then all different, which the scatters promise to XLA (unique_indices):
-        # without the promise a GPU scatter of 16-bit values has to write with atomics.
+        # Padding rows write to distinct rows past the cache, which the scatters drop.
         rows = jnp.arange(width, dtype=jnp.int32)
         write_at = jnp.where(rows < live, positions, capacity + rows)  # [W]
-        scatter = {"mode": "drop", "unique_indices": True}
         key_positions = jnp.arange(capacity, dtype=jnp.int32)  # [C]
         with jax.named_scope("embed"):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [W, D]
             cos, sin = self._rope(positions)
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
-        fused = self._fused_attention(per_layer, capacity)
-        rope_store = self._uses_rope_store(fused)
-        store = rope_store and not fresh  # a fresh block attends over its own rotated k
-        c = self.config
-
-        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
-            k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
-            h = rms_norm(x, lp["input_layernorm"], c.rms_norm_eps)
-            with jax.named_scope("attention"):
-                if store:  # one kernel from the projection's output to the attention's input
-                    norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
-                    qr, k_layer, v_layer = pallas_rope_store.rope_store(
-                        self._merged_projection(h, lp), cos, sin, write_at, k_all[index],
-                        v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-                        interpret=rope_store == "interpret",
-                    )
-                else:
-                    q, k, v = self._projections(h, lp)
-                    q, k = self._rotate(q, k, lp, cos, sin)
-                if per_layer:  # index is a python int: this layer's own buffers
-                    if not store:
-                        k_layer = k_all[index].at[write_at].set(k, **scatter)
-                        v_layer = v_all[index].at[write_at].set(v, **scatter)
-                    k_all = (*k_all[:index], k_layer, *k_all[index + 1 :])
-                    v_all = (*v_all[:index], v_layer, *v_all[index + 1 :])
-                else:
-                    k_all = k_all.at[index, write_at].set(k, **scatter)
-                    v_all = v_all.at[index, write_at].set(v, **scatter)
-                    k_layer, v_layer = k_all[index], v_all[index]
-                if store:
-                    attn = pallas_attention.cached_attention_arranged(
-                        qr, k_layer, v_layer, positions, heads=c.num_attention_heads,
-                        window=window, interpret=fused == "interpret",
-                    )
-                elif fresh:
-                    attn = self._self_attention(q, k, v, positions, window)
-                elif fused:
-                    attn = pallas_attention.cached_attention(
-                        q, k_layer, v_layer, positions, window=window,
-                        interpret=fused == "interpret",
-                    )
-                else:
-                    attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
-                                  key_positions[:limit], window)
-            return self._finish(x, attn, lp), (k_all, v_all)
-
-        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
+        attention = cached_attention(
+            self, per_layer=cache.per_layer, capacity=capacity, fresh=fresh, positions=positions,
+            write_at=write_at, cos=cos, sin=sin, key_positions=key_positions, limit=limit,
+        )
+        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v),
+                                             self._layer(attention))
         with jax.named_scope("head"):
             logits = jax.lax.cond(
                 need_head,
@@ -530,24 +432,6 @@ class DenseModel(BlockModel):
                 x,
             )
         return logits, cache.replace(k=k_all, v=v_all)
-
-    def _self_attention(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: Any
-    ) -> jax.Array:
-        """Causal attention of a block over its own rows (q [W, H, hd], k/v [W, KV, hd])."""
-        flash = (
-            jax.default_backend() == "gpu"
-            and self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and window is None
-            and self.config.head_dim % 8 == 0
-            and self.config.head_dim <= 128
-        )
-        if flash:
-            out = jax.nn.dot_product_attention(
-                q[None], k[None], v[None], is_causal=True, implementation="cudnn"
-            )
-            return out[0]
-        return attend(q, k, v, positions, positions, window)
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Plain causal forward over whole sequences, no cache (training, parity tests).
@@ -567,17 +451,7 @@ class DenseModel(BlockModel):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
-        c = self.config
-
-        def layer(x: jax.Array, carry: None, lp: Params, index: Any, window: Any) -> Any:
-            del index
-            with jax.named_scope("attention"):
-                q, k, v = self._projections(rms_norm(x, lp["input_layernorm"], c.rms_norm_eps),
-                                            lp)
-                q, k = self._rotate(q, k, lp, cos, sin)
-                attn = attend(q, k, v, positions, positions, window)
-            return self._finish(x, attn, lp), carry
-
-        x, _ = self._run_layers(params["layers"], x, None, layer)
+        attention = sequence_attention(self.config, positions, cos, sin)
+        x, _ = self._run_layers(params["layers"], x, None, self._layer(attention))
         with jax.named_scope("head"):
             return self._head(params, x)
