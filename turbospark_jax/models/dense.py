@@ -1,5 +1,5 @@
-"""The dense decoder family (llama, mistral, qwen2, qwen3): params and the model. The config
-is :mod:`~turbospark_jax.models.dense_config`.
+"""The dense decoder family (llama, mistral, qwen2, qwen3): params, the model, and the
+family's declaration for loading. The config is :mod:`~turbospark_jax.models.dense_config`.
 
 Sliding windows are implemented, not refused: the KV cache keeps every position, and a
 layer with window ``w`` masks keys at positions ``<= q - w`` (Hugging Face's rule: a row sees
@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -73,7 +74,8 @@ from flax import struct
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
-from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
+from turbospark_jax.models.family import Family, HFTensor
 from turbospark_jax.models.layers import rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
 from turbospark_jax.state import append_only
 
@@ -168,6 +170,56 @@ def stack_layers(params: Params) -> Params:
     if not isinstance(layers, list | tuple):
         return params
     return {**params, "layers": {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
+
+
+
+# -- Hugging Face tensors ------------------------------------------------------------------
+
+#: Our per-layer leaf -> its name under ``model.layers.{i}.`` and whether it is an
+#: ``nn.Linear`` weight (kept ``[out, in]`` in the file).
+_HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {
+    "input_layernorm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "o_bias": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+    "gate_bias": ("mlp.gate_proj.bias", False),
+    "up_bias": ("mlp.up_proj.bias", False),
+    "down_bias": ("mlp.down_proj.bias", False),
+}
+
+
+def hf_tensors(config: DenseConfig) -> list[HFTensor]:
+    """Every tensor a folder of ``config`` holds, in the order a saved folder writes them,
+    each with the stacked leaf it fills (``stacked`` = its layer)."""
+    shapes = param_shapes(config)
+    out = [HFTensor("model.embed_tokens.weight", ("embed_tokens",), shapes["embed_tokens"])]
+    for i in range(config.num_hidden_layers):
+        for key, shape in shapes["layers"].items():
+            suffix, linear = _HF_LAYER_NAMES[key]
+            ours = shape[1:]
+            if linear:  # ours is [in..., out...]; HF is [prod(out), prod(in)]
+                split = 2 if key == "o_proj" else 1
+                hf = (math.prod(ours[split:]), math.prod(ours[:split]))
+            else:
+                hf = (math.prod(ours),)
+            out.append(HFTensor(f"model.layers.{i}.{suffix}", ("layers", key), hf,
+                                transpose=linear, stacked=i))
+    out.append(HFTensor("model.norm.weight", ("norm",), shapes["norm"]))
+    if not config.tie_word_embeddings:
+        d, v = shapes["lm_head"]
+        out.append(HFTensor("lm_head.weight", ("lm_head",), (v, d), transpose=True))
+    return out
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -455,3 +507,31 @@ class DenseModel(BlockModel):
         x, _ = self._run_layers(params["layers"], x, None, self._layer(attention))
         with jax.named_scope("head"):
             return self._head(params, x)
+
+
+def _tied_copies(config: DenseConfig) -> dict[str, str]:
+    # A tied model may still have saved its head; it must then equal the embeddings.
+    return {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else {}
+
+
+def _to_layer_layout(params: Params, layer_layout: str) -> Params:
+    stacked = stack_layers(params)
+    return unstack_layers(stacked) if layer_layout == "list" else stacked
+
+
+def _build(config: DenseConfig, dtype: Any, layer_layout: str) -> DenseModel:
+    return DenseModel(config, dtype, scan_layers=layer_layout != "list")
+
+
+#: The dense family's declaration for :mod:`turbospark_jax.loading`.
+FAMILY = Family(
+    name="dense",
+    architectures=ARCHITECTURES,
+    parse_config=DenseConfig.from_hf_dict,
+    param_shapes=param_shapes,
+    hf_tensors=hf_tensors,
+    build=_build,
+    tolerated=lambda name: name.endswith("rotary_emb.inv_freq"),  # recomputed, never read
+    tied_copies=_tied_copies,
+    to_layer_layout=_to_layer_layout,
+)
