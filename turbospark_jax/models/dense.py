@@ -34,28 +34,17 @@ Two layer layouts are accepted everywhere (``block_forward``, ``forward``, ``sav
   layers run as a ``lax.scan`` over the L axis (``scan_layers=True``) or a Python loop over
   static slices (``scan_layers=False``). Compact, and what training wants.
 * **list** (:func:`unstack_layers`; ``load_folder(..., layer_layout="list")``): ``layers`` is a
-  list of per-layer dicts, run by an unrolled Python loop. Use this for decoding on a GPU.
-
-Why two: inside a jitted loop (the engine's ``fori_loop`` of blocks) XLA materialises every
-slice of a stacked weight, so each decode step reads the weights about three times. Measured
-on one H200, bf16, W = 1, KV capacity 4096, 32 steps per call: an 8B Llama shape took 12.0 ms
-a step stacked (scan or static slices alike; 1.3 TB/s of weights) and 5.4 ms listed
-(3.0 TB/s); a 1B shape 2.45 ms against 1.57 ms. W = 16 cost 6.1 ms listed (8B). The
-chunk-vs-decode bitwise property held on that GPU in both layouts (W = 16, bf16).
+  list of per-layer dicts, run by an unrolled Python loop. Use this for decoding on a GPU:
+  inside a jitted loop XLA materialises every slice of a stacked weight, so a stacked model
+  reads its weights several times a step.
 
 The KV cache rides in the loop carry and is updated in place by a scatter; it is never
 re-stacked as a scan output. An unrolled model keeps one buffer per layer (slicing a layer out
-of a stacked buffer in the loop cost two copies per layer and step on the H200) and, on a GPU,
-attends over it with the fused kernel of
-:mod:`~turbospark_jax.models.pallas_attention`: with the per-layer buffers and 2-D projection
-matrix products, the 1B shape went from 681 to 771 tokens/s at 128 context and from 383 to
-652 at 16k (W = 16). There the cache writes go through the RoPE-and-cache-write kernel of
-:mod:`~turbospark_jax.models.pallas_rope_store` instead of a scatter: it takes the merged
-q/k/v product to the attention kernel's input in one launch (1B: 820 tokens/s at 128
-context, 667 at 16k). Attention for blocks wider than
-:data:`~turbospark_jax.models.layers.ATTENTION_QUERY_BLOCK` rows runs in query slices of that
-width; a 2048-row block over a 16384-position cache of the 8B shape (stacked) ran in 387 ms with
-26.5 GB peak device memory, weights included.
+of a stacked buffer in the loop costs copies) and, on a GPU, attends over it with the fused
+kernel of :mod:`~turbospark_jax.models.pallas_attention`, fed by the RoPE-and-cache-write
+kernel of :mod:`~turbospark_jax.models.pallas_rope_store`. Blocks wider than
+:data:`~turbospark_jax.models.layers.ATTENTION_QUERY_BLOCK` rows attend in query slices of that
+width, which bounds the score tensor. Measurements: ``benchmarks/results/NOTES.md``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Attention of a block of rows over a KV cache as one fused GPU kernel (Pallas, Triton).
 
 XLA runs the block program's attention as about ten kernels per layer (scores, mask, max,
-exp, sum, normalise, the value product, transposes), each a launch of one or two
-microseconds on a GPU; at decode widths that is a fifth of a 1B model's step. This kernel
-does the whole of it in one launch per layer: for every KV head and tile of query rows it
-streams the cache a key tile at a time with an online softmax (FlashAttention style), and for
-long caches it splits the keys over several programs whose partial results XLA combines.
+exp, sum, normalise, the value product, transposes); at decode widths their launches cost
+more than their work. This kernel does the whole of it in one launch per layer: for every KV
+head and tile of query rows it streams the cache a key tile at a time with an online softmax
+(FlashAttention style), and for long caches it splits the keys over several programs whose
+partial results XLA combines. (Figures: ``benchmarks/results/NOTES.md``.)
 
 Exactness: the block program's guarantees need a row's result to be independent of how many
 rows the block holds and of how far the keys are scanned. Both hold here:
@@ -40,8 +40,7 @@ KEY_TILE = 64
 #: Most query rows (rows x query heads of one KV head) one program holds.
 MAX_ROW_TILE = 64
 #: Keys one split aims at. A program walks its keys one tile after another, so long
-#: caches are split to keep that walk short and the GPU's multiprocessors busy (on an H200,
-#: 1024-key splits left a 1B model's decode at 1k-16k context 22% slower than at 128).
+#: caches are split to keep that walk short and the GPU's multiprocessors busy.
 KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
