@@ -23,7 +23,8 @@ def main() -> None:
     from benchmarks.run import SHAPES
     from turbospark_jax import sampling
     from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params, unstack_layers
+    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
+    from turbospark_jax.models.dense_config import DenseConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")

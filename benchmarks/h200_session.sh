@@ -20,7 +20,7 @@ case "$stage" in
 1)
   export HYPOTHESIS_PROFILE=quick
   timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
-    tests/test_pallas_attention.py tests/test_pallas_glue.py 2>&1 | tail -2
+    tests/test_pallas_attention.py tests/test_pallas_rope_store.py 2>&1 | tail -2
   echo "kernel tests: exit ${PIPESTATUS[0]}"
   timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings -k llama_bf16_listed \
     tests/test_conformance_dense.py 2>&1 | tail -2
@@ -30,7 +30,7 @@ case "$stage" in
   XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run_blocks.*" \
     timeout 60 python3 -m benchmarks.profile_decode --widths 16 --out "$out" 2>&1 | quiet | tail -12
   cp "$(ls /tmp/hlo/*run_blocks*after_optimizations.txt | head -1)" "$out/decode_hlo.txt"
-  timeout 45 python3 -m benchmarks.profile_decode --widths 16 --glue xla --no-trace \
+  timeout 45 python3 -m benchmarks.profile_decode --widths 16 --rope-store xla --no-trace \
     --out "$out" 2>&1 | quiet | tail -1
   XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
     timeout 45 python3 -m benchmarks.profile_decode --widths 16 --label graphs+while \

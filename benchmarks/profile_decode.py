@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default=os.environ.get("XLA_FLAGS", "default") or "default")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--no-trace", action="store_true")
-    parser.add_argument("--glue", choices=["auto", "xla"], default="auto",
-                        help="the model's glue kernels (see DenseModel.glue)")
+    parser.add_argument("--rope-store", choices=["auto", "xla"], default="auto",
+                        help="the model's RoPE-and-cache-write kernel (see DenseModel.rope_store)")
     parser.add_argument("--attention", choices=["auto", "xla"], default="auto",
                         help="the model's attention kernel (see DenseModel.attention)")
     args = parser.parse_args(argv)
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shape = SHAPES[args.shape]
     config, model, params = _dense(shape)
-    model = dataclasses.replace(model, glue=args.glue, attention=args.attention)
+    model = dataclasses.replace(model, rope_store=args.rope_store, attention=args.attention)
     bw = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     roof = bw / weight_bytes(params, config)
     rows = []
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         rate = decode_rate(producer, args.context, args.tokens, args.burst, 2048,
                            config.vocab_size)
         row: dict[str, Any] = {"shape": args.shape, "width": width, "context": args.context,
-                               "label": args.label, "glue": args.glue,
+                               "label": args.label, "rope_store": args.rope_store,
                                "attention": args.attention, "tokens_per_s": rate["tokens_per_s"],
                                "roofline_tokens_per_s": roof,
                                "fraction_of_roofline": rate["tokens_per_s"] / roof}
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(old + rows, indent=1))
     for row in rows:
         p = row.get("profile", {})
-        print(f"[{row['label']} glue={row['glue']} attention={row['attention']}] "
+        print(f"[{row['label']} rope_store={row['rope_store']} attention={row['attention']}] "
               f"{row['shape']} W={row['width']} ctx={row['context']}: "
               f"{row['tokens_per_s']:.0f} tok/s ({row['fraction_of_roofline']:.0%} of "
               f"{row['roofline_tokens_per_s']:.0f})")

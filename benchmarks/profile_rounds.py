@@ -37,7 +37,8 @@ def _setup(shape_name: str | None) -> tuple[Any, Any, list[int], int]:
     from turbospark_jax import CompletionRequest, run_raw_completion
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.drafters import NGramDrafter, OracleDrafter
-    from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params, unstack_layers
+    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
+    from turbospark_jax.models.dense_config import DenseConfig
 
     if shape_name is None:
         import turbospark_jax as tsj

@@ -176,7 +176,8 @@ def _dense(shape: Shape, seed: int = 0) -> tuple[Any, Any, Any]:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
+    from turbospark_jax.models.dense import DenseModel, unstack_layers
+    from turbospark_jax.models.dense_config import DenseConfig
 
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     model = DenseModel(config, jnp.bfloat16, scan_layers=False)

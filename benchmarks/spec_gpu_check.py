@@ -23,7 +23,8 @@ from turbospark_jax.drafters import (
     SpeculativePair,
 )
 from turbospark_jax.generate import run_raw_completion
-from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params, unstack_layers
+from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.speculative import run_raw_completion_speculative
 
 

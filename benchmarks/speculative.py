@@ -77,7 +77,8 @@ def part_oracle(shapes: list[str], tokens: int, out: Path) -> Path:
     from turbospark_jax import CompletionRequest, run_raw_completion
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.drafters import OracleDrafter, SpeculativePair
-    from turbospark_jax.models.dense import DenseConfig, DenseModel, init_params, unstack_layers
+    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
+    from turbospark_jax.models.dense_config import DenseConfig
     from turbospark_jax.speculative import run_raw_completion_speculative
 
     gpu = jax.default_backend() == "gpu"

@@ -12,7 +12,8 @@ import pytest
 
 from turbospark_jax.cli import main
 from turbospark_jax.loading import GenerationConfig, save_folder
-from turbospark_jax.models.dense import DenseConfig, init_params
+from turbospark_jax.models.dense import init_params
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.tokenizer import Tokenizer
 

@@ -10,20 +10,22 @@ from hypothesis import strategies as st
 
 from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.testing import conformance as C
 
 VOCAB = 96
 
 
 def _producer(model_type, dtype, listed=False, attention="auto", capacity=64, head_dim=12,
-              hidden=48, glue="auto", **extra):
+              hidden=48, rope_store="auto", **extra):
     cfg = DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2", **extra,
     )
-    model = DenseModel(cfg, dtype, scan_layers=not listed, attention=attention, glue=glue)
+    model = DenseModel(cfg, dtype, scan_layers=not listed, attention=attention,
+                       rope_store=rope_store)
     params = model.init_params(jax.random.PRNGKey(1))
     if listed:  # the serving layout: one params dict and one KV buffer per layer
         params = unstack_layers(params)
@@ -36,13 +38,14 @@ PRODUCERS = {
     "qwen3_f32": _producer("qwen3", jnp.float32),
     "llama_bf16": _producer("llama", jnp.bfloat16),
     "qwen2_f32": _producer("qwen2", jnp.float32),
-    # The serving layout; on a GPU these shapes take the compiled attention and glue kernels.
+    # The serving layout; on a GPU these shapes take the compiled attention and
+    # RoPE-and-cache-write kernels.
     "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True, capacity=80,
                                    head_dim=16, hidden=64),
-    # The fused attention and glue kernels (in the Pallas interpreter), over two key blocks,
-    # with the q/k norm inside the RoPE kernel.
+    # The fused attention and RoPE-and-cache-write kernels (in the Pallas interpreter), over
+    # two key tiles, with the q/k norm inside the RoPE kernel.
     "qwen3_f32_kernel": _producer("qwen3", jnp.float32, listed=True, attention="interpret",
-                                  glue="interpret", capacity=80),
+                                  rope_store="interpret", capacity=80),
 }
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=22)
 

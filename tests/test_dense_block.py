@@ -18,12 +18,12 @@ import pytest
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.dense import (
     DenseCache,
-    DenseConfig,
     DenseModel,
     init_params,
     stack_layers,
     unstack_layers,
 )
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import attend
 from turbospark_jax.state import tree_bitwise_equal
 from turbospark_jax.testing.fixtures import jitted_block
@@ -160,8 +160,8 @@ def test_bad_attention_mode_and_cache_layout_are_refused(setup: Any) -> None:
     model, params, _ = setup
     with pytest.raises(BadInputError, match="attention must be one of"):
         DenseModel(model.config, model.dtype, attention="flash")
-    with pytest.raises(BadInputError, match="glue must be one of"):
-        DenseModel(model.config, model.dtype, glue="triton")
+    with pytest.raises(BadInputError, match="rope_store must be one of"):
+        DenseModel(model.config, model.dtype, rope_store="triton")
     per_layer = DenseModel(model.config, model.dtype, scan_layers=False).init_cache(CAPACITY)
     with pytest.raises(BadInputError, match="per-layer cache"):
         model.block_forward(params, per_layer, jnp.zeros((4,), jnp.int32),

@@ -8,6 +8,7 @@ within ``ATOL = 1e-4``, float32 on CPU); the chat template must render exactly a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -24,18 +25,17 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from turbospark_jax import loading  # noqa: E402
 from turbospark_jax.errors import (  # noqa: E402
     BadInputError,
     ModelLoadError,
     UnsupportedCapabilityError,
 )
 from turbospark_jax.loading import GenerationConfig, load_folder, save_folder  # noqa: E402
-from turbospark_jax.models.dense import (  # noqa: E402
-    DenseConfig,
-    DenseModel,
-    init_params,
-    stack_layers,
-)
+from turbospark_jax.models import dense  # noqa: E402
+from turbospark_jax.models.dense import DenseModel, init_params, stack_layers  # noqa: E402
+from turbospark_jax.models.dense_config import DenseConfig  # noqa: E402
+from turbospark_jax.models.family import Family  # noqa: E402
 from turbospark_jax.models.layers import RopeScaling  # noqa: E402
 from turbospark_jax.state import tree_bitwise_equal  # noqa: E402
 from turbospark_jax.testing.fixtures import randomise_hf_norms_and_biases  # noqa: E402
@@ -201,6 +201,28 @@ def test_missing_config_key(hf_folder: Path, tmp_path: Path) -> None:
     assert "hidden_size" in _load_error(folder)
 
 
+def test_heads_must_split_hidden_size_without_head_dim(hf_folder: Path, tmp_path: Path) -> None:
+    folder = _copy(hf_folder, tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama", hidden_size=30)  # 4 heads
+    del config["head_dim"]
+    (folder / "config.json").write_text(json.dumps(config))
+    message = _load_error(folder)
+    assert "hidden_size (30)" in message and "num_attention_heads (4)" in message
+    # Control: with head_dim given, the heads need not split hidden_size.
+    config["head_dim"] = 8
+    assert DenseConfig.from_hf_dict(config).head_dim == 8
+
+
+def test_bad_layer_layout_is_refused_before_any_tensor_is_read(
+    hf_folder: Path, tmp_path: Path
+) -> None:
+    folder = _copy(hf_folder, tmp_path)
+    (folder / "model.safetensors").write_bytes(b"\x00" * 64)  # reading it would fail
+    with pytest.raises(BadInputError, match="layer_layout"):
+        load_folder(folder, layer_layout="rows")  # type: ignore[arg-type]
+
+
 def test_garbage_config_json(hf_folder: Path, tmp_path: Path) -> None:
     folder = _copy(hf_folder, tmp_path)
     (folder / "config.json").write_text("{this is not json")
@@ -311,6 +333,39 @@ def test_list_layout_loads_and_saves(hf_folder: Path, loaded: Any, tmp_path: Pat
     assert tree_bitwise_equal(stack_layers(listed.params), loaded.params)
     save_folder(tmp_path, listed.config, listed.params)
     assert tree_bitwise_equal(load_folder(tmp_path).params, loaded.params)
+
+
+def _listed_dense_family() -> Family:
+    """The dense family declared the way a family with mixed layers declares itself: params
+    with a list of per-layer dicts, tensor keys that index that list, one layout only."""
+
+    def shapes(config: DenseConfig) -> Any:
+        tree = dense.param_shapes(config)
+        layer = {k: s[1:] for k, s in tree["layers"].items()}
+        return {**tree, "layers": [dict(layer) for _ in range(config.num_hidden_layers)]}
+
+    def tensors(config: DenseConfig) -> Any:
+        return [
+            t if t.stacked is None
+            else dataclasses.replace(t, key=(*t.key[:-1], t.stacked, t.key[-1]), stacked=None)
+            for t in dense.hf_tensors(config)
+        ]
+
+    return dataclasses.replace(dense.FAMILY, name="listed dense", param_shapes=shapes,
+                               hf_tensors=tensors, list_layout_only=True, to_layer_layout=None)
+
+
+def test_a_list_layout_family_loads_and_saves_through_the_same_code(
+    hf_folder: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference = load_folder(hf_folder, layer_layout="list")
+    monkeypatch.setattr(loading, "family_of", lambda model_type: _listed_dense_family())
+    listed = load_folder(hf_folder, layer_layout="list")
+    assert tree_bitwise_equal(listed.params, reference.params)
+    with pytest.raises(BadInputError, match="'list' layer layout"):
+        load_folder(hf_folder)  # the default, "stacked", is not a layout this family has
+    save_folder(tmp_path, listed.config, listed.params)
+    assert tree_bitwise_equal(load_folder(tmp_path, layer_layout="list").params, listed.params)
 
 
 def test_sharded_round_trip(loaded: Any, tmp_path: Path) -> None:

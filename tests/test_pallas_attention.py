@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turbospark_jax.models.layers import attend
-from turbospark_jax.models.pallas_attention import BLOCK_KEYS, cached_attention
+from turbospark_jax.models.pallas_attention import KEY_TILE, cached_attention
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -27,7 +27,7 @@ def _inputs(seed, width, heads, kv_heads, head_dim, capacity, dtype):
     return q, k, v
 
 
-# (W, H, KV, hd, capacity, first position, window): one block, an overlapping last block,
+# (W, H, KV, hd, capacity, first position, window): one key tile, an overlapping last tile,
 # several splits (capacity >= 2 * 1024), a sliding window, MQA, W*G above one row tile.
 CASES = [
     (1, 8, 2, 32, 80, 37, None),
@@ -65,7 +65,7 @@ def test_row_independent_of_block_and_scan_length(first, row, seed):
     """Row ``row`` of a block starting at ``first`` equals row 0 of the block that starts at
     the row's own position (a shorter scan, other neighbours), bitwise; and other rows'
     queries do not touch it."""
-    width, capacity = 4, 2304  # two splits; blocks of 64 keys
+    width, capacity = 4, 2304  # two splits; tiles of 64 keys
     q, k, v = _inputs(seed, width, 8, 2, 16, capacity, jnp.bfloat16)
     here = _row(q, k, v, first, row)
     alone = jnp.zeros_like(q).at[0].set(q[row])
@@ -76,7 +76,7 @@ def test_row_independent_of_block_and_scan_length(first, row, seed):
 
 
 @settings(max_examples=10, deadline=None)
-@given(first=st.integers(BLOCK_KEYS, 250), seed=st.integers(0, 3))
+@given(first=st.integers(KEY_TILE, 250), seed=st.integers(0, 3))
 def test_windowed_row_independent_of_scan_length(first, seed):
     q, k, v = _inputs(seed, 4, 4, 2, 16, 320, jnp.float32)
     here = _row(q, k, v, first, 3, window=40)

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from turbospark_jax.models.dense import DenseConfig, init_params
+from turbospark_jax.models.dense import init_params
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.recipe import card
 from turbospark_jax.recipe.train import TrainConfig, TrainResult
 

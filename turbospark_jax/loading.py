@@ -5,14 +5,17 @@ A folder holds ``config.json``, the weights as ``model.safetensors`` or as shard
 Weights are read with ``safetensors`` in numpy mode (bfloat16 arrives as an ``ml_dtypes``
 array); nothing is ever unpickled, so ``pytorch_model.bin`` folders are refused.
 
+The loader is generic: ``config.json``'s ``model_type`` picks a family from
+:mod:`~turbospark_jax.models.registry`, whose :class:`~turbospark_jax.models.family.Family`
+declaration says how to parse the config, which tensors the folder holds and where each goes.
+
 Tensor policy:
   * every tensor the model needs must be present with the Hugging Face shape, or a
     :class:`~turbospark_jax.errors.ModelLoadError` names it (and both shapes);
-  * an unexpected tensor is an error naming it, with two tolerated exceptions: rotary
-    ``inv_freq`` buffers that old checkpoints carry (we recompute them), and a tied model's
-    ``lm_head.weight`` when it is bitwise equal to the embeddings (a tied model that saved its
-    head anyway). A tied model whose ``lm_head.weight`` differs from its embeddings is refused:
-    which of the two the author meant is not ours to guess.
+  * an unexpected tensor is an error naming it, except the extras the family tolerates
+    (rotary ``inv_freq`` buffers that old checkpoints carry, for example) and copies of tied
+    weights (a tied model's ``lm_head.weight``) that are bitwise equal to what they copy. A
+    copy that differs is refused: which of the two the author meant is not ours to guess.
 """
 
 from __future__ import annotations
@@ -31,15 +34,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.dense import (
-    DenseConfig,
-    DenseModel,
-    Params,
-    param_shapes,
-    stack_layers,
-    unstack_layers,
-)
+from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.family import Family, HFTensor, Params
+from turbospark_jax.models.registry import family_of
 from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -93,7 +91,7 @@ class GenerationConfig:
         return cls(eos_token_ids=tuple(eos_list), bos_token_id=bos, pad_token_id=pad, extra=extra)
 
     @classmethod
-    def from_model_config(cls, config: DenseConfig) -> GenerationConfig:
+    def from_model_config(cls, config: Any) -> GenerationConfig:
         """The defaults implied by ``config.json`` alone (what transformers derives too)."""
         return cls(
             eos_token_ids=config.eos_token_ids,
@@ -126,100 +124,38 @@ class LoadedModel:
     Attributes:
       model: the runnable model (static under ``jit``).
       params: its params tree, on the default device.
-      config: the parsed ``config.json``.
+      config: the parsed ``config.json`` (the family's config type).
       tokenizer: the tokenizer, or ``None`` when the folder has no ``tokenizer.json``.
       generation_config: ``generation_config.json``, or defaults derived from ``config.json``.
       path: the folder it came from.
     """
 
-    model: DenseModel
+    model: BlockModel
     params: Params
-    config: DenseConfig
+    config: Any
     tokenizer: Tokenizer | None
     generation_config: GenerationConfig
     path: str
 
 
-# -- the tensor map --------------------------------------------------------------------------
+# -- params trees ----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One Hugging Face tensor and where it lives in our params.
-
-    ``key`` is the params path (``("layers", "q_proj")``), ``layer`` the index on the stacked
-    axis (``None`` for top-level leaves). Hugging Face keeps ``nn.Linear`` weights as
-    ``[out, in]``; ``transpose`` marks those, which we keep as ``[in, out]``.
-    """
-
-    name: str
-    key: tuple[str, ...]
-    layer: int | None
-    hf_shape: tuple[int, ...]
-    transpose: bool
+def _node(tree: Any, key: tuple[str | int, ...]) -> Any:
+    """The subtree at ``key``: ``str`` entries index dicts, ``int`` entries index lists."""
+    for k in key:
+        tree = tree[k]
+    return tree
 
 
-def _tensor_map(config: DenseConfig) -> list[_Tensor]:
-    shapes = param_shapes(config)
-    out = [
-        _Tensor("model.embed_tokens.weight", ("embed_tokens",), None, shapes["embed_tokens"], False)
-    ]
-    per_layer = {
-        "input_layernorm": ("input_layernorm.weight", False),
-        "q_proj": ("self_attn.q_proj.weight", True),
-        "k_proj": ("self_attn.k_proj.weight", True),
-        "v_proj": ("self_attn.v_proj.weight", True),
-        "o_proj": ("self_attn.o_proj.weight", True),
-        "q_bias": ("self_attn.q_proj.bias", False),
-        "k_bias": ("self_attn.k_proj.bias", False),
-        "v_bias": ("self_attn.v_proj.bias", False),
-        "o_bias": ("self_attn.o_proj.bias", False),
-        "q_norm": ("self_attn.q_norm.weight", False),
-        "k_norm": ("self_attn.k_norm.weight", False),
-        "post_attention_layernorm": ("post_attention_layernorm.weight", False),
-        "gate_proj": ("mlp.gate_proj.weight", True),
-        "up_proj": ("mlp.up_proj.weight", True),
-        "down_proj": ("mlp.down_proj.weight", True),
-        "gate_bias": ("mlp.gate_proj.bias", False),
-        "up_bias": ("mlp.up_proj.bias", False),
-        "down_bias": ("mlp.down_proj.bias", False),
-    }
-    for i in range(config.num_hidden_layers):
-        for key, shape in shapes["layers"].items():
-            suffix, transpose = per_layer[key]
-            ours = shape[1:]
-            if transpose:  # ours is [in..., out...]; HF is [prod(out), prod(in)]
-                split = 2 if key == "o_proj" else 1
-                hf = (int(np.prod(ours[split:])), int(np.prod(ours[:split])))
-            else:
-                hf = (int(np.prod(ours)),)
-            out.append(_Tensor(f"model.layers.{i}.{suffix}", ("layers", key), i, hf, transpose))
-    out.append(_Tensor("model.norm.weight", ("norm",), None, shapes["norm"], False))
-    if not config.tie_word_embeddings:
-        d, v = shapes["lm_head"]
-        out.append(_Tensor("lm_head.weight", ("lm_head",), None, (v, d), True))
-    return out
+def _slot_shape(shapes: Params, t: HFTensor) -> tuple[int, ...]:
+    """The shape ``t`` fills: its leaf's, less the stacked layer axis when it has one."""
+    shape = tuple(_node(shapes, t.key))
+    return shape[1:] if t.stacked is not None else shape
 
 
-def _leaf_shape(shapes: Params, t: _Tensor) -> tuple[int, ...]:
-    node: Any = shapes
-    for k in t.key:
-        node = node[k]
-    return tuple(node[1:]) if t.layer is not None else tuple(node)
-
-
-def _from_hf(array: np.ndarray, t: _Tensor, shape: tuple[int, ...]) -> np.ndarray:
-    return (array.T if t.transpose else array).reshape(shape)
-
-
-def _to_hf(array: np.ndarray, t: _Tensor) -> np.ndarray:
-    hf_t = t.hf_shape[::-1] if t.transpose else t.hf_shape
-    flat = array.reshape(hf_t)
-    return np.ascontiguousarray(flat.T if t.transpose else flat)
-
-
-def _tolerated_extra(name: str) -> bool:
-    return name.endswith("rotary_emb.inv_freq")
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple)
 
 
 # -- loading ---------------------------------------------------------------------------------
@@ -235,7 +171,7 @@ def _read_json(path: str, what: str) -> Any:
         raise ModelLoadError(f"could not read {what} {path}: {e}") from e
 
 
-def _resolve_dtype(dtype: Any, config: DenseConfig) -> jnp.dtype:
+def _resolve_dtype(dtype: Any, config: Any) -> jnp.dtype:
     if dtype is None:
         dtype = config.dtype or "float32"
     if isinstance(dtype, str):
@@ -307,7 +243,7 @@ def load_folder(
     dtype: Any = None,
     layer_layout: Literal["stacked", "list"] = "stacked",
 ) -> LoadedModel:
-    """Load a Hugging Face model folder of the dense family.
+    """Load a Hugging Face model folder of any family the registry knows.
 
     Args:
       path: the folder.
@@ -316,17 +252,22 @@ def load_folder(
         else float32. Tensors stored in another dtype are cast (round to nearest even).
       layer_layout: ``"stacked"`` (per-layer leaves on a leading L axis: training, scans,
         saving) or ``"list"`` (one dict per layer: the fast layout for GPU decoding, see
-        :mod:`turbospark_jax.models.dense`).
+        :mod:`turbospark_jax.models.dense`). A family whose layers differ in shape has only
+        ``"list"``.
 
     Returns:
       The :class:`LoadedModel`.
 
     Raises:
+      BadInputError: ``layer_layout`` is neither layout, or one the family does not have
+        (checked before any tensor is read).
       ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
         or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
         missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
         a safetensors file is corrupt or truncated (named).
     """
+    if layer_layout not in ("stacked", "list"):
+        raise BadInputError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
     folder = os.fspath(path)
     if not os.path.isdir(folder):
         raise ModelLoadError(f"model folder {folder} does not exist")
@@ -334,59 +275,20 @@ def load_folder(
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"no {CONFIG_FILE} in {folder}")
     raw_config = _read_json(config_path, "model config")
-    config = DenseConfig.from_hf_dict(raw_config)
+    if not isinstance(raw_config, Mapping):
+        raise ModelLoadError(
+            f"{CONFIG_FILE} must hold a JSON object, got {type(raw_config).__name__}"
+        )
+    family = family_of(raw_config.get("model_type"))
+    config = family.parse_config(raw_config)
+    if layer_layout != family.native_layout and family.to_layer_layout is None:
+        raise BadInputError(
+            f"the {family.name} family's params come only in the {family.native_layout!r} "
+            f"layer layout; got layer_layout={layer_layout!r}"
+        )
     resolved = _resolve_dtype(dtype, config)
-    np_dtype = np.dtype(resolved)
 
-    weight_map = _weight_files(folder)
-    tensors = _tensor_map(config)
-    wanted = {t.name: t for t in tensors}
-    missing = [t.name for t in tensors if t.name not in weight_map]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}{more}")
-    shapes = param_shapes(config)
-    host: Params = jax.tree.map(
-        lambda s: np.empty(s, np_dtype), shapes, is_leaf=lambda x: isinstance(x, tuple)
-    )
-    spare_head: tuple[Any, str] | None = None
-    for name, handle, file in _iter_tensors(folder, weight_map):
-        t = wanted.get(name)
-        if t is None:
-            if _tolerated_extra(name):
-                continue
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                spare_head = (handle.get_tensor(name), file)
-                continue
-            raise ModelLoadError(f"unexpected tensor {name} in {file}")
-        try:
-            got = tuple(handle.get_slice(name).get_shape())
-            if got != t.hf_shape:
-                raise ModelLoadError(
-                    f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}"
-                )
-            array = handle.get_tensor(name)
-        except ModelLoadError:
-            raise
-        except Exception as e:
-            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
-        converted = _from_hf(array, t, _leaf_shape(shapes, t)).astype(np_dtype, copy=False)
-        leaf = host
-        for k in t.key[:-1]:
-            leaf = leaf[k]
-        if t.layer is None:
-            leaf[t.key[-1]] = converted
-        else:
-            leaf[t.key[-1]][t.layer] = converted
-    if spare_head is not None:
-        head, file = spare_head
-        embed = host["embed_tokens"]
-        if head.shape != embed.shape or not np.array_equal(head.astype(np_dtype), embed):
-            raise ModelLoadError(
-                f"tie_word_embeddings is true but {file} holds an lm_head.weight that differs "
-                "from model.embed_tokens.weight; set tie_word_embeddings false or drop the head"
-            )
-
+    host = _read_params(folder, family, config, np.dtype(resolved))
     tokenizer = Tokenizer.from_folder(folder) if os.path.isfile(
         os.path.join(folder, TOKENIZER_FILE)
     ) else None
@@ -401,12 +303,10 @@ def load_folder(
     else:
         generation = GenerationConfig.from_model_config(config)
     params = jax.tree.map(jnp.asarray, host)
-    if layer_layout == "list":
-        params = unstack_layers(params)
-    elif layer_layout != "stacked":
-        raise ValueError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
+    if layer_layout != family.native_layout:
+        params = family.to_layer_layout(params, layer_layout)
     return LoadedModel(
-        model=DenseModel(config, resolved, scan_layers=layer_layout != "list"),
+        model=family.build(config, resolved, layer_layout),
         params=params,
         config=config,
         tokenizer=tokenizer,
@@ -415,12 +315,64 @@ def load_folder(
     )
 
 
+def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -> Params:
+    """The folder's tensors as a host params tree (numpy, ``np_dtype``) in the family's
+    native layout, every tensor checked against the family's declaration."""
+    weight_map = _weight_files(folder)
+    tensors = family.hf_tensors(config)
+    wanted = {t.name: t for t in tensors}
+    missing = [t.name for t in tensors if t.name not in weight_map]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}{more}")
+    shapes = family.param_shapes(config)
+    host: Params = jax.tree.map(lambda s: np.empty(s, np_dtype), shapes, is_leaf=_is_shape)
+    copies = family.tied_copies(config)
+    spares: list[tuple[str, np.ndarray, str]] = []
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = wanted.get(name)
+        if t is None:
+            if family.tolerated(name):
+                continue
+            if name in copies:
+                spares.append((name, handle.get_tensor(name), file))
+                continue
+            raise ModelLoadError(f"unexpected tensor {name} in {file}")
+        try:
+            got = tuple(handle.get_slice(name).get_shape())
+            if got != t.hf_shape:
+                raise ModelLoadError(
+                    f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}"
+                )
+            array = handle.get_tensor(name)
+        except ModelLoadError:
+            raise
+        except Exception as e:
+            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
+        converted = t.to_ours(array, _slot_shape(shapes, t)).astype(np_dtype, copy=False)
+        parent = _node(host, t.key[:-1])
+        if t.stacked is None:
+            parent[t.key[-1]] = converted
+        else:
+            parent[t.key[-1]][t.stacked] = converted
+    for name, array, file in spares:
+        original = wanted[copies[name]]
+        leaf = _node(host, original.key)
+        ours = original.to_hf(leaf if original.stacked is None else leaf[original.stacked])
+        if array.shape != ours.shape or not np.array_equal(array.astype(np_dtype), ours):
+            raise ModelLoadError(
+                f"the config ties {name} to {original.name}, but {file} holds a {name} that "
+                f"differs from it; untie the config or drop the tensor"
+            )
+    return host
+
+
 # -- saving ----------------------------------------------------------------------------------
 
 
 def save_folder(
     path: str | os.PathLike[str],
-    config: DenseConfig,
+    config: Any,
     params: Params,
     tokenizer: Tokenizer | None = None,
     generation_config: GenerationConfig | None = None,
@@ -436,36 +388,37 @@ def save_folder(
 
     Args:
       path: the destination folder (created if needed).
-      config: the model config.
-      params: the params tree, either layer layout (see :mod:`turbospark_jax.models.dense`).
+      config: the model config (its ``model_type`` picks the family).
+      params: the params tree, in either layer layout the family has (see
+        :mod:`turbospark_jax.models.dense`).
       tokenizer: written alongside when given.
       generation_config: written as ``generation_config.json``; derived when ``None``.
       max_shard_bytes: the most tensor bytes in one file (a larger tensor gets a file alone).
 
     Raises:
-      ModelLoadError: the params do not have the shapes ``config`` implies.
+      ModelLoadError: no family saves ``config.model_type``, or the params do not have the
+        shapes ``config`` implies.
     """
+    family = family_of(config.model_type)
     folder = os.fspath(path)
     os.makedirs(folder, exist_ok=True)
-    shapes = param_shapes(config)
-    tensors = _tensor_map(config)
-    params = stack_layers(params)
-    expected = jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params),
-                          is_leaf=lambda x: isinstance(x, tuple))
-    if jax.tree.structure(shapes, is_leaf=lambda x: isinstance(x, tuple)) != jax.tree.structure(
+    shapes = family.param_shapes(config)
+    tensors = family.hf_tensors(config)
+    if family.to_layer_layout is not None:
+        params = family.to_layer_layout(params, family.native_layout)
+    expected = jax.tree.leaves(shapes, is_leaf=_is_shape)
+    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params), is_leaf=_is_shape)
+    if jax.tree.structure(shapes, is_leaf=_is_shape) != jax.tree.structure(
         jax.tree.map(lambda a: 0, params)
     ) or list(map(tuple, expected)) != got:
         raise ModelLoadError("params do not match the layout the config implies")
     host = jax.tree.map(np.asarray, params)
-    dtype_name = np.dtype(host["embed_tokens"].dtype).name
 
     hf: dict[str, np.ndarray] = {}
     for t in tensors:
-        leaf: Any = host
-        for k in t.key:
-            leaf = leaf[k]
-        hf[t.name] = _to_hf(leaf if t.layer is None else leaf[t.layer], t)
+        leaf = _node(host, t.key)
+        hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
+    dtype_name = np.dtype(hf[tensors[0].name].dtype).name
 
     for name in os.listdir(folder):
         if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and

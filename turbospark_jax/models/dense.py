@@ -1,16 +1,5 @@
-"""The dense decoder family: Llama, Mistral, Qwen2 and Qwen3.
-
-One pre-norm decoder covers all four; they differ only in small switches that
-:class:`DenseConfig` derives from the Hugging Face ``config.json``:
-
-=========  ==========================  ===================  ==========================
-family     attention biases            q/k RMSNorm (head)   sliding window
-=========  ==========================  ===================  ==========================
-llama      q,k,v,o if attention_bias   no                   never
-mistral    none                        no                   every layer if set
-qwen2      q,k,v always, o never       no                   layers marked sliding
-qwen3      q,k,v,o if attention_bias   yes, before RoPE     layers marked sliding
-=========  ==========================  ===================  ==========================
+"""The dense decoder family (llama, mistral, qwen2, qwen3): params, the model, and the
+family's declaration for loading. The config is :mod:`~turbospark_jax.models.dense_config`.
 
 Sliding windows are implemented, not refused: the KV cache keeps every position, and a
 layer with window ``w`` masks keys at positions ``<= q - w`` (Hugging Face's rule: a row sees
@@ -45,35 +34,25 @@ Two layer layouts are accepted everywhere (``block_forward``, ``forward``, ``sav
   layers run as a ``lax.scan`` over the L axis (``scan_layers=True``) or a Python loop over
   static slices (``scan_layers=False``). Compact, and what training wants.
 * **list** (:func:`unstack_layers`; ``load_folder(..., layer_layout="list")``): ``layers`` is a
-  list of per-layer dicts, run by an unrolled Python loop. Use this for decoding on a GPU.
-
-Why two: inside a jitted loop (the engine's ``fori_loop`` of blocks) XLA materialises every
-slice of a stacked weight, so each decode step reads the weights about three times. Measured
-on one H200, bf16, W = 1, KV capacity 4096, 32 steps per call: an 8B Llama shape took 12.0 ms
-a step stacked (scan or static slices alike; 1.3 TB/s of weights) and 5.4 ms listed
-(3.0 TB/s); a 1B shape 2.45 ms against 1.57 ms. W = 16 cost 6.1 ms listed (8B). The
-chunk-vs-decode bitwise property held on that GPU in both layouts (W = 16, bf16).
+  list of per-layer dicts, run by an unrolled Python loop. Use this for decoding on a GPU:
+  inside a jitted loop XLA materialises every slice of a stacked weight, so a stacked model
+  reads its weights several times a step.
 
 The KV cache rides in the loop carry and is updated in place by a scatter; it is never
 re-stacked as a scan output. An unrolled model keeps one buffer per layer (slicing a layer out
-of a stacked buffer in the loop cost two copies per layer and step on the H200) and, on a GPU,
-attends over it with the fused kernel of
-:mod:`~turbospark_jax.models.pallas_attention`: with the per-layer buffers and 2-D projection
-matrix products, the 1B shape went from 681 to 771 tokens/s at 128 context and from 383 to
-652 at 16k (W = 16). There the cache writes go through the kernel of
-:mod:`~turbospark_jax.models.pallas_glue` instead of a scatter: it takes the merged q/k/v
-product to the attention kernel's input in one launch (1B: 820 tokens/s at 128 context, 667
-at 16k). Attention for blocks wider than
-:data:`~turbospark_jax.models.layers.ATTENTION_QUERY_BLOCK` rows runs in query slices of that
-width; a 2048-row block over a 16384-position cache of the 8B shape (stacked) ran in 387 ms with
-26.5 GB peak device memory, weights included.
+of a stacked buffer in the loop costs copies) and, on a GPU, attends over it with the fused
+kernel of :mod:`~turbospark_jax.models.pallas_attention`, fed by the RoPE-and-cache-write
+kernel of :mod:`~turbospark_jax.models.pallas_rope_store`. Blocks wider than
+:data:`~turbospark_jax.models.layers.ATTENTION_QUERY_BLOCK` rows attend in query slices of that
+width, which bounds the score tensor. Measurements: ``benchmarks/results/NOTES.md``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -81,411 +60,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models import pallas_attention, pallas_glue
+from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.base import BlockModel
-from turbospark_jax.models.layers import (
-    SUPPORTED_ROPE_TYPES,
-    RopeScaling,
-    apply_rope,
-    attend,
-    rms_norm,
-    rope_cos_sin,
-    rope_inv_freq,
-    swiglu_mlp,
-)
+from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
+from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
+from turbospark_jax.models.family import Family, HFTensor
+from turbospark_jax.models.layers import rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
 
-#: ``model_type`` values this module implements, with the HF class each saves as.
-ARCHITECTURES: dict[str, str] = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
-
-_REQUIRED_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
-
-# Values Hugging Face's config classes use when config.json leaves a key out, per family, so a
-# sparse config.json means the same model here as there.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": {"max_position_embeddings": 2048, "num_key_value_heads": None},
-    "mistral": {"max_position_embeddings": 4096 * 32, "num_key_value_heads": 8,
-                "sliding_window": 4096},
-    "qwen2": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
-              "sliding_window": 4096},
-    "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
-              "sliding_window": 4096, "head_dim": 128},
-}
-
-_FULL, _SLIDING = "full_attention", "sliding_attention"
-
-#: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.glue`.
+#: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.rope_store`.
 KERNEL_MODES = ("auto", "xla", "interpret")
-
-
-@dataclasses.dataclass(frozen=True)
-class DenseConfig:
-    """A dense decoder's hyperparameters; field names are the Hugging Face ``config.json`` keys.
-
-    Frozen and hashable: it is static under ``jit``. Build one from a ``config.json`` dict with
-    :meth:`from_hf_dict`; :meth:`to_hf_dict` writes one back.
-
-    Attributes beyond the obvious HF ones:
-      head_dim: per-head width; may differ from ``hidden_size // num_attention_heads``.
-      rope_scaling: ``None`` for plain RoPE, else the parsed scaling.
-      sliding_window: the window of layers marked sliding, ``None`` when no layer slides
-        (Qwen's ``use_sliding_window: false`` lands here as ``None``).
-      layer_types: ``"full_attention"`` / ``"sliding_attention"`` per layer; filled in from
-        the family's rule when left empty.
-      max_window_layers: Qwen's first sliding layer, kept so the config round-trips.
-      eos_token_id: an int, a tuple of ints, or ``None``.
-      dtype: the checkpoint dtype named in config.json (``"bfloat16"``...), if any.
-    """
-
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: RopeScaling | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    hidden_act: str = "silu"
-    sliding_window: int | None = None
-    layer_types: tuple[str, ...] = ()
-    max_window_layers: int | None = None
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    initializer_range: float = 0.02
-    dtype: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.num_key_value_heads is None:
-            object.__setattr__(self, "num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.model_type in ("qwen2", "qwen3") and self.max_window_layers is None:
-            object.__setattr__(self, "max_window_layers", 28)  # the HF default, for round trips
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        if not self.layer_types:
-            slides = self.sliding_window is not None and self.model_type == "mistral"
-            object.__setattr__(
-                self, "layer_types", (_SLIDING if slides else _FULL,) * self.num_hidden_layers
-            )
-        else:
-            object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        self._check()
-
-    def _check(self) -> None:
-        def bad(msg: str) -> ModelLoadError:
-            return ModelLoadError(f"invalid {self.model_type} config: {msg}")
-
-        if self.model_type not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported model_type {self.model_type!r}; the dense family supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        for name in (*_REQUIRED_KEYS, "num_key_value_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise bad(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise bad(
-                f"num_attention_heads ({self.num_attention_heads}) is not a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-        if self.head_dim % 2:
-            raise bad(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.hidden_act != "silu":
-            raise bad(f"hidden_act {self.hidden_act!r} is not supported (only 'silu')")
-        if len(self.layer_types) != self.num_hidden_layers:
-            raise bad(
-                f"layer_types has {len(self.layer_types)} entries for "
-                f"{self.num_hidden_layers} layers"
-            )
-        unknown = set(self.layer_types) - {_FULL, _SLIDING}
-        if unknown:
-            raise bad(f"unsupported layer_types {sorted(unknown)}")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise bad(f"sliding_window must be positive, got {self.sliding_window}")
-        if self.rope_scaling is not None and self.rope_scaling.rope_type not in (
-            SUPPORTED_ROPE_TYPES
-        ):
-            raise bad(
-                f"unsupported rope_type {self.rope_scaling.rope_type!r}; supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)}"
-            )
-
-    # -- derived switches -----------------------------------------------------------------
-
-    @property
-    def qkv_bias(self) -> bool:
-        """Whether q/k/v projections carry a bias (always for qwen2)."""
-        if self.model_type == "qwen2":
-            return True
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
-
-    @property
-    def o_bias(self) -> bool:
-        """Whether the output projection carries a bias (never for qwen2 and mistral)."""
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
-
-    @property
-    def has_mlp_bias(self) -> bool:
-        """Whether the MLP projections carry biases (a llama-only option)."""
-        return self.mlp_bias and self.model_type == "llama"
-
-    @property
-    def qk_norm(self) -> bool:
-        """Whether q and k get a per-head RMSNorm before RoPE (qwen3)."""
-        return self.model_type == "qwen3"
-
-    @property
-    def layer_windows(self) -> tuple[int | None, ...]:
-        """The sliding window of each layer, ``None`` where the layer attends to everything."""
-        return tuple(
-            self.sliding_window if t == _SLIDING and self.sliding_window is not None else None
-            for t in self.layer_types
-        )
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        """``eos_token_id`` as a tuple (empty when unset)."""
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
-
-    # -- config.json ------------------------------------------------------------------------
-
-    @classmethod
-    def from_hf_dict(cls, d: Mapping[str, Any]) -> DenseConfig:
-        """Parse a Hugging Face ``config.json`` dict.
-
-        Accepts both rope layouts: transformers 5.x ``rope_parameters`` (holding
-        ``rope_theta`` and the scaling keys) and the older top-level ``rope_theta`` plus a
-        ``rope_scaling`` dict keyed ``rope_type`` or ``type``. Keys left out take the values
-        Hugging Face's config class for that ``model_type`` would give them.
-
-        Args:
-          d: the parsed ``config.json``.
-
-        Returns:
-          The config.
-
-        Raises:
-          ModelLoadError: an unsupported ``model_type`` (the message lists the supported
-            ones), a missing required key, a value of the wrong type, an unsupported RoPE
-            variant or activation, or inconsistent head counts.
-        """
-        if not isinstance(d, Mapping):
-            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES:
-            raise ModelLoadError(
-                f"unsupported model_type {model_type!r}; the dense family supports "
-                f"{', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        missing = [k for k in _REQUIRED_KEYS if d.get(k) is None]
-        if missing:
-            raise ModelLoadError(f"config.json is missing required key(s): {', '.join(missing)}")
-        defaults = _HF_DEFAULTS[model_type]
-
-        def get(key: str, kind: Callable[[Any], Any], default: Any = None) -> Any:
-            value = d.get(key, defaults.get(key, default))
-            if value is None:
-                return None
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
-                raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
-            if kind is float and (isinstance(value, bool) or not isinstance(value, int | float)):
-                raise ModelLoadError(f"config.json key {key!r} must be a number, got {value!r}")
-            if kind is bool and not isinstance(value, bool):
-                raise ModelLoadError(f"config.json key {key!r} must be true/false, got {value!r}")
-            return kind(value)
-
-        layers = get("num_hidden_layers", int)
-        if model_type == "mistral":
-            window = get("sliding_window", int)
-            layer_types: tuple[str, ...] = ()
-        elif model_type in ("qwen2", "qwen3"):
-            use_window = get("use_sliding_window", bool, False)
-            window = get("sliding_window", int) if use_window else None
-            raw_types = d.get("layer_types")
-            max_window_layers = get("max_window_layers", int, 28)
-            if raw_types is not None:
-                if not isinstance(raw_types, list):
-                    raise ModelLoadError(f"config.json key 'layer_types' must be a list, got "
-                                         f"{raw_types!r}")
-                layer_types = tuple(str(t) for t in raw_types)
-            else:
-                layer_types = tuple(
-                    _SLIDING if window is not None and i >= max_window_layers else _FULL
-                    for i in range(layers)
-                )
-        else:
-            window, layer_types = None, ()
-
-        theta, scaling = _parse_rope(d, get("max_position_embeddings", int))
-        eos = d.get("eos_token_id")
-        if isinstance(eos, list):
-            if not all(isinstance(e, int) for e in eos):
-                raise ModelLoadError(f"config.json key 'eos_token_id' must hold integers: {eos!r}")
-            eos = tuple(eos)
-        elif eos is not None and not isinstance(eos, int):
-            raise ModelLoadError(f"config.json key 'eos_token_id' must be an integer, got {eos!r}")
-        dtype = d.get("dtype", d.get("torch_dtype"))
-        return cls(
-            model_type=model_type,
-            vocab_size=get("vocab_size", int),
-            hidden_size=get("hidden_size", int),
-            intermediate_size=get("intermediate_size", int),
-            num_hidden_layers=layers,
-            num_attention_heads=get("num_attention_heads", int),
-            num_key_value_heads=get("num_key_value_heads", int),
-            head_dim=get("head_dim", int),
-            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=get("max_position_embeddings", int),
-            tie_word_embeddings=get("tie_word_embeddings", bool, False),
-            attention_bias=get("attention_bias", bool, False),
-            mlp_bias=get("mlp_bias", bool, False),
-            hidden_act=str(d.get("hidden_act", "silu")),
-            sliding_window=window,
-            layer_types=layer_types,
-            max_window_layers=(
-                get("max_window_layers", int, 28) if model_type in ("qwen2", "qwen3") else None
-            ),
-            bos_token_id=get("bos_token_id", int),
-            eos_token_id=eos,
-            pad_token_id=get("pad_token_id", int),
-            initializer_range=get("initializer_range", float, 0.02),
-            dtype=str(dtype) if dtype is not None else None,
-        )
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """A ``config.json`` dict that transformers (5.x and 4.x) and :meth:`from_hf_dict` read
-        back as this config. Rope settings go in 5.x ``rope_parameters``; ``rope_theta`` and
-        ``rope_scaling`` are repeated at the top level for older readers."""
-        rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
-        if self.rope_scaling is not None:
-            rope.update(self.rope_scaling.to_hf_dict())
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (
-            self.eos_token_id
-        )
-        out: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": rope,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": (
-                self.rope_scaling.to_hf_dict() if self.rope_scaling is not None else None
-            ),
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "initializer_range": self.initializer_range,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-            "pad_token_id": self.pad_token_id,
-        }
-        if self.model_type in ("llama", "qwen3"):
-            out["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
-            out["mlp_bias"] = self.mlp_bias
-        if self.model_type == "mistral":
-            out["sliding_window"] = self.sliding_window
-        if self.model_type in ("qwen2", "qwen3"):
-            out["use_sliding_window"] = self.sliding_window is not None
-            out["sliding_window"] = self.sliding_window
-            out["max_window_layers"] = self.max_window_layers
-            out["layer_types"] = list(self.layer_types)
-        if self.dtype is not None:
-            out["dtype"] = self.dtype
-        return out
-
-
-def _parse_rope(d: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:
-    # transformers prefers a legacy `rope_scaling` dict over `rope_parameters` when both exist.
-    source = d.get("rope_scaling") or d.get("rope_parameters") or {}
-    if not isinstance(source, Mapping):
-        raise ModelLoadError(f"config.json rope settings must be an object, got {source!r}")
-    if source and all(isinstance(v, Mapping) for v in source.values()):
-        raise ModelLoadError(
-            "per-layer-type rope_parameters are not supported by the dense family"
-        )
-    theta = source.get("rope_theta", d.get("rope_theta", 10000.0))
-    if isinstance(theta, bool) or not isinstance(theta, int | float):
-        raise ModelLoadError(f"config.json rope_theta must be a number, got {theta!r}")
-    partial = source.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
-        raise ModelLoadError(f"partial_rotary_factor {partial!r} is not supported (only 1.0)")
-    kind = source.get("rope_type", source.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(
-            f"unsupported rope_type {kind!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
-                "yarn": ()}[kind]
-    absent = [k for k in required if source.get(k) is None]
-    if absent:
-        raise ModelLoadError(f"rope_type {kind!r} needs {', '.join(absent)} in config.json")
-
-    def number(key: str) -> float | None:
-        value = source.get(key)
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ModelLoadError(f"rope setting {key!r} must be a number, got {value!r}")
-        return float(value)
-
-    original = source.get("original_max_position_embeddings")
-    if original is None and kind in ("llama3", "yarn"):
-        original = d.get("original_max_position_embeddings", max_positions)
-    scaling = RopeScaling(
-        rope_type=kind,
-        factor=number("factor"),
-        low_freq_factor=number("low_freq_factor"),
-        high_freq_factor=number("high_freq_factor"),
-        original_max_position_embeddings=int(original) if original is not None else None,
-        beta_fast=number("beta_fast"),
-        beta_slow=number("beta_slow"),
-        attention_factor=number("attention_factor"),
-        mscale=number("mscale"),
-        mscale_all_dim=number("mscale_all_dim"),
-        truncate=bool(source.get("truncate", True)),
-    )
-    return float(theta), scaling
-
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -575,6 +161,56 @@ def stack_layers(params: Params) -> Params:
     return {**params, "layers": {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
 
 
+
+# -- Hugging Face tensors ------------------------------------------------------------------
+
+#: Our per-layer leaf -> its name under ``model.layers.{i}.`` and whether it is an
+#: ``nn.Linear`` weight (kept ``[out, in]`` in the file).
+_HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {
+    "input_layernorm": ("input_layernorm.weight", False),
+    "q_proj": ("self_attn.q_proj.weight", True),
+    "k_proj": ("self_attn.k_proj.weight", True),
+    "v_proj": ("self_attn.v_proj.weight", True),
+    "o_proj": ("self_attn.o_proj.weight", True),
+    "q_bias": ("self_attn.q_proj.bias", False),
+    "k_bias": ("self_attn.k_proj.bias", False),
+    "v_bias": ("self_attn.v_proj.bias", False),
+    "o_bias": ("self_attn.o_proj.bias", False),
+    "q_norm": ("self_attn.q_norm.weight", False),
+    "k_norm": ("self_attn.k_norm.weight", False),
+    "post_attention_layernorm": ("post_attention_layernorm.weight", False),
+    "gate_proj": ("mlp.gate_proj.weight", True),
+    "up_proj": ("mlp.up_proj.weight", True),
+    "down_proj": ("mlp.down_proj.weight", True),
+    "gate_bias": ("mlp.gate_proj.bias", False),
+    "up_bias": ("mlp.up_proj.bias", False),
+    "down_bias": ("mlp.down_proj.bias", False),
+}
+
+
+def hf_tensors(config: DenseConfig) -> list[HFTensor]:
+    """Every tensor a folder of ``config`` holds, in the order a saved folder writes them,
+    each with the stacked leaf it fills (``stacked`` = its layer)."""
+    shapes = param_shapes(config)
+    out = [HFTensor("model.embed_tokens.weight", ("embed_tokens",), shapes["embed_tokens"])]
+    for i in range(config.num_hidden_layers):
+        for key, shape in shapes["layers"].items():
+            suffix, linear = _HF_LAYER_NAMES[key]
+            ours = shape[1:]
+            if linear:  # ours is [in..., out...]; HF is [prod(out), prod(in)]
+                split = 2 if key == "o_proj" else 1
+                hf = (math.prod(ours[split:]), math.prod(ours[:split]))
+            else:
+                hf = (math.prod(ours),)
+            out.append(HFTensor(f"model.layers.{i}.{suffix}", ("layers", key), hf,
+                                transpose=linear, stacked=i))
+    out.append(HFTensor("model.norm.weight", ("norm",), shapes["norm"]))
+    if not config.tie_word_embeddings:
+        d, v = shapes["lm_head"]
+        out.append(HFTensor("lm_head.weight", ("lm_head",), (v, d), transpose=True))
+    return out
+
+
 # -- the model ------------------------------------------------------------------------------
 
 
@@ -608,17 +244,8 @@ class DenseCache:
         return int(self.k[0].shape[0] if self.per_layer else self.k.shape[1])
 
 
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
-    """``x [W, D] @ w [D, N, hd] -> [W, N, hd]`` as one 2-D matrix product.
-
-    Written as a plain matrix product over a free reshape of the weight: for a single row,
-    XLA on a GPU lowers the 3-D einsum form to a multiply and a reduction, several times
-    slower than its matrix-vector kernel.
-    """
-    d, n, hd = w.shape
-    return (x @ w.reshape(d, n * hd)).reshape(x.shape[0], n, hd)
-
-
+#: One decoder layer: ``(x [W, D], cache carry, layer params, layer index, window) ->
+#: (x, cache carry)``.
 LayerFn = Callable[[jax.Array, Any, Params, Any, Any], tuple[jax.Array, Any]]
 
 
@@ -640,10 +267,11 @@ class DenseModel(BlockModel):
         the shapes suit it, XLA otherwise), ``"xla"`` (always XLA), or ``"interpret"`` (the
         kernel in the Pallas interpreter: slow, for testing it on a CPU). Each choice is one
         program for every path, so the bitwise guarantees hold within it.
-      glue: the same choice for the kernel of :mod:`~turbospark_jax.models.pallas_glue`,
-        which takes the q/k/v projection's output to the fused attention kernel's input
-        (q/k norm, RoPE, the query layout, the cache writes) in one launch instead of three
-        or four. It feeds that attention kernel, so it runs only where that one does.
+      rope_store: the same choice for the RoPE-and-cache-write kernel of
+        :mod:`~turbospark_jax.models.pallas_rope_store`, which takes the q/k/v projection's
+        output to the fused attention kernel's input (q/k norm, RoPE, the query layout, the
+        cache writes) in one launch. It feeds that attention kernel, so it runs only where
+        that one does.
     """
 
     parallel_prefill = True
@@ -652,40 +280,16 @@ class DenseModel(BlockModel):
     dtype: Any = jnp.float32
     scan_layers: bool = True
     attention: str = "auto"
-    glue: str = "auto"
+    rope_store: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        for field in ("attention", "glue"):
+        for field in ("attention", "rope_store"):
             value = getattr(self, field)
             if value not in KERNEL_MODES:
                 raise BadInputError(
                     f"{field} must be one of {', '.join(KERNEL_MODES)}; got {value!r}"
                 )
-
-    def _fused_attention(self, per_layer: bool, capacity: int) -> bool | str:
-        """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``:
-        in the Pallas interpreter, for tests on a CPU)."""
-        if not per_layer or self.attention == "xla":
-            return False
-        if self.attention == "interpret":
-            return "interpret" if capacity >= pallas_attention.BLOCK_KEYS else False
-        return jax.default_backend() == "gpu" and pallas_attention.supported(
-            self.config.head_dim, capacity
-        )
-
-    def _glue(self, per_layer: bool, fused: bool | str) -> bool | str:
-        """Whether the block program runs q/k norm, RoPE and the cache writes as the fused
-        kernel of :mod:`~turbospark_jax.models.pallas_glue` (``"interpret"``: in the Pallas
-        interpreter). It feeds the fused attention kernel, so it needs that one too."""
-        if not fused or self.glue == "xla":
-            return False
-        if self.glue == "interpret":
-            return "interpret"
-        c = self.config
-        return jax.default_backend() == "gpu" and pallas_glue.supported(
-            c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        )
 
     @property
     def vocab_size(self) -> int:
@@ -708,7 +312,23 @@ class DenseModel(BlockModel):
         """Random params in this model's dtype (see :func:`init_params`)."""
         return init_params(self.config, key, self.dtype)
 
-    # -- shared layer pieces --------------------------------------------------------------
+    # -- one layer ----------------------------------------------------------------------------
+
+    def _layer(self, attention: Attention) -> LayerFn:
+        """One pre-norm decoder layer around ``attention``:
+        ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
+        eps = self.config.rms_norm_eps
+
+        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
+            with jax.named_scope("attention"):
+                attn, kv = attention(rms_norm(x, lp["input_layernorm"], eps), lp, kv, index,
+                                     window)
+            h = x + self._output_projection(attn, lp)
+            with jax.named_scope("mlp"):
+                out = h + self._mlp(rms_norm(h, lp["post_attention_layernorm"], eps), lp)
+            return out, kv
+
+        return layer
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
@@ -717,54 +337,24 @@ class DenseModel(BlockModel):
         )
         return rope_cos_sin(positions, inv_freq, scale, self.dtype)
 
-    def _projections(self, h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
-        q = _project(h, lp["q_proj"])
-        k = _project(h, lp["k_proj"])
-        v = _project(h, lp["v_proj"])
-        if self.config.qkv_bias:
-            q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
-        return q, k, v
-
-    def _merged_projection(self, h: jax.Array, lp: Params) -> jax.Array:
-        """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
-        reads the three weights straight into its matrix kernel; it makes no copy of them.)"""
-        d = h.shape[-1]
-        names = ("q_proj", "k_proj", "v_proj")
-        w = jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
-        qkv = h @ w
-        if self.config.qkv_bias:
-            qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias",
-                                                                     "v_bias")])
-        return qkv
-
-    def _rotate(
-        self, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
-    ) -> tuple[jax.Array, jax.Array]:
-        """Optional per-head q/k norm, then RoPE."""
-        c = self.config
-        if c.qk_norm:
-            q = rms_norm(q, lp["q_norm"], c.rms_norm_eps)
-            k = rms_norm(k, lp["k_norm"], c.rms_norm_eps)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-    def _finish(self, x: jax.Array, attn: jax.Array, lp: Params) -> jax.Array:
-        """Output projection, residual, post-norm MLP, residual. attn [W, H, hd] -> x [W, D]."""
-        c = self.config
-        w_o = lp["o_proj"]  # [H, hd, D], contracted as one [H * hd, D] matrix
-        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])  # [W, D]
-        if c.o_bias:
+    def _output_projection(self, attn: jax.Array, lp: Params) -> jax.Array:
+        """attn [W, H, hd] -> [W, D]: ``o_proj`` [H, hd, D] contracted as one [H * hd, D]
+        matrix, plus its bias."""
+        w_o = lp["o_proj"]
+        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
+        if self.config.o_bias:
             o = o + lp["o_bias"]
-        x = x + o
-        with jax.named_scope("mlp"):
-            h = rms_norm(x, lp["post_attention_layernorm"], c.rms_norm_eps)
-            bias = c.has_mlp_bias
-            return x + swiglu_mlp(
-                h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
-                lp["gate_bias"] if bias else None,
-                lp["up_bias"] if bias else None,
-                lp["down_bias"] if bias else None,
-            )
+        return o
+
+    def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
+        """SwiGLU of the normed rows, h [W, D] -> [W, D]."""
+        bias = self.config.has_mlp_bias
+        return swiglu_mlp(
+            h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
+            lp["gate_bias"] if bias else None,
+            lp["up_bias"] if bias else None,
+            lp["down_bias"] if bias else None,
+        )
 
     def _head(self, params: Params, x: jax.Array) -> jax.Array:
         """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
@@ -850,73 +440,31 @@ class DenseModel(BlockModel):
 
         Returns:
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
+
+        Raises:
+          BadInputError: a per-layer cache with stacked params run as a scan.
         """
         width = tokens.shape[0]
         capacity = cache.capacity
-        per_layer = cache.per_layer
-        if per_layer and self._scans(params["layers"]):
+        if cache.per_layer and self._scans(params["layers"]):
             raise BadInputError(
                 "a per-layer cache needs an unrolled model (scan_layers=False) or listed params"
             )
-        # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The
-        # targets are then all different, which the scatters promise to XLA (unique_indices):
-        # without the promise a GPU scatter of 16-bit values has to write with atomics.
+        # Padding rows write to distinct rows past the cache, which the scatters drop.
         rows = jnp.arange(width, dtype=jnp.int32)
         write_at = jnp.where(rows < live, positions, capacity + rows)  # [W]
-        scatter = {"mode": "drop", "unique_indices": True}
         key_positions = jnp.arange(capacity, dtype=jnp.int32)  # [C]
         with jax.named_scope("embed"):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [W, D]
             cos, sin = self._rope(positions)
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
-        fused = self._fused_attention(per_layer, capacity)
-        glue = self._glue(per_layer, fused)
-        store = glue and not fresh  # a fresh block attends over its own rotated k
-        c = self.config
-
-        def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
-            k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
-            h = rms_norm(x, lp["input_layernorm"], c.rms_norm_eps)
-            with jax.named_scope("attention"):
-                if store:  # one kernel from the projection's output to the attention's input
-                    norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
-                    qr, k_layer, v_layer = pallas_glue.rope_store(
-                        self._merged_projection(h, lp), cos, sin, write_at, k_all[index],
-                        v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-                        interpret=glue == "interpret",
-                    )
-                else:
-                    q, k, v = self._projections(h, lp)
-                    q, k = self._rotate(q, k, lp, cos, sin)
-                if per_layer:  # index is a python int: this layer's own buffers
-                    if not store:
-                        k_layer = k_all[index].at[write_at].set(k, **scatter)
-                        v_layer = v_all[index].at[write_at].set(v, **scatter)
-                    k_all = (*k_all[:index], k_layer, *k_all[index + 1 :])
-                    v_all = (*v_all[:index], v_layer, *v_all[index + 1 :])
-                else:
-                    k_all = k_all.at[index, write_at].set(k, **scatter)
-                    v_all = v_all.at[index, write_at].set(v, **scatter)
-                    k_layer, v_layer = k_all[index], v_all[index]
-                if store:
-                    attn = pallas_attention.cached_attention_arranged(
-                        qr, k_layer, v_layer, positions, heads=c.num_attention_heads,
-                        window=window, interpret=fused == "interpret",
-                    )
-                elif fresh:
-                    attn = self._self_attention(q, k, v, positions, window)
-                elif fused:
-                    attn = pallas_attention.cached_attention(
-                        q, k_layer, v_layer, positions, window=window,
-                        interpret=fused == "interpret",
-                    )
-                else:
-                    attn = attend(q, k_layer[:limit], v_layer[:limit], positions,
-                                  key_positions[:limit], window)
-            return self._finish(x, attn, lp), (k_all, v_all)
-
-        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v), layer)
+        attention = cached_attention(
+            self, per_layer=cache.per_layer, capacity=capacity, fresh=fresh, positions=positions,
+            write_at=write_at, cos=cos, sin=sin, key_positions=key_positions, limit=limit,
+        )
+        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v),
+                                             self._layer(attention))
         with jax.named_scope("head"):
             logits = jax.lax.cond(
                 need_head,
@@ -925,24 +473,6 @@ class DenseModel(BlockModel):
                 x,
             )
         return logits, cache.replace(k=k_all, v=v_all)
-
-    def _self_attention(
-        self, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, window: Any
-    ) -> jax.Array:
-        """Causal attention of a block over its own rows (q [W, H, hd], k/v [W, KV, hd])."""
-        flash = (
-            jax.default_backend() == "gpu"
-            and self.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and window is None
-            and self.config.head_dim % 8 == 0
-            and self.config.head_dim <= 128
-        )
-        if flash:
-            out = jax.nn.dot_product_attention(
-                q[None], k[None], v[None], is_causal=True, implementation="cudnn"
-            )
-            return out[0]
-        return attend(q, k, v, positions, positions, window)
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Plain causal forward over whole sequences, no cache (training, parity tests).
@@ -962,17 +492,35 @@ class DenseModel(BlockModel):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
-        c = self.config
-
-        def layer(x: jax.Array, carry: None, lp: Params, index: Any, window: Any) -> Any:
-            del index
-            with jax.named_scope("attention"):
-                q, k, v = self._projections(rms_norm(x, lp["input_layernorm"], c.rms_norm_eps),
-                                            lp)
-                q, k = self._rotate(q, k, lp, cos, sin)
-                attn = attend(q, k, v, positions, positions, window)
-            return self._finish(x, attn, lp), carry
-
-        x, _ = self._run_layers(params["layers"], x, None, layer)
+        attention = sequence_attention(self.config, positions, cos, sin)
+        x, _ = self._run_layers(params["layers"], x, None, self._layer(attention))
         with jax.named_scope("head"):
             return self._head(params, x)
+
+
+def _tied_copies(config: DenseConfig) -> dict[str, str]:
+    # A tied model may still have saved its head; it must then equal the embeddings.
+    return {"lm_head.weight": "model.embed_tokens.weight"} if config.tie_word_embeddings else {}
+
+
+def _to_layer_layout(params: Params, layer_layout: str) -> Params:
+    stacked = stack_layers(params)
+    return unstack_layers(stacked) if layer_layout == "list" else stacked
+
+
+def _build(config: DenseConfig, dtype: Any, layer_layout: str) -> DenseModel:
+    return DenseModel(config, dtype, scan_layers=layer_layout != "list")
+
+
+#: The dense family's declaration for :mod:`turbospark_jax.loading`.
+FAMILY = Family(
+    name="dense",
+    architectures=ARCHITECTURES,
+    parse_config=DenseConfig.from_hf_dict,
+    param_shapes=param_shapes,
+    hf_tensors=hf_tensors,
+    build=_build,
+    tolerated=lambda name: name.endswith("rotary_emb.inv_freq"),  # recomputed, never read
+    tied_copies=_tied_copies,
+    to_layer_layout=_to_layer_layout,
+)

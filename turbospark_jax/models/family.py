@@ -59,17 +59,27 @@ class Family:
       name: the family's name, for messages.
       architectures: ``model_type`` -> the Hugging Face class name a saved folder names.
       parse_config: ``config.json`` dict -> the family's frozen config; raises
-        ``ModelLoadError`` naming what is wrong. The config has ``vocab_size``,
-        ``max_position_embeddings``, ``eos_token_ids``, ``bos_token_id``, ``pad_token_id``,
-        ``dtype`` (the name config.json gives, or ``None``) and ``to_hf_dict()``.
+        ``ModelLoadError`` naming what is wrong. The config has ``model_type``,
+        ``vocab_size``, ``max_position_embeddings``, ``eos_token_ids``, ``bos_token_id``,
+        ``pad_token_id``, ``dtype`` (the name config.json gives, or ``None``) and
+        ``to_hf_dict()``.
       param_shapes: config -> params tree with a shape tuple at every leaf.
-      hf_tensors: config -> every tensor a folder must hold.
+      hf_tensors: config -> every tensor a folder must hold, in the order a saved folder
+        writes them.
       build: ``(config, dtype, layer_layout)`` -> the runnable :class:`BlockModel`;
         ``layer_layout`` is ``"stacked"`` or ``"list"``.
       tolerated: names of extra tensors a folder may carry that the family ignores
         (recomputed rotary buffers, heads it does not run).
+      tied_copies: config -> ``{extra tensor: the tensor it copies}``: copies of tied weights
+        a folder may carry (a tied model that saved its head anyway). The loader accepts one
+        only when it is bitwise equal to the tensor it copies: which of two different
+        tensors the author meant is not ours to guess.
       list_layout_only: the family's params have per-layer dicts in a list already (mixed
         layer kinds); ``load_folder``'s ``layer_layout`` must then be ``"list"``.
+      to_layer_layout: ``(params, layer_layout)`` -> the params (in either layout) in that
+        layout. ``None`` for a family whose params have only the layout
+        :attr:`param_shapes` describes (``"list"`` when :attr:`list_layout_only`, else
+        ``"stacked"``).
     """
 
     name: str
@@ -79,4 +89,11 @@ class Family:
     hf_tensors: Callable[[Any], list[HFTensor]]
     build: Callable[[Any, Any, str], BlockModel]
     tolerated: Callable[[str], bool] = lambda name: False
+    tied_copies: Callable[[Any], Mapping[str, str]] = lambda config: {}
     list_layout_only: bool = False
+    to_layer_layout: Callable[[Params, str], Params] | None = None
+
+    @property
+    def native_layout(self) -> str:
+        """The layer layout :attr:`param_shapes` and :attr:`hf_tensors` describe."""
+        return "list" if self.list_layout_only else "stacked"

@@ -1,26 +1,26 @@
 """Attention of a block of rows over a KV cache as one fused GPU kernel (Pallas, Triton).
 
 XLA runs the block program's attention as about ten kernels per layer (scores, mask, max,
-exp, sum, normalise, the value product, transposes), each a launch of one or two
-microseconds on a GPU; at decode widths that is a fifth of a 1B model's step. This kernel
-does the whole of it in one launch per layer: for every KV head and tile of query rows it
-streams the cache in blocks of keys with an online softmax (FlashAttention style), and for
-long caches it splits the keys over several programs whose partial results XLA combines.
+exp, sum, normalise, the value product, transposes); at decode widths their launches cost
+more than their work. This kernel does the whole of it in one launch per layer: for every KV
+head and tile of query rows it streams the cache a key tile at a time with an online softmax
+(FlashAttention style), and for long caches it splits the keys over several programs whose
+partial results XLA combines. (Figures: ``benchmarks/results/NOTES.md``.)
 
 Exactness: the block program's guarantees need a row's result to be independent of how many
 rows the block holds and of how far the keys are scanned. Both hold here:
 
 * rows never mix (the reductions run along each row; the matrix products give each output
   element its own dot product);
-* the loop over key blocks stops after the block holding the last row's position, so a row
-  early in a block may scan blocks that are wholly masked for it. Such a block changes
+* the loop over key tiles stops after the tile holding the last row's position, so a row
+  early in a block may scan tiles that are wholly masked for it. Such a tile changes
   nothing: its scores are :data:`MASK_VALUE`, so the running maximum stays, the correction
   factor is ``exp(0) == 1`` and the added probabilities are exactly zero. A split whose
   keys are all masked ends with a maximum of ``MASK_VALUE`` and is weighted by exactly zero
   in the combination. (Dead cache rows must hold finite values, which they do: they are
   zeros or rows of earlier tokens.)
 
-The block boundaries and splits depend only on the cache capacity, never on the data.
+The tile boundaries and splits depend only on the cache capacity, never on the data.
 """
 
 from __future__ import annotations
@@ -35,20 +35,19 @@ from jax.experimental import pallas as pl
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.layers import MASK_VALUE
 
-#: Keys per block of the inner loop.
-BLOCK_KEYS = 64
+#: Keys per tile of the inner loop.
+KEY_TILE = 64
 #: Most query rows (rows x query heads of one KV head) one program holds.
 MAX_ROW_TILE = 64
-#: Keys one split aims at. A program walks its keys one block after another, so long
-#: caches are split to keep that walk short and the GPU's multiprocessors busy (on an H200,
-#: 1024-key splits left a 1B model's decode at 1k-16k context 22% slower than at 128).
+#: Keys one split aims at. A program walks its keys one tile after another, so long
+#: caches are split to keep that walk short and the GPU's multiprocessors busy.
 KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
 
 
 def supported(head_dim: int, capacity: int) -> bool:
     """Whether the kernel handles these shapes on a GPU (Triton wants power-of-two tiles)."""
-    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= BLOCK_KEYS
+    return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= KEY_TILE
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -59,7 +58,7 @@ def _plan(rows: int, capacity: int) -> tuple[int, int, int, int]:
     """Row tile, row tiles, key splits and keys per split: functions of the shapes only."""
     tile = min(MAX_ROW_TILE, max(16, 1 << max(0, rows - 1).bit_length()))
     splits = max(1, min(MAX_SPLITS, capacity // KEYS_PER_SPLIT))
-    split_len = _ceil_div(_ceil_div(capacity, splits), BLOCK_KEYS) * BLOCK_KEYS
+    split_len = _ceil_div(_ceil_div(capacity, splits), KEY_TILE) * KEY_TILE
     return tile, _ceil_div(rows, tile), _ceil_div(capacity, split_len), split_len
 
 
@@ -70,19 +69,19 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
     pos = pos_ref[...]  # [tile]
     first = split * split_len
     end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound_ref[()])
-    trips = jnp.maximum(0, (end - first + BLOCK_KEYS - 1) // BLOCK_KEYS)
+    trips = jnp.maximum(0, (end - first + KEY_TILE - 1) // KEY_TILE)
     tile, head_dim = q.shape
-    lanes = jnp.arange(BLOCK_KEYS, dtype=jnp.int32)
+    lanes = jnp.arange(KEY_TILE, dtype=jnp.int32)
 
     def body(i, carry):
         acc, m, l = carry
-        nominal = first + i * BLOCK_KEYS
-        start = jnp.minimum(nominal, capacity - BLOCK_KEYS)  # the last block may overlap
-        keys = start + lanes  # [BK]
-        k = k_ref[pl.ds(start, BLOCK_KEYS), :]  # [BK, hd]
-        v = v_ref[pl.ds(start, BLOCK_KEYS), :]
+        nominal = first + i * KEY_TILE
+        start = jnp.minimum(nominal, capacity - KEY_TILE)  # the last tile may overlap
+        keys = start + lanes  # [KT]
+        k = k_ref[pl.ds(start, KEY_TILE), :]  # [KT, hd]
+        v = v_ref[pl.ds(start, KEY_TILE), :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale  # [tile, BK]
+                                preferred_element_type=jnp.float32) * scale  # [tile, KT]
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= nominal)
         if window is not None:
             visible &= keys[None, :] > pos[:, None] - window

@@ -30,7 +30,8 @@ import numpy as np
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.completion import CompletionRequest
 from turbospark_jax.generate import run_raw_completion
-from turbospark_jax.models.dense import DenseConfig, DenseModel, Params
+from turbospark_jax.models.dense import DenseModel, Params
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.recipe.train import TrainConfig, TrainResult, count_params
 from turbospark_jax.tokenizer import Tokenizer
 

@@ -41,7 +41,8 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.dense import DenseConfig, DenseModel, Params, init_params
+from turbospark_jax.models.dense import DenseModel, Params, init_params
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.recipe.corpus import DataOrder, fingerprint
 from turbospark_jax.tokenizer import Tokenizer
 

@@ -8,7 +8,8 @@ from typing import Any
 import jax
 
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.models.dense import DenseCache, DenseConfig, DenseModel, init_params
+from turbospark_jax.models.dense import DenseCache, DenseModel, init_params
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 

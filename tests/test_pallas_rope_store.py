@@ -3,7 +3,7 @@ writes): the same function as the XLA expression it replaces, rows that never mi
 the live rows only, and a model that runs it agreeing with one that does not.
 
 On a CPU the kernel runs in the Pallas interpreter; on a GPU these tests run the compiled
-Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_glue.py``).
+Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_rope_store.py``).
 """
 
 import jax
@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.models import pallas_glue as glue
-from turbospark_jax.models.dense import DenseConfig, DenseModel, unstack_layers
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq
+from turbospark_jax.models.pallas_rope_store import rope_store, rope_store_xla, supported
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -41,8 +42,8 @@ def _inputs(seed, dtype, width=4, first=10):
 
 def _run(qkv, cos, sin, write_at, caches, norms, xla=False):
     if xla:
-        return glue.rope_store_xla(qkv, cos, sin, write_at, *caches, H, **norms)
-    return glue.rope_store(qkv, cos, sin, write_at, *caches, H, **norms, interpret=INTERPRET)
+        return rope_store_xla(qkv, cos, sin, write_at, *caches, H, **norms)
+    return rope_store(qkv, cos, sin, write_at, *caches, H, **norms, interpret=INTERPRET)
 
 
 def _bits(x):
@@ -102,9 +103,9 @@ def test_control_rows_never_mix_check_can_fail():
 
 
 def test_supported_shapes():
-    assert glue.supported(32, 8, 64) and glue.supported(16, 8, 128)
-    assert not glue.supported(14, 2, 64)  # Qwen2.5-0.5B: not powers of two
-    assert not glue.supported(4, 2, 8)
+    assert supported(32, 8, 64) and supported(16, 8, 128)
+    assert not supported(14, 2, 64)  # Qwen2.5-0.5B: not powers of two
+    assert not supported(4, 2, 8)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
@@ -114,8 +115,8 @@ def test_model_with_kernel_agrees_with_model_without(model_type):
                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
     mode = "interpret" if INTERPRET else "auto"
-    plain = DenseModel(cfg, jnp.float32, scan_layers=False, attention=mode, glue="xla")
-    fused = DenseModel(cfg, jnp.float32, scan_layers=False, attention=mode, glue=mode)
+    plain = DenseModel(cfg, jnp.float32, scan_layers=False, attention=mode, rope_store="xla")
+    fused = DenseModel(cfg, jnp.float32, scan_layers=False, attention=mode, rope_store=mode)
     params = unstack_layers(plain.init_params(jax.random.PRNGKey(3)))
     logits = []
     for model in (plain, fused):

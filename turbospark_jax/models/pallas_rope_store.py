@@ -1,17 +1,14 @@
-"""The steps between a layer's q/k/v projection and its attention, fused into one GPU kernel.
+"""The RoPE-and-cache-write kernel: the steps between a layer's q/k/v projection and its
+attention, fused into one GPU kernel (Pallas, Triton).
 
-At decode widths a 1B model's layer on an H200 ran 13 kernels, most of them launch-bound
-steps of 1.4-2.5 microseconds. Between the q/k/v matrix product and the attention kernel sat
-three: RoPE with the queries' transpose into the attention kernel's layout, the K cache write
-and the V cache write. :func:`rope_store` does all of it in one launch, reading the product's
-output as it comes (one ``[W, (H + 2 KV) hd]`` matrix): the optional per-head q/k RMSNorm
-(Qwen3), the rotation of q and k, the queries written straight into the layout of
+At decode widths those steps (RoPE with the queries' transpose into the attention kernel's
+layout, the K cache write and the V cache write) are launch-bound kernels of their own.
+:func:`rope_store` does all of it in one launch, reading the merged q/k/v product's output as
+it comes (one ``[W, (H + 2 KV) hd]`` matrix): the optional per-head q/k RMSNorm (Qwen3), the
+rotation of q and k, the queries written straight into the layout of
 :func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged`, and k and v
-written into the layer's cache in place.
-
-(A first version also fused each residual add with the RMSNorm after it. On the H200 that
-was slower: the kernel boundary stopped XLA from fusing the add into the split-K reduction
-of the matrix product before it, and made it slice q, k and v apart before the RoPE kernel.)
+written into the layer's cache in place. (Figures, and the variant that was dropped:
+``benchmarks/results/NOTES.md``.)
 
 The kernel works row by row: a row's result never depends on another row, so the block
 program's bitwise guarantees (one program, different live rows) hold with it as without.
@@ -86,7 +83,7 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
             x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
         return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
 
-    # The row's query heads of KV head h go to rows row*G.. of that head's query block.
+    # The row's query heads of KV head h go to rows row*G.. of that head's arranged queries.
     q1, q2 = rotate(h * groups, groups, qn_ref)
     q_out[h, pl.ds(row * groups, groups), first] = q1
     q_out[h, pl.ds(row * groups, groups), second] = q2
