@@ -244,7 +244,7 @@ REFUSED = {
     "hidden_activation": {"hidden_activation": "silu"},
     "hidden_size": {"hidden_size": "32"},
     "intermediate_size": {"intermediate_size": True},
-    "num_kv_shared_layers": {"num_kv_shared_layers": 5},
+    "num_kv_shared_layers": {"num_kv_shared_layers": 6},
     "num_kv_shared_layers ": {"layer_types": [S, F, S, S, F], "num_kv_shared_layers": 4},
     "rope_type": {"rope_parameters": {S: {"rope_type": "yarn", "rope_theta": 1e4},
                                       F: {"rope_type": "default", "rope_theta": 1e4}}},
@@ -272,11 +272,14 @@ def test_malformed_config_is_refused_naming_the_key(key: str) -> None:
         G.Gemma4Config.from_hf_dict({**TINY, **REFUSED[key]})
 
 
-def test_only_the_list_layout_builds() -> None:
+def test_only_the_list_layout_and_runnable_configs_build() -> None:
     config = G.Gemma4Config.from_hf_dict(TINY)
     assert G.FAMILY.list_layout_only
     with pytest.raises(ModelLoadError, match="list"):
         G.FAMILY.build(config, jnp.float32, "stacked")
+    drafter_text = G.Gemma4Config.from_hf_dict({**TINY, "num_kv_shared_layers": 5})
+    with pytest.raises(ModelLoadError, match="num_kv_shared_layers"):
+        G.FAMILY.build(drafter_text, jnp.float32, "list")
 
 
 def test_tolerated_names() -> None:

@@ -166,7 +166,7 @@ class Gemma4Config:
 
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
-                    "sliding_window", "vocab_size_per_layer_input"):
+                    "sliding_window"):
             if getattr(self, key) <= 0:
                 raise bad(key, f"must be positive, got {getattr(self, key)}")
         if self.model_type not in ARCHITECTURES:
@@ -191,10 +191,10 @@ class Gemma4Config:
             raise bad("layer_types", f"holds {sorted(set(self.layer_types) - {FULL, SLIDING})}; "
                                      f"only {FULL!r} and {SLIDING!r} are known")
         shared = self.num_kv_shared_layers
-        if not 0 <= shared < self.num_hidden_layers:
-            raise bad("num_kv_shared_layers", f"must be in [0, num_hidden_layers), got {shared}")
+        if not 0 <= shared <= self.num_hidden_layers:
+            raise bad("num_kv_shared_layers", f"must be in [0, num_hidden_layers], got {shared}")
         owners = set(self.layer_types[: self.num_hidden_layers - shared])
-        if owners != set(self.layer_types):
+        if owners != set(self.layer_types) and not self.reads_target_kv:
             raise bad("num_kv_shared_layers", f"({shared}) leaves no earlier layer of kind "
                                               f"{sorted(set(self.layer_types) - owners)} to share")
         if self.hidden_size_per_layer_input < 0:
@@ -211,6 +211,12 @@ class Gemma4Config:
     def ple(self) -> bool:
         """Whether per-layer input embeddings are on."""
         return self.hidden_size_per_layer_input > 0
+
+    @property
+    def reads_target_kv(self) -> bool:
+        """Every layer shares K/V: a drafter's config (``gemma4_assistant``), which reads its
+        target's; such a config cannot run alone."""
+        return self.num_kv_shared_layers == self.num_hidden_layers
 
     @property
     def full_kv_heads(self) -> int:
@@ -640,8 +646,16 @@ class Gemma4Model(BlockModel):
         return init_params(self.config, key, self.dtype)
 
     def init_cache(self, capacity: int) -> Gemma4Cache:
-        """An empty cache: ``capacity`` rows per full layer, the ring per sliding layer."""
+        """An empty cache: ``capacity`` rows per full layer, the ring per sliding layer.
+
+        Raises:
+          BadInputError: the config's layers all read shared K/V (a drafter's), so none
+            keeps a cache.
+        """
         c, r = self.config, self.ring_slots
+        if c.reads_target_kv:
+            raise BadInputError("every layer of this config reads shared K/V; it runs only as "
+                                "a drafter over its target's cache (drafters.gemma4_assistant)")
 
         def zeros(kind: str, rows: int) -> tuple[jax.Array, ...]:
             return tuple(jnp.zeros((rows, *c.dims(i)[::-1]), self.dtype) for i in c.owners(kind))
@@ -658,12 +672,16 @@ class Gemma4Model(BlockModel):
     def _norm(self, x: jax.Array, weight: jax.Array | None) -> jax.Array:
         return rms_norm(x, weight, self.config.rms_norm_eps, weight_in_float32=True)
 
+    def embed_tokens(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """tokens [N] -> scaled input embeddings [N, D] (what the assistant drafter reads)."""
+        # The scale is rounded to the weight dtype before the product, as the reference does.
+        x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)
+        return x * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
+
     def _embed(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
         """tokens [N] -> scaled embeddings [N, D] and the per-layer inputs [N, L, P]."""
         c, dt = self.config, self.dtype
-        # The scale is rounded to the weight dtype before the product, as the reference does.
-        x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(dt)
-        x = x * jnp.asarray(c.hidden_size**0.5, dt)
+        x = self.embed_tokens(params, tokens)
         if not c.ple:
             return x, None
         n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
@@ -679,15 +697,20 @@ class Gemma4Model(BlockModel):
         return {kind: rope_cos_sin(positions, spec.inv_freq(hd), 1.0, self.dtype)
                 for kind, (spec, hd) in tables.items() if kind in c.layer_types}
 
-    def _decoder(self, params: Params, x: jax.Array, ple: jax.Array | None,
-                 positions: jax.Array, kv_fn: KVFn) -> jax.Array:
-        """Every layer over rows ``x [N, D]`` at ``positions [N]``. A KV owner hands its new
-        k/v rows to ``kv_fn(layer, k, v)``, which stores them and returns what that layer's
-        kind attends over, ``(keys [S, KV, hd], values, key_positions [S])``; a shared layer
-        attends over what the last owner of its kind got (the reference's KV sharing)."""
+    def decoder(self, params: Params, x: jax.Array, ple: jax.Array | None,
+                positions: jax.Array, kv_fn: KVFn | None,
+                keys: Mapping[str, tuple[jax.Array, jax.Array, jax.Array]] | None = None,
+                ) -> jax.Array:
+        """Every layer over rows ``x [N, D]`` at ``positions [N]`` (pre-norm output).
+
+        A KV owner hands its new k/v rows to ``kv_fn(layer, k, v)``, which stores them and
+        returns what that layer's kind attends over, ``(keys [S, KV, hd], values,
+        key_positions [S])``; a shared layer attends over what the last owner of its kind got
+        (the reference's KV sharing), or over ``keys[kind]`` when no layer owns any (a
+        drafter reading its target's cache)."""
         c = self.config
         ropes = self._ropes(positions)
-        keys: dict[str, tuple[jax.Array, jax.Array, jax.Array]] = {}
+        keys = dict(keys or {})
         bias = c.attention_bias
         for i, lp in enumerate(params["layers"]):
             kind = c.layer_types[i]
@@ -702,7 +725,10 @@ class Gemma4Model(BlockModel):
                     v = k if c.k_eq_v(i) else _linear(h, lp["v_proj"],
                                                       lp["v_bias"] if bias else None)
                     k = apply_rope(self._norm(k, lp["k_norm"]), cos, sin)
+                    assert kv_fn is not None
                     keys[kind] = kv_fn(i, k, self._norm(v, None))
+                if kind not in keys:
+                    raise BadInputError(f"layer {i} reads shared {kind} K/V and none was given")
                 k_all, v_all, key_positions = keys[kind]
                 attn = attend(q, k_all, v_all, positions, key_positions, c.window(i), scale=1.0)
                 x = self._tail(x, attn, lp, None if ple is None else ple[:, i])
@@ -722,10 +748,9 @@ class Gemma4Model(BlockModel):
             x = x + self._norm(g, lp["post_per_layer_input_norm"])
         return x * lp["layer_scalar"]
 
-    def _head(self, params: Params, x: jax.Array) -> jax.Array:
-        """Final norm, output head and softcap: x [N, D] -> float32 logits [N, V]."""
+    def _head(self, params: Params, h: jax.Array) -> jax.Array:
+        """Output head and softcap: final-normed h [N, D] -> float32 logits [N, V]."""
         c = self.config
-        h = self._norm(x, params["norm"])
         if c.tie_word_embeddings:
             logits = jnp.einsum("nd,vd->nv", h, params["embed_tokens"],
                                 preferred_element_type=jnp.float32)
@@ -760,6 +785,17 @@ class Gemma4Model(BlockModel):
             own first rows still read).
         """
         del key_limit, fresh
+        h, cache = self.block_hidden(params, cache, tokens, positions, live)
+        with jax.named_scope("head"):
+            logits = jax.lax.cond(
+                need_head, lambda h: self._head(params, h),
+                lambda h: jnp.zeros((h.shape[0], self.vocab_size), jnp.float32), h)
+        return logits, cache
+
+    def block_hidden(self, params: Params, cache: Gemma4Cache, tokens: jax.Array,
+                     positions: jax.Array, live: jax.Array) -> tuple[jax.Array, Gemma4Cache]:
+        """:meth:`block_forward` up to the final norm: ``(h [W, D], cache)``. ``h`` is what
+        the output head reads, and what the assistant drafter takes from its target."""
         width = tokens.shape[0]
         slots = self.ring_slots
         if slots and width > self.ring_margin + 1:
@@ -795,13 +831,10 @@ class Gemma4Model(BlockModel):
 
         with jax.named_scope("embed"):
             x, ple = self._embed(params, tokens)
-        x = self._decoder(params, x, ple, positions, store)
-        with jax.named_scope("head"):
-            logits = jax.lax.cond(need_head, lambda x: self._head(params, x),
-                                  lambda x: jnp.zeros((width, self.vocab_size), jnp.float32), x)
-        return logits, cache.replace(k_full=tuple(k_full), v_full=tuple(v_full),
-                                     k_ring=tuple(k_ring), v_ring=tuple(v_ring),
-                                     ring_positions=ring_positions)
+        x = self.decoder(params, x, ple, positions, store)
+        return self._norm(x, params["norm"]), cache.replace(
+            k_full=tuple(k_full), v_full=tuple(v_full), k_ring=tuple(k_ring),
+            v_ring=tuple(v_ring), ring_positions=ring_positions)
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Plain causal pass over whole sequences, no cache: int32 ``[B, T]`` -> float32
@@ -810,8 +843,8 @@ class Gemma4Model(BlockModel):
         def one(seq: jax.Array) -> jax.Array:
             positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
             x, ple = self._embed(params, seq)
-            x = self._decoder(params, x, ple, positions, lambda i, k, v: (k, v, positions))
-            return self._head(params, x)
+            x = self.decoder(params, x, ple, positions, lambda i, k, v: (k, v, positions))
+            return self._head(params, self._norm(x, params["norm"]))
 
         return jax.vmap(one)(tokens)
 
@@ -820,6 +853,10 @@ def _build(config: Gemma4Config, dtype: Any, layer_layout: str) -> Gemma4Model:
     if layer_layout != "list":
         raise ModelLoadError(f"Gemma 4 layers differ in shape, so its params are a list of "
                              f"per-layer dicts; layer_layout must be 'list', got {layer_layout!r}")
+    if config.reads_target_kv:
+        raise ModelLoadError("num_kv_shared_layers equals num_hidden_layers: no layer keeps K/V, "
+                             "so this model cannot run alone (a gemma4_assistant drafter's text "
+                             "config)")
     return Gemma4Model(config, dtype)
 
 
