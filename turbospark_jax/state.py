@@ -9,10 +9,11 @@ record, never on counts derived elsewhere.
 
 **Append-only buffers versus by-value leaves.** A state dataclass marks its large buffers with
 :func:`append_only`: rows at positions ``>= fed.count`` are dead, so such a buffer rolls back by
-moving the cursor and can be donated to XLA without losing anything a checkpoint needs. Every
-other leaf is small and rolls back by value. :func:`by_value` extracts the small part (that is
-what a checkpoint keeps), :func:`restore_by_value` puts it back, and :func:`live_equal` compares
-two states on what is live.
+moving the cursor and can be donated to XLA without losing anything a checkpoint needs. A
+:func:`ring` is such a buffer that keeps only its most recent positions (a sliding window's
+rows). Every other leaf is small and rolls back by value. :func:`by_value` extracts the small
+part (that is what a checkpoint keeps), :func:`restore_by_value` puts it back, and
+:func:`live_equal` compares two states on what is live.
 """
 
 from __future__ import annotations
@@ -31,12 +32,26 @@ from flax import struct
 from turbospark_jax.kv_prefix import NOT_INJECTED
 
 _APPEND_ONLY = "turbospark_append_only_axis"
+_RING = "turbospark_ring_live"
 _SCRATCH = "turbospark_scratch"
 
 
 def append_only(axis: int) -> Any:
     """Mark a state field as an append-only buffer whose ``axis`` is the position axis."""
     return struct.field(pytree_node=True, metadata={_APPEND_ONLY: axis})
+
+
+def ring(axis: int, live: str) -> Any:
+    """Mark a state field as a ring buffer: position ``p`` sits in slot ``p % slots`` of ``axis``.
+
+    A ring travels like an append-only buffer (donated, moved back with the cursor, never
+    restored by value), but writing a position overwrites the one ``slots`` before it, so the
+    cursor can move back only as far as the rows the ring still holds (the model that keeps
+    it states the limit). ``live`` names an int field of the same dataclass: how many
+    positions before the cursor the model will still read (a sliding window's
+    ``window - 1``); :func:`live_view` treats the slots of older positions as dead.
+    """
+    return struct.field(pytree_node=True, metadata={_APPEND_ONLY: axis, _RING: live})
 
 
 def scratch() -> Any:
@@ -256,12 +271,23 @@ def live_view(state: Any, count: int | None = None) -> Any:
         value = getattr(state, f.name)
         if f.metadata.get(_SCRATCH):
             changes[f.name] = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)), value)
+        elif f.name in axes and isinstance(value, tuple | list) and not value:
+            changes[f.name] = value  # no layer of this kind: nothing to stack
         elif f.name in axes:
             arr = np.array(value)
             if count is None:
                 raise ValueError(f"field {f.name!r} is append-only but no cursor is known")
-            index = [slice(None)] * arr.ndim
-            index[axes[f.name]] = slice(count, None)
+            index: list[Any] = [slice(None)] * arr.ndim
+            axis = axes[f.name]
+            if _RING in f.metadata:
+                slots = arr.shape[axis]
+                dead = np.ones(slots, bool)
+                keep = getattr(state, f.metadata[_RING])
+                if slots:
+                    dead[np.arange(max(0, count - keep), count) % slots] = False
+                index[axis] = dead
+            else:
+                index[axis] = slice(count, None)
             arr[tuple(index)] = 0
             changes[f.name] = arr
         elif isinstance(value, FedRecord):

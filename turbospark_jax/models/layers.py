@@ -204,19 +204,27 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+def rms_norm(
+    x: jax.Array, weight: jax.Array | None, eps: float, *, weight_in_float32: bool = False
+) -> jax.Array:
     """RMSNorm over the last axis: normalise in float32, cast back, then scale by ``weight``.
 
     Args:
       x: ``[..., D]`` activations in the model dtype.
-      weight: ``[D]`` scale.
+      weight: ``[D]`` scale, or ``None`` for a scale-free norm.
       eps: added to the mean square before the reciprocal square root.
+      weight_in_float32: scale in float32 and round once (Gemma's norms do this); by default
+        the normalised rows are rounded to ``x.dtype`` first and scaled in that dtype (Llama's).
 
     Returns:
-      ``[..., D]`` in ``x.dtype`` (the product with ``weight`` happens in that dtype).
+      ``[..., D]`` in ``x.dtype``.
     """
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if weight is None:
+        return normed.astype(x.dtype)
+    if weight_in_float32:
+        return (normed * weight.astype(jnp.float32)).astype(x.dtype)
     return weight * normed.astype(x.dtype)
 
 
@@ -262,6 +270,8 @@ def attend(
     k_positions: jax.Array,
     window: jax.Array | int | None = None,
     query_block: int = ATTENTION_QUERY_BLOCK,
+    *,
+    scale: float | None = None,
 ) -> jax.Array:
     """Causal (optionally sliding-window) grouped-query attention of W query rows over S keys.
 
@@ -282,24 +292,28 @@ def attend(
       q_positions: int32 ``[W]``; k_positions: int32 ``[S]``.
       window: sliding-window size (python int, traced int32 scalar, or ``None`` for none).
       query_block: slice width for wide query blocks.
+      scale: multiplies the scores; ``head_dim ** -0.5`` when ``None`` (Gemma 4, whose q/k
+        norms fix the scale, passes 1.0).
 
     Returns:
       ``[W, H, hd]`` in ``v.dtype``.
     """
     w_rows, heads, head_dim = q.shape
     kv_heads = k.shape[1]
+    scale = head_dim**-0.5 if scale is None else scale
     groups = heads // kv_heads
     qg = q.reshape(w_rows, kv_heads, groups, head_dim)  # [W, KV, G, hd]
     if w_rows > query_block and w_rows % query_block == 0:
         outs = [
             _attend_rows(
-                qg[i : i + query_block], k, v, q_positions[i : i + query_block], k_positions, window
+                qg[i : i + query_block], k, v, q_positions[i : i + query_block], k_positions,
+                window, scale,
             )
             for i in range(0, w_rows, query_block)
         ]
         out = jnp.concatenate(outs, axis=0)
     else:
-        out = _attend_rows(qg, k, v, q_positions, k_positions, window)
+        out = _attend_rows(qg, k, v, q_positions, k_positions, window, scale)
     return out.reshape(w_rows, heads, head_dim)
 
 
@@ -310,11 +324,11 @@ def _attend_rows(
     q_positions: jax.Array,
     k_positions: jax.Array,
     window: jax.Array | int | None,
+    scale: float,
 ) -> jax.Array:
-    head_dim = q.shape[-1]
     scores = jnp.einsum(
         "wkgd,skd->kgws", q, k, preferred_element_type=jnp.float32
-    ) * (head_dim**-0.5)  # [KV, G, W, S] float32
+    ) * scale  # [KV, G, W, S] float32
     visible = k_positions[None, :] <= q_positions[:, None]  # [W, S]
     if window is not None:
         visible = visible & (k_positions[None, :] > q_positions[:, None] - window)

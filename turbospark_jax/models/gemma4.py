@@ -1,0 +1,872 @@
+"""The Gemma 4 text family: ``gemma4_text`` folders and the text decoder of ``gemma4`` folders.
+
+A Gemma 4 decoder mixes two kinds of layer (``layer_types``): sliding layers attend to their
+last ``sliding_window`` positions with ``head_dim``-wide heads and plain RoPE; full layers attend
+to everything with ``global_head_dim``-wide heads, their own KV head count and a partial
+("proportional") RoPE. Around that: per-head q/k norms and a scale-free value norm (so the
+attention scale is 1), norms before and after both attention and MLP (GELU-tanh), optional
+per-layer input embeddings (PLE), a per-layer output scalar, KV sharing for the last
+``num_kv_shared_layers`` layers (they read the K/V of the last earlier layer of their kind, and
+may have a double-wide MLP), keys doubling as values in full layers (``attention_k_eq_v``), and
+final logit softcapping. The MoE block is refused.
+
+Cache: full layers keep every row (``append_only``); sliding layers keep a RING of
+``sliding_window + ring_margin`` rows (memory bounded by the window, not the context); shared
+layers keep nothing. Position ``p`` sits in ring slot ``p % slots``, with the slot's position
+kept beside it, so a row attends by absolute position. A block of ``W`` rows writes all its
+rows first, so ``W <= ring_margin + 1`` keeps every row's window intact; a cursor moved back
+by up to ``ring_margin + 1`` positions from the furthest position the ring was written to
+still finds its window (:meth:`Gemma4Model.oldest_rewind`). At 32k context in bfloat16 an
+E2B-shaped cache takes 210.8 MB (ring_margin 256) against 604.0 MB for keeping every row of
+every KV-owning layer and 1409.3 MB for every row of all 35 layers (tests/test_gemma4.py).
+
+Params (``D`` hidden, ``H`` heads, ``hd``/``KV`` the layer's head dim and KV heads, ``F`` its
+MLP width, ``L`` layers, ``P`` PLE width); matrices are ``[in, out]``; ``layers`` is a list::
+
+    embed_tokens [V, D]   norm [D]   lm_head [D, V] (untied only)
+    embed_tokens_per_layer [Vp, L*P]  per_layer_model_projection [D, L*P]
+    per_layer_projection_norm [P]                                   (PLE only)
+    layers[i]: input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+               post_feedforward_layernorm [D]; layer_scalar [1]
+               q_proj [D, H, hd]  q_norm [hd]  o_proj [H, hd, D]
+               k_proj [D, KV, hd]  k_norm [hd]  v_proj [D, KV, hd]  (KV owners; no v_proj
+               in k_eq_v full layers)   q/k/v_bias [N, hd], o_bias [D] (attention_bias)
+               gate_proj, up_proj [D, F]  down_proj [F, D]
+               per_layer_input_gate [D, P]  per_layer_projection [P, D]
+               post_per_layer_input_norm [D]                        (PLE only)
+
+One file of about 870 lines, past the usual 600: the family is asked to be one module, and
+a third of it is ``config.json`` parsing (two spellings of the full layers' head shape, RoPE
+per layer type, a named error for every malformed value) whose derived switches the model reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.family import Family, HFTensor, Params
+from turbospark_jax.models.layers import (
+    apply_rope,
+    attend,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
+from turbospark_jax.state import append_only, ring
+
+FULL, SLIDING = "full_attention", "sliding_attention"
+ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
+#: Where a ring slot holds no position: below any window, so attention never sees it.
+EMPTY_SLOT = -(2**30)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rope:
+    """One layer type's RoPE (``rope_parameters[layer_type]``): ``default`` rotates all of the
+    head; ``proportional`` rotates the first ``partial_rotary_factor`` of each half with
+    frequencies spaced over the whole head dim, divided by ``factor``."""
+
+    rope_type: str
+    rope_theta: float
+    partial_rotary_factor: float = 1.0
+    factor: float = 1.0
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """float32 ``[head_dim // 2]`` inverse frequencies (zeros where nothing rotates)."""
+        if self.rope_type == "default":
+            return rope_inv_freq(head_dim, self.rope_theta, None, 0)[0]
+        f32 = np.float32
+        angles = int(self.partial_rotary_factor * head_dim // 2)
+        exponents = np.arange(0, 2 * angles, 2, dtype=np.int64).astype(f32) / f32(head_dim)
+        rotated = f32(1.0) / (f32(self.rope_theta) ** exponents)
+        padded = np.concatenate([rotated, np.zeros(head_dim // 2 - angles, f32)])
+        return (padded / f32(self.factor)).astype(f32)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rope_type": self.rope_type, "rope_theta": self.rope_theta}
+        if self.rope_type == "proportional":
+            out["partial_rotary_factor"] = self.partial_rotary_factor
+            if self.factor != 1.0:  # transformers reads it but warns about it as unknown
+                out["factor"] = self.factor
+        return out
+
+
+_DEFAULT_ROPE = {SLIDING: Rope("default", 10_000.0),
+                 FULL: Rope("proportional", 1_000_000.0, partial_rotary_factor=0.25)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4Config:
+    """Gemma 4 text hyperparameters; field names and defaults are ``Gemma4TextConfig``'s.
+
+    ``model_type`` is ``"gemma4_text"`` or ``"gemma4"`` (the text decoder of a multimodal
+    folder, whose tensors sit under ``model.language_model.``). ``num_global_key_value_heads``
+    is resolved: the full layers' KV head count (``None``: ``num_key_value_heads``).
+    ``hidden_size_per_layer_input`` 0 switches PLE off. Build with :meth:`from_hf_dict`.
+    """
+
+    model_type: str = "gemma4_text"
+    vocab_size: int = 262_144
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 8
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    global_head_dim: int = 512
+    num_global_key_value_heads: int | None = None
+    hidden_activation: str = "gelu_pytorch_tanh"
+    max_position_embeddings: int = 131_072
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    attention_bias: bool = False
+    sliding_window: int = 512
+    layer_types: tuple[str, ...] = ()
+    sliding_rope: Rope = _DEFAULT_ROPE[SLIDING]
+    full_rope: Rope = _DEFAULT_ROPE[FULL]
+    final_logit_softcapping: float | None = None
+    vocab_size_per_layer_input: int = 262_144
+    hidden_size_per_layer_input: int = 256
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    bos_token_id: int | None = 2
+    eos_token_id: int | tuple[int, ...] | None = 1
+    pad_token_id: int | None = 0
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_hidden_layers
+        types = list(self.layer_types) or [  # the reference's default: 5 sliding, 1 full
+            SLIDING if (i + 1) % 6 else FULL for i in range(max(n, 0))
+        ]
+        if types:
+            types[-1] = FULL  # the reference forces the last layer to full attention
+        object.__setattr__(self, "layer_types", tuple(types))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check()
+
+    def _check(self) -> None:
+        def bad(key: str, msg: str) -> ModelLoadError:
+            return ModelLoadError(f"invalid Gemma 4 config: {key!r} {msg}")
+
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "global_head_dim",
+                    "sliding_window"):
+            if getattr(self, key) <= 0:
+                raise bad(key, f"must be positive, got {getattr(self, key)}")
+        if self.model_type not in ARCHITECTURES:
+            raise bad("model_type", f"must be one of {', '.join(ARCHITECTURES)}")
+        if self.num_global_key_value_heads is not None and self.num_global_key_value_heads <= 0:
+            raise bad("num_global_key_value_heads", "must be positive or null")
+        for key, value in (("head_dim", self.head_dim), ("global_head_dim", self.global_head_dim)):
+            if value % 2:
+                raise bad(key, f"must be even for rotary embeddings, got {value}")
+        for key, kv in (("num_key_value_heads", self.num_key_value_heads),
+                        ("num_global_key_value_heads", self.full_kv_heads)):
+            if kv <= 0 or self.num_attention_heads % kv:
+                raise bad(key, f"({kv}) must divide num_attention_heads "
+                               f"({self.num_attention_heads})")
+        if self.hidden_activation != "gelu_pytorch_tanh":
+            raise bad("hidden_activation", f"{self.hidden_activation!r} is not supported "
+                                           "(only 'gelu_pytorch_tanh')")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad("layer_types", f"has {len(self.layer_types)} entries for "
+                                     f"{self.num_hidden_layers} layers")
+        if set(self.layer_types) - {FULL, SLIDING}:
+            raise bad("layer_types", f"holds {sorted(set(self.layer_types) - {FULL, SLIDING})}; "
+                                     f"only {FULL!r} and {SLIDING!r} are known")
+        shared = self.num_kv_shared_layers
+        if not 0 <= shared <= self.num_hidden_layers:
+            raise bad("num_kv_shared_layers", f"must be in [0, num_hidden_layers], got {shared}")
+        owners = set(self.layer_types[: self.num_hidden_layers - shared])
+        if owners != set(self.layer_types) and not self.reads_target_kv:
+            raise bad("num_kv_shared_layers", f"({shared}) leaves no earlier layer of kind "
+                                              f"{sorted(set(self.layer_types) - owners)} to share")
+        if self.hidden_size_per_layer_input < 0:
+            raise bad("hidden_size_per_layer_input", "must be >= 0")
+        if self.ple and self.vocab_size_per_layer_input < self.vocab_size:
+            raise bad("vocab_size_per_layer_input", f"({self.vocab_size_per_layer_input}) is "
+                      f"smaller than vocab_size ({self.vocab_size}); some ids would have no PLE")
+        if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
+            raise bad("final_logit_softcapping", "must be positive or null")
+
+    # -- derived switches -------------------------------------------------------------------
+
+    @property
+    def ple(self) -> bool:
+        """Whether per-layer input embeddings are on."""
+        return self.hidden_size_per_layer_input > 0
+
+    @property
+    def reads_target_kv(self) -> bool:
+        """Every layer shares K/V: a drafter's config (``gemma4_assistant``), which reads its
+        target's; such a config cannot run alone."""
+        return self.num_kv_shared_layers == self.num_hidden_layers
+
+    @property
+    def full_kv_heads(self) -> int:
+        return self.num_global_key_value_heads or self.num_key_value_heads
+
+    def dims(self, i: int) -> tuple[int, int]:
+        """``(head_dim, kv_heads)`` of layer ``i``."""
+        if self.layer_types[i] == FULL:
+            return self.global_head_dim, self.full_kv_heads
+        return self.head_dim, self.num_key_value_heads
+
+    def owns_kv(self, i: int) -> bool:
+        """Whether layer ``i`` projects its own K/V (the last ``num_kv_shared_layers`` don't)."""
+        return i < self.num_hidden_layers - self.num_kv_shared_layers
+
+    def k_eq_v(self, i: int) -> bool:
+        """Whether layer ``i``'s values come from its key projection (full layers only)."""
+        return self.attention_k_eq_v and self.layer_types[i] == FULL
+
+    def mlp_width(self, i: int) -> int:
+        wide = self.use_double_wide_mlp and not self.owns_kv(i)
+        return self.intermediate_size * (2 if wide else 1)
+
+    def window(self, i: int) -> int | None:
+        return self.sliding_window if self.layer_types[i] == SLIDING else None
+
+    def owners(self, kind: str) -> tuple[int, ...]:
+        """Layers of ``kind`` that keep a cache, in order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == kind and self.owns_kv(i))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
+
+    # -- config.json ------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> Gemma4Config:
+        """Parse a ``gemma4_text`` config.json, or a ``gemma4`` one's ``text_config``.
+
+        Keys left out take ``Gemma4TextConfig``'s defaults. Both ways of giving the full
+        layers' head shape are read: ``global_head_dim`` / ``num_global_key_value_heads``
+        (the latter only counts with ``attention_k_eq_v``, as in the reference) and the
+        ``per_layer_config`` that transformers 5.24 writes.
+
+        Raises:
+          ModelLoadError: naming the key, for a wrong model type, a malformed value, an
+            unsupported feature (the MoE block, bidirectional attention, another activation
+            or RoPE type) or inconsistent shapes.
+        """
+        if not isinstance(d, Mapping):
+            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        model_type = d.get("model_type")
+        if model_type not in ARCHITECTURES:
+            raise ModelLoadError(f"unsupported model_type {model_type!r} for the Gemma 4 family "
+                                 f"(supported: {', '.join(ARCHITECTURES)})")
+        outer: Mapping[str, Any] = {}
+        if model_type == "gemma4":
+            outer, d = d, d.get("text_config") or {}
+            if not isinstance(d, Mapping):
+                raise ModelLoadError(f"config.json key 'text_config' must be an object, got {d!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+
+        def get(key: str, kind: type, source: Mapping[str, Any] = d) -> Any:
+            value = source.get(key, defaults.get(key))
+            if value is None:
+                return None
+            ok = {int: isinstance(value, int), float: isinstance(value, int | float),
+                  bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+            if not ok or (kind is not bool and isinstance(value, bool)):
+                raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
+                                     f"got {value!r}")
+            return kind(value)
+
+        moe = d.get("enable_moe_block", False)
+        if not isinstance(moe, bool):
+            raise ModelLoadError(f"config.json key 'enable_moe_block' must be bool, got {moe!r}")
+        if moe:
+            raise ModelLoadError("config.json key 'enable_moe_block' is true: the Gemma 4 "
+                                 "mixture-of-experts block is not supported")
+        if d.get("use_bidirectional_attention") not in (None, "vision"):
+            raise ModelLoadError("config.json key 'use_bidirectional_attention' = "
+                                 f"{d['use_bidirectional_attention']!r} is not supported "
+                                 "(text decoding is causal)")
+        layers = get("num_hidden_layers", int)
+        types = d.get("layer_types")
+        if types is not None and not (isinstance(types, list) and
+                                      all(isinstance(t, str) for t in types)):
+            raise ModelLoadError(f"config.json key 'layer_types' must be a list of names, "
+                                 f"got {types!r}")
+        k_eq_v = get("attention_k_eq_v", bool)
+        global_dim = get("global_head_dim", int)
+        global_kv = get("num_global_key_value_heads", int) if k_eq_v else None
+        if d.get("per_layer_config") is not None:
+            global_dim, global_kv = _per_layer_shapes(d["per_layer_config"], types, layers,
+                                                      get("head_dim", int),
+                                                      get("num_key_value_heads", int))
+        tokens = {k: (outer if k in outer else d).get(k, defaults[k])
+                  for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        for key, value in tokens.items():
+            ids = value if isinstance(value, list) else [value]
+            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                       for v in ids):
+                raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
+        dtype = outer.get("dtype", d.get("dtype", d.get("torch_dtype")))
+        return cls(
+            model_type=model_type,
+            **{k: get(k, int) for k in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window",
+                "vocab_size_per_layer_input", "num_kv_shared_layers")},
+            num_hidden_layers=layers,
+            global_head_dim=global_dim,
+            num_global_key_value_heads=global_kv,
+            hidden_activation=get("hidden_activation", str),
+            initializer_range=get("initializer_range", float),
+            rms_norm_eps=get("rms_norm_eps", float),
+            tie_word_embeddings=get("tie_word_embeddings", bool, outer or d),
+            attention_bias=get("attention_bias", bool),
+            layer_types=tuple(types or ()),
+            sliding_rope=_parse_rope(d.get("rope_parameters"), SLIDING),
+            full_rope=_parse_rope(d.get("rope_parameters"), FULL),
+            final_logit_softcapping=get("final_logit_softcapping", float),
+            hidden_size_per_layer_input=get("hidden_size_per_layer_input", int) or 0,
+            attention_k_eq_v=k_eq_v,
+            use_double_wide_mlp=get("use_double_wide_mlp", bool),
+            dtype=str(dtype) if dtype is not None else None,
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in tokens.items()},
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers and :meth:`from_hf_dict` read as this config
+        (both spellings of the full layers' head shape are written)."""
+        overrides: dict[str, Any] = {"head_dim": self.global_head_dim}
+        if self.num_global_key_value_heads is not None:
+            overrides["num_key_value_heads"] = self.num_global_key_value_heads
+        text: dict[str, Any] = {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name not in ("sliding_rope", "full_rope", "eos_token_id", "dtype")
+        }
+        text.update(
+            model_type="gemma4_text", layer_types=list(self.layer_types),
+            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+            rope_parameters={SLIDING: self.sliding_rope.to_hf_dict(),
+                             FULL: self.full_rope.to_hf_dict()},
+            per_layer_config={str(i): overrides for i, t in enumerate(self.layer_types)
+                              if t == FULL},
+        )
+        if self.dtype is not None:
+            text["dtype"] = self.dtype
+        if self.model_type == "gemma4_text":
+            return {"architectures": [ARCHITECTURES["gemma4_text"]], **text}
+        return {"architectures": [ARCHITECTURES["gemma4"]], "model_type": "gemma4",
+                "text_config": text, "tie_word_embeddings": self.tie_word_embeddings,
+                **({"dtype": self.dtype} if self.dtype is not None else {})}
+
+
+def _per_layer_shapes(raw: Any, types: Any, layers: int, head_dim: int,
+                      kv_heads: int) -> tuple[int, int | None]:
+    """``(global_head_dim, num_global_key_value_heads)`` from a ``per_layer_config``, which
+    must give every full layer the same shape and no sliding layer another one."""
+    if not isinstance(raw, Mapping):
+        raise ModelLoadError(f"config.json key 'per_layer_config' must be an object, got {raw!r}")
+    types = types or [SLIDING if (i + 1) % 6 else FULL for i in range(layers)]
+    shapes = set()
+    for i, kind in enumerate(types):
+        over = raw.get(str(i), raw.get(i, {}))
+        if not isinstance(over, Mapping) or set(over) - {"head_dim", "num_key_value_heads"}:
+            raise ModelLoadError(f"config.json key 'per_layer_config' entry {i}: only head_dim "
+                                 f"and num_key_value_heads overrides are supported, got {over!r}")
+        shape = (over.get("head_dim", head_dim), over.get("num_key_value_heads"))
+        if kind == SLIDING and shape != (head_dim, None):
+            raise ModelLoadError(f"config.json key 'per_layer_config' reshapes sliding layer {i}")
+        if kind == FULL:
+            shapes.add(shape)
+    if len(shapes) > 1:
+        raise ModelLoadError(f"config.json key 'per_layer_config' gives full layers different "
+                             f"shapes {sorted(shapes, key=str)}")
+    dim, kv = shapes.pop() if shapes else (512, None)
+    if not isinstance(dim, int) or not (kv is None or isinstance(kv, int)):
+        raise ModelLoadError(f"config.json key 'per_layer_config' holds a non-integer shape "
+                             f"{raw!r}")
+    return dim, (kv if kv != kv_heads else None)
+
+
+def _parse_rope(raw: Any, kind: str) -> Rope:
+    if raw is None:
+        return _DEFAULT_ROPE[kind]
+    spec = raw.get(kind) if isinstance(raw, Mapping) else None
+    if not isinstance(spec, Mapping):
+        raise ModelLoadError(f"config.json key 'rope_parameters' must map {kind!r} to its RoPE "
+                             f"settings, got {raw!r}")
+    rope_type = spec.get("rope_type", "default")
+    if rope_type not in ("default", "proportional"):
+        raise ModelLoadError(f"config.json key 'rope_parameters.{kind}.rope_type' = "
+                             f"{rope_type!r} is not supported ('default', 'proportional')")
+    values = {}
+    for key, default in (("rope_theta", None), ("partial_rotary_factor", 1.0), ("factor", 1.0)):
+        value = spec.get(key, default)
+        floor = 0 if key == "partial_rotary_factor" else 1e-30  # nothing rotating is allowed
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < floor:
+            raise ModelLoadError(f"config.json key 'rope_parameters.{kind}.{key}' must be a "
+                                 f"positive number, got {value!r}")
+        values[key] = float(value)
+    if values["partial_rotary_factor"] > 1:
+        raise ModelLoadError(f"config.json key 'rope_parameters.{kind}.partial_rotary_factor' "
+                             f"must be at most 1, got {values['partial_rotary_factor']}")
+    return Rope(rope_type, **values)
+
+
+# -- params ----------------------------------------------------------------------------------
+
+
+def param_shapes(config: Gemma4Config) -> Params:
+    """The params tree with a shape tuple at every leaf (layout in the module docstring)."""
+    c = config
+    d, h, p, n = c.hidden_size, c.num_attention_heads, c.hidden_size_per_layer_input, \
+        c.num_hidden_layers
+    tree: Params = {"embed_tokens": (c.vocab_size, d), "norm": (d,)}
+    if not c.tie_word_embeddings:
+        tree["lm_head"] = (d, c.vocab_size)
+    if c.ple:
+        tree.update(embed_tokens_per_layer=(c.vocab_size_per_layer_input, n * p),
+                    per_layer_model_projection=(d, n * p), per_layer_projection_norm=(p,))
+    layers = []
+    for i in range(n):
+        hd, kv = c.dims(i)
+        f = c.mlp_width(i)
+        lp: dict[str, tuple[int, ...]] = {
+            "input_layernorm": (d,), "post_attention_layernorm": (d,),
+            "pre_feedforward_layernorm": (d,), "post_feedforward_layernorm": (d,),
+            "layer_scalar": (1,), "q_proj": (d, h, hd), "q_norm": (hd,), "o_proj": (h, hd, d),
+            "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d),
+        }
+        if c.attention_bias:
+            lp.update(q_bias=(h, hd), o_bias=(d,))
+        if c.owns_kv(i):
+            lp.update(k_proj=(d, kv, hd), k_norm=(hd,))
+            if not c.k_eq_v(i):
+                lp["v_proj"] = (d, kv, hd)
+            if c.attention_bias:
+                lp.update(k_bias=(kv, hd), **({} if c.k_eq_v(i) else {"v_bias": (kv, hd)}))
+        if c.ple:
+            lp.update(per_layer_input_gate=(d, p), per_layer_projection=(p, d),
+                      post_per_layer_input_norm=(d,))
+        layers.append(lp)
+    tree["layers"] = layers
+    return tree
+
+
+def hf_tensors(config: Gemma4Config) -> list[HFTensor]:
+    """Every text tensor a folder of ``config`` holds, and the leaf it fills."""
+    c = config
+    top = "model.language_model." if c.model_type == "gemma4" else "model."
+    shapes = param_shapes(c)
+    out: list[HFTensor] = []
+
+    def add(name: str, key: tuple[str | int, ...], shape: tuple[int, ...], linear: bool) -> None:
+        # nn.Linear keeps [out, in]; ours is [in, ...out] (or [...in, out] for o_proj/down);
+        # a projection's bias is flat in the file.
+        hf = (math.prod(shape),) if str(key[-1]).endswith("bias") else shape
+        if linear:
+            hf = (math.prod(shape[1:]), shape[0])
+            if key[-1] in ("o_proj", "down_proj", "per_layer_projection"):
+                hf = (shape[-1], math.prod(shape[:-1]))
+        out.append(HFTensor(name, key, hf, transpose=linear))
+
+    hf_names = {"embed_tokens": "embed_tokens.weight", "norm": "norm.weight",
+                "embed_tokens_per_layer": "embed_tokens_per_layer.weight",
+                "per_layer_model_projection": "per_layer_model_projection.weight",
+                "per_layer_projection_norm": "per_layer_projection_norm.weight"}
+    for key, shape in shapes.items():
+        if key == "lm_head":
+            add("lm_head.weight", ("lm_head",), shape, True)
+        elif key != "layers":
+            add(top + hf_names[key], (key,), shape, key == "per_layer_model_projection")
+    for i, lp in enumerate(shapes["layers"]):
+        for key, shape in lp.items():
+            name, linear = _layer_tensor_name(key)
+            add(f"{top}layers.{i}.{name}", ("layers", i, key), shape, linear)
+    return out
+
+
+def _layer_tensor_name(key: str) -> tuple[str, bool]:
+    """Our per-layer leaf name -> (its name under ``layers.{i}.``, whether it is a Linear)."""
+    if key.endswith("_bias"):
+        return f"self_attn.{key[:-5]}_proj.bias", False
+    if key in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        return f"self_attn.{key}.weight", True
+    if key in ("q_norm", "k_norm"):
+        return f"self_attn.{key}.weight", False
+    if key in ("gate_proj", "up_proj", "down_proj"):
+        return f"mlp.{key}.weight", True
+    if key == "layer_scalar":
+        return key, False
+    return f"{key}.weight", key in ("per_layer_input_gate", "per_layer_projection")
+
+
+_TOLERATED = re.compile(
+    r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\."  # other modalities
+    r"|\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.(weight|bias)$"  # K/V a shared layer ignores
+)
+
+
+def tolerated(name: str) -> bool:
+    """Tensors a folder may carry that the text decoder ignores: the vision and audio towers
+    of a ``gemma4`` folder and K/V weights that KV-shared layers (or a ``k_eq_v`` layer's
+    value projection) never use, as the reference ignores them."""
+    return bool(_TOLERATED.search(name))
+
+
+def init_params(config: Gemma4Config, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random params: matrices ~ N(0, initializer_range), norms and layer scalars 1, biases 0."""
+    return _init_params(config, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(config: Gemma4Config, key: jax.Array, dtype: jnp.dtype) -> Params:
+    paths, treedef = jax.tree.flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    leaves = []
+    for (path, shape), k in zip(paths, jax.random.split(key, len(paths)), strict=True):
+        name = path[-1].key
+        if name.endswith("norm") or name == "layer_scalar":
+            leaves.append(jnp.ones(shape, dtype))
+        elif name.endswith("bias"):
+            leaves.append(jnp.zeros(shape, dtype))
+        else:
+            w = jax.random.normal(k, (math.prod(shape),), jnp.float32).reshape(shape)
+            leaves.append((w * config.initializer_range).astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+@struct.dataclass(kw_only=True)
+class Gemma4Cache:
+    """KV cache (``C`` positions, ``R`` ring slots); keys stored normed and rotated.
+
+    Fields:
+      k_full, v_full: per KV-owning full layer, ``[C, KVg, global_head_dim]``.
+      k_ring, v_ring: per KV-owning sliding layer, ``[R, KV, head_dim]``; position ``p`` in
+        slot ``p % R``.
+      ring_positions: int32 ``[R]``, the position each slot holds (``EMPTY_SLOT`` if none).
+      window_rows: static, ``sliding_window - 1``: the positions before the cursor a row
+        still reads, i.e. the live part of the ring.
+    """
+
+    k_full: tuple[jax.Array, ...] = append_only(axis=1)
+    v_full: tuple[jax.Array, ...] = append_only(axis=1)
+    k_ring: tuple[jax.Array, ...] = ring(axis=1, live="window_rows")
+    v_ring: tuple[jax.Array, ...] = ring(axis=1, live="window_rows")
+    ring_positions: jax.Array = ring(axis=0, live="window_rows")
+    window_rows: int = struct.field(pytree_node=False)
+
+
+def _linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
+    """``x [W, in] @ w [in, *out] -> [W, *out]`` as one 2-D product (a 3-D einsum of one row
+    is a multiply and a reduce on a GPU, several times slower)."""
+    y = (x @ w.reshape(w.shape[0], -1)).reshape(x.shape[0], *w.shape[1:])
+    return y if bias is None else y + bias
+
+
+def _gelu(x: jax.Array) -> jax.Array:
+    # float32 and one rounding, as torch's tanh GELU does for 16-bit inputs.
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+KVFn = Callable[[int, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma4Model(BlockModel):
+    """Gemma 4 text decoder as pure functions over explicit params and cache.
+
+    Attributes:
+      config: the hyperparameters.
+      dtype: activation / cache dtype; params should match.
+      ring_margin: ring slots beyond the window. Blocks may be up to ``ring_margin + 1`` rows
+        wide, and the cursor may move back up to ``ring_margin + 1`` positions from the
+        furthest position fed (:meth:`oldest_rewind`). 256 covers the engine's blocks, a
+        verify rollback, a decode burst's overshoot and a chat turn's re-rendered tail; each
+        slot costs ``2 * KV * head_dim`` values per sliding layer.
+    """
+
+    config: Gemma4Config
+    dtype: Any = jnp.float32
+    ring_margin: int = 256
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if self.ring_margin < 0:
+            raise BadInputError(f"ring_margin must be >= 0, got {self.ring_margin}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def ring_slots(self) -> int:
+        """``R``: sliding-window rows plus the margin (0 without sliding layers)."""
+        return self.config.sliding_window + self.ring_margin if self.config.owners(SLIDING) \
+            else 0
+
+    def oldest_rewind(self, count: int) -> int:
+        """The earliest position the cursor may be moved back to (rollback, prefix reuse).
+
+        ``count`` is the cache's :meth:`reach`: the furthest position its ring was written
+        to, which is the cursor unless the state was already moved back (rows written past
+        the cursor have overwritten older slots). The window of the first row fed after the
+        move must still be in the ring: 0 without sliding layers, else
+        ``count - ring_margin - 1``.
+        """
+        return 0 if not self.ring_slots else max(0, count - self.ring_margin - 1)
+
+    def reach(self, cache: Gemma4Cache) -> int:
+        """One past the furthest position the ring has been written to (host sync)."""
+        if not self.ring_slots:
+            return 0
+        return max(0, int(jnp.max(cache.ring_positions)) + 1)
+
+    def init_params(self, key: jax.Array) -> Params:
+        return init_params(self.config, key, self.dtype)
+
+    def init_cache(self, capacity: int) -> Gemma4Cache:
+        """An empty cache: ``capacity`` rows per full layer, the ring per sliding layer.
+
+        Raises:
+          BadInputError: the config's layers all read shared K/V (a drafter's), so none
+            keeps a cache.
+        """
+        c, r = self.config, self.ring_slots
+        if c.reads_target_kv:
+            raise BadInputError("every layer of this config reads shared K/V; it runs only as "
+                                "a drafter over its target's cache (drafters.gemma4_assistant)")
+
+        def zeros(kind: str, rows: int) -> tuple[jax.Array, ...]:
+            return tuple(jnp.zeros((rows, *c.dims(i)[::-1]), self.dtype) for i in c.owners(kind))
+
+        return Gemma4Cache(
+            k_full=zeros(FULL, capacity), v_full=zeros(FULL, capacity),
+            k_ring=zeros(SLIDING, r), v_ring=zeros(SLIDING, r),
+            ring_positions=jnp.full((r,), EMPTY_SLOT, jnp.int32),
+            window_rows=c.sliding_window - 1,
+        )
+
+    # -- layer pieces -------------------------------------------------------------------------
+
+    def _norm(self, x: jax.Array, weight: jax.Array | None) -> jax.Array:
+        return rms_norm(x, weight, self.config.rms_norm_eps, weight_in_float32=True)
+
+    def embed_tokens(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """tokens [N] -> scaled input embeddings [N, D] (what the assistant drafter reads)."""
+        # The scale is rounded to the weight dtype before the product, as the reference does.
+        x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)
+        return x * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
+
+    def _embed(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        """tokens [N] -> scaled embeddings [N, D] and the per-layer inputs [N, L, P]."""
+        c, dt = self.config, self.dtype
+        x = self.embed_tokens(params, tokens)
+        if not c.ple:
+            return x, None
+        n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
+        own = jnp.take(params["embed_tokens_per_layer"], tokens, axis=0).astype(dt)
+        own = (own * jnp.asarray(p**0.5, dt)).reshape(-1, n, p)
+        mixed = (x @ params["per_layer_model_projection"]) * c.hidden_size**-0.5
+        mixed = self._norm(mixed.reshape(-1, n, p), params["per_layer_projection_norm"])
+        return x, (mixed + own) * 2.0**-0.5
+
+    def _ropes(self, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+        c = self.config
+        tables = {SLIDING: (c.sliding_rope, c.head_dim), FULL: (c.full_rope, c.global_head_dim)}
+        return {kind: rope_cos_sin(positions, spec.inv_freq(hd), 1.0, self.dtype)
+                for kind, (spec, hd) in tables.items() if kind in c.layer_types}
+
+    def decoder(self, params: Params, x: jax.Array, ple: jax.Array | None,
+                positions: jax.Array, kv_fn: KVFn | None,
+                keys: Mapping[str, tuple[jax.Array, jax.Array, jax.Array]] | None = None,
+                ) -> jax.Array:
+        """Every layer over rows ``x [N, D]`` at ``positions [N]`` (pre-norm output).
+
+        A KV owner hands its new k/v rows to ``kv_fn(layer, k, v)``, which stores them and
+        returns what that layer's kind attends over, ``(keys [S, KV, hd], values,
+        key_positions [S])``; a shared layer attends over what the last owner of its kind got
+        (the reference's KV sharing), or over ``keys[kind]`` when no layer owns any (a
+        drafter reading its target's cache)."""
+        c = self.config
+        ropes = self._ropes(positions)
+        keys = dict(keys or {})
+        bias = c.attention_bias
+        for i, lp in enumerate(params["layers"]):
+            kind = c.layer_types[i]
+            cos, sin = ropes[kind]
+            with jax.named_scope(f"layer_{i}"):
+                h = self._norm(x, lp["input_layernorm"])
+                q = self._norm(_linear(h, lp["q_proj"], lp["q_bias"] if bias else None),
+                               lp["q_norm"])
+                q = apply_rope(q, cos, sin)
+                if c.owns_kv(i):
+                    k = _linear(h, lp["k_proj"], lp["k_bias"] if bias else None)
+                    v = k if c.k_eq_v(i) else _linear(h, lp["v_proj"],
+                                                      lp["v_bias"] if bias else None)
+                    k = apply_rope(self._norm(k, lp["k_norm"]), cos, sin)
+                    assert kv_fn is not None
+                    keys[kind] = kv_fn(i, k, self._norm(v, None))
+                if kind not in keys:
+                    raise BadInputError(f"layer {i} reads shared {kind} K/V and none was given")
+                k_all, v_all, key_positions = keys[kind]
+                attn = attend(q, k_all, v_all, positions, key_positions, c.window(i), scale=1.0)
+                x = self._tail(x, attn, lp, None if ple is None else ple[:, i])
+        return x
+
+    def _tail(self, x: jax.Array, attn: jax.Array, lp: Params,
+              ple: jax.Array | None) -> jax.Array:
+        """Output projection and the sandwich-normed residuals: attention, MLP, PLE, scalar."""
+        o = _linear(attn.reshape(attn.shape[0], -1), lp["o_proj"].reshape(-1, x.shape[-1]),
+                    lp["o_bias"] if self.config.attention_bias else None)
+        x = x + self._norm(o, lp["post_attention_layernorm"])
+        h = self._norm(x, lp["pre_feedforward_layernorm"])
+        m = (_gelu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
+        x = x + self._norm(m, lp["post_feedforward_layernorm"])
+        if ple is not None:
+            g = (_gelu(x @ lp["per_layer_input_gate"]) * ple) @ lp["per_layer_projection"]
+            x = x + self._norm(g, lp["post_per_layer_input_norm"])
+        return x * lp["layer_scalar"]
+
+    def _head(self, params: Params, h: jax.Array) -> jax.Array:
+        """Output head and softcap: final-normed h [N, D] -> float32 logits [N, V]."""
+        c = self.config
+        if c.tie_word_embeddings:
+            logits = jnp.einsum("nd,vd->nv", h, params["embed_tokens"],
+                                preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("nd,dv->nv", h, params["lm_head"],
+                                preferred_element_type=jnp.float32)
+        cap = c.final_logit_softcapping
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
+
+    # -- entry points -------------------------------------------------------------------------
+
+    def block_forward(
+        self,
+        params: Params,
+        cache: Gemma4Cache,
+        tokens: jax.Array,
+        positions: jax.Array,
+        live: jax.Array,
+        need_head: jax.Array,
+        *,
+        key_limit: int | None = None,
+        fresh: bool = False,
+    ) -> tuple[jax.Array, Gemma4Cache]:
+        """Run ``W`` rows against the cache (see :meth:`BlockModel.block_forward`).
+
+        Every live row's K/V (and ring slot position) is written first, then each row attends
+        causally, within its window, by absolute position; padding rows write nothing. The
+        parallel-prefill hints are ignored (this model does not declare that fast path).
+
+        Raises:
+          BadInputError: ``W > ring_margin + 1`` (the block would overwrite ring rows that its
+            own first rows still read).
+        """
+        del key_limit, fresh
+        h, cache = self.block_hidden(params, cache, tokens, positions, live)
+        with jax.named_scope("head"):
+            logits = jax.lax.cond(
+                need_head, lambda h: self._head(params, h),
+                lambda h: jnp.zeros((h.shape[0], self.vocab_size), jnp.float32), h)
+        return logits, cache
+
+    def block_hidden(self, params: Params, cache: Gemma4Cache, tokens: jax.Array,
+                     positions: jax.Array, live: jax.Array) -> tuple[jax.Array, Gemma4Cache]:
+        """:meth:`block_forward` up to the final norm: ``(h [W, D], cache)``. ``h`` is what
+        the output head reads, and what the assistant drafter takes from its target."""
+        width = tokens.shape[0]
+        slots = self.ring_slots
+        if slots and width > self.ring_margin + 1:
+            raise BadInputError(f"a block of {width} rows needs ring_margin >= {width - 1}; "
+                                f"this model has {self.ring_margin}")
+        capacity = cache.k_full[0].shape[0]
+        rows = jnp.arange(width, dtype=jnp.int32)
+        # Padding rows go to distinct out-of-range rows, which mode="drop" discards; every target
+        # then differs, which unique_indices tells XLA (no atomics on a GPU).
+        scatter = {"mode": "drop", "unique_indices": True}
+        at_full = jnp.where(rows < live, positions, capacity + rows)  # [W]
+        ring_positions = cache.ring_positions
+        if slots:
+            at_ring = jnp.where(rows < live, positions % slots, slots + rows)  # [W]
+            ring_positions = ring_positions.at[at_ring].set(positions, **scatter)
+        full_positions = jnp.arange(capacity, dtype=jnp.int32)
+        c = self.config
+        full_index = {layer: j for j, layer in enumerate(c.owners(FULL))}
+        ring_index = {layer: j for j, layer in enumerate(c.owners(SLIDING))}
+        k_full, v_full = list(cache.k_full), list(cache.v_full)
+        k_ring, v_ring = list(cache.k_ring), list(cache.v_ring)
+
+        def store(i: int, k: jax.Array, v: jax.Array) -> Any:
+            if i in full_index:
+                j = full_index[i]
+                k_full[j] = k_full[j].at[at_full].set(k, **scatter)
+                v_full[j] = v_full[j].at[at_full].set(v, **scatter)
+                return k_full[j], v_full[j], full_positions
+            j = ring_index[i]
+            k_ring[j] = k_ring[j].at[at_ring].set(k, **scatter)
+            v_ring[j] = v_ring[j].at[at_ring].set(v, **scatter)
+            return k_ring[j], v_ring[j], ring_positions
+
+        with jax.named_scope("embed"):
+            x, ple = self._embed(params, tokens)
+        x = self.decoder(params, x, ple, positions, store)
+        return self._norm(x, params["norm"]), cache.replace(
+            k_full=tuple(k_full), v_full=tuple(v_full), k_ring=tuple(k_ring),
+            v_ring=tuple(v_ring), ring_positions=ring_positions)
+
+    def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """Plain causal pass over whole sequences, no cache: int32 ``[B, T]`` -> float32
+        logits ``[B, T, V]`` (row ``t`` at position ``t``)."""
+
+        def one(seq: jax.Array) -> jax.Array:
+            positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
+            x, ple = self._embed(params, seq)
+            x = self.decoder(params, x, ple, positions, lambda i, k, v: (k, v, positions))
+            return self._head(params, self._norm(x, params["norm"]))
+
+        return jax.vmap(one)(tokens)
+
+
+def _build(config: Gemma4Config, dtype: Any, layer_layout: str) -> Gemma4Model:
+    if layer_layout != "list":
+        raise ModelLoadError(f"Gemma 4 layers differ in shape, so its params are a list of "
+                             f"per-layer dicts; layer_layout must be 'list', got {layer_layout!r}")
+    if config.reads_target_kv:
+        raise ModelLoadError("num_kv_shared_layers equals num_hidden_layers: no layer keeps K/V, "
+                             "so this model cannot run alone (a gemma4_assistant drafter's text "
+                             "config)")
+    return Gemma4Model(config, dtype)
+
+
+FAMILY = Family(
+    name="gemma4",
+    architectures=ARCHITECTURES,
+    parse_config=Gemma4Config.from_hf_dict,
+    param_shapes=param_shapes,
+    hf_tensors=hf_tensors,
+    build=_build,
+    tolerated=tolerated,
+    list_layout_only=True,
+)
