@@ -15,7 +15,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.test_conformance_toy import CHECKS
-from turbospark_jax.block_program import BlockProducer
+from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import gemma4 as G
 from turbospark_jax.state import copy_state, live_equal

@@ -29,7 +29,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from turbospark_jax.block_program import BlockProducer  # noqa: E402
+from turbospark_jax.block_producer import BlockProducer  # noqa: E402
 from turbospark_jax.models import gemma4 as G  # noqa: E402
 
 ATOL = 1e-4
