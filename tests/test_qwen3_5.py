@@ -3,9 +3,9 @@ guarantees, and config parsing.
 
 Parity (CPU, float32): a tiny random ``Qwen3_5ForCausalLM`` and a dense ``Qwen3NextForCausalLM``
 (norm weights and biases randomised so they count) are converted through the family
-declaration alone (``params_from_hf`` over ``FAMILY.hf_tensors``); ``forward``, the block
-program's rows (``verify`` and ``prefill_chunk``) and the trunk's ``hidden`` tape agree with the
-reference within ``ATOL = 1e-4`` (measured about 1e-5), and 10 greedy tokens equal
+declaration alone (``convert``: ``HFTensor.to_ours`` over ``FAMILY.hf_tensors``); ``forward``,
+the block program's rows (``verify`` and ``prefill_chunk``) and the trunk's ``hidden`` tape
+agree with the reference within ``ATOL = 1e-4`` (measured about 1e-5), and 10 greedy tokens equal
 ``generate(do_sample=False)``. A nudged weight shows the tolerance can fail.
 
 Bitwise (on the same compiled programs, with hypothesis choosing the data): token by token ==
@@ -79,12 +79,25 @@ def state_dict(hf: Any) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy() for k, v in hf.state_dict().items()}
 
 
+def convert(config: Q.Qwen35Config, tensors: dict[str, np.ndarray]) -> Q.Params:
+    """Hugging Face tensors by name as our params, through the family declaration alone."""
+    shapes = Q.param_shapes(config)
+    params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
+    for t in Q.FAMILY.hf_tensors(config):
+        assert tensors[t.name].shape == t.hf_shape, (t.name, tensors[t.name].shape)
+        node, leaf = params, shapes
+        for k in t.key[:-1]:
+            node, leaf = node[k], leaf[k]
+        node[t.key[-1]] = jnp.asarray(t.to_ours(tensors[t.name], leaf[t.key[-1]]))
+    return params
+
+
 @pytest.fixture(scope="module", params=sorted(CASES))
 def case(request: pytest.FixtureRequest) -> Any:
     torch.manual_seed(0)
     hf, config = hf_model(request.param)
     model = Q.FAMILY.build(config, jnp.float32, "list")
-    params = Q.params_from_hf(config, state_dict(hf))
+    params = convert(config, state_dict(hf))
     producer = BlockProducer(model, params, capacity=CAPACITY, width=WIDTH, steps_per_call=4)
     tokens = np.random.default_rng(1).integers(0, VOCAB, size=(2, SEQ))
     with torch.no_grad():
@@ -116,6 +129,20 @@ def test_forward_matches_transformers(case: Any) -> None:
     got = np.asarray(_forward(model, params, jnp.asarray(tokens, jnp.int32)))
     err = float(np.abs(got - out.logits.numpy()).max())
     print(f"{name}: forward max abs diff {err:.2e}")
+    assert err < ATOL
+
+
+def test_forward_matches_transformers_past_one_chunk(case: Any) -> None:
+    """80 rows: transformers' prefill runs its chunked delta rule over two 64-row chunks."""
+    name, hf, model, params, *_ = case
+    if name != "qwen3_5_text":
+        pytest.skip("one case is enough for the length (each length is a compile)")
+    tokens = np.random.default_rng(3).integers(0, VOCAB, size=(1, 80))
+    with torch.no_grad():
+        ref = hf(input_ids=torch.tensor(tokens)).logits.numpy()
+    got = np.asarray(_forward(model, params, jnp.asarray(tokens, jnp.int32)))
+    err = float(np.abs(got - ref).max())
+    print(f"{name}: forward over 80 rows max abs diff {err:.2e}")
     assert err < ATOL
 
 
@@ -172,7 +199,7 @@ def test_multimodal_folder_loads_the_text_decoder() -> None:
     names = {t.name for t in Q.FAMILY.hf_tensors(config)}
     assert set(tensors) - names == {"lm_head.weight"} | {n for n in tensors if "visual" in n}
     assert all(Q.FAMILY.tolerated(n) for n in tensors if "visual" in n)
-    params = Q.params_from_hf(config, tensors)
+    params = convert(config, tensors)
     tokens = np.random.default_rng(2).integers(0, VOCAB, size=(1, 7))
     with torch.no_grad():
         ref = hf(input_ids=torch.tensor(tokens)).logits.numpy()

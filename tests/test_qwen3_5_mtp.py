@@ -161,7 +161,9 @@ def test_mtp_check_can_fail() -> None:
 def test_each_chain_step_uses_its_own_layer_and_rows() -> None:
     config = Q.Qwen35Config(**{**TINY, "mtp_num_hidden_layers": 2})
     model = Q.Qwen35Model(config)
-    params = model.init_params(jax.random.PRNGKey(0))
+    _, params, _, _ = setup()
+    mtp = params["mtp"]
+    params = {**params, "mtp": {**mtp, "layers": [mtp["layers"][0]] * 2}}
     assert [t.name for t in Q.FAMILY.hf_tensors(config) if t.name.startswith("mtp.layers.1.")]
     cache = model.mtp_init_cache(8)
     _, _, after = _step(model, params, cache, jnp.ones((2, 32)), jnp.asarray([1, 2], jnp.int32),

@@ -35,8 +35,9 @@ and ``layers`` is a list::
     mtp (mtp_num_hidden_layers > 0): pre_fc_norm_embedding, pre_fc_norm_hidden, norm [D];
                fc [2*D, D]; layers: full-attention layer dicts as above
 
-About 700 lines, past the usual 600: the family is one module by request, and a third of it is
-``config.json`` parsing with a named error for every malformed value.
+About 880 lines, past the usual 600: the family is one module by request; a third of it is
+``config.json`` parsing (two model types and a wrapper, legacy keys, the MoE rule, a named error
+for every malformed value) and a fifth the MTP head and the tape.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
@@ -875,29 +875,6 @@ def _build(config: Qwen35Config, dtype: Any, layer_layout: str) -> Qwen35Model:
         raise ModelLoadError(f"Qwen3.5 layers are of mixed kinds, so its params are a list of "
                              f"per-layer dicts; layer_layout must be 'list', got {layer_layout!r}")
     return Qwen35Model(config, dtype)
-
-
-def params_from_hf(config: Qwen35Config, tensors: Mapping[str, Any]) -> Params:
-    """Our params from Hugging Face tensors by name (numpy-convertible arrays), through
-    :func:`hf_tensors` alone (what a loader does, without files).
-
-    Raises:
-      ModelLoadError: a tensor is missing or has the wrong shape.
-    """
-    shapes = param_shapes(config)
-    params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
-    for t in hf_tensors(config):
-        if t.name not in tensors:
-            raise ModelLoadError(f"tensor {t.name!r} is missing")
-        array = np.asarray(tensors[t.name])
-        if tuple(array.shape) != t.hf_shape:
-            raise ModelLoadError(f"tensor {t.name!r} has shape {tuple(array.shape)}, expected "
-                                 f"{t.hf_shape}")
-        node, leaf = params, shapes
-        for k in t.key[:-1]:
-            node, leaf = node[k], leaf[k]
-        node[t.key[-1]] = jnp.asarray(t.to_ours(array, leaf[t.key[-1]]))
-    return params
 
 
 FAMILY = Family(
