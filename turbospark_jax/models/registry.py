@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models import dense
+from turbospark_jax.models import dense, qwen3_5
 from turbospark_jax.models.family import Family
 
 #: The families, in the order their model types are listed in messages.
-FAMILIES: tuple[Family, ...] = (dense.FAMILY,)
+FAMILIES: tuple[Family, ...] = (dense.FAMILY, qwen3_5.FAMILY)
 
 
 def supported_model_types() -> tuple[str, ...]:
