@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models import dense, gemma4
+from turbospark_jax.models import dense, gemma4, qwen3_5
 from turbospark_jax.models.family import Family
 
 #: The families, in the order their model types are listed in messages.
-FAMILIES: tuple[Family, ...] = (dense.FAMILY, gemma4.FAMILY)
+FAMILIES: tuple[Family, ...] = (dense.FAMILY, qwen3_5.FAMILY, gemma4.FAMILY)
+
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -1,0 +1,894 @@
+"""The Qwen3.5 / Qwen3-Next family: ``qwen3_5_text`` and ``qwen3_next`` folders, and the text
+decoder of ``qwen3_5`` folders, with the multi-token-prediction (MTP) head their checkpoints
+carry.
+
+A decoder mixes two kinds of layer (``layer_types``): *linear attention* (a gated DeltaNet: a
+depthwise causal conv1d with SiLU over the q/k/v projections, then the delta rule on a float32
+state ``S [Hv, dk, dv]`` per value head, decayed by ``exp(g)``, ``g = -exp(A_log) *
+softplus(a + dt_bias)``, written with strength ``beta = sigmoid(b)`` from L2-normalised q and k,
+read by q, then an RMSNorm gated by ``silu(z)``) and *gated full attention* (a q projection twice
+as wide, each head split into query and gate; per-head q/k norms; RoPE on the first
+``partial_rotary_factor`` of each head; the output times ``sigmoid(gate)``). Every layer ends in
+a dense SwiGLU MLP; every RMSNorm but the gated one is zero-centred (scale ``1 + w``, in float32).
+Qwen3-Next fuses the DeltaNet projections (``in_proj_qkvz`` / ``in_proj_ba``, grouped per key
+head); Qwen3.5 keeps them apart. Mixture-of-experts MLPs are refused.
+
+Row by row: the recurrence runs as a ``lax.scan`` over the ``W`` rows of a block (padding rows
+leave the state as it was), so decode, chunked prefill and verify are one program and chunked ==
+token by token holds bitwise. The scan also writes a tape: each row's conv and recurrent state
+(``retain_rows`` selects from it, so ``rollback_retaining`` needs no replay) and each row's
+final hidden state (what the MTP head reads). The tape costs ``max_width * Hv * dk * dv * 4``
+bytes per linear layer (Qwen3.5-9B shape, ``max_width`` 16: 768 MiB in all).
+
+Params (``D`` hidden, ``V`` vocab, ``F`` MLP width, ``H``/``KV``/``hd`` attention heads, ``C``
+the conv channels ``2 * Hk * dk + Hv * dv``, ``K`` the conv width); matrices are ``[in, out]``
+and ``layers`` is a list::
+
+    embed_tokens [V, D]   norm [D]   lm_head [D, V] (untied only)
+    layers[i]: input_layernorm, post_attention_layernorm [D]; gate_proj, up_proj [D, F];
+               down_proj [F, D]; and, by kind,
+      full:    q_proj [D, H*2*hd]  k_proj, v_proj [D, KV*hd]  o_proj [H*hd, D]  q_norm, k_norm [hd]
+               q_bias [H*2*hd]  k_bias, v_bias [KV*hd]  o_bias [D]        (attention_bias only)
+      linear:  in_proj_qkv [D, C]  in_proj_z [D, Hv*dv]  in_proj_b, in_proj_a [D, Hv]  (qwen3_5)
+               in_proj_qkvz [D, Hk, 2*dk + 2*r*dv]  in_proj_ba [D, Hk, 2*r]  (qwen3_next, r=Hv/Hk)
+               conv1d [K, C]  dt_bias, A_log [Hv]  gated_norm [dv]  out_proj [Hv*dv, D]
+    mtp (mtp_num_hidden_layers > 0): pre_fc_norm_embedding, pre_fc_norm_hidden, norm [D];
+               fc [2*D, D]; layers: full-attention layer dicts as above
+
+About 880 lines, past the usual 600: the family is one module by request; a third of it is
+``config.json`` parsing (two model types and a wrapper, legacy keys, the MoE rule, a named error
+for every malformed value) and a fifth the MTP head and the tape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.family import Family, HFTensor, Params
+from turbospark_jax.models.layers import (
+    apply_rope,
+    attend,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    swiglu_mlp,
+)
+from turbospark_jax.state import append_only, scratch
+
+LINEAR, FULL = "linear_attention", "full_attention"
+ARCHITECTURES = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+# Keys whose transformers defaults differ between the two configuration classes.
+_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3_5_text": {},
+    "qwen3_next": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
+                       num_hidden_layers=48, num_key_value_heads=2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Config:
+    """Hyperparameters; field names and defaults are ``Qwen3_5TextConfig``'s (``qwen3_next``
+    overrides a few, see ``_TYPE_DEFAULTS``). ``model_type`` ``"qwen3_5"`` is the text decoder
+    of a multimodal folder (tensors under ``model.language_model.``). RoPE is read from
+    ``rope_parameters`` (or the legacy top-level keys); only the default type is supported, and
+    mRoPE sections are ignored (text positions are equal on all three axes). Build with
+    :meth:`from_hf_dict`."""
+
+    model_type: str = "qwen3_5_text"
+    vocab_size: int = 248320
+    hidden_size: int = 4096
+    intermediate_size: int = 12288
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 16
+    num_key_value_heads: int = 4
+    head_dim: int = 256
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 0.25
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    layer_types: tuple[str, ...] = ()
+    mtp_num_hidden_layers: int = 0
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.layer_types:  # the reference's default: every fourth layer attends fully
+            object.__setattr__(self, "layer_types", _interval_types(self.num_hidden_layers, 4))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        self._check()
+
+    def _check(self) -> None:
+        def bad(key: str, msg: str) -> ModelLoadError:
+            return ModelLoadError(f"invalid {self.model_type} config: {key!r} {msg}")
+
+        if self.model_type not in ARCHITECTURES:
+            raise bad("model_type", f"must be one of {', '.join(ARCHITECTURES)}")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim",
+                    "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                    "linear_num_key_heads", "linear_num_value_heads", "max_position_embeddings"):
+            if getattr(self, key) <= 0:
+                raise bad(key, f"must be positive, got {getattr(self, key)}")
+        for heads, kv in (("num_attention_heads", "num_key_value_heads"),
+                          ("linear_num_value_heads", "linear_num_key_heads")):
+            if getattr(self, heads) % getattr(self, kv):
+                raise bad(kv, f"({getattr(self, kv)}) must divide {heads} "
+                              f"({getattr(self, heads)})")
+        if self.hidden_act != "silu":
+            raise bad("hidden_act", f"{self.hidden_act!r} is not supported (only 'silu')")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2 or not self.rotary_dim:
+            raise bad("partial_rotary_factor", f"({self.partial_rotary_factor}) must rotate an "
+                      f"even, non-zero part of head_dim {self.head_dim}")
+        if self.rope_theta <= 0:
+            raise bad("rope_theta", f"must be positive, got {self.rope_theta}")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise bad("layer_types", f"has {len(self.layer_types)} entries for "
+                                     f"{self.num_hidden_layers} layers")
+        if set(self.layer_types) - {LINEAR, FULL}:
+            raise bad("layer_types", f"holds {sorted(set(self.layer_types) - {LINEAR, FULL})}; "
+                                     f"only {LINEAR!r} and {FULL!r} are known")
+        if self.mtp_num_hidden_layers < 0:
+            raise bad("mtp_num_hidden_layers", f"must be >= 0, got {self.mtp_num_hidden_layers}")
+
+    # -- derived shapes -----------------------------------------------------------------------
+
+    @property
+    def fused(self) -> bool:
+        """Whether the DeltaNet projections are fused (Qwen3-Next's ``in_proj_qkvz``)."""
+        return self.model_type == "qwen3_next"
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def conv_dim(self) -> int:
+        """Conv channels: q and k (``Hk * dk`` each) then v (``Hv * dv``)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    def kind_index(self, i: int) -> int:
+        """Layer ``i``'s index among the layers of its kind (its cache slot)."""
+        return self.layer_types[:i].count(self.layer_types[i])
+
+    def count(self, kind: str) -> int:
+        return self.layer_types.count(kind)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
+
+    # -- config.json --------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> Qwen35Config:
+        """Parse a ``qwen3_5_text`` / ``qwen3_next`` config.json, or a ``qwen3_5`` one's
+        ``text_config``. Keys left out take the transformers defaults of that model type
+        (``layer_types`` from ``full_attention_interval``, 4 by default).
+
+        Raises:
+          ModelLoadError: naming the key, for a wrong model type, a malformed value, a
+            mixture-of-experts config (``qwen3_5_moe``, or ``qwen3_next`` experts in any
+            layer), a RoPE type other than the default, or inconsistent shapes.
+        """
+        if not isinstance(d, Mapping):
+            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        model_type = d.get("model_type")
+        outer: Mapping[str, Any] = {}
+        if model_type == "qwen3_5":
+            outer, d = d, d.get("text_config") or {}
+            if not isinstance(d, Mapping):
+                raise ModelLoadError(f"config.json key 'text_config' must be an object, got {d!r}")
+        if model_type in _MOE_TYPES or d.get("model_type") in _MOE_TYPES:
+            raise ModelLoadError(f"model_type {model_type!r} is a mixture-of-experts model: MoE "
+                                 "is not supported by the Qwen3.5 family")
+        if model_type not in ARCHITECTURES:
+            raise ModelLoadError(f"unsupported model_type {model_type!r} for the Qwen3.5 family "
+                                 f"(supported: {', '.join(ARCHITECTURES)})")
+        base = "qwen3_next" if model_type == "qwen3_next" else "qwen3_5_text"
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)} | _TYPE_DEFAULTS[base]
+
+        def get(key: str, kind: type, source: Mapping[str, Any] = d, default: Any = None) -> Any:
+            value = source.get(key, defaults.get(key, default))
+            if value is None:
+                return None
+            ok = {int: isinstance(value, int), float: isinstance(value, int | float),
+                  bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+            if not ok or (kind is not bool and isinstance(value, bool)):
+                raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
+                                     f"got {value!r}")
+            return kind(value)
+
+        layers = get("num_hidden_layers", int)
+        _refuse_moe(d, model_type, layers, get)
+        if get("mtp_use_dedicated_embeddings", bool, default=False):
+            raise ModelLoadError("config.json key 'mtp_use_dedicated_embeddings' is true: an MTP "
+                                 "head with its own embeddings is not supported")
+        if not get("attn_output_gate", bool, default=True):
+            raise ModelLoadError("config.json key 'attn_output_gate' is false: attention without "
+                                 "its output gate is not supported")
+        types = d.get("layer_types")
+        if types is None:
+            interval = get("full_attention_interval", int, default=4)
+            if interval <= 0:
+                raise ModelLoadError(f"config.json key 'full_attention_interval' must be "
+                                     f"positive, got {interval}")
+            types = _interval_types(layers, interval)
+        elif not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+            raise ModelLoadError(f"config.json key 'layer_types' must be a list of names, "
+                                 f"got {types!r}")
+        theta, partial = _parse_rope(d)
+        tokens = {k: (outer if k in outer else d).get(k) for k in
+                  ("bos_token_id", "eos_token_id", "pad_token_id")}
+        for key, value in tokens.items():
+            ids = value if isinstance(value, list) else [value]
+            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
+                       for v in ids):
+                raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
+        dtype = outer.get("dtype", d.get("dtype", d.get("torch_dtype")))
+        return cls(
+            model_type=model_type,
+            **{k: get(k, int) for k in (
+                "vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "max_position_embeddings",
+                "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "mtp_num_hidden_layers")},
+            num_hidden_layers=layers,
+            hidden_act=get("hidden_act", str),
+            initializer_range=get("initializer_range", float),
+            rms_norm_eps=get("rms_norm_eps", float),
+            tie_word_embeddings=get("tie_word_embeddings", bool, outer or d),
+            attention_bias=get("attention_bias", bool),
+            rope_theta=theta,
+            partial_rotary_factor=partial,
+            layer_types=tuple(types),
+            dtype=str(dtype) if dtype is not None else None,
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in tokens.items()},
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict that transformers and :meth:`from_hf_dict` read as this config."""
+        skip = ("model_type", "rope_theta", "partial_rotary_factor", "eos_token_id", "dtype")
+        text: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                if f.name not in skip}
+        text.update(
+            layer_types=list(self.layer_types),
+            rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
+                             "partial_rotary_factor": self.partial_rotary_factor},
+            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
+            else self.eos_token_id,
+            **({"dtype": self.dtype} if self.dtype is not None else {}),
+        )
+        if self.model_type == "qwen3_next":
+            text["num_experts"] = 0  # the reference's default is 512 experts
+        if self.model_type != "qwen3_5":
+            return {"architectures": [ARCHITECTURES[self.model_type]],
+                    "model_type": self.model_type, **text}
+        return {"architectures": [ARCHITECTURES["qwen3_5"]], "model_type": "qwen3_5",
+                "text_config": {"model_type": "qwen3_5_text", **text},
+                "tie_word_embeddings": self.tie_word_embeddings,
+                **({"dtype": self.dtype} if self.dtype is not None else {})}
+
+
+def _interval_types(layers: int, interval: int) -> tuple[str, ...]:
+    return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(max(layers, 0)))
+
+
+def _refuse_moe(d: Mapping[str, Any], model_type: str, layers: int, get: Callable) -> None:
+    """Raise if any layer would get a mixture-of-experts MLP (transformers' rule for
+    ``qwen3_next``: experts in layer ``i`` unless ``i`` is in ``mlp_only_layers``, when
+    ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``)."""
+    experts = get("num_experts", int, default=512 if model_type == "qwen3_next" else 0)
+    if experts < 0:
+        raise ModelLoadError(f"config.json key 'num_experts' must be >= 0, got {experts}")
+    if not experts:
+        return
+    step = get("decoder_sparse_step", int, default=1)
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise ModelLoadError(f"config.json key 'mlp_only_layers' must be a list of layer "
+                             f"indices, got {only!r}")
+    if step <= 0:
+        raise ModelLoadError(f"config.json key 'decoder_sparse_step' must be positive, got {step}")
+    sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
+    if sparse or get("mtp_num_hidden_layers", int, default=0):
+        raise ModelLoadError(f"config.json key 'num_experts' = {experts} asks for "
+                             f"mixture-of-experts MLPs (layers {sparse[:8]}, or the MTP "
+                             "layer): MoE is not supported by the Qwen3.5 family")
+
+
+def _parse_rope(d: Mapping[str, Any]) -> tuple[float, float]:
+    """``(rope_theta, partial_rotary_factor)`` from ``rope_parameters`` or the legacy keys."""
+    params = d.get("rope_parameters")
+    legacy = d.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, Mapping):
+            raise ModelLoadError(f"config.json key {key!r} must be an object, got {value!r}")
+        kind = (value or {}).get("rope_type", (value or {}).get("type", "default"))
+        if kind != "default":
+            raise ModelLoadError(f"config.json key '{key}.rope_type' = {kind!r} is not "
+                                 "supported (only 'default')")
+    params = params or {}
+    out = []
+    for key, default in (("rope_theta", 10000.0), ("partial_rotary_factor", 0.25)):
+        value = params.get(key, d.get(key, default))
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ModelLoadError(f"config.json key {key!r} must be a number, got {value!r}")
+        out.append(float(value))
+    return out[0], out[1]
+
+
+# -- params ----------------------------------------------------------------------------------
+
+
+def _full_layer_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+    d, h, kv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    lp = {"input_layernorm": (d,), "post_attention_layernorm": (d,),
+          "q_proj": (d, h * 2 * hd), "k_proj": (d, kv * hd), "v_proj": (d, kv * hd),
+          "o_proj": (h * hd, d), "q_norm": (hd,), "k_norm": (hd,),
+          "gate_proj": (d, c.intermediate_size), "up_proj": (d, c.intermediate_size),
+          "down_proj": (c.intermediate_size, d)}
+    if c.attention_bias:
+        lp.update(q_bias=(h * 2 * hd,), k_bias=(kv * hd,), v_bias=(kv * hd,), o_bias=(d,))
+    return lp
+
+
+def param_shapes(config: Qwen35Config) -> Params:
+    """The params tree with a shape tuple at every leaf (layout in the module docstring)."""
+    c = config
+    d, nk, nv = c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads
+    dk, dv, r = c.linear_key_head_dim, c.linear_value_head_dim, nv // nk
+    tree: Params = {"embed_tokens": (c.vocab_size, d), "norm": (d,)}
+    if not c.tie_word_embeddings:
+        tree["lm_head"] = (d, c.vocab_size)
+    layers = []
+    for kind in c.layer_types:
+        lp = _full_layer_shapes(c)
+        if kind == LINEAR:
+            for key in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
+                        "q_bias", "k_bias", "v_bias", "o_bias"):
+                lp.pop(key, None)
+            if c.fused:
+                lp.update(in_proj_qkvz=(d, nk, 2 * dk + 2 * r * dv), in_proj_ba=(d, nk, 2 * r))
+            else:
+                lp.update(in_proj_qkv=(d, c.conv_dim), in_proj_z=(d, nv * dv),
+                          in_proj_b=(d, nv), in_proj_a=(d, nv))
+            lp.update(conv1d=(c.linear_conv_kernel_dim, c.conv_dim), dt_bias=(nv,),
+                      A_log=(nv,), gated_norm=(dv,), out_proj=(nv * dv, d))
+        layers.append(lp)
+    tree["layers"] = layers
+    if c.mtp_num_hidden_layers:
+        tree["mtp"] = {"pre_fc_norm_embedding": (d,), "pre_fc_norm_hidden": (d,),
+                       "fc": (2 * d, d), "norm": (d,),
+                       "layers": [_full_layer_shapes(c) for _ in range(c.mtp_num_hidden_layers)]}
+    return tree
+
+
+# Our per-layer leaf -> its name under ``layers.{i}.`` in a Hugging Face folder.
+_HF_LAYER_NAMES = {
+    **{k: f"self_attn.{k}.weight" for k in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm",
+                                            "k_norm")},
+    **{f"{k}_bias": f"self_attn.{k}_proj.bias" for k in "qkvo"},
+    **{k: f"mlp.{k}.weight" for k in ("gate_proj", "up_proj", "down_proj")},
+    **{k: f"{k}.weight" for k in ("input_layernorm", "post_attention_layernorm")},
+    **{k: f"linear_attn.{k}.weight" for k in ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                              "in_proj_a", "in_proj_qkvz", "in_proj_ba",
+                                              "out_proj", "conv1d")},
+    "dt_bias": "linear_attn.dt_bias", "A_log": "linear_attn.A_log",
+    "gated_norm": "linear_attn.norm.weight",
+}
+
+
+def hf_tensors(config: Qwen35Config) -> list[HFTensor]:
+    """Every tensor a folder of ``config`` holds (MTP ones when ``mtp_num_hidden_layers``)."""
+    c = config
+    top = "model.language_model." if c.model_type == "qwen3_5" else "model."
+    shapes = param_shapes(c)
+    out: list[HFTensor] = []
+
+    def add(name: str, key: tuple[str | int, ...], shape: tuple[int, ...]) -> None:
+        if key[-1] == "embed_tokens" or len(shape) == 1:  # vectors and the embedding as stored
+            out.append(HFTensor(name, key, shape))
+        elif key[-1] == "conv1d":  # nn.Conv1d keeps [C, 1, K]; ours is [K, C]
+            out.append(HFTensor(name, key, (shape[1], 1, shape[0]), transpose=True))
+        else:  # nn.Linear keeps [out, in]; ours is [in, ...out]
+            out.append(HFTensor(name, key, (math.prod(shape[1:]), shape[0]), transpose=True))
+
+    add(top + "embed_tokens.weight", ("embed_tokens",), shapes["embed_tokens"])
+    add(top + "norm.weight", ("norm",), shapes["norm"])
+    if "lm_head" in shapes:
+        add("lm_head.weight", ("lm_head",), shapes["lm_head"])
+    for i, lp in enumerate(shapes["layers"]):
+        for key, shape in lp.items():
+            add(f"{top}layers.{i}.{_HF_LAYER_NAMES[key]}", ("layers", i, key), shape)
+    for key, shape in shapes.get("mtp", {}).items():
+        if key != "layers":
+            add(f"mtp.{key}.weight", ("mtp", key), shape)
+    for j, lp in enumerate(shapes.get("mtp", {}).get("layers", [])):
+        for key, shape in lp.items():
+            add(f"mtp.layers.{j}.{_HF_LAYER_NAMES[key]}", ("mtp", "layers", j, key), shape)
+    return out
+
+
+_TOLERATED = re.compile(r"^model\.visual\.|rotary_emb\.inv_freq$")
+
+
+def tolerated(name: str) -> bool:
+    """Tensors a folder may carry that the text decoder ignores: the vision tower of a
+    ``qwen3_5`` folder and recomputed rotary tables. (MTP tensors are always loaded when the
+    config declares them, so they are not tolerated.)"""
+    return bool(_TOLERATED.search(name))
+
+
+def init_params(config: Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> Params:
+    """Random params like the reference's init: matrices ~ N(0, initializer_range), zero-centred
+    norms 0, the gated norm and ``dt_bias`` 1, biases 0, ``A_log`` = log U(1, 16)."""
+    return _init_params(config, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(config: Qwen35Config, key: jax.Array, dtype: jnp.dtype) -> Params:
+    paths, treedef = jax.tree.flatten_with_path(
+        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
+    sizes = [math.prod(shape) for _, shape in paths]
+    # One draw for every leaf, sliced: a threefry per leaf makes a program slow to compile.
+    k_normal, k_uniform = jax.random.split(key)
+    normal = jax.random.normal(k_normal, (sum(sizes),)) * config.initializer_range
+    uniform = jax.random.uniform(k_uniform, (sum(sizes),), minval=1.0, maxval=16.0)
+    leaves, start = [], 0
+    for (path, shape), size in zip(paths, sizes, strict=True):
+        name, part = path[-1].key, slice(start, start + size)
+        start += size
+        if name in ("gated_norm", "dt_bias"):
+            leaf = jnp.ones(shape)
+        elif name == "A_log":
+            leaf = jnp.log(uniform[part]).reshape(shape)
+        elif "norm" in name or name.endswith("bias"):
+            leaf = jnp.zeros(shape)
+        else:
+            leaf = normal[part].reshape(shape)
+        leaves.append(leaf.astype(dtype))
+    return jax.tree.unflatten(treedef, leaves)
+
+
+# -- the model -------------------------------------------------------------------------------
+
+
+@struct.dataclass(kw_only=True)
+class Qwen35Cache:
+    """Cache of the trunk (``C`` positions, ``Wm`` = ``max_width`` tape rows).
+
+    Fields:
+      k, v: per full-attention layer ``[C, KV, hd]`` (keys normed and rotated); one
+        ``[0, C, KV, hd]`` array when the model has no full layer.
+      conv: per linear layer ``[K - 1, conv_dim]``, the last ``K - 1`` conv inputs (model dtype).
+      recurrent: per linear layer float32 ``[Hv, dk, dv]``, the delta-rule state.
+      conv_tape, recurrent_tape: scratch, per linear layer ``[Wm, K - 1, conv_dim]`` and
+        ``[Wm, Hv, dk, dv]``: the state after each row of the last block (rows past its live
+        count repeat the last live row's).
+      hidden: scratch ``[Wm, D]``, each row's final hidden state after the final norm (what the
+        output head and the MTP head read), for the last block.
+    """
+
+    k: tuple[jax.Array, ...] | jax.Array = append_only(axis=1)
+    v: tuple[jax.Array, ...] | jax.Array = append_only(axis=1)
+    conv: tuple[jax.Array, ...]
+    recurrent: tuple[jax.Array, ...]
+    conv_tape: tuple[jax.Array, ...] = scratch()
+    recurrent_tape: tuple[jax.Array, ...] = scratch()
+    hidden: jax.Array = scratch()
+
+
+@struct.dataclass(kw_only=True)
+class MTPCache:
+    """KV rows of the MTP head's layers: ``k``, ``v`` per layer ``[C, KV, hd]``; row ``p``
+    holds what the head computed from the trunk's hidden state at position ``p``."""
+
+    k: tuple[jax.Array, ...] = append_only(axis=1)
+    v: tuple[jax.Array, ...] = append_only(axis=1)
+
+
+def _norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Zero-centred RMSNorm: scale ``1 + weight`` applied in float32, rounded once (unlike
+    :func:`~turbospark_jax.models.layers.rms_norm`, which rounds before its scale)."""
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def _l2norm(x: jax.Array) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+State = tuple[jax.Array, jax.Array]  # (conv [K-1, C], recurrent float32 [Hv, dk, dv])
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen35Model(BlockModel):
+    """The Qwen3.5 / Qwen3-Next decoder (and its MTP head) as pure functions.
+
+    Attributes:
+      config: the hyperparameters.
+      dtype: activation / KV / conv-state dtype; params should match. The recurrent state is
+        always float32.
+      max_width: the widest block ``block_forward`` accepts: the tape keeps this many rows.
+    """
+
+    rewindable = False  # the recurrent leaves summarise every fed token: no cursor rewinds them
+    records_tape = True
+
+    config: Qwen35Config
+    dtype: Any = jnp.float32
+    max_width: int = 16
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        if self.max_width < 1:
+            raise BadInputError(f"max_width must be >= 1, got {self.max_width}")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def init_params(self, key: jax.Array) -> Params:
+        return init_params(self.config, key, self.dtype)
+
+    def _kv(self, capacity: int, layers: int) -> tuple[jax.Array, ...] | jax.Array:
+        c = self.config
+        shape = (capacity, c.num_key_value_heads, c.head_dim)
+        if not layers:  # an empty tuple has no position axis for the cache machinery to see
+            return jnp.zeros((0, *shape), self.dtype)
+        return tuple(jnp.zeros(shape, self.dtype) for _ in range(layers))
+
+    def _zero_states(self) -> list[State]:
+        c = self.config
+        conv = (c.linear_conv_kernel_dim - 1, c.conv_dim)
+        rec = (c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim)
+        return [(jnp.zeros(conv, self.dtype), jnp.zeros(rec, jnp.float32))
+                for _ in range(c.count(LINEAR))]
+
+    def init_cache(self, capacity: int) -> Qwen35Cache:
+        """An empty cache holding ``capacity`` positions of KV rows."""
+        c, wm = self.config, self.max_width
+        states = self._zero_states()
+        return Qwen35Cache(
+            k=self._kv(capacity, c.count(FULL)), v=self._kv(capacity, c.count(FULL)),
+            conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
+            conv_tape=tuple(jnp.zeros((wm, *s[0].shape), self.dtype) for s in states),
+            recurrent_tape=tuple(jnp.zeros((wm, *s[1].shape), jnp.float32) for s in states),
+            hidden=jnp.zeros((wm, c.hidden_size), self.dtype),
+        )
+
+    def retain_rows(self, restored: Qwen35Cache, current: Qwen35Cache,
+                    keep_rows: int) -> Qwen35Cache:
+        """``restored`` advanced over the first ``keep_rows`` rows of the last block: their
+        states are read off the tape ``current`` holds (the KV rows are already written).
+        ``hidden`` stays the last block's, so row ``keep_rows - 1`` is the kept one's.
+        ``keep_rows`` may be traced (the device speculative loop), so the pick is a select."""
+        keep = jnp.asarray(keep_rows)
+        row = jnp.maximum(keep - 1, 0)
+
+        def pick(tape: jax.Array, old: jax.Array) -> jax.Array:
+            return jnp.where(keep > 0, tape[row], old)
+
+        return restored.replace(
+            conv=tuple(pick(t, o) for t, o in zip(current.conv_tape, restored.conv, strict=True)),
+            recurrent=tuple(pick(t, o) for t, o in zip(current.recurrent_tape, restored.recurrent,
+                                                       strict=True)),
+            conv_tape=current.conv_tape, recurrent_tape=current.recurrent_tape,
+            hidden=current.hidden,
+        )
+
+    # -- layers -------------------------------------------------------------------------------
+
+    def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """cos/sin ``[W, rotary_dim]`` for the rotated part of each head."""
+        c = self.config
+        inv_freq, _ = rope_inv_freq(c.rotary_dim, c.rope_theta, None, c.max_position_embeddings)
+        return rope_cos_sin(positions, inv_freq, 1.0, self.dtype)
+
+    def _attention(self, lp: Params, h: jax.Array, positions: jax.Array,
+                   rope: tuple[jax.Array, jax.Array], kv: KVFn) -> jax.Array:
+        """Gated full attention: h [W, D] -> [W, D]. ``kv(k, v)`` stores this block's keys and
+        values and returns what the rows attend over, ``(keys, values, key_positions)``."""
+        c, w = self.config, h.shape[0]
+        bias = c.attention_bias
+        hd, rd = c.head_dim, c.rotary_dim
+        qg = h @ lp["q_proj"] + (lp["q_bias"] if bias else 0)
+        qg = qg.reshape(w, c.num_attention_heads, 2, hd)
+        q, gate = qg[:, :, 0], qg[:, :, 1]  # [W, H, hd] each
+        k = (h @ lp["k_proj"] + (lp["k_bias"] if bias else 0)).reshape(w, -1, hd)
+        v = (h @ lp["v_proj"] + (lp["v_bias"] if bias else 0)).reshape(w, -1, hd)
+        q, k = _norm(q, lp["q_norm"], c.rms_norm_eps), _norm(k, lp["k_norm"], c.rms_norm_eps)
+        # RoPE turns the first rotary_dim features of each head; the rest pass through.
+        q = jnp.concatenate([apply_rope(q[..., :rd], *rope), q[..., rd:]], axis=-1)
+        k = jnp.concatenate([apply_rope(k[..., :rd], *rope), k[..., rd:]], axis=-1)
+        keys, values, key_positions = kv(k, v)
+        attn = attend(q, keys, values, positions, key_positions) * jax.nn.sigmoid(gate)
+        return attn.reshape(w, -1) @ lp["o_proj"] + (lp["o_bias"] if bias else 0)
+
+    def _delta_inputs(self, lp: Params, h: jax.Array) -> tuple[jax.Array, ...]:
+        """h [W, D] -> conv input [W, C] (q, k, v channels), z [W, Hv, dv], b, a [W, Hv]."""
+        c, w = self.config, h.shape[0]
+        nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
+                          c.linear_key_head_dim, c.linear_value_head_dim)
+        if not c.fused:
+            return (h @ lp["in_proj_qkv"], (h @ lp["in_proj_z"]).reshape(w, nv, dv),
+                    h @ lp["in_proj_b"], h @ lp["in_proj_a"])
+        # Qwen3-Next groups the outputs per key head: [q, k, v of its r value heads, z of them].
+        r = nv // nk
+        qkvz = (h @ lp["in_proj_qkvz"].reshape(c.hidden_size, -1)).reshape(w, nk, -1)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+        ba = (h @ lp["in_proj_ba"].reshape(c.hidden_size, -1)).reshape(w, nk, 2 * r)
+        mixed = jnp.concatenate([q.reshape(w, -1), k.reshape(w, -1), v.reshape(w, -1)], axis=-1)
+        return mixed, z.reshape(w, nv, dv), ba[..., :r].reshape(w, nv), ba[..., r:].reshape(w, nv)
+
+    def _delta_net(self, lp: Params, h: jax.Array, state: State, live: jax.Array,
+                   tape: bool) -> tuple[jax.Array, State, Any]:
+        """The gated DeltaNet over W rows from ``state``; rows ``>= live`` leave it unchanged.
+        Returns ``(out [W, D], new state, tape)``; the tape (when asked for) is the conv and
+        recurrent state after each row, ``([W, K-1, C], [W, Hv, dk, dv])``."""
+        c, w = self.config, h.shape[0]
+        taps, f32 = c.linear_conv_kernel_dim, jnp.float32
+        nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
+        mixed, z, b, a = self._delta_inputs(lp, h)
+        conv_state, rec = state
+        buf = jnp.concatenate([conv_state, mixed.astype(self.dtype)], axis=0)  # [K-1+W, C]
+        weight = lp["conv1d"].astype(f32)  # [K, C]
+        acc = sum(buf[t : t + w].astype(f32) * weight[t] for t in range(taps))
+        conv_out = jax.nn.silu(acc).astype(self.dtype)  # [W, C]
+        key_dim = nk * dk
+        q = conv_out[:, :key_dim].reshape(w, nk, dk).astype(f32)
+        k = conv_out[:, key_dim : 2 * key_dim].reshape(w, nk, dk).astype(f32)
+        v = conv_out[:, 2 * key_dim :].reshape(w, nv, -1).astype(f32)
+        # Each key head serves nv / nk consecutive value heads.
+        q = jnp.repeat(_l2norm(q), nv // nk, axis=1) * dk**-0.5  # [W, Hv, dk]
+        k = jnp.repeat(_l2norm(k), nv // nk, axis=1)
+        beta = jax.nn.sigmoid(b).astype(f32)  # [W, Hv]
+        g = -jnp.exp(lp["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + lp["dt_bias"])
+
+        def row(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
+            q_t, k_t, v_t, g_t, beta_t, r = xs
+            decayed = s * jnp.exp(g_t)[:, None, None]  # [Hv, dk, dv]
+            delta = (v_t - jnp.einsum("hkv,hk->hv", decayed, k_t)) * beta_t[:, None]
+            s_new = decayed + k_t[:, :, None] * delta[:, None, :]
+            s = jnp.where(r < live, s_new, s)
+            out = jnp.einsum("hkv,hk->hv", s_new, q_t)
+            return s, (out, s) if tape else out
+
+        rows = jnp.arange(w, dtype=jnp.int32)
+        rec, ys = jax.lax.scan(row, rec, (q, k, v, g, beta, rows))
+        core = (ys[0] if tape else ys).astype(self.dtype)  # [W, Hv, dv]
+        gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
+        gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
+        out = gated.reshape(w, -1) @ lp["out_proj"]
+        # The conv state after row r is the K-1 inputs ending there (after the last live row
+        # for padding rows).
+        kept = jnp.minimum(rows + 1, live)
+        new_conv = jax.lax.dynamic_slice_in_dim(buf, live, taps - 1, axis=0)
+        tapes = None
+        if tape:
+            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], ys[1])
+        return out, (new_conv, rec), tapes
+
+    def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
+        h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
+        return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
+
+    def _full_layer(self, lp: Params, x: jax.Array, positions: jax.Array,
+                    rope: tuple[jax.Array, jax.Array], kv: KVFn) -> jax.Array:
+        h = _norm(x, lp["input_layernorm"], self.config.rms_norm_eps)
+        return self._mlp(lp, x + self._attention(lp, h, positions, rope, kv))
+
+    def _decoder(self, layers: list[Params], x: jax.Array, positions: jax.Array,
+                 live: jax.Array, states: list[State], kv: Callable[[int], KVFn],
+                 tape: bool) -> tuple[jax.Array, list[State], list[Any]]:
+        """Every layer over rows x [W, D]; ``kv(j)`` is full layer ``j``'s store-and-read."""
+        c = self.config
+        rope = self._rope(positions)
+        states, tapes = list(states), []
+        for i, lp in enumerate(layers):
+            j = c.kind_index(i)
+            with jax.named_scope(f"layer_{i}"):
+                if c.layer_types[i] == FULL:
+                    x = self._full_layer(lp, x, positions, rope, kv(j))
+                    continue
+                h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
+                o, states[j], layer_tape = self._delta_net(lp, h, states[j], live, tape)
+                tapes.append(layer_tape)
+                x = self._mlp(lp, x + o)
+        return x, states, tapes
+
+    def _logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        """Normed hidden [W, D] -> float32 logits [W, V]."""
+        if self.config.tie_word_embeddings:
+            return jnp.einsum("wd,vd->wv", hidden, params["embed_tokens"],
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("wd,dv->wv", hidden, params["lm_head"],
+                          preferred_element_type=jnp.float32)
+
+    def _embed(self, params: Params, tokens: jax.Array) -> jax.Array:
+        return jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)
+
+    @staticmethod
+    def _kv_store(buffers: list[jax.Array], write_at: jax.Array,
+                  key_positions: jax.Array) -> Callable[[int], KVFn]:
+        """A ``kv`` for :meth:`_decoder` writing into per-layer ``buffers`` (k, v interleaved)
+        in place; padding rows go to distinct out-of-range rows, which ``drop`` discards."""
+        scatter = {"mode": "drop", "unique_indices": True}
+
+        def for_layer(j: int) -> KVFn:
+            def store(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+                buffers[2 * j] = buffers[2 * j].at[write_at].set(k, **scatter)
+                buffers[2 * j + 1] = buffers[2 * j + 1].at[write_at].set(v, **scatter)
+                return buffers[2 * j], buffers[2 * j + 1], key_positions
+            return store
+
+        return for_layer
+
+    # -- entry points -------------------------------------------------------------------------
+
+    def block_forward(
+        self,
+        params: Params,
+        cache: Qwen35Cache,
+        tokens: jax.Array,
+        positions: jax.Array,
+        live: jax.Array,
+        need_head: jax.Array,
+        *,
+        key_limit: int | None = None,
+        fresh: bool = False,
+    ) -> tuple[jax.Array, Qwen35Cache]:
+        """Run ``W`` rows against the cache (see :meth:`BlockModel.block_forward`); the
+        parallel-prefill hints are ignored. Also writes the tape and ``hidden`` for the block.
+
+        Raises:
+          BadInputError: ``W > max_width`` (the tape could not hold every row).
+        """
+        del key_limit, fresh
+        width = tokens.shape[0]
+        if width > self.max_width:
+            raise BadInputError(f"a block of {width} rows exceeds the tape of max_width="
+                                f"{self.max_width} rows")
+        n_full = self.config.count(FULL)
+        capacity = cache.k[0].shape[0] if n_full else cache.k.shape[1]
+        rows = jnp.arange(width, dtype=jnp.int32)
+        write_at = jnp.where(rows < live, positions, capacity + rows)  # [W]
+        buffers = [b for pair in zip(cache.k, cache.v, strict=True) for b in pair]
+        kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))
+        x = self._embed(params, tokens)
+        states = list(zip(cache.conv, cache.recurrent, strict=True))
+        x, states, tapes = self._decoder(params["layers"], x, positions, live, states, kv, True)
+        hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+        with jax.named_scope("head"):
+            logits = jax.lax.cond(need_head, lambda h: self._logits(params, h),
+                                  lambda h: jnp.zeros((width, self.vocab_size), jnp.float32),
+                                  hidden)
+        return logits, cache.replace(
+            k=tuple(buffers[0::2]) if n_full else cache.k,
+            v=tuple(buffers[1::2]) if n_full else cache.v,
+            conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
+            conv_tape=tuple(t.at[:width].set(n[0])
+                            for t, n in zip(cache.conv_tape, tapes, strict=True)),
+            recurrent_tape=tuple(t.at[:width].set(n[1])
+                                 for t, n in zip(cache.recurrent_tape, tapes, strict=True)),
+            hidden=cache.hidden.at[:width].set(hidden),
+        )
+
+    def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
+        """Plain causal pass over whole sequences from an empty state: int32 ``[B, T]`` ->
+        float32 logits ``[B, T, V]`` (row ``t`` at position ``t``). The recurrence is the same
+        row-by-row scan as the block program's, over all ``T`` rows."""
+
+        def one(seq: jax.Array) -> jax.Array:
+            positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
+            x, _, _ = self._decoder(params["layers"], self._embed(params, seq), positions,
+                                    jnp.int32(seq.shape[0]), self._zero_states(),
+                                    lambda j: lambda k, v: (k, v, positions), False)
+            return self._logits(params, _norm(x, params["norm"], self.config.rms_norm_eps))
+
+        return jax.vmap(one)(tokens)
+
+    # -- the MTP head ---------------------------------------------------------------------------
+
+    def mtp_init_cache(self, capacity: int) -> MTPCache:
+        """Empty KV rows for each MTP layer, ``capacity`` positions."""
+        layers = self.config.mtp_num_hidden_layers
+        if not layers:
+            raise BadInputError("this config has no MTP head (mtp_num_hidden_layers is 0)")
+        return MTPCache(k=self._kv(capacity, layers), v=self._kv(capacity, layers))
+
+    def mtp_block_forward(
+        self, params: Params, mtp_cache: MTPCache, hidden: jax.Array, next_tokens: jax.Array,
+        positions: jax.Array, live: jax.Array, *, step: int = 0,
+    ) -> tuple[jax.Array, jax.Array, MTPCache]:
+        """One MTP step over ``W`` rows: row ``i`` predicts the token after ``next_tokens[i]``
+        from it and the hidden state of the position before it.
+
+        The head is the published one (the names of the ``mtp.*`` tensors):
+        ``fc([pre_fc_norm_embedding(embed(next)), pre_fc_norm_hidden(hidden)])``, one
+        full-attention decoder layer with its own KV rows, ``norm``, the trunk's output head.
+        ``hidden`` is the normed kind (``Qwen35Cache.hidden`` for the trunk's rows, or this
+        function's ``new_hidden`` when chaining), as vLLM and SGLang feed these heads.
+
+        Args:
+          params: the model's params (with ``mtp``; the embedding and head are shared).
+          mtp_cache: from :meth:`mtp_init_cache`.
+          hidden: ``[W, D]``, the hidden state at each row's position.
+          next_tokens: int32 ``[W]``, the token that followed it (sampled or drafted).
+          positions: int32 ``[W]``, the position of each row's ``hidden`` (the MTP KV row it
+            writes); a chain's step ``j`` uses ``position + j``.
+          live: int32 ``[]``; rows ``>= live`` write nothing.
+          step: static; a chain's step index, choosing layer ``step % mtp_num_hidden_layers``.
+
+        Returns:
+          ``(logits, new_hidden, mtp_cache)``: float32 ``[W, V]``, ``[W, D]`` (what the next
+          chained step reads), and the cache with the live rows written.
+        """
+        c, mp = self.config, params["mtp"]
+        layer = step % c.mtp_num_hidden_layers
+        capacity, width = mtp_cache.k[0].shape[0], hidden.shape[0]
+        rows = jnp.arange(width, dtype=jnp.int32)
+        write_at = jnp.where(rows < live, positions, capacity + rows)
+        buffers = [mtp_cache.k[layer], mtp_cache.v[layer]]
+        kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))(0)
+        e = _norm(self._embed(params, next_tokens), mp["pre_fc_norm_embedding"], c.rms_norm_eps)
+        h = _norm(hidden.astype(self.dtype), mp["pre_fc_norm_hidden"], c.rms_norm_eps)
+        x = jnp.concatenate([e, h], axis=-1) @ mp["fc"]
+        x = self._full_layer(mp["layers"][layer], x, positions, self._rope(positions), kv)
+        new_hidden = _norm(x, mp["norm"], c.rms_norm_eps)
+        k, v = list(mtp_cache.k), list(mtp_cache.v)
+        k[layer], v[layer] = buffers
+        return self._logits(params, new_hidden), new_hidden, MTPCache(k=tuple(k), v=tuple(v))
+
+
+def _build(config: Qwen35Config, dtype: Any, layer_layout: str) -> Qwen35Model:
+    if layer_layout != "list":
+        raise ModelLoadError(f"Qwen3.5 layers are of mixed kinds, so its params are a list of "
+                             f"per-layer dicts; layer_layout must be 'list', got {layer_layout!r}")
+    return Qwen35Model(config, dtype)
+
+
+FAMILY = Family(
+    name="qwen3_5",
+    architectures=ARCHITECTURES,
+    parse_config=Qwen35Config.from_hf_dict,
+    param_shapes=param_shapes,
+    hf_tensors=hf_tensors,
+    build=_build,
+    tolerated=tolerated,
+    list_layout_only=True,
+)
