@@ -35,19 +35,7 @@ TINY: dict[str, Any] = dict(
 )
 
 
-class RingAwareProducer(BlockProducer):
-    """What this family asks of the engine: a reuse point older than
-    ``oldest_rewind(reach)`` is refused (the prompt is served from a fresh state)."""
-
-    def try_reuse_prefix(self, state: Any, prompt_ids: Any, *, injected: Any = None) -> Any:
-        floor = self.model.oldest_rewind(self.model.reach(state.cache))
-        n, rewound = super().try_reuse_prefix(state, prompt_ids, injected=injected)
-        if 0 < n < floor:
-            return 0, self.init_state()
-        return n, rewound
-
-
-def _producer(dtype: Any = jnp.float32, cls: type = RingAwareProducer, **extra: Any) -> Any:
+def _producer(dtype: Any = jnp.float32, cls: type = BlockProducer, **extra: Any) -> Any:
     config = G.Gemma4Config.from_hf_dict({**TINY, **extra})
     model = G.Gemma4Model(config, dtype, ring_margin=MARGIN)
     params = model.init_params(jax.random.PRNGKey(3))
@@ -117,10 +105,17 @@ def test_every_check_catches_its_control(control: str) -> None:
 PROMPT = [int(t) for t in np.random.RandomState(5).randint(0, VOCAB, 30)]
 
 
+class _BlindToTheRing(BlockProducer):
+    """Control: a producer that ignores the ring's rewind floor."""
+
+    def rewind_floor(self, state: Any) -> int:
+        return 0
+
+
 def _plain() -> BlockProducer:
     """The same model without the engine's refusal, to show what the limit protects."""
     p = PRODUCERS["f32"]
-    return BlockProducer(p.model, p.params, capacity=48, width=4, steps_per_call=4)
+    return _BlindToTheRing(p.model, p.params, capacity=48, width=4, steps_per_call=4)
 
 
 def test_rewind_limit_is_exact_and_needed() -> None:

@@ -109,6 +109,11 @@ class BlockProducer(
         cursor); a recurrent model's cannot."""
         return self.model.rewindable
 
+    def rewind_floor(self, state: BlockState) -> int:
+        if not self.can_rewind:
+            return super().rewind_floor(state)
+        return self.model.rewind_floor(state.cache)
+
     def rewind(self, state: BlockState, count: int) -> BlockState:
         if not self.can_rewind:
             return super().rewind(state, count)
@@ -118,6 +123,12 @@ class BlockProducer(
         ):
             raise BadInputError(
                 f"cannot rewind to {count!r}: the state has consumed {fed} positions"
+            )
+        floor = self.rewind_floor(state)
+        if count < floor:
+            raise BadInputError(
+                f"cannot rewind to {count}: the sliding-window cache keeps rows from position "
+                f"{floor} on; rewind no further back than that"
             )
         return self._with_count(state, int(count))
 
@@ -142,7 +153,8 @@ class BlockProducer(
         record = state.fed.to_host()
         n = reusable_prefix(record.ids, record.injected, prompt_ids, injected,
                             rewindable=self.can_rewind)
-        if n == 0:
+        if n == 0 or (n < record.count and n < self.rewind_floor(state)):
+            # nothing shared, or a ring that no longer holds the rows a move back needs
             return 0, self.init_state()
         return n, self._with_count(state, n)
 
@@ -347,6 +359,13 @@ class BlockProducer(
             raise BadInputError(
                 "this checkpoint was taken from another producer; roll a state back only to "
                 "checkpoints of the producer that made it"
+            )
+        # A recurrent model restores its leaves by value from anywhere; a ring only what it holds.
+        floor = self.rewind_floor(state) if self.can_rewind else 0
+        if int(point.fed.count) < min(floor, int(state.fed.count)):
+            raise BadInputError(
+                f"this checkpoint (at position {int(point.fed.count)}) is older than the "
+                f"sliding-window cache still holds (from {floor} on)"
             )
         if not state.fed.descends_from(point.fed):
             raise BadInputError(

@@ -358,8 +358,10 @@ def rewind_overshoot(producer: LogitProducer, state: Any, count: int) -> Any:
     A device burst keeps feeding after a token whose text completes a stop string (the host
     sees text only after the burst), so a producer that can rewind exactly is moved back and
     the fed record is the same whichever way generation stopped; others keep the longer,
-    still truthful, record.
+    still truthful, record (so does a sliding-window ring that no longer holds the rows).
     """
-    if producer.can_rewind and int(producer.fed_record(state).count) > count:
+    if producer.can_rewind and int(producer.fed_record(state).count) > count and (
+        producer.rewind_floor(state) <= count
+    ):
         return producer.rewind(state, count)
     return state

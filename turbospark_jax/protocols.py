@@ -84,6 +84,12 @@ class LogitProducer(abc.ABC, Generic[State]):
         (a recurrent state summarises every fed token and cannot be cut)."""
         return False
 
+    def rewind_floor(self, state: State) -> int:
+        """The earliest position :meth:`rewind` (and a rollback) can move ``state`` back to:
+        0 when every row is kept; a sliding-window ring's oldest still-needed row otherwise.
+        Meaningless (the default answers the cursor) when the producer cannot rewind."""
+        return 0 if self.can_rewind else int(self.fed_record(state).count)
+
     def rewind(self, state: State, count: int) -> State:
         """``state`` as if it had consumed only its first ``count`` positions.
 

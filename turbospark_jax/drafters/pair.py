@@ -94,6 +94,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     def can_rewind(self) -> bool:
         return self.target.can_rewind
 
+    def rewind_floor(self, state: PairState) -> int:
+        return self.target.rewind_floor(state.target)
+
     def rewind(self, state: PairState, count: int) -> PairState:
         target = self.target.rewind(state.target, count)
         return self._drafter_to(state.replace(target=target), count)

@@ -75,6 +75,13 @@ class BlockModel(abc.ABC):
         program gives it bitwise the same result whether 1 or ``W`` rows are live.
         """
 
+    def rewind_floor(self, cache: Any) -> int:
+        """The earliest position a cursor over ``cache`` may be moved back to (rollback,
+        prefix reuse, rewind): 0 for caches that keep every row; a ring that keeps only the
+        last rows of a sliding window answers where its oldest still-needed row lies."""
+        del cache
+        return 0
+
     def retain_rows(self, restored: Any, current: Any, keep_rows: int) -> Any:
         """The cache ``restored`` (rolled back by value) advanced over the first ``keep_rows``
         rows of the last block, read from the tape ``current`` holds. Only for models that

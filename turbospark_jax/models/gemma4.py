@@ -636,6 +636,9 @@ class Gemma4Model(BlockModel):
         """
         return 0 if not self.ring_slots else max(0, count - self.ring_margin - 1)
 
+    def rewind_floor(self, cache: Gemma4Cache) -> int:
+        return self.oldest_rewind(self.reach(cache))
+
     def reach(self, cache: Gemma4Cache) -> int:
         """One past the furthest position the ring has been written to (host sync)."""
         if not self.ring_slots:
