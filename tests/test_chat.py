@@ -41,6 +41,7 @@ class CharTokenizer:
 
     CHARS = "⏹⏵abcdefghijklmnopqrstuvwxyz .,?"
     eos_token_id = 0
+    chat_template = "(rendered in Python: apply_chat_template below)"
 
     def __init__(self, returns_ids: bool = False) -> None:
         self.returns_ids = returns_ids

@@ -21,7 +21,7 @@ import dataclasses
 import threading
 import uuid
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from turbospark_jax.completion import Completion, CompletionRequest, FinishReason
 from turbospark_jax.errors import BadInputError, SessionError, UnsupportedCapabilityError
@@ -40,26 +40,42 @@ REQUEST_FIELDS = tuple(
 )
 
 
-def default_stop_ids(tokenizer: Any) -> tuple[int, ...]:
-    """The ids that end a reply: the end-of-sequence id and known end-of-turn markers.
+class ChatTokenizer(Protocol):
+    """What a chat session needs of a tokenizer (:class:`turbospark_jax.tokenizer.Tokenizer`
+    has all of it). ``chat_template`` is ``None`` when the tokenizer has none."""
 
-    Args:
-      tokenizer: anything with ``eos_token_id`` and/or ``token_to_id`` (both optional).
+    eos_token_id: int | Sequence[int] | None
+    chat_template: str | None
+
+    def token_to_id(self, token: str) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def id_to_token(self, token_id: int) -> str | None: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str | list[int]: ...
+
+
+def default_stop_ids(tokenizer: ChatTokenizer) -> tuple[int, ...]:
+    """The ids that end a reply: the end-of-sequence id(s) and the end-of-turn markers the
+    tokenizer knows as single tokens.
 
     Returns:
       The distinct ids, end-of-sequence first; empty when the tokenizer names none.
     """
     ids: list[int] = []
-    eos = getattr(tokenizer, "eos_token_id", None)
+    eos = tokenizer.eos_token_id
     for candidate in eos if isinstance(eos, Sequence) else [eos]:
         if candidate is not None and int(candidate) not in ids:
             ids.append(int(candidate))
-    lookup = getattr(tokenizer, "token_to_id", None)
-    if callable(lookup):
-        for text in END_OF_TURN_TOKENS:
-            found = lookup(text)
-            if found is not None and int(found) not in ids:
-                ids.append(int(found))
+    for text in END_OF_TURN_TOKENS:
+        found = tokenizer.token_to_id(text)
+        if found is not None and int(found) not in ids:
+            ids.append(int(found))
     return tuple(ids)
 
 
@@ -96,7 +112,7 @@ class ChatSession:
     def __init__(
         self,
         pool_or_producer: SessionPool | Any,
-        tokenizer: Any,
+        tokenizer: ChatTokenizer,
         *,
         session_id: SessionId | None = None,
         system: str | None = None,
@@ -114,7 +130,7 @@ class ChatSession:
         _check_fields(defaults)
         defaults.setdefault("stop_token_ids", default_stop_ids(tokenizer))
         self.defaults = defaults
-        if getattr(tokenizer, "chat_template", "") is None:
+        if tokenizer.chat_template is None:
             raise UnsupportedCapabilityError(
                 "this tokenizer has no chat template, so a chat session cannot render its "
                 "history; use a model folder with chat_template.jinja, or run raw completions"
@@ -148,8 +164,7 @@ class ChatSession:
             messages, add_generation_prompt=True, **self.template_kwargs
         )
         if isinstance(rendered, str):
-            encoded = self.tokenizer.encode(rendered, add_special_tokens=False)
-            ids = list(getattr(encoded, "ids", encoded))
+            ids = list(self.tokenizer.encode(rendered, add_special_tokens=False))
         else:
             ids = list(rendered)
         if not ids:

@@ -119,7 +119,7 @@ Op = tuple[str, list[int]]
 
 def _apply(producer: Any, state: Any, op: Op) -> Any:
     kind, toks = op
-    pos = _count(state)
+    pos = _count(producer, state)
     if kind == "produce":
         return producer.produce(state, toks[0], pos)[1]
     if kind == "prefill":
@@ -131,11 +131,8 @@ def _apply(producer: Any, state: Any, op: Op) -> Any:
     raise ValueError(f"unknown op {kind!r}")
 
 
-def _count(state: Any) -> int:
-    fed = getattr(state, "fed", None)
-    if fed is None:
-        raise TypeError(f"cannot find the cursor of {type(state).__name__}")
-    return len(fed) if isinstance(fed, tuple) else int(fed.count)
+def _count(producer: LogitProducer, state: Any) -> int:
+    return int(producer.fed_record(state).count)
 
 
 def check_rollback_restores(
@@ -152,7 +149,7 @@ def check_rollback_restores(
         state = _apply(producer, state, op)
     restored = producer.rollback(state, point)
     _expect_same_state("state after rollback vs at checkpoint", restored, kept)
-    pos = _count(kept)
+    pos = _count(producer, kept)
     want, _ = producer.produce(kept, probe, pos)
     got, _ = producer.produce(restored, probe, pos)
     _expect_same_logits("logits after rollback vs from the checkpointed copy", got, want)
@@ -228,7 +225,7 @@ class _VerifyFlipsRow:
 class _RollbackOffByOne:
     def rollback(self, state, point):
         restored = super().rollback(state, point)
-        return _corrupt_last_fed(restored) if _count(restored) else restored
+        return _corrupt_last_fed(restored) if _count(self, restored) else restored
 
 
 class _ReuseClaimsOneMore:
