@@ -28,7 +28,7 @@ from turbospark_jax.errors import (
 from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.session_pool import SessionPool
 from turbospark_jax.testing.conformance import perturbed
-from turbospark_jax.testing.fixtures import multi_turn_producers
+from turbospark_jax.testing.fixtures import SnapshotReference, multi_turn_producers
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import toy_attention_producer
 from turbospark_jax.tokenizer import Tokenizer
@@ -120,14 +120,20 @@ def converse(reuse: ChatSession, fresh: ChatSession, messages: list[str]):
 
 
 def reuse_problems(turns: list[Completion], rewindable: bool = True) -> list[str]:
-    """Reuse must be the common prefix of the previous turn's FED ids and the new prompt
-    (for a state that cannot rewind: all of the record, or nothing)."""
+    """Reuse must be the common prefix of the previous turn's FED ids and the new prompt (for
+    a state that cannot rewind: all of the record, else a prompt-end snapshot, else 0)."""
     problems = []
-    for i in range(1, len(turns)):
-        fed = turns[i - 1].fed_ids
-        expected = reusable_prefix(fed, None, turns[i].prompt_ids, rewindable=rewindable)
-        if turns[i].usage.reused_tokens != expected:
-            problems.append(f"turn {i}: reused {turns[i].usage.reused_tokens}, expected {expected}")
+    snapshots = SnapshotReference()
+    for i in range(len(turns)):
+        if i:
+            fed = turns[i - 1].fed_ids
+            prompt = turns[i].prompt_ids
+            expected = (reusable_prefix(fed, None, prompt) if rewindable
+                        else snapshots.reuse(fed, prompt))
+            if turns[i].usage.reused_tokens != expected:
+                problems.append(
+                    f"turn {i}: reused {turns[i].usage.reused_tokens}, expected {expected}")
+        snapshots.served(turns[i].prompt_ids, turns[i].usage.reused_tokens)
     return problems
 
 

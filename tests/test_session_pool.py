@@ -39,7 +39,7 @@ from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.session_pool import SessionPool
 from turbospark_jax.state import FedRecord
 from turbospark_jax.testing.conformance import perturbed
-from turbospark_jax.testing.fixtures import multi_turn_producers
+from turbospark_jax.testing.fixtures import SnapshotReference, multi_turn_producers
 
 V = 32
 FIRST, USER, REPLY = 5, 3, 4  # tokens in a first prompt, a user message, a reply
@@ -149,6 +149,7 @@ class ReferenceLRU:
         self.owner: list[str | None] = [None] * slots
         self.last = [0] * slots
         self.fed: list[tuple[int, ...]] = [()] * slots
+        self.snapshots = [SnapshotReference() for _ in range(slots)]
         self.clock = 0
         self.rewindable = rewindable
 
@@ -161,9 +162,14 @@ class ReferenceLRU:
                        key=lambda i: (self.owner[i] is not None, self.last[i]))
             evicted = self.owner[slot] is not None and bool(self.fed[slot])
             self.owner[slot], self.fed[slot] = name, ()
+            self.snapshots[slot] = SnapshotReference()
         self.clock += 1
         self.last[slot] = self.clock
-        reused = reusable_prefix(self.fed[slot], None, prompt, rewindable=self.rewindable)
+        if self.rewindable:
+            reused = reusable_prefix(self.fed[slot], None, prompt)
+        else:
+            reused = self.snapshots[slot].reuse(self.fed[slot], prompt)
+        self.snapshots[slot].served(prompt, reused)
         return slot, evicted, reused
 
     def store(self, slot: int, fed: Sequence[int]) -> None:

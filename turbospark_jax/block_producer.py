@@ -21,6 +21,7 @@ from turbospark_jax.block_program import (
     BlockState,
     Control,
     Plan,
+    Snapshot,
     StepOutput,
     compiled_init,
     compiled_parallel,
@@ -32,7 +33,7 @@ from turbospark_jax.errors import (
     ProducerFailedError,
     UnsupportedCapabilityError,
 )
-from turbospark_jax.kv_prefix import reusable_prefix
+from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import (
     NON_FINITE,
@@ -46,9 +47,16 @@ from turbospark_jax.state import (
     FedRecord,
     buffers_only,
     by_value,
+    durable_values,
     merge_parts,
     restore_by_value,
+    restore_durable,
+    with_auxiliary,
+    without_auxiliary,
 )
+
+#: Prompt-end snapshots a state of a recurrent model keeps (the newest).
+MAX_SNAPSHOTS = 4
 
 
 class BlockProducer(
@@ -153,10 +161,23 @@ class BlockProducer(
         record = state.fed.to_host()
         n = reusable_prefix(record.ids, record.injected, prompt_ids, injected,
                             rewindable=self.can_rewind)
+        if n == 0 and not self.can_rewind:
+            return self._reuse_snapshot(state, record, prompt_ids, injected)
         if n == 0 or (n < record.count and n < self.rewind_floor(state)):
             # nothing shared, or a ring that no longer holds the rows a move back needs
             return 0, self.init_state()
         return n, self._with_count(state, n)
+
+    def prefill_chunk_with_status(
+        self, state: BlockState, tokens: Sequence[int], start_position: int,
+        is_final_prompt_chunk: bool,
+    ) -> tuple[jax.Array, BlockState]:
+        """:meth:`prefill_chunk`; a model that cannot rewind also keeps a snapshot at the end
+        of the prompt, so the next turn (whose prompt repeats this one) can restore it."""
+        logits, state = self.prefill_chunk(state, tokens, start_position)
+        if is_final_prompt_chunk and not self.can_rewind:
+            state = self._snapshot(state)
+        return logits, state
 
     def produce(self, state: BlockState, token: int, position: int) -> tuple[jax.Array, BlockState]:
         self._check_tokens([token], position, state)
@@ -220,11 +241,12 @@ class BlockProducer(
             limit = None if fresh else min(
                 self.capacity, -(-(int(state.fed.count) + width) // chunk) * chunk
             )
+            bare, held = without_auxiliary(state)
             buffers, values = program(
-                self.params, buffers_only(state), by_value(state), jnp.asarray(padded),
+                self.params, buffers_only(bare), by_value(bare), jnp.asarray(padded),
                 jnp.int32(len(piece)), key_limit=limit, fresh=fresh,
             )
-            state = merge_parts(buffers, values)
+            state = with_auxiliary(merge_parts(buffers, values), held)
         return self.produce(state, tokens[-1], start_position + len(body))
 
     # -- target side of speculative decoding ------------------------------------------
@@ -374,6 +396,33 @@ class BlockProducer(
                 "checkpoint had, so rolling back would claim positions it never consumed"
             )
 
+    def _snapshot(self, state: BlockState) -> BlockState:
+        """``state`` keeping a :class:`Snapshot` at its cursor (the newest ``MAX_SNAPSHOTS``)."""
+        count = state.fed.count
+        keep = [s for s in state.snapshots if int(s.count) != int(count)]
+        snap = Snapshot(count=count, digest=state.fed.digest,
+                        values=durable_values(state.cache))
+        return state.replace(snapshots=(*keep, snap)[-MAX_SNAPSHOTS:])
+
+    def _reuse_snapshot(
+        self, state: BlockState, record: Any, prompt_ids: Sequence[int],
+        injected: Mapping[int, int] | None,
+    ) -> tuple[int, BlockState]:
+        """The longest prefix a snapshot of ``state``'s own lineage restores exactly: at most
+        the common prefix of the record and the prompt; ``(0, fresh state)`` when none does."""
+        common = common_prefix(record.ids, record.injected, prompt_ids, injected)
+        best = None
+        for snap in state.snapshots:
+            at = int(snap.count)
+            if 0 < at <= common and int(state.fed.prefix[at - 1]) == int(snap.digest) and (
+                best is None or at > int(best.count)
+            ):
+                best = snap
+        if best is None:
+            return 0, self.init_state()
+        restored = state.replace(cache=restore_durable(state.cache, best.values))
+        return int(best.count), self._with_count(restored, int(best.count))
+
     def _with_count(self, state: BlockState, n: int) -> BlockState:
         return state.replace(fed=state.fed.moved_to(n))
 
@@ -448,7 +497,8 @@ class BlockProducer(
     def _call(
         self, state: BlockState, plan: Plan, control: Control, n_steps: int
     ) -> tuple[StepOutput, BlockState]:
+        bare, held = without_auxiliary(state)
         buffers, values, out = self._program(
-            self.params, buffers_only(state), by_value(state), plan, control, jnp.int32(n_steps)
+            self.params, buffers_only(bare), by_value(bare), plan, control, jnp.int32(n_steps)
         )
-        return out, merge_parts(buffers, values)
+        return out, with_auxiliary(merge_parts(buffers, values), held)

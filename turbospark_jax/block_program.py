@@ -41,7 +41,7 @@ from flax import struct
 from turbospark_jax import sampling
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import NON_FINITE, RUNNING, STOPPED_ON_TOKEN
-from turbospark_jax.state import FedRecord, buffers_only, by_value, merge_parts
+from turbospark_jax.state import FedRecord, auxiliary, buffers_only, by_value, merge_parts
 
 #: How many stop token ids one decode burst checks on device.
 MAX_STOP_IDS = 16
@@ -51,16 +51,36 @@ warnings.filterwarnings("ignore", message="Some donated buffers were not usable"
 
 
 @struct.dataclass(kw_only=True)
+class Snapshot:
+    """The durable by-value leaves of a cache at one position, for reusing a prefix of a state
+    that cannot be rewound (recurrent leaves summarise every fed token).
+
+    Fields:
+      count:  int32[]  the position it was taken at.
+      digest: uint32[] the fed record's digest there: the snapshot serves a state only while
+              that state's lineage passes through it.
+      values: the cache with buffers and scratch set to ``None`` (references, not copies).
+    """
+
+    count: jax.Array
+    digest: jax.Array
+    values: Any
+
+
+@struct.dataclass(kw_only=True)
 class BlockState:
     """The state of a :class:`BlockProducer`.
 
     Fields:
       cache: the model's cache pytree (KV rows ``[L, T, KV, D]`` or recurrent leaves).
       fed:   what has been consumed, position by position (the cursor is ``fed.count``).
+      snapshots: auxiliary (never seen by a compiled program): :class:`Snapshot` s of a
+        recurrent model's state at the ends of earlier prompts, newest last.
     """
 
     cache: Any
     fed: FedRecord
+    snapshots: tuple[Snapshot, ...] = auxiliary()
 
     @property
     def count(self) -> int:

@@ -34,6 +34,7 @@ from turbospark_jax.kv_prefix import NOT_INJECTED
 _APPEND_ONLY = "turbospark_append_only_axis"
 _RING = "turbospark_ring_live"
 _SCRATCH = "turbospark_scratch"
+_AUXILIARY = "turbospark_auxiliary"
 
 
 def append_only(axis: int) -> Any:
@@ -58,6 +59,13 @@ def scratch() -> Any:
     """Mark a state field as scratch: carried along (a verify tape, say) but not part of what
     the state *means*, so :func:`live_equal` ignores it."""
     return struct.field(pytree_node=True, metadata={_SCRATCH: True})
+
+
+def auxiliary(default: Any = ()) -> Any:
+    """Mark a state field as auxiliary: kept with the state between calls (snapshots a later
+    reuse may restore) but never passed to a compiled program (its structure changes as it
+    grows) and not part of what the state means (:func:`live_equal` drops it)."""
+    return struct.field(pytree_node=True, default=default, metadata={_AUXILIARY: True})
 
 
 def _position_digest(positions: jax.Array, ids: jax.Array, injected: jax.Array) -> jax.Array:
@@ -203,6 +211,45 @@ def _split(state: Any, buffers: bool) -> Any:
     return dataclasses.replace(state, **changes)
 
 
+def without_auxiliary(state: Any) -> tuple[Any, dict[str, Any]]:
+    """``state`` with its auxiliary fields emptied, and what they held (for
+    :func:`with_auxiliary`): the form a compiled program sees."""
+    held = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)
+            if f.metadata.get(_AUXILIARY)}
+    return dataclasses.replace(state, **{name: () for name in held}), held
+
+
+def with_auxiliary(state: Any, held: dict[str, Any]) -> Any:
+    """Put back what :func:`without_auxiliary` took out."""
+    return dataclasses.replace(state, **held)
+
+
+def durable_values(state: Any) -> Any:
+    """The by-value leaves that define ``state`` (buffers and scratch replaced by ``None``):
+    what a snapshot keeps. References only: by-value leaves are never donated."""
+    if not _is_state_node(state):
+        return state
+    axes = _append_axes(state)
+    changes = {}
+    for f in dataclasses.fields(state):
+        value = getattr(state, f.name)
+        if f.name in axes or f.metadata.get(_SCRATCH) or f.metadata.get(_AUXILIARY):
+            changes[f.name] = None
+        else:
+            changes[f.name] = durable_values(value)
+    return dataclasses.replace(state, **changes)
+
+
+def restore_durable(state: Any, values: Any) -> Any:
+    """``state`` with the leaves :func:`durable_values` kept taken from ``values``; buffers,
+    scratch and auxiliary fields stay as they are."""
+    if not _is_state_node(values):
+        return state if values is None else values
+    changes = {f.name: restore_durable(getattr(state, f.name), getattr(values, f.name))
+               for f in dataclasses.fields(values)}
+    return dataclasses.replace(state, **changes)
+
+
 def by_value(state: Any) -> Any:
     """The small, by-value part of ``state``: every append-only buffer replaced by ``None``."""
     return _split(state, buffers=False)
@@ -269,7 +316,9 @@ def live_view(state: Any, count: int | None = None) -> Any:
     changes = {}
     for f in dataclasses.fields(state):
         value = getattr(state, f.name)
-        if f.metadata.get(_SCRATCH):
+        if f.metadata.get(_AUXILIARY):
+            changes[f.name] = ()
+        elif f.metadata.get(_SCRATCH):
             changes[f.name] = jax.tree.map(lambda x: np.zeros_like(np.asarray(x)), value)
         elif f.name in axes and isinstance(value, tuple | list) and not value:
             changes[f.name] = value  # no layer of this kind: nothing to stack

@@ -28,7 +28,14 @@ from turbospark_jax.protocols import (
     require_prompt,
 )
 from turbospark_jax.rounds import MAX_BURST, RoundControl, compiled_rounds
-from turbospark_jax.state import FedRecord, buffers_only, by_value, merge_parts
+from turbospark_jax.state import (
+    FedRecord,
+    buffers_only,
+    by_value,
+    merge_parts,
+    with_auxiliary,
+    without_auxiliary,
+)
 
 
 @struct.dataclass(kw_only=True)
@@ -151,7 +158,12 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         self, state: PairState, tokens: Sequence[int], start_position: int,
         next_token: int | None,
     ) -> tuple[jax.Array, PairState]:
-        logits, state = self.prefill_chunk(state, tokens, start_position)
+        if not isinstance(self.target, ChunkedPrefillRunner):
+            raise BadInputError(f"{type(self.target).__name__} has no chunked prefill")
+        logits, target = self.target.prefill_chunk_with_status(
+            state.target, tokens, start_position, next_token is None
+        )
+        state = state.replace(target=target)
         # Prime every position whose next token is known: all of the chunk but, when the
         # chunk ends the prompt, its last token (left for the first draft step).
         primed = list(tokens)[: len(tokens) - (1 if next_token is None else 0)]
@@ -255,8 +267,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         )
         program = compiled_rounds(target.model, device, target.width, target.donate,
                                   record_logits)
+        bare, held = without_auxiliary(state.target)
         buffers, values, drafter, out = program(
-            target.params, device_params, buffers_only(state.target), by_value(state.target),
+            target.params, device_params, buffers_only(bare), by_value(bare),
             state.drafter, jnp.int32(pending), control,
         )
         # One transfer for everything small; slicing on the device by a count that changes
@@ -271,7 +284,8 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             logits=np.asarray(out.logits)[: int(n)] if record_logits else None,
             rounds=tuple((int(d), int(a)) for d, a in sizes[: int(rounds)]),
         )
-        return burst, PairState(target=merge_parts(buffers, values), drafter=drafter)
+        target_state = with_auxiliary(merge_parts(buffers, values), held)
+        return burst, PairState(target=target_state, drafter=drafter)
 
     # -- internals --------------------------------------------------------------------------
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.kv_prefix import common_prefix
 from turbospark_jax.models.dense import DenseCache, DenseModel, init_params
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
@@ -61,3 +63,29 @@ def randomise_hf_norms_and_biases(model: Any, seed: int = 0) -> None:
                 p.copy_(1.0 + 0.1 * noise)
             elif name.endswith("bias"):
                 p.copy_(0.1 * noise)
+
+
+class SnapshotReference:
+    """What a state of a model that cannot rewind reuses, written plainly: its whole record
+    when the prompt extends it, else the furthest prompt-end snapshot of its own history
+    inside the common prefix (``BlockProducer`` keeps the newest ``MAX_SNAPSHOTS`` prompt
+    ends), else nothing (and the state starts fresh, without snapshots)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self.prompts: list[tuple[int, ...]] = []  # the prompts whose ends hold a snapshot
+
+    def reuse(self, fed: Sequence[int], prompt: Sequence[int]) -> int:
+        n = common_prefix(fed, None, prompt)
+        if n == len(fed):
+            return n
+        ends = [len(p) for p in self.prompts if len(p) <= n and tuple(fed[: len(p)]) == p]
+        return max(ends, default=0)
+
+    def served(self, prompt: Sequence[int], reused: int) -> None:
+        """Record a turn: a fresh start forgets the snapshots; the prompt's end gets one."""
+        if reused == 0:
+            self.prompts = []
+        prompt = tuple(prompt)
+        self.prompts = [p for p in self.prompts if len(p) != len(prompt)] + [prompt]
+        self.prompts = self.prompts[-self.keep:]
