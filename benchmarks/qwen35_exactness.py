@@ -21,6 +21,7 @@ import numpy as np
 from turbospark_jax import sampling
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.models import qwen3_5 as Q
+from turbospark_jax.models import qwen3_5_config as QC
 from turbospark_jax.state import copy_state, live_equal
 from turbospark_jax.testing import conformance as C
 
@@ -43,8 +44,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=96)
     args = ap.parse_args()
     w = args.width
-    lin, full = Q.LINEAR, Q.FULL
-    config = Q.Qwen35Config(
+    lin, full = QC.LINEAR, QC.FULL
+    config = QC.Qwen35Config(
         vocab_size=8192, hidden_size=1024, intermediate_size=3072, num_hidden_layers=8,
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,

@@ -18,12 +18,13 @@ from tests.test_conformance_toy import CHECKS
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import gemma4 as G
+from turbospark_jax.models import gemma4_config as GC
 from turbospark_jax.state import copy_state, live_equal
 from turbospark_jax.testing import conformance as C
 
 VOCAB = 48
 MARGIN = 8  # ring of window 3 + 8 slots: prompts of up to 22 tokens wrap it twice
-S, F = G.SLIDING, G.FULL
+S, F = GC.SLIDING, GC.FULL
 
 TINY: dict[str, Any] = dict(
     model_type="gemma4_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
@@ -36,7 +37,7 @@ TINY: dict[str, Any] = dict(
 
 
 def _producer(dtype: Any = jnp.float32, cls: type = BlockProducer, **extra: Any) -> Any:
-    config = G.Gemma4Config.from_hf_dict({**TINY, **extra})
+    config = GC.Gemma4Config.from_hf_dict({**TINY, **extra})
     model = G.Gemma4Model(config, dtype, ring_margin=MARGIN)
     params = model.init_params(jax.random.PRNGKey(3))
     return cls(model, params, capacity=48, width=4, steps_per_call=4, donate=True)
@@ -169,7 +170,7 @@ def test_block_wider_than_margin_is_refused() -> None:
 def test_cache_memory_at_32k_for_e2b_shape() -> None:
     """E2B's text shape (35 layers, 15 owning KV: 12 sliding with head_dim 256, 3 full with
     512; one KV head), bfloat16, 32k positions."""
-    e2b = G.Gemma4Config.from_hf_dict(dict(
+    e2b = GC.Gemma4Config.from_hf_dict(dict(
         model_type="gemma4_text", hidden_size=1536, intermediate_size=6144,
         num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
         global_head_dim=512, sliding_window=512, num_kv_shared_layers=20,
@@ -199,7 +200,7 @@ def test_cache_memory_at_32k_for_e2b_shape() -> None:
 def test_absent_keys_take_the_reference_defaults() -> None:
     transformers = pytest.importorskip("transformers")
     ref = transformers.Gemma4TextConfig()
-    ours = G.Gemma4Config.from_hf_dict({"model_type": "gemma4_text"})
+    ours = GC.Gemma4Config.from_hf_dict({"model_type": "gemma4_text"})
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "sliding_window",
                 "hidden_size_per_layer_input", "final_logit_softcapping", "tie_word_embeddings",
                 "rms_norm_eps", "eos_token_id", "bos_token_id", "pad_token_id"):
@@ -217,23 +218,23 @@ def test_absent_keys_take_the_reference_defaults() -> None:
 @pytest.mark.parametrize("wrapped", [False, True])
 def test_config_round_trips_through_transformers(wrapped: bool) -> None:
     transformers = pytest.importorskip("transformers")
-    ours = G.Gemma4Config.from_hf_dict({**TINY, "eos_token_id": [1, 5]})
+    ours = GC.Gemma4Config.from_hf_dict({**TINY, "eos_token_id": [1, 5]})
     if wrapped:
-        ours = G.Gemma4Config.from_hf_dict({"model_type": "gemma4", "dtype": "bfloat16",
-                                            "text_config": TINY})
+        ours = GC.Gemma4Config.from_hf_dict({"model_type": "gemma4", "dtype": "bfloat16",
+                                             "text_config": TINY})
     d = ours.to_hf_dict()
-    assert G.Gemma4Config.from_hf_dict(d) == ours
+    assert GC.Gemma4Config.from_hf_dict(d) == ours
     text = transformers.Gemma4TextConfig(**(d["text_config"] if wrapped else d))
-    assert G.Gemma4Config.from_hf_dict({**text.to_dict(), "model_type": ours.model_type,
-                                        **({"text_config": text.to_dict()} if wrapped else {}),
-                                        "dtype": ours.dtype}) == ours
+    assert GC.Gemma4Config.from_hf_dict({**text.to_dict(), "model_type": ours.model_type,
+                                         **({"text_config": text.to_dict()} if wrapped else {}),
+                                         "dtype": ours.dtype}) == ours
 
 
 def test_hub_spelling_of_full_layer_heads() -> None:
     """``num_global_key_value_heads`` counts only with ``attention_k_eq_v``, as in transformers."""
     base = {**TINY, "attention_k_eq_v": False, "num_global_key_value_heads": 1}
-    assert G.Gemma4Config.from_hf_dict(base).dims(1) == (16, 2)
-    assert G.Gemma4Config.from_hf_dict({**base, "attention_k_eq_v": True}).dims(1) == (16, 1)
+    assert GC.Gemma4Config.from_hf_dict(base).dims(1) == (16, 2)
+    assert GC.Gemma4Config.from_hf_dict({**base, "attention_k_eq_v": True}).dims(1) == (16, 1)
 
 
 REFUSED = {
@@ -267,15 +268,15 @@ REFUSED = {
 @pytest.mark.parametrize("key", sorted(REFUSED))
 def test_malformed_config_is_refused_naming_the_key(key: str) -> None:
     with pytest.raises(ModelLoadError, match=key.strip()):
-        G.Gemma4Config.from_hf_dict({**TINY, **REFUSED[key]})
+        GC.Gemma4Config.from_hf_dict({**TINY, **REFUSED[key]})
 
 
 def test_only_the_list_layout_and_runnable_configs_build() -> None:
-    config = G.Gemma4Config.from_hf_dict(TINY)
+    config = GC.Gemma4Config.from_hf_dict(TINY)
     assert G.FAMILY.list_layout_only
     with pytest.raises(ModelLoadError, match="list"):
         G.FAMILY.build(config, jnp.float32, "stacked")
-    drafter_text = G.Gemma4Config.from_hf_dict({**TINY, "num_kv_shared_layers": 5})
+    drafter_text = GC.Gemma4Config.from_hf_dict({**TINY, "num_kv_shared_layers": 5})
     with pytest.raises(ModelLoadError, match="num_kv_shared_layers"):
         G.FAMILY.build(drafter_text, jnp.float32, "list")
 

@@ -27,10 +27,11 @@ from tests.test_gemma4_parity import _BASE, CASES, VOCAB, convert, randomise  # 
 from turbospark_jax.drafters import gemma4_assistant as A  # noqa: E402
 from turbospark_jax.errors import BadInputError, ModelLoadError  # noqa: E402
 from turbospark_jax.models import gemma4 as G  # noqa: E402
+from turbospark_jax.models import gemma4_config as GC  # noqa: E402
 
 ATOL = 1e-4
 PROMPT, STEPS = 12, 4
-S, F = G.SLIDING, G.FULL
+S, F = GC.SLIDING, GC.FULL
 ASSISTANT_TEXT = dict(
     vocab_size=VOCAB, hidden_size=24, intermediate_size=40, num_hidden_layers=3,
     layer_types=[S, S, F], num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -79,7 +80,7 @@ def target() -> Any:
     hf = transformers.Gemma4ForCausalLM(text).float().eval()
     hf.config._attn_implementation = "eager"
     randomise(hf, 3)
-    config = G.Gemma4Config.from_hf_dict(text.to_dict())
+    config = GC.Gemma4Config.from_hf_dict(text.to_dict())
     model = G.Gemma4Model(config, ring_margin=8)
     params = convert(config, hf.state_dict())
     prompt = np.random.default_rng(1).integers(0, VOCAB, PROMPT)

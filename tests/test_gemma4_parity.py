@@ -31,13 +31,14 @@ transformers = pytest.importorskip("transformers")
 
 from turbospark_jax.block_producer import BlockProducer  # noqa: E402
 from turbospark_jax.models import gemma4 as G  # noqa: E402
+from turbospark_jax.models import gemma4_config as GC  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 96
 SEQ = 14
 PROMPT = 12
 NEW_TOKENS = 10
-S, F = G.SLIDING, G.FULL
+S, F = GC.SLIDING, GC.FULL
 
 _BASE: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
@@ -81,7 +82,7 @@ def randomise(model: Any, seed: int) -> None:
                 b.copy_(0.5 + torch.rand(b.shape, generator=gen))
 
 
-def convert(config: G.Gemma4Config, state_dict: dict[str, Any]) -> G.Params:
+def convert(config: GC.Gemma4Config, state_dict: dict[str, Any]) -> G.Params:
     """A transformers state dict as our params, through the family declaration alone."""
     shapes = G.param_shapes(config)
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))

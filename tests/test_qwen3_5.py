@@ -29,6 +29,7 @@ from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.kv_prefix import reusable_prefix
 from turbospark_jax.models import qwen3_5 as Q
+from turbospark_jax.models import qwen3_5_config as QC
 from turbospark_jax.state import copy_state, live_equal
 from turbospark_jax.testing import conformance as C
 
@@ -37,7 +38,7 @@ transformers = pytest.importorskip("transformers")
 
 ATOL = 1e-4
 VOCAB, SEQ, PROMPT, NEW_TOKENS = 64, 13, 9, 10
-L, F = Q.LINEAR, Q.FULL
+L, F = QC.LINEAR, QC.FULL
 WIDTH, CAPACITY = 4, 48
 
 _BASE: dict[str, Any] = dict(
@@ -56,7 +57,7 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_model(name: str) -> tuple[Any, Q.Qwen35Config]:
+def hf_model(name: str) -> tuple[Any, QC.Qwen35Config]:
     if name == "qwen3_5_text":
         hf_config = transformers.Qwen3_5TextConfig(**CASES[name])
         hf = transformers.Qwen3_5ForCausalLM(hf_config)
@@ -79,7 +80,7 @@ def state_dict(hf: Any) -> dict[str, np.ndarray]:
     return {k: v.detach().numpy() for k, v in hf.state_dict().items()}
 
 
-def convert(config: Q.Qwen35Config, tensors: dict[str, np.ndarray]) -> Q.Params:
+def convert(config: QC.Qwen35Config, tensors: dict[str, np.ndarray]) -> Q.Params:
     """Hugging Face tensors by name as our params, through the family declaration alone."""
     shapes = Q.param_shapes(config)
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
@@ -330,9 +331,9 @@ def test_config_round_trips_through_transformers() -> None:
     classes = {"qwen3_5_text": transformers.Qwen3_5TextConfig,
                "qwen3_next": transformers.Qwen3NextConfig, "qwen3_5": transformers.Qwen3_5Config}
     for model_type, cls in classes.items():
-        ours = Q.Qwen35Config(model_type=model_type, num_hidden_layers=6,
-                              layer_types=(L, L, F, L, F, L), mtp_num_hidden_layers=1,
-                              eos_token_id=(1, 2), tie_word_embeddings=True, rope_theta=1e6)
+        ours = QC.Qwen35Config(model_type=model_type, num_hidden_layers=6,
+                               layer_types=(L, L, F, L, F, L), mtp_num_hidden_layers=1,
+                               eos_token_id=(1, 2), tie_word_embeddings=True, rope_theta=1e6)
         theirs = cls(**ours.to_hf_dict()).to_dict()
         assert Q.FAMILY.parse_config(theirs) == ours
         assert Q.FAMILY.parse_config(ours.to_hf_dict()) == ours
@@ -397,4 +398,4 @@ def test_wrong_model_type_and_layout_are_refused() -> None:
     with pytest.raises(ModelLoadError, match="llama"):
         Q.FAMILY.parse_config({"model_type": "llama"})
     with pytest.raises(ModelLoadError, match="layer_layout"):
-        Q.FAMILY.build(Q.Qwen35Config(num_hidden_layers=4), jnp.float32, "stacked")
+        Q.FAMILY.build(QC.Qwen35Config(num_hidden_layers=4), jnp.float32, "stacked")

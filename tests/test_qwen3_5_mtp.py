@@ -22,6 +22,7 @@ import pytest
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import qwen3_5 as Q
+from turbospark_jax.models import qwen3_5_config as QC
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -33,7 +34,7 @@ TINY: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,
     num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
     linear_num_key_heads=2, linear_num_value_heads=4, num_hidden_layers=2,
-    layer_types=(Q.LINEAR, Q.FULL), initializer_range=0.1, mtp_num_hidden_layers=1,
+    layer_types=(QC.LINEAR, QC.FULL), initializer_range=0.1, mtp_num_hidden_layers=1,
 )
 
 
@@ -65,7 +66,7 @@ class ReferenceMTP(torch.nn.Module):
 
 @functools.cache
 def setup() -> tuple[Q.Qwen35Model, Q.Params, ReferenceMTP, Any]:
-    config = Q.Qwen35Config(**TINY)
+    config = QC.Qwen35Config(**TINY)
     model = Q.Qwen35Model(config)
     params = model.init_params(jax.random.PRNGKey(0))
     # Norms are zero at init; give them (and everything else of the head) some spread.
@@ -73,8 +74,8 @@ def setup() -> tuple[Q.Qwen35Model, Q.Params, ReferenceMTP, Any]:
     keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
     params["mtp"] = jax.tree.unflatten(treedef, [
         a + 0.2 * jax.random.normal(k, a.shape) for a, k in zip(leaves, keys, strict=True)])
-    text = transformers.Qwen3_5TextConfig(**{**TINY, "layer_types": [Q.FULL],
-                                             "num_hidden_layers": 1})
+    text = transformers.Qwen3_5TextConfig(**{**TINY, "layer_types": [QC.FULL],
+                                              "num_hidden_layers": 1})
     text._attn_implementation = "eager"
     ref = ReferenceMTP(text).float().eval()
     state = {}
@@ -159,7 +160,7 @@ def test_mtp_check_can_fail() -> None:
 
 
 def test_each_chain_step_uses_its_own_layer_and_rows() -> None:
-    config = Q.Qwen35Config(**{**TINY, "mtp_num_hidden_layers": 2})
+    config = QC.Qwen35Config(**{**TINY, "mtp_num_hidden_layers": 2})
     model = Q.Qwen35Model(config)
     _, params, _, _ = setup()
     mtp = params["mtp"]
@@ -172,4 +173,4 @@ def test_each_chain_step_uses_its_own_layer_and_rows() -> None:
     written = np.flatnonzero(np.abs(np.asarray(after.k[1])).sum(axis=(1, 2)))
     assert written.tolist() == [3]  # row 1 was padding
     with pytest.raises(BadInputError, match="mtp"):
-        Q.Qwen35Model(Q.Qwen35Config(**{**TINY, "mtp_num_hidden_layers": 0})).mtp_init_cache(8)
+        Q.Qwen35Model(QC.Qwen35Config(**{**TINY, "mtp_num_hidden_layers": 0})).mtp_init_cache(8)

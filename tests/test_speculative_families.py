@@ -13,7 +13,9 @@ from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.drafters import NGramDrafter, OracleDrafter, SpeculativePair
 from turbospark_jax.models import gemma4 as G
+from turbospark_jax.models import gemma4_config as GC
 from turbospark_jax.models import qwen3_5 as Q
+from turbospark_jax.models import qwen3_5_config as QC
 from turbospark_jax.speculative import run_raw_completion_speculative
 
 VOCAB = 64
@@ -24,7 +26,7 @@ def _qwen35() -> BlockProducer:
         model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
         linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
-        num_hidden_layers=3, layer_types=[Q.LINEAR, Q.FULL, Q.LINEAR], initializer_range=0.1,
+        num_hidden_layers=3, layer_types=[QC.LINEAR, QC.FULL, QC.LINEAR], initializer_range=0.1,
     ))
     model = Q.FAMILY.build(config, jnp.float32, "list")
     params = model.init_params(jax.random.PRNGKey(0))
@@ -32,9 +34,9 @@ def _qwen35() -> BlockProducer:
 
 
 def _gemma4() -> BlockProducer:
-    config = G.Gemma4Config.from_hf_dict(dict(
+    config = GC.Gemma4Config.from_hf_dict(dict(
         model_type="gemma4_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
-        num_hidden_layers=3, layer_types=[G.SLIDING, G.FULL, G.FULL], num_attention_heads=4,
+        num_hidden_layers=3, layer_types=[GC.SLIDING, GC.FULL, GC.FULL], num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=4,
         initializer_range=0.1,
     ))

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import gemma4
 from turbospark_jax.models.family import HFTensor, Params
+from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
 from turbospark_jax.models.layers import rms_norm
 
 
@@ -46,7 +47,7 @@ class AssistantConfig:
     """``Gemma4AssistantConfig``: the assistant's text decoder (every layer reads shared
     K/V, no PLE) and the drafter's own fields, with the reference's names and defaults."""
 
-    text: gemma4.Gemma4Config
+    text: Gemma4Config
     backbone_hidden_size: int = 1536
     use_ordered_embeddings: bool = False
     num_centroids: int = 2048
@@ -74,7 +75,7 @@ class AssistantConfig:
             if text.get(key, allowed) != allowed:
                 raise ModelLoadError(f"config.json key 'text_config.{key}' must be {allowed} for "
                                      f"an assistant, got {text[key]!r}")
-        parsed = gemma4.Gemma4Config.from_hf_dict(text)
+        parsed = Gemma4Config.from_hf_dict(text)
         if not parsed.reads_target_kv:
             raise ModelLoadError("config.json key 'text_config.num_kv_shared_layers' must equal "
                                  "num_hidden_layers: every assistant layer reads the target's KV")
@@ -191,12 +192,12 @@ def draft_step(
     layers = gemma4.Gemma4Model(
         dataclasses.replace(text, sliding_window=text.sliding_window + 1), target.dtype)
     keys = {}
-    if tc.owners(gemma4.FULL):
+    if tc.owners(FULL):
         capacity = target_cache.k_full[-1].shape[0]
-        keys[gemma4.FULL] = (target_cache.k_full[-1], target_cache.v_full[-1],
+        keys[FULL] = (target_cache.k_full[-1], target_cache.v_full[-1],
                              jnp.arange(capacity, dtype=jnp.int32) + 1)
-    if tc.owners(gemma4.SLIDING):
-        keys[gemma4.SLIDING] = (target_cache.k_ring[-1], target_cache.v_ring[-1],
+    if tc.owners(SLIDING):
+        keys[SLIDING] = (target_cache.k_ring[-1], target_cache.v_ring[-1],
                                 target_cache.ring_positions + 1)
     x = jnp.concatenate([target.embed_tokens(target_params, token[None]), hidden[None]], -1)
     x = x.astype(target.dtype) @ params["pre_projection"]
