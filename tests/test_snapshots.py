@@ -86,9 +86,10 @@ def _branching_conversation(p):
     t1 = _turn(p, base, None, 0)                                       # snapshot at 10
     branch_a = base + [8] * 9 + [2]                                    # 20 tokens
     t2 = _turn(p, branch_a, t1.state, 1)                               # snapshot at 20 (a)
-    branch_b = base + [7, 7, 7, 7, 4]                                  # diverges at 10
-    t3 = _turn(p, branch_b, t2.state, 2)                               # restores 10, snap 15
-    last = [*t3.fed_ids[:22], 1, 1]                                    # follows branch b
+    branch_b = [*base, 7, 7, 7, 7, 7, 7, 4]                            # diverges at 10
+    t3 = _turn(p, branch_b, t2.state, 2)                               # restores 10, snap 17
+    fed = t3.fed_ids                                                   # 21 positions
+    last = [*fed[:20], (fed[20] + 1) % V, 1]                           # parts from it at 20
     t4 = _turn(p, last, t3.state, 3)
     return t4, _turn(p, last, None, 3)
 
@@ -96,7 +97,7 @@ def _branching_conversation(p):
 def test_a_snapshot_of_another_branch_is_never_restored():
     p = PRODUCERS["toy_recurrent"]
     got, fresh = _branching_conversation(p)
-    assert got.usage.reused_tokens == 15 and _same(got, fresh)
+    assert got.usage.reused_tokens == 17 and _same(got, fresh)
     blind = _NoLineage(p.model, p.params, capacity=128, width=4, steps_per_call=8)
     got, fresh = _branching_conversation(blind)
     assert got.usage.reused_tokens == 20 and not _same(got, fresh)  # the control is caught
