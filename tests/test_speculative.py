@@ -15,6 +15,7 @@ from turbospark_jax import (
     sampling,
     stream_completion,
 )
+from turbospark_jax.block_program import BlockState
 from turbospark_jax.drafters import (
     DraftModelDrafter,
     NGramDrafter,
@@ -286,8 +287,9 @@ def test_device_ngram_lookup_equals_the_host_lookup(seed):
     for max_n, min_n in ((3, 1), (2, 2), (4, 1)):
         device = NGramDevice(max_n=max_n, min_n=min_n)
         for m in (1, 3, 8):
+            target = BlockState(cache=(), fed=fed)
             proposals, _, count, _ = jax.jit(device.propose)(
-                (), (), fed, jnp.int32(known[-1]), jnp.int32(m), None)
+                (), (), target, jnp.int32(known[-1]), jnp.int32(m), None)
             got = [int(t) for t in np.asarray(proposals)[: int(count)]]
             assert got == propose(known, m, max_n, min_n), (known, max_n, min_n, m)
 

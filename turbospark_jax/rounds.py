@@ -222,9 +222,7 @@ def _run_rounds(
         index = control.gen_index + n
         m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
         sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index)
-        proposals, q, drafted, dst = drafter.propose(
-            drafter_params, dst, st.fed, pend, m, sampler
-        )
+        proposals, q, drafted, dst = drafter.propose(drafter_params, dst, st, pend, m, sampler)
         if q is None:
             q = point_masses(proposals, drafted, vocab)
         fits = min(width - 1, MAX_DRAFT)  # the host keeps draft_len <= width - 1

@@ -4,6 +4,8 @@
   target's vocabulary, drafting step by step (on the device too).
 * :class:`~turbospark_jax.drafters.ngram.NGramDrafter`: prompt lookup, no weights, drafting a
   block in one pass (on the device too).
+* :class:`~turbospark_jax.drafters.mtp.MTPDrafter`: a Qwen3.5 / Qwen3-Next target's own MTP
+  head, caught up from the target's hidden rows each round (on the device too).
 * :class:`~turbospark_jax.drafters.oracle.OracleDrafter`: right with a chosen probability,
   for measuring the loop apart from drafter quality.
 * :class:`~turbospark_jax.drafters.pair.SpeculativePair`: (target, drafter) as a
@@ -12,6 +14,7 @@
 
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.drafters.draft_model import DraftModelDrafter
+from turbospark_jax.drafters.mtp import MTPDrafter
 from turbospark_jax.drafters.ngram import NGramDrafter
 from turbospark_jax.drafters.oracle import OracleDrafter
 from turbospark_jax.drafters.pair import PairState, SpeculativePair
@@ -21,6 +24,7 @@ __all__ = [
     "DeviceDrafter",
     "DraftModelDrafter",
     "Drafter",
+    "MTPDrafter",
     "NGramDrafter",
     "OracleDrafter",
     "PairState",

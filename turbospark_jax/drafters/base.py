@@ -25,7 +25,6 @@ from typing import Any, ClassVar
 import jax
 
 from turbospark_jax.errors import UnsupportedCapabilityError
-from turbospark_jax.state import FedRecord
 
 #: The most tokens one speculative round drafts (the judgement is compiled for this size).
 MAX_DRAFT = 8
@@ -47,18 +46,20 @@ class DeviceDrafter(abc.ABC):
         self,
         params: Any,
         state: Any,
-        target_fed: FedRecord,
+        target: Any,
         pending: jax.Array,
         m: jax.Array,
         sampler: Any,
     ) -> tuple[jax.Array, jax.Array | None, jax.Array, Any]:
         """Draft up to ``m`` tokens after ``pending`` (the last emitted token, at position
-        ``target_fed.count``, not fed to the target yet).
+        ``target.fed.count``, not fed to the target yet).
 
         Args:
           params: the drafter's params (a pytree of arrays; ``()`` for lookup drafters).
           state: the drafter's state.
-          target_fed: the target's fed record (ids of every committed position).
+          target: the target's state (a ``BlockState``): its fed record holds the ids of every
+            committed position; a head-style drafter also reads what the target's cache
+            records per position.
           pending: int32 ``[]``.
           m: int32 ``[]``, at most :data:`MAX_DRAFT`.
           sampler: :class:`~turbospark_jax.rounds.DraftSampler`: params, history and keys of
@@ -84,10 +85,14 @@ class Drafter(abc.ABC):
       stateless: a lookup drafter (see the module docstring): :meth:`init_state` is ``()``,
         and priming or rewinding it does nothing.
       drafts_blocks: proposes a whole block in one call (:meth:`block`) instead of stepping.
+      catches_up: keeps a state but brings it up to the target's position itself when it
+        drafts (it reads the target's state), so the loop never primes it; it is only ever
+        rewound.
     """
 
     stateless: ClassVar[bool] = False
     drafts_blocks: ClassVar[bool] = False
+    catches_up: ClassVar[bool] = False
 
     @property
     @abc.abstractmethod
@@ -138,9 +143,11 @@ class Drafter(abc.ABC):
         del state, token, position, count, params, history, key, index
         raise UnsupportedCapabilityError(f"{type(self).__name__} has no device bursts")
 
-    def block(self, state: Any, known: Sequence[int], count: int) -> tuple[list[int], Any]:
-        """Propose up to ``count`` tokens following ``known`` (fewer when it has none)."""
-        del state, known, count
+    def block(self, state: Any, known: Sequence[int], count: int, *,
+              target: Any = None) -> tuple[list[int], Any]:
+        """Propose up to ``count`` tokens following ``known`` (fewer when it has none);
+        ``target`` is the target's state, for drafters that read it (a head's hidden rows)."""
+        del state, known, count, target
         raise UnsupportedCapabilityError(f"{type(self).__name__} drafts step by step")
 
     def on_device(self) -> tuple[DeviceDrafter, Any] | None:

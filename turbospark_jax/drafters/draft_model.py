@@ -24,7 +24,6 @@ from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
 from turbospark_jax.rounds import DraftSampler, proposal_distributions
-from turbospark_jax.state import FedRecord
 
 
 class DraftModelDrafter(Drafter):
@@ -118,12 +117,12 @@ class DraftModelDevice(DeviceDrafter):
     width: int
 
     def propose(
-        self, params: Any, state: BlockState, target_fed: FedRecord, pending: jax.Array,
+        self, params: Any, state: BlockState, target: BlockState, pending: jax.Array,
         m: jax.Array, sampler: DraftSampler,
     ) -> tuple[jax.Array, jax.Array, jax.Array, BlockState]:
         rows_w = jnp.arange(self.width, dtype=jnp.int32)
-        lag = target_fed.count - state.fed.count
-        catch_up = jnp.take(target_fed.ids, state.fed.count + rows_w, mode="clip")
+        lag = target.fed.count - state.fed.count
+        catch_up = jnp.take(target.fed.ids, state.fed.count + rows_w, mode="clip")
         first = jnp.where(rows_w < lag, catch_up, jnp.where(rows_w == lag, pending, 0))
         head = m >= 0  # traced, as in the block program's per-step flag
 
@@ -152,7 +151,7 @@ class DraftModelDevice(DeviceDrafter):
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
         # host loop, the drafter goes back to the committed sequence.
         count = jnp.where(finite, steps, steps - 1)
-        state = jnp_rewind(state, jnp.where(finite, state.fed.count, target_fed.count))
+        state = jnp_rewind(state, jnp.where(finite, state.fed.count, target.fed.count))
         q = proposal_distributions(rows, proposals, count, sampler.params, sampler.history)
         return proposals, q, count, state
 

@@ -21,7 +21,6 @@ import jax.numpy as jnp
 
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.state import FedRecord
 
 
 class NGramDrafter(Drafter):
@@ -54,7 +53,9 @@ class NGramDrafter(Drafter):
     def vocab_size(self) -> int:
         return self._vocab
 
-    def block(self, state: Any, known: Sequence[int], count: int) -> tuple[list[int], Any]:
+    def block(self, state: Any, known: Sequence[int], count: int, *,
+              target: Any = None) -> tuple[list[int], Any]:
+        del target
         return propose(known, count, self.max_n, self.min_n), state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
@@ -84,16 +85,16 @@ class NGramDevice(DeviceDrafter):
     min_n: int
 
     def propose(
-        self, params: Any, state: Any, target_fed: FedRecord, pending: jax.Array,
+        self, params: Any, state: Any, target: Any, pending: jax.Array,
         m: jax.Array, sampler: Any,
     ) -> tuple[jax.Array, None, jax.Array, Any]:
         del params, sampler
-        capacity = target_fed.ids.shape[0]
-        length = target_fed.count + 1  # the committed ids plus the pending token
+        capacity = target.fed.ids.shape[0]
+        length = target.fed.count + 1  # the committed ids plus the pending token
         # seq[j] for every candidate start j and offset < max_n, plus the longest follow.
         seq = jnp.concatenate(
-            [target_fed.ids, jnp.zeros((self.max_n + MAX_DRAFT + 1,), jnp.int32)]
-        ).at[target_fed.count].set(pending)
+            [target.fed.ids, jnp.zeros((self.max_n + MAX_DRAFT + 1,), jnp.int32)]
+        ).at[target.fed.count].set(pending)
         starts = jnp.arange(capacity, dtype=jnp.int32)
         best_start, best_n = jnp.int32(-1), jnp.int32(0)
         for n in range(self.max_n, self.min_n - 1, -1):

@@ -21,7 +21,6 @@ import numpy as np
 
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.state import FedRecord
 
 
 class OracleDrafter(Drafter):
@@ -57,7 +56,9 @@ class OracleDrafter(Drafter):
     def vocab_size(self) -> int:
         return self._vocab
 
-    def block(self, state: Any, known: Sequence[int], count: int) -> tuple[list[int], Any]:
+    def block(self, state: Any, known: Sequence[int], count: int, *,
+              target: Any = None) -> tuple[list[int], Any]:
+        del target
         base = len(known) - 1  # the anchor's position; proposals go to base + 1 ...
         proposals, n = _oracle(
             jnp.asarray(self.reference), jnp.float32(self.alpha), jnp.int32(base),
@@ -95,12 +96,12 @@ class OracleDevice(DeviceDrafter):
     seed: int
 
     def propose(
-        self, params: Any, state: Any, target_fed: FedRecord, pending: jax.Array,
+        self, params: Any, state: Any, target: Any, pending: jax.Array,
         m: jax.Array, sampler: Any,
     ) -> tuple[jax.Array, None, jax.Array, Any]:
         del pending, sampler
         proposals, count = _oracle(
-            params["reference"], params["alpha"], target_fed.count, m, self.vocab_size,
+            params["reference"], params["alpha"], target.fed.count, m, self.vocab_size,
             self.seed,
         )
         return proposals, None, count, state

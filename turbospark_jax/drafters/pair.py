@@ -134,7 +134,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     # -- drafter side ----------------------------------------------------------------------
 
     def drafter_position(self, state: PairState) -> int:
-        if self.drafter.stateless:  # a lookup drafter is always where the target is
+        if self.drafter.stateless or self.drafter.catches_up:
+            # a lookup drafter is always where the target is; one that catches itself up
+            # will be by the time it drafts
             return int(self.fed_record(state).count)
         return self.drafter.position(state.drafter)
 
@@ -194,7 +196,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         self, state: PairState, anchor: int, base: int, block: int
     ) -> tuple[list[int], PairState]:
         known = (*self._known(state)[:base], int(anchor))
-        proposals, drafter = self.drafter.block(state.drafter, known, block)
+        proposals, drafter = self.drafter.block(state.drafter, known, block, target=state.target)
         return proposals, state.replace(drafter=drafter)
 
     def rewind_drafter(self, state: PairState, position: int) -> PairState:

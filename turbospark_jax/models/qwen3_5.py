@@ -214,6 +214,8 @@ class Qwen35Cache:
         count repeat the last live row's).
       hidden: scratch ``[Wm, D]``, each row's final hidden state after the final norm (what the
         output head and the MTP head read), for the last block.
+      hidden_rows: ``[C, D]`` (``[0, D]`` without an MTP head), the same for every fed
+        position: what the MTP drafter primes its own rows from.
     """
 
     k: tuple[jax.Array, ...] | jax.Array = append_only(axis=1)
@@ -223,6 +225,7 @@ class Qwen35Cache:
     conv_tape: tuple[jax.Array, ...] = scratch()
     recurrent_tape: tuple[jax.Array, ...] = scratch()
     hidden: jax.Array = scratch()
+    hidden_rows: jax.Array = append_only(axis=0)
 
 
 @struct.dataclass(kw_only=True)
@@ -304,6 +307,8 @@ class Qwen35Model(BlockModel):
             conv_tape=tuple(jnp.zeros((wm, *s[0].shape), self.dtype) for s in states),
             recurrent_tape=tuple(jnp.zeros((wm, *s[1].shape), jnp.float32) for s in states),
             hidden=jnp.zeros((wm, c.hidden_size), self.dtype),
+            hidden_rows=jnp.zeros((capacity if c.mtp_num_hidden_layers else 0, c.hidden_size),
+                                  self.dtype),
         )
 
     def retain_rows(self, restored: Qwen35Cache, current: Qwen35Cache,
@@ -521,6 +526,8 @@ class Qwen35Model(BlockModel):
             recurrent_tape=tuple(t.at[:width].set(n[1])
                                  for t, n in zip(cache.recurrent_tape, tapes, strict=True)),
             hidden=cache.hidden.at[:width].set(hidden),
+            hidden_rows=cache.hidden_rows.at[write_at].set(
+                hidden, mode="drop", unique_indices=True),
         )
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:

@@ -1,0 +1,98 @@
+"""The MTP head as a drafter: lossless through the device and the host rounds, its first
+proposals what the head computes from the trunk's rows directly, and bad pairings refused."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbospark_jax import CompletionRequest, SamplingConfig, run_raw_completion
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.drafters import MTPDrafter, SpeculativePair
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.models import qwen3_5 as Q
+from turbospark_jax.models import qwen3_5_config as QC
+from turbospark_jax.speculative import run_raw_completion_speculative
+from turbospark_jax.testing.toy import toy_attention_producer
+
+V = 48
+
+
+def _config(mtp_layers: int) -> QC.Qwen35Config:
+    return QC.Qwen35Config.from_hf_dict(dict(
+        model_type="qwen3_5_text", vocab_size=V, hidden_size=32, intermediate_size=48,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=8,
+        linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        num_hidden_layers=3, layer_types=[QC.LINEAR, QC.FULL, QC.LINEAR],
+        mtp_num_hidden_layers=mtp_layers, initializer_range=0.1,
+    ))
+
+
+def _target(mtp_layers: int = 1, width: int = 6) -> BlockProducer:
+    model = Q.FAMILY.build(_config(mtp_layers), jnp.float32, "list")
+    params = model.init_params(jax.random.PRNGKey(0))
+    return BlockProducer(model, params, capacity=128, width=width, steps_per_call=8)
+
+
+TARGET = _target()
+PROMPT = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4]
+GREEDY = CompletionRequest(prompt_ids=PROMPT, max_tokens=36, record_logits=True)
+PLAIN = run_raw_completion(TARGET, GREEDY)
+
+
+@pytest.mark.parametrize("device", [True, False], ids=["device", "host"])
+@pytest.mark.parametrize("draft_len", [1, 3, 5])
+def test_greedy_with_the_mtp_head_is_plain_greedy_bit_for_bit(draft_len, device):
+    pair = SpeculativePair(TARGET, MTPDrafter(TARGET), device_rounds=device)
+    got = run_raw_completion_speculative(pair, dataclasses.replace(GREEDY, draft_len=draft_len))
+    assert got.speculative.on_device == device
+    assert got.token_ids == PLAIN.token_ids
+    assert np.array_equal(got.logits.view(np.uint32), PLAIN.logits.view(np.uint32))
+    assert got.fed_ids == PLAIN.fed_ids
+
+
+def test_device_and_host_rounds_agree_when_sampling():
+    req = CompletionRequest(prompt_ids=PROMPT, max_tokens=30, record_logits=True, seed=3,
+                            sampling=SamplingConfig(temperature=0.8, top_k=20), draft_len=4)
+    a = run_raw_completion_speculative(SpeculativePair(TARGET, MTPDrafter(TARGET)), req)
+    b = run_raw_completion_speculative(
+        SpeculativePair(TARGET, MTPDrafter(TARGET), device_rounds=False), req)
+    assert a.token_ids == b.token_ids and a.fed_ids == b.fed_ids
+    assert a.speculative.accepted_by_position == b.speculative.accepted_by_position
+
+
+def test_first_proposals_are_the_heads_own_chain_over_the_trunk_rows():
+    """Reference written apart from the drafter: run the head over every prompt row in one
+    call (trunk hidden at p, token at p + 1; the pending token after the last), then chain."""
+    model, params = TARGET.model, TARGET.params
+    state = TARGET.prefill_chunk(TARGET.init_state(), PROMPT, 0)[1]
+    pending = 11
+    n = len(PROMPT)
+    hidden = state.cache.hidden_rows[:n]
+    nxt = jnp.asarray([*PROMPT[1:], pending], jnp.int32)
+    cache = model.mtp_init_cache(128)
+    logits, h, cache = model.mtp_block_forward(params, cache, hidden, nxt,
+                                               jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
+    want = [int(jnp.argmax(logits[-1]))]
+    last = h[-1]
+    for i in range(2):
+        logits, h, cache = model.mtp_block_forward(
+            params, cache, last[None], jnp.asarray([want[-1]], jnp.int32),
+            jnp.asarray([n + i], jnp.int32), jnp.int32(1))
+        want.append(int(jnp.argmax(logits[0])))
+        last = h[0]
+    drafter = MTPDrafter(TARGET)
+    got, _ = drafter.block(drafter.init_state(), [*PROMPT, pending], 3, target=state)
+    assert got == want
+
+
+def test_pairings_the_head_cannot_serve_are_refused():
+    with pytest.raises(BadInputError, match="MTP head"):
+        MTPDrafter(_target(mtp_layers=0))
+    with pytest.raises(BadInputError, match="MTP head"):
+        MTPDrafter(toy_attention_producer(vocab=V))
+    with pytest.raises(BadInputError, match="target="):
+        drafter = MTPDrafter(TARGET)
+        drafter.block(drafter.init_state(), PROMPT, 2)

@@ -1,0 +1,179 @@
+"""The Qwen3.5 / Qwen3-Next MTP head as a drafter: the target's own next-next-token predictor.
+
+The head (:meth:`~turbospark_jax.models.qwen3_5.Qwen35Model.mtp_block_forward`) reads the
+trunk's final hidden state at position ``p`` and the token at ``p + 1`` and predicts the token
+at ``p + 2``, with one decoder layer of its own KV rows. Its row ``p`` is exact only when made
+from the trunk's hidden state, which the target records for every fed position
+(``Qwen35Cache.hidden_rows``), so:
+
+* a round first catches the head up over the positions the target has committed since the
+  last round (their trunk rows, their next tokens; the pending token is the next token of the
+  last one) in blocks of ``W`` rows, and the last row's logits give the first proposal;
+* each further proposal chains on the head's own output hidden state, one row a step;
+* the chained rows are speculative: at the commit the drafter keeps only the rows made from
+  the trunk, and the next round rebuilds the accepted positions from the target's rows.
+
+Proposals are the head's argmax (a deterministic drafter: its proposal distribution is a
+point mass, so sampled decoding stays lossless through rejection sampling). The host loop
+drafts with the same compiled function the device rounds run, so the two loops agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.qwen3_5 import MTPCache, Qwen35Model
+from turbospark_jax.state import FedRecord
+
+
+@struct.dataclass(kw_only=True)
+class MTPState:
+    """Fields:
+      cache: the head's KV rows (row ``p``: trunk hidden at ``p`` with the token at ``p + 1``).
+      fed: the head's rows made from the trunk: ``fed.count`` of them (``ids[p]`` is the token
+        at ``p + 1`` it read).
+    """
+
+    cache: MTPCache
+    fed: FedRecord
+
+
+class MTPDrafter(Drafter):
+    """Draft with the target's MTP head.
+
+    Args:
+      target: a :class:`~turbospark_jax.block_producer.BlockProducer` over a Qwen3.5 /
+        Qwen3-Next model whose config has an MTP head (``mtp_num_hidden_layers > 0``).
+
+    Raises:
+      BadInputError: the target has no MTP head.
+    """
+
+    drafts_blocks = True
+    catches_up = True
+
+    def __init__(self, target: BlockProducer) -> None:
+        model = target.model if isinstance(target, BlockProducer) else None
+        if not isinstance(model, Qwen35Model) or not model.config.mtp_num_hidden_layers:
+            raise BadInputError(
+                "the MTP drafter needs a BlockProducer over a Qwen3.5 / Qwen3-Next model with "
+                "an MTP head (mtp_num_hidden_layers > 0 and mtp.* weights)"
+            )
+        if model.config.mtp_num_hidden_layers > 1:
+            raise BadInputError(
+                f"the MTP drafter chains one head layer; this config has "
+                f"{model.config.mtp_num_hidden_layers} (mtp_num_hidden_layers)"
+            )
+        self.target = target
+        self._device = MTPDevice(model=model, width=target.width)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    def init_state(self) -> MTPState:
+        capacity = self.target.capacity
+        return MTPState(cache=self.target.model.mtp_init_cache(capacity),
+                        fed=FedRecord.empty(capacity))
+
+    def position(self, state: MTPState) -> int:
+        return int(state.fed.count)
+
+    def rewind(self, state: MTPState, position: int,
+               known: Callable[[], Sequence[int]]) -> MTPState:
+        del known  # rows past ``position`` are dropped; missing ones are rebuilt when drafting
+        return state.replace(fed=state.fed.moved_to(min(position, int(state.fed.count))))
+
+    def block(self, state: MTPState, known: Sequence[int], count: int, *,
+              target: Any = None) -> tuple[list[int], MTPState]:
+        if target is None:
+            raise BadInputError("the MTP drafter reads the target's state; pass target=")
+        proposals, n, state = _host_propose(self._device, self.target.params, state, target,
+                                            int(known[-1]), count)
+        return [int(t) for t in proposals[: int(n)]], state
+
+    def on_device(self) -> tuple[DeviceDrafter, Any]:
+        return self._device, self.target.params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _propose(device: MTPDevice, params: Any, state: MTPState, target: Any, pending: jax.Array,
+             m: jax.Array) -> tuple[jax.Array, jax.Array, MTPState]:
+    proposals, _, count, state = device.propose(params, state, target, pending, m, None)
+    return proposals, count, state
+
+
+def _host_propose(device: MTPDevice, params: Any, state: MTPState, target: Any, pending: int,
+                  count: int) -> tuple[Any, Any, MTPState]:
+    proposals, n, state = _propose(device, params, state, target, jnp.int32(pending),
+                                   jnp.int32(count))
+    return jax.device_get(proposals), jax.device_get(n), state
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPDevice(DeviceDrafter):
+    """The head's catch-up and chain inside the device loop (see the module docstring)."""
+
+    model: Qwen35Model
+    width: int
+
+    def propose(
+        self, params: Any, state: MTPState, target: Any, pending: jax.Array, m: jax.Array,
+        sampler: Any,
+    ) -> tuple[jax.Array, None, jax.Array, MTPState]:
+        del sampler  # greedy: a point-mass proposal
+        w = self.width
+        rows_w = jnp.arange(w, dtype=jnp.int32)
+        base = target.fed.count  # the pending token's position
+        ids, hidden_rows = target.fed.ids, target.cache.hidden_rows
+
+        def next_token(p: jax.Array) -> jax.Array:
+            # the token after position p: committed, or the pending one after the last
+            return jnp.where(p + 1 < base, jnp.take(ids, p + 1, mode="clip"), pending)
+
+        def catch_up(c):
+            cache, fed, _, _ = c
+            positions = fed.count + rows_w
+            live = jnp.minimum(base - fed.count, w)
+            nxt = next_token(positions)
+            logits, hidden, cache = self.model.mtp_block_forward(
+                params, cache, jnp.take(hidden_rows, positions, axis=0, mode="clip"),
+                nxt, positions, live)
+            last = live - 1
+            return cache, fed.append(nxt, live), logits[last], hidden[last]
+
+        vocab, dim = self.model.vocab_size, hidden_rows.shape[-1]
+        init = (state.cache, state.fed, jnp.zeros((vocab,), jnp.float32),
+                jnp.zeros((dim,), hidden_rows.dtype))
+        cache, fed, logits, hidden = jax.lax.while_loop(
+            lambda c: c[1].count < base, catch_up, init)  # rows 0 .. base - 1 from the trunk
+
+        def chain(c):
+            i, cache, proposals, logits, hidden = c
+            tok = jnp.argmax(logits).astype(jnp.int32)
+            proposals = proposals.at[i].set(tok)
+            row = jnp.zeros((w,), jnp.int32)
+            logits_w, hidden_w, cache = self.model.mtp_block_forward(
+                params, cache, jnp.zeros((w, dim), hidden.dtype).at[0].set(hidden),
+                row.at[0].set(tok), base + i + row, jnp.int32(1))
+            return i + 1, cache, proposals, logits_w[0], hidden_w[0]
+
+        count = jnp.clip(m, 0, MAX_DRAFT)
+        _, cache, proposals, _, _ = jax.lax.while_loop(
+            lambda c: c[0] < count, chain,
+            (jnp.int32(0), cache, jnp.zeros((MAX_DRAFT,), jnp.int32), logits, hidden))
+        # the chained rows are speculative: the record keeps only the trunk's rows
+        return proposals, None, count, MTPState(cache=cache, fed=fed)
+
+    def commit(self, state: MTPState, keep: jax.Array) -> MTPState:
+        return state.replace(fed=state.fed.moved_to(jnp.minimum(state.fed.count, keep)))
