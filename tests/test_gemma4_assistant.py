@@ -13,6 +13,7 @@ weight is caught. Checked by hand: a sliding window of ``w`` or ``w + 2`` rows i
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -153,3 +154,63 @@ def test_assistant_config_refusals(target: Any) -> None:
     with pytest.raises(BadInputError, match="matching target cache"):
         A.draft_step(wrong, A.init_params(wrong, jax.random.PRNGKey(0)), model, params, cache,
                      jnp.int32(first), hidden, jnp.int32(PROMPT))
+
+
+# -- paired with its target in the speculative loops ------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def paired(target: Any) -> Any:
+    from turbospark_jax.block_producer import BlockProducer
+
+    _, _, model, params, _, _, _ = target
+    keeping = G.Gemma4Model(model.config, model.dtype, ring_margin=8, keep_hidden_rows=True)
+    producer = BlockProducer(keeping, params, capacity=64, width=6, steps_per_call=8)
+    _, config, aparams = _assistant("centroids_untied")
+    return producer, config, aparams
+
+
+@pytest.mark.parametrize("device", [True, False], ids=["device", "host"])
+def test_paired_assistant_is_lossless_greedy_bit_for_bit(paired: Any, device: bool) -> None:
+    from turbospark_jax import CompletionRequest, run_raw_completion
+    from turbospark_jax.drafters import SpeculativePair
+    from turbospark_jax.speculative import run_raw_completion_speculative
+
+    producer, config, aparams = paired
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, VOCAB, PROMPT)]
+    request = CompletionRequest(prompt_ids=prompt, max_tokens=24, record_logits=True)
+    plain = run_raw_completion(producer, request)
+    pair = SpeculativePair(producer, A.Gemma4AssistantDrafter(producer, config, aparams),
+                           device_rounds=device)
+    got = run_raw_completion_speculative(pair, dataclasses.replace(request, draft_len=4))
+    assert got.speculative.on_device == device
+    assert got.token_ids == plain.token_ids
+    assert np.array_equal(got.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert got.fed_ids == plain.fed_ids
+
+
+def test_paired_proposals_are_the_assistants_own(paired: Any) -> None:
+    """The drafter proposes what draft_greedy (checked against transformers above) drafts
+    from the target's last row."""
+    producer, config, aparams = paired
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, VOCAB, PROMPT)]
+    state = producer.prefill_chunk(producer.init_state(), prompt, 0)[1]
+    pending = 5
+    want, _ = A.draft_greedy(config, aparams, producer.model, producer.params, state.cache,
+                             jnp.int32(pending), state.cache.hidden_rows[PROMPT - 1],
+                             jnp.int32(PROMPT), 3)
+    drafter = A.Gemma4AssistantDrafter(producer, config, aparams)
+    got, _ = drafter.block((), [*prompt, pending], 3, target=state)
+    assert got == [int(t) for t in want]
+
+
+def test_pairing_refusals(target: Any, paired: Any) -> None:
+    from turbospark_jax.block_producer import BlockProducer
+
+    _, _, model, params, _, _, _ = target
+    producer, config, aparams = paired
+    plain = BlockProducer(model, params, capacity=64, width=6)  # keeps no hidden rows
+    with pytest.raises(BadInputError, match="keep_hidden_rows"):
+        A.Gemma4AssistantDrafter(plain, config, aparams)
+    with pytest.raises(BadInputError, match="target="):
+        A.Gemma4AssistantDrafter(producer, config, aparams).block((), [1, 2], 2)

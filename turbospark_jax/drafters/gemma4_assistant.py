@@ -21,8 +21,9 @@ Params (``D`` the assistant's hidden size, ``Db`` the target's, ``C`` centroids)
     pre_projection [2 Db, D]   post_projection [D, Db]   lm_head [D, V] (untied only)
     centroids [D, C]   token_ordering int32 [V]                    (ordered embeddings only)
 
-The speculative loop does not use it yet: the target side needs the hidden state of its last
-fed row (``Gemma4Model.block_hidden``) and a cache whose ring still holds the window.
+:class:`Gemma4AssistantDrafter` pairs it with its target in the speculative loops (device and
+host): the target keeps every fed row's hidden state (``Gemma4Model(keep_hidden_rows=True)``)
+and its ring must still hold the window, which the engine's rewind floor guarantees.
 """
 
 from __future__ import annotations
@@ -35,11 +36,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_program import BlockState
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import gemma4
 from turbospark_jax.models.family import HFTensor, Params
 from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
 from turbospark_jax.models.layers import rms_norm
+from turbospark_jax.state import FedRecord
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,3 +230,96 @@ def draft_greedy(
     _, (tokens, logits) = jax.lax.scan(
         step, (jnp.asarray(token, jnp.int32), hidden), None, length=steps)
     return tokens, logits
+
+
+class Gemma4AssistantDrafter(Drafter):
+    """The assistant paired with its target as a drafter: greedy proposals from the target's
+    cache and the hidden state of its last fed row, no state of its own.
+
+    Args:
+      target: a :class:`~turbospark_jax.block_producer.BlockProducer` over a
+        :class:`~turbospark_jax.models.gemma4.Gemma4Model` built with
+        ``keep_hidden_rows=True`` (the assistant starts each round from the hidden state of
+        the target's last fed row).
+      config, params: the assistant's (:meth:`AssistantConfig.from_hf_dict`, :func:`init_params`
+        or loaded through :func:`hf_tensors`).
+
+    Raises:
+      BadInputError: the target is not such a producer, or the assistant was made for another
+        target (its widths or head dims).
+    """
+
+    stateless = True
+    drafts_blocks = True
+
+    def __init__(self, target: BlockProducer, config: AssistantConfig, params: Params) -> None:
+        model = target.model if isinstance(target, BlockProducer) else None
+        if not isinstance(model, gemma4.Gemma4Model) or not model.keep_hidden_rows:
+            raise BadInputError(
+                "the Gemma 4 assistant drafts over a BlockProducer of a Gemma4Model built with "
+                "keep_hidden_rows=True (it reads the hidden state of the target's last row)"
+            )
+        if config.text.vocab_size != model.vocab_size:
+            raise BadInputError(
+                f"the assistant's vocabulary ({config.text.vocab_size}) is not the target's "
+                f"({model.vocab_size})"
+            )
+        self.target = target
+        self._device = AssistantDevice(config=config, target_model=model)
+        self._params = (params, target.params)
+        # Checks the pairing (widths, head dims) now rather than at the first round.
+        jax.eval_shape(lambda p, c: self._device.propose(
+            p, (), c, jnp.int32(0), jnp.int32(1), None), self._params,
+            BlockState(cache=model.init_cache(8), fed=FedRecord.empty(8)))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.vocab_size
+
+    def block(self, state: Any, known: Any, count: int, *,
+              target: Any = None) -> tuple[list[int], Any]:
+        if target is None:
+            raise BadInputError("the assistant reads the target's state; pass target=")
+        proposals, n = _assistant_propose(self._device, self._params, target,
+                                          jnp.int32(int(known[-1])), jnp.int32(count))
+        return [int(t) for t in jax.device_get(proposals)[: int(n)]], state
+
+    def on_device(self) -> tuple[DeviceDrafter, Any]:
+        return self._device, self._params
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _assistant_propose(device: AssistantDevice, params: Any, target: Any, pending: jax.Array,
+                       m: jax.Array) -> tuple[jax.Array, jax.Array]:
+    proposals, _, count, _ = device.propose(params, (), target, pending, m, None)
+    return proposals, count
+
+
+@dataclasses.dataclass(frozen=True)
+class AssistantDevice(DeviceDrafter):
+    """The assistant's greedy chain inside the device loop: every step at the pending token's
+    position, over the target's cache as the round found it."""
+
+    config: AssistantConfig
+    target_model: gemma4.Gemma4Model
+
+    def propose(self, params: Any, state: Any, target: Any, pending: jax.Array, m: jax.Array,
+                sampler: Any) -> tuple[jax.Array, None, jax.Array, Any]:
+        del sampler  # greedy: a point-mass proposal
+        assistant, target_params = params
+        base = target.fed.count
+        hidden = target.cache.hidden_rows[jnp.maximum(base - 1, 0)]
+        count = jnp.clip(m, 0, MAX_DRAFT)
+
+        def step(c):
+            i, tok, h, proposals = c
+            logits, h = draft_step(self.config, assistant, self.target_model, target_params,
+                                   target.cache, tok, h, base)
+            tok = jnp.argmax(logits).astype(jnp.int32)
+            return i + 1, tok, h, proposals.at[i].set(tok)
+
+        _, _, _, proposals = jax.lax.while_loop(
+            lambda c: c[0] < count, step,
+            (jnp.int32(0), pending.astype(jnp.int32), hidden,
+             jnp.zeros((MAX_DRAFT,), jnp.int32)))
+        return proposals, None, count, state

@@ -197,6 +197,8 @@ class Gemma4Cache:
       k_ring, v_ring: per KV-owning sliding layer, ``[R, KV, head_dim]``; position ``p`` in
         slot ``p % R``.
       ring_positions: int32 ``[R]``, the position each slot holds (``EMPTY_SLOT`` if none).
+      hidden_rows: ``[C, D]`` (``[0, D]`` unless the model keeps them), each fed row's
+        final-normed hidden state: what the assistant drafter starts a round from.
       window_rows: static, ``sliding_window - 1``: the positions before the cursor a row
         still reads, i.e. the live part of the ring.
     """
@@ -206,6 +208,7 @@ class Gemma4Cache:
     k_ring: tuple[jax.Array, ...] = ring(axis=1, live="window_rows")
     v_ring: tuple[jax.Array, ...] = ring(axis=1, live="window_rows")
     ring_positions: jax.Array = ring(axis=0, live="window_rows")
+    hidden_rows: jax.Array = append_only(axis=0)
     window_rows: int = struct.field(pytree_node=False)
 
 
@@ -236,11 +239,14 @@ class Gemma4Model(BlockModel):
         furthest position fed (:meth:`oldest_rewind`). 256 covers the engine's blocks, a
         verify rollback, a decode burst's overshoot and a chat turn's re-rendered tail; each
         slot costs ``2 * KV * head_dim`` values per sliding layer.
+      keep_hidden_rows: record every fed row's final hidden state in the cache
+        (``hidden_rows``, ``C * hidden_size`` values), which the assistant drafter reads.
     """
 
     config: Gemma4Config
     dtype: Any = jnp.float32
     ring_margin: int = 256
+    keep_hidden_rows: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -299,6 +305,8 @@ class Gemma4Model(BlockModel):
             k_full=zeros(FULL, capacity), v_full=zeros(FULL, capacity),
             k_ring=zeros(SLIDING, r), v_ring=zeros(SLIDING, r),
             ring_positions=jnp.full((r,), EMPTY_SLOT, jnp.int32),
+            hidden_rows=jnp.zeros((capacity if self.keep_hidden_rows else 0, c.hidden_size),
+                                  self.dtype),
             window_rows=c.sliding_window - 1,
         )
 
@@ -467,9 +475,11 @@ class Gemma4Model(BlockModel):
         with jax.named_scope("embed"):
             x, ple = self._embed(params, tokens)
         x = self.decoder(params, x, ple, positions, store)
-        return self._norm(x, params["norm"]), cache.replace(
+        h = self._norm(x, params["norm"])
+        return h, cache.replace(
             k_full=tuple(k_full), v_full=tuple(v_full), k_ring=tuple(k_ring),
-            v_ring=tuple(v_ring), ring_positions=ring_positions)
+            v_ring=tuple(v_ring), ring_positions=ring_positions,
+            hidden_rows=cache.hidden_rows.at[at_full].set(h, **scatter))
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Plain causal pass over whole sequences, no cache: int32 ``[B, T]`` -> float32
