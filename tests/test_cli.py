@@ -399,6 +399,18 @@ def test_a_drafting_mode_on_a_cpu_says_what_was_measured(our_folder, mode):
     assert "note" not in out
 
 
+def test_a_long_exact_prefill_on_a_cpu_suggests_parallel_prefill(our_folder, monkeypatch):
+    monkeypatch.setattr(cli, "LONG_PREFILL_TOKENS", 16)
+    argv = ("generate", "--model", str(our_folder), "hello world " * 12, "--max-tokens", "2",
+            "--context", "256")
+    code, _, err = run(*argv)
+    assert code == 0, err
+    hinted = "--parallel-prefill" in err
+    assert hinted == (jax.default_backend() == "cpu")
+    code, _, err = run(*argv, "--parallel-prefill")
+    assert code == 0 and "note" not in err
+
+
 def test_chat_through_the_cli_with_a_draft_model(our_folder):
     code, _, err = run("generate", "--model", str(our_folder), "--chat", "--draft-model",
                          str(our_folder), "--max-tokens", "6", "--context", "256",
