@@ -417,3 +417,15 @@ def test_chat_through_the_cli_with_a_draft_model(our_folder):
                          stdin="hello\nhow are you\n")
     assert code == 0, err
     assert len([line for line in err.splitlines() if line.startswith("[turn]")]) == 2
+
+
+def test_library_messages_are_put_in_the_flags_words():
+    from turbospark_jax.cli.arguments import user_words
+
+    assert user_words(
+        "a prompt of 5 tokens plus max_tokens=9 needs 14 positions; the producer holds 8"
+    ) == "a prompt of 5 tokens plus --max-tokens 9 needs 14 positions; --context is 8"
+    assert user_words("draft_len must be in 1..8") == "--draft-len must be in 1..8"
+    assert user_words("top_p must be in (0, 1]", {"top_p": "--top-p"}) == (
+        "--top-p must be in (0, 1]"
+    )

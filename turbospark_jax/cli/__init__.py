@@ -59,7 +59,7 @@ def _read_folder(path: Path, flag: str) -> _Folder:
       ModelLoadError: no config.json, or not a JSON object.
     """
     if not path.is_dir():
-        raise CommandLineError(f"{flag} {path}: the model folder {path} does not exist")
+        raise CommandLineError(f"{flag} {path}: no such folder")
     config_path = path / "config.json"
     if not config_path.is_file():
         raise ModelLoadError(f"no config.json in {path}; {flag} needs a Hugging Face folder")
