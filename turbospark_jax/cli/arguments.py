@@ -116,12 +116,12 @@ def unescape(text: str) -> str:
 
 
 def parser() -> _Parser:
-    parser = _Parser(prog=PROG, description=DESCRIPTION,
-                     formatter_class=_HelpFormatter)
-    parser.add_argument("--version", action=_Version,
-                        help="print the package version, the jax version and the backend")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
-                                parser_class=_Parser)
+    """The ``turbospark-jax`` parser and its ``generate`` command."""
+    top = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=_HelpFormatter)
+    top.add_argument("--version", action=_Version,
+                     help="print the package version, the jax version and the backend")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                             parser_class=_Parser)
     gen = sub.add_parser(
         "generate", formatter_class=_HelpFormatter,
         help="stream a completion (or chat with --chat)",
@@ -187,7 +187,7 @@ def parser() -> _Parser:
     gen.add_argument("--stats", action="store_true",
                      help="print token counts and timings (load, compile, prefill, decode) to "
                           "stderr")
-    return parser
+    return top
 
 
 def user_words(message: str, names: dict[str, str] | None = None) -> str:
