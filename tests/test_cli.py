@@ -1,16 +1,21 @@
 """End to end through the ``turbospark-jax`` command: folders written by transformers and by
-our own code, sampling options, speculative modes, chat, and one-line errors."""
+our own code, sampling options, speculative modes, chat, help and version, progress, stats,
+and one-line errors that cost no model load."""
 
 from __future__ import annotations
 
 import io
 import json
+import re
+import shutil
 from pathlib import Path
 
 import jax
 import pytest
 
+from turbospark_jax import cli
 from turbospark_jax.cli import main
+from turbospark_jax.cli.arguments import unescape
 from turbospark_jax.loading import GenerationConfig, save_folder
 from turbospark_jax.models.dense import init_params
 from turbospark_jax.models.dense_config import DenseConfig
@@ -132,7 +137,7 @@ def test_chat_mode_keeps_a_session_and_reports_reuse(our_folder):
     [
         (["generate", "--model", "/nonexistent/folder", "hi"], "/nonexistent/folder"),
         (["generate", "--model", "FOLDER", "hi", "--temperature", "-1"], "temperature"),
-        (["generate", "--model", "FOLDER", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["generate", "--model", "FOLDER", "hi", "--max-tokens", "0"], "--max-tokens"),
         (["generate", "--model", "FOLDER", "hi", "--context", "8", "--max-tokens", "50"],
          "positions"),
         (["generate", "--model", "FOLDER", "hi", "--ngram", "2", "--speculative"], "one of"),
@@ -157,3 +162,271 @@ def test_unsupported_model_type_is_a_clean_error(our_folder, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     code, _, err = run("generate", "--model", str(bad), "hi")
     assert code == 1 and "gpt2" in err and "Traceback" not in err
+
+
+# -- issue 23: the first ten minutes ----------------------------------------------------------
+
+#: The embedded target as this checkout has it (an editable install elsewhere may resolve the
+#: embedded path to another checkout's folder).
+EMBEDDED = Path(__file__).resolve().parent.parent / "models" / "tsj-pycoder"
+EMBEDDED_DRAFT = EMBEDDED.parent / "tsj-pycoder-draft"
+
+#: Library names that must not reach a user of the command line.
+INTERNAL_WORDS = ("max_n", "capacity", "steps_per_call", "max_tokens", "draft_len", "top_p",
+                  "top_k", "min_p", "repetition_penalty", "token id")
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything loads weights."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(cli, "_load", refuse)
+    monkeypatch.setattr("turbospark_jax.loading.load_folder", refuse)
+
+
+@pytest.fixture(scope="module")
+def short_folder(our_folder, tmp_path_factory) -> Path:
+    """``our_folder`` with a config that says 32 positions."""
+    folder = tmp_path_factory.mktemp("short") / "model"
+    shutil.copytree(our_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["max_position_embeddings"] = 32
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+LONG_PROMPT = "x = 1\n" * 3000
+
+
+@pytest.mark.parametrize(
+    "argv,stdin,needle",
+    [
+        ([], "", "COMMAND"),
+        (["bogus"], "", "invalid choice"),
+        (["generate", "hi", "--bogus"], "", "--bogus"),
+        (["generate", "hi", "--max-tokens", "abc"], "", "--max-tokens"),
+        (["generate", "hi", "--max-tokens", "0"], "", "--max-tokens"),
+        (["generate", "hi", "--temperature", "-1"], "", "--temperature"),
+        (["generate", "hi", "--temperature", "nan"], "", "--temperature"),
+        (["generate", "hi", "--top-p", "0"], "", "--top-p"),
+        (["generate", "hi", "--top-k", "-2"], "", "--top-k"),
+        (["generate", "hi", "--min-p", "2"], "", "--min-p"),
+        (["generate", "hi", "--repetition-penalty", "0"], "", "--repetition-penalty"),
+        (["generate", "hi", "--seed", "-1"], "", "--seed"),
+        (["generate", "hi", "--stop", ""], "", "--stop"),
+        (["generate", "hi", "--context", "0"], "", "--context"),
+        (["generate", "hi", "--width", "0"], "", "--width"),
+        (["generate", "hi", "--slots", "2"], "", "--chat"),
+        (["generate", "hi", "--dtype", "int8"], "", "--dtype"),
+        (["generate", "hi", "--ngram", "0"], "", "--ngram"),
+        (["generate", "hi", "--ngram", "-3"], "", "--ngram"),
+        (["generate", "hi", "--draft-len", "3"], "", "--draft-len"),
+        (["generate", "hi", "--speculative", "--draft-len", "0"], "", "--draft-len"),
+        (["generate", "hi", "--ngram", "2", "--draft-len", "9"], "", "--draft-len"),
+        (["generate", "hi", "--ngram", "2", "--speculative"], "", "one of"),
+        (["generate", "hi", "--ngram", "2", "--draft-model", "X"], "", "one of"),
+        (["generate", "--model", "/nonexistent/folder", "hi"], "", "/nonexistent/folder"),
+        (["generate", "--draft-model", "/nonexistent/draft", "hi"], "", "--draft-model"),
+        (["generate", ""], "", "the prompt is empty"),
+        (["generate"], "", "the prompt is empty"),
+        (["generate", "hi", "--context", "8", "--max-tokens", "50"], "", "--context 8"),
+        (["generate", "--chat", "--context", "64", "--max-tokens", "100"], "", "--context 64"),
+        (["generate", "--chat", "--max-tokens", "4000"], "", "--allow-long-context"),
+        (["generate", LONG_PROMPT], "", "--allow-long-context"),
+        (["generate", "--max-tokens", "2000"], LONG_PROMPT[:600], "--allow-long-context"),
+    ],
+    ids=lambda v: (v if isinstance(v, str) else " ".join(v))[:40],
+)
+def test_bad_command_lines_cost_no_load(no_loading, argv, stdin, needle):
+    code, out, err = run(*argv, stdin=stdin)
+    assert code == 1, err
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("turbospark-jax: error: ") and needle in lines[0], lines[0]
+    message = lines[0].removeprefix("turbospark-jax: error: ")
+    assert not any(re.search(rf"(?<![-\w]){w}\b", message) for w in INTERNAL_WORDS), message
+
+
+def test_the_long_prompt_message_names_both_numbers(no_loading):
+    code, _, err = run("generate", LONG_PROMPT, "--max-tokens", "128")
+    assert code == 1
+    assert "--max-tokens 128" in err and "2,048" in err and "--allow-long-context" in err
+    tokens = re.search(r"the prompt \(([\d,]+) tokens\)", err)
+    assert tokens and int(tokens.group(1).replace(",", "")) > 2048
+
+
+def test_the_draft_model_must_share_the_vocabulary(no_loading, our_folder):
+    code, out, err = run("generate", "hi", "--draft-model", str(our_folder))
+    assert code == 1 and out == ""
+    assert "vocabulary" in err and "--draft-model" in err
+
+
+def test_allow_long_context_runs_with_a_warning(short_folder):
+    prompt = "def f(x):\n    return x\n" * 4
+    argv = ("generate", "--model", str(short_folder), prompt, "--max-tokens", "4")
+    code, _, err = run(*argv)
+    assert code == 1 and "32" in err and "--allow-long-context" in err
+    code, out, err = run(*argv, "--allow-long-context")
+    assert code == 0, err
+    assert "turbospark-jax: warning:" in err and "32" in err
+    assert out.endswith("\n")
+
+
+def test_help_names_every_flag_with_its_default():
+    code, out, err = run("generate", "--help")
+    assert code == 0 and err == ""
+    text = " ".join(out.split())
+    for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
+                 "--repetition-penalty", "--seed", "--stop", "--chat", "--speculative",
+                 "--draft-model", "--ngram", "--draft-len", "--context",
+                 "--allow-long-context", "--width", "--dtype", "--parallel-prefill", "--slots",
+                 "--progress", "--stats"):
+        assert flag in text, flag
+    for default in ("(default: 128)", "(default: 0.0)", "(default: 1.0)", "(default: 0)",
+                    "(default: 4)", "(default: 1)"):
+        assert default in text, default
+    assert "standard input" in text
+    assert "\\n\\n" in text  # --stop explains its escapes
+    code, top, _ = run("--help")
+    assert code == 0 and "--version" in top
+    assert "``" not in out + top
+
+
+def test_version_names_package_jax_and_backend():
+    code, out, err = run("--version")
+    assert code == 0 and err == ""
+    import turbospark_jax
+
+    assert out.startswith(f"turbospark-jax {turbospark_jax.__version__}, jax {jax.__version__}")
+    assert f"backend {jax.default_backend()}" in out
+
+
+@pytest.mark.parametrize(
+    "raw,want",
+    [
+        ("\\n\\n", "\n\n"), ("a\\tb", "a\tb"), ("\\r\\n", "\r\n"), ("\\\\n", "\\n"),
+        ("\\x41\\u00e9", "Aé"), ("\\d+", "\\d+"), ("\\x4", "\\x4"), ("plain", "plain"),
+    ],
+)
+def test_stop_escapes(raw, want):
+    assert unescape(raw) == want
+
+
+def test_stop_blank_line_stops_the_embedded_model():
+    prompt = "import os\nimport sys\n\n\ndef main(argv):"
+    base = ("generate", "--model", str(EMBEDDED), prompt, "--max-tokens", "64")
+    code, full, _ = run(*base)
+    assert code == 0
+    assert "\n\n" in full.rstrip("\n"), "the control: the plain output has a blank line"
+    code, cut, err = run(*base, "--stop", "\\n\\n", "--stats")  # as a shell passes "\n\n"
+    assert code == 0
+    assert cut == full[: full.index("\n\n")] + "\n"
+    assert "[stop_string]" in err
+
+
+STATS = re.compile(
+    r"^\[(stop_token|stop_string|length)\] prompt \d+ tokens \(reused \d+, prefilled \d+\), "
+    r"generated \d+; load \d+\.\d\ds, compile \d+\.\d\ds, prefill \d+\.\d\ds "
+    r"\(\d+\.\d tok/s\), first token \d+\.\d\ds, decode \d+\.\d\ds \(\d+\.\d tok/s\)$"
+)
+
+
+def test_stats_line_keeps_compile_apart(our_folder):
+    code, _, err = run("generate", "--model", str(our_folder), "hello world", "--max-tokens",
+                       "12", "--context", "128", "--stats")
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if line.startswith("[") and "prompt" in line]
+    assert len(lines) == 1 and STATS.match(lines[0]), lines
+    # The warm-up compiled everything: the run itself compiled nothing.
+    assert "went to compiling" not in err
+
+
+def test_stats_of_a_speculative_run_keep_compile_apart(our_folder):
+    code, _, err = run("generate", "--model", str(our_folder), "x = 1\nx = 1\nx =",
+                       "--max-tokens", "12", "--context", "128", "--draft-model",
+                       str(our_folder), "--stats")
+    assert code == 0, err
+    assert "went to compiling" not in err and "speculative" in err
+
+
+def test_progress_goes_to_stderr_only(our_folder, monkeypatch):
+    monkeypatch.setattr("turbospark_jax.cli.progress.PROGRESS_DELAY_S", 0.0)
+    argv = ("generate", "--model", str(our_folder), "hello world " * 20, "--max-tokens", "12",
+            "--context", "256")
+    code, quiet_out, quiet_err = run(*argv)
+    assert code == 0 and "tok/s" not in quiet_err  # not a terminal, no --progress: no bars
+    code, out, err = run(*argv, "--progress")
+    assert code == 0, err
+    assert out == quiet_out  # stdout stays the text alone
+    assert "prefill" in err and "generate" in err and "tok/s" in err
+
+
+def test_chat_on_the_embedded_model_separates_turns():
+    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.chat import ChatSession
+    from turbospark_jax.loading import load_folder
+
+    loaded = load_folder(EMBEDDED, dtype="float32", layer_layout="list")
+    tok = loaded.tokenizer
+    producer = BlockProducer(loaded.model, loaded.params, capacity=256, width=1)
+    chat = ChatSession(producer, tok, max_tokens=12)
+    first = chat.send("a function that adds two numbers")
+    second = chat.send("and a test for it")
+    assert tok.decode(first.prompt_ids) == "<|bos|># a function that adds two numbers\n"
+    reply = first.text
+    sep = "\n" if reply.endswith("\n") else "\n\n"
+    assert tok.decode(second.prompt_ids) == (
+        f"<|bos|># a function that adds two numbers\n{reply}{sep}# and a test for it\n"
+    )
+    assert second.usage.reused_tokens > len(first.prompt_ids)
+
+
+@pytest.mark.parametrize("mode", [["--ngram", "2"], ["--draft-model", "FOLDER"]])
+def test_a_drafting_mode_on_a_cpu_says_what_was_measured(our_folder, mode):
+    mode = [str(our_folder) if m == "FOLDER" else m for m in mode]
+    code, out, err = run("generate", "--model", str(our_folder), "x = 1\nx =", "--max-tokens",
+                         "4", "--context", "128", *mode)
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("turbospark-jax: note:")]
+    if jax.default_backend() != "cpu":
+        assert not notes
+        return
+    assert len(notes) == 1 and mode[0] in notes[0]
+    assert "slower than plain decoding" in notes[0] and "--draft-len" in notes[0]
+    assert "note" not in out
+
+
+def test_a_long_exact_prefill_on_a_cpu_suggests_parallel_prefill(our_folder, monkeypatch):
+    monkeypatch.setattr(cli, "LONG_PREFILL_TOKENS", 16)
+    argv = ("generate", "--model", str(our_folder), "hello world " * 12, "--max-tokens", "2",
+            "--context", "256")
+    code, _, err = run(*argv)
+    assert code == 0, err
+    hinted = "--parallel-prefill" in err
+    assert hinted == (jax.default_backend() == "cpu")
+    code, _, err = run(*argv, "--parallel-prefill")
+    assert code == 0 and "note" not in err
+
+
+def test_chat_through_the_cli_with_a_draft_model(our_folder):
+    code, _, err = run("generate", "--model", str(our_folder), "--chat", "--draft-model",
+                         str(our_folder), "--max-tokens", "6", "--context", "256",
+                         stdin="hello\nhow are you\n")
+    assert code == 0, err
+    assert len([line for line in err.splitlines() if line.startswith("[turn]")]) == 2
+
+
+def test_library_messages_are_put_in_the_flags_words():
+    from turbospark_jax.cli.arguments import user_words
+
+    assert user_words(
+        "a prompt of 5 tokens plus max_tokens=9 needs 14 positions; the producer holds 8"
+    ) == "a prompt of 5 tokens plus --max-tokens 9 needs 14 positions; --context is 8"
+    assert user_words("draft_len must be in 1..8") == "--draft-len must be in 1..8"
+    assert user_words("top_p must be in (0, 1]", {"top_p": "--top-p"}) == (
+        "--top-p must be in (0, 1]"
+    )

@@ -24,9 +24,10 @@ DATA = Path(__file__).parent / "data"
 COMMAND = "python -m turbospark_jax.recipe recipe --out runs/x --max-files 40"
 SAMPLES = ("def foo():\n    return 1", "class A:\n    '''```x```'''", "import os")
 
-#: What differs from the string-built card on purpose: how the samples are made. They come
+#: What differs from the string-built card on purpose: how the samples are made (they come
 #: from the runtime's generation loop, from prompts that end on a word, where the string-built
-#: card's own decoder "healed" a prompt's trailing space token.
+#: card's own decoder "healed" a prompt's trailing space token), and the chat template, which
+#: now separates turns (issue 23).
 INTENDED_CHANGES = (
     ("Greedy completions (the prompt, then the model's continuation; the prompt's last token "
      "is healed: the model re-picks it among the tokens that start with its text, since a "
@@ -35,6 +36,12 @@ INTENDED_CHANGES = (
      "(the prompt, then up to 48 tokens of the model's continuation; each prompt ends on a "
      "whole word, since a prompt ending in a space splits a boundary that training text never "
      "has):"),
+    ("Its chat template only concatenates message texts, so a chat request is a plain "
+     "completion.",
+     "Its chat template renders a conversation as a Python file: each user message becomes a "
+     "block of `#` comment lines, each reply follows as code, then a blank line; so a chat "
+     "turn asks in a comment and gets code back, and a second turn starts on a line of its "
+     "own after the first reply."),
 )
 
 

@@ -53,7 +53,7 @@ def test_tokenizer_special_tokens(setup: Setup) -> None:
     assert ids[0] == tok.bos_token_id and tok.bos_token_id not in ids[1:]
     assert 300 < tok.vocab_size <= 512
     assert tok.apply_chat_template([{"role": "user", "content": "import os"}]) == (
-        "<|bos|>import os"
+        "<|bos|># import os\n"
     )
 
 

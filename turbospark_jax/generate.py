@@ -33,7 +33,7 @@ back so its record matches token-by-token decoding; others keep the longer, trut
 from __future__ import annotations
 
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import numpy as np
@@ -61,7 +61,11 @@ from turbospark_jax.protocols import (
 from turbospark_jax.speculative import speculative_events
 from turbospark_jax.streams import Stream, StreamEvent
 
-__all__ = ["prefill", "run_raw_completion", "stream_completion"]
+__all__ = ["PrefillProgress", "prefill", "run_raw_completion", "stream_completion"]
+
+#: Called during a prefill as ``progress(fed, total)``: prompt tokens fed so far of the
+#: ``total`` the prefill feeds (the unreused suffix), after each chunk or token.
+PrefillProgress = Callable[[int, int], None]
 
 def stream_completion(
     producer: LogitProducer,
@@ -69,6 +73,7 @@ def stream_completion(
     *,
     tokenizer: Any | None = None,
     state: Any | None = None,
+    progress: PrefillProgress | None = None,
 ) -> Stream[Completion]:
     """Start a completion with the loop that fits; iterate for text, then read ``.result``.
 
@@ -82,20 +87,22 @@ def stream_completion(
       tokenizer: for text, stop strings and streaming deltas (optional).
       state: a state to continue from (prefix reuse); a fresh one when ``None``. With a
         donating producer its buffers are consumed; use the completion's ``state`` next.
+      progress: told how far the prefill has got (:data:`PrefillProgress`), for a progress
+        bar over a long prompt.
 
     Raises:
       BadInputError: an invalid request (also: a non-zero ``draft_len`` for a producer that
         cannot draft); raised now, before any state is touched.
     """
     if isinstance(producer, SpeculativeProducer) and request.draft_len != 0:
-        return Stream(speculative_events(producer, request, tokenizer, state))
+        return Stream(speculative_events(producer, request, tokenizer, state, progress))
     if request.draft_len:
         raise BadInputError(
             f"draft_len={request.draft_len} asks for speculative decoding, but "
             f"{type(producer).__name__} cannot draft; pair it with a drafter "
             "(turbospark_jax.drafters.SpeculativePair) or leave draft_len unset"
         )
-    return Stream(plain_events(producer, request, tokenizer, state))
+    return Stream(plain_events(producer, request, tokenizer, state, progress))
 
 
 def run_raw_completion(
@@ -126,10 +133,11 @@ def plain_events(
     request: CompletionRequest,
     tokenizer: Any | None,
     state: Any | None,
+    progress: PrefillProgress | None = None,
 ) -> Generator[StreamEvent, None, Completion]:
     """The plain loop as a generator: validates now, runs as it is consumed."""
     params = validate_request(producer, request, tokenizer)
-    return _plain_loop(producer, request, tokenizer, state, params)
+    return _plain_loop(producer, request, tokenizer, state, params, progress)
 
 
 def _plain_loop(
@@ -138,6 +146,7 @@ def _plain_loop(
     tokenizer: Any | None,
     state: Any | None,
     params: sampling.SamplingParams,
+    progress: PrefillProgress | None,
 ) -> Generator[StreamEvent, None, Completion]:
     t0 = time.perf_counter()
     prompt = [int(t) for t in req.prompt_ids]
@@ -151,7 +160,8 @@ def _plain_loop(
     first_token_s = 0.0
     try:
         logits, state = prefill(
-            p, state, prompt[reused:], reused, req.prefill_chunk_size, req.parallel_prefill
+            p, state, prompt[reused:], reused, req.prefill_chunk_size, req.parallel_prefill,
+            progress,
         )
     except PRODUCER_FAILURES as exc:
         finish, error = FinishReason.ERROR, str(exc)
@@ -212,22 +222,36 @@ def prefill(
     start: int,
     chunk_size: int,
     parallel: bool = False,
+    progress: PrefillProgress | None = None,
 ) -> tuple[Any, Any]:
     """Feed the unreused prompt suffix; return the logits after its last token and the state.
 
     Chunks through ``prefill_chunk_with_status`` when the producer has chunked prefill,
     otherwise ``produce_prefill`` per token and ``produce`` for the last. With ``parallel``,
-    the producer's ``prefill_parallel`` fast path is used when it supports one.
+    the producer's ``prefill_parallel`` fast path is used when it supports one. ``progress``
+    hears after each chunk (or token) how many of the suffix's tokens are in.
     """
+    total = len(suffix)
+
+    def told(done: int) -> None:
+        if progress is not None:
+            progress(done, total)
+
     if isinstance(producer, ChunkedPrefillRunner):
         if parallel and producer.supports_parallel_prefill():
-            return producer.prefill_parallel(state, suffix, start, chunk=chunk_size)
+            out = producer.prefill_parallel(state, suffix, start, chunk=chunk_size)
+            told(total)
+            return out
         logits = None
-        for a in range(0, len(suffix), chunk_size):
+        for a in range(0, total, chunk_size):
             chunk = suffix[a : a + chunk_size]
-            final = a + chunk_size >= len(suffix)
+            final = a + chunk_size >= total
             logits, state = producer.prefill_chunk_with_status(state, chunk, start + a, final)
+            told(a + len(chunk))
         return logits, state
     for i, tok in enumerate(suffix[:-1]):
         state = producer.produce_prefill(state, tok, start + i)
-    return producer.produce(state, suffix[-1], start + len(suffix) - 1)
+        told(i + 1)
+    out = producer.produce(state, suffix[-1], start + total - 1)
+    told(total)
+    return out

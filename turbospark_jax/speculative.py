@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any
 
 import jax
@@ -206,8 +206,10 @@ def speculative_events(
     request: CompletionRequest,
     tokenizer: Any | None,
     state: Any | None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Generator[StreamEvent, None, Completion]:
-    """The speculative loop as a generator: validates now, runs as it is consumed."""
+    """The speculative loop as a generator: validates now, runs as it is consumed;
+    ``progress(fed, total)`` hears how far the prompt walk has got."""
     if not isinstance(producer, SpeculativeProducer):
         raise BadInputError(
             f"{type(producer).__name__} is not a SpeculativeProducer; pair a target with a "
@@ -220,16 +222,18 @@ def speculative_events(
             f"draft_len must be an integer in 1..{MAX_DRAFT} for speculative decoding, got "
             f"{draft_len!r}"
         )
-    return _Loop(producer, request, tokenizer, params, draft_len).run(state)
+    return _Loop(producer, request, tokenizer, params, draft_len, progress).run(state)
 
 
 class _Loop:
     """One speculative completion; :meth:`run` is the generator."""
 
     def __init__(self, producer: SpeculativeProducer, request: CompletionRequest,
-                 tokenizer: Any | None, params: sampling.SamplingParams, draft_len: int):
+                 tokenizer: Any | None, params: sampling.SamplingParams, draft_len: int,
+                 progress: Callable[[int, int], None] | None = None):
         self.p, self.req, self.params, self.draft_len = producer, request, params, draft_len
         self.tokenizer = tokenizer
+        self.progress = progress
         self.on_device = draft_len <= producer.device_draft_limit()
 
     def run(self, state: Any | None) -> Generator[StreamEvent, None, Completion]:
@@ -284,12 +288,18 @@ class _Loop:
 
     def _prompt_walk(self, state: Any, prompt: list[int], start: int) -> tuple[Any, Any]:
         p, size = self.p, self.req.prefill_chunk_size
+
+        def told(end: int) -> None:
+            if self.progress is not None:
+                self.progress(end - start, len(prompt) - start)
+
         if p.supports_chunked_drafter_prefill():
             logits = None
             for a in range(start, len(prompt), size):
                 b = min(a + size, len(prompt))
                 nxt = prompt[b] if b < len(prompt) else None
                 logits, state = p.prefill_chunk_priming_drafter(state, prompt[a:b], a, nxt)
+                told(b)
             return logits, state
         for pos in range(start, len(prompt) - 1):
             if p.supports_headless_prefill():
@@ -297,7 +307,10 @@ class _Loop:
             else:
                 state = p.produce(state, prompt[pos], pos)[1]
             state = p.prime_drafter(state, prompt[pos + 1], pos)
-        return p.produce(state, prompt[-1], len(prompt) - 1)
+            told(pos + 1)
+        out = p.produce(state, prompt[-1], len(prompt) - 1)
+        told(len(prompt))
+        return out
 
     # -- rounds on the device ---------------------------------------------------------------
 

@@ -2,9 +2,11 @@
 
 Any text round-trips because every byte is in the base alphabet and nothing is normalised.
 Ids 0, 1, 2 are ``<|bos|>``, ``<|eos|>``, ``<|pad|>``; ``encode`` prepends ``<|bos|>`` as the
-training documents start with it. The chat template concatenates message contents after
-``<|bos|>``: the recipe trains base code models, so a chat request becomes a plain
-completion.
+training documents start with it. The recipe trains base code models, which have never seen a
+conversation, so the chat template renders one as a Python file: after ``<|bos|>``, each user
+(or system) message becomes a block of ``#`` comment lines and each reply follows as code, then
+a blank line before the next message. A second turn thus starts on a line of its own after the
+first reply, and the model answers a comment with code, as code models do.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 #: In id order: the trainer puts special tokens first, so these are ids 0, 1, 2.
 SPECIAL_TOKENS = (BOS, EOS, PAD)
 
-#: Base models: a "chat" is the concatenated message texts, completed as code.
-CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
+#: Base models: a chat is a Python file, user messages as comment blocks, replies as code
+#: followed by a blank line (see the module docstring).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ message['content'] }}{% if not message['content'].endswith('\\n') %}{{ '\\n' }}"
+    "{% endif %}{{ '\\n' }}{% else %}{% for line in message['content'].split('\\n') %}"
+    "{{ ('# ' + line).rstrip() }}{{ '\\n' }}{% endfor %}{% endif %}{% endfor %}"
+)
 
 
 def train_tokenizer(texts: Sequence[str], vocab_size: int = 8192) -> Tokenizer:

@@ -1,0 +1,414 @@
+"""The turbospark-jax command: ``main`` and the run (modules: ``arguments`` for the parser and
+the checks that need no model, ``progress`` for what stderr shows while it works).
+
+turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded default
+model; --model PATH takes any supported Hugging Face folder. --speculative drafts with the
+embedded draft model (or --draft-model PATH, or --ngram N for prompt lookup); --chat keeps one
+session across turns read from standard input and reports prefix reuse.
+
+The whole command line, the model's config.json and tokenizer are checked before any weights
+load, so a mistake costs no load time. Errors print one line and exit with status 1, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from turbospark_jax.cli.arguments import (
+    PROG,
+    CommandLineError,
+    check_arguments,
+    parser,
+    user_words,
+)
+from turbospark_jax.cli.progress import Bar, CompileClock, Spinner
+from turbospark_jax.errors import ModelLoadError, TurbosparkError
+from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
+
+__all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "embedded_model_path", "main"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Folder:
+    """What a model folder says before its weights are read."""
+
+    path: Path
+    config: dict[str, Any]
+
+    @property
+    def max_positions(self) -> int | None:
+        value = self.config.get("max_position_embeddings")
+        return value if isinstance(value, int) and value > 0 else None
+
+
+def _read_folder(path: Path, flag: str) -> _Folder:
+    """``config.json`` of ``path`` (the loader checks the rest of it, before any weights).
+
+    Raises:
+      CommandLineError: the folder does not exist.
+      ModelLoadError: no config.json, or not a JSON object.
+    """
+    if not path.is_dir():
+        raise CommandLineError(f"{flag} {path}: no such folder")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelLoadError(f"no config.json in {path}; {flag} needs a Hugging Face folder")
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{config_path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{config_path} must hold a JSON object")
+    return _Folder(path, config)
+
+
+def _read_tokenizer(folder: _Folder) -> Any:
+    from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    if not (folder.path / TOKENIZER_FILE).is_file():
+        raise ModelLoadError(
+            f"{folder.path} has no {TOKENIZER_FILE}; the command line needs a tokenizer to "
+            "read text (use the Python API with token ids instead)"
+        )
+    return Tokenizer.from_folder(folder.path)
+
+
+def _check_length(args: argparse.Namespace, folder: _Folder, prompt_tokens: int,
+                  stderr: TextIO, context: int | None = None) -> None:
+    """Refuse (or, with --allow-long-context, warn about) a prompt plus --max-tokens beyond the
+    model's positions, and anything beyond --context. With ``context`` (a chat session's
+    allocation) the prompt is the session's first turn, of at least one token."""
+    need = prompt_tokens + args.max_tokens
+    limit = folder.max_positions
+    prompt = (f"the prompt ({prompt_tokens:,} tokens)" if context is None else
+              "a chat turn (at least 1 token)")
+    if limit is not None and need > limit:
+        what = (f"{prompt} plus --max-tokens {args.max_tokens:,} "
+                f"needs {need:,} positions, beyond the {limit:,} the model was made for "
+                "(max_position_embeddings in its config.json)")
+        if not args.allow_long_context:
+            raise CommandLineError(
+                f"{what}; shorten the prompt, lower --max-tokens, or pass --allow-long-context"
+            )
+        print(f"{PROG}: warning: {what}; output past {limit:,} positions may be garbage, and "
+              "a long prompt takes a while on a CPU", file=stderr, flush=True)
+    context = args.context if context is None else context
+    if context is not None and need > context:
+        raise CommandLineError(
+            f"--context {context:,} is too small: {prompt} plus --max-tokens "
+            f"{args.max_tokens:,} needs {need:,} positions"
+        )
+
+
+#: What the drafting modes measured against plain decoding on a 2-core CPU, each command a
+#: fresh process (README, "Speculative decoding", has the table and the command).
+CPU_MEASURED = {
+    "--speculative": "compiled in 12-17 s against 4-6 s plain and decoded at 109 tokens/s "
+                     "against 99, 21 s in all against 10",
+    "--ngram": "compiled in 10-11 s against 4-6 s plain and decoded at 95 tokens/s against 99, "
+               "16 s in all against 10",
+}
+
+
+def _speculative_note(args: argparse.Namespace, on_cpu: bool) -> str | None:
+    """One line when the drafting mode chosen measured slower than plain decoding on a CPU:
+    it runs as asked, but the user hears what was measured."""
+    if not (on_cpu and args.drafting):
+        return None
+    mode = "--ngram" if args.ngram is not None else "--speculative"
+    chosen = "--draft-model" if args.draft_model else mode
+    return (
+        f"on a CPU, {chosen} may be slower than plain decoding: for 96 tokens with the embedded "
+        f"models, {mode} {CPU_MEASURED[mode]} (README, Speculative decoding; held warm in a "
+        "2,048-position context it decoded 1.4-1.8x faster); --draft-len sets the proposals "
+        "per round"
+    )
+
+
+#: Prompt tokens from which a CPU's exact prefill earns a hint about --parallel-prefill.
+LONG_PREFILL_TOKENS = 512
+
+
+def _prefill_note(args: argparse.Namespace, on_cpu: bool, prompt_tokens: int) -> str | None:
+    """One line when a long prompt will take the slow exact prefill on a CPU."""
+    if not on_cpu or args.parallel_prefill or prompt_tokens < LONG_PREFILL_TOKENS:
+        return None
+    return (
+        f"a {prompt_tokens:,}-token prompt prefills exactly, {args.width} row(s) per step on a "
+        "CPU (the embedded model: about 55 tokens/s); --parallel-prefill is several times "
+        "faster (about 250 tokens/s), equal to the exact path within tolerance"
+    )
+
+
+@dataclasses.dataclass
+class _Clock:
+    """The command's own timings, for --stats."""
+
+    load_s: float = 0.0
+    compile_s: float = 0.0
+
+
+def _load(path: Path, args: argparse.Namespace) -> Any:
+    from turbospark_jax.loading import load_folder
+
+    # One dict per layer: inside the block program's loop XLA copies slices of stacked
+    # weights, which measured 2.2x slower decode on the H200.
+    return load_folder(path, dtype=args.dtype, layer_layout="list")
+
+
+def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
+    from turbospark_jax.block_producer import BlockProducer
+
+    return BlockProducer(loaded.model, loaded.params, capacity=capacity, width=args.width,
+                         steps_per_call=32, donate=True)
+
+
+def _capacity(args: argparse.Namespace, prompt_tokens: int | None) -> int:
+    """``--context``, or the smallest power of two (>= 256) holding prompt and reply: decode
+    attends over the whole preallocated context, so a tight one is faster."""
+    if args.context is not None:
+        return args.context
+    if prompt_tokens is None:
+        return 2048  # a chat grows turn by turn
+    need = prompt_tokens + args.max_tokens + args.width
+    return max(256, 1 << (need - 1).bit_length())
+
+
+def _assemble(args: argparse.Namespace, target: _Folder, draft: _Folder | None,
+              spinner: Spinner, capacity: int) -> tuple[Any, list[int]]:
+    """(producer to drive, stop ids): the target loaded, paired with the drafter asked for."""
+    from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+
+    spinner.set(f"loading {target.path}")
+    loaded = _load(target.path, args)
+    producer = _block_producer(loaded, args, capacity)
+    if draft is not None:
+        spinner.set(f"loading {draft.path}")
+        small = _block_producer(_load(draft.path, args), args, capacity)
+        producer = SpeculativePair(producer, DraftModelDrafter(small))
+    elif args.ngram is not None:
+        producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=args.ngram))
+    stops = set(loaded.generation_config.eos_token_ids)
+    if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+        stops.add(loaded.tokenizer.eos_token_id)
+    return producer, sorted(stops)
+
+
+def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
+    from turbospark_jax.completion import CompletionRequest
+
+    return CompletionRequest(
+        prompt_ids=list(prompt_ids),
+        max_tokens=args.max_tokens,
+        stop_token_ids=list(stops),
+        stop_strings=list(args.stop),
+        sampling=args.sampling,
+        seed=args.seed,
+        # Progress is told per chunk: 16 blocks of the program keep it moving on a CPU.
+        prefill_chunk_size=max(64, 16 * args.width),
+        parallel_prefill=args.parallel_prefill,
+        draft_len=args.draft_len if args.drafting else None,
+    )
+
+
+def _warm_up(producer: Any, request: Any) -> None:
+    """Compile every program the run will call, on a scratch state and a two-token prompt
+    (a drafter is primed on all but the last prompt token), so that the run's prefill and
+    decode timings are not compile time."""
+    from turbospark_jax.generate import stream_completion
+
+    tiny = dataclasses.replace(request, prompt_ids=list(request.prompt_ids[:2]),
+                               max_tokens=min(request.max_tokens, 2 + (request.draft_len or 0)),
+                               stop_token_ids=[], stop_strings=[])
+    stream_completion(producer, tiny).drain()
+
+
+def _stats_line(completion: Any, clock: _Clock, run_compile_s: float) -> str:
+    """One line: counts, then load, compile (the warm-up), prefill and decode apart."""
+    u, t = completion.usage, completion.timings
+    prefill_rate = u.prefilled_tokens / t.prefill_s if t.prefill_s > 0 else 0.0
+    line = (
+        f"[{completion.finish_reason.value}] prompt {u.prompt_tokens} tokens (reused "
+        f"{u.reused_tokens}, prefilled {u.prefilled_tokens}), generated {u.generated_tokens}; "
+        f"load {clock.load_s:.2f}s, compile {clock.compile_s:.2f}s, prefill {t.prefill_s:.2f}s "
+        f"({prefill_rate:.1f} tok/s), first token {t.first_token_s:.2f}s, decode "
+        f"{t.decode_s:.2f}s ({t.decode_tokens_per_s(u.generated_tokens):.1f} tok/s)"
+    )
+    if run_compile_s >= 0.01:
+        line += f"; {run_compile_s:.2f}s of the run went to compiling"
+    if completion.error:
+        line += f"; error: {completion.error}"
+    return line
+
+
+def _prompt_text(args: argparse.Namespace, stdin: TextIO, stderr: TextIO) -> str:
+    if args.prompt is not None:
+        text = args.prompt
+    else:
+        if stdin.isatty():
+            print(f"[{PROG}] reading the prompt from standard input (end it with Ctrl-D)",
+                  file=stderr, flush=True)
+        text = stdin.read()
+    if not text:
+        raise CommandLineError("the prompt is empty")
+    return text
+
+
+def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
+    import jax
+
+    check_arguments(args)
+    target = _read_folder(Path(args.model) if args.model else
+                          embedded_model_path(DEFAULT_TARGET), "--model")
+    draft = None
+    if args.speculative or args.draft_model:
+        draft = _read_folder(Path(args.draft_model) if args.draft_model else
+                             embedded_model_path(DEFAULT_DRAFT), "--draft-model")
+        mine, theirs = target.config.get("vocab_size"), draft.config.get("vocab_size")
+        if mine != theirs:
+            raise CommandLineError(
+                f"the draft model's vocabulary has {theirs} ids but the model's has {mine}; "
+                "--draft-model needs a model with the same tokenizer"
+            )
+    tok = _read_tokenizer(target)
+    on_cpu = jax.default_backend() == "cpu"
+    if args.dtype is None and on_cpu:
+        args.dtype = "float32"
+    if args.width is None:
+        # A CPU is compute-bound: every padding row costs; a GPU reads the weights once. A
+        # speculative verify of draft_len + 1 rows should still be one call.
+        args.width = (args.draft_len + 1 if args.drafting else 1) if on_cpu else 16
+    chat_loop = args.chat and args.prompt is None
+    ids: list[int] = []
+    if not chat_loop:
+        text = _prompt_text(args, stdin, stderr)
+        if args.chat:
+            text = tok.apply_chat_template([{"role": "user", "content": text}],
+                                           add_generation_prompt=True)
+        ids = tok.encode(text, add_special_tokens=False)
+        if not ids:
+            raise CommandLineError("the prompt is empty")
+        _check_length(args, target, len(ids), stderr)
+    else:
+        # A session's first turn needs at least one prompt token beside the reply.
+        _check_length(args, target, 1, stderr, _capacity(args, None))
+    for note in (_speculative_note(args, on_cpu), _prefill_note(args, on_cpu, len(ids))):
+        if note is not None:
+            print(f"{PROG}: note: {note}", file=stderr, flush=True)
+
+    spinner = Spinner(stderr)
+    clock = _Clock()
+    try:
+        started = time.perf_counter()
+        producer, stops = _assemble(args, target, draft, spinner,
+                                    _capacity(args, None if chat_loop else len(ids)))
+        clock.load_s = time.perf_counter() - started
+        request = _request(args, ids or [tok.bos_token_id or 0] * 2, stops)
+        spinner.set("compiling")
+        started = time.perf_counter()
+        _warm_up(producer, request)
+        clock.compile_s = time.perf_counter() - started
+        spinner.done()
+        if chat_loop:
+            return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr)
+        return _complete(args, producer, request, tok, clock, stdout, stderr)
+    finally:
+        spinner.done()
+
+
+def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, clock: _Clock,
+              stdout: TextIO, stderr: TextIO) -> int:
+    """One completion streamed to stdout, progress on stderr, --stats after it."""
+    from turbospark_jax.generate import stream_completion
+
+    show = args.progress or stderr.isatty()
+    prefill_bar = Bar(show, stderr, "prefill", len(request.prompt_ids))
+    generate_bar = None
+    with CompileClock() as compiling:
+        stream = stream_completion(producer, request, tokenizer=tok,
+                                   progress=lambda done, _total: prefill_bar.to(done))
+        generated = 0
+        try:
+            for event in stream:
+                if generate_bar is None:
+                    prefill_bar.close()
+                    # Text on a terminal is its own progress; a redirected stdout gets a bar.
+                    generate_bar = Bar(show and not stdout.isatty(), stderr, "generate",
+                                        request.max_tokens)
+                generated += len(event.token_ids)
+                generate_bar.to(generated)
+                stdout.write(event.text)
+                stdout.flush()
+        finally:
+            prefill_bar.close()
+            if generate_bar is not None:
+                generate_bar.close()
+    stdout.write("\n")
+    stdout.flush()
+    result = stream.result
+    if args.stats or result.error:
+        print(_stats_line(result, clock, compiling.seconds), file=stderr, flush=True)
+        if result.speculative is not None:
+            print(result.speculative.summary(), file=stderr, flush=True)
+    return 1 if result.error else 0
+
+
+def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
+    """One session across turns: each line of stdin is a user turn."""
+    from turbospark_jax.chat import ChatSession, default_stop_ids
+    from turbospark_jax.session_pool import SessionPool
+
+    pool = SessionPool(producer, slots=args.slots)
+    request = _request(args, [0], stops)
+    settings = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
+                if f.name != "prompt_ids"}
+    settings["stop_token_ids"] = sorted({*stops, *default_stop_ids(tok)})
+    session = ChatSession(pool, tok, session_id="cli", **settings)
+    for line in _lines(stdin):
+        stream = session.stream(line)
+        for event in stream:
+            stdout.write(event.text)
+            stdout.flush()
+        stdout.write("\n")
+        stdout.flush()
+        print(f"[turn] {stream.result.summary()}", file=stderr, flush=True)
+    return 0
+
+
+def _lines(stdin: TextIO) -> Iterator[str]:
+    for line in stdin:
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None,
+         stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
+    """Entry point; returns the exit status (0, 1 for any error, 130 when interrupted)."""
+    stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        with contextlib.redirect_stdout(stdout):  # --help and --version
+            args = parser().parse_args(argv)
+        return _generate(args, stdin, stdout, stderr)
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except CommandLineError as exc:
+        print(f"{PROG}: error: {exc}", file=stderr, flush=True)
+        return 1
+    except (TurbosparkError, OSError, ValueError) as exc:
+        print(f"{PROG}: error: {user_words(str(exc))}", file=stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=stderr, flush=True)
+        return 130

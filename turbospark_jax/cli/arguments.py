@@ -1,0 +1,253 @@
+"""The command line's words: the parser, its help, and every check that needs no model.
+
+Parse errors and bad values raise :class:`CommandLineError` with a message in the flags' words
+(``--max-tokens``, not ``max_tokens``); the command prints it as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from turbospark_jax.errors import BadInputError
+
+PROG = "turbospark-jax"
+
+DESCRIPTION = (
+    'turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded '
+    "default model; --model PATH takes any supported Hugging Face folder. --speculative drafts "
+    "with the embedded draft model (or --draft-model PATH, or --ngram N for prompt lookup); "
+    "--chat keeps one session across turns read from standard input. The command line, the "
+    "model's config.json and its tokenizer are checked before any weights load."
+)
+
+#: Proposals per speculative round when --draft-len is not given.
+DEFAULT_DRAFT_LEN = 4
+
+#: The escapes --stop understands.
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[ntr\\])")
+_SIMPLE_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+#: Sampling settings as the library names them, and as the command line does.
+_SAMPLING_FLAGS = {
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "seed": "--seed",
+}
+
+#: Request and drafter names in library messages, as the command line spells them.
+_REQUEST_WORDS = (
+    (re.compile(r"\bmax_tokens=(\d+)"), r"--max-tokens \1"),
+    (re.compile(r"\bmax_tokens\b"), "--max-tokens"),
+    (re.compile(r"\bdraft_len=(\d+)"), r"--draft-len \1"),
+    (re.compile(r"\bdraft_len\b"), "--draft-len"),
+    (re.compile(r"\bmax_n\b"), "--ngram"),
+    (re.compile(r"the producer holds (\d+)"), r"--context is \1"),
+)
+
+
+class CommandLineError(Exception):
+    """A mistake on the command line, worded with the user's flags; printed as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every parse error is one ``turbospark-jax: error: ...`` line and status 1."""
+
+    def error(self, message: str) -> NoReturn:
+        raise CommandLineError(message)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Help lines name their default, unless the default is nothing or the line says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default == argparse.SUPPRESS
+            or default == []
+            or not action.option_strings
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Version(argparse.Action):
+    """``--version``: the package, jax and the backend jax would run on."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS,
+                 default: Any = argparse.SUPPRESS, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=default, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: Any) -> NoReturn:
+        print(version_line())
+        raise SystemExit(0)
+
+
+def version_line() -> str:
+    """``turbospark-jax 0.1.0, jax 0.10.2, backend cpu (cpu)``."""
+    import jax
+
+    from turbospark_jax import __version__
+
+    devices = jax.devices()
+    kind = devices[0].device_kind if devices else "none"
+    return (f"{PROG} {__version__}, jax {jax.__version__}, backend {jax.default_backend()} "
+            f"({len(devices)} x {kind})")
+
+
+def unescape(text: str) -> str:
+    """``\\n``, ``\\t``, ``\\r``, ``\\\\``, ``\\xNN`` and ``\\uNNNN`` as the characters they
+    name (a shell passes ``"\\n"`` as two characters); any other backslash stays as it is."""
+
+    def one(m: re.Match[str]) -> str:
+        code = m.group(1)
+        return _SIMPLE_ESCAPES.get(code) or chr(int(code[1:], 16))
+
+    return _ESCAPE.sub(one, text)
+
+
+def parser() -> _Parser:
+    """The ``turbospark-jax`` parser and its ``generate`` command."""
+    top = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=_HelpFormatter)
+    top.add_argument("--version", action=_Version,
+                     help="print the package version, the jax version and the backend")
+    sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                             parser_class=_Parser)
+    gen = sub.add_parser(
+        "generate", formatter_class=_HelpFormatter,
+        help="stream a completion (or chat with --chat)",
+        description="Stream a completion of PROMPT to stdout. Without PROMPT the prompt is "
+                    "read from standard input (e.g. cat file.py | turbospark-jax generate); "
+                    "with --chat and no PROMPT each line of standard input is a user turn. "
+                    "Progress and --stats go to stderr.",
+    )
+    gen.add_argument("prompt", nargs="?", default=None, metavar="PROMPT",
+                     help="the prompt text; read from standard input when omitted")
+    gen.add_argument("--model", metavar="PATH",
+                     help="a Hugging Face model folder (default: the embedded tsj-pycoder)")
+    gen.add_argument("--max-tokens", type=int, default=128, metavar="N",
+                     help="the most tokens to generate")
+    gen.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature; 0 decodes greedily")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="nucleus sampling, in (0, 1]; 1 = off")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K",
+                     help="keep the k likeliest tokens; 0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                     help="drop tokens below min-p times the likeliest one, in [0, 1]; 0 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                     help="divide the logits of tokens already seen; 1 = off")
+    gen.add_argument("--seed", type=int, default=0, metavar="N",
+                     help="sampling seed: the same seed gives the same output")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="end the output where TEXT appears (repeatable); \\n, \\t, \\r, "
+                          "\\\\, \\xNN and \\uNNNN are read as escapes, so --stop '\\n\\n' "
+                          "stops at a blank line")
+    gen.add_argument("--chat", action="store_true",
+                     help="apply the model's chat template; without PROMPT, read one user turn "
+                          "per line of stdin and keep the session across turns")
+    gen.add_argument("--speculative", action="store_true",
+                     help="speculative decoding with the embedded draft model")
+    gen.add_argument("--draft-model", metavar="PATH",
+                     help="speculative decoding with this draft model folder (same vocabulary)")
+    gen.add_argument("--ngram", type=int, default=None, metavar="N",
+                     help="speculative decoding by prompt lookup with n-grams up to N (>= 1)")
+    gen.add_argument("--draft-len", type=int, default=None, metavar="K",
+                     help="proposals per speculative round, 1..8 (default: "
+                          f"{DEFAULT_DRAFT_LEN})")
+    gen.add_argument("--context", type=int, default=None, metavar="N",
+                     help="positions to allocate (default: the smallest power of two, at least "
+                          "256, holding prompt and reply; 2048 for a --chat session)")
+    gen.add_argument("--allow-long-context", action="store_true",
+                     help="run a prompt plus --max-tokens beyond the model's "
+                          "max_position_embeddings (with a warning) instead of refusing it")
+    gen.add_argument("--width", type=int, default=None, metavar="W",
+                     help="rows of the exact block program (default: 16 on a GPU; on a CPU 1, "
+                          "or --draft-len + 1 when drafting)")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                     help="weights and activations (default: the model's own on a GPU, float32 "
+                          "on a CPU, where XLA's bfloat16 matrix products are slow)")
+    gen.add_argument("--parallel-prefill", action="store_true",
+                     help="batched prefill: faster, equal to the exact path within tolerance")
+    gen.add_argument("--slots", type=int, default=1, metavar="N",
+                     help="session slots of a --chat session pool")
+    gen.add_argument("--progress", action="store_true",
+                     help="show progress bars on stderr even when it is not a terminal "
+                          "(default: only on a terminal; generation progress only when stdout "
+                          "is not a terminal)")
+    gen.add_argument("--stats", action="store_true",
+                     help="print token counts and timings (load, compile, prefill, decode) to "
+                          "stderr")
+    return top
+
+
+def user_words(message: str, names: dict[str, str] | None = None) -> str:
+    """A library message with request settings (and ``names``) spelled as flags."""
+    for pattern, flag in _REQUEST_WORDS:
+        message = pattern.sub(flag, message)
+    for name, flag in (names or {}).items():
+        message = re.sub(rf"\b{name}\b", flag, message)
+    return message
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    """Everything about the command line that needs no model.
+
+    Raises:
+      CommandLineError: the first problem, in the flags' words.
+    """
+    from turbospark_jax.drafters import MAX_DRAFT
+    from turbospark_jax.sampling import SamplingConfig, request_key
+
+    if args.max_tokens < 1:
+        raise CommandLineError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    for flag, value in (("--context", args.context), ("--width", args.width),
+                        ("--slots", args.slots)):
+        if value is not None and value < 1:
+            raise CommandLineError(f"{flag} must be >= 1, got {value}")
+    if args.ngram is not None and args.ngram < 1:
+        raise CommandLineError(
+            f"--ngram must be >= 1 (the longest n-gram to look up), got {args.ngram}; leave it "
+            "out to decode without drafting"
+        )
+    modes = [flag for flag, on in (("--speculative", args.speculative),
+                                   ("--draft-model", args.draft_model),
+                                   ("--ngram", args.ngram is not None)) if on]
+    if len(modes) > 1:
+        raise CommandLineError(
+            f"choose one of --speculative, --draft-model and --ngram, not {' and '.join(modes)}"
+        )
+    args.drafting = bool(modes)
+    if args.draft_len is not None:
+        if not modes:
+            raise CommandLineError(
+                "--draft-len sets proposals per speculative round; it needs --speculative, "
+                "--draft-model or --ngram"
+            )
+        if not 1 <= args.draft_len <= MAX_DRAFT:
+            raise CommandLineError(f"--draft-len must be in 1..{MAX_DRAFT}, got {args.draft_len}")
+    else:
+        args.draft_len = DEFAULT_DRAFT_LEN
+    args.stop = [unescape(s) for s in args.stop]
+    if any(s == "" for s in args.stop):
+        raise CommandLineError("--stop needs a non-empty text")
+    if args.slots > 1 and not args.chat:
+        raise CommandLineError("--slots sets the slots of a --chat session pool; add --chat")
+    args.sampling = SamplingConfig(
+        temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+    )
+    try:
+        args.sampling.to_params()
+        request_key(args.seed)
+    except BadInputError as exc:
+        raise CommandLineError(user_words(str(exc), _SAMPLING_FLAGS)) from exc
