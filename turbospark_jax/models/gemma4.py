@@ -272,7 +272,7 @@ class Gemma4Config:
         if not isinstance(d, Mapping):
             raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(f"unsupported model_type {model_type!r} for the Gemma 4 family "
                                  f"(supported: {', '.join(ARCHITECTURES)})")
         outer: Mapping[str, Any] = {}
@@ -285,6 +285,9 @@ class Gemma4Config:
         def get(key: str, kind: type, source: Mapping[str, Any] = d) -> Any:
             value = source.get(key, defaults.get(key))
             if value is None:
+                if defaults.get(key) is not None:  # a null where transformers needs a value
+                    raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
+                                         f"got null")
                 return None
             ok = {int: isinstance(value, int), float: isinstance(value, int | float),
                   bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
@@ -867,6 +870,7 @@ FAMILY = Family(
     name="gemma4",
     architectures=ARCHITECTURES,
     parse_config=Gemma4Config.from_hf_dict,
+    config_type=Gemma4Config,
     param_shapes=param_shapes,
     hf_tensors=hf_tensors,
     build=_build,
