@@ -196,9 +196,14 @@ _is_int = is_int
 
 
 def require_request(request: object) -> CompletionRequest:
-    """``request`` when it is a :class:`CompletionRequest`; BadInputError otherwise."""
+    """``request`` when it is a :class:`CompletionRequest` whose ``draft_len`` (which picks
+    the loop) is ``None`` or an integer >= 0; BadInputError otherwise."""
     if not isinstance(request, CompletionRequest):
         raise BadInputError(f"request must be a CompletionRequest, got {type(request).__name__}")
+    if request.draft_len is not None and (not _is_int(request.draft_len) or request.draft_len < 0):
+        raise BadInputError(
+            f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
+        )
     return request
 
 
@@ -236,10 +241,6 @@ def validate_request(
         value = getattr(request, name)
         if not _is_int(value) or value < 1:
             raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
-    if request.draft_len is not None and (not _is_int(request.draft_len) or request.draft_len < 0):
-        raise BadInputError(
-            f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
-        )
     limit = producer.max_positions
     if limit is not None and len(prompt) + request.max_tokens > limit:
         raise ContextOverflowError(
