@@ -108,9 +108,9 @@ class BlockProducer(
         )
         leaves, self._state_def = jax.tree.flatten(layout)
         self._state_leaves = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        #: Bytes one state of this producer takes (its cache and fed record).
         self.state_bytes = sum(int(np.prod(shape)) * dtype.itemsize
                                for shape, dtype in self._state_leaves)
-        """Bytes one state of this producer takes (its cache and fed record)."""
         _require_memory(self.state_bytes, f"a state of {capacity} positions")
         if capacity > _MAX_CAPACITY:
             raise ContextOverflowError(
@@ -195,12 +195,14 @@ class BlockProducer(
         return n, self._with_count(state, n)
 
     def produce(self, state: BlockState, token: int, position: int) -> tuple[jax.Array, BlockState]:
-        self._check_tokens([as_token("token", token, self.vocab_size)], position, state)
+        token = as_token("token", token, self.vocab_size)
+        self._check_tokens([token], position, state)
         out, state = self._call(state, self._single_plan(token, need_head=True), self._idle, 1)
         return out.logits[0], state
 
     def produce_prefill(self, state: BlockState, token: int, position: int) -> BlockState:
-        self._check_tokens([as_token("token", token, self.vocab_size)], position, state)
+        token = as_token("token", token, self.vocab_size)
+        self._check_tokens([token], position, state)
         return self._call(state, self._single_plan(token, need_head=False), self._idle, 1)[1]
 
     def prefill_chunk(

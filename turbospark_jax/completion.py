@@ -192,15 +192,12 @@ class Completion:
         return self.usage.summary() + (f", {rate:.1f} tokens/s" if rate > 0 else "")
 
 
-_is_int = is_int
-
-
 def require_request(request: object) -> CompletionRequest:
     """``request`` when it is a :class:`CompletionRequest` whose ``draft_len`` (which picks
     the loop) is ``None`` or an integer >= 0; BadInputError otherwise."""
     if not isinstance(request, CompletionRequest):
         raise BadInputError(f"request must be a CompletionRequest, got {type(request).__name__}")
-    if request.draft_len is not None and (not _is_int(request.draft_len) or request.draft_len < 0):
+    if request.draft_len is not None and (not is_int(request.draft_len) or request.draft_len < 0):
         raise BadInputError(
             f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
         )
@@ -235,11 +232,11 @@ def validate_request(
             f"tokenizer must have decode(ids, skip_special_tokens=...) and id_to_token(id) "
             f"(turbospark_jax.tokenizer.Tokenizer has both), got {type(tokenizer).__name__}"
         )
-    if not _is_int(request.max_tokens) or request.max_tokens < 1:
+    if not is_int(request.max_tokens) or request.max_tokens < 1:
         raise BadInputError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
     for name in ("prefill_chunk_size", "burst"):
         value = getattr(request, name)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
     limit = producer.max_positions
     if limit is not None and len(prompt) + request.max_tokens > limit:
