@@ -12,6 +12,7 @@ from turbospark_jax import (
     stream_completion,
 )
 from turbospark_jax.errors import BadInputError, ContextOverflowError
+from turbospark_jax.protocols import ChunkedPrefillRunner
 from turbospark_jax.state import copy_state, tree_bitwise_equal
 from turbospark_jax.testing.scripted import ScriptedLogitProducer
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
@@ -99,14 +100,20 @@ def test_device_bursts_equal_host_token_by_token_decoding():
     """The device burst and produce() per token run the same program: same tokens, same
     logits bits."""
 
-    class HostOnly:
+    class HostOnly(ChunkedPrefillRunner):
+        """The toy without its device decoder: the loop decodes token by token."""
+
         def __init__(self, inner):
             self._inner = inner
+            for name in ("init_state", "fed_record", "check_state", "try_reuse_prefix",
+                         "rewind_floor", "rewind", "produce", "produce_prefill",
+                         "prefill_chunk"):
+                setattr(self, name, getattr(inner, name))
 
-        def __getattr__(self, name):
-            if name == "decode":
-                raise AttributeError(name)
-            return getattr(self._inner, name)
+        vocab_size = property(lambda self: self._inner.vocab_size)
+        max_positions = property(lambda self: self._inner.max_positions)
+        can_rewind = property(lambda self: self._inner.can_rewind)
+        init_state = fed_record = produce = prefill_chunk = None  # set per instance
 
     req = CompletionRequest(prompt_ids=[2, 7, 1, 8], max_tokens=12, sampling=SAMPLED, seed=3,
                             record_logits=True)

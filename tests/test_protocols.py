@@ -63,7 +63,7 @@ def test_seed_capability_defaults():
 
 def test_default_reuse_is_zero_and_fresh():
     p = _Minimal()
-    n, state = p.try_reuse_prefix((1, 2, 3), [1, 2, 3, 4])
+    n, state = p.try_reuse_prefix((1, 2, 3), [1, 2, 3, 0])
     assert n == 0 and state == ()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 
 from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.checks import as_int, as_token_ids
 from turbospark_jax.completion import Completion, CompletionRequest
 from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
 from turbospark_jax.errors import BadInputError
@@ -97,12 +98,26 @@ def load(
 
     Raises:
       ModelLoadError: the folder cannot be loaded (named, with the reason).
-      BadInputError: both ``draft`` and ``ngram``, or a value of the wrong kind.
+      BadInputError: both ``draft`` and ``ngram``, or a value of the wrong kind (checked
+        before any folder is read).
+      ContextOverflowError: a state of ``context`` positions does not fit the device.
     """
-    if draft and ngram:
-        raise BadInputError("choose one drafter: draft=... or ngram=..., not both")
+    if not (draft is None or isinstance(draft, bool | str | os.PathLike)):
+        raise BadInputError(
+            f"draft must be a folder path, True (the embedded draft model) or None, got "
+            f"{type(draft).__name__}"
+        )
     if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
         raise BadInputError(f"ngram must be an integer >= 0 (0 = off), got {ngram!r}")
+    if draft and ngram:
+        raise BadInputError("choose one drafter: draft=... or ngram=..., not both")
+    if dtype is not None and not isinstance(dtype, str):
+        raise BadInputError(f"dtype must be a str such as 'bfloat16', got {dtype!r}")
+    if context is not None:
+        as_int("context", context, low=1)
+    if width is not None:
+        as_int("width", width, low=1)
+    as_int("draft_len", draft_len, low=1)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
     width = width if width is not None else default_width(bool(draft or ngram), draft_len)
@@ -145,7 +160,7 @@ def stream(
       model: from :func:`load`.
       prompt: text (encoded with the model's tokenizer) or token ids.
       max_tokens: the most tokens to generate.
-      stop: stop strings.
+      stop: stop strings (a single str is one stop string).
       seed: the sampling seed (same seed, same output).
       draft_len: proposals per speculative round (0: decode plainly).
       **settings: sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``,
@@ -156,12 +171,17 @@ def stream(
       BadInputError: an unknown setting, text for a model without a tokenizer, or any invalid
         request value.
     """
+    if not isinstance(model, Model):
+        raise BadInputError(f"model must come from turbospark_jax.load(), got "
+                            f"{type(model).__name__}")
+    if isinstance(stop, str):
+        stop = (stop,)  # one stop string, not one per character
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise BadInputError("this model has no tokenizer; pass the prompt as token ids")
         ids = model.tokenizer.encode(prompt, add_special_tokens=False)
     else:
-        ids = list(prompt)
+        ids = as_token_ids("prompt", prompt, model.producer.vocab_size)
     sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING}
     fields = {f.name for f in dataclasses.fields(CompletionRequest)}
     unknown = sorted(set(settings) - fields)
@@ -172,7 +192,7 @@ def stream(
         )
     settings.setdefault("stop_token_ids", model.stop_token_ids)
     request = CompletionRequest(
-        prompt_ids=ids, max_tokens=max_tokens, stop_strings=tuple(stop), seed=seed,
+        prompt_ids=ids, max_tokens=max_tokens, stop_strings=stop, seed=seed,
         sampling=SamplingConfig(**sampling), draft_len=draft_len, **settings,
     )
     return stream_completion(model.producer, request, tokenizer=model.tokenizer)

@@ -27,6 +27,7 @@ from turbospark_jax.block_program import (
     compiled_parallel,
     compiled_program,
 )
+from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_int
 from turbospark_jax.errors import (
     BadInputError,
     ContextOverflowError,
@@ -58,6 +59,9 @@ from turbospark_jax.state import (
 #: Prompt-end snapshots a state of a recurrent model keeps (the newest).
 MAX_SNAPSHOTS = 4
 
+#: The largest capacity: positions are int32 inside the programs.
+_MAX_CAPACITY = 2**31 - 1
+
 
 class BlockProducer(
     ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState, BlockState], DeviceDecoder
@@ -76,6 +80,17 @@ class BlockProducer(
         the append-only buffers of a state passed to any method are invalid afterwards (its
         by-value leaves, and so every :meth:`checkpoint`, stay valid); keep a
         :func:`~turbospark_jax.state.copy_state` copy to keep a whole old value.
+
+    Raises:
+      BadInputError: an argument of the wrong type or below 1.
+      ContextOverflowError: a state of ``capacity`` positions needs more memory than the
+        device has free (:attr:`state_bytes` against what JAX reports for the device, or the
+        host's available memory on a CPU); nothing is allocated or compiled before this.
+
+    Every method checks its arguments and the state it is given (:meth:`check_state`) before
+    any work: a wrong type, an id outside the vocabulary, a position that does not continue
+    the state, a state of another producer or one whose buffers were donated raise
+    :class:`~turbospark_jax.errors.BadInputError` and leave the state untouched.
     """
 
     def __init__(
@@ -88,10 +103,27 @@ class BlockProducer(
         steps_per_call: int = 32,
         donate: bool = True,
     ) -> None:
-        if capacity < 1 or width < 1 or steps_per_call < 1:
-            raise BadInputError(
-                f"capacity, width and steps_per_call must be >= 1; got {capacity}, {width}, "
-                f"{steps_per_call}"
+        if not isinstance(model, BlockModel):
+            raise BadInputError(f"model must be a BlockModel, got {type(model).__name__}")
+        capacity = as_int("capacity", capacity, low=1)
+        width = as_int("width", width, low=1)
+        steps_per_call = as_int("steps_per_call", steps_per_call, low=1)
+        donate = as_bool("donate", donate)
+        # The state's layout, from shapes alone: what check_state compares against, and the
+        # bytes a state takes, checked against the device before anything is allocated.
+        layout = jax.eval_shape(
+            lambda: BlockState(cache=model.init_cache(capacity), fed=FedRecord.empty(capacity))
+        )
+        leaves, self._state_def = jax.tree.flatten(layout)
+        self._state_leaves = [(tuple(x.shape), np.dtype(x.dtype)) for x in leaves]
+        #: Bytes one state of this producer takes (its cache and fed record).
+        self.state_bytes = sum(int(np.prod(shape)) * dtype.itemsize
+                               for shape, dtype in self._state_leaves)
+        _require_memory(self.state_bytes, f"a state of {capacity} positions")
+        if capacity > _MAX_CAPACITY:
+            raise ContextOverflowError(
+                f"capacity {capacity} is past the int32 positions the programs use "
+                f"(at most {_MAX_CAPACITY})"
             )
         self.model = model
         self.params = params
@@ -99,8 +131,8 @@ class BlockProducer(
         self.width = width
         self.steps_per_call = steps_per_call
         self.donate = donate
-        # Stamped into every state this producer makes, so a checkpoint from another
-        # producer (even one of the same structure) is refused on rollback.
+        # Stamped into every state this producer makes, so a state or checkpoint from another
+        # producer (even one of the same structure) is refused.
         self.identity = int.from_bytes(os.urandom(4), "little") | 1
         self._program = compiled_program(model, donate)
         self._idle = self._idle_control()
@@ -123,15 +155,14 @@ class BlockProducer(
         return self.model.rewind_floor(state.cache)
 
     def rewind(self, state: BlockState, count: int) -> BlockState:
+        fed = self._require_state(state)
         if not self.can_rewind:
             return super().rewind(state, count)
-        fed = int(state.fed.count)
-        if isinstance(count, bool) or not isinstance(count, int | np.integer) or not (
-            0 <= count <= fed
-        ):
+        if not is_int(count) or not 0 <= int(count) <= fed:
             raise BadInputError(
                 f"cannot rewind to {count!r}: the state has consumed {fed} positions"
             )
+        count = int(count)
         floor = self.rewind_floor(state)
         if count < floor:
             raise BadInputError(
@@ -141,7 +172,11 @@ class BlockProducer(
         return self._with_count(state, int(count))
 
     def fed_record(self, state: BlockState) -> FedRecord:
+        self._require_state(state)
         return state.fed
+
+    def check_state(self, state: BlockState) -> None:
+        self._require_state(state)
 
     @property
     def max_positions(self) -> int:
@@ -157,7 +192,8 @@ class BlockProducer(
         *,
         injected: Mapping[int, int] | None = None,
     ) -> tuple[int, BlockState]:
-        require_prompt(prompt_ids)
+        self._require_state(state)
+        prompt_ids = require_prompt(prompt_ids, self.vocab_size)
         record = state.fed.to_host()
         n = reusable_prefix(record.ids, record.injected, prompt_ids, injected,
                             rewindable=self.can_rewind)
@@ -180,11 +216,13 @@ class BlockProducer(
         return logits, state
 
     def produce(self, state: BlockState, token: int, position: int) -> tuple[jax.Array, BlockState]:
+        token = as_token("token", token, self.vocab_size)
         self._check_tokens([token], position, state)
         out, state = self._call(state, self._single_plan(token, need_head=True), self._idle, 1)
         return out.logits[0], state
 
     def produce_prefill(self, state: BlockState, token: int, position: int) -> BlockState:
+        token = as_token("token", token, self.vocab_size)
         self._check_tokens([token], position, state)
         return self._call(state, self._single_plan(token, need_head=False), self._idle, 1)[1]
 
@@ -226,6 +264,7 @@ class BlockProducer(
         """
         if not self.supports_parallel_prefill():
             return super().prefill_parallel(state, tokens, start_position, chunk=chunk)
+        chunk = as_int("chunk", chunk, low=1)
         tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
         program = compiled_parallel(self.model, self.donate)
         body = tokens[:-1]
@@ -264,6 +303,7 @@ class BlockProducer(
         return (rows[0] if len(rows) == 1 else jnp.concatenate(rows)), state
 
     def checkpoint(self, state: BlockState) -> BlockState:
+        self._require_state(state)
         return by_value(state)
 
     def rollback(self, state: BlockState, point: BlockState) -> BlockState:
@@ -280,11 +320,12 @@ class BlockProducer(
         # cursor past them. Models with by-value recurrent leaves replay them from a tape.
         self._check_ancestor(state, point)
         base = int(point.fed.count)
-        if not 0 <= keep_rows <= int(state.fed.count) - base:
+        if not is_int(keep_rows) or not 0 <= int(keep_rows) <= int(state.fed.count) - base:
             raise BadInputError(
-                f"keep_rows={keep_rows} but the last verify fed "
+                f"keep_rows={keep_rows!r} but the last verify fed "
                 f"{int(state.fed.count) - base} rows after the checkpoint"
             )
+        keep_rows = int(keep_rows)
         restored = restore_by_value(state, point)
         if self.model.records_tape:
             # The tape holds the rows of the last block only; a verify wider than the block
@@ -305,6 +346,9 @@ class BlockProducer(
     def record_committed(self, state: BlockState, tokens: Sequence[int], pos0: int) -> BlockState:
         # verify already recorded what it fed; this checks the caller and the record agree, so
         # a loop that miscounts fails here rather than answering a later turn wrongly.
+        self._require_state(state)
+        tokens = as_token_ids("tokens", tokens, self.vocab_size, allow_empty=True)
+        pos0 = as_int("pos0", pos0, low=0)
         record = state.fed.to_host()
         end = pos0 + len(tokens)
         if end > record.count or list(record.ids[pos0:end]) != [int(t) for t in tokens]:
@@ -336,14 +380,19 @@ class BlockProducer(
         id (which is returned but not fed) or on non-finite logits. The last sampled token is
         never fed: the next burst starts with it.
         """
-        if not 1 <= steps <= self.steps_per_call:
-            raise BadInputError(f"steps must be in 1..{self.steps_per_call}, got {steps}")
+        count = self._require_state(state)
+        steps = as_int("steps", steps, low=1, high=self.steps_per_call)
+        stop_ids = as_token_ids("stop_ids", stop_ids, self.vocab_size, allow_empty=True)
         if len(stop_ids) > MAX_STOP_IDS:
             raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
-        self._check_tokens([token], int(state.fed.count), state)
-        if int(state.fed.count) + steps > self.capacity:
+        sampling.check_sampling_args(params, history, key, self.vocab_size)
+        gen_index = as_int("gen_index", gen_index, low=0, high=_MAX_CAPACITY)
+        record_logits = as_bool("record_logits", record_logits)
+        token = as_token("token", token, self.vocab_size)
+        self._check_feed([token], count, count, "token")
+        if count + steps > self.capacity:
             raise ContextOverflowError(
-                f"decoding {steps} tokens from position {int(state.fed.count)} overflows the "
+                f"decoding {steps} tokens from position {count} overflows the "
                 f"context of {self.capacity} positions"
             )
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
@@ -373,6 +422,7 @@ class BlockProducer(
 
     def _check_ancestor(self, state: BlockState, point: BlockState) -> None:
         """Refuse a checkpoint that is not of this producer or not an ancestor of ``state``."""
+        self._require_state(state)
         if not isinstance(point, BlockState) or not isinstance(point.fed, FedRecord):
             raise BadInputError(
                 f"a checkpoint must come from checkpoint(); got {type(point).__name__}"
@@ -426,6 +476,37 @@ class BlockProducer(
     def _with_count(self, state: BlockState, n: int) -> BlockState:
         return state.replace(fed=state.fed.moved_to(n))
 
+    def _require_state(self, state: Any) -> int:
+        """Refuse anything but a live state of this producer; return its cursor."""
+        if not isinstance(state, BlockState):
+            raise BadInputError(
+                f"expected a state of this producer (a BlockState from init_state()), got "
+                f"{type(state).__name__}"
+            )
+        leaves, treedef = jax.tree.flatten(without_auxiliary(state)[0])  # snapshots vary
+        if treedef != self._state_def or len(leaves) != len(self._state_leaves) or any(
+            not hasattr(x, "shape") or (tuple(x.shape), np.dtype(x.dtype)) != want
+            for x, want in zip(leaves, self._state_leaves, strict=False)
+        ):
+            raise BadInputError(
+                "this state does not have the layout of this producer's states (another "
+                f"model, or another capacity than {self.capacity}); use a state from this "
+                "producer's init_state()"
+            )
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in leaves):
+            raise BadInputError(
+                "this state's buffers were consumed by an earlier call (the producer donates "
+                "them); continue from the state that call returned, or keep a "
+                "turbospark_jax.state.copy_state copy"
+            )
+        owner, count = (int(v) for v in jax.device_get((state.fed.owner, state.fed.count)))
+        if owner != self.identity:
+            raise BadInputError(
+                "this state was made by another producer; continue a state only with the "
+                "producer whose init_state() made it"
+            )
+        return count
+
     def _check_tokens(
         self,
         tokens: Sequence[int],
@@ -433,17 +514,14 @@ class BlockProducer(
         state: BlockState,
         what: str = "token",
     ) -> list[int]:
-        tokens = [int(t) for t in np.asarray(tokens, dtype=np.int64).reshape(-1)]
-        if not tokens:
-            raise BadInputError(f"{what} is empty; expected at least one token id")
-        vocab = self.vocab_size
-        bad = [t for t in tokens if not 0 <= t < vocab]
-        if bad:
-            raise BadInputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        count = int(state.fed.count)
-        if position != count:
+        return self._check_feed(tokens, position, self._require_state(state), what)
+
+    def _check_feed(self, tokens: Sequence[int], position: int, count: int, what: str) -> list[int]:
+        """Refuse a feed that is not ids of this vocabulary continuing ``count`` positions."""
+        tokens = as_token_ids(what, tokens, self.vocab_size)
+        if not is_int(position) or int(position) != count:
             raise BadInputError(
-                f"position {position} does not continue the state, which has consumed "
+                f"position {position!r} does not continue the state, which has consumed "
                 f"{count} positions; pass position={count}"
             )
         if count + len(tokens) > self.capacity:
@@ -502,3 +580,45 @@ class BlockProducer(
             self.params, buffers_only(bare), by_value(bare), plan, control, jnp.int32(n_steps)
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
+
+
+
+def _require_memory(needed: int, what: str) -> None:
+    """Refuse, before allocating, ``needed`` bytes that the default device cannot hold.
+
+    The figure to compare with: what the device's allocator reports free
+    (``memory_stats()``: ``bytes_limit - bytes_in_use``, GPUs and TPUs); on a CPU, which
+    reports nothing, the host's available memory (``MemAvailable`` in ``/proc/meminfo``, else
+    all physical pages). A platform that reports neither is not checked.
+
+    Raises:
+      ContextOverflowError: naming the bytes needed and available.
+    """
+    device = jax.devices()[0]
+    available = _available_bytes(device)
+    if available is None or needed <= available[0]:
+        return
+    free, where = available
+    raise ContextOverflowError(
+        f"{what} needs {needed:,} bytes ({needed / 2**30:.1f} GiB), but {where} has "
+        f"{free:,} bytes ({free / 2**30:.1f} GiB) available; use a smaller capacity"
+    )
+
+
+def _available_bytes(device: Any) -> tuple[int, str] | None:
+    stats = device.memory_stats()
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
+    if device.platform != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "the host"
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host"
+    except (OSError, ValueError):
+        return None

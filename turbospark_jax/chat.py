@@ -21,8 +21,9 @@ import dataclasses
 import threading
 import uuid
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
+from turbospark_jax.checks import as_int
 from turbospark_jax.completion import Completion, CompletionRequest, FinishReason
 from turbospark_jax.errors import BadInputError, SessionError, UnsupportedCapabilityError
 from turbospark_jax.session_pool import SessionId, SessionPool
@@ -34,15 +35,21 @@ __all__ = ["END_OF_TURN_TOKENS", "ChatSession", "default_stop_ids"]
 #: Gemma, Phi). Those that are single tokens of a tokenizer stop generation by default.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
 
+#: What :class:`ChatTokenizer` asks for, for messages.
+_TOKENIZER_NEEDS = ("eos_token_id", "chat_template", "token_to_id", "encode", "decode",
+                    "id_to_token", "apply_chat_template")
+
 #: Request settings a session accepts as defaults or per-turn overrides.
 REQUEST_FIELDS = tuple(
     f.name for f in dataclasses.fields(CompletionRequest) if f.name != "prompt_ids"
 )
 
 
+@runtime_checkable
 class ChatTokenizer(Protocol):
     """What a chat session needs of a tokenizer (:class:`turbospark_jax.tokenizer.Tokenizer`
-    has all of it). ``chat_template`` is ``None`` when the tokenizer has none."""
+    has all of it). ``chat_template`` is ``None`` when the tokenizer has none. Runtime
+    checkable: a session refuses a tokenizer that lacks any of it before any work."""
 
     eos_token_id: int | Sequence[int] | None
     chat_template: str | None
@@ -66,15 +73,18 @@ def default_stop_ids(tokenizer: ChatTokenizer) -> tuple[int, ...]:
 
     Returns:
       The distinct ids, end-of-sequence first; empty when the tokenizer names none.
+
+    Raises:
+      BadInputError: the tokenizer answers with something that is not an integer id.
     """
     ids: list[int] = []
     eos = tokenizer.eos_token_id
     for candidate in eos if isinstance(eos, Sequence) else [eos]:
-        if candidate is not None and int(candidate) not in ids:
+        if candidate is not None and as_int("eos_token_id", candidate) not in ids:
             ids.append(int(candidate))
     for text in END_OF_TURN_TOKENS:
         found = tokenizer.token_to_id(text)
-        if found is not None and int(found) not in ids:
+        if found is not None and as_int(f"the id of {text}", found) not in ids:
             ids.append(int(found))
     return tuple(ids)
 
@@ -100,8 +110,10 @@ class ChatSession:
         sets the proposals per round; 0 decodes plainly).
 
     Raises:
-      BadInputError: an unknown or invalid request setting, or a ``draft_len`` for a producer
-        that cannot draft.
+      BadInputError: an unknown or invalid request setting, a ``draft_len`` for a producer
+        that cannot draft, a tokenizer that is not a :class:`ChatTokenizer`, a ``system``
+        that is not a str, ``template_kwargs`` that are not a mapping, or something other
+        than a pool or a producer.
       UnsupportedCapabilityError: the tokenizer has no chat template.
       SessionError: an unusable ``session_id`` (``None`` is replaced by a random one).
 
@@ -119,6 +131,17 @@ class ChatSession:
         template_kwargs: Mapping[str, Any] | None = None,
         **defaults: Any,
     ) -> None:
+        if not isinstance(tokenizer, ChatTokenizer):
+            raise BadInputError(
+                f"tokenizer must provide {', '.join(_TOKENIZER_NEEDS)} "
+                f"(turbospark_jax.tokenizer.Tokenizer does), got {type(tokenizer).__name__}"
+            )
+        if system is not None and not isinstance(system, str):
+            raise BadInputError(f"system must be a str or None, got {type(system).__name__}")
+        if template_kwargs is not None and not isinstance(template_kwargs, Mapping):
+            raise BadInputError(
+                f"template_kwargs must be a mapping, got {type(template_kwargs).__name__}"
+            )
         if isinstance(pool_or_producer, SessionPool):
             self.pool = pool_or_producer
         else:
@@ -155,8 +178,11 @@ class ChatSession:
         """The prompt ids of the history (plus ``user_text`` as the next user message).
 
         Raises:
-          BadInputError: the template refused the messages or rendered nothing.
+          BadInputError: ``user_text`` is not a str or None, or the template refused the
+            messages or rendered nothing.
         """
+        if user_text is not None and not isinstance(user_text, str):
+            raise BadInputError(f"user_text must be a str, got {type(user_text).__name__}")
         messages = self.messages
         if user_text is not None:
             messages.append({"role": "user", "content": user_text})

@@ -14,14 +14,14 @@ import dataclasses
 import enum
 import time
 from collections.abc import Sequence
-from numbers import Integral
 from typing import Any
 
 import jax
 import numpy as np
 
 from turbospark_jax import sampling
-from turbospark_jax.detokenize import IncrementalDetokenizer
+from turbospark_jax.checks import as_bool, as_token_ids, is_int
+from turbospark_jax.detokenize import IncrementalDetokenizer, TokenizerLike
 from turbospark_jax.errors import (
     BadInputError,
     ContextOverflowError,
@@ -192,56 +192,69 @@ class Completion:
         return self.usage.summary() + (f", {rate:.1f} tokens/s" if rate > 0 else "")
 
 
-def _is_int(value: object) -> bool:
-    return not isinstance(value, bool) and isinstance(value, Integral | np.integer)
+def require_request(request: object) -> CompletionRequest:
+    """``request`` when it is a :class:`CompletionRequest` whose ``draft_len`` (which picks
+    the loop) is ``None`` or an integer >= 0; BadInputError otherwise."""
+    if not isinstance(request, CompletionRequest):
+        raise BadInputError(f"request must be a CompletionRequest, got {type(request).__name__}")
+    if request.draft_len is not None and (not is_int(request.draft_len) or request.draft_len < 0):
+        raise BadInputError(
+            f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
+        )
+    return request
 
 
 def validate_request(
-    producer: LogitProducer, request: CompletionRequest, tokenizer: Any | None
+    producer: LogitProducer,
+    request: CompletionRequest,
+    tokenizer: Any | None,
+    state: Any | None = None,
 ) -> sampling.SamplingParams:
-    """Check everything about ``request`` that can be checked without running the producer.
+    """Check everything about a completion that can be checked without running the producer:
+    the producer, the request, the tokenizer, and the state handed in.
 
     Returns the device sampling params. Raises BadInputError (ContextOverflowError for
     length) naming the problem.
     """
-    if not isinstance(request, CompletionRequest):
-        raise BadInputError(f"request must be a CompletionRequest, got {type(request).__name__}")
+    if not isinstance(producer, LogitProducer):
+        raise BadInputError(
+            f"producer must be a LogitProducer (a BlockProducer, a SpeculativePair...), got "
+            f"{type(producer).__name__}"
+        )
+    require_request(request)
     vocab = producer.vocab_size
-    try:
-        prompt = list(request.prompt_ids)
-    except TypeError as exc:
-        raise BadInputError(f"prompt_ids must be a sequence of token ids: {exc}") from exc
-    if not prompt:
-        raise BadInputError("the prompt is empty; a prompt needs at least one token id")
-    for name, ids in (("prompt", prompt), ("stop token", list(request.stop_token_ids))):
-        for t in ids:
-            if not _is_int(t) or not 0 <= t < vocab:
-                raise BadInputError(f"{name} id {t!r} is outside the vocabulary [0, {vocab})")
-    if not _is_int(request.max_tokens) or request.max_tokens < 1:
+    prompt = as_token_ids("prompt_ids", request.prompt_ids, vocab)
+    as_token_ids("stop_token_ids", request.stop_token_ids, vocab, allow_empty=True)
+    for flag in ("include_stop_string", "record_logits", "parallel_prefill"):
+        as_bool(flag, getattr(request, flag))
+    if tokenizer is not None and not isinstance(tokenizer, TokenizerLike):
+        raise BadInputError(
+            f"tokenizer must have decode(ids, skip_special_tokens=...) and id_to_token(id) "
+            f"(turbospark_jax.tokenizer.Tokenizer has both), got {type(tokenizer).__name__}"
+        )
+    if not is_int(request.max_tokens) or request.max_tokens < 1:
         raise BadInputError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
     for name in ("prefill_chunk_size", "burst"):
         value = getattr(request, name)
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
-    if request.draft_len is not None and (not _is_int(request.draft_len) or request.draft_len < 0):
-        raise BadInputError(
-            f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
-        )
     limit = producer.max_positions
     if limit is not None and len(prompt) + request.max_tokens > limit:
         raise ContextOverflowError(
             f"a prompt of {len(prompt)} tokens plus max_tokens={request.max_tokens} needs "
             f"{len(prompt) + request.max_tokens} positions; the producer holds {limit}"
         )
+    StopMatcher(request.stop_strings, include_stop=request.include_stop_string)
     if request.stop_strings and tokenizer is None:
         raise BadInputError("stop strings need a tokenizer to see text; pass tokenizer=")
-    StopMatcher(list(request.stop_strings), include_stop=request.include_stop_string)
     if not isinstance(request.sampling, SamplingConfig):
         raise BadInputError(
             f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}"
         )
     params = request.sampling.to_params()
     sampling.request_key(request.seed)
+    if state is not None:
+        producer.check_state(state)
     return params
 
 
@@ -258,6 +271,8 @@ class Emission:
         self.prompt = prompt
         self.tokens: list[int] = []
         self.rows: list[Any] = []
+        #: Why the text pipeline ended generation, when it did (a token it cannot decode).
+        self.failure: str | None = None
         self.text = _TextPipeline(tokenizer, prompt, request)
 
     def push(self, token: int, row: Any) -> tuple[StreamEvent | None, FinishReason | None]:
@@ -267,7 +282,13 @@ class Emission:
             self.rows.append(row)
         if token in req.stop_token_ids:
             return None, FinishReason.STOP_TOKEN
-        delta, hit = self.text.push(token)
+        try:
+            delta, hit = self.text.push(token)
+        except BadInputError as exc:
+            # The model generated an id the tokenizer does not know (a model vocabulary padded
+            # past the tokenizer's): no text for it, and generation cannot go on truthfully.
+            self.failure = f"the tokenizer cannot decode generated token {token}: {exc}"
+            return None, FinishReason.ERROR
         event = StreamEvent(text=delta, token_ids=[token]) if delta or not hit else None
         if hit:
             return event, FinishReason.STOP_STRING
@@ -299,6 +320,7 @@ class Emission:
         timings = Timings(prefill_s, first_token_s, total_s - prefill_s - first_token_s, total_s)
         if finish is FinishReason.ERROR:
             state = None  # never offered for reuse
+            error = error if error is not None else self.failure
         tail = "" if finish is FinishReason.STOP_STRING else self.text.flush()
         if finish is FinishReason.LENGTH and self.text.matched is not None:
             finish = FinishReason.STOP_STRING  # the flush settled a held-back stop string
@@ -328,7 +350,7 @@ class _TextPipeline:
         self._detok = None
         if tokenizer is not None:
             self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
-        self._stop = StopMatcher(list(req.stop_strings), include_stop=req.include_stop_string)
+        self._stop = StopMatcher(req.stop_strings, include_stop=req.include_stop_string)
 
     def push(self, token: int) -> tuple[str, bool]:
         if self._detok is None:

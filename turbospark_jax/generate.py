@@ -47,6 +47,7 @@ from turbospark_jax.completion import (
     Emission,
     FinishReason,
     add_to_history,
+    require_request,
     rewind_overshoot,
     validate_request,
 )
@@ -91,9 +92,18 @@ def stream_completion(
         bar over a long prompt.
 
     Raises:
-      BadInputError: an invalid request (also: a non-zero ``draft_len`` for a producer that
-        cannot draft); raised now, before any state is touched.
+      BadInputError: an invalid request, producer, tokenizer or state (also: a non-zero
+        ``draft_len`` for a producer that cannot draft); raised now, before any state is
+        touched.
+
+    Once iteration starts the state handed in belongs to the loop (a donating producer
+    consumes its buffers), whatever happens next. Non-finite logits, a producer failure or a
+    generated id the tokenizer cannot decode end the completion with ``finish_reason ==
+    FinishReason.ERROR`` (``error`` says why; the tokens before stay; no state is offered).
+    An exception raised by the caller's own tokenizer is not ours to reinterpret: it
+    propagates unchanged, and no completion (so no state) comes back.
     """
+    require_request(request)
     if isinstance(producer, SpeculativeProducer) and request.draft_len != 0:
         return Stream(speculative_events(producer, request, tokenizer, state, progress))
     if request.draft_len:
@@ -120,6 +130,7 @@ def run_raw_completion(
     Raises:
       BadInputError: an invalid request; the state is untouched.
     """
+    require_request(request)
     if request.draft_len:
         raise BadInputError(
             "run_raw_completion is the plain loop; use run_raw_completion_speculative or "
@@ -136,23 +147,24 @@ def plain_events(
     progress: PrefillProgress | None = None,
 ) -> Generator[StreamEvent, None, Completion]:
     """The plain loop as a generator: validates now, runs as it is consumed."""
-    params = validate_request(producer, request, tokenizer)
-    return _plain_loop(producer, request, tokenizer, state, params, progress)
+    params = validate_request(producer, request, tokenizer, state)
+    # The text pipeline is built now too: a prompt id the tokenizer refuses is bad input.
+    out = Emission(request, tokenizer, [int(t) for t in request.prompt_ids])
+    return _plain_loop(producer, request, out, state, params, progress)
 
 
 def _plain_loop(
     p: LogitProducer,
     req: CompletionRequest,
-    tokenizer: Any | None,
+    out: Emission,
     state: Any | None,
     params: sampling.SamplingParams,
     progress: PrefillProgress | None,
 ) -> Generator[StreamEvent, None, Completion]:
     t0 = time.perf_counter()
-    prompt = [int(t) for t in req.prompt_ids]
+    prompt = out.prompt
     state = state if state is not None else p.init_state()
     reused, state = p.try_reuse_prefix(state, prompt)
-    out = Emission(req, tokenizer, prompt)
     key = sampling.request_key(req.seed)
     history = sampling.History.from_prompt(prompt, p.vocab_size)
     device = isinstance(p, DeviceDecoder)

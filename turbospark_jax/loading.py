@@ -34,10 +34,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
-from turbospark_jax.models.registry import family_of
+from turbospark_jax.models.registry import family_of, family_of_config
 from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
 
 CONFIG_FILE = "config.json"
@@ -171,19 +172,29 @@ def _read_json(path: str, what: str) -> Any:
         raise ModelLoadError(f"could not read {what} {path}: {e}") from e
 
 
+def _check_dtype_argument(dtype: Any) -> None:
+    """Refuse a ``dtype`` argument we do not compute in (the caller's, so BadInputError)."""
+    if dtype is None:
+        return
+    try:
+        resolved = jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
+        raise BadInputError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+
+
 def _resolve_dtype(dtype: Any, config: Any) -> jnp.dtype:
     if dtype is None:
-        dtype = config.dtype or "float32"
-    if isinstance(dtype, str):
-        if dtype not in _DTYPES:
+        # The folder's own dtype: one we do not compute in is the folder's problem.
+        named = config.dtype or "float32"
+        if named not in _DTYPES:
             raise ModelLoadError(
-                f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}"
+                f"config.json names dtype {named!r}, which we do not compute in; pass "
+                f"dtype= one of {', '.join(_DTYPES)}"
             )
-        dtype = _DTYPES[dtype]
-    resolved = jnp.dtype(dtype)
-    if resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
-        raise ModelLoadError(f"unsupported dtype {resolved}; supported: {', '.join(_DTYPES)}")
-    return resolved
+        dtype = named
+    return jnp.dtype(_DTYPES[dtype] if isinstance(dtype, str) else dtype)
 
 
 def _weight_files(folder: str) -> dict[str, str]:
@@ -259,16 +270,22 @@ def load_folder(
       The :class:`LoadedModel`.
 
     Raises:
-      BadInputError: ``layer_layout`` is neither layout, or one the family does not have
-        (checked before any tensor is read).
+      BadInputError: ``path`` is not a path, ``dtype`` is not one we compute in,
+        ``layer_layout`` is neither layout, or one the family does not have (checked before
+        any tensor is read).
       ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
         or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
         missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
         a safetensors file is corrupt or truncated (named).
     """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
     if layer_layout not in ("stacked", "list"):
         raise BadInputError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
+    _check_dtype_argument(dtype)
     folder = os.fspath(path)
+    if not isinstance(folder, str):
+        raise BadInputError(f"path must be a text path, got {folder!r}")
     if not os.path.isdir(folder):
         raise ModelLoadError(f"model folder {folder} does not exist")
     config_path = os.path.join(folder, CONFIG_FILE)
@@ -326,6 +343,16 @@ def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}{more}")
     shapes = family.param_shapes(config)
+    # Every shape is checked against the files' headers before the params are allocated, so a
+    # config that implies absurd sizes is refused, not allocated.
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = wanted.get(name)
+        if t is not None:
+            got = _header_shape(handle, name, file)
+            if got != t.hf_shape:
+                raise ModelLoadError(
+                    f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}"
+                )
     host: Params = jax.tree.map(lambda s: np.empty(s, np_dtype), shapes, is_leaf=_is_shape)
     copies = family.tied_copies(config)
     spares: list[tuple[str, np.ndarray, str]] = []
@@ -339,14 +366,7 @@ def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -
                 continue
             raise ModelLoadError(f"unexpected tensor {name} in {file}")
         try:
-            got = tuple(handle.get_slice(name).get_shape())
-            if got != t.hf_shape:
-                raise ModelLoadError(
-                    f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}"
-                )
             array = handle.get_tensor(name)
-        except ModelLoadError:
-            raise
         except Exception as e:
             raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
         converted = t.to_ours(array, _slot_shape(shapes, t)).astype(np_dtype, copy=False)
@@ -365,6 +385,13 @@ def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -
                 f"differs from it; untie the config or drop the tensor"
             )
     return host
+
+
+def _header_shape(handle: Any, name: str, file: str) -> tuple[int, ...]:
+    try:
+        return tuple(handle.get_slice(name).get_shape())
+    except Exception as e:  # the library's errors for a damaged header entry
+        raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
 
 
 # -- saving ----------------------------------------------------------------------------------
@@ -398,7 +425,23 @@ def save_folder(
     Raises:
       ModelLoadError: no family saves ``config.model_type``, or the params do not have the
         shapes ``config`` implies.
+      BadInputError: an argument of the wrong type (a config that is no family's, a
+        tokenizer that is not ours, ``max_shard_bytes`` below 1).
     """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise BadInputError(
+            f"tokenizer must be a turbospark_jax.tokenizer.Tokenizer, got "
+            f"{type(tokenizer).__name__}"
+        )
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise BadInputError(
+            f"generation_config must be a GenerationConfig, got "
+            f"{type(generation_config).__name__}"
+        )
+    max_shard_bytes = as_int("max_shard_bytes", max_shard_bytes, low=1)
+    family_of_config(config)  # a config of some family, not a dict
     family = family_of(config.model_type)
     folder = os.fspath(path)
     os.makedirs(folder, exist_ok=True)

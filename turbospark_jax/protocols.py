@@ -24,6 +24,12 @@ Donation: producers backed by large device buffers may *consume* the buffers of 
 are given (XLA buffer donation), so that decoding does not copy a KV cache every step. Such a
 producer documents it; keep :meth:`SpeculativeProducer.checkpoint` (small, never donated) or a
 copy made with :func:`turbospark_jax.state.copy_state` when an old value must stay usable.
+
+Preconditions are checks: every method refuses, before any work, a state that is not one of
+its producer's (:meth:`LogitProducer.check_state`), an id that is not an integer inside the
+vocabulary, a position that does not continue the state, a count of the wrong type or range,
+raising :class:`~turbospark_jax.errors.BadInputError` (``ContextOverflowError`` for length),
+so the state handed in is untouched and still usable.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from typing import Any, Generic, TypeVar
 
 import jax
 
-from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+from turbospark_jax.checks import as_token_ids
+from turbospark_jax.errors import UnsupportedCapabilityError
 from turbospark_jax.state import FedRecord
 
 State = TypeVar("State")
@@ -72,6 +79,19 @@ class LogitProducer(abc.ABC, Generic[State]):
         """
         del state
         return self.init_state()
+
+    def check_state(self, state: State) -> None:
+        """Refuse, before any work, a value that is not a usable state of this producer.
+
+        Every method that takes a state runs this check first, and the loops run it on a
+        state handed in before they start. The default accepts anything: a producer that
+        cannot tell its states apart says nothing rather than guess.
+
+        Raises:
+          BadInputError: ``state`` is not a state this producer made (another type, another
+            model's layout, another producer's), or its buffers were consumed by donation.
+        """
+        del state
 
     @abc.abstractmethod
     def fed_record(self, state: State) -> FedRecord:
@@ -125,9 +145,11 @@ class LogitProducer(abc.ABC, Generic[State]):
         The default reuses nothing and answers ``(0, fresh state)``.
 
         Raises:
-          BadInputError: ``prompt_ids`` is empty (no answer can be shorter than it).
+          BadInputError: ``prompt_ids`` is empty (no answer can be shorter than it) or holds
+            something other than token ids of this vocabulary; ``state`` is not one of ours.
         """
-        require_prompt(prompt_ids)
+        self.check_state(state)
+        require_prompt(prompt_ids, self.vocab_size)
         del state, injected
         return 0, self.init_state()
 
@@ -137,7 +159,8 @@ class LogitProducer(abc.ABC, Generic[State]):
 
         Returns ``(logits, new_state)``; ``logits`` is float32 of shape ``[vocab_size]``.
         Raises :class:`~turbospark_jax.errors.BadInputError` for an id outside the vocabulary
-        or a position that does not continue the state.
+        (or not an integer), a position that does not continue the state, or a state that is
+        not this producer's; ``ContextOverflowError`` when the state is full.
         """
 
     def produce_prefill(self, state: State, token: int, position: int) -> State:
@@ -163,7 +186,9 @@ class ChunkedPrefillRunner(LogitProducer[State]):
     ) -> tuple[Logits, State]:
         """Feed ``tokens`` starting at ``start_position``; return the logits after the last one.
 
-        Raises :class:`~turbospark_jax.errors.BadInputError` on an empty chunk.
+        Raises :class:`~turbospark_jax.errors.BadInputError` on an empty chunk, ids that are
+        not integers of the vocabulary, or a start that does not continue the state;
+        ``ContextOverflowError`` when the chunk does not fit.
         """
 
     def prefill_chunk_with_status(
@@ -263,13 +288,19 @@ class VerifyingTarget(LogitProducer[State], Generic[State, Checkpoint]):
 
     @abc.abstractmethod
     def rollback(self, state: State, point: Checkpoint) -> State:
-        """Return ``state`` with the target restored to ``point``. The drafter is untouched."""
+        """Return ``state`` with the target restored to ``point``. The drafter is untouched.
+
+        Raises :class:`~turbospark_jax.errors.BadInputError` when ``point`` is not a
+        checkpoint of an ancestor of ``state`` taken from this producer.
+        """
 
     def record_committed(self, state: State, tokens: Sequence[int], pos0: int) -> State:
         """Record that a round committed ``tokens`` starting at ``pos0``.
 
         The batched counterpart of the bookkeeping :meth:`produce` does: after a verify only
-        the caller knows how much of the block survived. Default: nothing to record.
+        the caller knows how much of the block survived. Default: nothing to record. A
+        producer that keeps a record refuses ids of the wrong type or a negative ``pos0``
+        (BadInputError) and a commit its record does not hold (ProducerFailedError).
         """
         del tokens, pos0
         return state
@@ -285,6 +316,9 @@ class VerifyingTarget(LogitProducer[State], Generic[State, Checkpoint]):
         logits for row ``keep_rows - 1`` remain valid and no re-verify is needed. ``keep_rows``
         counts the confirmed token plus the accepted proposals (the bonus is not fed yet).
         The default refuses: silently doing the expensive thing is how a broken fast path hides.
+
+        Raises :class:`~turbospark_jax.errors.BadInputError` as :meth:`rollback` does, and for
+        a ``keep_rows`` that is not an integer in ``0 .. rows fed since the checkpoint``.
         """
         del state, point, keep_rows
         raise UnsupportedCapabilityError(
@@ -296,7 +330,8 @@ class VerifyingTarget(LogitProducer[State], Generic[State, Checkpoint]):
         """Feed ``feed`` through the target from position ``base`` in one pass.
 
         Returns ``(logits, new_state)`` with ``logits`` of shape ``[len(feed), vocab_size]``;
-        row ``i`` predicts the token after ``feed[i]``.
+        row ``i`` predicts the token after ``feed[i]``. Refuses what :meth:`prefill_chunk`
+        refuses.
         """
 
 
@@ -318,7 +353,8 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
 
         ``next_token`` is the prompt token at ``position + 1``: known, not guessed. Skipping
         this is silent but ruinous: an unprimed drafter reads rows nobody wrote and proposes
-        plausible tokens that the target keeps rejecting.
+        plausible tokens that the target keeps rejecting. ``position`` must be one the target
+        has consumed (BadInputError otherwise).
         """
 
     def supports_chunked_drafter_prefill(self) -> bool:
@@ -378,7 +414,8 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
 
     @abc.abstractmethod
     def rewind_drafter(self, state: State, position: int) -> State:
-        """Move the drafter's cursor to ``position``, where the accepted prefix ended."""
+        """Move the drafter's cursor to ``position``, where the accepted prefix ended (an
+        integer no further than the target has consumed; BadInputError otherwise)."""
 
     @abc.abstractmethod
     def drafter_position(self, state: State) -> int:
@@ -427,7 +464,9 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
         (lossless: greedy point masses or rejection sampling, with the host loop's keys:
         token ``gen_index + i`` of the request) and commits. ``remaining`` counts the tokens
         the request may still emit, so a round never drafts past ``max_tokens``. The last
-        emitted token is never fed. The default refuses.
+        emitted token is never fed. The default refuses. A judgement uses the verified rows up
+        to the first non-finite one only; a non-finite first row ends the burst
+        (``NON_FINITE``).
         """
         del state, pending, draft_len, budget, params, history, key, gen_index, remaining
         del stop_ids, record_logits
@@ -437,7 +476,7 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
         )
 
 
-def require_prompt(prompt_ids: Sequence[int]) -> None:
-    """Refuse an empty prompt (``try_reuse_prefix`` answers strictly less than its length)."""
-    if len(prompt_ids) == 0:
-        raise BadInputError("the prompt is empty; a prompt needs at least one token id")
+def require_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The prompt as ``list[int]``; refuse an empty one (``try_reuse_prefix`` answers strictly
+    less than its length) and anything but token ids inside the vocabulary."""
+    return as_token_ids("prompt_ids", prompt_ids, vocab_size)

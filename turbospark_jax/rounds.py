@@ -81,6 +81,14 @@ def proposal_distributions(
     return jnp.where((jnp.arange(q.shape[0]) < count)[:, None], q, 0.0)
 
 
+def leading_finite_rows(rows: jax.Array, drafted: jax.Array) -> jax.Array:
+    """How many of the ``drafted + 1`` live rows of ``rows`` (f32[MAX_DRAFT + 1, V]) are
+    finite before the first that is not (int32 ``[]``)."""
+    live = jnp.arange(rows.shape[0]) <= drafted
+    ok = jnp.all(jnp.isfinite(rows), axis=1) & live
+    return jnp.sum(jnp.cumprod(ok.astype(jnp.int32)))
+
+
 def point_masses(proposals: jax.Array, count: jax.Array, vocab: int) -> jax.Array:
     """The proposal distributions of a deterministic drafter: one-hot rows, zero past
     ``count``."""
@@ -233,10 +241,14 @@ def _run_rounds(
         rows = jnp.zeros((MAX_DRAFT + 1, vocab), jnp.float32).at[: fits + 1].set(
             rows[: fits + 1]
         )
-        live_rows = jnp.arange(MAX_DRAFT + 1) <= drafted
-        finite = jnp.all(jnp.isfinite(rows) | ~live_rows[:, None])
+        # Judge only the proposals whose rows lead up to the first non-finite one (the rows
+        # after it follow it causally): the tokens plain decoding would emit before its
+        # failure are emitted here too. A non-finite first row ends the burst.
+        good = leading_finite_rows(rows, drafted)
+        finite = good > 0
+        judged = jnp.minimum(drafted, jnp.maximum(good - 1, 0))
         with jax.named_scope("judge"):
-            toks, count, new_hist = judge(rows, q, proposals, drafted, control.params, hist,
+            toks, count, new_hist = judge(rows, q, proposals, judged, control.params, hist,
                                           control.key, index)
         slots = jnp.arange(MAX_DRAFT + 1)
         stops = jnp.any(toks[:, None] == control.stop_ids[None, :], axis=1) & (slots < count)
@@ -249,7 +261,7 @@ def _run_rounds(
         toks_out = toks_out.at[at].set(toks, mode="drop", unique_indices=True)
         if record_logits:
             rows_out = rows_out.at[at].set(rows, mode="drop", unique_indices=True)
-        sizes = sizes.at[i].set(jnp.stack([drafted, count - 1]))
+        sizes = sizes.at[i].set(jnp.where(finite, jnp.stack([judged, count - 1]), 0))
         finish = jnp.where(~finite, NON_FINITE, jnp.where(stopped, STOPPED_ON_TOKEN, RUNNING))
         pend = jnp.where(kept > 0, toks[jnp.maximum(kept - 1, 0)], pend)
         hist = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_hist, hist)

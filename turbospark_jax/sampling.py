@@ -36,9 +36,9 @@ Cost: :func:`sample` and :func:`probabilities` branch with ``lax.cond``, so a gr
 sorts the vocabulary and a sampled step sorts only when top-k or top-p is on. (Under ``vmap``
 with a batched setting ``lax.cond`` turns into a select that runs both branches.)
 
-The three public entry points are wrapped in ``jax.jit``: called eagerly they run one cached
-program instead of re-tracing both ``lax.cond`` branches per call; inside an outer ``jit`` they
-simply inline.
+The three public entry points check their arguments (:func:`check_sampling_args`) and call a
+``jax.jit``-wrapped core: called eagerly they run one cached program instead of re-tracing both
+``lax.cond`` branches per call; inside an outer ``jit`` they simply inline.
 
 Keys: :func:`request_key` turns a request's seed into a key and :func:`token_key` folds in the
 index of the generated token, so a token's randomness never depends on how the decode loop was
@@ -58,12 +58,14 @@ import numpy as np
 from flax import struct
 from jax import lax
 
+from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError
 
 __all__ = [
     "History",
     "SamplingConfig",
     "SamplingParams",
+    "check_sampling_args",
     "probabilities",
     "process_logits",
     "request_key",
@@ -285,9 +287,64 @@ def _droppable(ids: jax.Array, vocab_size: int) -> jax.Array:
     return jnp.where(ids < 0, vocab_size, ids)
 
 
+def check_sampling_args(
+    params: object, history: object, key: object | None = None, vocab_size: int | None = None
+) -> None:
+    """Refuse arguments the samplers cannot take, before anything is traced or run.
+
+    Args:
+      params: must be :class:`SamplingParams`.
+      history: must be a :class:`History` (of ``vocab_size`` ids when that is given).
+      key: when given, a PRNG key: a typed key array of shape ``[]`` (:func:`request_key`,
+        :func:`token_key`) or a raw ``uint32[2]`` key.
+      vocab_size: the logits length the history must match.
+
+    Raises:
+      BadInputError: naming the argument that is wrong.
+    """
+    if not isinstance(params, SamplingParams):
+        raise BadInputError(
+            f"params must be SamplingParams (SamplingParams.make(...) or "
+            f"SamplingConfig(...).to_params()), got {type(params).__name__}"
+        )
+    if not isinstance(history, History):
+        raise BadInputError(
+            f"history must be a sampling.History (History.from_prompt or History.empty), got "
+            f"{type(history).__name__}"
+        )
+    if vocab_size is not None and (
+        np.shape(history.counts) != (vocab_size,) or np.shape(history.seen) != (vocab_size,)
+    ):
+        raise BadInputError(
+            f"history is for a vocabulary of shape {np.shape(history.counts)}, the logits have "
+            f"{vocab_size} ids"
+        )
+    if key is not None:
+        _check_key(key)
+
+
+def _check_key(key: object) -> None:
+    dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+    if isinstance(key, jax.Array | np.ndarray) and dtype is not None:
+        if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) and shape == ():
+            return
+        if dtype == np.uint32 and shape == (2,):
+            return
+    raise BadInputError(
+        f"key must be a PRNG key (sampling.request_key(seed), or token_key of one), got "
+        f"{type(key).__name__}{'' if shape is None else f' of shape {shape} and dtype {dtype}'}"
+    )
+
+
 def _check_logits(logits: jax.Array, history: History) -> jax.Array:
     """``logits`` as float32 ``[V]`` matching the history; BadInputError otherwise."""
-    logits = jnp.asarray(logits)
+    if not isinstance(logits, jax.Array | np.ndarray) or not (
+        jnp.issubdtype(logits.dtype, jnp.floating)
+    ):
+        raise BadInputError(
+            f"logits must be a float array, got {type(logits).__name__}"
+            f"{' of dtype ' + str(logits.dtype) if hasattr(logits, 'dtype') else ''}"
+        )
     if logits.ndim != 1:
         raise BadInputError(
             f"logits must be a 1-d [vocab_size] vector (vmap for batches), got shape {logits.shape}"
@@ -297,7 +354,7 @@ def _check_logits(logits: jax.Array, history: History) -> jax.Array:
             f"history is for a vocabulary of {history.counts.shape[0]} ids but logits have "
             f"{logits.shape[0]}"
         )
-    return logits.astype(jnp.float32)
+    return logits
 
 
 def _penalize(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
@@ -356,7 +413,6 @@ def _is_sampled(params: SamplingParams) -> jax.Array:
     return params.temperature > 0
 
 
-@jax.jit
 def process_logits(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
     """The logits that :func:`sample` draws from, after every step in the module docstring.
 
@@ -370,13 +426,19 @@ def process_logits(logits: jax.Array, params: SamplingParams, history: History) 
       shifted so their maximum is 0, divided by the temperature, with filtered ids at ``-inf``.
 
     Raises:
-      BadInputError: ``logits`` is not 1-d or its length differs from the history's.
+      BadInputError: ``logits`` is not a 1-d float array, its length differs from the
+        history's, or ``params`` / ``history`` are not what :func:`check_sampling_args` asks.
     """
-    penalized = _penalize(_check_logits(logits, history), params, history)
-    return lax.cond(_is_sampled(params), _sampling_logits, lambda x, _: x, penalized, params)
+    check_sampling_args(params, history)
+    return _process_logits(_check_logits(logits, history), params, history)
 
 
 @jax.jit
+def _process_logits(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
+    penalized = _penalize(logits.astype(jnp.float32), params, history)
+    return lax.cond(_is_sampled(params), _sampling_logits, lambda x, _: x, penalized, params)
+
+
 def probabilities(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
     """The exact distribution :func:`sample` draws from.
 
@@ -390,7 +452,13 @@ def probabilities(logits: jax.Array, params: SamplingParams, history: History) -
     Raises:
       BadInputError: as for :func:`process_logits`.
     """
-    penalized = _penalize(_check_logits(logits, history), params, history)
+    check_sampling_args(params, history)
+    return _probabilities(_check_logits(logits, history), params, history)
+
+
+@jax.jit
+def _probabilities(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
+    penalized = _penalize(logits.astype(jnp.float32), params, history)
     return lax.cond(
         _is_sampled(params),
         lambda x, p: jax.nn.softmax(_sampling_logits(x, p)),
@@ -400,7 +468,6 @@ def probabilities(logits: jax.Array, params: SamplingParams, history: History) -
     )
 
 
-@jax.jit
 def sample(
     logits: jax.Array, params: SamplingParams, history: History, key: jax.Array
 ) -> jax.Array:
@@ -416,9 +483,17 @@ def sample(
       int32 scalar token id. Greedy: argmax of the penalized logits, lowest id on ties.
 
     Raises:
-      BadInputError: as for :func:`process_logits`.
+      BadInputError: as for :func:`process_logits`, or ``key`` is not a PRNG key.
     """
-    penalized = _penalize(_check_logits(logits, history), params, history)
+    check_sampling_args(params, history, key)
+    return _sample(_check_logits(logits, history), params, history, key)
+
+
+@jax.jit
+def _sample(
+    logits: jax.Array, params: SamplingParams, history: History, key: jax.Array
+) -> jax.Array:
+    penalized = _penalize(logits.astype(jnp.float32), params, history)
     return lax.cond(
         _is_sampled(params),
         lambda x, p: jax.random.categorical(key, _sampling_logits(x, p)).astype(jnp.int32),
@@ -433,7 +508,17 @@ def token_key(base_key: jax.Array, index: jax.Array | int) -> jax.Array:
 
     Folding the index in, rather than splitting a carried key, makes a token's randomness a
     function of its index alone, however the decode loop is cut into bursts.
+
+    Raises:
+      BadInputError: ``base_key`` is not a PRNG key, or ``index`` is not an integer (a
+        concrete one >= 0, or a traced integer).
     """
+    _check_key(base_key)
+    if isinstance(index, jax.core.Tracer):
+        if not jnp.issubdtype(index.dtype, jnp.integer):
+            raise BadInputError(f"index must be an integer, got dtype {index.dtype}")
+    else:
+        as_int("index", index, low=0)
     return jax.random.fold_in(base_key, index)
 
 

@@ -40,6 +40,7 @@ import time
 from collections.abc import Generator, Hashable
 from typing import Any
 
+from turbospark_jax.checks import is_int
 from turbospark_jax.completion import Completion, CompletionRequest
 from turbospark_jax.errors import BadInputError, SessionError
 from turbospark_jax.generate import stream_completion
@@ -108,12 +109,14 @@ class SessionPool:
     """
 
     def __init__(self, producer: LogitProducer, slots: int, *, wait: float | None = None) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        if not is_int(slots) or int(slots) < 1:
             raise SessionError(
                 f"a session pool needs at least one slot; got slots={slots!r}. Use slots=1 "
                 "for a single conversation, more to keep several conversations' states"
             )
-        if wait is not None and not (isinstance(wait, int | float) and 0 <= wait < math.inf):
+        if wait is not None and (isinstance(wait, bool) or not (
+            isinstance(wait, int | float) and 0 <= wait < math.inf
+        )):
             raise SessionError(
                 f"wait must be None (wait for a busy slot) or seconds >= 0; got {wait!r}"
             )
@@ -124,7 +127,7 @@ class SessionPool:
             )
         self.producer = producer
         self.wait = wait
-        self._slots = [_Slot(index=i) for i in range(slots)]
+        self._slots = [_Slot(index=i) for i in range(int(slots))]
         self._cond = threading.Condition()
         self._clock = 0
         self._evictions = 0
@@ -212,7 +215,12 @@ class SessionPool:
             return self._evictions
 
     def slot_of(self, session_id: SessionId) -> int | None:
-        """Index of the slot ``session_id`` owns, or ``None`` when it owns none."""
+        """Index of the slot ``session_id`` owns, or ``None`` when it owns none.
+
+        Raises:
+          SessionError: ``session_id`` is ``None`` or unhashable.
+        """
+        _check_session_id(session_id)
         with self._cond:
             slot = self._owned(session_id)
             return None if slot is None else slot.index

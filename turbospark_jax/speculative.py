@@ -61,7 +61,12 @@ from turbospark_jax.completion import (
 from turbospark_jax.drafters.base import MAX_DRAFT
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.protocols import NON_FINITE, SpeculativeProducer
-from turbospark_jax.rounds import judge, point_masses, proposal_distributions
+from turbospark_jax.rounds import (
+    judge,
+    leading_finite_rows,
+    point_masses,
+    proposal_distributions,
+)
 from turbospark_jax.streams import Stream, StreamEvent
 
 __all__ = [
@@ -76,6 +81,7 @@ __all__ = [
 DEFAULT_DRAFT_LEN = 4
 
 _judge = jax.jit(judge)
+_leading_finite_rows = jax.jit(leading_finite_rows)
 _proposal_distributions = jax.jit(proposal_distributions)
 _point_masses = jax.jit(point_masses, static_argnums=2)
 
@@ -215,34 +221,35 @@ def speculative_events(
             f"{type(producer).__name__} is not a SpeculativeProducer; pair a target with a "
             "drafter (turbospark_jax.drafters.SpeculativePair)"
         )
-    params = validate_request(producer, request, tokenizer)
+    params = validate_request(producer, request, tokenizer, state)
     draft_len = DEFAULT_DRAFT_LEN if request.draft_len is None else request.draft_len
     if not 1 <= draft_len <= MAX_DRAFT:
         raise BadInputError(
             f"draft_len must be an integer in 1..{MAX_DRAFT} for speculative decoding, got "
             f"{draft_len!r}"
         )
-    return _Loop(producer, request, tokenizer, params, draft_len, progress).run(state)
+    out = Emission(request, tokenizer, [int(t) for t in request.prompt_ids])
+    return _Loop(producer, request, out, params, draft_len, progress).run(state)
 
 
 class _Loop:
     """One speculative completion; :meth:`run` is the generator."""
 
     def __init__(self, producer: SpeculativeProducer, request: CompletionRequest,
-                 tokenizer: Any | None, params: sampling.SamplingParams, draft_len: int,
+                 out: Emission, params: sampling.SamplingParams, draft_len: int,
                  progress: Callable[[int, int], None] | None = None):
         self.p, self.req, self.params, self.draft_len = producer, request, params, draft_len
-        self.tokenizer = tokenizer
+        self.out = out
         self.progress = progress
         self.on_device = draft_len <= producer.device_draft_limit()
 
     def run(self, state: Any | None) -> Generator[StreamEvent, None, Completion]:
         p, req = self.p, self.req
         t0 = time.perf_counter()
-        prompt = [int(t) for t in req.prompt_ids]
+        out = self.out
+        prompt = out.prompt
         state = state if state is not None else p.init_state()
         reused, state = p.try_reuse_prefix(state, prompt)
-        out = Emission(req, self.tokenizer, prompt)
         key = sampling.request_key(req.seed)
         history = sampling.History.from_prompt(prompt, p.vocab_size)
         stats = _Stats(self.draft_len, self.on_device)
@@ -271,7 +278,7 @@ class _Loop:
                 finish, history, state = yield from self._host_round(
                     state, out, history, key, stats
                 )
-            if finish is FinishReason.ERROR:
+            if finish is FinishReason.ERROR and out.failure is None:
                 error = NON_FINITE_LOGITS
         if finish is not FinishReason.ERROR:
             state = rewind_overshoot(p, state, len(prompt) + len(out.tokens) - 1)
@@ -353,12 +360,15 @@ class _Loop:
         feed = [pending, *proposals]
         started = time.perf_counter()
         rows, state = stats.timed("verify", started, p.verify(state, feed, base))
-        if not bool(jnp.all(jnp.isfinite(rows))):
+        padded = _pad_rows(rows, MAX_DRAFT + 1)
+        # As on the device: judge the proposals up to the first non-finite row only.
+        good = int(_leading_finite_rows(padded, jnp.int32(len(proposals))))
+        if good == 0:
             return FinishReason.ERROR, history, state
-        m = len(proposals)
+        m = min(len(proposals), good - 1)
         toks, count, history = _judge(
-            _pad_rows(rows, MAX_DRAFT + 1), q, _padded(proposals), jnp.int32(m), self.params,
-            history, key, jnp.int32(index),
+            padded, q, _padded(proposals), jnp.int32(m), self.params, history, key,
+            jnp.int32(index),
         )
         emitted = [int(t) for t in np.asarray(toks[: int(count)])]
         stats.record(m, len(emitted) - 1)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 
 __all__ = ["StopMatcher"]
@@ -44,8 +45,14 @@ class StopMatcher:
                 f"stop_strings must be a collection of strings, got the string {stop_strings!r}; "
                 "wrap it in a list"
             )
+        try:
+            given = list(stop_strings)
+        except TypeError as exc:  # not iterable (a number, a 0-d array...)
+            raise BadInputError(
+                f"stop_strings must be a collection of strings, got {type(stop_strings).__name__}"
+            ) from exc
         stops: list[str] = []
-        for stop in stop_strings:
+        for stop in given:
             if not isinstance(stop, str):
                 raise BadInputError(f"every stop string must be a str, got {stop!r}")
             if not stop:
@@ -53,7 +60,7 @@ class StopMatcher:
             if stop not in stops:
                 stops.append(stop)
         self._stops = tuple(stops)
-        self._include_stop = include_stop
+        self._include_stop = as_bool("include_stop", include_stop)
         self._held = ""  # text received but not emitted; starts where a match might start
         self._emitted: list[str] = []
         self._matched: str | None = None

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 import jax
 
-from turbospark_jax.errors import UnsupportedCapabilityError
+from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 
 #: The most tokens one speculative round drafts (the judgement is compiled for this size).
 MAX_DRAFT = 8
@@ -102,6 +102,23 @@ class Drafter(abc.ABC):
     def init_state(self) -> Any:
         """A fresh drafter state."""
         return ()
+
+    @property
+    def max_positions(self) -> int | None:
+        """How many positions a drafter state holds, or ``None`` when unbounded (the default:
+        lookup drafters keep no positions)."""
+        return None
+
+    def check_state(self, state: Any) -> None:
+        """Refuse a value that is not a state of this drafter (a lookup drafter's is ``()``).
+
+        Raises:
+          BadInputError: naming what was wrong.
+        """
+        if self.stateless and state != ():
+            raise BadInputError(
+                f"{type(self).__name__} keeps no state; its state is (), got {type(state).__name__}"
+            )
 
     def position(self, state: Any) -> int:
         """How many positions a model drafter has consumed (lookup drafters: never asked)."""

@@ -20,7 +20,9 @@ import jax.numpy as jnp
 from turbospark_jax import sampling
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import BlockState, feed_block
+from turbospark_jax.checks import as_int
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
 from turbospark_jax.rounds import DraftSampler, proposal_distributions
@@ -34,14 +36,26 @@ class DraftModelDrafter(Drafter):
     """
 
     def __init__(self, producer: LogitProducer) -> None:
+        if not isinstance(producer, LogitProducer):
+            raise BadInputError(
+                f"a draft model must be a LogitProducer (a BlockProducer), got "
+                f"{type(producer).__name__}"
+            )
         self.producer = producer
 
     @property
     def vocab_size(self) -> int:
         return self.producer.vocab_size
 
+    @property
+    def max_positions(self) -> int | None:
+        return self.producer.max_positions
+
     def init_state(self) -> Any:
         return self.producer.init_state()
+
+    def check_state(self, state: Any) -> None:
+        self.producer.check_state(state)
 
     def position(self, state: Any) -> int:
         return int(self.producer.fed_record(state).count)
@@ -79,6 +93,7 @@ class DraftModelDrafter(Drafter):
         # The producer's device decode is the same block program ``step`` runs, with the
         # sampling inside the loop: one call instead of ``count``, the same bits.
         del position  # decode continues at the state's own cursor, which is ``position``
+        count = as_int("count", count, low=1)
         tokens: list[int] = []
         rows = []
         while len(tokens) < count:  # more than one call only past the producer's burst cap

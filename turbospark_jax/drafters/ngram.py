@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from turbospark_jax.checks import as_int
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
 
@@ -32,7 +33,8 @@ class NGramDrafter(Drafter):
       min_n: the shortest tail worth matching.
 
     Raises:
-      BadInputError: unless ``1 <= min_n <= max_n``.
+      BadInputError: unless ``1 <= min_n <= max_n`` are integers and ``vocab_size`` a
+        positive integer.
     """
 
     stateless = True
@@ -40,14 +42,13 @@ class NGramDrafter(Drafter):
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1) -> None:
         for name, value in (("max_n", max_n), ("min_n", min_n)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise BadInputError(f"{name} must be an integer, got {value!r}")
+            as_int(name, value)
         if not 1 <= min_n <= max_n:
             raise BadInputError(
                 f"n-gram lengths need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}"
             )
-        self._vocab = vocab_size
-        self.max_n, self.min_n = max_n, min_n
+        self._vocab = as_int("vocab_size", vocab_size, low=1)
+        self.max_n, self.min_n = int(max_n), int(min_n)
 
     @property
     def vocab_size(self) -> int:

@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from turbospark_jax.checks import as_int, as_real, as_token_ids
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
-from turbospark_jax.errors import BadInputError
 
 
 class OracleDrafter(Drafter):
@@ -33,7 +33,9 @@ class OracleDrafter(Drafter):
       seed: seeds the per-round, per-position draws.
 
     Raises:
-      BadInputError: ``alpha`` outside [0, 1] or a reference id outside the vocabulary.
+      BadInputError: ``alpha`` not a number in [0, 1], a reference that is not a non-empty
+        sequence of ids inside the vocabulary, or a ``vocab_size`` or ``seed`` that is not a
+        non-negative integer.
     """
 
     stateless = True
@@ -42,15 +44,10 @@ class OracleDrafter(Drafter):
     def __init__(
         self, vocab_size: int, reference: Sequence[int], alpha: float, seed: int = 0
     ) -> None:
-        if not 0.0 <= float(alpha) <= 1.0:
-            raise BadInputError(f"alpha must be in [0, 1], got {alpha!r}")
-        ref = np.asarray(list(reference), np.int32)
-        if ref.size == 0 or ref.min() < 0 or ref.max() >= vocab_size:
-            raise BadInputError("the reference must be non-empty ids inside the vocabulary")
-        self._vocab = vocab_size
-        self.reference = ref
-        self.alpha = float(alpha)
-        self.seed = seed
+        self._vocab = as_int("vocab_size", vocab_size, low=1)
+        self.alpha = as_real("alpha", alpha, low=0.0, high=1.0)
+        self.reference = np.asarray(as_token_ids("reference", reference, self._vocab), np.int32)
+        self.seed = as_int("seed", seed, low=0, high=2**32 - 1)
 
     @property
     def vocab_size(self) -> int:

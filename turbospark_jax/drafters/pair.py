@@ -18,8 +18,9 @@ from flax import struct
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import MAX_STOP_IDS
+from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_int
 from turbospark_jax.drafters.base import MAX_DRAFT, Drafter
-from turbospark_jax.errors import BadInputError
+from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.protocols import (
     ChunkedPrefillRunner,
     DeviceBurst,
@@ -28,6 +29,7 @@ from turbospark_jax.protocols import (
     require_prompt,
 )
 from turbospark_jax.rounds import MAX_BURST, RoundControl, compiled_rounds
+from turbospark_jax.sampling import check_sampling_args
 from turbospark_jax.state import (
     FedRecord,
     buffers_only,
@@ -60,6 +62,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
 
     Raises:
       BadInputError: the vocabularies differ, or an argument has the wrong type.
+
+    Every method refuses a state that is not a :class:`PairState` of this pair's target and
+    drafter, and arguments of the wrong type or range, before any work.
     """
 
     def __init__(self, target: VerifyingTarget, drafter: Drafter, *,
@@ -76,6 +81,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
                 f"the drafter's vocabulary has {drafter.vocab_size} ids but the target's has "
                 f"{target.vocab_size}; a drafter must share the target's tokenizer"
             )
+        device_rounds = as_bool("device_rounds", device_rounds)
         self.target = target
         self.drafter = drafter
         device = drafter.on_device() if device_rounds else None
@@ -89,13 +95,22 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
 
     @property
     def max_positions(self) -> int | None:
-        return self.target.max_positions
+        """The target's context, or the draft model's when that is shorter: the drafter is
+        primed over every committed position, so both must hold them."""
+        limits = [n for n in (self.target.max_positions, self.drafter.max_positions)
+                  if n is not None]
+        return min(limits) if limits else None
 
     def init_state(self) -> PairState:
         return PairState(target=self.target.init_state(), drafter=self.drafter.init_state())
 
+    def check_state(self, state: PairState) -> None:
+        self._pair(state)
+        self.target.check_state(state.target)
+        self.drafter.check_state(state.drafter)
+
     def fed_record(self, state: PairState) -> FedRecord:
-        return self.target.fed_record(state.target)
+        return self.target.fed_record(self._pair(state).target)
 
     @property
     def can_rewind(self) -> bool:
@@ -105,6 +120,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         return self.target.rewind_floor(state.target)
 
     def rewind(self, state: PairState, count: int) -> PairState:
+        self.check_state(state)
         target = self.target.rewind(state.target, count)
         return self._drafter_to(state.replace(target=target), count)
 
@@ -112,28 +128,32 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         self, state: PairState, prompt_ids: Sequence[int], *,
         injected: Mapping[int, int] | None = None,
     ) -> tuple[int, PairState]:
-        require_prompt(prompt_ids)
+        self.check_state(state)
+        require_prompt(prompt_ids, self.vocab_size)
         n, target = self.target.try_reuse_prefix(state.target, prompt_ids, injected=injected)
         return n, self._drafter_to(state.replace(target=target), n)
 
     def produce(self, state: PairState, token: int, position: int) -> tuple[jax.Array, PairState]:
-        logits, target = self.target.produce(state.target, token, position)
+        logits, target = self.target.produce(self._pair(state).target, token, position)
         return logits, state.replace(target=target)
 
     def produce_prefill(self, state: PairState, token: int, position: int) -> PairState:
-        return state.replace(target=self.target.produce_prefill(state.target, token, position))
+        target = self.target.produce_prefill(self._pair(state).target, token, position)
+        return state.replace(target=target)
 
     def prefill_chunk(
         self, state: PairState, tokens: Sequence[int], start_position: int
     ) -> tuple[jax.Array, PairState]:
         if not isinstance(self.target, ChunkedPrefillRunner):
             raise BadInputError(f"{type(self.target).__name__} has no chunked prefill")
-        logits, target = self.target.prefill_chunk(state.target, tokens, start_position)
+        logits, target = self.target.prefill_chunk(self._pair(state).target, tokens,
+                                                   start_position)
         return logits, state.replace(target=target)
 
     # -- drafter side ----------------------------------------------------------------------
 
     def drafter_position(self, state: PairState) -> int:
+        self._pair(state)
         if self.drafter.stateless or self.drafter.catches_up:
             # a lookup drafter is always where the target is; one that catches itself up
             # will be by the time it drafts
@@ -143,13 +163,15 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     def prime_drafter(self, state: PairState, next_token: int, position: int) -> PairState:
         # The drafter consumes the committed token at ``position``; ``next_token`` (known
         # during the prompt) is what a head-style drafter would pair it with.
-        del next_token
+        self.check_state(state)
+        as_token("next_token", next_token, self.vocab_size)
         fed = self.fed_record(state)
-        if not 0 <= position < int(fed.count):
+        if not is_int(position) or not 0 <= int(position) < int(fed.count):
             raise BadInputError(
                 f"prime_drafter at position {position}, but the target has consumed only "
                 f"{int(fed.count)} positions; feed the target first"
             )
+        position = int(position)
         token = int(fed.ids[position])
         return state.replace(drafter=self.drafter.prime(state.drafter, [token], position))
 
@@ -160,6 +182,23 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         self, state: PairState, tokens: Sequence[int], start_position: int,
         next_token: int | None,
     ) -> tuple[jax.Array, PairState]:
+        # Everything the drafter needs is checked before the target consumes its state.
+        self.check_state(state)
+        if next_token is not None:
+            as_token("next_token", next_token, self.vocab_size)
+        tokens = as_token_ids("tokens", tokens, self.vocab_size)
+        primed = not (self.drafter.stateless or self.drafter.catches_up)
+        if primed and self.drafter.position(state.drafter) != start_position:
+            raise BadInputError(
+                f"the drafter has consumed {self.drafter.position(state.drafter)} positions, "
+                f"not start_position={start_position!r}; rewind_drafter first"
+            )
+        limit = self.max_positions
+        if limit is not None and is_int(start_position) and start_position + len(tokens) > limit:
+            raise ContextOverflowError(
+                f"a chunk of {len(tokens)} tokens at position {start_position} overflows the "
+                f"{limit} positions target and drafter both hold"
+            )
         if not isinstance(self.target, ChunkedPrefillRunner):
             raise BadInputError(f"{type(self.target).__name__} has no chunked prefill")
         logits, target = self.target.prefill_chunk_with_status(
@@ -175,7 +214,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     def draft_step(
         self, state: PairState, token: int, position: int
     ) -> tuple[jax.Array, PairState]:
-        logits, drafter = self.drafter.step(state.drafter, token, position)
+        logits, drafter = self.drafter.step(self._pair(state).drafter, token, position)
         return logits, state.replace(drafter=drafter)
 
     def supports_draft_bursts(self) -> bool:
@@ -184,8 +223,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     def draft_burst(
         self, state: PairState, token: int, position: int, count: int, **sampling: Any
     ) -> tuple[list[int], jax.Array, PairState]:
+        count = as_int("count", count, low=1)
         proposals, logits, drafter = self.drafter.burst(
-            state.drafter, token, position, count, **sampling
+            self._pair(state).drafter, token, position, count, **sampling
         )
         return proposals, logits, state.replace(drafter=drafter)
 
@@ -195,11 +235,19 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     def draft_block(
         self, state: PairState, anchor: int, base: int, block: int
     ) -> tuple[list[int], PairState]:
-        known = (*self._known(state)[:base], int(anchor))
+        self.check_state(state)
+        anchor = as_token("anchor", anchor, self.vocab_size)
+        committed = self._known(state)
+        base = as_int("base", base, low=0, high=len(committed))
+        block = as_int("block", block, low=1)
+        known = (*committed[:base], anchor)
         proposals, drafter = self.drafter.block(state.drafter, known, block, target=state.target)
         return proposals, state.replace(drafter=drafter)
 
     def rewind_drafter(self, state: PairState, position: int) -> PairState:
+        self.check_state(state)
+        position = as_int("position", position, low=0,
+                          high=int(self.fed_record(state).count))
         drafter = self.drafter.rewind(state.drafter, position, lambda: self._known(state))
         return state.replace(drafter=drafter)
 
@@ -210,25 +258,26 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     # -- target side -----------------------------------------------------------------------
 
     def checkpoint(self, state: PairState) -> Any:
-        return self.target.checkpoint(state.target)
+        return self.target.checkpoint(self._pair(state).target)
 
     def rollback(self, state: PairState, point: Any) -> PairState:
-        return state.replace(target=self.target.rollback(state.target, point))
+        return state.replace(target=self.target.rollback(self._pair(state).target, point))
 
     def supports_retaining_rollback(self) -> bool:
         return self.target.supports_retaining_rollback()
 
     def rollback_retaining(self, state: PairState, point: Any, keep_rows: int) -> PairState:
-        target = self.target.rollback_retaining(state.target, point, keep_rows)
+        target = self.target.rollback_retaining(self._pair(state).target, point, keep_rows)
         return state.replace(target=target)
 
     def record_committed(self, state: PairState, tokens: Sequence[int], pos0: int) -> PairState:
-        return state.replace(target=self.target.record_committed(state.target, tokens, pos0))
+        target = self.target.record_committed(self._pair(state).target, tokens, pos0)
+        return state.replace(target=target)
 
     def verify(
         self, state: PairState, feed: Sequence[int], base: int
     ) -> tuple[jax.Array, PairState]:
-        rows, target = self.target.verify(state.target, feed, base)
+        rows, target = self.target.verify(self._pair(state).target, feed, base)
         return rows, state.replace(target=target)
 
     # -- whole rounds on the device ---------------------------------------------------------
@@ -243,21 +292,42 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         history: Any, key: jax.Array, gen_index: int, remaining: int,
         stop_ids: Sequence[int] = (), record_logits: bool = True,
     ) -> tuple[DeviceBurst, PairState]:
+        """Runs the rounds of :mod:`turbospark_jax.rounds` in one device call.
+
+        Raises:
+          UnsupportedCapabilityError: ``draft_len`` is past :meth:`device_draft_limit`.
+          BadInputError: a wrong state, an argument of the wrong type or range.
+          ContextOverflowError: the rounds could write past what target or drafter hold.
+        """
+        self.check_state(state)
+        draft_len = as_int("draft_len", draft_len, low=1)
         limit = self.device_draft_limit()
-        if not 1 <= draft_len <= limit:
+        if draft_len > limit:
             return super().device_rounds(
                 state, pending, draft_len=draft_len, budget=budget, params=params,
                 history=history, key=key, gen_index=gen_index, remaining=remaining,
                 stop_ids=stop_ids, record_logits=record_logits,
             )
+        pending = as_token("pending", pending, self.vocab_size)
+        budget = as_int("budget", budget, low=1)
+        remaining = as_int("remaining", remaining, low=1)
+        gen_index = as_int("gen_index", gen_index, low=0, high=2**31 - 1)
+        stop_ids = as_token_ids("stop_ids", stop_ids, self.vocab_size, allow_empty=True)
         if len(stop_ids) > MAX_STOP_IDS:
             raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
+        record_logits = as_bool("record_logits", record_logits)
+        check_sampling_args(params, history, key, self.vocab_size)
         target: BlockProducer = self.target  # type: ignore[assignment]
         count = int(target.fed_record(state.target).count)
-        if count + min(budget, remaining) + MAX_DRAFT > target.capacity:
-            raise BadInputError(
-                f"speculative rounds from position {count} could overflow the context of "
-                f"{target.capacity} positions"
+        # A round feeds at most up to the last position the request may still emit into, and
+        # a burst stops within one round (MAX_DRAFT) of its budget.
+        reach = count + min(remaining, min(budget, MAX_BURST) + MAX_DRAFT)
+        limit_positions = self.max_positions or target.capacity
+        if reach > limit_positions:
+            raise ContextOverflowError(
+                f"speculative rounds from position {count} with {remaining} tokens to go could "
+                f"write up to position {reach - 1}, past the {limit_positions} positions that "
+                "target and drafter hold"
             )
         device, device_params = self._device
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
@@ -290,6 +360,16 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         return burst, PairState(target=target_state, drafter=drafter)
 
     # -- internals --------------------------------------------------------------------------
+
+    def _pair(self, state: Any) -> PairState:
+        """``state`` when it is a :class:`PairState`; its parts are checked by whoever uses
+        them (the target's methods check the target's part)."""
+        if not isinstance(state, PairState):
+            raise BadInputError(
+                f"expected a state of this pair (a PairState from init_state()), got "
+                f"{type(state).__name__}"
+            )
+        return state
 
     def _known(self, state: PairState) -> tuple[int, ...]:
         return self.fed_record(state).to_host().ids

@@ -517,6 +517,7 @@ FAMILY = Family(
     name="dense",
     architectures=ARCHITECTURES,
     parse_config=DenseConfig.from_hf_dict,
+    config_type=DenseConfig,
     param_shapes=param_shapes,
     hf_tensors=hf_tensors,
     build=_build,

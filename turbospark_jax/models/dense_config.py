@@ -234,7 +234,7 @@ class DenseConfig:
         if not isinstance(d, Mapping):
             raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported model_type {model_type!r}; the dense family supports "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -405,12 +405,20 @@ def _parse_rope(d: Mapping[str, Any], max_positions: int) -> tuple[float, RopeSc
     original = source.get("original_max_position_embeddings")
     if original is None and kind in ("llama3", "yarn"):
         original = d.get("original_max_position_embeddings", max_positions)
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int)):
+        raise ModelLoadError(
+            f"rope setting 'original_max_position_embeddings' must be an integer, got "
+            f"{original!r}"
+        )
+    truncate = source.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ModelLoadError(f"rope setting 'truncate' must be true/false, got {truncate!r}")
     scaling = RopeScaling(
         rope_type=kind,
         factor=number("factor"),
         low_freq_factor=number("low_freq_factor"),
         high_freq_factor=number("high_freq_factor"),
-        original_max_position_embeddings=int(original) if original is not None else None,
+        original_max_position_embeddings=original,
         beta_fast=number("beta_fast"),
         beta_slow=number("beta_slow"),
         attention_factor=number("attention_factor"),

@@ -80,6 +80,8 @@ class Family:
         layout. ``None`` for a family whose params have only the layout
         :attr:`param_shapes` describes (``"list"`` when :attr:`list_layout_only`, else
         ``"stacked"``).
+      config_type: the class :attr:`parse_config` returns (how ``save_folder`` tells a
+        config of this family from anything else).
     """
 
     name: str
@@ -92,6 +94,7 @@ class Family:
     tied_copies: Callable[[Any], Mapping[str, str]] = lambda config: {}
     list_layout_only: bool = False
     to_layer_layout: Callable[[Params, str], Params] | None = None
+    config_type: type = object
 
     @property
     def native_layout(self) -> str:

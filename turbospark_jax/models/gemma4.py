@@ -509,6 +509,7 @@ FAMILY = Family(
     name="gemma4",
     architectures=ARCHITECTURES,
     parse_config=Gemma4Config.from_hf_dict,
+    config_type=Gemma4Config,
     param_shapes=param_shapes,
     hf_tensors=hf_tensors,
     build=_build,

@@ -226,7 +226,7 @@ class Gemma4Config:
         if not isinstance(d, Mapping):
             raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
         model_type = d.get("model_type")
-        if model_type not in ARCHITECTURES:
+        if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(f"unsupported model_type {model_type!r} for the Gemma 4 family "
                                  f"(supported: {', '.join(ARCHITECTURES)})")
         outer: Mapping[str, Any] = {}
@@ -239,6 +239,9 @@ class Gemma4Config:
         def get(key: str, kind: type, source: Mapping[str, Any] = d) -> Any:
             value = source.get(key, defaults.get(key))
             if value is None:
+                if defaults.get(key) is not None:  # a null where transformers needs a value
+                    raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
+                                         f"got null")
                 return None
             ok = {int: isinstance(value, int), float: isinstance(value, int | float),
                   bool: isinstance(value, bool), str: isinstance(value, str)}[kind]

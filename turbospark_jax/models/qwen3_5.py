@@ -608,6 +608,7 @@ FAMILY = Family(
     name="qwen3_5",
     architectures=ARCHITECTURES,
     parse_config=Qwen35Config.from_hf_dict,
+    config_type=Qwen35Config,
     param_shapes=param_shapes,
     hf_tensors=hf_tensors,
     build=_build,
