@@ -314,6 +314,7 @@ class ConsumesFirst(BlockProducer):
 
 
 CONTROL_SEARCH = settings(max_examples=300, phases=[Phase.generate], deadline=None,
+                          derandomize=True, database=None,
                           suppress_health_check=list(HealthCheck))
 
 
@@ -579,13 +580,20 @@ def test_control_a_loop_that_checks_stop_ids_late_is_caught(monkeypatch):
 
     monkeypatch.setattr(generate_module, "validate_request", forgets_stop_ids)
 
-    def violated(case: LoopCase) -> bool:
-        try:
-            return loop_violation(case, False) is not None
-        except Exception:  # a mid-stream error: what this control makes
-            return True
-
-    find(loop_cases(False), violated, settings=CONTROL_SEARCH)
+    # A request valid in every field but its stop ids: the real loop refuses each one, the
+    # forgetful loop accepts it, and the oracle must say so.
+    good = dict(prompt_ids=[1, 2], max_tokens=3, stop_token_ids=[], stop_strings=[],
+                include_stop_string=False, sampling=SamplingConfig(), seed=0,
+                prefill_chunk_size=2, burst=2, record_logits=False, parallel_prefill=False,
+                draft_len=None)
+    for bad_stops in ([-1], [V], ["a"], [1.5], 3):
+        case = LoopCase({**good, "stop_token_ids": bad_stops}, Chars(), None, False, False)
+        assert loop_violation(case, False) is not None, bad_stops
+    monkeypatch.undo()
+    for bad_stops in ([-1], [V], ["a"], [1.5], 3):
+        case = LoopCase({**good, "stop_token_ids": bad_stops}, Chars(), None, False, False)
+        assert loop_violation(case, False) is None, bad_stops  # the real loop refuses it
+    assert loop_violation(LoopCase(good, Chars(), None, True, True), False) is None
 
 
 def test_the_short_way_in_refuses_what_the_loops_refuse():
