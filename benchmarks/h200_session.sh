@@ -19,10 +19,10 @@ quiet() { grep -v -i -E "warn|^\s*$" | cut -c1-300; }
 case "$stage" in
 1)
   export HYPOTHESIS_PROFILE=quick
-  timeout 120 python3 -m pytest -q -p no:cacheprovider -p no:warnings \
+  timeout 120 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
     tests/test_pallas_attention.py tests/test_pallas_rope_store.py 2>&1 | tail -2
   echo "kernel tests: exit ${PIPESTATUS[0]}"
-  timeout 150 python3 -m pytest -q -p no:cacheprovider -p no:warnings -k llama_bf16_listed \
+  timeout 150 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings -k llama_bf16_listed \
     tests/test_conformance_dense.py 2>&1 | tail -2
   echo "conformance on the GPU: exit ${PIPESTATUS[0]}"
   timeout 90 python3 -m benchmarks.run --preset h200 --part exact --out "$out" 2>&1 | quiet

@@ -6,6 +6,9 @@ import os
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers may share one accelerator: none may claim most of its memory up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 # Examples a property, by profile (HYPOTHESIS_PROFILE): "ci" by default; "quick" for checks
 # on the GPU machine, whose time is rationed; "thorough" for hunting rare cases by hand.
