@@ -112,3 +112,18 @@ def test_command_line_is_the_module_form() -> None:
     assert card.command_line(["recipe", "--out", "a b"]) == (
         "python -m turbospark_jax.recipe recipe --out 'a b'"
     )
+
+
+def test_card_lists_the_packages_their_licences_and_what_was_left_out() -> None:
+    inputs = card_inputs(True)
+    inputs["corpus"] = {**inputs["corpus"], "packages": {
+        "numpy": {"version": "2.4.6", "licence": "BSD-3-Clause", "files": 467, "chars": 8674332},
+        "jax": {"version": "0.10.2", "licence": "Apache-2.0", "files": 535, "chars": 10674772}},
+        "left_out": {"vendored": 679, "duplicate": 327}, "refused_licences": {"tqdm": "MPL-2.0"}}
+    text = card.model_card(**inputs)
+    assert "| jax | 0.10.2 | Apache-2.0 | 535 | 10,674,772 |\n" in text
+    assert "| numpy | 2.4.6 | BSD-3-Clause | 467 | 8,674,332 |\n" in text
+    assert "tqdm (MPL-2.0)" in text and "duplicate: 327, vendored: 679 files" in text
+    assert "third-party packages (`site-packages`)" not in text
+    plain = card.model_card(**card_inputs(True))
+    assert "| distribution |" not in plain and "third-party packages (`site-packages`)" in plain

@@ -58,6 +58,9 @@ def _add_corpus_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-name", default=None,
                    help="what --corpus-root holds, for the model card (e.g. 'the CPython "
                    "3.11.7 standard library')")
+    p.add_argument("--packages", action="store_true",
+                   help="add the permissively licensed Python sources of the installed "
+                   "packages (deduplicated, vendored/generated/data files left out)")
 
 
 def _add_train_args(
@@ -127,6 +130,11 @@ def _build_parser() -> argparse.ArgumentParser:
         "standard library, and ship them as Hugging Face folders.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
+
+    cor = sub.add_parser("corpus", help="build the corpus and report what went in and why the "
+                         "rest did not, without training anything")
+    cor.add_argument("--out", type=Path, default=None, help="also write the report here (JSON)")
+    _add_corpus_args(cor)
 
     tok = sub.add_parser("tokenizer", help="train the tokenizer on the corpus' training split")
     tok.add_argument("--out", type=Path, required=True, help="folder for the tokenizer files")
@@ -248,7 +256,7 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
 
     t = time.monotonic()
     corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
-                         args.corpus_name)
+                         args.corpus_name, args.packages)
     print(f"[corpus] {json.dumps(corpus.describe())}", flush=True)
     t = _timed(timings, "corpus_s", t)
 
@@ -310,9 +318,16 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> None:
-    if args.command == "tokenizer":
+    if args.command == "corpus":
         corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
-                             args.corpus_name)
+                             args.corpus_name, args.packages)
+        text = json.dumps(corpus.describe(), indent=2)
+        if args.out is not None:
+            args.out.write_text(text + "\n", encoding="utf-8")
+        print(text)
+    elif args.command == "tokenizer":
+        corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                             args.corpus_name, args.packages)
         tokenizer = train_tokenizer([d.text for d in corpus.train], args.vocab_size)
         tokenizer.save(args.out)
         print(f"tokenizer with {tokenizer.vocab_size} tokens written to {args.out}")
@@ -320,7 +335,7 @@ def _run(args: argparse.Namespace) -> None:
         deadline = None if args.max_seconds is None else time.monotonic() + args.max_seconds
         tokenizer = Tokenizer.from_folder(args.tokenizer)
         corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
-                             args.corpus_name)
+                             args.corpus_name, args.packages)
         data = _encode_splits(tokenizer, corpus, args.seq_len)
         result = _train_and_export(
             args=args, name=args.preset, role="", preset=args.preset,

@@ -13,6 +13,16 @@ about 8.2M training tokens, a Debian/Ubuntu system Python (tests packaged apart)
 ``--corpus-root`` reads another directory, such as a full ``Lib/`` carried to a machine whose
 Python lacks the tests.
 
+**Installed packages** (``packages=True``, ``--packages``): the Python sources of the
+permissively licensed distributions installed beside the interpreter join the standard
+library, under keys ``site-packages/<distribution>/<path>`` (the split hashes those keys like
+any path). :mod:`turbospark_jax.recipe.sources` decides what qualifies (licence, vendored
+copies, generated files, data literals). In this mode every source, the standard library
+included, is deduplicated by content: the first copy in key order stays (without it the
+corpus is the standard library's files as they are, as the embedded models were trained).
+:meth:`Corpus.describe` lists each distribution that went in with its version, licence, files
+and characters, and what was left out and why.
+
 **Data.** Each document becomes ``<|bos|> text <|eos|>``; documents are concatenated in file
 order and cut into rows of ``seq_len + 1`` tokens that overlap by one (inputs ``row[:-1]``,
 targets ``row[1:]``), so no token is wasted and no padding is needed. Attention runs across
@@ -73,6 +83,12 @@ class Corpus:
     heldout_fraction: float
     max_files: int | None = None
     name: str = ""
+    #: per distribution read: version, licence, files, chars (empty without ``packages``)
+    packages: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: files left out, by reason (``not_utf8`` is ``skipped``; see the sources module)
+    left_out: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: distributions not read because their licence is not permissive: name -> licence
+    refused_licences: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def describe(self) -> dict[str, Any]:
         """Counts and provenance for logs and the model card."""
@@ -87,6 +103,9 @@ class Corpus:
             "skipped_not_utf8": len(self.skipped),
             "heldout_fraction": self.heldout_fraction,
             "max_files": self.max_files,
+            "packages": self.packages,
+            "left_out": self.left_out,
+            "refused_licences": self.refused_licences,
         }
 
 
@@ -139,6 +158,7 @@ def load_corpus(
     heldout_fraction: float = 0.03,
     max_files: int | None = None,
     name: str | None = None,
+    packages: bool | Sequence[str] = False,
 ) -> Corpus:
     """Read and split the corpus.
 
@@ -149,6 +169,9 @@ def load_corpus(
         spans the whole library (for quick runs and tests); all files when ``None``.
       name: what the files are, for the model card; by default the running interpreter's
         standard library, or the root's path for another root.
+      packages: add the installed packages' permissively licensed sources
+        (:mod:`turbospark_jax.recipe.sources`): ``True`` for what the interpreter imports
+        (``sys.path``), or the site directories to read.
 
     Returns:
       The :class:`Corpus`.
@@ -157,6 +180,8 @@ def load_corpus(
       BadInputError: ``root`` is not a directory, ``heldout_fraction`` is outside ``(0, 1)``,
         or either split comes out empty.
     """
+    from turbospark_jax.recipe import sources
+
     if not 0.0 < heldout_fraction < 1.0:
         raise BadInputError(f"heldout_fraction must be in (0, 1), got {heldout_fraction}")
     if name is None:
@@ -165,27 +190,60 @@ def load_corpus(
             f"{platform.python_version()})" if root is None else f"the directory {root}"
         )
     root = stdlib_root() if root is None else root
-    paths = list_corpus_files(root)
-    if max_files is not None and len(paths) > max_files:
-        stride = len(paths) / max_files
-        paths = [paths[int(i * stride)] for i in range(max_files)]
+    # (corpus key, file, distribution or None for the root's own files)
+    entries = [(rel, root / rel, None) for rel in list_corpus_files(root)]
+    left_out: dict[str, int] = {}
+    refused: dict[str, str] = {}
+    found: dict[str, sources.Distribution] = {}
+    if packages:
+        where = None if packages is True else [str(p) for p in packages]
+        distributions = sources.installed_distributions(where)
+        found = {d.name: d for d in distributions}
+        refused = {d.name: d.licence for d in distributions if not d.permissive}
+        files, left_out = sources.package_files(distributions, where)
+        entries += [(f.key, f.path, f.distribution) for f in files]
+        name += ", and the permissively licensed Python sources of the installed packages"
+    if max_files is not None and len(entries) > max_files:
+        stride = len(entries) / max_files
+        entries = [entries[int(i * stride)] for i in range(max_files)]
     train: list[Document] = []
     heldout: list[Document] = []
     skipped: list[str] = []
-    for rel in paths:
+    seen: set[bytes] = set()
+    read: dict[str, dict[str, Any]] = {}
+    for key, path, dist in entries:
         try:
-            text = (root / rel).read_bytes().decode("utf-8")
-        except UnicodeDecodeError:
-            skipped.append(rel)
+            data = path.read_bytes()
+        except OSError:
+            left_out["unreadable"] = left_out.get("unreadable", 0) + 1
             continue
-        (heldout if is_heldout(rel, heldout_fraction) else train).append(Document(rel, text))
+        reason = None if dist is None else sources.reject_reason(path.name, data)
+        digest = hashlib.sha256(data).digest()
+        if reason is None and packages and digest in seen:
+            reason = "duplicate"
+        if reason is not None:
+            left_out[reason] = left_out.get(reason, 0) + 1
+            continue
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(key)
+            continue
+        seen.add(digest)
+        (heldout if is_heldout(key, heldout_fraction) else train).append(Document(key, text))
+        if dist is not None:
+            info = read.setdefault(dist, {"version": found[dist].version,
+                                          "licence": found[dist].licence, "files": 0,
+                                          "chars": 0})
+            info["files"] += 1
+            info["chars"] += len(text)
     if not train or not heldout:
         raise BadInputError(
-            f"the split of {len(paths)} files under {root} left "
+            f"the split of {len(entries)} files under {root} left "
             f"{len(train)} training and {len(heldout)} held-out files; both must be non-empty"
         )
     return Corpus(str(root), tuple(train), tuple(heldout), tuple(skipped), heldout_fraction,
-                  max_files, name)
+                  max_files, name, read, left_out, refused)
 
 
 def encode_documents(tokenizer: Tokenizer, docs: Sequence[Document]) -> np.ndarray:
