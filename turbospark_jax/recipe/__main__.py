@@ -136,6 +136,17 @@ def _build_parser() -> argparse.ArgumentParser:
     cor.add_argument("--out", type=Path, default=None, help="also write the report here (JSON)")
     _add_corpus_args(cor)
 
+    ev = sub.add_parser("evaluate", help="complete held-out function bodies greedily: the "
+                        "share that parse and do not loop")
+    ev.add_argument("--model", type=Path, default=None,
+                    help="model folder (default: the embedded model)")
+    ev.add_argument("--functions", type=int, default=200, help="how many (default 200)")
+    ev.add_argument("--max-tokens", type=int, default=128,
+                    help="the most tokens a body may take (default 128)")
+    ev.add_argument("--out", type=Path, default=None,
+                    help="also write the share and every sample here (JSON)")
+    _add_corpus_args(ev)
+
     tok = sub.add_parser("tokenizer", help="train the tokenizer on the corpus' training split")
     tok.add_argument("--out", type=Path, required=True, help="folder for the tokenizer files")
     tok.add_argument("--vocab-size", type=int, default=8192)
@@ -317,6 +328,29 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
 
 
 
+def _evaluate(args: argparse.Namespace) -> None:
+    from turbospark_jax.api import load
+    from turbospark_jax.recipe.code_eval import evaluate_functions
+
+    corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
+                         args.corpus_name, args.packages)
+    model = load(args.model)
+    t0 = time.monotonic()
+    share, results = evaluate_functions(model, corpus.heldout, args.functions, args.max_tokens)
+    report = {
+        "model": str(args.model or "embedded"), "functions": len(results), "passing": share,
+        "parsing": sum(r.parses for r in results) / len(results),
+        "looping": sum(r.loops for r in results) / len(results),
+        "seconds": round(time.monotonic() - t0, 1),
+        "samples": [{"path": r.function.path, "line": r.function.line,
+                     "prompt": r.function.prompt, "body": r.body, "parses": r.parses,
+                     "loops": r.loops} for r in results],
+    }
+    if args.out is not None:
+        args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    print(json.dumps({k: v for k, v in report.items() if k != "samples"}))
+
+
 def _run(args: argparse.Namespace) -> None:
     if args.command == "corpus":
         corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
@@ -325,6 +359,8 @@ def _run(args: argparse.Namespace) -> None:
         if args.out is not None:
             args.out.write_text(text + "\n", encoding="utf-8")
         print(text)
+    elif args.command == "evaluate":
+        _evaluate(args)
     elif args.command == "tokenizer":
         corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
                              args.corpus_name, args.packages)
