@@ -46,32 +46,34 @@ def commented():
 
 def test_prompts_are_headers_with_docstrings_dedented() -> None:
     found = function_prompts([Document("m.py", SOURCE), Document("bad.py", "def (:")])
-    assert [(f.name, f.prompt) for f in found] == [
-        ("cached", '@functools.cache\ndef cached(x):\n    """Twice x."""\n'),
-        ("method", "def method(self, a,\n           b):\n"),
+    assert [(f.name, f.prompt, f.indent) for f in found] == [
+        ("cached", '@functools.cache\ndef cached(x):\n    """Twice x."""', 0),
+        ("method", "    def method(self, a,\n               b):", 4),
     ]
 
 
-@pytest.mark.parametrize("text,body,ended", [
-    ("    return 1\n\n\ndef g():\n", "    return 1\n", True),
-    ("    x = 1\n    return x\nprint(2)", "    x = 1\n    return x\n", True),
-    ("    x = 1\n    y = (", "    x = 1\n", False),
-    ("    x = 1", "", False),
-    ("\ndef g():", "\n", True),
+@pytest.mark.parametrize("text,indent,body,ended", [
+    ("\n    return 1\n\n\ndef g():\n", 0, "\n    return 1\n", True),
+    ("\n    x = 1\n    return x\nprint(2)", 0, "\n    x = 1\n    return x\n", True),
+    ("\n        x = 1\n    def g(self):", 4, "\n        x = 1\n", True),
+    ("\n        x = 1\n        y = (", 4, "\n        x = 1\n", False),
+    ("  # note\n    x = 1", 0, "  # note\n", False),
+    ("\ndef g():", 0, "\n", True),
 ])
-def test_a_body_ends_back_at_column_zero(text: str, body: str, ended: bool) -> None:
-    assert cut_body(text) == (body, ended)
+def test_a_body_ends_back_at_the_defs_indentation(text: str, indent: int, body: str,
+                                                   ended: bool) -> None:
+    assert cut_body(text, indent) == (body, ended)
 
 
-F = FunctionPrompt("m.py", 1, "f", "def f(x):\n")
+F = FunctionPrompt("m.py", 1, "f", "    def f(x):", 4)
 
 
 @pytest.mark.parametrize("body,parses,loops,passes", [
-    ("    return x + 1\n", True, False, True),
-    ("    return (x +\n", False, False, False),
-    ("    y = 1\n" * 4, True, True, False),
-    ("    y = 1\n" * 3, True, False, True),
-    ("", False, False, False),
+    ("\n        return x + 1\n", True, False, True),
+    ("\n        return (x +\n", False, False, False),
+    ("\n" + "        y = 1\n" * 4, True, True, False),
+    ("\n" + "        y = 1\n" * 3, True, False, True),
+    ("\n", False, False, False),
 ])
 def test_verdicts(body: str, parses: bool, loops: bool, passes: bool) -> None:
     result = judge(F, body)
@@ -85,6 +87,6 @@ def test_embedded_model_completes_bodies() -> None:
     share, results = evaluate_functions(model, [Document("m.py", SOURCE)], n=2, max_tokens=24)
     assert [r.function.name for r in results] == ["cached", "method"]
     assert share == sum(r.passes for r in results) / 2
-    assert all(r.body == cut_body(r.body)[0] or not r.body for r in results)
+    assert all(cut_body(r.body, r.function.indent)[0] == r.body for r in results if r.body)
     with pytest.raises(BadInputError):
         evaluate_functions(model, [Document("m.py", "x = 1\n")])

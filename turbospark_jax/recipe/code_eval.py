@@ -7,14 +7,18 @@ directly, on functions from files the model never trained on:
 1. **Functions.** Every ``def`` (top level or method) in the held-out split's files, in path
    and line order, whose header is short enough; ``n`` of them evenly spaced over that list
    (so the sample spans every file and is the same on every run).
-2. **Prompt.** The function's decorators, signature and docstring (when it has one),
-   dedented to column 0: what a user types before asking for the body.
+2. **Prompt.** The function's decorators, signature and docstring (when it has one), as the
+   file has them (a method keeps its indentation), ending on the colon or the docstring's
+   closing quotes: the newline and the body's indentation are the model's to write, since a
+   prompt that ends inside that run of whitespace splits a token boundary the model never
+   saw in training.
 3. **Completion.** Greedy, up to ``max_tokens``; the body ends at the first non-blank line
-   back at column 0 (the next statement of the file), and generation stops there.
-4. **Verdict.** The body *parses* when prompt + body is valid Python (``ast.parse``); a body
-   *loops* when any non-blank line (stripped) occurs more than three times. A function
-   passes when its body parses and does not loop; an empty body (the model ended the
-   function at once) does not pass.
+   indented no deeper than the ``def`` (the file's next statement), and generation stops
+   there.
+4. **Verdict.** The body *parses* when prompt + body, dedented, is valid Python
+   (``ast.parse``); a body *loops* when any non-blank line (stripped) occurs more than three
+   times. A function passes when its body parses and does not loop; an empty body (the model
+   ended the function at once) does not pass.
 
 :func:`evaluate_functions` returns the share that pass and every sample, for the model card.
 """
@@ -45,6 +49,8 @@ class FunctionPrompt:
     line: int
     name: str
     prompt: str
+    #: columns before the ``def``: a body line indented no deeper ends the body
+    indent: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,9 +89,10 @@ def function_prompts(documents: Sequence[Document]) -> list[FunctionPrompt]:
             header = "\n".join(lines[start:end])
             if not header.rstrip().endswith((":", '"', "'")):
                 continue  # a body on the def's own line, or comments before it
-            prompt = textwrap.dedent(header) + "\n"
+            prompt = header.rstrip()
             if len(prompt) <= MAX_HEADER_CHARS:
-                found.append(FunctionPrompt(doc.path, node.lineno, node.name, prompt))
+                found.append(FunctionPrompt(doc.path, node.lineno, node.name, prompt,
+                                            node.col_offset))
     found.sort(key=lambda f: (f.path, f.line))
     return found
 
@@ -98,16 +105,17 @@ def spaced_sample(items: Sequence[Any], n: int) -> list[Any]:
     return [items[int(i * stride)] for i in range(n)]
 
 
-def cut_body(text: str) -> tuple[str, bool]:
-    """The body within a completion: up to the first non-blank line at column 0.
+def cut_body(text: str, indent: int = 0) -> tuple[str, bool]:
+    """The body within a completion of a header indented by ``indent`` columns: up to the
+    first non-blank line (after the header's own) indented no deeper than that.
 
     Returns:
-      The body, and whether it ended there (``False``: the completion ran out first; the
-      body is then cut after its last whole line).
+      The body (from the header's line end), and whether it ended there (``False``: the
+      completion ran out first; the body is then cut after its last whole line).
     """
     lines = text.split("\n")
     for i, line in enumerate(lines):
-        if i > 0 and line.strip() and not line[0].isspace():
+        if i > 0 and line.strip() and len(line) - len(line.lstrip()) <= indent:
             return "\n".join(lines[:i]).rstrip() + "\n", True
     return "\n".join(lines[:-1]) + "\n" if len(lines) > 1 else "", False
 
@@ -115,7 +123,7 @@ def cut_body(text: str) -> tuple[str, bool]:
 def judge(function: FunctionPrompt, body: str) -> FunctionResult:
     """The verdict on one body (see the module docstring)."""
     try:
-        ast.parse(function.prompt + body)
+        ast.parse(textwrap.dedent(function.prompt + body))
         parses = True
     except (SyntaxError, ValueError):
         parses = False
@@ -154,7 +162,7 @@ def evaluate_functions(
         with stream(model, function.prompt, max_tokens=max_tokens) as events:
             for event in events:
                 text += event.text
-                if cut_body(text)[1]:
+                if cut_body(text, function.indent)[1]:
                     break  # the function has ended: the rest is not its body
-        results.append(judge(function, cut_body(text)[0]))
+        results.append(judge(function, cut_body(text, function.indent)[0]))
     return sum(r.passes for r in results) / len(results), results
