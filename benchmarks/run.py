@@ -226,8 +226,12 @@ def decode_rate(producer: Any, context: int, new_tokens: int, burst: int, chunk:
 
     def run(prompt_ids: list[int], tokens: int) -> tuple[float, float, list[int]]:
         state = producer.init_state()
-        t_fill, (logits, state) = _timed(
-            lambda: producer.prefill_parallel(state, prompt_ids, 0, chunk=min(chunk, context)))
+        if producer.supports_parallel_prefill():
+            fill = lambda: producer.prefill_parallel(  # noqa: E731
+                state, prompt_ids, 0, chunk=min(chunk, context))
+        else:  # a family without the parallel path fills through the block program
+            fill = lambda: producer.prefill_chunk(state, prompt_ids, 0)  # noqa: E731
+        t_fill, (logits, state) = _timed(fill)
         tok = int(np.argmax(np.asarray(logits)))
         history = sampling.History.empty(vocab)
         out: list[int] = []
@@ -250,10 +254,10 @@ def prefill_rates(producer: Any, length: int, chunk: int, vocab: int) -> dict[st
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, vocab, length)]
     res: dict[str, float] = {}
-    for name, fn in (
-        ("exact", lambda s: producer.prefill_chunk(s, prompt, 0)),
-        ("parallel", lambda s: producer.prefill_parallel(s, prompt, 0, chunk=chunk)),
-    ):
+    paths = [("exact", lambda s: producer.prefill_chunk(s, prompt, 0))]
+    if producer.supports_parallel_prefill():
+        paths.append(("parallel", lambda s: producer.prefill_parallel(s, prompt, 0, chunk=chunk)))
+    for name, fn in paths:
         fn(producer.init_state())  # compile
         dt, _ = _timed(lambda fn=fn: fn(producer.init_state()))
         res[f"{name}_s"] = dt

@@ -35,3 +35,16 @@ def test_profile_probe_runs_and_records(tmp_path):
     for row in rows:
         assert row["tokens_per_s"] > 0 and row["roofline_tokens_per_s"] > 0
         assert "error" in row["profile"] or row["profile"]["kernels_per_token"] > 0
+
+
+def test_family_figures_harness_runs(tmp_path):
+    """The Qwen3.5 / Gemma 4 figures harness runs on the CPU at tiny shapes (no timing read)."""
+    from benchmarks.families import main as families_main
+
+    assert families_main(["--preset", "smoke", "--no-hf", "--out", str(tmp_path)]) == 0
+    records = json.loads((tmp_path / "families.json").read_text())["records"]
+    by_kind = {(r.get("shape"), r["workload"]) for r in records}
+    for shape in ("qwen3.5-tiny", "gemma4-tiny"):
+        assert {(shape, "decode"), (shape, "prefill"), (shape, "verify")} <= by_kind
+    decode = [r for r in records if r["workload"] == "decode"]
+    assert all(r["step_bytes"] > 0 and r["fraction_of_roofline"] > 0 for r in decode)
