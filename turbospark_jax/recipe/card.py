@@ -70,6 +70,11 @@ class Provenance:
                    _git_commit())
 
 
+def _median_mfu(history: list[dict[str, Any]]) -> float | None:
+    values = [h["mfu"] for h in history if h["kind"] == "train" and h.get("mfu") is not None]
+    return float(np.median(values)) if values else None
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -205,6 +210,7 @@ def model_card(
         n_params=count_params(result.params),
         epochs=result.tokens_seen / max(tokens["train"], 1),
         median_tokens_per_s=float(np.median(rates)) if rates else 0.0,
+        median_mfu=_median_mfu(history),
         eval_ppl=None if result.eval_loss is None else math.exp(result.eval_loss),
         evals=[h for h in history if h["kind"] == "eval"],
         samples=list(samples),

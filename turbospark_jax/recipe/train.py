@@ -44,6 +44,7 @@ from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.dense import DenseModel, Params, init_params
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.recipe.corpus import DataOrder, fingerprint
+from turbospark_jax.recipe.flops import mfu, training_flops_per_token
 from turbospark_jax.tokenizer import Tokenizer
 
 CHECKPOINT_STATE = "state.safetensors"
@@ -492,6 +493,8 @@ def train_model(
     train_step, eval_step = _programs(model, tc)
     data = jax.device_put(train_rows)
     tokens_per_step = tc.batch_size * tc.seq_len
+    flops_per_token = training_flops_per_token(config, tc.seq_len)
+    device_kind = getattr(jax.devices()[0], "device_kind", "?")
     schedule = tc.schedule()
     last_eval = next((h["loss"] for h in reversed(history) if h["kind"] == "eval"), None)
 
@@ -548,6 +551,9 @@ def train_model(
             record = {"kind": "train", "step": step, "loss": float(m["loss"]),
                       "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step - 1)),
                       "tokens_per_s": rate}
+            utilisation = mfu(rate, flops_per_token, device_kind)
+            if utilisation is not None:
+                record["mfu"] = utilisation
             history.append(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}",
                             lr=f"{record['lr']:.2e}")
@@ -575,10 +581,15 @@ def train_model(
         "total_s": time.monotonic() - t0,
         "steps_run": float(steps_run),
         "tokens_per_s": timed_steps * tokens_per_step / max(train_s - compile_s, 1e-9),
+        "flops_per_token": flops_per_token,
     }
+    utilisation = mfu(timings["tokens_per_s"], flops_per_token, device_kind)
+    if utilisation is not None and timed_steps:
+        timings["mfu"] = utilisation
     tqdm.write(
         f"[{name}] {steps_run} steps in {train_s:.1f}s (first step incl. compile "
         f"{compile_s:.1f}s), {timings['tokens_per_s']:,.0f} tokens/s"
+        + (f", MFU {timings['mfu']:.1%} of {device_kind}" if "mfu" in timings else "")
     )
     return TrainResult(
         config=config,
