@@ -41,7 +41,7 @@ def test_padding_rows_change_nothing() -> None:
     """Rows with beta = 0 and g = 0 leave the state and the earlier rows as they were."""
     q, k, v, g, beta, state = _inputs(10)
     o, s = delta_rule_chunked(q, k, v, g, beta, state, chunk=4)
-    tail = jnp.zeros((5,) + beta.shape[1:])
+    tail = jnp.zeros((5, *beta.shape[1:]))
     o2, s2 = delta_rule_chunked(
         jnp.concatenate([q, q[:5]]), jnp.concatenate([k, k[:5]]), jnp.concatenate([v, v[:5]]),
         jnp.concatenate([g, tail]), jnp.concatenate([beta, tail]), state, chunk=4)
