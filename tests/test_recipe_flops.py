@@ -30,7 +30,7 @@ def test_flops_per_token_counts_every_matrix_product(tied: bool) -> None:
         matmul += config.vocab_size * config.hidden_size
     seq = 64
     attention = 6 * 3 * seq * 4 * 8
-    assert flops.training_flops_per_token(config, seq) == 6 * matmul + attention
+    assert flops.training_flops_per_token(config, params, seq) == 6 * matmul + attention
 
 
 def test_mfu_only_where_the_peak_is_known() -> None:

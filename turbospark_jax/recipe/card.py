@@ -32,6 +32,7 @@ from turbospark_jax.completion import CompletionRequest
 from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.models.dense import DenseModel, Params
 from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.registry import family_of_config
 from turbospark_jax.recipe.train import TrainConfig, TrainResult, count_params
 from turbospark_jax.tokenizer import Tokenizer
 
@@ -95,7 +96,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 def card_samples(
-    config: DenseConfig,
+    config: Any,
     params: Params,
     tokenizer: Tokenizer,
     prompts: Sequence[str] = CARD_PROMPTS,
@@ -121,7 +122,10 @@ def card_samples(
     """
     if not prompts:
         return []
-    model = DenseModel(config, jnp.dtype(dtype))
+    if isinstance(config, DenseConfig):
+        model = DenseModel(config, jnp.dtype(dtype))
+    else:  # the other families have one (listed) layout
+        model = family_of_config(config).build(config, jnp.dtype(dtype), "list")
     cast = jax.tree.map(lambda p: jnp.asarray(p, model.dtype), params)
     encoded = [tokenizer.encode(p) for p in prompts]
     # One producer for every prompt: one compiled program, a fresh state per request.
