@@ -186,6 +186,12 @@ def param_shapes(config: BlockDrafterConfig) -> Params:
 
 def init_params(config: BlockDrafterConfig, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random params: matrices ~ N(0, initializer_range), norm scales 1."""
+    return _init_params(config, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 2))
+def _init_params(config: BlockDrafterConfig, key: jax.Array, dtype: jnp.dtype) -> Params:
+    # One compiled program instead of one dispatch (and compile) per leaf.
     shapes = param_shapes(config)
     paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
     keys = jax.random.split(key, len(paths))
