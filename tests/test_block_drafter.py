@@ -208,10 +208,10 @@ def test_folder_round_trip_and_bad_folders(tmp_path):
     assert loaded_config == config and tree_bitwise_equal(loaded, params)
     with pytest.raises(ModelLoadError, match="model_type"):
         load_block_drafter(_write_other(tmp_path))
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(ModelLoadError, match=r"no config\.json"):
         load_block_drafter(tmp_path / "missing")
     bigger = _zeros(_drafter_config(3, intermediate_size=80))
-    with pytest.raises(ModelLoadError, match="down_proj|gate_proj|up_proj"):
+    with pytest.raises(ModelLoadError, match=r"down_proj|gate_proj|up_proj"):
         save_block_drafter(tmp_path / "e", config, bigger)
 
 

@@ -32,6 +32,7 @@ from flax import struct
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.block_drafter import (
     BlockDrafterCache,
     BlockDrafterConfig,
@@ -42,6 +43,25 @@ from turbospark_jax.models.block_drafter import (
 )
 from turbospark_jax.models.dense import DenseModel
 from turbospark_jax.state import FedRecord
+
+
+def tapped_target(model: BlockModel, config: BlockDrafterConfig) -> DenseModel:
+    """``model`` set to tap the layers the drafter ``config`` reads (what a loader does before
+    it builds the target's producer).
+
+    Raises:
+      BadInputError: ``model`` is not a dense model, or has fewer layers than the drafter
+        was trained on.
+    """
+    if not isinstance(model, DenseModel):
+        raise BadInputError(f"a block drafter needs a dense target (llama, mistral, qwen2, "
+                            f"qwen3); this one is a {type(model).__name__}")
+    if model.config.num_hidden_layers != config.target_num_hidden_layers:
+        raise BadInputError(
+            f"the block drafter was made for a target of {config.target_num_hidden_layers} "
+            f"layers; this one has {model.config.num_hidden_layers}"
+        )
+    return dataclasses.replace(model, tap_layers=config.target_layer_ids)
 
 
 @struct.dataclass(kw_only=True)

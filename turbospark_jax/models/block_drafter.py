@@ -70,7 +70,7 @@ def evenly_spaced_layers(num_layers: int, count: int) -> tuple[int, ...]:
                             f"{num_layers}")
     if count == 1:
         return (num_layers // 2,)
-    return tuple(int(round(i * (num_layers - 1) / (count - 1))) for i in range(count))
+    return tuple(round(i * (num_layers - 1) / (count - 1)) for i in range(count))
 
 
 @dataclasses.dataclass(frozen=True)
