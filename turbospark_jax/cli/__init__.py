@@ -302,12 +302,17 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
             )
     if args.block_drafter:
         drafter = _read_folder(Path(args.block_drafter), "--block-drafter")
-        mine, theirs = target.config.get("vocab_size"), drafter.config.get("vocab_size")
-        if mine != theirs:
-            raise CommandLineError(
-                f"the block drafter's vocabulary has {theirs} ids but the model's has {mine}; "
-                "--block-drafter needs a drafter trained for this model"
-            )
+        for theirs_key, mine_key, what in (
+            ("vocab_size", "vocab_size", "vocabulary size"),
+            ("hidden_size", "hidden_size", "hidden size"),
+            ("target_num_hidden_layers", "num_hidden_layers", "number of layers"),
+        ):
+            mine, theirs = target.config.get(mine_key), drafter.config.get(theirs_key)
+            if mine != theirs:
+                raise CommandLineError(
+                    f"the block drafter was made for a model whose {what} is {theirs}; this "
+                    f"model's is {mine}; --block-drafter needs a drafter trained for this model"
+                )
     tok = _read_tokenizer(target)
     on_cpu = jax.default_backend() == "cpu"
     if args.dtype is None and on_cpu:
