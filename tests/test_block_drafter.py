@@ -206,6 +206,8 @@ def test_folder_round_trip_and_bad_folders(tmp_path):
     save_block_drafter(tmp_path / "d", config, params)
     loaded_config, loaded = load_block_drafter(tmp_path / "d")
     assert loaded_config == config and tree_bitwise_equal(loaded, params)
+    _, half = load_block_drafter(tmp_path / "d", dtype="bfloat16")
+    assert all(leaf.dtype == jnp.bfloat16 for leaf in jax.tree.leaves(half))
     with pytest.raises(ModelLoadError, match="model_type"):
         load_block_drafter(_write_other(tmp_path))
     with pytest.raises(ModelLoadError, match=r"no config\.json"):

@@ -560,8 +560,9 @@ def load_block_drafter(
     raw = _read_json(config_path, "block drafter config")
     config = block_drafter.BlockDrafterConfig.from_hf_dict(raw)
     named = raw.get("dtype")
-    resolved = jnp.dtype(_DTYPES[dtype] if isinstance(dtype, str) else dtype) if dtype \
-        else jnp.dtype(_DTYPES.get(named, jnp.float32))
+    if dtype is None:
+        dtype = named if named in _DTYPES else "float32"
+    resolved = jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
     weight_map = _weight_files(folder)
     host: dict[str, np.ndarray] = {}
     for name, handle, file in _iter_tensors(folder, weight_map):
