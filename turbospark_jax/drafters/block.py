@@ -134,6 +134,8 @@ class BlockDrafter(Drafter):
         self._device = BlockDevice(
             model=BlockDrafterModel(config, model.dtype, bidirectional=bidirectional),
             width=target.width)
+        # The drafter computes in the target's dtype (its activations mix with the target's).
+        params = jax.tree.map(lambda a: jnp.asarray(a, model.dtype), params)
         self._params = (params, shared_weights(target.params, tc.tie_word_embeddings))
 
     @property
