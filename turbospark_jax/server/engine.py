@@ -330,7 +330,7 @@ class Engine:
             try:
                 self._prefill_once()
                 self._decode_once()
-            except Exception as exc:  # noqa: BLE001 - a device failure ends every running row
+            except Exception as exc:  # a device failure ends every running row
                 self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
         with self._cond:
             for job in [*self._waiting, *self._running]:
