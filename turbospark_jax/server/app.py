@@ -246,6 +246,7 @@ class _Routes:
                 break
         c = event.completion
         choice = self._choice(chat, c.text, event.logprobs, 0, responses.finish_reason(c), False)
+        choice["token_ids"] = list(c.token_ids)  # an extension: the generated ids
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({**meta, "object": obj, "choices": [choice],
                              "usage": responses.usage(c, session_id)})

@@ -15,7 +15,15 @@ scheduler thread owns the device and loops:
    request's own :class:`~turbospark_jax.completion.Emission` (stop tokens, detokenizer, stop
    strings, ``max_tokens``), and a finished row leaves the batch.
 
-So a long prompt delays the others by one chunk per step, not by its whole prefill. A request's
+So a long prompt delays the others by one chunk per step, not by its whole prefill.
+
+**Prefix reuse covers prompt rows only.** A slot remembers the prompt its last request
+prefilled, and a later request reuses at most that prefix: the rows the batched decode program
+wrote for the reply are rewound away and prefilled again when a new prompt repeats them. The
+reason is measured, not assumed: on the CPU the vmapped decode program writes KV rows that
+differ in the last bits from what the prefill program writes for the same tokens, so reusing
+them would make a continued conversation differ from the same prompt served fresh
+(``tests/test_batching.py`` checks reuse against fresh bitwise). A request's
 output depends only on its own prompt, settings and seed: its prefill is the single-sequence
 program, its first token the host sampler, and every later token a row of a fixed-shape batched
 program whose rows do not interact (see :mod:`turbospark_jax.batching`).
@@ -201,7 +209,7 @@ class Engine:
       producer: the model as a :class:`~turbospark_jax.block_producer.BlockProducer`.
       slots: session slots, which is also the decode batch ``B``.
       tokenizer: for text, stop strings and deltas.
-      max_waiting: requests that may wait for a slot; more are refused with
+      max_waiting: requests that may wait while every slot is busy; more are refused with
         :class:`~turbospark_jax.errors.OverloadedError` (no unbounded queue).
       speculative: a speculative producer over the same target, for greedy requests.
       observer: told about requests and steps (metrics).
@@ -292,10 +300,11 @@ class Engine:
         job = _Job(request=request, sink=sink, ticket=ticket, params=params, emission=emission,
                    submitted=time.perf_counter())
         with self._cond:
-            if len(self._waiting) >= self.max_waiting:
+            if len(self._waiting) + len(self._running) >= len(self.slots) + self.max_waiting:
                 raise OverloadedError(
-                    f"{len(self._waiting)} requests are already waiting for one of "
-                    f"{len(self.slots)} slots; retry shortly", retry_after=1.0,
+                    f"every one of the {len(self.slots)} slots is busy and {len(self._waiting)} "
+                    f"requests already wait (at most {self.max_waiting}); retry shortly",
+                    retry_after=1.0,
                 )
             self._waiting.append(job)
             self._cond.notify_all()
@@ -318,6 +327,25 @@ class Engine:
         with self._cond:
             self._cond.notify_all()
 
+    def run_once(self) -> None:
+        """One scheduler iteration: drop cancelled requests, admit waiting ones, one prefill
+        chunk, one batched decode step. The scheduler thread loops over it; a test may call it
+        directly (without :meth:`start`) to control exactly when each request arrives."""
+        with self._cond:
+            self._drop_cancelled()
+            self._admit()
+        try:
+            self._prefill_once()
+            self._decode_once()
+        except Exception as exc:  # a device failure ends every running row
+            self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
+
+    @property
+    def idle(self) -> bool:
+        """Whether no request waits or runs."""
+        with self._cond:
+            return not (self._waiting or self._running)
+
     def _loop(self) -> None:
         while True:
             with self._cond:
@@ -325,13 +353,7 @@ class Engine:
                     self._cond.wait()
                 if self._stopping:
                     break
-                self._drop_cancelled()
-                self._admit()
-            try:
-                self._prefill_once()
-                self._decode_once()
-            except Exception as exc:  # a device failure ends every running row
-                self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
+            self.run_once()
         with self._cond:
             for job in [*self._waiting, *self._running]:
                 job.sink(Failed("the server is shutting down"))
@@ -343,12 +365,9 @@ class Engine:
             self._waiting.remove(job)
             self.observer.request_ended("cancelled", 0)
         for job in [j for j in self._running if j.ticket.cancelled]:
-            # A decoding row fed the prompt and every token but the last; a prefilling one
-            # has not written its row back, which still holds the slot's previous state.
-            fed = job.slot.fed_ids
-            if job.decoding:
-                fed = (*job.prompt, *job.emission.tokens[:-1])
-            self._release(job, fed)
+            # A decoding row holds its prompt as the prefill wrote it; a prefilling one has
+            # not written its row back, which still holds the slot's previous state.
+            self._release(job, job.prompt if job.decoding else job.slot.fed_ids)
             self.observer.request_ended("cancelled", len(job.emission.tokens))
 
     def _admit(self) -> None:
@@ -397,6 +416,10 @@ class Engine:
         if job.state is None:
             slot = job.slot
             state = self.decoder.take_row(slot.index) if slot.fed_ids else p.init_state()
+            if slot.fed_ids and int(state.fed.count) > len(slot.fed_ids):
+                # Only rows the prefill program wrote are reused (see _finish).
+                state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
+                         else p.init_state())
             job.reused, job.state = p.try_reuse_prefix(state, job.prompt)
             job.fed = job.reused
             self.observer.request_started(len(job.prompt), job.reused, job.evicted)
@@ -474,8 +497,7 @@ class Engine:
             job.sink(Delta(text="", token_ids=[token], logprobs=entries))
         if finish is None:
             return False
-        fed = () if finish is FinishReason.ERROR else (*job.prompt, *job.emission.tokens[:-1])
-        self._finish(job, finish, None, fed=fed)
+        self._finish(job, finish, None, fed=() if finish is FinishReason.ERROR else job.prompt)
         return True
 
     def _finish(self, job: _Job, finish: FinishReason, error: str | None,
@@ -485,7 +507,9 @@ class Engine:
             prefill_s=job.prefill_s, first_token_s=job.first_token_s,
         )
         usage = dataclasses.replace(completion.usage, slot=job.slot.index, evicted=job.evicted)
-        completion = dataclasses.replace(completion, usage=usage, fed_ids=tuple(fed))
+        generated = () if finish is FinishReason.ERROR else job.emission.tokens[:-1]
+        completion = dataclasses.replace(completion, usage=usage,
+                                         fed_ids=(*job.prompt, *generated) if fed else ())
         self._release(job, fed)
         self.observer.request_ended(
             "error" if finish is FinishReason.ERROR else finish.value, len(completion.token_ids)
