@@ -449,7 +449,7 @@ class Engine:
         job.first_token_s = time.perf_counter() - job.submitted - job.prefill_s
         self.observer.first_token(time.perf_counter() - job.submitted)
         job.last_token_at = time.perf_counter()
-        if self._push(job, token, host_logits, lp, top_ids, top_lp):
+        if self._push_guarded(job, token, host_logits, lp, top_ids, top_lp):
             return
         self.decoder.start_row(job.slot.index, token=token, params=job.params,
                                history=add_to_history(history, token), seed=seed, gen_index=1)
@@ -478,8 +478,19 @@ class Engine:
                 continue
             self.observer.next_token(now - job.last_token_at)
             job.last_token_at = now
-            self._push(job, int(sampled[i]), None if logits is None else logits[i],
-                       lp[i], top_ids[i], top_lp[i])
+            self._push_guarded(job, int(sampled[i]), None if logits is None else logits[i],
+                               lp[i], top_ids[i], top_lp[i])
+
+    def _push_guarded(self, job: _Job, *args: Any) -> bool:
+        """:meth:`_push`, with a failure in this request's own text work (its tokenizer, its
+        stop matcher) ending this request alone."""
+        try:
+            return self._push(job, *args)
+        except Exception as exc:  # the other rows must not pay for one request's fault
+            self._release(job, ())
+            self.observer.request_ended("error", len(job.emission.tokens))
+            job.sink(Failed(f"{type(exc).__name__}: {exc}"))
+            return True
 
     def _push(self, job: _Job, token: int, row: Any, lp: Any, top_ids: Any, top_lp: Any) -> bool:
         """Emit one token; finish the job when it ends there. Returns whether it ended."""

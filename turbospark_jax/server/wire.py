@@ -54,16 +54,32 @@ class ApiError(Exception):
 
 def from_validation_error(exc: ValidationError) -> ApiError:
     """The first pydantic complaint as a 400 naming the field."""
-    first = exc.errors(include_url=False)[0]
-    param = ".".join(str(p) for p in first["loc"]) or None
+    errors = exc.errors(include_url=False)
+    # A union reports one complaint per member; a value complaint (too long, out of range)
+    # says more than "not a str" from the member that was never meant.
+    values = [e for e in errors if not _is_type_error(e["type"])]
+    first = (values or errors)[0]
+    param = ".".join(str(p) for p in first["loc"] if _is_field(p)) or None
     kind = first["type"]
-    code = "invalid_type" if kind.endswith("_type") or kind.endswith("_parsing") else (
+    code = "invalid_type" if _is_type_error(kind) else (
         "unknown_parameter" if kind == "extra_forbidden" else "invalid_value")
     if param == "stop" and kind == "too_long":
         code = "too_many_stop_strings"
     if param == "messages" and kind == "too_short":
         code = "empty_messages"
     return ApiError(400, f"{param}: {first['msg']}", param=param, code=code)
+
+
+def _is_type_error(kind: str) -> bool:
+    return kind.endswith(("_type", "_parsing")) or kind == "none_required"
+
+
+def _is_field(part: object) -> bool:
+    """A location part naming a field or an index, not a union member's type tag."""
+    return isinstance(part, int) or (
+        isinstance(part, str) and part.isidentifier()
+        and part not in ("str", "int", "float", "bool", "list", "dict", "none")
+    )
 
 
 class StreamOptions(BaseModel):
