@@ -540,6 +540,13 @@ class Engine:
                 and not req.record_logits)
 
     def _speculate(self, request: ServeRequest, sink: Sink, ticket: Ticket) -> None:
+        try:
+            self._speculate_unguarded(request, sink, ticket)
+        except Exception as exc:  # the client must hear of it, not wait forever
+            self.observer.request_ended("error", 0)
+            sink(Failed(f"{type(exc).__name__}: {exc}"))
+
+    def _speculate_unguarded(self, request: ServeRequest, sink: Sink, ticket: Ticket) -> None:
         submitted = time.perf_counter()
         with self._spec_lock:
             stream = stream_completion(self.speculative, request.completion,
