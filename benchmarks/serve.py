@@ -47,9 +47,9 @@ class Preset:
 
 
 PRESETS = {
-    "cpu": Preset("embedded", (1, 8, 32, 64), 32, 32, 128, 1, "float32"),
+    "cpu": Preset("embedded", (1, 8, 32, 64), 32, 32, 128, 16, "float32"),
     "h200": Preset("llama-3.2-1b", (1, 8, 32, 64), 128, 256, 512, 16, "bfloat16"),
-    "smoke": Preset("embedded", (1, 2), 8, 4, 32, 1, "float32"),
+    "smoke": Preset("embedded", (1, 2), 8, 4, 32, 16, "float32"),
 }
 
 

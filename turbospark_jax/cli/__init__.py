@@ -398,13 +398,11 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
         ) from exc
     import jax
 
-    width = args.width if args.width is not None else (
-        1 if jax.default_backend() == "cpu" else 16)
     dtype = args.dtype if args.dtype is not None or jax.default_backend() != "cpu" else "float32"
     draft: Any = True if args.speculative else args.draft_model
     print(f"{PROG}: loading {args.model or DEFAULT_TARGET}", file=stderr, flush=True)
     server = load_server(args.model, slots=args.session_slots, context=args.context,
-                         width=width, dtype=dtype, draft=draft, ngram=args.ngram or 0,
+                         width=args.width, dtype=dtype, draft=draft, ngram=args.ngram or 0,
                          model_name=args.served_name, max_waiting=args.max_waiting,
                          prefill_chunk=args.prefill_chunk)
     print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots on "

@@ -208,9 +208,9 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
     serve.add_argument("--context", type=int, default=2048, metavar="N",
                        help="positions each slot's state holds (prompt plus reply)")
-    serve.add_argument("--width", type=int, default=None, metavar="W",
-                       help="rows of the exact prefill program (default: 16 on a GPU, 1 on a "
-                            "CPU)")
+    serve.add_argument("--width", type=int, default=16, metavar="W",
+                       help="rows of the exact prefill program (decode is batched across "
+                            "requests and does not use it)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="weights and activations (default: the model's own on a GPU, "
                             "float32 on a CPU)")
@@ -237,7 +237,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
                              ("--max-waiting", args.max_waiting, 0)):
         if value < low:
             raise CommandLineError(f"{flag} must be >= {low}, got {value}")
-    if args.width is not None and args.width < 1:
+    if args.width < 1:
         raise CommandLineError(f"--width must be >= 1, got {args.width}")
     if args.ngram is not None and args.ngram < 1:
         raise CommandLineError(f"--ngram must be >= 1, got {args.ngram}")

@@ -89,7 +89,7 @@ def load_server(
     *,
     slots: int = 4,
     context: int = 2048,
-    width: int = 1,
+    width: int = 16,
     dtype: str | None = None,
     draft: str | os.PathLike[str] | bool | None = None,
     ngram: int = 0,
@@ -102,7 +102,8 @@ def load_server(
       path: the Hugging Face folder; ``None`` for the embedded default model.
       slots: session slots (the decode batch).
       context: positions each slot's state holds.
-      width: rows of the prefill's block program.
+      width: rows of the prefill's block program (16: a prompt runs 16 tokens per step; the
+        batched decode does not use it).
       dtype: weights and activations (default: the folder's own).
       draft: a draft model folder (``True``: the embedded draft model) for speculative
         decoding of greedy requests; ``ngram``: prompt lookup up to this n instead.
@@ -126,13 +127,13 @@ def load_server(
         draft_path = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
         small = load_folder(draft_path, dtype=dtype, layer_layout="list")
         drafter = BlockProducer(small.model, small.params, capacity=context,
-                                width=max(width, 5), donate=True)
+                                width=width, donate=True)
         target_for_spec = BlockProducer(loaded.model, loaded.params, capacity=context,
-                                        width=max(width, 5), donate=True)
+                                        width=width, donate=True)
         speculative = SpeculativePair(target_for_spec, DraftModelDrafter(drafter))
     elif ngram:
         target_for_spec = BlockProducer(loaded.model, loaded.params, capacity=context,
-                                        width=max(width, 5), donate=True)
+                                        width=width, donate=True)
         speculative = SpeculativePair(target_for_spec,
                                       NGramDrafter(producer.vocab_size, max_n=ngram))
     stops = set(loaded.generation_config.eos_token_ids)
