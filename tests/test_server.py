@@ -2,8 +2,8 @@
 checked against the same request served alone, disconnects, the error table, overload, a
 failure mid-generation, and metrics parsed with prometheus_client.
 
-One server for the module (a toy attention model over the embedded model's tokenizer, so the
-chat template and text are real while every step is cheap).
+One server for the module: a toy attention model over a small byte-level BPE tokenizer with a
+chat template, so text, stop strings and chat are real while every step compiles and runs fast.
 """
 
 import json
@@ -18,13 +18,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
 from turbospark_jax.server.build import make_server
 from turbospark_jax.testing.live_server import running
+from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import ToyAttentionModel
 from turbospark_jax.tokenizer import Tokenizer
 
 CAPACITY, SLOTS, NAME = 160, 4, "toy"
+TEMPLATE = (
+    "{% for m in messages %}<|bos|>{{ m.role }}\n{{ m.content }}<|eos|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|bos|>assistant\n{% endif %}"
+)
 
 
 class PoisonableTokenizer:
@@ -46,7 +50,8 @@ class PoisonableTokenizer:
 
 @pytest.fixture(scope="module")
 def server():
-    tok = PoisonableTokenizer(Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET)))
+    tok = PoisonableTokenizer(Tokenizer.from_tokenizers(
+        byte_level_bpe(), bos="<|bos|>", eos="<|eos|>", pad="<|pad|>", chat_template=TEMPLATE))
     model = ToyAttentionModel(vocab=tok.vocab_size, dim=16)
     producer = BlockProducer(model, model.init_params(jax.random.PRNGKey(0)),
                              capacity=CAPACITY, width=4, steps_per_call=8, donate=True)
@@ -248,8 +253,10 @@ def test_failure_mid_generation_ends_that_stream_only(server):
                  "seed": 9}
     ids = post(url, "/v1/completions", victim).json()["choices"][0]["token_ids"]
     ref = post(url, "/v1/completions", bystander).json()["choices"][0]
-    poison = ids[3]
-    assert poison not in ids[:3] and poison not in ref["token_ids"]
+    # The first generated id, after the first, that nothing before it (and not the bystander)
+    # uses: decoding it fails mid-generation.
+    poison = next(t for k, t in enumerate(ids) if k >= 1 and t not in ids[:k]
+                  and t not in ref["token_ids"])
     tok = srv.config.tokenizer
     tok.poison.add(poison)
     try:
