@@ -50,6 +50,8 @@ PRESETS = {
     "cpu": Preset("embedded", (1, 8, 32, 64), 32, 32, 128, 16, "float32"),
     "h200": Preset("llama-3.2-1b", (1, 8, 32, 64), 128, 256, 512, 16, "bfloat16"),
     "smoke": Preset("embedded", (1, 2), 8, 4, 32, 16, "float32"),
+    # The h200 preset's path (a random model without a tokenizer) in miniature, for the CPU.
+    "tiny-random": Preset("tiny", (1, 2), 8, 4, 32, 4, "bfloat16"),
 }
 
 
