@@ -12,10 +12,15 @@ Why a row's result does not depend on its neighbours: the batch size ``B`` is fi
 program and every shape in it are the same on every call whoever is in flight; ``vmap`` maps each
 row's computation independently (no reduction runs across rows), so a row's values flow only from
 its own inputs. What such a program *may* still depend on is the row's index (a GEMM kernel can
-treat rows differently by their place in a tile). ``tests/test_batching.py`` checks, on the CPU,
-that a request's tokens and logits are bitwise equal to serving it alone for every slot index,
-neighbour mix and arrival order it tries; this held for the toy models and the embedded model on
-XLA's CPU backend. On a GPU it must be checked again on the device (the same test runs there).
+treat rows differently by their place in a tile). ``tests/test_batching.py`` checks that a
+request's tokens and logits are bitwise equal to serving it alone in every slot index and for
+the neighbour mixes and arrival orders it fuzzes; on XLA's CPU backend this held for the toy
+attention model (the embedded model has not been put through it). On a GPU it must be checked
+again on the device (the same test runs there); that has not been done yet.
+
+A cost of ``vmap``: the sampler's ``lax.cond`` (sort-based top-k/top-p or not; sampled or
+greedy) becomes a select that computes both branches for every row, so every row pays for a
+sort over the vocabulary even when greedy.
 
 Prefill is not batched here: a request's prompt runs through the producer's own exact chunked
 program on that row's state alone (:meth:`BatchedDecoder.take_row` / :meth:`put_row`), so the
