@@ -30,7 +30,7 @@ MODEL = ToyAttentionModel(vocab=VOCAB, dim=16)
 PARAMS = MODEL.init_params(jax.random.PRNGKey(3))
 
 
-def producer(width: int = 4) -> BlockProducer:
+def producer(width: int = 5) -> BlockProducer:
     return BlockProducer(MODEL, PARAMS, capacity=CAPACITY, width=width, steps_per_call=8,
                          donate=True)
 
@@ -203,7 +203,8 @@ def test_overload_is_refused_and_bad_input_touches_nothing():
 
 
 def test_speculative_greedy_requests_give_the_same_tokens():
-    pair = SpeculativePair(producer(width=5), NGramDrafter(VOCAB, max_n=3))
+    # The host rounds: the same block program as the prefill, so nothing new to compile.
+    pair = SpeculativePair(producer(), NGramDrafter(VOCAB, max_n=3), device_rounds=False)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     plain = alone(ServeRequest(completion=dataclasses.replace(
         request(prompt, max_tokens=12), record_logits=False)))
