@@ -19,11 +19,11 @@ LAYERS: dict[str, int] = {
     "tokenizer": 0, "streams": 0,
     "protocols": 1,
     "models": 2, "block_program": 2, "block_producer": 2,
-    "rounds": 3, "drafters": 3,
+    "rounds": 3, "drafters": 3, "batching": 3,
     "completion": 4, "generate": 4, "speculative": 4,
     "session_pool": 5, "chat": 5,
     "loading": 6,
-    "api": 7, "cli": 8, "recipe": 8, "testing": 8, "__init__": 9,
+    "api": 7, "server": 7, "cli": 8, "recipe": 8, "testing": 8, "__init__": 9,
 }
 
 

@@ -41,3 +41,14 @@ class ModelLoadError(TurbosparkError):
 
 class SessionError(BadInputError):
     """A session-pool request is invalid (unknown session, zero slots, slot in use)."""
+
+
+class OverloadedError(TurbosparkError):
+    """The server's queue of waiting requests is full; the request was not started.
+
+    Retry after :attr:`retry_after` seconds (the HTTP layer sends it as ``Retry-After``).
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

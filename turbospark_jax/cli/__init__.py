@@ -28,6 +28,7 @@ from turbospark_jax.cli.arguments import (
     PROG,
     CommandLineError,
     check_arguments,
+    check_serve_arguments,
     parser,
     user_words,
 )
@@ -418,6 +419,31 @@ def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
+    """``turbospark-jax serve``: load the model, then serve until interrupted."""
+    check_serve_arguments(args)
+    try:
+        from turbospark_jax.server.build import load_server
+    except ImportError as exc:
+        raise CommandLineError(
+            f"serve needs the serve extra ({exc.name} is missing): "
+            "pip install 'turbospark-jax[serve]'"
+        ) from exc
+    import jax
+
+    dtype = args.dtype if args.dtype is not None or jax.default_backend() != "cpu" else "float32"
+    draft: Any = True if args.speculative else args.draft_model
+    print(f"{PROG}: loading {args.model or DEFAULT_TARGET}", file=stderr, flush=True)
+    server = load_server(args.model, slots=args.session_slots, context=args.context,
+                         width=args.width, dtype=dtype, draft=draft, ngram=args.ngram or 0,
+                         model_name=args.served_name, max_waiting=args.max_waiting,
+                         prefill_chunk=args.prefill_chunk)
+    print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots on "
+          f"http://{args.host}:{args.port}/v1", file=stderr, flush=True)
+    server.run(host=args.host, port=args.port)
+    return 0
+
+
 def _lines(stdin: TextIO) -> Iterator[str]:
     for line in stdin:
         line = line.rstrip("\n")
@@ -433,6 +459,8 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None,
     try:
         with contextlib.redirect_stdout(stdout):  # --help and --version
             args = parser().parse_args(argv)
+        if args.command == "serve":
+            return _serve(args, stderr)
         return _generate(args, stdin, stdout, stderr)
     except SystemExit as exc:  # --help, --version
         return exc.code if isinstance(exc.code, int) else 0

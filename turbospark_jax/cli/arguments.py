@@ -190,7 +190,62 @@ def parser() -> _Parser:
     gen.add_argument("--stats", action="store_true",
                      help="print token counts and timings (load, compile, prefill, decode) to "
                           "stderr")
+    _serve_parser(sub)
     return top
+
+
+def _serve_parser(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve", formatter_class=_HelpFormatter,
+        help="serve the OpenAI API (completions, chat, streaming) with batched decoding",
+        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and "
+                    "/metrics. Requests in flight decode together, one device call per step "
+                    "for all of them; each request's output is bitwise what it would be alone. "
+                    "Needs the serve extra: pip install 'turbospark-jax[serve]'.",
+    )
+    serve.add_argument("--model", metavar="PATH",
+                       help="a Hugging Face model folder (default: the embedded tsj-pycoder)")
+    serve.add_argument("--session-slots", type=int, default=4, metavar="N",
+                       help="session slots: states kept for prefix reuse, and the decode batch")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve.add_argument("--context", type=int, default=2048, metavar="N",
+                       help="positions each slot's state holds (prompt plus reply)")
+    serve.add_argument("--width", type=int, default=16, metavar="W",
+                       help="rows of the exact prefill program (decode is batched across "
+                            "requests and does not use it)")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="weights and activations (default: the model's own on a GPU, "
+                            "float32 on a CPU)")
+    serve.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
+                       help="prompt tokens fed between two decode steps")
+    serve.add_argument("--max-waiting", type=int, default=64, metavar="N",
+                       help="requests that may wait for a slot; more get 429 with Retry-After")
+    serve.add_argument("--speculative", action="store_true",
+                       help="decode greedy requests speculatively with the embedded draft model "
+                            "(unbatched, one at a time; same tokens)")
+    serve.add_argument("--draft-model", metavar="PATH",
+                       help="as --speculative, with this draft model folder")
+    serve.add_argument("--ngram", type=int, default=None, metavar="N",
+                       help="as --speculative, drafting by prompt lookup with n-grams up to N")
+    serve.add_argument("--served-name", default=None, metavar="NAME",
+                       help="the model id clients name (default: the folder's name)")
+
+
+def check_serve_arguments(args: argparse.Namespace) -> None:
+    """Refuse serve flags out of range before anything loads."""
+    for flag, value, low in (("--session-slots", args.session_slots, 1),
+                             ("--context", args.context, 2), ("--port", args.port, 0),
+                             ("--prefill-chunk", args.prefill_chunk, 1),
+                             ("--max-waiting", args.max_waiting, 0)):
+        if value < low:
+            raise CommandLineError(f"{flag} must be >= {low}, got {value}")
+    if args.width < 1:
+        raise CommandLineError(f"--width must be >= 1, got {args.width}")
+    if args.ngram is not None and args.ngram < 1:
+        raise CommandLineError(f"--ngram must be >= 1, got {args.ngram}")
+    if sum(bool(x) for x in (args.speculative, args.draft_model, args.ngram)) > 1:
+        raise CommandLineError("choose one drafter: --speculative, --draft-model or --ngram")
 
 
 def user_words(message: str, names: dict[str, str] | None = None) -> str:

@@ -1,0 +1,287 @@
+"""The HTTP layer: OpenAI-compatible routes over an :class:`~turbospark_jax.server.engine.Engine`.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with SSE or
+not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every refusal is an OpenAI error
+body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
+request reaches the engine (so no slot is touched), a full queue a 429 with ``Retry-After``. A
+request that fails after its stream started ends with an ``error`` event and ``[DONE]``; a
+client that disconnects cancels its request, which frees its slot before the next decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from turbospark_jax.completion import CompletionRequest
+from turbospark_jax.errors import ContextOverflowError, OverloadedError, TurbosparkError
+from turbospark_jax.sampling import SamplingConfig
+from turbospark_jax.server import responses
+from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
+from turbospark_jax.server.metrics import ServerMetrics
+from turbospark_jax.server.wire import (
+    ApiError,
+    ChatBody,
+    CompletionBody,
+    from_validation_error,
+)
+
+__all__ = ["ServerConfig", "build_app"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """What the routes need besides the engine.
+
+    Fields:
+      model_name: the id ``/v1/models`` lists and requests must name.
+      tokenizer: encodes prompts, renders chat templates, names logprob tokens.
+      stop_token_ids: ids that end a completion (end of sequence).
+      chat_stop_token_ids: ids that end a chat reply (end of sequence and end of turn).
+      prefill_chunk: prompt tokens per prefill chunk (one chunk runs between decode steps).
+      default_chat_tokens: ``max_tokens`` of a chat request that sets none (at most what the
+        context has left).
+    """
+
+    model_name: str
+    tokenizer: Any
+    stop_token_ids: tuple[int, ...]
+    chat_stop_token_ids: tuple[int, ...]
+    prefill_chunk: int = 64
+    default_chat_tokens: int = 256
+
+
+def build_app(engine: Engine, config: ServerConfig, metrics: ServerMetrics | None = None,
+              ) -> Starlette:
+    """The Starlette application; the caller starts and stops ``engine``."""
+    metrics = metrics or ServerMetrics()
+    routes = _Routes(engine, config, metrics)
+    return Starlette(routes=[
+        Route("/v1/completions", routes.completions, methods=["POST"]),
+        Route("/v1/chat/completions", routes.chat, methods=["POST"]),
+        Route("/v1/models", routes.models, methods=["GET"]),
+        Route("/health", routes.health, methods=["GET"]),
+        Route("/metrics", routes.metrics_page, methods=["GET"]),
+    ])
+
+
+def _error_response(err: ApiError) -> JSONResponse:
+    headers = {}
+    if err.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(err.retry_after)))
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Routes:
+    def __init__(self, engine: Engine, config: ServerConfig, metrics: ServerMetrics) -> None:
+        self.engine, self.config, self.metrics = engine, config, metrics
+        self.texts = responses.TokenTexts(config.tokenizer)
+        self.capacity = engine.producer.max_positions
+
+    # -- plain routes -----------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        self.metrics.http.labels(endpoint="models", status="200").inc()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.config.model_name, "object": "model", "created": 0,
+            "owned_by": "turbospark_jax",
+        }]})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", **self.engine.load()})
+
+    async def metrics_page(self, request: Request) -> Response:
+        return Response(self.metrics.render(self.engine.load()),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    # -- generation routes ----------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, request: Request, *, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            body = await self._body(request, ChatBody if chat else CompletionBody)
+            serve = self._serve_request(body, chat)
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue[Any] = asyncio.Queue()
+
+            def sink(event: Any) -> None:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+
+            ticket = self._submit(serve, sink)
+        except ApiError as err:
+            self.metrics.http.labels(endpoint=endpoint, status=str(err.status)).inc()
+            return _error_response(err)
+        self.metrics.http.labels(endpoint=endpoint, status="200").inc()
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+                "created": responses.now(), "model": self.config.model_name}
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self._stream(queue, ticket, meta, chat, body.session_id, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            return await self._whole(queue, meta, chat, body.session_id)
+        finally:
+            ticket.cancel()  # a client gone before the end frees the slot; after it, a no-op
+
+    async def _body(self, request: Request, model: type[Any]) -> Any:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+        if not isinstance(data, dict):
+            raise ApiError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            body = model.model_validate(data)
+        except ValidationError as exc:
+            raise from_validation_error(exc) from exc
+        if body.model != self.config.model_name:
+            raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+                           f"{self.config.model_name!r} (GET /v1/models)", param="model",
+                           code="model_not_found")
+        return body
+
+    def _serve_request(self, body: Any, chat: bool) -> ServeRequest:
+        tok = self.config.tokenizer
+        if chat:
+            messages = [{"role": m.role if m.role != "developer" else "system",
+                         "content": m.text()} for m in body.messages]
+            try:
+                rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+            except TurbosparkError as exc:
+                raise ApiError(400, f"the chat template refused the messages: {exc}",
+                               param="messages", code="invalid_value") from exc
+            ids = list(tok.encode(rendered, add_special_tokens=False)) if isinstance(
+                rendered, str) else list(rendered)
+            stops = self.config.chat_stop_token_ids
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            asked = body.max_completion_tokens or body.max_tokens
+        else:
+            ids = (list(tok.encode(body.prompt, add_special_tokens=False))
+                   if isinstance(body.prompt, str) else list(body.prompt))
+            stops = self.config.stop_token_ids
+            top = body.logprobs
+            asked = body.max_tokens or 16
+        if not ids:
+            raise ApiError(400, "the prompt encodes to no tokens", param="prompt",
+                           code="invalid_value")
+        room = self.capacity - len(ids)
+        max_tokens = asked if asked is not None else min(self.config.default_chat_tokens, room)
+        if max_tokens < 1 or len(ids) + max_tokens > self.capacity:
+            raise ApiError(
+                400, f"the prompt has {len(ids)} tokens and asks for {max(max_tokens, 1)} more; "
+                f"the context holds {self.capacity}: shorten the prompt or lower max_tokens",
+                param="messages" if chat else "prompt", code="context_length_exceeded",
+            )
+        seed = body.seed if body.seed is not None else int.from_bytes(os.urandom(4), "little")
+        completion = CompletionRequest(
+            prompt_ids=ids, max_tokens=max_tokens, stop_token_ids=stops,
+            stop_strings=body.stop_strings(), seed=seed,
+            prefill_chunk_size=self.config.prefill_chunk,
+            sampling=SamplingConfig(
+                temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                min_p=body.min_p, repetition_penalty=body.repetition_penalty,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+            ),
+        )
+        return ServeRequest(completion=completion, session_id=body.session_id, top_logprobs=top)
+
+    def _submit(self, serve: ServeRequest, sink: Any) -> Ticket:
+        try:
+            return self.engine.submit(serve, sink)
+        except OverloadedError as exc:
+            raise ApiError(429, str(exc), code="overloaded", kind="rate_limit_error",
+                           retry_after=exc.retry_after) from exc
+        except ContextOverflowError as exc:
+            raise ApiError(400, str(exc), code="context_length_exceeded") from exc
+        except TurbosparkError as exc:
+            raise ApiError(400, str(exc), code="invalid_value") from exc
+
+    # -- answers ------------------------------------------------------------------------------
+
+    def _choice(self, chat: bool, text: str, entries: list[Any], offset: int,
+                finish: str | None, delta: bool) -> dict[str, Any]:
+        logprobs = None
+        if entries:
+            logprobs = (responses.chat_logprobs(entries, self.texts) if chat
+                        else responses.text_logprobs(entries, self.texts, offset))
+        if chat:
+            key = "delta" if delta else "message"
+            content = {"content": text} if delta else {"role": "assistant", "content": text}
+            return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+    async def _whole(self, queue: asyncio.Queue[Any], meta: dict[str, Any], chat: bool,
+                     session_id: str | None) -> Response:
+        while True:
+            event = await queue.get()
+            if isinstance(event, Failed):
+                err = ApiError(500, f"generation failed: {event.message}", code="generation_failed",
+                               kind="server_error")
+                return _error_response(err)
+            if isinstance(event, Done):
+                break
+        c = event.completion
+        choice = self._choice(chat, c.text, event.logprobs, 0, responses.finish_reason(c), False)
+        choice["token_ids"] = list(c.token_ids)  # an extension: the generated ids
+        obj = "chat.completion" if chat else "text_completion"
+        return JSONResponse({**meta, "object": obj, "choices": [choice],
+                             "usage": responses.usage(c, session_id)})
+
+    async def _stream(self, queue: asyncio.Queue[Any], ticket: Ticket, meta: dict[str, Any],
+                      chat: bool, session_id: str | None, include_usage: bool,
+                      ) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[Any], **extra: Any) -> str:
+            return _sse({**meta, "object": obj, "choices": choices, **extra})
+
+        offset = 0
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}])
+            while True:
+                event = await queue.get()
+                if isinstance(event, Delta):
+                    yield chunk([self._choice(chat, event.text, event.logprobs, offset, None,
+                                              True)])
+                    offset += len(event.text)
+                    continue
+                if isinstance(event, Failed):
+                    err = ApiError(500, f"generation failed: {event.message}",
+                                   code="generation_failed", kind="server_error")
+                    yield _sse(err.body())
+                else:
+                    c = event.completion
+                    yield chunk([self._choice(chat, event.tail, [], offset,
+                                              responses.finish_reason(c), True)])
+                    if include_usage:
+                        yield chunk([], usage=responses.usage(c, session_id))
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            ticket.cancel()  # a disconnect lands here (the task is cancelled at the await)

@@ -1,0 +1,144 @@
+"""From a model folder (or a ready producer) to a server: engine, routes and metrics together,
+and uvicorn to run them."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from starlette.applications import Starlette
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.chat import default_stop_ids
+from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path, load_folder
+from turbospark_jax.server.app import ServerConfig, build_app
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.metrics import ServerMetrics
+
+__all__ = ["Server", "load_server", "make_server"]
+
+
+@dataclasses.dataclass
+class Server:
+    """A server's parts: start the engine before serving the app, stop it after.
+
+    Fields:
+      engine: the scheduler (``engine.start()`` / ``engine.stop()``).
+      app: the ASGI application.
+      metrics: its Prometheus collectors.
+      config: what the routes were built with.
+    """
+
+    engine: Engine
+    app: Starlette
+    metrics: ServerMetrics
+    config: ServerConfig
+
+    def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+        """Serve until interrupted (uvicorn), with the engine running meanwhile."""
+        import uvicorn
+
+        self.engine.start()
+        try:
+            uvicorn.run(self.app, host=host, port=port, log_level=log_level)
+        finally:
+            self.engine.stop()
+
+
+def make_server(
+    producer: BlockProducer,
+    tokenizer: Any,
+    *,
+    model_name: str,
+    slots: int,
+    stop_token_ids: tuple[int, ...] = (),
+    speculative: SpeculativePair | None = None,
+    max_waiting: int = 64,
+    prefill_chunk: int = 64,
+    engine_options: dict[str, Any] | None = None,
+) -> Server:
+    """A server over a ready producer (the tests build one over a toy model).
+
+    Args:
+      producer: the model's :class:`~turbospark_jax.block_producer.BlockProducer`.
+      tokenizer: its tokenizer (with a chat template for ``/v1/chat/completions``).
+      model_name: the id requests must name.
+      slots: session slots, which is also the decode batch.
+      stop_token_ids: ids that end a completion; end-of-turn ids are added for chat.
+      speculative: a speculative pair over ``producer`` for greedy requests.
+      max_waiting: requests that may wait for a slot before more get a 429.
+      prefill_chunk: prompt tokens per prefill chunk between decode steps.
+      engine_options: further :class:`~turbospark_jax.server.engine.Engine` keywords.
+    """
+    metrics = ServerMetrics()
+    engine = Engine(producer, slots=slots, tokenizer=tokenizer, max_waiting=max_waiting,
+                    speculative=speculative, observer=metrics, **(engine_options or {}))
+    chat_stops = tuple(sorted({*stop_token_ids, *default_stop_ids(tokenizer)}))
+    config = ServerConfig(model_name=model_name, tokenizer=tokenizer,
+                          stop_token_ids=tuple(stop_token_ids),
+                          chat_stop_token_ids=chat_stops, prefill_chunk=prefill_chunk)
+    return Server(engine=engine, app=build_app(engine, config, metrics), metrics=metrics,
+                  config=config)
+
+
+def load_server(
+    path: str | os.PathLike[str] | None = None,
+    *,
+    slots: int = 4,
+    context: int = 2048,
+    width: int = 16,
+    dtype: str | None = None,
+    draft: str | os.PathLike[str] | bool | None = None,
+    ngram: int = 0,
+    model_name: str | None = None,
+    **options: Any,
+) -> Server:
+    """A server over a model folder (default: the embedded model).
+
+    Args:
+      path: the Hugging Face folder; ``None`` for the embedded default model.
+      slots: session slots (the decode batch).
+      context: positions each slot's state holds.
+      width: rows of the prefill's block program (16: a prompt runs 16 tokens per step; the
+        batched decode does not use it).
+      dtype: weights and activations (default: the folder's own).
+      draft: a draft model folder (``True``: the embedded draft model) for speculative
+        decoding of greedy requests; ``ngram``: prompt lookup up to this n instead.
+      model_name: the served id (default: the folder's name).
+      **options: :func:`make_server` keywords.
+
+    Raises:
+      ModelLoadError: the folder cannot be loaded.
+      BadInputError: both ``draft`` and ``ngram``, or a folder without a tokenizer.
+    """
+    if draft and ngram:
+        raise BadInputError("choose one drafter: a draft model or --ngram, not both")
+    target = embedded_model_path(DEFAULT_TARGET) if path is None else path
+    loaded = load_folder(target, dtype=dtype, layer_layout="list")
+    if loaded.tokenizer is None:
+        raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
+    producer = BlockProducer(loaded.model, loaded.params, capacity=context, width=width,
+                             steps_per_call=32, donate=True)
+    speculative = None
+    if draft:
+        draft_path = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
+        small = load_folder(draft_path, dtype=dtype, layer_layout="list")
+        drafter = BlockProducer(small.model, small.params, capacity=context,
+                                width=width, donate=True)
+        target_for_spec = BlockProducer(loaded.model, loaded.params, capacity=context,
+                                        width=width, donate=True)
+        speculative = SpeculativePair(target_for_spec, DraftModelDrafter(drafter))
+    elif ngram:
+        target_for_spec = BlockProducer(loaded.model, loaded.params, capacity=context,
+                                        width=width, donate=True)
+        speculative = SpeculativePair(target_for_spec,
+                                      NGramDrafter(producer.vocab_size, max_n=ngram))
+    stops = set(loaded.generation_config.eos_token_ids)
+    if loaded.tokenizer.eos_token_id is not None:
+        stops.add(loaded.tokenizer.eos_token_id)
+    name = model_name or os.path.basename(os.path.normpath(str(target)))
+    return make_server(producer, loaded.tokenizer, model_name=name, slots=slots,
+                       stop_token_ids=tuple(sorted(stops)), speculative=speculative, **options)

@@ -1,0 +1,571 @@
+"""The serving engine: one scheduler thread runs every request over the batched slot rows.
+
+Requests arrive from any thread (:meth:`Engine.submit`) and wait in a bounded queue. The
+scheduler thread owns the device and loops:
+
+1. drop requests whose client went away (their slot is free from this point on);
+2. give waiting requests slots (:func:`~turbospark_jax.server.slots.choose_slot`); a request
+   whose session's slot is busy waits without holding up the others;
+3. run **one prefill chunk** of the oldest request still prefilling, through the producer's own
+   exact chunked program on that slot's state alone; after its last chunk the first token is
+   sampled on the host from the prefill's logits (as the plain loop does) and the row joins the
+   batch;
+4. run **one batched decode step** for every row in the batch
+   (:class:`~turbospark_jax.batching.BatchedDecoder`); each row's token goes through the
+   request's own :class:`~turbospark_jax.completion.Emission` (stop tokens, detokenizer, stop
+   strings, ``max_tokens``), and a finished row leaves the batch.
+
+So a long prompt delays the others by one chunk per step, not by its whole prefill.
+
+**Prefix reuse covers prompt rows only.** A slot remembers the prompt its last request
+prefilled, and a later request reuses at most that prefix: the rows the batched decode program
+wrote for the reply are rewound away and prefilled again when a new prompt repeats them. The
+reason is measured, not assumed: on the CPU the vmapped decode program writes KV rows that
+differ in the last bits from what the prefill program writes for the same tokens, so reusing
+them would make a continued conversation differ from the same prompt served fresh
+(``tests/test_batching.py`` checks reuse against fresh bitwise). A request's
+output depends only on its own prompt, settings and seed: its prefill is the single-sequence
+program, its first token the host sampler, and every later token a row of a fixed-shape batched
+program whose rows do not interact (see :mod:`turbospark_jax.batching`).
+
+**Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
+request without logprobs runs the existing speculative loop on a fresh state of its own, one
+at a time, in a thread beside the scheduler; it holds no slot and reuses no prefix. Greedy
+speculative decoding emits the same tokens as plain greedy decoding; sampled requests (and any
+asking for logprobs) stay on the batched path, so no seed's output changes.
+
+Results go to a per-request ``sink`` callable, from the scheduler thread: zero or more
+:class:`Delta`, then exactly one :class:`Done` or :class:`Failed` (none after a cancel).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from turbospark_jax import sampling
+from turbospark_jax.batching import BatchedDecoder, token_logprobs
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.checks import as_int
+from turbospark_jax.completion import (
+    NON_FINITE_LOGITS,
+    PRODUCER_FAILURES,
+    Completion,
+    CompletionRequest,
+    Emission,
+    FinishReason,
+    add_to_history,
+    validate_request,
+)
+from turbospark_jax.errors import BadInputError, OverloadedError
+from turbospark_jax.generate import stream_completion
+from turbospark_jax.protocols import SpeculativeProducer
+from turbospark_jax.server.slots import SlotRecord, choose_slot
+
+__all__ = ["Delta", "Done", "Engine", "EngineObserver", "Failed", "ServeRequest", "Ticket",
+           "TokenLogprob"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeRequest:
+    """One request to the engine.
+
+    Fields:
+      completion: what to generate (its ``prompt_ids`` are the whole prompt).
+      session_id: the session to continue, or ``None`` to let the engine pick a slot.
+      top_logprobs: ``None`` for no log-probabilities; else report the chosen token's and this
+        many alternatives' (0..20) per token.
+    """
+
+    completion: CompletionRequest
+    session_id: str | None = None
+    top_logprobs: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw logits, and alternatives.
+
+    Fields:
+      token: the id generated.
+      logprob: ``log softmax(logits)[token]`` (before temperature, penalties or filters).
+      top: the likeliest ``(id, logprob)`` pairs, best first.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Delta:
+    """Text released by one generated token (possibly empty while a stop string is undecided).
+
+    Fields:
+      text: the released text.
+      token_ids: the tokens it accounts for.
+      logprobs: one entry per token when the request asked for them.
+    """
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+
+
+@dataclasses.dataclass(frozen=True)
+class Done:
+    """The request ended normally.
+
+    Fields:
+      completion: the whole result; ``usage.slot`` and ``usage.evicted`` are filled in (slot
+        ``None`` for a speculative request); ``completion.text`` is every delta's text joined.
+      logprobs: every generated token's entry (when asked for).
+      tail: text released at the end (held back for a stop string that did not complete).
+    """
+
+    completion: Completion
+    logprobs: list[TokenLogprob]
+    tail: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+    """The request failed after it started; the text already streamed stays valid."""
+
+    message: str
+
+
+Event = Delta | Done | Failed
+Sink = Callable[[Event], None]
+
+
+class EngineObserver:
+    """What the engine tells a metrics collector; every hook does nothing by default."""
+
+    def request_started(self, prompt_tokens: int, cached_tokens: int, evicted: bool) -> None:
+        """A request got its slot and reused ``cached_tokens`` of its prompt."""
+
+    def first_token(self, seconds: float) -> None:
+        """A request's first token came ``seconds`` after it was submitted."""
+
+    def next_token(self, seconds: float) -> None:
+        """A later token came ``seconds`` after the request's previous one."""
+
+    def request_ended(self, outcome: str, generated: int) -> None:
+        """A request ended (``outcome``: a finish reason, ``error`` or ``cancelled``)."""
+
+    def step(self, rows: int, seconds: float) -> None:
+        """One batched decode step advanced ``rows`` requests in ``seconds``."""
+
+
+class Ticket:
+    """A submitted request: cancel it when its client goes away."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Stop the request; its slot is free before the next decode step. Idempotent."""
+        self.cancelled = True
+        self._engine._wake()
+
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    request: ServeRequest
+    sink: Sink
+    ticket: Ticket
+    params: sampling.SamplingParams
+    emission: Emission
+    submitted: float
+    slot: SlotRecord | None = None
+    reused: int = 0
+    evicted: bool = False
+    state: Any = None  # the slot's state while it prefills
+    fed: int = 0  # prompt positions the state holds while prefilling
+    decoding: bool = False
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    last_token_at: float = 0.0
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.emission.prompt
+
+
+class Engine:
+    """Serve completions from ``slots`` session slots with batched decoding.
+
+    Args:
+      producer: the model as a :class:`~turbospark_jax.block_producer.BlockProducer`.
+      slots: session slots, which is also the decode batch ``B``.
+      tokenizer: for text, stop strings and deltas.
+      max_waiting: requests that may wait while every slot is busy; more are refused with
+        :class:`~turbospark_jax.errors.OverloadedError` (no unbounded queue).
+      speculative: a speculative producer over the same target, for greedy requests.
+      observer: told about requests and steps (metrics).
+      decoder: the batched decoder class (the tests pass a row-mixing control).
+
+    Raises:
+      BadInputError: an argument of the wrong kind or range.
+    """
+
+    def __init__(
+        self,
+        producer: BlockProducer,
+        *,
+        slots: int,
+        tokenizer: Any | None = None,
+        max_waiting: int = 64,
+        speculative: SpeculativeProducer | None = None,
+        observer: EngineObserver | None = None,
+        decoder: type[BatchedDecoder] = BatchedDecoder,
+    ) -> None:
+        if speculative is not None and not isinstance(speculative, SpeculativeProducer):
+            raise BadInputError(
+                f"speculative must be a SpeculativeProducer (a SpeculativePair), got "
+                f"{type(speculative).__name__}"
+            )
+        self.producer = producer
+        self.tokenizer = tokenizer
+        self.max_waiting = as_int("max_waiting", max_waiting, low=0)
+        self.speculative = speculative
+        self.observer = observer or EngineObserver()
+        self._decoder_type = decoder
+        self.decoder = decoder(producer, slots)
+        self.slots = [SlotRecord(index=i) for i in range(self.decoder.size)]
+        self._waiting: collections.deque[_Job] = collections.deque()
+        self._running: list[_Job] = []
+        self._cond = threading.Condition()
+        self._clock = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self._spec_lock = threading.Lock()
+        self.evictions = 0
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        """Start the scheduler thread (idempotent); returns the engine."""
+        with self._cond:
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="turbospark-scheduler",
+                                                daemon=True)
+                self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop the scheduler; requests still waiting or running fail."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    # -- requests -------------------------------------------------------------------------
+
+    def submit(self, request: ServeRequest, sink: Sink) -> Ticket:
+        """Queue ``request``; its events go to ``sink`` (from the scheduler thread).
+
+        Raises:
+          BadInputError: the request is invalid (nothing is queued; no slot is touched).
+          OverloadedError: the waiting queue is full.
+        """
+        if not isinstance(request, ServeRequest):
+            raise BadInputError(f"expected a ServeRequest, got {type(request).__name__}")
+        req = request.completion
+        if request.top_logprobs is not None:
+            as_int("top_logprobs", request.top_logprobs, low=0, high=20)
+        params = validate_request(self.producer, req, self.tokenizer)
+        if request.session_id is not None and not isinstance(request.session_id, str):
+            raise BadInputError(f"session_id must be a string, got {request.session_id!r}")
+        ticket = Ticket(self)
+        if self._speculates(request):
+            stream_completion(self.speculative, req, tokenizer=self.tokenizer)  # validates
+            threading.Thread(target=self._speculate, args=(request, sink, ticket),
+                             daemon=True).start()
+            return ticket
+        emission = Emission(req, self.tokenizer, [int(t) for t in req.prompt_ids])
+        job = _Job(request=request, sink=sink, ticket=ticket, params=params, emission=emission,
+                   submitted=time.perf_counter())
+        with self._cond:
+            if len(self._waiting) + len(self._running) >= len(self.slots) + self.max_waiting:
+                raise OverloadedError(
+                    f"every one of the {len(self.slots)} slots is busy and {len(self._waiting)} "
+                    f"requests already wait (at most {self.max_waiting}); retry shortly",
+                    retry_after=1.0,
+                )
+            self._waiting.append(job)
+            self._cond.notify_all()
+        return ticket
+
+    def load(self) -> dict[str, int]:
+        """Counts for health and metrics: slots, busy slots, running and waiting requests."""
+        with self._cond:
+            return {
+                "slots": len(self.slots),
+                "busy_slots": sum(s.busy for s in self.slots),
+                "running": len(self._running),
+                "waiting": len(self._waiting),
+                "evictions": self.evictions,
+            }
+
+    # -- the scheduler --------------------------------------------------------------------
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def run_once(self) -> None:
+        """One scheduler iteration: drop cancelled requests, admit waiting ones, one prefill
+        chunk, one batched decode step. The scheduler thread loops over it; a test may call it
+        directly (without :meth:`start`) to control exactly when each request arrives."""
+        with self._cond:
+            self._drop_cancelled()
+            self._admit()
+        try:
+            self._prefill_once()
+            self._decode_once()
+        except Exception as exc:  # a device failure ends every running row
+            self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
+
+    @property
+    def idle(self) -> bool:
+        """Whether no request waits or runs."""
+        with self._cond:
+            return not (self._waiting or self._running)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._waiting or self._running):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+            self.run_once()
+        with self._cond:
+            for job in [*self._waiting, *self._running]:
+                job.sink(Failed("the server is shutting down"))
+            self._waiting.clear()
+            self._running.clear()
+
+    def _drop_cancelled(self) -> None:
+        for job in [j for j in self._waiting if j.ticket.cancelled]:
+            self._waiting.remove(job)
+            self.observer.request_ended("cancelled", 0)
+        for job in [j for j in self._running if j.ticket.cancelled]:
+            # A decoding row holds its prompt as the prefill wrote it; a prefilling one has
+            # not written its row back, which still holds the slot's previous state.
+            self._release(job, job.prompt if job.decoding else job.slot.fed_ids)
+            self.observer.request_ended("cancelled", len(job.emission.tokens))
+
+    def _admit(self) -> None:
+        for job in list(self._waiting):
+            choice = choose_slot(self.slots, job.request.session_id, job.prompt)
+            if choice is None:
+                continue
+            self._waiting.remove(job)
+            slot = choice.slot
+            self._clock += 1
+            slot.busy, slot.last_used = True, self._clock
+            if choice.evicts:
+                self.evictions += 1
+            job.slot, job.evicted = slot, choice.evicts
+            if choice.evicts or slot.owner != job.request.session_id:
+                slot.owner = job.request.session_id
+            if choice.evicts:
+                slot.fed_ids = ()
+            self._running.append(job)
+
+    def _release(self, job: _Job, fed_ids: tuple[int, ...]) -> None:
+        with self._cond:
+            job.slot.busy = False
+            job.slot.fed_ids = tuple(fed_ids)
+            if job in self._running:
+                self._running.remove(job)
+            self._cond.notify_all()
+
+    def _fail_running(self, message: str) -> None:
+        # The stack may have been consumed by the failed call: start every row afresh.
+        self.decoder = self._decoder_type(self.producer, len(self.slots))
+        for job in list(self._running):
+            self._release(job, ())
+            self.observer.request_ended("error", len(job.emission.tokens))
+            job.sink(Failed(message))
+        for slot in self.slots:
+            slot.fed_ids = ()
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def _prefill_once(self) -> None:
+        job = next((j for j in self._running if not j.decoding), None)
+        if job is None:
+            return
+        p, req = self.producer, job.request.completion
+        if job.state is None:
+            slot = job.slot
+            state = self.decoder.take_row(slot.index) if slot.fed_ids else p.init_state()
+            if slot.fed_ids and int(state.fed.count) > len(slot.fed_ids):
+                # Only rows the prefill program wrote are reused (see _finish).
+                state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
+                         else p.init_state())
+            job.reused, job.state = p.try_reuse_prefix(state, job.prompt)
+            job.fed = job.reused
+            self.observer.request_started(len(job.prompt), job.reused, job.evicted)
+        end = min(job.fed + req.prefill_chunk_size, len(job.prompt))
+        try:
+            logits, job.state = p.prefill_chunk_with_status(
+                job.state, job.prompt[job.fed:end], job.fed, end == len(job.prompt)
+            )
+        except PRODUCER_FAILURES as exc:
+            self._finish(job, FinishReason.ERROR, str(exc), fed=())
+            return
+        job.fed = end
+        if end < len(job.prompt):
+            return
+        job.prefill_s = time.perf_counter() - job.submitted
+        self.decoder.put_row(job.slot.index, job.state)
+        job.state = None
+        host_logits = np.asarray(logits)
+        if not np.all(np.isfinite(host_logits)):
+            self._finish(job, FinishReason.ERROR, NON_FINITE_LOGITS, fed=())
+            return
+        seed = req.seed
+        history = sampling.History.from_prompt(job.prompt, p.vocab_size)
+        key = sampling.token_key(sampling.request_key(seed), 0)
+        token = int(sampling.sample(logits, job.params, history, key))
+        lp, top_ids, top_lp = jax.device_get(token_logprobs(logits, token))
+        job.first_token_s = time.perf_counter() - job.submitted - job.prefill_s
+        self.observer.first_token(time.perf_counter() - job.submitted)
+        job.last_token_at = time.perf_counter()
+        if self._push_guarded(job, token, host_logits, lp, top_ids, top_lp):
+            return
+        self.decoder.start_row(job.slot.index, token=token, params=job.params,
+                               history=add_to_history(history, token), seed=seed, gen_index=1)
+        job.decoding = True
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def _decode_once(self) -> None:
+        rows = {j.slot.index: j for j in self._running if j.decoding}
+        if not rows:
+            return
+        active = np.zeros((len(self.slots),), bool)
+        active[list(rows)] = True
+        started = time.perf_counter()
+        out = self.decoder.step(active)
+        wanted = (out.sampled, out.finite, out.logprob, out.top_ids, out.top_logprobs)
+        sampled, finite, lp, top_ids, top_lp = jax.device_get(wanted)
+        logits = None
+        if any(j.request.completion.record_logits for j in rows.values()):
+            logits = np.asarray(out.logits)
+        now = time.perf_counter()
+        self.observer.step(len(rows), now - started)
+        for i, job in rows.items():
+            if not finite[i]:
+                self._finish(job, FinishReason.ERROR, NON_FINITE_LOGITS, fed=())
+                continue
+            self.observer.next_token(now - job.last_token_at)
+            job.last_token_at = now
+            self._push_guarded(job, int(sampled[i]), None if logits is None else logits[i],
+                               lp[i], top_ids[i], top_lp[i])
+
+    def _push_guarded(self, job: _Job, *args: Any) -> bool:
+        """:meth:`_push`, with a failure in this request's own text work (its tokenizer, its
+        stop matcher) ending this request alone."""
+        try:
+            return self._push(job, *args)
+        except Exception as exc:  # the other rows must not pay for one request's fault
+            self._release(job, ())
+            self.observer.request_ended("error", len(job.emission.tokens))
+            job.sink(Failed(f"{type(exc).__name__}: {exc}"))
+            return True
+
+    def _push(self, job: _Job, token: int, row: Any, lp: Any, top_ids: Any, top_lp: Any) -> bool:
+        """Emit one token; finish the job when it ends there. Returns whether it ended."""
+        entries = []
+        wanted = job.request.top_logprobs
+        if wanted is not None:
+            top = tuple((int(t), float(v)) for t, v in zip(top_ids[:wanted], top_lp[:wanted],
+                                                           strict=True))
+            entries = [TokenLogprob(token=token, logprob=float(lp), top=top)]
+            job.logprobs += entries
+        event, finish = job.emission.push(token, row)
+        if event is not None:
+            job.sink(Delta(text=event.text, token_ids=list(event.token_ids), logprobs=entries))
+        elif entries:
+            job.sink(Delta(text="", token_ids=[token], logprobs=entries))
+        if finish is None:
+            return False
+        self._finish(job, finish, None, fed=() if finish is FinishReason.ERROR else job.prompt)
+        return True
+
+    def _finish(self, job: _Job, finish: FinishReason, error: str | None,
+                fed: tuple[int, ...]) -> None:
+        tail_event, completion = job.emission.finish(
+            self.producer, finish, error, None, reused=job.reused, started=job.submitted,
+            prefill_s=job.prefill_s, first_token_s=job.first_token_s,
+        )
+        usage = dataclasses.replace(completion.usage, slot=job.slot.index, evicted=job.evicted)
+        generated = () if finish is FinishReason.ERROR else job.emission.tokens[:-1]
+        completion = dataclasses.replace(completion, usage=usage,
+                                         fed_ids=(*job.prompt, *generated) if fed else ())
+        self._release(job, fed)
+        self.observer.request_ended(
+            "error" if finish is FinishReason.ERROR else finish.value, len(completion.token_ids)
+        )
+        if finish is FinishReason.ERROR:
+            job.sink(Failed(completion.error or "generation failed"))
+        else:
+            tail = tail_event.text if tail_event is not None else ""
+            job.sink(Done(completion=completion, logprobs=job.logprobs, tail=tail))
+
+    # -- speculative requests ---------------------------------------------------------------
+
+    def _speculates(self, request: ServeRequest) -> bool:
+        req = request.completion
+        return (self.speculative is not None and req.draft_len != 0
+                and req.sampling.temperature == 0 and request.top_logprobs is None
+                and not req.record_logits)
+
+    def _speculate(self, request: ServeRequest, sink: Sink, ticket: Ticket) -> None:
+        try:
+            self._speculate_unguarded(request, sink, ticket)
+        except Exception as exc:  # the client must hear of it, not wait forever
+            self.observer.request_ended("error", 0)
+            sink(Failed(f"{type(exc).__name__}: {exc}"))
+
+    def _speculate_unguarded(self, request: ServeRequest, sink: Sink, ticket: Ticket) -> None:
+        submitted = time.perf_counter()
+        with self._spec_lock:
+            stream = stream_completion(self.speculative, request.completion,
+                                       tokenizer=self.tokenizer)
+            first = True
+            with stream:
+                for event in stream:
+                    if ticket.cancelled:
+                        self.observer.request_ended("cancelled", 0)
+                        return
+                    if first:
+                        self.observer.first_token(time.perf_counter() - submitted)
+                        first = False
+                    sink(Delta(text=event.text, token_ids=list(event.token_ids), logprobs=[]))
+            completion = stream.result
+        assert completion is not None
+        self.observer.request_ended(completion.finish_reason.value, len(completion.token_ids))
+        if completion.finish_reason is FinishReason.ERROR:
+            sink(Failed(completion.error or "generation failed"))
+        else:
+            sink(Done(completion=dataclasses.replace(completion, state=None), logprobs=[],
+                      tail=""))

@@ -1,0 +1,78 @@
+"""Engine results written as OpenAI response objects: bodies, stream chunks, logprobs, usage."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any
+
+from turbospark_jax.completion import Completion, FinishReason
+from turbospark_jax.server.engine import TokenLogprob
+
+__all__ = ["TokenTexts", "chat_logprobs", "finish_reason", "text_logprobs", "usage"]
+
+
+def finish_reason(completion: Completion) -> str:
+    """OpenAI's ``finish_reason``: ``length`` when ``max_tokens`` ended it, else ``stop``."""
+    return "length" if completion.finish_reason is FinishReason.LENGTH else "stop"
+
+
+def usage(completion: Completion, session_id: str | None) -> dict[str, Any]:
+    """OpenAI's usage, with ``cached_tokens`` the prompt tokens reused from the slot's state,
+    plus where it ran: ``slot``, ``evicted`` (whether it discarded another session's state)
+    and ``session_id``."""
+    u = completion.usage
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.generated_tokens,
+        "total_tokens": u.prompt_tokens + u.generated_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
+        "slot": u.slot,
+        "evicted": u.evicted,
+        "session_id": session_id,
+    }
+
+
+class TokenTexts:
+    """Each id's own text (``decode([id])``), cached: what logprobs name tokens by."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._text = functools.lru_cache(maxsize=65536)(
+            lambda i: tokenizer.decode([i]) if tokenizer is not None else str(i)
+        )
+
+    def __call__(self, token: int) -> str:
+        return self._text(int(token))
+
+
+def text_logprobs(entries: list[TokenLogprob], texts: TokenTexts, offset: int) -> dict[str, Any]:
+    """``/v1/completions`` logprobs: tokens, their logprobs, top alternatives, text offsets."""
+    tokens, offsets = [], []
+    for e in entries:
+        offsets.append(offset)
+        tokens.append(texts(e.token))
+        offset += len(tokens[-1])
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{texts(t): lp for t, lp in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts) -> dict[str, Any]:
+    """``/v1/chat/completions`` logprobs: ``{"content": [token, logprob, bytes, top]}``."""
+
+    def one(token: int, lp: float) -> dict[str, Any]:
+        text = texts(token)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [
+        {**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+        for e in entries
+    ]}
+
+
+def now() -> int:
+    """``created``: seconds since the epoch."""
+    return int(time.time())

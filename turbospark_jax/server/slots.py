@@ -1,0 +1,74 @@
+"""Which session slot a request runs in: the slot table and the choice rule.
+
+A request that names a session continues in the slot that session owns (waiting while that
+slot is busy). Otherwise, among idle slots not owned by another named session, it takes the one
+whose fed record shares the longest prefix with its prompt (the state then reuses those rows);
+when no slot shares anything, a never-used slot, else the least recently used one. Only when
+every idle slot belongs to another named session does it take the least recently used of those.
+Taking a slot whose state the request will not continue (another owner's, or an anonymous one
+sharing nothing) is an eviction, reported in the response's usage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from turbospark_jax.kv_prefix import common_prefix
+
+__all__ = ["Choice", "SlotRecord", "choose_slot"]
+
+
+@dataclasses.dataclass(eq=False)
+class SlotRecord:
+    """The host's view of one slot.
+
+    Fields:
+      index: the row of the batched stack it names.
+      owner: the named session that owns it, ``None`` for anonymous or never used.
+      fed_ids: what the row's state has consumed (empty: start it fresh).
+      last_used: a clock stamp of the last request it served (0: never).
+      busy: whether a request runs in it now.
+    """
+
+    index: int
+    owner: str | None = None
+    fed_ids: tuple[int, ...] = ()
+    last_used: int = 0
+    busy: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A slot for a request: its record, the prefix it shares, whether taking it evicts."""
+
+    slot: SlotRecord
+    shared: int
+    evicts: bool
+
+
+def _shared(slot: SlotRecord, prompt: Sequence[int]) -> int:
+    return common_prefix(slot.fed_ids, None, prompt, None)
+
+
+def choose_slot(
+    slots: Sequence[SlotRecord], session_id: str | None, prompt: Sequence[int]
+) -> Choice | None:
+    """The slot a request should take now, or ``None`` when it must wait (its slot is busy, or
+    every slot is)."""
+    if session_id is not None:
+        owned = next((s for s in slots if s.owner == session_id), None)
+        if owned is not None:
+            return None if owned.busy else Choice(owned, _shared(owned, prompt), False)
+    idle = [s for s in slots if not s.busy]
+    if not idle:
+        return None
+    open_slots = [s for s in idle if s.owner is None]
+    if open_slots:
+        best = max(open_slots, key=lambda s: (_shared(s, prompt), -s.last_used))
+        shared = _shared(best, prompt)
+        if shared == 0:
+            best = min(open_slots, key=lambda s: (bool(s.fed_ids), s.last_used))
+        return Choice(best, shared, evicts=shared == 0 and bool(best.fed_ids))
+    lru = min(idle, key=lambda s: s.last_used)
+    return Choice(lru, 0, evicts=bool(lru.fed_ids))

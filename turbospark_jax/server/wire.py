@@ -1,0 +1,164 @@
+"""The OpenAI wire format: request bodies validated with pydantic, errors in OpenAI's shape.
+
+Bodies are validated strictly (a string where a number belongs is an error, not coerced) and
+unknown fields are refused, so a misspelt setting is reported rather than silently ignored.
+Beyond OpenAI's fields a body may carry ``session_id`` (continue that conversation's slot),
+``top_k``, ``min_p`` and ``repetition_penalty``.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+__all__ = [
+    "MAX_STOP_STRINGS",
+    "ApiError",
+    "ChatBody",
+    "CompletionBody",
+    "from_validation_error",
+]
+
+#: Stop strings a request may carry (OpenAI's limit).
+MAX_STOP_STRINGS = 4
+
+_Seed = Annotated[int, Field(ge=0, lt=2**64)]
+_Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+class ApiError(Exception):
+    """A request the server refuses, with the HTTP status and OpenAI's error fields.
+
+    Args:
+      status: the HTTP status (400 bad input, 429/503 overload, 500 a server fault).
+      message: what was wrong and what to send instead.
+      param: the body field at fault, if one is.
+      code: a short machine-readable reason.
+      kind: OpenAI's error ``type``.
+      retry_after: seconds to wait before retrying (sent as ``Retry-After``).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, kind: str = "invalid_request_error",
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.retry_after = kind, retry_after
+
+    def body(self) -> dict[str, Any]:
+        """``{"error": {"message", "type", "param", "code"}}``."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
+
+
+def from_validation_error(exc: ValidationError) -> ApiError:
+    """The first pydantic complaint as a 400 naming the field."""
+    errors = exc.errors(include_url=False)
+    # A union reports one complaint per member; a value complaint (too long, out of range)
+    # says more than "not a str" from the member that was never meant.
+    values = [e for e in errors if not _is_type_error(e["type"])]
+    first = (values or errors)[0]
+    param = ".".join(str(p) for p in first["loc"] if _is_field(p)) or None
+    kind = first["type"]
+    code = "invalid_type" if _is_type_error(kind) else (
+        "unknown_parameter" if kind == "extra_forbidden" else "invalid_value")
+    if param == "stop" and kind == "too_long":
+        code = "too_many_stop_strings"
+    if param == "messages" and kind == "too_short":
+        code = "empty_messages"
+    return ApiError(400, f"{param}: {first['msg']}", param=param, code=code)
+
+
+def _is_type_error(kind: str) -> bool:
+    return kind.endswith(("_type", "_parsing")) or kind == "none_required"
+
+
+def _is_field(part: object) -> bool:
+    """A location part naming a field or an index, not a union member's type tag."""
+    return isinstance(part, int) or (
+        isinstance(part, str) and part.isidentifier()
+        and part not in ("str", "int", "float", "bool", "list", "dict", "none")
+    )
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk carrying the usage."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Settings(BaseModel):
+    """Fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=0)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    presence_penalty: _Penalty = 0.0
+    frequency_penalty: _Penalty = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    seed: _Seed | None = None
+    stop: (Annotated[str, Field(min_length=1)]
+           | Annotated[list[Annotated[str, Field(min_length=1)]],
+                       Field(max_length=MAX_STOP_STRINGS)]
+           | None) = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    user: str | None = None
+    session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (a single string is one stop string)."""
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class CompletionBody(_Settings):
+    """``POST /v1/completions``: ``prompt`` is text or token ids; ``logprobs`` is how many
+    alternatives to report per token (0..20)."""
+
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    echo: Literal[False] = False
+
+
+class TextPart(BaseModel):
+    """One text part of a message's content list."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """A chat message; content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string."""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatBody(_Settings):
+    """``POST /v1/chat/completions``: ``logprobs`` switches log-probabilities on,
+    ``top_logprobs`` says how many alternatives (0..20)."""
+
+    messages: Annotated[list[Message], Field(min_length=1)]
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
