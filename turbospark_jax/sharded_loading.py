@@ -176,9 +176,9 @@ def _checked_tensors(
         raise ModelLoadError(f"unexpected tensor {extra[0]} in {files[extra[0]]}")
     for file in sorted(set(files.values())):
         with _open_safetensors(os.path.join(folder, file)) as f:
-            for name in f.keys():
-                t = wanted.get(name)
-                if t is not None and _header_shape(f, name, file) != t.hf_shape:
+            for name in (n for n, where in files.items() if where == file and n in wanted):
+                t = wanted[name]
+                if _header_shape(f, name, file) != t.hf_shape:
                     raise ModelLoadError(
                         f"tensor {name} in {file} has shape "
                         f"{list(_header_shape(f, name, file))}, expected {list(t.hf_shape)}"
