@@ -21,7 +21,7 @@ LAYERS: dict[str, int] = {
     "models": 2, "block_program": 2, "block_producer": 2, "sharding": 2,
     "rounds": 3, "drafters": 3,
     "completion": 4, "generate": 4, "speculative": 4,
-    "session_pool": 5, "chat": 5,
+    "session_pool": 5, "chat": 5, "replicas": 5,
     "loading": 6, "sharded_loading": 6,
     "api": 7, "cli": 8, "recipe": 8, "testing": 8, "__init__": 9,
 }
