@@ -37,6 +37,7 @@ from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.loading import load_folder, save_folder
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.replicas import ReplicaPool, replicas_on_devices
 from turbospark_jax.sharded_loading import load_sharded
 from turbospark_jax.sharding import ShardedProducer, tp_mesh
 from turbospark_jax.speculative import run_raw_completion_speculative
@@ -169,6 +170,29 @@ def sharded_load() -> dict[str, Any]:
     return out
 
 
+def data_parallel() -> dict[str, Any]:
+    """Two replicas on devices 2 and 3 of the 8: each session's KV stays on its replica's
+    device, and every replica answers as one device does."""
+    # The model and producer shape of the first case: its one-device program is reused.
+    model = DenseModel(config("qwen3", 4), jnp.float32)
+    params = model.init_params(jax.random.PRNGKey(7))
+    devices = jax.devices()[2:4]
+    pool = ReplicaPool(replicas_on_devices(model, params, devices=devices, capacity=64, width=4,
+                                           steps_per_call=4), slots=1)
+    single = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4)
+    request = CompletionRequest(prompt_ids=PROMPT[:6], max_tokens=4)
+    want = list(run_raw_completion(single, request).token_ids)
+    out: dict[str, Any] = {"same_tokens": True, "kv_devices": {}}
+    for session in ("a", "b", "c"):
+        got = list(pool.generate(session, request).token_ids)
+        out["same_tokens"] &= got == want
+        state = pool.pool_of(session).state_of(session)
+        out["kv_devices"][session] = [
+            pool.replica_of(session), sorted(d.id for d in state.cache.k.sharding.device_set)]
+    out["device_ids"] = [d.id for d in devices]
+    return out
+
+
 def main() -> None:
     report = {
         "devices": jax.device_count(),
@@ -180,6 +204,7 @@ def main() -> None:
         ],
         "refusal": refusal(),
         "sharded_load": sharded_load(),
+        "data_parallel": data_parallel(),
     }
     print(json.dumps(report))
 
