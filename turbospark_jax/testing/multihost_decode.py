@@ -23,7 +23,7 @@ from turbospark_jax.models.dense_config import DenseConfig
 #: The model every process builds (weights large enough that greedy decoding does not repeat
 #: one token), and the request every process runs.
 CONFIG = DenseConfig(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
-                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=8,
+                     num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=8,
                      head_dim=16, tie_word_embeddings=True, initializer_range=0.3)
 SEED = 11
 REQUEST = CompletionRequest(prompt_ids=[3, 17, 5, 3, 17, 5, 40, 2, 9], max_tokens=8,
