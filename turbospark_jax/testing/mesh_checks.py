@@ -183,7 +183,7 @@ def data_parallel() -> dict[str, Any]:
         out["tokens"].append(list(pool.generate(session, request).token_ids))
         state = pool.pool_of(session).state_of(session)
         out["kv_devices"][session] = [
-            pool.replica_of(session), sorted(d.id for d in state.cache.k.sharding.device_set)]
+            pool.replica_of(session), sorted(d.id for d in state.cache.k[0].sharding.device_set)]
     out["same_tokens"] = out["tokens"][0] == out["tokens"][1]
     out["device_ids"] = [d.id for d in devices]
     return out
