@@ -193,18 +193,18 @@ def init_sharded_params(
 
 def state_shardings(mesh: Mesh, layout: BlockState) -> BlockState:
     """A ``NamedSharding`` for every leaf of a dense producer's state: the KV buffers
-    (``[L, C, KV, hd]`` stacked, or ``[C, KV, hd]`` per layer) split on their KV-head axis,
-    the fed record replicated."""
+    (``[L, C, KV, hd]`` stacked, or ``[C, KV, hd]`` per layer) split on their KV-head axis;
+    every other cache leaf (a drafter's tap rows, say) and the fed record replicated."""
     kv = {4: _spec((None, None, TP, None)), 3: _spec((None, TP, None))}
 
-    def cache_leaf(leaf: Any) -> NamedSharding:
+    def kv_leaf(leaf: Any) -> NamedSharding:
         return NamedSharding(mesh, kv[len(leaf.shape)])
 
     replicated = NamedSharding(mesh, PartitionSpec())
-    return BlockState(
-        cache=jax.tree.map(cache_leaf, layout.cache),
-        fed=jax.tree.map(lambda _: replicated, layout.fed),
-    )
+    cache = jax.tree.map(lambda _: replicated, layout.cache)
+    cache = cache.replace(k=jax.tree.map(kv_leaf, layout.cache.k),
+                          v=jax.tree.map(kv_leaf, layout.cache.v))
+    return BlockState(cache=cache, fed=jax.tree.map(lambda _: replicated, layout.fed))
 
 
 class ShardedProducer(BlockProducer):
