@@ -4,6 +4,9 @@
 #   bash benchmarks/h200_session.sh 2 "$OUT"   # our decode/prefill table and the W sweep
 #                                              # (the sweep only with SWEEP=1)
 #   bash benchmarks/h200_session.sh 3 "$OUT"   # transformers for all three shapes
+#   bash benchmarks/h200_session.sh 4 "$OUT"   # exactness after a change: the dense checks,
+#                                              # speculative rounds, Qwen3.5 and Gemma 4 tests
+#   bash benchmarks/h200_session.sh 5 "$OUT"   # Qwen3.5 / Gemma 4 figures (benchmarks.families)
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -46,5 +49,18 @@ case "$stage" in
     timeout 400 python3 -m benchmarks.run --preset h200 --part hf --shapes $s \
       --out "$out/hf_$s" 2>&1 | quiet
   done
+  ;;
+4)
+  export HYPOTHESIS_PROFILE=quick
+  timeout 90 python3 -m benchmarks.run --preset h200 --part exact --out "$out" 2>&1 | quiet
+  timeout 120 python3 -m benchmarks.spec_gpu_check 2>&1 | quiet | tail -20
+  timeout 120 python3 -m benchmarks.qwen35_exactness 2>&1 | quiet | tail -20
+  timeout 240 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings -x \
+    tests/test_gemma4.py tests/test_qwen3_5.py tests/test_speculative_families.py \
+    tests/test_mtp_drafter.py tests/test_gemma4_assistant.py 2>&1 | tail -3
+  echo "family tests on the GPU: exit ${PIPESTATUS[0]}"
+  ;;
+5)
+  timeout 560 python3 -m benchmarks.families --out "$out" 2>&1 | quiet
   ;;
 esac

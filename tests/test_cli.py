@@ -430,3 +430,32 @@ def test_library_messages_are_put_in_the_flags_words():
     assert user_words("top_p must be in (0, 1]", {"top_p": "--top-p"}) == (
         "--top-p must be in (0, 1]"
     )
+
+
+def test_generate_with_a_block_drafter(our_folder, tmp_path):
+    from turbospark_jax import api
+    from turbospark_jax.errors import BadInputError
+    from turbospark_jax.loading import save_block_drafter
+    from turbospark_jax.models import block_drafter as BD
+
+    vocab = json.loads((our_folder / "config.json").read_text())["vocab_size"]
+    config = BD.BlockDrafterConfig(hidden_size=32, vocab_size=vocab, target_layer_ids=(0, 1),
+                                   target_num_hidden_layers=2, block_size=4, head_dim=8)
+    save_block_drafter(tmp_path / "bd", config, BD.init_params(config, jax.random.PRNGKey(3)))
+    argv = ("generate", "--model", str(our_folder), "def f(x):", "--max-tokens", "8")
+    # Losslessness is test_block_drafter's; here the flag loads, pairs and runs the rounds.
+    code, out, err = run(*argv, "--block-drafter", str(tmp_path / "bd"), "--draft-len", "3",
+                         "--stats")
+    assert code == 0, err
+    assert out.endswith("\n") and "generated 8" in err
+    # one line for a drafter made for another target, and for two drafters at once
+    wider = BD.BlockDrafterConfig(hidden_size=32, vocab_size=vocab, target_layer_ids=(0, 2),
+                                  target_num_hidden_layers=3, block_size=4, head_dim=8)
+    save_block_drafter(tmp_path / "other", wider, BD.init_params(wider, jax.random.PRNGKey(3)))
+    code, out, err = run(*argv, "--block-drafter", str(tmp_path / "other"))
+    assert code == 1 and out == "" and len(err.splitlines()) == 1
+    assert "number of layers is 3" in err and "--block-drafter" in err
+    code, _, err = run(*argv, "--block-drafter", str(tmp_path / "bd"), "--ngram", "2")
+    assert code == 1 and "choose one" in err
+    with pytest.raises(BadInputError, match="choose one drafter"):
+        api.load(our_folder, block_drafter=tmp_path / "bd", ngram=2)

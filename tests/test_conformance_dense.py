@@ -18,14 +18,14 @@ VOCAB = 96
 
 
 def _producer(model_type, dtype, listed=False, attention="auto", capacity=64, head_dim=12,
-              hidden=48, rope_store="auto", **extra):
+              hidden=48, rope_store="auto", tap_layers=(), **extra):
     cfg = DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2", **extra,
     )
     model = DenseModel(cfg, dtype, scan_layers=not listed, attention=attention,
-                       rope_store=rope_store)
+                       rope_store=rope_store, tap_layers=tap_layers)
     params = model.init_params(jax.random.PRNGKey(1))
     if listed:  # the serving layout: one params dict and one KV buffer per layer
         params = unstack_layers(params)
@@ -42,6 +42,10 @@ PRODUCERS = {
     # RoPE-and-cache-write kernels.
     "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True, capacity=80,
                                    head_dim=16, hidden=64),
+    # Recording both layers' rows for a block drafter (the taps are append-only state, held
+    # to the same bitwise checks as the KV rows), in the unrolled serving layout.
+    "llama_bf16_listed_tapped": _producer("llama", jnp.bfloat16, listed=True, capacity=80,
+                                          head_dim=16, hidden=64, tap_layers=(0, 1)),
     # The fused attention and RoPE-and-cache-write kernels (in the Pallas interpreter), over
     # two key tiles, with the q/k norm inside the RoPE kernel.
     "qwen3_f32_kernel": _producer("qwen3", jnp.float32, listed=True, attention="interpret",

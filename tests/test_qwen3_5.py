@@ -399,3 +399,36 @@ def test_wrong_model_type_and_layout_are_refused() -> None:
         Q.FAMILY.parse_config({"model_type": "llama"})
     with pytest.raises(ModelLoadError, match="layer_layout"):
         Q.FAMILY.build(QC.Qwen35Config(num_hidden_layers=4), jnp.float32, "stacked")
+
+
+# -- parallel prefill (the chunked delta rule) ---------------------------------------------------
+
+#: The parallel prefill's last-row logits against the exact path's (float32; measured ~1e-6).
+PARALLEL_ATOL = 1e-4
+
+
+@pytest.mark.parametrize("start", [0, 5])
+def test_parallel_prefill_is_close_and_continues_alike(case: Any, start: int) -> None:
+    """Fresh (one pass over the prompt) and continued (passes of ``chunk`` rows after a prefix)
+    parallel prefills agree with the exact path within the tolerance, leave states within it,
+    and greedy decoding after them picks the same tokens."""
+    _, _, model, _, producer, tokens, _ = case
+    prompt = [int(t) for t in tokens[0]]
+    exact_logits, exact = producer.prefill_chunk(producer.init_state(), prompt, 0)
+    state = producer.init_state()
+    if start:
+        _, state = producer.prefill_chunk(state, prompt[:start], 0)
+    logits, fast = producer.prefill_parallel(state, prompt[start:], start, chunk=4)
+    assert float(np.abs(np.asarray(logits) - np.asarray(exact_logits)).max()) < PARALLEL_ATOL
+    for a, b in zip(exact.cache.recurrent, fast.cache.recurrent, strict=True):
+        assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) < PARALLEL_ATOL
+    assert np.array_equal(np.asarray(exact.fed.ids), np.asarray(fast.fed.ids))
+    if model.config.mtp_num_hidden_layers:
+        assert np.allclose(exact.cache.hidden_rows, fast.cache.hidden_rows, atol=PARALLEL_ATOL)
+    tok_a, tok_b = int(np.argmax(exact_logits)), int(np.argmax(logits))
+    assert tok_a == tok_b
+    for position in range(len(prompt), len(prompt) + 4):
+        la, exact = producer.produce(exact, tok_a, position)
+        lb, fast = producer.produce(fast, tok_b, position)
+        tok_a, tok_b = int(np.argmax(la)), int(np.argmax(lb))
+        assert tok_a == tok_b

@@ -127,3 +127,12 @@ def test_card_lists_the_packages_their_licences_and_what_was_left_out() -> None:
     assert "third-party packages (`site-packages`)" not in text
     plain = card.model_card(**card_inputs(True))
     assert "| distribution |" not in plain and "third-party packages (`site-packages`)" in plain
+
+
+def test_card_states_mfu_when_the_run_measured_it() -> None:
+    inputs = card_inputs(True)
+    for h in inputs["result"].history:
+        if h["kind"] == "train":
+            h["mfu"] = 0.25
+    assert "25.0% model FLOPs utilisation" in card.model_card(**inputs)
+    assert "model FLOPs utilisation" not in card.model_card(**card_inputs(True))

@@ -198,3 +198,38 @@ def test_exported_folder_matches_in_our_loader_and_transformers(
     with jax.default_matmul_precision("highest"):
         got = np.asarray(loaded.model.forward(loaded.params, jnp.asarray(tokens)))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+
+
+# -- the Qwen3.5 target with its MTP head -------------------------------------------------------
+
+
+def test_qwen35_target_trains_with_its_head_and_exports(setup: Setup, tmp_path: Path) -> None:
+    """The tiny35 preset: trunk and MTP losses both fall, the folder loads in our loader with
+    the head's weights, and the head drafts losslessly for the trained target."""
+    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.completion import CompletionRequest
+    from turbospark_jax.drafters import MTPDrafter, SpeculativePair
+    from turbospark_jax.generate import run_raw_completion
+    from turbospark_jax.speculative import run_raw_completion_speculative
+
+    config = rt.model_config("tiny35", setup.tokenizer)
+    assert config.model_type == "qwen3_5_text" and config.mtp_num_hidden_layers == 1
+    tc = dataclasses.replace(TC, steps=10, peak_lr=5e-3)
+    result = rt.train_model(config, tc, setup.train_rows, setup.heldout_rows, progress=False)
+    train = [h for h in result.history if h["kind"] == "train"]
+    assert train[-1]["loss"] < train[0]["loss"] - 0.3
+    assert train[-1]["mtp_loss"] < train[0]["mtp_loss"] - 0.3
+    samples = card.card_samples(result.config, result.params, setup.tokenizer, ["def "], 4)
+    assert samples[0].startswith("def ")
+    folder = tmp_path / "target35"
+    export.export_model(folder, result, setup.tokenizer, "card", save_dtype="float32")
+    loaded = loading.load_folder(folder, layer_layout="list")
+    assert _leaves_equal(loaded.params["mtp"], result.params["mtp"])
+    target = BlockProducer(loaded.model, loaded.params, capacity=64, width=4)
+    prompt = setup.tokenizer.encode("def f(x):\n    return")
+    request = CompletionRequest(prompt_ids=prompt, max_tokens=12, record_logits=True)
+    plain = run_raw_completion(target, request)
+    spec = run_raw_completion_speculative(
+        SpeculativePair(target, MTPDrafter(target)), dataclasses.replace(request, draft_len=3))
+    assert spec.token_ids == plain.token_ids
+    assert np.array_equal(spec.logits.view(np.uint32), plain.logits.view(np.uint32))

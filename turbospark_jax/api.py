@@ -26,7 +26,8 @@ import jax
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.checks import as_int, as_token_ids
 from turbospark_jax.completion import Completion, CompletionRequest
-from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.drafters import BlockDrafter, DraftModelDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.drafters.block import tapped_target
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generate import stream_completion
 from turbospark_jax.loading import (
@@ -34,6 +35,7 @@ from turbospark_jax.loading import (
     DEFAULT_TARGET,
     LoadedModel,
     embedded_model_path,
+    load_block_drafter,
     load_folder,
 )
 from turbospark_jax.protocols import LogitProducer
@@ -76,6 +78,7 @@ def load(
     path: str | os.PathLike[str] | None = None,
     *,
     draft: str | os.PathLike[str] | bool | None = None,
+    block_drafter: str | os.PathLike[str] | None = None,
     ngram: int = 0,
     dtype: str | None = None,
     context: int | None = None,
@@ -88,6 +91,9 @@ def load(
       path: the model folder; ``None`` for the embedded default model.
       draft: a draft model folder for speculative decoding, or ``True`` for the embedded
         draft model.
+      block_drafter: a block drafter folder trained for this model
+        (:func:`~turbospark_jax.loading.save_block_drafter`): the target then records the
+        layers it reads, and it proposes a block per pass.
       ngram: draft by prompt lookup with n-grams up to this length instead (0: off).
       dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; default: the folder's own on an
         accelerator, float32 on a CPU (XLA's CPU bfloat16 matrix products are slow).
@@ -98,8 +104,9 @@ def load(
 
     Raises:
       ModelLoadError: the folder cannot be loaded (named, with the reason).
-      BadInputError: both ``draft`` and ``ngram``, or a value of the wrong kind (checked
-        before any folder is read).
+      BadInputError: more than one of ``draft``, ``block_drafter`` and ``ngram``, or a value
+        of the wrong kind (checked before any folder is read); a block drafter made for
+        another target.
       ContextOverflowError: a state of ``context`` positions does not fit the device.
     """
     if not (draft is None or isinstance(draft, bool | str | os.PathLike)):
@@ -109,8 +116,11 @@ def load(
         )
     if isinstance(ngram, bool) or not isinstance(ngram, int) or ngram < 0:
         raise BadInputError(f"ngram must be an integer >= 0 (0 = off), got {ngram!r}")
-    if draft and ngram:
-        raise BadInputError("choose one drafter: draft=... or ngram=..., not both")
+    if not (block_drafter is None or isinstance(block_drafter, str | os.PathLike)):
+        raise BadInputError(f"block_drafter must be a folder path or None, got "
+                            f"{type(block_drafter).__name__}")
+    if sum(map(bool, (draft, block_drafter, ngram))) > 1:
+        raise BadInputError("choose one drafter: draft=..., block_drafter=... or ngram=...")
     if dtype is not None and not isinstance(dtype, str):
         raise BadInputError(f"dtype must be a str such as 'bfloat16', got {dtype!r}")
     if context is not None:
@@ -120,9 +130,14 @@ def load(
     as_int("draft_len", draft_len, low=1)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
-    width = width if width is not None else default_width(bool(draft or ngram), draft_len)
+    width = width if width is not None else default_width(
+        bool(draft or ngram or block_drafter), draft_len)
     target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
     loaded = load_folder(target_path, dtype=dtype, layer_layout="list")
+    if block_drafter is not None:
+        drafter_config, drafter_params = load_block_drafter(block_drafter, dtype=dtype)
+        loaded = dataclasses.replace(loaded,
+                                     model=tapped_target(loaded.model, drafter_config))
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )
@@ -135,6 +150,9 @@ def load(
         drafter = BlockProducer(small.model, small.params, capacity=capacity, width=width,
                                 donate=True)
         producer = SpeculativePair(producer, DraftModelDrafter(drafter))
+    elif block_drafter is not None:
+        producer = SpeculativePair(producer, BlockDrafter(
+            producer, drafter_config, drafter_params))
     elif ngram:
         producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=ngram))
     stops = set(loaded.generation_config.eos_token_ids)

@@ -36,6 +36,7 @@ from safetensors.numpy import save_file
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.models import block_drafter
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.registry import family_of, family_of_config
@@ -517,6 +518,74 @@ def _write_json(path: str, data: Any) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.write("\n")
+
+
+# -- block drafters -------------------------------------------------------------------------
+
+
+def save_block_drafter(path: str | os.PathLike[str], config: block_drafter.BlockDrafterConfig,
+                       params: Params) -> None:
+    """Write a block drafter folder: ``config.json`` (``model_type``
+    :data:`~turbospark_jax.models.block_drafter.MODEL_TYPE`, ``dtype`` the params') and
+    ``model.safetensors`` with one tensor per params leaf, named by its dotted path.
+
+    Raises:
+      BadInputError: ``config`` is not a block drafter config, or ``path`` not a path.
+      ModelLoadError: the params do not have the shapes ``config`` implies.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    if not isinstance(config, block_drafter.BlockDrafterConfig):
+        raise BadInputError(f"config must be a BlockDrafterConfig, got {type(config).__name__}")
+    tensors = {k: np.asarray(v) for k, v in block_drafter.flat_tensors(params).items()}
+    block_drafter.unflatten_tensors(config, tensors)  # refuses a params tree of other shapes
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "np"})
+    config_dict = config.to_hf_dict()
+    config_dict["dtype"] = np.dtype(next(iter(tensors.values())).dtype).name
+    _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
+
+
+def load_block_drafter(
+    path: str | os.PathLike[str], dtype: Any = None
+) -> tuple[block_drafter.BlockDrafterConfig, Params]:
+    """Read a folder :func:`save_block_drafter` wrote.
+
+    Args:
+      path: the folder.
+      dtype: as :func:`load_folder`'s (default: the folder's ``dtype``, else float32).
+
+    Returns:
+      ``(config, params)``, for :class:`~turbospark_jax.drafters.block.BlockDrafter`.
+
+    Raises:
+      BadInputError: ``path`` or ``dtype`` of the wrong kind.
+      ModelLoadError: a missing folder or file, a ``config.json`` of another model type or
+        with a bad value, a tensor missing, unexpected or of the wrong shape (each named).
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    _check_dtype_argument(dtype)
+    folder = os.fspath(path)
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it a block drafter folder?)")
+    raw = _read_json(config_path, "block drafter config")
+    config = block_drafter.BlockDrafterConfig.from_hf_dict(raw)
+    named = raw.get("dtype")
+    if dtype is None:
+        dtype = named if named in _DTYPES else "float32"
+    resolved = jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    weight_map = _weight_files(folder)
+    host: dict[str, np.ndarray] = {}
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        try:
+            host[name] = handle.get_tensor(name).astype(np.dtype(resolved))
+        except Exception as e:
+            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
+    params = block_drafter.unflatten_tensors(config, host)
+    return config, jax.tree.map(jnp.asarray, params)
 
 
 # -- the embedded models ---------------------------------------------------------------------

@@ -123,8 +123,8 @@ CPU_MEASURED = {
 def _speculative_note(args: argparse.Namespace, on_cpu: bool) -> str | None:
     """One line when the drafting mode chosen measured slower than plain decoding on a CPU:
     it runs as asked, but the user hears what was measured."""
-    if not (on_cpu and args.drafting):
-        return None
+    if not (on_cpu and args.drafting) or args.block_drafter:
+        return None  # nothing measured for a block drafter yet
     mode = "--ngram" if args.ngram is not None else "--speculative"
     chosen = "--draft-model" if args.draft_model else mode
     return (
@@ -191,6 +191,8 @@ def _assemble(args: argparse.Namespace, target: _Folder, draft: _Folder | None,
 
     spinner.set(f"loading {target.path}")
     loaded = _load(target.path, args)
+    if args.block_drafter:
+        return _assemble_block_drafter(args, loaded, spinner, capacity), _stop_ids(loaded)
     producer = _block_producer(loaded, args, capacity)
     if draft is not None:
         spinner.set(f"loading {draft.path}")
@@ -198,10 +200,28 @@ def _assemble(args: argparse.Namespace, target: _Folder, draft: _Folder | None,
         producer = SpeculativePair(producer, DraftModelDrafter(small))
     elif args.ngram is not None:
         producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=args.ngram))
+    return producer, _stop_ids(loaded)
+
+
+def _stop_ids(loaded: Any) -> list[int]:
     stops = set(loaded.generation_config.eos_token_ids)
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
-    return producer, sorted(stops)
+    return sorted(stops)
+
+
+def _assemble_block_drafter(args: argparse.Namespace, loaded: Any, spinner: Spinner,
+                            capacity: int) -> Any:
+    """The target, set to tap the layers the block drafter reads, paired with it."""
+    from turbospark_jax.drafters import BlockDrafter, SpeculativePair
+    from turbospark_jax.drafters.block import tapped_target
+    from turbospark_jax.loading import load_block_drafter
+
+    spinner.set(f"loading {args.block_drafter}")
+    config, params = load_block_drafter(args.block_drafter, dtype=args.dtype)
+    loaded = dataclasses.replace(loaded, model=tapped_target(loaded.model, config))
+    target = _block_producer(loaded, args, capacity)
+    return SpeculativePair(target, BlockDrafter(target, config, params))
 
 
 def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
@@ -280,6 +300,19 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
                 f"the draft model's vocabulary has {theirs} ids but the model's has {mine}; "
                 "--draft-model needs a model with the same tokenizer"
             )
+    if args.block_drafter:
+        drafter = _read_folder(Path(args.block_drafter), "--block-drafter")
+        for theirs_key, mine_key, what in (
+            ("vocab_size", "vocab_size", "vocabulary size"),
+            ("hidden_size", "hidden_size", "hidden size"),
+            ("target_num_hidden_layers", "num_hidden_layers", "number of layers"),
+        ):
+            mine, theirs = target.config.get(mine_key), drafter.config.get(theirs_key)
+            if mine != theirs:
+                raise CommandLineError(
+                    f"the block drafter was made for a model whose {what} is {theirs}; this "
+                    f"model's is {mine}; --block-drafter needs a drafter trained for this model"
+                )
     tok = _read_tokenizer(target)
     on_cpu = jax.default_backend() == "cpu"
     if args.dtype is None and on_cpu:

@@ -159,6 +159,9 @@ def parser() -> _Parser:
                      help="speculative decoding with the embedded draft model")
     gen.add_argument("--draft-model", metavar="PATH",
                      help="speculative decoding with this draft model folder (same vocabulary)")
+    gen.add_argument("--block-drafter", metavar="PATH",
+                     help="speculative decoding with this block drafter folder (trained for "
+                          "the model: it reads the model's layers and shares its embedding)")
     gen.add_argument("--ngram", type=int, default=None, metavar="N",
                      help="speculative decoding by prompt lookup with n-grams up to N (>= 1)")
     gen.add_argument("--draft-len", type=int, default=None, metavar="K",
@@ -221,17 +224,19 @@ def check_arguments(args: argparse.Namespace) -> None:
         )
     modes = [flag for flag, on in (("--speculative", args.speculative),
                                    ("--draft-model", args.draft_model),
+                                   ("--block-drafter", args.block_drafter),
                                    ("--ngram", args.ngram is not None)) if on]
     if len(modes) > 1:
         raise CommandLineError(
-            f"choose one of --speculative, --draft-model and --ngram, not {' and '.join(modes)}"
+            f"choose one of --speculative, --draft-model, --block-drafter and --ngram, not "
+            f"{' and '.join(modes)}"
         )
     args.drafting = bool(modes)
     if args.draft_len is not None:
         if not modes:
             raise CommandLineError(
                 "--draft-len sets proposals per speculative round; it needs --speculative, "
-                "--draft-model or --ngram"
+                "--draft-model, --block-drafter or --ngram"
             )
         if not 1 <= args.draft_len <= MAX_DRAFT:
             raise CommandLineError(f"--draft-len must be in 1..{MAX_DRAFT}, got {args.draft_len}")

@@ -6,6 +6,9 @@
   block in one pass (on the device too).
 * :class:`~turbospark_jax.drafters.mtp.MTPDrafter`: a Qwen3.5 / Qwen3-Next target's own MTP
   head, caught up from the target's hidden rows each round (on the device too).
+* :class:`~turbospark_jax.drafters.block.BlockDrafter`: a DFlash-style block drafter, a few
+  layers over a dense target's tapped rows proposing a whole block per pass (on the device
+  too).
 * :class:`~turbospark_jax.drafters.oracle.OracleDrafter`: right with a chosen probability,
   for measuring the loop apart from drafter quality.
 * :class:`~turbospark_jax.drafters.pair.SpeculativePair`: (target, drafter) as a
@@ -13,6 +16,7 @@
 """
 
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.drafters.block import BlockDrafter
 from turbospark_jax.drafters.draft_model import DraftModelDrafter
 from turbospark_jax.drafters.mtp import MTPDrafter
 from turbospark_jax.drafters.ngram import NGramDrafter
@@ -21,6 +25,7 @@ from turbospark_jax.drafters.pair import PairState, SpeculativePair
 
 __all__ = [
     "MAX_DRAFT",
+    "BlockDrafter",
     "DeviceDrafter",
     "DraftModelDrafter",
     "Drafter",

@@ -252,7 +252,8 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         return state.replace(drafter=drafter)
 
     def supports_headless_prefill(self) -> bool:
-        # Neither drafter kind reads the target's hidden states, so skipping its head is safe.
+        # Skipping the target's output head is safe for every drafter: the rows a head-style
+        # or block drafter reads (hidden rows, tapped layers) are recorded before the head.
         return True
 
     # -- target side -----------------------------------------------------------------------

@@ -30,11 +30,16 @@ class BlockModel(abc.ABC):
         without replaying it.
       parallel_prefill: ``block_forward`` accepts blocks much wider than the exact program's
         ``W`` (a batched prefill pass) and uses the ``key_limit`` / ``fresh`` hints.
+      tap_layers: the layers whose output rows the cache records for every fed position
+        (``cache.taps``, ``[C, len(tap_layers), D]``), which a block drafter reads; a family
+        that can tap makes this a setting of the instance (the dense family does). Empty:
+        nothing is recorded.
     """
 
     rewindable: ClassVar[bool] = True
     records_tape: ClassVar[bool] = False
     parallel_prefill: ClassVar[bool] = False
+    tap_layers: tuple[int, ...] = ()
 
     @property
     @abc.abstractmethod

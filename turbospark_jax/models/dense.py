@@ -244,6 +244,21 @@ class DenseCache:
         return int(self.k[0].shape[0] if self.per_layer else self.k.shape[1])
 
 
+@struct.dataclass(kw_only=True)
+class TappedDenseCache(DenseCache):
+    """A :class:`DenseCache` that also records the output rows of the model's tap layers
+    (:attr:`DenseModel.tap_layers`) for every fed position, for a block drafter to read.
+
+    Fields (besides ``k`` and ``v``):
+      taps: ``[C, K, D]``: row ``p`` holds the output of each of the ``K`` tap layers (in
+        ``tap_layers`` order) at position ``p``, in the model dtype; rows at positions
+        ``>= fed.count`` are dead. Append-only like the KV rows, so it rolls back with the
+        cursor and a chunked prefill writes bitwise the rows token-by-token feeding writes.
+    """
+
+    taps: jax.Array = append_only(axis=0)
+
+
 #: One decoder layer: ``(x [W, D], cache carry, layer params, layer index, window) ->
 #: (x, cache carry)``.
 LayerFn = Callable[[jax.Array, Any, Params, Any, Any], tuple[jax.Array, Any]]
@@ -281,9 +296,21 @@ class DenseModel(BlockModel):
     scan_layers: bool = True
     attention: str = "auto"
     rope_store: str = "auto"
+    tap_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        taps = self.tap_layers
+        n = self.config.num_hidden_layers
+        if not isinstance(taps, tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in taps
+        ):
+            raise BadInputError(f"tap_layers must be a tuple of layer indices, got {taps!r}")
+        if any(not 0 <= i < n for i in taps) or list(taps) != sorted(set(taps)):
+            raise BadInputError(
+                f"tap_layers must be increasing, distinct layer indices in 0..{n - 1} (the "
+                f"model has {n} layers), got {taps!r}"
+            )
         for field in ("attention", "rope_store"):
             value = getattr(self, field)
             if value not in KERNEL_MODES:
@@ -298,15 +325,21 @@ class DenseModel(BlockModel):
 
     def init_cache(self, capacity: int) -> DenseCache:
         """A zeroed KV cache holding ``capacity`` positions: stacked for a scanning model,
-        one buffer per layer for an unrolled one (see :class:`DenseCache`)."""
+        one buffer per layer for an unrolled one (see :class:`DenseCache`), with the tap rows
+        when the model has tap layers (:class:`TappedDenseCache`)."""
         c = self.config
         shape = (capacity, c.num_key_value_heads, c.head_dim)
         if self.scan_layers:
             stacked = (c.num_hidden_layers, *shape)
-            return DenseCache(k=jnp.zeros(stacked, self.dtype), v=jnp.zeros(stacked, self.dtype))
-        n = c.num_hidden_layers
-        return DenseCache(k=tuple(jnp.zeros(shape, self.dtype) for _ in range(n)),
-                          v=tuple(jnp.zeros(shape, self.dtype) for _ in range(n)))
+            k, v = jnp.zeros(stacked, self.dtype), jnp.zeros(stacked, self.dtype)
+        else:
+            n = c.num_hidden_layers
+            k = tuple(jnp.zeros(shape, self.dtype) for _ in range(n))
+            v = tuple(jnp.zeros(shape, self.dtype) for _ in range(n))
+        if not self.tap_layers:
+            return DenseCache(k=k, v=v)
+        taps = jnp.zeros((capacity, len(self.tap_layers), c.hidden_size), self.dtype)
+        return TappedDenseCache(k=k, v=v, taps=taps)
 
     def init_params(self, key: jax.Array) -> Params:
         """Random params in this model's dtype (see :func:`init_params`)."""
@@ -369,11 +402,16 @@ class DenseModel(BlockModel):
         """Whether :meth:`_run_layers` runs these layers as a ``lax.scan``."""
         return self.scan_layers and not isinstance(layers, list | tuple)
 
-    def _run_layers(self, layers: Params, x: jax.Array, carry: Any, layer_fn: LayerFn) -> Any:
-        """Apply ``layer_fn(x, carry, layer_params, layer_index, window)`` over all layers."""
+    def _run_layers(self, layers: Params, x: jax.Array, carry: Any, layer_fn: LayerFn,
+                    keep: tuple[int, ...] = ()) -> Any:
+        """Apply ``layer_fn(x, carry, layer_params, layer_index, window)`` over all layers.
+
+        Returns ``(x, carry)``, and with ``keep`` (layer indices) also the output rows of
+        those layers, ``[len(keep), *x.shape]``."""
         windows = self.config.layer_windows
         n = self.config.num_hidden_layers
         if not self._scans(layers):
+            kept = []
             for i in range(n):
                 if isinstance(layers, list | tuple):
                     lp = layers[i]
@@ -381,7 +419,9 @@ class DenseModel(BlockModel):
                     lp = jax.tree.map(lambda a, i=i: a[i], layers)
                 with jax.named_scope(f"layer_{i}"):
                     x, carry = layer_fn(x, carry, lp, i, windows[i])
-            return x, carry
+                if i in keep:
+                    kept.append(x)
+            return (x, carry, jnp.stack(kept)) if keep else (x, carry)
         # A layer without a window gets one wider than any position: the same mask expression
         # then serves every layer of the scan.
         any_window = any(w is not None for w in windows)
@@ -394,12 +434,14 @@ class DenseModel(BlockModel):
             x, carry = state
             lp, index, window = xs
             with jax.named_scope("layer"):
-                return layer_fn(x, carry, lp, index, window), None
+                x, carry = layer_fn(x, carry, lp, index, window)
+            # Every layer's rows come out only when some are kept: otherwise the same scan.
+            return (x, carry), (x if keep else None)
 
-        (x, carry), _ = jax.lax.scan(
+        (x, carry), outs = jax.lax.scan(
             body, (x, carry), (layers, jnp.arange(n, dtype=jnp.int32), window_array)
         )
-        return x, carry
+        return (x, carry, outs[jnp.asarray(keep)]) if keep else (x, carry)
 
     # -- entry points -----------------------------------------------------------------------
 
@@ -463,8 +505,13 @@ class DenseModel(BlockModel):
             self, per_layer=cache.per_layer, capacity=capacity, fresh=fresh, positions=positions,
             write_at=write_at, cos=cos, sin=sin, key_positions=key_positions, limit=limit,
         )
-        x, (k_all, v_all) = self._run_layers(params["layers"], x, (cache.k, cache.v),
-                                             self._layer(attention))
+        ran = self._run_layers(params["layers"], x, (cache.k, cache.v), self._layer(attention),
+                               self.tap_layers)
+        x, (k_all, v_all) = ran[:2]
+        if self.tap_layers:  # [K, W, D] -> rows [W, K, D] at each live row's position
+            taps = jnp.swapaxes(ran[2], 0, 1)
+            cache = cache.replace(taps=cache.taps.at[write_at].set(
+                taps.astype(cache.taps.dtype), mode="drop", unique_indices=True))
         with jax.named_scope("head"):
             logits = jax.lax.cond(
                 need_head,
@@ -496,6 +543,34 @@ class DenseModel(BlockModel):
         x, _ = self._run_layers(params["layers"], x, None, self._layer(attention))
         with jax.named_scope("head"):
             return self._head(params, x)
+
+    def forward_taps(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """:meth:`forward` that also returns the tap layers' output rows (training a block
+        drafter against this model).
+
+        Args:
+          params: the params tree.
+          tokens: int32 ``[B, T]``.
+
+        Returns:
+          float32 logits ``[B, T, V]`` and the tap rows ``[B, T, K, D]`` (model dtype).
+
+        Raises:
+          BadInputError: the model has no tap layers.
+        """
+        if not self.tap_layers:
+            raise BadInputError("forward_taps needs a model built with tap_layers=(...)")
+
+        def one(seq: jax.Array) -> tuple[jax.Array, jax.Array]:
+            positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
+            x = jnp.take(params["embed_tokens"], seq, axis=0).astype(self.dtype)
+            cos, sin = self._rope(positions)
+            attention = sequence_attention(self.config, positions, cos, sin)
+            x, _, taps = self._run_layers(params["layers"], x, None, self._layer(attention),
+                                          self.tap_layers)
+            return self._head(params, x), jnp.swapaxes(taps, 0, 1)
+
+        return jax.vmap(one)(tokens)
 
 
 def _tied_copies(config: DenseConfig) -> dict[str, str]:

@@ -52,6 +52,7 @@ from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.delta_rule import delta_rule_chunked
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.layers import (
     apply_rope,
@@ -265,6 +266,7 @@ class Qwen35Model(BlockModel):
     """
 
     rewindable = False  # the recurrent leaves summarise every fed token: no cursor rewinds them
+    parallel_prefill = True  # wide headless passes with the chunked delta rule
     records_tape = True
 
     config: Qwen35Config
@@ -376,10 +378,12 @@ class Qwen35Model(BlockModel):
         return mixed, z.reshape(w, nv, dv), ba[..., :r].reshape(w, nv), ba[..., r:].reshape(w, nv)
 
     def _delta_net(self, lp: Params, h: jax.Array, state: State, live: jax.Array,
-                   tape: bool) -> tuple[jax.Array, State, Any]:
+                   tape: bool, chunked: bool = False) -> tuple[jax.Array, State, Any]:
         """The gated DeltaNet over W rows from ``state``; rows ``>= live`` leave it unchanged.
         Returns ``(out [W, D], new state, tape)``; the tape (when asked for) is the conv and
-        recurrent state after each row, ``([W, K-1, C], [W, Hv, dk, dv])``."""
+        recurrent state after each row, ``([W, K-1, C], [W, Hv, dk, dv])``. ``chunked`` runs
+        the recurrence in its chunked form (:mod:`~turbospark_jax.models.delta_rule`; the
+        parallel prefill's, within a tolerance of the row-by-row scan; no tape)."""
         c, w = self.config, h.shape[0]
         taps, f32 = c.linear_conv_kernel_dim, jnp.float32
         nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
@@ -409,7 +413,14 @@ class Qwen35Model(BlockModel):
             return s, (out, s) if tape else out
 
         rows = jnp.arange(w, dtype=jnp.int32)
-        rec, ys = jax.lax.scan(row, rec, (q, k, v, g, beta, rows))
+        if chunked:
+            # Padding rows write nothing (beta 0) and decay nothing (g 0).
+            real = (rows < live)[:, None]
+            core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
+                                           jnp.where(real, beta, 0.0), rec)
+            tape, ys = False, core
+        else:
+            rec, ys = jax.lax.scan(row, rec, (q, k, v, g, beta, rows))
         core = (ys[0] if tape else ys).astype(self.dtype)  # [W, Hv, dv]
         gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
         gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
@@ -434,7 +445,7 @@ class Qwen35Model(BlockModel):
 
     def _decoder(self, layers: list[Params], x: jax.Array, positions: jax.Array,
                  live: jax.Array, states: list[State], kv: Callable[[int], KVFn],
-                 tape: bool) -> tuple[jax.Array, list[State], list[Any]]:
+                 tape: bool, chunked: bool = False) -> tuple[jax.Array, list[State], list[Any]]:
         """Every layer over rows x [W, D]; ``kv(j)`` is full layer ``j``'s store-and-read."""
         c = self.config
         rope = self._rope(positions)
@@ -446,7 +457,8 @@ class Qwen35Model(BlockModel):
                     x = self._full_layer(lp, x, positions, rope, kv(j))
                     continue
                 h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
-                o, states[j], layer_tape = self._delta_net(lp, h, states[j], live, tape)
+                o, states[j], layer_tape = self._delta_net(lp, h, states[j], live, tape,
+                                                           chunked)
                 tapes.append(layer_tape)
                 x = self._mlp(lp, x + o)
         return x, states, tapes
@@ -492,15 +504,21 @@ class Qwen35Model(BlockModel):
         key_limit: int | None = None,
         fresh: bool = False,
     ) -> tuple[jax.Array, Qwen35Cache]:
-        """Run ``W`` rows against the cache (see :meth:`BlockModel.block_forward`); the
-        parallel-prefill hints are ignored. Also writes the tape and ``hidden`` for the block.
+        """Run ``W`` rows against the cache (see :meth:`BlockModel.block_forward`). Also writes
+        the tape and ``hidden`` for the block.
+
+        A parallel-prefill pass (either hint given) may be wider than ``max_width``: its
+        DeltaNet layers run the chunked recurrence, and it writes no tape and leaves
+        ``hidden`` as it was (a verify rewrites both before anything reads them); the trunk
+        rows the MTP head reads (``hidden_rows``) are written as always.
 
         Raises:
-          BadInputError: ``W > max_width`` (the tape could not hold every row).
+          BadInputError: ``W > max_width`` outside a parallel pass (the tape could not hold
+            every row).
         """
-        del key_limit, fresh
+        parallel = fresh or key_limit is not None
         width = tokens.shape[0]
-        if width > self.max_width:
+        if width > self.max_width and not parallel:
             raise BadInputError(f"a block of {width} rows exceeds the tape of max_width="
                                 f"{self.max_width} rows")
         n_full = self.config.count(FULL)
@@ -511,8 +529,17 @@ class Qwen35Model(BlockModel):
         kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))
         x = self._embed(params, tokens)
         states = list(zip(cache.conv, cache.recurrent, strict=True))
-        x, states, tapes = self._decoder(params["layers"], x, positions, live, states, kv, True)
+        x, states, tapes = self._decoder(params["layers"], x, positions, live, states, kv,
+                                         not parallel, chunked=parallel)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+        if parallel:
+            return jnp.zeros((width, self.vocab_size), jnp.float32), cache.replace(
+                k=tuple(buffers[0::2]) if n_full else cache.k,
+                v=tuple(buffers[1::2]) if n_full else cache.v,
+                conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
+                hidden_rows=cache.hidden_rows.at[write_at].set(
+                    hidden, mode="drop", unique_indices=True),
+            )
         with jax.named_scope("head"):
             logits = jax.lax.cond(need_head, lambda h: self._logits(params, h),
                                   lambda h: jnp.zeros((width, self.vocab_size), jnp.float32),
@@ -543,6 +570,39 @@ class Qwen35Model(BlockModel):
             return self._logits(params, _norm(x, params["norm"], self.config.rms_norm_eps))
 
         return jax.vmap(one)(tokens)
+
+    def train_forward(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Whole sequences from an empty state, for training: int32 ``[B, T]`` -> float32
+        logits ``[B, T, V]`` and the normed hidden states ``[B, T, D]`` (what the MTP head
+        reads). The DeltaNet layers run the chunked recurrence
+        (:mod:`~turbospark_jax.models.delta_rule`): matrix products a chunk at a time instead
+        of a ``T``-step scan, within a tolerance of :meth:`forward`."""
+
+        def one(seq: jax.Array) -> tuple[jax.Array, jax.Array]:
+            positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
+            x, _, _ = self._decoder(params["layers"], self._embed(params, seq), positions,
+                                    jnp.int32(seq.shape[0]), self._zero_states(),
+                                    lambda j: lambda k, v: (k, v, positions), False,
+                                    chunked=True)
+            hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+            return self._logits(params, hidden), hidden
+
+        return jax.vmap(one)(tokens)
+
+    def mtp_train_logits(self, params: Params, hidden: jax.Array,
+                         tokens: jax.Array) -> jax.Array:
+        """The MTP head over whole sequences, for training: row ``t`` reads ``hidden[t]`` and
+        ``tokens[t + 1]`` and predicts ``tokens[t + 2]``: float32 ``[B, T - 1, V]`` (its first
+        layer's step, as a drafter's first proposal is)."""
+
+        def one(h: jax.Array, seq: jax.Array) -> jax.Array:
+            n = seq.shape[0] - 1
+            logits, _, _ = self.mtp_block_forward(
+                params, self.mtp_init_cache(n), h[:n], seq[1:], jnp.arange(n, dtype=jnp.int32),
+                jnp.int32(n))
+            return logits
+
+        return jax.vmap(one)(hidden, tokens)
 
     # -- the MTP head ---------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from turbospark_jax.completion import CompletionRequest
 from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.models.dense import DenseModel, Params
 from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.registry import family_of_config
 from turbospark_jax.recipe.train import TrainConfig, TrainResult, count_params
 from turbospark_jax.tokenizer import Tokenizer
 
@@ -70,6 +71,11 @@ class Provenance:
                    _git_commit())
 
 
+def _median_mfu(history: list[dict[str, Any]]) -> float | None:
+    values = [h["mfu"] for h in history if h["kind"] == "train" and h.get("mfu") is not None]
+    return float(np.median(values)) if values else None
+
+
 def _git_commit() -> str | None:
     try:
         out = subprocess.run(
@@ -90,7 +96,7 @@ def command_line(argv: Sequence[str] | None = None) -> str:
 
 
 def card_samples(
-    config: DenseConfig,
+    config: Any,
     params: Params,
     tokenizer: Tokenizer,
     prompts: Sequence[str] = CARD_PROMPTS,
@@ -116,7 +122,10 @@ def card_samples(
     """
     if not prompts:
         return []
-    model = DenseModel(config, jnp.dtype(dtype))
+    if isinstance(config, DenseConfig):
+        model = DenseModel(config, jnp.dtype(dtype))
+    else:  # the other families have one (listed) layout
+        model = family_of_config(config).build(config, jnp.dtype(dtype), "list")
     cast = jax.tree.map(lambda p: jnp.asarray(p, model.dtype), params)
     encoded = [tokenizer.encode(p) for p in prompts]
     # One producer for every prompt: one compiled program, a fresh state per request.
@@ -205,6 +214,7 @@ def model_card(
         n_params=count_params(result.params),
         epochs=result.tokens_seen / max(tokens["train"], 1),
         median_tokens_per_s=float(np.median(rates)) if rates else 0.0,
+        median_mfu=_median_mfu(history),
         eval_ppl=None if result.eval_loss is None else math.exp(result.eval_loss),
         evals=[h for h in history if h["kind"] == "eval"],
         samples=list(samples),

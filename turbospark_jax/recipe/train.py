@@ -41,9 +41,14 @@ from safetensors.numpy import save_file
 from tqdm import tqdm
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.dense import DenseModel, Params, init_params
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.dense import DenseModel, Params
 from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.qwen3_5 import Qwen35Model
+from turbospark_jax.models.qwen3_5_config import Qwen35Config
 from turbospark_jax.recipe.corpus import DataOrder, fingerprint
+from turbospark_jax.recipe.flops import mfu, training_flops_per_token
+from turbospark_jax.recipe.objectives import qwen35_mtp_loss
 from turbospark_jax.tokenizer import Tokenizer
 
 CHECKPOINT_STATE = "state.safetensors"
@@ -54,7 +59,7 @@ CHECKPOINT_META = "meta.json"
 
 #: Model shapes for the recipe (``config.json`` keys). Parameter counts at vocab 8192, with the
 #: tied embedding: target 23.1M, draft 3.2M (printed by every run).
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[str, dict[str, Any]] = {
     "target": {
         "hidden_size": 512,
         "num_hidden_layers": 8,
@@ -70,6 +75,36 @@ PRESETS: dict[str, dict[str, int]] = {
         "num_key_value_heads": 2,
         "head_dim": 48,
         "intermediate_size": 768,
+    },
+    # The second generation's target: Qwen3.5 (gated DeltaNet layers, one full-attention layer
+    # in four) with its MTP head, trained jointly (recipe/objectives.py).
+    "target35": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "intermediate_size": 1536,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "mtp_num_hidden_layers": 1,
+    },
+    "tiny35": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 128,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "mtp_num_hidden_layers": 1,
     },
     # For tests and CPU smoke runs.
     "tiny": {
@@ -87,8 +122,10 @@ def model_config(
     preset: str | Sequence[tuple[str, int]],
     tokenizer: Tokenizer,
     max_position_embeddings: int = 2048,
-) -> DenseConfig:
-    """A qwen3 config for one of :data:`PRESETS` (or explicit shape keys) and a tokenizer.
+) -> DenseConfig | Qwen35Config:
+    """A config for one of :data:`PRESETS` (or explicit shape keys) and a tokenizer: qwen3 by
+    default, ``qwen3_5_text`` where the shape says so (three DeltaNet layers to one
+    full-attention layer, a quarter of each head rotated).
 
     Args:
       preset: a :data:`PRESETS` name, or ``(key, value)`` pairs of the same keys.
@@ -104,23 +141,30 @@ def model_config(
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise BadInputError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-        shape = PRESETS[preset]
+        shape = dict(PRESETS[preset])
     else:
         shape = dict(preset)
-    return DenseConfig.from_hf_dict(
-        {
-            "model_type": "qwen3",
-            "vocab_size": tokenizer.vocab_size,
-            **shape,
-            "max_position_embeddings": max_position_embeddings,
-            "rope_theta": 10000.0,
-            "rms_norm_eps": 1e-6,
-            "tie_word_embeddings": True,
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-    )
+    model_type = shape.pop("model_type", "qwen3")
+    fields = {
+        "model_type": model_type,
+        "vocab_size": tokenizer.vocab_size,
+        **shape,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    if model_type == "qwen3":
+        return DenseConfig.from_hf_dict(fields)
+    if model_type != "qwen3_5_text":
+        raise BadInputError(f"the recipe trains qwen3 and qwen3_5_text models, not {model_type!r}")
+    kinds = ["linear_attention"] * 3 + ["full_attention"]
+    fields["layer_types"] = [kinds[i % 4] for i in range(shape["num_hidden_layers"])]
+    fields["partial_rotary_factor"] = 0.25
+    return Qwen35Config.from_hf_dict(fields)
 
 
 def count_params(params: Params) -> int:
@@ -151,6 +195,7 @@ class TrainConfig:
       eval_rows: at most this many held-out rows per evaluation (the first ones); 0 for all.
       log_every: steps between loss/throughput readouts (each one syncs with the device).
       checkpoint_every: steps between checkpoints (and one at the end); 0 for the end only.
+      mtp_weight: the MTP head's share of a Qwen3.5 target's loss (recipe/objectives.py).
     """
 
     steps: int = 1000
@@ -170,6 +215,8 @@ class TrainConfig:
     eval_rows: int = 0
     log_every: int = 10
     checkpoint_every: int = 0
+    #: the MTP head's share of the loss (models with an MTP head only)
+    mtp_weight: float = 0.3
 
     @property
     def effective_warmup(self) -> int:
@@ -209,11 +256,18 @@ class TrainState:
     opt_state: Any
 
 
+#: Leaves never decayed: norm scales (decay pulls them toward zero, fighting the
+#: normalisation), and a DeltaNet layer's decay rates and their bias (decaying those changes
+#: how fast the recurrence forgets, not the size of a projection).
+NO_DECAY_SUFFIXES = ("norm", "A_log", "dt_bias")
+
+
 def _decay_mask(params: Params) -> Params:
     # Norm scales are stacked per layer ([L, D]), so ndim cannot tell them from matrices: the
     # name can.
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: not str(path[-1].key).endswith("norm"), params
+        lambda path, _: not str(getattr(path[-1], "key", "")).endswith(NO_DECAY_SUFFIXES),
+        params,
     )
 
 
@@ -252,8 +306,26 @@ def next_token_loss(model: DenseModel, params: Params, rows: jax.Array) -> jax.A
     return jnp.mean(log_z - picked)
 
 
+def training_loss(
+    model: BlockModel, mtp_weight: float, params: Params, rows: jax.Array
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The objective a model trains on: next-token cross-entropy, plus the MTP head's for a
+    Qwen3.5 model that has one. Returns ``(loss to minimise, {"loss": next-token CE, ...})``."""
+    if isinstance(model, Qwen35Model) and model.config.mtp_num_hidden_layers:
+        return qwen35_mtp_loss(model, params, rows, mtp_weight)
+    if isinstance(model, Qwen35Model):
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
+        logits, _ = model.train_forward(compute, inputs)
+        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+        return loss, {"loss": loss}
+    loss = next_token_loss(model, params, rows)
+    return loss, {"loss": loss}
+
+
 def make_train_step(
-    model: DenseModel, optimizer: optax.GradientTransformation
+    model: BlockModel, optimizer: optax.GradientTransformation, mtp_weight: float = 0.0
 ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted step ``(state, data, indices) -> (state, metrics)``.
 
@@ -267,36 +339,47 @@ def make_train_step(
         state: TrainState, data: jax.Array, indices: jax.Array
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         rows = jnp.take(data, indices, axis=0)  # [B, T + 1]
-        loss, grads = jax.value_and_grad(functools.partial(next_token_loss, model))(
-            state.params, rows
-        )
+        (_, parts), grads = jax.value_and_grad(
+            functools.partial(training_loss, model, mtp_weight), has_aux=True
+        )(state.params, rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        return new, {"loss": loss, "grad_norm": grad_norm}
+        return new, {**parts, "grad_norm": grad_norm}
 
     return jax.jit(step, donate_argnums=0)
 
 
-def make_eval_step(model: DenseModel) -> Callable[[Params, jax.Array], jax.Array]:
-    """The jitted ``(params, rows) -> mean loss`` over one batch of held-out rows."""
-    return jax.jit(functools.partial(next_token_loss, model))
+def make_eval_step(model: BlockModel) -> Callable[[Params, jax.Array], jax.Array]:
+    """The jitted ``(params, rows) -> mean next-token loss`` over one batch of held-out rows."""
+    return jax.jit(lambda params, rows: training_loss(model, 0.0, params, rows)[1]["loss"])
+
+
+def build_model(config: DenseConfig | Qwen35Config, compute_dtype: str) -> BlockModel:
+    """The model a config trains as: the dense family's stacked layout (one scanned layer
+    program), Qwen3.5's list of mixed layers."""
+    if isinstance(config, DenseConfig):
+        return DenseModel(config, jnp.dtype(compute_dtype))
+    return Qwen35Model(config, jnp.dtype(compute_dtype))
 
 
 @functools.lru_cache(maxsize=8)
-def _programs(model: DenseModel, train_config: TrainConfig) -> tuple[Any, Any]:
+def _programs(model: BlockModel, train_config: TrainConfig) -> tuple[Any, Any]:
     # jit caches compiled code per function object: handing out the same step functions for
     # the same model and settings lets a resumed or repeated run in one process skip the
     # compile (and run the very same executable).
-    return make_train_step(model, make_optimizer(train_config)), make_eval_step(model)
+    return (make_train_step(model, make_optimizer(train_config), train_config.mtp_weight),
+            make_eval_step(model))
 
 
 def init_state(
-    config: DenseConfig, train_config: TrainConfig, optimizer: optax.GradientTransformation
+    config: DenseConfig | Qwen35Config, train_config: TrainConfig,
+    optimizer: optax.GradientTransformation,
 ) -> TrainState:
     """Fresh float32 params from ``train_config.seed`` and a zeroed optimizer state."""
-    params = init_params(config, jax.random.PRNGKey(train_config.seed), jnp.float32)
+    model = build_model(config, "float32")
+    params = model.init_params(jax.random.PRNGKey(train_config.seed))
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
     )
@@ -389,7 +472,7 @@ class TrainResult:
         ``tokens_per_s`` ...).
     """
 
-    config: DenseConfig
+    config: DenseConfig | Qwen35Config
     params: Params
     steps_done: int
     finished: bool
@@ -419,7 +502,7 @@ def evaluate(
 
 
 def train_model(
-    config: DenseConfig,
+    config: DenseConfig | Qwen35Config,
     train_config: TrainConfig,
     train_rows: np.ndarray,
     heldout_rows: np.ndarray,
@@ -459,7 +542,7 @@ def train_model(
             raise BadInputError(
                 f"{what} rows must be [N, {tc.seq_len + 1}], got {list(rows.shape)}"
             )
-    model = DenseModel(config, jnp.dtype(tc.compute_dtype))
+    model = build_model(config, tc.compute_dtype)
     optimizer = make_optimizer(tc)
     order = DataOrder(len(train_rows), tc.batch_size, tc.seed)
     if tc.eval_rows:
@@ -492,6 +575,8 @@ def train_model(
     train_step, eval_step = _programs(model, tc)
     data = jax.device_put(train_rows)
     tokens_per_step = tc.batch_size * tc.seq_len
+    flops_per_token = training_flops_per_token(config, state.params, tc.seq_len)
+    device_kind = getattr(jax.devices()[0], "device_kind", "?")
     schedule = tc.schedule()
     last_eval = next((h["loss"] for h in reversed(history) if h["kind"] == "eval"), None)
 
@@ -548,6 +633,11 @@ def train_model(
             record = {"kind": "train", "step": step, "loss": float(m["loss"]),
                       "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step - 1)),
                       "tokens_per_s": rate}
+            if "mtp_loss" in m:
+                record["mtp_loss"] = float(m["mtp_loss"])
+            utilisation = mfu(rate, flops_per_token, device_kind)
+            if utilisation is not None:
+                record["mfu"] = utilisation
             history.append(record)
             bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}",
                             lr=f"{record['lr']:.2e}")
@@ -575,10 +665,15 @@ def train_model(
         "total_s": time.monotonic() - t0,
         "steps_run": float(steps_run),
         "tokens_per_s": timed_steps * tokens_per_step / max(train_s - compile_s, 1e-9),
+        "flops_per_token": flops_per_token,
     }
+    utilisation = mfu(timings["tokens_per_s"], flops_per_token, device_kind)
+    if utilisation is not None and timed_steps:
+        timings["mfu"] = utilisation
     tqdm.write(
         f"[{name}] {steps_run} steps in {train_s:.1f}s (first step incl. compile "
         f"{compile_s:.1f}s), {timings['tokens_per_s']:,.0f} tokens/s"
+        + (f", MFU {timings['mfu']:.1%} of {device_kind}" if "mfu" in timings else "")
     )
     return TrainResult(
         config=config,
