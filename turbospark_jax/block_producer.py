@@ -594,7 +594,7 @@ def _require_memory(needed: int, what: str) -> None:
     Raises:
       ContextOverflowError: naming the bytes needed and available.
     """
-    device = jax.devices()[0]
+    device = jax.local_devices()[0]  # addressable in every process of a multi-host run
     available = _available_bytes(device)
     if available is None or needed <= available[0]:
         return

@@ -251,6 +251,14 @@ def compiled_program(model: BlockModel, donate: bool) -> Any:
     return jax.jit(fn, donate_argnums=(1,) if donate else ())  # 1: the append-only buffers
 
 
+def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
+    """The program of :func:`compiled_program` with its outputs' shardings pinned: a state
+    sharded over a device mesh then keeps its layout from call to call, whatever layout the
+    compiler would have picked (:mod:`turbospark_jax.sharding`)."""
+    fn = functools.partial(_run_blocks, model)
+    return jax.jit(fn, donate_argnums=(1,) if donate else (), out_shardings=out_shardings)
+
+
 @functools.cache
 def compiled_init(model: BlockModel, capacity: int) -> Any:
     """A fresh state in one device program (a per-layer cache is dozens of buffers; made one by

@@ -279,6 +279,25 @@ def load_folder(
         missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
         a safetensors file is corrupt or truncated (named).
     """
+    folder, family, config, resolved = folder_config(path, dtype, layer_layout)
+    host = _read_params(folder, family, config, np.dtype(resolved))
+    tokenizer, generation = folder_extras(folder, config)
+    params = jax.tree.map(jnp.asarray, host)
+    if layer_layout != family.native_layout:
+        params = family.to_layer_layout(params, layer_layout)
+    return LoadedModel(
+        model=family.build(config, resolved, layer_layout),
+        params=params,
+        config=config,
+        tokenizer=tokenizer,
+        generation_config=generation,
+        path=folder,
+    )
+
+
+def folder_config(path: Any, dtype: Any, layer_layout: str) -> tuple[str, Family, Any, Any]:
+    """The checks :func:`load_folder` makes before reading any tensor, and what they find:
+    ``(folder, family, config, dtype)``. Raises as :func:`load_folder` does."""
     if not isinstance(path, str | os.PathLike):
         raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
     if layer_layout not in ("stacked", "list"):
@@ -306,7 +325,12 @@ def load_folder(
         )
     resolved = _resolve_dtype(dtype, config)
 
-    host = _read_params(folder, family, config, np.dtype(resolved))
+    return folder, family, config, resolved
+
+
+def folder_extras(folder: str, config: Any) -> tuple[Tokenizer | None, GenerationConfig]:
+    """The folder's tokenizer (``None`` without ``tokenizer.json``) and generation config
+    (defaults from ``config`` without ``generation_config.json``)."""
     tokenizer = Tokenizer.from_folder(folder) if os.path.isfile(
         os.path.join(folder, TOKENIZER_FILE)
     ) else None
@@ -320,17 +344,7 @@ def load_folder(
             generation = dataclasses.replace(generation, eos_token_ids=config.eos_token_ids)
     else:
         generation = GenerationConfig.from_model_config(config)
-    params = jax.tree.map(jnp.asarray, host)
-    if layer_layout != family.native_layout:
-        params = family.to_layer_layout(params, layer_layout)
-    return LoadedModel(
-        model=family.build(config, resolved, layer_layout),
-        params=params,
-        config=config,
-        tokenizer=tokenizer,
-        generation_config=generation,
-        path=folder,
-    )
+    return tokenizer, generation
 
 
 def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -> Params:

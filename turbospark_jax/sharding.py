@@ -1,0 +1,314 @@
+"""Tensor parallelism for the dense family over a ``jax.sharding`` device mesh.
+
+The mesh has one axis, :data:`TP`. Each params leaf and each state leaf gets a
+``PartitionSpec`` on it, and the unchanged block program runs over the sharded arrays; XLA's
+sharding propagation (GSPMD) inserts the collectives:
+
+* attention: ``q_proj`` split on its query heads, ``k_proj``/``v_proj`` on their KV heads
+  (column-parallel), ``o_proj`` on its input heads (row-parallel: one all-reduce a layer);
+  a device holds whole heads, so RoPE, the q/k norms and attention run locally;
+* MLP: ``gate_proj``/``up_proj`` split on the intermediate axis (column-parallel),
+  ``down_proj`` on its input (row-parallel: the second all-reduce);
+* the vocabulary: ``embed_tokens`` and ``lm_head`` split on it (when the vocabulary divides
+  the mesh; otherwise they stay whole on every device), so each device computes a slice of
+  the logits and the sampler gathers them;
+* the KV cache on its KV-head axis, beside the ``k_proj``/``v_proj`` columns that write it:
+  a device reads and writes only its own heads' rows;
+* norms, biases of row-parallel layers and the fed record: replicated.
+
+:class:`ShardedProducer` is a :class:`~turbospark_jax.block_producer.BlockProducer` whose
+params and states live on the mesh and whose program keeps every state leaf on its sharding.
+Every path (decode, chunked prefill, verify, bursts) still runs the one program, so the
+bitwise guarantees hold on a given mesh exactly as on one device. A sharded run is *not*
+bitwise equal to a one-device run: the row-parallel layers sum partial products across
+devices, in another order than one device's matrix product does (the tolerance is measured in
+``tests/test_sharding.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_program import BlockState, StepOutput, pinned_program
+from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.state import (
+    FedRecord,
+    buffers_only,
+    by_value,
+    merge_parts,
+    with_auxiliary,
+    without_auxiliary,
+)
+
+#: The mesh axis tensor parallelism splits over.
+TP = "tp"
+
+Params = dict[str, Any]
+
+# Per-layer leaves (without the stacked L axis) that are split, and on which axis; every
+# other layer leaf (norms, o_bias, down_bias) is replicated.
+_LAYER_AXES: dict[str, tuple[str | None, ...]] = {
+    "q_proj": (None, TP, None),  # [D, H, hd]: column-parallel over query heads
+    "k_proj": (None, TP, None),  # [D, KV, hd]
+    "v_proj": (None, TP, None),
+    "q_bias": (TP, None),  # [H, hd]
+    "k_bias": (TP, None),
+    "v_bias": (TP, None),
+    "o_proj": (TP, None, None),  # [H, hd, D]: row-parallel
+    "gate_proj": (None, TP),  # [D, F]: column-parallel
+    "up_proj": (None, TP),
+    "gate_bias": (TP,),  # [F]
+    "up_bias": (TP,),
+    "down_proj": (TP, None),  # [F, D]: row-parallel
+}
+
+
+def tp_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A one-axis mesh named :data:`TP` over ``devices`` (default: every device of every
+    process, which is the global mesh of a multi-host run)."""
+    devices = jax.devices() if devices is None else list(devices)
+    if not devices:
+        raise BadInputError("a mesh needs at least one device")
+    return Mesh(np.asarray(devices), (TP,))
+
+
+def tp_size(mesh: Mesh) -> int:
+    """The number of devices the :data:`TP` axis splits over.
+
+    Raises:
+      BadInputError: ``mesh`` is not a ``jax.sharding.Mesh`` with a :data:`TP` axis.
+    """
+    if not isinstance(mesh, Mesh) or TP not in mesh.axis_names:
+        raise BadInputError(
+            f"expected a jax.sharding.Mesh with a {TP!r} axis (see tp_mesh), got {mesh!r}"
+        )
+    return int(mesh.shape[TP])
+
+
+def check_divisible(config: DenseConfig, tp: int) -> None:
+    """Refuse a split that would cut a head or an MLP column group across devices.
+
+    Raises:
+      BadInputError: naming each count that ``tp`` does not divide and the sizes that would.
+    """
+    counts = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    bad = {name: n for name, n in counts.items() if n % tp}
+    if bad:
+        fits = [d for d in range(1, tp + 1) if all(n % d == 0 for n in counts.values())]
+        raise BadInputError(
+            f"cannot split this model over {tp} devices: "
+            + ", ".join(f"{name}={n}" for name, n in bad.items())
+            + f" is not a multiple of {tp}. Use a mesh of {' or '.join(map(str, fits))} devices"
+        )
+
+
+def _spec(axes: Sequence[str | None]) -> PartitionSpec:
+    return PartitionSpec(*axes)
+
+
+def layer_spec(name: str, ndim: int) -> PartitionSpec:
+    """The spec of the per-layer leaf ``name`` with ``ndim`` dimensions (one more than its
+    own when it carries the stacked L axis, which is never split)."""
+    axes = _LAYER_AXES.get(name)
+    if axes is None:
+        return PartitionSpec()
+    return _spec((None,) * (ndim - len(axes)) + axes)
+
+
+def param_specs(config: DenseConfig, params: Params, tp: int) -> Params:
+    """A ``PartitionSpec`` for every leaf of ``params`` (stacked or list layout alike).
+
+    The vocabulary is split only where ``tp`` divides it; otherwise the embedding and head
+    stay whole on every device (correct, just not split).
+    """
+    split_vocab = config.vocab_size % tp == 0
+    vocab = TP if split_vocab else None
+
+    def spec(path: Any, leaf: Any) -> PartitionSpec:
+        name = path[-1].key  # a dict key in both layouts (list: layers/<i>/<name>)
+        if name == "embed_tokens":
+            return _spec((vocab, None))  # [V, D]
+        if name == "lm_head":
+            return _spec((None, vocab))  # [D, V]
+        return layer_spec(name, len(leaf.shape))
+
+    return jax.tree_util.tree_map_with_path(spec, params)
+
+
+def param_shardings(mesh: Mesh, config: DenseConfig, params: Params) -> Params:
+    """:func:`param_specs` as ``NamedSharding`` s on ``mesh``."""
+    specs = param_specs(config, params, tp_size(mesh))
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def shard_params(params: Params, mesh: Mesh, config: DenseConfig) -> Params:
+    """``params`` placed on ``mesh`` with the tensor-parallel layout (a no-op for leaves
+    already there).
+
+    Raises:
+      BadInputError: ``mesh`` has no :data:`TP` axis, or a head count or the intermediate
+        size is not a multiple of its size.
+    """
+    check_divisible(config, tp_size(mesh))
+    return jax.device_put(params, param_shardings(mesh, config, params))
+
+
+def init_sharded_params(
+    model: DenseModel, key: jax.Array, mesh: Mesh, layer_layout: str = "stacked"
+) -> Params:
+    """Random params (as :func:`~turbospark_jax.models.dense.init_params`) made directly in
+    their shards: no device ever holds the whole model. Works on a multi-host mesh (every
+    process calls it with the same ``key``).
+
+    Raises:
+      BadInputError: as :func:`shard_params`; or ``layer_layout`` is neither layout.
+    """
+    if layer_layout not in ("stacked", "list"):
+        raise BadInputError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
+    config = model.config
+    check_divisible(config, tp_size(mesh))
+
+    def make(k: jax.Array) -> Params:
+        params = init_params(config, k, model.dtype)
+        return unstack_layers(params) if layer_layout == "list" else params
+
+    shapes = jax.eval_shape(make, key)
+    return jax.jit(make, out_shardings=param_shardings(mesh, config, shapes))(key)
+
+
+def state_shardings(mesh: Mesh, layout: BlockState) -> BlockState:
+    """A ``NamedSharding`` for every leaf of a dense producer's state: the KV buffers
+    (``[L, C, KV, hd]`` stacked, or ``[C, KV, hd]`` per layer) split on their KV-head axis;
+    every other cache leaf (a drafter's tap rows, say) and the fed record replicated."""
+    kv = {4: _spec((None, None, TP, None)), 3: _spec((None, TP, None))}
+
+    def kv_leaf(leaf: Any) -> NamedSharding:
+        return NamedSharding(mesh, kv[len(leaf.shape)])
+
+    replicated = NamedSharding(mesh, PartitionSpec())
+    cache = jax.tree.map(lambda _: replicated, layout.cache)
+    cache = cache.replace(k=jax.tree.map(kv_leaf, layout.cache.k),
+                          v=jax.tree.map(kv_leaf, layout.cache.v))
+    return BlockState(cache=cache, fed=jax.tree.map(lambda _: replicated, layout.fed))
+
+
+class ShardedProducer(BlockProducer):
+    """A dense model served through the one block program, tensor-parallel over ``mesh``.
+
+    The same protocols and guarantees as :class:`BlockProducer`; params and every state live
+    on the mesh (:func:`param_specs`, :func:`state_shardings`), and every call puts its state
+    on those shardings before it runs, so each path is the one compiled program.
+
+    Args:
+      model: a :class:`~turbospark_jax.models.dense.DenseModel` (stacked or list layout).
+        The Pallas kernels are single-device custom calls the compiler cannot split, so an
+        ``"auto"`` attention or RoPE-store mode runs as ``"xla"`` here.
+      params: its params, anywhere: they are placed on the mesh (a no-op for params already
+        sharded, as :func:`init_sharded_params` and
+        :func:`~turbospark_jax.sharded_loading.load_sharded` make them).
+      mesh: a mesh with a :data:`TP` axis (:func:`tp_mesh`).
+      capacity, width, steps_per_call, donate: as :class:`BlockProducer`.
+
+    Raises:
+      UnsupportedCapabilityError: ``model`` is not a dense model, or asks for the Pallas
+        interpreter (``attention`` or ``rope_store`` ``"interpret"``).
+      BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the head
+        counts and intermediate size (the message lists the sizes that do); and as
+        :class:`BlockProducer`.
+    """
+
+    def __init__(
+        self,
+        model: DenseModel,
+        params: Params,
+        *,
+        mesh: Mesh,
+        capacity: int,
+        width: int = 8,
+        steps_per_call: int = 32,
+        donate: bool = True,
+    ) -> None:
+        if not isinstance(model, DenseModel):
+            raise UnsupportedCapabilityError(
+                f"tensor parallelism is implemented for the dense family; got "
+                f"{type(model).__name__}. Serve it on one device with BlockProducer"
+            )
+        if "interpret" in (model.attention, model.rope_store):
+            raise UnsupportedCapabilityError(
+                "the Pallas kernels cannot be split over a mesh; build the model with "
+                "attention='xla' (or 'auto') and rope_store='xla' (or 'auto')"
+            )
+        model = dataclasses.replace(model, attention="xla", rope_store="xla")
+        self.mesh = mesh
+        params = shard_params(params, mesh, model.config)
+        super().__init__(model, params, capacity=capacity, width=width,
+                         steps_per_call=steps_per_call, donate=donate)
+        # Every process of a multi-host run must stamp the same identity into its states.
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            self.identity = int(multihost_utils.broadcast_one_to_all(np.uint32(self.identity)))
+        layout = jax.eval_shape(
+            lambda: BlockState(cache=model.init_cache(capacity), fed=FedRecord.empty(capacity))
+        )
+        self._shardings = state_shardings(mesh, layout)
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._program = pinned_program(
+            model, donate,
+            (buffers_only(self._shardings), by_value(self._shardings), self._replicated),
+        )
+        self._init = jax.jit(
+            lambda owner: BlockState(cache=model.init_cache(capacity),
+                                     fed=FedRecord.empty(capacity, owner)),
+            out_shardings=self._shardings,
+        )
+        self._idle = self._on_mesh(self._idle)
+
+    @property
+    def tp(self) -> int:
+        """Devices the model is split over."""
+        return tp_size(self.mesh)
+
+    def init_state(self) -> BlockState:
+        return self._init(self._on_mesh(jnp.uint32(self.identity)))
+
+    def _on_mesh(self, tree: Any) -> Any:
+        """``tree`` replicated on the mesh. In a multi-host run every input of a program must
+        be a global array; the host copy each process holds is the same everywhere."""
+        if jax.process_count() == 1:
+            return jax.device_put(tree, self._replicated)
+        return jax.tree.map(
+            lambda x: jax.make_array_from_process_local_data(self._replicated, np.asarray(x))
+            if not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+            else jax.random.wrap_key_data(self._on_mesh(jax.random.key_data(x)),
+                                          impl=jax.random.key_impl(x)),
+            tree,
+        )
+
+    def _call(
+        self, state: BlockState, plan: Any, control: Any, n_steps: int
+    ) -> tuple[StepOutput, BlockState]:
+        bare, held = without_auxiliary(state)
+        # A state moved on the host (rewind, rollback) may come back on other shardings; the
+        # program must see the ones it was compiled for.
+        bare = jax.device_put(bare, self._shardings)
+        plan, control, steps = self._on_mesh((plan, control, jnp.int32(n_steps)))
+        buffers, values, out = self._program(
+            self.params, buffers_only(bare), by_value(bare), plan, control, steps
+        )
+        return out, with_auxiliary(merge_parts(buffers, values), held)

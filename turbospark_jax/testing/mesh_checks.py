@@ -1,0 +1,209 @@
+"""The tensor-parallel checks, run in a process of its own with simulated CPU devices.
+
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` must be set before JAX starts, and the
+test suite's process has started it with one device, so ``tests/test_sharding.py`` runs this
+module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JSON it prints:
+
+* the conformance guarantees hold bitwise on a mesh (chunked == token by token, verify ==
+  decode, rollback, reuse == fresh, speculative == plain greedy), for the stacked layer layout
+  split 4 ways and the list layout split 8 ways, each with a perturbed control that fails;
+* a sharded run against the same model on one device: the largest logits difference (it
+  is measured, not assumed to be zero) and whether the greedy tokens agree;
+* the state and params keep their shardings across calls;
+* a mesh size that does not divide the heads is refused;
+* a folder loaded shard by shard equals the one-device load, leaf for leaf.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import dataclasses
+import json
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.completion import CompletionRequest
+from turbospark_jax.drafters import NGramDrafter, SpeculativePair
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.generate import run_raw_completion
+from turbospark_jax.loading import load_folder, save_folder
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.replicas import ReplicaPool, replicas_on_devices
+from turbospark_jax.sharded_loading import load_sharded
+from turbospark_jax.sharding import ShardedProducer, tp_mesh
+from turbospark_jax.speculative import run_raw_completion_speculative
+from turbospark_jax.testing import conformance as C
+
+VOCAB = 96
+PROMPT = [3, 17, 5, 3, 17, 5, 3, 17, 40, 2, 9]  # repeats, so the n-gram drafter proposes
+
+
+def config(model_type: str, kv_heads: int, layers: int = 2) -> DenseConfig:
+    """A tiny config whose 8 query heads split over 1, 2, 4 or 8 devices."""
+    return DenseConfig(
+        model_type=model_type, vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=16,
+        tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2",
+    )
+
+
+def _fails(fn: Any) -> bool:
+    try:
+        fn()
+    except C.ConformanceError:
+        return True
+    return False
+
+
+def conformance(producer: Any, full: bool) -> dict[str, Any]:
+    """The guarantees on ``producer`` (``full``: every one, and one control per kind of
+    check; else chunked == sequential and verify == decode, which cover the paths)."""
+    C.check_chunked_matches_sequential(producer, PROMPT, [3, 7])
+    C.check_verify_matches_decode(producer, PROMPT[:5], [9, 4, 1, 7, 7, 2])
+    request = CompletionRequest(prompt_ids=PROMPT, max_tokens=12, record_logits=True)
+    plain = run_raw_completion(producer, request)
+    result = {"passed": True, "tokens": list(plain.token_ids),
+              "logits": np.asarray(plain.logits, np.float32)}
+    if not full:
+        return result
+    C.check_rollback_restores(producer, [("chunk", PROMPT[:5])], [("verify", [1, 2, 3])], 4)
+    n = C.check_reuse_matches_fresh(producer, PROMPT[:6], [5, 6], [*PROMPT[:6], 5, 8, 1])
+    spec = run_raw_completion_speculative(
+        SpeculativePair(producer, NGramDrafter(VOCAB, max_n=3), device_rounds=False),
+        dataclasses.replace(request, draft_len=3),
+    )
+    spec_equal = list(spec.token_ids) == list(plain.token_ids) and all(
+        np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+        for a, b in zip(spec.logits, plain.logits, strict=True)
+    )
+    controls = {
+        "chunk_logits_bit": _fails(lambda: C.check_chunked_matches_sequential(
+            C.perturbed(producer, "chunk_logits_bit"), PROMPT, [3, 7])),
+        "verify_row_bit": _fails(lambda: C.check_verify_matches_decode(
+            C.perturbed(producer, "verify_row_bit"), PROMPT[:5], [9, 4])),
+    }
+    return {**result, "reused": n, "spec_equals_plain": spec_equal, "controls_fire": controls}
+
+
+def against_one_device(
+    model: DenseModel, params: Any, sharded: dict[str, Any]
+) -> dict[str, Any]:
+    """The same greedy completion on one device: the largest logits gap and token agreement."""
+    single = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4)
+    request = CompletionRequest(prompt_ids=PROMPT, max_tokens=12, record_logits=True)
+    plain = run_raw_completion(single, request)
+    want = np.asarray(plain.logits, np.float32)
+    got = sharded["logits"]
+    return {
+        "max_abs_logit_diff": float(np.max(np.abs(got - want))),
+        "max_logit": float(np.max(np.abs(want))),
+        "bitwise": bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
+        "same_tokens": list(plain.token_ids) == sharded["tokens"],
+    }
+
+
+def case(
+    name: str, model_type: str, kv_heads: int, dtype: Any, tp: int, listed: bool, full: bool,
+    layers: int = 2,
+) -> dict[str, Any]:
+    """One model split ``tp`` ways: its conformance, shardings and gap to one device."""
+    cfg = config(model_type, kv_heads, layers)
+    model = DenseModel(cfg, dtype, scan_layers=not listed)
+    params = model.init_params(jax.random.PRNGKey(7))
+    if listed:
+        params = unstack_layers(params)
+    producer = ShardedProducer(model, params, mesh=tp_mesh(jax.devices()[:tp]), capacity=64,
+                               width=4, steps_per_call=4)
+    result = conformance(producer, full)
+    state = producer.prefill_chunk(producer.init_state(), PROMPT, 0)[1]
+    leaf = state.cache.k[0] if listed else state.cache.k
+    q_proj = producer.params["layers"][0]["q_proj"] if listed else producer.params["layers"][
+        "q_proj"]
+    result.update(
+        name=name, tp=tp,
+        kv_spec=str(leaf.sharding.spec), kv_devices=len(leaf.sharding.device_set),
+        q_proj_spec=str(q_proj.sharding.spec),
+        kv_shard_shape=list(leaf.addressable_shards[0].data.shape),
+        **against_one_device(model, params, result),
+    )
+    del result["logits"]
+    return result
+
+
+def refusal() -> str:
+    """The message for 4 KV heads over 8 devices (refused before the params are touched)."""
+    model = DenseModel(config("llama", 4), jnp.float32)
+    try:
+        ShardedProducer(model, {}, mesh=tp_mesh(jax.devices()[:8]), capacity=16)
+    except BadInputError as e:
+        return str(e)
+    return ""
+
+
+def sharded_load() -> dict[str, Any]:
+    """A saved folder (in several files) loaded shard by shard against ``load_folder``."""
+    cfg = config("qwen2", 4)
+    model = DenseModel(cfg, jnp.float32)
+    folder = tempfile.mkdtemp()
+    save_folder(folder, cfg, model.init_params(jax.random.PRNGKey(3)), max_shard_bytes=40_000)
+    ref = load_folder(folder)
+    out = {}
+    for layout in ("stacked", "list"):  # the stacked one reads a slice per layer and stacks
+        got = load_sharded(folder, tp_mesh(jax.devices()[:4]), layer_layout=layout)
+        want = ref.params if layout == "stacked" else unstack_layers(ref.params)
+        out[layout] = bool(jax.tree.all(jax.tree.map(
+            lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got.params, want)))
+        up = got.params["layers"][0]["up_proj"] if layout == "list" else got.params[
+            "layers"]["up_proj"]
+        out[f"{layout}_up_proj_shard"] = list(up.addressable_shards[0].data.shape)
+    return out
+
+
+def data_parallel() -> dict[str, Any]:
+    """Two replicas on devices 2 and 3 of the 8: each session's KV stays on its replica's
+    device, and the replicas answer alike."""
+    # The second case's model: its params come from the same compiled initialiser.
+    model = DenseModel(config("llama", 8, layers=1), jnp.bfloat16, scan_layers=False)
+    params = unstack_layers(model.init_params(jax.random.PRNGKey(7)))
+    devices = jax.devices()[2:4]
+    pool = ReplicaPool(replicas_on_devices(model, params, devices=devices, capacity=16, width=4,
+                                           steps_per_call=4), slots=1)
+    request = CompletionRequest(prompt_ids=PROMPT[:6], max_tokens=4)
+    out: dict[str, Any] = {"tokens": [], "kv_devices": {}}
+    for session in ("a", "b"):
+        out["tokens"].append(list(pool.generate(session, request).token_ids))
+        state = pool.pool_of(session).state_of(session)
+        out["kv_devices"][session] = [
+            pool.replica_of(session), sorted(d.id for d in state.cache.k[0].sharding.device_set)]
+    out["same_tokens"] = out["tokens"][0] == out["tokens"][1]
+    out["device_ids"] = [d.id for d in devices]
+    return out
+
+
+def main() -> None:
+    report = {
+        "devices": jax.device_count(),
+        "cases": [
+            case("qwen3_f32_stacked_tp4", "qwen3", 4, jnp.float32, 4, listed=False,
+                 full=True),
+            case("llama_bf16_list_tp8", "llama", 8, jnp.bfloat16, 8, listed=True,
+                 full=False, layers=1),
+        ],
+        "refusal": refusal(),
+        "sharded_load": sharded_load(),
+        "data_parallel": data_parallel(),
+    }
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
