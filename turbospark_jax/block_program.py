@@ -96,12 +96,19 @@ class Plan:
       live:       int32[S]     real rows in each step's block.
       need_head:  bool[S]      whether the output head runs on that step.
       out_offset: int32[S]     first row of the output that the step's ``W`` rows go to.
+      injected:   int32[S, W]  identity of the embedding each row takes instead of its
+                               token's (0: none); recorded in the fed record.
+      embeds:     [S, W, D]    those embeddings, in the model's embedding dtype; ``None`` for
+                               a model that does not accept embeddings. A text-only call
+                               passes zeros kept on the device, so it is the same program.
     """
 
     tokens: jax.Array
     live: jax.Array
     need_head: jax.Array
     out_offset: jax.Array
+    injected: jax.Array
+    embeds: jax.Array | None
 
 
 @struct.dataclass(kw_only=True)
@@ -151,15 +158,24 @@ def feed_block(
     tokens: jax.Array,
     live: jax.Array,
     need_head: jax.Array,
+    injected: jax.Array | None = None,
+    embeds: jax.Array | None = None,
 ) -> tuple[jax.Array, BlockState]:
     """Feed ``tokens[:live]`` (int32 ``[W]``) at the state's cursor; return the ``[W, V]``
-    logits and the state with the rows appended to its cache and fed record (jittable)."""
+    logits and the state with the rows appended to its cache and fed record (jittable).
+
+    Rows with a non-zero ``injected`` identity (int32 ``[W]``) take their row of ``embeds``
+    (``[W, D]``) instead of their token's embedding; a model is handed embeddings only when
+    it declares ``accepts_embeddings``."""
     positions = state.fed.count + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    extra = {}
+    if embeds is not None and model.accepts_embeddings:
+        extra = {"embeds": embeds, "embed_rows": injected != 0}
     with jax.named_scope("block_forward"):
         logits, cache = model.block_forward(
-            params, state.cache, tokens, positions, live, need_head
+            params, state.cache, tokens, positions, live, need_head, **extra
         )
-    return logits, state.replace(cache=cache, fed=state.fed.append(tokens, live))
+    return logits, state.replace(cache=cache, fed=state.fed.append(tokens, live, injected))
 
 
 def _run_blocks(
@@ -187,7 +203,8 @@ def _run_blocks(
         tokens = plan.tokens[i]
         tokens = jnp.where(control.feedback & (i > 0), tokens.at[0].set(pending), tokens)
         live = plan.live[i]
-        logits, st = feed_block(model, params, st, tokens, live, plan.need_head[i])
+        logits, st = feed_block(model, params, st, tokens, live, plan.need_head[i],
+                                plan.injected[i], None if plan.embeds is None else plan.embeds[i])
         out = jax.lax.dynamic_update_slice(out, logits, (plan.out_offset[i], 0))
         last = logits[live - 1]
         finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[i]

@@ -154,11 +154,11 @@ def prepare(source: ImageSource | np.ndarray, *, patch_size: int = 16,
                          soft_tokens=len(patches) // pooling_kernel_size**2, size=(h, w))
 
 
-def prepare_all(sources: Any, **options: Any) -> list[PreparedImage]:
-    """:func:`prepare` for each of ``sources`` (a sequence), refusing a bare string or bytes
-    (one path would otherwise be read as a sequence of characters)."""
-    if isinstance(sources, str | bytes | os.PathLike | Image.Image) or not hasattr(
-            sources, "__iter__"):
+def as_list(sources: Any) -> list[Any]:
+    """``sources`` (a sequence of images) as a list, refusing a bare path, bytes or image:
+    one path would otherwise be read as a sequence of characters."""
+    if isinstance(sources, str | bytes | os.PathLike | Image.Image) or not isinstance(
+            sources, list | tuple):
         raise BadInputError(f"images must be a list of paths, bytes or PIL images, got "
                             f"{type(sources).__name__}")
-    return [prepare(s, **options) for s in sources]
+    return list(sources)

@@ -30,11 +30,29 @@ class BlockModel(abc.ABC):
         without replaying it.
       parallel_prefill: ``block_forward`` accepts blocks much wider than the exact program's
         ``W`` (a batched prefill pass) and uses the ``key_limit`` / ``fresh`` hints.
+      accepts_embeddings: ``block_forward`` takes ``embeds`` / ``embed_rows``: rows whose
+        input is a given embedding (an image's soft token) instead of their token's. Such a
+        model also answers :attr:`embedding_size` and :attr:`embedding_dtype`.
     """
 
     rewindable: ClassVar[bool] = True
     records_tape: ClassVar[bool] = False
     parallel_prefill: ClassVar[bool] = False
+    accepts_embeddings: ClassVar[bool] = False
+
+    @property
+    def embedding_size(self) -> int:
+        """``D`` of the rows ``embeds`` carries (models that accept embeddings)."""
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} takes token ids only; it cannot be given embeddings"
+        )
+
+    @property
+    def embedding_dtype(self) -> Any:
+        """The dtype of the rows ``embeds`` carries (models that accept embeddings)."""
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} takes token ids only; it cannot be given embeddings"
+        )
 
     @property
     @abc.abstractmethod
@@ -57,6 +75,8 @@ class BlockModel(abc.ABC):
         *,
         key_limit: int | None = None,
         fresh: bool = False,
+        embeds: jax.Array | None = None,
+        embed_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """Run ``W`` rows against the cache and return float32 ``[W, V]`` logits.
 
@@ -70,6 +90,9 @@ class BlockModel(abc.ABC):
           key_limit: static hint: no row attends past this position (parallel prefill only).
           fresh: static hint: the block starts at position 0 of an empty cache (parallel
             prefill only). A model that does not declare ``parallel_prefill`` ignores both.
+          embeds: ``[W, D]`` rows to feed instead of the token embeddings where
+            ``embed_rows`` (bool ``[W]``) is true; only passed to a model that declares
+            ``accepts_embeddings`` (``None``: every row embeds its token).
 
         Row ``i``'s result must depend only on row ``i`` and the cache, so the same compiled
         program gives it bitwise the same result whether 1 or ``W`` rows are live.

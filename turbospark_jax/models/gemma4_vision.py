@@ -45,8 +45,11 @@ import jax
 import jax.numpy as jnp
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.family import HFTensor, Params
+from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.layers import MASK_VALUE, apply_rope, rms_norm
+
+#: Where a ``gemma4`` folder keeps the tower's tensors.
+PREFIXES = ("model.vision_tower.", "model.embed_vision.")
 
 #: The linears of an encoder layer, each optionally clamped.
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -232,6 +235,25 @@ def _init_params(config: Gemma4VisionConfig, key: jax.Array, dtype: jnp.dtype) -
             w = jax.random.normal(k, (math.prod(shape),), jnp.float32).reshape(shape)
             leaves.append((w * config.initializer_range).astype(dtype))
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _no_decoder(config: Any, dtype: Any, layer_layout: str) -> Any:
+    raise ModelLoadError("the Gemma 4 vision tower is not a decoder; load the folder's text "
+                         "model with load_folder, which loads the tower beside it")
+
+
+#: The tower's tensors in the loader's terms: what ``load_folder`` reads from a ``gemma4``
+#: folder beside the text model (every other tensor is the text model's business).
+TENSORS = Family(
+    name="gemma4 vision",
+    architectures={},
+    parse_config=Gemma4VisionConfig.from_hf_dict,
+    param_shapes=param_shapes,
+    hf_tensors=hf_tensors,
+    build=_no_decoder,
+    tolerated=lambda name: not name.startswith(PREFIXES),
+    config_type=Gemma4VisionConfig,
+)
 
 
 # -- the tower -------------------------------------------------------------------------------
