@@ -91,12 +91,16 @@ class VisionEncoder:
                prepared: Sequence[image_ops.PreparedImage]) -> list[int]:
         """``prompt_ids`` with each lone image token grown into its image's framed span.
 
-        A prompt whose image-token runs already have the images' lengths is returned as it
-        is; any other mismatch is left for :func:`~turbospark_jax.injection.span_injection`
+        A prompt with no image token gets one per image at its start. A prompt whose
+        image-token runs already have the images' lengths is returned as it is; any other
+        mismatch is left for :func:`~turbospark_jax.injection.span_injection`
         to name.
         """
         ids = [int(t) for t in prompt_ids]
         spans = placeholder_spans(ids, self.tokens.image)
+        if not spans and prepared:
+            ids = [self.tokens.image] * len(prepared) + ids
+            spans = placeholder_spans(ids, self.tokens.image)
         if len(spans) != len(prepared) or all(
                 n == p.soft_tokens for (_, n), p in zip(spans, prepared, strict=True)):
             return ids
