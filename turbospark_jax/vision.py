@@ -91,33 +91,35 @@ class VisionEncoder:
                prepared: Sequence[image_ops.PreparedImage]) -> list[int]:
         """``prompt_ids`` with each lone image token grown into its image's framed span.
 
-        A prompt with no image token gets one per image at its start. A prompt whose
+        Each image token stands for one image (adjacent ones too) when there are as many
+        as images; a prompt with none gets one per image at its start. A prompt whose
         image-token runs already have the images' lengths is returned as it is; any other
         mismatch is left for :func:`~turbospark_jax.injection.span_injection`
         to name.
         """
         ids = [int(t) for t in prompt_ids]
-        spans = placeholder_spans(ids, self.tokens.image)
+        image = self.tokens.image
+        spans = placeholder_spans(ids, image)
         if not spans and prepared:
-            ids = [self.tokens.image] * len(prepared) + ids
-            spans = placeholder_spans(ids, self.tokens.image)
-        if len(spans) != len(prepared) or all(
+            ids = [image] * len(prepared) + ids
+        elif len(spans) == len(prepared) and all(
                 n == p.soft_tokens for (_, n), p in zip(spans, prepared, strict=True)):
             return ids
-        if any(n != 1 for _, n in spans):
+        if ids.count(image) != len(prepared):
             return ids
         out: list[int] = []
-        at = 0
-        for (start, _), image in zip(spans, prepared, strict=True):
-            out += ids[at:start]
-            out += [self.tokens.begin] if self.tokens.begin is not None and (
-                start == 0 or ids[start - 1] != self.tokens.begin) else []
-            out += [self.tokens.image] * image.soft_tokens
-            after = ids[start + 1] if start + 1 < len(ids) else None
-            out += [self.tokens.end] if self.tokens.end is not None and \
-                after != self.tokens.end else []
-            at = start + 1
-        return out + ids[at:]
+        images = iter(prepared)
+        for i, t in enumerate(ids):
+            if t != image:
+                out.append(t)
+                continue
+            if self.tokens.begin is not None and (i == 0 or ids[i - 1] != self.tokens.begin):
+                out.append(self.tokens.begin)
+            out += [image] * next(images).soft_tokens
+            if self.tokens.end is not None and (i + 1 == len(ids) or
+                                                ids[i + 1] != self.tokens.end):
+                out.append(self.tokens.end)
+        return out
 
     def prompt(self, prompt_ids: Sequence[int],
                sources: Sequence[Any]) -> tuple[list[int], Injection | None]:
