@@ -63,16 +63,39 @@ def tiny_vision_model(seed: int = 0) -> tuple[Any, Any, VisionEncoder, Tokenizer
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    text_key, vision_key = jax.random.split(jax.random.key(seed))
-    params = gemma4.init_params(config, text_key)
+    rng = np.random.default_rng(seed)
+    params = _random(gemma4.param_shapes(config), config.initializer_range, rng)
     vision_config = gemma4_vision.Gemma4VisionConfig(**TINY_VISION, text_hidden_size=32)
     tower = gemma4_vision.Gemma4Vision(vision_config)
     vision = VisionEncoder(
-        tower=tower, params=tower.init_params(vision_key),
+        tower=tower,
+        params=_random(gemma4_vision.param_shapes(vision_config),
+                       vision_config.initializer_range, rng),
         tokens=ImageTokens(ids[IMAGE_TOKEN], ids[BEGIN_IMAGE], ids[END_IMAGE]),
         max_soft_tokens=70,
     )
     return config, params, vision, tokenizer
+
+
+def _random(shapes: Any, scale: float, rng: np.random.Generator) -> Any:
+    """Params of ``shapes`` drawn on the host (a jitted initialiser of this many leaves takes
+    longer to compile than the model): norms and scales 1, biases 0, clamps open, matrices
+    ~ N(0, scale)."""
+
+    def leaf(path: Any, shape: tuple[int, ...]) -> jax.Array:
+        name = str(path[-1].key)
+        if name.endswith("norm") or name in ("layer_scalar", "std_scale"):
+            value = np.ones(shape, np.float32)
+        elif name.endswith("bias"):
+            value = np.zeros(shape, np.float32)
+        elif name.endswith(gemma4_vision.CLIP_BOUNDS):
+            value = np.full(shape, -np.inf if name.endswith("min") else np.inf, np.float32)
+        else:
+            value = (rng.standard_normal(shape) * scale).astype(np.float32)
+        return jax.numpy.asarray(value)
+
+    return jax.tree_util.tree_map_with_path(leaf, shapes,
+                                            is_leaf=lambda x: isinstance(x, tuple))
 
 
 def save_tiny_vision_folder(path: str | os.PathLike[str], seed: int = 0) -> str:
