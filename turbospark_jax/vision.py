@@ -87,6 +87,10 @@ class VisionEncoder:
         self._cache.move_to_end(key)
         return self._cache[key]
 
+    def forget(self) -> None:
+        """Drop the cached tower outputs (the next :meth:`embed` of any image runs the tower)."""
+        self._cache.clear()
+
     def expand(self, prompt_ids: Sequence[int],
                prepared: Sequence[image_ops.PreparedImage]) -> list[int]:
         """``prompt_ids`` with each lone image token grown into its image's framed span.
