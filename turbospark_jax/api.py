@@ -198,13 +198,12 @@ def stream(
         ids = model.tokenizer.encode(prompt, add_special_tokens=False)
     else:
         ids = as_token_ids("prompt", prompt, model.producer.vocab_size)
+    images = as_image_list(images)
+    require_vision(model.vision, len(images))
     injection = None
-    if not (isinstance(images, tuple) and not images):
-        images = as_image_list(images)
-        require_vision(model.vision, len(images))
-        if images:
-            assert model.vision is not None
-            ids, injection = model.vision.prompt(ids, images)
+    if images:
+        assert model.vision is not None
+        ids, injection = model.vision.prompt(ids, images)
     sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING}
     fields = {f.name for f in dataclasses.fields(CompletionRequest)} - {"injection"}
     unknown = sorted(set(settings) - fields)

@@ -73,14 +73,13 @@ class Injection:
     def rows_for(self, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """For the ``count`` positions from ``start``: the index of each one's row in
         :attr:`embeds` (-1 where nothing is injected) and its identity (0 there)."""
-        wanted = np.arange(start, start + count, dtype=np.int64)
-        at = np.searchsorted(self.positions, wanted)
-        hit = (at < len(self.positions)) & (
-            self.positions[np.minimum(at, len(self.positions) - 1)] == wanted
-        ) if len(self.positions) else np.zeros(count, bool)
-        rows = np.where(hit, at, -1)
-        return rows, np.where(hit, self.identities[np.maximum(rows, 0)] if len(
-            self.identities) else 0, NOT_INJECTED).astype(np.int32)
+        rows = np.full(count, -1, np.int64)
+        identities = np.full(count, NOT_INJECTED, np.int32)
+        inside = (self.positions >= start) & (self.positions < start + count)
+        offsets = self.positions[inside] - start
+        rows[offsets] = np.flatnonzero(inside)
+        identities[offsets] = self.identities[inside]
+        return rows, identities
 
 
 def placeholder_spans(prompt_ids: Sequence[int], token_id: int) -> list[tuple[int, int]]:
