@@ -141,12 +141,17 @@ def _chunked(producer: BlockProducer, prompt: list[int], injection: Any,
     return logits, state
 
 
-@settings(max_examples=3)
-@given(which=st.integers(0, 2), cuts=st.lists(st.integers(1, 80), max_size=4))
+_SEQUENTIAL: dict[int, Any] = {}  # picture -> the token-by-token result (the slow side)
+
+
+@settings(max_examples=4)
+@given(which=st.integers(0, 1), cuts=st.lists(st.integers(1, 80), max_size=4))
 def test_chunked_prefill_with_images_is_bitwise_token_by_token(tiny, pictures, which, cuts):
     producer, vision, _ = tiny
     prompt, injection = _prompt(vision, [pictures[which]])
-    want_logits, want_state = _sequential(producer, prompt, injection)
+    if which not in _SEQUENTIAL:
+        _SEQUENTIAL[which] = _sequential(producer, prompt, injection)
+    want_logits, want_state = _SEQUENTIAL[which]
     logits, state = _chunked(producer, prompt, injection, cuts)
     assert np.array_equal(np.asarray(logits), np.asarray(want_logits))
     assert live_equal(state, want_state)

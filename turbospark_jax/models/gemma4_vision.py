@@ -384,7 +384,12 @@ class Gemma4Vision:
         weights = jax.nn.one_hot(row, out_len, dtype=jnp.float32) / (k * k)  # [P, out]
         return jnp.einsum("po,pd->od", weights, x.astype(jnp.float32))
 
-    @functools.cached_property
+    @property
     def compiled_encode(self) -> Any:
-        """:meth:`encode` jitted (one program per patch count ``P``)."""
-        return jax.jit(self.encode)
+        """:meth:`encode` jitted (one program per patch count ``P``), shared by equal towers."""
+        return _compiled_encode(self)
+
+
+@functools.cache
+def _compiled_encode(tower: Gemma4Vision) -> Any:
+    return jax.jit(tower.encode)
