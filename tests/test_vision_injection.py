@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 from typing import Any
 
 import numpy as np
@@ -357,3 +358,53 @@ def _turn_injection(chat: ChatSession, prompt: list[int]) -> Injection | None:
         return None
     return span_injection(prompt, chat.vision.tokens.image,
                           [(chat.vision.embed(p), p.identity) for p in shown])
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def _cli(*argv: str) -> tuple[int, str, str]:
+    import io
+
+    from turbospark_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = main(list(argv), stdin=io.StringIO(""), stdout=out, stderr=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("turbospark_jax.cli._load", refuse)
+
+
+@pytest.mark.parametrize("extra, needle", [
+    ((), "text-only model"),  # the embedded default model has no tower
+    (("--model", "{tiny}", "--ngram", "2"), "without drafting"),
+    (("--model", "{tiny}", "--image", "/no/such.png"), "does not exist"),
+    (("--model", "{tiny}", "--image", "{junk}"), "cannot read"),
+], ids=["text-only model", "with a drafter", "missing file", "not an image"])
+def test_cli_refuses_bad_images_before_loading(no_loading, tmp_path, pictures, extra, needle):
+    from turbospark_jax.testing.vision import save_tiny_vision_folder
+
+    junk = tmp_path / "junk.png"
+    junk.write_bytes(b"not a picture")
+    tiny = save_tiny_vision_folder(tmp_path / "tiny") if "{tiny}" in extra else ""
+    argv = [a.format(tiny=tiny, junk=junk) for a in extra]
+    code, out, err = _cli("generate", "--image", pictures[0], *argv, "<|image|> hi")
+    assert code == 1 and out == "" and needle in err and len(err.splitlines()) == 1, err
+
+
+def test_cli_generates_with_an_image(tmp_path, pictures):
+    from turbospark_jax.testing.vision import save_tiny_vision_folder
+
+    folder = save_tiny_vision_folder(tmp_path / "tiny")
+    code, _, err = _cli("generate", "--model", folder, "--image", pictures[0], "--image",
+                        pictures[1], "<|image|> and <|image|>: compare", "--max-tokens", "2",
+                        "--stats")
+    assert code == 0, err
+    prompt = int(re.search(r"prompt (\d+) tokens", err).group(1))
+    assert prompt > 2 * 63  # both spans are in the prompt
