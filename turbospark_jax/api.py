@@ -70,8 +70,8 @@ class Model:
 
     @property
     def vision(self) -> VisionEncoder | None:
-        """The vision tower (``None``: a text-only model)."""
-        return self.loaded.vision
+        """The vision tower (``None``: a text-only model, or no folder behind the model)."""
+        return None if self.loaded is None else self.loaded.vision
 
 
 def default_width(drafting: bool, draft_len: int = 4) -> int:
