@@ -278,7 +278,7 @@ class ChatSession:
           BadInputError: an unknown or invalid setting, or a prompt that does not fit.
           SessionError: another turn of this session is running, or the pool refused to wait.
         """
-        return self.stream(user_text, images, **overrides).drain()
+        return self.stream(user_text, images=images, **overrides).drain()
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and free the session's slot.
