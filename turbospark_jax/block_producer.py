@@ -143,6 +143,11 @@ class BlockProducer(
         self._no_embeds = jnp.zeros(
             (steps_per_call, width, model.embedding_size), model.embedding_dtype
         ) if model.accepts_embeddings else None
+        #: One block's "nothing injected" ``(identities [W], embeddings [W, D] or None)``, as
+        #: data: what a program that feeds blocks outside the block program (the device
+        #: speculative rounds) passes to ``feed_block`` so its step compiles like this one's.
+        self.nothing_injected = (self._no_injected[0], None if self._no_embeds is None
+                                 else self._no_embeds[0])
 
     # -- basic protocol -----------------------------------------------------------------
 

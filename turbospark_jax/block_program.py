@@ -169,7 +169,15 @@ def feed_block(
     it declares ``accepts_embeddings``."""
     positions = state.fed.count + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     extra = {}
-    if embeds is not None and model.accepts_embeddings:
+    if model.accepts_embeddings:
+        if embeds is None:
+            # Nothing injected, but as traced data: constants would let XLA fold the select
+            # away and compile this step unlike the block program's, whose rows then differ
+            # in their last bits (the speculative rounds must verify what decoding computes).
+            nothing = jnp.where(live < 0, 1, 0).astype(jnp.int32)  # 0, unknown to XLA
+            injected = jnp.broadcast_to(nothing, tokens.shape)
+            embeds = jnp.broadcast_to(nothing.astype(model.embedding_dtype),
+                                      (tokens.shape[0], model.embedding_size))
         extra = {"embeds": embeds, "embed_rows": injected != 0}
     with jax.named_scope("block_forward"):
         logits, cache = model.block_forward(
