@@ -9,6 +9,9 @@
     for event in tsj.stream(model, "import os", max_tokens=32):
         print(event.text, end="")
 
+    vlm = tsj.load("path/to/gemma4")                     # a folder with a vision tower
+    tsj.generate(vlm, "<|image|> What is in the picture?", images=["cat.png"])
+
 Everything here is built from the layers below it (loading, the block producer, drafters,
 :func:`~turbospark_jax.generate.stream_completion`); reach for those when you need a state,
 a session pool or a custom drafter.
@@ -30,6 +33,7 @@ from turbospark_jax.drafters import BlockDrafter, DraftModelDrafter, NGramDrafte
 from turbospark_jax.drafters.block import tapped_target
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generate import stream_completion
+from turbospark_jax.images import as_list as as_image_list
 from turbospark_jax.loading import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
@@ -41,6 +45,7 @@ from turbospark_jax.loading import (
 from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.sampling import SamplingConfig
 from turbospark_jax.streams import Stream
+from turbospark_jax.vision import VisionEncoder, require_vision
 
 __all__ = ["Model", "generate", "load", "stream"]
 
@@ -64,6 +69,11 @@ class Model:
     tokenizer: Any
     stop_token_ids: tuple[int, ...]
     loaded: LoadedModel
+
+    @property
+    def vision(self) -> VisionEncoder | None:
+        """The vision tower (``None``: a text-only model, or no folder behind the model)."""
+        return None if self.loaded is None else self.loaded.vision
 
 
 def default_width(drafting: bool, draft_len: int = 4) -> int:
@@ -170,13 +180,18 @@ def stream(
     stop: Sequence[str] = (),
     seed: int = 0,
     draft_len: int | None = None,
+    images: Sequence[Any] = (),
     **settings: Any,
 ) -> Stream[Completion]:
     """Start generating; iterate for text events, then read ``.result``.
 
     Args:
       model: from :func:`load`.
-      prompt: text (encoded with the model's tokenizer) or token ids.
+      prompt: text (encoded with the model's tokenizer) or token ids. With ``images``, put
+        one image token (``<|image|>`` for Gemma 4) where each image goes, in order; a
+        prompt with none gets them all at its start. Each grows into the image's span.
+      images: image files, bytes or Pillow images (a model with a vision tower only;
+        decoded without drafting).
       max_tokens: the most tokens to generate.
       stop: stop strings (a single str is one stop string).
       seed: the sampling seed (same seed, same output).
@@ -186,8 +201,9 @@ def stream(
         :class:`~turbospark_jax.completion.CompletionRequest` fields.
 
     Raises:
-      BadInputError: an unknown setting, text for a model without a tokenizer, or any invalid
-        request value.
+      BadInputError: an unknown setting, text for a model without a tokenizer, images for a
+        model without a vision tower, an unreadable image, image spans that do not match the
+        images, or any invalid request value.
     """
     if not isinstance(model, Model):
         raise BadInputError(f"model must come from turbospark_jax.load(), got "
@@ -200,8 +216,14 @@ def stream(
         ids = model.tokenizer.encode(prompt, add_special_tokens=False)
     else:
         ids = as_token_ids("prompt", prompt, model.producer.vocab_size)
+    images = as_image_list(images)
+    require_vision(model.vision, len(images))
+    injection = None
+    if images:
+        assert model.vision is not None
+        ids, injection = model.vision.prompt(ids, images)
     sampling = {k: settings.pop(k) for k in list(settings) if k in _SAMPLING}
-    fields = {f.name for f in dataclasses.fields(CompletionRequest)}
+    fields = {f.name for f in dataclasses.fields(CompletionRequest)} - {"injection"}
     unknown = sorted(set(settings) - fields)
     if unknown:
         raise BadInputError(
@@ -211,7 +233,8 @@ def stream(
     settings.setdefault("stop_token_ids", model.stop_token_ids)
     request = CompletionRequest(
         prompt_ids=ids, max_tokens=max_tokens, stop_strings=stop, seed=seed,
-        sampling=SamplingConfig(**sampling), draft_len=draft_len, **settings,
+        sampling=SamplingConfig(**sampling), draft_len=draft_len, injection=injection,
+        **settings,
     )
     return stream_completion(model.producer, request, tokenizer=model.tokenizer)
 

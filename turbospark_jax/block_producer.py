@@ -34,6 +34,7 @@ from turbospark_jax.errors import (
     ProducerFailedError,
     UnsupportedCapabilityError,
 )
+from turbospark_jax.injection import Injection
 from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import (
@@ -136,12 +137,28 @@ class BlockProducer(
         self.identity = int.from_bytes(os.urandom(4), "little") | 1
         self._program = compiled_program(model, donate)
         self._idle = self._idle_control()
+        # Kept on the device: a text-only call of a model that accepts embeddings passes
+        # these, so it runs the same program as a call with images, without a transfer.
+        self._no_injected = jnp.zeros((steps_per_call, width), jnp.int32)
+        self._no_embeds = jnp.zeros(
+            (steps_per_call, width, model.embedding_size), model.embedding_dtype
+        ) if model.accepts_embeddings else None
+        #: One block's "nothing injected" ``(identities [W], embeddings [W, D] or None)``, as
+        #: data: what a program that feeds blocks outside the block program (the device
+        #: speculative rounds) passes to ``feed_block`` so its step compiles like this one's.
+        self.nothing_injected = (self._no_injected[0], None if self._no_embeds is None
+                                 else self._no_embeds[0])
 
     # -- basic protocol -----------------------------------------------------------------
 
     @property
     def vocab_size(self) -> int:
         return self.model.vocab_size
+
+    @property
+    def accepts_embeddings(self) -> bool:
+        """Whether prompts may carry injected embeddings (images): the model declares it."""
+        return self.model.accepts_embeddings
 
     @property
     def can_rewind(self) -> bool:
@@ -206,29 +223,46 @@ class BlockProducer(
 
     def prefill_chunk_with_status(
         self, state: BlockState, tokens: Sequence[int], start_position: int,
-        is_final_prompt_chunk: bool,
+        is_final_prompt_chunk: bool, *, injection: Injection | None = None,
     ) -> tuple[jax.Array, BlockState]:
         """:meth:`prefill_chunk`; a model that cannot rewind also keeps a snapshot at the end
         of the prompt, so the next turn (whose prompt repeats this one) can restore it."""
-        logits, state = self.prefill_chunk(state, tokens, start_position)
+        logits, state = self.prefill_chunk(state, tokens, start_position, injection=injection)
         if is_final_prompt_chunk and not self.can_rewind:
             state = self._snapshot(state)
         return logits, state
 
-    def produce(self, state: BlockState, token: int, position: int) -> tuple[jax.Array, BlockState]:
+    def produce(
+        self, state: BlockState, token: int, position: int, *,
+        injection: Injection | None = None,
+    ) -> tuple[jax.Array, BlockState]:
+        """:meth:`~turbospark_jax.protocols.LogitProducer.produce`; ``injection`` (a model
+        that accepts embeddings) replaces the token's embedding when it covers ``position``."""
         token = as_token("token", token, self.vocab_size)
+        self._check_injection(injection)
         self._check_tokens([token], position, state)
-        out, state = self._call(state, self._single_plan(token, need_head=True), self._idle, 1)
+        plan = self._single_plan(token, need_head=True, injection=injection, position=position)
+        out, state = self._call(state, plan, self._idle, 1)
         return out.logits[0], state
 
-    def produce_prefill(self, state: BlockState, token: int, position: int) -> BlockState:
+    def produce_prefill(
+        self, state: BlockState, token: int, position: int, *,
+        injection: Injection | None = None,
+    ) -> BlockState:
         token = as_token("token", token, self.vocab_size)
+        self._check_injection(injection)
         self._check_tokens([token], position, state)
-        return self._call(state, self._single_plan(token, need_head=False), self._idle, 1)[1]
+        plan = self._single_plan(token, need_head=False, injection=injection, position=position)
+        return self._call(state, plan, self._idle, 1)[1]
 
     def prefill_chunk(
-        self, state: BlockState, tokens: Sequence[int], start_position: int
+        self, state: BlockState, tokens: Sequence[int], start_position: int, *,
+        injection: Injection | None = None,
     ) -> tuple[jax.Array, BlockState]:
+        """:meth:`~turbospark_jax.protocols.ChunkedPrefillRunner.prefill_chunk`; the rows of
+        ``injection`` that fall inside the chunk replace their tokens' embeddings (bitwise
+        the same as feeding the chunk token by token with the same injection)."""
+        self._check_injection(injection)
         tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
         width, steps_cap = self.width, self.steps_per_call
         blocks = [tokens[i : i + width] for i in range(0, len(tokens), width)]
@@ -236,7 +270,8 @@ class BlockProducer(
         for first in range(0, len(blocks), steps_cap):
             group = blocks[first : first + steps_cap]
             final_group = first + steps_cap >= len(blocks)
-            plan = self._plan(group, head_on_last=final_group)
+            plan = self._plan(group, head_on_last=final_group, injection=injection,
+                              position=start_position + first * width)
             out, state = self._call(state, plan, self._idle, len(group))
             if final_group:
                 logits = out.logits[len(group[-1]) - 1]
@@ -531,8 +566,29 @@ class BlockProducer(
             )
         return tokens
 
-    def _single_plan(self, token: int, need_head: bool) -> Plan:
-        return self._plan([[token]], head_on_last=need_head)
+    def _check_injection(self, injection: Injection | None) -> None:
+        """Refuse an injection that is not one, or that this model cannot take."""
+        if injection is None:
+            return
+        if not isinstance(injection, Injection):
+            raise BadInputError(f"injection must be an Injection or None, got "
+                                f"{type(injection).__name__}")
+        if not self.model.accepts_embeddings:
+            raise BadInputError(
+                f"this {type(self.model).__name__} takes token ids only, not images or other "
+                "embeddings (a text-only model, or one whose image tokens attend "
+                "bidirectionally, which the causal block program does not run)"
+            )
+        if injection.width != self.model.embedding_size:
+            raise BadInputError(
+                f"the injected embeddings are {injection.width} wide but this model embeds "
+                f"tokens in {self.model.embedding_size}"
+            )
+
+    def _single_plan(self, token: int, need_head: bool, injection: Injection | None = None,
+                     position: int = 0) -> Plan:
+        return self._plan([[token]], head_on_last=need_head, injection=injection,
+                          position=position)
 
     def _plan(
         self,
@@ -541,7 +597,11 @@ class BlockProducer(
         head_on_last: bool,
         head_all: bool = False,
         offsets: np.ndarray | None = None,
+        injection: Injection | None = None,
+        position: int = 0,
     ) -> Plan:
+        """The plan for ``blocks`` fed from ``position`` on (consecutive positions); the rows
+        of ``injection`` that fall among them go into the plan's embeddings."""
         steps_cap, width = self.steps_per_call, self.width
         tokens = np.zeros((steps_cap, width), np.int32)
         live = np.ones((steps_cap,), np.int32)
@@ -555,11 +615,29 @@ class BlockProducer(
             need[len(blocks) - 1] = True
         if offsets is None:
             offsets = np.zeros((steps_cap,), np.int32)
+        injected, embeds = self._no_injected, self._no_embeds
+        fed = sum(len(b) for b in blocks)
+        rows, identities = (None, None) if injection is None else injection.rows_for(
+            position, fed)
+        if rows is not None and np.any(rows >= 0):
+            ids = np.zeros((steps_cap, width), np.int32)
+            host = np.zeros((steps_cap, width, self.model.embedding_size),
+                            self.model.embedding_dtype)
+            at = 0
+            for i, block in enumerate(blocks):
+                part = slice(at, at + len(block))
+                ids[i, : len(block)] = identities[part]
+                hit = rows[part] >= 0
+                host[i, : len(block)][hit] = np.asarray(injection.embeds)[rows[part][hit]]
+                at += len(block)
+            injected, embeds = jnp.asarray(ids), jnp.asarray(host)
         return Plan(
             tokens=jnp.asarray(tokens),
             live=jnp.asarray(live),
             need_head=jnp.asarray(need),
             out_offset=jnp.asarray(offsets),
+            injected=injected,
+            embeds=embeds,
         )
 
     def _idle_control(self) -> Control:

@@ -96,12 +96,19 @@ class Plan:
       live:       int32[S]     real rows in each step's block.
       need_head:  bool[S]      whether the output head runs on that step.
       out_offset: int32[S]     first row of the output that the step's ``W`` rows go to.
+      injected:   int32[S, W]  identity of the embedding each row takes instead of its
+                               token's (0: none); recorded in the fed record.
+      embeds:     [S, W, D]    those embeddings, in the model's embedding dtype; ``None`` for
+                               a model that does not accept embeddings. A text-only call
+                               passes zeros kept on the device, so it is the same program.
     """
 
     tokens: jax.Array
     live: jax.Array
     need_head: jax.Array
     out_offset: jax.Array
+    injected: jax.Array
+    embeds: jax.Array | None
 
 
 @struct.dataclass(kw_only=True)
@@ -151,15 +158,32 @@ def feed_block(
     tokens: jax.Array,
     live: jax.Array,
     need_head: jax.Array,
+    injected: jax.Array | None = None,
+    embeds: jax.Array | None = None,
 ) -> tuple[jax.Array, BlockState]:
     """Feed ``tokens[:live]`` (int32 ``[W]``) at the state's cursor; return the ``[W, V]``
-    logits and the state with the rows appended to its cache and fed record (jittable)."""
+    logits and the state with the rows appended to its cache and fed record (jittable).
+
+    Rows with a non-zero ``injected`` identity (int32 ``[W]``) take their row of ``embeds``
+    (``[W, D]``) instead of their token's embedding; a model is handed embeddings only when
+    it declares ``accepts_embeddings``."""
     positions = state.fed.count + jnp.arange(tokens.shape[0], dtype=jnp.int32)
+    extra = {}
+    if model.accepts_embeddings:
+        if embeds is None:
+            # Nothing injected, but as traced data: constants would let XLA fold the select
+            # away and compile this step unlike the block program's, whose rows then differ
+            # in their last bits (the speculative rounds must verify what decoding computes).
+            nothing = jnp.where(live < 0, 1, 0).astype(jnp.int32)  # 0, unknown to XLA
+            injected = jnp.broadcast_to(nothing, tokens.shape)
+            embeds = jnp.broadcast_to(nothing.astype(model.embedding_dtype),
+                                      (tokens.shape[0], model.embedding_size))
+        extra = {"embeds": embeds, "embed_rows": injected != 0}
     with jax.named_scope("block_forward"):
         logits, cache = model.block_forward(
-            params, state.cache, tokens, positions, live, need_head
+            params, state.cache, tokens, positions, live, need_head, **extra
         )
-    return logits, state.replace(cache=cache, fed=state.fed.append(tokens, live))
+    return logits, state.replace(cache=cache, fed=state.fed.append(tokens, live, injected))
 
 
 def _run_blocks(
@@ -187,7 +211,8 @@ def _run_blocks(
         tokens = plan.tokens[i]
         tokens = jnp.where(control.feedback & (i > 0), tokens.at[0].set(pending), tokens)
         live = plan.live[i]
-        logits, st = feed_block(model, params, st, tokens, live, plan.need_head[i])
+        logits, st = feed_block(model, params, st, tokens, live, plan.need_head[i],
+                                plan.injected[i], None if plan.embeds is None else plan.embeds[i])
         out = jax.lax.dynamic_update_slice(out, logits, (plan.out_offset[i], 0))
         last = logits[live - 1]
         finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[i]

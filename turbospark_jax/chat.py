@@ -11,6 +11,13 @@ reuse runs to the end of the reply; when it generated another split of the same 
 that do not form valid UTF-8), reuse stops where the two diverge. Either way the output is the
 same as serving the history from a fresh state.
 
+A message may carry images (a session given a
+:class:`~turbospark_jax.vision.VisionEncoder`): the message gets one image token per image
+(unless its text already places them), the rendered history's image tokens grow into spans,
+and every image of the conversation so far is injected into its span each turn. The images
+stay with their messages, so a later turn renders the same spans at the same positions with
+the same identities, and their KV is reused like any other prefix.
+
 Generation stops on the tokenizer's end-of-sequence id and any end-of-turn marker it knows
 (:func:`default_stop_ids`), unless the session is given ``stop_token_ids``.
 """
@@ -26,8 +33,11 @@ from typing import Any, Protocol, runtime_checkable
 from turbospark_jax.checks import as_int
 from turbospark_jax.completion import Completion, CompletionRequest, FinishReason
 from turbospark_jax.errors import BadInputError, SessionError, UnsupportedCapabilityError
+from turbospark_jax.images import PreparedImage
+from turbospark_jax.images import as_list as as_image_list
 from turbospark_jax.session_pool import SessionId, SessionPool
 from turbospark_jax.streams import Stream, StreamEvent
+from turbospark_jax.vision import VisionEncoder, require_vision
 
 __all__ = ["END_OF_TURN_TOKENS", "ChatSession", "default_stop_ids"]
 
@@ -41,7 +51,8 @@ _TOKENIZER_NEEDS = ("eos_token_id", "chat_template", "token_to_id", "encode", "d
 
 #: Request settings a session accepts as defaults or per-turn overrides.
 REQUEST_FIELDS = tuple(
-    f.name for f in dataclasses.fields(CompletionRequest) if f.name != "prompt_ids"
+    f.name for f in dataclasses.fields(CompletionRequest)
+    if f.name not in ("prompt_ids", "injection")  # both come from the history
 )
 
 
@@ -103,6 +114,7 @@ class ChatSession:
       session_id: this conversation's id in the pool; a random one when ``None``.
       system: a system prompt, sent as the first message of every turn.
       template_kwargs: extra chat-template variables (``enable_thinking=False``, ...).
+      vision: the model's vision tower, for messages with images (``None``: text only).
       **defaults: request settings for every turn (``max_tokens``, ``sampling``, ``seed``,
         ``stop_strings``, ``stop_token_ids``, ``record_logits``, ...; see
         :class:`~turbospark_jax.generate.CompletionRequest`). ``stop_token_ids`` defaults to
@@ -129,6 +141,7 @@ class ChatSession:
         session_id: SessionId | None = None,
         system: str | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
+        vision: VisionEncoder | None = None,
         **defaults: Any,
     ) -> None:
         if not isinstance(tokenizer, ChatTokenizer):
@@ -142,6 +155,10 @@ class ChatSession:
             raise BadInputError(
                 f"template_kwargs must be a mapping, got {type(template_kwargs).__name__}"
             )
+        if vision is not None and not isinstance(vision, VisionEncoder):
+            raise BadInputError(f"vision must be a VisionEncoder or None, got "
+                                f"{type(vision).__name__}")
+        self.vision = vision
         if isinstance(pool_or_producer, SessionPool):
             self.pool = pool_or_producer
         else:
@@ -165,6 +182,7 @@ class ChatSession:
             self.session_id, CompletionRequest(prompt_ids=[0], **defaults), tokenizer=tokenizer
         )
         self._history: list[dict[str, str]] = []
+        self._images: list[tuple[PreparedImage, ...]] = []  # per user message, in order
         self._version = 0  # bumped whenever the history changes
         self._busy = threading.Lock()
 
@@ -197,11 +215,15 @@ class ChatSession:
             raise BadInputError("the chat template rendered an empty prompt")
         return [int(t) for t in ids]
 
-    def stream(self, user_text: str, **overrides: Any) -> Stream[Completion]:
+    def stream(self, user_text: str, images: Sequence[Any] = (),
+               **overrides: Any) -> Stream[Completion]:
         """Start a turn; iterate for the reply's events, then read ``.result``.
 
         Args:
-          user_text: the user's message.
+          user_text: the user's message; with images, an image token in it places each one
+            (otherwise they go before the text).
+          images: image files, bytes or Pillow images shown with this message (a session
+            with a vision tower only); kept for every later turn.
           **overrides: request settings for this turn only (as the constructor's defaults).
 
         Returns:
@@ -213,24 +235,50 @@ class ChatSession:
           can be sent again.
 
         Raises:
-          BadInputError: an unknown or invalid setting, or a prompt that does not fit.
+          BadInputError: an unknown or invalid setting, a prompt that does not fit, images
+            for a session without a vision tower, or an unreadable image (all before any
+            work; the history is unchanged).
         """
         if not isinstance(user_text, str):
             raise BadInputError(f"user_text must be a str, got {type(user_text).__name__}")
         _check_fields(overrides)
-        prompt = self.render(user_text)
-        request = CompletionRequest(prompt_ids=prompt, **{**self.defaults, **overrides})
+        images = as_image_list(images)
+        require_vision(self.vision, len(images))
+        prepared = tuple(self.vision.prepare(s) for s in images) if self.vision else ()
+        content = self._content(user_text, len(prepared))
+        prompt, injection = self.render(content), None
+        shown = [image for turn in (*self._images, prepared) for image in turn]
+        if shown:
+            assert self.vision is not None
+            prompt, injection = self.vision.prompt(prompt, shown)
+        request = CompletionRequest(prompt_ids=prompt, injection=injection,
+                                    **{**self.defaults, **overrides})
         turn = self.pool.stream(self.session_id, request, tokenizer=self.tokenizer)
-        return Stream(self._turn(user_text, turn, self._version))
+        return Stream(self._turn(content, prepared, turn, self._version))
 
-    def send(self, user_text: str, **overrides: Any) -> Completion:
+    def _content(self, user_text: str, images: int) -> str:
+        """The message as the template sees it: one image token per image before the text,
+        unless the text already holds exactly that many."""
+        if not images:
+            return user_text
+        assert self.vision is not None
+        marker = self.tokenizer.id_to_token(self.vision.tokens.image)
+        if marker is None:
+            raise BadInputError(f"the tokenizer has no token for the image token id "
+                                f"{self.vision.tokens.image}")
+        if user_text.count(marker) == images:
+            return user_text
+        return marker * images + "\n" + user_text
+
+    def send(self, user_text: str, images: Sequence[Any] = (),
+             **overrides: Any) -> Completion:
         """Run a turn to the end (see :meth:`stream`) and return it.
 
         Raises:
           BadInputError: an unknown or invalid setting, or a prompt that does not fit.
           SessionError: another turn of this session is running, or the pool refused to wait.
         """
-        return self.stream(user_text, **overrides).drain()
+        return self.stream(user_text, images=images, **overrides).drain()
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and free the session's slot.
@@ -242,6 +290,7 @@ class ChatSession:
             raise SessionError(f"session {self.session_id!r} is running a turn; reset after it")
         try:
             self._history.clear()
+            self._images.clear()
             self._version += 1
             if self.pool.slot_of(self.session_id) is not None:
                 self.pool.drop(self.session_id)
@@ -249,7 +298,8 @@ class ChatSession:
             self._busy.release()
 
     def _turn(
-        self, user_text: str, turn: Stream[Completion], version: int
+        self, user_text: str, images: tuple[PreparedImage, ...], turn: Stream[Completion],
+        version: int,
     ) -> Generator[StreamEvent, None, Completion]:
         if not self._busy.acquire(blocking=False):
             turn.close()
@@ -269,13 +319,15 @@ class ChatSession:
             completion = turn.result
             assert completion is not None
             if completion.finish_reason is not FinishReason.ERROR:
-                self._append(user_text, completion.text)
+                self._append(user_text, completion.text, images)
             return completion
         finally:
             self._busy.release()
 
-    def _append(self, user_text: str, reply: str) -> None:
+    def _append(self, user_text: str, reply: str,
+                images: tuple[PreparedImage, ...] = ()) -> None:
         self._history.append({"role": "user", "content": user_text})
+        self._images.append(images)
         self._history.append({"role": "assistant", "content": reply})
         self._version += 1
 

@@ -28,6 +28,7 @@ from turbospark_jax.errors import (
     ProducerExhaustedError,
     ProducerFailedError,
 )
+from turbospark_jax.injection import Injection
 from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.sampling import SamplingConfig
 from turbospark_jax.stop import StopMatcher
@@ -85,6 +86,9 @@ class CompletionRequest:
       draft_len: proposals per speculative round, 1..``speculative.MAX_DRAFT``; ``None``
         takes the default (4) when the producer can draft; ``0`` decodes plainly even with a
         speculative producer. A non-zero value needs a speculative producer.
+      injection: embeddings injected at prompt positions (images in their placeholder
+        spans, :mod:`turbospark_jax.injection`); needs a producer that
+        ``accepts_embeddings`` and the plain loop. Prefix reuse compares its identities.
     """
 
     prompt_ids: Sequence[int]
@@ -99,6 +103,7 @@ class CompletionRequest:
     record_logits: bool = False
     parallel_prefill: bool = False
     draft_len: int | None = None
+    injection: Injection | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,9 +258,29 @@ def validate_request(
         )
     params = request.sampling.to_params()
     sampling.request_key(request.seed)
+    check_injection(producer, request.injection, len(prompt))
     if state is not None:
         producer.check_state(state)
     return params
+
+
+def check_injection(producer: LogitProducer, injection: Any, prompt_length: int) -> None:
+    """Refuse an injection the producer cannot take or whose positions leave the prompt."""
+    if injection is None:
+        return
+    if not isinstance(injection, Injection):
+        raise BadInputError(f"injection must be an Injection or None, got "
+                            f"{type(injection).__name__}")
+    if not producer.accepts_embeddings:
+        raise BadInputError(
+            f"{type(producer).__name__} takes token ids only: this model cannot be given "
+            "images (load a model folder with a vision tower, or leave the images out)"
+        )
+    if len(injection.positions) and int(injection.positions[-1]) >= prompt_length:
+        raise BadInputError(
+            f"the injection reaches position {int(injection.positions[-1])} but the prompt "
+            f"has {prompt_length} tokens"
+        )
 
 
 class Emission:

@@ -52,6 +52,7 @@ from turbospark_jax.completion import (
     validate_request,
 )
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.injection import Injection
 from turbospark_jax.protocols import (
     NON_FINITE,
     ChunkedPrefillRunner,
@@ -164,7 +165,11 @@ def _plain_loop(
     t0 = time.perf_counter()
     prompt = out.prompt
     state = state if state is not None else p.init_state()
-    reused, state = p.try_reuse_prefix(state, prompt)
+    injection = req.injection
+    if injection is None:
+        reused, state = p.try_reuse_prefix(state, prompt)
+    else:
+        reused, state = p.try_reuse_prefix(state, prompt, injected=injection.identity_map())
     key = sampling.request_key(req.seed)
     history = sampling.History.from_prompt(prompt, p.vocab_size)
     device = isinstance(p, DeviceDecoder)
@@ -173,7 +178,7 @@ def _plain_loop(
     try:
         logits, state = prefill(
             p, state, prompt[reused:], reused, req.prefill_chunk_size, req.parallel_prefill,
-            progress,
+            progress, injection,
         )
     except PRODUCER_FAILURES as exc:
         finish, error = FinishReason.ERROR, str(exc)
@@ -235,22 +240,26 @@ def prefill(
     chunk_size: int,
     parallel: bool = False,
     progress: PrefillProgress | None = None,
+    injection: Injection | None = None,
 ) -> tuple[Any, Any]:
     """Feed the unreused prompt suffix; return the logits after its last token and the state.
 
     Chunks through ``prefill_chunk_with_status`` when the producer has chunked prefill,
     otherwise ``produce_prefill`` per token and ``produce`` for the last. With ``parallel``,
     the producer's ``prefill_parallel`` fast path is used when it supports one. ``progress``
-    hears after each chunk (or token) how many of the suffix's tokens are in.
+    hears after each chunk (or token) how many of the suffix's tokens are in. An
+    ``injection`` (images) goes to every call, which takes the rows on its own positions;
+    it always takes the exact path, never the parallel one.
     """
     total = len(suffix)
+    extra = {} if injection is None else {"injection": injection}
 
     def told(done: int) -> None:
         if progress is not None:
             progress(done, total)
 
     if isinstance(producer, ChunkedPrefillRunner):
-        if parallel and producer.supports_parallel_prefill():
+        if parallel and injection is None and producer.supports_parallel_prefill():
             out = producer.prefill_parallel(state, suffix, start, chunk=chunk_size)
             told(total)
             return out
@@ -258,12 +267,13 @@ def prefill(
         for a in range(0, total, chunk_size):
             chunk = suffix[a : a + chunk_size]
             final = a + chunk_size >= total
-            logits, state = producer.prefill_chunk_with_status(state, chunk, start + a, final)
+            logits, state = producer.prefill_chunk_with_status(state, chunk, start + a, final,
+                                                               **extra)
             told(a + len(chunk))
         return logits, state
     for i, tok in enumerate(suffix[:-1]):
-        state = producer.produce_prefill(state, tok, start + i)
+        state = producer.produce_prefill(state, tok, start + i, **extra)
         told(i + 1)
-    out = producer.produce(state, suffix[-1], start + total - 1)
+    out = producer.produce(state, suffix[-1], start + total - 1, **extra)
     told(total)
     return out

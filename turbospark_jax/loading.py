@@ -37,15 +37,18 @@ from safetensors.numpy import save_file
 from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import block_drafter
+from turbospark_jax.models import gemma4_vision
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.registry import family_of, family_of_config
 from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
+from turbospark_jax.vision import ImageTokens, VisionEncoder
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+PROCESSOR_CONFIG_FILE = "processor_config.json"
 
 #: Default shard limit for :func:`save_folder` (transformers' historical default).
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -130,6 +133,8 @@ class LoadedModel:
       tokenizer: the tokenizer, or ``None`` when the folder has no ``tokenizer.json``.
       generation_config: ``generation_config.json``, or defaults derived from ``config.json``.
       path: the folder it came from.
+      vision: the vision tower of a ``gemma4`` folder with a ``vision_config`` (``None``:
+        a text-only model).
     """
 
     model: BlockModel
@@ -138,6 +143,7 @@ class LoadedModel:
     tokenizer: Tokenizer | None
     generation_config: GenerationConfig
     path: str
+    vision: VisionEncoder | None = None
 
 
 # -- params trees ----------------------------------------------------------------------------
@@ -281,6 +287,7 @@ def load_folder(
     """
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
     host = _read_params(folder, family, config, np.dtype(resolved))
+    vision = _load_vision(folder, np.dtype(resolved))
     tokenizer, generation = folder_extras(folder, config)
     params = jax.tree.map(jnp.asarray, host)
     if layer_layout != family.native_layout:
@@ -292,6 +299,7 @@ def load_folder(
         tokenizer=tokenizer,
         generation_config=generation,
         path=folder,
+        vision=vision,
     )
 
 
@@ -345,6 +353,33 @@ def folder_extras(folder: str, config: Any) -> tuple[Tokenizer | None, Generatio
     else:
         generation = GenerationConfig.from_model_config(config)
     return tokenizer, generation
+
+
+def _load_vision(folder: str, np_dtype: np.dtype) -> VisionEncoder | None:
+    """The vision tower a ``gemma4`` folder's ``vision_config`` names (``None`` without one),
+    its soft-token budget from ``processor_config.json`` (280 when it names none)."""
+    raw = _read_json(os.path.join(folder, CONFIG_FILE), "model config")
+    if raw.get("model_type") != "gemma4":
+        return None
+    config = gemma4_vision.Gemma4VisionConfig.from_hf_dict(raw)
+    if config is None:
+        return None
+    host = _read_params(folder, gemma4_vision.TENSORS, config, np_dtype)
+    budget = 280
+    processor = os.path.join(folder, PROCESSOR_CONFIG_FILE)
+    if os.path.isfile(processor):
+        settings = _read_json(processor, "processor config")
+        image = settings.get("image_processor", {}) if isinstance(settings, Mapping) else {}
+        budget = image.get("max_soft_tokens", budget) if isinstance(image, Mapping) else budget
+    if budget not in (70, 140, 280, 560, 1120):
+        raise ModelLoadError(f"{PROCESSOR_CONFIG_FILE}: max_soft_tokens must be one of 70, "
+                             f"140, 280, 560, 1120, got {budget!r}")
+    return VisionEncoder(
+        tower=gemma4_vision.Gemma4Vision(config, jnp.dtype(np_dtype)),
+        params=jax.tree.map(jnp.asarray, host),
+        tokens=ImageTokens.from_hf_dict(dict(raw)),
+        max_soft_tokens=int(budget),
+    )
 
 
 def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -> Params:
@@ -419,6 +454,7 @@ def save_folder(
     tokenizer: Tokenizer | None = None,
     generation_config: GenerationConfig | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    vision: VisionEncoder | None = None,
 ) -> None:
     """Write a Hugging Face folder that this loader and ``transformers`` both load.
 
@@ -436,6 +472,8 @@ def save_folder(
       tokenizer: written alongside when given.
       generation_config: written as ``generation_config.json``; derived when ``None``.
       max_shard_bytes: the most tensor bytes in one file (a larger tensor gets a file alone).
+      vision: a vision tower to save beside a ``gemma4`` text model (its config goes into
+        ``vision_config``, its budget into ``processor_config.json``).
 
     Raises:
       ModelLoadError: no family saves ``config.model_type``, or the params do not have the
@@ -471,11 +509,20 @@ def save_folder(
     ) or list(map(tuple, expected)) != got:
         raise ModelLoadError("params do not match the layout the config implies")
     host = jax.tree.map(np.asarray, params)
+    if vision is not None and (not isinstance(vision, VisionEncoder)
+                               or config.model_type != "gemma4"):
+        raise BadInputError("vision must be a VisionEncoder, saved beside a config of "
+                            "model_type 'gemma4'")
 
     hf: dict[str, np.ndarray] = {}
     for t in tensors:
         leaf = _node(host, t.key)
         hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
+    if vision is not None:
+        vision_host = jax.tree.map(np.asarray, vision.params)
+        for t in gemma4_vision.hf_tensors(vision.tower.config):
+            leaf = _node(vision_host, t.key)
+            hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
     dtype_name = np.dtype(hf[tensors[0].name].dtype).name
 
     for name in os.listdir(folder):
@@ -507,6 +554,12 @@ def save_folder(
 
     config_dict = config.to_hf_dict()
     config_dict["dtype"] = dtype_name
+    if vision is not None:
+        config_dict["vision_config"] = vision.tower.config.to_hf_dict()
+        config_dict.update(image_token_id=vision.tokens.image, boi_token_id=vision.tokens.begin,
+                           eoi_token_id=vision.tokens.end)
+        _write_json(os.path.join(folder, PROCESSOR_CONFIG_FILE),
+                    {"image_processor": {"max_soft_tokens": vision.max_soft_tokens}})
     _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
     generation = generation_config or GenerationConfig.from_model_config(config)
     _write_json(os.path.join(folder, GENERATION_CONFIG_FILE), generation.to_hf_dict())

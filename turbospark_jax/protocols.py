@@ -68,6 +68,18 @@ class LogitProducer(abc.ABC, Generic[State]):
         """How many positions a state can hold, or ``None`` when unbounded."""
         return None
 
+    @property
+    def accepts_embeddings(self) -> bool:
+        """Whether prompts may carry injected embeddings (images in placeholder spans).
+
+        A producer that says so takes ``injection=`` (a
+        :class:`~turbospark_jax.injection.Injection` for the whole prompt) as a keyword of
+        :meth:`produce`, :meth:`produce_prefill` and, when it is a
+        :class:`ChunkedPrefillRunner`, of ``prefill_chunk`` and ``prefill_chunk_with_status``;
+        each call injects the rows that fall on the positions it feeds and records their
+        identities in the fed record. Default: no (token ids only)."""
+        return False
+
     @abc.abstractmethod
     def init_state(self) -> State:
         """A fresh state: nothing fed, nothing cached."""

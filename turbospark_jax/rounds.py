@@ -210,7 +210,11 @@ def _run_rounds(
     drafter_state: Any,
     pending: jax.Array,
     control: RoundControl,
+    no_injected: jax.Array,
+    no_embeds: jax.Array | None,
 ) -> tuple[BlockState, BlockState, Any, RoundsOutput]:
+    # no_injected / no_embeds: the target producer's "nothing injected" rows, passed in as
+    # data as the block program's are, so a verify compiles like a decode step.
     state = merge_parts(buffers, values)
     vocab = target.vocab_size
     out_rows = MAX_BURST + MAX_DRAFT + 1
@@ -237,7 +241,8 @@ def _run_rounds(
         feed = jnp.zeros((width,), jnp.int32).at[0].set(pend)
         feed = feed.at[1 : fits + 1].set(proposals[:fits])
         with jax.named_scope("verify"):
-            rows, verified = feed_block(target, target_params, st, feed, drafted + 1, head)
+            rows, verified = feed_block(target, target_params, st, feed, drafted + 1, head,
+                                        no_injected, no_embeds)
         rows = jnp.zeros((MAX_DRAFT + 1, vocab), jnp.float32).at[: fits + 1].set(
             rows[: fits + 1]
         )
@@ -288,6 +293,7 @@ def compiled_rounds(
     """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
     of the target program's ``width`` rows (so ``draft_len < width``). Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
-    control)``; the target's append-only buffers and the drafter state are donated."""
+    control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
+    state are donated."""
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else ())

@@ -222,6 +222,11 @@ def speculative_events(
             "drafter (turbospark_jax.drafters.SpeculativePair)"
         )
     params = validate_request(producer, request, tokenizer, state)
+    if request.injection is not None:
+        raise BadInputError(
+            "images (injected embeddings) run in the plain loop only; pass draft_len=0 to "
+            "decode this prompt without drafting"
+        )
     draft_len = DEFAULT_DRAFT_LEN if request.draft_len is None else request.draft_len
     if not 1 <= draft_len <= MAX_DRAFT:
         raise BadInputError(

@@ -130,19 +130,25 @@ class FedRecord:
     def capacity(self) -> int:
         return int(self.ids.shape[0])
 
-    def append(self, tokens: jax.Array, live: jax.Array) -> FedRecord:
-        """Record ``tokens[:live]`` at the cursor (jittable; rows past ``live`` write nothing)."""
+    def append(self, tokens: jax.Array, live: jax.Array,
+               injected: jax.Array | None = None) -> FedRecord:
+        """Record ``tokens[:live]`` at the cursor (jittable; rows past ``live`` write nothing),
+        with ``injected`` (int32 ``[W]``, default none) the identity of the embedding each row
+        consumed instead of its token's: it enters the lineage digest too, so the same ids
+        with another image are another lineage."""
         rows = jnp.arange(tokens.shape[0], dtype=jnp.int32)
+        if injected is None:
+            injected = jnp.full_like(rows, NOT_INJECTED)
+        injected = injected.astype(jnp.int32)
         # Rows past ``live`` go to distinct out-of-range slots (dropped), so every target
         # differs and the scatter may say so.
         pos = jnp.where(rows < live, self.count + rows, self.capacity + rows)
-        mixes = jnp.where(rows < live, _position_digest(self.count + rows, tokens,
-                                                        jnp.zeros_like(rows)), 0)
+        mixes = jnp.where(rows < live, _position_digest(self.count + rows, tokens, injected), 0)
         running = self.digest + jnp.cumsum(mixes, dtype=jnp.uint32)
         scatter = {"mode": "drop", "unique_indices": True}
         return self.replace(
             ids=self.ids.at[pos].set(tokens.astype(jnp.int32), **scatter),
-            injected=self.injected.at[pos].set(NOT_INJECTED, **scatter),
+            injected=self.injected.at[pos].set(injected, **scatter),
             prefix=self.prefix.at[pos].set(running, **scatter),
             count=self.count + live.astype(jnp.int32),
             digest=running[-1],

@@ -186,14 +186,16 @@ def _capacity(args: argparse.Namespace, prompt_tokens: int | None) -> int:
 
 
 def _assemble(args: argparse.Namespace, target: _Folder, draft: _Folder | None,
-              spinner: Spinner, capacity: int) -> tuple[Any, list[int]]:
-    """(producer to drive, stop ids): the target loaded, paired with the drafter asked for."""
+              spinner: Spinner, capacity: int) -> tuple[Any, list[int], Any]:
+    """(producer to drive, stop ids, vision tower or None): the target loaded, paired with
+    the drafter asked for."""
     from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
 
     spinner.set(f"loading {target.path}")
     loaded = _load(target.path, args)
     if args.block_drafter:
-        return _assemble_block_drafter(args, loaded, spinner, capacity), _stop_ids(loaded)
+        pair = _assemble_block_drafter(args, loaded, spinner, capacity)
+        return pair, _stop_ids(loaded), loaded.vision
     producer = _block_producer(loaded, args, capacity)
     if draft is not None:
         spinner.set(f"loading {draft.path}")
@@ -201,7 +203,7 @@ def _assemble(args: argparse.Namespace, target: _Folder, draft: _Folder | None,
         producer = SpeculativePair(producer, DraftModelDrafter(small))
     elif args.ngram is not None:
         producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=args.ngram))
-    return producer, _stop_ids(loaded)
+    return producer, _stop_ids(loaded), loaded.vision
 
 
 def _stop_ids(loaded: Any) -> list[int]:
@@ -250,7 +252,7 @@ def _warm_up(producer: Any, request: Any) -> None:
 
     tiny = dataclasses.replace(request, prompt_ids=list(request.prompt_ids[:2]),
                                max_tokens=min(request.max_tokens, 2 + (request.draft_len or 0)),
-                               stop_token_ids=[], stop_strings=[])
+                               stop_token_ids=[], stop_strings=[], injection=None)
     stream_completion(producer, tiny).drain()
 
 
@@ -270,6 +272,50 @@ def _stats_line(completion: Any, clock: _Clock, run_compile_s: float) -> str:
     if completion.error:
         line += f"; error: {completion.error}"
     return line
+
+
+def _vision_settings(target: _Folder) -> tuple[dict[str, Any], int] | None:
+    """The folder's ``vision_config`` and per-image soft-token budget (``None``: no tower)."""
+    vision = target.config.get("vision_config")
+    if target.config.get("model_type") != "gemma4" or not isinstance(vision, dict):
+        return None
+    budget = 280
+    with contextlib.suppress(OSError, ValueError, AttributeError), open(
+            target.path / "processor_config.json", encoding="utf-8") as f:
+        budget = json.load(f).get("image_processor", {}).get("max_soft_tokens", budget)
+    return vision, budget
+
+
+def _image_tokens(args: argparse.Namespace, target: _Folder) -> int:
+    """Prompt positions the images will fill (each span and its two frame tokens), from the
+    folder's settings alone, so a prompt that will not fit is refused before loading.
+
+    Raises:
+      CommandLineError: images for a folder without a vision tower.
+    """
+    if not args.image:
+        return 0
+    settings = _vision_settings(target)
+    if settings is None:
+        raise CommandLineError(f"--image needs a model with a vision tower; {target.path} is a "
+                               "text-only model")
+    from turbospark_jax.images import prepare
+
+    vision, budget = settings
+    return sum(prepare(path, patch_size=vision.get("patch_size", 16),
+                       pooling_kernel_size=vision.get("pooling_kernel_size", 3),
+                       max_soft_tokens=budget).soft_tokens + 2 for path in args.image)
+
+
+def _with_markers(text: str, args: argparse.Namespace, target: _Folder, tok: Any) -> str:
+    """A --chat message with one image token per --image before the text, unless the text
+    already places them."""
+    if not args.image:
+        return text
+    marker = tok.id_to_token(int(target.config.get("image_token_id", 258_880)))
+    if marker is None or text.count(marker) == len(args.image):
+        return text
+    return marker * len(args.image) + "\n" + text
 
 
 def _prompt_text(args: argparse.Namespace, stdin: TextIO, stderr: TextIO) -> str:
@@ -323,16 +369,18 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
         # speculative verify of draft_len + 1 rows should still be one call.
         args.width = (args.draft_len + 1 if args.drafting else 1) if on_cpu else 16
     chat_loop = args.chat and args.prompt is None
+    image_tokens = _image_tokens(args, target)
     ids: list[int] = []
     if not chat_loop:
         text = _prompt_text(args, stdin, stderr)
         if args.chat:
-            text = tok.apply_chat_template([{"role": "user", "content": text}],
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": _with_markers(text, args, target, tok)}],
+                add_generation_prompt=True)
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
             raise CommandLineError("the prompt is empty")
-        _check_length(args, target, len(ids), stderr)
+        _check_length(args, target, len(ids) + image_tokens, stderr)
     else:
         # A session's first turn needs at least one prompt token beside the reply.
         _check_length(args, target, 1, stderr, _capacity(args, None))
@@ -344,17 +392,23 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     clock = _Clock()
     try:
         started = time.perf_counter()
-        producer, stops = _assemble(args, target, draft, spinner,
-                                    _capacity(args, None if chat_loop else len(ids)))
+        producer, stops, vision = _assemble(
+            args, target, draft, spinner,
+            _capacity(args, None if chat_loop else len(ids) + image_tokens))
         clock.load_s = time.perf_counter() - started
-        request = _request(args, ids or [tok.bos_token_id or 0] * 2, stops)
+        injection = None
+        if args.image and not chat_loop:
+            spinner.set("encoding images")
+            ids, injection = vision.prompt(ids, args.image)
+        request = dataclasses.replace(_request(args, ids or [tok.bos_token_id or 0] * 2, stops),
+                                      injection=injection)
         spinner.set("compiling")
         started = time.perf_counter()
         _warm_up(producer, request)
         clock.compile_s = time.perf_counter() - started
         spinner.done()
         if chat_loop:
-            return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr)
+            return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision)
         return _complete(args, producer, request, tok, clock, stdout, stderr)
     finally:
         spinner.done()
@@ -397,7 +451,7 @@ def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, c
     return 1 if result.error else 0
 
 
-def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
+def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision=None) -> int:
     """One session across turns: each line of stdin is a user turn."""
     from turbospark_jax.chat import ChatSession, default_stop_ids
     from turbospark_jax.session_pool import SessionPool
@@ -405,11 +459,13 @@ def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr) -> int:
     pool = SessionPool(producer, slots=args.slots)
     request = _request(args, [0], stops)
     settings = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
-                if f.name != "prompt_ids"}
+                if f.name not in ("prompt_ids", "injection")}
     settings["stop_token_ids"] = sorted({*stops, *default_stop_ids(tok)})
-    session = ChatSession(pool, tok, session_id="cli", **settings)
+    session = ChatSession(pool, tok, session_id="cli", vision=vision, **settings)
+    images = list(args.image)  # shown with the first turn
     for line in _lines(stdin):
-        stream = session.stream(line)
+        stream = session.stream(line, images)
+        images = []
         for event in stream:
             stdout.write(event.text)
             stdout.flush()

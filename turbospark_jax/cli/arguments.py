@@ -152,6 +152,11 @@ def parser() -> _Parser:
                      help="end the output where TEXT appears (repeatable); \\n, \\t, \\r, "
                           "\\\\, \\xNN and \\uNNNN are read as escapes, so --stop '\\n\\n' "
                           "stops at a blank line")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for the prompt (repeatable; a model with a vision tower). "
+                          "Put one image token (<|image|> for Gemma 4) in the prompt where "
+                          "each goes; without one they go first. With --chat and no PROMPT, "
+                          "they go with the first turn")
     gen.add_argument("--chat", action="store_true",
                      help="apply the model's chat template; without PROMPT, read one user turn "
                           "per line of stdin and keep the session across turns")
@@ -297,6 +302,17 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise CommandLineError(f"--draft-len must be in 1..{MAX_DRAFT}, got {args.draft_len}")
     else:
         args.draft_len = DEFAULT_DRAFT_LEN
+    if args.image and modes:
+        raise CommandLineError(
+            f"--image decodes without drafting; drop {modes[0]} to run a prompt with images"
+        )
+    from turbospark_jax.images import decode
+
+    for path in args.image:
+        try:
+            decode(path)
+        except BadInputError as exc:
+            raise CommandLineError(f"--image: {exc}") from exc
     args.stop = [unescape(s) for s in args.stop]
     if any(s == "" for s in args.stop):
         raise CommandLineError("--stop needs a non-empty text")

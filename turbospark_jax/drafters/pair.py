@@ -343,7 +343,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         bare, held = without_auxiliary(state.target)
         buffers, values, drafter, out = program(
             target.params, device_params, buffers_only(bare), by_value(bare),
-            state.drafter, jnp.int32(pending), control,
+            state.drafter, jnp.int32(pending), control, *target.nothing_injected,
         )
         # One transfer for everything small; slicing on the device by a count that changes
         # from call to call would compile a new program per count.

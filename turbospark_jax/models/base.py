@@ -34,12 +34,30 @@ class BlockModel(abc.ABC):
         (``cache.taps``, ``[C, len(tap_layers), D]``), which a block drafter reads; a family
         that can tap makes this a setting of the instance (the dense family does). Empty:
         nothing is recorded.
+      accepts_embeddings: ``block_forward`` takes ``embeds`` / ``embed_rows``: rows whose
+        input is a given embedding (an image's soft token) instead of their token's. Such a
+        model also answers :attr:`embedding_size` and :attr:`embedding_dtype`.
     """
 
     rewindable: ClassVar[bool] = True
     records_tape: ClassVar[bool] = False
     parallel_prefill: ClassVar[bool] = False
     tap_layers: tuple[int, ...] = ()
+    accepts_embeddings: ClassVar[bool] = False
+
+    @property
+    def embedding_size(self) -> int:
+        """``D`` of the rows ``embeds`` carries (models that accept embeddings)."""
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} takes token ids only; it cannot be given embeddings"
+        )
+
+    @property
+    def embedding_dtype(self) -> Any:
+        """The dtype of the rows ``embeds`` carries (models that accept embeddings)."""
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} takes token ids only; it cannot be given embeddings"
+        )
 
     @property
     @abc.abstractmethod
@@ -62,6 +80,8 @@ class BlockModel(abc.ABC):
         *,
         key_limit: int | None = None,
         fresh: bool = False,
+        embeds: jax.Array | None = None,
+        embed_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, Any]:
         """Run ``W`` rows against the cache and return float32 ``[W, V]`` logits.
 
@@ -75,6 +95,9 @@ class BlockModel(abc.ABC):
           key_limit: static hint: no row attends past this position (parallel prefill only).
           fresh: static hint: the block starts at position 0 of an empty cache (parallel
             prefill only). A model that does not declare ``parallel_prefill`` ignores both.
+          embeds: ``[W, D]`` rows to feed instead of the token embeddings where
+            ``embed_rows`` (bool ``[W]``) is true; only passed to a model that declares
+            ``accepts_embeddings`` (``None``: every row embeds its token).
 
         Row ``i``'s result must depend only on row ``i`` and the cache, so the same compiled
         program gives it bitwise the same result whether 1 or ``W`` rows are live.

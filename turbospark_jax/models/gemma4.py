@@ -254,8 +254,23 @@ class Gemma4Model(BlockModel):
             raise BadInputError(f"ring_margin must be >= 0, got {self.ring_margin}")
 
     @property
+    def accepts_embeddings(self) -> bool:  # type: ignore[override]
+        """Images go in through injected embeddings, except where the config lets image
+        tokens attend bidirectionally (``use_bidirectional_attention``), which a causal block
+        program cannot run."""
+        return self.config.use_bidirectional_attention is None
+
+    @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def embedding_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def embedding_dtype(self) -> Any:
+        return self.dtype
 
     @property
     def ring_slots(self) -> int:
@@ -321,10 +336,19 @@ class Gemma4Model(BlockModel):
         x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)
         return x * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
 
-    def _embed(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array | None]:
-        """tokens [N] -> scaled embeddings [N, D] and the per-layer inputs [N, L, P]."""
+    def _embed(self, params: Params, tokens: jax.Array, embeds: jax.Array | None = None,
+               embed_rows: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+        """tokens [N] -> scaled embeddings [N, D] and the per-layer inputs [N, L, P].
+
+        Rows where ``embed_rows`` is true take ``embeds`` (an image's soft tokens, already
+        in the embedding space, so not scaled) instead; their per-layer inputs mix that
+        embedding with the pad token's own per-layer row, as the reference does for
+        multimodal placeholders."""
         c, dt = self.config, self.dtype
         x = self.embed_tokens(params, tokens)
+        if embeds is not None:
+            x = jnp.where(embed_rows[:, None], embeds.astype(dt), x)
+            tokens = jnp.where(embed_rows, jnp.int32(c.pad_token_id or 0), tokens)
         if not c.ple:
             return x, None
         n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
@@ -416,6 +440,8 @@ class Gemma4Model(BlockModel):
         *,
         key_limit: int | None = None,
         fresh: bool = False,
+        embeds: jax.Array | None = None,
+        embed_rows: jax.Array | None = None,
     ) -> tuple[jax.Array, Gemma4Cache]:
         """Run ``W`` rows against the cache (see :meth:`BlockModel.block_forward`).
 
@@ -428,7 +454,7 @@ class Gemma4Model(BlockModel):
             own first rows still read).
         """
         del key_limit, fresh
-        h, cache = self.block_hidden(params, cache, tokens, positions, live)
+        h, cache = self.block_hidden(params, cache, tokens, positions, live, embeds, embed_rows)
         with jax.named_scope("head"):
             logits = jax.lax.cond(
                 need_head, lambda h: self._head(params, h),
@@ -436,7 +462,8 @@ class Gemma4Model(BlockModel):
         return logits, cache
 
     def block_hidden(self, params: Params, cache: Gemma4Cache, tokens: jax.Array,
-                     positions: jax.Array, live: jax.Array) -> tuple[jax.Array, Gemma4Cache]:
+                     positions: jax.Array, live: jax.Array, embeds: jax.Array | None = None,
+                     embed_rows: jax.Array | None = None) -> tuple[jax.Array, Gemma4Cache]:
         """:meth:`block_forward` up to the final norm: ``(h [W, D], cache)``. ``h`` is what
         the output head reads, and what the assistant drafter takes from its target."""
         width = tokens.shape[0]
@@ -473,7 +500,7 @@ class Gemma4Model(BlockModel):
             return k_ring[j], v_ring[j], ring_positions
 
         with jax.named_scope("embed"):
-            x, ple = self._embed(params, tokens)
+            x, ple = self._embed(params, tokens, embeds, embed_rows)
         x = self.decoder(params, x, ple, positions, store)
         h = self._norm(x, params["norm"])
         return h, cache.replace(

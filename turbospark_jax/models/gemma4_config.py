@@ -101,6 +101,7 @@ class Gemma4Config:
     eos_token_id: int | tuple[int, ...] | None = 1
     pad_token_id: int | None = 0
     dtype: str | None = None
+    use_bidirectional_attention: str | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -303,6 +304,7 @@ class Gemma4Config:
             attention_k_eq_v=k_eq_v,
             use_double_wide_mlp=get("use_double_wide_mlp", bool),
             dtype=str(dtype) if dtype is not None else None,
+            use_bidirectional_attention=d.get("use_bidirectional_attention"),
             **{k: tuple(v) if isinstance(v, list) else v for k, v in tokens.items()},
         )
 
