@@ -36,8 +36,7 @@ from safetensors.numpy import save_file
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models import block_drafter
-from turbospark_jax.models import gemma4_vision
+from turbospark_jax.models import block_drafter, gemma4_vision
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.registry import family_of, family_of_config
