@@ -98,7 +98,7 @@ PRESETS = {
                    verify_rows=(2, 4, 8)),
     "smoke": Preset(("qwen3.5-tiny", "gemma4-tiny"),
                     {"qwen3_5_text": (16,), "gemma4_text": (16,)},
-                    new_tokens=8, prefill_length=24, width=4, burst=4, verify_rows=(2, 4)),
+                    new_tokens=4, prefill_length=24, width=4, burst=4, verify_rows=(2,)),
 }
 
 

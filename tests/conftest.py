@@ -2,10 +2,21 @@
 example of a property compiles its program)."""
 
 import os
+import tempfile
 
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One compilation cache for the whole run: the workers, and the subprocesses some tests start
+# (CLI runs, notebooks, the multi-device checks), compile many of the same programs; each is
+# compiled once and read back after. Keyed on the program and the jax version, so a stale
+# entry cannot be used. Set TSJ_TEST_COMPILE_CACHE= (empty) to compile everything afresh.
+_cache = os.environ.get("TSJ_TEST_COMPILE_CACHE",
+                        os.path.join(tempfile.gettempdir(), "tsj-test-compile-cache"))
+if _cache:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # Several workers may share one accelerator: none may claim most of its memory up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

@@ -25,8 +25,7 @@ def _inputs(t: int, h: int = 3, dk: int = 8, dv: int = 6, seed: int = 0, decay: 
     return q, k, v, g, beta, state
 
 
-@pytest.mark.parametrize("t,chunk,decay", [(1, 4, 1.0), (13, 4, 1.0), (64, 16, 1.0),
-                                           (70, 16, 8.0), (33, 64, 0.01)])
+@pytest.mark.parametrize("t,chunk,decay", [(1, 4, 1.0), (70, 16, 8.0), (33, 64, 0.01)])
 def test_chunked_equals_the_recurrence(t: int, chunk: int, decay: float) -> None:
     args = _inputs(t, decay=decay)
     o_ref, s_ref = delta_rule_scan(*args)

@@ -24,10 +24,10 @@ CONFIG = QC.Qwen35Config(
 def test_training_forward_matches_the_exact_forward() -> None:
     model = Q.Qwen35Model(CONFIG, jnp.float32)
     params = model.init_params(jax.random.PRNGKey(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 80), 0, CONFIG.vocab_size)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 40), 0, CONFIG.vocab_size)
     exact = model.forward(params, tokens)
     logits, hidden = jax.jit(model.train_forward)(params, tokens)
-    assert hidden.shape == (2, 80, CONFIG.hidden_size)
+    assert hidden.shape == (1, 40, CONFIG.hidden_size)
     assert float(jnp.abs(logits - exact).max()) < 1e-4
 
 
@@ -36,7 +36,7 @@ def test_joint_training_lowers_both_losses() -> None:
     params = model.init_params(jax.random.PRNGKey(0))
     pattern = np.random.default_rng(0).integers(0, CONFIG.vocab_size, 12)
     rows = jnp.asarray(np.stack([np.roll(np.tile(pattern, 4), -i)[:33] for i in range(8)]))
-    optimizer = optax.adam(3e-3)
+    optimizer = optax.adam(6e-3)
     loss_fn = functools.partial(qwen35_mtp_loss, model, mtp_weight=0.5)
 
     @jax.jit
@@ -47,7 +47,7 @@ def test_joint_training_lowers_both_losses() -> None:
 
     opt_state = optimizer.init(params)
     params, opt_state, first = step(params, opt_state)
-    for _ in range(40):
+    for _ in range(20):
         params, opt_state, last = step(params, opt_state)
     assert float(last["loss"]) < 0.5 * float(first["loss"])
     assert float(last["mtp_loss"]) < 0.5 * float(first["mtp_loss"])

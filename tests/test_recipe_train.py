@@ -214,13 +214,11 @@ def test_qwen35_target_trains_with_its_head_and_exports(setup: Setup, tmp_path: 
 
     config = rt.model_config("tiny35", setup.tokenizer)
     assert config.model_type == "qwen3_5_text" and config.mtp_num_hidden_layers == 1
-    tc = dataclasses.replace(TC, steps=10, peak_lr=5e-3)
+    tc = dataclasses.replace(TC, steps=8, peak_lr=1e-2)
     result = rt.train_model(config, tc, setup.train_rows, setup.heldout_rows, progress=False)
     train = [h for h in result.history if h["kind"] == "train"]
     assert train[-1]["loss"] < train[0]["loss"] - 0.3
     assert train[-1]["mtp_loss"] < train[0]["mtp_loss"] - 0.3
-    samples = card.card_samples(result.config, result.params, setup.tokenizer, ["def "], 4)
-    assert samples[0].startswith("def ")
     folder = tmp_path / "target35"
     export.export_model(folder, result, setup.tokenizer, "card", save_dtype="float32")
     loaded = loading.load_folder(folder, layer_layout="list")
