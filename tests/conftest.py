@@ -23,7 +23,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 # Examples a property, by profile (HYPOTHESIS_PROFILE): "ci" by default; "quick" for checks
 # on the GPU machine, whose time is rationed; "thorough" for hunting rare cases by hand.
-for name, examples in {"ci": 25, "quick": 5, "thorough": 300}.items():
+for name, examples in {"ci": 15, "quick": 5, "thorough": 300}.items():
     settings.register_profile(
         name,
         max_examples=examples,

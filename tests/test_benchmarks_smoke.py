@@ -27,7 +27,7 @@ def test_profile_probe_runs_and_records(tmp_path):
     reports instead of failing) and appends one record per width."""
     from benchmarks.profile_decode import main as profile_main
 
-    args = ["--shape", "tiny", "--widths", "1,4", "--context", "16", "--tokens", "8",
+    args = ["--shape", "tiny", "--widths", "1,4", "--context", "16", "--tokens", "4",
             "--burst", "4", "--out", str(tmp_path)]
     assert profile_main(args) == 0
     rows = json.loads((tmp_path / "profile_tiny.json").read_text())
@@ -41,10 +41,12 @@ def test_family_figures_harness_runs(tmp_path):
     """The Qwen3.5 / Gemma 4 figures harness runs on the CPU at tiny shapes (no timing read)."""
     from benchmarks.families import main as families_main
 
-    assert families_main(["--preset", "smoke", "--no-hf", "--out", str(tmp_path)]) == 0
+    # One family here (the run takes ~15 s a family on a 2-core CPU); both run the same code.
+    assert families_main(["--preset", "smoke", "--no-hf", "--shapes", "qwen3.5-tiny", "--out",
+                          str(tmp_path)]) == 0
     records = json.loads((tmp_path / "families.json").read_text())["records"]
     by_kind = {(r.get("shape"), r["workload"]) for r in records}
-    for shape in ("qwen3.5-tiny", "gemma4-tiny"):
+    for shape in ("qwen3.5-tiny",):
         assert {(shape, "decode"), (shape, "prefill"), (shape, "verify")} <= by_kind
     decode = [r for r in records if r["workload"] == "decode"]
     assert all(r["step_bytes"] > 0 and r["fraction_of_roofline"] > 0 for r in decode)

@@ -204,13 +204,10 @@ def test_exported_folder_matches_in_our_loader_and_transformers(
 
 
 def test_qwen35_target_trains_with_its_head_and_exports(setup: Setup, tmp_path: Path) -> None:
-    """The tiny35 preset: trunk and MTP losses both fall, the folder loads in our loader with
-    the head's weights, and the head drafts losslessly for the trained target."""
+    """The tiny35 preset: trunk and MTP losses both fall, and the folder loads in our loader
+    with the head's weights, ready for the MTP drafter."""
     from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.completion import CompletionRequest
-    from turbospark_jax.drafters import MTPDrafter, SpeculativePair
-    from turbospark_jax.generate import run_raw_completion
-    from turbospark_jax.speculative import run_raw_completion_speculative
+    from turbospark_jax.drafters import MTPDrafter
 
     config = rt.model_config("tiny35", setup.tokenizer)
     assert config.model_type == "qwen3_5_text" and config.mtp_num_hidden_layers == 1
@@ -223,11 +220,6 @@ def test_qwen35_target_trains_with_its_head_and_exports(setup: Setup, tmp_path: 
     export.export_model(folder, result, setup.tokenizer, "card", save_dtype="float32")
     loaded = loading.load_folder(folder, layer_layout="list")
     assert _leaves_equal(loaded.params["mtp"], result.params["mtp"])
-    target = BlockProducer(loaded.model, loaded.params, capacity=64, width=4)
-    prompt = setup.tokenizer.encode("def f(x):\n    return")
-    request = CompletionRequest(prompt_ids=prompt, max_tokens=12, record_logits=True)
-    plain = run_raw_completion(target, request)
-    spec = run_raw_completion_speculative(
-        SpeculativePair(target, MTPDrafter(target)), dataclasses.replace(request, draft_len=3))
-    assert spec.token_ids == plain.token_ids
-    assert np.array_equal(spec.logits.view(np.uint32), plain.logits.view(np.uint32))
+    # The head's drafting is lossless for any weights (tests/test_mtp_drafter.py); here the
+    # drafter only has to accept the exported folder.
+    MTPDrafter(BlockProducer(loaded.model, loaded.params, capacity=64, width=4))
