@@ -24,6 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models.family import eos_ids
 from turbospark_jax.models.layers import SUPPORTED_ROPE_TYPES, RopeScaling
 
 #: ``model_type`` values this module implements, with the HF class each saves as.
@@ -203,11 +204,7 @@ class DenseConfig:
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         """``eos_token_id`` as a tuple (empty when unset)."""
-        if self.eos_token_id is None:
-            return ()
-        if isinstance(self.eos_token_id, int):
-            return (self.eos_token_id,)
-        return tuple(self.eos_token_id)
+        return eos_ids(self.eos_token_id)
 
     # -- config.json ------------------------------------------------------------------------
 

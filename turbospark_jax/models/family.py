@@ -20,6 +20,13 @@ from turbospark_jax.models.base import BlockModel
 Params = dict[str, Any]
 
 
+def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> tuple[int, ...]:
+    """A config's ``eos_token_id`` (one id, several, or none) as a tuple of ids."""
+    if eos_token_id is None:
+        return ()
+    return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
+
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
     """One Hugging Face tensor and the params leaf it fills.

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models.family import eos_ids
 from turbospark_jax.models.layers import rope_inv_freq
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -204,9 +205,7 @@ class Gemma4Config:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
+        return eos_ids(self.eos_token_id)
 
     # -- config.json ------------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models.family import eos_ids
 
 LINEAR, FULL = "linear_attention", "full_attention"
 ARCHITECTURES = {
@@ -136,9 +137,7 @@ class Qwen35Config:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        if self.eos_token_id is None:
-            return ()
-        return (self.eos_token_id,) if isinstance(self.eos_token_id, int) else self.eos_token_id
+        return eos_ids(self.eos_token_id)
 
     # -- config.json --------------------------------------------------------------------------
 
