@@ -10,11 +10,13 @@ agree with the reference within ``ATOL = 1e-4`` (measured about 1e-5), and 10 gr
 
 Bitwise (on the same compiled programs, with hypothesis choosing the data): token by token ==
 chunked, verify rows == decode, rollback, rollback_retaining from the tape, reuse == fresh;
-each with a control that must fail.
+each with a control that must fail. The ``qwen3_5_text`` case's model records tap rows (for a
+block drafter), so each of those checks covers them as state too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any
 
@@ -26,7 +28,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.kv_prefix import reusable_prefix
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
@@ -55,6 +57,10 @@ CASES: dict[str, dict[str, Any]] = {
                            "rope_type": "default", "rope_theta": 500.0,
                            "partial_rotary_factor": 0.5}),
 }
+
+#: The cases whose model records tap rows (a full and a DeltaNet layer): every bitwise check
+#: below then covers the tap rows too (append-only state, compared up to the cursor).
+TAPPED: dict[str, tuple[int, ...]] = {"qwen3_5_text": (1, 2)}
 
 
 def hf_model(name: str) -> tuple[Any, QC.Qwen35Config]:
@@ -98,6 +104,8 @@ def case(request: pytest.FixtureRequest) -> Any:
     torch.manual_seed(0)
     hf, config = hf_model(request.param)
     model = Q.FAMILY.build(config, jnp.float32, "list")
+    if request.param in TAPPED:
+        model = dataclasses.replace(model, tap_layers=TAPPED[request.param])
     params = convert(config, state_dict(hf))
     producer = BlockProducer(model, params, capacity=CAPACITY, width=WIDTH, steps_per_call=4)
     tokens = np.random.default_rng(1).integers(0, VOCAB, size=(2, SEQ))
@@ -159,6 +167,10 @@ def test_block_program_matches_transformers(case: Any) -> None:
     err_hidden = float(np.abs(np.asarray(state.cache.hidden[:WIDTH]) - hidden).max())
     print(f"{name}: verify {err:.2e}, prefill_chunk {err_last:.2e}, hidden {err_hidden:.2e}")
     assert max(err, err_last, err_hidden) < ATOL
+    if name in TAPPED:  # tap layer 1's rows are the reference's hidden_states[2] (unnormed)
+        assert TAPPED[name][0] == 1
+        taps = np.asarray(state.cache.taps[: 2 * WIDTH, 0])
+        assert float(np.abs(taps - out.hidden_states[2].numpy()[0, : 2 * WIDTH]).max()) < ATOL
 
 
 def test_greedy_continuation_matches_generate(case: Any) -> None:
@@ -324,6 +336,55 @@ def test_state_comparison_sees_one_bit_of_recurrent_state(producer: BlockProduce
     assert live_equal(state.replace(cache=tape), state)
 
 
+# -- tap rows (what a block drafter reads) -------------------------------------------------------
+
+
+def _tapped(case: Any) -> tuple[Q.Qwen35Model, Q.Params, BlockProducer]:
+    name, _, model, params, producer, *_ = case
+    if name not in TAPPED:
+        pytest.skip("the tapped case covers the tap rows")
+    return model, params, producer
+
+
+def test_state_comparison_sees_one_bit_of_a_live_tap_row(case: Any) -> None:
+    """Control for the tap half of the bitwise checks above: one flipped bit in a live tap row
+    is a difference; a row past the cursor is dead, so changing it is not."""
+    _, _, producer = _tapped(case)
+    _, state = producer.prefill_chunk(producer.init_state(), PROMPT_IDS, 0)
+    taps = np.array(state.cache.taps)
+    flipped = taps.copy()
+    flipped[len(PROMPT_IDS) - 1, -1, :1] = (
+        flipped[len(PROMPT_IDS) - 1, -1, :1].view(np.uint32) ^ np.uint32(1)).view(np.float32)
+    dead = taps.copy()
+    dead[len(PROMPT_IDS)] += 1.0
+    with_taps = lambda t: state.replace(cache=state.cache.replace(taps=jnp.asarray(t)))
+    assert not live_equal(with_taps(flipped), state)
+    assert live_equal(with_taps(dead), state)
+
+
+def test_forward_taps_are_the_recorded_rows(case: Any) -> None:
+    """The training pass (chunked delta rule) gives the tap rows the block program records,
+    within the parallel tolerance, and the logits of ``train_forward``."""
+    model, params, producer = _tapped(case)
+    _, state = producer.prefill_chunk(producer.init_state(), PROMPT_IDS, 0)
+    logits, taps = jax.jit(model.forward_taps)(params, jnp.asarray([PROMPT_IDS], jnp.int32))
+    assert taps.shape == (1, len(PROMPT_IDS), len(model.tap_layers), model.config.hidden_size)
+    assert np.allclose(taps[0], state.cache.taps[: len(PROMPT_IDS)], atol=PARALLEL_ATOL)
+    want, _ = jax.jit(model.train_forward)(params, jnp.asarray([PROMPT_IDS], jnp.int32))
+    assert np.array_equal(np.asarray(logits), np.asarray(want))
+
+
+def test_tap_settings_are_checked(case: Any) -> None:
+    model, params, _ = _tapped(case)
+    untapped = dataclasses.replace(model, tap_layers=())
+    assert not hasattr(untapped.init_cache(4), "taps")
+    with pytest.raises(BadInputError, match="tap_layers"):
+        untapped.forward_taps(params, jnp.zeros((1, 2), jnp.int32))
+    for bad in ((0, 3), (2, 1), [0], (True,)):
+        with pytest.raises(BadInputError, match="tap_layers"):
+            dataclasses.replace(model, tap_layers=bad)
+
+
 # -- config.json ---------------------------------------------------------------------------------
 
 
@@ -425,6 +486,9 @@ def test_parallel_prefill_is_close_and_continues_alike(case: Any, start: int) ->
     assert np.array_equal(np.asarray(exact.fed.ids), np.asarray(fast.fed.ids))
     if model.config.mtp_num_hidden_layers:
         assert np.allclose(exact.cache.hidden_rows, fast.cache.hidden_rows, atol=PARALLEL_ATOL)
+    if model.tap_layers:  # the parallel passes record every row's taps too
+        assert np.allclose(exact.cache.taps[: len(prompt)], fast.cache.taps[: len(prompt)],
+                           atol=PARALLEL_ATOL)
     tok_a, tok_b = int(np.argmax(exact_logits)), int(np.argmax(logits))
     assert tok_a == tok_b
     for position in range(len(prompt), len(prompt) + 4):

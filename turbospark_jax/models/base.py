@@ -13,7 +13,26 @@ from typing import Any, ClassVar
 
 import jax
 
-from turbospark_jax.errors import UnsupportedCapabilityError
+from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+
+
+def check_tap_layers(tap_layers: Any, num_layers: int) -> None:
+    """Refuse a ``tap_layers`` setting that is not increasing, distinct layer indices of a
+    model of ``num_layers`` layers.
+
+    Raises:
+      BadInputError: the setting, named, with what it must be.
+    """
+    if not isinstance(tap_layers, tuple) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in tap_layers
+    ):
+        raise BadInputError(f"tap_layers must be a tuple of layer indices, got {tap_layers!r}")
+    if any(not 0 <= i < num_layers for i in tap_layers) or \
+            list(tap_layers) != sorted(set(tap_layers)):
+        raise BadInputError(
+            f"tap_layers must be increasing, distinct layer indices in 0..{num_layers - 1} "
+            f"(the model has {num_layers} layers), got {tap_layers!r}"
+        )
 
 
 class BlockModel(abc.ABC):
@@ -30,10 +49,16 @@ class BlockModel(abc.ABC):
         without replaying it.
       parallel_prefill: ``block_forward`` accepts blocks much wider than the exact program's
         ``W`` (a batched prefill pass) and uses the ``key_limit`` / ``fresh`` hints.
+      can_tap: the family can record tap rows: its instances take a ``tap_layers`` setting
+        (checked by :func:`check_tap_layers`; ``dataclasses.replace(model, tap_layers=...)``
+        sets it), have ``config.hidden_size``, ``config.num_hidden_layers``,
+        ``config.vocab_size`` and ``config.tie_word_embeddings``, params with
+        ``embed_tokens`` (and ``lm_head`` when untied), and a ``forward_taps`` for
+        training. The dense and Qwen3.5 families do.
       tap_layers: the layers whose output rows the cache records for every fed position
         (``cache.taps``, ``[C, len(tap_layers), D]``), which a block drafter reads; a family
-        that can tap makes this a setting of the instance (the dense family does). Empty:
-        nothing is recorded.
+        that declares ``can_tap`` makes this a setting of the instance. Empty: nothing is
+        recorded.
       accepts_embeddings: ``block_forward`` takes ``embeds`` / ``embed_rows``: rows whose
         input is a given embedding (an image's soft token) instead of their token's. Such a
         model also answers :attr:`embedding_size` and :attr:`embedding_dtype`.
@@ -42,6 +67,7 @@ class BlockModel(abc.ABC):
     rewindable: ClassVar[bool] = True
     records_tape: ClassVar[bool] = False
     parallel_prefill: ClassVar[bool] = False
+    can_tap: ClassVar[bool] = False
     tap_layers: tuple[int, ...] = ()
     accepts_embeddings: ClassVar[bool] = False
 

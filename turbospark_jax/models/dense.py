@@ -61,7 +61,7 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
@@ -290,6 +290,7 @@ class DenseModel(BlockModel):
     """
 
     parallel_prefill = True
+    can_tap = True
 
     config: DenseConfig
     dtype: Any = jnp.float32
@@ -300,17 +301,7 @@ class DenseModel(BlockModel):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
-        taps = self.tap_layers
-        n = self.config.num_hidden_layers
-        if not isinstance(taps, tuple) or not all(
-            isinstance(i, int) and not isinstance(i, bool) for i in taps
-        ):
-            raise BadInputError(f"tap_layers must be a tuple of layer indices, got {taps!r}")
-        if any(not 0 <= i < n for i in taps) or list(taps) != sorted(set(taps)):
-            raise BadInputError(
-                f"tap_layers must be increasing, distinct layer indices in 0..{n - 1} (the "
-                f"model has {n} layers), got {taps!r}"
-            )
+        check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         for field in ("attention", "rope_store"):
             value = getattr(self, field)
             if value not in KERNEL_MODES:

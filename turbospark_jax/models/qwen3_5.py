@@ -51,7 +51,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.delta_rule import delta_rule_chunked
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.layers import (
@@ -230,6 +230,23 @@ class Qwen35Cache:
 
 
 @struct.dataclass(kw_only=True)
+class TappedQwen35Cache(Qwen35Cache):
+    """A :class:`Qwen35Cache` that also records the output rows of the model's tap layers
+    (:attr:`Qwen35Model.tap_layers`) for every fed position, for a block drafter to read.
+
+    Fields (besides the trunk's):
+      taps: ``[C, K, D]``: row ``p`` holds the output of each of the ``K`` tap layers (in
+        ``tap_layers`` order, after the layer's MLP) at position ``p``, in the model dtype.
+        Append-only like the KV rows and written by every pass that feeds rows (decode,
+        chunked prefill, verify, parallel prefill), so a rollback by value keeps the live
+        rows and the cursor hides the rest; the exact program writes bitwise the same rows
+        whether a position was fed alone or in a block.
+    """
+
+    taps: jax.Array = append_only(axis=0)
+
+
+@struct.dataclass(kw_only=True)
 class MTPCache:
     """KV rows of the MTP head's layers: ``k``, ``v`` per layer ``[C, KV, hd]``; row ``p``
     holds what the head computed from the trunk's hidden state at position ``p``."""
@@ -263,8 +280,11 @@ class Qwen35Model(BlockModel):
       dtype: activation / KV / conv-state dtype; params should match. The recurrent state is
         always float32.
       max_width: the widest block ``block_forward`` accepts: the tape keeps this many rows.
+      tap_layers: layers whose output rows the cache records for every fed position
+        (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
     """
 
+    can_tap = True
     rewindable = False  # the recurrent leaves summarise every fed token: no cursor rewinds them
     parallel_prefill = True  # wide headless passes with the chunked delta rule
     records_tape = True
@@ -272,9 +292,11 @@ class Qwen35Model(BlockModel):
     config: Qwen35Config
     dtype: Any = jnp.float32
     max_width: int = 16
+    tap_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         if self.max_width < 1:
             raise BadInputError(f"max_width must be >= 1, got {self.max_width}")
 
@@ -300,10 +322,15 @@ class Qwen35Model(BlockModel):
                 for _ in range(c.count(LINEAR))]
 
     def init_cache(self, capacity: int) -> Qwen35Cache:
-        """An empty cache holding ``capacity`` positions of KV rows."""
+        """An empty cache holding ``capacity`` positions of KV rows (and of tap rows when the
+        model has tap layers: a :class:`TappedQwen35Cache`)."""
         c, wm = self.config, self.max_width
         states = self._zero_states()
-        return Qwen35Cache(
+        taps = {}
+        if self.tap_layers:
+            taps["taps"] = jnp.zeros((capacity, len(self.tap_layers), c.hidden_size), self.dtype)
+        return (TappedQwen35Cache if taps else Qwen35Cache)(
+            **taps,
             k=self._kv(capacity, c.count(FULL)), v=self._kv(capacity, c.count(FULL)),
             conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
             conv_tape=tuple(jnp.zeros((wm, *s[0].shape), self.dtype) for s in states),
@@ -445,23 +472,28 @@ class Qwen35Model(BlockModel):
 
     def _decoder(self, layers: list[Params], x: jax.Array, positions: jax.Array,
                  live: jax.Array, states: list[State], kv: Callable[[int], KVFn],
-                 tape: bool, chunked: bool = False) -> tuple[jax.Array, list[State], list[Any]]:
-        """Every layer over rows x [W, D]; ``kv(j)`` is full layer ``j``'s store-and-read."""
+                 tape: bool, chunked: bool = False,
+                 ) -> tuple[jax.Array, list[State], list[Any], jax.Array | None]:
+        """Every layer over rows x [W, D]; ``kv(j)`` is full layer ``j``'s store-and-read.
+        Returns ``(x, states, tapes, taps)``: ``taps`` ``[W, K, D]`` are the outputs of the
+        :attr:`tap_layers` (``None`` without any)."""
         c = self.config
         rope = self._rope(positions)
-        states, tapes = list(states), []
+        states, tapes, taps = list(states), [], []
         for i, lp in enumerate(layers):
             j = c.kind_index(i)
             with jax.named_scope(f"layer_{i}"):
                 if c.layer_types[i] == FULL:
                     x = self._full_layer(lp, x, positions, rope, kv(j))
-                    continue
-                h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
-                o, states[j], layer_tape = self._delta_net(lp, h, states[j], live, tape,
-                                                           chunked)
-                tapes.append(layer_tape)
-                x = self._mlp(lp, x + o)
-        return x, states, tapes
+                else:
+                    h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
+                    o, states[j], layer_tape = self._delta_net(lp, h, states[j], live, tape,
+                                                               chunked)
+                    tapes.append(layer_tape)
+                    x = self._mlp(lp, x + o)
+            if i in self.tap_layers:
+                taps.append(x)
+        return x, states, tapes, jnp.stack(taps, axis=1) if taps else None
 
     def _logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         """Normed hidden [W, D] -> float32 logits [W, V]."""
@@ -529,9 +561,12 @@ class Qwen35Model(BlockModel):
         kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))
         x = self._embed(params, tokens)
         states = list(zip(cache.conv, cache.recurrent, strict=True))
-        x, states, tapes = self._decoder(params["layers"], x, positions, live, states, kv,
-                                         not parallel, chunked=parallel)
+        x, states, tapes, taps = self._decoder(params["layers"], x, positions, live, states,
+                                               kv, not parallel, chunked=parallel)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+        if taps is not None:  # rows [W, K, D] at each live row's position
+            cache = cache.replace(taps=cache.taps.at[write_at].set(
+                taps, mode="drop", unique_indices=True))
         if parallel:
             return jnp.zeros((width, self.vocab_size), jnp.float32), cache.replace(
                 k=tuple(buffers[0::2]) if n_full else cache.k,
@@ -564,9 +599,9 @@ class Qwen35Model(BlockModel):
 
         def one(seq: jax.Array) -> jax.Array:
             positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
-            x, _, _ = self._decoder(params["layers"], self._embed(params, seq), positions,
-                                    jnp.int32(seq.shape[0]), self._zero_states(),
-                                    lambda j: lambda k, v: (k, v, positions), False)
+            x, _, _, _ = self._decoder(params["layers"], self._embed(params, seq), positions,
+                                       jnp.int32(seq.shape[0]), self._zero_states(),
+                                       lambda j: lambda k, v: (k, v, positions), False)
             return self._logits(params, _norm(x, params["norm"], self.config.rms_norm_eps))
 
         return jax.vmap(one)(tokens)
@@ -577,17 +612,33 @@ class Qwen35Model(BlockModel):
         reads). The DeltaNet layers run the chunked recurrence
         (:mod:`~turbospark_jax.models.delta_rule`): matrix products a chunk at a time instead
         of a ``T``-step scan, within a tolerance of :meth:`forward`."""
+        logits, hidden, _ = jax.vmap(lambda seq: self._train_pass(params, seq))(tokens)
+        return logits, hidden
 
-        def one(seq: jax.Array) -> tuple[jax.Array, jax.Array]:
-            positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
-            x, _, _ = self._decoder(params["layers"], self._embed(params, seq), positions,
-                                    jnp.int32(seq.shape[0]), self._zero_states(),
-                                    lambda j: lambda k, v: (k, v, positions), False,
-                                    chunked=True)
-            hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
-            return self._logits(params, hidden), hidden
+    def forward_taps(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """:meth:`train_forward` that returns the tap layers' output rows instead of the
+        hidden states (training a block drafter against this model): int32 ``[B, T]`` ->
+        float32 logits ``[B, T, V]`` and the tap rows ``[B, T, K, D]`` (model dtype), within
+        the chunked recurrence's tolerance of what the cache records.
 
-        return jax.vmap(one)(tokens)
+        Raises:
+          BadInputError: the model has no tap layers.
+        """
+        if not self.tap_layers:
+            raise BadInputError("forward_taps needs a model built with tap_layers=(...)")
+        logits, _, taps = jax.vmap(lambda seq: self._train_pass(params, seq))(tokens)
+        return logits, taps
+
+    def _train_pass(self, params: Params, seq: jax.Array) -> tuple[Any, ...]:
+        """One sequence from an empty state with the chunked recurrence: logits, normed
+        hidden states and tap rows (``None`` without tap layers)."""
+        positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
+        x, _, _, taps = self._decoder(params["layers"], self._embed(params, seq), positions,
+                                      jnp.int32(seq.shape[0]), self._zero_states(),
+                                      lambda j: lambda k, v: (k, v, positions), False,
+                                      chunked=True)
+        hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+        return self._logits(params, hidden), hidden, taps
 
     def mtp_train_logits(self, params: Params, hidden: jax.Array,
                          tokens: jax.Array) -> jax.Array:
