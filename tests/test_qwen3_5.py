@@ -357,7 +357,10 @@ def test_state_comparison_sees_one_bit_of_a_live_tap_row(case: Any) -> None:
         flipped[len(PROMPT_IDS) - 1, -1, :1].view(np.uint32) ^ np.uint32(1)).view(np.float32)
     dead = taps.copy()
     dead[len(PROMPT_IDS)] += 1.0
-    with_taps = lambda t: state.replace(cache=state.cache.replace(taps=jnp.asarray(t)))
+
+    def with_taps(t: np.ndarray) -> Any:
+        return state.replace(cache=state.cache.replace(taps=jnp.asarray(t)))
+
     assert not live_equal(with_taps(flipped), state)
     assert live_equal(with_taps(dead), state)
 

@@ -1,8 +1,9 @@
-"""A block drafter (DFlash-style) paired with its dense target: ``B - 1`` proposals from one
-pass of a few layers over the target's tapped rows.
+"""A block drafter (DFlash-style) paired with its target: ``B - 1`` proposals from one pass of
+a few layers over the target's tapped rows.
 
-The target records the output of its tap layers for every fed row
-(:attr:`~turbospark_jax.models.dense.DenseModel.tap_layers`); the drafter keeps its own
+The target (any family that declares
+:attr:`~turbospark_jax.models.base.BlockModel.can_tap`: dense, Qwen3.5) records the output of
+its tap layers for every fed row (its ``tap_layers``); the drafter keeps its own
 context KV made from those rows (:class:`~turbospark_jax.models.block_drafter.BlockDrafterModel`)
 with its own fed record. A round:
 
@@ -41,21 +42,24 @@ from turbospark_jax.models.block_drafter import (
     param_shapes,
     shared_weights,
 )
-from turbospark_jax.models.dense import DenseModel
 from turbospark_jax.state import FedRecord
 
 
-def tapped_target(model: BlockModel, config: BlockDrafterConfig) -> DenseModel:
+def _can_tap(model: Any) -> bool:
+    return isinstance(model, BlockModel) and model.can_tap
+
+
+def tapped_target(model: BlockModel, config: BlockDrafterConfig) -> BlockModel:
     """``model`` set to tap the layers the drafter ``config`` reads (what a loader does before
     it builds the target's producer).
 
     Raises:
-      BadInputError: ``model`` is not a dense model, or has fewer layers than the drafter
-        was trained on.
+      BadInputError: ``model``'s family cannot record tap rows (it does not declare
+        ``can_tap``), or it has another layer count than the drafter was trained on.
     """
-    if not isinstance(model, DenseModel):
-        raise BadInputError(f"a block drafter needs a dense target (llama, mistral, qwen2, "
-                            f"qwen3); this one is a {type(model).__name__}")
+    if not _can_tap(model):
+        raise BadInputError(f"a block drafter needs a target that records tap rows (the dense "
+                            f"and Qwen3.5 families); this one is a {type(model).__name__}")
     if model.config.num_hidden_layers != config.target_num_hidden_layers:
         raise BadInputError(
             f"the block drafter was made for a target of {config.target_num_hidden_layers} "
@@ -76,12 +80,12 @@ class BlockDrafterState:
 
 
 class BlockDrafter(Drafter):
-    """Draft a block per pass with a block drafter over a dense target's tap rows.
+    """Draft a block per pass with a block drafter over its target's tap rows.
 
     Args:
-      target: a :class:`~turbospark_jax.block_producer.BlockProducer` over a
-        :class:`~turbospark_jax.models.dense.DenseModel` built with
-        ``tap_layers=config.target_layer_ids``.
+      target: a :class:`~turbospark_jax.block_producer.BlockProducer` over a model whose
+        family declares ``can_tap``, built with ``tap_layers=config.target_layer_ids``
+        (:func:`tapped_target`).
       config, params: the drafter's (:func:`~turbospark_jax.models.block_drafter.init_params`
         or :func:`~turbospark_jax.loading.load_block_drafter`).
       bidirectional: see :class:`~turbospark_jax.models.block_drafter.BlockDrafterModel`
@@ -99,9 +103,9 @@ class BlockDrafter(Drafter):
     def __init__(self, target: BlockProducer, config: BlockDrafterConfig, params: Params, *,
                  bidirectional: bool = True) -> None:
         model = target.model if isinstance(target, BlockProducer) else None
-        if not isinstance(model, DenseModel):
-            raise BadInputError("a block drafter drafts over a BlockProducer of a dense model "
-                                "(DenseModel) built with tap_layers")
+        if not _can_tap(model):
+            raise BadInputError("a block drafter drafts over a BlockProducer of a model that "
+                                "records tap rows (dense or Qwen3.5) built with tap_layers")
         if not isinstance(config, BlockDrafterConfig):
             raise BadInputError(f"config must be a BlockDrafterConfig, got "
                                 f"{type(config).__name__}")
@@ -118,8 +122,8 @@ class BlockDrafter(Drafter):
         if model.tap_layers != config.target_layer_ids:
             raise BadInputError(
                 f"the block drafter reads target layers {list(config.target_layer_ids)} but the "
-                f"target taps {list(model.tap_layers)}; build the target with DenseModel(..., "
-                f"tap_layers={config.target_layer_ids})"
+                f"target taps {list(model.tap_layers)}; build the target with "
+                f"tapped_target(model, config) (tap_layers={config.target_layer_ids})"
             )
         want = param_shapes(config)
         got = jax.tree.map(lambda a: tuple(a.shape), params)

@@ -5,7 +5,8 @@ The drafter owns no embedding and no output head: it embeds with the target's
 ``embed_tokens`` and scores with the target's head (``lm_head``, or the embedding when tied),
 so its hidden size and vocabulary are the target's. What it reads of the target is the output
 of a few evenly spaced target layers at every fed position (the target's ``tap_layers``,
-:class:`~turbospark_jax.models.dense.TappedDenseCache`). Those rows are concatenated,
+:class:`~turbospark_jax.models.dense.TappedDenseCache`,
+:class:`~turbospark_jax.models.qwen3_5.TappedQwen35Cache`). Those rows are concatenated,
 projected to the drafter's width and normed (``fc``, ``hidden_norm``); each drafter layer
 turns the projected row of position ``p`` into its context key and value at ``p``. A context
 row depends on nothing but its own tap row, so the drafter's KV is append-only, computed once
@@ -370,7 +371,7 @@ class BlockDrafterModel:
 
 
 def shared_weights(target_params: Params, tied: bool) -> Params:
-    """What the drafter borrows of a dense target's params: ``embed_tokens`` and, when the
+    """What the drafter borrows of a target's params: ``embed_tokens`` and, when the
     target is untied, ``lm_head``."""
     shared = {"embed_tokens": target_params["embed_tokens"]}
     if not tied:
