@@ -459,3 +459,35 @@ def test_generate_with_a_block_drafter(our_folder, tmp_path):
     assert code == 1 and "choose one" in err
     with pytest.raises(BadInputError, match="choose one drafter"):
         api.load(our_folder, block_drafter=tmp_path / "bd", ngram=2)
+
+
+def test_generate_with_a_block_drafter_over_a_qwen3_5_target(tmp_path):
+    """A Qwen3.5 target folder (DeltaNet layers, tap rows in its cache) with --block-drafter:
+    the flag loads the drafter, taps the target and runs the rounds."""
+    from turbospark_jax.loading import save_block_drafter
+    from turbospark_jax.models import block_drafter as BD
+    from turbospark_jax.models import qwen3_5 as Q
+    from turbospark_jax.models import qwen3_5_config as QC
+
+    tok = byte_level_bpe()
+    config = QC.Qwen35Config.from_hf_dict(dict(
+        model_type="qwen3_5_text", vocab_size=tok.get_vocab_size(), hidden_size=32,
+        intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_hidden_layers=4, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=1,
+    ))
+    wrapper = Tokenizer.from_tokenizers(tok, bos="<|bos|>", eos="<|eos|>", pad="<|pad|>",
+                                        chat_template=CHAT_TEMPLATE)
+    save_folder(tmp_path / "t", config, Q.init_params(config, jax.random.PRNGKey(0)),
+                tokenizer=wrapper,
+                generation_config=GenerationConfig(eos_token_ids=(1,), bos_token_id=0))
+    drafter = BD.BlockDrafterConfig(hidden_size=32, vocab_size=config.vocab_size,
+                                    target_layer_ids=(0, 3), target_num_hidden_layers=4,
+                                    block_size=4, head_dim=8)
+    save_block_drafter(tmp_path / "bd", drafter, BD.init_params(drafter, jax.random.PRNGKey(3)))
+    code, out, err = run("generate", "--model", str(tmp_path / "t"), "def f(x):",
+                         "--max-tokens", "8", "--block-drafter", str(tmp_path / "bd"),
+                         "--draft-len", "3", "--stats")
+    assert code == 0, err
+    assert out.endswith("\n") and "generated 8" in err
