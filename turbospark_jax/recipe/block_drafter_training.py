@@ -80,10 +80,6 @@ def target_batch(target: BlockModel, target_params: Params, tokens: jax.Array) -
 
 @functools.partial(jax.jit, static_argnums=0)
 def _target_batch(target: BlockModel, params: Params, tokens: jax.Array) -> TargetBatch:
-    return _read_target(target, params, tokens)
-
-
-def _read_target(target: BlockModel, params: Params, tokens: jax.Array) -> TargetBatch:
     logits, taps = target.forward_taps(params, tokens)
     greedy = jnp.concatenate(
         [tokens[:, :1], jnp.argmax(logits[:, :-1], axis=-1).astype(jnp.int32)], axis=1)
@@ -221,34 +217,20 @@ class BlockDrafterTrainResult:
 
 
 @functools.lru_cache(maxsize=4)
-def _loop_programs(target: BlockModel, model: BlockDrafterModel, train_config: TrainConfig,
-                   anchors_per_row: int, decay: float) -> tuple[Any, Any]:
-    """The jitted train step (the target's pass inside it) and held-out step."""
-    optimizer = make_optimizer(train_config)
-    b, tied = model.config.block_size, target.config.tie_word_embeddings
+def _eval_step(model: BlockDrafterModel, tied: bool, decay: float) -> Any:
+    """The jitted held-out step: ``(params, target_params, batch, anchors) -> (weighted CE,
+    acceptance [B - 1])``."""
+    b = model.config.block_size
 
-    def anchors_for(tokens: jax.Array, key: jax.Array) -> jax.Array:
-        return sample_anchors(key, tokens.shape[0], tokens.shape[1], anchors_per_row, b)
-
-    def train_step(params: Params, opt_state: Any, target_params: Params, tokens: jax.Array,
-                   key: jax.Array) -> tuple[Params, Any, jax.Array]:
-        batch = _read_target(target, target_params, tokens)
-        shared = jax.lax.stop_gradient(shared_weights(target_params, tied))
-        loss, grads = jax.value_and_grad(lambda p: block_drafter_loss(
-            model, p, shared, batch, anchors_for(tokens, key), decay))(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    def eval_step(params: Params, target_params: Params, tokens: jax.Array,
-                  key: jax.Array) -> tuple[jax.Array, jax.Array]:
-        batch = _read_target(target, target_params, tokens)
+    def step(params: Params, target_params: Params, batch: TargetBatch,
+             anchors: jax.Array) -> tuple[jax.Array, jax.Array]:
         ce, hit = _proposal_scores(model, params, shared_weights(target_params, tied), batch,
-                                   anchors_for(tokens, key))
+                                   anchors)
         weighted = jnp.sum(ce * position_weights(b, decay), axis=-1)  # [N, A]
         kept = jnp.cumprod(hit.astype(jnp.int32), axis=-1)  # proposals 1..i all right
         return jnp.mean(weighted), jnp.mean(kept.reshape(-1, b - 1), axis=0)
 
-    return jax.jit(train_step, donate_argnums=(0, 1)), jax.jit(eval_step)
+    return jax.jit(step)
 
 
 def train_block_drafter(
@@ -274,9 +256,10 @@ def train_block_drafter(
     """Train a block drafter against a frozen target.
 
     Each step takes ``batch_size`` rows (a shuffled pass over ``train_rows``, reshuffled each
-    epoch), runs the target over them (its tap rows and greedy tokens, inside the compiled
-    step), draws ``anchors_per_row`` random anchors per row and takes one AdamW step on the
-    weighted cross-entropy (the recipe's optimizer: :func:`~turbospark_jax.recipe.train.
+    epoch), runs the target over them (its tap rows and greedy tokens; one compiled program
+    that the evaluation shares when its batches have the same shape), draws
+    ``anchors_per_row`` random anchors per row and takes one AdamW step on the weighted
+    cross-entropy (the recipe's optimizer: :func:`~turbospark_jax.recipe.train.
     make_optimizer`, warmup then cosine decay to a tenth of ``lr``, clipping, no decay on
     norms). The held-out evaluation (fixed anchors; every ``eval_every`` steps and at the
     end) reports the weighted cross-entropy and the greedy acceptance by block position
@@ -344,13 +327,15 @@ def train_block_drafter(
     train_config = TrainConfig(steps=steps, batch_size=batch_size, seq_len=train.shape[1],
                                peak_lr=float(lr), warmup_steps=warmup_steps, seed=seed,
                                compute_dtype=compute_dtype)
-    train_step, eval_step = _loop_programs(target, model, train_config, anchors_per_row,
-                                           float(decay))
+    optimizer = make_optimizer(train_config)
+    tied = target_config.tie_word_embeddings
+    train_step = make_train_step(model, optimizer, tied, float(decay))
+    eval_step = _eval_step(model, tied, float(decay))
     frozen = jax.tree.map(lambda a: jnp.asarray(a, dtype), target_params)
     key = jax.random.PRNGKey(seed)
     key, init_key, eval_key = jax.random.split(key, 3)
     params = init_params(drafter_config, init_key, jnp.float32)
-    opt_state = make_optimizer(train_config).init(params)
+    opt_state = optimizer.init(params)
 
     history: list[dict[str, Any]] = []
     eval_batch = min(batch_size, len(heldout))
@@ -359,9 +344,12 @@ def train_block_drafter(
     def run_eval(step: int) -> None:
         nonlocal eval_s
         t0 = time.monotonic()
-        parts = [eval_step(params, frozen, jnp.asarray(heldout[i : i + eval_batch]),
-                           jax.random.fold_in(eval_key, i))
-                 for i in range(0, len(heldout) - eval_batch + 1, eval_batch)]
+        parts = []
+        for i in range(0, len(heldout) - eval_batch + 1, eval_batch):
+            batch = target_batch(target, frozen, jnp.asarray(heldout[i : i + eval_batch]))
+            anchors = sample_anchors(jax.random.fold_in(eval_key, i), eval_batch,
+                                     heldout.shape[1], anchors_per_row, b)
+            parts.append(eval_step(params, frozen, batch, anchors))
         losses, accept = jax.device_get(([p[0] for p in parts], [p[1] for p in parts]))
         acceptance = [float(x) for x in np.mean(np.stack(accept), axis=0)]
         history.append({"kind": "eval", "step": step, "loss": float(np.mean(losses)),
@@ -384,9 +372,10 @@ def train_block_drafter(
             if cursor >= len(perm):
                 perm, cursor = order.permutation(len(train)), 0
         t0 = time.monotonic()
-        params, opt_state, loss = train_step(params, opt_state, frozen,
-                                             jnp.asarray(train[picked]),
-                                             jax.random.fold_in(key, step))
+        batch = target_batch(target, frozen, jnp.asarray(train[picked]))
+        anchors = sample_anchors(jax.random.fold_in(key, step), batch_size, train.shape[1],
+                                 anchors_per_row, b)
+        params, opt_state, loss = train_step(params, opt_state, frozen, batch, anchors)
         loss = float(loss)
         elapsed = time.monotonic() - t0
         if step == 0:
