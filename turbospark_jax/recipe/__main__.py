@@ -165,12 +165,25 @@ def _build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--out", type=Path, required=True,
                      help="run folder: OUT/tokenizer, OUT/target, OUT/draft, OUT/ckpt/*")
     rec.add_argument("--vocab-size", type=int, default=8192)
+    rec.add_argument("--tokenizer", type=Path, default=None,
+                     help="reuse this folder's tokenizer.json instead of training one (keeps "
+                     "the vocabulary of models already trained with it)")
     rec.add_argument("--target-preset", choices=tuple(PRESETS), default="target")
     rec.add_argument("--draft-preset", choices=tuple(PRESETS), default="draft")
     rec.add_argument("--draft-share", type=float, default=0.35,
                      help="most of the training budget the draft may use (default 0.35)")
+    rec.add_argument("--block-steps", type=int, default=0,
+                     help="then train a block drafter for the target for this many steps "
+                     "(0: none), into OUT/block")
+    rec.add_argument("--block-batch-size", type=int, default=32,
+                     help="target rows per block-drafter step (default 32)")
+    rec.add_argument("--block-lr", type=float, default=1e-3,
+                     help="the block drafter's peak learning rate (default 1e-3)")
+    rec.add_argument("--block-share", type=float, default=0.2,
+                     help="share of the time budget the block drafter gets when it trains "
+                     "(default 0.2)")
     rec.add_argument("--pack-out", type=Path, default=None,
-                     help="also pack OUT/target and OUT/draft into 15 MiB parts here")
+                     help="also pack the trained folders into 15 MiB parts here")
     _add_corpus_args(rec)
     _add_common_train_args(rec)
     _add_train_args(rec, "target-", epochs=8.0, batch_size=32, lr=2e-3)
@@ -257,6 +270,43 @@ def _summary(result: TrainResult) -> dict[str, Any]:
     }
 
 
+def _train_block_drafter(args: argparse.Namespace, target: TrainResult,
+                         data: tuple[np.ndarray, np.ndarray, dict[str, int]], folder: Path,
+                         deadline: float | None) -> dict[str, Any]:
+    """Train the block drafter for the just-trained target on the same rows, export it to
+    ``folder`` and return its summary (held-out acceptance by block position included)."""
+    from turbospark_jax.recipe.block_drafter_training import (
+        default_drafter_config,
+        export_block_drafter,
+        train_block_drafter,
+    )
+
+    train_rows, heldout_rows, _ = data
+    config = default_drafter_config(target.config)
+    on_cpu = jax.default_backend() == "cpu"
+    result = train_block_drafter(
+        target.config, target.params, train_rows, heldout_rows, config,
+        steps=args.block_steps, batch_size=min(args.block_batch_size, len(heldout_rows)),
+        lr=args.block_lr, seed=args.seed, progress=not args.no_progress,
+        deadline=None if deadline is None else deadline - 20.0,
+        warmup_steps=max(1, args.block_steps // 12),
+        eval_every=max(1, args.block_steps // 5),
+        compute_dtype="float32" if on_cpu else "bfloat16",
+    )
+    export_block_drafter(folder, result.config, result.params, args.save_dtype)
+    n_params = int(sum(np.prod(a.shape) for a in jax.tree.leaves(result.params)))
+    last = result.last_eval or {}
+    summary = {
+        "params": n_params, "steps_done": result.steps_done, "finished": result.finished,
+        "eval_loss": last.get("loss"), "acceptance_by_position": last.get("acceptance"),
+        "accepted_length": last.get("accepted_length"),
+        "timings": {k: round(v, 2) for k, v in result.timings.items()},
+    }
+    (folder / "training.json").write_text(
+        json.dumps({**summary, "history": result.history}, indent=1) + "\n", encoding="utf-8")
+    return summary
+
+
 def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.monotonic()
     deadline = None if args.max_seconds is None else t_start + args.max_seconds
@@ -272,7 +322,10 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
     t = _timed(timings, "corpus_s", t)
 
     tok_dir = out / "tokenizer"
-    if args.resume and (tok_dir / "tokenizer.json").is_file():
+    if args.tokenizer is not None:
+        tokenizer = Tokenizer.from_folder(args.tokenizer)
+        tokenizer.save(tok_dir)
+    elif args.resume and (tok_dir / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_folder(tok_dir)
     else:
         tokenizer = train_tokenizer([d.text for d in corpus.train], args.vocab_size)
@@ -297,14 +350,24 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
         deadline=draft_deadline, export_reserve=reserve,
     )
     t = _timed(timings, "draft_s", t)
+    target_deadline = deadline
+    if deadline is not None and args.block_steps:
+        left = deadline - time.monotonic() - reserve
+        target_deadline = deadline - max(left, 0.0) * args.block_share
     target = _train_and_export(
         args=args, name="target", role="It is the target model; a draft model for "
         "speculative decoding was trained in the same run with the same tokenizer.",
         preset=args.target_preset, tc=_train_config(args, rows, "target-"), tokenizer=tokenizer,
         corpus=corpus, data=data, run_dir=out, model_dir=out / "target",
-        deadline=deadline, export_reserve=reserve,
+        deadline=target_deadline, export_reserve=reserve,
     )
     t = _timed(timings, "target_s", t)
+    folders = [out / "target", out / "draft"]
+    block = None
+    if args.block_steps:
+        block = _train_block_drafter(args, target, data, out / "block", deadline)
+        folders.append(out / "block")
+        t = _timed(timings, "block_s", t)
     summary: dict[str, Any] = {
         "command": command_line(args.argv),
         "corpus": corpus.describe(),
@@ -313,8 +376,10 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
         "draft": _summary(draft),
         "target": _summary(target),
     }
+    if block is not None:
+        summary["block"] = block
     if args.pack_out is not None:
-        parts = pack_folders([out / "target", out / "draft"], args.pack_out)
+        parts = pack_folders(folders, args.pack_out)
         summary["parts"] = [p.name for p in parts]
         t = _timed(timings, "pack_s", t)
     timings["total_s"] = round(time.monotonic() - t_start, 2)
