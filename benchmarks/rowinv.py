@@ -163,9 +163,11 @@ def main() -> None:
     xla = jax.jit(_xla)
     top = max(p["rows"])
 
-    for k, n in p["shapes"]:
+    nested = jax.jit(lambda x, w: rowinv_matmul(x, w, tiles=Tiles(flat_loop=False)))
+    for index, (k, n) in enumerate(p["shapes"]):
         x, w = _operands(k, n, top)
-        for name, f in (("ours", ours), ("xla", xla)):
+        impls = [("ours", ours), ("xla", xla)] + ([("ours nested", nested)] if index == 0 else [])
+        for name, f in impls:
             run.case("invariance", {"impl": name, "K": k, "N": n},
                      lambda f=f, x=x, w=w: _invariance(f, x, w[0], p["rows"], p["single"]))
 
