@@ -1,0 +1,145 @@
+"""Row-invariant matrix products (models/rowinv.py): a row's result is bitwise the same for any
+number of rows in the call, any position of the row, either Pallas kernel and any tile sizes;
+the result is within the float32 summation bound of a float64 product; and the invariance check
+fails for a kernel whose K split depends on the row count.
+
+On a CPU the kernels run in the Pallas interpreter (small K and N: it is slow); on a GPU these
+tests run the compiled Triton kernels (``JAX_PLATFORMS=cuda python -m pytest
+tests/test_rowinv.py``), where the XLA form is not the default.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.rowinv import Schedule, Tiles, rowinv_matmul
+
+ON_GPU = jax.default_backend() == "gpu"
+KERNEL_IMPL = "pallas" if ON_GPU else "interpret"
+#: Four K tiles of 32 in two segments of two; N not a multiple of the column tiles below.
+K, N, ROWS = 128, 48, 40
+SCHEDULE = Schedule(k_tile=32, segment_tiles=2)
+TILES = {"small": Tiles(bm=16, bn=32, matvec_bn=16),
+         "large": Tiles(bm=32, bn=64, matvec_bn=32, flat_loop=False)}
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@functools.cache
+def _operands(dtype: str, k: int = K, n: int = N, rows: int = ROWS):
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((rows, k)), DTYPES[dtype])
+    w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), DTYPES[dtype])
+    return x, w
+
+
+@functools.cache
+def _product(dtype: str, impl: str, kernel: str, tiles: str, rows: tuple[int, int],
+             out: str = "float32") -> np.ndarray:
+    """The product of rows ``rows[0]:rows[1]`` of the operands."""
+    x, w = _operands(dtype)
+    got = rowinv_matmul(x[rows[0] : rows[1]], w, out_dtype=DTYPES[out], impl=impl, kernel=kernel,
+                        schedule=SCHEDULE, tiles=TILES[tiles])
+    return np.asarray(got)
+
+
+def _failures(product, ms, singles) -> list:
+    """Row counts ``m`` whose rows differ from the same rows of the widest call, and rows ``r``
+    whose one-row call differs from row ``r`` of the widest call."""
+    full = product((0, ROWS))
+    bad = [m for m in ms if not np.array_equal(product((0, m)), full[:m])]
+    return bad + [("row", r) for r in singles
+                  if not np.array_equal(product((r, r + 1))[0], full[r])]
+
+
+CASES = [("xla", "auto"), (KERNEL_IMPL, "matvec"), (KERNEL_IMPL, "matmul")]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("impl", "kernel"), CASES)
+def test_rows_do_not_depend_on_the_row_count(dtype, impl, kernel):
+    product = functools.partial(_product, dtype, impl, kernel, "small")
+    assert _failures(product, ms=(1, 5, 16, 17), singles=(23,)) == []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernels_and_tile_sizes_agree(dtype):
+    """matvec == matmul, for two sets of tile sizes (and both matmul loop forms)."""
+    rows = (0, ROWS)
+    want = _product(dtype, KERNEL_IMPL, "matmul", "small", rows)
+    for kernel in ("matvec", "matmul"):
+        for tiles in TILES:
+            assert np.array_equal(_product(dtype, KERNEL_IMPL, kernel, tiles, rows), want)
+
+
+def test_xla_form_rows_many_row_counts():
+    """The XLA form (the CPU's path) over a wider range of row counts and a larger shape."""
+    rng = np.random.default_rng(3)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = jnp.asarray(rng.standard_normal((300, 256)), dtype)
+        w = jnp.asarray(rng.standard_normal((256, 96)) / 16, dtype)
+        full = np.asarray(rowinv_matmul(x, w, impl="xla"))
+        for m in (1, 2, 3, 7, 8, 15, 16, 17, 31, 33, 64, 100):
+            assert np.array_equal(np.asarray(rowinv_matmul(x[:m], w, impl="xla")), full[:m]), m
+        one = np.asarray(rowinv_matmul(x[250:251], w, impl="xla"))
+        assert np.array_equal(one[0], full[250])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("impl", "kernel"), CASES)
+def test_close_to_a_float64_product(dtype, out, impl, kernel):
+    """Within the bound of K float32 roundings of the summed magnitudes (plus, for float32
+    operands, their products' rounding), and half a bfloat16 ulp for a bfloat16 result."""
+    x, w = _operands(dtype)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    want = x64 @ w64
+    got = np.asarray(_product(dtype, impl, kernel, "small", (0, ROWS), out), np.float64)
+    bound = (K + 1) * 2.0**-24 * (np.abs(x64) @ np.abs(w64))
+    if out == "bfloat16":
+        bound = bound + 2.0**-8 * np.abs(want)
+    assert np.all(np.abs(got - want) <= bound)
+
+
+def _m_dependent(rows: tuple[int, int]) -> np.ndarray:
+    """A kernel that is NOT row-invariant: its K tile grows with the row count."""
+    x, w = _operands("float32")
+    schedule = Schedule(k_tile=32 if rows[1] - rows[0] <= 16 else 64, segment_tiles=1)
+    return np.asarray(rowinv_matmul(x[rows[0] : rows[1]], w, impl=KERNEL_IMPL, kernel="matmul",
+                                    schedule=schedule, tiles=TILES["small"]))
+
+
+def test_control_a_row_count_dependent_k_split_fails_the_check():
+    assert _failures(_m_dependent, ms=(5, 17), singles=(23,)) != []
+
+
+def test_bad_input_is_refused():
+    x, w = _operands("float32")
+    cases = [
+        (x[0], w), (x, w[None]), (x[:, :0], w[:0]), (x[:, :64], w),
+        (x.astype(jnp.bfloat16), w), (x.astype(jnp.int32), w.astype(jnp.int32)),
+    ]
+    for a, b in cases:
+        with pytest.raises(BadInputError):
+            rowinv_matmul(a, b)
+    for kwargs in ({"impl": "cuda"}, {"kernel": "gemm"}, {"out_dtype": jnp.int8}):
+        with pytest.raises(BadInputError):
+            rowinv_matmul(x, w, **kwargs)
+    if not ON_GPU:
+        with pytest.raises(BadInputError, match="needs a GPU"):
+            rowinv_matmul(x, w, impl="pallas")
+    for bad in ({"k_tile": 24}, {"k_tile": 8}, {"segment_tiles": 0}):
+        with pytest.raises(BadInputError):
+            Schedule(**bad)
+    with pytest.raises(BadInputError):
+        Tiles(bn=48)
+
+
+def test_schedule_plan_depends_on_k_alone():
+    assert Schedule().plan(2048) == (2048, 16, 4)
+    assert Schedule().plan(896) == (896, 7, 1)  # 7 tiles: segments of one
+    assert Schedule().plan(4864) == (4864, 38, 2)
+    assert Schedule(k_tile=32).plan(40) == (64, 2, 2)  # padded to whole tiles

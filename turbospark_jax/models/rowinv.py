@@ -1,0 +1,342 @@
+"""Row-invariant matrix products: a row's result never depends on how many rows the call has.
+
+``rowinv_matmul(x [M, K], w [K, N])`` gives row ``r`` of its result bitwise the same for any
+``M``, any position of the row in ``x`` and either of its kernels, so a decode step of one row,
+a verify of ``k + 1`` rows and a prefill chunk of thousands can be different programs and still
+agree bit for bit (DESIGN.md section 7).
+
+What fixes a row's arithmetic is its *schedule* (:class:`Schedule`), a function of ``K``
+alone: the reduction over ``K`` runs in tiles of ``k_tile`` columns, one after another; runs of
+``segment_tiles`` tiles form segments, each summed from zero, and the segments are added in
+order to a total that starts at ``-0.0`` (the exact additive identity, so the first addition
+changes no bit). Neither ``M`` nor any tile size over ``M`` or ``N`` enters it.
+
+On a GPU two Pallas (Triton) kernels follow that schedule:
+
+* ``"matmul"`` for many rows: a program per ``[bm, bn]`` output tile walks all of ``K``,
+  folding each finished segment into its total;
+* ``"matvec"`` for few rows (decode, verify): a program per ``[16, bn]`` output tile *and*
+  segment, so a single row still spreads the weight reads over many programs; the segments'
+  float32 partial sums are then added in order.
+
+Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them.
+
+On other backends the product runs as XLA dots of one fixed shape, ``[ROW_TILE, K] @ [K, N]``
+over the rows in tiles (:func:`_xla_tiled`). XLA's CPU dot is not row-invariant by itself (a
+single row takes a matrix-vector path that sums differently; small float32 products switch
+algorithm with the row count), but a dot of one fixed shape computes each of its rows alike,
+whatever the row holds and wherever it sits; ``tests/test_rowinv.py`` checks both facts.
+In the Pallas interpreter the kernels' tile products are such dots too, so the interpreted
+kernels show the schedule's invariance on a CPU; the hardware's own tile product is checked
+on the GPU by ``benchmarks/rowinv.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from turbospark_jax.errors import BadInputError
+
+#: Rows of the fixed-shape dots of the XLA form, and of the matvec kernel's row tile (Triton's
+#: smallest matrix-product tile).
+ROW_TILE = 16
+#: At most this many rows go to the matvec kernel under ``kernel="auto"``.
+SMALL_M = 16
+#: Values of ``impl``: ``"auto"`` (Pallas on a GPU, the XLA form elsewhere), ``"pallas"``,
+#: ``"interpret"`` (the Pallas kernels in the interpreter, for CPU tests) and ``"xla"``.
+IMPLS = ("auto", "pallas", "interpret", "xla")
+#: Values of ``kernel``: which Pallas kernel runs (``"auto"`` picks by the row count).
+KERNELS = ("auto", "matvec", "matmul")
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _power_of_two(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The reduction order over ``K`` every row follows (see the module docstring).
+
+    Attributes:
+      k_tile: columns per tile (a power of two, at least 16).
+      segment_tiles: tiles per segment, at most; a ``K`` of ``t`` tiles gets segments of the
+        largest divisor of ``t`` not above it, so every segment has the same length.
+    """
+
+    k_tile: int = 128
+    segment_tiles: int = 4
+
+    def __post_init__(self) -> None:
+        if not (_power_of_two(self.k_tile) and self.k_tile >= 16):
+            raise BadInputError(f"k_tile must be a power of two >= 16, got {self.k_tile}")
+        if self.segment_tiles < 1:
+            raise BadInputError(f"segment_tiles must be >= 1, got {self.segment_tiles}")
+
+    def plan(self, k: int) -> tuple[int, int, int]:
+        """``(padded K, tiles, tiles per segment)`` for a reduction over ``k`` columns. Zero
+        columns pad ``K`` to whole tiles; they add exact zeros."""
+        tiles = -(-k // self.k_tile)
+        per = max(d for d in range(1, min(self.segment_tiles, tiles) + 1) if tiles % d == 0)
+        return tiles * self.k_tile, tiles, per
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile sizes and Triton settings of the two kernels. They change speed, never a bit of
+    the result (only the :class:`Schedule` does).
+
+    Attributes:
+      bm, bn: the matmul kernel's output tile.
+      warps, stages: its Triton ``num_warps`` and ``num_stages``.
+      matvec_bn: the matvec kernel's output columns per program.
+      matvec_warps, matvec_stages: its Triton settings.
+      flat_loop: the matmul kernel walks all K tiles in one loop, folding a segment into
+        the total at its last tile (Triton pipelines one loop's loads), rather than a loop
+        over segments around a loop over their tiles.
+    """
+
+    bm: int = 64
+    bn: int = 128
+    warps: int = 4
+    stages: int = 3
+    matvec_bn: int = 64
+    matvec_warps: int = 4
+    matvec_stages: int = 3
+    flat_loop: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("bm", "bn", "matvec_bn"):
+            value = getattr(self, name)
+            if not (_power_of_two(value) and value >= 16):
+                raise BadInputError(f"{name} must be a power of two >= 16, got {value}")
+
+
+def _ceil_to(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _pad(a: jax.Array, rows: int, cols: int) -> jax.Array:
+    if a.shape == (rows, cols):
+        return a
+    return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
+
+
+def _fixed_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """``a [R, k] @ b [k, C]`` in float32 as dots of one shape, ``[16, k] @ [k, 16]``, over
+    16-row, 16-column blocks (``R`` and ``C`` multiples of 16): the kernels' tile product in
+    the interpreter, the same for every tile size."""
+    return jnp.concatenate([
+        jnp.concatenate([
+            jnp.dot(a[i : i + ROW_TILE], b[:, j : j + ROW_TILE], preferred_element_type=jnp.float32)
+            for j in range(0, b.shape[1], ROW_TILE)
+        ], axis=1)
+        for i in range(0, a.shape[0], ROW_TILE)
+    ])
+
+
+def _gpu_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """A tile product on the GPU; float32 operands in full float32, not TF32."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
+
+
+def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
+               acc: jax.Array) -> jax.Array:
+    """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
+    row's arithmetic is the same in either."""
+    at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
+    return acc + tile_dot(x_ref[:, at], w_ref[at, :])
+
+
+def _matmul_kernel(x_ref: Any, w_ref: Any, o_ref: Any, *, tiles: int, per: int, k_tile: int,
+                   tile_dot: Any, flat: bool) -> None:
+    zeros = jnp.zeros(o_ref.shape, jnp.float32)
+    total = jnp.full(o_ref.shape, -0.0, jnp.float32)
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot)
+    if flat:  # one loop over every tile (Triton pipelines its loads), folding at segment ends
+        def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            total, acc = carry
+            acc = step(i, acc=acc)
+            end = (i + 1) % per == 0
+            return jnp.where(end, total + acc, total), jnp.where(end, zeros, acc)
+
+        total, _ = jax.lax.fori_loop(0, tiles, body, (total, zeros))
+    else:  # a loop over segments around a loop over their tiles
+        def segment(s: Any, total: jax.Array) -> jax.Array:
+            tile = lambda i, acc: step(s * per + i, acc=acc)  # noqa: E731
+            return total + jax.lax.fori_loop(0, per, tile, zeros)
+
+        total = jax.lax.fori_loop(0, tiles // per, segment, total)
+    o_ref[...] = total.astype(o_ref.dtype)
+
+
+def _matvec_kernel(x_ref: Any, w_ref: Any, o_ref: Any, *, per: int, k_tile: int,
+                   tile_dot: Any) -> None:
+    # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn].
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot)
+    acc = jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
+                            jnp.zeros(o_ref.shape, jnp.float32))
+    o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
+    if interpret:
+        return {}
+    from jax.experimental.pallas import triton as plgpu
+
+    return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
+
+
+def _matmul(x: jax.Array, w: jax.Array, out_dtype: Any, schedule: Schedule, tiles: Tiles,
+            interpret: bool) -> jax.Array:
+    m, k = x.shape
+    n = w.shape[1]
+    kp, count, per = schedule.plan(k)
+    mp, np_ = _ceil_to(m, tiles.bm), _ceil_to(n, tiles.bn)
+    kernel = functools.partial(_matmul_kernel, tiles=count, per=per, k_tile=schedule.k_tile,
+                               tile_dot=_fixed_dot if interpret else _gpu_dot,
+                               flat=tiles.flat_loop)
+    out = pl.pallas_call(
+        kernel,
+        grid=(mp // tiles.bm, np_ // tiles.bn),
+        in_specs=[pl.BlockSpec((tiles.bm, kp), lambda i, j: (i, 0)),
+                  pl.BlockSpec((kp, tiles.bn), lambda i, j: (0, j))],
+        out_specs=pl.BlockSpec((tiles.bm, tiles.bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        interpret=interpret,
+        name="rowinv_matmul",
+        **_compiler_params(interpret, tiles.warps, tiles.stages),
+    )(_pad(x, mp, kp), _pad(w, kp, np_))
+    return out[:m, :n]
+
+
+def _matvec(x: jax.Array, w: jax.Array, out_dtype: Any, schedule: Schedule, tiles: Tiles,
+            interpret: bool) -> jax.Array:
+    m, k = x.shape
+    n = w.shape[1]
+    kp, count, per = schedule.plan(k)
+    segments, seg_len = count // per, per * schedule.k_tile
+    bn = tiles.matvec_bn
+    mp, np_ = _ceil_to(m, ROW_TILE), _ceil_to(n, bn)
+    one = segments == 1  # the only partial is the result: written in the output dtype
+    kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
+                               tile_dot=_fixed_dot if interpret else _gpu_dot)
+    partials = pl.pallas_call(
+        kernel,
+        grid=(mp // ROW_TILE, np_ // bn, segments),
+        in_specs=[pl.BlockSpec((ROW_TILE, seg_len), lambda i, j, s: (i, s)),
+                  pl.BlockSpec((seg_len, bn), lambda i, j, s: (s, j))],
+        out_specs=pl.BlockSpec((None, ROW_TILE, bn), lambda i, j, s: (s, i, j)),
+        out_shape=jax.ShapeDtypeStruct((segments, mp, np_), out_dtype if one else jnp.float32),
+        interpret=interpret,
+        name="rowinv_matvec",
+        **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
+    )(_pad(x, mp, kp), _pad(w, kp, np_))
+    partials = partials[:, :m, :n]
+    if one:
+        return partials[0]
+    total = partials[0]  # == -0.0 + partials[0], as the matmul kernel starts
+    for s in range(1, segments):  # in order, as the matmul kernel adds them
+        total = total + partials[s]
+    return total.astype(out_dtype)
+
+
+def _xla_tiled(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+    """The product as one fixed-shape dot per ``ROW_TILE`` rows (a loop, one dot compiled)."""
+    m, k = x.shape
+    mp = _ceil_to(m, ROW_TILE)
+    row_tiles = _pad(x, mp, k).reshape(mp // ROW_TILE, ROW_TILE, k)
+
+    def tile(rows: jax.Array) -> jax.Array:
+        return jnp.dot(rows, w, preferred_element_type=jnp.float32).astype(out_dtype)
+
+    return jax.lax.map(tile, row_tiles).reshape(mp, -1)[:m]
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "kernel", "schedule", "tiles"))
+def _rowinv_matmul(x: jax.Array, w: jax.Array, out_dtype: Any, impl: str, kernel: str,
+                   schedule: Schedule, tiles: Tiles) -> jax.Array:
+    if impl == "xla":
+        return _xla_tiled(x, w, out_dtype)
+    interpret = impl == "interpret"
+    if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
+        return _matvec(x, w, out_dtype, schedule, tiles, interpret)
+    return _matmul(x, w, out_dtype, schedule, tiles, interpret)
+
+
+def resolve_impl(impl: str) -> str:
+    """``impl`` with ``"auto"`` made concrete for the default backend.
+
+    Raises:
+      BadInputError: ``impl`` is not one of :data:`IMPLS`, or ``"pallas"`` off a GPU.
+    """
+    if impl not in IMPLS:
+        raise BadInputError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
+    on_gpu = jax.default_backend() == "gpu"
+    if impl == "auto":
+        return "pallas" if on_gpu else "xla"
+    if impl == "pallas" and not on_gpu:
+        raise BadInputError(
+            f"impl='pallas' needs a GPU (the backend is {jax.default_backend()!r}); use "
+            "'interpret' to run the kernels in the Pallas interpreter, or 'xla'"
+        )
+    return impl
+
+
+def rowinv_matmul(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    out_dtype: Any = None,
+    impl: str = "auto",
+    kernel: str = "auto",
+    schedule: Schedule = Schedule(),
+    tiles: Tiles = Tiles(),
+) -> jax.Array:
+    """``x @ w`` accumulated in float32, with each row's result independent of the others'.
+
+    Row ``r`` of the result is a function of ``x[r]``, ``w`` and ``schedule`` only: bitwise
+    the same for any number of rows, any position of the row, either kernel and any ``tiles``
+    (see the module docstring for how, and where each part is checked).
+
+    Args:
+      x: ``[M, K]``, bfloat16, float16 or float32.
+      w: ``[K, N]``, the same dtype as ``x``.
+      out_dtype: the result's dtype (one of the three); ``x.dtype`` when None.
+      impl: one of :data:`IMPLS`.
+      kernel: one of :data:`KERNELS` (Pallas impls only; ``"auto"``: matvec for at most
+        :data:`SMALL_M` rows, matmul above).
+      schedule: the reduction order over ``K`` (Pallas impls only).
+      tiles: the kernels' tile sizes and Triton settings (speed only).
+
+    Returns:
+      ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+      BadInputError: operands that are not 2-D, empty, of different or unsupported dtypes,
+        or whose inner dimensions differ; an unknown ``impl``, ``kernel`` or ``out_dtype``;
+        ``impl="pallas"`` off a GPU.
+    """
+    for name, a in (("x", x), ("w", w)):
+        if getattr(a, "ndim", None) != 2 or 0 in a.shape:
+            raise BadInputError(f"{name} must be a non-empty 2-D array, got shape "
+                                f"{getattr(a, 'shape', type(a).__name__)}")
+    if x.shape[1] != w.shape[0]:
+        raise BadInputError(f"x [M, K] @ w [K, N] needs equal K; got x {tuple(x.shape)} and "
+                            f"w {tuple(w.shape)}")
+    if jnp.dtype(x.dtype) not in _DTYPES or x.dtype != w.dtype:
+        raise BadInputError(f"x and w must share one dtype of bfloat16, float16, float32; got "
+                            f"{x.dtype} and {w.dtype}")
+    out = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    if out not in _DTYPES:
+        raise BadInputError(f"out_dtype must be bfloat16, float16 or float32; got {out}")
+    if kernel not in KERNELS:
+        raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    return _rowinv_matmul(x, w, out, resolve_impl(impl), kernel, schedule, tiles)
