@@ -35,9 +35,9 @@ def producer(width: int = 5) -> BlockProducer:
                          donate=True)
 
 
-def _mixing_step(model, params, stack, rows, active):
+def _mixing_step(model, params, stack, rows, active, **variant):
     """The control: a decode program whose rows see each other (one batch-wide term)."""
-    stack, rows, out = decode_step(model, params, stack, rows, active)
+    stack, rows, out = decode_step(model, params, stack, rows, active, **variant)
     shared = jnp.sum(jnp.where(active[:, None], out.logits, 0.0), axis=0) * 1e-3
     return stack, rows, out.replace(logits=out.logits + shared)
 
