@@ -49,7 +49,8 @@ class ServerConfig:
       tokenizer: encodes prompts, renders chat templates, names logprob tokens.
       stop_token_ids: ids that end a completion (end of sequence).
       chat_stop_token_ids: ids that end a chat reply (end of sequence and end of turn).
-      prefill_chunk: prompt tokens per prefill chunk (one chunk runs between decode steps).
+      prefill_chunk: prompt tokens per prefill chunk of a speculative request (batched requests
+        follow the engine's own ``prefill_chunk``).
       default_chat_tokens: ``max_tokens`` of a chat request that sets none (at most what the
         context has left).
     """

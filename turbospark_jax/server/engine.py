@@ -1,21 +1,22 @@
 """The serving engine: one scheduler thread runs every request over the batched slot rows.
 
 Requests arrive from any thread (:meth:`Engine.submit`) and wait in a bounded queue. The
-scheduler thread owns the device and loops:
+scheduler thread owns the device and loops over ticks:
 
 1. drop requests whose client went away (their slot is free from this point on);
 2. give waiting requests slots (:func:`~turbospark_jax.server.slots.choose_slot`); a request
    whose session's slot is busy waits without holding up the others;
-3. run **one prefill chunk** of the oldest request still prefilling, through the producer's own
-   exact chunked program on that slot's state alone; after its last chunk the first token is
-   sampled on the host from the prefill's logits (as the plain loop does) and the row joins the
-   batch;
+3. run **one prefill call** (:meth:`~turbospark_jax.batching.BatchedDecoder.prefill`) for the
+   oldest ``P`` requests still prefilling, each fed up to ``C`` more prompt tokens on its own
+   row; a request whose prompt ends in the call draws its first token in it and joins the batch;
 4. run **one batched decode step** for every row in the batch
-   (:class:`~turbospark_jax.batching.BatchedDecoder`); each row's token goes through the
+   (:meth:`~turbospark_jax.batching.BatchedDecoder.step`); each row's token goes through the
    request's own :class:`~turbospark_jax.completion.Emission` (stop tokens, detokenizer, stop
    strings, ``max_tokens``), and a finished row leaves the batch.
 
-So a long prompt delays the others by one chunk per step, not by its whole prefill.
+So a tick's prompt work is bounded (``P * C`` tokens, at most ``C / W`` block steps): a long
+prompt delays the streams in flight by one chunk per tick, not by its whole prefill, and
+several prompts progress in the same call.
 
 **Prefix reuse covers prompt rows only.** A slot remembers the prompt its last request
 prefilled, and a later request reuses at most that prefix: the rows the batched decode program
@@ -24,9 +25,9 @@ reason is measured, not assumed: on the CPU the vmapped decode program writes KV
 differ in the last bits from what the prefill program writes for the same tokens, so reusing
 them would make a continued conversation differ from the same prompt served fresh
 (``tests/test_batching.py`` checks reuse against fresh bitwise). A request's
-output depends only on its own prompt, settings and seed: its prefill is the single-sequence
-program, its first token the host sampler, and every later token a row of a fixed-shape batched
-program whose rows do not interact (see :mod:`turbospark_jax.batching`).
+output depends only on its own prompt, settings and seed: its prompt and first token are a row
+of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
+and neither program's rows interact (see :mod:`turbospark_jax.batching`).
 
 **Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
 request without logprobs runs the existing speculative loop on a fresh state of its own, one
