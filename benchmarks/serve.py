@@ -1,9 +1,12 @@
 """Serving benchmark: aggregate tokens/s, time to first token and inter-token latency at several
 concurrency levels, for our server and for transformers' continuous batching, in one run.
 
-Ours: a live server on localhost (uvicorn in a thread) with as many session slots as streams,
-so every stream is a row of the batched decode program; the clients stream greedy completions
-over HTTP (httpx), so the figures include the HTTP and SSE work. Transformers:
+Ours: one live server on localhost (uvicorn in a thread) for every concurrency level, with as
+many session slots as the largest level has streams (so the decode program is compiled once and
+every stream is a row of it), prompts prefilled ``prefill_rows`` at a time in chunks of
+``prefill_chunk`` tokens between decode steps; the clients stream greedy completions over HTTP
+(httpx), so the figures include the HTTP and SSE work. Each level's prompts are its own, so no
+level reuses another's prefix. Transformers:
 ``model.generate_batch`` (its continuous batching) over the same prompts with
 ``record_timestamps``, in process (no HTTP), its throughput measured from the first request's
 creation to the last token (the call's own start-up and shut-down excluded, kept as
@@ -12,19 +15,25 @@ creation to the last token (the call's own start-up and shut-down excluded, kept
     python -m benchmarks.serve --preset cpu      # the embedded model, float32 on the CPU
     python -m benchmarks.serve --preset h200     # a Llama-3.2-1B-shaped random model, bf16
 
-Results go to ``benchmarks/results/serve_<preset>.json`` and a plot ``serve_<preset>.png``.
+Results go to ``--out`` (default ``benchmarks/results``) as ``serve_<preset>.json``, rewritten
+after every measurement so a run cut short keeps what it measured, and a plot
+``serve_<preset>.png``. ``--budget-s`` (default 170) skips the levels not begun once it is spent
+(recorded as skipped), so the h200 preset stays within four minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +53,16 @@ class Preset:
     context: int
     width: int
     dtype: str
+    prefill_rows: int
+    prefill_chunk: int
 
 
 PRESETS = {
-    "cpu": Preset("embedded", (1, 8, 32, 64), 32, 32, 128, 16, "float32"),
-    "h200": Preset("llama-3.2-1b", (1, 8, 32, 64), 128, 256, 512, 16, "bfloat16"),
-    "smoke": Preset("embedded", (1, 2), 8, 4, 32, 16, "float32"),
+    "cpu": Preset("embedded", (1, 8, 32, 64), 32, 32, 128, 16, "float32", 8, 32),
+    "h200": Preset("llama-3.2-1b", (1, 8, 32, 64), 128, 256, 512, 16, "bfloat16", 8, 128),
+    "smoke": Preset("embedded", (1, 2), 8, 4, 32, 16, "float32", 2, 16),
     # The h200 preset's path (a random model without a tokenizer) in miniature, for the CPU.
-    "tiny-random": Preset("tiny", (1, 2), 8, 4, 32, 4, "bfloat16"),
+    "tiny-random": Preset("tiny", (1, 2), 8, 4, 32, 4, "bfloat16", 2, 8),
 }
 
 
@@ -137,28 +148,59 @@ async def _drive(url: str, prompts: list[list[int]], tokens: int) -> dict[str, f
     return _latency_summary(ttft, gaps, sum(r[2] for r in runs), wall)
 
 
-def run_ours(preset: Preset, model: Any, params: Any, tokenizer: Any) -> list[dict[str, Any]]:
+class Report:
+    """The run's records, written out whole after every one is added."""
+
+    def __init__(self, path: Path, meta: dict[str, Any], deadline: float) -> None:
+        self.path, self.meta, self.deadline = path, meta, deadline
+        self.records: list[dict[str, Any]] = []
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        print(json.dumps(record), flush=True)
+        self.path.write_text(json.dumps({"meta": self.meta, "records": self.records},
+                                        indent=1) + "\n")
+
+    def out_of_time(self, system: str, n: int) -> bool:
+        """Whether the budget is spent (then the level is recorded as skipped)."""
+        if time.perf_counter() < self.deadline:
+            return False
+        self.add({"system": system, "concurrency": n, "skipped": "out of the time budget"})
+        return True
+
+
+@contextlib.contextmanager
+def our_server(preset: Preset, model: Any, params: Any, tokenizer: Any, report: Report
+               ) -> Iterator[Callable[[int], None]]:
+    """Start and warm our server; yields ``measure(n)``, which times ``n`` streams."""
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.server.build import make_server
     from turbospark_jax.testing.live_server import running
 
-    records = []
-    for n in preset.concurrency:
-        producer = BlockProducer(model, params, capacity=preset.context, width=preset.width,
-                                 steps_per_call=8, donate=True)
-        server = make_server(producer, tokenizer, model_name="bench", slots=n,
-                             max_waiting=n, prefill_chunk=64)
-        prompts = _prompts(n, preset.prompt_tokens, producer.vocab_size)
-        with running(server) as url:
-            # Compile the prefill, the batched step and the reuse path's small programs with
-            # prompts the timed run does not share (no prefix of it is cached).
-            warm = _prompts(2, preset.prompt_tokens, producer.vocab_size, seed=1)
-            for prompt in (warm[0], warm[0][:-1] + warm[1][-1:], warm[1]):
-                asyncio.run(_drive(url, [prompt], 2))
+    slots = max(preset.concurrency)
+    producer = BlockProducer(model, params, capacity=preset.context, width=preset.width,
+                             steps_per_call=8, donate=True)
+    server = make_server(producer, tokenizer, model_name="bench", slots=slots,
+                         max_waiting=slots, prefill_chunk=preset.prefill_chunk,
+                         prefill_rows=preset.prefill_rows)
+    with running(server) as url:
+        # Compile the prefill, the batched step and the reuse path's small programs with
+        # prompts no timed level shares (no prefix of theirs is cached).
+        started = time.perf_counter()
+        warm = _prompts(2, preset.prompt_tokens, producer.vocab_size, seed=10_000)
+        for prompts in ([warm[0]], [warm[0][:-1] + warm[1][-1:], warm[1]]):
+            asyncio.run(_drive(url, prompts, 2))
+        report.meta["ours_warmup_s"] = time.perf_counter() - started
+
+        def measure(n: int) -> None:
+            if report.out_of_time("turbospark_jax", n):
+                return
+            prompts = _prompts(n, preset.prompt_tokens, producer.vocab_size, seed=n)
             figures = asyncio.run(_drive(url, prompts, preset.new_tokens))
-        records.append({"system": "turbospark_jax", "concurrency": n, **figures})
-        print(json.dumps(records[-1]), flush=True)
-    return records
+            report.add({"system": "turbospark_jax", "concurrency": n, "slots": slots,
+                        **figures})
+
+        yield measure
 
 
 # -- transformers -------------------------------------------------------------------------------
@@ -181,28 +223,33 @@ def _hf_model(preset: Preset, device: str) -> Any:
     return shaped(SHAPES[preset.model], device)
 
 
-def run_hf(preset: Preset, device: str) -> list[dict[str, Any]]:
+def hf_runner(preset: Preset, device: str, report: Report) -> Callable[[int], None]:
+    """transformers' model for the preset; returns ``measure(n)``, which times ``n`` requests."""
     import transformers
 
     model = _hf_model(preset, device)
     vocab = model.config.vocab_size
-    records = []
-    for n in preset.concurrency:
-        prompts = _prompts(n, preset.prompt_tokens, vocab)
+    warmed: list[int] = []
+
+    def measure(n: int) -> None:
+        if report.out_of_time("transformers_generate_batch", n):
+            return
+        prompts = _prompts(n, preset.prompt_tokens, vocab, seed=n)
         config = transformers.GenerationConfig(
             max_new_tokens=preset.new_tokens, do_sample=False, eos_token_id=-1,
             pad_token_id=0)
         try:
-            model.generate_batch(prompts[:1], generation_config=config, max_new_tokens=2)
+            if not warmed:  # once: each call starts and stops its manager (slow on a CPU)
+                model.generate_batch(prompts[:1], generation_config=config, max_new_tokens=2)
+                warmed.append(n)
             start = time.perf_counter()
             outs = model.generate_batch(prompts, generation_config=config,
                                         record_timestamps=True)
             wall = time.perf_counter() - start
         except Exception as exc:  # record why, and keep the run's other figures
-            records.append({"system": "transformers_generate_batch", "concurrency": n,
-                            "error": f"{type(exc).__name__}: {exc}"})
-            print(json.dumps(records[-1]), flush=True)
-            continue
+            report.add({"system": "transformers_generate_batch", "concurrency": n,
+                        "error": f"{type(exc).__name__}: {exc}"})
+            return
         ttft, gaps, tokens, first, last = [], [], 0, [], []
         for out in outs.values():
             stamps = out.timestamps or []
@@ -216,11 +263,11 @@ def run_hf(preset: Preset, device: str) -> list[dict[str, Any]]:
         # CPU); the throughput window runs from the first request's creation to the last
         # token, and the whole call's time is kept as call_s.
         window = max(last) - min(first) if last else wall
-        records.append({"system": "transformers_generate_batch", "concurrency": n,
-                        **_latency_summary(ttft or [float("nan")], gaps, tokens, window),
-                        "call_s": wall})
-        print(json.dumps(records[-1]), flush=True)
-    return records
+        report.add({"system": "transformers_generate_batch", "concurrency": n,
+                    **_latency_summary(ttft or [float("nan")], gaps, tokens, window),
+                    "call_s": wall})
+
+    return measure
 
 
 # -- report ---------------------------------------------------------------------------------
@@ -254,23 +301,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--skip-hf", action="store_true", help="only our server")
+    parser.add_argument("--budget-s", type=float, default=170.0,
+                        help="seconds after which the levels left are skipped")
     args = parser.parse_args(argv)
+    deadline = time.perf_counter() + args.budget_s
+    # JAX would take most of the GPU's memory up front; transformers runs in the same process.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
 
     preset = PRESETS[args.preset]
     backend = jax.default_backend()
     device = "cuda" if backend == "gpu" else "cpu"
-    model, params, tokenizer = _our_model(preset)
-    records = run_ours(preset, model, params, tokenizer)
-    if not args.skip_hf:
-        records += run_hf(preset, device)
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "backend": backend, "device": str(jax.devices()[0]), "jax": jax.__version__,
             "python": sys.version.split()[0], "machine": platform.machine(),
             "preset": dataclasses.asdict(preset)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"serve_{args.preset}.json").write_text(
-        json.dumps({"meta": meta, "records": records}, indent=1) + "\n")
+    report = Report(args.out / f"serve_{args.preset}.json", meta, deadline)
+    model, params, tokenizer = _our_model(preset)
+    # Level by level, ours then transformers': a budget that runs out cuts both alike.
+    with our_server(preset, model, params, tokenizer, report) as ours:
+        theirs = None if args.skip_hf else hf_runner(preset, device, report)
+        for n in preset.concurrency:
+            ours(n)
+            if theirs is not None:
+                theirs(n)
+    records = report.records
     plot(records, args.out / f"serve_{args.preset}.png",
          f"{preset.model} on {backend}: {preset.prompt_tokens}-token prompts, "
          f"{preset.new_tokens} new")

@@ -1,9 +1,10 @@
-"""Batched decoding never changes anyone's output: each request's tokens and logits are bitwise
-what it gets alone, for any neighbours, arrival times, prompt lengths and slot index.
+"""Batched serving never changes anyone's output: each request's tokens and logits are bitwise
+what it gets alone, for any neighbours, arrival times, prompt lengths, reused prefixes and slot
+index, with prompts prefilled a few at a time in chunks between decode steps.
 
 The engine is driven step by step (``Engine.run_once``, no thread), so a test decides exactly
-when each request arrives. The control swaps in a decode program that mixes rows (a tiny
-batch-wide term in the logits) and expects the same check to fail.
+when each request arrives. The controls swap in a decode or prefill program that mixes rows (a
+tiny batch-wide term in the logits) and expect the same check to fail.
 """
 
 import dataclasses
@@ -15,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from turbospark_jax.batching import BatchedDecoder, decode_step
+from turbospark_jax.batching import BatchedDecoder, decode_step, prefill_step
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.completion import CompletionRequest, FinishReason
 from turbospark_jax.drafters import NGramDrafter, SpeculativePair
@@ -26,6 +27,9 @@ from turbospark_jax.server.slots import SlotRecord, choose_slot
 from turbospark_jax.testing.toy import ToyAttentionModel
 
 VOCAB, SLOTS, CAPACITY = 64, 4, 96
+# Two prompts prefilled per call, 10 tokens each (7 rounded up to the width 5): a long prompt
+# takes many ticks, and prompts queue for the prefill.
+PREFILL = {"prefill_rows": 2, "prefill_chunk": 7}
 MODEL = ToyAttentionModel(vocab=VOCAB, dim=16)
 PARAMS = MODEL.init_params(jax.random.PRNGKey(3))
 
@@ -35,15 +39,31 @@ def producer(width: int = 5) -> BlockProducer:
                          donate=True)
 
 
-def _mixing_step(model, params, stack, rows, active):
+def _mixing_step(model, params, stack, rows, active, **variant):
     """The control: a decode program whose rows see each other (one batch-wide term)."""
-    stack, rows, out = decode_step(model, params, stack, rows, active)
+    stack, rows, out = decode_step(model, params, stack, rows, active, **variant)
     shared = jnp.sum(jnp.where(active[:, None], out.logits, 0.0), axis=0) * 1e-3
     return stack, rows, out.replace(logits=out.logits + shared)
 
 
 class MixingDecoder(BatchedDecoder):
     step_fn = staticmethod(_mixing_step)
+
+
+def _mixing_prefill(model, params, stack, rows, index, tokens, counts, final, **variant):
+    """The prefill control: the first tokens' logits see each other."""
+    stack, rows, out = prefill_step(model, params, stack, rows, index, tokens, counts, final,
+                                    **variant)
+    shared = jnp.sum(jnp.where(final[:, None], out.logits, 0.0), axis=0) * 1e-3
+    return stack, rows, out.replace(logits=out.logits + shared)
+
+
+class MixingPrefill(BatchedDecoder):
+    prefill_fn = staticmethod(_mixing_prefill)
+
+
+def engine(decoder=BatchedDecoder, **kw):
+    return Engine(producer(), slots=SLOTS, decoder=decoder, **PREFILL, **kw)
 
 
 SETTINGS = [
@@ -79,8 +99,7 @@ def serve(engine, arrivals):
 
 
 def alone(req, decoder=BatchedDecoder):
-    engine = Engine(producer(), slots=SLOTS, decoder=decoder)
-    return serve(engine, [(0, req)])[0]
+    return serve(engine(decoder), [(0, req)])[0]
 
 
 def same(a, b):
@@ -90,24 +109,32 @@ def same(a, b):
         (e.token, e.logprob, e.top) for e in b.logprobs]
 
 
+#: Shared openings (a short and a long one), so later requests reuse earlier ones' rows.
+OPENINGS = [[], [7, 3, 9, 1, 12, 40, 2, 2], list(range(10, 40))]
+
+
 @st.composite
 def workloads(draw):
     n = draw(st.integers(2, 6))
     out = []
     for _ in range(n):
-        prompt = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24))
-        req = request(prompt, setting=draw(st.integers(0, len(SETTINGS) - 1)),
+        opening = draw(st.sampled_from(OPENINGS))
+        opening = opening[: draw(st.one_of(st.just(len(opening)), st.integers(0, len(opening))))]
+        # Up to 80 tokens: eight prefill calls, arriving while others decode.
+        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=50))
+        req = request(opening + tail, setting=draw(st.integers(0, len(SETTINGS) - 1)),
                       seed=draw(st.integers(0, 2**32)), max_tokens=draw(st.integers(1, 12)))
         top = draw(st.one_of(st.none(), st.integers(0, 3)))
-        out.append((draw(st.integers(0, 12)), ServeRequest(completion=req, top_logprobs=top)))
+        session = draw(st.sampled_from([None, None, "a", "b"]))
+        out.append((draw(st.integers(0, 20)),
+                    ServeRequest(completion=req, top_logprobs=top, session_id=session)))
     return out
 
 
-@settings(max_examples=6)
+@settings(max_examples=8)
 @given(workloads())
 def test_each_request_bitwise_equal_to_serving_it_alone(arrivals):
-    engine = Engine(producer(), slots=SLOTS)
-    together = serve(engine, arrivals)
+    together = serve(engine(), arrivals)
     for (_, req), got in zip(arrivals, together, strict=True):
         assert same(got, alone(req)), got.completion.usage
 
@@ -120,22 +147,57 @@ def test_every_slot_index_gives_the_same_result():
         fillers = [(0, ServeRequest(completion=request([i + 1] * (3 + i), setting=i % 4,
                                                        seed=i, max_tokens=30)))
                    for i in range(slot)]
-        engine = Engine(producer(), slots=SLOTS)
-        got = serve(engine, [*fillers, (0, ServeRequest(completion=target, top_logprobs=2))])
+        got = serve(engine(), [*fillers, (0, ServeRequest(completion=target, top_logprobs=2))])
         assert got[-1].completion.usage.slot == slot
         assert same(got[-1], ref)
 
 
-def test_control_a_row_mixing_program_fails_the_check():
+@pytest.mark.parametrize(("decoder", "second_at"), [(MixingDecoder, 2), (MixingPrefill, 0)])
+def test_control_a_row_mixing_program_fails_the_check(decoder, second_at):
     reqs = [(0, ServeRequest(completion=request([3, 1, 4, 1, 5], seed=1))),
-            (2, ServeRequest(completion=request([2, 7, 1, 8], setting=1, seed=2)))]
-    together = serve(Engine(producer(), slots=SLOTS, decoder=MixingDecoder), reqs)
-    refs = [alone(r, MixingDecoder) for _, r in reqs]
+            (second_at, ServeRequest(completion=request([2, 7, 1, 8], setting=1, seed=2)))]
+    together = serve(engine(decoder), reqs)
+    refs = [alone(r, decoder) for _, r in reqs]
     assert not all(same(g, r) for g, r in zip(together, refs, strict=True))
 
 
+class CountingDecoder(BatchedDecoder):
+    """Records how many prompts each prefill call fed."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.fed_per_call = []
+
+    def prefill(self, feeds, **kw):
+        self.fed_per_call.append(len(feeds))
+        return super().prefill(feeds, **kw)
+
+
+def test_long_prompts_are_fed_in_chunks_between_decode_steps():
+    """A stream in flight gets a token every tick while two long prompts arrive and prefill
+    (ten tokens each a tick, both in the same call), and all three stay exact."""
+    eng = engine(CountingDecoder)
+    short = ServeRequest(completion=request([5, 6, 7], setting=1, seed=3, max_tokens=14))
+    longs = [ServeRequest(completion=request([(3 * i + k) % VOCAB for k in range(60)],
+                                             setting=2 * i, seed=i, max_tokens=3))
+             for i in range(2)]
+    ticks, events = [], {}
+    eng.submit(short, lambda ev: (ticks.append(tick), events.setdefault(0, []).append(ev)))
+    for tick in range(14):
+        if tick == 2:
+            for i, req in enumerate(longs, 1):
+                eng.submit(req, lambda ev, i=i: events.setdefault(i, []).append(ev))
+        eng.run_once()
+    while not eng.idle:
+        eng.run_once()
+    assert set(ticks) == set(range(13))  # a token every tick, prefills or not
+    assert eng.decoder.fed_per_call.count(2) == 6  # both long prompts, six calls together
+    for i, req in enumerate([short, *longs]):
+        assert same(events[i][-1], alone(req))
+
+
 def test_prefix_reuse_and_session_slot():
-    engine = Engine(producer(), slots=SLOTS)
+    engine = Engine(producer(), slots=SLOTS, **PREFILL)
     first = request([1, 2, 3, 4, 5, 6], max_tokens=4)
     a = serve(engine, [(0, ServeRequest(completion=first, session_id="s"))])[0]
     history = [*first.prompt_ids, *a.completion.token_ids, 9]
@@ -172,7 +234,7 @@ def test_slot_choice_rule():
 
 
 def test_cancel_frees_the_slot_and_keeps_others_exact():
-    engine = Engine(producer(), slots=SLOTS)
+    engine = Engine(producer(), slots=SLOTS, **PREFILL)
     other = ServeRequest(completion=request([4, 4, 2], setting=2, seed=5, max_tokens=12))
     events = {}
     long = engine.submit(ServeRequest(completion=request([1, 2], max_tokens=40)),

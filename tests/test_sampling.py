@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ from turbospark_jax.errors import BadInputError
 from turbospark_jax.sampling import (
     History,
     SamplingParams,
+    draw,
+    needs_truncation,
     probabilities,
     process_logits,
     request_key,
@@ -349,6 +353,38 @@ def test_vocabulary_sort_sits_behind_two_conds() -> None:
     )
     depths = _sorts_by_cond_depth(closed.jaxpr)
     assert depths and min(depths) >= 2
+
+
+def _batched_draw(truncate: bool):  # type: ignore[no-untyped-def]
+    return jax.jit(jax.vmap(functools.partial(draw, truncate=truncate), in_axes=(0, 0, None, 0)))
+
+
+def test_draw_without_truncation_is_bitwise_the_same_for_rows_that_need_none() -> None:
+    """The batched programs' variant without the sort: greedy, plain-temperature, min-p and
+    penalised rows draw exactly what the full sampler draws, rows side by side (under vmap the
+    full sampler runs the sort branch as a select)."""
+    untruncated = [SamplingParams.make(), SamplingParams.make(temperature=0.8),
+                   SamplingParams.make(temperature=1.3, min_p=0.05, top_k=50),
+                   SamplingParams.make(temperature=0.6, repetition_penalty=1.2)]
+    assert not any(needs_truncation(p, 50) for p in untruncated)
+    truncated = SamplingParams.make(temperature=1.0, top_k=3)
+    assert needs_truncation(truncated, 50) and not needs_truncation(
+        SamplingParams.make(top_k=3), 50)  # greedy never sorts
+    logits = jax.random.normal(jax.random.key(1), (64, 50)) * 2.0
+    history = History.from_prompt([3, 4], 50)
+    keys = _KEYS[:64]
+
+    def stacked(params_list):  # type: ignore[no-untyped-def]
+        return jax.tree.map(lambda *x: jnp.stack(x * (64 // len(x))), *params_list)
+
+    light, full = _batched_draw(False), _batched_draw(True)
+    for params in (stacked(untruncated), stacked(untruncated[1:2])):
+        assert np.array_equal(light(logits, params, history, keys),
+                              full(logits, params, history, keys))
+    # Control: a row that needs the sort does draw differently without it.
+    params = stacked([truncated])
+    assert not np.array_equal(light(logits, params, history, keys),
+                              full(logits, params, history, keys))
 
 
 def test_token_key_is_fold_in_of_the_index() -> None:

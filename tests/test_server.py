@@ -165,6 +165,33 @@ def test_disconnect_frees_the_slot_at_once(server):
     assert srv.engine.load()["busy_slots"] == 0
 
 
+def test_disconnect_without_streaming_cancels_the_request(server):
+    """A client that gives up on a response without streaming cancels it: the request waits
+    (the scheduler is paused), the client times out, and the request never runs."""
+    srv, url = server
+    wait_idle(srv)
+
+    def cancelled():
+        return srv.metrics.registry.get_sample_value("turbospark_requests_finished_total",
+                                                     {"outcome": "cancelled"}) or 0.0
+
+    before = cancelled()
+    srv.engine.stop()
+    try:
+        body = {"model": NAME, "prompt": "z = 3", "max_tokens": 5, "temperature": 0}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json=body, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while not all(j.ticket.cancelled for j in srv.engine._waiting):
+            assert time.monotonic() < deadline, "the disconnect went unnoticed"
+            time.sleep(0.02)
+        assert srv.engine.load()["waiting"] == 1
+    finally:
+        srv.engine.start()
+    wait_idle(srv)
+    assert cancelled() == before + 1 and srv.engine.load()["busy_slots"] == 0
+
+
 ERRORS = [
     # (name, path, body (a str is sent raw), param, code)
     ("malformed json", "/v1/completions", "{not json", None, "invalid_json"),

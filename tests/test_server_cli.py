@@ -13,6 +13,7 @@ from turbospark_jax.cli import main
     (["--ngram", "0"], "--ngram must be >= 1"),
     (["--speculative", "--ngram", "2"], "choose one drafter"),
     (["--width", "0"], "--width must be >= 1"),
+    (["--prefill-rows", "0"], "--prefill-rows must be >= 1"),
 ])
 def test_bad_serve_flags_fail_before_loading(argv, words):
     err = io.StringIO()

@@ -34,7 +34,8 @@ together.
 
 Cost: :func:`sample` and :func:`probabilities` branch with ``lax.cond``, so a greedy step never
 sorts the vocabulary and a sampled step sorts only when top-k or top-p is on. (Under ``vmap``
-with a batched setting ``lax.cond`` turns into a select that runs both branches.)
+with a batched setting ``lax.cond`` turns into a select that runs both branches; a batched
+program compiles :func:`draw` with ``truncate=False`` for steps where no row needs the sort.)
 
 The three public entry points check their arguments (:func:`check_sampling_args`) and call a
 ``jax.jit``-wrapped core: called eagerly they run one cached program instead of re-tracing both
@@ -66,6 +67,8 @@ __all__ = [
     "SamplingConfig",
     "SamplingParams",
     "check_sampling_args",
+    "draw",
+    "needs_truncation",
     "probabilities",
     "process_logits",
     "request_key",
@@ -390,20 +393,26 @@ def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     )
 
 
-def _sampling_logits(penalized: jax.Array, params: SamplingParams) -> jax.Array:
-    """Temperature, top-k, top-p, min-p on penalized logits (the temperature > 0 path)."""
+def _sampling_logits(
+    penalized: jax.Array, params: SamplingParams, truncate: bool = True
+) -> jax.Array:
+    """Temperature, top-k, top-p, min-p on penalized logits (the temperature > 0 path).
+
+    ``truncate`` (static) False leaves out the top-k/top-p branch: for settings with both off
+    the branch keeps every id, so leaving it out changes no bit."""
     # Safe divisor: under vmap both cond branches run, and this one must not divide by 0.
     t = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = (penalized - jnp.max(penalized)) / t
-    needs_sort = ((params.top_k > 0) & (params.top_k < scaled.shape[0])) | (params.top_p < 1.0)
-    keep = lax.cond(
-        needs_sort,
-        _sort_filters,
-        lambda x, _: jnp.ones(x.shape, jnp.bool_),
-        scaled,
-        params,
-    )
-    filtered = jnp.where(keep, scaled, -jnp.inf)
+    filtered = scaled
+    if truncate:
+        keep = lax.cond(
+            _needs_sort(params, scaled.shape[0]),
+            _sort_filters,
+            lambda x, _: jnp.ones(x.shape, jnp.bool_),
+            scaled,
+            params,
+        )
+        filtered = jnp.where(keep, scaled, -jnp.inf)
     # p_i / p_max = exp(l_i - l_max); renormalizing after top-k/top-p leaves the ratio alone.
     ratio = jnp.exp(filtered - jnp.max(filtered))
     return jnp.where(ratio >= params.min_p, filtered, -jnp.inf)
@@ -411,6 +420,24 @@ def _sampling_logits(penalized: jax.Array, params: SamplingParams) -> jax.Array:
 
 def _is_sampled(params: SamplingParams) -> jax.Array:
     return params.temperature > 0
+
+
+def _needs_sort(params: SamplingParams, vocab_size: int) -> jax.Array:
+    return ((params.top_k > 0) & (params.top_k < vocab_size)) | (params.top_p < 1.0)
+
+
+def needs_truncation(params: SamplingParams, vocab_size: int) -> bool:
+    """Whether :func:`sample` would sort the vocabulary for ``params`` (sampled, with top-k or
+    top-p on); host-side, for choosing :func:`draw`'s ``truncate``.
+
+    Raises:
+      BadInputError: ``params`` is not :class:`SamplingParams`.
+    """
+    if not isinstance(params, SamplingParams):
+        raise BadInputError(f"params must be SamplingParams, got {type(params).__name__}")
+    _check_vocab_size(vocab_size)
+    sampled, sort = jax.device_get((_is_sampled(params), _needs_sort(params, vocab_size)))
+    return bool(sampled and sort)
 
 
 def process_logits(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
@@ -489,18 +516,31 @@ def sample(
     return _sample(_check_logits(logits, history), params, history, key)
 
 
-@jax.jit
-def _sample(
-    logits: jax.Array, params: SamplingParams, history: History, key: jax.Array
+def draw(
+    logits: jax.Array, params: SamplingParams, history: History, key: jax.Array, *,
+    truncate: bool = True,
 ) -> jax.Array:
+    """:func:`sample`'s computation for use inside a compiled program (traced arguments, no
+    checks): one row's draw.
+
+    ``truncate`` (static) False compiles without the top-k/top-p sort. Under ``vmap`` the
+    sort's ``lax.cond`` runs for every row, greedy ones included, so a batched program may
+    compile a variant without it for steps where no row has top-k or top-p on
+    (:func:`needs_truncation`); such a row's draw is bitwise the same in either variant.
+    A row that needs the sort must be drawn with ``truncate=True``.
+    """
     penalized = _penalize(logits.astype(jnp.float32), params, history)
     return lax.cond(
         _is_sampled(params),
-        lambda x, p: jax.random.categorical(key, _sampling_logits(x, p)).astype(jnp.int32),
+        lambda x, p: jax.random.categorical(
+            key, _sampling_logits(x, p, truncate)).astype(jnp.int32),
         lambda x, _: jnp.argmax(x).astype(jnp.int32),
         penalized,
         params,
     )
+
+
+_sample = jax.jit(draw)
 
 
 def token_key(base_key: jax.Array, index: jax.Array | int) -> jax.Array:

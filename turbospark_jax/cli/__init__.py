@@ -493,7 +493,7 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
     server = load_server(args.model, slots=args.session_slots, context=args.context,
                          width=args.width, dtype=dtype, draft=draft, ngram=args.ngram or 0,
                          model_name=args.served_name, max_waiting=args.max_waiting,
-                         prefill_chunk=args.prefill_chunk)
+                         prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
     print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots on "
           f"http://{args.host}:{args.port}/v1", file=stderr, flush=True)
     server.run(host=args.host, port=args.port)

@@ -217,13 +217,16 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--context", type=int, default=2048, metavar="N",
                        help="positions each slot's state holds (prompt plus reply)")
     serve.add_argument("--width", type=int, default=16, metavar="W",
-                       help="rows of the exact prefill program (decode is batched across "
-                            "requests and does not use it)")
+                       help="rows of a block of the exact prefill program: a prompt feeds W "
+                            "tokens per block step (decode feeds one token a row)")
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="weights and activations (default: the model's own on a GPU, "
                             "float32 on a CPU)")
     serve.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
-                       help="prompt tokens fed between two decode steps")
+                       help="the most tokens of one prompt fed between two decode steps "
+                            "(rounded up to a multiple of --width)")
+    serve.add_argument("--prefill-rows", type=int, default=4, metavar="P",
+                       help="prompts fed together between two decode steps, in one device call")
     serve.add_argument("--max-waiting", type=int, default=64, metavar="N",
                        help="requests that may wait for a slot; more get 429 with Retry-After")
     serve.add_argument("--speculative", action="store_true",
@@ -242,6 +245,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     for flag, value, low in (("--session-slots", args.session_slots, 1),
                              ("--context", args.context, 2), ("--port", args.port, 0),
                              ("--prefill-chunk", args.prefill_chunk, 1),
+                             ("--prefill-rows", args.prefill_rows, 1),
                              ("--max-waiting", args.max_waiting, 0)):
         if value < low:
             raise CommandLineError(f"{flag} must be >= {low}, got {value}")

@@ -5,7 +5,8 @@ not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every refusal is an
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
 request reaches the engine (so no slot is touched), a full queue a 429 with ``Retry-After``. A
 request that fails after its stream started ends with an ``error`` event and ``[DONE]``; a
-client that disconnects cancels its request, which frees its slot before the next decode step.
+client that disconnects cancels its request, which frees its slot before the next decode step
+(a response without streaming notices within :data:`DISCONNECT_POLL_S`).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class ServerConfig:
       tokenizer: encodes prompts, renders chat templates, names logprob tokens.
       stop_token_ids: ids that end a completion (end of sequence).
       chat_stop_token_ids: ids that end a chat reply (end of sequence and end of turn).
-      prefill_chunk: prompt tokens per prefill chunk (one chunk runs between decode steps).
+      prefill_chunk: prompt tokens per prefill chunk of a speculative request (batched requests
+        follow the engine's own ``prefill_chunk``).
       default_chat_tokens: ``max_tokens`` of a chat request that sets none (at most what the
         context has left).
     """
@@ -85,6 +87,21 @@ def _error_response(err: ApiError) -> JSONResponse:
 
 def _sse(payload: Any) -> str:
     return f"data: {json.dumps(payload)}\n\n"
+
+
+#: How often a request without streaming checks whether its client is still there.
+DISCONNECT_POLL_S = 0.1
+
+
+async def _next_event(request: Request, queue: asyncio.Queue[Any]) -> Any:
+    """The request's next engine event, or ``None`` once its client has disconnected (a
+    response without streaming writes nothing until the end, so only polling notices)."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+        except TimeoutError:
+            if await request.is_disconnected():
+                return None
 
 
 class _Routes:
@@ -141,7 +158,7 @@ class _Routes:
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await self._whole(queue, meta, chat, body.session_id)
+            return await self._whole(request, queue, meta, chat, body.session_id)
         finally:
             ticket.cancel()  # a client gone before the end frees the slot; after it, a no-op
 
@@ -234,10 +251,12 @@ class _Routes:
             return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
-    async def _whole(self, queue: asyncio.Queue[Any], meta: dict[str, Any], chat: bool,
-                     session_id: str | None) -> Response:
+    async def _whole(self, request: Request, queue: asyncio.Queue[Any], meta: dict[str, Any],
+                     chat: bool, session_id: str | None) -> Response:
         while True:
-            event = await queue.get()
+            event = await _next_event(request, queue)
+            if event is None:  # the client went away: answer no one, free the slot
+                return Response(status_code=499)
             if isinstance(event, Failed):
                 err = ApiError(500, f"generation failed: {event.message}", code="generation_failed",
                                kind="server_error")

@@ -58,6 +58,7 @@ def make_server(
     speculative: SpeculativePair | None = None,
     max_waiting: int = 64,
     prefill_chunk: int = 64,
+    prefill_rows: int = 4,
     engine_options: dict[str, Any] | None = None,
 ) -> Server:
     """A server over a ready producer (the tests build one over a toy model).
@@ -70,12 +71,14 @@ def make_server(
       stop_token_ids: ids that end a completion; end-of-turn ids are added for chat.
       speculative: a speculative pair over ``producer`` for greedy requests.
       max_waiting: requests that may wait for a slot before more get a 429.
-      prefill_chunk: prompt tokens per prefill chunk between decode steps.
+      prefill_chunk: the most tokens of one prompt fed between two decode steps.
+      prefill_rows: prompts fed together between two decode steps (one device call).
       engine_options: further :class:`~turbospark_jax.server.engine.Engine` keywords.
     """
     metrics = ServerMetrics()
     engine = Engine(producer, slots=slots, tokenizer=tokenizer, max_waiting=max_waiting,
-                    speculative=speculative, observer=metrics, **(engine_options or {}))
+                    speculative=speculative, observer=metrics, prefill_rows=prefill_rows,
+                    prefill_chunk=prefill_chunk, **(engine_options or {}))
     chat_stops = tuple(sorted({*stop_token_ids, *default_stop_ids(tokenizer)}))
     config = ServerConfig(model_name=model_name, tokenizer=tokenizer,
                           stop_token_ids=tuple(stop_token_ids),
@@ -102,8 +105,8 @@ def load_server(
       path: the Hugging Face folder; ``None`` for the embedded default model.
       slots: session slots (the decode batch).
       context: positions each slot's state holds.
-      width: rows of the prefill's block program (16: a prompt runs 16 tokens per step; the
-        batched decode does not use it).
+      width: rows of a block of the batched prefill (16: a prompt feeds 16 tokens per block
+        step; the batched decode feeds one token a row).
       dtype: weights and activations (default: the folder's own).
       draft: a draft model folder (``True``: the embedded draft model) for speculative
         decoding of greedy requests; ``ngram``: prompt lookup up to this n instead.

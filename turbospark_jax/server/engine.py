@@ -1,21 +1,22 @@
 """The serving engine: one scheduler thread runs every request over the batched slot rows.
 
 Requests arrive from any thread (:meth:`Engine.submit`) and wait in a bounded queue. The
-scheduler thread owns the device and loops:
+scheduler thread owns the device and loops over ticks:
 
 1. drop requests whose client went away (their slot is free from this point on);
 2. give waiting requests slots (:func:`~turbospark_jax.server.slots.choose_slot`); a request
    whose session's slot is busy waits without holding up the others;
-3. run **one prefill chunk** of the oldest request still prefilling, through the producer's own
-   exact chunked program on that slot's state alone; after its last chunk the first token is
-   sampled on the host from the prefill's logits (as the plain loop does) and the row joins the
-   batch;
+3. run **one prefill call** (:meth:`~turbospark_jax.batching.BatchedDecoder.prefill`) for the
+   oldest ``P`` requests still prefilling, each fed up to ``C`` more prompt tokens on its own
+   row; a request whose prompt ends in the call draws its first token in it and joins the batch;
 4. run **one batched decode step** for every row in the batch
-   (:class:`~turbospark_jax.batching.BatchedDecoder`); each row's token goes through the
+   (:meth:`~turbospark_jax.batching.BatchedDecoder.step`); each row's token goes through the
    request's own :class:`~turbospark_jax.completion.Emission` (stop tokens, detokenizer, stop
    strings, ``max_tokens``), and a finished row leaves the batch.
 
-So a long prompt delays the others by one chunk per step, not by its whole prefill.
+So a tick's prompt work is bounded (``P * C`` tokens, at most ``C / W`` block steps): a long
+prompt delays the streams in flight by one chunk per tick, not by its whole prefill, and
+several prompts progress in the same call.
 
 **Prefix reuse covers prompt rows only.** A slot remembers the prompt its last request
 prefilled, and a later request reuses at most that prefix: the rows the batched decode program
@@ -24,9 +25,9 @@ reason is measured, not assumed: on the CPU the vmapped decode program writes KV
 differ in the last bits from what the prefill program writes for the same tokens, so reusing
 them would make a continued conversation differ from the same prompt served fresh
 (``tests/test_batching.py`` checks reuse against fresh bitwise). A request's
-output depends only on its own prompt, settings and seed: its prefill is the single-sequence
-program, its first token the host sampler, and every later token a row of a fixed-shape batched
-program whose rows do not interact (see :mod:`turbospark_jax.batching`).
+output depends only on its own prompt, settings and seed: its prompt and first token are a row
+of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
+and neither program's rows interact (see :mod:`turbospark_jax.batching`).
 
 **Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
 request without logprobs runs the existing speculative loop on a fresh state of its own, one
@@ -51,17 +52,15 @@ import jax
 import numpy as np
 
 from turbospark_jax import sampling
-from turbospark_jax.batching import BatchedDecoder, token_logprobs
+from turbospark_jax.batching import BatchedDecoder
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.checks import as_int
 from turbospark_jax.completion import (
     NON_FINITE_LOGITS,
-    PRODUCER_FAILURES,
     Completion,
     CompletionRequest,
     Emission,
     FinishReason,
-    add_to_history,
     validate_request,
 )
 from turbospark_jax.errors import BadInputError, OverloadedError
@@ -189,8 +188,7 @@ class _Job:
     slot: SlotRecord | None = None
     reused: int = 0
     evicted: bool = False
-    state: Any = None  # the slot's state while it prefills
-    fed: int = 0  # prompt positions the state holds while prefilling
+    fed: int | None = None  # prompt positions the row holds while prefilling (None: not set up)
     decoding: bool = False
     prefill_s: float = 0.0
     first_token_s: float = 0.0
@@ -213,6 +211,11 @@ class Engine:
         :class:`~turbospark_jax.errors.OverloadedError` (no unbounded queue).
       speculative: a speculative producer over the same target, for greedy requests.
       observer: told about requests and steps (metrics).
+      prefill_rows: prompts one prefill call advances together (``P``, at most ``slots``).
+      prefill_chunk: the most tokens of one prompt a prefill call feeds (``C``, rounded up to
+        a multiple of the producer's width ``W``). A scheduler tick feeds at most ``P * C``
+        prompt tokens and runs at most ``C / W`` block steps before its decode step: the
+        budget that bounds how long prompts stall the streams in flight.
       decoder: the batched decoder class (the tests pass a row-mixing control).
 
     Raises:
@@ -228,6 +231,8 @@ class Engine:
         max_waiting: int = 64,
         speculative: SpeculativeProducer | None = None,
         observer: EngineObserver | None = None,
+        prefill_rows: int = 4,
+        prefill_chunk: int = 64,
         decoder: type[BatchedDecoder] = BatchedDecoder,
     ) -> None:
         if speculative is not None and not isinstance(speculative, SpeculativeProducer):
@@ -240,8 +245,9 @@ class Engine:
         self.max_waiting = as_int("max_waiting", max_waiting, low=0)
         self.speculative = speculative
         self.observer = observer or EngineObserver()
-        self._decoder_type = decoder
-        self.decoder = decoder(producer, slots)
+        self._make_decoder = lambda: decoder(producer, slots, prefill_rows=prefill_rows,
+                                             prefill_chunk=prefill_chunk)
+        self.decoder = self._make_decoder()
         self.slots = [SlotRecord(index=i) for i in range(self.decoder.size)]
         self._waiting: collections.deque[_Job] = collections.deque()
         self._running: list[_Job] = []
@@ -365,9 +371,11 @@ class Engine:
             self._waiting.remove(job)
             self.observer.request_ended("cancelled", 0)
         for job in [j for j in self._running if j.ticket.cancelled]:
-            # A decoding row holds its prompt as the prefill wrote it; a prefilling one has
-            # not written its row back, which still holds the slot's previous state.
-            self._release(job, job.prompt if job.decoding else job.slot.fed_ids)
+            # A decoding row holds its prompt as the prefill wrote it, a prefilling one the
+            # part fed so far, and one not yet set up the slot's previous state.
+            fed = (job.slot.fed_ids if job.fed is None
+                   else job.prompt[: len(job.prompt) if job.decoding else job.fed])
+            self._release(job, fed)
             self.observer.request_ended("cancelled", len(job.emission.tokens))
 
     def _admit(self) -> None:
@@ -398,7 +406,7 @@ class Engine:
 
     def _fail_running(self, message: str) -> None:
         # The stack may have been consumed by the failed call: start every row afresh.
-        self.decoder = self._decoder_type(self.producer, len(self.slots))
+        self.decoder = self._make_decoder()
         for job in list(self._running):
             self._release(job, ())
             self.observer.request_ended("error", len(job.emission.tokens))
@@ -408,76 +416,88 @@ class Engine:
 
     # -- prefill --------------------------------------------------------------------------
 
-    def _prefill_once(self) -> None:
-        job = next((j for j in self._running if not j.decoding), None)
-        if job is None:
-            return
-        p, req = self.producer, job.request.completion
-        if job.state is None:
-            slot = job.slot
-            state = self.decoder.take_row(slot.index) if slot.fed_ids else p.init_state()
-            if slot.fed_ids and int(state.fed.count) > len(slot.fed_ids):
-                # Only rows the prefill program wrote are reused (see _finish).
+    def _setup(self, job: _Job) -> None:
+        """Point the job's row at the longest prefix of its prompt the slot's state can reuse
+        (rows the prefill program wrote only; see the module docstring), and set its controls
+        to draw the first token at the end of the prompt."""
+        p, slot = self.producer, job.slot
+        if slot.fed_ids:
+            state = self.decoder.take_row(slot.index)
+            if int(state.fed.count) > len(slot.fed_ids):
                 state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
                          else p.init_state())
-            job.reused, job.state = p.try_reuse_prefix(state, job.prompt)
-            job.fed = job.reused
-            self.observer.request_started(len(job.prompt), job.reused, job.evicted)
-        end = min(job.fed + req.prefill_chunk_size, len(job.prompt))
-        try:
-            logits, job.state = p.prefill_chunk_with_status(
-                job.state, job.prompt[job.fed:end], job.fed, end == len(job.prompt)
-            )
-        except PRODUCER_FAILURES as exc:
-            self._finish(job, FinishReason.ERROR, str(exc), fed=())
+            job.reused, state = p.try_reuse_prefix(state, job.prompt)
+        else:
+            job.reused, state = 0, p.init_state()
+        self.decoder.put_row(slot.index, state)
+        job.fed = job.reused
+        self.decoder.start_row(slot.index, params=job.params, seed=job.request.completion.seed,
+                               history=sampling.History.from_prompt(job.prompt, p.vocab_size))
+        self.observer.request_started(len(job.prompt), job.reused, job.evicted)
+
+    def _prefill_once(self) -> None:
+        """One prefill call: the oldest ``P`` prompts still prefilling get up to ``C`` tokens
+        each; a prompt that ends draws its first token in the same call and joins the batch."""
+        jobs = [j for j in self._running if not j.decoding][: self.decoder.prefill_rows]
+        if not jobs:
             return
-        job.fed = end
-        if end < len(job.prompt):
-            return
-        job.prefill_s = time.perf_counter() - job.submitted
-        self.decoder.put_row(job.slot.index, job.state)
-        job.state = None
-        host_logits = np.asarray(logits)
-        if not np.all(np.isfinite(host_logits)):
-            self._finish(job, FinishReason.ERROR, NON_FINITE_LOGITS, fed=())
-            return
-        seed = req.seed
-        history = sampling.History.from_prompt(job.prompt, p.vocab_size)
-        key = sampling.token_key(sampling.request_key(seed), 0)
-        token = int(sampling.sample(logits, job.params, history, key))
-        lp, top_ids, top_lp = jax.device_get(token_logprobs(logits, token))
-        job.first_token_s = time.perf_counter() - job.submitted - job.prefill_s
-        self.observer.first_token(time.perf_counter() - job.submitted)
-        job.last_token_at = time.perf_counter()
-        if self._push_guarded(job, token, host_logits, lp, top_ids, top_lp):
-            return
-        self.decoder.start_row(job.slot.index, token=token, params=job.params,
-                               history=add_to_history(history, token), seed=seed, gen_index=1)
-        job.decoding = True
+        for job in jobs:
+            if job.fed is None:
+                self._setup(job)
+        chunk = self.decoder.prefill_chunk
+        feeds = []
+        for job in jobs:
+            end = min(job.fed + chunk, len(job.prompt))
+            feeds.append((job.slot.index, job.prompt[job.fed:end], end == len(job.prompt)))
+        wants = any(job.request.top_logprobs is not None for job, (_, _, last)
+                    in zip(jobs, feeds, strict=True) if last)
+        started = time.perf_counter()
+        out = self.decoder.prefill(feeds, logprobs=wants)
+        finishing = []
+        for i, (job, (_, toks, last)) in enumerate(zip(jobs, feeds, strict=True)):
+            job.fed += len(toks)
+            if last:
+                finishing.append((i, job))
+        if finishing:
+            self._emit(finishing, out, started, first=True)
+            for _, job in finishing:
+                job.decoding = job in self._running  # not when its first token ended it
 
     # -- decode ---------------------------------------------------------------------------
 
     def _decode_once(self) -> None:
-        rows = {j.slot.index: j for j in self._running if j.decoding}
+        rows = [(j.slot.index, j) for j in self._running if j.decoding]
         if not rows:
             return
         active = np.zeros((len(self.slots),), bool)
-        active[list(rows)] = True
+        active[[i for i, _ in rows]] = True
         started = time.perf_counter()
-        out = self.decoder.step(active)
+        wants = any(j.request.top_logprobs is not None for _, j in rows)
+        out = self.decoder.step(active, logprobs=wants)
+        self._emit(rows, out, started, first=False)
+
+    def _emit(self, rows: list[tuple[int, _Job]], out: Any, started: float, *,
+              first: bool) -> None:
+        """Push each row's drawn token (entry ``i`` of ``out`` for ``(i, job)``) through its
+        job; a row with non-finite logits ends its request alone."""
         wanted = (out.sampled, out.finite, out.logprob, out.top_ids, out.top_logprobs)
         sampled, finite, lp, top_ids, top_lp = jax.device_get(wanted)
         logits = None
-        if any(j.request.completion.record_logits for j in rows.values()):
+        if any(j.request.completion.record_logits for _, j in rows):
             logits = np.asarray(out.logits)
         now = time.perf_counter()
-        self.observer.step(len(rows), now - started)
-        for i, job in rows.items():
+        if not first:
+            self.observer.step(len(rows), now - started)
+        for i, job in rows:
+            if first:  # the first token is drawn in the prefill's own call
+                job.prefill_s, job.first_token_s = now - job.submitted, 0.0
+                self.observer.first_token(now - job.submitted)
+            else:
+                self.observer.next_token(now - job.last_token_at)
+            job.last_token_at = now
             if not finite[i]:
                 self._finish(job, FinishReason.ERROR, NON_FINITE_LOGITS, fed=())
                 continue
-            self.observer.next_token(now - job.last_token_at)
-            job.last_token_at = now
             self._push_guarded(job, int(sampled[i]), None if logits is None else logits[i],
                                lp[i], top_ids[i], top_lp[i])
 
