@@ -166,12 +166,12 @@ def test_qwen3_5_and_gemma4_against_one_device(report, index):
 
 
 def test_qwen3_5_state_is_split_on_heads_and_channels(report):
-    case = report["families"][0]  # 8 value heads, 64 conv channels, 4 KV heads over 4
+    case = report["families"][0]  # 8 value heads, 128 conv channels, 4 KV heads over 4
     assert case["recurrent"] == ["P('tp', None, None)", [2, 8, 8]]
     assert case["recurrent_tape"] == ["P(None, 'tp', None, None)", [16, 2, 8, 8]]
-    assert case["conv"] == ["P(None, 'tp')", [3, 16]]
+    assert case["conv"] == ["P(None, 'tp')", [3, 32]]
     assert case["k"] == ["P(None, 'tp', None)", [64, 1, 8]]
-    assert case["in_proj_qkv"][1] == [64, 16] and case["out_proj"][1] == [16, 64]
+    assert case["in_proj_qkv"][1] == [64, 32] and case["out_proj"][1] == [16, 64]
     assert case["q_proj"][1] == [64, 32]  # 8 heads of 2 * 8 (query and gate) over 4
 
 

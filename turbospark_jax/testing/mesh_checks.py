@@ -176,7 +176,7 @@ def snapshot_reuse(producer: Any) -> dict[str, Any]:
     logits one bit away fails (its control)."""
     first, second = PROMPT[:6], [*PROMPT[:6], 5, 8, 1]
     _, state = producer.prefill_chunk_with_status(producer.init_state(), first, 0, True)
-    _, state = producer.produce(state, 5, len(first))
+    _, state = producer.produce(state, 4, len(first))  # the next turn does not keep it
     n, state = producer.try_reuse_prefix(state, second)
     got, got_state = C.sequential_prefill(producer, state, second[n:], n)
     want, want_state = C.sequential_prefill(producer, producer.init_state(), second, 0)
