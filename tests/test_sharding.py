@@ -61,7 +61,7 @@ def test_weights_and_cache_are_split(report, index):
 
 @pytest.mark.parametrize("index", [0, 1])
 def test_sharded_run_against_one_device(report, index):
-    """Measured: float32 split 4 ways is within 2e-7 of one device (not bitwise: the
+    """Measured: float32 split 4 ways is within 2.3e-7 of one device (not bitwise: the
     row-parallel sums are split); the bound asserted leaves room for other CPUs."""
     case = report["cases"][index]
     assert case["same_tokens"]
@@ -132,7 +132,8 @@ def test_qwen3_5_specs_split_whole_heads_only(model_type):
     assert specs["layers/1/down_proj"] == ("tp", None)
     if model_type == "qwen3_next":
         assert specs["layers/0/in_proj_qkvz"] == (None, None, None)  # 2 key heads
-    with pytest.raises(BadInputError, match="num_attention_heads=8, intermediate_size=32 is not a multiple"):
+    with pytest.raises(BadInputError,
+                       match="num_attention_heads=8, intermediate_size=32 is not a multiple"):
         check_divisible(cfg, 3)
 
 
