@@ -1,8 +1,9 @@
-"""Tensor parallelism for the dense family over a ``jax.sharding`` device mesh.
+"""Tensor parallelism over a ``jax.sharding`` device mesh, for every model family.
 
 The mesh has one axis, :data:`TP`. Each params leaf and each state leaf gets a
-``PartitionSpec`` on it, and the unchanged block program runs over the sharded arrays; XLA's
-sharding propagation (GSPMD) inserts the collectives:
+``PartitionSpec`` on it (:mod:`turbospark_jax.tp_specs` says which, family by family), and the
+unchanged block program runs over the sharded arrays; XLA's sharding propagation (GSPMD)
+inserts the collectives. For the dense family:
 
 * attention: ``q_proj`` split on its query heads, ``k_proj``/``v_proj`` on their KV heads
   (column-parallel), ``o_proj`` on its input heads (row-parallel: one all-reduce a layer);
@@ -16,12 +17,16 @@ sharding propagation (GSPMD) inserts the collectives:
   a device reads and writes only its own heads' rows;
 * norms, biases of row-parallel layers and the fed record: replicated.
 
+Qwen3.5 adds its DeltaNet layers (conv channels, value heads, the recurrent state and its
+tape on them) and Gemma 4 its ring and per-layer inputs; see :mod:`~turbospark_jax.tp_specs`.
+
 :class:`ShardedProducer` is a :class:`~turbospark_jax.block_producer.BlockProducer` whose
 params and states live on the mesh and whose program keeps every state leaf on its sharding.
 Every path (decode, chunked prefill, verify, bursts) still runs the one program, so the
 bitwise guarantees hold on a given mesh exactly as on one device. A sharded run is *not*
 bitwise equal to a one-device run: the row-parallel layers sum partial products across
-devices, in another order than one device's matrix product does (the tolerance is measured in
+devices, in another order than one device's matrix product does, and even a column slice of a
+product can round differently from the whole product (the tolerance is measured in
 ``tests/test_sharding.py``).
 """
 
@@ -39,8 +44,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import BlockState, StepOutput, pinned_program
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
-from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
-from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.gemma4 import Gemma4Model
+from turbospark_jax.models.qwen3_5 import Qwen35Model
 from turbospark_jax.state import (
     FedRecord,
     buffers_only,
@@ -49,28 +56,16 @@ from turbospark_jax.state import (
     with_auxiliary,
     without_auxiliary,
 )
+from turbospark_jax.tp_specs import TP, cache_specs, check_divisible, param_specs
 
-#: The mesh axis tensor parallelism splits over.
-TP = "tp"
+__all__ = ["TP", "ShardedProducer", "check_divisible",
+           "init_sharded_params", "param_shardings", "param_specs", "shard_params",
+           "state_shardings", "tp_mesh", "tp_size"]
+
+#: The families :class:`ShardedProducer` serves.
+_SHARDABLE = (DenseModel, Qwen35Model, Gemma4Model)
 
 Params = dict[str, Any]
-
-# Per-layer leaves (without the stacked L axis) that are split, and on which axis; every
-# other layer leaf (norms, o_bias, down_bias) is replicated.
-_LAYER_AXES: dict[str, tuple[str | None, ...]] = {
-    "q_proj": (None, TP, None),  # [D, H, hd]: column-parallel over query heads
-    "k_proj": (None, TP, None),  # [D, KV, hd]
-    "v_proj": (None, TP, None),
-    "q_bias": (TP, None),  # [H, hd]
-    "k_bias": (TP, None),
-    "v_bias": (TP, None),
-    "o_proj": (TP, None, None),  # [H, hd, D]: row-parallel
-    "gate_proj": (None, TP),  # [D, F]: column-parallel
-    "up_proj": (None, TP),
-    "gate_bias": (TP,),  # [F]
-    "up_bias": (TP,),
-    "down_proj": (TP, None),  # [F, D]: row-parallel
-}
 
 
 def tp_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
@@ -95,85 +90,43 @@ def tp_size(mesh: Mesh) -> int:
     return int(mesh.shape[TP])
 
 
-def check_divisible(config: DenseConfig, tp: int) -> None:
-    """Refuse a split that would cut a head or an MLP column group across devices.
-
-    Raises:
-      BadInputError: naming each count that ``tp`` does not divide and the sizes that would.
-    """
-    counts = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    bad = {name: n for name, n in counts.items() if n % tp}
-    if bad:
-        fits = [d for d in range(1, tp + 1) if all(n % d == 0 for n in counts.values())]
-        raise BadInputError(
-            f"cannot split this model over {tp} devices: "
-            + ", ".join(f"{name}={n}" for name, n in bad.items())
-            + f" is not a multiple of {tp}. Use a mesh of {' or '.join(map(str, fits))} devices"
-        )
-
-
-def _spec(axes: Sequence[str | None]) -> PartitionSpec:
-    return PartitionSpec(*axes)
-
-
-def layer_spec(name: str, ndim: int) -> PartitionSpec:
-    """The spec of the per-layer leaf ``name`` with ``ndim`` dimensions (one more than its
-    own when it carries the stacked L axis, which is never split)."""
-    axes = _LAYER_AXES.get(name)
-    if axes is None:
-        return PartitionSpec()
-    return _spec((None,) * (ndim - len(axes)) + axes)
-
-
-def param_specs(config: DenseConfig, params: Params, tp: int) -> Params:
-    """A ``PartitionSpec`` for every leaf of ``params`` (stacked or list layout alike).
-
-    The vocabulary is split only where ``tp`` divides it; otherwise the embedding and head
-    stay whole on every device (correct, just not split).
-    """
-    split_vocab = config.vocab_size % tp == 0
-    vocab = TP if split_vocab else None
-
-    def spec(path: Any, leaf: Any) -> PartitionSpec:
-        name = path[-1].key  # a dict key in both layouts (list: layers/<i>/<name>)
-        if name == "embed_tokens":
-            return _spec((vocab, None))  # [V, D]
-        if name == "lm_head":
-            return _spec((None, vocab))  # [D, V]
-        return layer_spec(name, len(leaf.shape))
-
-    return jax.tree_util.tree_map_with_path(spec, params)
-
-
-def param_shardings(mesh: Mesh, config: DenseConfig, params: Params) -> Params:
-    """:func:`param_specs` as ``NamedSharding`` s on ``mesh``."""
+def param_shardings(mesh: Mesh, config: Any, params: Params) -> Params:
+    """:func:`~turbospark_jax.tp_specs.param_specs` as ``NamedSharding`` s on ``mesh``."""
     specs = param_specs(config, params, tp_size(mesh))
+    return _named(mesh, specs)
+
+
+def _named(mesh: Mesh, specs: Any) -> Any:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def shard_params(params: Params, mesh: Mesh, config: DenseConfig) -> Params:
+def shard_params(params: Params, mesh: Mesh, config: Any) -> Params:
     """``params`` placed on ``mesh`` with the tensor-parallel layout (a no-op for leaves
     already there).
 
     Raises:
-      BadInputError: ``mesh`` has no :data:`TP` axis, or a head count or the intermediate
-        size is not a multiple of its size.
+      BadInputError: ``mesh`` has no :data:`TP` axis; its size does not divide the query
+        heads or the MLP width (or the dense family's KV heads), or the model is of a family
+        without a layout.
     """
     check_divisible(config, tp_size(mesh))
     return jax.device_put(params, param_shardings(mesh, config, params))
 
 
 def init_sharded_params(
-    model: DenseModel, key: jax.Array, mesh: Mesh, layer_layout: str = "stacked"
+    model: BlockModel, key: jax.Array, mesh: Mesh, layer_layout: str = "stacked"
 ) -> Params:
-    """Random params (as :func:`~turbospark_jax.models.dense.init_params`) made directly in
-    their shards: no device ever holds the whole model. Works on a multi-host mesh (every
-    process calls it with the same ``key``).
+    """Random params (the model's own ``init_params``) made directly in their shards: no
+    device ever holds the whole model. Works on a multi-host mesh (every process calls it
+    with the same ``key``).
+
+    Args:
+      model: a model of a family :mod:`~turbospark_jax.tp_specs` has a layout for.
+      key: the PRNG key.
+      mesh: a mesh with a :data:`TP` axis.
+      layer_layout: the dense family's ``"stacked"`` or ``"list"`` layers (the other
+        families' layers are always a list).
 
     Raises:
       BadInputError: as :func:`shard_params`; or ``layer_layout`` is neither layout.
@@ -184,40 +137,36 @@ def init_sharded_params(
     check_divisible(config, tp_size(mesh))
 
     def make(k: jax.Array) -> Params:
-        params = init_params(config, k, model.dtype)
-        return unstack_layers(params) if layer_layout == "list" else params
+        params = model.init_params(k)
+        dense_list = isinstance(model, DenseModel) and layer_layout == "list"
+        return unstack_layers(params) if dense_list else params
 
     shapes = jax.eval_shape(make, key)
-    return jax.jit(make, out_shardings=param_shardings(mesh, config, shapes))(key)
+    shardings = param_shardings(mesh, config, shapes)
+    return jax.jit(make, out_shardings=shardings)(key)
 
 
-def state_shardings(mesh: Mesh, layout: BlockState) -> BlockState:
-    """A ``NamedSharding`` for every leaf of a dense producer's state: the KV buffers
-    (``[L, C, KV, hd]`` stacked, or ``[C, KV, hd]`` per layer) split on their KV-head axis;
-    every other cache leaf (a drafter's tap rows, say) and the fed record replicated."""
-    kv = {4: _spec((None, None, TP, None)), 3: _spec((None, TP, None))}
-
-    def kv_leaf(leaf: Any) -> NamedSharding:
-        return NamedSharding(mesh, kv[len(leaf.shape)])
-
+def state_shardings(mesh: Mesh, config: Any, layout: BlockState) -> BlockState:
+    """A ``NamedSharding`` for every leaf of a producer's state: the cache as
+    :func:`~turbospark_jax.tp_specs.cache_specs` says (KV buffers on their KV heads, a
+    DeltaNet's states on their channels and heads), the fed record replicated."""
+    cache = _named(mesh, cache_specs(config, layout.cache, tp_size(mesh)))
     replicated = NamedSharding(mesh, PartitionSpec())
-    cache = jax.tree.map(lambda _: replicated, layout.cache)
-    cache = cache.replace(k=jax.tree.map(kv_leaf, layout.cache.k),
-                          v=jax.tree.map(kv_leaf, layout.cache.v))
     return BlockState(cache=cache, fed=jax.tree.map(lambda _: replicated, layout.fed))
 
 
 class ShardedProducer(BlockProducer):
-    """A dense model served through the one block program, tensor-parallel over ``mesh``.
+    """A model served through the one block program, tensor-parallel over ``mesh``.
 
     The same protocols and guarantees as :class:`BlockProducer`; params and every state live
-    on the mesh (:func:`param_specs`, :func:`state_shardings`), and every call puts its state
-    on those shardings before it runs, so each path is the one compiled program.
+    on the mesh (:func:`~turbospark_jax.tp_specs.param_specs`, :func:`state_shardings`), and
+    every call puts its state on those shardings before it runs, so each path is the one
+    compiled program.
 
     Args:
-      model: a :class:`~turbospark_jax.models.dense.DenseModel` (stacked or list layout).
-        The Pallas kernels are single-device custom calls the compiler cannot split, so an
-        ``"auto"`` attention or RoPE-store mode runs as ``"xla"`` here.
+      model: a dense model (stacked or list layout), a Qwen3.5 / Qwen3-Next model or a Gemma 4
+        model. The dense family's Pallas kernels are single-device custom calls the compiler
+        cannot split, so an ``"auto"`` attention or RoPE-store mode runs as ``"xla"`` here.
       params: its params, anywhere: they are placed on the mesh (a no-op for params already
         sharded, as :func:`init_sharded_params` and
         :func:`~turbospark_jax.sharded_loading.load_sharded` make them).
@@ -225,16 +174,16 @@ class ShardedProducer(BlockProducer):
       capacity, width, steps_per_call, donate: as :class:`BlockProducer`.
 
     Raises:
-      UnsupportedCapabilityError: ``model`` is not a dense model, or asks for the Pallas
-        interpreter (``attention`` or ``rope_store`` ``"interpret"``).
-      BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the head
-        counts and intermediate size (the message lists the sizes that do); and as
-        :class:`BlockProducer`.
+      UnsupportedCapabilityError: ``model`` is of another family, or a dense model that asks
+        for the Pallas interpreter (``attention`` or ``rope_store`` ``"interpret"``).
+      BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the query
+        heads and MLP width (the dense family: and KV heads; the message lists the sizes
+        that do); and as :class:`BlockProducer`.
     """
 
     def __init__(
         self,
-        model: DenseModel,
+        model: BlockModel,
         params: Params,
         *,
         mesh: Mesh,
@@ -243,17 +192,19 @@ class ShardedProducer(BlockProducer):
         steps_per_call: int = 32,
         donate: bool = True,
     ) -> None:
-        if not isinstance(model, DenseModel):
+        if not isinstance(model, _SHARDABLE):
             raise UnsupportedCapabilityError(
-                f"tensor parallelism is implemented for the dense family; got "
-                f"{type(model).__name__}. Serve it on one device with BlockProducer"
+                f"tensor parallelism is implemented for the dense, Qwen3.5 and Gemma 4 "
+                f"families; got {type(model).__name__}. Serve it on one device with "
+                f"BlockProducer"
             )
-        if "interpret" in (model.attention, model.rope_store):
-            raise UnsupportedCapabilityError(
-                "the Pallas kernels cannot be split over a mesh; build the model with "
-                "attention='xla' (or 'auto') and rope_store='xla' (or 'auto')"
-            )
-        model = dataclasses.replace(model, attention="xla", rope_store="xla")
+        if isinstance(model, DenseModel):
+            if "interpret" in (model.attention, model.rope_store):
+                raise UnsupportedCapabilityError(
+                    "the Pallas kernels cannot be split over a mesh; build the model with "
+                    "attention='xla' (or 'auto') and rope_store='xla' (or 'auto')"
+                )
+            model = dataclasses.replace(model, attention="xla", rope_store="xla")
         self.mesh = mesh
         params = shard_params(params, mesh, model.config)
         super().__init__(model, params, capacity=capacity, width=width,
@@ -266,7 +217,7 @@ class ShardedProducer(BlockProducer):
         layout = jax.eval_shape(
             lambda: BlockState(cache=model.init_cache(capacity), fed=FedRecord.empty(capacity))
         )
-        self._shardings = state_shardings(mesh, layout)
+        self._shardings = state_shardings(mesh, model.config, layout)
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._program = pinned_program(
             model, donate,

@@ -5,8 +5,10 @@ test suite's process has started it with one device, so ``tests/test_sharding.py
 module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JSON it prints:
 
 * the conformance guarantees hold bitwise on a mesh (chunked == token by token, verify ==
-  decode, rollback, reuse == fresh, speculative == plain greedy), for the stacked layer layout
-  split 4 ways and the list layout split 8 ways, each with a perturbed control that fails;
+  decode, rollback, reuse == fresh, speculative == plain greedy), for the dense family's
+  stacked layer layout split 4 ways and list layout split 8 ways, a Qwen3.5 model (DeltaNet
+  and gated attention layers) split 4 ways and a Gemma 4 model (ring, per-layer inputs,
+  shared-KV layers) split 2 ways, each with a perturbed control that fails;
 * a sharded run against the same model on one device: the largest logits difference (it
   is measured, not assumed to be zero) and whether the greedy tokens agree;
 * the state and params keep their shardings across calls;
@@ -37,10 +39,15 @@ from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.loading import load_folder, save_folder
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.gemma4 import Gemma4Model
+from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
+from turbospark_jax.models.qwen3_5 import Qwen35Model
+from turbospark_jax.models.qwen3_5_config import Qwen35Config
 from turbospark_jax.replicas import ReplicaPool, replicas_on_devices
 from turbospark_jax.sharded_loading import load_sharded
 from turbospark_jax.sharding import ShardedProducer, tp_mesh
 from turbospark_jax.speculative import run_raw_completion_speculative
+from turbospark_jax.state import live_equal
 from turbospark_jax.testing import conformance as C
 
 VOCAB = 96
@@ -94,9 +101,7 @@ def conformance(producer: Any, full: bool) -> dict[str, Any]:
     return {**result, "reused": n, "spec_equals_plain": spec_equal, "controls_fire": controls}
 
 
-def against_one_device(
-    model: DenseModel, params: Any, sharded: dict[str, Any]
-) -> dict[str, Any]:
+def against_one_device(model: Any, params: Any, sharded: dict[str, Any]) -> dict[str, Any]:
     """The same greedy completion on one device: the largest logits gap and token agreement."""
     single = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4)
     request = CompletionRequest(prompt_ids=PROMPT, max_tokens=12, record_logits=True)
@@ -137,6 +142,93 @@ def case(
     )
     del result["logits"]
     return result
+
+
+def qwen3_5_model() -> Qwen35Model:
+    """A DeltaNet layer and a gated-attention layer; 8 query, 4 KV, 4 key and 8 value heads
+    and 64 conv channels: all split 4 ways."""
+    return Qwen35Model(Qwen35Config(
+        model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, layer_types=("linear_attention", "full_attention"),
+        num_attention_heads=8, num_key_value_heads=4, head_dim=8, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+        initializer_range=0.1,
+    ), jnp.float32)
+
+
+def gemma4_model() -> Gemma4Model:
+    """Sliding layers of 2 KV heads (split 2 ways) on a ring that the prompt wraps, full
+    layers of one KV head (kept whole), per-layer inputs, two shared-KV layers with a
+    double-wide MLP."""
+    return Gemma4Model(Gemma4Config.from_hf_dict(dict(
+        model_type="gemma4_text", vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=5, layer_types=[SLIDING, FULL, SLIDING, SLIDING, FULL],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, global_head_dim=16,
+        sliding_window=3, hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB,
+        num_kv_shared_layers=2, use_double_wide_mlp=True, attention_k_eq_v=True,
+        num_global_key_value_heads=1, final_logit_softcapping=30.0, initializer_range=0.1,
+    )), jnp.float32, ring_margin=8)
+
+
+def snapshot_reuse(producer: Any) -> dict[str, Any]:
+    """A model that cannot rewind reuses the snapshot its first prompt's end left: the next
+    turn's logits and state equal a fresh run's, bitwise; and the same comparison against
+    logits one bit away fails (its control)."""
+    first, second = PROMPT[:6], [*PROMPT[:6], 5, 8, 1]
+    _, state = producer.prefill_chunk_with_status(producer.init_state(), first, 0, True)
+    _, state = producer.produce(state, 4, len(first))  # the next turn does not keep it
+    n, state = producer.try_reuse_prefix(state, second)
+    got, got_state = C.sequential_prefill(producer, state, second[n:], n)
+    want, want_state = C.sequential_prefill(producer, producer.init_state(), second, 0)
+
+    got, want = (np.asarray(x, np.float32).view(np.uint32) for x in (got, want))
+    flipped = want.copy()
+    flipped.flat[0] ^= 1
+    return {"reused": n,
+            "equal": np.array_equal(got, want) and live_equal(got_state, want_state),
+            "control_fires": not np.array_equal(got, flipped)}
+
+
+def family_case(name: str, model: Any, tp: int, leaves: dict[str, Any]) -> dict[str, Any]:
+    """``model`` split ``tp`` ways: every guarantee, the spec and first shard's shape of the
+    named state and params leaves (``leaves``: name -> function of (state, params)), and the
+    gap to one device."""
+    params = model.init_params(jax.random.PRNGKey(7))
+    producer = ShardedProducer(model, params, mesh=tp_mesh(jax.devices()[:tp]), capacity=64,
+                               width=4, steps_per_call=4)
+    result = conformance(producer, full=True)
+    if not producer.can_rewind:
+        result["snapshot_reuse"] = snapshot_reuse(producer)
+    state = producer.prefill_chunk(producer.init_state(), PROMPT, 0)[1]
+    result.update(name=name, tp=tp, **against_one_device(model, params, result))
+    for key, pick in leaves.items():
+        leaf = pick(state, producer.params)
+        result[key] = [str(leaf.sharding.spec), list(leaf.addressable_shards[0].data.shape)]
+    del result["logits"]
+    return result
+
+
+def family_cases() -> list[dict[str, Any]]:
+    """The Qwen3.5 and Gemma 4 cases."""
+    return [
+        family_case("qwen3_5_f32_tp4", qwen3_5_model(), 4, {
+            "recurrent": lambda s, p: s.cache.recurrent[0],  # [Hv, dk, dv]
+            "recurrent_tape": lambda s, p: s.cache.recurrent_tape[0],
+            "conv": lambda s, p: s.cache.conv[0],  # [K-1, C]
+            "k": lambda s, p: s.cache.k[0],  # [C, KV, hd]
+            "in_proj_qkv": lambda s, p: p["layers"][0]["in_proj_qkv"],
+            "out_proj": lambda s, p: p["layers"][0]["out_proj"],
+            "q_proj": lambda s, p: p["layers"][1]["q_proj"],
+        }),
+        family_case("gemma4_f32_tp2", gemma4_model(), 2, {
+            "k_ring": lambda s, p: s.cache.k_ring[0],  # [R, KV=2, hd]
+            "k_full": lambda s, p: s.cache.k_full[0],  # [C, KVg=1, ghd]: whole
+            "ring_positions": lambda s, p: s.cache.ring_positions,
+            "embed_tokens_per_layer": lambda s, p: p["embed_tokens_per_layer"],
+            "per_layer_projection": lambda s, p: p["layers"][0]["per_layer_projection"],
+            "shared_layer_down_proj": lambda s, p: p["layers"][4]["down_proj"],  # [2F, D]
+        }),
+    ]
 
 
 def refusal() -> str:
@@ -198,6 +290,7 @@ def main() -> None:
             case("llama_bf16_list_tp8", "llama", 8, jnp.bfloat16, 8, listed=True,
                  full=False, layers=1),
         ],
+        "families": family_cases(),
         "refusal": refusal(),
         "sharded_load": sharded_load(),
         "data_parallel": data_parallel(),
