@@ -35,6 +35,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from turbospark_jax.checks import as_int
+from turbospark_jax.drafters import gemma4_assistant
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import block_drafter, gemma4_vision
 from turbospark_jax.models.base import BlockModel
@@ -638,6 +639,60 @@ def load_block_drafter(
             raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
     params = block_drafter.unflatten_tensors(config, host)
     return config, jax.tree.map(jnp.asarray, params)
+
+
+def load_assistant(path: str | os.PathLike[str], dtype: Any = None) -> tuple[Any, Params]:
+    """Read a Gemma 4 assistant folder (``model_type`` ``gemma4_assistant``, the Hugging Face
+    layout), for :class:`~turbospark_jax.drafters.gemma4_assistant.Gemma4AssistantDrafter`.
+
+    Args:
+      path: the folder.
+      dtype: as :func:`load_folder`'s (default: the folder's ``dtype``, else float32); the
+        token ordering of ordered embeddings stays int32.
+
+    Returns:
+      ``(config, params)``: an :class:`~turbospark_jax.drafters.gemma4_assistant.AssistantConfig`
+      and its params tree.
+
+    Raises:
+      BadInputError: ``path`` or ``dtype`` of the wrong kind.
+      ModelLoadError: a missing folder or file, a config of another model type or with a bad
+        value, a tensor missing or of the wrong shape (each named).
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    _check_dtype_argument(dtype)
+    folder = os.fspath(path)
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it an assistant folder?)")
+    raw = _read_json(config_path, "assistant config")
+    config = gemma4_assistant.AssistantConfig.from_hf_dict(raw)
+    named = raw.get("dtype")
+    if dtype is None:
+        dtype = named if named in _DTYPES else "float32"
+    resolved = np.dtype(jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype))
+    tensors = {t.name: t for t in gemma4_assistant.hf_tensors(config)}
+    shapes = gemma4_assistant.param_shapes(config)
+    weight_map = _weight_files(folder)
+    missing = sorted(set(tensors) - set(weight_map))
+    if missing:
+        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}")
+    params: Params = jax.tree.map(lambda s: None, shapes, is_leaf=_is_shape)
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = tensors.get(name)
+        if t is None:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # a tied head's saved copy: the tied embedding is what runs
+            raise ModelLoadError(f"unexpected tensor {name} in {file}")
+        got = _header_shape(handle, name, file)
+        if got != t.hf_shape:
+            raise ModelLoadError(
+                f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}")
+        array = t.to_ours(handle.get_tensor(name), _node(shapes, t.key))
+        kind = np.int32 if np.issubdtype(array.dtype, np.integer) else resolved
+        _node(params, t.key[:-1])[t.key[-1]] = jnp.asarray(array.astype(kind, copy=False))
+    return config, params
 
 
 # -- the embedded models ---------------------------------------------------------------------
