@@ -140,7 +140,7 @@ def test_chat_mode_keeps_a_session_and_reports_reuse(our_folder):
         (["generate", "--model", "FOLDER", "hi", "--max-tokens", "0"], "--max-tokens"),
         (["generate", "--model", "FOLDER", "hi", "--context", "8", "--max-tokens", "50"],
          "positions"),
-        (["generate", "--model", "FOLDER", "hi", "--ngram", "2", "--speculative"], "one of"),
+        (["generate", "--model", "FOLDER", "hi", "--ngram", "2", "--speculative"], "choose one"),
     ],
 )
 def test_errors_are_one_line_and_nonzero(our_folder, argv, needle):
@@ -226,8 +226,8 @@ LONG_PROMPT = "x = 1\n" * 3000
         (["generate", "hi", "--draft-len", "3"], "", "--draft-len"),
         (["generate", "hi", "--speculative", "--draft-len", "0"], "", "--draft-len"),
         (["generate", "hi", "--ngram", "2", "--draft-len", "9"], "", "--draft-len"),
-        (["generate", "hi", "--ngram", "2", "--speculative"], "", "one of"),
-        (["generate", "hi", "--ngram", "2", "--draft-model", "X"], "", "one of"),
+        (["generate", "hi", "--ngram", "2", "--speculative"], "", "choose one"),
+        (["generate", "hi", "--ngram", "2", "--draft-model", "X"], "", "choose one"),
         (["generate", "--model", "/nonexistent/folder", "hi"], "", "/nonexistent/folder"),
         (["generate", "--draft-model", "/nonexistent/draft", "hi"], "", "--draft-model"),
         (["generate", ""], "", "the prompt is empty"),
@@ -282,12 +282,12 @@ def test_help_names_every_flag_with_its_default():
     text = " ".join(out.split())
     for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
                  "--repetition-penalty", "--seed", "--stop", "--chat", "--speculative",
-                 "--draft-model", "--ngram", "--draft-len", "--context",
+                 "--drafter", "--draft-model", "--ngram", "--draft-len", "--context",
                  "--allow-long-context", "--width", "--dtype", "--parallel-prefill", "--slots",
                  "--progress", "--stats"):
         assert flag in text, flag
     for default in ("(default: 128)", "(default: 0.0)", "(default: 1.0)", "(default: 0)",
-                    "(default: 4)", "(default: 1)"):
+                    "else 4;", "(default: 1)"):
         assert default in text, default
     assert "standard input" in text
     assert "\\n\\n" in text  # --stop explains its escapes

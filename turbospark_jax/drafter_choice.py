@@ -53,7 +53,13 @@ from turbospark_jax.drafters import (
 from turbospark_jax.drafters.block import tapped_target
 from turbospark_jax.drafters.gemma4_assistant import Gemma4AssistantDrafter
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.loading import LoadedModel, load_assistant, load_block_drafter, load_folder
+from turbospark_jax.loading import (
+    LoadedModel,
+    folder_config,
+    load_assistant,
+    load_block_drafter,
+    load_folder,
+)
 from turbospark_jax.models.block_drafter import MODEL_TYPE as BLOCK_DRAFTER_TYPE
 from turbospark_jax.models.gemma4 import Gemma4Model
 from turbospark_jax.models.gemma4_config import Gemma4Config
@@ -144,14 +150,13 @@ def requested_drafter(named: Sequence[tuple[str, str]]) -> str | None:
 
 
 def available_drafters(
-    target: str | os.PathLike[str], config: Mapping[str, Any],
+    target: str | os.PathLike[str],
     folders: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> tuple[dict[str, Availability], Figures | None]:
     """Every drafter and whether ``target`` has it (see the module docstring).
 
     Args:
       target: the model folder.
-      config: its ``config.json``.
       folders: drafter -> a folder given by the caller (``--draft-model PATH``...), which
         takes the place of the one ``speculative.json`` names or the convention finds.
 
@@ -159,12 +164,12 @@ def available_drafters(
       ``({drafter: Availability}, the folder's figures or None)``.
 
     Raises:
-      ModelLoadError: the folder's ``speculative.json`` is malformed, or its ``config.json``
-        names no family we load.
+      ModelLoadError: the model folder or its ``config.json`` is missing or names no family we
+        load, or its ``speculative.json`` is malformed.
     """
+    _, _, parsed, _ = folder_config(target, None, "list")
     target = Path(target)
     figures = read_figures(target)
-    parsed = family_of(config.get("model_type")).parse_config(config)
     found = {"ngram": Availability("ngram", True, "prompt lookup, always there")}
     found["mtp"] = _mtp(parsed)
     for drafter, check in (("draft-model", _draft_model), ("block", _block),
@@ -247,14 +252,14 @@ def _assistant(config: dict[str, Any], target: Any) -> tuple[str | None, int]:
 
 
 def choose_drafter(
-    target: str | os.PathLike[str], config: Mapping[str, Any], requested: str, backend: str, *,
+    target: str | os.PathLike[str], requested: str, backend: str, *,
     folders: Mapping[str, str | os.PathLike[str]] | None = None,
     draft_len: int | None = None, ngram: int | None = None,
 ) -> DrafterChoice:
     """The drafter for a run.
 
     Args:
-      target, config, folders: as for :func:`available_drafters`.
+      target, folders: as for :func:`available_drafters`.
       requested: a drafter's name, or ``"auto"``.
       backend: jax's backend name (``cpu``, ``gpu``...): whose figures count.
       draft_len: proposals per round, when the caller sets them.
@@ -262,9 +267,12 @@ def choose_drafter(
 
     Raises:
       BadInputError: the drafter asked for by name is not available (the reason named).
-      ModelLoadError: as :func:`available_drafters`.
+      ModelLoadError: a folder in ``folders`` does not exist; as :func:`available_drafters`.
     """
-    table, figures = available_drafters(target, config, folders)
+    for drafter, folder in (folders or {}).items():
+        if not Path(folder).is_dir():
+            raise ModelLoadError(f"the {drafter} drafter's folder {folder} does not exist")
+    table, figures = available_drafters(target, folders)
     n = DEFAULT_NGRAM if ngram is None else ngram
     source = (f"{figures.path}" if figures is not None else
               f"no speculative.json in {Path(target)}")

@@ -166,8 +166,8 @@ def _measurement(path: Path, index: int, entry: Any) -> Measurement:
         kind = {**_REQUIRED, **_OPTIONAL}[key]
         allowed = (int, float) if kind is float else (kind,)
         if isinstance(value, bool) or not isinstance(value, allowed):
-            what = "number" if kind is float else kind.__name__
-            raise ModelLoadError(f"{where}.{key} must be a {what}, got {value!r}")
+            what = {float: "a number", int: "an integer", str: "a string"}[kind]
+            raise ModelLoadError(f"{where}.{key} must be {what}, got {value!r}")
         values[key] = float(value) if kind is float else value
     try:
         return Measurement(**values)

@@ -401,7 +401,7 @@ def _choose(args: argparse.Namespace, target: _Folder, backend: str) -> Any:
             _read_folder(Path(path), flag)
             folders[drafter] = Path(path)
     try:
-        choice = choose_drafter(target.path, target.config, args.requested_drafter, backend,
+        choice = choose_drafter(target.path, args.requested_drafter, backend,
                                 folders=folders, draft_len=args.draft_len, ngram=args.ngram)
     except BadInputError as exc:
         raise CommandLineError(f"{args.drafter_flag}: {exc}") from exc
