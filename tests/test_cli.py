@@ -111,7 +111,8 @@ def test_stop_string_cuts_the_output(our_folder):
     assert "stop_string" in err
 
 
-@pytest.mark.parametrize("extra", [["--ngram", "3"], ["--draft-model", "DRAFT"]])
+@pytest.mark.parametrize("extra", [["--ngram", "3"], ["--draft-model", "DRAFT"],
+                                   ["--drafter", "ngram"]])
 def test_speculative_modes_match_plain_greedy(our_folder, extra):
     extra = [str(our_folder) if e == "DRAFT" else e for e in extra]
     base = ("generate", "--model", str(our_folder), "x = 1\nx = 1\nx =", "--max-tokens", "12",
@@ -228,6 +229,14 @@ LONG_PROMPT = "x = 1\n" * 3000
         (["generate", "hi", "--ngram", "2", "--draft-len", "9"], "", "--draft-len"),
         (["generate", "hi", "--ngram", "2", "--speculative"], "", "choose one"),
         (["generate", "hi", "--ngram", "2", "--draft-model", "X"], "", "choose one"),
+        (["generate", "hi", "--drafter", "block", "--ngram", "2"], "", "choose one"),
+        (["generate", "hi", "--drafter", "auto", "--speculative", "--ngram", "2"], "",
+         "choose one"),
+        (["generate", "hi", "--drafter", "medusa"], "", "--drafter"),
+        (["generate", "hi", "--drafter", "assistant"], "", "--drafter assistant: the assistant "
+         "drafter is not available"),
+        (["generate", "hi", "--drafter", "block", "--block-drafter", "/nonexistent/bd"], "",
+         "--block-drafter /nonexistent/bd: no such folder"),
         (["generate", "--model", "/nonexistent/folder", "hi"], "", "/nonexistent/folder"),
         (["generate", "--draft-model", "/nonexistent/draft", "hi"], "", "--draft-model"),
         (["generate", ""], "", "the prompt is empty"),
@@ -326,6 +335,26 @@ def test_stop_blank_line_stops_the_embedded_model():
     assert code == 0
     assert cut == full[: full.index("\n\n")] + "\n"
     assert "[stop_string]" in err
+
+
+def test_speculative_on_the_embedded_model_says_which_drafter_and_why():
+    """--speculative is --drafter auto: the pick is the one drafter_choice makes for the
+    embedded folder on this backend, --stats names it and why, and greedy stays lossless."""
+    from turbospark_jax.drafter_choice import choose_drafter
+
+    base = ("generate", "--model", str(EMBEDDED), "import os\nimport sys\n\n\ndef main(argv):",
+            "--max-tokens", "32")
+    code, plain, err = run(*base)
+    assert code == 0, err
+    code, spec, err = run(*base, "--speculative", "--stats")
+    assert code == 0, err
+    assert spec == plain
+    want = choose_drafter(EMBEDDED, "auto", jax.default_backend())
+    said = [line for line in err.splitlines() if line.startswith("[drafter] ")]
+    assert said == [f"[drafter] {want.why}"]
+    assert said[0].startswith(f"[drafter] auto picked {want.drafter} at draft length "
+                              f"{want.draft_len}")
+    assert "speculative (device rounds)" in err
 
 
 STATS = re.compile(
