@@ -52,11 +52,13 @@ def test_family_figures_harness_runs(tmp_path):
     assert all(r["step_bytes"] > 0 and r["fraction_of_roofline"] > 0 for r in decode)
 
 
-def test_drafters_benchmark_measures_every_drafter_and_writes_the_figures(tmp_path):
+def test_drafters_benchmark_measures_against_plain_and_writes_the_figures(tmp_path):
     """benchmarks/drafters.py on tiny random models: a target with a draft model and a block
-    drafter beside it, prompts from a small corpus; every drafter is measured greedy and
-    sampled, greedy is checked equal to plain, and speculative.json is written from the
-    greedy figures (which drafter_choice then reads)."""
+    drafter beside it, prompts from a small corpus; the block drafter is measured greedy and
+    sampled against plain decoding, greedy is checked equal to plain, and speculative.json is
+    written from the greedy figures (which drafter_choice then reads). Only the block drafter
+    runs: each drafter compiles its own rounds program (10-20 s on a 2-core CPU), and the
+    benchmark drives every drafter through the same code."""
     import jax
 
     from benchmarks.drafters import main as drafters_main
@@ -88,14 +90,14 @@ def test_drafters_benchmark_measures_every_drafter_and_writes_the_figures(tmp_pa
     out = tmp_path / "out"
     assert drafters_main(["--target", str(tmp_path / "m"), "--out", str(out), "--preset",
                           "smoke", "--corpus-root", str(corpus), "--heldout-fraction", "0.5",
-                          "--write-speculative-json"]) == 0
+                          "--drafters", "block", "--write-speculative-json"]) == 0
     backend = jax.default_backend()
     data = json.loads((out / f"drafters_{backend}.json").read_text())
     assert len(data["meta"]["prompts"]) == 2
     assert all(p.startswith("def f") for p in data["meta"]["prompts"])
+    assert data["meta"]["drafters"]["draft-model"] == str(tmp_path / "m-draft")  # found
     seen = {(r["drafter"], r["mode"]) for r in data["records"]}
-    for drafter in ("plain", "draft-model", "ngram", "block"):
-        assert {(drafter, "greedy"), (drafter, "sampled")} <= seen, drafter
+    assert seen == {(d, m) for d in ("plain", "block") for m in ("greedy", "sampled")}
     for r in data["records"]:
         if r["drafter"] != "plain":
             assert len(r["acceptance_by_position"]) == r["draft_len"]
@@ -104,5 +106,6 @@ def test_drafters_benchmark_measures_every_drafter_and_writes_the_figures(tmp_pa
     assert (out / f"drafters_{backend}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| block | greedy | 2 |" in (out / f"drafters_{backend}.md").read_text()
     figures = json.loads((tmp_path / "m" / "speculative.json").read_text())["measurements"]
-    assert {m["drafter"] for m in figures} == {"draft-model", "ngram", "block"}
-    assert choose_drafter(tmp_path / "m", "auto", backend).measured is not None
+    assert [(m["drafter"], m["draft_len"], m["backend"]) for m in figures] == [
+        ("block", 2, backend)]
+    assert choose_drafter(tmp_path / "m", "block", backend).measured is not None
