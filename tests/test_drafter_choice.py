@@ -265,3 +265,43 @@ def test_load_with_drafter_auto_pairs_the_pick_and_stays_lossless(tiny_pair: Pat
         tsj.load(tiny_pair, drafter="mtp")
     with pytest.raises(BadInputError, match="drafter must be"):
         tsj.load(tiny_pair, drafter=3)
+
+
+def test_an_assistant_folder_loads_as_written(tmp_path: Path) -> None:
+    """load_assistant reads a Gemma 4 assistant folder in the Hugging Face layout (the
+    token ordering stays integer), and refuses a missing or an unexpected tensor."""
+    from safetensors.numpy import save_file
+
+    from turbospark_jax.drafters import gemma4_assistant as A
+    from turbospark_jax.loading import load_assistant
+
+    raw = {"model_type": "gemma4_assistant", "backbone_hidden_size": 32,
+           "use_ordered_embeddings": True, "num_centroids": 8, "centroid_intermediate_top_k": 2,
+           "tie_word_embeddings": True, "dtype": "float32",
+           "text_config": dict(vocab_size=VOCAB, hidden_size=24, intermediate_size=40,
+                               num_hidden_layers=2, layer_types=["sliding_attention",
+                                                                 "full_attention"],
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               global_head_dim=16, sliding_window=4,
+                               hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)}
+    config = A.AssistantConfig.from_hf_dict(raw)
+    params = A.init_params(config, jax.random.PRNGKey(0))
+    tensors = {}
+    for t in A.hf_tensors(config):
+        leaf = params
+        for k in t.key:
+            leaf = leaf[k]
+        tensors[t.name] = t.to_hf(np.asarray(leaf))
+    folder = _folder(tmp_path / "a", raw)
+    save_file(tensors, str(folder / "model.safetensors"))
+    got_config, got = load_assistant(folder)
+    assert got_config == config
+    same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params, got)
+    assert all(jax.tree.leaves(same))
+    assert got["token_ordering"].dtype == np.int32
+    missing = {k: v for k, v in tensors.items() if k != "masked_embedding.centroids.weight"}
+    unexpected = {**tensors, "extra": np.zeros(2, np.float32)}
+    for needle, broken in (("is missing", missing), ("unexpected tensor extra", unexpected)):
+        save_file(broken, str(folder / "model.safetensors"))
+        with pytest.raises(ModelLoadError, match=needle):
+            load_assistant(folder)

@@ -600,6 +600,23 @@ def save_block_drafter(path: str | os.PathLike[str], config: block_drafter.Block
     _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
 
 
+def _drafter_folder(path: Any, dtype: Any, what: str) -> tuple[str, Any, jnp.dtype]:
+    """A drafter folder's checks before any tensor is read: ``(folder, its config.json,
+    the dtype to load in)`` (``dtype``, else the folder's ``dtype``, else float32)."""
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    _check_dtype_argument(dtype)
+    folder = os.fspath(path)
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it a {what} folder?)")
+    raw = _read_json(config_path, f"{what} config")
+    if dtype is None:
+        dtype = raw.get("dtype") if isinstance(raw, Mapping) and raw.get("dtype") in _DTYPES \
+            else "float32"
+    return folder, raw, jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+
+
 def load_block_drafter(
     path: str | os.PathLike[str], dtype: Any = None
 ) -> tuple[block_drafter.BlockDrafterConfig, Params]:
@@ -617,19 +634,8 @@ def load_block_drafter(
       ModelLoadError: a missing folder or file, a ``config.json`` of another model type or
         with a bad value, a tensor missing, unexpected or of the wrong shape (each named).
     """
-    if not isinstance(path, str | os.PathLike):
-        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
-    _check_dtype_argument(dtype)
-    folder = os.fspath(path)
-    config_path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it a block drafter folder?)")
-    raw = _read_json(config_path, "block drafter config")
+    folder, raw, resolved = _drafter_folder(path, dtype, "block drafter")
     config = block_drafter.BlockDrafterConfig.from_hf_dict(raw)
-    named = raw.get("dtype")
-    if dtype is None:
-        dtype = named if named in _DTYPES else "float32"
-    resolved = jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
     weight_map = _weight_files(folder)
     host: dict[str, np.ndarray] = {}
     for name, handle, file in _iter_tensors(folder, weight_map):
@@ -659,19 +665,9 @@ def load_assistant(path: str | os.PathLike[str], dtype: Any = None) -> tuple[Any
       ModelLoadError: a missing folder or file, a config of another model type or with a bad
         value, a tensor missing or of the wrong shape (each named).
     """
-    if not isinstance(path, str | os.PathLike):
-        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
-    _check_dtype_argument(dtype)
-    folder = os.fspath(path)
-    config_path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it an assistant folder?)")
-    raw = _read_json(config_path, "assistant config")
+    folder, raw, dtype = _drafter_folder(path, dtype, "assistant")
     config = gemma4_assistant.AssistantConfig.from_hf_dict(raw)
-    named = raw.get("dtype")
-    if dtype is None:
-        dtype = named if named in _DTYPES else "float32"
-    resolved = np.dtype(jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype))
+    resolved = np.dtype(dtype)
     tensors = {t.name: t for t in gemma4_assistant.hf_tensors(config)}
     shapes = gemma4_assistant.param_shapes(config)
     weight_map = _weight_files(folder)
