@@ -140,13 +140,18 @@ class Results:
     def add(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         print(json.dumps(record), flush=True)
+        self.write()
+
+    def write(self) -> None:
         self.path.write_text(json.dumps({"meta": self.meta, "records": self.records}, indent=1))
 
 
 def measure(target: Path, out: Path, preset: Preset, prompts: list[str],
-            folders: dict[str, Path], only: list[str] | None = None) -> Results:
+            folders: dict[str, Path], only: list[str] | None = None,
+            max_seconds: float | None = None) -> Results:
     """Plain decoding, then every available drafter at each draft length, greedy and
-    sampled (module docstring)."""
+    sampled (module docstring); no new configuration starts after ``max_seconds`` (what is
+    left out is listed in the meta's ``skipped``)."""
     import jax
 
     import turbospark_jax as tsj
@@ -161,6 +166,7 @@ def measure(target: Path, out: Path, preset: Preset, prompts: list[str],
             "command": " ".join(["python -m benchmarks.drafters",
                                  *map(shlex.quote, sys.argv[1:])])}
     results = Results(out, meta)
+    started = time.perf_counter()
     plain_model = tsj.load(target, context=context)
     plain: dict[str, dict[str, Any]] = {}
     for mode in ("greedy", "sampled"):
@@ -175,19 +181,22 @@ def measure(target: Path, out: Path, preset: Preset, prompts: list[str],
         lens = sorted({min(k, limit) for k in preset.draft_lens[drafter]})
         model = None
         for k in lens:
+            if max_seconds is not None and time.perf_counter() - started > max_seconds:
+                meta.setdefault("skipped", []).append({"drafter": drafter, "draft_len": k})
+                continue
             if model is None or not gpu:  # on a CPU the width follows the draft length
                 named = {"draft-model": "draft", "block": "block_drafter"}
                 model = tsj.load(target, drafter=drafter, context=context, draft_len=k,
                                  **{named[d]: f for d, f in folders.items() if d == drafter})
             for mode in ("greedy", "sampled"):
-                started = time.perf_counter()
+                run_started = time.perf_counter()
                 got = _run(model, prompts, preset.tokens, mode, k)
                 record = {"drafter": drafter, "mode": mode, "draft_len": k,
                           "width": model.producer.target.width,
                           **{key: v for key, v in got.items() if key != "outputs"},
                           "speedup": got["tokens_per_s"] / plain[mode]["tokens_per_s"]
                           if plain[mode]["tokens_per_s"] else 0.0,
-                          "wall_s": time.perf_counter() - started}
+                          "wall_s": time.perf_counter() - run_started}
                 if mode == "greedy":
                     record["equal_to_plain"] = got["outputs"] == plain[mode]["outputs"]
                 results.add(record)
@@ -239,6 +248,10 @@ def markdown(data: dict[str, Any]) -> str:
             f"| {r['drafter']} | {r['mode']} | {r['draft_len']} | {r['width']} | "
             f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | {by_pos} | "
             f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {equal} |")
+    skipped = meta.get("skipped", [])
+    if skipped:
+        lines += ["", "Not run (out of time): " + ", ".join(
+            f"{s['drafter']} at draft length {s['draft_len']}" for s in skipped) + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -304,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--corpus-root", type=Path, default=None,
                         help="where the held-out prompts come from (default: the stdlib)")
     parser.add_argument("--heldout-fraction", type=float, default=0.03)
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no new configuration after this many seconds (the h200 "
+                             "preset: 180, to end within a 4-minute device call)")
     parser.add_argument("--write-speculative-json", action="store_true",
                         help="write the target's speculative.json from the greedy figures")
     parser.add_argument("--report", type=Path, default=None,
@@ -320,7 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset or ("cpu" if jax.default_backend() == "cpu" else "h200")]
     prompts = held_out_prompts(preset.prompts, args.corpus_root, args.heldout_fraction)
     only = args.drafters.split(",") if args.drafters else None
-    results = measure(target, args.out, preset, prompts, _load_explicit(args), only)
+    limit = args.max_seconds if args.max_seconds is not None else (
+        180.0 if preset is PRESETS["h200"] else None)
+    results = measure(target, args.out, preset, prompts, _load_explicit(args), only, limit)
+    results.write()  # with what was skipped
     report(results.path)
     print(results.path.with_suffix(".md").read_text())
     if not lossless(results.records):
