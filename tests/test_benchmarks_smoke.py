@@ -50,3 +50,62 @@ def test_family_figures_harness_runs(tmp_path):
         assert {(shape, "decode"), (shape, "prefill"), (shape, "verify")} <= by_kind
     decode = [r for r in records if r["workload"] == "decode"]
     assert all(r["step_bytes"] > 0 and r["fraction_of_roofline"] > 0 for r in decode)
+
+
+def test_drafters_benchmark_measures_against_plain_and_writes_the_figures(tmp_path):
+    """benchmarks/drafters.py on tiny random models: a target with a draft model and a block
+    drafter beside it, prompts from a small corpus; the block drafter is measured greedy and
+    sampled against plain decoding, greedy is checked equal to plain, and speculative.json is
+    written from the greedy figures (which drafter_choice then reads). Only the block drafter
+    runs: each drafter compiles its own rounds program (10-20 s on a 2-core CPU), and the
+    benchmark drives every drafter through the same code."""
+    import jax
+
+    from benchmarks.drafters import main as drafters_main
+    from turbospark_jax.drafter_choice import choose_drafter
+    from turbospark_jax.loading import GenerationConfig, save_block_drafter, save_folder
+    from turbospark_jax.models import block_drafter as BD
+    from turbospark_jax.models.dense import init_params
+    from turbospark_jax.models.dense_config import DenseConfig
+    from turbospark_jax.testing.tokenizers import byte_level_bpe
+    from turbospark_jax.tokenizer import Tokenizer
+
+    tok = byte_level_bpe()
+    wrapper = Tokenizer.from_tokenizers(tok, bos="<|bos|>", eos="<|eos|>", pad="<|pad|>")
+    config = DenseConfig(model_type="qwen3", vocab_size=tok.get_vocab_size(), hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
+    for name, seed in (("m", 0), ("m-draft", 1)):
+        save_folder(tmp_path / name, config, init_params(config, jax.random.PRNGKey(seed)),
+                    tokenizer=wrapper, generation_config=GenerationConfig(eos_token_ids=()))
+    block = BD.BlockDrafterConfig(hidden_size=32, vocab_size=config.vocab_size, head_dim=8,
+                                  target_layer_ids=(0, 1), target_num_hidden_layers=2,
+                                  block_size=3)
+    save_block_drafter(tmp_path / "m-block", block, BD.init_params(block, jax.random.PRNGKey(2)))
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"mod{i}.py").write_text(
+            f'def f{i}(x, y):\n    """Add."""\n    return x + y * {i}\n')
+    out = tmp_path / "out"
+    assert drafters_main(["--target", str(tmp_path / "m"), "--out", str(out), "--preset",
+                          "smoke", "--corpus-root", str(corpus), "--heldout-fraction", "0.5",
+                          "--drafters", "block", "--write-speculative-json"]) == 0
+    backend = jax.default_backend()
+    data = json.loads((out / f"drafters_{backend}.json").read_text())
+    assert len(data["meta"]["prompts"]) == 2
+    assert all(p.startswith("def f") for p in data["meta"]["prompts"])
+    assert data["meta"]["drafters"]["draft-model"] == str(tmp_path / "m-draft")  # found
+    seen = {(r["drafter"], r["mode"]) for r in data["records"]}
+    assert seen == {(d, m) for d in ("plain", "block") for m in ("greedy", "sampled")}
+    for r in data["records"]:
+        if r["drafter"] != "plain":
+            assert len(r["acceptance_by_position"]) == r["draft_len"]
+            assert r["mean_acceptance_length"] >= 1.0
+            assert r.get("equal_to_plain", r["mode"] == "sampled") is True
+    assert (out / f"drafters_{backend}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| block | greedy | 2 |" in (out / f"drafters_{backend}.md").read_text()
+    figures = json.loads((tmp_path / "m" / "speculative.json").read_text())["measurements"]
+    assert [(m["drafter"], m["draft_len"], m["backend"]) for m in figures] == [
+        ("block", 2, backend)]
+    assert choose_drafter(tmp_path / "m", "block", backend).measured is not None

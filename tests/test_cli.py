@@ -111,7 +111,8 @@ def test_stop_string_cuts_the_output(our_folder):
     assert "stop_string" in err
 
 
-@pytest.mark.parametrize("extra", [["--ngram", "3"], ["--draft-model", "DRAFT"]])
+@pytest.mark.parametrize("extra", [["--ngram", "3"], ["--draft-model", "DRAFT"],
+                                   ["--drafter", "ngram"]])
 def test_speculative_modes_match_plain_greedy(our_folder, extra):
     extra = [str(our_folder) if e == "DRAFT" else e for e in extra]
     base = ("generate", "--model", str(our_folder), "x = 1\nx = 1\nx =", "--max-tokens", "12",
@@ -140,7 +141,7 @@ def test_chat_mode_keeps_a_session_and_reports_reuse(our_folder):
         (["generate", "--model", "FOLDER", "hi", "--max-tokens", "0"], "--max-tokens"),
         (["generate", "--model", "FOLDER", "hi", "--context", "8", "--max-tokens", "50"],
          "positions"),
-        (["generate", "--model", "FOLDER", "hi", "--ngram", "2", "--speculative"], "one of"),
+        (["generate", "--model", "FOLDER", "hi", "--ngram", "2", "--speculative"], "choose one"),
     ],
 )
 def test_errors_are_one_line_and_nonzero(our_folder, argv, needle):
@@ -226,8 +227,16 @@ LONG_PROMPT = "x = 1\n" * 3000
         (["generate", "hi", "--draft-len", "3"], "", "--draft-len"),
         (["generate", "hi", "--speculative", "--draft-len", "0"], "", "--draft-len"),
         (["generate", "hi", "--ngram", "2", "--draft-len", "9"], "", "--draft-len"),
-        (["generate", "hi", "--ngram", "2", "--speculative"], "", "one of"),
-        (["generate", "hi", "--ngram", "2", "--draft-model", "X"], "", "one of"),
+        (["generate", "hi", "--ngram", "2", "--speculative"], "", "choose one"),
+        (["generate", "hi", "--ngram", "2", "--draft-model", "X"], "", "choose one"),
+        (["generate", "hi", "--drafter", "block", "--ngram", "2"], "", "choose one"),
+        (["generate", "hi", "--drafter", "auto", "--speculative", "--ngram", "2"], "",
+         "choose one"),
+        (["generate", "hi", "--drafter", "medusa"], "", "--drafter"),
+        (["generate", "hi", "--drafter", "assistant"], "", "--drafter assistant: the assistant "
+         "drafter is not available"),
+        (["generate", "hi", "--drafter", "block", "--block-drafter", "/nonexistent/bd"], "",
+         "--block-drafter /nonexistent/bd: no such folder"),
         (["generate", "--model", "/nonexistent/folder", "hi"], "", "/nonexistent/folder"),
         (["generate", "--draft-model", "/nonexistent/draft", "hi"], "", "--draft-model"),
         (["generate", ""], "", "the prompt is empty"),
@@ -282,12 +291,12 @@ def test_help_names_every_flag_with_its_default():
     text = " ".join(out.split())
     for flag in ("--model", "--max-tokens", "--temperature", "--top-p", "--top-k", "--min-p",
                  "--repetition-penalty", "--seed", "--stop", "--chat", "--speculative",
-                 "--draft-model", "--ngram", "--draft-len", "--context",
+                 "--drafter", "--draft-model", "--ngram", "--draft-len", "--context",
                  "--allow-long-context", "--width", "--dtype", "--parallel-prefill", "--slots",
                  "--progress", "--stats"):
         assert flag in text, flag
     for default in ("(default: 128)", "(default: 0.0)", "(default: 1.0)", "(default: 0)",
-                    "(default: 4)", "(default: 1)"):
+                    "else 4;", "(default: 1)"):
         assert default in text, default
     assert "standard input" in text
     assert "\\n\\n" in text  # --stop explains its escapes
@@ -326,6 +335,26 @@ def test_stop_blank_line_stops_the_embedded_model():
     assert code == 0
     assert cut == full[: full.index("\n\n")] + "\n"
     assert "[stop_string]" in err
+
+
+def test_speculative_on_the_embedded_model_says_which_drafter_and_why():
+    """--speculative is --drafter auto: the pick is the one drafter_choice makes for the
+    embedded folder on this backend, --stats names it and why, and greedy stays lossless."""
+    from turbospark_jax.drafter_choice import choose_drafter
+
+    base = ("generate", "--model", str(EMBEDDED), "import os\nimport sys\n\n\ndef main(argv):",
+            "--max-tokens", "32")
+    code, plain, err = run(*base)
+    assert code == 0, err
+    code, spec, err = run(*base, "--speculative", "--stats")
+    assert code == 0, err
+    assert spec == plain
+    want = choose_drafter(EMBEDDED, "auto", jax.default_backend())
+    said = [line for line in err.splitlines() if line.startswith("[drafter] ")]
+    assert said == [f"[drafter] {want.why}"]
+    assert said[0].startswith(f"[drafter] auto picked {want.drafter} at draft length "
+                              f"{want.draft_len}")
+    assert "speculative (device rounds)" in err
 
 
 STATS = re.compile(

@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
     "rounds": 3, "drafters": 3, "batching": 3,
     "completion": 4, "generate": 4, "speculative": 4, "vision": 4,
     "session_pool": 5, "chat": 5, "replicas": 5,
-    "loading": 6, "sharded_loading": 6,
+    "loading": 6, "sharded_loading": 6, "drafter_figures": 6, "drafter_choice": 6,
     "api": 7, "server": 7, "cli": 8, "recipe": 8, "testing": 8, "__init__": 9,
 }
 

@@ -9,6 +9,7 @@
     for event in tsj.stream(model, "import os", max_tokens=32):
         print(event.text, end="")
 
+    fast = tsj.load(drafter="auto")                      # with its best measured drafter
     vlm = tsj.load("path/to/gemma4")                     # a folder with a vision tower
     tsj.generate(vlm, "<|image|> What is in the picture?", images=["cat.png"])
 
@@ -29,8 +30,13 @@ import jax
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.checks import as_int, as_token_ids
 from turbospark_jax.completion import Completion, CompletionRequest
-from turbospark_jax.drafters import BlockDrafter, DraftModelDrafter, NGramDrafter, SpeculativePair
-from turbospark_jax.drafters.block import tapped_target
+from turbospark_jax.drafter_choice import (
+    DrafterChoice,
+    choose_drafter,
+    pair_with_drafter,
+    requested_drafter,
+)
+from turbospark_jax.drafters import MAX_DRAFT
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generate import stream_completion
 from turbospark_jax.images import as_list as as_image_list
@@ -39,7 +45,6 @@ from turbospark_jax.loading import (
     DEFAULT_TARGET,
     LoadedModel,
     embedded_model_path,
-    load_block_drafter,
     load_folder,
 )
 from turbospark_jax.protocols import LogitProducer
@@ -63,12 +68,15 @@ class Model:
       tokenizer: the folder's tokenizer (``None`` when it has none: pass token ids then).
       stop_token_ids: the ids that end a reply (end of sequence, from the folder).
       loaded: the target as loaded (config, params, generation config, path).
+      drafter: the drafter paired with it, its draft length (:func:`stream`'s default) and
+        why it was picked (``None``: no drafter).
     """
 
     producer: LogitProducer
     tokenizer: Any
     stop_token_ids: tuple[int, ...]
     loaded: LoadedModel
+    drafter: DrafterChoice | None = None
 
     @property
     def vision(self) -> VisionEncoder | None:
@@ -87,36 +95,44 @@ def default_width(drafting: bool, draft_len: int = 4) -> int:
 def load(
     path: str | os.PathLike[str] | None = None,
     *,
+    drafter: str | None = None,
     draft: str | os.PathLike[str] | bool | None = None,
     block_drafter: str | os.PathLike[str] | None = None,
     ngram: int = 0,
     dtype: str | None = None,
     context: int | None = None,
     width: int | None = None,
-    draft_len: int = 4,
+    draft_len: int | None = None,
 ) -> Model:
     """Load a Hugging Face folder (default: the embedded model) as a ready producer.
 
     Args:
       path: the model folder; ``None`` for the embedded default model.
+      drafter: ``"auto"`` for the drafter the folder's figures measured fastest on this
+        backend (:mod:`~turbospark_jax.drafter_choice`), or one by name: ``"draft-model"``,
+        ``"ngram"``, ``"mtp"``, ``"block"``, ``"assistant"``; ``None``: no drafter unless one
+        of the next three asks for one.
       draft: a draft model folder for speculative decoding, or ``True`` for the embedded
-        draft model.
+        draft model (``drafter="draft-model"`` with that folder).
       block_drafter: a block drafter folder trained for this model
         (:func:`~turbospark_jax.loading.save_block_drafter`): the target then records the
-        layers it reads, and it proposes a block per pass.
-      ngram: draft by prompt lookup with n-grams up to this length instead (0: off).
+        layers it reads, and it proposes a block per pass (``drafter="block"``).
+      ngram: draft by prompt lookup with n-grams up to this length (0: off; with
+        ``drafter="ngram"`` the default is 3).
       dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; default: the folder's own on an
         accelerator, float32 on a CPU (XLA's CPU bfloat16 matrix products are slow).
       context: positions a state holds; default: the model's ``max_position_embeddings``,
         at most 4096.
       width: rows of the block program (:func:`default_width`).
-      draft_len: the proposals per round the width should leave room for on a CPU.
+      draft_len: proposals per round: :func:`stream`'s default and what the width leaves room
+        for on a CPU (default: the drafter's best measured, else 4).
 
     Raises:
-      ModelLoadError: the folder cannot be loaded (named, with the reason).
-      BadInputError: more than one of ``draft``, ``block_drafter`` and ``ngram``, or a value
-        of the wrong kind (checked before any folder is read); a block drafter made for
-        another target.
+      ModelLoadError: the folder (or a drafter's folder) cannot be loaded (named, with the
+        reason).
+      BadInputError: options that ask for two different drafters, a drafter the model does
+        not have (why), or a value of the wrong kind (checked before any weights are read); a
+        block drafter made for another target.
       ContextOverflowError: a state of ``context`` positions does not fit the device.
     """
     if not (draft is None or isinstance(draft, bool | str | os.PathLike)):
@@ -129,47 +145,52 @@ def load(
     if not (block_drafter is None or isinstance(block_drafter, str | os.PathLike)):
         raise BadInputError(f"block_drafter must be a folder path or None, got "
                             f"{type(block_drafter).__name__}")
-    if sum(map(bool, (draft, block_drafter, ngram))) > 1:
-        raise BadInputError("choose one drafter: draft=..., block_drafter=... or ngram=...")
+    if not (drafter is None or isinstance(drafter, str)):
+        raise BadInputError(f"drafter must be a drafter's name or 'auto', got {drafter!r}")
+    asked = (
+        (drafter is not None, f"drafter={drafter!r}", drafter),
+        (bool(draft), "draft=...", "draft-model"),
+        (block_drafter is not None, "block_drafter=...", "block"),
+        (bool(ngram), f"ngram={ngram}", "ngram"),
+    )
+    requested = requested_drafter([(spelled, kind) for on, spelled, kind in asked if on])
     if dtype is not None and not isinstance(dtype, str):
         raise BadInputError(f"dtype must be a str such as 'bfloat16', got {dtype!r}")
     if context is not None:
         as_int("context", context, low=1)
     if width is not None:
         as_int("width", width, low=1)
-    as_int("draft_len", draft_len, low=1)
+    if draft_len is not None:
+        as_int("draft_len", draft_len, low=1, high=MAX_DRAFT)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
-    width = width if width is not None else default_width(
-        bool(draft or ngram or block_drafter), draft_len)
     target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
+    choice = None
+    if requested is not None:
+        folders: dict[str, Any] = {}
+        if draft:
+            folders["draft-model"] = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
+        if block_drafter is not None:
+            folders["block"] = block_drafter
+        choice = choose_drafter(target_path, requested, jax.default_backend(), folders=folders,
+                                draft_len=draft_len, ngram=ngram or None)
+    width = width if width is not None else default_width(
+        choice is not None, choice.draft_len if choice is not None else 4)
     loaded = load_folder(target_path, dtype=dtype, layer_layout="list")
-    if block_drafter is not None:
-        drafter_config, drafter_params = load_block_drafter(block_drafter, dtype=dtype)
-        loaded = dataclasses.replace(loaded,
-                                     model=tapped_target(loaded.model, drafter_config))
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )
-    producer: LogitProducer = BlockProducer(
-        loaded.model, loaded.params, capacity=capacity, width=width, donate=True
-    )
-    if draft:
-        draft_path = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
-        small = load_folder(draft_path, dtype=dtype, layer_layout="list")
-        drafter = BlockProducer(small.model, small.params, capacity=capacity, width=width,
-                                donate=True)
-        producer = SpeculativePair(producer, DraftModelDrafter(drafter))
-    elif block_drafter is not None:
-        producer = SpeculativePair(producer, BlockDrafter(
-            producer, drafter_config, drafter_params))
-    elif ngram:
-        producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=ngram))
+
+    def producer_for(m: LoadedModel) -> BlockProducer:
+        return BlockProducer(m.model, m.params, capacity=capacity, width=width, donate=True)
+
+    producer: LogitProducer = (producer_for(loaded) if choice is None else
+                               pair_with_drafter(loaded, choice, producer_for, dtype))
     stops = set(loaded.generation_config.eos_token_ids)
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
     return Model(producer=producer, tokenizer=loaded.tokenizer,
-                 stop_token_ids=tuple(sorted(stops)), loaded=loaded)
+                 stop_token_ids=tuple(sorted(stops)), loaded=loaded, drafter=choice)
 
 
 def stream(
@@ -195,7 +216,8 @@ def stream(
       max_tokens: the most tokens to generate.
       stop: stop strings (a single str is one stop string).
       seed: the sampling seed (same seed, same output).
-      draft_len: proposals per speculative round (0: decode plainly).
+      draft_len: proposals per speculative round (0: decode plainly; default: the draft
+        length the model's drafter was loaded with).
       **settings: sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) or other
         :class:`~turbospark_jax.completion.CompletionRequest` fields.
@@ -231,6 +253,8 @@ def stream(
             f"fields {sorted(fields - {'prompt_ids', 'sampling'})}"
         )
     settings.setdefault("stop_token_ids", model.stop_token_ids)
+    if draft_len is None and model.drafter is not None:
+        draft_len = model.drafter.draft_len
     request = CompletionRequest(
         prompt_ids=ids, max_tokens=max_tokens, stop_strings=stop, seed=seed,
         sampling=SamplingConfig(**sampling), draft_len=draft_len, injection=injection,

@@ -2,9 +2,10 @@
 the checks that need no model, ``progress`` for what stderr shows while it works).
 
 turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded default
-model; --model PATH takes any supported Hugging Face folder. --speculative drafts with the
-embedded draft model (or --draft-model PATH, or --ngram N for prompt lookup); --chat keeps one
-session across turns read from standard input and reports prefix reuse.
+model; --model PATH takes any supported Hugging Face folder. --speculative drafts with the best
+drafter the model has (``turbospark_jax.drafter_choice``), --drafter names one (--draft-model
+PATH, --block-drafter PATH and --ngram N name theirs); --chat keeps one session across turns
+read from standard input and reports prefix reuse.
 
 The whole command line, the model's config.json and tokenizer are checked before any weights
 load, so a mistake costs no load time. Errors print one line and exit with status 1, never a
@@ -33,7 +34,7 @@ from turbospark_jax.cli.arguments import (
     user_words,
 )
 from turbospark_jax.cli.progress import Bar, CompileClock, Spinner
-from turbospark_jax.errors import ModelLoadError, TurbosparkError
+from turbospark_jax.errors import BadInputError, ModelLoadError, TurbosparkError
 from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
 
 __all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "embedded_model_path", "main"]
@@ -111,28 +112,35 @@ def _check_length(args: argparse.Namespace, folder: _Folder, prompt_tokens: int,
         )
 
 
-#: What the drafting modes measured against plain decoding on a 2-core CPU, each command a
-#: fresh process (README, "Speculative decoding", has the table and the command).
+#: What the drafters measured against plain decoding on a 2-core CPU with the embedded models,
+#: each command a fresh process (README, "Speculative decoding", has the table and the command).
 CPU_MEASURED = {
-    "--speculative": "compiled in 12-17 s against 4-6 s plain and decoded at 109 tokens/s "
-                     "against 99, 21 s in all against 10",
-    "--ngram": "compiled in 10-11 s against 4-6 s plain and decoded at 95 tokens/s against 99, "
-               "16 s in all against 10",
+    "draft-model": "compiled in 12-17 s against 4-6 s plain and decoded at 109 tokens/s "
+                   "against 99, 21 s in all against 10",
+    "ngram": "compiled in 10-11 s against 4-6 s plain and decoded at 95 tokens/s against 99, "
+             "16 s in all against 10",
 }
 
 
-def _speculative_note(args: argparse.Namespace, on_cpu: bool) -> str | None:
-    """One line when the drafting mode chosen measured slower than plain decoding on a CPU:
-    it runs as asked, but the user hears what was measured."""
-    if not (on_cpu and args.drafting) or args.block_drafter:
-        return None  # nothing measured for a block drafter yet
-    mode = "--ngram" if args.ngram is not None else "--speculative"
-    chosen = "--draft-model" if args.draft_model else mode
+def _speculative_note(args: argparse.Namespace, on_cpu: bool, choice: Any) -> str | None:
+    """One line when the drafter chosen measured slower than plain decoding on a CPU: it runs
+    as asked, but the user hears what was measured."""
+    if not on_cpu or choice is None:
+        return None
+    drafter, flag = choice.drafter, args.drafter_flag
+    if choice.measured is not None:
+        if choice.measured.speedup >= 1.0:
+            return None
+        return (f"on a CPU, {flag} ({drafter}) measured {choice.measured.speedup:.2f}x plain "
+                f"decoding for this model at draft length {choice.measured.draft_len} "
+                "(speculative.json); it runs as asked; --draft-len sets the proposals per round")
+    if drafter not in CPU_MEASURED:
+        return None  # nothing measured for it on a CPU
     return (
-        f"on a CPU, {chosen} may be slower than plain decoding: for 96 tokens with the embedded "
-        f"models, {mode} {CPU_MEASURED[mode]} (README, Speculative decoding; held warm in a "
-        "2,048-position context it decoded 1.4-1.8x faster); --draft-len sets the proposals "
-        "per round"
+        f"on a CPU, {flag} ({drafter}) may be slower than plain decoding: for 96 tokens with "
+        f"the embedded models, the {drafter} drafter {CPU_MEASURED[drafter]} (README, "
+        "Speculative decoding; held warm in a 2,048-position context it decoded 1.4-1.8x "
+        "faster); --draft-len sets the proposals per round"
     )
 
 
@@ -185,25 +193,20 @@ def _capacity(args: argparse.Namespace, prompt_tokens: int | None) -> int:
     return max(256, 1 << (need - 1).bit_length())
 
 
-def _assemble(args: argparse.Namespace, target: _Folder, draft: _Folder | None,
+def _assemble(args: argparse.Namespace, target: _Folder, choice: Any,
               spinner: Spinner, capacity: int) -> tuple[Any, list[int], Any]:
     """(producer to drive, stop ids, vision tower or None): the target loaded, paired with
-    the drafter asked for."""
-    from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+    the drafter chosen."""
+    from turbospark_jax.drafter_choice import pair_with_drafter
 
     spinner.set(f"loading {target.path}")
     loaded = _load(target.path, args)
-    if args.block_drafter:
-        pair = _assemble_block_drafter(args, loaded, spinner, capacity)
-        return pair, _stop_ids(loaded), loaded.vision
-    producer = _block_producer(loaded, args, capacity)
-    if draft is not None:
-        spinner.set(f"loading {draft.path}")
-        small = _block_producer(_load(draft.path, args), args, capacity)
-        producer = SpeculativePair(producer, DraftModelDrafter(small))
-    elif args.ngram is not None:
-        producer = SpeculativePair(producer, NGramDrafter(producer.vocab_size, max_n=args.ngram))
-    return producer, _stop_ids(loaded), loaded.vision
+    if choice is None:
+        return _block_producer(loaded, args, capacity), _stop_ids(loaded), loaded.vision
+    spinner.set(f"loading the {choice.drafter} drafter")
+    pair = pair_with_drafter(loaded, choice, lambda m: _block_producer(m, args, capacity),
+                             dtype=args.dtype)
+    return pair, _stop_ids(loaded), loaded.vision
 
 
 def _stop_ids(loaded: Any) -> list[int]:
@@ -211,20 +214,6 @@ def _stop_ids(loaded: Any) -> list[int]:
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
     return sorted(stops)
-
-
-def _assemble_block_drafter(args: argparse.Namespace, loaded: Any, spinner: Spinner,
-                            capacity: int) -> Any:
-    """The target, set to tap the layers the block drafter reads, paired with it."""
-    from turbospark_jax.drafters import BlockDrafter, SpeculativePair
-    from turbospark_jax.drafters.block import tapped_target
-    from turbospark_jax.loading import load_block_drafter
-
-    spinner.set(f"loading {args.block_drafter}")
-    config, params = load_block_drafter(args.block_drafter, dtype=args.dtype)
-    loaded = dataclasses.replace(loaded, model=tapped_target(loaded.model, config))
-    target = _block_producer(loaded, args, capacity)
-    return SpeculativePair(target, BlockDrafter(target, config, params))
 
 
 def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
@@ -337,31 +326,9 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     check_arguments(args)
     target = _read_folder(Path(args.model) if args.model else
                           embedded_model_path(DEFAULT_TARGET), "--model")
-    draft = None
-    if args.speculative or args.draft_model:
-        draft = _read_folder(Path(args.draft_model) if args.draft_model else
-                             embedded_model_path(DEFAULT_DRAFT), "--draft-model")
-        mine, theirs = target.config.get("vocab_size"), draft.config.get("vocab_size")
-        if mine != theirs:
-            raise CommandLineError(
-                f"the draft model's vocabulary has {theirs} ids but the model's has {mine}; "
-                "--draft-model needs a model with the same tokenizer"
-            )
-    if args.block_drafter:
-        drafter = _read_folder(Path(args.block_drafter), "--block-drafter")
-        for theirs_key, mine_key, what in (
-            ("vocab_size", "vocab_size", "vocabulary size"),
-            ("hidden_size", "hidden_size", "hidden size"),
-            ("target_num_hidden_layers", "num_hidden_layers", "number of layers"),
-        ):
-            mine, theirs = target.config.get(mine_key), drafter.config.get(theirs_key)
-            if mine != theirs:
-                raise CommandLineError(
-                    f"the block drafter was made for a model whose {what} is {theirs}; this "
-                    f"model's is {mine}; --block-drafter needs a drafter trained for this model"
-                )
-    tok = _read_tokenizer(target)
     on_cpu = jax.default_backend() == "cpu"
+    choice = _choose(args, target, jax.default_backend())
+    tok = _read_tokenizer(target)
     if args.dtype is None and on_cpu:
         args.dtype = "float32"
     if args.width is None:
@@ -384,7 +351,8 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     else:
         # A session's first turn needs at least one prompt token beside the reply.
         _check_length(args, target, 1, stderr, _capacity(args, None))
-    for note in (_speculative_note(args, on_cpu), _prefill_note(args, on_cpu, len(ids))):
+    for note in (_speculative_note(args, on_cpu, choice),
+                 _prefill_note(args, on_cpu, len(ids))):
         if note is not None:
             print(f"{PROG}: note: {note}", file=stderr, flush=True)
 
@@ -393,7 +361,7 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     try:
         started = time.perf_counter()
         producer, stops, vision = _assemble(
-            args, target, draft, spinner,
+            args, target, choice, spinner,
             _capacity(args, None if chat_loop else len(ids) + image_tokens))
         clock.load_s = time.perf_counter() - started
         injection = None
@@ -409,13 +377,40 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
         spinner.done()
         if chat_loop:
             return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision)
-        return _complete(args, producer, request, tok, clock, stdout, stderr)
+        return _complete(args, producer, request, tok, clock, stdout, stderr, choice)
     finally:
         spinner.done()
 
 
+def _choose(args: argparse.Namespace, target: _Folder, backend: str) -> Any:
+    """The drafter for the run (``None``: no drafting asked for), from the model folder's
+    configs alone; sets ``args.draft_len`` to its draft length.
+
+    Raises:
+      CommandLineError: a folder named on the command line is not there, or the drafter
+        asked for is not available for the model (why, in one line).
+    """
+    from turbospark_jax.drafter_choice import choose_drafter
+
+    if args.requested_drafter is None:
+        return None
+    folders = {}
+    for flag, drafter, path in (("--draft-model", "draft-model", args.draft_model),
+                                ("--block-drafter", "block", args.block_drafter)):
+        if path:
+            _read_folder(Path(path), flag)
+            folders[drafter] = Path(path)
+    try:
+        choice = choose_drafter(target.path, args.requested_drafter, backend,
+                                folders=folders, draft_len=args.draft_len, ngram=args.ngram)
+    except BadInputError as exc:
+        raise CommandLineError(f"{args.drafter_flag}: {exc}") from exc
+    args.draft_len = choice.draft_len
+    return choice
+
+
 def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, clock: _Clock,
-              stdout: TextIO, stderr: TextIO) -> int:
+              stdout: TextIO, stderr: TextIO, choice: Any = None) -> int:
     """One completion streamed to stdout, progress on stderr, --stats after it."""
     from turbospark_jax.generate import stream_completion
 
@@ -446,6 +441,8 @@ def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, c
     result = stream.result
     if args.stats or result.error:
         print(_stats_line(result, clock, compiling.seconds), file=stderr, flush=True)
+        if choice is not None:
+            print(f"[drafter] {choice.why}", file=stderr, flush=True)
         if result.speculative is not None:
             print(result.speculative.summary(), file=stderr, flush=True)
     return 1 if result.error else 0

@@ -11,6 +11,13 @@ import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from turbospark_jax.drafter_choice import (
+    AUTO,
+    DEFAULT_DRAFT_LEN,
+    DEFAULT_NGRAM,
+    DRAFTERS,
+    requested_drafter,
+)
 from turbospark_jax.errors import BadInputError
 
 PROG = "turbospark-jax"
@@ -18,13 +25,11 @@ PROG = "turbospark-jax"
 DESCRIPTION = (
     'turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded '
     "default model; --model PATH takes any supported Hugging Face folder. --speculative drafts "
-    "with the embedded draft model (or --draft-model PATH, or --ngram N for prompt lookup); "
+    "with the best drafter the model has (--drafter names one: draft-model, ngram, mtp, block, "
+    "assistant); "
     "--chat keeps one session across turns read from standard input. The command line, the "
     "model's config.json and its tokenizer are checked before any weights load."
 )
-
-#: Proposals per speculative round when --draft-len is not given.
-DEFAULT_DRAFT_LEN = 4
 
 #: The escapes --stop understands.
 _ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|[ntr\\])")
@@ -160,18 +165,29 @@ def parser() -> _Parser:
     gen.add_argument("--chat", action="store_true",
                      help="apply the model's chat template; without PROMPT, read one user turn "
                           "per line of stdin and keep the session across turns")
+    gen.add_argument("--drafter", choices=[AUTO, *DRAFTERS], default=None,
+                     help="speculative decoding with this drafter: auto picks the one with the "
+                          "best measured speedup on this backend (the model folder's "
+                          "speculative.json; without figures, the first the model has of block, "
+                          "mtp, assistant, then draft-model and ngram, in that order on a CPU, "
+                          "reversed on a GPU); draft-model and block use the folder beside the "
+                          "model (<model>-draft, <model>-block) unless --draft-model or "
+                          "--block-drafter names one; --stats says which was picked and why")
     gen.add_argument("--speculative", action="store_true",
-                     help="speculative decoding with the embedded draft model")
+                     help="speculative decoding with the best drafter: --drafter auto")
     gen.add_argument("--draft-model", metavar="PATH",
-                     help="speculative decoding with this draft model folder (same vocabulary)")
+                     help="--drafter draft-model with this draft model folder (same "
+                          "vocabulary)")
     gen.add_argument("--block-drafter", metavar="PATH",
-                     help="speculative decoding with this block drafter folder (trained for "
-                          "the model: it reads the model's layers and shares its embedding)")
+                     help="--drafter block with this block drafter folder (trained for the "
+                          "model: it reads the model's layers and shares its embedding)")
     gen.add_argument("--ngram", type=int, default=None, metavar="N",
-                     help="speculative decoding by prompt lookup with n-grams up to N (>= 1)")
+                     help="--drafter ngram: prompt lookup with n-grams up to N, >= 1 (default "
+                          f"with --drafter ngram: {DEFAULT_NGRAM})")
     gen.add_argument("--draft-len", type=int, default=None, metavar="K",
-                     help="proposals per speculative round, 1..8 (default: "
-                          f"{DEFAULT_DRAFT_LEN})")
+                     help="proposals per speculative round, 1..8 (default: the draft length "
+                          "that measured best for the drafter, else "
+                          f"{DEFAULT_DRAFT_LEN}; a block drafter's block less one)")
     gen.add_argument("--context", type=int, default=None, metavar="N",
                      help="positions to allocate (default: the smallest power of two, at least "
                           "256, holding prompt and reply; 2048 for a --chat session)")
@@ -266,6 +282,20 @@ def user_words(message: str, names: dict[str, str] | None = None) -> str:
     return message
 
 
+def drafter_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``(the flag as given, the drafter it asks for)`` for every drafting flag given."""
+    named = [(f"--drafter {args.drafter}", args.drafter)] if args.drafter else []
+    for on, spelled, drafter in (
+        (args.speculative, "--speculative", AUTO),
+        (args.draft_model, f"--draft-model {args.draft_model}", "draft-model"),
+        (args.block_drafter, f"--block-drafter {args.block_drafter}", "block"),
+        (args.ngram is not None, f"--ngram {args.ngram}", "ngram"),
+    ):
+        if on:
+            named.append((spelled, drafter))
+    return named
+
+
 def check_arguments(args: argparse.Namespace) -> None:
     """Everything about the command line that needs no model.
 
@@ -286,29 +316,24 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"--ngram must be >= 1 (the longest n-gram to look up), got {args.ngram}; leave it "
             "out to decode without drafting"
         )
-    modes = [flag for flag, on in (("--speculative", args.speculative),
-                                   ("--draft-model", args.draft_model),
-                                   ("--block-drafter", args.block_drafter),
-                                   ("--ngram", args.ngram is not None)) if on]
-    if len(modes) > 1:
-        raise CommandLineError(
-            f"choose one of --speculative, --draft-model, --block-drafter and --ngram, not "
-            f"{' and '.join(modes)}"
-        )
-    args.drafting = bool(modes)
+    named = drafter_flags(args)
+    try:
+        args.requested_drafter = requested_drafter(named)
+    except BadInputError as exc:
+        raise CommandLineError(str(exc)) from exc
+    args.drafter_flag = named[0][0] if named else None
+    args.drafting = bool(named)
     if args.draft_len is not None:
-        if not modes:
+        if not named:
             raise CommandLineError(
-                "--draft-len sets proposals per speculative round; it needs --speculative, "
-                "--draft-model, --block-drafter or --ngram"
+                "--draft-len sets proposals per speculative round; it needs --drafter, "
+                "--speculative, --draft-model, --block-drafter or --ngram"
             )
         if not 1 <= args.draft_len <= MAX_DRAFT:
             raise CommandLineError(f"--draft-len must be in 1..{MAX_DRAFT}, got {args.draft_len}")
-    else:
-        args.draft_len = DEFAULT_DRAFT_LEN
-    if args.image and modes:
+    if args.image and named:
         raise CommandLineError(
-            f"--image decodes without drafting; drop {modes[0]} to run a prompt with images"
+            f"--image decodes without drafting; drop {named[0][0]} to run a prompt with images"
         )
     from turbospark_jax.images import decode
 
