@@ -113,10 +113,30 @@ def build(name: str, capacity: int, width: int, burst: int) -> tuple[Any, Any, A
     family = family_of(SHAPES[name]["model_type"])
     config = family.parse_config(SHAPES[name])
     model = family.build(config, jnp.bfloat16, "list")
-    params = jax.jit(model.init_params)(jax.random.PRNGKey(0))
+    params = random_params(jax.eval_shape(model.init_params, jax.random.PRNGKey(0)))
     producer = BlockProducer(model, params, capacity=capacity, width=width,
                              steps_per_call=burst, donate=True)
     return config, producer, params
+
+
+def random_params(shapes: Any) -> Any:
+    """Random weights with the shapes and dtypes of ``shapes``, drawn leaf by leaf on the host
+    (normal, scale 0.02; integer leaves zero) and placed on the device one at a time. Compiling
+    ``init_params`` whole for a 4B shape took XLA minutes on the H200 (its slow-compile alarm
+    fired and the run ran out of time before the first figure)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+
+    def leaf(s: Any) -> Any:
+        if not jnp.issubdtype(s.dtype, jnp.floating):
+            return jax.device_put(np.zeros(s.shape, s.dtype))
+        host = (rng.standard_normal(s.shape, dtype=np.float32) * 0.02).astype(s.dtype)
+        return jax.device_put(host)
+
+    return jax.tree.map(leaf, shapes)
 
 
 def step_bytes(config: Any, params: Any, context: int) -> int:

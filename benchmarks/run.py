@@ -514,9 +514,10 @@ def report(out: Path) -> None:
     """Merge ``<out>/*.json`` into ``results.md`` and ``decode_vs_context.png``."""
     records, metas = [], {}
     for path in sorted(out.glob("*.json")):
-        if path.stem.startswith(("speculative", "profile")):
-            continue  # benchmarks/speculative.py and profile_decode.py write their own
         data = json.loads(path.read_text())
+        if not (isinstance(data, dict) and "meta" in data
+                and all("part" in r for r in data.get("records", [None]))):
+            continue  # another harness's file (speculative, profiles, vision, rowinv, ...)
         metas[path.stem] = data["meta"]
         records += data["records"]
     lines = ["# Benchmark results", ""]
