@@ -99,7 +99,10 @@ class Tiles:
       matvec_warps, matvec_stages: its Triton settings.
       flat_loop: the matmul kernel walks all K tiles in one loop, folding a segment into
         the total at its last tile (Triton pipelines one loop's loads), rather than a loop
-        over segments around a loop over their tiles.
+        over segments around a loop over their tiles. Off by default: on the H200 (jax
+        0.11.2) Pallas' Triton lowering refuses the flat form (a remainder of a boolean and
+        an int32 inside the loop), while the nested form compiles and is row-invariant
+        (``benchmarks/results/rowinv_h200.json``).
     """
 
     bm: int = 64
@@ -109,7 +112,7 @@ class Tiles:
     matvec_bn: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
-    flat_loop: bool = True
+    flat_loop: bool = False
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "matvec_bn"):
