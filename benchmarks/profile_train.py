@@ -1,0 +1,152 @@
+"""Where a training step's time goes: tokens/s and MFU per batch size, then one traced step.
+
+The recipe's runs on the H200 reached 310k tokens/s for the Qwen3.5 target (MFU 3.4%) and 1.1M
+for the dense draft (2.6%), and the target's step ran out of memory at 256 x 1024 tokens (a
+109 GiB buffer). This harness finds out why, on random rows (no corpus needed)::
+
+    PYTHONPATH=. python -m benchmarks.profile_train --out DIR
+    PYTHONPATH=. python -m benchmarks.profile_train --presets draft --batch-sizes 64,128 --out DIR
+
+For each preset and batch size it compiles the recipe's own train step
+(:func:`turbospark_jax.recipe.train.make_train_step`, the one ``recipe`` runs), times a few
+steps, and records tokens/s, MFU and the device's peak memory. Then it traces one step at the
+largest batch that ran and reads the trace back: the device's busy share of the wall time,
+kernels per step, and the kernels that took the time, by name and by kind (matrix products,
+triangular solves, fusions, copies). A step whose device is busy throughout is limited by its
+kernels; the top kernels then say which. Writes ``<out>/profile_train.json`` after every case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.profile_decode import _kernel_events
+
+#: Substrings of kernel names and the kind they count under (first match wins).
+KINDS = (
+    ("trsm", "triangular solve"), ("gemm", "matrix product"), ("cutlass", "matrix product"),
+    ("sm90", "matrix product"), ("cublas", "matrix product"), ("triton", "triton"),
+    ("memcpy", "copy"), ("memset", "copy"), ("copy", "copy"), ("transpose", "transpose"),
+    ("reduce", "reduction"), ("fusion", "fusion"),
+)
+
+
+def kind_of(name: str) -> str:
+    """The coarse kind of a kernel, from its name."""
+    low = name.lower()
+    return next((kind for key, kind in KINDS if key in low), "other")
+
+
+def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.recipe import train as rt
+    from turbospark_jax.recipe.flops import mfu, training_flops_per_token
+    from turbospark_jax.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
+    config = rt.model_config(preset, tokenizer)
+    tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10)
+    model = rt.build_model(config, tc.compute_dtype)
+    step_fn = rt.make_train_step(model, rt.make_optimizer(tc), tc.mtp_weight)
+    state = rt.init_state(config, tc, rt.make_optimizer(tc))
+    rng = np.random.default_rng(0)
+    rows = jax.device_put(rng.integers(3, config.vocab_size, (4 * batch, seq_len + 1),
+                                       dtype=np.int32))
+    order = [jnp.asarray(rng.permutation(4 * batch)[:batch].astype(np.int32))
+             for _ in range(steps + 3)]
+
+    t0 = time.perf_counter()
+    state, metrics = step_fn(state, rows, order[0])
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - t0
+    for i in (1, 2):
+        state, metrics = step_fn(state, rows, order[i])
+    jax.block_until_ready(metrics)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        state, metrics = step_fn(state, rows, order[3 + i % steps])
+    jax.block_until_ready(metrics)
+    step_s = (time.perf_counter() - t0) / steps
+    tokens_per_s = batch * seq_len / step_s
+    flops = training_flops_per_token(config, state.params, seq_len)
+    device = jax.devices()[0]
+    stats = device.memory_stats() or {}
+    record: dict[str, Any] = {
+        "preset": preset, "batch": batch, "seq_len": seq_len, "compile_s": compile_s,
+        "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": flops,
+        "mfu": mfu(tokens_per_s, flops, getattr(device, "device_kind", "?")),
+        "peak_bytes": stats.get("peak_bytes_in_use"),
+        "loss": float(jax.device_get(metrics["loss"])),
+    }
+    if trace and jax.default_backend() == "gpu":
+        with tempfile.TemporaryDirectory() as tmp:
+            with jax.profiler.trace(tmp):
+                t0 = time.perf_counter()
+                state, metrics = step_fn(state, rows, order[1])
+                jax.block_until_ready(metrics)
+                wall = time.perf_counter() - t0
+            events = _kernel_events(tmp)
+        busy = sum(d for _, _, d in events)
+        by_name: dict[str, list[int]] = collections.defaultdict(list)
+        by_kind: dict[str, int] = collections.defaultdict(int)
+        for name, _, d in events:
+            by_name[name].append(d)
+            by_kind[kind_of(name)] += d
+        ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
+        record["trace"] = {
+            "wall_ms": wall * 1e3, "device_busy_ms": busy / 1e6,
+            "device_busy_fraction": busy / (wall * 1e9), "kernels": len(events),
+            "by_kind_ms": {k: v / 1e6 for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])},
+            "top_kernels": [{"name": n[:100], "count": len(ds), "ms": sum(ds) / 1e6}
+                            for n, ds in ranked[:25]],
+        }
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--presets", default="target35,draft",
+                    help="recipe presets, comma-separated (default target35,draft)")
+    ap.add_argument("--batch-sizes", default="16,32,64",
+                    help="sequences per step, comma-separated (default 16,32,64)")
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
+    ap.add_argument("--no-trace", action="store_true", help="time only, no profiler trace")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: list[dict[str, Any]] = []
+    for preset in args.presets.split(","):
+        sizes = [int(b) for b in args.batch_sizes.split(",")]
+        for i, batch in enumerate(sizes):
+            last = i == len(sizes) - 1
+            try:
+                record = _case(preset, batch, args.seq_len, args.steps,
+                               trace=last and not args.no_trace)
+            except Exception as exc:  # noqa: BLE001  (an OOM must not end the sweep)
+                record = {"preset": preset, "batch": batch, "error": repr(exc)[:400]}
+            results.append(record)
+            print(json.dumps({k: v for k, v in record.items() if k != "trace"}), flush=True)
+            if "trace" in record:
+                t = record["trace"]
+                print(json.dumps({"busy": t["device_busy_fraction"], "kinds": t["by_kind_ms"]}))
+                for k in t["top_kernels"][:12]:
+                    print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
+            (args.out / "profile_train.json").write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
