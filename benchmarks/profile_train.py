@@ -6,6 +6,7 @@ for the dense draft (2.6%), and the target's step ran out of memory at 256 x 102
 
     PYTHONPATH=. python -m benchmarks.profile_train --out DIR
     PYTHONPATH=. python -m benchmarks.profile_train --presets draft --batch-sizes 64,128 --out DIR
+    PYTHONPATH=. python -m benchmarks.profile_train --presets target35 --head-rows 0,8192 --out DIR
 
 For each preset and batch size it compiles the recipe's own train step
 (:func:`turbospark_jax.recipe.train.make_train_step`, the one ``recipe`` runs), times a few
@@ -46,7 +47,8 @@ def kind_of(name: str) -> str:
     return next((kind for key, kind in KINDS if key in low), "other")
 
 
-def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool) -> dict[str, Any]:
+def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
+          head_rows: int = 0) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -57,9 +59,10 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool) -> dic
 
     tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
     config = rt.model_config(preset, tokenizer)
-    tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10)
+    tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10,
+                        head_rows=head_rows)
     model = rt.build_model(config, tc.compute_dtype)
-    step_fn = rt.make_train_step(model, rt.make_optimizer(tc), tc.mtp_weight)
+    step_fn = rt.make_train_step(model, rt.make_optimizer(tc), tc.mtp_weight, tc.head_rows)
     state = rt.init_state(config, tc, rt.make_optimizer(tc))
     rng = np.random.default_rng(0)
     rows = jax.device_put(rng.integers(3, config.vocab_size, (4 * batch, seq_len + 1),
@@ -84,7 +87,8 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool) -> dic
     device = jax.devices()[0]
     stats = device.memory_stats() or {}
     record: dict[str, Any] = {
-        "preset": preset, "batch": batch, "seq_len": seq_len, "compile_s": compile_s,
+        "preset": preset, "batch": batch, "seq_len": seq_len, "head_rows": head_rows,
+        "compile_s": compile_s,
         "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": flops,
         "mfu": mfu(tokens_per_s, flops, getattr(device, "device_kind", "?")),
         "peak_bytes": stats.get("peak_bytes_in_use"),
@@ -123,28 +127,33 @@ def main(argv: list[str] | None = None) -> int:
                     help="sequences per step, comma-separated (default 16,32,64)")
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per case (default 5)")
+    ap.add_argument("--head-rows", default="0",
+                    help="output-head slice sizes to compare, comma-separated (0: whole; "
+                    "Qwen3.5 presets only)")
     ap.add_argument("--no-trace", action="store_true", help="time only, no profiler trace")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
-    for preset in args.presets.split(","):
-        sizes = [int(b) for b in args.batch_sizes.split(",")]
-        for i, batch in enumerate(sizes):
-            last = i == len(sizes) - 1
-            try:
-                record = _case(preset, batch, args.seq_len, args.steps,
-                               trace=last and not args.no_trace)
-            except Exception as exc:  # noqa: BLE001  (an OOM must not end the sweep)
-                record = {"preset": preset, "batch": batch, "error": repr(exc)[:400]}
-            results.append(record)
-            print(json.dumps({k: v for k, v in record.items() if k != "trace"}), flush=True)
-            if "trace" in record:
-                t = record["trace"]
-                print(json.dumps({"busy": t["device_busy_fraction"], "kinds": t["by_kind_ms"]}))
-                for k in t["top_kernels"][:12]:
-                    print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
-            (args.out / "profile_train.json").write_text(json.dumps(results, indent=1) + "\n")
+    cases = [(p, int(h), int(b)) for p in args.presets.split(",")
+             for h in args.head_rows.split(",") for b in args.batch_sizes.split(",")]
+    for i, (preset, head_rows, batch) in enumerate(cases):
+        # Trace the largest batch of each (preset, head_rows) group: the last one in it.
+        last_of_group = i + 1 == len(cases) or cases[i + 1][:2] != (preset, head_rows)
+        try:
+            record = _case(preset, batch, args.seq_len, args.steps,
+                           trace=last_of_group and not args.no_trace, head_rows=head_rows)
+        except Exception as exc:
+            record = {"preset": preset, "batch": batch, "head_rows": head_rows,
+                      "error": repr(exc)[:400]}
+        results.append(record)
+        print(json.dumps({k: v for k, v in record.items() if k != "trace"}), flush=True)
+        if "trace" in record:
+            t = record["trace"]
+            print(json.dumps({"busy": t["device_busy_fraction"], "kinds": t["by_kind_ms"]}))
+            for k in t["top_kernels"][:12]:
+                print(f"  {k['ms']:8.2f} ms  x{k['count']:<4d} {k['name']}")
+        (args.out / "profile_train.json").write_text(json.dumps(results, indent=1) + "\n")
     return 0
 
 

@@ -12,7 +12,7 @@ import optax
 
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
-from turbospark_jax.recipe.objectives import cross_entropy, qwen35_mtp_loss
+from turbospark_jax.recipe.objectives import cross_entropy, head_cross_entropy, qwen35_mtp_loss
 
 CONFIG = QC.Qwen35Config(
     vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -53,3 +53,30 @@ def test_joint_training_lowers_both_losses() -> None:
     assert float(last["mtp_loss"]) < 0.5 * float(first["mtp_loss"])
     assert float(cross_entropy(jnp.zeros((1, 3, 4)), jnp.zeros((1, 3), jnp.int32))) == (
         np.float32(np.log(4)))
+
+
+def test_the_sliced_head_loss_is_the_whole_head_loss() -> None:
+    """Slices of 7 rows over 3 x 10 rows (the last slice padded): loss and gradients as from the
+    whole logits; a mask that keeps the padding rows changes the loss (the check can fail)."""
+    model = Q.Qwen35Model(CONFIG, jnp.float32)
+    params = model.init_params(jax.random.PRNGKey(0))
+    hidden = jax.random.normal(jax.random.PRNGKey(2), (3, 10, CONFIG.hidden_size))
+    targets = jax.random.randint(jax.random.PRNGKey(3), (3, 10), 0, CONFIG.vocab_size)
+
+    def whole(p, h):
+        return cross_entropy(model.head_logits(p, h.reshape(30, -1)), targets.reshape(30))
+
+    def sliced(p, h, rows=7):
+        return head_cross_entropy(functools.partial(model.head_logits, p), h, targets, rows)
+
+    want, want_grads = jax.value_and_grad(whole, argnums=(0, 1))(params, hidden)
+    for rows in (7, 30, 64):
+        got, got_grads = jax.value_and_grad(sliced, argnums=(0, 1))(params, hidden, rows)
+        np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
+    # control: the same slices without dropping the padded rows' terms
+    padded = jnp.pad(hidden.reshape(-1, CONFIG.hidden_size), ((0, 5), (0, 0)))
+    leaky = cross_entropy(model.head_logits(params, padded),
+                          jnp.pad(targets.reshape(-1), (0, 5))) * 35 / 30
+    assert abs(float(leaky) - float(want)) > 1e-3

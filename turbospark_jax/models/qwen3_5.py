@@ -640,6 +640,25 @@ class Qwen35Model(BlockModel):
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
         return self._logits(params, hidden), hidden, taps
 
+    def head_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
+        """The output head alone: normed hidden ``[W, D]`` -> float32 logits ``[W, V]``
+        (a training loss applies it a slice of rows at a time)."""
+        return self._logits(params, hidden)
+
+    def mtp_train_hidden(self, params: Params, hidden: jax.Array,
+                         tokens: jax.Array) -> jax.Array:
+        """:meth:`mtp_train_logits` before the head: the MTP layer's normed output rows
+        ``[B, T - 1, D]``."""
+
+        def one(h: jax.Array, seq: jax.Array) -> jax.Array:
+            n = seq.shape[0] - 1
+            _, out, _ = self.mtp_block_forward(
+                params, self.mtp_init_cache(n), h[:n], seq[1:], jnp.arange(n, dtype=jnp.int32),
+                jnp.int32(n))
+            return out
+
+        return jax.vmap(one)(hidden, tokens)
+
     def mtp_train_logits(self, params: Params, hidden: jax.Array,
                          tokens: jax.Array) -> jax.Array:
         """The MTP head over whole sequences, for training: row ``t`` reads ``hidden[t]`` and

@@ -104,6 +104,7 @@ def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> 
         eval_every=max(1, steps // 10) if eval_every is None else eval_every,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
+        head_rows=args.head_rows,
     )
 
 
@@ -118,6 +119,9 @@ def _add_common_train_args(p: argparse.ArgumentParser) -> None:
                    help="wall-clock budget: stop, checkpoint and export before it runs out")
     p.add_argument("--resume", action="store_true",
                    help="continue from the checkpoints under --out (bitwise on the CPU)")
+    p.add_argument("--head-rows", type=int, default=0,
+                   help="a Qwen3.5 target's output-head loss this many rows at a time, "
+                   "recomputed in the backward pass (less memory; default 0: all at once)")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the exported weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -12,9 +12,19 @@ runs the chunked delta rule (:meth:`~turbospark_jax.models.qwen3_5.Qwen35Model.t
 so a training sequence costs matrix products, not a scan over its positions. Gradients of the
 head's loss reach the trunk through the hidden states it reads: the trunk learns to keep what
 the head needs, as in the published recipes.
+
+**The head, a slice of rows at a time** (``head_rows``, off by default): both
+cross-entropies run through :func:`head_cross_entropy`, which applies the output head to
+``head_rows`` rows at a time under ``jax.checkpoint``, so the float32 ``[rows, vocabulary]``
+logits of a whole batch never exist at once, forward or backward (the backward pass recomputes
+each slice's logits). It trades the head's products once more for memory; whether that pays on
+the H200 is for ``benchmarks/profile_train.py --head-rows`` to say (not measured yet).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +41,38 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
 
 
+def head_cross_entropy(head: Callable[[jax.Array], jax.Array], hidden: jax.Array,
+                       targets: jax.Array, rows: int) -> jax.Array:
+    """Mean negative log-likelihood of ``targets`` (int32 ``[...]``) under ``head(hidden)``
+    (``hidden [..., D]`` -> float32 logits ``[..., V]``), ``rows`` rows at a time, each slice's
+    logits recomputed in the backward pass rather than kept."""
+    d = hidden.shape[-1]
+    flat_h = hidden.reshape(-1, d)
+    flat_t = targets.reshape(-1)
+    n = flat_t.shape[0]
+    rows = max(1, min(rows, n))
+    slices = -(-n // rows)
+    pad = slices * rows - n
+    flat_h = jnp.pad(flat_h, ((0, pad), (0, 0))).reshape(slices, rows, d)
+    flat_t = jnp.pad(flat_t, (0, pad)).reshape(slices, rows)
+    live = (jnp.arange(slices * rows) < n).reshape(slices, rows)
+
+    @jax.checkpoint
+    def one(h: jax.Array, t: jax.Array, keep: jax.Array) -> jax.Array:
+        logits = head(h).astype(jnp.float32)
+        picked = jnp.take_along_axis(logits, t[:, None], axis=-1)[:, 0]
+        return jnp.sum(jnp.where(keep, jax.nn.logsumexp(logits, axis=-1) - picked, 0.0))
+
+    def step(total: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, None]:
+        return total + one(*xs), None
+
+    total, _ = jax.lax.scan(step, jnp.zeros((), jnp.float32), (flat_h, flat_t, live))
+    return total / n
+
+
 def qwen35_mtp_loss(model: Qwen35Model, params: Params, rows: jax.Array,
-                    mtp_weight: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+                    mtp_weight: float, head_rows: int = 0
+                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The joint objective over packed rows (int32 ``[B, T + 1]``).
 
     Args:
@@ -40,13 +80,22 @@ def qwen35_mtp_loss(model: Qwen35Model, params: Params, rows: jax.Array,
       params: float32 params (cast to the compute dtype here).
       rows: packed rows; inputs ``rows[:, :-1]``, targets ``rows[:, 1:]``.
       mtp_weight: the head's share of the loss.
+      head_rows: apply the output head this many rows at a time (:func:`head_cross_entropy`);
+        0 for the whole batch at once.
 
     Returns:
       ``(total, {"loss": trunk CE, "mtp_loss": head CE})``.
     """
     inputs, targets = rows[:, :-1], rows[:, 1:]
     compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
-    logits, hidden = model.train_forward(compute, inputs)
-    main = cross_entropy(logits, targets)
-    head = cross_entropy(model.mtp_train_logits(compute, hidden, inputs), targets[:, 1:])
-    return main + mtp_weight * head, {"loss": main, "mtp_loss": head}
+    _, hidden = model.train_forward(compute, inputs)  # the logits are left unused (pruned)
+    head = functools.partial(model.head_logits, compute)
+    mtp_hidden = model.mtp_train_hidden(compute, hidden, inputs)
+    if head_rows:
+        main = head_cross_entropy(head, hidden, targets, head_rows)
+        mtp = head_cross_entropy(head, mtp_hidden, targets[:, 1:], head_rows)
+    else:
+        d = hidden.shape[-1]
+        main = cross_entropy(head(hidden.reshape(-1, d)), targets.reshape(-1))
+        mtp = cross_entropy(head(mtp_hidden.reshape(-1, d)), targets[:, 1:].reshape(-1))
+    return main + mtp_weight * mtp, {"loss": main, "mtp_loss": mtp}

@@ -198,6 +198,9 @@ class TrainConfig:
       log_every: steps between loss/throughput readouts (each one syncs with the device).
       checkpoint_every: steps between checkpoints (and one at the end); 0 for the end only.
       mtp_weight: the MTP head's share of a Qwen3.5 target's loss (recipe/objectives.py).
+      head_rows: a Qwen3.5 target's output head runs this many rows at a time, each slice's
+        logits recomputed in the backward pass (``objectives.head_cross_entropy``); 0 for the
+        whole batch's logits at once.
     """
 
     steps: int = 1000
@@ -219,6 +222,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     #: the MTP head's share of the loss (models with an MTP head only)
     mtp_weight: float = 0.3
+    #: rows per slice of the output head's loss (Qwen3.5 targets; 0: all at once)
+    head_rows: int = 0
 
     @property
     def effective_warmup(self) -> int:
@@ -309,12 +314,12 @@ def next_token_loss(model: DenseModel, params: Params, rows: jax.Array) -> jax.A
 
 
 def training_loss(
-    model: BlockModel, mtp_weight: float, params: Params, rows: jax.Array
+    model: BlockModel, mtp_weight: float, params: Params, rows: jax.Array, head_rows: int = 0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The objective a model trains on: next-token cross-entropy, plus the MTP head's for a
     Qwen3.5 model that has one. Returns ``(loss to minimise, {"loss": next-token CE, ...})``."""
     if isinstance(model, Qwen35Model) and model.config.mtp_num_hidden_layers:
-        return qwen35_mtp_loss(model, params, rows, mtp_weight)
+        return qwen35_mtp_loss(model, params, rows, mtp_weight, head_rows)
     if isinstance(model, Qwen35Model):
         inputs, targets = rows[:, :-1], rows[:, 1:]
         compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
@@ -327,7 +332,8 @@ def training_loss(
 
 
 def make_train_step(
-    model: BlockModel, optimizer: optax.GradientTransformation, mtp_weight: float = 0.0
+    model: BlockModel, optimizer: optax.GradientTransformation, mtp_weight: float = 0.0,
+    head_rows: int = 0,
 ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted step ``(state, data, indices) -> (state, metrics)``.
 
@@ -342,7 +348,8 @@ def make_train_step(
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         rows = jnp.take(data, indices, axis=0)  # [B, T + 1]
         (_, parts), grads = jax.value_and_grad(
-            functools.partial(training_loss, model, mtp_weight), has_aux=True
+            functools.partial(training_loss, model, mtp_weight, head_rows=head_rows),
+            has_aux=True
         )(state.params, rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -371,7 +378,8 @@ def _programs(model: BlockModel, train_config: TrainConfig) -> tuple[Any, Any]:
     # jit caches compiled code per function object: handing out the same step functions for
     # the same model and settings lets a resumed or repeated run in one process skip the
     # compile (and run the very same executable).
-    return (make_train_step(model, make_optimizer(train_config), train_config.mtp_weight),
+    return (make_train_step(model, make_optimizer(train_config), train_config.mtp_weight,
+                            train_config.head_rows),
             make_eval_step(model))
 
 
