@@ -7,6 +7,8 @@
 #   bash benchmarks/h200_session.sh 4 "$OUT"   # exactness after a change: the dense checks,
 #                                              # speculative rounds, Qwen3.5 and Gemma 4 tests
 #   bash benchmarks/h200_session.sh 5 "$OUT"   # Qwen3.5 / Gemma 4 figures (benchmarks.families)
+#   bash benchmarks/h200_session.sh 6 "$OUT"   # the recipe's train step traced (issue 18) and the
+#                                              # row-invariant kernels again (issue 19)
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -62,5 +64,9 @@ case "$stage" in
   ;;
 5)
   timeout 560 python3 -m benchmarks.families --out "$out" 2>&1 | quiet
+  ;;
+6)
+  timeout 300 python3 -m benchmarks.profile_train --out "$out" 2>&1 | quiet
+  timeout 200 python3 -m benchmarks.rowinv --out "$out/rowinv" --budget-s 170 2>&1 | quiet | tail -5
   ;;
 esac
