@@ -647,8 +647,10 @@ class Qwen35Model(BlockModel):
 
     def mtp_train_hidden(self, params: Params, hidden: jax.Array,
                          tokens: jax.Array) -> jax.Array:
-        """:meth:`mtp_train_logits` before the head: the MTP layer's normed output rows
-        ``[B, T - 1, D]``."""
+        """The MTP head over whole sequences, for training, before the output head: row ``t``
+        reads ``hidden[t]`` and ``tokens[t + 1]``; its normed output rows ``[B, T - 1, D]``
+        (through :meth:`head_logits`) predict ``tokens[t + 2]``, as a drafter's first proposal
+        does."""
 
         def one(h: jax.Array, seq: jax.Array) -> jax.Array:
             n = seq.shape[0] - 1
@@ -656,21 +658,6 @@ class Qwen35Model(BlockModel):
                 params, self.mtp_init_cache(n), h[:n], seq[1:], jnp.arange(n, dtype=jnp.int32),
                 jnp.int32(n))
             return out
-
-        return jax.vmap(one)(hidden, tokens)
-
-    def mtp_train_logits(self, params: Params, hidden: jax.Array,
-                         tokens: jax.Array) -> jax.Array:
-        """The MTP head over whole sequences, for training: row ``t`` reads ``hidden[t]`` and
-        ``tokens[t + 1]`` and predicts ``tokens[t + 2]``: float32 ``[B, T - 1, V]`` (its first
-        layer's step, as a drafter's first proposal is)."""
-
-        def one(h: jax.Array, seq: jax.Array) -> jax.Array:
-            n = seq.shape[0] - 1
-            logits, _, _ = self.mtp_block_forward(
-                params, self.mtp_init_cache(n), h[:n], seq[1:], jnp.arange(n, dtype=jnp.int32),
-                jnp.int32(n))
-            return logits
 
         return jax.vmap(one)(hidden, tokens)
 
