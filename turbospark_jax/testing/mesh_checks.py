@@ -13,7 +13,8 @@ module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JS
   is measured, not assumed to be zero) and whether the greedy tokens agree;
 * the state and params keep their shardings across calls;
 * a mesh size that does not divide the heads is refused;
-* a folder loaded shard by shard equals the one-device load, leaf for leaf.
+* a folder loaded shard by shard (dense, Qwen3.5 with its MTP head, Gemma 4) equals the
+  one-device load, each shard bitwise against its block, with a control one bit off.
 """
 
 from __future__ import annotations
@@ -241,8 +242,36 @@ def refusal() -> str:
     return ""
 
 
+def shard_by_shard(got: Any, want: Any) -> dict[str, Any]:
+    """Each shard of each ``got`` leaf against the same block of the one-device ``want``,
+    bit for bit; the count of leaves actually split; and the same comparison against a
+    ``want`` one bit away in one split leaf (its control)."""
+
+    def bits(x: Any) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+    def equal(want_leaves: list[np.ndarray]) -> bool:
+        return all(
+            np.array_equal(bits(shard.data), bits(w[shard.index]))
+            for g, w in zip(jax.tree.leaves(got), want_leaves, strict=True)
+            for shard in g.addressable_shards
+        )
+
+    want_leaves = [np.asarray(w) for w in jax.tree.leaves(want)]
+    split = [i for i, g in enumerate(jax.tree.leaves(got))
+             if g.addressable_shards[0].data.shape != g.shape]
+    flipped = list(want_leaves)
+    flipped[split[-1]] = want_leaves[split[-1]].copy()
+    flipped[split[-1]].view(np.uint32).flat[-1] ^= 1  # the last shard's last element
+    same_tree = jax.tree.structure(got) == jax.tree.structure(want)
+    return {"equal": same_tree and equal(want_leaves), "split_leaves": len(split),
+            "control_fires": not equal(flipped)}
+
+
 def sharded_load() -> dict[str, Any]:
-    """A saved folder (in several files) loaded shard by shard against ``load_folder``."""
+    """Saved folders (in several files) loaded shard by shard against ``load_folder``: the
+    dense family in both layer layouts over 4 devices, Qwen3.5 with its MTP head over 4 and
+    Gemma 4 over 2."""
     cfg = config("qwen2", 4)
     model = DenseModel(cfg, jnp.float32)
     folder = tempfile.mkdtemp()
@@ -252,11 +281,26 @@ def sharded_load() -> dict[str, Any]:
     for layout in ("stacked", "list"):  # the stacked one reads a slice per layer and stacks
         got = load_sharded(folder, tp_mesh(jax.devices()[:4]), layer_layout=layout)
         want = ref.params if layout == "stacked" else unstack_layers(ref.params)
-        out[layout] = bool(jax.tree.all(jax.tree.map(
-            lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got.params, want)))
+        out[layout] = shard_by_shard(got.params, want)
         up = got.params["layers"][0]["up_proj"] if layout == "list" else got.params[
             "layers"]["up_proj"]
         out[f"{layout}_up_proj_shard"] = list(up.addressable_shards[0].data.shape)
+    qwen = qwen3_5_model()
+    qwen = Qwen35Model(dataclasses.replace(qwen.config, mtp_num_hidden_layers=1), jnp.float32)
+    for name, family_model, tp in (("qwen3_5_mtp", qwen, 4), ("gemma4", gemma4_model(), 2)):
+        folder = tempfile.mkdtemp()
+        save_folder(folder, family_model.config, family_model.init_params(jax.random.PRNGKey(3)),
+                    max_shard_bytes=40_000)
+        got = load_sharded(folder, tp_mesh(jax.devices()[:tp]), layer_layout="list")
+        out[name] = shard_by_shard(got.params, load_folder(folder, layer_layout="list").params)
+        if name == "qwen3_5_mtp":  # the MTP head's layer; conv1d, [C, 1, K] in the file
+            mtp = got.params["mtp"]["layers"][0]
+            out["shards"] = {k: list(leaf.addressable_shards[0].data.shape) for k, leaf in (
+                ("mtp_q_proj", mtp["q_proj"]), ("mtp_down_proj", mtp["down_proj"]),
+                ("conv1d", got.params["layers"][0]["conv1d"]))}
+        else:  # a full layer's o_proj [H, ghd, D]
+            out["shards"]["gemma4_o_proj"] = list(
+                got.params["layers"][1]["o_proj"].addressable_shards[0].data.shape)
     return out
 
 
