@@ -198,3 +198,13 @@ def test_gemma4_state_and_per_layer_inputs_are_split(report):
     assert case["embed_tokens_per_layer"][1] == [48, 40]  # 96 rows over 2
     assert case["per_layer_projection"][1] == [4, 32]
     assert case["shared_layer_down_proj"][1] == [48, 32]  # the double-wide MLP: 96 over 2
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+def test_mtp_and_block_drafters_on_a_sharded_target_are_plain_greedy(report, name):
+    """Device rounds over a Qwen3.5 target split 4 ways; some proposals accepted (the
+    rollback after a partial acceptance runs on the mesh too)."""
+    case = report["sharded_drafters"][name]
+    assert case["on_device"]
+    assert case["equal"] and case["control_fires"]
+    assert sum(case["accepted"]) > 0, case["accepted"]

@@ -12,6 +12,8 @@ module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JS
 * a sharded run against the same model on one device: the largest logits difference (it
   is measured, not assumed to be zero) and whether the greedy tokens agree;
 * the state and params keep their shardings across calls;
+* the Qwen3.5 MTP head and a block drafter drafting for a sharded target in device rounds:
+  speculative == plain greedy, bitwise, with a control;
 * a mesh size that does not divide the heads is refused;
 * a folder loaded shard by shard (dense, Qwen3.5 with its MTP head, Gemma 4) equals the
   one-device load, each shard bitwise against its block, with a control one bit off.
@@ -34,10 +36,13 @@ import numpy as np
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.drafters import NGramDrafter, SpeculativePair
+from turbospark_jax.drafters import BlockDrafter, MTPDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.drafters.block import tapped_target
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.loading import load_folder, save_folder
+from turbospark_jax.models import block_drafter
+from turbospark_jax.models.block_drafter import BlockDrafterConfig
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.gemma4 import Gemma4Model
@@ -232,6 +237,44 @@ def family_cases() -> list[dict[str, Any]]:
     ]
 
 
+def sharded_drafters() -> dict[str, Any]:
+    """The MTP head and a block drafter over a Qwen3.5 target split 4 ways, in device rounds
+    (the drafter's step inside the target's compiled loop, on the mesh): greedy speculative
+    == plain greedy, tokens and logits bit for bit, and the logits comparison against a
+    plain run one bit off fails (its control). A vocabulary of 8 and a drafter seed picked so
+    that proposals are accepted, partly and wholly, and each round rolls back a different
+    amount."""
+    cfg = dataclasses.replace(qwen3_5_model().config, vocab_size=8, mtp_num_hidden_layers=1)
+    drafter_cfg = BlockDrafterConfig(
+        hidden_size=cfg.hidden_size, vocab_size=8, target_layer_ids=(0, 1),
+        target_num_hidden_layers=2, block_size=4, mask_token_id=1, initializer_range=0.1)
+    model = tapped_target(Qwen35Model(cfg, jnp.float32), drafter_cfg)
+    target = ShardedProducer(model, model.init_params(jax.random.PRNGKey(7)),
+                             mesh=tp_mesh(jax.devices()[:4]), capacity=64, width=4,
+                             steps_per_call=4)
+    request = CompletionRequest(prompt_ids=[t % 8 for t in PROMPT], max_tokens=16,
+                                record_logits=True)
+    plain = run_raw_completion(target, request)
+    want = np.asarray(plain.logits, np.float32).view(np.uint32)
+    flipped = want.copy()
+    flipped.flat[-1] ^= 1
+    out: dict[str, Any] = {}
+    for name, drafter in (
+        ("mtp", MTPDrafter(target)),
+        ("block", BlockDrafter(target, drafter_cfg,
+                               block_drafter.init_params(drafter_cfg, jax.random.PRNGKey(3)))),
+    ):
+        spec = run_raw_completion_speculative(SpeculativePair(target, drafter),
+                                              dataclasses.replace(request, draft_len=3))
+        got = np.asarray(spec.logits, np.float32).view(np.uint32)
+        out[name] = {"on_device": spec.speculative.on_device,
+                     "accepted": list(spec.speculative.accepted_by_position),
+                     "equal": list(spec.token_ids) == list(plain.token_ids)
+                     and np.array_equal(got, want),
+                     "control_fires": not np.array_equal(got, flipped)}
+    return out
+
+
 def refusal() -> str:
     """The message for 4 KV heads over 8 devices (refused before the params are touched)."""
     model = DenseModel(config("llama", 4), jnp.float32)
@@ -337,6 +380,7 @@ def main() -> None:
         "families": family_cases(),
         "refusal": refusal(),
         "sharded_load": sharded_load(),
+        "sharded_drafters": sharded_drafters(),
         "data_parallel": data_parallel(),
     }
     print(json.dumps(report))
