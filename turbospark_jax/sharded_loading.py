@@ -26,7 +26,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from turbospark_jax.errors import ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.loading import (
     LoadedModel,
     _header_shape,
@@ -40,10 +40,6 @@ from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.sharding import check_divisible, param_shardings, tp_size
 
 Index = tuple[slice, ...]
-
-#: The families whose folders load shard by shard (those :mod:`~turbospark_jax.tp_specs`
-#: has a layout for).
-_SHARDABLE = ("dense", "qwen3_5", "gemma4")
 
 
 def _groups(ours: Sequence[int], view: Sequence[int]) -> list[list[int]]:
@@ -121,20 +117,15 @@ def load_sharded(
       (small, and not split) is loaded whole on the default device, as ``load_folder`` does.
 
     Raises:
-      UnsupportedCapabilityError: the folder holds a model of a family without a
-        tensor-parallel layout.
       BadInputError: as :func:`~turbospark_jax.loading.load_folder`; or the mesh size does
-        not divide the query heads or MLP width (the dense family: or KV heads).
+        not divide the query heads or MLP width (the dense family: or KV heads); or the
+        folder's family has no tensor-parallel layout in :mod:`~turbospark_jax.tp_specs`
+        (every registered family has one). All raised before any tensor is read.
       ModelLoadError: as :func:`~turbospark_jax.loading.load_folder`. A tied model's extra
         copy of its head is accepted without the bitwise comparison ``load_folder`` makes
         (that would read the whole embedding on one host).
     """
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
-    if family.name not in _SHARDABLE:
-        raise UnsupportedCapabilityError(
-            f"sharded loading is implemented for the {', '.join(_SHARDABLE)} families; this "
-            f"folder holds a {family.name} model. Load it with load_folder"
-        )
     check_divisible(config, tp_size(mesh))
     files = _weight_files(folder)
     tensors = _checked_tensors(folder, family, config, files)
