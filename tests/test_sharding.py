@@ -73,11 +73,25 @@ def test_indivisible_heads_are_refused(report):
     assert "1 or 2 or 4" in report["refusal"]
 
 
-def test_sharded_load_equals_plain_load(report):
+@pytest.mark.parametrize("name", ["stacked", "list", "qwen3_5_mtp", "gemma4"])
+def test_sharded_load_equals_plain_load_shard_by_shard(report, name):
+    """The dense family in both layouts, Qwen3.5 with its MTP head, Gemma 4: every shard
+    bitwise equal to its block of the one-device load, and one bit off fails."""
+    load = report["sharded_load"][name]
+    assert load["equal"] and load["control_fires"]
+    assert load["split_leaves"] > 0
+
+
+def test_sharded_load_splits_each_family(report):
     load = report["sharded_load"]
-    assert load["stacked"] and load["list"]
     assert load["stacked_up_proj_shard"] == [2, 64, 32]  # 128 columns over 4 devices
     assert load["list_up_proj_shard"] == [64, 32]
+    assert load["shards"] == {
+        "mtp_q_proj": [64, 32],  # 8 heads of 2 * 8 over 4
+        "mtp_down_proj": [32, 64],  # 128 MLP columns over 4
+        "conv1d": [4, 32],  # 128 conv channels over 4
+        "gemma4_o_proj": [2, 16, 32],  # 4 heads of 16 over 2
+    }
 
 
 def test_refusal_names_the_sizes_that_fit():
@@ -184,3 +198,13 @@ def test_gemma4_state_and_per_layer_inputs_are_split(report):
     assert case["embed_tokens_per_layer"][1] == [48, 40]  # 96 rows over 2
     assert case["per_layer_projection"][1] == [4, 32]
     assert case["shared_layer_down_proj"][1] == [48, 32]  # the double-wide MLP: 96 over 2
+
+
+@pytest.mark.parametrize("name", ["mtp", "block"])
+def test_mtp_and_block_drafters_on_a_sharded_target_are_plain_greedy(report, name):
+    """Device rounds over a Qwen3.5 target split 4 ways; some proposals accepted (the
+    rollback after a partial acceptance runs on the mesh too)."""
+    case = report["sharded_drafters"][name]
+    assert case["on_device"]
+    assert case["equal"] and case["control_fires"]
+    assert sum(case["accepted"]) > 0, case["accepted"]

@@ -1,4 +1,5 @@
-"""Load a dense model folder straight into its tensor-parallel shards.
+"""Load a model folder (dense, Qwen3.5 with its MTP head, Gemma 4) straight into its
+tensor-parallel shards.
 
 :func:`~turbospark_jax.loading.load_folder` reads every tensor into host memory and then
 places the whole tree on one device; a model larger than one device cannot go that way. Here
@@ -7,9 +8,11 @@ this process) holds, the callback reads from the safetensors files only the rows
 that shard covers (``get_slice``), so no device and no host buffer ever holds a whole split
 matrix. On a multi-host mesh each process reads only its own devices' shards.
 
-The sharded axes (heads, KV heads, intermediate columns, vocabulary) are each the leading
-axis of the group of our dimensions that one file dimension flattens, so every shard is one
-contiguous range of a file dimension (``q_proj`` rows ``h0 * hd : h1 * hd``, say).
+The sharded axes (heads, KV heads, intermediate columns, vocabulary, conv channels) are each
+the leading axis of the group of our dimensions that one file dimension flattens, so every
+shard is one contiguous range of a file dimension (``q_proj`` rows ``h0 * hd : h1 * hd``,
+say). A file dimension of size 1 that none of ours matches (``nn.Conv1d``'s ``[C, 1, K]``)
+is read whole.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from turbospark_jax.errors import ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.loading import (
     LoadedModel,
     _header_shape,
+    _load_vision,
     _open_safetensors,
     _weight_files,
     folder_config,
@@ -43,6 +47,9 @@ def _groups(ours: Sequence[int], view: Sequence[int]) -> list[list[int]]:
     groups: list[list[int]] = []
     axis = 0
     for size in view:
+        if size == 1 and (axis == len(ours) or ours[axis] != 1):
+            groups.append([])  # a file dimension of 1 with no dimension of ours
+            continue
         group, product = [], 1
         while axis < len(ours) and (product < size or not group):
             group.append(axis)
@@ -64,6 +71,9 @@ def read_slice(handle: Any, t: HFTensor, shape: tuple[int, ...], index: Index) -
     index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape, strict=True))
     ranges, local_shape, rest = [], [], []
     for group in _groups(shape, view):
+        if not group:
+            ranges.append(slice(0, 1))
+            continue
         head, tail = group[0], group[1:]
         inner = math.prod(shape[a] for a in tail)
         if all(index[a] == slice(0, shape[a]) for a in tail):
@@ -90,39 +100,38 @@ def load_sharded(
     dtype: Any = None,
     layer_layout: Literal["stacked", "list"] = "stacked",
 ) -> LoadedModel:
-    """Load a dense model folder with every params leaf split over ``mesh`` as
-    :func:`~turbospark_jax.sharding.param_specs` says, each shard read from the files into
+    """Load a model folder with every params leaf split over ``mesh`` as
+    :func:`~turbospark_jax.tp_specs.param_specs` says, each shard read from the files into
     its own device.
 
     Args:
-      path: the folder.
+      path: the folder: a dense, Qwen3.5 / Qwen3-Next (its MTP head too, when the config
+        declares one) or Gemma 4 model.
       mesh: a mesh with a :data:`~turbospark_jax.sharding.TP` axis.
-      dtype, layer_layout: as :func:`~turbospark_jax.loading.load_folder`.
+      dtype, layer_layout: as :func:`~turbospark_jax.loading.load_folder` (Qwen3.5 and
+        Gemma 4 take only ``"list"``).
 
     Returns:
       The :class:`~turbospark_jax.loading.LoadedModel`, params on the mesh (serve it with
-      :class:`~turbospark_jax.sharding.ShardedProducer`).
+      :class:`~turbospark_jax.sharding.ShardedProducer`). A ``gemma4`` folder's vision tower
+      (small, and not split) is loaded whole on the default device, as ``load_folder`` does.
 
     Raises:
-      UnsupportedCapabilityError: the folder holds a model of another family than dense.
       BadInputError: as :func:`~turbospark_jax.loading.load_folder`; or the mesh size does
-        not divide the head counts or intermediate size.
+        not divide the query heads or MLP width (the dense family: or KV heads); or the
+        folder's family has no tensor-parallel layout in :mod:`~turbospark_jax.tp_specs`
+        (every registered family has one). All raised before any tensor is read.
       ModelLoadError: as :func:`~turbospark_jax.loading.load_folder`. A tied model's extra
         copy of its head is accepted without the bitwise comparison ``load_folder`` makes
         (that would read the whole embedding on one host).
     """
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
-    if family.name != "dense":
-        raise UnsupportedCapabilityError(
-            f"sharded loading is implemented for the dense family; this folder holds a "
-            f"{family.name} model. Load it with load_folder"
-        )
     check_divisible(config, tp_size(mesh))
     files = _weight_files(folder)
     tensors = _checked_tensors(folder, family, config, files)
     np_dtype = np.dtype(resolved)
     shapes = family.param_shapes(config)
-    if layer_layout == "list":
+    if layer_layout != family.native_layout:  # the dense family's per-layer list
         layers = shapes["layers"]
         n = config.num_hidden_layers
         shapes = {**shapes, "layers": [{k: s[1:] for k, s in layers.items()} for _ in range(n)]}
@@ -132,12 +141,12 @@ def load_sharded(
 
     def leaf(path: Any, struct: jax.ShapeDtypeStruct, sharding: Any) -> jax.Array:
         key = tuple(p.key if hasattr(p, "key") else p.idx for p in path)
-        if layer_layout == "list" and key[0] == "layers":  # layers/<i>/<name>
-            sources = [(tensors[("layers", key[2], key[1])], ())]
-        elif key[0] == "layers":  # one tensor per index of the stacked L axis
-            sources = [(tensors[(*key, i)], (i,)) for i in range(struct.shape[0])]
-        else:
+        if (*key, None) in tensors:  # a tensor of its own (every leaf of a list family)
             sources = [(tensors[(*key, None)], ())]
+        elif key[0] == "layers" and isinstance(key[1], int):  # dense layers/<i>/<name>
+            sources = [(tensors[("layers", key[2], key[1])], ())]
+        else:  # the dense stacked layers: one tensor per index of the L axis
+            sources = [(tensors[(*key, i)], (i,)) for i in range(struct.shape[0])]
 
         def read(index: Index) -> np.ndarray:
             stacked = sources[0][1] != ()
@@ -157,6 +166,7 @@ def load_sharded(
     return LoadedModel(
         model=family.build(config, resolved, layer_layout), params=params, config=config,
         tokenizer=tokenizer, generation_config=generation, path=folder,
+        vision=_load_vision(folder, np_dtype),
     )
 
 

@@ -12,8 +12,11 @@ module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JS
 * a sharded run against the same model on one device: the largest logits difference (it
   is measured, not assumed to be zero) and whether the greedy tokens agree;
 * the state and params keep their shardings across calls;
+* the Qwen3.5 MTP head and a block drafter drafting for a sharded target in device rounds:
+  speculative == plain greedy, bitwise, with a control;
 * a mesh size that does not divide the heads is refused;
-* a folder loaded shard by shard equals the one-device load, leaf for leaf.
+* a folder loaded shard by shard (dense, Qwen3.5 with its MTP head, Gemma 4) equals the
+  one-device load, each shard bitwise against its block, with a control one bit off.
 """
 
 from __future__ import annotations
@@ -33,10 +36,13 @@ import numpy as np
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.drafters import NGramDrafter, SpeculativePair
+from turbospark_jax.drafters import BlockDrafter, MTPDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.drafters.block import tapped_target
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.loading import load_folder, save_folder
+from turbospark_jax.models import block_drafter
+from turbospark_jax.models.block_drafter import BlockDrafterConfig
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.gemma4 import Gemma4Model
@@ -231,6 +237,44 @@ def family_cases() -> list[dict[str, Any]]:
     ]
 
 
+def sharded_drafters() -> dict[str, Any]:
+    """The MTP head and a block drafter over a Qwen3.5 target split 4 ways, in device rounds
+    (the drafter's step inside the target's compiled loop, on the mesh): greedy speculative
+    == plain greedy, tokens and logits bit for bit, and the logits comparison against a
+    plain run one bit off fails (its control). A vocabulary of 8 and a drafter seed picked so
+    that proposals are accepted, partly and wholly, and each round rolls back a different
+    amount."""
+    cfg = dataclasses.replace(qwen3_5_model().config, vocab_size=8, mtp_num_hidden_layers=1)
+    drafter_cfg = BlockDrafterConfig(
+        hidden_size=cfg.hidden_size, vocab_size=8, target_layer_ids=(0, 1),
+        target_num_hidden_layers=2, block_size=4, mask_token_id=1, initializer_range=0.1)
+    model = tapped_target(Qwen35Model(cfg, jnp.float32), drafter_cfg)
+    target = ShardedProducer(model, model.init_params(jax.random.PRNGKey(7)),
+                             mesh=tp_mesh(jax.devices()[:4]), capacity=64, width=4,
+                             steps_per_call=4)
+    request = CompletionRequest(prompt_ids=[t % 8 for t in PROMPT], max_tokens=16,
+                                record_logits=True)
+    plain = run_raw_completion(target, request)
+    want = np.asarray(plain.logits, np.float32).view(np.uint32)
+    flipped = want.copy()
+    flipped.flat[-1] ^= 1
+    out: dict[str, Any] = {}
+    for name, drafter in (
+        ("mtp", MTPDrafter(target)),
+        ("block", BlockDrafter(target, drafter_cfg,
+                               block_drafter.init_params(drafter_cfg, jax.random.PRNGKey(3)))),
+    ):
+        spec = run_raw_completion_speculative(SpeculativePair(target, drafter),
+                                              dataclasses.replace(request, draft_len=3))
+        got = np.asarray(spec.logits, np.float32).view(np.uint32)
+        out[name] = {"on_device": spec.speculative.on_device,
+                     "accepted": list(spec.speculative.accepted_by_position),
+                     "equal": list(spec.token_ids) == list(plain.token_ids)
+                     and np.array_equal(got, want),
+                     "control_fires": not np.array_equal(got, flipped)}
+    return out
+
+
 def refusal() -> str:
     """The message for 4 KV heads over 8 devices (refused before the params are touched)."""
     model = DenseModel(config("llama", 4), jnp.float32)
@@ -241,8 +285,36 @@ def refusal() -> str:
     return ""
 
 
+def shard_by_shard(got: Any, want: Any) -> dict[str, Any]:
+    """Each shard of each ``got`` leaf against the same block of the one-device ``want``,
+    bit for bit; the count of leaves actually split; and the same comparison against a
+    ``want`` one bit away in one split leaf (its control)."""
+
+    def bits(x: Any) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(x)).view(np.uint8)
+
+    def equal(want_leaves: list[np.ndarray]) -> bool:
+        return all(
+            np.array_equal(bits(shard.data), bits(w[shard.index]))
+            for g, w in zip(jax.tree.leaves(got), want_leaves, strict=True)
+            for shard in g.addressable_shards
+        )
+
+    want_leaves = [np.asarray(w) for w in jax.tree.leaves(want)]
+    split = [i for i, g in enumerate(jax.tree.leaves(got))
+             if g.addressable_shards[0].data.shape != g.shape]
+    flipped = list(want_leaves)
+    flipped[split[-1]] = want_leaves[split[-1]].copy()
+    flipped[split[-1]].view(np.uint8).flat[-1] ^= 1  # a bit of the last shard's last element
+    same_tree = jax.tree.structure(got) == jax.tree.structure(want)
+    return {"equal": same_tree and equal(want_leaves), "split_leaves": len(split),
+            "control_fires": not equal(flipped)}
+
+
 def sharded_load() -> dict[str, Any]:
-    """A saved folder (in several files) loaded shard by shard against ``load_folder``."""
+    """Saved folders (in several files) loaded shard by shard against ``load_folder``: the
+    dense family in both layer layouts over 4 devices, Qwen3.5 with its MTP head over 4 and
+    Gemma 4 over 2."""
     cfg = config("qwen2", 4)
     model = DenseModel(cfg, jnp.float32)
     folder = tempfile.mkdtemp()
@@ -252,11 +324,26 @@ def sharded_load() -> dict[str, Any]:
     for layout in ("stacked", "list"):  # the stacked one reads a slice per layer and stacks
         got = load_sharded(folder, tp_mesh(jax.devices()[:4]), layer_layout=layout)
         want = ref.params if layout == "stacked" else unstack_layers(ref.params)
-        out[layout] = bool(jax.tree.all(jax.tree.map(
-            lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), got.params, want)))
+        out[layout] = shard_by_shard(got.params, want)
         up = got.params["layers"][0]["up_proj"] if layout == "list" else got.params[
             "layers"]["up_proj"]
         out[f"{layout}_up_proj_shard"] = list(up.addressable_shards[0].data.shape)
+    qwen = qwen3_5_model()
+    qwen = Qwen35Model(dataclasses.replace(qwen.config, mtp_num_hidden_layers=1), jnp.float32)
+    for name, family_model, tp in (("qwen3_5_mtp", qwen, 4), ("gemma4", gemma4_model(), 2)):
+        folder = tempfile.mkdtemp()
+        save_folder(folder, family_model.config, family_model.init_params(jax.random.PRNGKey(3)),
+                    max_shard_bytes=40_000)
+        got = load_sharded(folder, tp_mesh(jax.devices()[:tp]), layer_layout="list")
+        out[name] = shard_by_shard(got.params, load_folder(folder, layer_layout="list").params)
+        if name == "qwen3_5_mtp":  # the MTP head's layer; conv1d, [C, 1, K] in the file
+            mtp = got.params["mtp"]["layers"][0]
+            out["shards"] = {k: list(leaf.addressable_shards[0].data.shape) for k, leaf in (
+                ("mtp_q_proj", mtp["q_proj"]), ("mtp_down_proj", mtp["down_proj"]),
+                ("conv1d", got.params["layers"][0]["conv1d"]))}
+        else:  # a full layer's o_proj [H, ghd, D]
+            out["shards"]["gemma4_o_proj"] = list(
+                got.params["layers"][1]["o_proj"].addressable_shards[0].data.shape)
     return out
 
 
@@ -293,6 +380,7 @@ def main() -> None:
         "families": family_cases(),
         "refusal": refusal(),
         "sharded_load": sharded_load(),
+        "sharded_drafters": sharded_drafters(),
         "data_parallel": data_parallel(),
     }
     print(json.dumps(report))
