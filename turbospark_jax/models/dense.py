@@ -66,7 +66,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
-from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq, swiglu_mlp
+from turbospark_jax.models.layers import rope_inv_freq, swiglu_mlp
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
@@ -372,7 +372,7 @@ class DenseModel(BlockModel):
         inv_freq, scale = rope_inv_freq(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
         )
-        return rope_cos_sin(positions, inv_freq, scale, self.dtype)
+        return row_kernels.rope_cos_sin(self.kernels, positions, inv_freq, scale, self.dtype)
 
     def _output_projection(self, attn: jax.Array, lp: Params) -> jax.Array:
         """attn [W, H, hd] -> [W, D]: ``o_proj`` [H, hd, D] contracted as one [H * hd, D]

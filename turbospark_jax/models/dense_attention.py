@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.models import pallas_attention, pallas_rope_store, row_kernels
 from turbospark_jax.models.dense_config import DenseConfig
-from turbospark_jax.models.layers import apply_rope, attend
+from turbospark_jax.models.layers import attend
 
 if TYPE_CHECKING:
     from turbospark_jax.models.dense import DenseModel
@@ -79,7 +79,8 @@ def _rotate(
     if config.qk_norm:
         q = row_kernels.rms_norm(kernels, q, lp["q_norm"], config.rms_norm_eps)
         k = row_kernels.rms_norm(kernels, k, lp["k_norm"], config.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    return (row_kernels.apply_rope(kernels, q, cos, sin),
+            row_kernels.apply_rope(kernels, k, cos, sin))
 
 
 def _replace_at(buffers: Any, index: int, new: jax.Array) -> tuple[jax.Array, ...]:

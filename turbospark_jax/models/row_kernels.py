@@ -1,4 +1,4 @@
-"""The per-row work of a dense layer (matrix products, RMSNorm, attention) under a model's
+"""The per-row work of a dense layer (matrix products, RMSNorm, RoPE, attention) under a model's
 ``kernels`` mode.
 
 * ``"xla"``: XLA's own kernels. Fast, but a row's bits may change with the number of rows
@@ -53,6 +53,24 @@ def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -
         return row_tiled(lambda t: layers.rms_norm(t, None, eps), rows).reshape(x.shape)
     return row_tiled(lambda t, w: layers.rms_norm(t, w, eps), rows,
                      shared=(weight,)).reshape(x.shape)
+
+
+def rope_cos_sin(kernels: str, positions: jax.Array, inv_freq: Any, scale: float,
+                 dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """:func:`~turbospark_jax.models.layers.rope_cos_sin` of ``positions [W]``; under
+    ``"rowinv"`` in fixed-shape tiles (XLA's vectorised sine and cosine need not round a
+    row alike at every row count)."""
+    if kernels == "xla":
+        return layers.rope_cos_sin(positions, inv_freq, scale, dtype)
+    return row_tiled(lambda p: layers.rope_cos_sin(p, inv_freq, scale, dtype), positions)
+
+
+def apply_rope(kernels: str, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """:func:`~turbospark_jax.models.layers.apply_rope` of ``x [W, N, hd]``; under
+    ``"rowinv"`` in fixed-shape tiles."""
+    if kernels == "xla":
+        return layers.apply_rope(x, cos, sin)
+    return row_tiled(layers.apply_rope, x, cos, sin)
 
 
 def attend(kernels: str, q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
