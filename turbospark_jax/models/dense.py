@@ -61,11 +61,12 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.models import row_kernels
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
-from turbospark_jax.models.layers import rms_norm, rope_cos_sin, rope_inv_freq, swiglu_mlp
+from turbospark_jax.models.layers import rope_inv_freq, swiglu_mlp
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
@@ -287,6 +288,11 @@ class DenseModel(BlockModel):
         output to the fused attention kernel's input (q/k norm, RoPE, the query layout, the
         cache writes) in one launch. It feeds that attention kernel, so it runs only where
         that one does.
+      kernels: the per-row work (:mod:`~turbospark_jax.models.row_kernels`): ``"xla"``
+        (XLA's own kernels and the fused ones above; exact only at one program width) or
+        ``"rowinv"`` (row-invariant matrix products, norms and attention, so block programs
+        of different widths agree bitwise row for row; the fused kernels above are then not
+        used, and ``attention="interpret"`` is refused).
     """
 
     parallel_prefill = True
@@ -298,6 +304,7 @@ class DenseModel(BlockModel):
     attention: str = "auto"
     rope_store: str = "auto"
     tap_layers: tuple[int, ...] = ()
+    kernels: str = "xla"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -308,6 +315,12 @@ class DenseModel(BlockModel):
                 raise BadInputError(
                     f"{field} must be one of {', '.join(KERNEL_MODES)}; got {value!r}"
                 )
+        row_kernels.check_kernels(self.kernels)
+        if self.kernels == "rowinv" and self.attention == "interpret":
+            raise BadInputError(
+                "kernels='rowinv' runs its own row-invariant attention; attention='interpret' "
+                "(the fused kernel, whose query tile follows the row count) cannot go with it"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -342,14 +355,14 @@ class DenseModel(BlockModel):
         """One pre-norm decoder layer around ``attention``:
         ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
         eps = self.config.rms_norm_eps
+        norm = functools.partial(row_kernels.rms_norm, self.kernels, eps=eps)
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             with jax.named_scope("attention"):
-                attn, kv = attention(rms_norm(x, lp["input_layernorm"], eps), lp, kv, index,
-                                     window)
+                attn, kv = attention(norm(x, lp["input_layernorm"]), lp, kv, index, window)
             h = x + self._output_projection(attn, lp)
             with jax.named_scope("mlp"):
-                out = h + self._mlp(rms_norm(h, lp["post_attention_layernorm"], eps), lp)
+                out = h + self._mlp(norm(h, lp["post_attention_layernorm"]), lp)
             return out, kv
 
         return layer
@@ -359,13 +372,14 @@ class DenseModel(BlockModel):
         inv_freq, scale = rope_inv_freq(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
         )
-        return rope_cos_sin(positions, inv_freq, scale, self.dtype)
+        return row_kernels.rope_cos_sin(self.kernels, positions, inv_freq, scale, self.dtype)
 
     def _output_projection(self, attn: jax.Array, lp: Params) -> jax.Array:
         """attn [W, H, hd] -> [W, D]: ``o_proj`` [H, hd, D] contracted as one [H * hd, D]
         matrix, plus its bias."""
         w_o = lp["o_proj"]
-        o = attn.reshape(attn.shape[0], -1) @ w_o.reshape(-1, w_o.shape[-1])
+        o = row_kernels.matmul(self.kernels, attn.reshape(attn.shape[0], -1),
+                               w_o.reshape(-1, w_o.shape[-1]))
         if self.config.o_bias:
             o = o + lp["o_bias"]
         return o
@@ -378,11 +392,17 @@ class DenseModel(BlockModel):
             lp["gate_bias"] if bias else None,
             lp["up_bias"] if bias else None,
             lp["down_bias"] if bias else None,
+            matmul=functools.partial(row_kernels.matmul, "rowinv")
+            if self.kernels == "rowinv" else None,
         )
 
     def _head(self, params: Params, x: jax.Array) -> jax.Array:
         """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
-        h = rms_norm(x, params["norm"], self.config.rms_norm_eps)
+        h = row_kernels.rms_norm(self.kernels, x, params["norm"], self.config.rms_norm_eps)
+        if self.kernels == "rowinv":
+            tied = self.config.tie_word_embeddings
+            head = params["embed_tokens"].T if tied else params["lm_head"]  # [D, V]
+            return row_kernels.matmul(self.kernels, h, head, jnp.float32)
         if self.config.tie_word_embeddings:
             return jnp.einsum(
                 "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32
@@ -530,7 +550,7 @@ class DenseModel(BlockModel):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
-        attention = sequence_attention(self.config, positions, cos, sin)
+        attention = sequence_attention(self.config, positions, cos, sin, self.kernels)
         x, _ = self._run_layers(params["layers"], x, None, self._layer(attention))
         with jax.named_scope("head"):
             return self._head(params, x)
@@ -556,7 +576,7 @@ class DenseModel(BlockModel):
             positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
             x = jnp.take(params["embed_tokens"], seq, axis=0).astype(self.dtype)
             cos, sin = self._rope(positions)
-            attention = sequence_attention(self.config, positions, cos, sin)
+            attention = sequence_attention(self.config, positions, cos, sin, self.kernels)
             x, _, taps = self._run_layers(params["layers"], x, None, self._layer(attention),
                                           self.tap_layers)
             return self._head(params, x), jnp.swapaxes(taps, 0, 1)

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from turbospark_jax.models import pallas_attention, pallas_rope_store
+from turbospark_jax.models import pallas_attention, pallas_rope_store, row_kernels
 from turbospark_jax.models.dense_config import DenseConfig
-from turbospark_jax.models.layers import apply_rope, attend, rms_norm
+from turbospark_jax.models.layers import attend
 
 if TYPE_CHECKING:
     from turbospark_jax.models.dense import DenseModel
@@ -36,7 +36,7 @@ Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
 _SCATTER = {"mode": "drop", "unique_indices": True}
 
 
-def _project(x: jax.Array, w: jax.Array) -> jax.Array:
+def _project(x: jax.Array, w: jax.Array, kernels: str) -> jax.Array:
     """``x [W, D] @ w [D, N, hd] -> [W, N, hd]`` as one 2-D matrix product.
 
     Written as a plain matrix product over a free reshape of the weight: for a single row,
@@ -44,16 +44,16 @@ def _project(x: jax.Array, w: jax.Array) -> jax.Array:
     slower than its matrix-vector kernel.
     """
     d, n, hd = w.shape
-    return (x @ w.reshape(d, n * hd)).reshape(x.shape[0], n, hd)
+    return row_kernels.matmul(kernels, x, w.reshape(d, n * hd)).reshape(x.shape[0], n, hd)
 
 
 def _projections(
-    config: DenseConfig, h: jax.Array, lp: Params
+    config: DenseConfig, h: jax.Array, lp: Params, kernels: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
-    q = _project(h, lp["q_proj"])
-    k = _project(h, lp["k_proj"])
-    v = _project(h, lp["v_proj"])
+    q = _project(h, lp["q_proj"], kernels)
+    k = _project(h, lp["k_proj"], kernels)
+    v = _project(h, lp["v_proj"], kernels)
     if config.qkv_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
     return q, k, v
@@ -72,13 +72,15 @@ def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params) -> jax.Arr
 
 
 def _rotate(
-    config: DenseConfig, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array
+    config: DenseConfig, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array,
+    kernels: str,
 ) -> tuple[jax.Array, jax.Array]:
     """Optional per-head q/k norm, then RoPE."""
     if config.qk_norm:
-        q = rms_norm(q, lp["q_norm"], config.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], config.rms_norm_eps)
-    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q = row_kernels.rms_norm(kernels, q, lp["q_norm"], config.rms_norm_eps)
+        k = row_kernels.rms_norm(kernels, k, lp["k_norm"], config.rms_norm_eps)
+    return (row_kernels.apply_rope(kernels, q, cos, sin),
+            row_kernels.apply_rope(kernels, k, cos, sin))
 
 
 def _replace_at(buffers: Any, index: int, new: jax.Array) -> tuple[jax.Array, ...]:
@@ -123,8 +125,9 @@ def _own_rows(
 
 def _fused_attention(model: DenseModel, per_layer: bool, capacity: int) -> bool | str:
     """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``: in
-    the Pallas interpreter, for tests on a CPU)."""
-    if not per_layer or model.attention == "xla":
+    the Pallas interpreter, for tests on a CPU). Never under ``kernels="rowinv"``: the
+    kernel's tile of query rows follows the row count."""
+    if not per_layer or model.attention == "xla" or model.kernels == "rowinv":
         return False
     if model.attention == "interpret":
         return "interpret" if capacity >= pallas_attention.KEY_TILE else False
@@ -159,7 +162,8 @@ def cached_attention(
       kernel: a per-layer cache where both kernels run, and a block that is not ``fresh``;
     * ``fresh``: attention over the block's own rows (the cache was empty before it);
     * the fused attention kernel over the layer's cache, where it runs;
-    * XLA's :func:`~turbospark_jax.models.layers.attend` over the first ``limit`` positions.
+    * :func:`~turbospark_jax.models.row_kernels.attend` (XLA's, in the model's ``kernels``
+      mode) over the first ``limit`` positions.
 
     Args:
       model: the model (its config, dtype and kernel modes).
@@ -194,8 +198,8 @@ def cached_attention(
         return attn, kv
 
     def rotated(h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q, k, v = _projections(c, h, lp)
-        q, k = _rotate(c, q, k, lp, cos, sin)
+        q, k, v = _projections(c, h, lp, model.kernels)
+        q, k = _rotate(c, q, k, lp, cos, sin, model.kernels)
         return q, k, v
 
     def own_rows(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
@@ -214,8 +218,8 @@ def cached_attention(
     def xla(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         q, k, v = rotated(h, lp)
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
-        attn = attend(q, k_layer[:limit], v_layer[:limit], positions, key_positions[:limit],
-                      window)
+        attn = row_kernels.attend(model.kernels, q, k_layer[:limit], v_layer[:limit], positions,
+                                  key_positions[:limit], window)
         return attn, kv
 
     if rope_store and not fresh:
@@ -226,7 +230,8 @@ def cached_attention(
 
 
 def sequence_attention(
-    config: DenseConfig, positions: jax.Array, cos: jax.Array, sin: jax.Array
+    config: DenseConfig, positions: jax.Array, cos: jax.Array, sin: jax.Array,
+    kernels: str = "xla",
 ) -> Attention:
     """Causal attention of a whole sequence over itself, no cache (the carry passes through).
 
@@ -234,12 +239,13 @@ def sequence_attention(
       config: the model config.
       positions: int32 ``[T]``, ``0..T-1``.
       cos, sin: ``[T, hd]`` rotary tables.
+      kernels: the model's ``kernels`` mode (:mod:`~turbospark_jax.models.row_kernels`).
     """
 
     def attention(h: jax.Array, lp: Params, carry: Any, index: Any, window: Any) -> Any:
         del index
-        q, k, v = _projections(config, h, lp)
-        q, k = _rotate(config, q, k, lp, cos, sin)
-        return attend(q, k, v, positions, positions, window), carry
+        q, k, v = _projections(config, h, lp, kernels)
+        q, k = _rotate(config, q, k, lp, cos, sin, kernels)
+        return row_kernels.attend(kernels, q, k, v, positions, positions, window), carry
 
     return attention

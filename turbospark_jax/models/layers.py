@@ -14,7 +14,9 @@ inputs (and on the keys), which is what lets one compiled block program serve 1 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -236,6 +238,8 @@ def swiglu_mlp(
     gate_bias: jax.Array | None = None,
     up_bias: jax.Array | None = None,
     down_bias: jax.Array | None = None,
+    *,
+    matmul: Callable[[jax.Array, jax.Array], jax.Array] | None = None,
 ) -> jax.Array:
     """``down(silu(gate(x)) * up(x))`` with weights in ``[in, out]`` orientation.
 
@@ -244,19 +248,23 @@ def swiglu_mlp(
       gate, up: ``[D, F]``.
       down: ``[F, D]``.
       gate_bias, up_bias: optional ``[F]``; down_bias: optional ``[D]``.
+      matmul: ``(x [W, K], w [K, N]) -> [W, N]`` in ``x.dtype`` for the three products
+        (a model's kernel mode); XLA's own when None.
 
     Returns:
       ``[W, D]`` in ``x.dtype``. SiLU runs in float32 and is rounded once, like torch does for
       half-precision inputs.
     """
-    g = jnp.einsum("wd,df->wf", x, gate)
-    u = jnp.einsum("wd,df->wf", x, up)
+    if matmul is None:
+        matmul = functools.partial(jnp.einsum, "wd,df->wf")
+    g = matmul(x, gate)
+    u = matmul(x, up)
     if gate_bias is not None:
         g = g + gate_bias
     if up_bias is not None:
         u = u + up_bias
     h = jax.nn.silu(g.astype(jnp.float32)).astype(x.dtype) * u
-    out = jnp.einsum("wf,fd->wd", h, down)
+    out = matmul(h, down)
     if down_bias is not None:
         out = out + down_bias
     return out

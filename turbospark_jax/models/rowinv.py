@@ -46,6 +46,10 @@ from turbospark_jax.errors import BadInputError
 #: Rows of the fixed-shape dots of the XLA form, and of the matvec kernel's row tile (Triton's
 #: smallest matrix-product tile).
 ROW_TILE = 16
+#: :func:`row_tiled` runs at least this many tiles: XLA inlines a loop of one trip into the
+#: program around it and compiles its body differently there (with full optimisation on the
+#: CPU, a norm's rows came out differently from the same body in a loop).
+MIN_TILES = 2
 #: At most this many rows go to the matvec kernel under ``kernel="auto"``.
 SMALL_M = 16
 #: Values of ``impl``: ``"auto"`` (Pallas on a GPU, the XLA form elsewhere), ``"pallas"``,
@@ -251,16 +255,48 @@ def _matvec(x: jax.Array, w: jax.Array, out_dtype: Any, schedule: Schedule, tile
     return total.astype(out_dtype)
 
 
+def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> Any:
+    """``fn`` applied to the rows of ``rows`` in tiles of :data:`ROW_TILE`, as one loop over
+    one compiled body of a fixed shape.
+
+    Every array of ``rows`` shares its leading (row) axis; the last tile is padded with zero
+    rows, whose results are dropped. Since the body's shape never depends on the row count, a
+    row-local ``fn`` gives each row the same bits for any number of rows beside it (on the
+    CPU, where XLA computes every row of one fixed-shape reduction or dot alike:
+    ``tests/test_rowinv.py``, ``tests/test_rowinv_dense.py``).
+
+    The body sits between optimization barriers (its inputs, ``shared`` and its outputs):
+    XLA drops a loop of one tile and would otherwise fuse across it, differently from program
+    to program, which changes the arithmetic. A tied head's ``embed.T`` folded into the dot,
+    and (with full optimisation) a residual add fused into the norm, each changed rows.
+
+    Args:
+      fn: ``(*tiles, *shared) -> pytree`` of arrays with a leading axis of
+        :data:`ROW_TILE` rows.
+      rows: arrays ``[M, ...]``.
+      shared: arrays every tile's ``fn`` reads whole (weights, keys).
+
+    Returns:
+      ``fn``'s pytree with each leaf ``[M, ...]``.
+    """
+    m = rows[0].shape[0]
+    mp = max(_ceil_to(m, ROW_TILE), MIN_TILES * ROW_TILE)
+    tiles = tuple(
+        jnp.pad(a, [(0, mp - m)] + [(0, 0)] * (a.ndim - 1)).reshape(
+            mp // ROW_TILE, ROW_TILE, *a.shape[1:])
+        for a in rows
+    )
+    tiles, shared = jax.lax.optimization_barrier((tiles, tuple(shared)))
+    out = jax.lax.optimization_barrier(jax.lax.map(lambda t: fn(*t, *shared), tiles))
+    return jax.tree.map(lambda o: o.reshape(mp, *o.shape[2:])[:m], out)
+
+
 def _xla_tiled(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
     """The product as one fixed-shape dot per ``ROW_TILE`` rows (a loop, one dot compiled)."""
-    m, k = x.shape
-    mp = _ceil_to(m, ROW_TILE)
-    row_tiles = _pad(x, mp, k).reshape(mp // ROW_TILE, ROW_TILE, k)
-
-    def tile(rows: jax.Array) -> jax.Array:
-        return jnp.dot(rows, w, preferred_element_type=jnp.float32).astype(out_dtype)
-
-    return jax.lax.map(tile, row_tiles).reshape(mp, -1)[:m]
+    return row_tiled(
+        lambda rows, w: jnp.dot(rows, w, preferred_element_type=jnp.float32).astype(out_dtype),
+        x, shared=(w,),
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "kernel", "schedule", "tiles"))

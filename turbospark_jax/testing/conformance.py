@@ -114,6 +114,37 @@ def check_verify_matches_decode(
     _expect_same_state("state after verify vs after decoding", verified, state)
 
 
+def _owned_like(state: Any, like: Any) -> Any:
+    """``state`` with the producer identity of ``like`` (a block state's ``fed.owner``), so
+    two producers' states compare by everything else."""
+    return state.replace(fed=state.fed.replace(owner=like.fed.owner))
+
+
+def check_widths_agree(
+    decoder: VerifyingTarget, prefiller: VerifyingTarget, prompt: Sequence[int],
+    cuts: Sequence[int], feed: Sequence[int],
+) -> None:
+    """Two producers of one model and params whose programs differ (block widths) agree:
+    ``prefiller``'s chunked prefill of ``prompt`` leaves the logits and state ``decoder``'s
+    token-by-token prefill leaves, and row ``i`` of ``prefiller``'s verify of ``feed`` then
+    equals ``decoder`` decoding ``feed[i]``, with the same state after. States are block
+    states; their producer identities (``fed.owner``) aside, they must be bitwise equal."""
+    want_logits, want_state = sequential_prefill(decoder, decoder.init_state(), prompt, 0)
+    got_logits, got_state = chunked_prefill(prefiller, prefiller.init_state(), prompt, cuts)
+    where = f"prompt of {len(prompt)} split at {sorted(set(cuts))}"
+    _expect_same_logits(f"chunked vs token by token ({where})", got_logits, want_logits)
+    _expect_same_state(f"chunked vs token by token ({where})",
+                       _owned_like(got_state, want_state), want_state)
+    base = len(prompt)
+    rows, verified = prefiller.verify(got_state, list(feed), base)
+    state = want_state
+    for i, tok in enumerate(feed):
+        logits, state = decoder.produce(state, int(tok), base + i)
+        _expect_same_logits(f"verify row {i} vs decode at position {base + i}", rows[i], logits)
+    _expect_same_state("state after verify vs after decoding", _owned_like(verified, state),
+                       state)
+
+
 Op = tuple[str, list[int]]
 
 
