@@ -3,10 +3,12 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with SSE or
 not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every refusal is an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
-request reaches the engine (so no slot is touched), a full queue a 429 with ``Retry-After``. A
-request that fails after its stream started ends with an ``error`` event and ``[DONE]``; a
-client that disconnects cancels its request, which frees its slot before the next decode step
-(a response without streaming notices within :data:`DISCONNECT_POLL_S`).
+request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
+no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
+(``GET /health`` answers 503 too then). A request that fails after its stream started ends
+with an ``error`` event and ``[DONE]``; a client that disconnects cancels its request, which
+frees its slot before the next decode step (a response without streaming notices within
+:data:`DISCONNECT_POLL_S`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.errors import ContextOverflowError, OverloadedError, TurbosparkError
+from turbospark_jax.errors import (
+    ContextOverflowError,
+    OverloadedError,
+    TurbosparkError,
+    UnavailableError,
+)
 from turbospark_jax.sampling import SamplingConfig
 from turbospark_jax.server import responses
 from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
@@ -120,6 +127,10 @@ class _Routes:
         }]})
 
     async def health(self, request: Request) -> Response:
+        reason = self.engine.unavailable()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason,
+                                 **self.engine.load()}, status_code=503)
         return JSONResponse({"status": "ok", **self.engine.load()})
 
     async def metrics_page(self, request: Request) -> Response:
@@ -229,6 +240,9 @@ class _Routes:
     def _submit(self, serve: ServeRequest, sink: Any) -> Ticket:
         try:
             return self.engine.submit(serve, sink)
+        except UnavailableError as exc:
+            raise ApiError(503, str(exc), code="unavailable", kind="server_error",
+                           retry_after=exc.retry_after) from exc
         except OverloadedError as exc:
             raise ApiError(429, str(exc), code="overloaded", kind="rate_limit_error",
                            retry_after=exc.retry_after) from exc

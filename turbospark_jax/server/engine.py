@@ -63,7 +63,7 @@ from turbospark_jax.completion import (
     FinishReason,
     validate_request,
 )
-from turbospark_jax.errors import BadInputError, OverloadedError
+from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
 from turbospark_jax.generate import stream_completion
 from turbospark_jax.protocols import SpeculativeProducer
 from turbospark_jax.server.slots import SlotRecord, choose_slot
@@ -142,6 +142,9 @@ class Failed:
 
 
 Event = Delta | Done | Failed
+
+#: The retry hint of a refusal because the engine takes no work (a restart takes a while).
+UNAVAILABLE_RETRY_S = 5.0
 Sink = Callable[[Event], None]
 
 
@@ -254,6 +257,7 @@ class Engine:
         self._cond = threading.Condition()
         self._clock = 0
         self._stopping = False
+        self._fault: str | None = None  # why the scheduler thread died, if it did
         self._thread: threading.Thread | None = None
         self._spec_lock = threading.Lock()
         self.evictions = 0
@@ -261,17 +265,19 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        """Start the scheduler thread (idempotent); returns the engine."""
+        """Start the scheduler thread (idempotent; restarts one that failed); returns the
+        engine."""
         with self._cond:
-            if self._thread is None:
-                self._stopping = False
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping, self._fault = False, None
                 self._thread = threading.Thread(target=self._loop, name="turbospark-scheduler",
                                                 daemon=True)
                 self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop the scheduler; requests still waiting or running fail."""
+        """Stop the scheduler; requests still waiting or running fail, and later ones are
+        refused (:class:`~turbospark_jax.errors.UnavailableError`) until :meth:`start`."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -286,6 +292,7 @@ class Engine:
 
         Raises:
           BadInputError: the request is invalid (nothing is queued; no slot is touched).
+          UnavailableError: the engine takes no work (:meth:`unavailable`).
           OverloadedError: the waiting queue is full.
         """
         if not isinstance(request, ServeRequest):
@@ -296,6 +303,7 @@ class Engine:
         params = validate_request(self.producer, req, self.tokenizer)
         if request.session_id is not None and not isinstance(request.session_id, str):
             raise BadInputError(f"session_id must be a string, got {request.session_id!r}")
+        self._refuse_if_unavailable()
         ticket = Ticket(self)
         if self._speculates(request):
             stream_completion(self.speculative, req, tokenizer=self.tokenizer)  # validates
@@ -306,6 +314,7 @@ class Engine:
         job = _Job(request=request, sink=sink, ticket=ticket, params=params, emission=emission,
                    submitted=time.perf_counter())
         with self._cond:
+            self._refuse_if_unavailable()  # again: stop() may have begun since the first
             if len(self._waiting) + len(self._running) >= len(self.slots) + self.max_waiting:
                 raise OverloadedError(
                     f"every one of the {len(self.slots)} slots is busy and {len(self._waiting)} "
@@ -315,6 +324,21 @@ class Engine:
             self._waiting.append(job)
             self._cond.notify_all()
         return ticket
+
+    def unavailable(self) -> str | None:
+        """Why the engine takes no work now, or ``None`` when it does: after :meth:`stop`
+        (until :meth:`start`), or once the scheduler thread has failed. An engine never
+        started takes work (a test drives it with :meth:`run_once`)."""
+        if self._fault is not None:
+            return f"the scheduler failed ({self._fault})"
+        if self._stopping:
+            return "the server is shutting down"
+        return None
+
+    def _refuse_if_unavailable(self) -> None:
+        reason = self.unavailable()
+        if reason is not None:
+            raise UnavailableError(f"{reason}; retry later", retry_after=UNAVAILABLE_RETRY_S)
 
     def load(self) -> dict[str, int]:
         """Counts for health and metrics: slots, busy slots, running and waiting requests."""
@@ -353,16 +377,23 @@ class Engine:
             return not (self._waiting or self._running)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._stopping or self._waiting or self._running):
-                    self._cond.wait()
-                if self._stopping:
-                    break
-            self.run_once()
+        message = "the server is shutting down"
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or self._running):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                self.run_once()
+        except Exception as exc:  # a fault outside the device calls: take no more work
+            self._fault = f"{type(exc).__name__}: {exc}"
+            message = f"the scheduler failed: {self._fault}"
         with self._cond:
             for job in [*self._waiting, *self._running]:
-                job.sink(Failed("the server is shutting down"))
+                job.sink(Failed(message))
+                if job.slot is not None:
+                    job.slot.busy, job.slot.fed_ids = False, ()
             self._waiting.clear()
             self._running.clear()
 
