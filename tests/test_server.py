@@ -384,17 +384,32 @@ def test_failure_mid_generation_ends_that_stream_only(server):
 
 
 def test_metrics_parse(server, client):
-    url = server[1]
+    srv, url = server
     client.completions.create(model=NAME, prompt="abc", max_tokens=3, temperature=0)
+    client.completions.create(model=NAME, prompt="abc def", max_tokens=3, temperature=0)
+    wait_idle(srv)
     families = {f.name: f for f in text_string_to_metric_families(
         httpx.get(url + "/metrics").text)}
     for name in ("turbospark_http_requests", "turbospark_generated_tokens",
                  "turbospark_time_to_first_token_seconds", "turbospark_inter_token_seconds",
                  "turbospark_busy_slots", "turbospark_decode_batch_rows",
-                 "turbospark_cached_prompt_tokens"):
+                 "turbospark_cached_prompt_tokens", "turbospark_prefilled_prompt_tokens",
+                 "turbospark_prefill_batch_rows"):
         assert name in families, sorted(families)
-    generated = next(s.value for s in families["turbospark_generated_tokens"].samples
-                     if s.name == "turbospark_generated_tokens_total")
-    assert generated >= 3
+
+    def sample(family, suffix):
+        return next(s.value for s in families[family].samples if s.name == family + suffix)
+
+    assert sample("turbospark_generated_tokens", "_total") >= 6
     codes = {s.labels["status"] for s in families["turbospark_http_requests"].samples}
     assert "200" in codes
+    # Every prompt token a started request brought was either reused or prefilled (no request
+    # in this module is cancelled part way through its prompt), and the second prompt above
+    # reused the first's.
+    prompt = sample("turbospark_prompt_tokens", "_total")
+    cached = sample("turbospark_cached_prompt_tokens", "_total")
+    prefilled = sample("turbospark_prefilled_prompt_tokens", "_total")
+    assert cached > 0 and prefilled > 0 and cached + prefilled == prompt
+    calls = sample("turbospark_prefill_batch_rows", "_count")
+    rows = sample("turbospark_prefill_batch_rows", "_sum")
+    assert calls >= 2 and calls <= rows <= calls * srv.engine.decoder.prefill_rows

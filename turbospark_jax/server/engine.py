@@ -166,6 +166,9 @@ class EngineObserver:
     def step(self, rows: int, seconds: float) -> None:
         """One batched decode step advanced ``rows`` requests in ``seconds``."""
 
+    def prefill(self, rows: int, tokens: int) -> None:
+        """One prefill call fed ``tokens`` prompt tokens over ``rows`` requests."""
+
 
 class Ticket:
     """A submitted request: cancel it when its client goes away."""
@@ -484,6 +487,7 @@ class Engine:
                     in zip(jobs, feeds, strict=True) if last)
         started = time.perf_counter()
         out = self.decoder.prefill(feeds, logprobs=wants)
+        self.observer.prefill(len(feeds), sum(len(toks) for _, toks, _ in feeds))
         finishing = []
         for i, (job, (_, toks, last)) in enumerate(zip(jobs, feeds, strict=True)):
             job.fed += len(toks)
