@@ -38,6 +38,7 @@ from turbospark_jax.sampling import SamplingConfig
 from turbospark_jax.server import responses
 from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
 from turbospark_jax.server.metrics import ServerMetrics
+from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.server.wire import (
     ApiError,
     ChatBody,
@@ -71,9 +72,10 @@ class ServerConfig:
     default_chat_tokens: int = 256
 
 
-def build_app(engine: Engine, config: ServerConfig, metrics: ServerMetrics | None = None,
-              ) -> Starlette:
-    """The Starlette application; the caller starts and stops ``engine``."""
+def build_app(engine: Engine | ReplicaRouter, config: ServerConfig,
+              metrics: ServerMetrics | None = None) -> Starlette:
+    """The Starlette application over one engine or a router over replicas; the caller
+    starts and stops ``engine``."""
     metrics = metrics or ServerMetrics()
     routes = _Routes(engine, config, metrics)
     return Starlette(routes=[
@@ -112,7 +114,8 @@ async def _next_event(request: Request, queue: asyncio.Queue[Any]) -> Any:
 
 
 class _Routes:
-    def __init__(self, engine: Engine, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine | ReplicaRouter, config: ServerConfig,
+                 metrics: ServerMetrics) -> None:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.texts = responses.TokenTexts(config.tokenizer)
         self.capacity = engine.producer.max_positions

@@ -66,7 +66,7 @@ from turbospark_jax.completion import (
 from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
 from turbospark_jax.generate import stream_completion
 from turbospark_jax.protocols import SpeculativeProducer
-from turbospark_jax.server.slots import SlotRecord, choose_slot
+from turbospark_jax.server.slots import SlotRecord, choose_slot, open_prefix
 
 __all__ = ["Delta", "Done", "Engine", "EngineObserver", "Failed", "ServeRequest", "Ticket",
            "TokenLogprob"]
@@ -146,6 +146,13 @@ Event = Delta | Done | Failed
 #: The retry hint of a refusal because the engine takes no work (a restart takes a while).
 UNAVAILABLE_RETRY_S = 5.0
 Sink = Callable[[Event], None]
+
+
+def _home_device(producer: BlockProducer) -> jax.Device | None:
+    """The one device every param of ``producer`` lives on, else ``None`` (the default)."""
+    devices = {d for leaf in jax.tree.leaves(producer.params) if isinstance(leaf, jax.Array)
+               for d in leaf.devices()}
+    return devices.pop() if len(devices) == 1 else None
 
 
 class EngineObserver:
@@ -251,8 +258,16 @@ class Engine:
         self.max_waiting = as_int("max_waiting", max_waiting, low=0)
         self.speculative = speculative
         self.observer = observer or EngineObserver()
-        self._make_decoder = lambda: decoder(producer, slots, prefill_rows=prefill_rows,
-                                             prefill_chunk=prefill_chunk)
+        # A replica's producer keeps its params on its own device: the stack and every fresh
+        # state are made there too, not on the default device and moved on first use.
+        self.device = _home_device(producer)
+
+        def make_decoder() -> BatchedDecoder:
+            with jax.default_device(self.device):
+                return decoder(producer, slots, prefill_rows=prefill_rows,
+                               prefill_chunk=prefill_chunk)
+
+        self._make_decoder = make_decoder
         self.decoder = self._make_decoder()
         self.slots = [SlotRecord(index=i) for i in range(self.decoder.size)]
         self._waiting: collections.deque[_Job] = collections.deque()
@@ -338,6 +353,19 @@ class Engine:
             return "the server is shutting down"
         return None
 
+    def holds(self, session_id: str) -> bool:
+        """Whether ``session_id`` owns a slot here or has a request waiting or running here
+        (a router keeps the session's next requests on this engine)."""
+        with self._cond:
+            return any(s.owner == session_id for s in self.slots) or any(
+                j.request.session_id == session_id for j in [*self._waiting, *self._running])
+
+    def prefix_match(self, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` a slot here that no named session owns has
+        fed (:func:`~turbospark_jax.server.slots.open_prefix`)."""
+        with self._cond:
+            return open_prefix(self.slots, prompt)
+
     def _refuse_if_unavailable(self) -> None:
         reason = self.unavailable()
         if reason is not None:
@@ -368,8 +396,9 @@ class Engine:
             self._drop_cancelled()
             self._admit()
         try:
-            self._prefill_once()
-            self._decode_once()
+            with jax.default_device(self.device):
+                self._prefill_once()
+                self._decode_once()
         except Exception as exc:  # a device failure ends every running row
             self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
 
