@@ -17,8 +17,11 @@ creation to the last token (the call's own start-up and shut-down excluded, kept
 
 Results go to ``--out`` (default ``benchmarks/results``) as ``serve_<preset>.json``, rewritten
 after every measurement so a run cut short keeps what it measured, and a plot
-``serve_<preset>.png``. ``--budget-s`` (default 170) skips the levels not begun once it is spent
-(recorded as skipped), so the h200 preset stays within four minutes.
+``serve_<preset>.png``. ``--replicas N`` serves our side with N data-parallel replicas (one per
+device, the slots split among them; ``serve_<preset>_rN.*``), after checking that sampled
+requests served at once by the replicas get what one replica of the same slots gives alone.
+``--budget-s`` (default 170) skips the levels not begun once it is spent (recorded as
+skipped), so the h200 preset stays within four minutes.
 """
 
 from __future__ import annotations
@@ -169,20 +172,70 @@ class Report:
         return True
 
 
-@contextlib.contextmanager
-def our_server(preset: Preset, model: Any, params: Any, tokenizer: Any, report: Report
-               ) -> Iterator[Callable[[int], None]]:
-    """Start and warm our server; yields ``measure(n)``, which times ``n`` streams."""
-    from turbospark_jax.block_producer import BlockProducer
+def _build_server(preset: Preset, model: Any, params: Any, tokenizer: Any, replicas: int,
+                  slots: int) -> Any:
+    """Our server with ``replicas`` replicas (one per device) of ``slots`` slots each."""
+    from turbospark_jax.replicas import replicas_one_per_device
     from turbospark_jax.server.build import make_server
+
+    producers = replicas_one_per_device(model, params, replicas, capacity=preset.context,
+                                        width=preset.width, steps_per_call=8, donate=True)
+    return make_server(producers, tokenizer, model_name="bench", slots=slots,
+                       max_waiting=slots * replicas, prefill_chunk=preset.prefill_chunk,
+                       prefill_rows=preset.prefill_rows)
+
+
+def _slots(preset: Preset, replicas: int) -> int:
+    """Slots per replica: over all of them, as many as the largest level has streams."""
+    return -(-max(preset.concurrency) // replicas)
+
+
+def _sampled_answers(url: str, prompts: list[list[int]], seeds: list[int], tokens: int
+                     ) -> list[Any]:
+    """Sampled completions with log-probabilities, all requests in flight at once."""
+    import httpx
+
+    async def all_at_once() -> list[Any]:
+        async with httpx.AsyncClient(timeout=600) as http:
+            replies = await asyncio.gather(*[http.post(url + "/v1/completions", json={
+                "model": "bench", "prompt": p, "max_tokens": tokens, "temperature": 0.8,
+                "seed": seed, "logprobs": 5}) for p, seed in zip(prompts, seeds, strict=True)])
+        return [r.json()["choices"][0] for r in replies]
+
+    return [(c["token_ids"], c["logprobs"]) for c in asyncio.run(all_at_once())]
+
+
+def replicas_exact(preset: Preset, model: Any, params: Any, tokenizer: Any, replicas: int,
+                   report: Report) -> None:
+    """Whether ``2 * replicas`` sampled requests served at once by the replicas get the same
+    tokens and log-probabilities as served one at a time by one replica alone (of the same
+    slots: the batch size is part of the compiled programs)."""
     from turbospark_jax.testing.live_server import running
 
-    slots = max(preset.concurrency)
-    producer = BlockProducer(model, params, capacity=preset.context, width=preset.width,
-                             steps_per_call=8, donate=True)
-    server = make_server(producer, tokenizer, model_name="bench", slots=slots,
-                         max_waiting=slots, prefill_chunk=preset.prefill_chunk,
-                         prefill_rows=preset.prefill_rows)
+    answers: list[Any] = []
+    for count in (replicas, 1):
+        server = _build_server(preset, model, params, tokenizer, count, _slots(preset, replicas))
+        prompts = _prompts(2 * replicas, preset.prompt_tokens, server.engine.producer.vocab_size,
+                           seed=20_000)
+        with running(server) as url:
+            if count == 1:
+                answers.append([_sampled_answers(url, [p], [i], 16)[0]
+                                for i, p in enumerate(prompts)])
+            else:
+                answers.append(_sampled_answers(url, prompts, list(range(len(prompts))), 16))
+    report.add({"system": "turbospark_jax", "replicas": replicas, "check": "replicas_exact",
+                "requests": len(prompts), "equal": answers[0] == answers[1]})
+
+
+@contextlib.contextmanager
+def our_server(preset: Preset, model: Any, params: Any, tokenizer: Any, report: Report,
+               replicas: int = 1) -> Iterator[Callable[[int], None]]:
+    """Start and warm our server; yields ``measure(n)``, which times ``n`` streams."""
+    from turbospark_jax.testing.live_server import running
+
+    server = _build_server(preset, model, params, tokenizer, replicas, _slots(preset, replicas))
+    producer = server.engine.producer
+    slots = server.engine.load()["slots"]
     with running(server) as url:
         # Compile the prefill, the batched step and the reuse path's small programs with
         # prompts no timed level shares (no prefix of theirs is cached).
@@ -198,7 +251,7 @@ def our_server(preset: Preset, model: Any, params: Any, tokenizer: Any, report: 
             prompts = _prompts(n, preset.prompt_tokens, producer.vocab_size, seed=n)
             figures = asyncio.run(_drive(url, prompts, preset.new_tokens))
             report.add({"system": "turbospark_jax", "concurrency": n, "slots": slots,
-                        **figures})
+                        "replicas": replicas, **figures})
 
         yield measure
 
@@ -303,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-hf", action="store_true", help="only our server")
     parser.add_argument("--budget-s", type=float, default=170.0,
                         help="seconds after which the levels left are skipped")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="data-parallel replicas of our server, one per device (the slots "
+                             "are split among them); more than 1 also checks their outputs "
+                             "against one replica and writes serve_<preset>_r<N>.*")
     args = parser.parse_args(argv)
     deadline = time.perf_counter() + args.budget_s
     # JAX would take most of the GPU's memory up front; transformers runs in the same process.
@@ -317,17 +374,20 @@ def main(argv: list[str] | None = None) -> int:
             "python": sys.version.split()[0], "machine": platform.machine(),
             "preset": dataclasses.asdict(preset)}
     args.out.mkdir(parents=True, exist_ok=True)
-    report = Report(args.out / f"serve_{args.preset}.json", meta, deadline)
+    name = f"serve_{args.preset}" + (f"_r{args.replicas}" if args.replicas > 1 else "")
+    report = Report(args.out / f"{name}.json", meta, deadline)
     model, params, tokenizer = _our_model(preset)
+    if args.replicas > 1:
+        replicas_exact(preset, model, params, tokenizer, args.replicas, report)
     # Level by level, ours then transformers': a budget that runs out cuts both alike.
-    with our_server(preset, model, params, tokenizer, report) as ours:
+    with our_server(preset, model, params, tokenizer, report, args.replicas) as ours:
         theirs = None if args.skip_hf else hf_runner(preset, device, report)
         for n in preset.concurrency:
             ours(n)
             if theirs is not None:
                 theirs(n)
     records = report.records
-    plot(records, args.out / f"serve_{args.preset}.png",
+    plot(records, args.out / f"{name}.png",
          f"{preset.model} on {backend}: {preset.prompt_tokens}-token prompts, "
          f"{preset.new_tokens} new")
     return 0

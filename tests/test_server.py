@@ -6,6 +6,7 @@ One server for the module: a toy attention model over a small byte-level BPE tok
 chat template, so text, stop strings and chat are real while every step compiles and runs fast.
 """
 
+import contextlib
 import json
 import threading
 import time
@@ -165,6 +166,25 @@ def test_disconnect_frees_the_slot_at_once(server):
     assert srv.engine.load()["busy_slots"] == 0
 
 
+@contextlib.contextmanager
+def scheduler_paused(srv):
+    """Hold the scheduler thread before its next tick (outside the engine's lock), so
+    requests stay waiting until the block ends."""
+    gate = threading.Event()
+    run_once = srv.engine.run_once
+
+    def paused():
+        gate.wait()
+        run_once()
+
+    srv.engine.run_once = paused
+    try:
+        yield
+    finally:
+        del srv.engine.run_once
+        gate.set()
+
+
 def test_disconnect_without_streaming_cancels_the_request(server):
     """A client that gives up on a response without streaming cancels it: the request waits
     (the scheduler is paused), the client times out, and the request never runs."""
@@ -176,8 +196,7 @@ def test_disconnect_without_streaming_cancels_the_request(server):
                                                      {"outcome": "cancelled"}) or 0.0
 
     before = cancelled()
-    srv.engine.stop()
-    try:
+    with scheduler_paused(srv):
         body = {"model": NAME, "prompt": "z = 3", "max_tokens": 5, "temperature": 0}
         with pytest.raises(httpx.TimeoutException):
             httpx.post(url + "/v1/completions", json=body, timeout=0.5)
@@ -186,8 +205,6 @@ def test_disconnect_without_streaming_cancels_the_request(server):
             assert time.monotonic() < deadline, "the disconnect went unnoticed"
             time.sleep(0.02)
         assert srv.engine.load()["waiting"] == 1
-    finally:
-        srv.engine.start()
     wait_idle(srv)
     assert cancelled() == before + 1 and srv.engine.load()["busy_slots"] == 0
 
@@ -249,28 +266,80 @@ def test_bad_input_is_a_400_that_touches_no_session(server, name, path, body, pa
     assert [(s.owner, s.fed_ids, s.last_used) for s in srv.engine.slots] == before
 
 
-def test_overload_gets_429_with_retry_after(server):
-    srv, url = server
-    wait_idle(srv)
+@contextlib.contextmanager
+def queue_full(srv, url):
+    """As many requests as slots, waiting behind a paused scheduler, and no room for more."""
     saved, srv.engine.max_waiting = srv.engine.max_waiting, 0
+    body = {"model": NAME, "prompt": "y = 2", "max_tokens": 3, "temperature": 0,
+            "stream": True}
     try:
-        body = {"model": NAME, "prompt": "y = 2", "max_tokens": 100, "temperature": 0,
-                "stream": True}
-        with httpx.Client(timeout=30) as http:
-            streams = [http.stream("POST", url + "/v1/completions", json=body)
-                       for _ in range(SLOTS)]
-            opened = [s.__enter__() for s in streams]
-            try:
-                r = post(url, "/v1/completions", {**body, "stream": False})
-                assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
-                assert r.json()["error"]["code"] == "overloaded"
-            finally:
-                for s, o in zip(streams, opened, strict=True):
-                    s.__exit__(None, None, None)
-                    del o
+        with scheduler_paused(srv), httpx.Client(timeout=30) as http, \
+                contextlib.ExitStack() as streams:
+            for _ in range(SLOTS):
+                streams.enter_context(http.stream("POST", url + "/v1/completions", json=body))
+            yield
     finally:
         srv.engine.max_waiting = saved
+
+
+@contextlib.contextmanager
+def shutting_down(srv, url):
+    srv.engine.stop()
+    try:
+        yield
+    finally:
+        srv.engine.start()
+
+
+@contextlib.contextmanager
+def scheduler_failed(srv, url):
+    """A fault outside the device calls kills the scheduler thread: the request it was
+    admitting fails, and the engine takes no more work until restarted."""
+
+    def broken():
+        raise RuntimeError("slot table corrupted")
+
+    srv.engine._admit = broken
+    try:
+        r = post(url, "/v1/completions", {"model": NAME, "prompt": "q", "max_tokens": 2})
+        assert r.status_code == 500 and "slot table corrupted" in r.json()["error"]["message"]
+        yield
+    finally:
+        del srv.engine._admit
+        srv.engine.start()
+
+
+OVERLOAD = [
+    # (name, situation, status, code, seconds the Retry-After asks for at least)
+    ("queue full", queue_full, 429, "overloaded", 1),
+    ("shutting down", shutting_down, 503, "unavailable", 5),
+    ("scheduler failed", scheduler_failed, 503, "unavailable", 5),
+]
+
+
+@pytest.mark.parametrize(("name", "situation", "status", "code", "retry"), OVERLOAD,
+                         ids=[o[0] for o in OVERLOAD])
+def test_overload_is_refused_with_a_retry_hint(server, name, situation, status, code, retry):
+    srv, url = server
     wait_idle(srv)
+    before = [(s.owner, s.fed_ids, s.last_used) for s in srv.engine.slots]
+    body = {"model": NAME, "prompt": "w = 4", "max_tokens": 3, "temperature": 0}
+    with situation(srv, url):
+        for path, b in (("/v1/completions", body), ("/v1/completions", {**body, "stream": True}),
+                        ("/v1/chat/completions", {"model": NAME, "max_tokens": 3,
+                                                  "messages": [{"role": "user", "content": "w"}]})):
+            r = post(url, path, b)
+            assert r.status_code == status and int(r.headers["Retry-After"]) >= retry, r.text
+            assert r.json()["error"]["code"] == code
+        health = httpx.get(url + "/health")
+        assert health.status_code == (200 if status == 429 else 503)
+        if status == 503:
+            assert health.json()["status"] == "unavailable"
+            busy = [(s.owner, s.fed_ids, s.last_used) for s in srv.engine.slots]
+            assert busy == before or name == "scheduler failed"
+    wait_idle(srv)
+    r = post(url, "/v1/completions", body)  # served again once the situation has passed
+    assert r.status_code == 200, r.text
 
 
 def test_failure_mid_generation_ends_that_stream_only(server):
@@ -315,17 +384,32 @@ def test_failure_mid_generation_ends_that_stream_only(server):
 
 
 def test_metrics_parse(server, client):
-    url = server[1]
+    srv, url = server
     client.completions.create(model=NAME, prompt="abc", max_tokens=3, temperature=0)
+    client.completions.create(model=NAME, prompt="abc def", max_tokens=3, temperature=0)
+    wait_idle(srv)
     families = {f.name: f for f in text_string_to_metric_families(
         httpx.get(url + "/metrics").text)}
     for name in ("turbospark_http_requests", "turbospark_generated_tokens",
                  "turbospark_time_to_first_token_seconds", "turbospark_inter_token_seconds",
                  "turbospark_busy_slots", "turbospark_decode_batch_rows",
-                 "turbospark_cached_prompt_tokens"):
+                 "turbospark_cached_prompt_tokens", "turbospark_prefilled_prompt_tokens",
+                 "turbospark_prefill_batch_rows"):
         assert name in families, sorted(families)
-    generated = next(s.value for s in families["turbospark_generated_tokens"].samples
-                     if s.name == "turbospark_generated_tokens_total")
-    assert generated >= 3
+
+    def sample(family, suffix):
+        return next(s.value for s in families[family].samples if s.name == family + suffix)
+
+    assert sample("turbospark_generated_tokens", "_total") >= 6
     codes = {s.labels["status"] for s in families["turbospark_http_requests"].samples}
     assert "200" in codes
+    # Every prompt token a started request brought was either reused or prefilled (no request
+    # in this module is cancelled part way through its prompt), and the second prompt above
+    # reused the first's.
+    prompt = sample("turbospark_prompt_tokens", "_total")
+    cached = sample("turbospark_cached_prompt_tokens", "_total")
+    prefilled = sample("turbospark_prefilled_prompt_tokens", "_total")
+    assert cached > 0 and prefilled > 0 and cached + prefilled == prompt
+    calls = sample("turbospark_prefill_batch_rows", "_count")
+    rows = sample("turbospark_prefill_batch_rows", "_sum")
+    assert calls >= 2 and calls <= rows <= calls * srv.engine.decoder.prefill_rows

@@ -14,6 +14,8 @@ from turbospark_jax.cli import main
     (["--speculative", "--ngram", "2"], "choose one drafter"),
     (["--width", "0"], "--width must be >= 1"),
     (["--prefill-rows", "0"], "--prefill-rows must be >= 1"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--ngram", "2"], "one replica only"),
 ])
 def test_bad_serve_flags_fail_before_loading(argv, words):
     err = io.StringIO()

@@ -52,3 +52,12 @@ class OverloadedError(TurbosparkError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class UnavailableError(OverloadedError):
+    """The server cannot take work at all right now (it is shutting down, or its scheduler
+    stopped or failed); the request was not started.
+
+    Unlike a full queue this does not clear by itself within a step or two; retry after
+    :attr:`retry_after` seconds, possibly elsewhere (the HTTP layer answers 503).
+    """

@@ -19,13 +19,15 @@ from typing import Any
 
 import jax
 
+from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.completion import Completion, CompletionRequest
-from turbospark_jax.errors import SessionError
+from turbospark_jax.errors import BadInputError, SessionError
 from turbospark_jax.session_pool import SessionId, SessionPool, _check_session_id
 from turbospark_jax.sharding import ShardedProducer, tp_mesh
 from turbospark_jax.streams import Stream
 
-__all__ = ["ReplicaPool", "replicas_on_devices"]
+__all__ = ["ReplicaPool", "check_replica_count", "replicas_on_devices",
+           "replicas_one_per_device"]
 
 
 def replicas_on_devices(
@@ -57,6 +59,47 @@ def replicas_on_devices(
         )
     groups = [devices[i : i + group_size] for i in range(0, len(devices), group_size)]
     return [ShardedProducer(model, params, mesh=tp_mesh(g), **producer_args) for g in groups]
+
+
+def check_replica_count(count: int, devices: Sequence[jax.Device] | None = None,
+                        ) -> list[jax.Device]:
+    """``devices`` (default: this process's), after checking that ``count`` replicas, one a
+    device, fit on them.
+
+    Raises:
+      BadInputError: ``count`` is not an int from 1 to the number of devices.
+    """
+    devices = jax.local_devices() if devices is None else list(devices)
+    if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(devices):
+        raise BadInputError(f"replicas={count!r} must be from 1 to the {len(devices)} devices "
+                            "(one replica a device)")
+    return devices
+
+
+def replicas_one_per_device(
+    model: Any, params: Any, count: int, devices: Sequence[jax.Device] | None = None,
+    **producer_args: Any,
+) -> list[BlockProducer]:
+    """``count`` block producers, the ``i``-th with its own copy of ``params`` on the ``i``-th
+    device (the server's replicas: :class:`~turbospark_jax.server.router.ReplicaRouter`). Each
+    is a plain :class:`BlockProducer`, so it runs the same programs (kernels included) as one
+    producer alone. One replica keeps ``params`` where they are.
+
+    Args:
+      model: any block model.
+      params: its params, anywhere.
+      count: replicas, at most the number of devices.
+      devices: the devices to use (default: every device of this process).
+      producer_args: ``capacity``, ``width``, ... for each producer.
+
+    Raises:
+      BadInputError: ``count`` below 1 or above the number of devices.
+    """
+    devices = check_replica_count(count, devices)
+    if count == 1:
+        return [BlockProducer(model, params, **producer_args)]
+    return [BlockProducer(model, jax.device_put(params, d), **producer_args)
+            for d in devices[:count]]
 
 
 class ReplicaPool:

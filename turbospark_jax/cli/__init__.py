@@ -490,8 +490,11 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
     server = load_server(args.model, slots=args.session_slots, context=args.context,
                          width=args.width, dtype=dtype, draft=draft, ngram=args.ngram or 0,
                          model_name=args.served_name, max_waiting=args.max_waiting,
-                         prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows)
-    print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots on "
+                         prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
+                         replicas=args.replicas)
+    replicas = f" x {args.replicas} replicas" if args.replicas > 1 else ""
+    print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots"
+          f"{replicas} on "
           f"http://{args.host}:{args.port}/v1", file=stderr, flush=True)
     server.run(host=args.host, port=args.port)
     return 0

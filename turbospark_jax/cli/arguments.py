@@ -252,6 +252,9 @@ def _serve_parser(sub: Any) -> None:
                        help="as --speculative, with this draft model folder")
     serve.add_argument("--ngram", type=int, default=None, metavar="N",
                        help="as --speculative, drafting by prompt lookup with n-grams up to N")
+    serve.add_argument("--replicas", type=int, default=1, metavar="N",
+                       help="data-parallel replicas, one per device, each with its own "
+                            "--session-slots; a named session stays on its replica")
     serve.add_argument("--served-name", default=None, metavar="NAME",
                        help="the model id clients name (default: the folder's name)")
 
@@ -262,7 +265,8 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
                              ("--context", args.context, 2), ("--port", args.port, 0),
                              ("--prefill-chunk", args.prefill_chunk, 1),
                              ("--prefill-rows", args.prefill_rows, 1),
-                             ("--max-waiting", args.max_waiting, 0)):
+                             ("--max-waiting", args.max_waiting, 0),
+                             ("--replicas", args.replicas, 1)):
         if value < low:
             raise CommandLineError(f"{flag} must be >= {low}, got {value}")
     if args.width < 1:
@@ -271,6 +275,9 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError(f"--ngram must be >= 1, got {args.ngram}")
     if sum(bool(x) for x in (args.speculative, args.draft_model, args.ngram)) > 1:
         raise CommandLineError("choose one drafter: --speculative, --draft-model or --ngram")
+    if args.replicas > 1 and (args.speculative or args.draft_model or args.ngram):
+        raise CommandLineError("speculative decoding is served by one replica only: drop the "
+                               "drafter or --replicas")
 
 
 def user_words(message: str, names: dict[str, str] | None = None) -> str:

@@ -2,7 +2,8 @@
 
 Modules: :mod:`~turbospark_jax.server.slots` (which slot a request takes),
 :mod:`~turbospark_jax.server.engine` (the scheduler: prefill chunks between batched decode
-steps), :mod:`~turbospark_jax.server.wire` (request bodies and error shapes),
+steps), :mod:`~turbospark_jax.server.router` (data-parallel replicas behind one engine
+interface), :mod:`~turbospark_jax.server.wire` (request bodies and error shapes),
 :mod:`~turbospark_jax.server.responses` (response objects), :mod:`~turbospark_jax.server.metrics`
 (Prometheus), :mod:`~turbospark_jax.server.app` (the routes) and
 :mod:`~turbospark_jax.server.build` (from a model folder to a running server).

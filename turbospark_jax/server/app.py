@@ -3,10 +3,12 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with SSE or
 not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every refusal is an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
-request reaches the engine (so no slot is touched), a full queue a 429 with ``Retry-After``. A
-request that fails after its stream started ends with an ``error`` event and ``[DONE]``; a
-client that disconnects cancels its request, which frees its slot before the next decode step
-(a response without streaming notices within :data:`DISCONNECT_POLL_S`).
+request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
+no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
+(``GET /health`` answers 503 too then). A request that fails after its stream started ends
+with an ``error`` event and ``[DONE]``; a client that disconnects cancels its request, which
+frees its slot before the next decode step (a response without streaming notices within
+:data:`DISCONNECT_POLL_S`).
 """
 
 from __future__ import annotations
@@ -26,11 +28,17 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.errors import ContextOverflowError, OverloadedError, TurbosparkError
+from turbospark_jax.errors import (
+    ContextOverflowError,
+    OverloadedError,
+    TurbosparkError,
+    UnavailableError,
+)
 from turbospark_jax.sampling import SamplingConfig
 from turbospark_jax.server import responses
 from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
 from turbospark_jax.server.metrics import ServerMetrics
+from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.server.wire import (
     ApiError,
     ChatBody,
@@ -64,9 +72,10 @@ class ServerConfig:
     default_chat_tokens: int = 256
 
 
-def build_app(engine: Engine, config: ServerConfig, metrics: ServerMetrics | None = None,
-              ) -> Starlette:
-    """The Starlette application; the caller starts and stops ``engine``."""
+def build_app(engine: Engine | ReplicaRouter, config: ServerConfig,
+              metrics: ServerMetrics | None = None) -> Starlette:
+    """The Starlette application over one engine or a router over replicas; the caller
+    starts and stops ``engine``."""
     metrics = metrics or ServerMetrics()
     routes = _Routes(engine, config, metrics)
     return Starlette(routes=[
@@ -105,7 +114,8 @@ async def _next_event(request: Request, queue: asyncio.Queue[Any]) -> Any:
 
 
 class _Routes:
-    def __init__(self, engine: Engine, config: ServerConfig, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: Engine | ReplicaRouter, config: ServerConfig,
+                 metrics: ServerMetrics) -> None:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.texts = responses.TokenTexts(config.tokenizer)
         self.capacity = engine.producer.max_positions
@@ -120,6 +130,10 @@ class _Routes:
         }]})
 
     async def health(self, request: Request) -> Response:
+        reason = self.engine.unavailable()
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "reason": reason,
+                                 **self.engine.load()}, status_code=503)
         return JSONResponse({"status": "ok", **self.engine.load()})
 
     async def metrics_page(self, request: Request) -> Response:
@@ -229,6 +243,9 @@ class _Routes:
     def _submit(self, serve: ServeRequest, sink: Any) -> Ticket:
         try:
             return self.engine.submit(serve, sink)
+        except UnavailableError as exc:
+            raise ApiError(503, str(exc), code="unavailable", kind="server_error",
+                           retry_after=exc.retry_after) from exc
         except OverloadedError as exc:
             raise ApiError(429, str(exc), code="overloaded", kind="rate_limit_error",
                            retry_after=exc.retry_after) from exc

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -14,11 +15,17 @@ from turbospark_jax.chat import default_stop_ids
 from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path, load_folder
+from turbospark_jax.replicas import check_replica_count, replicas_one_per_device
 from turbospark_jax.server.app import ServerConfig, build_app
 from turbospark_jax.server.engine import Engine
 from turbospark_jax.server.metrics import ServerMetrics
+from turbospark_jax.server.router import ReplicaRouter
 
 __all__ = ["Server", "load_server", "make_server"]
+
+# Speculative requests run outside the batch on the engine's own thread; one replica only.
+_SPECULATIVE_REPLICAS = ("speculative decoding is served by one replica only; drop the drafter "
+                         "or serve one replica")
 
 
 @dataclasses.dataclass
@@ -26,13 +33,14 @@ class Server:
     """A server's parts: start the engine before serving the app, stop it after.
 
     Fields:
-      engine: the scheduler (``engine.start()`` / ``engine.stop()``).
+      engine: the scheduler (``engine.start()`` / ``engine.stop()``); with several replicas,
+        the router over their engines.
       app: the ASGI application.
       metrics: its Prometheus collectors.
       config: what the routes were built with.
     """
 
-    engine: Engine
+    engine: Engine | ReplicaRouter
     app: Starlette
     metrics: ServerMetrics
     config: ServerConfig
@@ -49,7 +57,7 @@ class Server:
 
 
 def make_server(
-    producer: BlockProducer,
+    producer: BlockProducer | Sequence[BlockProducer],
     tokenizer: Any,
     *,
     model_name: str,
@@ -64,21 +72,28 @@ def make_server(
     """A server over a ready producer (the tests build one over a toy model).
 
     Args:
-      producer: the model's :class:`~turbospark_jax.block_producer.BlockProducer`.
+      producer: the model's :class:`~turbospark_jax.block_producer.BlockProducer`, or one per
+        replica (data parallel: :class:`~turbospark_jax.server.router.ReplicaRouter`).
       tokenizer: its tokenizer (with a chat template for ``/v1/chat/completions``).
       model_name: the id requests must name.
       slots: session slots, which is also the decode batch.
       stop_token_ids: ids that end a completion; end-of-turn ids are added for chat.
-      speculative: a speculative pair over ``producer`` for greedy requests.
+      speculative: a speculative pair over ``producer`` for greedy requests (one replica
+        only).
       max_waiting: requests that may wait for a slot before more get a 429.
       prefill_chunk: the most tokens of one prompt fed between two decode steps.
       prefill_rows: prompts fed together between two decode steps (one device call).
       engine_options: further :class:`~turbospark_jax.server.engine.Engine` keywords.
     """
     metrics = ServerMetrics()
-    engine = Engine(producer, slots=slots, tokenizer=tokenizer, max_waiting=max_waiting,
-                    speculative=speculative, observer=metrics, prefill_rows=prefill_rows,
-                    prefill_chunk=prefill_chunk, **(engine_options or {}))
+    producers = [producer] if isinstance(producer, BlockProducer) else list(producer)
+    if len(producers) > 1 and speculative is not None:
+        raise BadInputError(_SPECULATIVE_REPLICAS)
+    engines = [Engine(p, slots=slots, tokenizer=tokenizer, max_waiting=max_waiting,
+                      speculative=speculative, observer=metrics, prefill_rows=prefill_rows,
+                      prefill_chunk=prefill_chunk, **(engine_options or {}))
+               for p in producers]
+    engine = engines[0] if len(engines) == 1 else ReplicaRouter(engines)
     chat_stops = tuple(sorted({*stop_token_ids, *default_stop_ids(tokenizer)}))
     config = ServerConfig(model_name=model_name, tokenizer=tokenizer,
                           stop_token_ids=tuple(stop_token_ids),
@@ -97,6 +112,7 @@ def load_server(
     draft: str | os.PathLike[str] | bool | None = None,
     ngram: int = 0,
     model_name: str | None = None,
+    replicas: int = 1,
     **options: Any,
 ) -> Server:
     """A server over a model folder (default: the embedded model).
@@ -111,20 +127,27 @@ def load_server(
       draft: a draft model folder (``True``: the embedded draft model) for speculative
         decoding of greedy requests; ``ngram``: prompt lookup up to this n instead.
       model_name: the served id (default: the folder's name).
+      replicas: data-parallel replicas, one per local device (the first ``replicas`` of
+        them), each a full copy of the weights with ``slots`` slots of its own.
       **options: :func:`make_server` keywords.
 
     Raises:
       ModelLoadError: the folder cannot be loaded.
-      BadInputError: both ``draft`` and ``ngram``, or a folder without a tokenizer.
+      BadInputError: both ``draft`` and ``ngram``, or a folder without a tokenizer;
+        ``replicas`` below 1 or above the local devices, or with a drafter.
     """
     if draft and ngram:
         raise BadInputError("choose one drafter: a draft model or --ngram, not both")
+    check_replica_count(replicas)  # before loading: a wrong count should not cost a load
+    if replicas > 1 and (draft or ngram):
+        raise BadInputError(_SPECULATIVE_REPLICAS)
     target = embedded_model_path(DEFAULT_TARGET) if path is None else path
     loaded = load_folder(target, dtype=dtype, layer_layout="list")
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
-    producer = BlockProducer(loaded.model, loaded.params, capacity=context, width=width,
-                             steps_per_call=32, donate=True)
+    producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,
+                                        width=width, steps_per_call=32, donate=True)
+    producer = producers[0]
     speculative = None
     if draft:
         draft_path = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
@@ -143,5 +166,5 @@ def load_server(
     if loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
     name = model_name or os.path.basename(os.path.normpath(str(target)))
-    return make_server(producer, loaded.tokenizer, model_name=name, slots=slots,
+    return make_server(producers, loaded.tokenizer, model_name=name, slots=slots,
                        stop_token_ids=tuple(sorted(stops)), speculative=speculative, **options)

@@ -63,10 +63,10 @@ from turbospark_jax.completion import (
     FinishReason,
     validate_request,
 )
-from turbospark_jax.errors import BadInputError, OverloadedError
+from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
 from turbospark_jax.generate import stream_completion
 from turbospark_jax.protocols import SpeculativeProducer
-from turbospark_jax.server.slots import SlotRecord, choose_slot
+from turbospark_jax.server.slots import SlotRecord, choose_slot, open_prefix
 
 __all__ = ["Delta", "Done", "Engine", "EngineObserver", "Failed", "ServeRequest", "Ticket",
            "TokenLogprob"]
@@ -142,7 +142,17 @@ class Failed:
 
 
 Event = Delta | Done | Failed
+
+#: The retry hint of a refusal because the engine takes no work (a restart takes a while).
+UNAVAILABLE_RETRY_S = 5.0
 Sink = Callable[[Event], None]
+
+
+def _home_device(producer: BlockProducer) -> jax.Device | None:
+    """The one device every param of ``producer`` lives on, else ``None`` (the default)."""
+    devices = {d for leaf in jax.tree.leaves(producer.params) if isinstance(leaf, jax.Array)
+               for d in leaf.devices()}
+    return devices.pop() if len(devices) == 1 else None
 
 
 class EngineObserver:
@@ -162,6 +172,9 @@ class EngineObserver:
 
     def step(self, rows: int, seconds: float) -> None:
         """One batched decode step advanced ``rows`` requests in ``seconds``."""
+
+    def prefill(self, rows: int, tokens: int) -> None:
+        """One prefill call fed ``tokens`` prompt tokens over ``rows`` requests."""
 
 
 class Ticket:
@@ -245,8 +258,16 @@ class Engine:
         self.max_waiting = as_int("max_waiting", max_waiting, low=0)
         self.speculative = speculative
         self.observer = observer or EngineObserver()
-        self._make_decoder = lambda: decoder(producer, slots, prefill_rows=prefill_rows,
-                                             prefill_chunk=prefill_chunk)
+        # A replica's producer keeps its params on its own device: the stack and every fresh
+        # state are made there too, not on the default device and moved on first use.
+        self.device = _home_device(producer)
+
+        def make_decoder() -> BatchedDecoder:
+            with jax.default_device(self.device):
+                return decoder(producer, slots, prefill_rows=prefill_rows,
+                               prefill_chunk=prefill_chunk)
+
+        self._make_decoder = make_decoder
         self.decoder = self._make_decoder()
         self.slots = [SlotRecord(index=i) for i in range(self.decoder.size)]
         self._waiting: collections.deque[_Job] = collections.deque()
@@ -254,6 +275,7 @@ class Engine:
         self._cond = threading.Condition()
         self._clock = 0
         self._stopping = False
+        self._fault: str | None = None  # why the scheduler thread died, if it did
         self._thread: threading.Thread | None = None
         self._spec_lock = threading.Lock()
         self.evictions = 0
@@ -261,17 +283,19 @@ class Engine:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        """Start the scheduler thread (idempotent); returns the engine."""
+        """Start the scheduler thread (idempotent; restarts one that failed); returns the
+        engine."""
         with self._cond:
-            if self._thread is None:
-                self._stopping = False
+            if self._thread is None or not self._thread.is_alive():
+                self._stopping, self._fault = False, None
                 self._thread = threading.Thread(target=self._loop, name="turbospark-scheduler",
                                                 daemon=True)
                 self._thread.start()
         return self
 
     def stop(self) -> None:
-        """Stop the scheduler; requests still waiting or running fail."""
+        """Stop the scheduler; requests still waiting or running fail, and later ones are
+        refused (:class:`~turbospark_jax.errors.UnavailableError`) until :meth:`start`."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -286,6 +310,7 @@ class Engine:
 
         Raises:
           BadInputError: the request is invalid (nothing is queued; no slot is touched).
+          UnavailableError: the engine takes no work (:meth:`unavailable`).
           OverloadedError: the waiting queue is full.
         """
         if not isinstance(request, ServeRequest):
@@ -296,6 +321,7 @@ class Engine:
         params = validate_request(self.producer, req, self.tokenizer)
         if request.session_id is not None and not isinstance(request.session_id, str):
             raise BadInputError(f"session_id must be a string, got {request.session_id!r}")
+        self._refuse_if_unavailable()
         ticket = Ticket(self)
         if self._speculates(request):
             stream_completion(self.speculative, req, tokenizer=self.tokenizer)  # validates
@@ -306,6 +332,7 @@ class Engine:
         job = _Job(request=request, sink=sink, ticket=ticket, params=params, emission=emission,
                    submitted=time.perf_counter())
         with self._cond:
+            self._refuse_if_unavailable()  # again: stop() may have begun since the first
             if len(self._waiting) + len(self._running) >= len(self.slots) + self.max_waiting:
                 raise OverloadedError(
                     f"every one of the {len(self.slots)} slots is busy and {len(self._waiting)} "
@@ -315,6 +342,34 @@ class Engine:
             self._waiting.append(job)
             self._cond.notify_all()
         return ticket
+
+    def unavailable(self) -> str | None:
+        """Why the engine takes no work now, or ``None`` when it does: after :meth:`stop`
+        (until :meth:`start`), or once the scheduler thread has failed. An engine never
+        started takes work (a test drives it with :meth:`run_once`)."""
+        if self._fault is not None:
+            return f"the scheduler failed ({self._fault})"
+        if self._stopping:
+            return "the server is shutting down"
+        return None
+
+    def holds(self, session_id: str) -> bool:
+        """Whether ``session_id`` owns a slot here or has a request waiting or running here
+        (a router keeps the session's next requests on this engine)."""
+        with self._cond:
+            return any(s.owner == session_id for s in self.slots) or any(
+                j.request.session_id == session_id for j in [*self._waiting, *self._running])
+
+    def prefix_match(self, prompt: list[int]) -> int:
+        """How many leading tokens of ``prompt`` a slot here that no named session owns has
+        fed (:func:`~turbospark_jax.server.slots.open_prefix`)."""
+        with self._cond:
+            return open_prefix(self.slots, prompt)
+
+    def _refuse_if_unavailable(self) -> None:
+        reason = self.unavailable()
+        if reason is not None:
+            raise UnavailableError(f"{reason}; retry later", retry_after=UNAVAILABLE_RETRY_S)
 
     def load(self) -> dict[str, int]:
         """Counts for health and metrics: slots, busy slots, running and waiting requests."""
@@ -341,8 +396,9 @@ class Engine:
             self._drop_cancelled()
             self._admit()
         try:
-            self._prefill_once()
-            self._decode_once()
+            with jax.default_device(self.device):
+                self._prefill_once()
+                self._decode_once()
         except Exception as exc:  # a device failure ends every running row
             self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
 
@@ -353,16 +409,23 @@ class Engine:
             return not (self._waiting or self._running)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not (self._stopping or self._waiting or self._running):
-                    self._cond.wait()
-                if self._stopping:
-                    break
-            self.run_once()
+        message = "the server is shutting down"
+        try:
+            while True:
+                with self._cond:
+                    while not (self._stopping or self._waiting or self._running):
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                self.run_once()
+        except Exception as exc:  # a fault outside the device calls: take no more work
+            self._fault = f"{type(exc).__name__}: {exc}"
+            message = f"the scheduler failed: {self._fault}"
         with self._cond:
             for job in [*self._waiting, *self._running]:
-                job.sink(Failed("the server is shutting down"))
+                job.sink(Failed(message))
+                if job.slot is not None:
+                    job.slot.busy, job.slot.fed_ids = False, ()
             self._waiting.clear()
             self._running.clear()
 
@@ -453,6 +516,7 @@ class Engine:
                     in zip(jobs, feeds, strict=True) if last)
         started = time.perf_counter()
         out = self.decoder.prefill(feeds, logprobs=wants)
+        self.observer.prefill(len(feeds), sum(len(toks) for _, toks, _ in feeds))
         finishing = []
         for i, (job, (_, toks, last)) in enumerate(zip(jobs, feeds, strict=True)):
             job.fed += len(toks)

@@ -14,6 +14,8 @@ __all__ = ["ServerMetrics"]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
+_ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
 
 class ServerMetrics(EngineObserver):
     """The server's counters, histograms and gauges."""
@@ -37,7 +39,13 @@ class ServerMetrics(EngineObserver):
         self.itl = Histogram("turbospark_inter_token_seconds", "time between a request's tokens",
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.step_rows = Histogram("turbospark_decode_batch_rows", "rows per batched decode step",
-                                   buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+                                   buckets=_ROW_BUCKETS, registry=r)
+        self.prefilled = Counter("turbospark_prefilled_prompt_tokens",
+                                 "prompt tokens fed by prefill calls (the prompt tokens not "
+                                 "reused from a slot's state)", registry=r)
+        self.prefill_rows = Histogram("turbospark_prefill_batch_rows",
+                                      "requests per prefill call", buckets=_ROW_BUCKETS,
+                                      registry=r)
         self.busy = Gauge("turbospark_busy_slots", "slots serving a request", registry=r)
         self.waiting = Gauge("turbospark_waiting_requests", "requests waiting for a slot",
                              registry=r)
@@ -61,6 +69,10 @@ class ServerMetrics(EngineObserver):
 
     def step(self, rows: int, seconds: float) -> None:
         self.step_rows.observe(rows)
+
+    def prefill(self, rows: int, tokens: int) -> None:
+        self.prefill_rows.observe(rows)
+        self.prefilled.inc(tokens)
 
     def render(self, load: dict[str, int]) -> bytes:
         """The exposition text, with the gauges set from the engine's ``load()``."""

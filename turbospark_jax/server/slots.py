@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from turbospark_jax.kv_prefix import common_prefix
 
-__all__ = ["Choice", "SlotRecord", "choose_slot"]
+__all__ = ["Choice", "SlotRecord", "choose_slot", "open_prefix"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -72,3 +72,9 @@ def choose_slot(
         return Choice(best, shared, evicts=shared == 0 and bool(best.fed_ids))
     lru = min(idle, key=lambda s: s.last_used)
     return Choice(lru, 0, evicts=bool(lru.fed_ids))
+
+
+def open_prefix(slots: Sequence[SlotRecord], prompt: Sequence[int]) -> int:
+    """The longest prefix of ``prompt`` that a slot no named session owns has fed (busy or
+    not): what a request without a slot of its own could reuse here (0: nothing)."""
+    return max((_shared(s, prompt) for s in slots if s.owner is None), default=0)
