@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -120,23 +121,24 @@ def build(name: str, capacity: int, width: int, burst: int) -> tuple[Any, Any, A
 
 
 def random_params(shapes: Any) -> Any:
-    """Random weights with the shapes and dtypes of ``shapes``, drawn leaf by leaf on the host
-    (normal, scale 0.02; integer leaves zero) and placed on the device one at a time. Compiling
+    """Random weights with the shapes and dtypes of ``shapes`` (normal, scale 0.02; integer
+    leaves zero), drawn leaf by leaf: one small program per leaf shape. Compiling
     ``init_params`` whole for a 4B shape took XLA minutes on the H200 (its slow-compile alarm
     fired and the run ran out of time before the first figure)."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
-    rng = np.random.default_rng(0)
+    leaves, treedef = jax.tree.flatten(shapes)
+    key = jax.random.PRNGKey(0)
 
-    def leaf(s: Any) -> Any:
-        if not jnp.issubdtype(s.dtype, jnp.floating):
-            return jax.device_put(np.zeros(s.shape, s.dtype))
-        host = (rng.standard_normal(s.shape, dtype=np.float32) * 0.02).astype(s.dtype)
-        return jax.device_put(host)
+    @functools.partial(jax.jit, static_argnums=(1, 2))
+    def draw(k: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
 
-    return jax.tree.map(leaf, shapes)
+    out = [draw(jax.random.fold_in(key, i), tuple(s.shape), s.dtype)
+           if jnp.issubdtype(s.dtype, jnp.floating) else jnp.zeros(s.shape, s.dtype)
+           for i, s in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
 
 
 def step_bytes(config: Any, params: Any, context: int) -> int:
