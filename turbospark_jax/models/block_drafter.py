@@ -47,7 +47,14 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models.layers import apply_rope, attend, rms_norm, rope_cos_sin, swiglu_mlp
+from turbospark_jax.models.layers import (
+    apply_rope,
+    attend,
+    random_leaves,
+    rms_norm,
+    rope_cos_sin,
+    swiglu_mlp,
+)
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
@@ -192,18 +199,8 @@ def init_params(config: BlockDrafterConfig, key: jax.Array, dtype: Any = jnp.flo
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_params(config: BlockDrafterConfig, key: jax.Array, dtype: jnp.dtype) -> Params:
-    # One compiled program instead of one dispatch (and compile) per leaf.
-    shapes = param_shapes(config)
-    paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(paths))
-    leaves = []
-    for (path, shape), k in zip(paths, keys, strict=True):
-        if path[-1].key.endswith("norm"):
-            leaves.append(jnp.ones(shape, dtype))
-        else:
-            w = jax.random.normal(k, shape, jnp.float32) * config.initializer_range
-            leaves.append(w.astype(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+    return random_leaves(param_shapes(config), key, config.initializer_range, dtype,
+                         lambda name: 1.0 if name.endswith("norm") else None)
 
 
 def flat_tensors(params: Params) -> dict[str, jax.Array]:

@@ -57,7 +57,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from turbospark_jax.errors import BadInputError
@@ -66,7 +65,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
-from turbospark_jax.models.layers import rope_inv_freq, swiglu_mlp
+from turbospark_jax.models.layers import random_leaves, rope_inv_freq, swiglu_mlp
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
@@ -128,23 +127,9 @@ def init_params(config: DenseConfig, key: jax.Array, dtype: Any = jnp.float32) -
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_params(config: DenseConfig, key: jax.Array, dtype: jnp.dtype) -> Params:
-    # One compiled program instead of one dispatch per leaf.
-    shapes = param_shapes(config)
-    paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(paths))
-    leaves = []
-    for (path, shape), k in zip(paths, keys, strict=True):
-        name = path[-1].key
-        if _is_norm(name):
-            leaves.append(jnp.ones(shape, dtype))
-        elif name.endswith("bias"):
-            leaves.append(jnp.zeros(shape, dtype))
-        else:
-            # Drawn flat and reshaped: XLA compiles 1-D threefry sampling much faster.
-            flat = jax.random.normal(k, (int(np.prod(shape)),), jnp.float32)
-            w = flat.reshape(shape) * config.initializer_range
-            leaves.append(w.astype(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+    return random_leaves(param_shapes(config), key, config.initializer_range, dtype,
+                         lambda name: 1.0 if _is_norm(name) else
+                         0.0 if name.endswith("bias") else None)
 
 
 def unstack_layers(params: Params) -> Params:

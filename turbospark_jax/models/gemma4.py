@@ -55,7 +55,7 @@ from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4_config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
-from turbospark_jax.models.layers import apply_rope, attend, rms_norm, rope_cos_sin
+from turbospark_jax.models.layers import apply_rope, attend, random_leaves, rms_norm, rope_cos_sin
 from turbospark_jax.state import append_only, ring
 
 #: Where a ring slot holds no position: below any window, so attention never sees it.
@@ -170,19 +170,9 @@ def init_params(config: Gemma4Config, key: jax.Array, dtype: Any = jnp.float32) 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_params(config: Gemma4Config, key: jax.Array, dtype: jnp.dtype) -> Params:
-    paths, treedef = jax.tree.flatten_with_path(
-        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
-    leaves = []
-    for (path, shape), k in zip(paths, jax.random.split(key, len(paths)), strict=True):
-        name = path[-1].key
-        if name.endswith("norm") or name == "layer_scalar":
-            leaves.append(jnp.ones(shape, dtype))
-        elif name.endswith("bias"):
-            leaves.append(jnp.zeros(shape, dtype))
-        else:
-            w = jax.random.normal(k, (math.prod(shape),), jnp.float32).reshape(shape)
-            leaves.append((w * config.initializer_range).astype(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+    return random_leaves(param_shapes(config), key, config.initializer_range, dtype,
+                         lambda name: 1.0 if name.endswith("norm") or name == "layer_scalar"
+                         else 0.0 if name.endswith("bias") else None)
 
 
 # -- the model -------------------------------------------------------------------------------

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.models.family import Family, HFTensor, Params
-from turbospark_jax.models.layers import MASK_VALUE, apply_rope, rms_norm
+from turbospark_jax.models.layers import MASK_VALUE, apply_rope, random_leaves, rms_norm
 
 #: Where a ``gemma4`` folder keeps the tower's tensors.
 PREFIXES = ("model.vision_tower.", "model.embed_vision.")
@@ -219,22 +219,16 @@ def init_params(config: Gemma4VisionConfig, key: jax.Array, dtype: Any = jnp.flo
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_params(config: Gemma4VisionConfig, key: jax.Array, dtype: jnp.dtype) -> Params:
-    paths, treedef = jax.tree.flatten_with_path(
-        param_shapes(config), is_leaf=lambda x: isinstance(x, tuple))
-    leaves = []
-    for (path, shape), k in zip(paths, jax.random.split(key, len(paths)), strict=True):
-        name = path[-1].key
+    def constant(name: str) -> float | None:
         if name.endswith("norm") or name == "std_scale":
-            leaves.append(jnp.ones(shape, dtype))
-        elif name == "std_bias":
-            leaves.append(jnp.zeros(shape, dtype))
-        elif name.endswith(CLIP_BOUNDS):
-            sign = -1.0 if name.endswith("min") else 1.0
-            leaves.append(jnp.full(shape, sign * jnp.inf, dtype))
-        else:
-            w = jax.random.normal(k, (math.prod(shape),), jnp.float32).reshape(shape)
-            leaves.append((w * config.initializer_range).astype(dtype))
-    return jax.tree.unflatten(treedef, leaves)
+            return 1.0
+        if name == "std_bias":
+            return 0.0
+        if name.endswith(CLIP_BOUNDS):  # no clamping
+            return -math.inf if name.endswith("min") else math.inf
+        return None
+
+    return random_leaves(param_shapes(config), key, config.initializer_range, dtype, constant)
 
 
 def _no_decoder(config: Any, dtype: Any, layer_layout: str) -> Any:

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -344,3 +345,22 @@ def _attend_rows(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [KV, G, W, S]
     out = jnp.einsum("kgws,skd->wkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(v.dtype)  # [W, KV, G, hd]
+
+
+def random_leaves(shapes: Any, key: jax.Array, std: float, dtype: Any,
+                  constant: Callable[[str], float | None]) -> Any:
+    """Params with the tree of ``shapes`` (shape tuples as leaves): a leaf whose name ``n``
+    gives ``constant(n)`` not None is filled with that value, every other one drawn
+    ~ N(0, ``std``) with its own key from one split of ``key``. Drawn flat and reshaped: XLA
+    compiles 1-D threefry sampling much faster. Meant to run inside one jitted init (one
+    program instead of one dispatch per leaf)."""
+    paths, treedef = jax.tree.flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))
+    leaves = []
+    for (path, shape), k in zip(paths, jax.random.split(key, len(paths)), strict=True):
+        value = constant(path[-1].key)
+        if value is None:
+            w = jax.random.normal(k, (math.prod(shape),), jnp.float32).reshape(shape)
+            leaves.append((w * std).astype(dtype))
+        else:
+            leaves.append(jnp.full(shape, value, dtype))
+    return jax.tree.unflatten(treedef, leaves)
