@@ -62,8 +62,9 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
     tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10,
                         head_rows=head_rows)
     model = rt.build_model(config, tc.compute_dtype)
-    step_fn = rt.make_train_step(model, rt.make_optimizer(tc), tc.mtp_weight, tc.head_rows)
-    state = rt.init_state(config, tc, rt.make_optimizer(tc))
+    optimizer = rt.make_optimizer(tc)
+    step_fn = rt.make_train_step(model, optimizer, tc.mtp_weight, tc.head_rows)
+    state = rt.init_state(config, tc, optimizer)
     rng = np.random.default_rng(0)
     rows = jax.device_put(rng.integers(3, config.vocab_size, (4 * batch, seq_len + 1),
                                        dtype=np.int32))

@@ -76,3 +76,40 @@ def test_cli_errors_are_one_line_and_status_1(
     lines = captured.err.splitlines()
     assert len(lines) == 1, captured.err
     assert lines[0].startswith("turbospark-jax recipe: error: ") and says in lines[0]
+
+
+def test_recipe_runs_end_to_end_with_a_block_drafter(tmp_path: Path) -> None:
+    """``recipe`` on a tiny corpus with the embedded tokenizer reused: draft, Qwen3.5 target
+    and its block drafter trained, exported, packed and summarised; each folder loads."""
+    import json
+
+    from turbospark_jax.loading import (
+        DEFAULT_TARGET,
+        embedded_model_path,
+        load_block_drafter,
+        load_folder,
+    )
+    from turbospark_jax.tokenizer import Tokenizer
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(24):
+        (corpus / f"m{i}.py").write_text(
+            f"def f{i}(x):\n    return x * {i} + {i % 5}\n\n\nclass C{i}:\n    n = {i}\n" * 3)
+    out = tmp_path / "run"
+    tokenizer = embedded_model_path(DEFAULT_TARGET)
+    assert main(["recipe", "--out", str(out), "--corpus-root", str(corpus),
+                 "--heldout-fraction", "0.25", "--tokenizer", str(tokenizer),
+                 "--target-preset", "tiny35", "--draft-preset", "tiny", "--seq-len", "16",
+                 "--target-steps", "2", "--draft-steps", "2", "--target-batch-size", "2",
+                 "--draft-batch-size", "2", "--block-steps", "2", "--block-batch-size", "2",
+                 "--no-progress", "--pack-out", str(tmp_path / "parts")]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["vocab_size"] == Tokenizer.from_folder(tokenizer).vocab_size
+    assert summary["block"]["steps_done"] == 2 and summary["block"]["params"] > 0
+    assert len(summary["block"]["acceptance_by_position"]) == 7  # the default block of 8
+    assert load_folder(out / "target", dtype="float32", layer_layout="list").config.model_type \
+        == "qwen3_5_text"
+    config, _ = load_block_drafter(out / "block", dtype="float32")
+    assert config.target_num_hidden_layers == 4
+    assert summary["parts"] and (tmp_path / "parts" / "summary.json").is_file()

@@ -298,10 +298,10 @@ def _train_block_drafter(args: argparse.Namespace, target: TrainResult,
         compute_dtype="float32" if on_cpu else "bfloat16",
     )
     export_block_drafter(folder, result.config, result.params, args.save_dtype)
-    n_params = int(sum(np.prod(a.shape) for a in jax.tree.leaves(result.params)))
     last = result.last_eval or {}
     summary = {
-        "params": n_params, "steps_done": result.steps_done, "finished": result.finished,
+        "params": count_params(result.params), "steps_done": result.steps_done,
+        "finished": result.finished,
         "eval_loss": last.get("loss"), "acceptance_by_position": last.get("acceptance"),
         "accepted_length": last.get("accepted_length"),
         "timings": {k: round(v, 2) for k, v in result.timings.items()},
