@@ -53,8 +53,8 @@ def main() -> None:
     for rep in range(12):
         t0 = time.perf_counter()
         count = int(state.fed.count)
-        control = p._idle.replace(feedback=jnp.bool_(True), params=greedy, history=hist, key=key,
-                                  gen_index=jnp.int32(1))
+        control = p._idle.replace(feedback=np.bool_(True), params=greedy, history=hist, key=key,
+                                  gen_index=np.int32(1))
         plan = p._plan([[1]] + [[0]] * (n - 1), head_on_last=False, head_all=True,
                        offsets=np.arange(p.steps_per_call, dtype=np.int32))
         t1 = time.perf_counter()

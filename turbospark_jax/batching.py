@@ -288,13 +288,13 @@ class BatchedDecoder:
 
     def take_row(self, index: int) -> BlockState:
         """A copy of row ``index``'s state, a state of :attr:`producer`."""
-        return self._take(self.stack, jnp.int32(self._index(index)))
+        return self._take(self.stack, np.int32(self._index(index)))
 
     def put_row(self, index: int, state: BlockState) -> None:
         """Store ``state`` (a state of :attr:`producer`, snapshots dropped) as row ``index``."""
         self.producer.check_state(state)
         bare = without_auxiliary(state)[0]
-        self.stack = self._put(self.stack, jnp.int32(self._index(index)), bare)
+        self.stack = self._put(self.stack, np.int32(self._index(index)), bare)
 
     def start_row(
         self, index: int, *, params: sampling.SamplingParams, history: sampling.History,
@@ -307,9 +307,9 @@ class BatchedDecoder:
         token = as_token("token", token, self.producer.vocab_size)
         sampling.check_sampling_args(params, history, None, self.producer.vocab_size)
         key = jax.random.key_data(sampling.request_key(seed))
-        row = RowControls(tokens=jnp.int32(token), params=params, history=history, keys=key,
-                          gen_index=jnp.int32(as_int("gen_index", gen_index, low=0)))
-        self.controls = self._put(self.controls, jnp.int32(index), row)
+        row = RowControls(tokens=np.int32(token), params=params, history=history, keys=key,
+                          gen_index=np.int32(as_int("gen_index", gen_index, low=0)))
+        self.controls = self._put(self.controls, np.int32(index), row)
         self._truncates[index] = sampling.needs_truncation(params, self.producer.vocab_size)
 
     def prefill(
@@ -353,8 +353,7 @@ class BatchedDecoder:
         program = _compiled(self.producer.model, type(self).prefill_fn, truncate, logprobs)
         shaped = tokens.reshape(self.prefill_rows, -1, width)
         self.stack, self.controls, out = program(
-            self.producer.params, self.stack, self.controls, jnp.asarray(index),
-            jnp.asarray(shaped), jnp.asarray(counts), jnp.asarray(final),
+            self.producer.params, self.stack, self.controls, index, shaped, counts, final,
         )
         return out
 
@@ -367,7 +366,7 @@ class BatchedDecoder:
         truncate = bool(np.any(self._truncates & active))
         program = _compiled(self.producer.model, type(self).step_fn, truncate, logprobs)
         self.stack, self.controls, out = program(
-            self.producer.params, self.stack, self.controls, jnp.asarray(active)
+            self.producer.params, self.stack, self.controls, active
         )
         return out
 

@@ -317,8 +317,8 @@ class BlockProducer(
             )
             bare, held = without_auxiliary(state)
             buffers, values = program(
-                self.params, buffers_only(bare), by_value(bare), jnp.asarray(padded),
-                jnp.int32(len(piece)), key_limit=limit, fresh=fresh,
+                self.params, buffers_only(bare), by_value(bare), padded,
+                np.int32(len(piece)), key_limit=limit, fresh=fresh,
             )
             state = with_auxiliary(merge_parts(buffers, values), held)
         return self.produce(state, tokens[-1], start_position + len(body))
@@ -432,13 +432,15 @@ class BlockProducer(
             )
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops[: len(stop_ids)] = list(stop_ids)
+        # Host scalars and arrays go to the program as they are: the call transfers them with
+        # its arguments, where an eager jnp op per field costs a dispatch each on a GPU.
         control = Control(
-            feedback=jnp.bool_(True),
+            feedback=np.bool_(True),
             params=params,
             history=history,
             key=key,
-            gen_index=jnp.int32(gen_index),
-            stop_ids=jnp.asarray(stops),
+            gen_index=np.int32(gen_index),
+            stop_ids=stops,
         )
         plan = self._plan([[token]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
                           offsets=np.arange(self.steps_per_call, dtype=np.int32))
@@ -630,12 +632,13 @@ class BlockProducer(
                 hit = rows[part] >= 0
                 host[i, : len(block)][hit] = np.asarray(injection.embeds)[rows[part][hit]]
                 at += len(block)
-            injected, embeds = jnp.asarray(ids), jnp.asarray(host)
+            injected, embeds = ids, host
+        # Host arrays: the program call transfers them with its other arguments.
         return Plan(
-            tokens=jnp.asarray(tokens),
-            live=jnp.asarray(live),
-            need_head=jnp.asarray(need),
-            out_offset=jnp.asarray(offsets),
+            tokens=tokens,
+            live=live,
+            need_head=need,
+            out_offset=np.asarray(offsets, np.int32),
             injected=injected,
             embeds=embeds,
         )
@@ -655,7 +658,7 @@ class BlockProducer(
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
         buffers, values, out = self._program(
-            self.params, buffers_only(bare), by_value(bare), plan, control, jnp.int32(n_steps)
+            self.params, buffers_only(bare), by_value(bare), plan, control, np.int32(n_steps)
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
 

@@ -258,7 +258,7 @@ class ShardedProducer(BlockProducer):
         # A state moved on the host (rewind, rollback) may come back on other shardings; the
         # program must see the ones it was compiled for.
         bare = jax.device_put(bare, self._shardings)
-        plan, control, steps = self._on_mesh((plan, control, jnp.int32(n_steps)))
+        plan, control, steps = self._on_mesh((plan, control, np.int32(n_steps)))
         buffers, values, out = self._program(
             self.params, buffers_only(bare), by_value(bare), plan, control, steps
         )

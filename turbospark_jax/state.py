@@ -37,6 +37,14 @@ _SCRATCH = "turbospark_scratch"
 _AUXILIARY = "turbospark_auxiliary"
 
 
+@jax.jit
+def _cursor_at(prefix: jax.Array, count: Any) -> tuple[jax.Array, jax.Array]:
+    """A record's cursor at ``count`` and its digest, read back from ``prefix``: one dispatch
+    when called from the host (four eager ops cost four on a GPU)."""
+    count = jnp.asarray(count, jnp.int32)
+    return count, jnp.where(count > 0, prefix[jnp.maximum(count - 1, 0)], jnp.uint32(0))
+
+
 def append_only(axis: int) -> Any:
     """Mark a state field as an append-only buffer whose ``axis`` is the position axis."""
     return struct.field(pytree_node=True, metadata={_APPEND_ONLY: axis})
@@ -157,8 +165,8 @@ class FedRecord:
     def moved_to(self, count: int | jax.Array) -> FedRecord:
         """The record with its cursor at ``count`` (at most the current one; jittable): the
         rows before it stay, and the digest is read back from ``prefix``."""
-        count = jnp.asarray(count, jnp.int32)
-        digest = jnp.where(count > 0, self.prefix[jnp.maximum(count - 1, 0)], jnp.uint32(0))
+        count, digest = _cursor_at(
+            self.prefix, np.int32(count) if isinstance(count, int | np.integer) else count)
         return self.replace(count=count, digest=digest)
 
     def descends_from(self, point: FedRecord) -> bool:

@@ -12,7 +12,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -300,7 +299,10 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
           BadInputError: a wrong state, an argument of the wrong type or range.
           ContextOverflowError: the rounds could write past what target or drafter hold.
         """
-        self.check_state(state)
+        self._pair(state)
+        target: BlockProducer = self.target  # type: ignore[assignment]
+        count = target._require_state(state.target)  # the check_state check, and the cursor
+        self.drafter.check_state(state.drafter)
         draft_len = as_int("draft_len", draft_len, low=1)
         limit = self.device_draft_limit()
         if draft_len > limit:
@@ -318,8 +320,6 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
         record_logits = as_bool("record_logits", record_logits)
         check_sampling_args(params, history, key, self.vocab_size)
-        target: BlockProducer = self.target  # type: ignore[assignment]
-        count = int(target.fed_record(state.target).count)
         # A round feeds at most up to the last position the request may still emit into, and
         # a burst stops within one round (MAX_DRAFT) of its budget.
         reach = count + min(remaining, min(budget, MAX_BURST) + MAX_DRAFT)
@@ -333,17 +333,19 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         device, device_params = self._device
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops[: len(stop_ids)] = list(stop_ids)
+        # Host scalars go in with the call's arguments (an eager jnp op each would cost a
+        # dispatch each on a GPU).
         control = RoundControl(
-            params=params, history=history, key=key, gen_index=jnp.int32(gen_index),
-            remaining=jnp.int32(remaining), budget=jnp.int32(min(budget, MAX_BURST)),
-            draft_len=jnp.int32(draft_len), stop_ids=jnp.asarray(stops),
+            params=params, history=history, key=key, gen_index=np.int32(gen_index),
+            remaining=np.int32(remaining), budget=np.int32(min(budget, MAX_BURST)),
+            draft_len=np.int32(draft_len), stop_ids=stops,
         )
         program = compiled_rounds(target.model, device, target.width, target.donate,
                                   record_logits)
         bare, held = without_auxiliary(state.target)
         buffers, values, drafter, out = program(
             target.params, device_params, buffers_only(bare), by_value(bare),
-            state.drafter, jnp.int32(pending), control, *target.nothing_injected,
+            state.drafter, np.int32(pending), control, *target.nothing_injected,
         )
         # One transfer for everything small; slicing on the device by a count that changes
         # from call to call would compile a new program per count.
