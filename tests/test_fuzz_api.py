@@ -516,7 +516,8 @@ def request_valid(f: dict, tokenizer: Any, speculative: bool, capacity: int) -> 
             "include_stop_string", "record_logits", "parallel_prefill"))
         and _valid_sampling(f["sampling"])
         and is_int(f["seed"]) and 0 <= int(f["seed"]) < 2**64
-        and all(is_int(f[n]) and int(f[n]) >= 1 for n in ("prefill_chunk_size", "burst"))
+        and all(is_int(f[n]) and int(f[n]) >= 1 for n in ("prefill_chunk_size", "burst")
+                if f[n] is not None or n != "burst")  # burst None: sized by the loop
         and draft_ok
     )
 

@@ -11,6 +11,7 @@ from turbospark_jax import (
     run_raw_completion,
     stream_completion,
 )
+from turbospark_jax.completion import BurstSizer
 from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.protocols import ChunkedPrefillRunner
 from turbospark_jax.state import copy_state, tree_bitwise_equal
@@ -89,11 +90,26 @@ def test_output_is_bitwise_independent_of_burst_length(producer):
     base = CompletionRequest(prompt_ids=[3, 1, 4, 1, 5], max_tokens=21, sampling=SAMPLED,
                              seed=7, record_logits=True)
     runs = [run_raw_completion(producer, CompletionRequest(**{**base.__dict__, "burst": k}))
-            for k in (1, 3, 8)]
+            for k in (1, 3, 8, None)]
     for other in runs[1:]:
         assert other.token_ids == runs[0].token_ids
         assert np.array_equal(other.logits.view(np.uint32), runs[0].logits.view(np.uint32))
         assert other.fed_ids == runs[0].fed_ids
+
+
+def test_adaptive_burst_sizes_from_the_measured_rate():
+    fixed = BurstSizer(5)
+    fixed.observed(100, 0.001)
+    assert fixed.next() == 5
+    sizer = BurstSizer(None)
+    assert sizer.next() == BurstSizer.FIRST
+    sizer.observed(40, 0.01)  # 4,000 tokens/s: 200 tokens in 50 ms
+    assert sizer.next() == 200
+    sizer.observed(1000, 0.01)  # far faster: capped
+    assert sizer.next() == BurstSizer.MOST
+    slow = BurstSizer(None)
+    slow.observed(3, 1.0)  # 3 tokens/s: never below the first size
+    assert slow.next() == BurstSizer.FIRST
 
 
 def test_device_bursts_equal_host_token_by_token_decoding():

@@ -79,7 +79,10 @@ class CompletionRequest:
       seed: the request's PRNG seed (same seed, same output).
       prefill_chunk_size: tokens per ``prefill_chunk`` call.
       burst: tokens per host round trip when the producer decodes on the device (never
-        changes the output).
+        changes the output). ``None`` (the default) sizes each call from the rate seen so
+        far (:class:`BurstSizer`): the first call asks for 16 tokens, later ones for about
+        50 ms of decoding, so a fast model pays the fixed cost of a call rarely and a slow
+        one still streams often.
       record_logits: keep the logits each generated token was sampled from.
       parallel_prefill: use the producer's batched prefill when it has one: faster, but equal
         to the exact path only within a stated tolerance.
@@ -99,11 +102,42 @@ class CompletionRequest:
     sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
     seed: int = 0
     prefill_chunk_size: int = 256
-    burst: int = 16
+    burst: int | None = None
     record_logits: bool = False
     parallel_prefill: bool = False
     draft_len: int | None = None
     injection: Injection | None = None
+
+
+class BurstSizer:
+    """How many tokens a device loop asks of its next call.
+
+    A fixed ``burst`` is used as it is. ``None`` adapts: the first call asks for
+    :attr:`FIRST` tokens; after each call the next asks for what :attr:`TARGET_S` seconds
+    of decoding give at the rate measured so far, between :attr:`FIRST` and :attr:`MOST`
+    (the loops clamp it further to what one call can hold). A call costs a fixed amount
+    beyond its steps (launch, transfers, the host's bookkeeping), which matters most when a
+    step is cheap; the tokens never depend on the burst sizes.
+    """
+
+    FIRST, MOST, TARGET_S = 16, 256, 0.05
+
+    def __init__(self, burst: int | None) -> None:
+        self._fixed = burst
+        self._tokens, self._seconds = 0, 0.0
+
+    def next(self) -> int:
+        if self._fixed is not None:
+            return int(self._fixed)
+        if self._tokens == 0 or self._seconds <= 0.0:
+            return self.FIRST
+        want = int(self._tokens / self._seconds * self.TARGET_S)
+        return max(self.FIRST, min(self.MOST, want))
+
+    def observed(self, tokens: int, seconds: float) -> None:
+        """A call that emitted ``tokens`` in ``seconds`` (host wall time)."""
+        self._tokens += int(tokens)
+        self._seconds += float(seconds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +275,7 @@ def validate_request(
         raise BadInputError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
     for name in ("prefill_chunk_size", "burst"):
         value = getattr(request, name)
-        if not is_int(value) or value < 1:
+        if (value is not None or name != "burst") and (not is_int(value) or value < 1):
             raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
     limit = producer.max_positions
     if limit is not None and len(prompt) + request.max_tokens > limit:

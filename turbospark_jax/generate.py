@@ -42,6 +42,7 @@ from turbospark_jax import sampling
 from turbospark_jax.completion import (
     NON_FINITE_LOGITS,
     PRODUCER_FAILURES,
+    BurstSizer,
     Completion,
     CompletionRequest,
     Emission,
@@ -173,6 +174,7 @@ def _plain_loop(
     key = sampling.request_key(req.seed)
     history = sampling.History.from_prompt(prompt, p.vocab_size)
     device = isinstance(p, DeviceDecoder)
+    sizer = BurstSizer(req.burst)
     finish, error = None, None
     first_token_s = 0.0
     try:
@@ -195,13 +197,15 @@ def _plain_loop(
             history = add_to_history(history, new[0])
             rows, failed = [logits], False
         else:
-            steps = min(req.burst, p.steps_per_call, req.max_tokens - len(out.tokens))
+            steps = min(sizer.next(), p.steps_per_call, req.max_tokens - len(out.tokens))
+            called = time.perf_counter()
             burst, state = p.decode(
                 state, out.tokens[-1], steps, params=params, history=history, key=key,
                 gen_index=len(out.tokens), stop_ids=list(req.stop_token_ids),
                 record_logits=req.record_logits,
             )
             new, history, failed = burst.tokens, burst.history, burst.finish == NON_FINITE
+            sizer.observed(len(new), time.perf_counter() - called)
             # One transfer for the burst's rows (slicing a device array row by row costs a
             # dispatch per token).
             rows = np.asarray(burst.logits) if burst.logits is not None else [None] * len(new)

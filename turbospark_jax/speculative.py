@@ -50,6 +50,7 @@ from turbospark_jax import sampling
 from turbospark_jax.completion import (
     NON_FINITE_LOGITS,
     PRODUCER_FAILURES,
+    BurstSizer,
     Completion,
     CompletionRequest,
     Emission,
@@ -247,6 +248,7 @@ class _Loop:
         self.out = out
         self.progress = progress
         self.on_device = draft_len <= producer.device_draft_limit()
+        self.sizer = BurstSizer(request.burst)
 
     def run(self, state: Any | None) -> Generator[StreamEvent, None, Completion]:
         p, req = self.p, self.req
@@ -331,12 +333,13 @@ class _Loop:
         req = self.req
         started = time.perf_counter()
         burst, state = self.p.device_rounds(
-            state, out.tokens[-1], draft_len=self.draft_len, budget=req.burst,
+            state, out.tokens[-1], draft_len=self.draft_len, budget=self.sizer.next(),
             params=self.params, history=history, key=key, gen_index=len(out.tokens),
             remaining=req.max_tokens - len(out.tokens), stop_ids=list(req.stop_token_ids),
             record_logits=req.record_logits,
         )
         stats.seconds["device"] += time.perf_counter() - started  # the burst was read back
+        self.sizer.observed(len(burst.tokens), time.perf_counter() - started)
         for drafted, accepted in burst.rounds:
             stats.record(drafted, accepted)
         rows = np.asarray(burst.logits) if burst.logits is not None else [None] * len(burst.tokens)
