@@ -92,7 +92,7 @@ def part_oracle(shapes: list[str], tokens: int, out: Path) -> Path:
         producer = BlockProducer(model, params, capacity=1024, width=16, donate=True)
         rng = np.random.default_rng(0)
         prompt = [int(t) for t in rng.integers(0, config.vocab_size, 128)]
-        req = CompletionRequest(prompt_ids=prompt, max_tokens=tokens, burst=32)
+        req = CompletionRequest(prompt_ids=prompt, max_tokens=tokens)  # burst sized by the loop
         plain = _timed_completion(lambda req=req, p=producer: run_raw_completion(p, req))
         plain_tps = plain.timings.decode_tokens_per_s(len(plain.token_ids))
         t_decode = step_seconds(producer, 1)
