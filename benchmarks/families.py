@@ -103,8 +103,11 @@ PRESETS = {
 }
 
 
-def build(name: str, capacity: int, width: int, burst: int) -> tuple[Any, Any, Any]:
-    """Our config, producer and params for a shape (random bf16 weights, listed layers)."""
+def build(name: str, capacity: int, width: int, burst: int,
+          model_options: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """Our config, producer and params for a shape (random bf16 weights, listed layers);
+    ``model_options`` sets fields of the built model (``keep_hidden_rows=True`` for a Gemma 4
+    target its assistant drafts over)."""
     import jax
     import jax.numpy as jnp
 
@@ -113,7 +116,8 @@ def build(name: str, capacity: int, width: int, burst: int) -> tuple[Any, Any, A
 
     family = family_of(SHAPES[name]["model_type"])
     config = family.parse_config(SHAPES[name])
-    model = family.build(config, jnp.bfloat16, "list")
+    model = dataclasses.replace(family.build(config, jnp.bfloat16, "list"),
+                                **(model_options or {}))
     params = random_params(jax.eval_shape(model.init_params, jax.random.PRNGKey(0)))
     producer = BlockProducer(model, params, capacity=capacity, width=width,
                              steps_per_call=burst, donate=True)
@@ -130,15 +134,24 @@ def random_params(shapes: Any) -> Any:
 
     leaves, treedef = jax.tree.flatten(shapes)
     key = jax.random.PRNGKey(0)
-
-    @functools.partial(jax.jit, static_argnums=(1, 2))
-    def draw(k: Any, shape: tuple[int, ...], dtype: Any) -> Any:
-        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
-
+    draw = _draw()
     out = [draw(jax.random.fold_in(key, i), tuple(s.shape), s.dtype)
            if jnp.issubdtype(s.dtype, jnp.floating) else jnp.zeros(s.shape, s.dtype)
            for i, s in enumerate(leaves)]
     return jax.tree.unflatten(treedef, out)
+
+
+@functools.cache
+def _draw() -> Any:
+    """The jitted draw of one leaf, one per process: a shape drawn before (by another model's
+    params too) compiles nothing new."""
+    import jax
+    import jax.numpy as jnp
+
+    def draw(k: Any, shape: tuple[int, ...], dtype: Any) -> Any:
+        return (jax.random.normal(k, shape, jnp.float32) * 0.02).astype(dtype)
+
+    return jax.jit(draw, static_argnums=(1, 2))
 
 
 def step_bytes(config: Any, params: Any, context: int) -> int:

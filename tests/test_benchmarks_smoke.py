@@ -109,3 +109,36 @@ def test_drafters_benchmark_measures_against_plain_and_writes_the_figures(tmp_pa
     assert [(m["drafter"], m["draft_len"], m["backend"]) for m in figures] == [
         ("block", 2, backend)]
     assert choose_drafter(tmp_path / "m", "block", backend).measured is not None
+
+
+def test_assistant_oracle_benchmark_runs_and_is_lossless(tmp_path):
+    """benchmarks/assistant_oracle.py at tiny shapes: a random Gemma 4 target and assistant,
+    the assistant's proposals overruled by the oracle at alpha 0, 0.5 and 1. Every run equals
+    plain greedy decoding on the device loop; alpha 1 keeps every proposal, alpha 0 none, and
+    alpha 0.5 lands in between (no timing is read)."""
+    from benchmarks.assistant_oracle import PRESETS
+    from benchmarks.assistant_oracle import main as assistant_main
+
+    preset = PRESETS["smoke"]
+    assert assistant_main(["--preset", "smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "assistant_oracle.json").read_text())
+    assert data["meta"]["jax"] and data["meta"]["device"] and data["meta"]["date"]
+    assert data["meta"]["assistant"]["model_type"] == "gemma4_assistant"
+    (plain,) = [r for r in data["records"] if r["workload"] == "plain"]
+    assert plain["new_tokens"] == preset.new_tokens
+    assert set(plain["t_draft_s"]) == set(plain["t_verify_s"]) == {
+        str(k) for k in preset.draft_lens}
+    spec = {(r["alpha"], r["draft_len"]): r for r in data["records"]
+            if r["workload"] == "speculative"}
+    assert set(spec) == {(a, k) for a in preset.alphas for k in preset.draft_lens}
+    for (alpha, k), r in spec.items():
+        assert r["equal_to_plain"] is True and r["on_device"] is True
+        assert r["drafted"] > 0 and r["ideal_speedup"] > 0 and r["t_draft_s"] > 0
+        if alpha == 1.0:
+            assert r["accepted"] == r["drafted"]
+            # every round but the last drafts k (the last may be cut short by the budget)
+            assert r["mean_acceptance_length"] >= 1 + k * (r["rounds"] - 1) / r["rounds"]
+        elif alpha == 0.0:
+            assert r["accepted"] == 0 and r["mean_acceptance_length"] == 1.0
+        else:
+            assert 0 < r["accepted"] < r["drafted"]

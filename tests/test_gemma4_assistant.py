@@ -214,3 +214,69 @@ def test_pairing_refusals(target: Any, paired: Any) -> None:
         A.Gemma4AssistantDrafter(plain, config, aparams)
     with pytest.raises(BadInputError, match="target="):
         A.Gemma4AssistantDrafter(producer, config, aparams).block((), [1, 2], 2)
+
+
+# -- under the costed oracle (benchmarks/assistant_oracle.py) ---------------------------------
+
+
+def test_costed_oracle_overrules_the_assistant(paired: Any) -> None:
+    """Alpha 1 proposes the reference; alpha 0 never does, proposing the assistant's own token
+    where it differs from the reference and reference + 1 where it does not. The host form and
+    the device form propose the same."""
+    from turbospark_jax.drafters import CostedOracleDrafter
+
+    producer, config, aparams = paired
+    rng = np.random.default_rng(3)
+    prompt = [int(t) for t in rng.integers(0, VOCAB, PROMPT)]
+    state = producer.prefill_chunk(producer.init_state(), prompt, 0)[1]
+    pending, m = 5, 4
+    inner = A.Gemma4AssistantDrafter(producer, config, aparams)
+    drafted, _ = inner.block((), [*prompt, pending], m, target=state)
+    ahead = [int(t) for t in rng.integers(0, VOCAB, m + 2)]
+    ahead[1] = drafted[1]  # the assistant is right here: its token cannot be the wrong one
+    reference = [*prompt, pending, *ahead]
+    right = reference[PROMPT + 1 : PROMPT + 1 + m]
+    for alpha, want in ((1.0, right),
+                        (0.0, [d if d != r else (r + 1) % VOCAB
+                               for d, r in zip(drafted, right, strict=True)])):
+        drafter = CostedOracleDrafter(inner, reference, alpha, seed=7)
+        got, _ = drafter.block((), [*prompt, pending], m, target=state)
+        assert got == want
+        device, params = drafter.on_device()
+        proposals, q, count, after = jax.jit(device.propose)(
+            params, (), state, jnp.int32(pending), jnp.int32(m), None)
+        assert q is None and after == () and int(count) == m
+        assert [int(t) for t in proposals[:m]] == want
+    assert all(w != r for w, r in zip(want, right, strict=True))
+
+
+def test_costed_oracle_assistant_is_lossless_on_the_device_loop(paired: Any) -> None:
+    """Through the device rounds, every alpha reproduces plain greedy decoding; alpha 1 keeps
+    every proposal and alpha 0 none."""
+    from turbospark_jax import CompletionRequest, run_raw_completion
+    from turbospark_jax.drafters import CostedOracleDrafter, SpeculativePair
+    from turbospark_jax.speculative import run_raw_completion_speculative
+
+    producer, config, aparams = paired
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, VOCAB, PROMPT)]
+    request = CompletionRequest(prompt_ids=prompt, max_tokens=20)
+    plain = run_raw_completion(producer, request)
+    request = dataclasses.replace(request, draft_len=4)
+    inner = A.Gemma4AssistantDrafter(producer, config, aparams)
+    for alpha in (0.0, 0.6, 1.0):
+        pair = SpeculativePair(producer,
+                               CostedOracleDrafter(inner, prompt + plain.token_ids, alpha))
+        got = run_raw_completion_speculative(pair, request)
+        s = got.speculative
+        assert s.on_device and got.token_ids == plain.token_ids, alpha
+        assert s.accepted == {0.0: 0, 1.0: s.drafted}.get(alpha, s.accepted)
+        assert alpha in (0.0, 1.0) or 0 < s.accepted < s.drafted
+
+
+def test_costed_oracle_refuses_a_drafter_with_state(paired: Any) -> None:
+    from turbospark_jax.drafters import CostedOracleDrafter, DraftModelDrafter
+
+    producer, _, _ = paired
+    for inner in (DraftModelDrafter(producer), object()):
+        with pytest.raises(BadInputError, match="keeps no state"):
+            CostedOracleDrafter(inner, [1, 2], 0.5)  # type: ignore[arg-type]

@@ -10,7 +10,9 @@
   layers over a dense target's tapped rows proposing a whole block per pass (on the device
   too).
 * :class:`~turbospark_jax.drafters.oracle.OracleDrafter`: right with a chosen probability,
-  for measuring the loop apart from drafter quality.
+  for measuring the loop apart from drafter quality;
+  :class:`~turbospark_jax.drafters.oracle.CostedOracleDrafter` the same at another drafter's
+  cost.
 * :class:`~turbospark_jax.drafters.pair.SpeculativePair`: (target, drafter) as a
   :class:`~turbospark_jax.protocols.SpeculativeProducer`.
 """
@@ -20,12 +22,13 @@ from turbospark_jax.drafters.block import BlockDrafter
 from turbospark_jax.drafters.draft_model import DraftModelDrafter
 from turbospark_jax.drafters.mtp import MTPDrafter
 from turbospark_jax.drafters.ngram import NGramDrafter
-from turbospark_jax.drafters.oracle import OracleDrafter
+from turbospark_jax.drafters.oracle import CostedOracleDrafter, OracleDrafter
 from turbospark_jax.drafters.pair import PairState, SpeculativePair
 
 __all__ = [
     "MAX_DRAFT",
     "BlockDrafter",
+    "CostedOracleDrafter",
     "DeviceDrafter",
     "DraftModelDrafter",
     "Drafter",
