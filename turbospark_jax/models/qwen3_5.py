@@ -14,12 +14,13 @@ a dense SwiGLU MLP; every RMSNorm but the gated one is zero-centred (scale ``1 +
 Qwen3-Next fuses the DeltaNet projections (``in_proj_qkvz`` / ``in_proj_ba``, grouped per key
 head); Qwen3.5 keeps them apart. Mixture-of-experts MLPs are refused.
 
-Row by row: the recurrence runs as a ``lax.scan`` over the ``W`` rows of a block (padding rows
-leave the state as it was), so decode, chunked prefill and verify are one program and chunked ==
-token by token holds bitwise. The scan also writes a tape: each row's conv and recurrent state
-(``retain_rows`` selects from it, so ``rollback_retaining`` needs no replay) and each row's
-final hidden state (what the MTP head reads). The tape costs ``max_width * Hv * dk * dv * 4``
-bytes per linear layer (Qwen3.5-9B shape, ``max_width`` 16: 768 MiB in all).
+Row by row: the recurrence runs as a loop over the live rows of a block (one pass for a decode
+step; padding rows leave the state as it was), so decode, chunked prefill and verify are one
+program and chunked == token by token holds bitwise. The loop also writes a tape: each row's
+conv and recurrent state (``retain_rows`` selects from it, so ``rollback_retaining`` needs no
+replay) and each row's final hidden state (what the MTP head reads). The tape costs
+``max_width * Hv * dk * dv * 4`` bytes per linear layer (Qwen3.5-9B shape, ``max_width`` 16:
+768 MiB in all).
 
 Params (``D`` hidden, ``V`` vocab, ``F`` MLP width, ``H``/``KV``/``hd`` attention heads, ``C``
 the conv channels ``2 * Hk * dk + Hv * dv``, ``K`` the conv width); matrices are ``[in, out]``
@@ -430,14 +431,13 @@ class Qwen35Model(BlockModel):
         beta = jax.nn.sigmoid(b).astype(f32)  # [W, Hv]
         g = -jnp.exp(lp["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + lp["dt_bias"])
 
-        def row(s: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
-            q_t, k_t, v_t, g_t, beta_t, r = xs
-            decayed = s * jnp.exp(g_t)[:, None, None]  # [Hv, dk, dv]
-            delta = (v_t - jnp.einsum("hkv,hk->hv", decayed, k_t)) * beta_t[:, None]
-            s_new = decayed + k_t[:, :, None] * delta[:, None, :]
-            s = jnp.where(r < live, s_new, s)
-            out = jnp.einsum("hkv,hk->hv", s_new, q_t)
-            return s, (out, s) if tape else out
+        def row(r: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+            s, outs, states = carry
+            decayed = s * jnp.exp(g[r])[:, None, None]  # [Hv, dk, dv]
+            delta = (v[r] - jnp.einsum("hkv,hk->hv", decayed, k[r])) * beta[r][:, None]
+            s = decayed + k[r][:, :, None] * delta[:, None, :]
+            outs = outs.at[r].set(jnp.einsum("hkv,hk->hv", s, q[r]))
+            return s, outs, states.at[r].set(s) if tape else states
 
         rows = jnp.arange(w, dtype=jnp.int32)
         if chunked:
@@ -445,10 +445,19 @@ class Qwen35Model(BlockModel):
             real = (rows < live)[:, None]
             core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
                                            jnp.where(real, beta, 0.0), rec)
-            tape, ys = False, core
+            tape = False
         else:
-            rec, ys = jax.lax.scan(row, rec, (q, k, v, g, beta, rows))
-        core = (ys[0] if tape else ys).astype(self.dtype)  # [W, Hv, dv]
+            # Only the live rows run: a decode step is one pass of the row update, not W (on a
+            # GPU each pass is a handful of small kernels per layer). Every row runs the same
+            # loop body whatever the block's width or live count, so chunked == token by token
+            # still holds bitwise. Padding rows' outputs stay zero; their tape rows hold the
+            # state after the last live row.
+            states = jnp.zeros((w, *rec.shape), f32) if tape else jnp.zeros((), f32)
+            rec, core, states = jax.lax.fori_loop(
+                0, live, row, (rec, jnp.zeros(v.shape, f32), states))
+            if tape:
+                states = jnp.where((rows < live)[:, None, None, None], states, rec[None])
+        core = core.astype(self.dtype)  # [W, Hv, dv]
         gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
         gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
         out = gated.reshape(w, -1) @ lp["out_proj"]
@@ -458,7 +467,7 @@ class Qwen35Model(BlockModel):
         new_conv = jax.lax.dynamic_slice_in_dim(buf, live, taps - 1, axis=0)
         tapes = None
         if tape:
-            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], ys[1])
+            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], states)
         return out, (new_conv, rec), tapes
 
     def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
