@@ -162,6 +162,9 @@ def step_bytes(config: Any, params: Any, context: int) -> int:
     embed = params.get("embed_tokens") if isinstance(params, dict) else None
     if embed is not None and not config.tie_word_embeddings:
         total -= embed.size * embed.dtype.itemsize
+    per_layer = params.get("embed_tokens_per_layer") if isinstance(params, dict) else None
+    if per_layer is not None:  # Gemma 4's per-layer inputs: a step gathers one row of it
+        total -= (per_layer.shape[0] - 1) * per_layer.shape[1] * per_layer.dtype.itemsize
     if config.model_type.startswith("qwen3_5") or config.model_type == "qwen3_next":
         for kind in config.layer_types:
             if kind == FULL_Q:
@@ -298,17 +301,64 @@ def run_hf(name: str, preset: Preset, rec: Recorder, contexts: tuple[int, ...],
         torch.cuda.empty_cache()
 
 
+def report(path: Path) -> str:
+    """Markdown tables of a ``families`` JSON file (what the README's family tables show)."""
+    import json
+
+    data = json.loads(path.read_text())
+    recs = data["records"]
+    lines = [f"Device {data['meta'].get('device')}, jax {data['meta'].get('jax')}, "
+             f"{data['meta'].get('date')}. {data['meta'].get('note', '')}", ""]
+    for shape in dict.fromkeys(r["shape"] for r in recs if "shape" in r):
+        mine = [r for r in recs if r.get("shape") == shape and "error" not in r]
+        lines += [f"### {shape}", "", "| workload | context / length | implementation | tokens/s "
+                  "| roofline tokens/s | of roofline |", "|---|---|---|---|---|---|"]
+        for r in mine:
+            label = r.get("impl", "") + (f" ({r['variant']})" if r.get("variant") else "")
+            if r["workload"] in ("decode", "hf_decode"):
+                roof = r.get("roofline_tokens_per_s")
+                lines.append(f"| decode | {r['context']} | {label} | {r['tokens_per_s']:.0f} | "
+                             + (f"{roof:.0f} | {100 * r['fraction_of_roofline']:.0f}% |"
+                                if roof else "| |"))
+            elif r["workload"] == "prefill":
+                for kind in ("exact", "parallel"):
+                    if f"{kind}_tokens_per_s" in r:
+                        lines.append(f"| {kind} prefill | {r['length']} | {label} | "
+                                     f"{r[f'{kind}_tokens_per_s']:.0f} | | |")
+            elif r["workload"] == "hf_prefill":
+                lines.append(f"| prefill | {r['length']} | {label} | {r['tokens_per_s']:.0f} "
+                             "| | |")
+        for r in (r for r in mine if r["workload"] == "verify"):
+            ks = sorted(int(k.split("_")[1]) for k in r if k.endswith("_vs_step"))
+            lines.append("")
+            lines.append(f"Verify at context {r['context']} ({r.get('variant', 'ours')}), "
+                         "one call against one decode step inside a burst: " + ", ".join(
+                             f"{k} rows {r[f'verify_{k}_vs_step']:.2f}x" for k in ks)
+                         + "; against a one-step decode call: " + ", ".join(
+                             f"{k} rows {r[f'verify_{k}_vs_produce']:.2f}x" for k in ks) + ".")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="h200")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the preset's")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--report", action="store_true",
+                    help="print the tables of <out>/families.json (or of --out itself when it "
+                         "is a .json file) instead of measuring")
     args = ap.parse_args(argv)
+    if args.report:
+        print(report(args.out if args.out.suffix == ".json" else args.out / "families.json"))
+        return 0
     preset = PRESETS[args.preset]
     shapes = preset.shapes if args.shapes is None else tuple(args.shapes.split(","))
     rec = Recorder(args.out, "families", _meta())
-    bandwidth = copy_bandwidth(256 * 2**20 if args.preset == "h200" else 8 * 2**20)
+    # A 4 GiB copy: at 256 MiB the call's own launch cost halved the figure (1.6-2.2 TB/s
+    # against 3.6-3.9 TB/s at 4 GiB on the same H200).
+    bandwidth = copy_bandwidth(4 << 30 if args.preset == "h200" else 8 << 20)
     rec.add(workload="bandwidth", bytes_per_s=bandwidth)
     for name in shapes:
         run_shape(name, preset, rec, bandwidth, hf=not args.no_hf)

@@ -194,6 +194,8 @@ def report(out: Path) -> None:
         meta = data["meta"]
         lines += [f"## Embedded target, {meta['device']} ({meta['backend']}), greedy, "
                   f"{meta['tokens']} new tokens, 4 code prompts ({meta['date']})", "",
+                  *([f"XLA_FLAGS={meta['xla_flags']}: {meta.get('note', '')}", ""]
+                    if meta.get("xla_flags") else []),
                   "| drafter | draft length | W | tokens/round | decode tokens/s | speedup vs "
                   "plain | equal to plain |", "|---|---|---|---|---|---|---|"]
         for r in data["records"]:
