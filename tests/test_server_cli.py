@@ -27,3 +27,25 @@ def test_serve_help_names_the_endpoints():
     out = io.StringIO()
     assert main(["serve", "--help"], stdout=out, stderr=io.StringIO()) == 0
     assert "/v1/chat/completions" in out.getvalue() and "--session-slots" in out.getvalue()
+
+
+def test_serve_speculative_picks_the_drafter_as_generate_does():
+    pytest.importorskip("starlette")
+    from turbospark_jax.server.build import load_server
+
+    server = load_server(None, slots=1, context=64, dtype="float32", drafter="auto")
+    choice = server.drafter
+    assert choice is not None and choice.drafter == "draft-model"  # the CPU fallback order
+    assert choice.why.startswith("auto picked draft-model")
+    assert load_server(None, slots=1, context=64, dtype="float32").drafter is None
+
+
+def test_serve_refuses_a_drafter_the_model_does_not_have():
+    pytest.importorskip("starlette")
+    from turbospark_jax.errors import BadInputError
+    from turbospark_jax.server.build import load_server
+
+    with pytest.raises(BadInputError, match="mtp drafter is not available"):
+        load_server(None, slots=1, context=64, drafter="mtp")
+    with pytest.raises(BadInputError, match="choose one drafter"):
+        load_server(None, slots=1, context=64, drafter="auto", ngram=2)

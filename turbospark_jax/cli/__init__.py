@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from turbospark_jax.cli.arguments import (
+    AUTO,
     PROG,
     CommandLineError,
     check_arguments,
@@ -485,13 +486,15 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
     import jax
 
     dtype = args.dtype if args.dtype is not None or jax.default_backend() != "cpu" else "float32"
-    draft: Any = True if args.speculative else args.draft_model
     print(f"{PROG}: loading {args.model or DEFAULT_TARGET}", file=stderr, flush=True)
     server = load_server(args.model, slots=args.session_slots, context=args.context,
-                         width=args.width, dtype=dtype, draft=draft, ngram=args.ngram or 0,
+                         width=args.width, dtype=dtype, draft=args.draft_model,
+                         ngram=args.ngram or 0, drafter=AUTO if args.speculative else None,
                          model_name=args.served_name, max_waiting=args.max_waiting,
                          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
                          replicas=args.replicas)
+    if server.drafter is not None:
+        print(f"[drafter] {server.drafter.why}", file=stderr, flush=True)
     replicas = f" x {args.replicas} replicas" if args.replicas > 1 else ""
     print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots"
           f"{replicas} on "

@@ -246,7 +246,8 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--max-waiting", type=int, default=64, metavar="N",
                        help="requests that may wait for a slot; more get 429 with Retry-After")
     serve.add_argument("--speculative", action="store_true",
-                       help="decode greedy requests speculatively with the embedded draft model "
+                       help="decode greedy requests speculatively with the model's best "
+                            "drafter, chosen as generate --speculative chooses it "
                             "(unbatched, one at a time; same tokens)")
     serve.add_argument("--draft-model", metavar="PATH",
                        help="as --speculative, with this draft model folder")

@@ -12,9 +12,10 @@ from starlette.applications import Starlette
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.chat import default_stop_ids
-from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
+from turbospark_jax.drafter_choice import DrafterChoice, choose_drafter, pair_with_drafter
+from turbospark_jax.drafters import SpeculativePair
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path, load_folder
+from turbospark_jax.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
 from turbospark_jax.replicas import check_replica_count, replicas_one_per_device
 from turbospark_jax.server.app import ServerConfig, build_app
 from turbospark_jax.server.engine import Engine
@@ -38,12 +39,14 @@ class Server:
       app: the ASGI application.
       metrics: its Prometheus collectors.
       config: what the routes were built with.
+      drafter: which drafter serves greedy requests and why (``None``: no speculation).
     """
 
     engine: Engine | ReplicaRouter
     app: Starlette
     metrics: ServerMetrics
     config: ServerConfig
+    drafter: DrafterChoice | None = None
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
         """Serve until interrupted (uvicorn), with the engine running meanwhile."""
@@ -111,6 +114,7 @@ def load_server(
     dtype: str | None = None,
     draft: str | os.PathLike[str] | bool | None = None,
     ngram: int = 0,
+    drafter: str | None = None,
     model_name: str | None = None,
     replicas: int = 1,
     **options: Any,
@@ -124,8 +128,12 @@ def load_server(
       width: rows of a block of the batched prefill (16: a prompt feeds 16 tokens per block
         step; the batched decode feeds one token a row).
       dtype: weights and activations (default: the folder's own).
-      draft: a draft model folder (``True``: the embedded draft model) for speculative
-        decoding of greedy requests; ``ngram``: prompt lookup up to this n instead.
+      draft: a draft model folder (``True``: the model's own, ``<model>-draft`` beside it;
+        for the embedded model, the embedded draft model) for speculative decoding of greedy
+        requests; ``ngram``: prompt lookup up to this n instead.
+      drafter: a drafter by name (:mod:`~turbospark_jax.drafter_choice`: ``"auto"`` picks the
+        model's best, as ``generate --speculative`` does); at most one of ``draft``,
+        ``ngram`` and ``drafter``.
       model_name: the served id (default: the folder's name).
       replicas: data-parallel replicas, one per local device (the first ``replicas`` of
         them), each a full copy of the weights with ``slots`` slots of its own.
@@ -133,38 +141,48 @@ def load_server(
 
     Raises:
       ModelLoadError: the folder cannot be loaded.
-      BadInputError: both ``draft`` and ``ngram``, or a folder without a tokenizer;
+      BadInputError: more than one of ``draft``, ``ngram`` and ``drafter``, a drafter the
+        model does not have (named, with the reason), or a folder without a tokenizer;
         ``replicas`` below 1 or above the local devices, or with a drafter.
     """
-    if draft and ngram:
-        raise BadInputError("choose one drafter: a draft model or --ngram, not both")
+    if sum(bool(x) for x in (draft, ngram, drafter)) > 1:
+        raise BadInputError("choose one drafter: a draft model, ngram or a drafter by name")
     check_replica_count(replicas)  # before loading: a wrong count should not cost a load
-    if replicas > 1 and (draft or ngram):
+    if replicas > 1 and (draft or ngram or drafter):
         raise BadInputError(_SPECULATIVE_REPLICAS)
     target = embedded_model_path(DEFAULT_TARGET) if path is None else path
+    choice = _drafter_choice(target, draft, ngram, drafter)  # before loading, as the CLI does
     loaded = load_folder(target, dtype=dtype, layer_layout="list")
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
     producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,
                                         width=width, steps_per_call=32, donate=True)
-    producer = producers[0]
     speculative = None
-    if draft:
-        draft_path = embedded_model_path(DEFAULT_DRAFT) if draft is True else draft
-        small = load_folder(draft_path, dtype=dtype, layer_layout="list")
-        drafter = BlockProducer(small.model, small.params, capacity=context,
-                                width=width, donate=True)
-        target_for_spec = BlockProducer(loaded.model, loaded.params, capacity=context,
-                                        width=width, donate=True)
-        speculative = SpeculativePair(target_for_spec, DraftModelDrafter(drafter))
-    elif ngram:
-        target_for_spec = BlockProducer(loaded.model, loaded.params, capacity=context,
-                                        width=width, donate=True)
-        speculative = SpeculativePair(target_for_spec,
-                                      NGramDrafter(producer.vocab_size, max_n=ngram))
+    if choice is not None:
+        def producer_for(model: LoadedModel) -> BlockProducer:
+            return BlockProducer(model.model, model.params, capacity=context, width=width,
+                                 donate=True)
+
+        speculative = pair_with_drafter(loaded, choice, producer_for, dtype=dtype)
     stops = set(loaded.generation_config.eos_token_ids)
     if loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
     name = model_name or os.path.basename(os.path.normpath(str(target)))
-    return make_server(producers, loaded.tokenizer, model_name=name, slots=slots,
-                       stop_token_ids=tuple(sorted(stops)), speculative=speculative, **options)
+    server = make_server(producers, loaded.tokenizer, model_name=name, slots=slots,
+                         stop_token_ids=tuple(sorted(stops)), speculative=speculative, **options)
+    return dataclasses.replace(server, drafter=choice)
+
+
+def _drafter_choice(target: str | os.PathLike[str], draft: Any, ngram: int,
+                    drafter: str | None) -> DrafterChoice | None:
+    """The drafter :func:`load_server`'s arguments ask for, or ``None``."""
+    import jax
+
+    if draft:
+        folders = {} if draft is True else {"draft-model": draft}
+        return choose_drafter(target, "draft-model", jax.default_backend(), folders=folders)
+    if ngram:
+        return choose_drafter(target, "ngram", jax.default_backend(), ngram=ngram)
+    if drafter:
+        return choose_drafter(target, drafter, jax.default_backend())
+    return None
