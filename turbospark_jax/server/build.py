@@ -113,6 +113,7 @@ def load_server(
     ngram: int = 0,
     model_name: str | None = None,
     replicas: int = 1,
+    kernels: str = "xla",
     **options: Any,
 ) -> Server:
     """A server over a model folder (default: the embedded model).
@@ -129,10 +130,13 @@ def load_server(
       model_name: the served id (default: the folder's name).
       replicas: data-parallel replicas, one per local device (the first ``replicas`` of
         them), each a full copy of the weights with ``slots`` slots of its own.
+      kernels: the model's per-row kernels, ``"xla"`` or ``"rowinv"``
+        (:func:`~turbospark_jax.loading.load_folder`).
       **options: :func:`make_server` keywords.
 
     Raises:
       ModelLoadError: the folder cannot be loaded.
+      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without that mode.
       BadInputError: both ``draft`` and ``ngram``, or a folder without a tokenizer;
         ``replicas`` below 1 or above the local devices, or with a drafter.
     """
@@ -142,7 +146,7 @@ def load_server(
     if replicas > 1 and (draft or ngram):
         raise BadInputError(_SPECULATIVE_REPLICAS)
     target = embedded_model_path(DEFAULT_TARGET) if path is None else path
-    loaded = load_folder(target, dtype=dtype, layer_layout="list")
+    loaded = load_folder(target, dtype=dtype, layer_layout="list", kernels=kernels)
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
     producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,
