@@ -10,6 +10,7 @@
         print(event.text, end="")
 
     fast = tsj.load(drafter="auto")                      # with its best measured drafter
+    same = tsj.load(kernels="rowinv")                    # any width gives the same bits
     vlm = tsj.load("path/to/gemma4")                     # a folder with a vision tower
     tsj.generate(vlm, "<|image|> What is in the picture?", images=["cat.png"])
 
@@ -47,6 +48,7 @@ from turbospark_jax.loading import (
     embedded_model_path,
     load_folder,
 )
+from turbospark_jax.models.row_kernels import check_kernels
 from turbospark_jax.protocols import LogitProducer
 from turbospark_jax.sampling import SamplingConfig
 from turbospark_jax.streams import Stream
@@ -84,10 +86,13 @@ class Model:
         return None if self.loaded is None else self.loaded.vision
 
 
-def default_width(drafting: bool, draft_len: int = 4) -> int:
-    """Rows of the block program: 16 on an accelerator, where a step reads the weights once
-    whatever the width; on a CPU every row costs compute, so 1, or room for one verify."""
-    if jax.default_backend() != "cpu":
+def default_width(drafting: bool, draft_len: int = 4, kernels: str = "xla") -> int:
+    """Rows of the block program. With XLA's kernels every path must run the one program, so
+    16 on an accelerator, where a step reads the weights once whatever the width, and on a CPU,
+    where every row costs compute, 1, or room for one verify. With ``kernels="rowinv"`` any
+    width gives the same bits, so decode's own width on every backend: 1, or room for one
+    verify."""
+    if jax.default_backend() != "cpu" and kernels == "xla":
         return 16
     return draft_len + 1 if drafting else 1
 
@@ -103,6 +108,7 @@ def load(
     context: int | None = None,
     width: int | None = None,
     draft_len: int | None = None,
+    kernels: str = "xla",
 ) -> Model:
     """Load a Hugging Face folder (default: the embedded model) as a ready producer.
 
@@ -126,13 +132,19 @@ def load(
       width: rows of the block program (:func:`default_width`).
       draft_len: proposals per round: :func:`stream`'s default and what the width leaves room
         for on a CPU (default: the drafter's best measured, else 4).
+      kernels: the target's per-row kernels: ``"xla"`` (XLA's own: exact across prefill,
+        verify and decode because they all run the one program of ``width`` rows) or
+        ``"rowinv"`` (row-invariant, dense models only: a row's bits do not depend on the
+        width, so any ``width`` gives the same tokens and logits as any other).
 
     Raises:
       ModelLoadError: the folder (or a drafter's folder) cannot be loaded (named, with the
         reason).
       BadInputError: options that ask for two different drafters, a drafter the model does
         not have (why), or a value of the wrong kind (checked before any weights are read); a
-        block drafter made for another target.
+        block drafter made for another target; ``kernels`` neither mode.
+      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without row-invariant
+        kernels (before any weights are read).
       ContextOverflowError: a state of ``context`` positions does not fit the device.
     """
     if not (draft is None or isinstance(draft, bool | str | os.PathLike)):
@@ -162,6 +174,7 @@ def load(
         as_int("width", width, low=1)
     if draft_len is not None:
         as_int("draft_len", draft_len, low=1, high=MAX_DRAFT)
+    check_kernels(kernels)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
     target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
@@ -175,8 +188,8 @@ def load(
         choice = choose_drafter(target_path, requested, jax.default_backend(), folders=folders,
                                 draft_len=draft_len, ngram=ngram or None)
     width = width if width is not None else default_width(
-        choice is not None, choice.draft_len if choice is not None else 4)
-    loaded = load_folder(target_path, dtype=dtype, layer_layout="list")
+        choice is not None, choice.draft_len if choice is not None else 4, kernels)
+    loaded = load_folder(target_path, dtype=dtype, layer_layout="list", kernels=kernels)
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )

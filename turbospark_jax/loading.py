@@ -36,8 +36,8 @@ from safetensors.numpy import save_file
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.drafters import gemma4_assistant
-from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models import block_drafter, gemma4_vision
+from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.models import block_drafter, gemma4_vision, row_kernels
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.registry import family_of, family_of_config
@@ -260,6 +260,7 @@ def load_folder(
     path: str | os.PathLike[str],
     dtype: Any = None,
     layer_layout: Literal["stacked", "list"] = "stacked",
+    kernels: Literal["xla", "rowinv"] = "xla",
 ) -> LoadedModel:
     """Load a Hugging Face model folder of any family the registry knows.
 
@@ -272,20 +273,30 @@ def load_folder(
         saving) or ``"list"`` (one dict per layer: the fast layout for GPU decoding, see
         :mod:`turbospark_jax.models.dense`). A family whose layers differ in shape has only
         ``"list"``.
+      kernels: the model's per-row kernels (:mod:`~turbospark_jax.models.row_kernels`):
+        ``"xla"`` (XLA's own; the block program is exact across paths at one width) or
+        ``"rowinv"`` (row-invariant: programs of any two widths agree bit for bit), for a
+        family that declares
+        :attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`.
 
     Returns:
       The :class:`LoadedModel`.
 
     Raises:
       BadInputError: ``path`` is not a path, ``dtype`` is not one we compute in,
-        ``layer_layout`` is neither layout, or one the family does not have (checked before
-        any tensor is read).
+        ``layer_layout`` is neither layout, or one the family does not have, ``kernels`` is
+        neither mode (all checked before any tensor is read).
+      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without that mode
+        (checked before any tensor is read).
       ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
         or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
         missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
         a safetensors file is corrupt or truncated (named).
     """
+    row_kernels.check_kernels(kernels)
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
+    model = _in_kernels_mode(family.build(config, resolved, layer_layout), family, config,
+                             kernels)
     host = _read_params(folder, family, config, np.dtype(resolved))
     vision = _load_vision(folder, np.dtype(resolved))
     tokenizer, generation = folder_extras(folder, config)
@@ -293,7 +304,7 @@ def load_folder(
     if layer_layout != family.native_layout:
         params = family.to_layer_layout(params, layer_layout)
     return LoadedModel(
-        model=family.build(config, resolved, layer_layout),
+        model=model,
         params=params,
         config=config,
         tokenizer=tokenizer,
@@ -301,6 +312,21 @@ def load_folder(
         path=folder,
         vision=vision,
     )
+
+
+def _in_kernels_mode(model: BlockModel, family: Family, config: Any,
+                     kernels: str) -> BlockModel:
+    """``model`` with its ``kernels`` set; a family that does not declare
+    ``row_invariant_kernels`` has only XLA's kernels, and so only ``"xla"``."""
+    if kernels == "xla":
+        return model
+    if not model.row_invariant_kernels:
+        raise UnsupportedCapabilityError(
+            f"the {family.name} family (model_type {config.model_type!r}) has no row-invariant "
+            f"kernels, so kernels={kernels!r} is not available for it; load it with "
+            "kernels='xla' (the default)"
+        )
+    return dataclasses.replace(model, kernels=kernels)
 
 
 def folder_config(path: Any, dtype: Any, layer_layout: str) -> tuple[str, Family, Any, Any]:

@@ -173,7 +173,7 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
 
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
-    return load_folder(path, dtype=args.dtype, layer_layout="list")
+    return load_folder(path, dtype=args.dtype, layer_layout="list", kernels=args.kernels)
 
 
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
@@ -333,9 +333,9 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     if args.dtype is None and on_cpu:
         args.dtype = "float32"
     if args.width is None:
-        # A CPU is compute-bound: every padding row costs; a GPU reads the weights once. A
-        # speculative verify of draft_len + 1 rows should still be one call.
-        args.width = (args.draft_len + 1 if args.drafting else 1) if on_cpu else 16
+        from turbospark_jax.api import default_width
+
+        args.width = default_width(args.drafting, args.draft_len or 4, args.kernels)
     chat_loop = args.chat and args.prompt is None
     image_tokens = _image_tokens(args, target)
     ids: list[int] = []
@@ -492,7 +492,7 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
                          ngram=args.ngram or 0, drafter=AUTO if args.speculative else None,
                          model_name=args.served_name, max_waiting=args.max_waiting,
                          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-                         replicas=args.replicas)
+                         replicas=args.replicas, kernels=args.kernels)
     if server.drafter is not None:
         print(f"[drafter] {server.drafter.why}", file=stderr, flush=True)
     replicas = f" x {args.replicas} replicas" if args.replicas > 1 else ""

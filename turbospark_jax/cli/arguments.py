@@ -19,6 +19,7 @@ from turbospark_jax.drafter_choice import (
     requested_drafter,
 )
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.row_kernels import KERNELS
 
 PROG = "turbospark-jax"
 
@@ -29,6 +30,13 @@ DESCRIPTION = (
     "assistant); "
     "--chat keeps one session across turns read from standard input. The command line, the "
     "model's config.json and its tokenizer are checked before any weights load."
+)
+
+#: --kernels' help, for generate and serve.
+_KERNELS_HELP = (
+    "the model's per-row kernels: xla (XLA's own: prefill, verify and decode agree bitwise "
+    "because they run one program of --width rows) or rowinv (row-invariant: every --width "
+    "gives the same bits; dense models only; its GPU speed is not measured yet)"
 )
 
 #: The escapes --stop understands.
@@ -53,6 +61,7 @@ _REQUEST_WORDS = (
     (re.compile(r"\bdraft_len\b"), "--draft-len"),
     (re.compile(r"\bmax_n\b"), "--ngram"),
     (re.compile(r"the producer holds (\d+)"), r"--context is \1"),
+    (re.compile(r"\bkernels='(\w+)'"), r"--kernels \1"),
 )
 
 
@@ -196,7 +205,10 @@ def parser() -> _Parser:
                           "max_position_embeddings (with a warning) instead of refusing it")
     gen.add_argument("--width", type=int, default=None, metavar="W",
                      help="rows of the exact block program (default: 16 on a GPU; on a CPU 1, "
-                          "or --draft-len + 1 when drafting)")
+                          "or --draft-len + 1 when drafting; with --kernels rowinv the CPU's "
+                          "rule on every backend)")
+    gen.add_argument("--kernels", choices=KERNELS, default="xla",
+                     help=_KERNELS_HELP)
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                      help="weights and activations (default: the model's own on a GPU, float32 "
                           "on a CPU, where XLA's bfloat16 matrix products are slow)")
@@ -238,6 +250,7 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="weights and activations (default: the model's own on a GPU, "
                             "float32 on a CPU)")
+    serve.add_argument("--kernels", choices=KERNELS, default="xla", help=_KERNELS_HELP)
     serve.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
                        help="the most tokens of one prompt fed between two decode steps "
                             "(rounded up to a multiple of --width)")

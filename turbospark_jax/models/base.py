@@ -62,6 +62,12 @@ class BlockModel(abc.ABC):
       accepts_embeddings: ``block_forward`` takes ``embeds`` / ``embed_rows``: rows whose
         input is a given embedding (an image's soft token) instead of their token's. Such a
         model also answers :attr:`embedding_size` and :attr:`embedding_dtype`.
+      row_invariant_kernels: the family has a row-invariant mode: its instances take a
+        ``kernels`` setting, ``"xla"`` (the default) or ``"rowinv"``
+        (:mod:`~turbospark_jax.models.row_kernels`), and
+        ``dataclasses.replace(model, kernels="rowinv")`` sets it. In that mode a row's result
+        does not depend on how many rows the call has, so block programs of different widths
+        agree bit for bit. The dense family does.
     """
 
     rewindable: ClassVar[bool] = True
@@ -70,6 +76,7 @@ class BlockModel(abc.ABC):
     can_tap: ClassVar[bool] = False
     tap_layers: tuple[int, ...] = ()
     accepts_embeddings: ClassVar[bool] = False
+    row_invariant_kernels: ClassVar[bool] = False
 
     @property
     def embedding_size(self) -> int:

@@ -282,6 +282,7 @@ class DenseModel(BlockModel):
 
     parallel_prefill = True
     can_tap = True
+    row_invariant_kernels = True
 
     config: DenseConfig
     dtype: Any = jnp.float32
