@@ -1,9 +1,12 @@
 """The Gemma 4 family on the block program: the conformance suite (with sliding windows
-smaller than the prompts, so the ring wraps), the ring's rewind limit, its cache memory, and
-config parsing and refusals. Parity with transformers lives in test_gemma4_parity.py."""
+smaller than the prompts, so the ring wraps), the ring's rewind limit, its cache memory, the
+parallel prefill against the exact path, and config parsing and refusals. Parity with
+transformers lives in test_gemma4_parity.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -15,10 +18,13 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tests.test_conformance_toy import CHECKS
+from turbospark_jax import CompletionRequest
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.generate import run_raw_completion
 from turbospark_jax.models import gemma4 as G
 from turbospark_jax.models import gemma4_config as GC
+from turbospark_jax.models import layers as L
 from turbospark_jax.state import copy_state, live_equal
 from turbospark_jax.testing import conformance as C
 
@@ -36,9 +42,10 @@ TINY: dict[str, Any] = dict(
 )
 
 
-def _producer(dtype: Any = jnp.float32, cls: type = BlockProducer, **extra: Any) -> Any:
+def _producer(dtype: Any = jnp.float32, cls: type = BlockProducer,
+              options: dict[str, Any] | None = None, **extra: Any) -> Any:
     config = GC.Gemma4Config.from_hf_dict({**TINY, **extra})
-    model = G.Gemma4Model(config, dtype, ring_margin=MARGIN)
+    model = G.Gemma4Model(config, dtype, **{"ring_margin": MARGIN, **(options or {})})
     params = model.init_params(jax.random.PRNGKey(3))
     return cls(model, params, capacity=48, width=4, steps_per_call=4, donate=True)
 
@@ -192,6 +199,164 @@ def test_cache_memory_at_32k_for_e2b_shape() -> None:
           f"{owners / 1e6:.1f} MB, every row of every layer {every_layer / 1e6:.1f} MB")
     assert ours == 3 * context * 2048 + 12 * (512 + 256) * 1024 + (512 + 256) * 4
     assert ours < owners / 2.8 and ours < every_layer / 6.5
+
+
+
+# -- parallel prefill ---------------------------------------------------------------------------
+
+#: The parallel prefill against the exact path, float32: the last prompt row's logits and every
+#: cache row it leaves (ring, full layers, hidden rows) within this absolute tolerance
+#: (measured up to ~1e-5 on a CPU, with logits of order 1).
+PARALLEL_ATOL = 1e-4
+
+PARALLEL = {
+    # PLE, k_eq_v, two KV-shared layers; the pass attends in one query block.
+    "tiny": PRODUCERS["f32"],
+    # Values of their own, the assistant's hidden rows kept, and query blocks of 4 rows, so
+    # a pass's blocks read bands of the ones before them.
+    "blocks": _producer(attention_k_eq_v=False,
+                        options={"pass_block": 4, "keep_hidden_rows": True}),
+}
+
+
+def _gap(a: Any, b: Any) -> float:
+    return float(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32)).max(initial=0))
+
+
+def _check_parallel(exact_p: Any, prepare: Any, tokens: list[int], chunk: int,
+                    fast_p: Any = None) -> float:
+    """Feed ``tokens`` by exact prefill (``exact_p``) and by parallel prefill (``fast_p``,
+    default the same producer) in passes of ``chunk``, each from the state ``prepare(producer)``
+    makes; the logits after them and the caches they leave must agree within
+    :data:`PARALLEL_ATOL`, the rings hold the same positions, the fed records agree, and greedy
+    decoding go on alike. Returns the logits' gap; raises AssertionError."""
+    fast_p = fast_p or exact_p
+    state = prepare(exact_p)
+    start = int(state.fed.count)
+    want, exact = exact_p.prefill_chunk(state, tokens, start)
+    got, fast = fast_p.prefill_parallel(prepare(fast_p), tokens, start, chunk=chunk)
+    gap = _gap(got, want)
+    assert gap < PARALLEL_ATOL, f"logits {gap:.2e} apart"
+    assert np.array_equal(exact.cache.ring_positions, fast.cache.ring_positions)
+    for name in ("k_ring", "v_ring", "k_full", "v_full"):
+        for a, b in zip(getattr(exact.cache, name), getattr(fast.cache, name), strict=True):
+            assert _gap(a, b) < PARALLEL_ATOL, name
+    assert _gap(exact.cache.hidden_rows, fast.cache.hidden_rows) < PARALLEL_ATOL
+    assert exact.fed.to_host().ids == fast.fed.to_host().ids
+    tok_a, tok_b = int(np.argmax(want)), int(np.argmax(got))
+    position = start + len(tokens)
+    for _ in range(6):
+        assert tok_a == tok_b
+        la, exact = exact_p.produce(exact, tok_a, position)
+        lb, fast = fast_p.produce(fast, tok_b, position)
+        tok_a, tok_b, position = int(np.argmax(la)), int(np.argmax(lb)), position + 1
+    assert tok_a == tok_b
+    return gap
+
+
+def _prefilled(p: Any, prefix: list[int] = ()) -> Any:
+    return p.prefill_chunk(p.init_state(), prefix, 0)[1] if prefix else p.init_state()
+
+
+@pytest.mark.parametrize("case", sorted(PARALLEL))
+@pytest.mark.parametrize("start, chunk", [(0, 2048), (19, 5), (3, 16)])
+def test_parallel_prefill_is_close_and_continues_alike(case: str, start: int,
+                                                       chunk: int) -> None:
+    """A fresh pass over 29 rows (window 3, ring of 11: it wraps) and continued passes after
+    an exact prefix, narrower and wider than the ring, against the exact path."""
+    p = PARALLEL[case]
+    gap = _check_parallel(p, functools.partial(_prefilled, prefix=PROMPT[:start]),
+                          PROMPT[start:], chunk)
+    print(f"{case} start={start} chunk={chunk}: logits {gap:.1e} from the exact path's")
+
+
+def test_parallel_prefill_after_moving_back() -> None:
+    """The cursor moved back (a reused prefix) leaves ring rows past it; the pass reads none
+    of them, and replaces them as the exact path does."""
+    def moved_back(p: Any) -> Any:
+        n, state = p.try_reuse_prefix(_prefilled(p, PROMPT), [*PROMPT[:24], 5, 6, 7])
+        assert n == 24 and p.model.reach(state.cache) == 30
+        return state
+
+    _check_parallel(PARALLEL["blocks"], moved_back, [5, 6, 7, *PROMPT[:4]], 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class _WiderPassWindow(G.Gemma4Model):
+    """Control: the model's exact path, and a parallel pass whose sliding window is one row
+    wider (its ring_margin one less, so it keeps the same ring)."""
+
+    def pass_hidden(self, params: Any, cache: Any, *args: Any, **kwargs: Any) -> Any:
+        c = self.config
+        wider = G.Gemma4Model(dataclasses.replace(c, sliding_window=c.sliding_window + 1),
+                              self.dtype, ring_margin=self.ring_margin - 1,
+                              keep_hidden_rows=self.keep_hidden_rows, pass_block=self.pass_block)
+        return wider.pass_hidden(params, cache, *args, **kwargs)
+
+
+def test_parallel_check_catches_a_wrong_window() -> None:
+    """Control: the check fires on a pass that is wrong in one row of its window (its logits
+    were measured 1.6 apart, against logits of up to 1.6)."""
+    p = PARALLEL["tiny"]
+    wrong = BlockProducer(_WiderPassWindow(p.model.config, ring_margin=MARGIN), p.params,
+                          capacity=48, width=4, steps_per_call=4)
+    with pytest.raises(AssertionError, match="logits"):
+        _check_parallel(p, _prefilled, PROMPT, 2048, fast_p=wrong)
+
+
+def test_parallel_prefill_through_completions() -> None:
+    """``run_raw_completion(..., parallel_prefill=True)``: a first turn (one fresh pass) and a
+    second that reuses it (passes after the reused rows) give the exact path's tokens, their
+    first logits within the tolerance."""
+    p = PARALLEL["tiny"]
+
+    def turns(parallel: bool) -> list[Any]:
+        state, out = None, []
+        for prompt in (PROMPT[:20], [*PROMPT[:20], *PROMPT[22:30]]):
+            request = CompletionRequest(prompt_ids=prompt, max_tokens=6, record_logits=True,
+                                        parallel_prefill=parallel, prefill_chunk_size=5)
+            done = run_raw_completion(p, request, state=state)
+            out.append(done)
+            state = done.state
+        return out
+
+    for exact, fast in zip(turns(False), turns(True), strict=True):
+        assert fast.token_ids == exact.token_ids and fast.fed_ids == exact.fed_ids
+        assert _gap(fast.logits[0], exact.logits[0]) < PARALLEL_ATOL
+
+
+def test_benchmark_prefill_figures_include_the_parallel_path() -> None:
+    """The figures harnesses (benchmarks.run, benchmarks.families) time the parallel path of
+    every producer that declares one: for Gemma 4 now too."""
+    from benchmarks.run import prefill_rates
+
+    rates = prefill_rates(PARALLEL["tiny"], 24, 24, VOCAB)
+    assert rates["exact_tokens_per_s"] > 0 and rates["parallel_tokens_per_s"] > 0
+
+
+def test_wide_attend_blocks_equal_one_attend() -> None:
+    """:func:`wide_attend` in blocks of 4 (a padded last block, bands over earlier blocks,
+    fixed keys some of which it must not see) against one :func:`attend` over every key."""
+    rng = np.random.RandomState(0)
+    q = jnp.asarray(rng.randn(13, 4, 8), jnp.float32)
+    own = [jnp.asarray(rng.randn(13, 2, 8), jnp.float32) for _ in range(2)]
+    cached = [jnp.asarray(rng.randn(6, 2, 8), jnp.float32) for _ in range(2)]
+    positions = jnp.arange(13, dtype=jnp.int32) + 10
+    cached_positions = jnp.asarray([4, 9, 8, L.NO_KEY, 7, 6], jnp.int32)
+    for window in (3, 6, None):
+        want = L.attend(q, jnp.concatenate([cached[0], own[0]]),
+                        jnp.concatenate([cached[1], own[1]]), positions,
+                        jnp.concatenate([cached_positions, positions]), window)
+        if window is None:
+            fixed = tuple(jnp.concatenate([c, o]) for c, o in zip(cached, own, strict=True))
+            got = L.wide_attend(q, positions, (*fixed, jnp.concatenate(
+                [cached_positions, positions])), None, None, block=4)
+        else:
+            got = L.wide_attend(q, positions, (*cached, cached_positions),
+                                (*own, positions), window, block=4)
+        assert _gap(got, want) < 1e-5, window
+    with pytest.raises(BadInputError, match="window"):
+        L.wide_attend(q, positions, None, (*own, positions), None)
 
 
 # -- config ------------------------------------------------------------------------------------

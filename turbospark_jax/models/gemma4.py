@@ -22,6 +22,13 @@ still finds its window (:meth:`Gemma4Model.oldest_rewind`). At 32k context in bf
 E2B-shaped cache takes 210.8 MB (ring_margin 256) against 604.0 MB for keeping every row of
 every KV-owning layer and 1409.3 MB for every row of all 35 layers (tests/test_gemma4.py).
 
+Parallel prefill (:meth:`Gemma4Model.pass_hidden`): a wide headless pass attends before it
+writes, so it has no width limit. Its rows attend over their own k/v (a sliding layer over
+the band its window reaches) and over the rows cached before it (the ring's rows before the
+pass, the full layers' rows up to the pass's key limit); a shared layer reads its source
+layer's pass. Then it leaves the cache as the exact path would: every row in the full
+layers, the last ``ring_slots`` rows in their ring slots.
+
 Params (``D`` hidden, ``H`` heads, ``hd``/``KV`` the layer's head dim and KV heads, ``F`` its
 MLP width, ``L`` layers, ``P`` PLE width); matrices are ``[in, out]``; ``layers`` is a list::
 
@@ -55,7 +62,16 @@ from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4_config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
-from turbospark_jax.models.layers import apply_rope, attend, random_leaves, rms_norm, rope_cos_sin
+from turbospark_jax.models.layers import (
+    ATTENTION_QUERY_BLOCK,
+    NO_KEY,
+    apply_rope,
+    attend,
+    random_leaves,
+    rms_norm,
+    rope_cos_sin,
+    wide_attend,
+)
 from turbospark_jax.state import append_only, ring
 
 #: Where a ring slot holds no position: below any window, so attention never sees it.
@@ -214,7 +230,11 @@ def _gelu(x: jax.Array) -> jax.Array:
     return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
 
 
-KVFn = Callable[[int, jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
+#: ``kv_fn(layer, k [N, KV, hd], v)``: store a KV owner's new rows and return what its kind's
+#: layers attend over (for the exact path, ``(keys [S, KV, hd], values, key_positions [S])``).
+KVFn = Callable[[int, jax.Array, jax.Array], Any]
+#: ``attention(q [N, H, hd], keys, window)``: attend over what a :data:`KVFn` returned.
+AttentionFn = Callable[[jax.Array, Any, int | None], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,17 +251,24 @@ class Gemma4Model(BlockModel):
         slot costs ``2 * KV * head_dim`` values per sliding layer.
       keep_hidden_rows: record every fed row's final hidden state in the cache
         (``hidden_rows``, ``C * hidden_size`` values), which the assistant drafter reads.
+      pass_block: query rows a parallel-prefill pass attends at a time (its float32 scores
+        are ``[heads, pass_block, keys]``).
     """
+
+    parallel_prefill = True  # wide headless passes (pass_hidden)
 
     config: Gemma4Config
     dtype: Any = jnp.float32
     ring_margin: int = 256
     keep_hidden_rows: bool = False
+    pass_block: int = ATTENTION_QUERY_BLOCK
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         if self.ring_margin < 0:
             raise BadInputError(f"ring_margin must be >= 0, got {self.ring_margin}")
+        if self.pass_block < 1:
+            raise BadInputError(f"pass_block must be >= 1, got {self.pass_block}")
 
     @property
     def accepts_embeddings(self) -> bool:  # type: ignore[override]
@@ -356,18 +383,22 @@ class Gemma4Model(BlockModel):
 
     def decoder(self, params: Params, x: jax.Array, ple: jax.Array | None,
                 positions: jax.Array, kv_fn: KVFn | None,
-                keys: Mapping[str, tuple[jax.Array, jax.Array, jax.Array]] | None = None,
-                ) -> jax.Array:
+                keys: Mapping[str, Any] | None = None,
+                attention: AttentionFn | None = None) -> jax.Array:
         """Every layer over rows ``x [N, D]`` at ``positions [N]`` (pre-norm output).
 
         A KV owner hands its new k/v rows to ``kv_fn(layer, k, v)``, which stores them and
-        returns what that layer's kind attends over, ``(keys [S, KV, hd], values,
-        key_positions [S])``; a shared layer attends over what the last owner of its kind got
-        (the reference's KV sharing), or over ``keys[kind]`` when no layer owns any (a
-        drafter reading its target's cache)."""
+        returns what that layer's kind attends over; a shared layer attends over what the
+        last owner of its kind got (the reference's KV sharing), or over ``keys[kind]`` when
+        no layer owns any (a drafter reading its target's cache). ``attention(q, keys,
+        window)`` attends; by default ``keys`` is ``(keys [S, KV, hd], values,
+        key_positions [S])``, attended causally by position."""
         c = self.config
         ropes = self._ropes(positions)
         keys = dict(keys or {})
+        if attention is None:
+            def attention(q: jax.Array, kv: Any, window: int | None) -> jax.Array:
+                return attend(q, kv[0], kv[1], positions, kv[2], window, scale=1.0)
         bias = c.attention_bias
         for i, lp in enumerate(params["layers"]):
             kind = c.layer_types[i]
@@ -386,8 +417,7 @@ class Gemma4Model(BlockModel):
                     keys[kind] = kv_fn(i, k, self._norm(v, None))
                 if kind not in keys:
                     raise BadInputError(f"layer {i} reads shared {kind} K/V and none was given")
-                k_all, v_all, key_positions = keys[kind]
-                attn = attend(q, k_all, v_all, positions, key_positions, c.window(i), scale=1.0)
+                attn = attention(q, keys[kind], c.window(i))
                 x = self._tail(x, attn, lp, None if ple is None else ple[:, i])
         return x
 
@@ -435,15 +465,20 @@ class Gemma4Model(BlockModel):
     ) -> tuple[jax.Array, Gemma4Cache]:
         """Run ``W`` rows against the cache (see :meth:`BlockModel.block_forward`).
 
-        Every live row's K/V (and ring slot position) is written first, then each row attends
-        causally, within its window, by absolute position; padding rows write nothing. The
-        parallel-prefill hints are ignored (this model does not declare that fast path).
+        The exact path (neither hint given) is :meth:`block_hidden` and the head. A
+        parallel-prefill pass (either hint given) is :meth:`pass_hidden`, of any width and
+        headless: its logits are zeros whatever ``need_head`` says (the producer feeds the
+        last prompt token through the exact path).
 
         Raises:
-          BadInputError: ``W > ring_margin + 1`` (the block would overwrite ring rows that its
-            own first rows still read).
+          BadInputError: ``W > ring_margin + 1`` on the exact path (the block would overwrite
+            ring rows that its own first rows still read).
         """
-        del key_limit, fresh
+        if fresh or key_limit is not None:
+            h, cache = self.pass_hidden(params, cache, tokens, positions, live,
+                                        key_limit=key_limit, fresh=fresh, embeds=embeds,
+                                        embed_rows=embed_rows)
+            return jnp.zeros((h.shape[0], self.vocab_size), jnp.float32), cache
         h, cache = self.block_hidden(params, cache, tokens, positions, live, embeds, embed_rows)
         with jax.named_scope("head"):
             logits = jax.lax.cond(
@@ -454,25 +489,95 @@ class Gemma4Model(BlockModel):
     def block_hidden(self, params: Params, cache: Gemma4Cache, tokens: jax.Array,
                      positions: jax.Array, live: jax.Array, embeds: jax.Array | None = None,
                      embed_rows: jax.Array | None = None) -> tuple[jax.Array, Gemma4Cache]:
-        """:meth:`block_forward` up to the final norm: ``(h [W, D], cache)``. ``h`` is what
-        the output head reads, and what the assistant drafter takes from its target."""
+        """The exact path up to the final norm: ``(h [W, D], cache)``. ``h`` is what the
+        output head reads, and what the assistant drafter takes from its target.
+
+        Every live row's K/V (and ring slot position) is written first, then each row attends
+        causally, within its window, by absolute position; padding rows write nothing.
+
+        Raises:
+          BadInputError: ``W > ring_margin + 1``.
+        """
         width = tokens.shape[0]
-        slots = self.ring_slots
-        if slots and width > self.ring_margin + 1:
+        if self.ring_slots and width > self.ring_margin + 1:
             raise BadInputError(f"a block of {width} rows needs ring_margin >= {width - 1}; "
                                 f"this model has {self.ring_margin}")
+        rows = jnp.arange(width, dtype=jnp.int32)
+        return self._run(params, cache, tokens, positions, rows < live, embeds, embed_rows,
+                         lambda kind, new, before, stored: stored, None)
+
+    def pass_hidden(self, params: Params, cache: Gemma4Cache, tokens: jax.Array,
+                    positions: jax.Array, live: jax.Array, *, key_limit: int | None = None,
+                    fresh: bool = False, embeds: jax.Array | None = None,
+                    embed_rows: jax.Array | None = None) -> tuple[jax.Array, Gemma4Cache]:
+        """A parallel-prefill pass of any width ``W``: ``(h [W, D], cache)``, within rounding
+        of the exact path's (a different program, so not bitwise).
+
+        Rows attend before anything is written, in blocks of ``pass_block`` query rows
+        (:func:`~turbospark_jax.models.layers.wide_attend`): a sliding layer over the ring's
+        rows before the pass and the band of the pass's own rows its window reaches; a full
+        layer over its cache rows ``< key_limit`` (the pass's own rows written in), or with
+        ``fresh`` over the pass's own rows only. Then the cache is left as the exact path
+        leaves it: every live row in the full layers, and the last ``ring_slots`` live rows
+        in their ring slots (the rows a window still reads, and the margin).
+
+        A ring row at or after the pass's first position (left by a cursor moved back) is one
+        the pass replaces, so the pass does not read it; rows before it must be the ones its
+        window reads, which the engine's rewind floor guarantees as for the exact path.
+
+        Args:
+          params, cache, tokens, positions, live, embeds, embed_rows: as
+            :meth:`block_forward`'s; ``positions`` is ``start + arange(W)``.
+          key_limit: static; full layers attend over cache rows ``< key_limit``, which must
+            include every live row's position. ``None``: the whole cache.
+          fresh: static; the pass starts at position 0, so nothing cached is read.
+        """
+        width = tokens.shape[0]
+        slots = self.ring_slots
+        rows = jnp.arange(width, dtype=jnp.int32)
+        start = positions[0]
+
+        def keys(kind: str, new: Any, before: Any, stored: Any) -> Any:
+            if kind == FULL:
+                return (new if fresh else tuple(a[:key_limit] for a in stored)), None
+            k, v, key_positions = before
+            earlier = (k, v, jnp.where(key_positions < start, key_positions, NO_KEY))
+            return (None if fresh else earlier), new
+
+        def attention(q: jax.Array, kv: Any, window: int | None) -> jax.Array:
+            return wide_attend(q, positions, *kv, window, block=self.pass_block, scale=1.0)
+
+        # Rows past the last ring_slots would only be overwritten by later ones: writing the
+        # last ones alone keeps every slot's target distinct.
+        to_ring = (rows < live) & (rows >= live - slots)
+        return self._run(params, cache, tokens, positions, rows < live, embeds, embed_rows,
+                         keys, attention, to_ring)
+
+    def _run(self, params: Params, cache: Gemma4Cache, tokens: jax.Array, positions: jax.Array,
+             written: jax.Array, embeds: jax.Array | None, embed_rows: jax.Array | None,
+             keys: Callable[[str, Any, Any, Any], Any], attention: AttentionFn | None,
+             to_ring: jax.Array | None = None) -> tuple[jax.Array, Gemma4Cache]:
+        """Both paths: embed, every layer, final norm; ``(h [W, D], cache)``.
+
+        A KV owner's rows go into the cache: the rows ``written`` (bool ``[W]``) into the full
+        layers and ``hidden_rows`` at their positions, the rows ``to_ring`` (default:
+        ``written``) into their ring slots. Its kind's layers then attend with ``attention``
+        over ``keys(kind, new, before, stored)``, each argument a ``(k, v, key_positions)``:
+        the owner's new rows, its cache buffers before the write and after it."""
+        c, slots = self.config, self.ring_slots
+        width = tokens.shape[0]
         capacity = cache.k_full[0].shape[0]
         rows = jnp.arange(width, dtype=jnp.int32)
-        # Padding rows go to distinct out-of-range rows, which mode="drop" discards; every target
-        # then differs, which unique_indices tells XLA (no atomics on a GPU).
+        to_ring = written if to_ring is None else to_ring
+        # Rows not written go to distinct out-of-range rows, which mode="drop" discards; every
+        # target then differs, which unique_indices tells XLA (no atomics on a GPU).
         scatter = {"mode": "drop", "unique_indices": True}
-        at_full = jnp.where(rows < live, positions, capacity + rows)  # [W]
-        ring_positions = cache.ring_positions
+        at_full = jnp.where(written, positions, capacity + rows)  # [W]
+        before_positions = ring_positions = cache.ring_positions
         if slots:
-            at_ring = jnp.where(rows < live, positions % slots, slots + rows)  # [W]
+            at_ring = jnp.where(to_ring, positions % slots, slots + rows)  # [W]
             ring_positions = ring_positions.at[at_ring].set(positions, **scatter)
         full_positions = jnp.arange(capacity, dtype=jnp.int32)
-        c = self.config
         full_index = {layer: j for j, layer in enumerate(c.owners(FULL))}
         ring_index = {layer: j for j, layer in enumerate(c.owners(SLIDING))}
         k_full, v_full = list(cache.k_full), list(cache.v_full)
@@ -481,17 +586,20 @@ class Gemma4Model(BlockModel):
         def store(i: int, k: jax.Array, v: jax.Array) -> Any:
             if i in full_index:
                 j = full_index[i]
+                before = (k_full[j], v_full[j], full_positions)
                 k_full[j] = k_full[j].at[at_full].set(k, **scatter)
                 v_full[j] = v_full[j].at[at_full].set(v, **scatter)
-                return k_full[j], v_full[j], full_positions
+                return keys(FULL, (k, v, positions), before,
+                            (k_full[j], v_full[j], full_positions))
             j = ring_index[i]
+            before = (k_ring[j], v_ring[j], before_positions)
             k_ring[j] = k_ring[j].at[at_ring].set(k, **scatter)
             v_ring[j] = v_ring[j].at[at_ring].set(v, **scatter)
-            return k_ring[j], v_ring[j], ring_positions
+            return keys(SLIDING, (k, v, positions), before, (k_ring[j], v_ring[j], ring_positions))
 
         with jax.named_scope("embed"):
             x, ple = self._embed(params, tokens, embeds, embed_rows)
-        x = self.decoder(params, x, ple, positions, store)
+        x = self.decoder(params, x, ple, positions, store, attention=attention)
         h = self._norm(x, params["norm"])
         return h, cache.replace(
             k_full=tuple(k_full), v_full=tuple(v_full), k_ring=tuple(k_ring),

@@ -6,9 +6,10 @@ Hugging Face reference implementations: norms compute in float32 and cast back, 
 are built in float32 and cast to the activation dtype, attention scores and their softmax are
 float32, and everything else runs in the model dtype.
 
-Row independence is a contract: no function here reduces across rows except :func:`attend`,
-which reduces over *keys*. Row ``i`` of any output therefore depends only on row ``i`` of the
-inputs (and on the keys), which is what lets one compiled block program serve 1 live row or W.
+Row independence is a contract: no function here reduces across rows except :func:`attend`
+and :func:`wide_attend`, which reduce over *keys*. Row ``i`` of any output therefore depends
+only on row ``i`` of the inputs (and on the keys), which is what lets one compiled block
+program serve 1 live row or W.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from turbospark_jax.errors import BadInputError
 
 #: Added to masked attention scores. Finite, so a fully masked (padding) row gives a uniform
 #: softmax instead of NaN; far below any real score, so it never carries weight otherwise.
@@ -345,6 +348,74 @@ def _attend_rows(
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)  # [KV, G, W, S]
     out = jnp.einsum("kgws,skd->wkgd", probs, v, preferred_element_type=jnp.float32)
     return out.astype(v.dtype)  # [W, KV, G, hd]
+
+
+#: A key position no query sees: after every row, so the causal rule hides it (padding keys
+#: of :func:`wide_attend`, and cached rows a pass replaces).
+NO_KEY = 2**31 - 1
+
+
+def wide_attend(
+    q: jax.Array,
+    q_positions: jax.Array,
+    fixed: tuple[jax.Array, jax.Array, jax.Array] | None,
+    band: tuple[jax.Array, jax.Array, jax.Array] | None,
+    window: int | None,
+    *,
+    block: int = ATTENTION_QUERY_BLOCK,
+    scale: float | None = None,
+) -> jax.Array:
+    """:func:`attend` for a wide pass (parallel prefill): query blocks of ``block`` rows in a
+    loop, each over the ``fixed`` keys and, with a window, only the band of the pass's own
+    rows that its window can reach.
+
+    Every block has the same shapes, so the loop is one compiled body however wide the pass;
+    a sliding layer's scores are ``[heads, block, S + block + window - 1]`` rather than
+    ``[heads, W, W]``. Masking is :func:`attend`'s, by position.
+
+    Args:
+      q: ``[W, H, hd]`` queries (rotated); row ``i`` sits at ``q_positions[i]`` (int32 ``[W]``).
+      fixed: ``(k [S, KV, hd], v, positions [S])`` every block reads (cached rows, or all the
+        pass's own rows), or ``None``.
+      band: the pass's own rows ``(k [W, KV, hd], v, positions [W])`` in query order, of which
+        a block reads the ``window - 1`` rows before its first and its own; needs ``window``.
+      window: sliding-window size, or ``None``.
+      block: query rows per block (``W`` is padded up to a multiple of it).
+      scale: as :func:`attend`'s.
+
+    Returns:
+      ``[W, H, hd]`` in the values' dtype.
+
+    Raises:
+      BadInputError: a band without a window.
+    """
+    width = q.shape[0]
+    block = min(block, width)
+    count = -(-width // block)
+    pad = count * block - width
+    q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
+    q_positions = jnp.pad(q_positions, (0, pad), mode="edge")
+    if band is not None:
+        if window is None:
+            raise BadInputError("wide_attend: a band of own rows needs a window")
+        # Own rows before a block that its rows may see; the padding in front holds no key.
+        reach = min(window - 1, count * block - block)
+        rows = ((reach, pad), (0, 0), (0, 0))
+        band = (jnp.pad(band[0], rows), jnp.pad(band[1], rows),
+                jnp.pad(band[2], (reach, pad), constant_values=NO_KEY))
+
+    def one(first: jax.Array) -> jax.Array:
+        keys = [] if fixed is None else [fixed]
+        if band is not None:
+            keys.append(tuple(jax.lax.dynamic_slice_in_dim(a, first, block + reach)
+                              for a in band))
+        k, v, positions = (jnp.concatenate(parts) for parts in zip(*keys, strict=True))
+        return attend(jax.lax.dynamic_slice_in_dim(q, first, block), k, v,
+                      jax.lax.dynamic_slice_in_dim(q_positions, first, block), positions,
+                      window, block, scale=scale)
+
+    out = jax.lax.map(one, jnp.arange(count, dtype=jnp.int32) * block)  # [count, block, H, hd]
+    return out.reshape(count * block, *out.shape[2:])[:width]
 
 
 def random_leaves(shapes: Any, key: jax.Array, std: float, dtype: Any,
