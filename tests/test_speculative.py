@@ -385,3 +385,40 @@ def test_control_a_biased_acceptance_rule_is_caught():
     draws = np.asarray(jax.random.categorical(jax.random.PRNGKey(0), jnp.log(q0), shape=(50000,)))
     emp = np.bincount(draws, minlength=SMALL_V) / len(draws)
     assert _tv(emp, p0) > 0.1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_greedy_judge_is_the_judge_at_temperature_zero(seed):
+    """The rounds' greedy variant judges as the general judge does at temperature 0: same
+    tokens, count and history, with penalties on and ties in the rows (lowest id wins)."""
+    from turbospark_jax import sampling
+    from turbospark_jax.rounds import history_rows, judge_greedy, point_masses
+
+    rng = np.random.default_rng(seed)
+    vocab = 12
+    rows = np.round(rng.normal(size=(MAX_DRAFT + 1, vocab)), 1).astype(np.float32)  # ties
+    rows[:, 3] = rows[:, 5] = rows.max(axis=1) + 1.0  # an exact tie for the top every row
+    history = sampling.History.from_prompt([int(t) for t in rng.integers(0, vocab, 5)], vocab)
+    params = sampling.SamplingConfig(temperature=0.0, repetition_penalty=1.3,
+                                     presence_penalty=0.2).to_params()
+    # Proposals that follow the greedy tokens for a random prefix, then go wrong.
+    greedy = [int(t) for t in jax.vmap(sampling.greedy_token, in_axes=(0, None, 0))(
+        jnp.asarray(rows), params, history_rows(history, jnp.zeros((MAX_DRAFT,), jnp.int32)))]
+    proposals = np.array(greedy[:MAX_DRAFT], np.int32)
+    right = int(rng.integers(0, MAX_DRAFT + 1))
+    proposals[right:] = (proposals[right:] + 1) % vocab
+    for m in (0, right, MAX_DRAFT):
+        args = (jnp.asarray(rows), jnp.asarray(proposals), jnp.int32(m))
+        q = point_masses(args[1], args[2], vocab)
+        want = _judge(args[0], q, args[1], args[2], params, history,
+                      sampling.request_key(seed), jnp.int32(3))
+        got = judge_greedy(*args, params, history)
+        for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    # Control: the general judge at a temperature is not what the greedy one gives.
+    hot = sampling.SamplingConfig(temperature=5.0).to_params()
+    args = (jnp.asarray(rows), jnp.asarray(proposals), jnp.int32(MAX_DRAFT))
+    outs = {tuple(np.asarray(_judge(args[0], point_masses(args[1], args[2], vocab), *args[1:],
+                                    hot, history, sampling.request_key(k), jnp.int32(0))[0]))
+            for k in range(8)}
+    assert outs != {tuple(np.asarray(judge_greedy(*args, hot, history)[0]))}

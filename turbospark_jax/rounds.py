@@ -55,6 +55,9 @@ class DraftSampler:
     history: sampling.History
     key: jax.Array
     index: jax.Array
+    #: Static: the request is greedy (the rounds' greedy variant); a drafter may then draft
+    #: :func:`~turbospark_jax.sampling.greedy_token`\ s and skip its ``q``.
+    greedy: bool = struct.field(pytree_node=False, default=False)
 
 
 def history_rows(history: sampling.History, tokens: jax.Array) -> sampling.History:
@@ -141,6 +144,32 @@ def judge(
     return out, accepted + 1, at.add(final)
 
 
+def judge_greedy(
+    rows: jax.Array,
+    proposals: jax.Array,
+    m: jax.Array,
+    params: sampling.SamplingParams,
+    history: sampling.History,
+) -> tuple[jax.Array, jax.Array, sampling.History]:
+    """:func:`judge` for a greedy request, in the compiled rounds' greedy variant: keep
+    proposals while each is its row's greedy token, then emit the greedy token of the row
+    after the last kept one. The same tokens, count and history as :func:`judge` at
+    temperature 0 (where ``p`` is a point mass at that token and every drafter's ``q`` is one
+    at its proposal), without the distributions, the uniform draws or any branch on the
+    temperature."""
+    draft = proposals.shape[0]
+    hist = history_rows(history, proposals)  # row i: after the proposals before it
+    targets = jax.vmap(sampling.greedy_token, in_axes=(0, None, 0))(rows, params, hist)
+    i = jnp.arange(draft, dtype=jnp.int32)
+    keep = (i < m) & (proposals == targets[:draft])
+    accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32)))
+    final = targets[accepted]
+    out = jnp.concatenate([proposals, jnp.full((1,), -1, jnp.int32)])
+    out = jnp.where(jnp.arange(draft + 1) < accepted, out, -1).at[accepted].set(final)
+    at = jax.tree.map(lambda a: a[accepted], hist)
+    return out, accepted + 1, at.add(final)
+
+
 @struct.dataclass(kw_only=True)
 class RoundControl:
     """The request's side of a burst of rounds; all traced.
@@ -203,6 +232,7 @@ def _run_rounds(
     drafter: DeviceDrafter,
     width: int,
     record_logits: bool,
+    greedy: bool,
     target_params: Any,
     drafter_params: Any,
     buffers: BlockState,
@@ -233,7 +263,8 @@ def _run_rounds(
         i, st, dst, pend, n, toks_out, rows_out, _, hist, sizes = c
         index = control.gen_index + n
         m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
-        sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index)
+        sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index,
+                               greedy=greedy)
         proposals, q, drafted, dst = drafter.propose(drafter_params, dst, st, pend, m, sampler)
         if q is None:
             q = point_masses(proposals, drafted, vocab)
@@ -253,8 +284,12 @@ def _run_rounds(
         finite = good > 0
         judged = jnp.minimum(drafted, jnp.maximum(good - 1, 0))
         with jax.named_scope("judge"):
-            toks, count, new_hist = judge(rows, q, proposals, judged, control.params, hist,
-                                          control.key, index)
+            if greedy:
+                toks, count, new_hist = judge_greedy(rows, proposals, judged, control.params,
+                                                     hist)
+            else:
+                toks, count, new_hist = judge(rows, q, proposals, judged, control.params, hist,
+                                              control.key, index)
         slots = jnp.arange(MAX_DRAFT + 1)
         stops = jnp.any(toks[:, None] == control.stop_ids[None, :], axis=1) & (slots < count)
         stopped = jnp.any(stops)
@@ -288,12 +323,16 @@ def _run_rounds(
 
 @functools.cache
 def compiled_rounds(
-    target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool
+    target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool,
+    greedy: bool = False,
 ) -> Any:
     """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
-    of the target program's ``width`` rows (so ``draft_len < width``). Arguments:
+    of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
+    the variant for greedy requests (:func:`judge_greedy`, drafters drafting argmax tokens):
+    the same tokens, with none of the sampling machinery and no branch on the temperature,
+    which a GPU pays for with host round trips. Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""
-    fn = functools.partial(_run_rounds, target, drafter, width, record_logits)
+    fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else ())

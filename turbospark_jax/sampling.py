@@ -68,6 +68,8 @@ __all__ = [
     "SamplingParams",
     "check_sampling_args",
     "draw",
+    "greedy_token",
+    "is_greedy",
     "needs_truncation",
     "probabilities",
     "process_logits",
@@ -438,6 +440,26 @@ def needs_truncation(params: SamplingParams, vocab_size: int) -> bool:
     _check_vocab_size(vocab_size)
     sampled, sort = jax.device_get((_is_sampled(params), _needs_sort(params, vocab_size)))
     return bool(sampled and sort)
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether ``params`` decode greedily (temperature 0); host-side, for compiling a
+    program's greedy variant (:func:`greedy_token`), which draws the same tokens.
+
+    Raises:
+      BadInputError: ``params`` is not :class:`SamplingParams`.
+    """
+    if not isinstance(params, SamplingParams):
+        raise BadInputError(f"params must be SamplingParams, got {type(params).__name__}")
+    return not bool(np.asarray(jax.device_get(params.temperature)) > 0)
+
+
+def greedy_token(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
+    """:func:`draw`'s token at temperature 0, for use inside a compiled program (traced
+    arguments, no checks): the argmax of the penalized logits, lowest id on ties, with no
+    branch on the temperature (a conditional returns its predicate to the host on a GPU).
+    Bitwise :func:`draw`'s greedy branch; only for requests that :func:`is_greedy`."""
+    return jnp.argmax(_penalize(logits.astype(jnp.float32), params, history)).astype(jnp.int32)
 
 
 def process_logits(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:

@@ -151,8 +151,11 @@ class DraftModelDevice(DeviceDrafter):
             logits, st = feed_block(self.model, params, st, tokens, live, head)
             last = logits[live - 1]
             finite = jnp.all(jnp.isfinite(last))
-            key = sampling.token_key(sampler.key, sampler.index + i)
-            tok = sampling.sample(last, sampler.params, hist, key).astype(jnp.int32)
+            if sampler.greedy:  # static: the same token, with no branch on the temperature
+                tok = sampling.greedy_token(last, sampler.params, hist)
+            else:
+                key = sampling.token_key(sampler.key, sampler.index + i)
+                tok = sampling.sample(last, sampler.params, hist, key).astype(jnp.int32)
             proposals = jnp.where(finite, proposals.at[i].set(tok), proposals)
             rows = rows.at[i].set(last)
             hist = hist.add(tok)

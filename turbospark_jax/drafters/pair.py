@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from flax import struct
 
+from turbospark_jax import sampling
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import MAX_STOP_IDS
 from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_int
@@ -341,7 +342,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             draft_len=np.int32(draft_len), stop_ids=stops,
         )
         program = compiled_rounds(target.model, device, target.width, target.donate,
-                                  record_logits)
+                                  record_logits, sampling.is_greedy(params))
         bare, held = without_auxiliary(state.target)
         buffers, values, drafter, out = program(
             target.params, device_params, buffers_only(bare), by_value(bare),
