@@ -13,7 +13,9 @@ from turbospark_jax.errors import BadInputError
 from turbospark_jax.sampling import (
     History,
     SamplingParams,
+    distribution,
     draw,
+    draw_processed,
     needs_truncation,
     probabilities,
     process_logits,
@@ -385,6 +387,39 @@ def test_draw_without_truncation_is_bitwise_the_same_for_rows_that_need_none() -
     params = stacked([truncated])
     assert not np.array_equal(light(logits, params, history, keys),
                               full(logits, params, history, keys))
+
+
+@jax.jit
+def _from_processed(logits, params, history, keys):  # type: ignore[no-untyped-def]
+    """Each row processed once inside a loop, as the speculative rounds do, and both its
+    distribution and its draw taken from the result."""
+
+    def row(x, key):  # type: ignore[no-untyped-def]
+        processed = process_logits(x, params, history)
+        return distribution(processed, params), draw_processed(processed, params, key)
+
+    return jax.lax.map(lambda a: row(*a), (logits, keys))
+
+
+@pytest.mark.parametrize("params", SETTINGS)
+def test_distribution_and_draw_of_processed_logits_are_bitwise_the_samplers(
+    params: SamplingParams,
+) -> None:
+    logits = jax.random.normal(jax.random.key(4), (64, 50)) * 3.0
+    logits = logits.at[::4].set(jnp.round(logits[::4]))  # ties, for the stable sort's order
+    history = History.from_prompt([1, 2, 3], 50).add(jnp.int32(4)).add(jnp.int32(4))
+    keys = _KEYS[:64]
+    probs, tokens = _from_processed(logits, params, history, keys)
+    want_probs = jax.vmap(probabilities, in_axes=(0, None, None))(logits, params, history)
+    want_tokens = _rows(logits, params, history, keys)
+    assert np.array_equal(np.asarray(probs).view(np.uint32),
+                          np.asarray(want_probs).view(np.uint32))
+    assert np.array_equal(tokens, want_tokens)
+    if not params.is_greedy:  # control: the comparison sees a one-bit change of a logit
+        top = int(jnp.argmax(logits[0]))
+        bumped = logits.at[0, top].set(jnp.nextafter(logits[0, top], jnp.inf))
+        got = np.asarray(_from_processed(bumped, params, history, keys)[0])
+        assert not np.array_equal(got.view(np.uint32), np.asarray(probs).view(np.uint32))
 
 
 def test_token_key_is_fold_in_of_the_index() -> None:

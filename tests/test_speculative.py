@@ -24,6 +24,12 @@ from turbospark_jax.drafters import (
 )
 from turbospark_jax.drafters.ngram import NGramDevice, propose
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.rounds import (
+    DraftSampler,
+    history_rows,
+    point_masses,
+    proposal_distributions,
+)
 from turbospark_jax.rounds import judge as _judge
 from turbospark_jax.speculative import MAX_DRAFT, run_raw_completion_speculative
 from turbospark_jax.state import FedRecord
@@ -298,6 +304,127 @@ def test_ngram_proposes_the_latest_match():
     assert propose([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3, max_n=3) == [7, 5, 1]
     assert propose([1, 2, 3, 4], 2, max_n=2) == []
     assert propose([5, 6, 5], 4, max_n=2) == [6, 5]
+
+
+# -- the judgement reads only the rows it needs, and keeps the drafter's q ---------------------
+
+
+def _judge_every_row(rows, q, proposals, m, params, history, key, index):
+    """The judgement written the plain way: ``p`` for every row at once, the bonus sampled
+    from the raw row. :func:`judge` stops at the first rejection and reuses the shaped row;
+    it must emit exactly this."""
+    accept_key, resample_key = jax.random.fold_in(key, 2), jax.random.fold_in(key, 3)
+    draft = proposals.shape[0]
+    hist = history_rows(history, proposals)
+    p = jax.vmap(sampling.probabilities, in_axes=(0, None, 0))(rows, params, hist)
+    i = jnp.arange(draft, dtype=jnp.int32)
+    u = jax.vmap(lambda j: jax.random.uniform(sampling.token_key(accept_key, index + j)))(i)
+    keep = (i < m) & (u * q[i, proposals] < p[i, proposals])
+    accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32)))
+    at = jax.tree.map(lambda a: a[accepted], hist)
+    bonus = sampling.sample(rows[accepted], params, at, sampling.token_key(key, index + accepted))
+    q_at = jnp.where(accepted < draft, q[jnp.minimum(accepted, draft - 1)], 0.0)
+    residual = jnp.maximum(p[accepted] - q_at, 0.0)
+    resampled = jax.random.categorical(
+        sampling.token_key(resample_key, index + accepted),
+        jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0)), -jnp.inf),
+    ).astype(jnp.int32)
+    rejected = (params.temperature > 0) & (jnp.sum(residual) > 0) & (accepted < m)
+    final = jnp.where(rejected, resampled, bonus).astype(jnp.int32)
+    out = jnp.concatenate([proposals, jnp.full((1,), -1, jnp.int32)])
+    out = jnp.where(jnp.arange(draft + 1) < accepted, out, -1).at[accepted].set(final)
+    return out, accepted + 1, at.add(final)
+
+
+JUDGE_V = 64
+JUDGE_SETTINGS = [
+    SamplingConfig(),
+    SamplingConfig(temperature=0.8, top_p=0.9),
+    SamplingConfig(temperature=1.0, top_k=12),
+    SamplingConfig(temperature=0.7, min_p=0.05, repetition_penalty=1.2, presence_penalty=0.3,
+                   frequency_penalty=0.1),
+    SamplingConfig(temperature=1.3, top_k=20, top_p=0.8, min_p=0.02),
+]
+_judge_jit = jax.jit(_judge)
+_every_row_jit = jax.jit(_judge_every_row)
+
+
+def _judge_case(seed: int, config: SamplingConfig, point_mass: bool):
+    """Random target rows, proposals drawn from nearby drafter rows, their q, and ``m``."""
+    rng = np.random.default_rng(seed)
+    params = config.to_params()
+    target = rng.standard_normal((MAX_DRAFT + 1, JUDGE_V)).astype(np.float32) * 2.0
+    target[::3] = np.round(target[::3])  # ties
+    drafter = jnp.asarray(target[:MAX_DRAFT] + rng.standard_normal(
+        (MAX_DRAFT, JUDGE_V)).astype(np.float32) * 0.7)
+    history = sampling.History.from_prompt(rng.integers(0, JUDGE_V, 5), JUDGE_V).add(
+        jnp.int32(3))
+    key = sampling.request_key(seed)
+    hist, proposals = history, []
+    for i in range(MAX_DRAFT):
+        proposals.append(int(sampling.sample(drafter[i], params, hist,
+                                             sampling.token_key(key, 50 + i))))
+        hist = hist.add(jnp.int32(proposals[-1]))
+    proposals = jnp.asarray(proposals, jnp.int32)
+    m = jnp.int32(rng.integers(0, MAX_DRAFT + 1))
+    q = (point_masses(proposals, m, JUDGE_V) if point_mass
+         else proposal_distributions(drafter, proposals, m, params, history))
+    return jnp.asarray(target), q, proposals, m, params, history, key, jnp.int32(seed % 7)
+
+
+@pytest.mark.parametrize("point_mass", [False, True])
+@pytest.mark.parametrize("config", JUDGE_SETTINGS, ids=range(len(JUDGE_SETTINGS)))
+def test_judge_equals_the_judgement_over_every_row_bitwise(config, point_mass):
+    counts = set()
+    for seed in range(12):
+        case = _judge_case(seed, config, point_mass)
+        got = _judge_jit(*case)
+        want = _every_row_jit(*case)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (seed, config)
+        counts.add(int(got[1]))
+        # The rows after the first rejection are never read: NaN there changes nothing.
+        rows = case[0].at[int(got[1]):].set(jnp.nan)
+        again = _judge_jit(rows, *case[1:])
+        for a, b in zip(jax.tree.leaves(again), jax.tree.leaves(got), strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), (seed, config)
+    assert len(counts) > 1  # the cases reject at different rows
+
+
+def test_control_the_judge_comparison_sees_a_changed_bonus_key():
+    """The comparison above can fail: a bonus drawn with the next token's key differs."""
+    config = JUDGE_SETTINGS[1]
+    differ = 0
+    for seed in range(12):
+        case = _judge_case(seed, config, False)
+        shifted = _every_row_jit(*case[:-1], case[-1] + 1)
+        differ += not np.array_equal(np.asarray(_judge_jit(*case)[0]), np.asarray(shifted[0]))
+    assert differ > 0
+
+
+@pytest.mark.parametrize("config", JUDGE_SETTINGS[1:], ids=range(1, len(JUDGE_SETTINGS)))
+def test_device_draft_loop_keeps_the_q_the_host_loop_recomputes(config):
+    """The draft model's device loop keeps each row's q as it samples; the host loop
+    recomputes q from the drafter's logits. Bitwise the same."""
+    drafter = ATT_DRAFTERS["other_model"]
+    device, params = drafter.on_device()
+    params_s, m, start = config.to_params(), 6, len(PROMPT) - 1
+    state = drafter.prime(drafter.init_state(), PROMPT[:-1], 0)
+    target = BlockState(cache=(), fed=FedRecord.from_ids(PROMPT[:-1], capacity=160))
+    history = sampling.History.from_prompt(PROMPT, V)
+    sampler = DraftSampler(params=params_s, history=history, key=sampling.request_key(8),
+                           index=jnp.int32(2))
+    proposals, q, count, _ = jax.jit(device.propose)(
+        params, state, target, jnp.int32(PROMPT[-1]), jnp.int32(m), sampler)
+    assert int(count) == m
+    rows, tok = [], PROMPT[-1]
+    for i in range(m):
+        logits, state = drafter.step(state, tok, start + i)
+        rows.append(logits)
+        tok = int(proposals[i])
+    rows = jnp.zeros((MAX_DRAFT, V), jnp.float32).at[:m].set(jnp.stack(rows))
+    want = proposal_distributions(rows, proposals, count, params_s, history)
+    assert np.array_equal(np.asarray(q).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
 # -- the rejection sampler preserves the target distribution ---------------------------------

@@ -13,9 +13,10 @@ A round, with the last emitted token ``pending`` not yet fed to the target:
 stop id is emitted or logits turn non-finite, writing the emitted tokens (and the target rows
 behind them) into output buffers; the host sees the burst only when it ends.
 
-:func:`judge` and :func:`proposal_distributions` are shared with the host loop of
-:mod:`turbospark_jax.speculative`, which stays the reference: with the same keys both loops
-emit the same tokens.
+:func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
+the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
+sampling drafter's ``q`` from its logits (:func:`proposal_distributions`); the device draft
+loop keeps each row's ``q`` as it samples, and the two agree bit for bit.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def proposal_distributions(
     params: sampling.SamplingParams, history: sampling.History,
 ) -> jax.Array:
     """q for each proposal: the distribution it was sampled from, under the same shaping as
-    the target's p (the history grows by the proposals before it).
+    the target's p (the history grows by the proposals before it). The host loop's way; a
+    device drafter returns the same rows from its draft loop.
 
     drafter_rows: f32[MAX_DRAFT, V]; proposals: i32[MAX_DRAFT]; ``count`` are real. Returns
     f32[MAX_DRAFT, V] with zero rows past ``count``.
@@ -119,20 +121,41 @@ def judge(
     masses: keep while the proposal is the target's argmax, then the argmax. Emits ``count``
     tokens (``tokens[:count]``; -1 after); token ``index + i`` uses ``token_key(key, index +
     i)`` for the bonus draw, as plain decoding does.
+
+    Only the rows up to the first rejection are shaped into ``p`` (each may sort the
+    vocabulary for top-k/top-p), one at a time: the rows after it are never read.
     """
     accept_key = jax.random.fold_in(key, 2)
     resample_key = jax.random.fold_in(key, 3)
     draft = proposals.shape[0]
     hist = history_rows(history, proposals)  # row i: after the proposals before it
-    p = jax.vmap(sampling.probabilities, in_axes=(0, None, 0))(rows, params, hist)
     i = jnp.arange(draft, dtype=jnp.int32)
     u = jax.vmap(lambda j: jax.random.uniform(sampling.token_key(accept_key, index + j)))(i)
-    keep = (i < m) & (u * q[i, proposals] < p[i, proposals])
-    accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32)))
+    u_q = u * q[i, proposals]  # proposal i is kept while u_q[i] < p_i(proposals[i])
+    # carry: (row j, its processed logits f32[V], its p f32[V], whether proposal j was kept)
+    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
+
+    def undecided(c: Carry) -> jax.Array:
+        return c[3]
+
+    def next_row(c: Carry) -> Carry:
+        j = c[0]
+        processed = sampling.process_logits(rows[j], params, jax.tree.map(lambda a: a[j], hist))
+        p = sampling.distribution(processed, params)
+        at = jnp.minimum(j, draft - 1)
+        keep = (j < m) & (u_q[at] < p[proposals[at]])
+        return j + keep.astype(jnp.int32), processed, p, keep
+
+    # A while_loop, not a map over the rows: it stops at the first rejection, so it shapes
+    # accepted + 1 rows (a trip count that is data) and row ``accepted``'s processed logits
+    # serve the bonus draw as well.
+    zeros = jnp.zeros((rows.shape[1],), jnp.float32)
+    accepted, processed, p, _ = jax.lax.while_loop(
+        undecided, next_row, (jnp.int32(0), zeros, zeros, jnp.bool_(True)))
     at = jax.tree.map(lambda a: a[accepted], hist)
-    bonus = sampling.sample(rows[accepted], params, at, sampling.token_key(key, index + accepted))
+    bonus = sampling.draw_processed(processed, params, sampling.token_key(key, index + accepted))
     q_at = jnp.where(accepted < draft, q[jnp.minimum(accepted, draft - 1)], 0.0)
-    residual = jnp.maximum(p[accepted] - q_at, 0.0)
+    residual = jnp.maximum(p - q_at, 0.0)
     resampled = jax.random.categorical(
         sampling.token_key(resample_key, index + accepted),
         jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0)), -jnp.inf),

@@ -67,7 +67,9 @@ __all__ = [
     "SamplingConfig",
     "SamplingParams",
     "check_sampling_args",
+    "distribution",
     "draw",
+    "draw_processed",
     "greedy_token",
     "is_greedy",
     "needs_truncation",
@@ -563,6 +565,40 @@ def draw(
 
 
 _sample = jax.jit(draw)
+
+
+def distribution(processed: jax.Array, params: SamplingParams) -> jax.Array:
+    """:func:`probabilities` from :func:`process_logits`'s output, for use inside a compiled
+    program (traced arguments, no checks).
+
+    A program that needs both a row's distribution and a draw from it (the speculative
+    rounds) processes the row once, sorting the vocabulary at most once, and takes both
+    from the result: bitwise what :func:`probabilities` and :func:`sample` return.
+
+    Args:
+      processed: float32 ``[V]`` from :func:`process_logits`.
+      params: the settings it was processed with.
+
+    Returns:
+      float32 ``[V]``: the softmax, or at temperature 0 a one-hot at the greedy token.
+    """
+    return lax.cond(
+        _is_sampled(params),
+        jax.nn.softmax,
+        lambda x: jax.nn.one_hot(jnp.argmax(x), x.shape[0], dtype=jnp.float32),
+        processed,
+    )
+
+
+def draw_processed(processed: jax.Array, params: SamplingParams, key: jax.Array) -> jax.Array:
+    """:func:`sample`'s token from :func:`process_logits`'s output (traced arguments, no
+    checks; see :func:`distribution`): int32 ``[]``, bitwise the same for the same key."""
+    return lax.cond(
+        _is_sampled(params),
+        lambda x: jax.random.categorical(key, x).astype(jnp.int32),
+        lambda x: jnp.argmax(x).astype(jnp.int32),
+        processed,
+    )
 
 
 def token_key(base_key: jax.Array, index: jax.Array | int) -> jax.Array:

@@ -25,7 +25,7 @@ from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
-from turbospark_jax.rounds import DraftSampler, proposal_distributions
+from turbospark_jax.rounds import DraftSampler
 
 
 class DraftModelDrafter(Drafter):
@@ -146,31 +146,35 @@ class DraftModelDevice(DeviceDrafter):
             return (i < m) & finite
 
         def body(c):
-            i, st, tokens, proposals, rows, hist, _ = c
+            i, st, tokens, proposals, q, hist, _ = c
             live = jnp.where(i == 0, lag + 1, 1)
             logits, st = feed_block(self.model, params, st, tokens, live, head)
             last = logits[live - 1]
             finite = jnp.all(jnp.isfinite(last))
-            if sampler.greedy:  # static: the same token, with no branch on the temperature
+            if sampler.greedy:  # static: the same token, no branch on the temperature, and
+                # no q (the greedy judge reads none)
                 tok = sampling.greedy_token(last, sampler.params, hist)
             else:
                 key = sampling.token_key(sampler.key, sampler.index + i)
-                tok = sampling.sample(last, sampler.params, hist, key).astype(jnp.int32)
+                # The row is shaped once for both the draw and its q (what ``sample`` and
+                # ``probabilities`` would each compute, sorting once instead of twice).
+                processed = sampling.process_logits(last, sampler.params, hist)
+                tok = sampling.draw_processed(processed, sampler.params, key)
+                q = q.at[i].set(sampling.distribution(processed, sampler.params))
             proposals = jnp.where(finite, proposals.at[i].set(tok), proposals)
-            rows = rows.at[i].set(last)
             hist = hist.add(tok)
             nxt = jnp.zeros((self.width,), jnp.int32).at[0].set(tok)
-            return i + 1, st, nxt, proposals, rows, hist, finite
+            return i + 1, st, nxt, proposals, q, hist, finite
 
         vocab = self.model.vocab_size
         init = (jnp.int32(0), state, first, jnp.zeros((MAX_DRAFT,), jnp.int32),
                 jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
-        steps, state, _, proposals, rows, _, finite = jax.lax.while_loop(cond, body, init)
+        steps, state, _, proposals, q, _, finite = jax.lax.while_loop(cond, body, init)
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
         # host loop, the drafter goes back to the committed sequence.
         count = jnp.where(finite, steps, steps - 1)
         state = jnp_rewind(state, jnp.where(finite, state.fed.count, target.fed.count))
-        q = proposal_distributions(rows, proposals, count, sampler.params, sampler.history)
+        q = jnp.where((jnp.arange(MAX_DRAFT) < count)[:, None], q, 0.0)
         return proposals, q, count, state
 
     def commit(self, state: BlockState, keep: jax.Array) -> BlockState:
