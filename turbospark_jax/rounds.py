@@ -353,7 +353,7 @@ def compiled_rounds(
     of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
     the variant for greedy requests (:func:`judge_greedy`, drafters drafting argmax tokens):
     the same tokens, with none of the sampling machinery and no branch on the temperature,
-    which a GPU pays for with host round trips. Arguments:
+    which can cost a GPU a host round trip each (XLA runs some on the device). Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""

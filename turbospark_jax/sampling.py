@@ -459,7 +459,7 @@ def is_greedy(params: SamplingParams) -> bool:
 def greedy_token(logits: jax.Array, params: SamplingParams, history: History) -> jax.Array:
     """:func:`draw`'s token at temperature 0, for use inside a compiled program (traced
     arguments, no checks): the argmax of the penalized logits, lowest id on ties, with no
-    branch on the temperature (a conditional returns its predicate to the host on a GPU).
+    branch on the temperature (a conditional can return its predicate to the host on a GPU).
     Bitwise :func:`draw`'s greedy branch; only for requests that :func:`is_greedy`."""
     return jnp.argmax(_penalize(logits.astype(jnp.float32), params, history)).astype(jnp.int32)
 
