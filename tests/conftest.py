@@ -17,6 +17,10 @@ if _cache:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    # A size limit turns on the cache's file lock; without one, jax writes an entry in place
+    # and a process reading it meanwhile can load half an executable (a worker died so, in
+    # XLA's deserialisation, twice in local runs with several processes sharing the cache).
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
 if os.environ["JAX_PLATFORMS"] == "cpu" and "XLA_FLAGS" not in os.environ:
     # The tests' models are tiny: compiling, not running, is most of the suite's time. Less
     # LLVM optimisation compiles about 30% faster; the arithmetic is the same (no fast-math
