@@ -9,6 +9,9 @@
 #   bash benchmarks/h200_session.sh 5 "$OUT"   # Qwen3.5 / Gemma 4 figures (benchmarks.families)
 #   bash benchmarks/h200_session.sh 6 "$OUT"   # the recipe's train step traced (issue 18) and the
 #                                              # row-invariant kernels again (issue 19)
+#   bash benchmarks/h200_session.sh 7 "$OUT"   # the delta-rule row kernel (recurrence="pallas"):
+#                                              # its tests, the layer against the XLA loop, the
+#                                              # Qwen3.5 bitwise checks and figures on it
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -68,5 +71,15 @@ case "$stage" in
 6)
   timeout 300 python3 -m benchmarks.profile_train --out "$out" 2>&1 | quiet
   timeout 200 python3 -m benchmarks.rowinv --out "$out/rowinv" --budget-s 170 2>&1 | quiet | tail -5
+  ;;
+7)
+  timeout 120 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
+    tests/test_pallas_delta_rule.py 2>&1 | tail -2
+  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  timeout 120 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
+    quiet
+  timeout 120 python3 -m benchmarks.qwen35_exactness --recurrence pallas 2>&1 | quiet | tail -20
+  timeout 300 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
+    --recurrence pallas --out "$out/families_pallas" 2>&1 | quiet
   ;;
 esac

@@ -15,12 +15,13 @@ Qwen3-Next fuses the DeltaNet projections (``in_proj_qkvz`` / ``in_proj_ba``, gr
 head); Qwen3.5 keeps them apart. Mixture-of-experts MLPs are refused.
 
 Row by row: the recurrence runs as a loop over the live rows of a block (one pass for a decode
-step; padding rows leave the state as it was), so decode, chunked prefill and verify are one
-program and chunked == token by token holds bitwise. The loop also writes a tape: each row's
-conv and recurrent state (``retain_rows`` selects from it, so ``rollback_retaining`` needs no
-replay) and each row's final hidden state (what the MTP head reads). The tape costs
-``max_width * Hv * dk * dv * 4`` bytes per linear layer (Qwen3.5-9B shape, ``max_width`` 16:
-768 MiB in all).
+step; padding rows leave the state as it was; ``recurrence="pallas"`` walks them in one GPU
+kernel per layer, :mod:`~turbospark_jax.models.pallas_delta_rule`), so decode, chunked
+prefill and verify are one program and chunked == token by token holds bitwise. The loop also
+writes a tape: each row's conv and recurrent state (``retain_rows`` selects from it, so
+``rollback_retaining`` needs no replay) and each row's final hidden state (what the MTP head
+reads). The tape costs ``max_width * Hv * dk * dv * 4`` bytes per linear layer (Qwen3.5-9B
+shape, ``max_width`` 16: 768 MiB in all).
 
 Params (``D`` hidden, ``V`` vocab, ``F`` MLP width, ``H``/``KV``/``hd`` attention heads, ``C``
 the conv channels ``2 * Hk * dk + Hv * dv``, ``K`` the conv width); matrices are ``[in, out]``
@@ -51,7 +52,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.models import pallas_delta_rule
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.delta_rule import delta_rule_chunked
 from turbospark_jax.models.family import Family, HFTensor, Params
@@ -268,6 +270,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
+RECURRENCE_MODES = ("xla", "pallas", "interpret")
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 State = tuple[jax.Array, jax.Array]  # (conv [K-1, C], recurrent float32 [Hv, dk, dv])
 
@@ -283,6 +286,13 @@ class Qwen35Model(BlockModel):
       max_width: the widest block ``block_forward`` accepts: the tape keeps this many rows.
       tap_layers: layers whose output rows the cache records for every fed position
         (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
+      recurrence: how the exact path walks the delta rule's rows: ``"xla"`` (the default: a
+        loop of XLA kernels over the live rows), ``"pallas"`` (one Triton kernel per layer,
+        :mod:`~turbospark_jax.models.pallas_delta_rule`, GPU only: the XLA loop returns to the
+        host on every pass there), or ``"interpret"`` (that kernel in the Pallas interpreter,
+        for tests on a CPU). Each choice is one program for every path, so the bitwise
+        guarantees hold within it; the kernel is not yet the GPU default because it has not
+        yet been run on one.
     """
 
     can_tap = True
@@ -294,12 +304,40 @@ class Qwen35Model(BlockModel):
     dtype: Any = jnp.float32
     max_width: int = 16
     tap_layers: tuple[int, ...] = ()
+    recurrence: str = "xla"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         if self.max_width < 1:
             raise BadInputError(f"max_width must be >= 1, got {self.max_width}")
+        if self.recurrence not in RECURRENCE_MODES:
+            raise BadInputError(f"recurrence must be one of {', '.join(RECURRENCE_MODES)}; "
+                                f"got {self.recurrence!r}")
+
+    def _recurrence_kernel(self) -> bool | str:
+        """Whether the exact path's rows run as the Pallas kernel (``"interpret"``: in the
+        interpreter).
+
+        Raises:
+          UnsupportedCapabilityError: ``recurrence="pallas"`` off a GPU, or with head sizes
+            the kernel does not tile.
+        """
+        if self.recurrence != "pallas":
+            return "interpret" if self.recurrence == "interpret" else False
+        c = self.config
+        if jax.default_backend() != "gpu":
+            raise UnsupportedCapabilityError(
+                f"recurrence='pallas' runs a Triton kernel and needs a GPU; this backend is "
+                f"{jax.default_backend()!r} (recurrence='interpret' runs it in the Pallas "
+                "interpreter)")
+        if not pallas_delta_rule.supported(c.linear_key_head_dim, c.linear_value_head_dim):
+            raise UnsupportedCapabilityError(
+                f"recurrence='pallas' tiles power-of-two head sizes of at least 16 (value "
+                f"heads in multiples of {pallas_delta_rule.VALUE_TILE}); this model has "
+                f"linear_key_head_dim={c.linear_key_head_dim}, "
+                f"linear_value_head_dim={c.linear_value_head_dim}")
+        return True
 
     @property
     def vocab_size(self) -> int:
@@ -447,16 +485,21 @@ class Qwen35Model(BlockModel):
                                            jnp.where(real, beta, 0.0), rec)
             tape = False
         else:
-            # Only the live rows run: a decode step is one pass of the row update, not W (on a
-            # GPU each pass is a handful of small kernels per layer). Every row runs the same
-            # loop body whatever the block's width or live count, so chunked == token by token
-            # still holds bitwise. Padding rows' outputs stay zero; their tape rows hold the
-            # state after the last live row.
-            states = jnp.zeros((w, *rec.shape), f32) if tape else jnp.zeros((), f32)
-            rec, core, states = jax.lax.fori_loop(
-                0, live, row, (rec, jnp.zeros(v.shape, f32), states))
-            if tape:
-                states = jnp.where((rows < live)[:, None, None, None], states, rec[None])
+            # Only the live rows run: a decode step is one pass of the row update, not W.
+            # Every row runs the same loop body whatever the block's width or live count, so
+            # chunked == token by token still holds bitwise. Padding rows' outputs stay zero;
+            # their tape rows hold the state after the last live row. The kernel walks the
+            # rows in one launch (on a GPU the XLA loop returns to the host every pass).
+            kernel = self._recurrence_kernel()
+            if kernel:
+                core, rec, states = pallas_delta_rule.delta_rule_rows(
+                    q, k, v, g, beta, rec, live, tape=tape, interpret=kernel == "interpret")
+            else:
+                states = jnp.zeros((w, *rec.shape), f32) if tape else jnp.zeros((), f32)
+                rec, core, states = jax.lax.fori_loop(
+                    0, live, row, (rec, jnp.zeros(v.shape, f32), states))
+                if tape:
+                    states = jnp.where((rows < live)[:, None, None, None], states, rec[None])
         core = core.astype(self.dtype)  # [W, Hv, dv]
         gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
         gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)

@@ -1,0 +1,156 @@
+"""The delta-rule row kernel (``models/pallas_delta_rule.py``) in the Pallas interpreter: close to
+the XLA row loop, and, as the exact path of a Qwen3.5 model (``recurrence="interpret"``), every
+bitwise guarantee of that path, each with its control."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+from turbospark_jax.models import qwen3_5 as Q
+from turbospark_jax.models import qwen3_5_config as QC
+from turbospark_jax.models.pallas_delta_rule import delta_rule_rows
+from turbospark_jax.state import copy_state, live_equal
+from turbospark_jax.testing import conformance as C
+
+L, F = QC.LINEAR, QC.FULL
+VOCAB, WIDTH, CAPACITY = 48, 5, 40  # a width that is no power of two: the kernel pads it
+CONFIG = QC.Qwen35Config(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
+    linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+    layer_types=(L, F, L))
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+
+
+def _rows(width: int, heads: int, dk: int, dv: int, seed: int = 0) -> tuple[jax.Array, ...]:
+    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(ks[0], (width, heads, dk))) * dk**-0.5
+    k = unit(jax.random.normal(ks[1], (width, heads, dk)))
+    v = jax.random.normal(ks[2], (width, heads, dv))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (width, heads)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (width, heads)))
+    state = jax.random.normal(ks[5], (heads, dk, dv))
+    return q, k, v, g, beta, state
+
+
+def _reference(q, k, v, g, beta, state, live):
+    """The rule written out in numpy, one row at a time (float64)."""
+    s = np.asarray(state, np.float64)
+    out = np.zeros(v.shape, np.float64)
+    tape = []
+    for r in range(q.shape[0]):
+        if r < live:
+            s = s * np.exp(np.asarray(g[r], np.float64))[:, None, None]
+            read = np.einsum("hkv,hk->hv", s, np.asarray(k[r], np.float64))
+            delta = (np.asarray(v[r], np.float64) - read) * np.asarray(beta[r])[:, None]
+            s = s + np.asarray(k[r], np.float64)[:, :, None] * delta[:, None, :]
+            out[r] = np.einsum("hkv,hk->hv", s, np.asarray(q[r], np.float64))
+        tape.append(s)
+    return out, s, np.stack(tape)
+
+
+@pytest.mark.parametrize("width, live", [(5, 0), (5, 3), (5, 5), (16, 16), (3, 1)])
+def test_kernel_follows_the_rule_row_by_row(width: int, live: int) -> None:
+    args = _rows(width, 3, 16, 32)
+    out, state, tape = delta_rule_rows(*args, jnp.int32(live), interpret=True)
+    want_out, want_state, want_tape = _reference(*args, live)
+    np.testing.assert_allclose(out, want_out, atol=1e-5)
+    np.testing.assert_allclose(state, want_state, atol=1e-5)
+    np.testing.assert_allclose(tape, want_tape, atol=1e-5)
+    assert not np.any(np.asarray(out)[live:])  # padding rows read as zeros
+    _, _, none = delta_rule_rows(*args, jnp.int32(live), tape=False, interpret=True)
+    assert none is None
+
+
+def test_kernel_rows_one_call_each_equal_one_call_for_all_bitwise() -> None:
+    q, k, v, g, beta, state = _rows(5, 2, 16, 16, seed=1)
+    whole, end, _ = delta_rule_rows(q, k, v, g, beta, state, jnp.int32(5), interpret=True)
+    s, outs = state, []
+    for r in range(5):
+        one = [jnp.zeros_like(x).at[0].set(x[r]) for x in (q, k, v, g, beta)]
+        o, s, _ = delta_rule_rows(*one, s, jnp.int32(1), interpret=True)
+        outs.append(o[0])
+    assert np.array_equal(np.stack(outs), whole) and np.array_equal(s, end)
+    # Control: the same walk from a state one bit off differs.
+    bad = np.array(state).reshape(-1)
+    bad[0] = (bad[:1].view(np.uint32) ^ np.uint32(1)).view(np.float32)[0]
+    other, _, _ = delta_rule_rows(q, k, v, g, beta, jnp.asarray(bad.reshape(state.shape)),
+                                  jnp.int32(5), interpret=True)
+    assert not np.array_equal(other, whole)
+
+
+@pytest.fixture(scope="module")
+def producers() -> tuple[BlockProducer, BlockProducer]:
+    """The same params on the kernel (interpreted) and on the XLA loop."""
+    xla = Q.Qwen35Model(CONFIG, max_width=WIDTH, recurrence="xla")
+    params = xla.init_params(jax.random.PRNGKey(0))
+    kernel = dataclasses.replace(xla, recurrence="interpret")
+    make = lambda m: BlockProducer(m, params, capacity=CAPACITY, width=WIDTH,  # noqa: E731
+                                   steps_per_call=4)
+    return make(kernel), make(xla)
+
+
+def test_kernel_path_is_close_to_the_xla_loop(producers: Any) -> None:
+    kernel, xla = producers
+    got, kstate = kernel.prefill_chunk(kernel.init_state(), PROMPT, 0)
+    want, xstate = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    for a, b in zip(kstate.cache.recurrent, xstate.cache.recurrent, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_kernel_path_chunked_equals_token_by_token(producers: Any) -> None:
+    kernel, _ = producers
+    C.check_chunked_matches_sequential(kernel, PROMPT, [2, 7, 8])
+    C.check_prefill_matches_produce(kernel, PROMPT[:6])
+    with pytest.raises(C.ConformanceError):
+        C.check_chunked_matches_sequential(C.perturbed(kernel, "chunk_logits_bit"), PROMPT,
+                                           [2, 7, 8])
+
+
+def test_kernel_path_verify_rows_equal_decode(producers: Any) -> None:
+    kernel, _ = producers
+    C.check_verify_matches_decode(kernel, PROMPT[:6], PROMPT[6:11])
+    with pytest.raises(C.ConformanceError):
+        C.check_verify_matches_decode(C.perturbed(kernel, "verify_row_bit"), PROMPT[:6],
+                                      PROMPT[6:11])
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3])
+def test_kernel_path_rollback_retaining_equals_decoding_the_kept_rows(
+        producers: Any, keep: int) -> None:
+    kernel, _ = producers
+    prefix, feed = PROMPT[:7], PROMPT[7:11]
+    _, state = kernel.prefill_chunk(kernel.init_state(), prefix, 0)
+    point = kernel.checkpoint(state)
+    decoded = copy_state(state)
+    for i, tok in enumerate(feed[:keep]):
+        _, decoded = kernel.produce(decoded, tok, len(prefix) + i)
+    _, verified = kernel.verify(state, feed, len(prefix))
+    retained = kernel.rollback_retaining(verified, point, keep)
+    assert live_equal(retained, decoded)
+    if keep:  # control: keeping one row more is another state
+        assert not live_equal(kernel.rollback_retaining(verified, point, keep + 1), decoded)
+
+
+def test_unknown_recurrence_mode_is_refused() -> None:
+    with pytest.raises(BadInputError, match="recurrence must be one of xla, pallas, interpret"):
+        Q.Qwen35Model(CONFIG, recurrence="triton")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the kernel runs on a GPU")
+def test_the_gpu_kernel_off_a_gpu_is_refused_by_name(producers: Any) -> None:
+    kernel, _ = producers
+    model = dataclasses.replace(kernel.model, recurrence="pallas")
+    other = BlockProducer(model, kernel.params, capacity=CAPACITY, width=WIDTH)
+    with pytest.raises(UnsupportedCapabilityError, match="needs a GPU; this backend is 'cpu'"):
+        other.produce(other.init_state(), 3, 0)
