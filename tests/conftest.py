@@ -1,9 +1,11 @@
 """Shared test settings: small hypothesis budgets (CI has 2 cores) and no deadlines (the first
 example of a property compiles its program)."""
 
+import gc
 import os
 import tempfile
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -17,10 +19,10 @@ if _cache:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _cache)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    # A size limit turns on the cache's file lock; without one, jax writes an entry in place
-    # and a process reading it meanwhile can load half an executable (a worker died so, in
-    # XLA's deserialisation, twice in local runs with several processes sharing the cache).
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(32 << 30))
+    # No size limit: with one, jax takes a file lock for every read and, for every write,
+    # lists and stats the whole cache under that lock, which made a cold suite run slower
+    # than no cache at all. A read that meets an entry still being written fails to
+    # decompress, and jax then warns and compiles afresh.
 if os.environ["JAX_PLATFORMS"] == "cpu" and "XLA_FLAGS" not in os.environ:
     # The tests' models are tiny: compiling, not running, is most of the suite's time. Less
     # LLVM optimisation compiles about 30% faster; the arithmetic is the same (no fast-math
@@ -41,3 +43,37 @@ for name, examples in {"ci": 15, "quick": 5, "thorough": 300}.items():
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _mapped_regions() -> int | None:
+    try:
+        with open(f"/proc/{os.getpid()}/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return None
+
+
+def _map_limit() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read())
+    except (OSError, ValueError):
+        return 65530
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drop jax's compiled programs after a test file once the process maps more than half
+    of the kernel's limit on memory regions. Every XLA CPU executable maps about 20 regions
+    and stays loaded while jax caches it, so a worker that compiles a few thousand programs
+    reaches ``vm.max_map_count`` (65,530 by default), and the next compile or cache load
+    then dies in XLA with a segmentation fault: measured here, a worker grew by about 1,000
+    regions every 15 s of the suite, and the suite's workers crashed so after 15 minutes.
+    Programs a later file needs again are compiled again (or read from the disk cache)."""
+    yield
+    regions = _mapped_regions()
+    if regions is not None and regions > _map_limit() // 2:
+        import jax
+
+        jax.clear_caches()
+        gc.collect()

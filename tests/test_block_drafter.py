@@ -136,8 +136,10 @@ def test_chunked_prefill_taps_equal_token_by_token_taps_bitwise():
     differs = np.any(np.asarray(other.cache.taps[:n]) != np.asarray(chunked.cache.taps[:n]),
                      axis=(1, 2))
     assert not differs[:6].any() and differs[6:].all()
-    # The taps are the tapped layers' outputs: the cache-free forward agrees.
-    np.testing.assert_allclose(BATCH.taps[0], chunked.cache.taps[:n], atol=1e-5)
+    # The taps are the tapped layers' outputs: the cache-free forward (another program, so
+    # float32 rounding apart: 1.1e-5 measured with jaxlib 0.10.2 on this CPU) agrees within
+    # the 1e-4 every cross-program parity check states.
+    np.testing.assert_allclose(BATCH.taps[0], chunked.cache.taps[:n], atol=1e-4)
 
 
 def test_without_tap_layers_nothing_is_recorded():
