@@ -17,7 +17,6 @@ from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
 from turbospark_jax.models.pallas_delta_rule import delta_rule_rows
-from turbospark_jax.state import copy_state, live_equal
 from turbospark_jax.testing import conformance as C
 
 L, F = QC.LINEAR, QC.FULL
@@ -130,16 +129,22 @@ def test_kernel_path_rollback_retaining_equals_decoding_the_kept_rows(
         producers: Any, keep: int) -> None:
     kernel, _ = producers
     prefix, feed = PROMPT[:7], PROMPT[7:11]
-    _, state = kernel.prefill_chunk(kernel.init_state(), prefix, 0)
-    point = kernel.checkpoint(state)
-    decoded = copy_state(state)
-    for i, tok in enumerate(feed[:keep]):
-        _, decoded = kernel.produce(decoded, tok, len(prefix) + i)
-    _, verified = kernel.verify(state, feed, len(prefix))
-    retained = kernel.rollback_retaining(verified, point, keep)
-    assert live_equal(retained, decoded)
-    if keep:  # control: keeping one row more is another state
-        assert not live_equal(kernel.rollback_retaining(verified, point, keep + 1), decoded)
+    C.check_rollback_retaining_matches_decode(kernel, prefix, feed, keep, 5)
+    # Control: a producer that keeps one row more than asked fails the same check.
+    with pytest.raises(C.ConformanceError):
+        C.check_rollback_retaining_matches_decode(_keeps_one_more(kernel), prefix, feed, keep,
+                                                  5)
+
+
+def _keeps_one_more(producer: BlockProducer) -> Any:
+    class KeepsOneMore:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(producer, name)
+
+        def rollback_retaining(self, state: Any, point: Any, keep_rows: int) -> Any:
+            return producer.rollback_retaining(state, point, keep_rows + 1)
+
+    return KeepsOneMore()
 
 
 def test_unknown_recurrence_mode_is_refused() -> None:

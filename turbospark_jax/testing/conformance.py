@@ -186,6 +186,29 @@ def check_rollback_restores(
     _expect_same_logits("logits after rollback vs from the checkpointed copy", got, want)
 
 
+def check_rollback_retaining_matches_decode(
+    producer: VerifyingTarget, prefix: Sequence[int], feed: Sequence[int], keep: int,
+    probe: int,
+) -> Any:
+    """Verify ``feed`` after ``prefix`` and keep its first ``keep`` rows: the state equals
+    decoding those rows from the checkpoint, and ``probe`` after it gives the same logits.
+    Returns the retained state (for checks of a family's own leaves)."""
+    _, state = producer.prefill_chunk(producer.init_state(), list(prefix), 0)
+    point = producer.checkpoint(state)
+    decoded = _keep(state)
+    for i, tok in enumerate(feed[:keep]):
+        _, decoded = producer.produce(decoded, int(tok), len(prefix) + i)
+    _, verified = producer.verify(state, list(feed), len(prefix))
+    retained = producer.rollback_retaining(verified, point, keep)
+    what = f"keeping {keep} of {len(feed)} verified rows vs decoding them"
+    _expect_same_state(what, retained, decoded)
+    at = len(prefix) + keep
+    got, _ = producer.produce(_keep(retained), int(probe), at)
+    want, _ = producer.produce(_keep(decoded), int(probe), at)
+    _expect_same_logits(f"{what}, then position {at}", got, want)
+    return retained
+
+
 def check_reuse_matches_fresh(
     producer: LogitProducer, first: Sequence[int], generated: Sequence[int],
     second: Sequence[int],
