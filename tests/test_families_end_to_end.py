@@ -15,6 +15,7 @@ ties); prompts run past the Gemma model's sliding window, so its ring is exercis
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,60 @@ def test_chat_second_turn_equals_fresh(folder) -> None:
     assert second.usage.reused_tokens > 0 and fresh.usage.reused_tokens == 0
     assert second.token_ids == fresh.token_ids
     assert np.array_equal(_bits(second), _bits(fresh))
+
+
+def _write_assistant(folder: Path, vocab: int) -> None:
+    """A random Gemma 4 assistant for the fixture's Gemma 4 target (its hidden size, KV heads
+    and head dims), in the Hugging Face layout, at ``folder``."""
+    import json
+
+    import jax
+    from safetensors.numpy import save_file
+
+    from turbospark_jax.drafters import gemma4_assistant as A
+
+    centroids = next(n for n in (10, 12, 8, 6, 5, 4, 3, 2, 1) if vocab % n == 0)
+    raw = {"model_type": "gemma4_assistant", "backbone_hidden_size": 32,
+           "use_ordered_embeddings": True, "num_centroids": centroids,
+           "centroid_intermediate_top_k": max(1, centroids // 2),
+           "tie_word_embeddings": True, "dtype": "float32",
+           "text_config": dict(vocab_size=vocab, hidden_size=24, intermediate_size=40,
+                               num_hidden_layers=2,
+                               layer_types=["sliding_attention", "full_attention"],
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                               global_head_dim=16, sliding_window=4,
+                               hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)}
+    config = A.AssistantConfig.from_hf_dict(raw)
+    params = A.init_params(config, jax.random.PRNGKey(1))
+    tensors = {}
+    for t in A.hf_tensors(config):
+        leaf = params
+        for k in t.key:
+            leaf = leaf[k]
+        tensors[t.name] = t.to_hf(np.asarray(leaf))
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+def test_cli_drafting_with_the_gemma4_assistant_prints_the_plain_text(folder) -> None:
+    """``--drafter assistant`` finds ``<model>-assistant`` beside a Gemma 4 folder, drafts with
+    it, and prints exactly what plain greedy decoding prints (and what ``transformers``'
+    greedy ``generate`` gives)."""
+    path, hf, fast = folder
+    if hf.config.model_type != "gemma4_text":
+        pytest.skip("the assistant drafts for Gemma 4 targets")
+    _write_assistant(Path(f"{path}-assistant"), len(fast))
+    prompt = "def add(a, b):\n    return"
+    want = _hf_greedy_text(hf, fast, fast.encode(prompt))
+    args = ("generate", "--model", str(path), prompt, "--max-tokens", str(NEW_TOKENS),
+            "--context", "128")
+    out, err = io.StringIO(), io.StringIO()
+    code = main([*args, "--drafter", "assistant", "--draft-len", "3", "--stats"],
+                stdin=io.StringIO(""), stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    assert out.getvalue() == want + "\n" == _cli(*args)
+    stats = err.getvalue()
+    assert "[drafter] assistant as asked, draft length 3" in stats
+    rounds = re.search(r"speculative \((device|host) rounds\): (\d+) rounds", stats)
+    assert rounds and int(rounds.group(2)) > 0, stats  # it drafted and verified
