@@ -3,6 +3,7 @@ the Pallas kernel against the XLA row loop it replaces on a GPU: how close the t
 what one call of the layer costs for 1 and W live rows.
 
     PYTHONPATH=. python -m benchmarks.delta_rule_kernel [--out FILE]
+    PYTHONPATH=. python -m benchmarks.delta_rule_kernel --shapes tiny --kernel interpret  # CPU
 
 One JSON line per shape and live count: the largest difference between the two per output
 leaf (layer output, conv state, recurrent state, conv tape, recurrent tape) and microseconds
@@ -23,11 +24,13 @@ import numpy as np
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
 
-#: (name, hidden size, value heads, key dim, value dim) of the published shapes' DeltaNet layers.
-SHAPES = (("qwen3.5-0.8b", 1024, 16, 128, 128), ("qwen3.5-4b", 2560, 32, 128, 128))
+#: (hidden size, key heads, value heads, key dim, value dim) of a DeltaNet layer: the
+#: published shapes', and a tiny one for a run on the CPU.
+SHAPES = {"qwen3.5-0.8b": (1024, 16, 16, 128, 128), "qwen3.5-4b": (2560, 16, 32, 128, 128),
+          "tiny": (32, 2, 4, 16, 16)}
 
 
-def _timed(fn, *args, repeats: int = 50) -> float:
+def _timed(fn, *args, repeats: int) -> float:
     jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
     for _ in range(repeats):
@@ -36,27 +39,32 @@ def _timed(fn, *args, repeats: int = 50) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def _layer(name: str, hidden: int, heads: int, dk: int, dv: int, recurrence: str):
+def _layer(shape: tuple[int, ...], recurrence: str):
     """One DeltaNet layer of the shape, jitted: ``(params, h, state, live) -> (out, state,
     tape)`` with the model's own code, the recurrence run as asked."""
+    hidden, key_heads, value_heads, dk, dv = shape
     config = QC.Qwen35Config(
         vocab_size=16, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=1, num_key_value_heads=1, head_dim=16, linear_key_head_dim=dk,
-        linear_value_head_dim=dv, linear_num_key_heads=heads // 2 if "4b" in name else heads,
-        linear_num_value_heads=heads, layer_types=(QC.LINEAR,))
+        linear_value_head_dim=dv, linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads, layer_types=(QC.LINEAR,))
     model = Q.Qwen35Model(config, dtype=jnp.bfloat16, recurrence=recurrence)
     return model, jax.jit(lambda lp, h, state, live: model._delta_net(lp, h, state, live, True))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=16)
+    ap.add_argument("--shapes", default="qwen3.5-0.8b,qwen3.5-4b")
+    ap.add_argument("--kernel", choices=("pallas", "interpret"), default="pallas")
+    ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     w, records = args.width, []
-    for name, hidden, heads, dk, dv in SHAPES:
-        model, kernel = _layer(name, hidden, heads, dk, dv, "pallas")
-        _, loop = _layer(name, hidden, heads, dk, dv, "xla")
+    for name in args.shapes.split(","):
+        hidden, _, value_heads, dk, dv = SHAPES[name]
+        model, kernel = _layer(SHAPES[name], args.kernel)
+        _, loop = _layer(SHAPES[name], "xla")
         lp = model.init_params(jax.random.PRNGKey(0))["layers"][0]
         h = jax.random.normal(jax.random.PRNGKey(1), (w, hidden), jnp.bfloat16)
         state = model._zero_states()[0]
@@ -66,15 +74,17 @@ def main() -> None:
             got, want = kernel(lp, h, state, n), loop(lp, h, state, n)
             diff = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
                     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
-            t_kernel = _timed(kernel, lp, h, state, n)
-            t_loop = _timed(loop, lp, h, state, n)
+            t_kernel = _timed(kernel, lp, h, state, n, repeats=args.repeats)
+            t_loop = _timed(loop, lp, h, state, n, repeats=args.repeats)
             rec = dict(shape=name, width=w, live=live, max_diff_leaves=diff,
                        layer_us_kernel=1e6 * t_kernel, layer_us_xla_loop=1e6 * t_loop,
-                       state_mib=heads * dk * dv * 4 / 2**20, device=str(jax.devices()[0]))
+                       kernel=args.kernel, state_mib=value_heads * dk * dv * 4 / 2**20,
+                       device=str(jax.devices()[0]))
             print(json.dumps(rec), flush=True)
             records.append(rec)
     if args.out:
         args.out.write_text(json.dumps(records, indent=1) + "\n")
+    return records
 
 
 if __name__ == "__main__":

@@ -142,3 +142,17 @@ def test_assistant_oracle_benchmark_runs_and_is_lossless(tmp_path):
             assert r["accepted"] == 0 and r["mean_acceptance_length"] == 1.0
         else:
             assert 0 < r["accepted"] < r["drafted"]
+
+
+def test_delta_rule_kernel_benchmark_compares_the_kernel_with_the_xla_loop(tmp_path):
+    """The delta-rule kernel's benchmark runs on the CPU with the kernel interpreted, and the
+    layer it measures agrees with the XLA row loop on every output leaf."""
+    from benchmarks.delta_rule_kernel import main as kernel_main
+
+    out = tmp_path / "kernel.json"
+    records = kernel_main(["--shapes", "tiny", "--kernel", "interpret", "--width", "4",
+                           "--repeats", "1", "--out", str(out)])
+    assert [r["live"] for r in records] == [1, 4]
+    assert json.loads(out.read_text()) == records
+    for r in records:
+        assert len(r["max_diff_leaves"]) == 5 and max(r["max_diff_leaves"]) < 1e-2
