@@ -12,6 +12,8 @@
 #   bash benchmarks/h200_session.sh 7 "$OUT"   # the delta-rule row kernel (recurrence="pallas"):
 #                                              # its tests, the layer against the XLA loop, the
 #                                              # Qwen3.5 bitwise checks and figures on it
+#   bash benchmarks/h200_session.sh 8 "$OUT"   # the embedded pair at draft lengths 4 / 6 / 8,
+#                                              # n-gram lookup up to 3- and 4-grams (issue 14)
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -81,5 +83,9 @@ case "$stage" in
   timeout 120 python3 -m benchmarks.qwen35_exactness --recurrence pallas 2>&1 | quiet | tail -20
   timeout 300 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
     --recurrence pallas --out "$out/families_pallas" 2>&1 | quiet
+  ;;
+8)
+  timeout 400 python3 -m benchmarks.speculative --part embedded --tokens 128 \
+    --draft-lens 4,6,8 --ngram 3,4 --out "$out" 2>&1 | quiet
   ;;
 esac

@@ -121,12 +121,14 @@ def part_oracle(shapes: list[str], tokens: int, out: Path) -> Path:
     return _write(out, "oracle", records, {"tokens": tokens, "width": 16})
 
 
-def part_embedded(tokens: int, out: Path, draft_lens: tuple[int, ...]) -> Path:
+def part_embedded(tokens: int, out: Path, draft_lens: tuple[int, ...],
+                  ngram: tuple[int, ...] = (3,)) -> Path:
     import turbospark_jax as tsj
 
     records = []
     drafters: list[tuple[str, dict[str, Any]]] = [("plain", {})]
-    drafters += [("draft_model", {"draft": True}), ("ngram", {"ngram": 3})]
+    drafters += [("draft_model", {"draft": True})]
+    drafters += [("ngram" if n == 3 else f"ngram-{n}", {"ngram": n}) for n in ngram]
     for name, kind in drafters:
         for k in ((0,) if name == "plain" else draft_lens):
             model = tsj.load(draft_len=max(k, 1), **kind)  # the CLI's width for this setting
@@ -239,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--draft-lens", default="2,3,4,6,8")
+    parser.add_argument("--ngram", default="3",
+                        help="the n-gram drafter's longest n-grams, comma-separated (embedded)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--report", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -249,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
         print(part_oracle(args.shapes.split(","), args.tokens, args.out))
     elif args.part == "embedded":
         lens = tuple(int(k) for k in args.draft_lens.split(","))
-        print(part_embedded(args.tokens, args.out, lens))
+        ngram = tuple(int(n) for n in args.ngram.split(","))
+        print(part_embedded(args.tokens, args.out, lens, ngram))
     else:
         parser.error("give --part or --report")
     return 0
