@@ -272,7 +272,7 @@ def test_an_assistant_folder_loads_as_written(tmp_path: Path) -> None:
     token ordering stays integer), and refuses a missing or an unexpected tensor."""
     from safetensors.numpy import save_file
 
-    from turbospark_jax.drafters import gemma4_assistant as A
+    from tests.assistant_folders import write_assistant_folder
     from turbospark_jax.loading import load_assistant
 
     raw = {"model_type": "gemma4_assistant", "backbone_hidden_size": 32,
@@ -284,16 +284,8 @@ def test_an_assistant_folder_loads_as_written(tmp_path: Path) -> None:
                                num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                global_head_dim=16, sliding_window=4,
                                hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)}
-    config = A.AssistantConfig.from_hf_dict(raw)
-    params = A.init_params(config, jax.random.PRNGKey(0))
-    tensors = {}
-    for t in A.hf_tensors(config):
-        leaf = params
-        for k in t.key:
-            leaf = leaf[k]
-        tensors[t.name] = t.to_hf(np.asarray(leaf))
-    folder = _folder(tmp_path / "a", raw)
-    save_file(tensors, str(folder / "model.safetensors"))
+    folder = tmp_path / "a"
+    config, params, tensors = write_assistant_folder(folder, raw)
     got_config, got = load_assistant(folder)
     assert got_config == config
     same = jax.tree.map(lambda a, b: a.dtype == b.dtype and np.array_equal(a, b), params, got)

@@ -151,35 +151,21 @@ def test_chat_second_turn_equals_fresh(folder) -> None:
 def _write_assistant(folder: Path, vocab: int) -> None:
     """A random Gemma 4 assistant for the fixture's Gemma 4 target (its hidden size, KV heads
     and head dims), in the Hugging Face layout, at ``folder``."""
-    import json
-
-    import jax
-    from safetensors.numpy import save_file
-
-    from turbospark_jax.drafters import gemma4_assistant as A
+    from tests.assistant_folders import write_assistant_folder
 
     centroids = next(n for n in (10, 12, 8, 6, 5, 4, 3, 2, 1) if vocab % n == 0)
-    raw = {"model_type": "gemma4_assistant", "backbone_hidden_size": 32,
-           "use_ordered_embeddings": True, "num_centroids": centroids,
-           "centroid_intermediate_top_k": max(1, centroids // 2),
-           "tie_word_embeddings": True, "dtype": "float32",
-           "text_config": dict(vocab_size=vocab, hidden_size=24, intermediate_size=40,
-                               num_hidden_layers=2,
-                               layer_types=["sliding_attention", "full_attention"],
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                               global_head_dim=16, sliding_window=4,
-                               hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)}
-    config = A.AssistantConfig.from_hf_dict(raw)
-    params = A.init_params(config, jax.random.PRNGKey(1))
-    tensors = {}
-    for t in A.hf_tensors(config):
-        leaf = params
-        for k in t.key:
-            leaf = leaf[k]
-        tensors[t.name] = t.to_hf(np.asarray(leaf))
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(raw))
-    save_file(tensors, str(folder / "model.safetensors"))
+    write_assistant_folder(folder, {
+        "model_type": "gemma4_assistant", "backbone_hidden_size": 32,
+        "use_ordered_embeddings": True, "num_centroids": centroids,
+        "centroid_intermediate_top_k": max(1, centroids // 2),
+        "tie_word_embeddings": True, "dtype": "float32",
+        "text_config": dict(vocab_size=vocab, hidden_size=24, intermediate_size=40,
+                            num_hidden_layers=2, layer_types=["sliding_attention",
+                                                              "full_attention"],
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                            global_head_dim=16, sliding_window=4,
+                            hidden_size_per_layer_input=0, vocab_size_per_layer_input=0)},
+        seed=1)
 
 
 def test_cli_drafting_with_the_gemma4_assistant_prints_the_plain_text(folder) -> None:
