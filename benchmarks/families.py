@@ -345,12 +345,14 @@ def report(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from turbospark_jax.models.qwen3_5 import RECURRENCE_MODES
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="h200")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the preset's")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
-    ap.add_argument("--recurrence", choices=("xla", "pallas", "interpret"), default="xla",
+    ap.add_argument("--recurrence", choices=RECURRENCE_MODES, default="xla",
                     help="how the Qwen3.5 shapes' exact path walks the delta rule's rows")
     ap.add_argument("--report", action="store_true",
                     help="print the tables of <out>/families.json (or of --out itself when it "
