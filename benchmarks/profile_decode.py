@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.families import SHAPES as FAMILY_SHAPES
 from benchmarks.run import SHAPES, _dense, _producer, copy_bandwidth, decode_rate, weight_bytes
 
 
@@ -111,7 +112,8 @@ def profile_burst(producer: Any, context: int, steps: int, vocab: int) -> dict[s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--shape", default="llama-3.2-1b",
+                        choices=sorted(SHAPES) + sorted(FAMILY_SHAPES))
     parser.add_argument("--widths", default="1,16")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--tokens", type=int, default=256)
@@ -123,24 +125,36 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model's RoPE-and-cache-write kernel (see DenseModel.rope_store)")
     parser.add_argument("--attention", choices=["auto", "xla"], default="auto",
                         help="the model's attention kernel (see DenseModel.attention)")
+    parser.add_argument("--recurrence", default="xla",
+                        help="a Qwen3.5 shape's DeltaNet recurrence (Qwen35Model.recurrence)")
     args = parser.parse_args(argv)
 
     import jax
 
-    shape = SHAPES[args.shape]
-    config, model, params = _dense(shape)
-    model = dataclasses.replace(model, rope_store=args.rope_store, attention=args.attention)
     bw = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
-    roof = bw / weight_bytes(params, config)
     rows = []
     for width in (int(w) for w in args.widths.split(",")):
         cap = args.context + args.tokens + width + 1
-        producer = _producer(model, params, cap, width, args.burst)
+        if args.shape in FAMILY_SHAPES:  # Qwen3.5 / Gemma 4: random weights as families builds
+            from benchmarks import families
+
+            qwen = FAMILY_SHAPES[args.shape]["model_type"] == "qwen3_5_text"
+            config, producer, params = families.build(
+                args.shape, cap, width, args.burst,
+                {"recurrence": args.recurrence} if qwen else None)
+            roof = bw / families.step_bytes(config, params, args.context)
+        else:
+            config, model, params = _dense(SHAPES[args.shape])
+            model = dataclasses.replace(model, rope_store=args.rope_store,
+                                        attention=args.attention)
+            roof = bw / weight_bytes(params, config)
+            producer = _producer(model, params, cap, width, args.burst)
         rate = decode_rate(producer, args.context, args.tokens, args.burst, 2048,
                            config.vocab_size)
         row: dict[str, Any] = {"shape": args.shape, "width": width, "context": args.context,
                                "label": args.label, "rope_store": args.rope_store,
-                               "attention": args.attention, "tokens_per_s": rate["tokens_per_s"],
+                               "attention": args.attention, "recurrence": args.recurrence,
+                               "tokens_per_s": rate["tokens_per_s"],
                                "roofline_tokens_per_s": roof,
                                "fraction_of_roofline": rate["tokens_per_s"] / roof}
         if not args.no_trace:
@@ -157,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(old + rows, indent=1))
     for row in rows:
         p = row.get("profile", {})
-        print(f"[{row['label']} rope_store={row['rope_store']} attention={row['attention']}] "
+        print(f"[{row['label']} rope_store={row['rope_store']} attention={row['attention']} "
+              f"recurrence={row['recurrence']}] "
               f"{row['shape']} W={row['width']} ctx={row['context']}: "
               f"{row['tokens_per_s']:.0f} tok/s ({row['fraction_of_roofline']:.0%} of "
               f"{row['roofline_tokens_per_s']:.0f})")
@@ -165,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"   {p['wall_per_token_us']:.0f} us/token wall, "
                   f"{p['device_busy_per_token_us']:.0f} us busy "
                   f"({p['device_busy_fraction']:.0%}), {p['kernels_per_token']:.0f} kernels")
-            for k in p["top_kernels"][:8]:
+            for k in p["top_kernels"][:12]:
                 print(f"     {k['us_per_token']:7.1f} us x{k['count_per_token']:.0f}  {k['name']}")
         elif p:
             print("   profile:", p)
