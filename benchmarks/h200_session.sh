@@ -14,6 +14,11 @@
 #                                              # Qwen3.5 bitwise checks and figures on it
 #   bash benchmarks/h200_session.sh 8 "$OUT"   # the embedded pair at draft lengths 4 / 6 / 8,
 #                                              # n-gram lookup up to 3- and 4-grams (issue 14)
+#   bash benchmarks/h200_session.sh 9 "$OUT"   # stage 7 in one call with a decode profile of
+#                                              # each recurrence and Gemma 4's figures (no hf)
+#   bash benchmarks/h200_session.sh 10 "$OUT"  # stage 8, then the drafters' figures and the
+#                                              # embedded model's speculative.json
+#   bash benchmarks/h200_session.sh 11 "$OUT"  # the serving benchmark (issue 20)
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -22,7 +27,7 @@
 # Timings seen on one H200 (2026-12-02): stage 1 about 170 s; stage 2 about 190 s, 400 s with
 # the sweep; stage 3 about 100 s for the 1B shape, 100 s for 0.6B, 160 s for 8B.
 set -uo pipefail
-stage=${1:?stage 1, 2 or 3}
+stage=${1:?stage 1 to 11}
 out=${2:?output folder}
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 quiet() { grep -v -i -E "warn|^\s*$" | cut -c1-300; }
@@ -87,5 +92,31 @@ case "$stage" in
 8)
   timeout 400 python3 -m benchmarks.speculative --part embedded --tokens 128 \
     --draft-lens 4,6,8 --ngram 3,4 --out "$out" 2>&1 | quiet
+  ;;
+9)
+  export HYPOTHESIS_PROFILE=quick
+  timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
+    tests/test_pallas_delta_rule.py 2>&1 | tail -3
+  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  timeout 80 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
+    quiet
+  timeout 100 python3 -m benchmarks.qwen35_exactness --recurrence pallas 2>&1 | quiet | tail -20
+  for r in ${RECURRENCES:-xla pallas}; do
+    timeout 70 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
+      --tokens 128 --recurrence "$r" --out "$out/profile" 2>&1 | quiet | tail -16
+  done
+  timeout 170 python3 -m benchmarks.families --shapes gemma4-e2b --no-hf \
+    --out "$out/families_gemma4" 2>&1 | quiet
+  ;;
+10)
+  timeout 200 python3 -m benchmarks.speculative --part embedded --tokens 128 \
+    --draft-lens 4,6,8 --ngram 3,4 --out "$out" 2>&1 | quiet
+  timeout 200 python3 -m benchmarks.drafters --preset h200 --drafters ngram,draft-model \
+    --max-seconds 140 --write-speculative-json --out "$out/drafters" 2>&1 | quiet | tail -30
+  cp models/tsj-pycoder/speculative.json "$out/" 2>/dev/null
+  ;;
+11)
+  timeout 300 python3 -m benchmarks.serve --preset h200 --budget-s 200 --out "$out/serve" 2>&1 |
+    quiet | tail -30
   ;;
 esac
