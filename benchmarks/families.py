@@ -352,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the preset's")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
-    ap.add_argument("--recurrence", choices=RECURRENCE_MODES, default="xla",
+    ap.add_argument("--recurrence", choices=RECURRENCE_MODES, default="auto",
                     help="how the Qwen3.5 shapes' exact path walks the delta rule's rows")
     ap.add_argument("--report", action="store_true",
                     help="print the tables of <out>/families.json (or of --out itself when it "

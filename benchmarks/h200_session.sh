@@ -18,7 +18,12 @@
 #                                              # each recurrence and Gemma 4's figures (no hf)
 #   bash benchmarks/h200_session.sh 10 "$OUT"  # stage 8, then the drafters' figures and the
 #                                              # embedded model's speculative.json
-#   bash benchmarks/h200_session.sh 11 "$OUT"  # the serving benchmark (issue 20)
+#   bash benchmarks/h200_session.sh 11 "$OUT"  # the serving benchmark (issue 20; carry the
+#                                              # server's packages as wheels, see README)
+#   bash benchmarks/h200_session.sh 12 "$OUT"  # the delta-rule kernel's tests and checks as the
+#                                              # GPU default, a decode profile with its HLO, and
+#                                              # decode with and without command buffers
+#   bash benchmarks/h200_session.sh 13 "$OUT"  # the Qwen3.5 figures on the default recurrence
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -118,5 +123,30 @@ case "$stage" in
 11)
   timeout 300 python3 -m benchmarks.serve --preset h200 --budget-s 200 --out "$out/serve" 2>&1 |
     quiet | tail -30
+  ;;
+12)
+  export HYPOTHESIS_PROFILE=quick
+  timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
+    tests/test_pallas_delta_rule.py 2>&1 | tail -3
+  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  timeout 80 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
+    quiet
+  timeout 100 python3 -m benchmarks.qwen35_exactness 2>&1 | quiet | tail -20
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run_blocks.*" \
+    timeout 80 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
+    --tokens 128 --out "$out/profile" 2>&1 | quiet | tail -16
+  hlo=$(ls -S /tmp/hlo/*run_blocks*after_optimizations.txt | head -1)
+  echo "command buffers in $hlo: $(grep -c 'command_buffer' "$hlo")"
+  cp "$hlo" "$out/qwen_decode_hlo.txt"
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
+    timeout 60 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
+    --tokens 128 --label graphs+while --no-trace --out "$out/profile" 2>&1 | quiet | tail -1
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 60 python3 -m benchmarks.profile_decode \
+    --shape qwen3.5-0.8b --widths 16 --tokens 128 --label no-graphs --no-trace \
+    --out "$out/profile" 2>&1 | quiet | tail -1
+  ;;
+13)
+  timeout 500 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
+    --out "$out/families_qwen35" 2>&1 | quiet
   ;;
 esac

@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model's RoPE-and-cache-write kernel (see DenseModel.rope_store)")
     parser.add_argument("--attention", choices=["auto", "xla"], default="auto",
                         help="the model's attention kernel (see DenseModel.attention)")
-    parser.add_argument("--recurrence", default="xla",
+    parser.add_argument("--recurrence", default="auto",
                         help="a Qwen3.5 shape's DeltaNet recurrence (Qwen35Model.recurrence)")
     args = parser.parse_args(argv)
 

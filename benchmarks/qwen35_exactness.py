@@ -42,7 +42,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=96)
-    ap.add_argument("--recurrence", choices=Q.RECURRENCE_MODES, default="xla",
+    ap.add_argument("--recurrence", choices=Q.RECURRENCE_MODES, default="auto",
                     help="how the exact path walks the delta rule's rows")
     args = ap.parse_args()
     w = args.width

@@ -16,7 +16,7 @@ from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
-from turbospark_jax.models.pallas_delta_rule import delta_rule_rows
+from turbospark_jax.models.pallas_delta_rule import delta_rule_rows, tape_rows
 from turbospark_jax.testing import conformance as C
 
 L, F = QC.LINEAR, QC.FULL
@@ -60,14 +60,23 @@ def _reference(q, k, v, g, beta, state, live):
 @pytest.mark.parametrize("width, live", [(5, 0), (5, 3), (5, 5), (16, 16), (3, 1)])
 def test_kernel_follows_the_rule_row_by_row(width: int, live: int) -> None:
     args = _rows(width, 3, 16, 32)
-    out, state, tape = delta_rule_rows(*args, jnp.int32(live), interpret=True)
+    # The tape's rows past the live count keep what they held: a marker here.
+    old = jnp.full((tape_rows(width) + 2, 3, 16, 32), 7.0, jnp.float32)
+    out, state, tape = delta_rule_rows(*args, jnp.int32(live), tape=old, interpret=True)
     want_out, want_state, want_tape = _reference(*args, live)
     np.testing.assert_allclose(out, want_out, atol=1e-5)
     np.testing.assert_allclose(state, want_state, atol=1e-5)
-    np.testing.assert_allclose(tape, want_tape, atol=1e-5)
+    np.testing.assert_allclose(tape[:live], want_tape[:live], atol=1e-5)
+    assert np.all(np.asarray(tape)[live:] == 7.0) and tape.shape == old.shape
     assert not np.any(np.asarray(out)[live:])  # padding rows read as zeros
-    _, _, none = delta_rule_rows(*args, jnp.int32(live), tape=False, interpret=True)
-    assert none is None
+    bare, _, none = delta_rule_rows(*args, jnp.int32(live), interpret=True)
+    assert none is None and np.array_equal(bare, out)
+
+
+def test_a_tape_shorter_than_the_kernels_block_is_refused() -> None:
+    args = _rows(5, 3, 16, 32)
+    with pytest.raises(BadInputError, match="a tape of 5 rows; blocks of 5 rows need 16"):
+        delta_rule_rows(*args, jnp.int32(5), tape=jnp.zeros((5, 3, 16, 32)), interpret=True)
 
 
 def test_kernel_rows_one_call_each_equal_one_call_for_all_bitwise() -> None:
@@ -149,14 +158,25 @@ def _keeps_one_more(producer: BlockProducer) -> Any:
 
 
 def test_unknown_recurrence_mode_is_refused() -> None:
-    with pytest.raises(BadInputError, match="recurrence must be one of xla, pallas, interpret"):
+    with pytest.raises(BadInputError,
+                       match="recurrence must be one of auto, xla, pallas, interpret"):
         Q.Qwen35Model(CONFIG, recurrence="triton")
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="auto picks the kernel on a GPU")
+def test_auto_is_the_xla_loop_off_a_gpu(producers: Any) -> None:
+    _, xla = producers
+    auto = BlockProducer(dataclasses.replace(xla.model, recurrence="auto"), xla.params,
+                         capacity=CAPACITY, width=WIDTH, steps_per_call=4)
+    assert auto.model.tape_rows() == WIDTH
+    got, _ = auto.prefill_chunk(auto.init_state(), PROMPT, 0)
+    want, _ = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
+    assert np.array_equal(got, want)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="the kernel runs on a GPU")
 def test_the_gpu_kernel_off_a_gpu_is_refused_by_name(producers: Any) -> None:
     kernel, _ = producers
     model = dataclasses.replace(kernel.model, recurrence="pallas")
-    other = BlockProducer(model, kernel.params, capacity=CAPACITY, width=WIDTH)
     with pytest.raises(UnsupportedCapabilityError, match="needs a GPU; this backend is 'cpu'"):
-        other.produce(other.init_state(), 3, 0)
+        BlockProducer(model, kernel.params, capacity=CAPACITY, width=WIDTH)

@@ -208,3 +208,19 @@ def test_mtp_and_block_drafters_on_a_sharded_target_are_plain_greedy(report, nam
     assert case["on_device"]
     assert case["equal"] and case["control_fires"]
     assert sum(case["accepted"]) > 0, case["accepted"]
+
+
+@pytest.mark.parametrize("recurrence", ["pallas", "interpret"])
+def test_the_delta_rule_kernel_on_a_mesh_is_refused_by_name(recurrence):
+    from turbospark_jax.errors import UnsupportedCapabilityError
+    from turbospark_jax.models.qwen3_5 import Qwen35Model
+    from turbospark_jax.sharding import ShardedProducer, tp_mesh
+
+    cfg = Qwen35Config(vocab_size=32, hidden_size=32, intermediate_size=48,
+                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                       head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=2,
+                       layer_types=("linear_attention",))
+    model = Qwen35Model(cfg, recurrence=recurrence)
+    with pytest.raises(UnsupportedCapabilityError, match="cannot be split over a mesh"):
+        ShardedProducer(model, {}, mesh=tp_mesh(), capacity=16)

@@ -174,8 +174,10 @@ class ShardedProducer(BlockProducer):
       capacity, width, steps_per_call, donate: as :class:`BlockProducer`.
 
     Raises:
-      UnsupportedCapabilityError: ``model`` is of another family, or a dense model that asks
-        for the Pallas interpreter (``attention`` or ``rope_store`` ``"interpret"``).
+      UnsupportedCapabilityError: ``model`` is of another family, a dense model that asks
+        for the Pallas interpreter (``attention`` or ``rope_store`` ``"interpret"``), or a
+        Qwen3.5 model that asks for the delta-rule kernel (``recurrence`` ``"pallas"`` or
+        ``"interpret"``).
       BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the query
         heads and MLP width (the dense family: and KV heads; the message lists the sizes
         that do); and as :class:`BlockProducer`.
@@ -205,6 +207,13 @@ class ShardedProducer(BlockProducer):
                     "attention='xla' (or 'auto') and rope_store='xla' (or 'auto')"
                 )
             model = dataclasses.replace(model, attention="xla", rope_store="xla")
+        if isinstance(model, Qwen35Model):
+            if model.recurrence in ("pallas", "interpret"):
+                raise UnsupportedCapabilityError(
+                    "the delta-rule kernel cannot be split over a mesh; build the model with "
+                    f"recurrence='xla' (or 'auto'), not {model.recurrence!r}"
+                )
+            model = dataclasses.replace(model, recurrence="xla")
         self.mesh = mesh
         params = shard_params(params, mesh, model.config)
         super().__init__(model, params, capacity=capacity, width=width,

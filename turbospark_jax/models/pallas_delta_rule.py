@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.errors import BadInputError
+
 #: State columns (of ``dv``) per program (all of them where ``dv`` is no multiple of it).
 VALUE_TILE = 16
 
@@ -36,8 +38,10 @@ def supported(key_dim: int, value_dim: int) -> bool:
     return pow2(key_dim) and pow2(value_dim) and value_dim % VALUE_TILE == 0
 
 
-def _kernel(live_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
-            out_ref, s_out_ref, tape_ref, *, rows: int, tape: bool) -> None:
+def _kernel(live_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *refs, rows: int) -> None:
+    # With a tape: refs = (tape in, out, state out, tape out), the tape aliased in place.
+    tape_ref = refs[3] if len(refs) == 4 else None
+    out_ref, s_out_ref = refs[-3:-1] if tape_ref is not None else refs
     live = live_ref[()]
 
     def step(r, s):
@@ -49,24 +53,27 @@ def _kernel(live_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref,
         delta = (v - read) * beta_ref[:, pl.ds(r, 1)]
         s = decayed + k * delta
         out_ref[pl.ds(r, 1), :] = jnp.sum(s * q, axis=0, keepdims=True)
-        if tape:
+        if tape_ref is not None:
             tape_ref[pl.ds(r, 1), :, :] = s[None]
         return s
 
     s = jax.lax.fori_loop(0, live, step, s_ref[...])
     s_out_ref[...] = s
 
-    def pad(r, carry):
-        # Padding rows read as zeros; their tape rows hold the state after the last live row.
+    def pad(r, carry):  # padding rows read as zeros
         out_ref[pl.ds(r, 1), :] = jnp.zeros((1, out_ref.shape[1]), out_ref.dtype)
-        if tape:
-            tape_ref[pl.ds(r, 1), :, :] = s[None]
         return carry
 
     jax.lax.fori_loop(live, rows, pad, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("tape", "interpret"))
+def tape_rows(width: int) -> int:
+    """Rows of the block the kernel walks for blocks of up to ``width`` rows (a power of two of
+    at least 16): a tape it writes into must hold at least this many."""
+    return max(16, 1 << (width - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def delta_rule_rows(
     q: jax.Array,
     k: jax.Array,
@@ -75,7 +82,7 @@ def delta_rule_rows(
     beta: jax.Array,
     state: jax.Array,
     live: jax.Array,
-    tape: bool = True,
+    tape: jax.Array | None = None,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The first ``live`` rows of the gated delta rule from ``state``, in one kernel.
@@ -89,16 +96,22 @@ def delta_rule_rows(
       g, beta: float32 ``[W, Hv]``: log decay and write strength.
       state: float32 ``[Hv, dk, dv]``.
       live: int32 scalar, ``0 <= live <= W``.
-      tape: also return the state after every row.
+      tape: float32 ``[R, Hv, dk, dv]`` with ``R >= tape_rows(W)``, or ``None``: row ``r <
+        live`` of it becomes the state after row ``r``; the other rows keep what they held.
+        It is updated in place where the caller's buffer can be (inside a jitted program
+        that does not read it again).
       interpret: run in the Pallas interpreter (CPU tests).
 
+    Raises:
+      BadInputError: a tape of fewer than ``tape_rows(W)`` rows.
+
     Returns:
-      ``(out [W, Hv, dv], state after row live - 1, tape [W, Hv, dk, dv] or None)``; padding
-      rows' outputs are zeros and their tape rows repeat the final state.
+      ``(out [W, Hv, dv], state after row live - 1, the tape or None)``; padding rows'
+      outputs are zeros.
     """
     width, heads, dk = q.shape
     dv = v.shape[-1]
-    rows = max(16, 1 << (width - 1).bit_length())  # a power-of-two block of rows
+    rows = tape_rows(width)  # a power-of-two block of rows
     pad = rows - width
     f32 = jnp.float32
 
@@ -116,9 +129,15 @@ def delta_rule_rows(
         from jax.experimental.pallas import triton as plgpu
 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    tape_rows = rows if tape else 1
-    out, new_state, tapes = pl.pallas_call(
-        functools.partial(_kernel, rows=rows, tape=tape),
+    with_tape = tape is not None
+    if with_tape and tape.shape[0] < rows:
+        raise BadInputError(f"a tape of {tape.shape[0]} rows; blocks of {width} rows need "
+                            f"{rows} (tape_rows)")
+    state_spec = pl.BlockSpec((None, dk, tile), lambda h, j: (h, 0, j))
+    tape_spec = pl.BlockSpec((tape.shape[0] if with_tape else 1, None, dk, tile),
+                             lambda h, j: (0, h, 0, j))
+    results = pl.pallas_call(
+        functools.partial(_kernel, rows=rows),
         grid=(heads, tiles),
         in_specs=[
             pl.BlockSpec((), lambda h, j: ()),
@@ -127,22 +146,19 @@ def delta_rule_rows(
             pl.BlockSpec((None, rows, tile), lambda h, j: (h, 0, j)),
             pl.BlockSpec((None, 1, rows), lambda h, j: (h, 0, 0)),
             pl.BlockSpec((None, 1, rows), lambda h, j: (h, 0, 0)),
-            pl.BlockSpec((None, dk, tile), lambda h, j: (h, 0, j)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, rows, tile), lambda h, j: (h, 0, j)),
-            pl.BlockSpec((None, dk, tile), lambda h, j: (h, 0, j)),
-            pl.BlockSpec((tape_rows, None, dk, tile), lambda h, j: (0, h, 0, j)),
-        ],
+            state_spec,
+        ] + ([tape_spec] if with_tape else []),
+        out_specs=[pl.BlockSpec((None, rows, tile), lambda h, j: (h, 0, j)), state_spec]
+        + ([tape_spec] if with_tape else []),
         out_shape=[
             jax.ShapeDtypeStruct((heads, rows, dv), f32),
             jax.ShapeDtypeStruct((heads, dk, dv), f32),
-            jax.ShapeDtypeStruct((tape_rows, heads, dk, dv), f32),
-        ],
+        ] + ([jax.ShapeDtypeStruct(tape.shape, f32)] if with_tape else []),
+        input_output_aliases={7: 2} if with_tape else {},
         interpret=interpret,
         name="delta_rule_rows",
         **kwargs,
     )(jnp.asarray(live, jnp.int32), columns(q), columns(k), vr, scalars(g), scalars(beta),
-      state.astype(f32))
-    out = out.transpose(1, 0, 2)[:width]
-    return out, new_state, tapes[:width] if tape else None
+      state.astype(f32), *([tape.astype(f32)] if with_tape else []))
+    out, new_state = results[0], results[1]
+    return out.transpose(1, 0, 2)[:width], new_state, results[2] if with_tape else None

@@ -15,13 +15,14 @@ Qwen3-Next fuses the DeltaNet projections (``in_proj_qkvz`` / ``in_proj_ba``, gr
 head); Qwen3.5 keeps them apart. Mixture-of-experts MLPs are refused.
 
 Row by row: the recurrence runs as a loop over the live rows of a block (one pass for a decode
-step; padding rows leave the state as it was; ``recurrence="pallas"`` walks them in one GPU
-kernel per layer, :mod:`~turbospark_jax.models.pallas_delta_rule`), so decode, chunked
-prefill and verify are one program and chunked == token by token holds bitwise. The loop also
-writes a tape: each row's conv and recurrent state (``retain_rows`` selects from it, so
-``rollback_retaining`` needs no replay) and each row's final hidden state (what the MTP head
-reads). The tape costs ``max_width * Hv * dk * dv * 4`` bytes per linear layer (Qwen3.5-9B
-shape, ``max_width`` 16: 768 MiB in all).
+step; padding rows leave the state as it was; on a GPU one kernel per layer walks them,
+:mod:`~turbospark_jax.models.pallas_delta_rule`), so decode, chunked prefill and verify are one
+program and chunked == token by token holds bitwise. The loop also writes a tape: each live
+row's conv and recurrent state (``retain_rows`` selects from it, so ``rollback_retaining``
+needs no replay) and each row's final hidden state (what the MTP head reads). The recurrent
+tape is written in place and only for live rows, so a decode step writes one state per layer;
+it holds ``max_width`` rows per linear layer (16 at least under the kernel), ``Hv * dk * dv *
+4`` bytes each (Qwen3.5-9B shape, 16 rows: 768 MiB in all).
 
 Params (``D`` hidden, ``V`` vocab, ``F`` MLP width, ``H``/``KV``/``hd`` attention heads, ``C``
 the conv channels ``2 * Hk * dk + Hv * dv``, ``K`` the conv width); matrices are ``[in, out]``
@@ -45,7 +46,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -214,8 +215,10 @@ class Qwen35Cache:
       conv: per linear layer ``[K - 1, conv_dim]``, the last ``K - 1`` conv inputs (model dtype).
       recurrent: per linear layer float32 ``[Hv, dk, dv]``, the delta-rule state.
       conv_tape, recurrent_tape: scratch, per linear layer ``[Wm, K - 1, conv_dim]`` and
-        ``[Wm, Hv, dk, dv]``: the state after each row of the last block (rows past its live
-        count repeat the last live row's).
+        ``[Wt, Hv, dk, dv]`` (``Wt`` = :meth:`Qwen35Model.tape_rows`): the state after each
+        row of the last block. Only the rows below its live count mean anything (past it the
+        conv tape repeats the last live row's state and the recurrent tape keeps whatever
+        an earlier block left).
       hidden: scratch ``[Wm, D]``, each row's final hidden state after the final norm (what the
         output head and the MTP head read), for the last block.
       hidden_rows: ``[C, D]`` (``[0, D]`` without an MTP head), the same for every fed
@@ -270,7 +273,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-RECURRENCE_MODES = ("xla", "pallas", "interpret")
+RECURRENCE_MODES = ("auto", "xla", "pallas", "interpret")
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 State = tuple[jax.Array, jax.Array]  # (conv [K-1, C], recurrent float32 [Hv, dk, dv])
 
@@ -286,13 +289,14 @@ class Qwen35Model(BlockModel):
       max_width: the widest block ``block_forward`` accepts: the tape keeps this many rows.
       tap_layers: layers whose output rows the cache records for every fed position
         (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
-      recurrence: how the exact path walks the delta rule's rows: ``"xla"`` (the default: a
-        loop of XLA kernels over the live rows), ``"pallas"`` (one Triton kernel per layer,
-        :mod:`~turbospark_jax.models.pallas_delta_rule`, GPU only: the XLA loop returns to the
-        host on every pass there), or ``"interpret"`` (that kernel in the Pallas interpreter,
-        for tests on a CPU). Each choice is one program for every path, so the bitwise
-        guarantees hold within it; the kernel is not yet the GPU default because it has not
-        yet been run on one.
+      recurrence: how the exact path walks the delta rule's rows: ``"auto"`` (the default:
+        ``"pallas"`` on a GPU where the head sizes suit it, ``"xla"`` otherwise), ``"xla"`` (a
+        loop of XLA kernels over the live rows; on a GPU such a loop returns to the host on
+        every pass), ``"pallas"`` (one Triton kernel per layer,
+        :mod:`~turbospark_jax.models.pallas_delta_rule`, GPU only), or ``"interpret"`` (that
+        kernel in the Pallas interpreter, for tests on a CPU). Each choice is one program for
+        every path, so the bitwise guarantees hold within it; the kernel and the XLA loop
+        agree within float32 rounding.
     """
 
     can_tap = True
@@ -304,7 +308,7 @@ class Qwen35Model(BlockModel):
     dtype: Any = jnp.float32
     max_width: int = 16
     tap_layers: tuple[int, ...] = ()
-    recurrence: str = "xla"
+    recurrence: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -323,9 +327,12 @@ class Qwen35Model(BlockModel):
           UnsupportedCapabilityError: ``recurrence="pallas"`` off a GPU, or with head sizes
             the kernel does not tile.
         """
+        c = self.config
+        if self.recurrence == "auto":
+            return jax.default_backend() == "gpu" and pallas_delta_rule.supported(
+                c.linear_key_head_dim, c.linear_value_head_dim)
         if self.recurrence != "pallas":
             return "interpret" if self.recurrence == "interpret" else False
-        c = self.config
         if jax.default_backend() != "gpu":
             raise UnsupportedCapabilityError(
                 f"recurrence='pallas' runs a Triton kernel and needs a GPU; this backend is "
@@ -338,6 +345,13 @@ class Qwen35Model(BlockModel):
                 f"linear_key_head_dim={c.linear_key_head_dim}, "
                 f"linear_value_head_dim={c.linear_value_head_dim}")
         return True
+
+    def tape_rows(self) -> int:
+        """Rows of each layer's recurrent tape: ``max_width``, or the kernel's power-of-two
+        block of rows where the kernel walks them (it writes the tape in place)."""
+        if self._recurrence_kernel():
+            return pallas_delta_rule.tape_rows(self.max_width)
+        return self.max_width
 
     @property
     def vocab_size(self) -> int:
@@ -373,7 +387,8 @@ class Qwen35Model(BlockModel):
             k=self._kv(capacity, c.count(FULL)), v=self._kv(capacity, c.count(FULL)),
             conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
             conv_tape=tuple(jnp.zeros((wm, *s[0].shape), self.dtype) for s in states),
-            recurrent_tape=tuple(jnp.zeros((wm, *s[1].shape), jnp.float32) for s in states),
+            recurrent_tape=tuple(jnp.zeros((self.tape_rows(), *s[1].shape), jnp.float32)
+                                 for s in states),
             hidden=jnp.zeros((wm, c.hidden_size), self.dtype),
             hidden_rows=jnp.zeros((capacity if c.mtp_num_hidden_layers else 0, c.hidden_size),
                                   self.dtype),
@@ -444,12 +459,15 @@ class Qwen35Model(BlockModel):
         return mixed, z.reshape(w, nv, dv), ba[..., :r].reshape(w, nv), ba[..., r:].reshape(w, nv)
 
     def _delta_net(self, lp: Params, h: jax.Array, state: State, live: jax.Array,
-                   tape: bool, chunked: bool = False) -> tuple[jax.Array, State, Any]:
+                   tape: jax.Array | None, chunked: bool = False,
+                   ) -> tuple[jax.Array, State, Any]:
         """The gated DeltaNet over W rows from ``state``; rows ``>= live`` leave it unchanged.
-        Returns ``(out [W, D], new state, tape)``; the tape (when asked for) is the conv and
-        recurrent state after each row, ``([W, K-1, C], [W, Hv, dk, dv])``. ``chunked`` runs
-        the recurrence in its chunked form (:mod:`~turbospark_jax.models.delta_rule`; the
-        parallel prefill's, within a tolerance of the row-by-row scan; no tape)."""
+        Returns ``(out [W, D], new state, tape)``. Given the layer's recurrent tape ``[Wt, Hv,
+        dk, dv]``, the returned tape is the conv state after each row ``[W, K-1, C]`` and that
+        recurrent tape with rows ``< live`` set to the state after each row (``None`` without
+        a tape). ``chunked`` runs the recurrence in its chunked form
+        (:mod:`~turbospark_jax.models.delta_rule`; the parallel prefill's, within a tolerance
+        of the row-by-row scan; no tape)."""
         c, w = self.config, h.shape[0]
         taps, f32 = c.linear_conv_kernel_dim, jnp.float32
         nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
@@ -475,7 +493,7 @@ class Qwen35Model(BlockModel):
             delta = (v[r] - jnp.einsum("hkv,hk->hv", decayed, k[r])) * beta[r][:, None]
             s = decayed + k[r][:, :, None] * delta[:, None, :]
             outs = outs.at[r].set(jnp.einsum("hkv,hk->hv", s, q[r]))
-            return s, outs, states.at[r].set(s) if tape else states
+            return s, outs, states.at[r].set(s) if states is not None else None
 
         rows = jnp.arange(w, dtype=jnp.int32)
         if chunked:
@@ -483,23 +501,20 @@ class Qwen35Model(BlockModel):
             real = (rows < live)[:, None]
             core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
                                            jnp.where(real, beta, 0.0), rec)
-            tape = False
+            tape = None
         else:
             # Only the live rows run: a decode step is one pass of the row update, not W.
             # Every row runs the same loop body whatever the block's width or live count, so
-            # chunked == token by token still holds bitwise. Padding rows' outputs stay zero;
-            # their tape rows hold the state after the last live row. The kernel walks the
-            # rows in one launch (on a GPU the XLA loop returns to the host every pass).
+            # chunked == token by token still holds bitwise. Padding rows' outputs stay zero
+            # and they write no tape row. The kernel walks the rows in one launch (on a GPU
+            # the XLA loop returns to the host every pass).
             kernel = self._recurrence_kernel()
             if kernel:
-                core, rec, states = pallas_delta_rule.delta_rule_rows(
+                core, rec, tape = pallas_delta_rule.delta_rule_rows(
                     q, k, v, g, beta, rec, live, tape=tape, interpret=kernel == "interpret")
             else:
-                states = jnp.zeros((w, *rec.shape), f32) if tape else jnp.zeros((), f32)
-                rec, core, states = jax.lax.fori_loop(
-                    0, live, row, (rec, jnp.zeros(v.shape, f32), states))
-                if tape:
-                    states = jnp.where((rows < live)[:, None, None, None], states, rec[None])
+                rec, core, tape = jax.lax.fori_loop(
+                    0, live, row, (rec, jnp.zeros(v.shape, f32), tape))
         core = core.astype(self.dtype)  # [W, Hv, dv]
         gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
         gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
@@ -509,8 +524,8 @@ class Qwen35Model(BlockModel):
         kept = jnp.minimum(rows + 1, live)
         new_conv = jax.lax.dynamic_slice_in_dim(buf, live, taps - 1, axis=0)
         tapes = None
-        if tape:
-            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], states)
+        if tape is not None:
+            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], tape)
         return out, (new_conv, rec), tapes
 
     def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
@@ -524,9 +539,10 @@ class Qwen35Model(BlockModel):
 
     def _decoder(self, layers: list[Params], x: jax.Array, positions: jax.Array,
                  live: jax.Array, states: list[State], kv: Callable[[int], KVFn],
-                 tape: bool, chunked: bool = False,
+                 tapes_in: Sequence[jax.Array] | None, chunked: bool = False,
                  ) -> tuple[jax.Array, list[State], list[Any], jax.Array | None]:
-        """Every layer over rows x [W, D]; ``kv(j)`` is full layer ``j``'s store-and-read.
+        """Every layer over rows x [W, D]; ``kv(j)`` is full layer ``j``'s store-and-read;
+        ``tapes_in`` the linear layers' recurrent tapes to write (``None``: no tape).
         Returns ``(x, states, tapes, taps)``: ``taps`` ``[W, K, D]`` are the outputs of the
         :attr:`tap_layers` (``None`` without any)."""
         c = self.config
@@ -539,8 +555,9 @@ class Qwen35Model(BlockModel):
                     x = self._full_layer(lp, x, positions, rope, kv(j))
                 else:
                     h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
-                    o, states[j], layer_tape = self._delta_net(lp, h, states[j], live, tape,
-                                                               chunked)
+                    o, states[j], layer_tape = self._delta_net(
+                        lp, h, states[j], live, None if tapes_in is None else tapes_in[j],
+                        chunked)
                     tapes.append(layer_tape)
                     x = self._mlp(lp, x + o)
             if i in self.tap_layers:
@@ -614,7 +631,8 @@ class Qwen35Model(BlockModel):
         x = self._embed(params, tokens)
         states = list(zip(cache.conv, cache.recurrent, strict=True))
         x, states, tapes, taps = self._decoder(params["layers"], x, positions, live, states,
-                                               kv, not parallel, chunked=parallel)
+                                               kv, None if parallel else cache.recurrent_tape,
+                                               chunked=parallel)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
         if taps is not None:  # rows [W, K, D] at each live row's position
             cache = cache.replace(taps=cache.taps.at[write_at].set(
@@ -637,8 +655,7 @@ class Qwen35Model(BlockModel):
             conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
             conv_tape=tuple(t.at[:width].set(n[0])
                             for t, n in zip(cache.conv_tape, tapes, strict=True)),
-            recurrent_tape=tuple(t.at[:width].set(n[1])
-                                 for t, n in zip(cache.recurrent_tape, tapes, strict=True)),
+            recurrent_tape=tuple(n[1] for n in tapes),
             hidden=cache.hidden.at[:width].set(hidden),
             hidden_rows=cache.hidden_rows.at[write_at].set(
                 hidden, mode="drop", unique_indices=True),
@@ -653,7 +670,7 @@ class Qwen35Model(BlockModel):
             positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
             x, _, _, _ = self._decoder(params["layers"], self._embed(params, seq), positions,
                                        jnp.int32(seq.shape[0]), self._zero_states(),
-                                       lambda j: lambda k, v: (k, v, positions), False)
+                                       lambda j: lambda k, v: (k, v, positions), None)
             return self._logits(params, _norm(x, params["norm"], self.config.rms_norm_eps))
 
         return jax.vmap(one)(tokens)
@@ -687,7 +704,7 @@ class Qwen35Model(BlockModel):
         positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
         x, _, _, taps = self._decoder(params["layers"], self._embed(params, seq), positions,
                                       jnp.int32(seq.shape[0]), self._zero_states(),
-                                      lambda j: lambda k, v: (k, v, positions), False,
+                                      lambda j: lambda k, v: (k, v, positions), None,
                                       chunked=True)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
         return self._logits(params, hidden), hidden, taps
