@@ -13,7 +13,6 @@ per call of each.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import time
 from pathlib import Path
@@ -31,22 +30,19 @@ SHAPES = {"qwen3.5-0.8b": (1024, 16, 16, 128, 128), "qwen3.5-4b": (2560, 16, 32,
           "tiny": (32, 2, 4, 16, 16)}
 
 
-def _timed(fn, *args, tape, repeats: int) -> float:
-    """Seconds per call of ``fn(*args, tape())``; the tapes (donated) are made beforehand."""
-    jax.block_until_ready(fn(*args, tape()))
-    tapes = [tape() for _ in range(repeats)]
-    jax.block_until_ready(tapes)
+def _timed(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
     t0 = time.perf_counter()
-    for t in tapes:
-        out = fn(*args, t)
+    for _ in range(repeats):
+        out = fn(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / repeats
 
 
 def _layer(shape: tuple[int, ...], recurrence: str):
     """One DeltaNet layer of the shape, jitted: ``(params, h, state, live, tape) -> (out,
-    state, tape)`` with the model's own code, the recurrence run as asked (the tape written
-    in place, as the block program writes it: donated here)."""
+    state, tape)`` with the model's own code, the recurrence run as asked. The tape is not
+    donated, so each call also copies it (the block program writes it in place)."""
     hidden, key_heads, value_heads, dk, dv = shape
     config = QC.Qwen35Config(
         vocab_size=16, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
@@ -55,7 +51,7 @@ def _layer(shape: tuple[int, ...], recurrence: str):
         linear_num_value_heads=value_heads, layer_types=(QC.LINEAR,))
     model = Q.Qwen35Model(config, dtype=jnp.bfloat16, recurrence=recurrence)
     return model, jax.jit(lambda lp, h, state, live, tape: model._delta_net(
-        lp, h, state, live, tape), donate_argnums=4)
+        lp, h, state, live, tape))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -75,14 +71,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
         h = jax.random.normal(jax.random.PRNGKey(1), (w, hidden), jnp.bfloat16)
         state = model._zero_states()[0]
         state = (state[0], jax.random.normal(jax.random.PRNGKey(2), state[1].shape) * 0.1)
-        tape = functools.partial(jnp.zeros, (model.tape_rows(), *state[1].shape), jnp.float32)
+        tape = jnp.zeros((model.tape_rows(), *state[1].shape), jnp.float32)
         for live in (1, w):
             n = jnp.int32(live)
-            got, want = kernel(lp, h, state, n, tape()), loop(lp, h, state, n, tape())
+            got, want = kernel(lp, h, state, n, tape), loop(lp, h, state, n, tape)
             diff = [float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
                     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)]
-            t_kernel = _timed(kernel, lp, h, state, n, tape=tape, repeats=args.repeats)
-            t_loop = _timed(loop, lp, h, state, n, tape=tape, repeats=args.repeats)
+            t_kernel = _timed(kernel, lp, h, state, n, tape, repeats=args.repeats)
+            t_loop = _timed(loop, lp, h, state, n, tape, repeats=args.repeats)
             rec = dict(shape=name, width=w, live=live, max_diff_leaves=diff,
                        layer_us_kernel=1e6 * t_kernel, layer_us_xla_loop=1e6 * t_loop,
                        kernel=args.kernel, state_mib=value_heads * dk * dv * 4 / 2**20,
