@@ -24,6 +24,8 @@
 #                                              # GPU default, a decode profile with its HLO, and
 #                                              # decode with and without command buffers
 #   bash benchmarks/h200_session.sh 13 "$OUT"  # the Qwen3.5 figures on the default recurrence
+#   bash benchmarks/h200_session.sh 14 "$OUT"  # the oracle benchmark on the 1B shape (issue 14),
+#                                              # then the Qwen3.5 test files on the GPU
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -148,5 +150,14 @@ case "$stage" in
 13)
   timeout 500 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
     --out "$out/families_qwen35" 2>&1 | quiet
+  ;;
+14)
+  timeout 290 python3 -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
+    --tokens 256 --out "$out/oracle_1b" 2>&1 | quiet | tail -25
+  export HYPOTHESIS_PROFILE=quick
+  timeout 260 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings -x \
+    tests/test_qwen3_5.py tests/test_qwen3_5_mtp.py tests/test_mtp_drafter.py \
+    tests/test_speculative_families.py tests/test_block_drafter_qwen35.py 2>&1 | tail -4
+  echo "Qwen3.5 test files on the GPU: exit ${PIPESTATUS[0]}"
   ;;
 esac
