@@ -59,7 +59,10 @@ class ReferenceMTP(torch.nn.Module):
         x = self.fc(x)
         positions = torch.arange(t)[None]
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        x = self.layers[0](x, position_embeddings=self.rotary(x, positions),
+        # Rotary ids as [3, 1, T] (one row per multimodal RoPE section): the shape every
+        # transformers version's text rotary takes (5.17 rejects a plain [1, T]).
+        rope = self.rotary(x, positions[None].expand(3, -1, -1))
+        x = self.layers[0](x, position_embeddings=rope,
                            attention_mask=mask, position_ids=positions)
         return self.norm(x)
 
