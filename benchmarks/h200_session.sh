@@ -26,9 +26,6 @@
 #   bash benchmarks/h200_session.sh 13 "$OUT"  # the Qwen3.5 figures on the default recurrence
 #   bash benchmarks/h200_session.sh 14 "$OUT"  # the oracle benchmark on the 1B shape (issue 14),
 #                                              # then the Qwen3.5 test files on the GPU
-#   bash benchmarks/h200_session.sh 15 "$OUT"  # after a change to the delta-rule kernel: its
-#                                              # tests, the bitwise checks, a decode profile,
-#                                              # the Qwen3.5 figures and test files
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -161,20 +158,6 @@ case "$stage" in
   timeout 260 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings -x \
     tests/test_qwen3_5.py tests/test_qwen3_5_mtp.py tests/test_mtp_drafter.py \
     tests/test_speculative_families.py tests/test_block_drafter_qwen35.py 2>&1 | tail -4
-  echo "Qwen3.5 test files on the GPU: exit ${PIPESTATUS[0]}"
-  ;;
-15)
-  export HYPOTHESIS_PROFILE=quick
-  timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
-    tests/test_pallas_delta_rule.py 2>&1 | tail -3
-  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
-  timeout 100 python3 -m benchmarks.qwen35_exactness 2>&1 | quiet | tail -20
-  timeout 80 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
-    --tokens 128 --out "$out/profile" 2>&1 | quiet | tail -16
-  timeout 200 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
-    --out "$out/families_qwen35" 2>&1 | quiet
-  timeout 150 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
-    tests/test_qwen3_5_mtp.py tests/test_qwen3_5.py 2>&1 | tail -4
   echo "Qwen3.5 test files on the GPU: exit ${PIPESTATUS[0]}"
   ;;
 esac

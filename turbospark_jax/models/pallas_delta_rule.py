@@ -5,10 +5,7 @@ Done by XLA that is a handful of small kernels per row and layer inside a loop w
 count is the block's live count, and on a GPU every pass of such a loop returns to the host
 to test its condition: a Qwen3.5-0.8B decode step made 18 such trips. This kernel keeps the
 whole walk on the device: one launch per layer, each program holding a ``[dk, BV]`` slice of
-one value head's float32 state in registers while it walks the live rows. The per-row work
-around the rule runs in the same loop (the L2 norms of q and k, the decay ``g`` and the write
-strength ``beta`` from their projections), so XLA launches no kernels for it: on a GPU a step
-of a small model is bound by how many kernels it launches, not by the bytes they move.
+one value head's float32 state in registers while it walks the live rows.
 
 Exactness: the rows are walked by one loop body (``fori_loop`` over ``0..live``), so a row's
 update runs the same instructions whether the block holds one live row or all of them, and
@@ -41,27 +38,20 @@ def supported(key_dim: int, value_dim: int) -> bool:
     return pow2(key_dim) and pow2(value_dim) and value_dim % VALUE_TILE == 0
 
 
-def _kernel(live_ref, q_ref, k_ref, v_ref, a_ref, b_ref, decay_ref, bias_ref, s_ref, *refs,
-            rows: int, scale: float) -> None:
+def _kernel(live_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *refs, rows: int) -> None:
     # With a tape: refs = (tape in, out, state out, tape out), the tape aliased in place.
     tape_ref = refs[3] if len(refs) == 4 else None
     out_ref, s_out_ref = refs[-3:-1] if tape_ref is not None else refs
     live = live_ref[()]
-    decay, bias = decay_ref[...], bias_ref[...]  # [1, 1]: -exp(A_log), dt_bias of the head
-
-    def unit(x):  # [dk, 1] -> L2-normalised
-        return x * jax.lax.rsqrt(jnp.sum(x * x, axis=0, keepdims=True) + 1e-6)
 
     def step(r, s):
-        q = unit(q_ref[:, pl.ds(r, 1)]) * scale  # [dk, 1]
-        k = unit(k_ref[:, pl.ds(r, 1)])
+        q = q_ref[:, pl.ds(r, 1)]  # [dk, 1]
+        k = k_ref[:, pl.ds(r, 1)]
         v = v_ref[pl.ds(r, 1), :]  # [1, BV]
-        x = a_ref[:, pl.ds(r, 1)] + bias  # [1, 1]
-        softplus = jnp.maximum(x, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(x)))
-        beta = 1.0 / (1.0 + jnp.exp(-b_ref[:, pl.ds(r, 1)]))
-        decayed = s * jnp.exp(decay * softplus)  # [dk, BV] * [1, 1]
+        decayed = s * jnp.exp(g_ref[:, pl.ds(r, 1)])  # [dk, BV] * [1, 1]
         read = jnp.sum(decayed * k, axis=0, keepdims=True)  # [1, BV]
-        s = decayed + k * ((v - read) * beta)
+        delta = (v - read) * beta_ref[:, pl.ds(r, 1)]
+        s = decayed + k * delta
         out_ref[pl.ds(r, 1), :] = jnp.sum(s * q, axis=0, keepdims=True)
         if tape_ref is not None:
             tape_ref[pl.ds(r, 1), :, :] = s[None]
@@ -88,10 +78,8 @@ def delta_rule_rows(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    a: jax.Array,
-    b: jax.Array,
-    a_log: jax.Array,
-    dt_bias: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
     state: jax.Array,
     live: jax.Array,
     tape: jax.Array | None = None,
@@ -99,16 +87,13 @@ def delta_rule_rows(
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """The first ``live`` rows of the gated delta rule from ``state``, in one kernel.
 
-    Row ``r`` (for ``r < live``), per value head ``h`` reading key head ``h // (Hv / Hk)``:
-    ``q, k`` L2-normalised (``q`` then times ``dk ** -0.5``); ``g = -exp(A_log) * softplus(a[r]
-    + dt_bias)``, ``beta = sigmoid(b[r])``; ``S = S * exp(g)``; ``S += k (x) ((v[r] - S^T k) *
-    beta)``; ``out[r] = S^T q``.
+    Row ``r`` (for ``r < live``): ``S = S * exp(g[r])``; ``S += k[r] (x) ((v[r] - S^T k[r]) *
+    beta[r])``; ``out[r] = S^T q[r]``, per value head.
 
     Args:
-      q, k: ``[W, Hk, dk]``, the conv's query and key channels (before the norms).
-      v: ``[W, Hv, dv]``.
-      a, b: ``[W, Hv]``: the decay's and the write strength's projections.
-      a_log, dt_bias: ``[Hv]``, the layer's parameters.
+      q, k: float32 ``[W, Hv, dk]`` (q already scaled, both L2-normalised).
+      v: float32 ``[W, Hv, dv]``.
+      g, beta: float32 ``[W, Hv]``: log decay and write strength.
       state: float32 ``[Hv, dk, dv]``.
       live: int32 scalar, ``0 <= live <= W``.
       tape: float32 ``[R, Hv, dk, dv]`` with ``R >= tape_rows(W)``, or ``None``: row ``r <
@@ -117,28 +102,24 @@ def delta_rule_rows(
         that does not read it again).
       interpret: run in the Pallas interpreter (CPU tests).
 
-    Returns:
-      ``(out [W, Hv, dv], state after row live - 1, the tape or None)``, float32; padding
-      rows' outputs are zeros.
-
     Raises:
       BadInputError: a tape of fewer than ``tape_rows(W)`` rows.
+
+    Returns:
+      ``(out [W, Hv, dv], state after row live - 1, the tape or None)``; padding rows'
+      outputs are zeros.
     """
-    width, key_heads, dk = q.shape
-    heads, dv = v.shape[1:]
-    group = heads // key_heads
+    width, heads, dk = q.shape
+    dv = v.shape[-1]
     rows = tape_rows(width)  # a power-of-two block of rows
     pad = rows - width
     f32 = jnp.float32
 
-    def columns(x: jax.Array) -> jax.Array:  # [W, H, d] -> [H, d, rows]
+    def columns(x: jax.Array) -> jax.Array:  # [W, Hv, d] -> [Hv, d, rows]
         return jnp.pad(x.astype(f32), ((0, pad), (0, 0), (0, 0))).transpose(1, 2, 0)
 
     def scalars(x: jax.Array) -> jax.Array:  # [W, Hv] -> [Hv, 1, rows]
         return jnp.pad(x.astype(f32), ((0, pad), (0, 0))).T[:, None, :]
-
-    def per_head(x: jax.Array) -> jax.Array:  # [Hv] -> [Hv, 1, 1]
-        return x.astype(f32)[:, None, None]
 
     vr = jnp.pad(v.astype(f32), ((0, pad), (0, 0), (0, 0))).transpose(1, 0, 2)  # [Hv, rows, dv]
     tile = VALUE_TILE if dv % VALUE_TILE == 0 else dv
@@ -152,20 +133,19 @@ def delta_rule_rows(
     if with_tape and tape.shape[0] < rows:
         raise BadInputError(f"a tape of {tape.shape[0]} rows; blocks of {width} rows need "
                             f"{rows} (tape_rows)")
-    key_spec = pl.BlockSpec((None, dk, rows), lambda h, j: (h // group, 0, 0))
-    row_spec = pl.BlockSpec((None, 1, rows), lambda h, j: (h, 0, 0))
-    head_spec = pl.BlockSpec((None, 1, 1), lambda h, j: (h, 0, 0))
     state_spec = pl.BlockSpec((None, dk, tile), lambda h, j: (h, 0, j))
     tape_spec = pl.BlockSpec((tape.shape[0] if with_tape else 1, None, dk, tile),
                              lambda h, j: (0, h, 0, j))
     results = pl.pallas_call(
-        functools.partial(_kernel, rows=rows, scale=dk**-0.5),
+        functools.partial(_kernel, rows=rows),
         grid=(heads, tiles),
         in_specs=[
             pl.BlockSpec((), lambda h, j: ()),
-            key_spec, key_spec,
+            pl.BlockSpec((None, dk, rows), lambda h, j: (h, 0, 0)),
+            pl.BlockSpec((None, dk, rows), lambda h, j: (h, 0, 0)),
             pl.BlockSpec((None, rows, tile), lambda h, j: (h, 0, j)),
-            row_spec, row_spec, head_spec, head_spec,
+            pl.BlockSpec((None, 1, rows), lambda h, j: (h, 0, 0)),
+            pl.BlockSpec((None, 1, rows), lambda h, j: (h, 0, 0)),
             state_spec,
         ] + ([tape_spec] if with_tape else []),
         out_specs=[pl.BlockSpec((None, rows, tile), lambda h, j: (h, 0, j)), state_spec]
@@ -174,12 +154,11 @@ def delta_rule_rows(
             jax.ShapeDtypeStruct((heads, rows, dv), f32),
             jax.ShapeDtypeStruct((heads, dk, dv), f32),
         ] + ([jax.ShapeDtypeStruct(tape.shape, f32)] if with_tape else []),
-        input_output_aliases={9: 2} if with_tape else {},
+        input_output_aliases={7: 2} if with_tape else {},
         interpret=interpret,
         name="delta_rule_rows",
         **kwargs,
-    )(jnp.asarray(live, jnp.int32), columns(q), columns(k), vr, scalars(a), scalars(b),
-      per_head(-jnp.exp(a_log.astype(f32))), per_head(dt_bias), state.astype(f32),
-      *([tape.astype(f32)] if with_tape else []))
+    )(jnp.asarray(live, jnp.int32), columns(q), columns(k), vr, scalars(g), scalars(beta),
+      state.astype(f32), *([tape.astype(f32)] if with_tape else []))
     out, new_state = results[0], results[1]
     return out.transpose(1, 0, 2)[:width], new_state, results[2] if with_tape else None

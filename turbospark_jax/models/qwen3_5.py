@@ -481,50 +481,11 @@ class Qwen35Model(BlockModel):
         q = conv_out[:, :key_dim].reshape(w, nk, dk).astype(f32)
         k = conv_out[:, key_dim : 2 * key_dim].reshape(w, nk, dk).astype(f32)
         v = conv_out[:, 2 * key_dim :].reshape(w, nv, -1).astype(f32)
-        kernel = False if chunked else self._recurrence_kernel()
-        if kernel:
-            # Only the live rows run (a decode step is one pass of the row update, not W), as
-            # one launch that also does the q/k norms, g and beta row by row (the XLA loop
-            # below returns to the host on every pass on a GPU). Padding rows' outputs are
-            # zero and they write no tape row.
-            core, rec, tape = pallas_delta_rule.delta_rule_rows(
-                q, k, v, a, b, lp["A_log"], lp["dt_bias"], rec, live, tape=tape,
-                interpret=kernel == "interpret")
-        else:
-            core, rec, tape = self._delta_rule_xla(lp, q, k, v, a, b, rec, live, tape, chunked)
-        core = core.astype(self.dtype)  # [W, Hv, dv]
-        gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
-        gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
-        out = gated.reshape(w, -1) @ lp["out_proj"]
-        # The conv state after row r is the K-1 inputs ending there (after the last live row
-        # for padding rows).
-        kept = jnp.minimum(jnp.arange(w, dtype=jnp.int32) + 1, live)
-        new_conv = jax.lax.dynamic_slice_in_dim(buf, live, taps - 1, axis=0)
-        tapes = None
-        if tape is not None:
-            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], tape)
-        return out, (new_conv, rec), tapes
-
-    def _delta_rule_xla(self, lp: Params, q: jax.Array, k: jax.Array, v: jax.Array,
-                        a: jax.Array, b: jax.Array, rec: jax.Array, live: jax.Array,
-                        tape: jax.Array | None, chunked: bool,
-                        ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
-        """The delta rule as XLA ops from the conv's q, k ``[W, Hk, dk]`` and v ``[W, Hv,
-        dv]``: row by row over the live rows (writing their tape rows), or in its chunked
-        form (``chunked``; no tape). Returns ``(out [W, Hv, dv], state, tape)``."""
-        c, w, f32 = self.config, q.shape[0], jnp.float32
-        nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
         # Each key head serves nv / nk consecutive value heads.
         q = jnp.repeat(_l2norm(q), nv // nk, axis=1) * dk**-0.5  # [W, Hv, dk]
         k = jnp.repeat(_l2norm(k), nv // nk, axis=1)
         beta = jax.nn.sigmoid(b).astype(f32)  # [W, Hv]
         g = -jnp.exp(lp["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + lp["dt_bias"])
-        if chunked:
-            # Padding rows write nothing (beta 0) and decay nothing (g 0).
-            real = (jnp.arange(w) < live)[:, None]
-            core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
-                                           jnp.where(real, beta, 0.0), rec)
-            return core, rec, None
 
         def row(r: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
             s, outs, states = carry
@@ -534,12 +495,38 @@ class Qwen35Model(BlockModel):
             outs = outs.at[r].set(jnp.einsum("hkv,hk->hv", s, q[r]))
             return s, outs, states.at[r].set(s) if states is not None else None
 
-        # Only the live rows run: a decode step is one pass of the row update, not W. Every
-        # row runs the same loop body whatever the block's width or live count, so chunked ==
-        # token by token holds bitwise. Padding rows' outputs stay zero and they write no
-        # tape row.
-        rec, core, tape = jax.lax.fori_loop(0, live, row, (rec, jnp.zeros(v.shape, f32), tape))
-        return core, rec, tape
+        rows = jnp.arange(w, dtype=jnp.int32)
+        if chunked:
+            # Padding rows write nothing (beta 0) and decay nothing (g 0).
+            real = (rows < live)[:, None]
+            core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
+                                           jnp.where(real, beta, 0.0), rec)
+            tape = None
+        else:
+            # Only the live rows run: a decode step is one pass of the row update, not W.
+            # Every row runs the same loop body whatever the block's width or live count, so
+            # chunked == token by token still holds bitwise. Padding rows' outputs stay zero
+            # and they write no tape row. The kernel walks the rows in one launch (on a GPU
+            # the XLA loop returns to the host every pass).
+            kernel = self._recurrence_kernel()
+            if kernel:
+                core, rec, tape = pallas_delta_rule.delta_rule_rows(
+                    q, k, v, g, beta, rec, live, tape=tape, interpret=kernel == "interpret")
+            else:
+                rec, core, tape = jax.lax.fori_loop(
+                    0, live, row, (rec, jnp.zeros(v.shape, f32), tape))
+        core = core.astype(self.dtype)  # [W, Hv, dv]
+        gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
+        gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
+        out = gated.reshape(w, -1) @ lp["out_proj"]
+        # The conv state after row r is the K-1 inputs ending there (after the last live row
+        # for padding rows).
+        kept = jnp.minimum(rows + 1, live)
+        new_conv = jax.lax.dynamic_slice_in_dim(buf, live, taps - 1, axis=0)
+        tapes = None
+        if tape is not None:
+            tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], tape)
+        return out, (new_conv, rec), tapes
 
     def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
         h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
