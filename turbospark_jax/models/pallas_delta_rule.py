@@ -102,12 +102,12 @@ def delta_rule_rows(
         that does not read it again).
       interpret: run in the Pallas interpreter (CPU tests).
 
-    Raises:
-      BadInputError: a tape of fewer than ``tape_rows(W)`` rows.
-
     Returns:
       ``(out [W, Hv, dv], state after row live - 1, the tape or None)``; padding rows'
       outputs are zeros.
+
+    Raises:
+      BadInputError: a tape of fewer than ``tape_rows(W)`` rows.
     """
     width, heads, dk = q.shape
     dv = v.shape[-1]

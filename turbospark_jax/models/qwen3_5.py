@@ -286,7 +286,8 @@ class Qwen35Model(BlockModel):
       config: the hyperparameters.
       dtype: activation / KV / conv-state dtype; params should match. The recurrent state is
         always float32.
-      max_width: the widest block ``block_forward`` accepts: the tape keeps this many rows.
+      max_width: the widest block ``block_forward`` accepts: the tapes keep at least this many
+        rows (:meth:`tape_rows`).
       tap_layers: layers whose output rows the cache records for every fed position
         (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
       recurrence: how the exact path walks the delta rule's rows: ``"auto"`` (the default:
