@@ -26,6 +26,9 @@
 #   bash benchmarks/h200_session.sh 13 "$OUT"  # the Qwen3.5 figures on the default recurrence
 #   bash benchmarks/h200_session.sh 14 "$OUT"  # the oracle benchmark on the 1B shape (issue 14),
 #                                              # then the Qwen3.5 test files on the GPU
+#   bash benchmarks/h200_session.sh 15 "$OUT"  # after a change to the delta-rule kernel: its
+#                                              # tests, the bitwise checks, a decode profile,
+#                                              # the Qwen3.5 figures and test files
 # Then, here: copy the JSON files into benchmarks/results, each under its own name (the report
 # reads every *.json there; for a (shape, context) the first file in name order gives our row,
 # the last one transformers'), and run
@@ -34,10 +37,23 @@
 # Timings seen on one H200 (2026-12-02): stage 1 about 170 s; stage 2 about 190 s, 400 s with
 # the sweep; stage 3 about 100 s for the 1B shape, 100 s for 0.6B, 160 s for 8B.
 set -uo pipefail
-stage=${1:?stage 1 to 11}
+stage=${1:?stage 1 to 15}
 out=${2:?output folder}
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 quiet() { grep -v -i -E "warn|^\s*$" | cut -c1-300; }
+# The delta-rule kernel's tests on the GPU, then the Qwen3.5 bitwise checks (arguments go to
+# benchmarks.qwen35_exactness, e.g. --recurrence pallas).
+delta_rule_checks() {
+  HYPOTHESIS_PROFILE=quick timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider \
+    -p no:warnings tests/test_pallas_delta_rule.py 2>&1 | tail -3
+  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  timeout 100 python3 -m benchmarks.qwen35_exactness "$@" 2>&1 | quiet | tail -20
+}
+# A traced decode burst of the Qwen3.5-0.8B shape (arguments go to benchmarks.profile_decode).
+qwen_profile() {
+  timeout 80 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
+    --tokens 128 --out "$out/profile" "$@" 2>&1 | quiet | tail -16
+}
 case "$stage" in
 1)
   export HYPOTHESIS_PROFILE=quick
@@ -87,12 +103,9 @@ case "$stage" in
   timeout 200 python3 -m benchmarks.rowinv --out "$out/rowinv" --budget-s 170 2>&1 | quiet | tail -5
   ;;
 7)
-  timeout 120 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
-    tests/test_pallas_delta_rule.py 2>&1 | tail -2
-  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  delta_rule_checks --recurrence pallas
   timeout 120 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
     quiet
-  timeout 120 python3 -m benchmarks.qwen35_exactness --recurrence pallas 2>&1 | quiet | tail -20
   timeout 300 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
     --recurrence pallas --out "$out/families_pallas" 2>&1 | quiet
   ;;
@@ -101,17 +114,10 @@ case "$stage" in
     --draft-lens 4,6,8 --ngram 3,4 --out "$out" 2>&1 | quiet
   ;;
 9)
-  export HYPOTHESIS_PROFILE=quick
-  timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
-    tests/test_pallas_delta_rule.py 2>&1 | tail -3
-  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  delta_rule_checks --recurrence pallas
   timeout 80 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
     quiet
-  timeout 100 python3 -m benchmarks.qwen35_exactness --recurrence pallas 2>&1 | quiet | tail -20
-  for r in ${RECURRENCES:-xla pallas}; do
-    timeout 70 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
-      --tokens 128 --recurrence "$r" --out "$out/profile" 2>&1 | quiet | tail -16
-  done
+  for r in ${RECURRENCES:-xla pallas}; do qwen_profile --recurrence "$r"; done
   timeout 170 python3 -m benchmarks.families --shapes gemma4-e2b --no-hf \
     --out "$out/families_gemma4" 2>&1 | quiet
   ;;
@@ -127,25 +133,17 @@ case "$stage" in
     quiet | tail -30
   ;;
 12)
-  export HYPOTHESIS_PROFILE=quick
-  timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
-    tests/test_pallas_delta_rule.py 2>&1 | tail -3
-  echo "delta-rule kernel tests: exit ${PIPESTATUS[0]}"
+  delta_rule_checks
   timeout 80 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
     quiet
-  timeout 100 python3 -m benchmarks.qwen35_exactness 2>&1 | quiet | tail -20
   XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*run_blocks.*" \
-    timeout 80 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
-    --tokens 128 --out "$out/profile" 2>&1 | quiet | tail -16
+    qwen_profile
   hlo=$(ls -S /tmp/hlo/*run_blocks*after_optimizations.txt | head -1)
   echo "command buffers in $hlo: $(grep -c 'command_buffer' "$hlo")"
   cp "$hlo" "$out/qwen_decode_hlo.txt"
   XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE" \
-    timeout 60 python3 -m benchmarks.profile_decode --shape qwen3.5-0.8b --widths 16 \
-    --tokens 128 --label graphs+while --no-trace --out "$out/profile" 2>&1 | quiet | tail -1
-  XLA_FLAGS="--xla_gpu_enable_command_buffer=" timeout 60 python3 -m benchmarks.profile_decode \
-    --shape qwen3.5-0.8b --widths 16 --tokens 128 --label no-graphs --no-trace \
-    --out "$out/profile" 2>&1 | quiet | tail -1
+    qwen_profile --label graphs+while --no-trace
+  XLA_FLAGS="--xla_gpu_enable_command_buffer=" qwen_profile --label no-graphs --no-trace
   ;;
 13)
   timeout 500 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
@@ -158,6 +156,15 @@ case "$stage" in
   timeout 260 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings -x \
     tests/test_qwen3_5.py tests/test_qwen3_5_mtp.py tests/test_mtp_drafter.py \
     tests/test_speculative_families.py tests/test_block_drafter_qwen35.py 2>&1 | tail -4
+  echo "Qwen3.5 test files on the GPU: exit ${PIPESTATUS[0]}"
+  ;;
+15)
+  delta_rule_checks
+  qwen_profile
+  timeout 200 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
+    --out "$out/families_qwen35" 2>&1 | quiet
+  timeout 150 python3 -m pytest -n 0 -q -p no:cacheprovider -p no:warnings \
+    tests/test_qwen3_5_mtp.py tests/test_qwen3_5.py 2>&1 | tail -4
   echo "Qwen3.5 test files on the GPU: exit ${PIPESTATUS[0]}"
   ;;
 esac
