@@ -51,13 +51,7 @@ _BASE: dict[str, Any] = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _full_precision_products() -> Any:
-    """Float32 products at full precision, on the GPU too (where the default precision rounds
-    inputs to TF32 and misses the 1e-4 parity bar); a no-op on the CPU. Programs compared
-    bitwise with each other are all compiled under it."""
-    with jax.default_matmul_precision("highest"):
-        yield
+pytestmark = pytest.mark.usefixtures("full_precision_products")
 
 
 CASES: dict[str, dict[str, Any]] = {

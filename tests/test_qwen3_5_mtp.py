@@ -31,12 +31,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_q35  # noqa: E402
 ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _full_precision_products() -> Any:
-    """Float32 products at full precision, on the GPU too (where the default rounds their
-    inputs to TF32, which misses ATOL); a no-op on the CPU."""
-    with jax.default_matmul_precision("highest"):
-        yield
+pytestmark = pytest.mark.usefixtures("full_precision_products")
 VOCAB, SEQ, WIDTH = 64, 10, 4
 TINY: dict[str, Any] = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_attention_heads=4,

@@ -39,9 +39,10 @@ def supported(key_dim: int, value_dim: int) -> bool:
 
 
 def _kernel(live_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, *refs, rows: int) -> None:
-    # With a tape: refs = (tape in, out, state out, tape out), the tape aliased in place.
-    tape_ref = refs[3] if len(refs) == 4 else None
-    out_ref, s_out_ref = refs[-3:-1] if tape_ref is not None else refs
+    if len(refs) == 4:  # with a tape: its input (aliased to its output), out, state, tape
+        _, out_ref, s_out_ref, tape_ref = refs
+    else:
+        (out_ref, s_out_ref), tape_ref = refs, None
     live = live_ref[()]
 
     def step(r, s):
