@@ -9,9 +9,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
+from turbospark_jax.models.delta_rule import INVERSE_METHODS
 from turbospark_jax.recipe.objectives import cross_entropy, head_cross_entropy, qwen35_mtp_loss
 
 CONFIG = QC.Qwen35Config(
@@ -21,14 +23,40 @@ CONFIG = QC.Qwen35Config(
     layer_types=(QC.LINEAR, QC.FULL), mtp_num_hidden_layers=1, initializer_range=0.1)
 
 
-def test_training_forward_matches_the_exact_forward() -> None:
-    model = Q.Qwen35Model(CONFIG, jnp.float32)
+@pytest.mark.parametrize("inverse", INVERSE_METHODS)
+def test_training_forward_matches_the_exact_forward(inverse: str) -> None:
+    """Three sequences of 150 tokens (three chunks of the delta rule, one partial): the batched
+    training pass is each sequence's exact forward, within float32 rounding."""
+    model = Q.Qwen35Model(CONFIG, jnp.float32, chunk_inverse=inverse)
     params = model.init_params(jax.random.PRNGKey(0))
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 40), 0, CONFIG.vocab_size)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 150), 0, CONFIG.vocab_size)
     exact = model.forward(params, tokens)
     logits, hidden = jax.jit(model.train_forward)(params, tokens)
-    assert hidden.shape == (1, 40, CONFIG.hidden_size)
+    assert hidden.shape == (3, 150, CONFIG.hidden_size)
     assert float(jnp.abs(logits - exact).max()) < 1e-4
+    # control: the same pass over rows that are not the tokens' own must differ
+    shuffled, _ = jax.jit(model.train_forward)(params, tokens[::-1])
+    assert float(jnp.abs(shuffled - exact).max()) > 1e-2
+
+
+def test_training_mtp_rows_match_the_mtp_block_path() -> None:
+    """The MTP head's training rows (one causal pass over the batch) equal its block path's,
+    which writes and reads its own KV rows, within float32 rounding."""
+    model = Q.Qwen35Model(CONFIG, jnp.float32)
+    params = model.init_params(jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 30), 0, CONFIG.vocab_size)
+    _, hidden = model.train_forward(params, tokens)
+    got = jax.jit(model.mtp_train_hidden)(params, hidden, tokens)
+    assert got.shape == (2, 29, CONFIG.hidden_size)
+    for b in range(2):
+        n = 29
+        _, want, _ = model.mtp_block_forward(
+            params, model.mtp_init_cache(n), hidden[b, :n], tokens[b, 1:],
+            jnp.arange(n, dtype=jnp.int32), jnp.int32(n))
+        assert float(jnp.abs(got[b] - want).max()) < 1e-4
+    # control: the head reading the hidden state one row late must differ
+    late = jax.jit(model.mtp_train_hidden)(params, jnp.roll(hidden, 1, axis=1), tokens)
+    assert float(jnp.abs(late - got).max()) > 1e-2
 
 
 def test_joint_training_lowers_both_losses() -> None:

@@ -329,6 +329,26 @@ def attend(
     return out.reshape(w_rows, heads, head_dim)
 
 
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                     implementation: str = "xla") -> jax.Array:
+    """Causal grouped-query self-attention over whole sequences, for training passes.
+
+    Row ``t`` of each sequence attends to rows ``0 .. t`` of the same sequence. This is
+    ``jax.nn.dot_product_attention``: ``"cudnn"`` is its fused kernel (GPU, bfloat16 or
+    float16; scores never written out, forward or backward), ``"xla"`` the plain products.
+    Neither is the block program's :func:`attend`, so results agree with it within a
+    tolerance only.
+
+    Args:
+      q: ``[B, T, H, hd]`` rotated queries; k, v: ``[B, T, KV, hd]``, ``H = KV * G``.
+      implementation: ``"xla"`` or ``"cudnn"``.
+
+    Returns:
+      ``[B, T, H, hd]`` in ``q.dtype``.
+    """
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
 def _attend_rows(
     q: jax.Array,
     k: jax.Array,

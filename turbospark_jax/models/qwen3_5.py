@@ -56,11 +56,12 @@ from flax import struct
 from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
 from turbospark_jax.models import pallas_delta_rule
 from turbospark_jax.models.base import BlockModel, check_tap_layers
-from turbospark_jax.models.delta_rule import delta_rule_chunked
+from turbospark_jax.models.delta_rule import INVERSE_METHODS, delta_rule_chunked
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.layers import (
     apply_rope,
     attend,
+    causal_attention,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -274,6 +275,7 @@ def _l2norm(x: jax.Array) -> jax.Array:
 
 
 RECURRENCE_MODES = ("auto", "xla", "pallas", "interpret")
+TRAIN_ATTENTION = ("auto", "xla", "cudnn")
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 State = tuple[jax.Array, jax.Array]  # (conv [K-1, C], recurrent float32 [Hv, dk, dv])
 
@@ -298,6 +300,12 @@ class Qwen35Model(BlockModel):
         kernel in the Pallas interpreter, for tests on a CPU). Each choice is one program for
         every path, so the bitwise guarantees hold within it; the kernel and the XLA loop
         agree within float32 rounding.
+      chunk_inverse: how the chunked delta rule (parallel prefill, training) inverts its
+        chunk systems: ``"blocked"`` (matrix products) or ``"solve"`` (XLA's triangular
+        solve); see :mod:`~turbospark_jax.models.delta_rule`.
+      train_attention: the full-attention layers' kernel in the training pass
+        (:meth:`train_forward`): ``"auto"`` (cuDNN's fused attention on a GPU in bfloat16 or
+        float16, XLA's otherwise), ``"xla"`` or ``"cudnn"``. The block program never uses it.
     """
 
     can_tap = True
@@ -310,6 +318,8 @@ class Qwen35Model(BlockModel):
     max_width: int = 16
     tap_layers: tuple[int, ...] = ()
     recurrence: str = "auto"
+    chunk_inverse: str = "blocked"
+    train_attention: str = "auto"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -319,6 +329,12 @@ class Qwen35Model(BlockModel):
         if self.recurrence not in RECURRENCE_MODES:
             raise BadInputError(f"recurrence must be one of {', '.join(RECURRENCE_MODES)}; "
                                 f"got {self.recurrence!r}")
+        if self.chunk_inverse not in INVERSE_METHODS:
+            raise BadInputError(f"chunk_inverse must be one of {', '.join(INVERSE_METHODS)}; "
+                                f"got {self.chunk_inverse!r}")
+        if self.train_attention not in TRAIN_ATTENTION:
+            raise BadInputError(f"train_attention must be one of {', '.join(TRAIN_ATTENTION)}; "
+                                f"got {self.train_attention!r}")
 
     def _recurrence_kernel(self) -> bool | str:
         """Whether the exact path's rows run as the Pallas kernel (``"interpret"``: in the
@@ -427,6 +443,15 @@ class Qwen35Model(BlockModel):
                    rope: tuple[jax.Array, jax.Array], kv: KVFn) -> jax.Array:
         """Gated full attention: h [W, D] -> [W, D]. ``kv(k, v)`` stores this block's keys and
         values and returns what the rows attend over, ``(keys, values, key_positions)``."""
+        q, k, v, gate = self._attention_inputs(lp, h, rope)
+        keys, values, key_positions = kv(k, v)
+        return self._attention_output(lp, attend(q, keys, values, positions, key_positions),
+                                      gate)
+
+    def _attention_inputs(self, lp: Params, h: jax.Array, rope: tuple[jax.Array, jax.Array]
+                          ) -> tuple[jax.Array, ...]:
+        """h [W, D] -> rotated queries [W, H, hd], rotated keys and values [W, KV, hd], and
+        the output gate [W, H, hd]."""
         c, w = self.config, h.shape[0]
         bias = c.attention_bias
         hd, rd = c.head_dim, c.rotary_dim
@@ -439,9 +464,12 @@ class Qwen35Model(BlockModel):
         # RoPE turns the first rotary_dim features of each head; the rest pass through.
         q = jnp.concatenate([apply_rope(q[..., :rd], *rope), q[..., rd:]], axis=-1)
         k = jnp.concatenate([apply_rope(k[..., :rd], *rope), k[..., rd:]], axis=-1)
-        keys, values, key_positions = kv(k, v)
-        attn = attend(q, keys, values, positions, key_positions) * jax.nn.sigmoid(gate)
-        return attn.reshape(w, -1) @ lp["o_proj"] + (lp["o_bias"] if bias else 0)
+        return q, k, v, gate
+
+    def _attention_output(self, lp: Params, attn: jax.Array, gate: jax.Array) -> jax.Array:
+        """Attention rows [..., H, hd] gated by ``sigmoid(gate)`` -> [..., D]."""
+        gated = (attn * jax.nn.sigmoid(gate)).reshape(*attn.shape[:-2], -1)
+        return gated @ lp["o_proj"] + (lp["o_bias"] if self.config.attention_bias else 0)
 
     def _delta_inputs(self, lp: Params, h: jax.Array) -> tuple[jax.Array, ...]:
         """h [W, D] -> conv input [W, C] (q, k, v channels), z [W, Hv, dv], b, a [W, Hv]."""
@@ -501,7 +529,8 @@ class Qwen35Model(BlockModel):
             # Padding rows write nothing (beta 0) and decay nothing (g 0).
             real = (rows < live)[:, None]
             core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
-                                           jnp.where(real, beta, 0.0), rec)
+                                           jnp.where(real, beta, 0.0), rec,
+                                           inverse=self.chunk_inverse)
             tape = None
         else:
             # Only the live rows run: a decode step is one pass of the row update, not W.
@@ -680,10 +709,12 @@ class Qwen35Model(BlockModel):
         """Whole sequences from an empty state, for training: int32 ``[B, T]`` -> float32
         logits ``[B, T, V]`` and the normed hidden states ``[B, T, D]`` (what the MTP head
         reads). The DeltaNet layers run the chunked recurrence
-        (:mod:`~turbospark_jax.models.delta_rule`): matrix products a chunk at a time instead
-        of a ``T``-step scan, within a tolerance of :meth:`forward`."""
-        logits, hidden, _ = jax.vmap(lambda seq: self._train_pass(params, seq))(tokens)
-        return logits, hidden
+        (:mod:`~turbospark_jax.models.delta_rule`) and the full-attention layers one fused
+        causal attention over the batch (:attr:`train_attention`): within a tolerance of
+        :meth:`forward`, never bitwise."""
+        x, _ = self._train_pass(params, tokens, with_taps=False)
+        hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+        return self.head_logits(params, hidden), hidden
 
     def forward_taps(self, params: Params, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
         """:meth:`train_forward` that returns the tap layers' output rows instead of the
@@ -696,40 +727,78 @@ class Qwen35Model(BlockModel):
         """
         if not self.tap_layers:
             raise BadInputError("forward_taps needs a model built with tap_layers=(...)")
-        logits, _, taps = jax.vmap(lambda seq: self._train_pass(params, seq))(tokens)
-        return logits, taps
-
-    def _train_pass(self, params: Params, seq: jax.Array) -> tuple[Any, ...]:
-        """One sequence from an empty state with the chunked recurrence: logits, normed
-        hidden states and tap rows (``None`` without tap layers)."""
-        positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
-        x, _, _, taps = self._decoder(params["layers"], self._embed(params, seq), positions,
-                                      jnp.int32(seq.shape[0]), self._zero_states(),
-                                      lambda j: lambda k, v: (k, v, positions), None,
-                                      chunked=True)
+        x, taps = self._train_pass(params, tokens, with_taps=True)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
-        return self._logits(params, hidden), hidden, taps
+        return self.head_logits(params, hidden), taps
+
+    def _train_attention_impl(self) -> str:
+        if self.train_attention != "auto":
+            return self.train_attention
+        fused = jax.default_backend() == "gpu" and self.dtype in (jnp.bfloat16, jnp.float16)
+        return "cudnn" if fused else "xla"
+
+    def _train_full_layer(self, lp: Params, x: jax.Array,
+                          rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """A full-attention layer over whole sequences x [B, T, D] (row t at position t)."""
+        h = _norm(x, lp["input_layernorm"], self.config.rms_norm_eps)
+        q, k, v, gate = jax.vmap(lambda rows: self._attention_inputs(lp, rows, rope))(h)
+        attn = causal_attention(q, k, v, implementation=self._train_attention_impl())
+        x = x + self._attention_output(lp, attn, gate)
+        return self._mlp(lp, x.reshape(-1, x.shape[-1])).reshape(x.shape)
+
+    def _train_pass(self, params: Params, tokens: jax.Array, *, with_taps: bool
+                    ) -> tuple[jax.Array, jax.Array | None]:
+        """Every layer over whole sequences (int32 ``[B, T]``) from an empty state, batch
+        first: the layer's output rows ``[B, T, D]`` and, ``with_taps``, the tap rows
+        ``[B, T, K, D]``."""
+        c = self.config
+        t = tokens.shape[1]
+        rope = self._rope(jnp.arange(t, dtype=jnp.int32))
+        zero = self._zero_states()[0] if c.count(LINEAR) else None
+        x = self._embed(params, tokens)  # [B, T, D]
+        taps = []
+        for i, lp in enumerate(params["layers"]):
+            with jax.named_scope(f"layer_{i}"):
+                if c.layer_types[i] == FULL:
+                    x = self._train_full_layer(lp, x, rope)
+                else:
+                    def linear(rows: jax.Array, lp: Params = lp) -> jax.Array:
+                        h = _norm(rows, lp["input_layernorm"], c.rms_norm_eps)
+                        o, _, _ = self._delta_net(lp, h, zero, jnp.int32(t), None,
+                                                  chunked=True)
+                        return self._mlp(lp, rows + o)
+
+                    x = jax.vmap(linear)(x)
+            if with_taps and i in self.tap_layers:
+                taps.append(x)
+        return x, jnp.stack(taps, axis=2) if taps else None
 
     def head_logits(self, params: Params, hidden: jax.Array) -> jax.Array:
-        """The output head alone: normed hidden ``[W, D]`` -> float32 logits ``[W, V]``
+        """The output head alone: normed hidden ``[..., D]`` -> float32 logits ``[..., V]``
         (a training loss applies it a slice of rows at a time)."""
-        return self._logits(params, hidden)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        return self._logits(params, flat).reshape(*hidden.shape[:-1], -1)
 
     def mtp_train_hidden(self, params: Params, hidden: jax.Array,
                          tokens: jax.Array) -> jax.Array:
         """The MTP head over whole sequences, for training, before the output head: row ``t``
         reads ``hidden[t]`` and ``tokens[t + 1]``; its normed output rows ``[B, T - 1, D]``
         (through :meth:`head_logits`) predict ``tokens[t + 2]``, as a drafter's first proposal
-        does."""
+        does. Its attention is the training pass's (:attr:`train_attention`)."""
+        c = self.config
+        x = self._mtp_input(params, hidden[:, :-1], tokens[:, 1:])
+        rope = self._rope(jnp.arange(x.shape[1], dtype=jnp.int32))
+        x = self._train_full_layer(params["mtp"]["layers"][0], x, rope)
+        return _norm(x, params["mtp"]["norm"], c.rms_norm_eps)
 
-        def one(h: jax.Array, seq: jax.Array) -> jax.Array:
-            n = seq.shape[0] - 1
-            _, out, _ = self.mtp_block_forward(
-                params, self.mtp_init_cache(n), h[:n], seq[1:], jnp.arange(n, dtype=jnp.int32),
-                jnp.int32(n))
-            return out
-
-        return jax.vmap(one)(hidden, tokens)
+    def _mtp_input(self, params: Params, hidden: jax.Array, next_tokens: jax.Array
+                   ) -> jax.Array:
+        """The MTP layer's input rows: ``fc([norm(embed(next)), norm(hidden)])``, any leading
+        axes."""
+        c, mp = self.config, params["mtp"]
+        e = _norm(self._embed(params, next_tokens), mp["pre_fc_norm_embedding"], c.rms_norm_eps)
+        h = _norm(hidden.astype(self.dtype), mp["pre_fc_norm_hidden"], c.rms_norm_eps)
+        return jnp.concatenate([e, h], axis=-1) @ mp["fc"]
 
     # -- the MTP head ---------------------------------------------------------------------------
 
@@ -774,9 +843,7 @@ class Qwen35Model(BlockModel):
         write_at = jnp.where(rows < live, positions, capacity + rows)
         buffers = [mtp_cache.k[layer], mtp_cache.v[layer]]
         kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))(0)
-        e = _norm(self._embed(params, next_tokens), mp["pre_fc_norm_embedding"], c.rms_norm_eps)
-        h = _norm(hidden.astype(self.dtype), mp["pre_fc_norm_hidden"], c.rms_norm_eps)
-        x = jnp.concatenate([e, h], axis=-1) @ mp["fc"]
+        x = self._mtp_input(params, hidden, next_tokens)
         x = self._full_layer(mp["layers"][layer], x, positions, self._rope(positions), kv)
         new_hidden = _norm(x, mp["norm"], c.rms_norm_eps)
         k, v = list(mtp_cache.k), list(mtp_cache.v)
