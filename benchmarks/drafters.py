@@ -66,6 +66,9 @@ PRESETS = {
     "h200": Preset(16, 128, {"draft-model": (2, 3, 4, 6), "ngram": (2, 4, 6, 8),
                              "mtp": (1, 2, 3, 4), "block": (2, 4, 6, 8),
                              "assistant": (2, 4, 6)}),
+    # Every drafter of the embedded models inside a share of one device call (about 150 s).
+    "h200-short": Preset(12, 128, {"draft-model": (2, 4), "ngram": (4, 8), "mtp": (1, 2, 3),
+                                   "block": (3, 5, 7), "assistant": (2, 4)}),
 }
 
 

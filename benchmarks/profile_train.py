@@ -48,7 +48,7 @@ def kind_of(name: str) -> str:
 
 
 def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
-          head_rows: int = 0) -> dict[str, Any]:
+          head_rows: int = 0, variant: str = "auto:blocked") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -59,9 +59,10 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
 
     tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
     config = rt.model_config(preset, tokenizer)
+    attention, inverse = variant.split(":")
     tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10,
-                        head_rows=head_rows)
-    model = rt.build_model(config, tc.compute_dtype)
+                        head_rows=head_rows, train_attention=attention, chunk_inverse=inverse)
+    model = rt.build_model(config, tc.compute_dtype, attention, inverse)
     optimizer = rt.make_optimizer(tc)
     step_fn = rt.make_train_step(model, optimizer, tc.mtp_weight, tc.head_rows)
     state = rt.init_state(config, tc, optimizer)
@@ -89,7 +90,7 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
     stats = device.memory_stats() or {}
     record: dict[str, Any] = {
         "preset": preset, "batch": batch, "seq_len": seq_len, "head_rows": head_rows,
-        "compile_s": compile_s,
+        "variant": variant, "compile_s": compile_s,
         "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": flops,
         "mfu": mfu(tokens_per_s, flops, getattr(device, "device_kind", "?")),
         "peak_bytes": stats.get("peak_bytes_in_use"),
@@ -131,22 +132,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-rows", default="0",
                     help="output-head slice sizes to compare, comma-separated (0: whole; "
                     "Qwen3.5 presets only)")
+    ap.add_argument("--variants", default="auto:blocked",
+                    help="Qwen3.5 training kernels ATTENTION:INVERSE, comma-separated (e.g. "
+                    "cudnn:blocked,cudnn:solve,xla:blocked; default auto:blocked)")
     ap.add_argument("--no-trace", action="store_true", help="time only, no profiler trace")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
-    cases = [(p, int(h), int(b)) for p in args.presets.split(",")
-             for h in args.head_rows.split(",") for b in args.batch_sizes.split(",")]
-    for i, (preset, head_rows, batch) in enumerate(cases):
-        # Trace the largest batch of each (preset, head_rows) group: the last one in it.
-        last_of_group = i + 1 == len(cases) or cases[i + 1][:2] != (preset, head_rows)
+    cases = [(p, v, int(h), int(b)) for p in args.presets.split(",")
+             for v in args.variants.split(",") for h in args.head_rows.split(",")
+             for b in args.batch_sizes.split(",")]
+    for i, (preset, variant, head_rows, batch) in enumerate(cases):
+        # Trace the largest batch of each (preset, variant, head_rows) group: the last one.
+        last_of_group = i + 1 == len(cases) or cases[i + 1][:3] != (preset, variant, head_rows)
         try:
             record = _case(preset, batch, args.seq_len, args.steps,
-                           trace=last_of_group and not args.no_trace, head_rows=head_rows)
+                           trace=last_of_group and not args.no_trace, head_rows=head_rows,
+                           variant=variant)
         except Exception as exc:
             record = {"preset": preset, "batch": batch, "head_rows": head_rows,
-                      "error": repr(exc)[:400]}
+                      "variant": variant, "error": repr(exc)[:400]}
         results.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "trace"}), flush=True)
         if "trace" in record:

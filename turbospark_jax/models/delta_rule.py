@@ -82,6 +82,13 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     inverses (both computed in one batched recursion).
     """
     c = a.shape[-1]
+    return _unit_lower_inverse(a.reshape(-1, c, c)).reshape(a.shape)
+
+
+def _unit_lower_inverse(a: jax.Array) -> jax.Array:
+    # a [N, C, C]: one batch axis however deep the recursion goes (XLA's CPU backend refuses
+    # tensors of rank 8 and more in some fusions).
+    n, c = a.shape[0], a.shape[-1]
     eye = jnp.eye(c, dtype=a.dtype)
     if c <= NEUMANN_BLOCK:
         inverse, power, covered = eye - a, a, 1
@@ -91,10 +98,10 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
             covered = 2 * covered + 1
         return inverse
     h = c // 2
-    halves = unit_lower_inverse(jnp.stack([a[..., :h, :h], a[..., h:, h:]]))
-    t11, t22 = halves[0], halves[1]
-    t21 = -(t22 @ a[..., h:, :h] @ t11)
-    top = jnp.concatenate([t11, jnp.zeros_like(a[..., :h, h:])], axis=-1)
+    halves = _unit_lower_inverse(jnp.concatenate([a[:, :h, :h], a[:, h:, h:]], axis=0))
+    t11, t22 = halves[:n], halves[n:]
+    t21 = -(t22 @ a[:, h:, :h] @ t11)
+    top = jnp.concatenate([t11, jnp.zeros_like(a[:, :h, h:])], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
 
 

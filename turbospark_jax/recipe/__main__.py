@@ -21,6 +21,8 @@ import jax
 import numpy as np
 
 from turbospark_jax.errors import BadInputError, TurbosparkError
+from turbospark_jax.models.delta_rule import INVERSE_METHODS
+from turbospark_jax.models.qwen3_5 import TRAIN_ATTENTION
 from turbospark_jax.recipe.card import card_samples, command_line, model_card
 from turbospark_jax.recipe.corpus import Corpus, encode_documents, load_corpus, pack_rows
 from turbospark_jax.recipe.export import export_model
@@ -105,6 +107,8 @@ def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> 
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         head_rows=args.head_rows,
+        train_attention=args.train_attention,
+        chunk_inverse=args.chunk_inverse,
     )
 
 
@@ -122,6 +126,12 @@ def _add_common_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-rows", type=int, default=0,
                    help="a Qwen3.5 target's output-head loss this many rows at a time, "
                    "recomputed in the backward pass (less memory; default 0: all at once)")
+    p.add_argument("--train-attention", choices=TRAIN_ATTENTION, default="auto",
+                   help="a Qwen3.5 target's attention kernel in training (default auto: "
+                   "cuDNN's fused attention on a GPU, XLA's elsewhere)")
+    p.add_argument("--chunk-inverse", choices=INVERSE_METHODS, default="blocked",
+                   help="how a Qwen3.5 target's chunked delta rule inverts its chunk systems "
+                   "in training (default blocked: matrix products; solve: XLA's solve)")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the exported weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

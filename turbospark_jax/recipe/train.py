@@ -201,6 +201,9 @@ class TrainConfig:
       head_rows: a Qwen3.5 target's output head runs this many rows at a time, each slice's
         logits recomputed in the backward pass (``objectives.head_cross_entropy``); 0 for the
         whole batch's logits at once.
+      train_attention, chunk_inverse: a Qwen3.5 model's attention kernel and delta-rule
+        inverse in the training pass (:class:`~turbospark_jax.models.qwen3_5.Qwen35Model`);
+        dense models ignore them.
     """
 
     steps: int = 1000
@@ -224,6 +227,8 @@ class TrainConfig:
     mtp_weight: float = 0.3
     #: rows per slice of the output head's loss (Qwen3.5 targets; 0: all at once)
     head_rows: int = 0
+    train_attention: str = "auto"
+    chunk_inverse: str = "blocked"
 
     @property
     def effective_warmup(self) -> int:
@@ -365,12 +370,14 @@ def make_eval_step(model: BlockModel) -> Callable[[Params, jax.Array], jax.Array
     return jax.jit(lambda params, rows: training_loss(model, 0.0, params, rows)[1]["loss"])
 
 
-def build_model(config: DenseConfig | Qwen35Config, compute_dtype: str) -> BlockModel:
+def build_model(config: DenseConfig | Qwen35Config, compute_dtype: str,
+                train_attention: str = "auto", chunk_inverse: str = "blocked") -> BlockModel:
     """The model a config trains as: the dense family's stacked layout (one scanned layer
-    program), Qwen3.5's list of mixed layers."""
+    program), Qwen3.5's list of mixed layers with its training-pass kernels."""
     if isinstance(config, DenseConfig):
         return DenseModel(config, jnp.dtype(compute_dtype))
-    return Qwen35Model(config, jnp.dtype(compute_dtype))
+    return Qwen35Model(config, jnp.dtype(compute_dtype), train_attention=train_attention,
+                       chunk_inverse=chunk_inverse)
 
 
 @functools.lru_cache(maxsize=8)
@@ -552,7 +559,7 @@ def train_model(
             raise BadInputError(
                 f"{what} rows must be [N, {tc.seq_len + 1}], got {list(rows.shape)}"
             )
-    model = build_model(config, tc.compute_dtype)
+    model = build_model(config, tc.compute_dtype, tc.train_attention, tc.chunk_inverse)
     optimizer = make_optimizer(tc)
     order = DataOrder(len(train_rows), tc.batch_size, tc.seed)
     if tc.eval_rows:
