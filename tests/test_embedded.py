@@ -18,7 +18,12 @@ TARGET = embedded_model_path(DEFAULT_TARGET)
 DRAFT = embedded_model_path(DEFAULT_DRAFT)
 
 
+BLOCK = embedded_model_path(DEFAULT_TARGET + "-block")
+
+
 def test_folders_are_complete_and_documented():
+    assert (BLOCK / "README.md").is_file() and (BLOCK / "config.json").is_file()
+    assert "## Held-out acceptance" in (BLOCK / "README.md").read_text()
     for folder in (TARGET, DRAFT):
         for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
                      "generation_config.json", "README.md"):
@@ -27,7 +32,7 @@ def test_folders_are_complete_and_documented():
             assert shard.stat().st_size <= 15 * 2**20, shard.name
         card = (folder / "README.md").read_text()
         assert "perplexity" in card and "## Reproduce" in card
-    assert json.loads((TARGET / "config.json").read_text())["model_type"] == "qwen3"
+    assert json.loads((TARGET / "config.json").read_text())["model_type"] == "qwen3_5_text"
     assert (TARGET / "tokenizer.json").read_bytes() == (DRAFT / "tokenizer.json").read_bytes()
 
 

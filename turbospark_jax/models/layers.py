@@ -346,7 +346,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     Returns:
       ``[B, T, H, hd]`` in ``q.dtype``.
     """
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    t = q.shape[1]
+    # cuDNN takes sequence lengths in whole tiles (it refused the MTP head's 1023 rows); rows
+    # appended at the end change no earlier row of a causal attention.
+    pad = -t % CUDNN_ROWS if implementation == "cudnn" else 0
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+    return out[:, :t]
+
+
+#: The sequence lengths cuDNN's fused attention takes are multiples of this.
+CUDNN_ROWS = 64
 
 
 def _attend_rows(

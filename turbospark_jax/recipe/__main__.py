@@ -23,7 +23,12 @@ import numpy as np
 from turbospark_jax.errors import BadInputError, TurbosparkError
 from turbospark_jax.models.delta_rule import INVERSE_METHODS
 from turbospark_jax.models.qwen3_5 import TRAIN_ATTENTION
-from turbospark_jax.recipe.card import card_samples, command_line, model_card
+from turbospark_jax.recipe.card import (
+    block_drafter_card,
+    card_samples,
+    command_line,
+    model_card,
+)
 from turbospark_jax.recipe.corpus import Corpus, encode_documents, load_corpus, pack_rows
 from turbospark_jax.recipe.export import export_model
 from turbospark_jax.recipe.pack import PART_BYTES, pack_folders, unpack_parts
@@ -159,6 +164,9 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="the most tokens a body may take (default 128)")
     ev.add_argument("--out", type=Path, default=None,
                     help="also write the share and every sample here (JSON)")
+    ev.add_argument("--card", default=None, metavar="LABEL",
+                    help="also write the shares and a few bodies into the model's card, as "
+                    "section 'Function bodies: LABEL' (e.g. 'H200 held-out split')")
     _add_corpus_args(ev)
 
     tok = sub.add_parser("tokenizer", help="train the tokenizer on the corpus' training split")
@@ -318,6 +326,11 @@ def _train_block_drafter(args: argparse.Namespace, target: TrainResult,
     }
     (folder / "training.json").write_text(
         json.dumps({**summary, "history": result.history}, indent=1) + "\n", encoding="utf-8")
+    (folder / "README.md").write_text(block_drafter_card(
+        result.config, summary, target="target", steps=args.block_steps,
+        batch_size=min(args.block_batch_size, len(heldout_rows)), seq_len=args.seq_len,
+        anchors_per_row=16, lr=args.block_lr, command=command_line(args.argv)),
+        encoding="utf-8")
     return summary
 
 
@@ -409,7 +422,9 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
 
 def _evaluate(args: argparse.Namespace) -> None:
     from turbospark_jax.api import load
-    from turbospark_jax.recipe.code_eval import evaluate_functions
+    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.recipe.card import set_card_section
+    from turbospark_jax.recipe.code_eval import evaluate_functions, quality_section
 
     corpus = load_corpus(args.corpus_root, args.heldout_fraction, args.max_files,
                          args.corpus_name, args.packages)
@@ -417,7 +432,8 @@ def _evaluate(args: argparse.Namespace) -> None:
     t0 = time.monotonic()
     share, results = evaluate_functions(model, corpus.heldout, args.functions, args.max_tokens)
     report = {
-        "model": str(args.model or "embedded"), "functions": len(results), "passing": share,
+        "model": str(args.model or "embedded"), "corpus": corpus.describe()["name"],
+        "functions": len(results), "max_tokens": args.max_tokens, "passing": share,
         "parsing": sum(r.parses for r in results) / len(results),
         "looping": sum(r.loops for r in results) / len(results),
         "seconds": round(time.monotonic() - t0, 1),
@@ -427,6 +443,10 @@ def _evaluate(args: argparse.Namespace) -> None:
     }
     if args.out is not None:
         args.out.write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
+    if args.card:
+        folder = args.model or embedded_model_path(DEFAULT_TARGET)
+        set_card_section(folder, f"Function bodies: {args.card}",
+                         quality_section(report, report["corpus"]))
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}))
 
 

@@ -45,6 +45,7 @@ CARD_PROMPTS = ("def", "class", "import")
 CARD_SAMPLE_TOKENS = 48
 
 TEMPLATE = "model_card.md.jinja"
+BLOCK_TEMPLATE = "block_drafter_card.md.jinja"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,8 +154,8 @@ def _unfence(text: str) -> str:
     return text.replace("```", "` ` `")
 
 
-def _template() -> jinja2.Template:
-    source = resources.files(__package__).joinpath(TEMPLATE).read_text(encoding="utf-8")
+def _template(name: str = TEMPLATE) -> jinja2.Template:
+    source = resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
     env = jinja2.Environment(
         trim_blocks=True,
         lstrip_blocks=True,
@@ -202,11 +203,16 @@ def model_card(
     if provenance is None:
         provenance = Provenance.current()
     history = result.history
+    config = result.config
+    mtp = result.params.get("mtp") if isinstance(result.params, dict) else None
     rates = [h["tokens_per_s"] for h in history if h["kind"] == "train" and h.get("tokens_per_s")]
     return _template().render(
         name=name,
         role=role,
-        c=result.config,
+        c=config,
+        hybrid=config.model_type != "qwen3",
+        architecture=config.to_hf_dict()["architectures"][0],
+        mtp_params=count_params(mtp) if mtp else 0,
         tc=train_config,
         result=result,
         corpus=corpus,
@@ -223,3 +229,63 @@ def model_card(
         command=command,
         provenance=provenance,
     )
+
+
+def set_card_section(folder: str | Path, heading: str, body: str) -> Path:
+    """Write section ``## heading`` of a model folder's ``README.md``: replace it where the
+    card has one, else add it before ``## Reproduce`` (at the end when there is none).
+
+    Figures measured after training (the quality bar, the drafters' speed) go into the card
+    this way, beside what the run itself wrote.
+
+    Args:
+      folder: the model folder.
+      heading: the section's title, without the ``## ``.
+      body: the section's markdown, without its heading.
+
+    Returns:
+      The card's path.
+
+    Raises:
+      BadInputError: the folder has no ``README.md``.
+    """
+    from turbospark_jax.errors import BadInputError
+
+    path = Path(folder) / "README.md"
+    if not path.is_file():
+        raise BadInputError(f"{folder} has no README.md (model card) to add a section to")
+    lines = path.read_text(encoding="utf-8").split("\n")
+    section = [f"## {heading}", "", *body.strip("\n").split("\n"), ""]
+    starts = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    mine = next((i for i in starts if lines[i] == f"## {heading}"), None)
+    if mine is not None:
+        end = next((i for i in starts if i > mine), len(lines))
+        lines[mine:end] = section
+    else:
+        at = next((i for i in starts if lines[i] == "## Reproduce"), len(lines))
+        lines[at:at] = section
+    path.write_text("\n".join(lines), encoding="utf-8")
+    return path
+
+
+def block_drafter_card(config: Any, summary: dict[str, Any], *, target: str, steps: int,
+                       batch_size: int, seq_len: int, anchors_per_row: int, lr: float,
+                       command: str, provenance: Provenance | None = None) -> str:
+    """The ``README.md`` of a block drafter folder (``block_drafter_card.md.jinja``): what it
+    reads and proposes, how it was trained, and its held-out greedy acceptance by block
+    position.
+
+    Args:
+      config: its :class:`~turbospark_jax.models.block_drafter.BlockDrafterConfig`.
+      summary: the training summary the recipe writes to ``training.json`` (``params``,
+        ``steps_done``, ``eval_loss``, ``acceptance_by_position``, ``accepted_length``,
+        ``timings``).
+      target: the target folder's name.
+      steps, batch_size, seq_len, anchors_per_row, lr: the training settings.
+      command: the shell line that reproduces the run.
+      provenance: where the run happened; this process's by default.
+    """
+    return _template(BLOCK_TEMPLATE).render(
+        c=config, s=summary, target=target, steps=steps, batch_size=batch_size,
+        seq_len=seq_len, anchors_per_row=anchors_per_row, lr=lr, command=command,
+        timings=summary.get("timings", {}), provenance=provenance or Provenance.current())

@@ -166,3 +166,30 @@ def evaluate_functions(
                     break  # the function has ended: the rest is not its body
         results.append(judge(function, cut_body(text, function.indent)[0]))
     return sum(r.passes for r in results) / len(results), results
+
+
+def quality_section(report: dict[str, Any], corpus_name: str, samples: int = 4) -> str:
+    """The model card's section on the bar: the shares, where the functions came from, and a
+    few bodies (the first passing ones, then the first failing ones), from the report
+    ``python -m turbospark_jax.recipe evaluate`` writes."""
+    lines = [
+        f"Greedy body completions of {report['functions']} functions from held-out files of "
+        f"{corpus_name} (files whose path hash the training split left out), at most "
+        f"{report.get('max_tokens', 128)} tokens each: a body **passes** when the header plus "
+        f"body parses with `ast` and no line of it repeats more than {MAX_REPEATS} times "
+        "(`turbospark_jax.recipe.code_eval`).", "",
+        "| pass | parse | loop |", "| --- | --- | --- |",
+        f"| **{report['passing']:.1%}** | {report['parsing']:.1%} | {report['looping']:.1%} |",
+        "",
+    ]
+    picked = [s for s in report["samples"] if s["parses"] and not s["loops"]
+              and s["body"].strip()][: samples // 2]
+    picked += [s for s in report["samples"] if not (s["parses"] and not s["loops"])][
+        : samples - len(picked)]
+    for s in picked:
+        verdict = "passes" if s["parses"] and not s["loops"] and s["body"].strip() else (
+            "loops" if s["loops"] else "does not parse")
+        text = (s["prompt"] + s["body"]).replace("```", "` ` `")
+        lines += [f"`{s['path']}` line {s['line']}, {verdict}:", "", "```python", text.rstrip(),
+                  "```", ""]
+    return "\n".join(lines)
