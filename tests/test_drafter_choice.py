@@ -49,10 +49,11 @@ def _folder(path: Path, config: dict[str, Any]) -> Path:
     return path
 
 
-def _entry(drafter: str, backend: str, speedup: float, draft_len: int = 3) -> dict[str, Any]:
+def _entry(drafter: str, backend: str, speedup: float, draft_len: int = 3,
+           **extra: Any) -> dict[str, Any]:
     return {"drafter": drafter, "backend": backend, "draft_len": draft_len, "speedup": speedup,
             "mean_acceptance_length": 2.0, "acceptance_rate": 0.5,
-            "command": "python -m benchmarks.drafters --target m --out o"}
+            "command": "python -m benchmarks.drafters --target m --out o", **extra}
 
 
 def _figures(target: Path, *entries: dict[str, Any], **extra: Any) -> None:
@@ -80,6 +81,14 @@ CASES = {
     "figures of a missing drafter are ignored": (
         DENSE, {}, [_entry("block", "cpu", 3.0), _entry("draft-model", "cpu", 2.0)],
         "ngram", "ngram", 4),
+    "a drafter measured not lossless is never picked there": (
+        DENSE, {"-draft": DENSE, "-block": BLOCK},
+        [_entry("block", "gpu", 3.0, lossless=False), _entry("ngram", "gpu", 1.5, 4,
+                                                             lossless=True)],
+        "block", "ngram", 3),
+    "nor by the fallback": (
+        DENSE, {"-draft": DENSE, "-block": BLOCK}, [_entry("block", "gpu", 3.0, lossless=False)],
+        "block", "ngram", 3),
     "the best of one drafter's draft lengths": (
         DENSE, {"-draft": DENSE}, [_entry("draft-model", "cpu", 1.2, 2),
                                    _entry("draft-model", "cpu", 1.4, 6)],
@@ -114,6 +123,19 @@ def test_why_names_the_figures_and_what_is_missing(tmp_path: Path) -> None:
     gpu = choose_drafter(target, "auto", "gpu")
     assert "has no figures for gpu" in gpu.why
     assert ", ".join(FALLBACK_ORDER["gpu"]) in gpu.why
+
+
+def test_a_drafter_measured_not_lossless_warns_when_asked_for(tmp_path: Path) -> None:
+    target = _folder(tmp_path / "m", DENSE)
+    _folder(tmp_path / "m-block", BLOCK)
+    _figures(target, _entry("block", "gpu", 3.0, lossless=False))
+    asked = choose_drafter(target, "block", "gpu")
+    assert asked.drafter == "block" and asked.warning is not None
+    assert "differed from plain greedy decoding on gpu" in asked.warning
+    assert asked.warning in asked.why
+    assert choose_drafter(target, "block", "cpu").warning is None
+    auto = choose_drafter(target, "auto", "gpu")
+    assert auto.drafter == "ngram" and "block: measured not lossless on gpu" in auto.why
 
 
 def test_speculative_json_may_name_the_folders(tmp_path: Path) -> None:
@@ -201,6 +223,10 @@ BAD_FILES = {
     "a rate above 1": (json.dumps({"format": 1, "measurements": [
         {**_entry("ngram", "cpu", 1.0), "acceptance_rate": 1.5}]}), r"acceptance_rate must be in"),
     "a folder for ngram": ('{"format": 1, "folders": {"ngram": "x"}}', r"folders\['ngram'\]"),
+    "lossless not a bool": (json.dumps({"format": 1, "measurements": [
+        _entry("ngram", "cpu", 1.0, lossless=1)]}), "lossless must be true or false"),
+    "a bool speedup": (json.dumps({"format": 1, "measurements": [
+        _entry("ngram", "cpu", True)]}), "speedup must be a number"),
 }
 
 

@@ -22,8 +22,10 @@ for the target, is refused before any weights load.
 whose figures in the folder's ``speculative.json``
 (:mod:`~turbospark_jax.drafter_figures`) show the highest speedup on this backend, at the
 draft length that measured best; a drafter with figures beats one without. With no figures
-for the backend it takes the first available drafter in :data:`FALLBACK_ORDER`: those trained
-for the target (block, MTP head, assistant) first, then, on a CPU, the draft model before
+for the backend it takes the first available drafter in :data:`FALLBACK_ORDER`. A drafter
+whose figures say its greedy output differed from plain greedy decoding on the backend
+(``lossless: false``) is never picked there, by figures or fallback. The fallback takes those
+trained for the target (block, MTP head, assistant) first, then, on a CPU, the draft model before
 n-gram lookup, and on an accelerator n-gram lookup before the draft model (measured with the
 embedded pair: on the 2-core CPU the draft model decoded 1.7x plain held warm and 1.1x in the
 command, n-gram lookup 1.8x and 1.0x; on the H200 n-gram lookup 1.39x, the draft model
@@ -115,6 +117,8 @@ class DrafterChoice:
       ngram: the longest n-gram (``ngram`` only).
       why: one line: how it was picked, and from what.
       measured: the figures it was picked on (``None``: none).
+      warning: what a user should hear even unasked (a drafter asked for by name that was
+        measured not lossless on this backend), else ``None``.
     """
 
     drafter: str
@@ -123,6 +127,7 @@ class DrafterChoice:
     ngram: int
     why: str
     measured: Measurement | None = None
+    warning: str | None = None
 
 
 def requested_drafter(named: Sequence[tuple[str, str]]) -> str | None:
@@ -288,10 +293,18 @@ def choose_drafter(
         why = f"{requested} as asked, draft length {k}" + (
             f" ({best.speedup:.2f}x over plain on {backend} at draft length {best.draft_len} "
             f"in {source})" if best else "")
-        return DrafterChoice(requested, found.folder, k, n, why, best)
-    available = [d for d in _order(backend) if table[d].available]
-    missing = "; ".join(f"{d}: {table[d].reason}" for d in DRAFTERS if not table[d].available)
-    unavailable = f"; not available: {missing}" if missing else ""
+        warning = None
+        if figures is not None and requested in figures.not_lossless(backend):
+            warning = (f"the {requested} drafter's greedy output differed from plain greedy "
+                       f"decoding on {backend} when it was measured ({source})")
+            why += f"; warning: {warning}"
+        return DrafterChoice(requested, found.folder, k, n, why, best, warning)
+    lossy = figures.not_lossless(backend) if figures is not None else set()
+    available = [d for d in _order(backend) if table[d].available and d not in lossy]
+    reasons = [f"{d}: {table[d].reason}" for d in DRAFTERS if not table[d].available]
+    reasons += [f"{d}: measured not lossless on {backend}" for d in sorted(lossy)
+                if table[d].available]
+    unavailable = f"; not available: {'; '.join(reasons)}" if reasons else ""
     measured = {d: figures.best(d, backend) for d in available} if figures else {}
     measured = {d: m for d, m in measured.items() if m is not None}
     if measured:

@@ -20,9 +20,11 @@ is checked when read and a bad one is refused by name, never half-used.
 
 ``drafter`` is one of :data:`DRAFTERS`; ``backend`` is jax's name for it (``cpu``, ``gpu``,
 ``tpu``); ``speedup`` is wall-clock decode tokens/s over plain decoding through the same loop;
-``device``, ``date`` and ``sampled_speedup`` are optional. ``folders`` (optional) names, relative
-to the model folder, where a drafter's own folder is when it is not the sibling the naming
-convention gives (``<model>-draft``, ``<model>-block``, ``<model>-assistant``).
+``device``, ``date``, ``sampled_speedup`` and ``lossless`` are optional. ``lossless: false``
+records that the drafter's greedy output differed from plain greedy decoding on that backend
+when it was measured: ``--drafter auto`` never picks it there. ``folders`` (optional) names,
+relative to the model folder, where a drafter's own folder is when it is not the sibling the
+naming convention gives (``<model>-draft``, ``<model>-block``, ``<model>-assistant``).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ FOLDER_DRAFTERS = ("draft-model", "block", "assistant")
 
 _REQUIRED = {"drafter": str, "backend": str, "draft_len": int, "speedup": float,
              "mean_acceptance_length": float, "acceptance_rate": float, "command": str}
-_OPTIONAL = {"device": str, "date": str, "sampled_speedup": float}
+_OPTIONAL = {"device": str, "date": str, "sampled_speedup": float, "lossless": bool}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,8 @@ class Measurement:
     device: str | None = None
     date: str | None = None
     sampled_speedup: float | None = None
+    #: False: its greedy run differed from plain greedy decoding when measured
+    lossless: bool | None = None
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -107,6 +111,12 @@ class Figures:
         figures for that pair)."""
         mine = [m for m in self.measurements if m.drafter == drafter and m.backend == backend]
         return max(mine, key=lambda m: m.speedup) if mine else None
+
+    def not_lossless(self, backend: str) -> set[str]:
+        """The drafters whose greedy output was measured to differ from plain greedy
+        decoding on ``backend``."""
+        return {m.drafter for m in self.measurements
+                if m.backend == backend and m.lossless is False}
 
 
 def read_figures(folder: str | os.PathLike[str]) -> Figures | None:
@@ -165,8 +175,9 @@ def _measurement(path: Path, index: int, entry: Any) -> Measurement:
     for key, value in entry.items():
         kind = {**_REQUIRED, **_OPTIONAL}[key]
         allowed = (int, float) if kind is float else (kind,)
-        if isinstance(value, bool) or not isinstance(value, allowed):
-            what = {float: "a number", int: "an integer", str: "a string"}[kind]
+        if isinstance(value, bool) != (kind is bool) or not isinstance(value, allowed):
+            what = {float: "a number", int: "an integer", str: "a string",
+                    bool: "true or false"}[kind]
             raise ModelLoadError(f"{where}.{key} must be {what}, got {value!r}")
         values[key] = float(value) if kind is float else value
     try:

@@ -356,6 +356,8 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
                  _prefill_note(args, on_cpu, len(ids))):
         if note is not None:
             print(f"{PROG}: note: {note}", file=stderr, flush=True)
+    if choice is not None and choice.warning is not None:
+        print(f"{PROG}: warning: {choice.warning}", file=stderr, flush=True)
 
     spinner = Spinner(stderr)
     clock = _Clock()
