@@ -307,10 +307,13 @@ def write_speculative_json(target: Path, data: dict[str, Any]) -> Path:
     return write_figures(target, found)
 
 
-def write_card_section(target: Path, data: dict[str, Any]) -> Path:
-    """The table as a section of the target's model card, one section per device."""
+def write_card_section(target: Path, data: dict[str, Any]) -> Path | None:
+    """The table as a section of the target's model card, one section per device (``None``:
+    the folder has no card)."""
     from turbospark_jax.recipe.card import set_card_section
 
+    if not (Path(target) / "README.md").is_file():
+        return None
     meta = data["meta"]
     body = markdown(data).split("\n", 2)[2]  # the table, without the title line
     intro = (f"Measured {meta['date'][:10]} on {meta['device']} ({meta['backend']}): "
@@ -364,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_speculative_json:
         data = json.loads(results.path.read_text())
         print(f"wrote {write_speculative_json(target, data)}")
-        print(f"wrote {write_card_section(target, data)}")
+        card = write_card_section(target, data)
+        print(f"wrote {card}" if card else f"no model card in {target} to add the table to")
     if not lossless(results.records):
         print("FAILED: a greedy drafter run differs from plain greedy decoding (see "
               "equal_to_plain; speculative.json marks it lossless: false)", file=sys.stderr)

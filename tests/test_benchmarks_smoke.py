@@ -22,6 +22,19 @@ def test_smoke_preset_writes_results(tmp_path):
     assert (tmp_path / "decode_vs_context.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_profile_train_rows_can_be_skewed_like_code():
+    import numpy as np
+
+    from benchmarks.profile_train import token_rows
+
+    rng = np.random.default_rng(0)
+    flat = token_rows(rng, (64, 129), 8192, "zipf").ravel()
+    assert flat.min() >= 3 and flat.max() < 8192 and flat.dtype == np.int32
+    uniform = token_rows(rng, (64, 129), 8192, "uniform").ravel()
+    # the most common id covers far more of a zipf row than of a uniform one
+    assert np.bincount(flat).max() > 20 * np.bincount(uniform).max()
+
+
 def test_profile_probe_runs_and_records(tmp_path):
     """The decode profiler runs on the CPU (where the trace has no GPU streams, which it
     reports instead of failing) and appends one record per width."""
@@ -82,6 +95,7 @@ def test_drafters_benchmark_measures_against_plain_and_writes_the_figures(tmp_pa
                                   target_layer_ids=(0, 1), target_num_hidden_layers=2,
                                   block_size=3)
     save_block_drafter(tmp_path / "m-block", block, BD.init_params(block, jax.random.PRNGKey(2)))
+    (tmp_path / "m" / "README.md").write_text("# m\n\n## Reproduce\n\nsomehow\n")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(8):
@@ -106,8 +120,11 @@ def test_drafters_benchmark_measures_against_plain_and_writes_the_figures(tmp_pa
     assert (out / f"drafters_{backend}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| block | greedy | 2 |" in (out / f"drafters_{backend}.md").read_text()
     figures = json.loads((tmp_path / "m" / "speculative.json").read_text())["measurements"]
-    assert [(m["drafter"], m["draft_len"], m["backend"]) for m in figures] == [
-        ("block", 2, backend)]
+    assert [(m["drafter"], m["draft_len"], m["backend"], m["lossless"]) for m in figures] == [
+        ("block", 2, backend, True)]
+    card = (tmp_path / "m" / "README.md").read_text()
+    assert "## Speculative decoding on" in card and "| block | greedy | 2 |" in card
+    assert card.index("## Speculative decoding") < card.index("## Reproduce")
     assert choose_drafter(tmp_path / "m", "block", backend).measured is not None
 
 

@@ -33,10 +33,17 @@ def test_serve_speculative_picks_the_drafter_as_generate_does():
     pytest.importorskip("starlette")
     from turbospark_jax.server.build import load_server
 
+    import jax
+
+    from turbospark_jax.drafter_choice import choose_drafter
+    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+
     server = load_server(None, slots=1, context=64, dtype="float32", drafter="auto")
     choice = server.drafter
-    assert choice is not None and choice.drafter == "draft-model"  # the CPU fallback order
-    assert choice.why.startswith("auto picked draft-model")
+    want = choose_drafter(embedded_model_path(DEFAULT_TARGET), "auto", jax.default_backend())
+    assert choice is not None and (choice.drafter, choice.draft_len) == (want.drafter,
+                                                                         want.draft_len)
+    assert choice.why == want.why and choice.why.startswith(f"auto picked {want.drafter}")
     assert load_server(None, slots=1, context=64, dtype="float32").drafter is None
 
 
@@ -45,7 +52,7 @@ def test_serve_refuses_a_drafter_the_model_does_not_have():
     from turbospark_jax.errors import BadInputError
     from turbospark_jax.server.build import load_server
 
-    with pytest.raises(BadInputError, match="mtp drafter is not available"):
-        load_server(None, slots=1, context=64, drafter="mtp")
+    with pytest.raises(BadInputError, match="assistant drafter is not available"):
+        load_server(None, slots=1, context=64, drafter="assistant")
     with pytest.raises(BadInputError, match="choose one drafter"):
         load_server(None, slots=1, context=64, drafter="auto", ngram=2)
