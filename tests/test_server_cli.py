@@ -31,12 +31,11 @@ def test_serve_help_names_the_endpoints():
 
 def test_serve_speculative_picks_the_drafter_as_generate_does():
     pytest.importorskip("starlette")
-    from turbospark_jax.server.build import load_server
-
     import jax
 
     from turbospark_jax.drafter_choice import choose_drafter
     from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.server.build import load_server
 
     server = load_server(None, slots=1, context=64, dtype="float32", drafter="auto")
     choice = server.drafter
