@@ -77,9 +77,8 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
     tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10,
                         head_rows=head_rows, train_attention=attention, chunk_inverse=inverse)
     model = rt.build_model(config, tc.compute_dtype, attention, inverse)
-    optimizer = rt.make_optimizer(tc)
-    step_fn = rt.make_train_step(model, optimizer, tc.mtp_weight, tc.head_rows)
-    state = rt.init_state(config, tc, optimizer)
+    step_fn = rt.make_train_step(model, tc)
+    state = rt.init_state(config, tc)
     rng = np.random.default_rng(0)
     rows = jax.device_put(token_rows(rng, (4 * batch, seq_len + 1), config.vocab_size, tokens))
     order = [jnp.asarray(rng.permutation(4 * batch)[:batch].astype(np.int32))

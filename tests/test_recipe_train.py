@@ -100,7 +100,7 @@ def test_resume_is_bitwise_equal_to_an_uninterrupted_run(
     assert [h["step"] for h in train_losses] == [4, 5, 8, 12]
 
     # Control: the same resume from a checkpoint with one weight nudged does not match.
-    template = jax.eval_shape(lambda: rt.init_state(config, TC, rt.make_optimizer(TC)))
+    template = jax.eval_shape(lambda: rt.init_state(config, TC))
     state, meta = rt.load_checkpoint(ckpt, template)
     bumped = dict(state.params, norm=state.params["norm"].at[0].add(1e-3))
     meta = {k: v for k, v in meta.items() if k != "step"}
@@ -223,3 +223,66 @@ def test_qwen35_target_trains_with_its_head_and_exports(setup: Setup, tmp_path: 
     # The head's drafting is lossless for any weights (tests/test_mtp_drafter.py); here the
     # drafter only has to accept the exported folder.
     MTPDrafter(BlockProducer(loaded.model, loaded.params, capacity=64, width=4))
+
+
+# -- a run given in seconds --------------------------------------------------------------------
+
+
+def test_the_traced_schedule_is_optax_s() -> None:
+    """The step's own learning rate (schedule length a traced value) is the warmup-cosine
+    schedule optax gives for the same steps."""
+    for tc in (TC, dataclasses.replace(TC, steps=200, warmup_steps=30), dataclasses.replace(
+            TC, steps=3, warmup_steps=5)):
+        want = tc.schedule()
+        for step in (0, 1, tc.effective_warmup, tc.effective_warmup + 1, tc.steps // 2,
+                     tc.steps - 1, tc.steps):
+            np.testing.assert_allclose(float(tc.learning_rate(step, tc.steps)),
+                                       float(want(step)), rtol=1e-6, atol=1e-9)
+
+
+class _Clock:
+    """A monotonic clock that advances a fixed amount at every reading."""
+
+    def __init__(self, tick: float) -> None:
+        self.now, self.tick = 0.0, tick
+
+    def monotonic(self) -> float:
+        self.now += self.tick
+        return self.now
+
+
+def test_a_run_in_seconds_sets_its_schedule_from_its_step_time(
+    setup: Setup, trained: rt.TrainResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timed = dataclasses.replace(TC, steps=400, warmup_steps=rt.TRIAL_STEPS + 1, seconds=3600.0)
+    # Ample time: the ceiling is the length.
+    roomy = rt.train_model(trained.config, dataclasses.replace(timed, steps=30),
+                           setup.train_rows, setup.heldout_rows, progress=False)
+    assert roomy.scheduled_steps == 30 and roomy.finished
+    # A clock on which every step takes a known time: the schedule fits the budget.
+    clock = _Clock(5.0)  # every log line and the trial read it: about 1.5 s a step
+    monkeypatch.setattr(rt, "time", clock)
+    timed = dataclasses.replace(timed, seconds=600.0)
+    ckpt = tmp_path / "ckpt"
+    first = rt.train_model(trained.config, timed, setup.train_rows, setup.heldout_rows,
+                           checkpoint_dir=ckpt, stop_at_step=rt.TRIAL_STEPS + 3, progress=False)
+    total = first.scheduled_steps
+    assert rt.TRIAL_STEPS + 3 < total < timed.steps and not first.finished
+    meta = json.loads((ckpt / rt.CHECKPOINT_META).read_text())
+    assert meta["total_steps"] == total and meta["schedule_set"]
+    # A resumed run keeps the length it set, whatever the clock says now.
+    clock.tick = 50.0
+    resumed = rt.train_model(trained.config, timed, setup.train_rows, setup.heldout_rows,
+                             checkpoint_dir=ckpt, resume=True, progress=False)
+    assert resumed.scheduled_steps == total and resumed.finished
+    assert resumed.steps_done == total
+    last_lr = [h["lr"] for h in resumed.history if h["kind"] == "train"][-1]
+    np.testing.assert_allclose(last_lr, float(timed.learning_rate(total - 1, total)), rtol=1e-6)
+
+
+def test_a_run_in_seconds_needs_its_trial_inside_the_warmup(
+    setup: Setup, trained: rt.TrainResult
+) -> None:
+    with pytest.raises(BadInputError, match="warmup_steps must be at least"):
+        rt.train_model(trained.config, dataclasses.replace(TC, seconds=10.0, warmup_steps=3),
+                       setup.train_rows, setup.heldout_rows, progress=False)

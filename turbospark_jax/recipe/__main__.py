@@ -45,6 +45,9 @@ from turbospark_jax.tokenizer import Tokenizer
 
 #: How every error line starts.
 ERROR_PREFIX = "turbospark-jax recipe: error:"
+#: Warmup steps and steps between evaluations of a run given in seconds (--*-seconds).
+TIMED_WARMUP = 200
+TIMED_EVAL_EVERY = 500
 
 
 class _Parser(argparse.ArgumentParser):
@@ -77,7 +80,11 @@ def _add_train_args(
     p.add_argument(f"{flag}epochs", type=float, default=epochs,
                    help=f"passes over the training rows (default {epochs}); sets the steps")
     p.add_argument(f"{flag}steps", type=int, default=None,
-                   help="optimizer steps (overrides the epochs)")
+                   help="optimizer steps (overrides the epochs; with --*seconds, the most)")
+    p.add_argument(f"{flag}seconds", type=float, default=None,
+                   help="train for about this long: the schedule's length is set from the "
+                   f"step time of the first steps (warmup default {TIMED_WARMUP} steps, "
+                   f"evaluations every {TIMED_EVAL_EVERY})")
     p.add_argument(f"{flag}batch-size", type=int, default=batch_size,
                    help=f"sequences per step (default {batch_size})")
     p.add_argument(f"{flag}lr", type=float, default=lr, help=f"peak learning rate (default {lr})")
@@ -90,30 +97,38 @@ def _add_train_args(
 def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> TrainConfig:
     # Training length is set in epochs by default because the corpus is whatever the
     # interpreter ships: 2.5M tokens on one machine, 8.6M on another. The resolved steps go in
-    # the model card (and the checkpoint), so a run is still pinned down exactly.
+    # the model card (and the checkpoint), so a run is still pinned down exactly. With
+    # --*-seconds the steps are a ceiling and the run sets its own length from its step time,
+    # so the warmup and the evaluations cannot be shares of the steps: they are fixed counts.
     def get(key: str) -> Any:
         return getattr(args, prefix.replace("-", "_") + key)
 
     batch_size = get("batch_size")
+    seconds = get("seconds")
     steps = get("steps")
     if steps is None:
         steps = max(1, math.ceil(get("epochs") * (num_rows // max(batch_size, 1))))
     warmup = get("warmup")
+    if warmup is None:
+        warmup = TIMED_WARMUP if seconds is not None else max(1, round(0.08 * steps))
     eval_every = get("eval_every")
+    if eval_every is None:
+        eval_every = TIMED_EVAL_EVERY if seconds is not None else max(1, steps // 10)
     return TrainConfig(
         steps=steps,
         batch_size=batch_size,
         seq_len=args.seq_len,
         peak_lr=get("lr"),
-        warmup_steps=max(1, round(0.08 * steps)) if warmup is None else warmup,
+        warmup_steps=warmup,
         weight_decay=args.weight_decay,
         seed=args.seed,
-        eval_every=max(1, steps // 10) if eval_every is None else eval_every,
+        eval_every=eval_every,
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         head_rows=args.head_rows,
         train_attention=args.train_attention,
         chunk_inverse=args.chunk_inverse,
+        seconds=seconds,
     )
 
 

@@ -53,6 +53,8 @@ from turbospark_jax.tokenizer import Tokenizer
 
 CHECKPOINT_STATE = "state.safetensors"
 CHECKPOINT_META = "meta.json"
+#: Steps a run of ``TrainConfig.seconds`` times, after the compile, to set its schedule.
+TRIAL_STEPS = 20
 
 
 # -- models --------------------------------------------------------------------------------
@@ -205,6 +207,11 @@ class TrainConfig:
       train_attention, chunk_inverse: a Qwen3.5 model's attention kernel and delta-rule
         inverse in the training pass (:class:`~turbospark_jax.models.qwen3_5.Qwen35Model`);
         dense models ignore them.
+      seconds: train for about this long instead of a fixed number of steps: ``steps`` is then
+        a ceiling, and the run sets its schedule's length from its own step time, timed over
+        the :data:`TRIAL_STEPS` steps after the compile (inside the warmup, whose learning
+        rates do not depend on the length; ``warmup_steps`` must cover them). The length it
+        sets is kept in the state, so a resumed run follows it.
     """
 
     steps: int = 1000
@@ -230,6 +237,7 @@ class TrainConfig:
     head_rows: int = 0
     train_attention: str = "auto"
     chunk_inverse: str = "blocked"
+    seconds: float | None = None
 
     @property
     def effective_warmup(self) -> int:
@@ -247,6 +255,18 @@ class TrainConfig:
             end_value=self.peak_lr * self.min_lr_ratio,
         )
 
+    def learning_rate(self, step: jax.Array | int, total: jax.Array | int) -> jax.Array:
+        """:meth:`schedule` at ``step`` for a run of ``total`` steps, either possibly traced
+        (the recipe's own step reads ``total`` from the state)."""
+        step = jnp.asarray(step, jnp.float32)
+        total = jnp.maximum(jnp.asarray(total, jnp.float32), 1.0)
+        warmup = jnp.minimum(float(self.warmup_steps), jnp.maximum(total - 1.0, 0.0))
+        rising = self.peak_lr * step / jnp.maximum(warmup, 1.0)
+        progress = jnp.clip((step - warmup) / jnp.maximum(total - warmup, 1.0), 0.0, 1.0)
+        end = self.peak_lr * self.min_lr_ratio
+        falling = end + (self.peak_lr - end) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
+        return jnp.where(step < warmup, rising, falling)
+
     # Settings that change the arithmetic; a resume must match them exactly.
     def math_dict(self) -> dict[str, Any]:
         """The fields that determine the trained weights (all but the bookkeeping ones)."""
@@ -262,11 +282,14 @@ class TrainState:
       step: int32 ``[]`` optimizer steps taken.
       params: float32 master weights (layout in :mod:`turbospark_jax.models.dense`).
       opt_state: the optax state (AdamW moments in float32, counters).
+      total_steps: int32 ``[]`` the schedule's length (``TrainConfig.steps``, or what a run
+        of ``TrainConfig.seconds`` set from its step time).
     """
 
     step: jax.Array
     params: Params
     opt_state: Any
+    total_steps: jax.Array
 
 
 #: Leaves never decayed: norm scales (decay pulls them toward zero, fighting the
@@ -284,9 +307,18 @@ def _decay_mask(params: Params) -> Params:
     )
 
 
-def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(config: TrainConfig, learning_rate: bool = True
+                   ) -> optax.GradientTransformation:
     """Global-norm clipping, then AdamW on the warmup-cosine schedule (decay masked off
-    norms)."""
+    norms). With ``learning_rate=False`` the chain stops before the learning rate: the
+    recipe's own step multiplies in :meth:`TrainConfig.learning_rate` of the state's step and
+    schedule length (AdamW is ``scale_by_adam``, the decoupled decay, then the rate)."""
+    if not learning_rate:
+        return optax.chain(
+            optax.clip_by_global_norm(config.clip_norm),
+            optax.scale_by_adam(b1=config.b1, b2=config.b2, eps=config.eps),
+            optax.add_decayed_weights(config.weight_decay, mask=_decay_mask),
+        )
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
         optax.adamw(
@@ -338,30 +370,33 @@ def training_loss(
 
 
 def make_train_step(
-    model: BlockModel, optimizer: optax.GradientTransformation, mtp_weight: float = 0.0,
-    head_rows: int = 0,
+    model: BlockModel, train_config: TrainConfig,
 ) -> Callable[[TrainState, jax.Array, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """The jitted step ``(state, data, indices) -> (state, metrics)``.
 
     ``data`` is the whole int32 ``[N, T + 1]`` training set on the device and ``indices`` the
-    int32 ``[B]`` rows of this batch, so only the indices travel each step. The incoming state
-    is donated (its buffers are reused for the new one). Metrics: ``loss`` and ``grad_norm``
-    (before clipping).
+    int32 ``[B]`` rows of this batch, so only the indices travel each step. The learning rate
+    is the schedule's at the state's step for the state's ``total_steps``, so one compiled
+    step serves any schedule length. The incoming state is donated (its buffers are reused for
+    the new one). Metrics: ``loss``, ``grad_norm`` (before clipping) and ``lr``.
     """
+    tc = train_config
+    optimizer = make_optimizer(tc, learning_rate=False)
 
     def step(
         state: TrainState, data: jax.Array, indices: jax.Array
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         rows = jnp.take(data, indices, axis=0)  # [B, T + 1]
         (_, parts), grads = jax.value_and_grad(
-            functools.partial(training_loss, model, mtp_weight, head_rows=head_rows),
+            functools.partial(training_loss, model, tc.mtp_weight, head_rows=tc.head_rows),
             has_aux=True
         )(state.params, rows)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        new = TrainState(step=state.step + 1, params=params, opt_state=opt_state)
+        lr = tc.learning_rate(state.step, state.total_steps)
+        params = optax.apply_updates(state.params, jax.tree.map(lambda u: -lr * u, updates))
+        new = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        return new, {**parts, "grad_norm": grad_norm}
+        return new, {**parts, "grad_norm": grad_norm, "lr": lr}
 
     return jax.jit(step, donate_argnums=0)
 
@@ -386,20 +421,18 @@ def _programs(model: BlockModel, train_config: TrainConfig) -> tuple[Any, Any]:
     # jit caches compiled code per function object: handing out the same step functions for
     # the same model and settings lets a resumed or repeated run in one process skip the
     # compile (and run the very same executable).
-    return (make_train_step(model, make_optimizer(train_config), train_config.mtp_weight,
-                            train_config.head_rows),
-            make_eval_step(model))
+    return make_train_step(model, train_config), make_eval_step(model)
 
 
-def init_state(
-    config: DenseConfig | Qwen35Config, train_config: TrainConfig,
-    optimizer: optax.GradientTransformation,
-) -> TrainState:
-    """Fresh float32 params from ``train_config.seed`` and a zeroed optimizer state."""
+def init_state(config: DenseConfig | Qwen35Config, train_config: TrainConfig) -> TrainState:
+    """Fresh float32 params from ``train_config.seed``, a zeroed optimizer state (the chain
+    :func:`make_train_step` runs) and a schedule of ``train_config.steps``."""
     model = build_model(config, "float32")
     params = model.init_params(jax.random.PRNGKey(train_config.seed))
     return TrainState(
-        step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params)
+        step=jnp.zeros((), jnp.int32), params=params,
+        opt_state=make_optimizer(train_config, learning_rate=False).init(params),
+        total_steps=jnp.int32(train_config.steps),
     )
 
 
@@ -482,6 +515,8 @@ class TrainResult:
       config: the model config.
       params: the float32 params at the end of the run.
       steps_done: optimizer steps taken in total (across resumes).
+      scheduled_steps: the schedule's length (``TrainConfig.steps``, or what a run of
+        ``TrainConfig.seconds`` set).
       finished: whether the schedule ran to its last step.
       tokens_seen: training tokens consumed in total.
       eval_loss: the last held-out loss (mean nats per token), or ``None`` if never measured.
@@ -498,6 +533,7 @@ class TrainResult:
     eval_loss: float | None
     history: list[dict[str, Any]]
     timings: dict[str, float]
+    scheduled_steps: int = 0
 
 
 def evaluate(
@@ -560,8 +596,11 @@ def train_model(
             raise BadInputError(
                 f"{what} rows must be [N, {tc.seq_len + 1}], got {list(rows.shape)}"
             )
+    if tc.seconds is not None and tc.warmup_steps < TRIAL_STEPS + 1:
+        raise BadInputError(
+            f"a run of train_config.seconds times its first {TRIAL_STEPS} steps inside the "
+            f"warmup; warmup_steps must be at least {TRIAL_STEPS + 1}, got {tc.warmup_steps}")
     model = build_model(config, tc.compute_dtype, tc.train_attention, tc.chunk_inverse)
-    optimizer = make_optimizer(tc)
     order = DataOrder(len(train_rows), tc.batch_size, tc.seed)
     if tc.eval_rows:
         heldout_rows = heldout_rows[: tc.eval_rows]
@@ -573,10 +612,11 @@ def train_model(
 
     t0 = time.monotonic()
     history: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
     resumed = checkpoint_dir is not None and resume and (checkpoint_dir / CHECKPOINT_META).is_file()
     if resumed:
         assert checkpoint_dir is not None
-        template = jax.eval_shape(lambda: init_state(config, tc, optimizer))
+        template = jax.eval_shape(lambda: init_state(config, tc))
         state, meta = load_checkpoint(checkpoint_dir, template)
         for key, value in identity.items():
             if meta.get(key) != value:
@@ -586,8 +626,11 @@ def train_model(
                 )
         history = list(meta.get("history", []))
     else:
-        state = init_state(config, tc, optimizer)
+        state = init_state(config, tc)
     start = int(jax.device_get(state.step))
+    total = int(jax.device_get(state.total_steps))
+    # A run of tc.seconds sets its schedule once, from its own step time; a resumed one keeps it.
+    to_set = tc.seconds is not None and not (resumed and meta.get("schedule_set"))
     n_params = count_params(state.params)
 
     train_step, eval_step = _programs(model, tc)
@@ -595,7 +638,6 @@ def train_model(
     tokens_per_step = tc.batch_size * tc.seq_len
     flops_per_token = training_flops_per_token(config, state.params, tc.seq_len)
     device_kind = getattr(jax.devices()[0], "device_kind", "?")
-    schedule = tc.schedule()
     last_eval = next((h["loss"] for h in reversed(history) if h["kind"] == "eval"), None)
 
     def meta_now(step: int) -> dict[str, Any]:
@@ -604,6 +646,8 @@ def train_model(
             "samples_seen": step * tc.batch_size,
             "tokens_seen": step * tokens_per_step,
             "epoch": step / order.batches_per_epoch,
+            "total_steps": total,
+            "schedule_set": tc.seconds is not None and not to_set,
             "history": history,
         }
 
@@ -617,13 +661,17 @@ def train_model(
         tqdm.write(f"[{name}] step {step}: held-out loss {loss:.4f} ppl {math.exp(loss):.2f}")
         return loss
 
+    def last_step() -> int:
+        return total if stop_at_step is None else min(total, stop_at_step)
+
     tqdm.write(
         f"[{name}] {n_params / 1e6:.2f}M params, {len(train_rows)} rows x {tc.seq_len} tokens "
-        f"({order.batches_per_epoch} steps/epoch), steps {start}->{tc.steps}"
+        f"({order.batches_per_epoch} steps/epoch), steps {start}->"
+        + (f"at most {total}, for about {tc.seconds:.0f} s" if to_set else f"{total}")
         + (" (resumed)" if resumed else "")
     )
-    end = tc.steps if stop_at_step is None else min(tc.steps, stop_at_step)
-    bar = tqdm(total=tc.steps, initial=start, desc=name, unit="step", disable=not progress,
+    end = last_step()
+    bar = tqdm(total=total, initial=start, desc=name, unit="step", disable=not progress,
                mininterval=1.0, dynamic_ncols=True)
     compile_s = 0.0
     window_t, window_steps = time.monotonic(), 0
@@ -641,15 +689,28 @@ def train_model(
             jax.block_until_ready(metrics)
             compile_s = time.monotonic() - t_loop
             window_t, window_steps = time.monotonic(), 0
+            trial_t = time.monotonic()
         else:
             window_steps += 1
+        if to_set and step == start + 1 + TRIAL_STEPS:
+            jax.block_until_ready(metrics)
+            per_step = (time.monotonic() - trial_t) / TRIAL_STEPS
+            left = t0 + float(tc.seconds) - time.monotonic()  # type: ignore[arg-type]
+            # 8% kept back for the evaluations, the last checkpoint and the export.
+            total = max(step + 1, min(tc.steps, step + int(0.92 * left / per_step)))
+            state = state.replace(total_steps=jnp.int32(total))
+            to_set = False
+            end = last_step()
+            bar.total = total
+            tqdm.write(f"[{name}] {TRIAL_STEPS} steps timed at {per_step * 1e3:.1f} ms: the "
+                       f"schedule runs {total} steps in the {tc.seconds:.0f} s budget")
         if step % tc.log_every == 0 or step == end:
             m = jax.device_get(metrics)
             now = time.monotonic()
             rate = window_steps * tokens_per_step / max(now - window_t, 1e-9)
             window_t, window_steps = now, 0
             record = {"kind": "train", "step": step, "loss": float(m["loss"]),
-                      "grad_norm": float(m["grad_norm"]), "lr": float(schedule(step - 1)),
+                      "grad_norm": float(m["grad_norm"]), "lr": float(m["lr"]),
                       "tokens_per_s": rate}
             if "mtp_loss" in m:
                 record["mtp_loss"] = float(m["mtp_loss"])
@@ -697,7 +758,8 @@ def train_model(
         config=config,
         params=state.params,
         steps_done=step,
-        finished=step >= tc.steps,
+        scheduled_steps=total,
+        finished=step >= total,
         tokens_seen=step * tokens_per_step,
         eval_loss=last_eval,
         history=history,
