@@ -98,8 +98,11 @@ def _unit_lower_inverse(a: jax.Array) -> jax.Array:
             covered = 2 * covered + 1
         return inverse
     h = c // 2
-    halves = _unit_lower_inverse(jnp.concatenate([a[:, :h, :h], a[:, h:, h:]], axis=0))
-    t11, t22 = halves[:n], halves[n:]
+    if c == 2 * h:  # both halves in one batched recursion
+        halves = _unit_lower_inverse(jnp.concatenate([a[:, :h, :h], a[:, h:, h:]], axis=0))
+        t11, t22 = halves[:n], halves[n:]
+    else:
+        t11, t22 = _unit_lower_inverse(a[:, :h, :h]), _unit_lower_inverse(a[:, h:, h:])
     t21 = -(t22 @ a[:, h:, :h] @ t11)
     top = jnp.concatenate([t11, jnp.zeros_like(a[:, :h, h:])], axis=-1)
     return jnp.concatenate([top, jnp.concatenate([t21, t22], axis=-1)], axis=-2)
