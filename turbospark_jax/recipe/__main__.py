@@ -342,7 +342,8 @@ def _train_block_drafter(args: argparse.Namespace, target: TrainResult,
     (folder / "training.json").write_text(
         json.dumps({**summary, "history": result.history}, indent=1) + "\n", encoding="utf-8")
     (folder / "README.md").write_text(block_drafter_card(
-        result.config, summary, target="target", steps=args.block_steps,
+        result.config, summary, target="the target trained in the same run",
+        steps=args.block_steps,
         batch_size=min(args.block_batch_size, len(heldout_rows)), seq_len=args.seq_len,
         anchors_per_row=16, lr=args.block_lr, command=command_line(args.argv)),
         encoding="utf-8")
