@@ -90,3 +90,20 @@ def test_embedded_model_completes_bodies() -> None:
     assert all(cut_body(r.body, r.function.indent)[0] == r.body for r in results if r.body)
     with pytest.raises(BadInputError):
         evaluate_functions(model, [Document("m.py", "x = 1\n")])
+
+
+def test_the_card_section_shows_shares_and_both_kinds_of_body():
+    from turbospark_jax.recipe.code_eval import quality_section
+
+    def sample(body: str, parses: bool, loops: bool) -> dict:
+        return {"path": "m.py", "line": 3, "prompt": "def f():", "body": body,
+                "parses": parses, "loops": loops}
+
+    report = {"corpus": "a test corpus", "functions": 3, "max_tokens": 64, "passing": 1 / 3,
+              "parsing": 1.0, "looping": 0.0,
+              "samples": [sample("\n", True, False), sample("\n    return 1\n", True, False),
+                          sample("\n    x = 1\n" * 5, True, True)]}
+    text = quality_section(report, samples=3)
+    assert "a test corpus" in text and "at most 64 tokens" in text and "**33.3%**" in text
+    assert "line 3, passes" in text and "line 3, is empty" in text and "line 3, loops" in text
+    assert text.index("passes") < text.index("is empty")  # passing bodies first

@@ -231,13 +231,19 @@ def test_qwen35_target_trains_with_its_head_and_exports(setup: Setup, tmp_path: 
 def test_the_traced_schedule_is_optax_s() -> None:
     """The step's own learning rate (schedule length a traced value) is the warmup-cosine
     schedule optax gives for the same steps."""
+    import optax
+
     for tc in (TC, dataclasses.replace(TC, steps=200, warmup_steps=30), dataclasses.replace(
             TC, steps=3, warmup_steps=5)):
-        want = tc.schedule()
+        warmup = tc.effective_warmup
+        want = optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=tc.peak_lr, warmup_steps=warmup,
+            decay_steps=max(tc.steps, warmup + 1), end_value=tc.peak_lr * tc.min_lr_ratio)
         for step in (0, 1, tc.effective_warmup, tc.effective_warmup + 1, tc.steps // 2,
                      tc.steps - 1, tc.steps):
             np.testing.assert_allclose(float(tc.learning_rate(step, tc.steps)),
                                        float(want(step)), rtol=1e-6, atol=1e-9)
+            assert float(tc.schedule()(step)) == float(tc.learning_rate(step, tc.steps))
 
 
 class _Clock:

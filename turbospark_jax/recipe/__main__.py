@@ -462,7 +462,7 @@ def _evaluate(args: argparse.Namespace) -> None:
     if args.card:
         folder = args.model or embedded_model_path(DEFAULT_TARGET)
         set_card_section(folder, f"Function bodies: {args.card}",
-                         quality_section(report, report["corpus"]))
+                         quality_section(report))
     print(json.dumps({k: v for k, v in report.items() if k != "samples"}))
 
 

@@ -168,13 +168,17 @@ def evaluate_functions(
     return sum(r.passes for r in results) / len(results), results
 
 
-def quality_section(report: dict[str, Any], corpus_name: str, samples: int = 4) -> str:
+def quality_section(report: dict[str, Any], samples: int = 4) -> str:
     """The model card's section on the bar: the shares, where the functions came from, and a
     few bodies (the first passing ones, then the first failing ones), from the report
     ``python -m turbospark_jax.recipe evaluate`` writes."""
+
+    def passes(s: dict[str, Any]) -> bool:  # as FunctionResult.passes
+        return bool(s["body"].strip()) and s["parses"] and not s["loops"]
+
     lines = [
         f"Greedy body completions of {report['functions']} functions from held-out files of "
-        f"{corpus_name} (files whose path hash the training split left out), at most "
+        f"{report['corpus']} (files whose path hash the training split left out), at most "
         f"{report.get('max_tokens', 128)} tokens each: a body **passes** when the header plus "
         f"body parses with `ast` and no line of it repeats more than {MAX_REPEATS} times "
         "(`turbospark_jax.recipe.code_eval`).", "",
@@ -182,13 +186,11 @@ def quality_section(report: dict[str, Any], corpus_name: str, samples: int = 4) 
         f"| **{report['passing']:.1%}** | {report['parsing']:.1%} | {report['looping']:.1%} |",
         "",
     ]
-    picked = [s for s in report["samples"] if s["parses"] and not s["loops"]
-              and s["body"].strip()][: samples // 2]
-    picked += [s for s in report["samples"] if not (s["parses"] and not s["loops"])][
-        : samples - len(picked)]
+    picked = [s for s in report["samples"] if passes(s)][: samples // 2]
+    picked += [s for s in report["samples"] if not passes(s)][: samples - len(picked)]
     for s in picked:
-        verdict = "passes" if s["parses"] and not s["loops"] and s["body"].strip() else (
-            "loops" if s["loops"] else "does not parse")
+        verdict = "passes" if passes(s) else ("loops" if s["loops"] else (
+            "does not parse" if not s["parses"] else "is empty"))
         text = (s["prompt"] + s["body"]).replace("```", "` ` `")
         lines += [f"`{s['path']}` line {s['line']}, {verdict}:", "", "```python", text.rstrip(),
                   "```", ""]

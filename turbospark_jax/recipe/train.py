@@ -245,19 +245,13 @@ class TrainConfig:
         return min(self.warmup_steps, max(self.steps - 1, 0))
 
     def schedule(self) -> optax.Schedule:
-        """Linear warmup from 0 to ``peak_lr``, then cosine decay to ``min_lr_ratio * peak``."""
-        warmup = self.effective_warmup
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0,
-            peak_value=self.peak_lr,
-            warmup_steps=warmup,
-            decay_steps=max(self.steps, warmup + 1),
-            end_value=self.peak_lr * self.min_lr_ratio,
-        )
+        """Linear warmup from 0 to ``peak_lr``, then cosine decay to ``min_lr_ratio * peak``
+        over ``steps``: :meth:`learning_rate` as an optax schedule of the step count."""
+        return lambda count: self.learning_rate(count, self.steps)
 
     def learning_rate(self, step: jax.Array | int, total: jax.Array | int) -> jax.Array:
-        """:meth:`schedule` at ``step`` for a run of ``total`` steps, either possibly traced
-        (the recipe's own step reads ``total`` from the state)."""
+        """The warmup-cosine learning rate at ``step`` for a run of ``total`` steps, either
+        possibly traced (the recipe's own step reads ``total`` from the state)."""
         step = jnp.asarray(step, jnp.float32)
         total = jnp.maximum(jnp.asarray(total, jnp.float32), 1.0)
         warmup = jnp.minimum(float(self.warmup_steps), jnp.maximum(total - 1.0, 0.0))
