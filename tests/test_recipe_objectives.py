@@ -3,9 +3,11 @@ exact one, and a few optimizer steps on a repeating corpus lower both losses."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -14,7 +16,13 @@ import pytest
 from turbospark_jax.models import qwen3_5 as Q
 from turbospark_jax.models import qwen3_5_config as QC
 from turbospark_jax.models.delta_rule import INVERSE_METHODS
-from turbospark_jax.recipe.objectives import cross_entropy, head_cross_entropy, qwen35_mtp_loss
+from turbospark_jax.recipe.objectives import (
+    compute_params,
+    cross_entropy,
+    head_cross_entropy,
+    output_head,
+    qwen35_mtp_loss,
+)
 
 CONFIG = QC.Qwen35Config(
     vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -108,3 +116,73 @@ def test_the_sliced_head_loss_is_the_whole_head_loss() -> None:
     leaky = cross_entropy(model.head_logits(params, padded),
                           jnp.pad(targets.reshape(-1), (0, 5))) * 35 / 30
     assert abs(float(leaky) - float(want)) > 1e-3
+
+
+def test_embedding_gradient_sums_in_float32() -> None:
+    """A token repeated in every position of a bfloat16 run: the gradient its embedding row
+    gets through the loss equals the float32 sum of the rows' gradients. Casting the table
+    before the lookup (the control) sums in bfloat16 and stalls far below it."""
+    model = Q.Qwen35Model(CONFIG, jnp.bfloat16)
+    params = Q.Qwen35Model(CONFIG, jnp.float32).init_params(jax.random.PRNGKey(0))
+    tokens = jnp.full((4, 512), 5, jnp.int32)
+    probe = jax.random.normal(jax.random.PRNGKey(2), (4, 512, CONFIG.hidden_size)) * 1e-3
+
+    def through(lookup):
+        # d/d(table) of <probe, embed(tokens)>: every position adds its probe row to row 5
+        return jax.grad(lambda t: jnp.sum(lookup(t).astype(jnp.float32) * probe))(
+            params["embed_tokens"])[5]
+
+    # each position's row gradient reaches the lookup in bfloat16 (the rows' dtype)
+    want = np.asarray(probe.astype(jnp.bfloat16), np.float64).sum(axis=(0, 1))
+    ours = through(lambda t: model._embed(compute_params(model, {**params,
+                                                                 "embed_tokens": t}), tokens))
+    assert np.abs(np.asarray(ours, np.float64) - want).max() < 1e-5 * np.abs(want).max() + 1e-6
+    cast_first = through(lambda t: model._embed({"embed_tokens": t.astype(jnp.bfloat16)},
+                                                tokens))
+    assert np.abs(np.asarray(cast_first, np.float64) - want).max() > 1e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_output_head_matches_the_model_head_with_bfloat16_backward_products(tied: bool) -> None:
+    """The training head gives the model head's float32 logits bit for bit, its gradients
+    agree with float32 ones within bfloat16 rounding, and its backward pass multiplies in
+    bfloat16 (no float32 product over the vocabulary)."""
+    config = dataclasses.replace(CONFIG, tie_word_embeddings=tied)
+    model = Q.Qwen35Model(config, jnp.bfloat16)
+    params = Q.Qwen35Model(config, jnp.float32).init_params(jax.random.PRNGKey(0))
+    key = "embed_tokens" if tied else "lm_head"
+    compute = compute_params(model, params)
+    hidden = jax.random.normal(jax.random.PRNGKey(3), (6, config.hidden_size), jnp.bfloat16)
+    bf16 = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+    assert np.array_equal(output_head(model, compute)(hidden), model.head_logits(bf16, hidden))
+
+    def loss(matrix, h, head_of):
+        return jnp.sum(jnp.sin(head_of({**compute, key: matrix})(h)))
+
+    def float32_head(c):
+        matrix = c["embed_tokens"] if tied else c["lm_head"].T.astype(jnp.float32)
+        return lambda h: jnp.einsum("nd,vd->nv", h, matrix, precision="highest")
+
+    ours = jax.grad(loss, argnums=(0, 1))(params[key], hidden, lambda c: output_head(model, c))
+    ref = jax.grad(loss, argnums=(0, 1))(params[key], hidden.astype(jnp.float32), float32_head)
+    for got, want in zip(ours, ref, strict=True):
+        got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+        assert np.linalg.norm(want) > 0
+        assert np.linalg.norm(got - want) < 2e-2 * np.linalg.norm(want)
+    backward = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(
+        params[key], hidden, lambda c: output_head(model, c))
+    products = [e for e in _all_eqns(backward.jaxpr) if e.primitive.name == "dot_general"]
+    assert len(products) == 3  # the forward product and the backward pair
+    assert all(v.aval.dtype == jnp.bfloat16 for e in products for v in e.invars)
+    # control: the model's own head, differentiated as it stands, multiplies in float32
+    plain = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)), static_argnums=2)(
+        bf16[key], hidden, lambda c: functools.partial(model.head_logits, c))
+    products = [e for e in _all_eqns(plain.jaxpr) if e.primitive.name == "dot_general"]
+    assert any(v.aval.dtype == jnp.float32 for e in products for v in e.invars)
+
+
+def _all_eqns(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _all_eqns(sub)

@@ -113,3 +113,35 @@ def test_recipe_runs_end_to_end_with_a_block_drafter(tmp_path: Path) -> None:
     config, _ = load_block_drafter(out / "block", dtype="float32")
     assert config.target_num_hidden_layers == 4
     assert summary["parts"] and (tmp_path / "parts" / "summary.json").is_file()
+    # A second run continues that target from its folder and takes that draft as it is.
+    again = tmp_path / "again"
+    assert main(["recipe", "--out", str(again), "--corpus-root", str(corpus),
+                 "--heldout-fraction", "0.25", "--tokenizer", str(tokenizer),
+                 "--target-preset", "tiny35", "--seq-len", "16", "--target-steps", "2",
+                 "--target-batch-size", "2", "--target-init", str(out / "target"),
+                 "--draft-from", str(out / "draft"), "--no-progress"]) == 0
+    summary = json.loads((again / "summary.json").read_text())
+    assert summary["draft"] == {"from": str(out / "draft")}
+    assert (again / "draft" / "model.safetensors").read_bytes() == (
+        out / "draft" / "model.safetensors").read_bytes()
+    assert f"the weights of `{out / 'target'}`" in (again / "target" / "README.md").read_text()
+
+
+def test_recipe_refuses_a_draft_with_another_tokenizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.testing.tokenizers import byte_level_bpe
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(8):
+        (corpus / f"m{i}.py").write_text(f"def f{i}(x):\n    return x\n" * 40)
+    other = tmp_path / "other_draft"
+    other.mkdir()
+    byte_level_bpe().save(str(other / "tokenizer.json"))
+    assert main(["recipe", "--out", str(tmp_path / "run"), "--corpus-root", str(corpus),
+                 "--heldout-fraction", "0.5", "--tokenizer",
+                 str(embedded_model_path(DEFAULT_TARGET)), "--seq-len", "16",
+                 "--draft-from", str(other), "--no-progress"]) == 1
+    assert "another tokenizer" in capsys.readouterr().err

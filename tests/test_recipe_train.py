@@ -292,3 +292,51 @@ def test_a_run_in_seconds_needs_its_trial_inside_the_warmup(
     with pytest.raises(BadInputError, match="warmup_steps must be at least"):
         rt.train_model(trained.config, dataclasses.replace(TC, seconds=10.0, warmup_steps=3),
                        setup.train_rows, setup.heldout_rows, progress=False)
+
+
+# -- a run continued from a trained model --------------------------------------------------------
+
+
+def test_a_run_starts_from_an_exported_model(
+    setup: Setup, trained: rt.TrainResult, tmp_path: Path
+) -> None:
+    """A warm start begins at the folder's weights (bitwise, float32 export) with fresh
+    optimizer moments, trains on from there, names its source in the card, and a resume must
+    name the same source."""
+    folder = tmp_path / "first"
+    export.export_model(folder, trained, setup.tokenizer, "card", save_dtype="float32")
+    start = rt.load_warm_start(folder, trained.config)
+    state = rt.init_state(trained.config, TC, start)
+    assert _leaves_equal(state.params, trained.params)
+    fresh = rt.init_state(trained.config, TC)
+    assert _leaves_equal(state.opt_state, fresh.opt_state)  # moments start from zero
+    assert not _leaves_equal(fresh.params, trained.params)  # control: a fresh init differs
+
+    ckpt = tmp_path / "ckpt"
+    tc = dataclasses.replace(TC, steps=4, peak_lr=2e-3)
+    result = rt.train_model(trained.config, tc, setup.train_rows, setup.heldout_rows,
+                            checkpoint_dir=ckpt, warm_start=start, progress=False)
+    assert result.init_source == str(folder) and result.steps_done == 4
+    first = next(h for h in result.history if h["kind"] == "train")
+    from_scratch = rt.train_model(trained.config, tc, setup.train_rows, setup.heldout_rows,
+                                  progress=False)
+    scratch_first = next(h for h in from_scratch.history if h["kind"] == "train")
+    assert first["loss"] < scratch_first["loss"] - 0.5  # it starts where the first run ended
+    text = card.model_card(
+        name="tiny", result=result, train_config=tc, corpus=setup.corpus.describe(),
+        tokens={"train": 1000, "heldout": 100}, samples=[], command="x",
+        save_dtype="float32", role="")
+    assert f"the weights of `{folder}`" in text
+    with pytest.raises(BadInputError, match="init"):  # resumed without its warm start
+        rt.train_model(trained.config, tc, setup.train_rows, setup.heldout_rows,
+                       checkpoint_dir=ckpt, resume=True, progress=False)
+
+
+def test_a_warm_start_refuses_a_model_of_another_shape(
+    setup: Setup, trained: rt.TrainResult, tmp_path: Path
+) -> None:
+    folder = tmp_path / "first"
+    export.export_model(folder, trained, setup.tokenizer, "card", save_dtype="float32")
+    wider = rt.model_config((*TINY[1:], ("hidden_size", 48)), setup.tokenizer)
+    with pytest.raises(BadInputError, match="hidden_size"):
+        rt.load_warm_start(folder, wider)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -38,6 +39,7 @@ from turbospark_jax.recipe.train import (
     TrainConfig,
     TrainResult,
     count_params,
+    load_warm_start,
     model_config,
     train_model,
 )
@@ -92,6 +94,12 @@ def _add_train_args(
                    help="warmup steps (default: 8%% of the steps)")
     p.add_argument(f"{flag}eval-every", type=int, default=None,
                    help="steps between held-out evaluations (default: 10 per run; 0: at the end)")
+    p.add_argument(f"{flag}min-lr-ratio", type=float, default=TrainConfig.min_lr_ratio,
+                   help="the cosine's final learning rate as a share of the peak (default "
+                   f"{TrainConfig.min_lr_ratio})")
+    p.add_argument(f"{flag}init", type=Path, default=None, metavar="FOLDER",
+                   help="start from this model folder's weights (same preset and tokenizer, "
+                   "e.g. the embedded model) with fresh optimizer moments, not a fresh init")
 
 
 def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> TrainConfig:
@@ -119,6 +127,7 @@ def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> 
         batch_size=batch_size,
         seq_len=args.seq_len,
         peak_lr=get("lr"),
+        min_lr_ratio=get("min_lr_ratio"),
         warmup_steps=warmup,
         weight_decay=args.weight_decay,
         seed=args.seed,
@@ -219,6 +228,9 @@ def _build_parser() -> argparse.ArgumentParser:
     rec.add_argument("--block-share", type=float, default=0.2,
                      help="share of the time budget the block drafter gets when it trains "
                      "(default 0.2)")
+    rec.add_argument("--draft-from", type=Path, default=None, metavar="FOLDER",
+                     help="take this trained draft folder as the run's draft (copied as it is, "
+                     "same tokenizer) instead of training one")
     rec.add_argument("--pack-out", type=Path, default=None,
                      help="also pack the trained folders into 15 MiB parts here")
     _add_corpus_args(rec)
@@ -263,6 +275,7 @@ def _train_and_export(
     name: str,
     role: str,
     preset: str,
+    prefix: str,
     tc: TrainConfig,
     tokenizer: Tokenizer,
     corpus: Corpus,
@@ -274,11 +287,13 @@ def _train_and_export(
 ) -> TrainResult:
     train_rows, heldout_rows, tokens = data
     config = model_config(preset, tokenizer)
+    init = getattr(args, f"{prefix.replace('-', '_')}init")
     result = train_model(
         config, tc, train_rows, heldout_rows,
         checkpoint_dir=run_dir / "ckpt" / name, resume=args.resume,
         deadline=None if deadline is None else deadline - export_reserve,
         progress=not args.no_progress, name=name,
+        warm_start=None if init is None else load_warm_start(init, config),
     )
     t0 = time.monotonic()
     samples = card_samples(config, result.params, tokenizer, dtype=args.save_dtype)
@@ -293,6 +308,26 @@ def _train_and_export(
         for record in result.history:
             f.write(json.dumps(record) + "\n")
     return result
+
+
+#: Texts whose ids two tokenizers must agree on to count as one (with the vocabulary size).
+_TOKENIZER_PROBES = ("def f(x):\n    return x + 1\n",
+                     "import os, sys  # \u00fcn\u00efcode\n\tr'doc'")
+
+
+def _take_draft(folder: Path, tokenizer: Tokenizer, dest: Path) -> dict[str, Any]:
+    """Copy a trained draft folder in as the run's draft; it must share the run's tokenizer
+    (a draft proposes token ids the target then judges)."""
+    theirs = Tokenizer.from_folder(folder)
+    if theirs.vocab_size != tokenizer.vocab_size or any(
+            theirs.encode(text) != tokenizer.encode(text) for text in _TOKENIZER_PROBES):
+        raise BadInputError(f"the draft in {folder} has another tokenizer than this run; a "
+                            "draft model must share its target's tokenizer")
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(folder, dest)
+    print(f"[draft] taken as it is from {folder}", flush=True)
+    return {"from": str(folder)}
 
 
 def _summary(result: TrainResult) -> dict[str, Any]:
@@ -385,13 +420,17 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
         left = deadline - time.monotonic() - 2 * reserve
         draft_deadline = time.monotonic() + reserve + max(left, 0.0) * args.draft_share
     rows = len(data[0])
-    draft = _train_and_export(
-        args=args, name="draft", role="It is the draft model for speculative decoding with "
-        "the target model trained in the same run (same tokenizer).",
-        preset=args.draft_preset, tc=_train_config(args, rows, "draft-"), tokenizer=tokenizer,
-        corpus=corpus, data=data, run_dir=out, model_dir=out / "draft",
-        deadline=draft_deadline, export_reserve=reserve,
-    )
+    if args.draft_from is not None:
+        draft_summary = _take_draft(args.draft_from, tokenizer, out / "draft")
+    else:
+        draft = _train_and_export(
+            args=args, name="draft", role="It is the draft model for speculative decoding "
+            "with the target model trained in the same run (same tokenizer).",
+            preset=args.draft_preset, prefix="draft-", tc=_train_config(args, rows, "draft-"),
+            tokenizer=tokenizer, corpus=corpus, data=data, run_dir=out, model_dir=out / "draft",
+            deadline=draft_deadline, export_reserve=reserve,
+        )
+        draft_summary = _summary(draft)
     t = _timed(timings, "draft_s", t)
     target_deadline = deadline
     if deadline is not None and args.block_steps:
@@ -400,7 +439,8 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
     target = _train_and_export(
         args=args, name="target", role="It is the target model; a draft model for "
         "speculative decoding was trained in the same run with the same tokenizer.",
-        preset=args.target_preset, tc=_train_config(args, rows, "target-"), tokenizer=tokenizer,
+        preset=args.target_preset, prefix="target-", tc=_train_config(args, rows, "target-"),
+        tokenizer=tokenizer,
         corpus=corpus, data=data, run_dir=out, model_dir=out / "target",
         deadline=target_deadline, export_reserve=reserve,
     )
@@ -416,7 +456,7 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
         "corpus": corpus.describe(),
         "tokens": data[2],
         "vocab_size": tokenizer.vocab_size,
-        "draft": _summary(draft),
+        "draft": draft_summary,
         "target": _summary(target),
     }
     if block is not None:
@@ -489,7 +529,7 @@ def _run(args: argparse.Namespace) -> None:
                              args.corpus_name, args.packages)
         data = _encode_splits(tokenizer, corpus, args.seq_len)
         result = _train_and_export(
-            args=args, name=args.preset, role="", preset=args.preset,
+            args=args, name=args.preset, role="", preset=args.preset, prefix="",
             tc=_train_config(args, len(data[0])), tokenizer=tokenizer, corpus=corpus, data=data,
             run_dir=args.out, model_dir=args.out / "model", deadline=deadline,
             export_reserve=20.0,

@@ -19,11 +19,19 @@ cross-entropies run through :func:`head_cross_entropy`, which applies the output
 logits of a whole batch never exist at once, forward or backward (the backward pass recomputes
 each slice's logits). It trades the head's products once more for memory; whether that pays on
 the H200 is for ``benchmarks/profile_train.py --head-rows`` to say (not measured yet).
+
+**Mixed precision where it matters** (:func:`compute_params`, :func:`output_head`): the
+params are cast to the compute dtype inside the loss, but the embedding rows are gathered from
+the float32 table, so the lookup's gradient (a scatter-add of every position's row gradient)
+sums in float32: in bfloat16 the sum for a frequent token stalls once it outgrows the addends
+(10,000 additions of 1e-4 come to 0.031, not 1). The output head keeps float32 logits for the
+loss but takes its backward products in the compute dtype (the logits' cotangent rounded to
+it), as every mixed-precision trainer does; a float32 cotangent turned both of its products
+into float32 matrix products over the whole vocabulary.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import jax
@@ -31,6 +39,55 @@ import jax.numpy as jnp
 
 from turbospark_jax.models.family import Params
 from turbospark_jax.models.qwen3_5 import Qwen35Model
+
+
+def compute_params(model: Qwen35Model, params: Params) -> Params:
+    """float32 ``params`` cast to ``model.dtype`` for the forward pass, except the embedding
+    table, which stays float32 so its lookup's gradient sums in float32 (the model casts the
+    gathered rows, and :func:`output_head` the table it multiplies by)."""
+    compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
+    return {**compute, "embed_tokens": params["embed_tokens"]}
+
+
+@jax.custom_vjp
+def _head_product(hidden: jax.Array, matrix: jax.Array) -> jax.Array:
+    """``hidden [N, D] @ matrix[V, D].T`` -> float32 logits ``[N, V]``; the backward pass
+    rounds the logits' cotangent to the operands' dtype before its two products."""
+    return jnp.einsum("nd,vd->nv", hidden, matrix, preferred_element_type=jnp.float32)
+
+
+def _head_product_fwd(hidden: jax.Array, matrix: jax.Array
+                      ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    return _head_product(hidden, matrix), (hidden, matrix)
+
+
+def _head_product_bwd(saved: tuple[jax.Array, jax.Array], g: jax.Array
+                      ) -> tuple[jax.Array, jax.Array]:
+    hidden, matrix = saved
+    g = g.astype(matrix.dtype)
+    d_hidden = jnp.einsum("nv,vd->nd", g, matrix, preferred_element_type=jnp.float32)
+    d_matrix = jnp.einsum("nv,nd->vd", g, hidden, preferred_element_type=jnp.float32)
+    return d_hidden.astype(hidden.dtype), d_matrix.astype(matrix.dtype)
+
+
+_head_product.defvjp(_head_product_fwd, _head_product_bwd)
+
+
+def output_head(model: Qwen35Model, compute: Params) -> Callable[[jax.Array], jax.Array]:
+    """The model's output head for training, over :func:`compute_params`: normed hidden
+    ``[..., D]`` -> float32 logits ``[..., V]``, the same values as
+    :meth:`~turbospark_jax.models.qwen3_5.Qwen35Model.head_logits`, with its backward
+    products in the compute dtype."""
+    if model.config.tie_word_embeddings:
+        matrix = compute["embed_tokens"].astype(model.dtype)  # [V, D]
+    else:
+        matrix = compute["lm_head"].astype(model.dtype).T  # [V, D]
+
+    def head(hidden: jax.Array) -> jax.Array:
+        flat = hidden.reshape(-1, hidden.shape[-1]).astype(model.dtype)
+        return _head_product(flat, matrix).reshape(*hidden.shape[:-1], -1)
+
+    return head
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -87,9 +144,9 @@ def qwen35_mtp_loss(model: Qwen35Model, params: Params, rows: jax.Array,
       ``(total, {"loss": trunk CE, "mtp_loss": head CE})``.
     """
     inputs, targets = rows[:, :-1], rows[:, 1:]
-    compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
+    compute = compute_params(model, params)
     _, hidden = model.train_forward(compute, inputs)  # the logits are left unused (pruned)
-    head = functools.partial(model.head_logits, compute)
+    head = output_head(model, compute)
     mtp_hidden = model.mtp_train_hidden(compute, hidden, inputs)
     if head_rows:
         main = head_cross_entropy(head, hidden, targets, head_rows)

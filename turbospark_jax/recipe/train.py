@@ -17,6 +17,11 @@ plus ``meta.json`` (step, data position, configs, data fingerprint, history), wr
 atomically; never pickle. Resuming runs the same compiled step on the same batches (see
 :class:`~turbospark_jax.recipe.corpus.DataOrder`), so on the CPU a resumed run is bitwise
 equal to an uninterrupted one.
+
+**Continuing a trained model** (:class:`WarmStart`): a run may start from the weights of a
+model of the same shape instead of a fresh init (an exported folder, say the embedded model),
+with fresh optimizer moments and a schedule of its own, so a model can keep training across
+GPU sessions even when its optimizer state could not be kept.
 """
 
 from __future__ import annotations
@@ -48,7 +53,12 @@ from turbospark_jax.models.qwen3_5 import Qwen35Model
 from turbospark_jax.models.qwen3_5_config import Qwen35Config
 from turbospark_jax.recipe.corpus import DataOrder, fingerprint
 from turbospark_jax.recipe.flops import mfu, training_flops_per_token
-from turbospark_jax.recipe.objectives import qwen35_mtp_loss
+from turbospark_jax.recipe.objectives import (
+    compute_params,
+    cross_entropy,
+    output_head,
+    qwen35_mtp_loss,
+)
 from turbospark_jax.tokenizer import Tokenizer
 
 CHECKPOINT_STATE = "state.safetensors"
@@ -354,10 +364,9 @@ def training_loss(
         return qwen35_mtp_loss(model, params, rows, mtp_weight, head_rows)
     if isinstance(model, Qwen35Model):
         inputs, targets = rows[:, :-1], rows[:, 1:]
-        compute = jax.tree.map(lambda p: p.astype(model.dtype), params)
-        logits, _ = model.train_forward(compute, inputs)
-        picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-        loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)
+        compute = compute_params(model, params)
+        _, hidden = model.train_forward(compute, inputs)
+        loss = cross_entropy(output_head(model, compute)(hidden), targets)
         return loss, {"loss": loss}
     loss = next_token_loss(model, params, rows)
     return loss, {"loss": loss}
@@ -418,11 +427,68 @@ def _programs(model: BlockModel, train_config: TrainConfig) -> tuple[Any, Any]:
     return make_train_step(model, train_config), make_eval_step(model)
 
 
-def init_state(config: DenseConfig | Qwen35Config, train_config: TrainConfig) -> TrainState:
-    """Fresh float32 params from ``train_config.seed``, a zeroed optimizer state (the chain
-    :func:`make_train_step` runs) and a schedule of ``train_config.steps``."""
-    model = build_model(config, "float32")
-    params = model.init_params(jax.random.PRNGKey(train_config.seed))
+@dataclasses.dataclass(frozen=True)
+class WarmStart:
+    """Weights a run starts from instead of a fresh init.
+
+    Attributes:
+      source: where they came from (the model card names it, and a resumed run must name the
+        same).
+      params: float32 params in the layout :func:`build_model`'s model trains in.
+    """
+
+    source: str
+    params: Params
+
+
+#: Keys of a folder's ``config.json`` that say how its weights are stored, not the model.
+_STORAGE_KEYS = ("dtype", "torch_dtype")
+
+
+def load_warm_start(folder: str | os.PathLike[str],
+                    config: DenseConfig | Qwen35Config) -> WarmStart:
+    """The weights of a Hugging Face folder as a :class:`WarmStart` for a run of ``config``.
+
+    Raises:
+      BadInputError: the folder's model differs from ``config`` (the differing keys are
+        named) or its params do not have the shapes the training layout expects.
+      ModelLoadError: the folder cannot be read (as :func:`~turbospark_jax.loading.
+        load_folder` raises).
+    """
+    from turbospark_jax.loading import load_folder
+
+    layout = "stacked" if isinstance(config, DenseConfig) else "list"
+    loaded = load_folder(folder, dtype="float32", layer_layout=layout)
+    theirs, ours = loaded.config.to_hf_dict(), config.to_hf_dict()
+    differing = sorted(k for k in set(theirs) | set(ours)
+                       if k not in _STORAGE_KEYS and theirs.get(k) != ours.get(k))
+    if differing:
+        shown = ", ".join(f"{k} ({theirs.get(k)!r} there, {ours.get(k)!r} here)"
+                          for k in differing[:4])
+        raise BadInputError(
+            f"cannot start from {folder}: its model differs from the one this run trains in "
+            f"{shown}; start from a folder of the same preset and tokenizer")
+    template = jax.eval_shape(
+        lambda: build_model(config, "float32").init_params(jax.random.PRNGKey(0)))
+    same = jax.tree.structure(template) == jax.tree.structure(loaded.params) and all(
+        a.shape == b.shape for a, b in zip(jax.tree.leaves(template),
+                                           jax.tree.leaves(loaded.params), strict=True))
+    if not same:
+        raise BadInputError(f"cannot start from {folder}: its params are not laid out as "
+                            "this run's model trains them")
+    return WarmStart(source=str(folder), params=loaded.params)
+
+
+def init_state(config: DenseConfig | Qwen35Config, train_config: TrainConfig,
+               warm_start: WarmStart | None = None) -> TrainState:
+    """float32 params (fresh from ``train_config.seed``, or ``warm_start``'s), a zeroed
+    optimizer state (the chain :func:`make_train_step` runs) and a schedule of
+    ``train_config.steps``."""
+    if warm_start is None:
+        params = build_model(config, "float32").init_params(
+            jax.random.PRNGKey(train_config.seed))
+    else:
+        params = jax.tree.map(lambda p: jnp.asarray(p, jnp.float32), warm_start.params)
     return TrainState(
         step=jnp.zeros((), jnp.int32), params=params,
         opt_state=make_optimizer(train_config, learning_rate=False).init(params),
@@ -517,6 +583,8 @@ class TrainResult:
       history: log records (``kind`` "train" or "eval") across resumes.
       timings: seconds and rates of this invocation (``compile_s``, ``train_s``,
         ``tokens_per_s`` ...).
+      init_source: the :class:`WarmStart` the run started from, or ``None`` (a fresh init);
+        the steps and tokens above are this run's alone.
     """
 
     config: DenseConfig | Qwen35Config
@@ -528,6 +596,7 @@ class TrainResult:
     history: list[dict[str, Any]]
     timings: dict[str, float]
     scheduled_steps: int = 0
+    init_source: str | None = None
 
 
 def evaluate(
@@ -561,6 +630,7 @@ def train_model(
     stop_at_step: int | None = None,
     progress: bool = True,
     name: str = "model",
+    warm_start: WarmStart | None = None,
 ) -> TrainResult:
     """Train (or resume training) one model.
 
@@ -576,6 +646,8 @@ def train_model(
       stop_at_step: stop (and checkpoint) once this many steps are done, schedule unchanged.
       progress: show a tqdm bar.
       name: label for the bar and log lines.
+      warm_start: start from these weights instead of a fresh init (a resume continues from
+        its checkpoint, which must come from a run with the same warm start).
 
     Returns:
       The :class:`TrainResult`.
@@ -603,6 +675,8 @@ def train_model(
         "train_config": tc.math_dict(),
         "data": fingerprint(train_rows),
     }
+    if warm_start is not None:
+        identity["init"] = warm_start.source
 
     t0 = time.monotonic()
     history: list[dict[str, Any]] = []
@@ -612,15 +686,15 @@ def train_model(
         assert checkpoint_dir is not None
         template = jax.eval_shape(lambda: init_state(config, tc))
         state, meta = load_checkpoint(checkpoint_dir, template)
-        for key, value in identity.items():
-            if meta.get(key) != value:
+        for key in (*identity, "init"):
+            if meta.get(key) != identity.get(key):
                 raise BadInputError(
                     f"checkpoint {checkpoint_dir} was made with a different {key}; resume "
                     "with the settings and data it was made with, or start a new run"
                 )
         history = list(meta.get("history", []))
     else:
-        state = init_state(config, tc)
+        state = init_state(config, tc, warm_start)
     start = int(jax.device_get(state.step))
     total = int(jax.device_get(state.total_steps))
     # A run of tc.seconds sets its schedule once, from its own step time; a resumed one keeps it.
@@ -663,6 +737,7 @@ def train_model(
         f"({order.batches_per_epoch} steps/epoch), steps {start}->"
         + (f"at most {total}, for about {tc.seconds:.0f} s" if to_set else f"{total}")
         + (" (resumed)" if resumed else "")
+        + (f", from the weights of {warm_start.source}" if warm_start is not None else "")
     )
     end = last_step()
     bar = tqdm(total=total, initial=start, desc=name, unit="step", disable=not progress,
@@ -758,4 +833,5 @@ def train_model(
         eval_loss=last_eval,
         history=history,
         timings=timings,
+        init_source=None if warm_start is None else warm_start.source,
     )
