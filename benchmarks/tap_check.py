@@ -1,10 +1,12 @@
 """Does recording tap rows change a target's plain greedy decoding on this backend?
 
-    PYTHONPATH=. python -m benchmarks.tap_check TARGET BLOCK_DRAFTER [TOKENS]
+    PYTHONPATH=. python -m benchmarks.tap_check TARGET BLOCK_DRAFTER [TOKENS] [--barrier]
 
 Decodes the same prompts greedily with the target as loaded and with the target set to tap the
 layers the block drafter reads, and reports whether the tokens and logits are bitwise equal
-(they are one model; the tapped one is a different compiled program).
+(they are one model; the tapped one is a different compiled program). ``--barrier`` runs both
+with every layer's output behind an optimization barrier (materialised as it is in either
+program), to tell whether fusion across the tapped rows is what makes the two differ.
 """
 
 from __future__ import annotations
@@ -20,8 +22,16 @@ from turbospark_jax.loading import load_block_drafter, load_folder
 
 
 def main() -> int:
-    target, block = sys.argv[1], sys.argv[2]
-    tokens = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    target, block = args[0], args[1]
+    tokens = int(args[2]) if len(args) > 2 else 64
+    if "--barrier" in sys.argv:
+        import jax
+
+        from turbospark_jax.models.qwen3_5 import Qwen35Model
+
+        mlp = Qwen35Model._mlp
+        Qwen35Model._mlp = lambda self, lp, x: jax.lax.optimization_barrier(mlp(self, lp, x))
     loaded = load_folder(target, layer_layout="list")
     config, _ = load_block_drafter(block)
     models = {"plain": loaded.model, "tapped": tapped_target(loaded.model, config)}
