@@ -590,6 +590,10 @@ class Qwen35Model(BlockModel):
                         chunked)
                     tapes.append(layer_tape)
                     x = self._mlp(lp, x + o)
+            # Every layer's output rows are materialised as they are, tapped or not: on a GPU
+            # the tap's extra reader changed how XLA fused them into the next layer, and a
+            # tapped target decoded apart from an untapped one (logits 0.14 apart on an H200).
+            x = jax.lax.optimization_barrier(x)
             if i in self.tap_layers:
                 taps.append(x)
         return x, states, tapes, jnp.stack(taps, axis=1) if taps else None
