@@ -326,7 +326,7 @@ def test_stop_escapes(raw, want):
 
 
 def test_stop_blank_line_stops_the_embedded_model():
-    prompt = "import os\nimport sys\n\n\ndef main(argv):"
+    prompt = "def is_prime(n):"
     base = ("generate", "--model", str(EMBEDDED), prompt, "--max-tokens", "64")
     code, full, _ = run(*base)
     assert code == 0

@@ -66,3 +66,19 @@ def test_speculative_greedy_is_plain_greedy_bit_for_bit(target, drafter, device)
     assert got.fed_ids == plain.fed_ids
     if drafter == "oracle":
         assert got.speculative.mean_acceptance_length > 2.0  # the rounds did keep proposals
+
+
+def test_a_verify_wider_than_the_block_still_commits_from_the_tape_or_re_verifies():
+    """Draft length 8 on a width-6 Qwen3.5 target: a verify of 9 rows runs in two blocks and
+    the tape keeps only the second, so rounds that keep rows of the first re-verify them
+    (the producer says which it can keep); greedy stays plain greedy bit for bit."""
+    t, plain = TARGETS["qwen3_5"], PLAIN["qwen3_5"]
+    assert not t.retaining_rollback_keeps(9, 6) and t.retaining_rollback_keeps(9, 7)
+    assert t.retaining_rollback_keeps(9, 0) and t.retaining_rollback_keeps(6, 6)
+    pair = SpeculativePair(t, OracleDrafter(VOCAB, PROMPT + plain.token_ids, 0.8),
+                           device_rounds=False)
+    assert pair.retaining_rollback_keeps(9, 7) and not pair.retaining_rollback_keeps(9, 3)
+    got = run_raw_completion_speculative(pair, dataclasses.replace(GREEDY, draft_len=8))
+    assert got.token_ids == plain.token_ids
+    assert np.array_equal(got.logits.view(np.uint32), plain.logits.view(np.uint32))
+    assert got.fed_ids == plain.fed_ids

@@ -348,6 +348,16 @@ class BlockProducer(
     def supports_retaining_rollback(self) -> bool:
         return True
 
+    def retaining_rollback_keeps(self, verified_rows: int, keep_rows: int) -> bool:
+        return not 0 < keep_rows <= self._tape_gone(verified_rows)
+
+    def _tape_gone(self, fed: int) -> int:
+        """Rows of a verify of ``fed`` rows that the tape no longer holds: all but the last
+        block's, for a model that records one (none otherwise)."""
+        if not self.model.records_tape or not fed:
+            return 0
+        return self.width * ((fed - 1) // self.width)
+
     def rollback_retaining(
         self, state: BlockState, point: BlockState, keep_rows: int
     ) -> BlockState:
@@ -366,7 +376,7 @@ class BlockProducer(
             # The tape holds the rows of the last block only; a verify wider than the block
             # ran in several, and the earlier rows' states are gone.
             fed = int(state.fed.count) - base
-            last_block = self.width * ((fed - 1) // self.width) if fed else 0
+            last_block = self._tape_gone(fed)
             if 0 < keep_rows <= last_block:
                 raise UnsupportedCapabilityError(
                     f"the verify fed {fed} rows in blocks of {self.width}; the tape keeps only "

@@ -321,6 +321,13 @@ class VerifyingTarget(LogitProducer[State], Generic[State, Checkpoint]):
         """Whether :meth:`rollback_retaining` can run. Default: no."""
         return False
 
+    def retaining_rollback_keeps(self, verified_rows: int, keep_rows: int) -> bool:
+        """Whether :meth:`rollback_retaining` can keep ``keep_rows`` of a verify that fed
+        ``verified_rows`` rows (a producer whose tape holds one block cannot replay rows of
+        earlier blocks). Default: :meth:`supports_retaining_rollback`."""
+        del verified_rows, keep_rows
+        return self.supports_retaining_rollback()
+
     def rollback_retaining(self, state: State, point: Checkpoint, keep_rows: int) -> State:
         """Restore the target to ``point`` but keep the first ``keep_rows`` rows of the last verify.
 

@@ -26,7 +26,8 @@ goes through ``produce``; its logits give the first token exactly as the plain l
 3. ``verify([t, *proposals])`` in one target pass;
 4. :func:`~turbospark_jax.rounds.judge` (the device rounds use the same function);
 5. restore the target with ``rollback_retaining`` (keeping the fed rows that survived) when
-   supported, otherwise ``rollback`` and a shortened re-verify; ``record_committed``.
+   it can keep them (a tape of one block cannot replay rows of a verify's earlier blocks),
+   otherwise ``rollback`` and a shortened re-verify; ``record_committed``.
 
 The emitted tokens pass through the same :class:`~turbospark_jax.completion.Emission` as in
 the plain loop (stop tokens, stop strings, max_tokens), and the target ends having fed exactly
@@ -429,7 +430,7 @@ class _Loop:
 
     def _restore(self, state, point, feed, keep_rows, base):
         p = self.p
-        if p.supports_retaining_rollback():
+        if p.retaining_rollback_keeps(len(feed), keep_rows):
             return p.rollback_retaining(state, point, keep_rows)
         state = p.rollback(state, point)
         return p.verify(state, feed[:keep_rows], base)[1]

@@ -267,6 +267,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
     def supports_retaining_rollback(self) -> bool:
         return self.target.supports_retaining_rollback()
 
+    def retaining_rollback_keeps(self, verified_rows: int, keep_rows: int) -> bool:
+        return self.target.retaining_rollback_keeps(verified_rows, keep_rows)
+
     def rollback_retaining(self, state: PairState, point: Any, keep_rows: int) -> PairState:
         target = self.target.rollback_retaining(self._pair(state).target, point, keep_rows)
         return state.replace(target=target)
