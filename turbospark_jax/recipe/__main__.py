@@ -438,7 +438,9 @@ def _run_recipe(args: argparse.Namespace) -> dict[str, Any]:
         target_deadline = deadline - max(left, 0.0) * args.block_share
     target = _train_and_export(
         args=args, name="target", role="It is the target model; a draft model for "
-        "speculative decoding was trained in the same run with the same tokenizer.",
+        "speculative decoding " + ("was trained in the same run" if args.draft_from is None
+                                   else "trained earlier was taken into the run as it was")
+        + " with the same tokenizer.",
         preset=args.target_preset, prefix="target-", tc=_train_config(args, rows, "target-"),
         tokenizer=tokenizer,
         corpus=corpus, data=data, run_dir=out, model_dir=out / "target",
