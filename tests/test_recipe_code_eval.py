@@ -41,14 +41,32 @@ class A:
 def commented():
     # a comment first
     return 1
+
+
+if True:
+    try:
+        import os
+    except ImportError:
+        @functools.cache
+        class B(
+                object):
+            """Doc."""
+
+            @staticmethod
+            def nested(y):
+                return y
 '''
 
 
-def test_prompts_are_headers_with_docstrings_dedented() -> None:
+def test_prompts_are_headers_after_their_enclosing_scopes_openings() -> None:
     found = function_prompts([Document("m.py", SOURCE), Document("bad.py", "def (:")])
-    assert [(f.name, f.prompt, f.indent) for f in found] == [
-        ("cached", '@functools.cache\ndef cached(x):\n    """Twice x."""', 0),
-        ("method", "    def method(self, a,\n               b):", 4),
+    assert [(f.name, f.context, f.prompt, f.indent) for f in found] == [
+        ("cached", "", '@functools.cache\ndef cached(x):\n    """Twice x."""', 0),
+        ("method", "class A:\n", "    def method(self, a,\n               b):", 4),
+        # an if's and a try's first lines; a class's whole header, not its decorators or
+        # docstring; the method's own decorator is in its prompt only
+        ("nested", "if True:\n    try:\n        class B(\n                object):\n",
+         "            @staticmethod\n            def nested(y):", 12),
     ]
 
 
@@ -84,9 +102,9 @@ def test_embedded_model_completes_bodies() -> None:
     from turbospark_jax.api import load
 
     model = load(context=256)
-    share, results = evaluate_functions(model, [Document("m.py", SOURCE)], n=2, max_tokens=24)
-    assert [r.function.name for r in results] == ["cached", "method"]
-    assert share == sum(r.passes for r in results) / 2
+    share, results = evaluate_functions(model, [Document("m.py", SOURCE)], n=3, max_tokens=24)
+    assert [r.function.name for r in results] == ["cached", "method", "nested"]
+    assert share == sum(r.passes for r in results) / 3
     assert all(cut_body(r.body, r.function.indent)[0] == r.body for r in results if r.body)
     with pytest.raises(BadInputError):
         evaluate_functions(model, [Document("m.py", "x = 1\n")])
@@ -105,5 +123,10 @@ def test_the_card_section_shows_shares_and_both_kinds_of_body():
                           sample("\n    x = 1\n" * 5, True, True)]}
     text = quality_section(report, samples=3)
     assert "a test corpus" in text and "at most 64 tokens" in text and "**33.3%**" in text
+    assert "asked with its header alone" in text  # a report without "prompts": the first kind
+    scoped = quality_section({**report, "prompts": "scopes", "samples": [
+        {**sample("\n        return 1\n", True, False), "context": "class A:\n",
+         "prompt": "    def f(self):"}]}, samples=2)
+    assert "enclosing scopes" in scoped and "class A:\n    def f(self):\n        return 1" in scoped
     assert "line 3, passes" in text and "line 3, is empty" in text and "line 3, loops" in text
     assert text.index("passes") < text.index("is empty")  # passing bodies first

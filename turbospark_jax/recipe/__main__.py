@@ -186,6 +186,9 @@ def _build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--functions", type=int, default=200, help="how many (default 200)")
     ev.add_argument("--max-tokens", type=int, default=128,
                     help="the most tokens a body may take (default 128)")
+    ev.add_argument("--header-only", action="store_true",
+                    help="ask with each function's header alone, without the lines that open "
+                    "its enclosing scopes (the first measurements' prompts)")
     ev.add_argument("--out", type=Path, default=None,
                     help="also write the share and every sample here (JSON)")
     ev.add_argument("--card", default=None, metavar="LABEL",
@@ -488,14 +491,17 @@ def _evaluate(args: argparse.Namespace) -> None:
                          args.corpus_name, args.packages)
     model = load(args.model)
     t0 = time.monotonic()
-    share, results = evaluate_functions(model, corpus.heldout, args.functions, args.max_tokens)
+    share, results = evaluate_functions(model, corpus.heldout, args.functions, args.max_tokens,
+                                        scopes=not args.header_only)
     report = {
         "model": str(args.model or "embedded"), "corpus": corpus.describe()["name"],
-        "functions": len(results), "max_tokens": args.max_tokens, "passing": share,
+        "functions": len(results), "max_tokens": args.max_tokens,
+        "prompts": "header" if args.header_only else "scopes", "passing": share,
         "parsing": sum(r.parses for r in results) / len(results),
         "looping": sum(r.loops for r in results) / len(results),
         "seconds": round(time.monotonic() - t0, 1),
         "samples": [{"path": r.function.path, "line": r.function.line,
+                     "context": "" if args.header_only else r.function.context,
                      "prompt": r.function.prompt, "body": r.body, "parses": r.parses,
                      "loops": r.loops} for r in results],
     }

@@ -11,7 +11,11 @@ directly, on functions from files the model never trained on:
    file has them (a method keeps its indentation), ending on the colon or the docstring's
    closing quotes: the newline and the body's indentation are the model's to write, since a
    prompt that ends inside that run of whitespace splits a token boundary the model never
-   saw in training.
+   saw in training. Before it come the lines that open the function's enclosing scopes (an
+   enclosing class's or function's header, another compound statement's first line), so a
+   method's prompt starts as a file does, at column 0: no training document starts indented,
+   and with the header alone a nested function's body often came back at the ``def``'s own
+   indentation, an empty body (``scopes=False`` asks with the header alone).
 3. **Completion.** Greedy, up to ``max_tokens``; the body ends at the first non-blank line
    indented no deeper than the ``def`` (the file's next statement), and generation stops
    there.
@@ -29,7 +33,7 @@ import ast
 import collections
 import dataclasses
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from turbospark_jax.errors import BadInputError
@@ -51,6 +55,8 @@ class FunctionPrompt:
     prompt: str
     #: columns before the ``def``: a body line indented no deeper ends the body
     indent: int = 0
+    #: the lines opening the enclosing scopes, each ending in a newline ("" at top level)
+    context: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,8 +73,37 @@ class FunctionResult:
         return bool(self.body.strip()) and self.parses and not self.loops
 
 
+def _scope_opening(node: ast.stmt, lines: list[str]) -> str:
+    """The lines that open a compound statement around a function: a class's or function's
+    header (without decorators, up to its first statement), else the statement's first line."""
+    if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+        first = node.body[0]
+        end = min([first.lineno, *(d.lineno for d in getattr(first, "decorator_list", ()))])
+        return "".join(line + "\n" for line in lines[node.lineno - 1: end - 1])
+    return lines[node.lineno - 1] + "\n"
+
+
+def _functions_in_scopes(tree: ast.Module) -> Iterator[tuple[ast.stmt, tuple[ast.stmt, ...]]]:
+    """Every function definition with the compound statements around it, outermost first."""
+    stack: list[tuple[ast.AST, tuple[ast.stmt, ...]]] = [(tree, ())]
+    while stack:
+        node, scopes = stack.pop()
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ExceptHandler | ast.match_case):
+                stack.append((child, scopes))  # inside the try or match already opened
+                continue
+            if not isinstance(child, ast.stmt):
+                continue
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                yield child, scopes
+            if any(isinstance(getattr(child, field, None), list)
+                   for field in ("body", "orelse", "handlers", "finalbody", "cases")):
+                stack.append((child, (*scopes, child)))
+
+
 def function_prompts(documents: Sequence[Document]) -> list[FunctionPrompt]:
-    """Every function header in the documents, in path and line order (see the module doc)."""
+    """Every function header in the documents, in path and line order, with the openings of
+    its enclosing scopes (see the module doc)."""
     found: list[FunctionPrompt] = []
     for doc in sorted(documents, key=lambda d: d.path):
         try:
@@ -76,8 +111,8 @@ def function_prompts(documents: Sequence[Document]) -> list[FunctionPrompt]:
         except (SyntaxError, ValueError):
             continue
         lines = doc.text.splitlines()
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or not node.body:
+        for node, scopes in _functions_in_scopes(tree):
+            if not node.body:
                 continue
             first = node.body[0]
             has_doc = (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
@@ -91,8 +126,9 @@ def function_prompts(documents: Sequence[Document]) -> list[FunctionPrompt]:
                 continue  # a body on the def's own line, or comments before it
             prompt = header.rstrip()
             if len(prompt) <= MAX_HEADER_CHARS:
+                context = "".join(_scope_opening(scope, lines) for scope in scopes)
                 found.append(FunctionPrompt(doc.path, node.lineno, node.name, prompt,
-                                            node.col_offset))
+                                            node.col_offset, context))
     found.sort(key=lambda f: (f.path, f.line))
     return found
 
@@ -133,7 +169,8 @@ def judge(function: FunctionPrompt, body: str) -> FunctionResult:
 
 
 def evaluate_functions(
-    model: Any, documents: Sequence[Document], n: int = 200, max_tokens: int = 128
+    model: Any, documents: Sequence[Document], n: int = 200, max_tokens: int = 128,
+    scopes: bool = True,
 ) -> tuple[float, list[FunctionResult]]:
     """Complete ``n`` held-out function bodies greedily and judge them.
 
@@ -142,6 +179,8 @@ def evaluate_functions(
       documents: the held-out documents (``load_corpus(...).heldout``).
       n: how many functions.
       max_tokens: the most tokens a body may take.
+      scopes: put the openings of each function's enclosing scopes before its header
+        (``False``: the header alone, as the first measurements asked).
 
     Returns:
       The share of functions that pass, and every result.
@@ -159,7 +198,8 @@ def evaluate_functions(
     results = []
     for function in functions:
         text = ""
-        with stream(model, function.prompt, max_tokens=max_tokens) as events:
+        prompt = function.context + function.prompt if scopes else function.prompt
+        with stream(model, prompt, max_tokens=max_tokens) as events:
             for event in events:
                 text += event.text
                 if cut_body(text, function.indent)[1]:
@@ -176,9 +216,12 @@ def quality_section(report: dict[str, Any], samples: int = 4) -> str:
     def passes(s: dict[str, Any]) -> bool:  # as FunctionResult.passes
         return bool(s["body"].strip()) and s["parses"] and not s["loops"]
 
+    asked = ("its header alone" if report.get("prompts", "header") == "header" else
+             "the lines that open its enclosing scopes, then its header")
     lines = [
         f"Greedy body completions of {report['functions']} functions from held-out files of "
-        f"{report['corpus']} (files whose path hash the training split left out), at most "
+        f"{report['corpus']} (files whose path hash the training split left out), each asked "
+        f"with {asked} (decorators, signature, docstring), at most "
         f"{report.get('max_tokens', 128)} tokens each: a body **passes** when the header plus "
         f"body parses with `ast` and no line of it repeats more than {MAX_REPEATS} times "
         "(`turbospark_jax.recipe.code_eval`).", "",
@@ -191,7 +234,7 @@ def quality_section(report: dict[str, Any], samples: int = 4) -> str:
     for s in picked:
         verdict = "passes" if passes(s) else ("loops" if s["loops"] else (
             "does not parse" if not s["parses"] else "is empty"))
-        text = (s["prompt"] + s["body"]).replace("```", "` ` `")
+        text = (s.get("context", "") + s["prompt"] + s["body"]).replace("```", "` ` `")
         lines += [f"`{s['path']}` line {s['line']}, {verdict}:", "", "```python", text.rstrip(),
                   "```", ""]
     return "\n".join(lines)
