@@ -15,8 +15,10 @@ drafting), in the context the CLI allocates (the smallest power of two >= 256 ho
 and reply), and runs the same loop: device rounds where the drafter has a device form. Each
 configuration runs once on the first prompt to compile, then every prompt is timed.
 
-**Prompts**: held-out Python function headers (decorators, signature, docstring), as the
-recipe's quality bar takes them (:mod:`turbospark_jax.recipe.code_eval`): files of the running
+**Prompts**: held-out Python function headers (decorators, signature, docstring), the ones the
+recipe's quality bar asks for (:mod:`turbospark_jax.recipe.code_eval`), without the openings of
+their enclosing scopes that the bar puts before them (the recorded figures were measured so):
+files of the running
 interpreter's standard library whose path hash is held out (``--heldout-fraction``, the
 recipe's 3% by default), functions evenly spaced over them.
 
