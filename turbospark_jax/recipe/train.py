@@ -456,9 +456,11 @@ def load_warm_start(folder: str | os.PathLike[str],
         load_folder` raises).
     """
     from turbospark_jax.loading import load_folder
+    from turbospark_jax.models.registry import family_of_config
 
-    layout = "stacked" if isinstance(config, DenseConfig) else "list"
-    loaded = load_folder(folder, dtype="float32", layer_layout=layout)
+    # build_model's models train in their family's native layout, which the template checks
+    loaded = load_folder(folder, dtype="float32",
+                         layer_layout=family_of_config(config).native_layout)
     theirs, ours = loaded.config.to_hf_dict(), config.to_hf_dict()
     differing = sorted(k for k in set(theirs) | set(ours)
                        if k not in _STORAGE_KEYS and theirs.get(k) != ours.get(k))
