@@ -143,3 +143,42 @@ def test_schedule_plan_depends_on_k_alone():
     assert Schedule().plan(896) == (896, 7, 1)  # 7 tiles: segments of one
     assert Schedule().plan(4864) == (4864, 38, 2)
     assert Schedule(k_tile=32).plan(40) == (64, 2, 2)  # padded to whole tiles
+
+
+# -- several weights in one launch, and weights stored transposed ------------------------------
+
+@functools.cache
+def _split_product(impl: str, kernel: str, layout: str, rows: tuple[int, int]) -> np.ndarray:
+    """The product with the weight cut into three column groups (one not a multiple of the
+    column tiles), stored as ``layout``, in one call."""
+    x, w = _operands("bfloat16")
+    parts = (w[:, :16], w[:, 16:40], w[:, 40:])
+    if layout == "nk":
+        parts = tuple(p.T for p in parts)
+    return np.asarray(rowinv_matmul(x[rows[0] : rows[1]], parts, w_layout=layout, impl=impl,
+                                    kernel=kernel, schedule=SCHEDULE, tiles=TILES["small"]))
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize(("impl", "kernel"), CASES)
+def test_weights_side_by_side_and_transposed(layout, impl, kernel):
+    """A tuple of weights (either layout) gives rows that do not depend on the row count,
+    equal to the product with the one concatenated weight."""
+    product = functools.partial(_split_product, impl, kernel, layout)
+    assert _failures(product, ms=(1, 5, 17), singles=(23,)) == []
+    whole = _product("bfloat16", impl, kernel, "small", (0, ROWS), "bfloat16")
+    np.testing.assert_array_equal(product((0, ROWS)).view(np.uint16), whole.view(np.uint16))
+
+
+def test_weight_tuple_and_layout_refusals():
+    x, w = _operands("float32")
+    with pytest.raises(BadInputError, match="w_layout"):
+        rowinv_matmul(x, w, w_layout="tn")
+    with pytest.raises(BadInputError, match="non-empty"):
+        rowinv_matmul(x, ())
+    with pytest.raises(BadInputError, match=r"w\[1\]"):
+        rowinv_matmul(x, (w, w[0]))
+    with pytest.raises(BadInputError, match="equal K"):
+        rowinv_matmul(x, w, w_layout="nk")
+    with pytest.raises(BadInputError, match="dtype"):
+        rowinv_matmul(x, (w, w.astype(jnp.bfloat16)))

@@ -59,13 +59,16 @@ def _projections(
     return q, k, v
 
 
-def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params) -> jax.Array:
+def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: str) -> jax.Array:
     """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
-    reads the three weights straight into its matrix kernel; it makes no copy of them.)"""
+    reads the three weights straight into its matrix kernel, and the row-invariant kernel
+    takes them as three operands of one launch: neither copies them.)"""
     d = h.shape[-1]
     names = ("q_proj", "k_proj", "v_proj")
-    w = jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
-    qkv = h @ w
+    if kernels == "rowinv":
+        qkv = row_kernels.matmul(kernels, h, tuple(lp[n].reshape(d, -1) for n in names))
+    else:
+        qkv = h @ jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
     if config.qkv_bias:
         qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")])
     return qkv
@@ -125,9 +128,10 @@ def _own_rows(
 
 def _fused_attention(model: DenseModel, per_layer: bool, capacity: int) -> bool | str:
     """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``: in
-    the Pallas interpreter, for tests on a CPU). Never under ``kernels="rowinv"``: the
-    kernel's tile of query rows follows the row count."""
-    if not per_layer or model.attention == "xla" or model.kernels == "rowinv":
+    the Pallas interpreter, for tests on a CPU). Under ``kernels="rowinv"`` only the compiled
+    kernel on a GPU, in its row-invariant form (in the interpreter its products are XLA
+    dots of the row tile's shape, which follows the row count)."""
+    if not per_layer or model.attention == "xla":
         return False
     if model.attention == "interpret":
         return "interpret" if capacity >= pallas_attention.KEY_TILE else False
@@ -181,19 +185,20 @@ def cached_attention(
     c = model.config
     fused = _fused_attention(model, per_layer, capacity)
     rope_store = _uses_rope_store(model, fused)
+    row_invariant = model.kernels == "rowinv"
 
     def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
         qr, k_layer, v_layer = pallas_rope_store.rope_store(
-            _merged_projection(c, h, lp), cos, sin, write_at, k_all[index], v_all[index],
+            _merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index], v_all[index],
             c.num_attention_heads, *norms, eps=c.rms_norm_eps,
             interpret=rope_store == "interpret",
         )
         kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
         attn = pallas_attention.cached_attention_arranged(
             qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
-            interpret=fused == "interpret",
+            interpret=fused == "interpret", row_invariant=row_invariant,
         )
         return attn, kv
 
@@ -211,7 +216,8 @@ def cached_attention(
         q, k, v = rotated(h, lp)
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
         attn = pallas_attention.cached_attention(
-            q, k_layer, v_layer, positions, window=window, interpret=fused == "interpret"
+            q, k_layer, v_layer, positions, window=window, interpret=fused == "interpret",
+            row_invariant=row_invariant,
         )
         return attn, kv
 

@@ -43,6 +43,10 @@ MAX_ROW_TILE = 64
 #: caches are split to keep that walk short and the GPU's multiprocessors busy.
 KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+#: Columns of the ones matrix whose product with the probabilities gives their row sums
+#: (``row_invariant=True``): every column holds the same sum; the smallest tile a GPU
+#: matrix product takes.
+SUM_COLUMNS = 16
 
 
 def supported(head_dim: int, capacity: int) -> bool:
@@ -63,7 +67,8 @@ def _plan(rows: int, capacity: int) -> tuple[int, int, int, int]:
 
 
 def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
-            capacity: int, split_len: int, window: int | None, normalise: bool) -> None:
+            capacity: int, split_len: int, window: int | None, normalise: bool,
+            mma_sums: bool) -> None:
     split = pl.program_id(2)
     q = q_ref[...]  # [tile, hd]
     pos = pos_ref[...]  # [tile]
@@ -89,9 +94,14 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         correction = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
-        l = l * correction + jnp.sum(p, axis=1)
-        acc = acc * correction[:, None] + jnp.dot(p.astype(v.dtype), v,
-                                                  preferred_element_type=jnp.float32)
+        p_low = p.astype(v.dtype)
+        if mma_sums:  # the row sum as a matrix product: its order is the tensor cores'
+            ones = jnp.ones((KEY_TILE, SUM_COLUMNS), v.dtype)
+            row_sum = jnp.max(jnp.dot(p_low, ones, preferred_element_type=jnp.float32), axis=1)
+        else:
+            row_sum = jnp.sum(p, axis=1)
+        l = l * correction + row_sum
+        acc = acc * correction[:, None] + jnp.dot(p_low, v, preferred_element_type=jnp.float32)
         return acc, m_new, l
 
     acc0 = jnp.zeros((tile, head_dim), jnp.float32)
@@ -104,6 +114,22 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
         acc_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
+
+
+def _combine_in_sequence(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """The splits' partial results ``acc [S, ...hd]``, maxima and sums ``m, l [S, ...]``
+    combined one split after another (elementwise operations only, in a fixed sequence, so
+    no reduction's order can follow the shape)."""
+    top = m[0]
+    for s in range(1, m.shape[0]):
+        top = jnp.maximum(top, m[s])
+    weight = jnp.exp(m[0] - top)
+    total, out = l[0] * weight, acc[0] * weight[..., None]
+    for s in range(1, m.shape[0]):
+        weight = jnp.exp(m[s] - top)
+        total = total + l[s] * weight
+        out = out + acc[s] * weight[..., None]
+    return out / total[..., None]
 
 
 def query_rows(width: int, heads: int, kv_heads: int, capacity: int) -> int:
@@ -124,7 +150,7 @@ def arrange_queries(q: jax.Array, kv_heads: int, capacity: int) -> jax.Array:
     return jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "row_invariant"))
 def cached_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -132,6 +158,7 @@ def cached_attention(
     q_positions: jax.Array,
     window: int | None = None,
     interpret: bool = False,
+    row_invariant: bool = False,
 ) -> jax.Array:
     """Causal grouped-query attention of ``W`` rows over a cache, as one fused kernel.
 
@@ -146,6 +173,11 @@ def cached_attention(
       q_positions: int32 ``[W]``.
       window: static sliding window, or ``None``.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
+      row_invariant: make every reduction's order independent of the row count, so a row's
+        bits do not depend on ``W`` (``kernels="rowinv"``): the probabilities' row sums are
+        taken by the tensor cores (a product with a ones matrix) instead of a reduction
+        whose thread layout follows the row tile, and the key splits are combined one after
+        another in a fixed sequence.
 
     Returns:
       ``[W, H, hd]`` in ``v_cache.dtype``.
@@ -153,10 +185,11 @@ def cached_attention(
     heads = q.shape[1]
     qr = arrange_queries(q, k_cache.shape[1], k_cache.shape[0])
     return cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
-                                     window=window, interpret=interpret)
+                                     window=window, interpret=interpret,
+                                     row_invariant=row_invariant)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "window", "interpret"))
+@functools.partial(jax.jit, static_argnames=("heads", "window", "interpret", "row_invariant"))
 def cached_attention_arranged(
     qr: jax.Array,
     k_cache: jax.Array,
@@ -165,6 +198,7 @@ def cached_attention_arranged(
     heads: int,
     window: int | None = None,
     interpret: bool = False,
+    row_invariant: bool = False,
 ) -> jax.Array:
     """:func:`cached_attention` with the queries already in the kernel's layout (as
     :func:`arrange_queries` puts them, or a kernel writes them), saving that transpose.
@@ -193,7 +227,7 @@ def cached_attention_arranged(
     acc_dtype = v_cache.dtype if normalise else jnp.float32
     kernel = functools.partial(
         _kernel, scale=1.0 / math.sqrt(head_dim), capacity=capacity, split_len=split_len,
-        window=window, normalise=normalise,
+        window=window, normalise=normalise, mma_sums=row_invariant,
     )
     kwargs = {}
     if not interpret:
@@ -226,6 +260,8 @@ def cached_attention_arranged(
     )(bound, qr, pos, k_cache, v_cache)
     if normalise:
         out = acc[0]
+    elif row_invariant:
+        out = _combine_in_sequence(acc, m, l).astype(v_cache.dtype)
     else:
         # Splits combine in a fixed order; a split that saw no visible key has maximum
         # MASK_VALUE and weight exactly zero.

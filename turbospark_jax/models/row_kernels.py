@@ -6,10 +6,15 @@
 * ``"rowinv"``: every piece gives a row the same bits whatever the number of rows beside it,
   so programs of different widths (decode at one row, verify at ``k + 1``, prefill in wide
   chunks) agree row for row. Matrix products run through
-  :func:`~turbospark_jax.models.rowinv.rowinv_matmul`; the norm and attention run in
-  fixed-shape tiles of :data:`~turbospark_jax.models.rowinv.ROW_TILE` rows
-  (:func:`~turbospark_jax.models.rowinv.row_tiled`), since XLA's own reductions and
-  attention products change with the row count on the CPU.
+  :func:`~turbospark_jax.models.rowinv.rowinv_matmul` (Pallas kernels with a fixed order
+  over K on a GPU). On a GPU the norm is a Pallas kernel of one program per row
+  (:mod:`~turbospark_jax.models.pallas_row_norm`) and RoPE's elementwise arithmetic runs as
+  XLA writes it (no reduction, so nothing whose order could follow the shape); attention is
+  the fused kernel in its row-invariant form where the dense model's cache is per layer
+  (:mod:`~turbospark_jax.models.dense_attention`). On the CPU, where XLA's own reductions
+  and products change with the row count, the norm, RoPE and attention run in fixed-shape
+  tiles of :data:`~turbospark_jax.models.rowinv.ROW_TILE` rows
+  (:func:`~turbospark_jax.models.rowinv.row_tiled`).
 """
 
 from __future__ import annotations
@@ -34,10 +39,22 @@ def check_kernels(kernels: Any) -> None:
         raise BadInputError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
 
 
-def matmul(kernels: str, x: jax.Array, w: jax.Array, out_dtype: Any = None) -> jax.Array:
-    """``x [W, K] @ w [K, N]`` in ``out_dtype`` (``x.dtype`` when None), float32 accumulation."""
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
+           out_dtype: Any = None, w_layout: str = "kn") -> jax.Array:
+    """``x [W, K] @ w [K, N]`` in ``out_dtype`` (``x.dtype`` when None), float32 accumulation.
+
+    ``w`` may be a tuple of weights whose products come out side by side (one launch under
+    ``"rowinv"``), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied head)."""
     if kernels == "rowinv":
-        return rowinv_matmul(x, w, out_dtype=out_dtype)
+        return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype)
+    ws = w if isinstance(w, tuple) else (w,)
+    if w_layout == "nk":
+        ws = tuple(a.T for a in ws)
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
     if out_dtype is None:
         return x @ w
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
@@ -48,6 +65,10 @@ def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -
     under ``"rowinv"`` every leading index is a row of the fixed-shape tiles."""
     if kernels == "xla":
         return layers.rms_norm(x, weight, eps)
+    if _on_gpu():
+        from turbospark_jax.models.pallas_row_norm import row_rms_norm
+
+        return row_rms_norm(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
     if weight is None:
         return row_tiled(lambda t: layers.rms_norm(t, None, eps), rows).reshape(x.shape)
@@ -60,7 +81,7 @@ def rope_cos_sin(kernels: str, positions: jax.Array, inv_freq: Any, scale: float
     """:func:`~turbospark_jax.models.layers.rope_cos_sin` of ``positions [W]``; under
     ``"rowinv"`` in fixed-shape tiles (XLA's vectorised sine and cosine need not round a
     row alike at every row count)."""
-    if kernels == "xla":
+    if kernels == "xla" or _on_gpu():
         return layers.rope_cos_sin(positions, inv_freq, scale, dtype)
     return row_tiled(lambda p: layers.rope_cos_sin(p, inv_freq, scale, dtype), positions)
 
@@ -68,7 +89,7 @@ def rope_cos_sin(kernels: str, positions: jax.Array, inv_freq: Any, scale: float
 def apply_rope(kernels: str, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """:func:`~turbospark_jax.models.layers.apply_rope` of ``x [W, N, hd]``; under
     ``"rowinv"`` in fixed-shape tiles."""
-    if kernels == "xla":
+    if kernels == "xla" or _on_gpu():
         return layers.apply_rope(x, cos, sin)
     return row_tiled(layers.apply_rope, x, cos, sin)
 

@@ -155,42 +155,71 @@ def _gpu_dot(a: jax.Array, b: jax.Array) -> jax.Array:
 
 
 def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-               acc: jax.Array) -> jax.Array:
+               acc: jax.Array, nk: bool) -> jax.Array:
     """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
-    row's arithmetic is the same in either."""
+    row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``."""
     at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
-    return acc + tile_dot(x_ref[:, at], w_ref[at, :])
+    if nk:
+        return acc + tile_dot(x_ref[:, at], w_ref[:, at], True)
+    return acc + tile_dot(x_ref[:, at], w_ref[at, :], False)
 
 
-def _matmul_kernel(x_ref: Any, w_ref: Any, o_ref: Any, *, tiles: int, per: int, k_tile: int,
-                   tile_dot: Any, flat: bool) -> None:
+def _for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, ...],
+                     compute: Any) -> None:
+    """Run ``compute(w_ref)`` for the weight whose column blocks hold block ``column`` (the
+    weights' blocks follow one another: weight ``i`` owns blocks ``offsets[i]`` up to
+    ``offsets[i + 1]``)."""
+    if len(w_refs) == 1:
+        compute(w_refs[0])
+        return
+    for i, w_ref in enumerate(w_refs):
+        @pl.when((column >= offsets[i]) & (column < offsets[i + 1]))
+        def _(w_ref: Any = w_ref) -> None:
+            compute(w_ref)
+
+
+def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, tile_dot: Any,
+                   flat: bool, nk: bool, offsets: tuple[int, ...]) -> None:
+    *w_refs, o_ref = refs
     zeros = jnp.zeros(o_ref.shape, jnp.float32)
-    total = jnp.full(o_ref.shape, -0.0, jnp.float32)
-    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot)
-    if flat:  # one loop over every tile (Triton pipelines its loads), folding at segment ends
-        def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            total, acc = carry
-            acc = step(i, acc=acc)
-            end = (i + 1) % per == 0
-            return jnp.where(end, total + acc, total), jnp.where(end, zeros, acc)
 
-        total, _ = jax.lax.fori_loop(0, tiles, body, (total, zeros))
-    else:  # a loop over segments around a loop over their tiles
-        def segment(s: Any, total: jax.Array) -> jax.Array:
-            tile = lambda i, acc: step(s * per + i, acc=acc)  # noqa: E731
-            return total + jax.lax.fori_loop(0, per, tile, zeros)
+    def compute(w_ref: Any) -> None:
+        total = jnp.full(o_ref.shape, -0.0, jnp.float32)
+        step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
+                                 nk=nk)
+        if flat:  # one loop over every tile (Triton pipelines its loads), folding at ends
+            def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+                total, acc = carry
+                acc = step(i, acc=acc)
+                end = (i + 1) % per == 0
+                return jnp.where(end, total + acc, total), jnp.where(end, zeros, acc)
 
-        total = jax.lax.fori_loop(0, tiles // per, segment, total)
-    o_ref[...] = total.astype(o_ref.dtype)
+            total, _ = jax.lax.fori_loop(0, tiles, body, (total, zeros))
+        else:  # a loop over segments around a loop over their tiles
+            def segment(s: Any, total: jax.Array) -> jax.Array:
+                tile = lambda i, acc: step(s * per + i, acc=acc)  # noqa: E731
+                return total + jax.lax.fori_loop(0, per, tile, zeros)
+
+            total = jax.lax.fori_loop(0, tiles // per, segment, total)
+        o_ref[...] = total.astype(o_ref.dtype)
+
+    _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
 
-def _matvec_kernel(x_ref: Any, w_ref: Any, o_ref: Any, *, per: int, k_tile: int,
-                   tile_dot: Any) -> None:
-    # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn].
-    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot)
-    acc = jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
-                            jnp.zeros(o_ref.shape, jnp.float32))
-    o_ref[...] = acc.astype(o_ref.dtype)
+def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
+                   offsets: tuple[int, ...]) -> None:
+    # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn]
+    # ([bn, per * k_tile] when nk).
+    *w_refs, o_ref = refs
+
+    def compute(w_ref: Any) -> None:
+        step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
+                                 nk=nk)
+        acc = jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
+                                jnp.zeros(o_ref.shape, jnp.float32))
+        o_ref[...] = acc.astype(o_ref.dtype)
+
+    _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
 
 def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
@@ -201,58 +230,122 @@ def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]
     return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
-def _matmul(x: jax.Array, w: jax.Array, out_dtype: Any, schedule: Schedule, tiles: Tiles,
-            interpret: bool) -> jax.Array:
+def _interpret_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
+    return _fixed_dot(a, b.T if nk else b)
+
+
+def _hardware_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
+    if nk:
+        precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+        return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32, precision=precision)
+    return _gpu_dot(a, b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Columns:
+    """How the weights' columns sit in the kernels' grid: each weight padded to whole column
+    blocks of ``bn``, their blocks one after another."""
+
+    widths: tuple[int, ...]  # each weight's N
+    bn: int
+
+    @property
+    def blocks(self) -> tuple[int, ...]:
+        return tuple(-(-n // self.bn) for n in self.widths)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        out = [0]
+        for b in self.blocks:
+            out.append(out[-1] + b)
+        return tuple(out)
+
+    def spec_column(self, i: int, column: Any) -> Any:
+        """Weight ``i``'s block for grid column ``column`` (clamped: a program of another
+        weight never reads it, but its index must stay in range)."""
+        if len(self.widths) == 1:
+            return column
+        return jnp.clip(column - self.offsets[i], 0, self.blocks[i] - 1)
+
+    def gather(self, out: jax.Array, m: int) -> jax.Array:
+        """The result's live rows and columns (each weight's padding dropped)."""
+        out = out[:m]
+        if all(n % self.bn == 0 for n in self.widths):
+            return out[:, : sum(self.widths)]
+        return jnp.concatenate([out[:, o * self.bn : o * self.bn + n]
+                                for o, n in zip(self.offsets, self.widths)], axis=1)
+
+
+def _weights_padded(ws: tuple[jax.Array, ...], kp: int, bn: int, nk: bool) -> list[jax.Array]:
+    if nk:
+        return [_pad(w, _ceil_to(w.shape[0], bn), kp) for w in ws]
+    return [_pad(w, kp, _ceil_to(w.shape[1], bn)) for w in ws]
+
+
+def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
+            schedule: Schedule, tiles: Tiles, interpret: bool) -> jax.Array:
     m, k = x.shape
-    n = w.shape[1]
     kp, count, per = schedule.plan(k)
-    mp, np_ = _ceil_to(m, tiles.bm), _ceil_to(n, tiles.bn)
+    cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), tiles.bn)
+    mp = _ceil_to(m, tiles.bm)
     kernel = functools.partial(_matmul_kernel, tiles=count, per=per, k_tile=schedule.k_tile,
-                               tile_dot=_fixed_dot if interpret else _gpu_dot,
-                               flat=tiles.flat_loop)
+                               tile_dot=_interpret_dot if interpret else _hardware_dot,
+                               flat=tiles.flat_loop, nk=nk, offsets=cols.offsets)
+    if nk:
+        w_specs = [pl.BlockSpec((tiles.bn, kp), lambda i, j, w=w: (cols.spec_column(w, j), 0))
+                   for w in range(len(ws))]
+    else:
+        w_specs = [pl.BlockSpec((kp, tiles.bn), lambda i, j, w=w: (0, cols.spec_column(w, j)))
+                   for w in range(len(ws))]
     out = pl.pallas_call(
         kernel,
-        grid=(mp // tiles.bm, np_ // tiles.bn),
-        in_specs=[pl.BlockSpec((tiles.bm, kp), lambda i, j: (i, 0)),
-                  pl.BlockSpec((kp, tiles.bn), lambda i, j: (0, j))],
+        grid=(mp // tiles.bm, cols.offsets[-1]),
+        in_specs=[pl.BlockSpec((tiles.bm, kp), lambda i, j: (i, 0)), *w_specs],
         out_specs=pl.BlockSpec((tiles.bm, tiles.bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), out_dtype),
+        out_shape=jax.ShapeDtypeStruct((mp, cols.offsets[-1] * tiles.bn), out_dtype),
         interpret=interpret,
         name="rowinv_matmul",
         **_compiler_params(interpret, tiles.warps, tiles.stages),
-    )(_pad(x, mp, kp), _pad(w, kp, np_))
-    return out[:m, :n]
+    )(_pad(x, mp, kp), *_weights_padded(ws, kp, tiles.bn, nk))
+    return cols.gather(out, m)
 
 
-def _matvec(x: jax.Array, w: jax.Array, out_dtype: Any, schedule: Schedule, tiles: Tiles,
-            interpret: bool) -> jax.Array:
+def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
+            schedule: Schedule, tiles: Tiles, interpret: bool) -> jax.Array:
     m, k = x.shape
-    n = w.shape[1]
     kp, count, per = schedule.plan(k)
     segments, seg_len = count // per, per * schedule.k_tile
     bn = tiles.matvec_bn
-    mp, np_ = _ceil_to(m, ROW_TILE), _ceil_to(n, bn)
+    cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
+    mp = _ceil_to(m, ROW_TILE)
     one = segments == 1  # the only partial is the result: written in the output dtype
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
-                               tile_dot=_fixed_dot if interpret else _gpu_dot)
+                               tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk,
+                               offsets=cols.offsets)
+    if nk:
+        w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
+                   for w in range(len(ws))]
+    else:
+        w_specs = [pl.BlockSpec((seg_len, bn), lambda i, j, s, w=w: (s, cols.spec_column(w, j)))
+                   for w in range(len(ws))]
+    width = cols.offsets[-1] * bn
     partials = pl.pallas_call(
         kernel,
-        grid=(mp // ROW_TILE, np_ // bn, segments),
-        in_specs=[pl.BlockSpec((ROW_TILE, seg_len), lambda i, j, s: (i, s)),
-                  pl.BlockSpec((seg_len, bn), lambda i, j, s: (s, j))],
+        grid=(mp // ROW_TILE, cols.offsets[-1], segments),
+        in_specs=[pl.BlockSpec((ROW_TILE, seg_len), lambda i, j, s: (i, s)), *w_specs],
         out_specs=pl.BlockSpec((None, ROW_TILE, bn), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((segments, mp, np_), out_dtype if one else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((segments, mp, width), out_dtype if one else jnp.float32),
         interpret=interpret,
         name="rowinv_matvec",
         **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
-    )(_pad(x, mp, kp), _pad(w, kp, np_))
-    partials = partials[:, :m, :n]
+    )(_pad(x, mp, kp), *_weights_padded(ws, kp, bn, nk))
     if one:
-        return partials[0]
+        return cols.gather(partials[0], m)
     total = partials[0]  # == -0.0 + partials[0], as the matmul kernel starts
     for s in range(1, segments):  # in order, as the matmul kernel adds them
         total = total + partials[s]
-    return total.astype(out_dtype)
+    return cols.gather(total.astype(out_dtype), m)
 
 
 def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> Any:
@@ -291,23 +384,27 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> 
     return jax.tree.map(lambda o: o.reshape(mp, *o.shape[2:])[:m], out)
 
 
-def _xla_tiled(x: jax.Array, w: jax.Array, out_dtype: Any) -> jax.Array:
+def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any) -> jax.Array:
     """The product as one fixed-shape dot per ``ROW_TILE`` rows (a loop, one dot compiled)."""
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0 if nk else 1)
+    dims = (((1,), (1 if nk else 0,)), ((), ()))
     return row_tiled(
-        lambda rows, w: jnp.dot(rows, w, preferred_element_type=jnp.float32).astype(out_dtype),
+        lambda rows, w: jax.lax.dot_general(
+            rows, w, dims, preferred_element_type=jnp.float32).astype(out_dtype),
         x, shared=(w,),
     )
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "impl", "kernel", "schedule", "tiles"))
-def _rowinv_matmul(x: jax.Array, w: jax.Array, out_dtype: Any, impl: str, kernel: str,
-                   schedule: Schedule, tiles: Tiles) -> jax.Array:
+@functools.partial(jax.jit, static_argnames=("nk", "out_dtype", "impl", "kernel", "schedule",
+                                             "tiles"))
+def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any, impl: str,
+                   kernel: str, schedule: Schedule, tiles: Tiles) -> jax.Array:
     if impl == "xla":
-        return _xla_tiled(x, w, out_dtype)
+        return _xla_tiled(x, ws, nk, out_dtype)
     interpret = impl == "interpret"
     if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
-        return _matvec(x, w, out_dtype, schedule, tiles, interpret)
-    return _matmul(x, w, out_dtype, schedule, tiles, interpret)
+        return _matvec(x, ws, nk, out_dtype, schedule, tiles, interpret)
+    return _matmul(x, ws, nk, out_dtype, schedule, tiles, interpret)
 
 
 def resolve_impl(impl: str) -> str:
@@ -331,8 +428,9 @@ def resolve_impl(impl: str) -> str:
 
 def rowinv_matmul(
     x: jax.Array,
-    w: jax.Array,
+    w: jax.Array | tuple[jax.Array, ...],
     *,
+    w_layout: str = "kn",
     out_dtype: Any = None,
     impl: str = "auto",
     kernel: str = "auto",
@@ -347,7 +445,12 @@ def rowinv_matmul(
 
     Args:
       x: ``[M, K]``, bfloat16, float16 or float32.
-      w: ``[K, N]``, the same dtype as ``x``.
+      w: ``[K, N]`` (``[N, K]`` with ``w_layout="nk"``), the same dtype as ``x``; or a tuple
+        of such matrices, whose products come out side by side (``[M, N1 + N2 + ...]``) from
+        one launch, without the weights ever being concatenated in memory (a merged q/k/v or
+        gate/up projection).
+      w_layout: ``"kn"`` or ``"nk"``: the weights stored transposed, as a tied output head's
+        embedding table is (read in place, never transposed in memory).
       out_dtype: the result's dtype (one of the three); ``x.dtype`` when None.
       impl: one of :data:`IMPLS`.
       kernel: one of :data:`KERNELS` (Pallas impls only; ``"auto"``: matvec for at most
@@ -356,26 +459,35 @@ def rowinv_matmul(
       tiles: the kernels' tile sizes and Triton settings (speed only).
 
     Returns:
-      ``[M, N]`` in ``out_dtype``.
+      ``[M, N]`` (or ``[M, N1 + N2 + ...]``) in ``out_dtype``.
 
     Raises:
       BadInputError: operands that are not 2-D, empty, of different or unsupported dtypes,
-        or whose inner dimensions differ; an unknown ``impl``, ``kernel`` or ``out_dtype``;
-        ``impl="pallas"`` off a GPU.
+        or whose inner dimensions differ; an unknown ``w_layout``, ``impl``, ``kernel`` or
+        ``out_dtype``; ``impl="pallas"`` off a GPU.
     """
-    for name, a in (("x", x), ("w", w)):
+    if w_layout not in ("kn", "nk"):
+        raise BadInputError(f"w_layout must be 'kn' or 'nk'; got {w_layout!r}")
+    nk = w_layout == "nk"
+    ws = tuple(w) if isinstance(w, tuple | list) else (w,)
+    if not ws:
+        raise BadInputError("w must be a matrix or a non-empty tuple of matrices")
+    for name, a in (("x", x), *((f"w[{i}]" if len(ws) > 1 else "w", b) for i, b in enumerate(ws))):
         if getattr(a, "ndim", None) != 2 or 0 in a.shape:
             raise BadInputError(f"{name} must be a non-empty 2-D array, got shape "
                                 f"{getattr(a, 'shape', type(a).__name__)}")
-    if x.shape[1] != w.shape[0]:
-        raise BadInputError(f"x [M, K] @ w [K, N] needs equal K; got x {tuple(x.shape)} and "
-                            f"w {tuple(w.shape)}")
-    if jnp.dtype(x.dtype) not in _DTYPES or x.dtype != w.dtype:
-        raise BadInputError(f"x and w must share one dtype of bfloat16, float16, float32; got "
-                            f"{x.dtype} and {w.dtype}")
+    for b in ws:
+        inner = b.shape[1] if nk else b.shape[0]
+        if x.shape[1] != inner:
+            form = "[N, K]" if nk else "[K, N]"
+            raise BadInputError(f"x [M, K] @ w needs equal K (w is {form}); got x "
+                                f"{tuple(x.shape)} and w {tuple(b.shape)}")
+        if jnp.dtype(x.dtype) not in _DTYPES or x.dtype != b.dtype:
+            raise BadInputError(f"x and w must share one dtype of bfloat16, float16, float32; "
+                                f"got {x.dtype} and {b.dtype}")
     out = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out not in _DTYPES:
         raise BadInputError(f"out_dtype must be bfloat16, float16 or float32; got {out}")
     if kernel not in KERNELS:
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
-    return _rowinv_matmul(x, w, out, resolve_impl(impl), kernel, schedule, tiles)
+    return _rowinv_matmul(x, ws, nk, out, resolve_impl(impl), kernel, schedule, tiles)
