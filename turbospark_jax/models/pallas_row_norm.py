@@ -1,0 +1,180 @@
+"""Row-invariant RMSNorm, optionally after a residual add: a Pallas (Triton) kernel.
+
+:func:`row_rms_norm` computes :func:`~turbospark_jax.models.layers.rms_norm` (its default
+rounding: normalise in float32, round to the activation dtype, scale in that dtype) over the
+last axis, and with ``residual`` first forms ``h = residual + x`` and returns ``h`` as well,
+the step that opens every pre-norm block (``h = x + attention(norm(x))``; the next norm reads
+``h``).
+
+The kernel runs one program per row (grid ``(M,)``), and each program loads its whole row as a
+single block of ``Dp`` columns (``D`` rounded up to a power of two, the padding zeros, which add
+nothing to the sum of squares; the mean divides by the true ``D``). The program, its block, its
+reduction tree and its Triton settings are functions of ``D`` alone, so every row runs the same
+instructions whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the
+weight and ``eps`` only, as DESIGN.md section 7 asks of the norms. In the Pallas interpreter
+``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
+GPU by the benchmarks.
+
+``impl="xla"`` (the default off a GPU) is the plain XLA expression, ``residual + x`` and
+``layers.rms_norm``. On a CPU its rows are *not* claimed to be independent of ``M``: XLA's
+reductions may sum a row differently at other row counts. Callers that need invariance on
+the CPU run the norm in fixed-shape tiles with
+:func:`~turbospark_jax.models.rowinv.row_tiled`.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.models import layers
+from turbospark_jax.models.rowinv import resolve_impl
+
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+#: Rows of at most this many (padded) columns run with 4 warps, wider ones with 8.
+NARROW_ROW = 1024
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool) -> None:
+    # Refs in order: x, [weight], [residual], then outputs [h], normed; all blocks are [Dp].
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    w_ref = refs.pop(0) if has_weight else None
+    r_ref = refs.pop(0) if has_residual else None
+    h_out = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
+    dtype = x_ref.dtype
+    x = x_ref[...]
+    if has_residual:
+        # float32 has more than twice the bits of bfloat16 or float16, so rounding the
+        # float32 sum once more gives the correctly rounded sum: XLA's ``residual + x``.
+        x = (r_ref[...].astype(jnp.float32) + x.astype(jnp.float32)).astype(dtype)
+        h_out[...] = x
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.sum(x32 * x32) / d + eps)
+    normed = (x32 * inv).astype(dtype)
+    if has_weight:  # two bfloat16 or float16 values multiply exactly in float32: one rounding
+        normed = (w_ref[...].astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+    o_ref[...] = normed
+
+
+def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
+            interpret: bool) -> Any:
+    m, d = x.shape
+    dp = _next_power_of_two(d)
+    if dp != d:
+        pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, dp - d)])  # noqa: E731
+        x, weight, residual = (None if a is None else pad(a) for a in (x, weight, residual))
+    row = pl.BlockSpec((None, dp), lambda i: (i, 0))
+    operands, specs = [x], [row]
+    if weight is not None:
+        operands.append(weight)
+        specs.append(pl.BlockSpec((dp,), lambda i: (0,)))
+    if residual is not None:
+        operands.append(residual)
+        specs.append(row)
+    outs = 2 if residual is not None else 1
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        warps = 4 if dp <= NARROW_ROW else 8  # from D alone, never from M
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
+    kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
+                               has_residual=residual is not None)
+    out = pl.pallas_call(
+        kernel,
+        grid=(m,),
+        in_specs=specs,
+        out_specs=[row] * outs,
+        out_shape=[jax.ShapeDtypeStruct((m, dp), x.dtype)] * outs,
+        interpret=interpret,
+        name="row_rms_norm",
+        **kwargs,
+    )(*operands)
+    out = [o[:, :d] for o in out]
+    return tuple(out) if residual is not None else out[0]
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "impl"))
+def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None,
+                  eps: float, impl: str) -> Any:
+    if impl == "xla":
+        h = x if residual is None else residual + x
+        normed = layers.rms_norm(h, weight, eps)
+        return normed if residual is None else (h, normed)
+    shape = x.shape
+    rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
+    out = _pallas(rows(x), weight, rows(residual), eps, interpret=impl == "interpret")
+    if residual is None:
+        return out.reshape(shape)
+    return tuple(o.reshape(shape) for o in out)
+
+
+def _shape(a: Any) -> Any:
+    return tuple(a.shape) if hasattr(a, "shape") else type(a).__name__
+
+
+def row_rms_norm(
+    x: jax.Array,
+    weight: jax.Array | None,
+    eps: float,
+    *,
+    residual: jax.Array | None = None,
+    impl: str = "auto",
+) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """RMSNorm over the last axis of ``x``, each row's bits independent of the other rows.
+
+    Under a Pallas impl row ``r`` of every result is a function of ``x[r]`` (and
+    ``residual[r]``), ``weight`` and ``eps`` only: the same bits for any number of rows and
+    any position of the row (see the module docstring).
+
+    Args:
+      x: ``[..., D]`` activations, bfloat16, float16 or float32; every leading index is a row
+        (``[W, D]`` hidden states, ``[W, H, hd]`` heads for a per-head q/k norm).
+      weight: ``[D]`` scale in ``x``'s dtype, or None for a scale-free norm.
+      eps: added to the mean square before the reciprocal square root (static: a new value
+        compiles anew).
+      residual: ``[..., D]`` like ``x``, or None. When given, the norm reads
+        ``h = residual + x`` (rounded once to ``x``'s dtype).
+      impl: one of ``"auto"`` (the kernel on a GPU, the XLA expression elsewhere),
+        ``"pallas"``, ``"interpret"`` (the kernel in the Pallas interpreter) or ``"xla"``.
+
+    Returns:
+      Without ``residual``, the normed ``[..., D]`` in ``x``'s dtype; with it, ``(h, normed)``.
+
+    Raises:
+      BadInputError: ``x`` not an array of at least one axis or with no elements; an
+        unsupported dtype; ``weight`` not ``[D]`` in ``x``'s dtype; ``residual`` not of ``x``'s
+        shape and dtype; ``eps`` not a real number; an unknown ``impl``, or ``"pallas"`` off a
+        GPU.
+    """
+    if getattr(x, "ndim", 0) < 1 or x.size == 0:
+        raise BadInputError(f"x must be a non-empty array [..., D] of at least one axis; got "
+                            f"shape {_shape(x)}")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise BadInputError(f"x must be bfloat16, float16 or float32; got {x.dtype}")
+    d = x.shape[-1]
+    if weight is not None and (getattr(weight, "shape", None) != (d,)
+                               or weight.dtype != x.dtype):
+        raise BadInputError(
+            f"weight must be [D] = [{d}] in x's dtype {x.dtype} (or None for a scale-free "
+            f"norm); got shape {_shape(weight)}, dtype {getattr(weight, 'dtype', None)}")
+    if residual is not None and (getattr(residual, "shape", None) != x.shape
+                                 or residual.dtype != x.dtype):
+        raise BadInputError(
+            f"residual must match x: shape {tuple(x.shape)}, dtype {x.dtype}; got shape "
+            f"{_shape(residual)}, dtype {getattr(residual, 'dtype', None)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise BadInputError(f"eps must be a Python number (it is static); got {eps!r}")
+    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl))
