@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_producer import BlockProducer, check_prefill_width
 from turbospark_jax.checks import as_int, as_token_ids
 from turbospark_jax.completion import Completion, CompletionRequest
 from turbospark_jax.drafter_choice import (
@@ -72,6 +72,9 @@ class Model:
       loaded: the target as loaded (config, params, generation config, path).
       drafter: the drafter paired with it, its draft length (:func:`stream`'s default) and
         why it was picked (``None``: no drafter).
+      prefill_width: the most rows one block of the target's exact prefill holds; a
+        request's default prefill chunk is at least this long, so a chunk fills its blocks
+        (``None``: the request's own default).
     """
 
     producer: LogitProducer
@@ -79,6 +82,7 @@ class Model:
     stop_token_ids: tuple[int, ...]
     loaded: LoadedModel
     drafter: DrafterChoice | None = None
+    prefill_width: int | None = None
 
     @property
     def vision(self) -> VisionEncoder | None:
@@ -97,6 +101,19 @@ def default_width(drafting: bool, draft_len: int = 4, kernels: str = "xla") -> i
     return draft_len + 1 if drafting else 1
 
 
+def default_prefill_width(width: int, kernels: str = "xla") -> int:
+    """The most rows one block of the exact prefill holds. With XLA's kernels, ``width``: a
+    program of another width would round differently. With ``kernels="rowinv"`` a row gets
+    the same bits in a block of any width, so wide blocks, which read the weights once for
+    all their rows (and on a CPU fill the row-invariant kernels' fixed 16-row tiles, which a
+    narrow block pays for in full): 2048 rows on an accelerator, where a matrix product of
+    that many rows costs little more than its weight reads, and 256 on a CPU, where every
+    row costs its own compute; never below ``width``."""
+    if kernels != "rowinv":
+        return width
+    return max(width, 256 if jax.default_backend() == "cpu" else 2048)
+
+
 def load(
     path: str | os.PathLike[str] | None = None,
     *,
@@ -109,6 +126,7 @@ def load(
     width: int | None = None,
     draft_len: int | None = None,
     kernels: str = "xla",
+    prefill_width: int | None = None,
 ) -> Model:
     """Load a Hugging Face folder (default: the embedded model) as a ready producer.
 
@@ -136,13 +154,20 @@ def load(
         verify and decode because they all run the one program of ``width`` rows) or
         ``"rowinv"`` (row-invariant, dense models only: a row's bits do not depend on the
         width, so any ``width`` gives the same tokens and logits as any other).
+      prefill_width: the most rows one block of the target's exact prefill holds
+        (:class:`~turbospark_jax.block_producer.BlockProducer`); default
+        :func:`default_prefill_width`: ``width`` with XLA's kernels, wide blocks (the same
+        bits, faster) with ``kernels="rowinv"``. :func:`stream` then prefills in chunks of at
+        least this many tokens. Another value than ``width`` needs ``kernels="rowinv"``; a
+        draft model, whose kernels are XLA's, prefills at ``width``.
 
     Raises:
       ModelLoadError: the folder (or a drafter's folder) cannot be loaded (named, with the
         reason).
       BadInputError: options that ask for two different drafters, a drafter the model does
         not have (why), or a value of the wrong kind (checked before any weights are read); a
-        block drafter made for another target; ``kernels`` neither mode.
+        block drafter made for another target; ``kernels`` neither mode; a
+        ``prefill_width`` below ``width``, or other than ``width`` with ``kernels="xla"``.
       UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without row-invariant
         kernels (before any weights are read).
       ContextOverflowError: a state of ``context`` positions does not fit the device.
@@ -174,6 +199,8 @@ def load(
         as_int("width", width, low=1)
     if draft_len is not None:
         as_int("draft_len", draft_len, low=1, high=MAX_DRAFT)
+    if prefill_width is not None:
+        as_int("prefill_width", prefill_width, low=1)
     check_kernels(kernels)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
@@ -189,13 +216,18 @@ def load(
                                 draft_len=draft_len, ngram=ngram or None)
     width = width if width is not None else default_width(
         choice is not None, choice.draft_len if choice is not None else 4, kernels)
+    if prefill_width is None:
+        prefill_width = default_prefill_width(width, kernels)
+    check_prefill_width(prefill_width, width, kernels == "rowinv")
     loaded = load_folder(target_path, dtype=dtype, layer_layout="list", kernels=kernels)
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )
 
     def producer_for(m: LoadedModel) -> BlockProducer:
-        return BlockProducer(m.model, m.params, capacity=capacity, width=width, donate=True)
+        wide = prefill_width if m.model.widths_agree else width  # a draft model: XLA's
+        return BlockProducer(m.model, m.params, capacity=capacity, width=width, donate=True,
+                             prefill_width=wide)
 
     producer: LogitProducer = (producer_for(loaded) if choice is None else
                                pair_with_drafter(loaded, choice, producer_for, dtype))
@@ -203,7 +235,8 @@ def load(
     if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
     return Model(producer=producer, tokenizer=loaded.tokenizer,
-                 stop_token_ids=tuple(sorted(stops)), loaded=loaded, drafter=choice)
+                 stop_token_ids=tuple(sorted(stops)), loaded=loaded, drafter=choice,
+                 prefill_width=prefill_width)
 
 
 def stream(
@@ -266,6 +299,9 @@ def stream(
             f"fields {sorted(fields - {'prompt_ids', 'sampling'})}"
         )
     settings.setdefault("stop_token_ids", model.stop_token_ids)
+    if model.prefill_width is not None:
+        settings.setdefault("prefill_chunk_size",
+                            max(CompletionRequest.prefill_chunk_size, model.prefill_width))
     if draft_len is None and model.drafter is not None:
         draft_len = model.drafter.draft_len
     request = CompletionRequest(

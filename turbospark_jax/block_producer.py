@@ -7,6 +7,7 @@ guarantee compares are the same program called with different data.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -73,17 +74,30 @@ class BlockProducer(
       model: the model family instance (hashable, static under jit).
       params: its parameters pytree.
       capacity: positions a state can hold (the preallocated context).
-      width: ``W``, rows per block. Decode pays for ``W`` rows of compute, the exact prefill
-        runs ``W`` tokens per step; on a GPU a decode step costs about the same for small
-        ``W`` because the weights are read once either way.
+      width: ``W``, rows per block. Decode pays for ``W`` rows of compute and a verify runs
+        in blocks of ``W``; on a GPU a decode step costs about the same for small ``W``
+        because the weights are read once either way.
       steps_per_call: ``S``, blocks per program call (the longest decode burst).
+      prefill_width: the most rows one block of the exact prefill holds (:meth:`prefill_chunk`
+        and what routes through it); ``None``: ``width``, the one program. A wider value
+        needs a model whose programs of different widths agree bitwise
+        (:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`: a dense model with
+        ``kernels="rowinv"``): a chunk then runs in blocks of ``prefill_width`` rows and its
+        rest in one block of a power of two between ``width`` and ``prefill_width``
+        (:func:`prefill_block_widths`), so a few programs serve every prompt, each block
+        reading the weights once for all its rows, and every row keeps the bits of
+        token-by-token decoding. A prefill program of ``w > W`` rows runs ``S * W // w``
+        blocks a call (at least one), so a call holds about as many rows as a decode burst.
       donate: let the program consume the state's buffers (no KV copy per call). When True,
         the append-only buffers of a state passed to any method are invalid afterwards (its
         by-value leaves, and so every :meth:`checkpoint`, stay valid); keep a
         :func:`~turbospark_jax.state.copy_state` copy to keep a whole old value.
 
     Raises:
-      BadInputError: an argument of the wrong type or below 1.
+      BadInputError: an argument of the wrong type or below 1; a ``prefill_width`` below
+        ``width``, or other than ``width`` for a model whose widths do not agree (with XLA's
+        kernels programs of two widths round differently, so the chunked prefill would no
+        longer equal token-by-token decoding).
       ContextOverflowError: a state of ``capacity`` positions needs more memory than the
         device has free (:attr:`state_bytes` against what JAX reports for the device, or the
         host's available memory on a CPU); nothing is allocated or compiled before this.
@@ -103,6 +117,7 @@ class BlockProducer(
         width: int = 8,
         steps_per_call: int = 32,
         donate: bool = True,
+        prefill_width: int | None = None,
     ) -> None:
         if not isinstance(model, BlockModel):
             raise BadInputError(f"model must be a BlockModel, got {type(model).__name__}")
@@ -110,6 +125,9 @@ class BlockProducer(
         width = as_int("width", width, low=1)
         steps_per_call = as_int("steps_per_call", steps_per_call, low=1)
         donate = as_bool("donate", donate)
+        prefill_width = width if prefill_width is None else as_int(
+            "prefill_width", prefill_width, low=1)
+        check_prefill_width(prefill_width, width, model.widths_agree)
         # The state's layout, from shapes alone: what check_state compares against, and the
         # bytes a state takes, checked against the device before anything is allocated.
         layout = jax.eval_shape(
@@ -131,23 +149,19 @@ class BlockProducer(
         self.capacity = capacity
         self.width = width
         self.steps_per_call = steps_per_call
+        self.prefill_width = prefill_width
         self.donate = donate
         # Stamped into every state this producer makes, so a state or checkpoint from another
         # producer (even one of the same structure) is refused.
         self.identity = int.from_bytes(os.urandom(4), "little") | 1
         self._program = compiled_program(model, donate)
         self._idle = self._idle_control()
-        # Kept on the device: a text-only call of a model that accepts embeddings passes
-        # these, so it runs the same program as a call with images, without a transfer.
-        self._no_injected = jnp.zeros((steps_per_call, width), jnp.int32)
-        self._no_embeds = jnp.zeros(
-            (steps_per_call, width, model.embedding_size), model.embedding_dtype
-        ) if model.accepts_embeddings else None
+        self._nothing_by_width: dict[int, tuple[jax.Array, jax.Array | None]] = {}
+        no_injected, no_embeds = self._nothing(width)
         #: One block's "nothing injected" ``(identities [W], embeddings [W, D] or None)``, as
         #: data: what a program that feeds blocks outside the block program (the device
         #: speculative rounds) passes to ``feed_block`` so its step compiles like this one's.
-        self.nothing_injected = (self._no_injected[0], None if self._no_embeds is None
-                                 else self._no_embeds[0])
+        self.nothing_injected = (no_injected[0], None if no_embeds is None else no_embeds[0])
 
     # -- basic protocol -----------------------------------------------------------------
 
@@ -259,21 +273,32 @@ class BlockProducer(
         self, state: BlockState, tokens: Sequence[int], start_position: int, *,
         injection: Injection | None = None,
     ) -> tuple[jax.Array, BlockState]:
-        """:meth:`~turbospark_jax.protocols.ChunkedPrefillRunner.prefill_chunk`; the rows of
-        ``injection`` that fall inside the chunk replace their tokens' embeddings (bitwise
-        the same as feeding the chunk token by token with the same injection)."""
+        """:meth:`~turbospark_jax.protocols.ChunkedPrefillRunner.prefill_chunk`, in blocks of
+        :func:`prefill_block_widths` (blocks of ``width`` rows unless ``prefill_width`` is
+        wider); the rows of ``injection`` that fall inside the chunk replace their tokens'
+        embeddings (bitwise the same as feeding the chunk token by token with the same
+        injection)."""
         self._check_injection(injection)
         tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
-        width, steps_cap = self.width, self.steps_per_call
-        blocks = [tokens[i : i + width] for i in range(0, len(tokens), width)]
-        logits = None
-        for first in range(0, len(blocks), steps_cap):
-            group = blocks[first : first + steps_cap]
-            final_group = first + steps_cap >= len(blocks)
-            plan = self._plan(group, head_on_last=final_group, injection=injection,
-                              position=start_position + first * width)
+        blocks, at = [], 0
+        for rows in prefill_block_widths(len(tokens), self.width, self.prefill_width):
+            blocks.append((rows, tokens[at : at + rows]))
+            at += rows
+        # One call per run of blocks of one width, at most that width's steps each; the
+        # output head runs on the chunk's last block only.
+        calls = []
+        for rows, run in itertools.groupby(blocks, key=lambda b: b[0]):
+            fed = [block for _, block in run]
+            steps = self._steps_for(rows)
+            calls += [(rows, fed[i : i + steps]) for i in range(0, len(fed), steps)]
+        position, logits = start_position, None
+        for i, (rows, group) in enumerate(calls):
+            final = i == len(calls) - 1
+            plan = self._plan(group, width=rows, head_on_last=final, injection=injection,
+                              position=position)
             out, state = self._call(state, plan, self._idle, len(group))
-            if final_group:
+            position += sum(len(block) for block in group)
+            if final:
                 logits = out.logits[len(group[-1]) - 1]
         assert logits is not None
         return logits, state
@@ -611,10 +636,13 @@ class BlockProducer(
         offsets: np.ndarray | None = None,
         injection: Injection | None = None,
         position: int = 0,
+        width: int | None = None,
     ) -> Plan:
-        """The plan for ``blocks`` fed from ``position`` on (consecutive positions); the rows
-        of ``injection`` that fall among them go into the plan's embeddings."""
-        steps_cap, width = self.steps_per_call, self.width
+        """The plan for ``blocks`` fed from ``position`` on (consecutive positions) in a
+        program of ``width`` rows (default: :attr:`width`); the rows of ``injection`` that
+        fall among them go into the plan's embeddings."""
+        width = self.width if width is None else width
+        steps_cap = self._steps_for(width)
         tokens = np.zeros((steps_cap, width), np.int32)
         live = np.ones((steps_cap,), np.int32)
         need = np.zeros((steps_cap,), bool)
@@ -627,7 +655,7 @@ class BlockProducer(
             need[len(blocks) - 1] = True
         if offsets is None:
             offsets = np.zeros((steps_cap,), np.int32)
-        injected, embeds = self._no_injected, self._no_embeds
+        injected, embeds = self._nothing(width)
         fed = sum(len(b) for b in blocks)
         rows, identities = (None, None) if injection is None else injection.rows_for(
             position, fed)
@@ -653,6 +681,27 @@ class BlockProducer(
             embeds=embeds,
         )
 
+    def _steps_for(self, width: int) -> int:
+        """Blocks one call of the ``width``-row program holds: :attr:`steps_per_call` at the
+        producer's own width; a wider prefill program holds about as many rows (at least one
+        block), so its plan, embeddings and output stay the size of a decode burst's."""
+        if width == self.width:
+            return self.steps_per_call
+        return max(1, self.steps_per_call * self.width // width)
+
+    def _nothing(self, width: int) -> tuple[jax.Array, jax.Array | None]:
+        """The ``width``-row program's "nothing injected" ``(identities [S, W], embeddings
+        [S, W, D] or None)``, made once per width and kept on the device: a text-only call
+        of a model that accepts embeddings passes these, so it runs the same program as a
+        call with images, without a transfer."""
+        if width not in self._nothing_by_width:
+            steps = self._steps_for(width)
+            embeds = jnp.zeros(
+                (steps, width, self.model.embedding_size), self.model.embedding_dtype
+            ) if self.model.accepts_embeddings else None
+            self._nothing_by_width[width] = (jnp.zeros((steps, width), jnp.int32), embeds)
+        return self._nothing_by_width[width]
+
     def _idle_control(self) -> Control:
         return Control(
             feedback=jnp.bool_(False),
@@ -672,6 +721,56 @@ class BlockProducer(
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
 
+
+def check_prefill_width(prefill_width: int, width: int, widths_agree: bool) -> None:
+    """Refuse a ``prefill_width`` that the block program cannot honour exactly.
+
+    Args:
+      prefill_width: the most rows an exact-prefill block would hold.
+      width: the producer's own width (decode and verify blocks).
+      widths_agree: whether the model's programs of different widths agree bitwise
+        (:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`).
+
+    Raises:
+      BadInputError: ``prefill_width`` below ``width``, or other than ``width`` when the
+        widths do not agree; the message says why and what to do instead.
+    """
+    if prefill_width < width:
+        raise BadInputError(
+            f"prefill_width={prefill_width} is below width={width}: the exact prefill runs "
+            f"in blocks of at least width rows; pass prefill_width >= {width}"
+        )
+    if prefill_width != width and not widths_agree:
+        raise BadInputError(
+            f"prefill_width={prefill_width} differs from width={width}, but this model's "
+            "programs of different widths do not agree bit for bit: with XLA's kernels they "
+            "round differently, so a chunked prefill in wider blocks would no longer equal "
+            "token-by-token decoding. Load the model with kernels='rowinv' (row-invariant "
+            f"kernels, dense models), or leave prefill_width out (it is then width={width})"
+        )
+
+
+def prefill_block_widths(n_tokens: int, width: int, prefill_width: int) -> list[int]:
+    """The block widths an exact prefill of ``n_tokens`` tokens runs in, in order.
+
+    Full blocks of ``prefill_width`` rows, then the rest in one block of the smallest power of
+    two that holds it, kept between ``width`` and ``prefill_width``. So a producer compiles
+    programs of ``width``, ``prefill_width`` and the powers of two between them only (one
+    program when the two are equal). A rest of 904 tokens at ``width=1``,
+    ``prefill_width=2048`` runs in a block of 1024 rows.
+
+    Raises:
+      BadInputError: ``n_tokens`` below 0, ``width`` below 1, ``prefill_width`` below
+        ``width``.
+    """
+    n_tokens = as_int("n_tokens", n_tokens, low=0)
+    width = as_int("width", width, low=1)
+    prefill_width = as_int("prefill_width", prefill_width, low=width)
+    full, rest = divmod(n_tokens, prefill_width)
+    widths = [prefill_width] * full
+    if rest:
+        widths.append(min(prefill_width, max(width, 1 << (rest - 1).bit_length())))
+    return widths
 
 
 def _require_memory(needed: int, what: str) -> None:

@@ -151,7 +151,8 @@ LONG_PREFILL_TOKENS = 512
 
 def _prefill_note(args: argparse.Namespace, on_cpu: bool, prompt_tokens: int) -> str | None:
     """One line when a long prompt will take the slow exact prefill on a CPU."""
-    if not on_cpu or args.parallel_prefill or prompt_tokens < LONG_PREFILL_TOKENS:
+    if (not on_cpu or args.parallel_prefill or prompt_tokens < LONG_PREFILL_TOKENS
+            or args.prefill_width != args.width):
         return None
     return (
         f"a {prompt_tokens:,}-token prompt prefills exactly, {args.width} row(s) per step on a "
@@ -179,8 +180,10 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
     from turbospark_jax.block_producer import BlockProducer
 
+    # A draft model runs XLA's kernels: its prefill stays at --width.
+    wide = args.prefill_width if loaded.model.widths_agree else args.width
     return BlockProducer(loaded.model, loaded.params, capacity=capacity, width=args.width,
-                         steps_per_call=32, donate=True)
+                         steps_per_call=32, donate=True, prefill_width=wide)
 
 
 def _capacity(args: argparse.Namespace, prompt_tokens: int | None) -> int:
@@ -227,8 +230,9 @@ def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequenc
         stop_strings=list(args.stop),
         sampling=args.sampling,
         seed=args.seed,
-        # Progress is told per chunk: 16 blocks of the program keep it moving on a CPU.
-        prefill_chunk_size=max(64, 16 * args.width),
+        # Progress is told per chunk: 16 blocks of the program keep it moving on a CPU; a
+        # chunk holds at least one block of the widest prefill program.
+        prefill_chunk_size=max(64, 16 * args.width, args.prefill_width),
         parallel_prefill=args.parallel_prefill,
         draft_len=args.draft_len if args.drafting else None,
     )
@@ -336,6 +340,7 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
         from turbospark_jax.api import default_width
 
         args.width = default_width(args.drafting, args.draft_len or 4, args.kernels)
+    _set_prefill_width(args)
     chat_loop = args.chat and args.prompt is None
     image_tokens = _image_tokens(args, target)
     ids: list[int] = []
@@ -383,6 +388,24 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
         return _complete(args, producer, request, tok, clock, stdout, stderr, choice)
     finally:
         spinner.done()
+
+
+def _set_prefill_width(args: argparse.Namespace) -> None:
+    """Set ``args.prefill_width``: ``--prefill-width``, or its default for ``--width`` and
+    ``--kernels``.
+
+    Raises:
+      CommandLineError: a value below ``--width``, or other than it with ``--kernels xla``.
+    """
+    from turbospark_jax.api import default_prefill_width
+    from turbospark_jax.block_producer import check_prefill_width
+
+    if args.prefill_width is None:
+        args.prefill_width = default_prefill_width(args.width, args.kernels)
+    try:
+        check_prefill_width(args.prefill_width, args.width, args.kernels == "rowinv")
+    except BadInputError as exc:
+        raise CommandLineError(user_words(str(exc))) from exc
 
 
 def _choose(args: argparse.Namespace, target: _Folder, backend: str) -> Any:

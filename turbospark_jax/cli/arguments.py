@@ -62,6 +62,9 @@ _REQUEST_WORDS = (
     (re.compile(r"\bmax_n\b"), "--ngram"),
     (re.compile(r"the producer holds (\d+)"), r"--context is \1"),
     (re.compile(r"\bkernels='(\w+)'"), r"--kernels \1"),
+    (re.compile(r"\bprefill_width=(\d+)"), r"--prefill-width \1"),
+    (re.compile(r"\bprefill_width\b"), "--prefill-width"),
+    (re.compile(r"\bwidth=(\d+)"), r"--width \1"),
 )
 
 
@@ -207,6 +210,11 @@ def parser() -> _Parser:
                      help="rows of the exact block program (default: 16 on a GPU; on a CPU 1, "
                           "or --draft-len + 1 when drafting; with --kernels rowinv the CPU's "
                           "rule on every backend)")
+    gen.add_argument("--prefill-width", type=int, default=None, metavar="P",
+                     help="the most rows one block of the exact prefill holds (default: "
+                          "--width; with --kernels rowinv 2048 on a GPU, 256 on a CPU: the "
+                          "same bits in fewer, wider blocks); another value than --width "
+                          "needs --kernels rowinv")
     gen.add_argument("--kernels", choices=KERNELS, default="xla",
                      help=_KERNELS_HELP)
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
@@ -329,7 +337,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     if args.max_tokens < 1:
         raise CommandLineError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     for flag, value in (("--context", args.context), ("--width", args.width),
-                        ("--slots", args.slots)):
+                        ("--prefill-width", args.prefill_width), ("--slots", args.slots)):
         if value is not None and value < 1:
             raise CommandLineError(f"{flag} must be >= 1, got {value}")
     if args.ngram is not None and args.ngram < 1:

@@ -68,6 +68,12 @@ class BlockModel(abc.ABC):
         ``dataclasses.replace(model, kernels="rowinv")`` sets it. In that mode a row's result
         does not depend on how many rows the call has, so block programs of different widths
         agree bit for bit. The dense family does.
+
+    Declared per instance (a property, since it follows the instance's settings):
+      widths_agree: block programs of different widths give this instance's rows bitwise
+        the same results, so the exact prefill may run in blocks wider than decode's
+        (:class:`~turbospark_jax.block_producer.BlockProducer`'s ``prefill_width``). False
+        by default; a family with :attr:`row_invariant_kernels` answers True in that mode.
     """
 
     rewindable: ClassVar[bool] = True
@@ -77,6 +83,12 @@ class BlockModel(abc.ABC):
     tap_layers: tuple[int, ...] = ()
     accepts_embeddings: ClassVar[bool] = False
     row_invariant_kernels: ClassVar[bool] = False
+
+    @property
+    def widths_agree(self) -> bool:
+        """Whether block programs of different widths agree bit for bit, row for row, for
+        this instance (declared, never probed; see the class docstring)."""
+        return False
 
     @property
     def embedding_size(self) -> int:

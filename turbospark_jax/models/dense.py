@@ -284,6 +284,10 @@ class DenseModel(BlockModel):
     can_tap = True
     row_invariant_kernels = True
 
+    @property
+    def widths_agree(self) -> bool:
+        return self.kernels == "rowinv"
+
     config: DenseConfig
     dtype: Any = jnp.float32
     scan_layers: bool = True
@@ -373,6 +377,11 @@ class DenseModel(BlockModel):
     def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
         """SwiGLU of the normed rows, h [W, D] -> [W, D]."""
         bias = self.config.has_mlp_bias
+        if self.kernels == "rowinv" and not bias:  # gate and up from one launch
+            f = lp["gate_proj"].shape[1]
+            gu = row_kernels.matmul(self.kernels, h, (lp["gate_proj"], lp["up_proj"]))
+            act = jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
+            return row_kernels.matmul(self.kernels, act, lp["down_proj"])
         return swiglu_mlp(
             h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
             lp["gate_bias"] if bias else None,
@@ -385,10 +394,11 @@ class DenseModel(BlockModel):
     def _head(self, params: Params, x: jax.Array) -> jax.Array:
         """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
         h = row_kernels.rms_norm(self.kernels, x, params["norm"], self.config.rms_norm_eps)
-        if self.kernels == "rowinv":
-            tied = self.config.tie_word_embeddings
-            head = params["embed_tokens"].T if tied else params["lm_head"]  # [D, V]
-            return row_kernels.matmul(self.kernels, h, head, jnp.float32)
+        if self.kernels == "rowinv":  # a tied table [V, D] is read in place, not transposed
+            if self.config.tie_word_embeddings:
+                return row_kernels.matmul(self.kernels, h, params["embed_tokens"], jnp.float32,
+                                          w_layout="nk")
+            return row_kernels.matmul(self.kernels, h, params["lm_head"], jnp.float32)
         if self.config.tie_word_embeddings:
             return jnp.einsum(
                 "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32

@@ -1,0 +1,485 @@
+"""Row-invariant kernels on a whole model: exactness across widths, speed, and each kernel's rate.
+
+Run on the GPU machine from the repository root::
+
+    PYTHONPATH=. python -m benchmarks.rowinv_model --out /tmp/rowinv_model
+    PYTHONPATH=. python -m benchmarks.rowinv_model --parts exact,speed --shapes qwen3-0.6b ...
+    PYTHONPATH=. python -m benchmarks.rowinv_model --preset smoke --out /tmp/x   # CPU, tiny
+
+Parts (``--parts``, in this order; each case on its own: an error is recorded and the run goes
+on, the JSON is rewritten after every case, and cases past ``--budget-s`` are listed as
+skipped):
+
+* ``products``: each decode-size matrix product of a shape (the merged q/k/v, the output
+  projection, the merged gate/up, the down projection, the output head) at 1 and 16 rows,
+  ours (several matvec tilings) against XLA's dot, as GB/s of weight reads. Each is timed
+  over enough distinct weight buffers to overflow the L2 cache, passed as separate
+  arguments (a slice of one stacked buffer would be copied before a custom call reads it).
+  Then the wide products (prefill rows) as TFLOP/s for a few matmul tilings.
+* ``exact``: random weights of a shape in bfloat16, ``kernels="rowinv"``: a prompt fed token
+  by token at width 1, in wide blocks (``prefill_width``), and at a verify width: the last
+  logits and every live cache row bitwise equal; then greedy decoding from each state, the
+  emitted tokens and their logits equal; a verify of ``k + 1`` rows equal to decoding them one
+  by one. The control: XLA's kernels at widths 1 and 16, expected to differ.
+* ``speed``: decode tokens/s end to end through ``producer.decode`` (greedy and sampled, at a
+  short and a long context) with row-invariant kernels at width 1 and with XLA's kernels at
+  width 16; exact prefill (``prefill_chunk``) and parallel prefill tokens/s; the weight
+  roofline at the measured copy bandwidth.
+* ``profile``: one traced decode burst per kernel mode: kernels per token and the time each
+  took (``benchmarks.profile_decode``), with each product's achieved GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.run import SHAPES, Shape, copy_bandwidth, kv_bytes, weight_bytes
+
+#: A shape no test uses: odd head counts, a width that is no power of two, an untied head.
+ODD = Shape("odd-1.3b", "qwen3", 1536, 12, 12, 4, 128, 4608, 50257, False)
+ALL_SHAPES = {**SHAPES, ODD.name: ODD}
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    shapes: tuple[str, ...]
+    exact_shapes: tuple[str, ...]
+    contexts: tuple[int, ...]
+    prefill_lengths: tuple[int, ...]
+    new_tokens: int
+    burst: int
+    exact_prompt: int
+    prefill_width: int
+    verify_width: int
+    copies_bytes: int
+
+
+PRESETS = {
+    "h200": Preset(shapes=("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"),
+                   exact_shapes=("llama-3.2-1b", "qwen3-0.6b", ODD.name),
+                   contexts=(128, 4096), prefill_lengths=(2048, 8192), new_tokens=256,
+                   burst=64, exact_prompt=600, prefill_width=2048, verify_width=5,
+                   copies_bytes=256 << 20),
+    "smoke": Preset(shapes=("tiny",), exact_shapes=("tiny",), contexts=(24,),
+                    prefill_lengths=(40,), new_tokens=8, burst=4, exact_prompt=37,
+                    prefill_width=16, verify_width=3, copies_bytes=1 << 20),
+}
+
+
+class Run:
+    """The results so far, written after every case; cases past the budget are skipped."""
+
+    def __init__(self, out: Path, budget_s: float, meta: dict[str, Any]) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / "rowinv_model.json"
+        self.start = time.perf_counter()
+        self.budget_s = budget_s
+        self.data: dict[str, Any] = {"meta": meta, "records": [], "errors": [], "skipped": []}
+        self.write()
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(time.perf_counter() - self.start, 1)
+        self.path.write_text(json.dumps(self.data, indent=1, default=str))
+
+    def case(self, part: str, label: dict[str, Any], fn: Any) -> Any:
+        if time.perf_counter() - self.start > self.budget_s:
+            self.data["skipped"].append({"part": part, **label})
+            self.write()
+            return None
+        t0 = time.perf_counter()
+        try:
+            result = fn()
+        except Exception as e:  # recorded; the run goes on
+            self.data["errors"].append({"part": part, **label, "error": repr(e)[:600],
+                                        "trace": traceback.format_exc()[-2500:]})
+            print(f"{part} {label} ERROR {e!r}"[:400], flush=True)
+            self.write()
+            return None
+        self.data["records"].append({"part": part, **label, **result,
+                                     "case_s": round(time.perf_counter() - t0, 1)})
+        self.write()
+        print(f"{self.data['elapsed_s']:7.1f}s {part} {label} "
+              f"{json.dumps(result, default=str)[:300]}", flush=True)
+        return result
+
+
+# -- products ---------------------------------------------------------------------------------
+
+def _products_of(shape: Shape) -> list[tuple[str, int, tuple[int, ...], str]]:
+    """``(name, K, (N, ...), layout)`` of one decode step's matrix products."""
+    d, hd = shape.hidden_size, shape.head_dim
+    q, kv = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
+    f = shape.intermediate_size
+    head = (shape.vocab_size,)
+    return [("qkv", d, (q, kv, kv), "kn"), ("o", q, (d,), "kn"), ("gate_up", d, (f, f), "kn"),
+            ("down", f, (d,), "kn"), ("head", d, head, "nk" if shape.tie_word_embeddings
+                                      else "kn")]
+
+
+def _weights(k: int, ns: tuple[int, ...], layout: str, copies: int, seed: int) -> list[Any]:
+    import jax
+    import jax.numpy as jnp
+
+    out = []
+    for c in range(copies):
+        key = jax.random.PRNGKey(seed * 1000 + c)
+        parts = []
+        for i, n in enumerate(ns):
+            shape = (n, k) if layout == "nk" else (k, n)
+            parts.append((jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32)
+                          / np.sqrt(k)).astype(jnp.bfloat16))
+        out.append(tuple(parts))
+    return out
+
+
+def _best_time(fn: Any, *args: Any, repeats: int = 5) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _xla_product(x: Any, ws: tuple[Any, ...], layout: str) -> Any:
+    import jax.numpy as jnp
+
+    mats = [w.T for w in ws] if layout == "nk" else list(ws)
+    w = mats[0] if len(mats) == 1 else jnp.concatenate(mats, axis=1)
+    return jnp.dot(x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _product_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: int,
+                  copies_bytes: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    nbytes = k * sum(ns) * 2
+    copies = int(max(2, min(32, -(-copies_bytes // nbytes))))
+    ws = _weights(k, ns, layout, copies, seed=k + sum(ns))
+    x = jax.random.normal(jax.random.PRNGKey(1), (rows, k), jnp.bfloat16)
+    fn = jax.jit(lambda x, *ws: [product(x, w) for w in ws])
+    dt = _best_time(fn, x, *ws) / copies
+    return {"us": round(dt * 1e6, 2), "GBps": round(nbytes / dt / 1e9, 1), "copies": copies}
+
+
+MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, matvec_warps=8),
+                dict(matvec_bn=256, matvec_warps=8)]
+SEGMENTS = (2, 4, 8)
+MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, warps=8, stages=3),
+                dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, warps=4, stages=4),
+                dict(bm=64, bn=256, warps=4, stages=4)]
+
+
+def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.models.rowinv import Schedule, Tiles, rowinv_matmul
+
+    on_gpu = jax.default_backend() == "gpu"
+    for index, name in enumerate(shapes):
+        shape = ALL_SHAPES[name]
+        sweep = on_gpu and index == 0  # every matvec tiling on the first shape only
+        for prod, k, ns, layout in _products_of(shape):
+            label = {"shape": name, "product": prod, "K": k, "N": list(ns), "layout": layout}
+            for rows in (1, 16):
+                run.case("products", {**label, "rows": rows, "impl": "xla"},
+                         lambda k=k, ns=ns, layout=layout, rows=rows: _product_rate(
+                             lambda x, w, layout=layout: _xla_product(x, w, layout),
+                             k, ns, layout, rows, preset.copies_bytes))
+                for tiles in MATVEC_TILES if sweep and rows == 1 else MATVEC_TILES[:1]:
+                    for seg in SEGMENTS if sweep and rows == 1 else (4,):
+                        t, s = Tiles(**tiles), Schedule(segment_tiles=seg)
+                        run.case("products", {**label, "rows": rows, "impl": "ours",
+                                              "tiles": tiles, "segment_tiles": seg},
+                                 lambda k=k, ns=ns, layout=layout, rows=rows, t=t, s=s:
+                                 _product_rate(lambda x, w, layout=layout, t=t, s=s:
+                                               rowinv_matmul(x, w, w_layout=layout, tiles=t,
+                                                             schedule=s),
+                                               k, ns, layout, rows, preset.copies_bytes))
+        # wide products: TFLOP/s at prefill widths
+        for prod, k, ns, layout in _products_of(shape)[:4]:
+            rows = max(preset.prefill_lengths[0], 16)
+            ws = _weights(k, ns, layout, 1, seed=3)[0]
+            x = jax.random.normal(jax.random.PRNGKey(2), (rows, k), jnp.bfloat16)
+            flops = 2 * rows * k * sum(ns)
+            label = {"shape": name, "product": prod, "K": k, "N": list(ns), "rows": rows}
+            run.case("wide", {**label, "impl": "xla"}, lambda x=x, ws=ws, layout=layout, flops=flops: {
+                "TFLOPs": round(flops / _best_time(jax.jit(
+                    lambda x, *w: _xla_product(x, w, layout)), x, *ws) / 1e12, 1)})
+            for tiles in MATMUL_TILES if sweep else MATMUL_TILES[:1]:
+                t = Tiles(**tiles)
+                run.case("wide", {**label, "impl": "ours", "tiles": tiles},
+                         lambda x=x, ws=ws, layout=layout, t=t, flops=flops: {
+                             "TFLOPs": round(flops / _best_time(jax.jit(
+                                 lambda x, *w: rowinv_matmul(x, w, w_layout=layout, tiles=t)),
+                                 x, *ws) / 1e12, 1)})
+
+
+# -- the model ------------------------------------------------------------------------------
+
+def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.models.dense import DenseModel, unstack_layers
+    from turbospark_jax.models.dense_config import DenseConfig
+
+    config = DenseConfig.from_hf_dict(shape.hf_dict())
+    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
+    model = DenseModel(config, dtype, scan_layers=False, kernels=kernels)
+    params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
+    return config, model, params
+
+
+def _producer(model: Any, params: Any, capacity: int, width: int, burst: int,
+              prefill_width: int | None = None) -> Any:
+    from turbospark_jax.block_producer import BlockProducer
+
+    return BlockProducer(model, params, capacity=capacity, width=width, steps_per_call=burst,
+                         prefill_width=prefill_width, donate=False)
+
+
+def _bits(a: Any) -> np.ndarray:
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _live_cache(state: Any, rows: int) -> list[np.ndarray]:
+    """Every layer's K and V rows ``0..rows-1``, as raw bits."""
+    cache = state.cache
+    ks = cache.k if isinstance(cache.k, tuple) else [cache.k[i] for i in range(cache.k.shape[0])]
+    vs = cache.v if isinstance(cache.v, tuple) else [cache.v[i] for i in range(cache.v.shape[0])]
+    return [_bits(b[:rows]) for b in (*ks, *vs)]
+
+
+def _decode_logits(producer: Any, state: Any, first: int, start: int, steps: int) -> tuple:
+    """Greedy decoding one ``produce`` at a time: the tokens and each step's logits bits."""
+    tok, out, logits = first, [], []
+    for i in range(steps):
+        row, state = producer.produce(state, tok, start + i)
+        logits.append(_bits(row))
+        tok = int(np.argmax(np.asarray(row)))
+        out.append(tok)
+    return out, logits, state
+
+
+def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[int, int | None]],
+               ) -> dict[str, Any]:
+    """Feed one prompt through producers of the given ``(width, prefill_width)``, decode 8
+    tokens from each, and compare everything with the first, bitwise."""
+    config, model, params = _model(shape, kernels)
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(0, config.vocab_size, preset.exact_prompt)]
+    capacity = preset.exact_prompt + 64
+    runs = []
+    for width, prefill_width in widths:
+        producer = _producer(model, params, capacity, width, preset.burst, prefill_width)
+        last, state = producer.prefill_chunk(producer.init_state(), prompt, 0)
+        cache = _live_cache(state, len(prompt))
+        first = int(np.argmax(np.asarray(last)))
+        tokens, logits, state = _decode_logits(producer, state, first, len(prompt), 8)
+        runs.append({"last": _bits(last), "cache": cache, "tokens": tokens, "logits": logits,
+                     "producer": producer, "state": state})
+    base = runs[0]
+    result: dict[str, Any] = {"widths": widths, "prompt": len(prompt), "agree": []}
+    for r in runs[1:]:
+        cache_same = all(np.array_equal(a, b) for a, b in zip(base["cache"], r["cache"]))
+        last_same = np.array_equal(base["last"], r["last"])
+        logits_same = all(np.array_equal(a, b) for a, b in zip(base["logits"], r["logits"]))
+        result["agree"].append({"prefill_logits": bool(last_same), "cache": bool(cache_same),
+                                "tokens": r["tokens"] == base["tokens"],
+                                "decode_logits": bool(logits_same)})
+    # verify of k + 1 rows at the widest producer == the narrowest producer's one-by-one steps
+    wide = runs[-1]
+    feed = [int(t) for t in rng.integers(0, config.vocab_size, preset.verify_width)]
+    at = len(prompt) + 8
+    v_logits, _ = wide["producer"].verify(wide["state"], feed, at)
+    one_state, one = base["state"], []
+    for i, t in enumerate(feed):
+        row, one_state = base["producer"].produce(one_state, t, at + i)
+        one.append(_bits(row))
+    result["verify_equals_decode"] = all(
+        np.array_equal(_bits(v_logits[i]), one[i]) for i in range(len(feed)))
+    result["all_equal"] = bool(result["verify_equals_decode"] and all(
+        all(a.values()) for a in result["agree"]))
+    return result
+
+
+def _sampling(kind: str) -> Any:
+    from turbospark_jax import sampling
+
+    if kind == "greedy":
+        return sampling.SamplingParams.greedy()
+    return sampling.SamplingParams.make(temperature=0.8, top_p=0.95, top_k=50)
+
+
+def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab: int,
+                 kind: str) -> dict[str, Any]:
+    """Fill ``context`` tokens (parallel path), then time ``new_tokens`` decode steps in device
+    bursts of ``burst``."""
+    from turbospark_jax import sampling
+
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(0, vocab, context)]
+    params = _sampling(kind)
+
+    def go(prompt_ids: list[int], tokens: int) -> float:
+        state = producer.init_state()
+        logits, state = producer.prefill_parallel(state, prompt_ids, 0)
+        tok = int(np.argmax(np.asarray(logits)))
+        history, key = sampling.History.empty(vocab), sampling.request_key(0)
+        done = 0
+        t0 = time.perf_counter()
+        while done < tokens:
+            steps = min(burst, tokens - done)
+            b, state = producer.decode(state, tok, steps, params=params, history=history,
+                                       key=key, gen_index=done + 1)
+            done += len(b.tokens)
+            tok, history = b.tokens[-1], b.history
+        return time.perf_counter() - t0
+
+    go(prompt[:8], burst)  # compile
+    dt = go(prompt, new_tokens)
+    return {"tokens_per_s": round(new_tokens / dt, 1)}
+
+
+def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str, Any]:
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(0, vocab, length)]
+    fn = {"exact": lambda s: producer.prefill_chunk(s, prompt, 0),
+          "parallel": lambda s: producer.prefill_parallel(s, prompt, 0)}[path]
+    import jax
+
+    jax.block_until_ready(fn(producer.init_state()))
+    best = float("inf")
+    for _ in range(2):
+        state = producer.init_state()
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(state))
+        best = min(best, time.perf_counter() - t0)
+    return {"tokens_per_s": round(length / best, 1), "s": round(best, 4)}
+
+
+def part_exact(preset: Preset, run: Run, shapes: list[str]) -> None:
+    p = preset
+    for name in shapes:
+        shape = ALL_SHAPES[name]
+        widths = [(1, None), (1, p.prefill_width), (p.verify_width, p.prefill_width // 4)]
+        run.case("exact", {"shape": name, "kernels": "rowinv"},
+                 lambda shape=shape, widths=widths: exact_case(shape, p, "rowinv", widths))
+    name = shapes[0]
+    run.case("exact", {"shape": name, "kernels": "xla", "control": True},
+             lambda: exact_case(ALL_SHAPES[name], p, "xla", [(1, None), (16, None)]))
+
+
+def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float) -> None:
+    import jax
+
+    p = preset
+    on_gpu = jax.default_backend() == "gpu"
+    for name in shapes:
+        shape = ALL_SHAPES[name]
+        for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
+            try:
+                config, model, params = _model(shape, kernels)
+            except Exception as e:  # e.g. out of memory: recorded, next shape
+                run.data["errors"].append({"part": "speed", "shape": name, "error": repr(e)})
+                continue
+            wb = weight_bytes(params, config)
+            top = max(p.contexts) + p.new_tokens + 64
+            prefill_width = p.prefill_width if kernels == "rowinv" else None
+            producer = _producer(model, params, max(top, max(p.prefill_lengths) + 64), width,
+                                 p.burst, prefill_width)
+            for ctx in p.contexts:
+                roof = bandwidth / (wb + kv_bytes(config, ctx))
+                for kind in ("greedy", "sampled"):
+                    run.case("speed", {"shape": name, "kernels": kernels, "width": width,
+                                       "workload": "decode", "context": ctx, "sampling": kind,
+                                       "roofline_tokens_per_s": round(roof, 1)},
+                             lambda ctx=ctx, kind=kind: decode_speed(
+                                 producer, ctx, p.new_tokens, p.burst, config.vocab_size, kind))
+            for length in p.prefill_lengths:
+                for path in ("exact", "parallel"):
+                    run.case("speed", {"shape": name, "kernels": kernels, "width": width,
+                                       "prefill_width": prefill_width, "workload": "prefill",
+                                       "path": path, "length": length},
+                             lambda length=length, path=path: prefill_speed(
+                                 producer, length, config.vocab_size, path))
+            del producer, params, model
+
+
+def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) -> None:
+    import jax
+
+    from benchmarks.profile_decode import profile_burst
+
+    on_gpu = jax.default_backend() == "gpu"
+    for name in shapes:
+        shape = ALL_SHAPES[name]
+        for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
+            config, model, params = _model(shape, kernels)
+            producer = _producer(model, params, 512, width, preset.burst)
+            run.case("profile", {"shape": name, "kernels": kernels, "width": width,
+                                 "context": 128},
+                     lambda: profile_burst(producer, 128, preset.burst, config.vocab_size))
+            del producer, params, model
+
+
+def main(argv: list[str] | None = None) -> int:
+    import jax
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
+    ap.add_argument("--parts", default="products,exact,speed,profile")
+    ap.add_argument("--shapes", help="comma-separated shapes (default: the preset's)")
+    ap.add_argument("--exact-shapes", help="comma-separated shapes for the exact part")
+    ap.add_argument("--budget-s", type=float, default=520.0)
+    args = ap.parse_args(argv)
+    preset = PRESETS[args.preset]
+    shapes = args.shapes.split(",") if args.shapes else list(preset.shapes)
+    exact_shapes = (args.exact_shapes.split(",") if args.exact_shapes
+                    else list(preset.exact_shapes))
+    for s in shapes + exact_shapes:
+        if s not in ALL_SHAPES:
+            ap.error(f"unknown shape {s!r}; known: {', '.join(ALL_SHAPES)}")
+    parts = args.parts.split(",")
+    meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+            "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
+            "python": platform.python_version(), "preset": args.preset}
+    bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
+    meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
+    run = Run(args.out, args.budget_s, meta)
+    for part in parts:
+        if part == "products":
+            part_products(preset, run, shapes)
+        elif part == "exact":
+            part_exact(preset, run, exact_shapes)
+        elif part == "speed":
+            part_speed(preset, run, shapes, bandwidth)
+        elif part == "profile":
+            part_profile(preset, run, shapes, bandwidth)
+        else:
+            ap.error(f"unknown part {part!r}")
+    run.write()
+    print(json.dumps({k: run.data[k] for k in ("errors", "skipped")}, default=str)[:3000])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
