@@ -24,7 +24,8 @@ KERNEL_IMPL = "pallas" if ON_GPU else "interpret"
 K, N, ROWS = 128, 48, 40
 SCHEDULE = Schedule(k_tile=32, segment_tiles=2)
 TILES = {"small": Tiles(bm=16, bn=32, matvec_bn=16),
-         "large": Tiles(bm=32, bn=64, matvec_bn=32, flat_loop=False)}
+         "large": Tiles(bm=32, bn=64, matvec_bn=32, flat_loop=False),
+         "one loop": Tiles(bm=32, bn=32, matvec_bn=16, flat_loop=True)}
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
@@ -67,7 +68,7 @@ def test_rows_do_not_depend_on_the_row_count(dtype, impl, kernel):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernels_and_tile_sizes_agree(dtype):
-    """matvec == matmul, for two sets of tile sizes (and both matmul loop forms)."""
+    """matvec == matmul, for three sets of tile sizes and both matmul loop forms."""
     rows = (0, ROWS)
     want = _product(dtype, KERNEL_IMPL, "matmul", "small", rows)
     for kernel in ("matvec", "matmul"):

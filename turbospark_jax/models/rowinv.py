@@ -103,10 +103,11 @@ class Tiles:
       matvec_warps, matvec_stages: its Triton settings.
       flat_loop: the matmul kernel walks all K tiles in one loop, folding a segment into
         the total at its last tile (Triton pipelines one loop's loads), rather than a loop
-        over segments around a loop over their tiles. Off by default: on the H200 (jax
-        0.11.2) Pallas' Triton lowering refuses the flat form (a remainder of a boolean and
-        an int32 inside the loop), while the nested form compiles and is row-invariant
-        (``benchmarks/results/rowinv_h200.json``).
+        over segments around a loop over their tiles. Off by default until measured: on the
+        H200 (jax 0.11.2) Triton's lowering refused its first form (``jnp``'s remainder of
+        the loop index, which lowers to boolean arithmetic); it now takes ``lax.rem`` and
+        lowers (``tests/test_gpu_lowering.py``), and agrees with the nested form in the
+        interpreter (``tests/test_rowinv.py``).
     """
 
     bm: int = 64
@@ -191,7 +192,7 @@ def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, ti
             def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
                 total, acc = carry
                 acc = step(i, acc=acc)
-                end = (i + 1) % per == 0
+                end = jax.lax.rem(i + 1, per) == 0  # jnp's % lowers to bool arithmetic
                 return jnp.where(end, total + acc, total), jnp.where(end, zeros, acc)
 
             total, _ = jax.lax.fori_loop(0, tiles, body, (total, zeros))

@@ -1,0 +1,143 @@
+"""The GPU kernels lowered for CUDA on the CPU, and what the row-invariant program is made of.
+
+A CPU machine cannot run a Triton kernel, but it can lower one: ``jax.export`` for the
+``cuda`` platform runs Pallas' Triton lowering, which is where a kernel that the GPU would
+refuse usually fails (the matmul kernel's single-loop form did, on the H200, with an
+``('i32', 'i1')`` assertion; the control below keeps that failure reproducible). And it shows
+what a row-invariant block program (``kernels="rowinv"``) is made of on a GPU: no XLA matrix
+product, no floating-point reduction outside our kernels (XLA's reductions and products choose
+their order by shape, ours by ``K`` and the cache's capacity alone), only exact integer and
+boolean reductions; the same program with XLA's kernels is full of products (the control).
+What lowering cannot show, that the compiled kernels keep every row's bits on the hardware,
+``benchmarks/rowinv_model.py`` checks on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import export
+from jax.experimental import pallas as pl
+
+from turbospark_jax.models import pallas_attention, pallas_rope_store, pallas_row_norm, rowinv
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.rowinv import Schedule, Tiles
+
+BF16 = jnp.bfloat16
+S = jax.ShapeDtypeStruct
+#: Our Triton calls carry no serialisation guarantee; lowering is all these tests need.
+CHECKS = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def _lowered(fn, *args) -> str:
+    exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)(*args)
+    return exported.mlir_module()
+
+
+def _matmul(x, ws, nk=False, out=BF16, kernel="auto", tiles=Tiles()):
+    # the jitted core, past the check that refuses impl="pallas" on a machine without a GPU
+    return rowinv._rowinv_matmul(x, ws, nk, jnp.dtype(out), "pallas", kernel, Schedule(), tiles)
+
+
+ROW, ROWS = S((1, 256), BF16), S((300, 256), BF16)
+W_KN, W_KN2, W_NK = S((256, 384), BF16), S((256, 64), BF16), S((1000, 256), BF16)
+Q1, Q2 = S((1, 8, 64), BF16), S((300, 8, 64), BF16)
+CACHE = S((2048, 2, 64), BF16)
+
+KERNELS = {
+    "matvec, three weights": (lambda x, a, b: _matmul(x, (a, b, b)), ROW, W_KN, W_KN2),
+    "matmul, three weights": (lambda x, a, b: _matmul(x, (a, b, b)), ROWS, W_KN, W_KN2),
+    "matvec, [N, K] weight": (lambda x, w: _matmul(x, (w,), True, jnp.float32), ROW, W_NK),
+    "matmul, [N, K] weight": (lambda x, w: _matmul(x, (w,), True, jnp.float32), ROWS, W_NK),
+    "matmul, one loop": (lambda x, w: _matmul(x, (w,), tiles=Tiles(flat_loop=True)), ROWS, W_KN),
+    "matmul, 128 x 256 tiles": (
+        lambda x, w: _matmul(x, (w,), tiles=Tiles(bm=128, bn=256, warps=8)), ROWS, W_KN),
+    "attention, row-invariant, 1 row": (
+        lambda q, k, v, p: pallas_attention.cached_attention(q, k, v, p, row_invariant=True),
+        Q1, CACHE, CACHE, S((1,), jnp.int32)),
+    "attention, row-invariant, 300 rows": (
+        lambda q, k, v, p: pallas_attention.cached_attention(q, k, v, p, row_invariant=True),
+        Q2, CACHE, CACHE, S((300,), jnp.int32)),
+    "norm": (lambda x, w: pallas_row_norm._row_rms_norm(x, w, None, 1e-5, "pallas"),
+             ROWS, S((256,), BF16)),
+    "norm after a residual add, D not a power of two": (
+        lambda x, w, r: pallas_row_norm._row_rms_norm(x, w, r, 1e-5, "pallas"),
+        S((5, 96), BF16), S((96,), BF16), S((5, 96), BF16)),
+    "rope and cache write": (
+        lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store(qkv, c, s, at, k, v, 8),
+        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
+        CACHE, CACHE),
+}
+
+
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_lowers_for_cuda(name):
+    fn, *args = KERNELS[name]
+    assert "xla.gpu.triton" in _lowered(fn, *args)
+
+
+def test_control_jnp_remainder_in_a_kernel_loop_fails_to_lower():
+    """The form the matmul kernel's single loop had when the H200 refused it: ``jnp``'s
+    remainder of the loop index lowers to boolean arithmetic Triton's lowering rejects. (The
+    kernel now uses ``lax.rem``.) If this ever lowers, the check above has lost its witness,
+    not its point: drop this test then."""
+
+    def kernel(x_ref, o_ref):
+        def body(i, acc):
+            return jnp.where((i + 1) % 4 == 0, acc + x_ref[...], acc)
+
+        o_ref[...] = jax.lax.fori_loop(0, 8, body, jnp.zeros(o_ref.shape, jnp.float32))
+
+    def call(x):
+        from jax.experimental.pallas import triton as plgpu
+
+        return pl.pallas_call(kernel, out_shape=S((16, 16), jnp.float32),
+                              compiler_params=plgpu.CompilerParams(num_warps=4))(x)
+
+    with pytest.raises(Exception, match="i1"):
+        _lowered(call, S((16, 16), jnp.float32))
+
+
+# -- what a block program is made of --------------------------------------------------------
+
+CONFIG = DenseConfig(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
+
+
+def _program(kernels: str, width: int, monkeypatch) -> str:
+    """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
+    kernels by the default backend, so the test says it is one)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
+    params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
+    cache = jax.eval_shape(lambda: model.init_cache(256))
+    rows = S((width,), jnp.int32)
+    return _lowered(lambda p, c, t, pos, live, head: model.block_forward(p, c, t, pos, live, head),
+                    params, cache, rows, rows, S((), jnp.int32), S((), jnp.bool_))
+
+
+def _float_reductions(text: str) -> list[str]:
+    reductions = re.findall(r"stablehlo\.reduce\(.*", text)
+    return [r for r in reductions if not re.search(r"tensor<[0-9x]*(i1|i32|i64)>", r)]
+
+
+@pytest.mark.parametrize("width", [1, 5, 64])
+def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, monkeypatch):
+    text = _program("rowinv", width, monkeypatch)
+    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rope_store|'
+                                  r'cached_attention)"', text))
+    assert {"row_rms_norm", "rope_store", "cached_attention"} <= kernel_names
+    assert kernel_names & {"rowinv_matvec", "rowinv_matmul"}
+    assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
+    assert _float_reductions(text) == []
+
+
+def test_control_xla_kernels_program_has_products_and_reductions(monkeypatch):
+    text = _program("xla", 5, monkeypatch)
+    assert "stablehlo.dot_general" in text
+    assert _float_reductions(text) != []
