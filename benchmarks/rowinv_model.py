@@ -4,6 +4,7 @@ Run on the GPU machine from the repository root::
 
     PYTHONPATH=. python -m benchmarks.rowinv_model --out /tmp/rowinv_model
     PYTHONPATH=. python -m benchmarks.rowinv_model --parts exact,speed --shapes qwen3-0.6b ...
+    PYTHONPATH=. python -m benchmarks.rowinv_model --preset cpu --parts exact,speed --out /tmp/c
     PYTHONPATH=. python -m benchmarks.rowinv_model --preset smoke --out /tmp/x   # CPU, tiny
 
 Parts (``--parts``, in this order; each case on its own: an error is recorded and the run goes
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import platform
 import time
@@ -46,7 +48,12 @@ from benchmarks.run import SHAPES, Shape, copy_bandwidth, kv_bytes, weight_bytes
 
 #: A shape no test uses: odd head counts, a width that is no power of two, an untied head.
 ODD = Shape("odd-1.3b", "qwen3", 1536, 12, 12, 4, 128, 4608, 50257, False)
-ALL_SHAPES = {**SHAPES, ODD.name: ODD}
+#: A shape a 2-core CPU decodes in seconds (the embedded draft model's order of size).
+SMALL = Shape("small-60m", "qwen3", 512, 8, 8, 4, 64, 1536, 32000, True)
+#: The odd shape's kind at a CPU's size: 6 query heads on 2 KV heads, an MLP width and a
+#: vocabulary that no tile divides, an untied head.
+ODD_SMALL = Shape("odd-small", "qwen3", 384, 3, 6, 2, 64, 1000, 5003, False)
+ALL_SHAPES = {**SHAPES, ODD.name: ODD, SMALL.name: SMALL, ODD_SMALL.name: ODD_SMALL}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +76,10 @@ PRESETS = {
                    contexts=(128, 4096), prefill_lengths=(2048, 8192), new_tokens=256,
                    burst=64, exact_prompt=600, prefill_width=2048, verify_width=5,
                    copies_bytes=256 << 20),
+    "cpu": Preset(shapes=(SMALL.name,), exact_shapes=(SMALL.name, ODD_SMALL.name),
+                  contexts=(128, 1024),
+                  prefill_lengths=(512, 2048), new_tokens=64, burst=16, exact_prompt=300,
+                  prefill_width=256, verify_width=5, copies_bytes=64 << 20),
     "smoke": Preset(shapes=("tiny",), exact_shapes=("tiny",), contexts=(24,),
                     prefill_lengths=(40,), new_tokens=8, burst=4, exact_prompt=37,
                     prefill_width=16, verify_width=3, copies_bytes=1 << 20),
@@ -153,7 +164,7 @@ def _best_time(fn: Any, *args: Any, repeats: int = 5) -> float:
     return best
 
 
-def _xla_product(x: Any, ws: tuple[Any, ...], layout: str) -> Any:
+def _xla_product(x: Any, ws: tuple[Any, ...], layout: str = "kn") -> Any:
     import jax.numpy as jnp
 
     mats = [w.T for w in ws] if layout == "nk" else list(ws)
@@ -177,7 +188,7 @@ def _product_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: 
 
 MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, matvec_warps=8),
                 dict(matvec_bn=256, matvec_warps=8)]
-SEGMENTS = (2, 4, 8)
+SEGMENTS = (2, 4, 8, 16)
 MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, warps=8, stages=3),
                 dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, warps=4, stages=4),
                 dict(bm=64, bn=256, warps=4, stages=4)]
@@ -185,7 +196,6 @@ MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, war
 
 def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
     import jax
-    import jax.numpy as jnp
 
     from turbospark_jax.models.rowinv import Schedule, Tiles, rowinv_matmul
 
@@ -213,20 +223,23 @@ def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
         # wide products: TFLOP/s at prefill widths
         for prod, k, ns, layout in _products_of(shape)[:4]:
             rows = max(preset.prefill_lengths[0], 16)
-            ws = _weights(k, ns, layout, 1, seed=3)[0]
-            x = jax.random.normal(jax.random.PRNGKey(2), (rows, k), jnp.bfloat16)
-            flops = 2 * rows * k * sum(ns)
             label = {"shape": name, "product": prod, "K": k, "N": list(ns), "rows": rows}
-            run.case("wide", {**label, "impl": "xla"}, lambda x=x, ws=ws, layout=layout, flops=flops: {
-                "TFLOPs": round(flops / _best_time(jax.jit(
-                    lambda x, *w: _xla_product(x, w, layout)), x, *ws) / 1e12, 1)})
+            run.case("wide", {**label, "impl": "xla"}, functools.partial(
+                _wide_rate, functools.partial(_xla_product, layout=layout), k, ns, layout, rows))
             for tiles in MATMUL_TILES if sweep else MATMUL_TILES[:1]:
-                t = Tiles(**tiles)
-                run.case("wide", {**label, "impl": "ours", "tiles": tiles},
-                         lambda x=x, ws=ws, layout=layout, t=t, flops=flops: {
-                             "TFLOPs": round(flops / _best_time(jax.jit(
-                                 lambda x, *w: rowinv_matmul(x, w, w_layout=layout, tiles=t)),
-                                 x, *ws) / 1e12, 1)})
+                ours = functools.partial(rowinv_matmul, w_layout=layout, tiles=Tiles(**tiles))
+                run.case("wide", {**label, "impl": "ours", "tiles": tiles}, functools.partial(
+                    _wide_rate, ours, k, ns, layout, rows))
+
+
+def _wide_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: int) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    ws = _weights(k, ns, layout, 1, seed=3)[0]
+    x = jax.random.normal(jax.random.PRNGKey(2), (rows, k), jnp.bfloat16)
+    fn = jax.jit(lambda x, *w: product(x, w))
+    return {"TFLOPs": round(2 * rows * k * sum(ns) / _best_time(fn, x, *ws) / 1e12, 2)}
 
 
 # -- the model ------------------------------------------------------------------------------
@@ -297,9 +310,10 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
     base = runs[0]
     result: dict[str, Any] = {"widths": widths, "prompt": len(prompt), "agree": []}
     for r in runs[1:]:
-        cache_same = all(np.array_equal(a, b) for a, b in zip(base["cache"], r["cache"]))
+        same = lambda key, r=r: all(  # noqa: E731
+            np.array_equal(a, b) for a, b in zip(base[key], r[key], strict=True))
+        cache_same, logits_same = same("cache"), same("logits")
         last_same = np.array_equal(base["last"], r["last"])
-        logits_same = all(np.array_equal(a, b) for a, b in zip(base["logits"], r["logits"]))
         result["agree"].append({"prefill_logits": bool(last_same), "cache": bool(cache_same),
                                 "tokens": r["tokens"] == base["tokens"],
                                 "decode_logits": bool(logits_same)})
@@ -411,15 +425,15 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float) ->
                     run.case("speed", {"shape": name, "kernels": kernels, "width": width,
                                        "workload": "decode", "context": ctx, "sampling": kind,
                                        "roofline_tokens_per_s": round(roof, 1)},
-                             lambda ctx=ctx, kind=kind: decode_speed(
-                                 producer, ctx, p.new_tokens, p.burst, config.vocab_size, kind))
+                             functools.partial(decode_speed, producer, ctx, p.new_tokens,
+                                               p.burst, config.vocab_size, kind))
             for length in p.prefill_lengths:
                 for path in ("exact", "parallel"):
                     run.case("speed", {"shape": name, "kernels": kernels, "width": width,
                                        "prefill_width": prefill_width, "workload": "prefill",
                                        "path": path, "length": length},
-                             lambda length=length, path=path: prefill_speed(
-                                 producer, length, config.vocab_size, path))
+                             functools.partial(prefill_speed, producer, length,
+                                               config.vocab_size, path))
             del producer, params, model
 
 
@@ -436,7 +450,8 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) 
             producer = _producer(model, params, 512, width, preset.burst)
             run.case("profile", {"shape": name, "kernels": kernels, "width": width,
                                  "context": 128},
-                     lambda: profile_burst(producer, 128, preset.burst, config.vocab_size))
+                     functools.partial(profile_burst, producer, 128, preset.burst,
+                                       config.vocab_size))
             del producer, params, model
 
 

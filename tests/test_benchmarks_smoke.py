@@ -173,3 +173,24 @@ def test_delta_rule_kernel_benchmark_compares_the_kernel_with_the_xla_loop(tmp_p
     assert json.loads(out.read_text()) == records
     for r in records:
         assert len(r["max_diff_leaves"]) == 5 and max(r["max_diff_leaves"]) < 1e-2
+
+
+def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
+    """The row-invariant model benchmark on the tiny shape: every width agrees bitwise with
+    kernels="rowinv", XLA's kernels at two widths do not (its control), and the products and
+    speeds come out as records (no timing is asserted)."""
+    from benchmarks import rowinv_model
+
+    assert rowinv_model.main(["--preset", "smoke", "--parts", "products,exact,speed",
+                              "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "rowinv_model.json").read_text())
+    assert data["errors"] == [] and data["skipped"] == []
+    exact = {r["kernels"]: r for r in data["records"] if r["part"] == "exact"}
+    assert exact["rowinv"]["all_equal"] and len(exact["rowinv"]["agree"]) == 2
+    assert not exact["xla"]["all_equal"]
+    speeds = [r for r in data["records"] if r["part"] == "speed"]
+    assert {(r["kernels"], r["workload"]) for r in speeds} == {
+        (k, w) for k in ("rowinv", "xla") for w in ("decode", "prefill")}
+    assert all(r["tokens_per_s"] > 0 for r in speeds)
+    products = [r for r in data["records"] if r["part"] == "products"]
+    assert {r["product"] for r in products} == {"qkv", "o", "gate_up", "down", "head"}

@@ -38,9 +38,10 @@ def _lowered(fn, *args) -> str:
     return exported.mlir_module()
 
 
-def _matmul(x, ws, nk=False, out=BF16, kernel="auto", tiles=Tiles()):
+def _matmul(x, ws, nk=False, out=BF16, kernel="auto", tiles=None):
     # the jitted core, past the check that refuses impl="pallas" on a machine without a GPU
-    return rowinv._rowinv_matmul(x, ws, nk, jnp.dtype(out), "pallas", kernel, Schedule(), tiles)
+    return rowinv._rowinv_matmul(x, ws, nk, jnp.dtype(out), "pallas", kernel, Schedule(),
+                                 tiles or Tiles())
 
 
 ROW, ROWS = S((1, 256), BF16), S((300, 256), BF16)

@@ -179,3 +179,55 @@ def test_bad_inputs_are_refused(case):
 def test_pallas_impl_off_a_gpu_is_refused():
     with pytest.raises(BadInputError, match="interpret"):
         row_rms_norm(X, W, EPS, impl="pallas")
+
+
+# -- the residual's delta as unfinished partial sums (add_parts_rms_norm) ----------------------
+
+def _parts(d: int, count: int, rows: int = ROWS, seed: int = 1) -> jnp.ndarray:
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((count, rows, d)) * 3, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [64, 96])
+@pytest.mark.parametrize("count", [1, 3])
+def test_parts_fused_equal_the_sum_then_the_norm(dtype, d, count):
+    """The kernel that adds the partial sums itself gives the bits of ``sum_parts`` followed
+    by the residual norm: the same additions in the same order."""
+    from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
+    from turbospark_jax.models.rowinv import sum_parts
+
+    _, weight, residual = _inputs(dtype, d)
+    parts = _parts(d, count)
+    h, normed = add_parts_rms_norm(residual, parts, weight, EPS, impl=IMPL)
+    want_h, want = row_rms_norm(sum_parts(parts, residual.dtype), weight, EPS,
+                                residual=residual, impl=IMPL)
+    assert np.array_equal(_bits(h), _bits(want_h)) and np.array_equal(_bits(normed), _bits(want))
+    # rows do not depend on the row count here either
+    h5, normed5 = add_parts_rms_norm(residual[7:12], parts[:, 7:12], weight, EPS, impl=IMPL)
+    assert np.array_equal(_bits(normed5), _bits(normed[7:12]))
+    assert np.array_equal(_bits(h5), _bits(h[7:12]))
+
+
+def test_parts_in_another_order_give_other_bits():
+    """Control: the order of the additions is part of the result (float32 addition does not
+    associate), so the bitwise check above can fail."""
+    from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
+
+    _, weight, residual = _inputs("float32", 64)
+    parts = _parts(64, 3) * jnp.asarray([1.0, 1e8, -1e8])[:, None, None]
+    ahead, _ = add_parts_rms_norm(residual, parts, weight, EPS, impl=IMPL)
+    behind, _ = add_parts_rms_norm(residual, parts[::-1], weight, EPS, impl=IMPL)
+    assert not np.array_equal(_bits(ahead), _bits(behind))
+
+
+def test_parts_bad_input_is_refused():
+    from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
+
+    _, weight, residual = _inputs("bfloat16", 64)
+    parts = _parts(64, 2)
+    for bad in (parts.astype(jnp.bfloat16), parts[:, :5], parts[0], parts[:0]):
+        with pytest.raises(BadInputError, match="parts"):
+            add_parts_rms_norm(residual, bad, weight, EPS, impl=IMPL)
+    with pytest.raises(BadInputError, match="residual"):
+        add_parts_rms_norm(residual.astype(jnp.int32), parts, weight, EPS, impl=IMPL)

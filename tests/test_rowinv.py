@@ -183,3 +183,22 @@ def test_weight_tuple_and_layout_refusals():
         rowinv_matmul(x, w, w_layout="nk")
     with pytest.raises(BadInputError, match="dtype"):
         rowinv_matmul(x, (w, w.astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize(("impl", "kernel"), CASES)
+@pytest.mark.parametrize("out", ["float32", "bfloat16"])
+def test_parts_summed_in_order_are_the_product(impl, kernel, out):
+    """``parts=True`` hands the product over unfinished; ``sum_parts`` finishes it into the
+    same bits the finished call returns (the matvec kernel's two segments here, one part
+    from the others)."""
+    from turbospark_jax.models.rowinv import sum_parts
+
+    x, w = _operands("bfloat16")
+    common = dict(impl=impl, kernel=kernel, schedule=SCHEDULE, tiles=TILES["small"])
+    parts = rowinv_matmul(x, (w[:, :40], w[:, 40:]), parts=True, **common)
+    assert parts.dtype == jnp.float32
+    assert parts.shape == ((2 if kernel == "matvec" else 1), ROWS, N)
+    done = rowinv_matmul(x, (w[:, :40], w[:, 40:]), out_dtype=DTYPES[out], **common)
+    bits = np.uint16 if out == "bfloat16" else np.uint32
+    np.testing.assert_array_equal(np.asarray(sum_parts(parts, DTYPES[out])).view(bits),
+                                  np.asarray(done).view(bits))

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers
-from turbospark_jax.models.rowinv import resolve_impl
+from turbospark_jax.models.rowinv import resolve_impl, sum_parts
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 #: Rows of at most this many (padded) columns run with 4 warps, wider ones with 8.
@@ -45,16 +45,24 @@ def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool) -> None:
-    # Refs in order: x, [weight], [residual], then outputs [h], normed; all blocks are [Dp].
+def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
+                 parts: int) -> None:
+    # Refs in order: x, [weight], [residual], then outputs [h], normed; all blocks are [Dp]
+    # (x's is [parts, Dp] when it comes as float32 partial sums).
     refs = list(refs)
     x_ref = refs.pop(0)
     w_ref = refs.pop(0) if has_weight else None
     r_ref = refs.pop(0) if has_residual else None
     h_out = refs.pop(0) if has_residual else None
     (o_ref,) = refs
-    dtype = x_ref.dtype
-    x = x_ref[...]
+    dtype = o_ref.dtype
+    if parts:  # the partial sums added in order, rounded once: rowinv.sum_parts' arithmetic
+        total = x_ref[0, :]
+        for i in range(1, parts):
+            total = total + x_ref[i, :]
+        x = total.astype(dtype)
+    else:
+        x = x_ref[...]
     if has_residual:
         # float32 has more than twice the bits of bfloat16 or float16, so rounding the
         # float32 sum once more gives the correctly rounded sum: XLA's ``residual + x``.
@@ -69,14 +77,16 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
 
 
 def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-            interpret: bool) -> Any:
-    m, d = x.shape
+            interpret: bool, dtype: Any) -> Any:
+    parts = x.shape[0] if x.ndim == 3 else 0  # [S, M, D]: float32 partial sums
+    m, d = x.shape[-2:]
     dp = _next_power_of_two(d)
     if dp != d:
         pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, dp - d)])  # noqa: E731
         x, weight, residual = (None if a is None else pad(a) for a in (x, weight, residual))
     row = pl.BlockSpec((None, dp), lambda i: (i, 0))
-    operands, specs = [x], [row]
+    first = pl.BlockSpec((parts, None, dp), lambda i: (0, i, 0)) if parts else row
+    operands, specs = [x], [first]
     if weight is not None:
         operands.append(weight)
         specs.append(pl.BlockSpec((dp,), lambda i: (0,)))
@@ -91,13 +101,13 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         warps = 4 if dp <= NARROW_ROW else 8  # from D alone, never from M
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
-                               has_residual=residual is not None)
+                               has_residual=residual is not None, parts=parts)
     out = pl.pallas_call(
         kernel,
         grid=(m,),
         in_specs=specs,
         out_specs=[row] * outs,
-        out_shape=[jax.ShapeDtypeStruct((m, dp), x.dtype)] * outs,
+        out_shape=[jax.ShapeDtypeStruct((m, dp), dtype)] * outs,
         interpret=interpret,
         name="row_rms_norm",
         **kwargs,
@@ -109,13 +119,27 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
 @functools.partial(jax.jit, static_argnames=("eps", "impl"))
 def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None,
                   eps: float, impl: str) -> Any:
+    return _norm(x, weight, residual, eps, impl, parts=False)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "impl"))
+def _add_parts_rms_norm(residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
+                        eps: float, impl: str) -> Any:
+    return _norm(parts, weight, residual, eps, impl, parts=True)
+
+
+def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
+          impl: str, parts: bool) -> Any:
+    dtype = residual.dtype if parts else x.dtype
     if impl == "xla":
-        h = x if residual is None else residual + x
+        delta = sum_parts(x, dtype) if parts else x
+        h = delta if residual is None else residual + delta
         normed = layers.rms_norm(h, weight, eps)
         return normed if residual is None else (h, normed)
-    shape = x.shape
+    shape = residual.shape if parts else x.shape
     rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
-    out = _pallas(rows(x), weight, rows(residual), eps, interpret=impl == "interpret")
+    first = x.reshape(x.shape[0], -1, shape[-1]) if parts else rows(x)
+    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype)
     if residual is None:
         return out.reshape(shape)
     return tuple(o.reshape(shape) for o in out)
@@ -123,6 +147,27 @@ def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | 
 
 def _shape(a: Any) -> Any:
     return tuple(a.shape) if hasattr(a, "shape") else type(a).__name__
+
+
+def _check(x: Any, weight: Any, residual: Any, eps: Any, name: str = "x") -> None:
+    if getattr(x, "ndim", 0) < 1 or x.size == 0:
+        raise BadInputError(f"{name} must be a non-empty array [..., D] of at least one axis; "
+                            f"got shape {_shape(x)}")
+    if jnp.dtype(x.dtype) not in _DTYPES:
+        raise BadInputError(f"{name} must be bfloat16, float16 or float32; got {x.dtype}")
+    d = x.shape[-1]
+    if weight is not None and (getattr(weight, "shape", None) != (d,)
+                               or weight.dtype != x.dtype):
+        raise BadInputError(
+            f"weight must be [D] = [{d}] in {name}'s dtype {x.dtype} (or None for a scale-free "
+            f"norm); got shape {_shape(weight)}, dtype {getattr(weight, 'dtype', None)}")
+    if residual is not None and (getattr(residual, "shape", None) != x.shape
+                                 or residual.dtype != x.dtype):
+        raise BadInputError(
+            f"residual must match x: shape {tuple(x.shape)}, dtype {x.dtype}; got shape "
+            f"{_shape(residual)}, dtype {getattr(residual, 'dtype', None)}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise BadInputError(f"eps must be a Python number (it is static); got {eps!r}")
 
 
 def row_rms_norm(
@@ -159,22 +204,43 @@ def row_rms_norm(
         shape and dtype; ``eps`` not a real number; an unknown ``impl``, or ``"pallas"`` off a
         GPU.
     """
-    if getattr(x, "ndim", 0) < 1 or x.size == 0:
-        raise BadInputError(f"x must be a non-empty array [..., D] of at least one axis; got "
-                            f"shape {_shape(x)}")
-    if jnp.dtype(x.dtype) not in _DTYPES:
-        raise BadInputError(f"x must be bfloat16, float16 or float32; got {x.dtype}")
-    d = x.shape[-1]
-    if weight is not None and (getattr(weight, "shape", None) != (d,)
-                               or weight.dtype != x.dtype):
-        raise BadInputError(
-            f"weight must be [D] = [{d}] in x's dtype {x.dtype} (or None for a scale-free "
-            f"norm); got shape {_shape(weight)}, dtype {getattr(weight, 'dtype', None)}")
-    if residual is not None and (getattr(residual, "shape", None) != x.shape
-                                 or residual.dtype != x.dtype):
-        raise BadInputError(
-            f"residual must match x: shape {tuple(x.shape)}, dtype {x.dtype}; got shape "
-            f"{_shape(residual)}, dtype {getattr(residual, 'dtype', None)}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-        raise BadInputError(f"eps must be a Python number (it is static); got {eps!r}")
+    _check(x, weight, residual, eps)
     return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl))
+
+
+def add_parts_rms_norm(
+    residual: jax.Array,
+    parts: jax.Array,
+    weight: jax.Array | None,
+    eps: float,
+    *,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`row_rms_norm` of ``h = residual + delta``, where ``delta`` comes unfinished: the
+    float32 partial sums over K of a row-invariant product
+    (:func:`~turbospark_jax.models.rowinv.rowinv_matmul` with ``parts=True``), which the
+    kernel adds in order and rounds to ``residual``'s dtype itself
+    (:func:`~turbospark_jax.models.rowinv.sum_parts`' arithmetic). Bitwise the same as
+    ``row_rms_norm(sum_parts(parts, residual.dtype), weight, eps, residual=residual)``, in one
+    launch instead of two.
+
+    Args:
+      residual: ``[..., D]``, bfloat16, float16 or float32.
+      parts: float32 ``[S, ..., D]``: ``S`` partial sums of the rows ``residual`` has.
+      weight, eps, impl: as for :func:`row_rms_norm`.
+
+    Returns:
+      ``(h, normed)``, both ``[..., D]`` in ``residual``'s dtype.
+
+    Raises:
+      BadInputError: ``parts`` not float32 of ``residual``'s shape behind a leading axis;
+        the rest as :func:`row_rms_norm` raises for ``x``.
+    """
+    _check(residual, weight, None, eps, name="residual")
+    if (getattr(parts, "dtype", None) != jnp.float32 or getattr(parts, "ndim", 0) < 2
+            or tuple(parts.shape[1:]) != tuple(residual.shape) or parts.shape[0] < 1):
+        raise BadInputError(
+            f"parts must be float32 [S, *residual.shape] = [S, "
+            f"{', '.join(map(str, residual.shape))}] with S >= 1; got shape {_shape(parts)}, "
+            f"dtype {getattr(parts, 'dtype', None)}")
+    return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl))

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 
 #: Rows of the fixed-shape dots of the XLA form, and of the matvec kernel's row tile (Triton's
@@ -275,7 +276,7 @@ class _Columns:
         if all(n % self.bn == 0 for n in self.widths):
             return out[:, : sum(self.widths)]
         return jnp.concatenate([out[:, o * self.bn : o * self.bn + n]
-                                for o, n in zip(self.offsets, self.widths)], axis=1)
+                                for o, n in zip(self.offsets, self.widths, strict=False)], axis=1)
 
 
 def _weights_padded(ws: tuple[jax.Array, ...], kp: int, bn: int, nk: bool) -> list[jax.Array]:
@@ -314,13 +315,13 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
 
 def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
             schedule: Schedule, tiles: Tiles, interpret: bool) -> jax.Array:
+    """The matvec kernel's float32 partial products, one per segment: ``[S, M, N]``."""
     m, k = x.shape
     kp, count, per = schedule.plan(k)
     segments, seg_len = count // per, per * schedule.k_tile
     bn = tiles.matvec_bn
     cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
     mp = _ceil_to(m, ROW_TILE)
-    one = segments == 1  # the only partial is the result: written in the output dtype
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
                                tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk,
                                offsets=cols.offsets)
@@ -336,17 +337,22 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
         grid=(mp // ROW_TILE, cols.offsets[-1], segments),
         in_specs=[pl.BlockSpec((ROW_TILE, seg_len), lambda i, j, s: (i, s)), *w_specs],
         out_specs=pl.BlockSpec((None, ROW_TILE, bn), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((segments, mp, width), out_dtype if one else jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((segments, mp, width), jnp.float32),
         interpret=interpret,
         name="rowinv_matvec",
         **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
     )(_pad(x, mp, kp), *_weights_padded(ws, kp, bn, nk))
-    if one:
-        return cols.gather(partials[0], m)
-    total = partials[0]  # == -0.0 + partials[0], as the matmul kernel starts
-    for s in range(1, segments):  # in order, as the matmul kernel adds them
-        total = total + partials[s]
-    return cols.gather(total.astype(out_dtype), m)
+    return jax.vmap(lambda p: cols.gather(p, m))(partials)
+
+
+def sum_parts(parts: jax.Array, dtype: Any) -> jax.Array:
+    """The product whose partial sums over K are ``parts [S, ...]`` (as
+    :func:`rowinv_matmul` returns them with ``parts=True``): added in order, one after another,
+    as the matmul kernel folds its segments, then rounded once to ``dtype``."""
+    total = parts[0]  # == -0.0 + parts[0], as the matmul kernel starts
+    for s in range(1, parts.shape[0]):
+        total = total + parts[s]
+    return total.astype(dtype)
 
 
 def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> Any:
@@ -397,15 +403,20 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
 
 
 @functools.partial(jax.jit, static_argnames=("nk", "out_dtype", "impl", "kernel", "schedule",
-                                             "tiles"))
+                                             "tiles", "parts"))
 def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any, impl: str,
-                   kernel: str, schedule: Schedule, tiles: Tiles) -> jax.Array:
+                   kernel: str, schedule: Schedule, tiles: Tiles,
+                   parts: bool = False) -> jax.Array:
+    dtype = jnp.dtype(jnp.float32) if parts else out_dtype
     if impl == "xla":
-        return _xla_tiled(x, ws, nk, out_dtype)
+        out = _xla_tiled(x, ws, nk, dtype)
+        return out[None] if parts else out
     interpret = impl == "interpret"
     if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
-        return _matvec(x, ws, nk, out_dtype, schedule, tiles, interpret)
-    return _matmul(x, ws, nk, out_dtype, schedule, tiles, interpret)
+        partials = _matvec(x, ws, nk, out_dtype, schedule, tiles, interpret)
+        return partials if parts else sum_parts(partials, out_dtype)
+    out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret)
+    return out[None] if parts else out
 
 
 def resolve_impl(impl: str) -> str:
@@ -437,6 +448,7 @@ def rowinv_matmul(
     kernel: str = "auto",
     schedule: Schedule = Schedule(),
     tiles: Tiles = Tiles(),
+    parts: bool = False,
 ) -> jax.Array:
     """``x @ w`` accumulated in float32, with each row's result independent of the others'.
 
@@ -458,9 +470,14 @@ def rowinv_matmul(
         :data:`SMALL_M` rows, matmul above).
       schedule: the reduction order over ``K`` (Pallas impls only).
       tiles: the kernels' tile sizes and Triton settings (speed only).
+      parts: return the product unfinished, as float32 partial sums over K ``[S, M, N]``
+        (``S`` segments from the matvec kernel, 1 from the others) that :func:`sum_parts`
+        finishes: bitwise the finished product. A consumer kernel that adds them itself
+        (``pallas_row_norm``, ``pallas_rope_store``) saves the launch that would add them.
 
     Returns:
-      ``[M, N]`` (or ``[M, N1 + N2 + ...]``) in ``out_dtype``.
+      ``[M, N]`` (or ``[M, N1 + N2 + ...]``) in ``out_dtype``; with ``parts``, float32
+      ``[S, M, N]``.
 
     Raises:
       BadInputError: operands that are not 2-D, empty, of different or unsupported dtypes,
@@ -491,4 +508,5 @@ def rowinv_matmul(
         raise BadInputError(f"out_dtype must be bfloat16, float16 or float32; got {out}")
     if kernel not in KERNELS:
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
-    return _rowinv_matmul(x, ws, nk, out, resolve_impl(impl), kernel, schedule, tiles)
+    return _rowinv_matmul(x, ws, nk, out, resolve_impl(impl), kernel, schedule, tiles,
+                          as_bool("parts", parts))
