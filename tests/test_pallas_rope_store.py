@@ -125,3 +125,24 @@ def test_model_with_kernel_agrees_with_model_without(model_type):
         logits.append(np.asarray(out))
     # On a GPU float32 matrix products run in TF32, and one q/k/v product rounds unlike three.
     np.testing.assert_allclose(logits[0], logits[1], atol=2e-2 if ON_GPU else 1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("count", [1, 3])
+def test_partial_sums_give_the_bits_of_the_finished_projection(dtype, qk_norm, count):
+    """Fed the projection as float32 partial sums, the kernel adds them itself: the queries
+    and both caches come out bitwise as from ``sum_parts`` followed by the kernel."""
+    from turbospark_jax.models.rowinv import sum_parts
+
+    qkv, cos, sin, pos, caches, norms = _inputs(1, dtype)
+    norms = norms if qk_norm else {}
+    rng = np.random.default_rng(9)
+    parts = jnp.asarray(rng.standard_normal((count, *qkv.shape)), jnp.float32)
+    write_at = pos
+    got = _run(parts, cos, sin, write_at, caches, norms)
+    want = _run(sum_parts(parts, dtype), cos, sin, write_at, caches, norms)
+    # padding query rows are never written: compare the real ones
+    pairs = [(got[0][:, :ROWS], want[0][:, :ROWS]), (got[1], want[1]), (got[2], want[2])]
+    for g, w in pairs:
+        assert np.array_equal(_bits(g), _bits(w))

@@ -9,11 +9,12 @@ control runs the same check with XLA's own kernels, where it fails in float32.
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.dense import DenseModel
+from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.testing import conformance as C
 
@@ -63,3 +64,38 @@ def test_kernels_is_checked():
         DenseModel(cfg, kernels="pallas")
     with pytest.raises(BadInputError, match="attention='interpret'"):
         DenseModel(cfg, kernels="rowinv", attention="interpret")
+
+
+# -- products handed on unfinished (DenseModel.defers_sums) -----------------------------------
+
+def _prefill_bits(model: DenseModel, params, width: int = 1) -> tuple[np.ndarray, list]:
+    producer = BlockProducer(model, params, capacity=64, width=width, prefill_width=16)
+    logits, state = producer.prefill_chunk(producer.init_state(), PROMPT, 0)
+    return (np.asarray(logits).view(np.uint32),
+            [np.asarray(a).view(np.uint8) for a in jax.tree.leaves(state.cache)])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_deferred_sums_give_the_bits_of_finished_products(dtype):
+    """Listed (unrolled) layers hand each product on as partial sums that the next norm adds;
+    stacked layers run as a scan finish every product first. Same arithmetic, same bits:
+    logits and every cache leaf. And the deferring model's widths agree too."""
+    model = _model("qwen3", dtype, "rowinv")
+    stacked = model.init_params(jax.random.PRNGKey(3))
+    listed = unstack_layers(stacked)
+    assert model.defers_sums(listed["layers"]) and not model.defers_sums(stacked["layers"])
+    logits, cache = _prefill_bits(model, stacked)
+    logits_l, cache_l = _prefill_bits(model, listed)
+    assert np.array_equal(logits, logits_l)
+    assert all(np.array_equal(a, b) for a, b in zip(cache, cache_l, strict=True))
+    decoder, prefiller = (BlockProducer(model, listed, capacity=64, width=w) for w in (1, 16))
+    C.check_widths_agree(decoder, prefiller, PROMPT, CUTS, FEED)
+
+
+def test_control_deferred_check_sees_one_changed_weight():
+    model = _model("qwen3", jnp.float32, "rowinv")
+    listed = unstack_layers(model.init_params(jax.random.PRNGKey(3)))
+    logits, _ = _prefill_bits(model, listed)
+    w = listed["layers"][1]["down_proj"]
+    listed["layers"][1]["down_proj"] = w.at[0, 0].set(w[0, 0] * 1.5)
+    assert not np.array_equal(logits, _prefill_bits(model, listed)[0])

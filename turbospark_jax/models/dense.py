@@ -357,6 +357,54 @@ class DenseModel(BlockModel):
 
         return layer
 
+    def defers_sums(self, layers: Params) -> bool:
+        """Whether the layers hand their residual deltas on unfinished (``kernels="rowinv"``,
+        unrolled layers, no biases after a product, no tap layers): each output projection
+        and MLP gives float32 partial sums over K, which the next norm's kernel adds to the
+        residual itself (:func:`~turbospark_jax.models.row_kernels.add_norm`), and the q/k/v
+        product's partial sums go to the RoPE-and-cache-write kernel. Bitwise the same
+        arithmetic as finishing every product first, with the launches that would finish
+        them saved (two or three a layer at decode widths)."""
+        c = self.config
+        return (self.kernels == "rowinv" and not self._scans(layers) and not self.tap_layers
+                and not c.o_bias and not c.has_mlp_bias)
+
+    def _deferring_layer(self, attention: Attention) -> LayerFn:
+        """:meth:`_layer` over a hidden state carried as ``(h, pending)``: the rows are
+        ``h`` plus the previous layer's MLP output, still as partial sums (``pending``;
+        None before the first layer). See :meth:`defers_sums`."""
+        eps = self.config.rms_norm_eps
+        kernels = self.kernels
+
+        def layer(x: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
+            h, pending = x
+            with jax.named_scope("attention"):
+                if pending is None:
+                    normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
+                else:
+                    h, normed = row_kernels.add_norm(kernels, h, pending,
+                                                     lp["input_layernorm"], eps)
+                attn, kv = attention(normed, lp, kv, index, window)
+                w_o = lp["o_proj"]
+                o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
+                                             w_o.reshape(-1, w_o.shape[-1]))
+            with jax.named_scope("mlp"):
+                h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
+                                                 eps)
+                f = lp["gate_proj"].shape[1]
+                gu = row_kernels.matmul(kernels, normed, (lp["gate_proj"], lp["up_proj"]))
+                act = jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
+                pending = row_kernels.matmul_parts(kernels, act, lp["down_proj"])
+            return (h, pending), kv
+
+        return layer
+
+    def _layers_in(self, layers: Params, x: jax.Array, attention: Attention) -> tuple[Any, Any]:
+        """The hidden state and layer function :meth:`_run_layers` starts from."""
+        if self.defers_sums(layers):
+            return (x, None), self._deferring_layer(attention)
+        return x, self._layer(attention)
+
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
         inv_freq, scale = rope_inv_freq(
@@ -391,9 +439,14 @@ class DenseModel(BlockModel):
             if self.kernels == "rowinv" else None,
         )
 
-    def _head(self, params: Params, x: jax.Array) -> jax.Array:
-        """Final norm and output head. x [W, D] -> float32 logits [W, V]."""
-        h = row_kernels.rms_norm(self.kernels, x, params["norm"], self.config.rms_norm_eps)
+    def _head(self, params: Params, x: Any) -> jax.Array:
+        """Final norm and output head. x [W, D] (or ``(h, pending)``, see
+        :meth:`defers_sums`) -> float32 logits [W, V]."""
+        eps = self.config.rms_norm_eps
+        if isinstance(x, tuple):
+            _, h = row_kernels.add_norm(self.kernels, x[0], x[1], params["norm"], eps)
+        else:
+            h = row_kernels.rms_norm(self.kernels, x, params["norm"], eps)
         if self.kernels == "rowinv":  # a tied table [V, D] is read in place, not transposed
             if self.config.tie_word_embeddings:
                 return row_kernels.matmul(self.kernels, h, params["embed_tokens"], jnp.float32,
@@ -512,8 +565,8 @@ class DenseModel(BlockModel):
             self, per_layer=cache.per_layer, capacity=capacity, fresh=fresh, positions=positions,
             write_at=write_at, cos=cos, sin=sin, key_positions=key_positions, limit=limit,
         )
-        ran = self._run_layers(params["layers"], x, (cache.k, cache.v), self._layer(attention),
-                               self.tap_layers)
+        x, layer = self._layers_in(params["layers"], x, attention)
+        ran = self._run_layers(params["layers"], x, (cache.k, cache.v), layer, self.tap_layers)
         x, (k_all, v_all) = ran[:2]
         if self.tap_layers:  # [K, W, D] -> rows [W, K, D] at each live row's position
             taps = jnp.swapaxes(ran[2], 0, 1)
@@ -547,7 +600,8 @@ class DenseModel(BlockModel):
             cos, sin = self._rope(positions)
 
         attention = sequence_attention(self.config, positions, cos, sin, self.kernels)
-        x, _ = self._run_layers(params["layers"], x, None, self._layer(attention))
+        x, layer = self._layers_in(params["layers"], x, attention)
+        x, _ = self._run_layers(params["layers"], x, None, layer)
         with jax.named_scope("head"):
             return self._head(params, x)
 

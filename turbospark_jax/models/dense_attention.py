@@ -62,9 +62,13 @@ def _projections(
 def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: str) -> jax.Array:
     """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
     reads the three weights straight into its matrix kernel, and the row-invariant kernel
-    takes them as three operands of one launch: neither copies them.)"""
+    takes them as three operands of one launch: neither copies them.) Under ``"rowinv"``
+    without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
+    which the RoPE-and-cache-write kernel adds itself."""
     d = h.shape[-1]
     names = ("q_proj", "k_proj", "v_proj")
+    if kernels == "rowinv" and not config.qkv_bias:
+        return row_kernels.matmul_parts(kernels, h, tuple(lp[n].reshape(d, -1) for n in names))
     if kernels == "rowinv":
         qkv = row_kernels.matmul(kernels, h, tuple(lp[n].reshape(d, -1) for n in names))
     else:

@@ -60,7 +60,7 @@ def rope_store_xla(
 
 
 def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
-                       kv_heads: int) -> None:
+                       kv_heads: int, parts: int) -> None:
     if qk_norm:
         at_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, _, _, q_out, k_out, v_out = refs
     else:
@@ -72,12 +72,22 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
     first, second = pl.ds(0, half), pl.ds(half, half)
     cos, sin = cos_ref[first][None, :], sin_ref[first][None, :]  # both halves are equal
 
+    def load(heads_at: Any, columns: Any) -> jax.Array:
+        """The projection's values at these heads and columns; from partial sums, added in
+        order and rounded once (``rowinv.sum_parts``' arithmetic)."""
+        if not parts:
+            return qkv_ref[heads_at, columns]
+        total = qkv_ref[0, heads_at, columns]
+        for i in range(1, parts):
+            total = total + qkv_ref[i, heads_at, columns]
+        return total.astype(q_out.dtype)
+
     def rotate(start: Any, n: int, w_ref: Any) -> tuple[jax.Array, jax.Array]:
         """Heads ``start..start+n`` of this row, normed (optionally) and rotated: halves."""
         heads_at = pl.ds(start, n)
-        x1, x2 = qkv_ref[heads_at, first], qkv_ref[heads_at, second]  # [n, hd/2] each
+        x1, x2 = load(heads_at, first), load(heads_at, second)  # [n, hd/2] each
         if w_ref is not None:  # per-head RMSNorm first, rounded as rms_norm rounds it
-            full = qkv_ref[heads_at, :].astype(jnp.float32)
+            full = load(heads_at, slice(None)).astype(jnp.float32)
             inv = jax.lax.rsqrt(jnp.mean(full * full, axis=1) + eps)[:, None]
             x1 = w_ref[first][None, :] * (x1.astype(jnp.float32) * inv).astype(x1.dtype)
             x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
@@ -94,7 +104,7 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
         k1, k2 = rotate(heads + h, 1, kn_ref)
         k_out[at, pl.ds(h, 1), first] = k1
         k_out[at, pl.ds(h, 1), second] = k2
-        v_out[at, pl.ds(h, 1), :] = qkv_ref[pl.ds(heads + kv_heads + h, 1), :]
+        v_out[at, pl.ds(h, 1), :] = load(pl.ds(heads + kv_heads + h, 1), slice(None))
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
@@ -110,7 +120,12 @@ def rope_store(
     are updated in place (the outputs alias them).
 
     Args:
-      qkv: ``[W, (H + 2 KV) * hd]``: each row's q heads, then k heads, then v heads.
+      qkv: ``[W, (H + 2 KV) * hd]``: each row's q heads, then k heads, then v heads; or that
+        product unfinished, float32 partial sums ``[S, W, (H + 2 KV) * hd]``
+        (:func:`~turbospark_jax.models.rowinv.rowinv_matmul` with ``parts=True``), which the
+        kernel adds in order and rounds to the cache's dtype as
+        :func:`~turbospark_jax.models.rowinv.sum_parts` does (bitwise the same as passing
+        the finished product, one launch fewer).
       cos, sin: ``[W, hd]`` rotary tables.
       write_at: int32 ``[W]`` the cache row each block row writes (``>= C``: none; the live
         targets must be distinct).
@@ -125,17 +140,24 @@ def rope_store(
       ``[KV, R, hd]`` (see :func:`~turbospark_jax.models.pallas_attention.arrange_queries`;
       its padding rows are left unwritten), and the caches with the live rows written.
     """
-    width = qkv.shape[0]
+    parts = qkv.shape[0] if qkv.ndim == 3 else 0
+    width = qkv.shape[-2]
     capacity, kv_heads, head_dim = k_cache.shape
     dtype = k_cache.dtype
     rows = query_rows(width, heads, kv_heads, capacity)
     qk_norm = q_norm is not None
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h: (0,) * len(shape))  # noqa: E731
-    operands = [write_at.astype(jnp.int32),
-                qkv.reshape(width, heads + 2 * kv_heads, head_dim).astype(dtype),
-                cos.astype(dtype), sin.astype(dtype)]
+    if parts:
+        projection = qkv.reshape(parts, width, heads + 2 * kv_heads, head_dim)
+        projection_spec = pl.BlockSpec((parts, None, heads + 2 * kv_heads, head_dim),
+                                       lambda r, h: (0, r, 0, 0))
+    else:
+        projection = qkv.reshape(width, heads + 2 * kv_heads, head_dim).astype(dtype)
+        projection_spec = pl.BlockSpec((None, heads + 2 * kv_heads, head_dim),
+                                       lambda r, h: (r, 0, 0))
+    operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
     specs = [pl.BlockSpec((1,), lambda r, h: (r,)),
-             pl.BlockSpec((None, heads + 2 * kv_heads, head_dim), lambda r, h: (r, 0, 0)),
+             projection_spec,
              pl.BlockSpec((None, head_dim), lambda r, h: (r, 0)),
              pl.BlockSpec((None, head_dim), lambda r, h: (r, 0))]
     if qk_norm:
@@ -143,7 +165,7 @@ def rope_store(
         specs += [whole((head_dim,)), whole((head_dim,))]
     cache = whole((capacity, kv_heads, head_dim))
     kernel = functools.partial(_rope_store_kernel, eps=eps, qk_norm=qk_norm, capacity=capacity,
-                               heads=heads, kv_heads=kv_heads)
+                               heads=heads, kv_heads=kv_heads, parts=parts)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers
-from turbospark_jax.models.rowinv import row_tiled, rowinv_matmul
+from turbospark_jax.models.rowinv import row_tiled, rowinv_matmul, sum_parts
 
 #: Values of a model's ``kernels`` field.
 KERNELS = ("xla", "rowinv")
@@ -58,6 +58,29 @@ def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     if out_dtype is None:
         return x @ w
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
+
+
+def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...]) -> jax.Array:
+    """``x @ w`` under ``"rowinv"``, unfinished: float32 partial sums over K ``[S, W, N]``
+    (:func:`~turbospark_jax.models.rowinv.sum_parts` finishes them; so do
+    :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
+    if kernels != "rowinv":
+        raise BadInputError(f"partial sums come from the row-invariant kernels; got {kernels!r}")
+    return rowinv_matmul(x, w, parts=True)
+
+
+def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
+             eps: float) -> tuple[jax.Array, jax.Array]:
+    """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
+    ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
+    add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
+    ``h`` exactly as finishing the product and adding it would."""
+    if _on_gpu():
+        from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
+
+        return add_parts_rms_norm(residual, parts, weight, eps)
+    h = residual + sum_parts(parts, residual.dtype)
+    return h, rms_norm(kernels, h, weight, eps)
 
 
 def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
