@@ -195,8 +195,8 @@ def cached_attention(
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
         qr, k_layer, v_layer = pallas_rope_store.rope_store(
-            _merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index], v_all[index],
-            c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+            _merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
+            v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
             interpret=rope_store == "interpret",
         )
         kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
