@@ -13,7 +13,7 @@
   the fused kernel in its row-invariant form where the dense model's cache is per layer
   (:mod:`~turbospark_jax.models.dense_attention`). On the CPU, where XLA's own reductions
   and products change with the row count, the norm, RoPE and attention run in fixed-shape
-  tiles of :data:`~turbospark_jax.models.rowinv.ROW_TILE` rows
+  tiles of :data:`~turbospark_jax.models.rowinv.XLA_ROW_TILE` rows
   (:func:`~turbospark_jax.models.rowinv.row_tiled`).
 """
 

@@ -21,14 +21,15 @@ On a GPU two Pallas (Triton) kernels follow that schedule:
 
 Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them.
 
-On other backends the product runs as XLA dots of one fixed shape, ``[ROW_TILE, K] @ [K, N]``
-over the rows in tiles (:func:`_xla_tiled`). XLA's CPU dot is not row-invariant by itself (a
-single row takes a matrix-vector path that sums differently; small float32 products switch
-algorithm with the row count), but a dot of one fixed shape computes each of its rows alike,
-whatever the row holds and wherever it sits; ``tests/test_rowinv.py`` checks both facts.
-In the Pallas interpreter the kernels' tile products are such dots too, so the interpreted
-kernels show the schedule's invariance on a CPU; the hardware's own tile product is checked
-on the GPU by ``benchmarks/rowinv.py``.
+On other backends the product runs as XLA dots of one fixed shape,
+``[XLA_ROW_TILE, K] @ [K, N]``, over the rows in tiles (:func:`_xla_tiled`). XLA's CPU dot is
+not row-invariant by itself (a single row takes a matrix-vector path that sums differently;
+small float32 products switch algorithm with the row count), but a dot of one fixed shape
+computes each of its rows alike, whatever the row holds and wherever it sits;
+``tests/test_rowinv.py`` checks both facts. In the Pallas interpreter the kernels' tile
+products are such dots too, so the interpreted kernels show the schedule's invariance on a
+CPU; the hardware's own tile product is checked on the GPU by ``benchmarks/rowinv.py`` and
+``benchmarks/rowinv_model.py``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ from jax.experimental import pallas as pl
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 
-#: Rows of the fixed-shape dots of the XLA form, and of the matvec kernel's row tile (Triton's
-#: smallest matrix-product tile).
+#: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
+#: interpreter's tile products.
 ROW_TILE = 16
+#: Rows of the fixed-shape tiles of the XLA form (:func:`row_tiled`): every row runs one dot
+#: (or norm, or attention) of this many rows. Four on a 2-core CPU (jax 0.10, f32, K=512,
+#: N=3072): a one-row call, padded to two tiles, costs 1.3x XLA's own one-row dot (16-row
+#: tiles: 4.2x), and 256 rows 1.07x XLA's dot (16-row tiles: 0.9x).
+XLA_ROW_TILE = 4
 #: :func:`row_tiled` runs at least this many tiles: XLA inlines a loop of one trip into the
 #: program around it and compiles its body differently there (with full optimisation on the
 #: CPU, a norm's rows came out differently from the same body in a loop).
@@ -356,7 +362,7 @@ def sum_parts(parts: jax.Array, dtype: Any) -> jax.Array:
 
 
 def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> Any:
-    """``fn`` applied to the rows of ``rows`` in tiles of :data:`ROW_TILE`, as one loop over
+    """``fn`` applied to the rows of ``rows`` in tiles of :data:`XLA_ROW_TILE`, as one loop over
     one compiled body of a fixed shape.
 
     Every array of ``rows`` shares its leading (row) axis; the last tile is padded with zero
@@ -372,7 +378,7 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> 
 
     Args:
       fn: ``(*tiles, *shared) -> pytree`` of arrays with a leading axis of
-        :data:`ROW_TILE` rows.
+        :data:`XLA_ROW_TILE` rows.
       rows: arrays ``[M, ...]``.
       shared: arrays every tile's ``fn`` reads whole (weights, keys).
 
@@ -380,10 +386,10 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> 
       ``fn``'s pytree with each leaf ``[M, ...]``.
     """
     m = rows[0].shape[0]
-    mp = max(_ceil_to(m, ROW_TILE), MIN_TILES * ROW_TILE)
+    mp = max(_ceil_to(m, XLA_ROW_TILE), MIN_TILES * XLA_ROW_TILE)
     tiles = tuple(
         jnp.pad(a, [(0, mp - m)] + [(0, 0)] * (a.ndim - 1)).reshape(
-            mp // ROW_TILE, ROW_TILE, *a.shape[1:])
+            mp // XLA_ROW_TILE, XLA_ROW_TILE, *a.shape[1:])
         for a in rows
     )
     tiles, shared = jax.lax.optimization_barrier((tiles, tuple(shared)))
@@ -392,7 +398,8 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> 
 
 
 def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any) -> jax.Array:
-    """The product as one fixed-shape dot per ``ROW_TILE`` rows (a loop, one dot compiled)."""
+    """The product as one fixed-shape dot per ``XLA_ROW_TILE`` rows (a loop, one dot
+    compiled)."""
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0 if nk else 1)
     dims = (((1,), (1 if nk else 0,)), ((), ()))
     return row_tiled(
