@@ -191,7 +191,10 @@ MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, mat
 SEGMENTS = (2, 4, 8, 16)
 MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, warps=8, stages=3),
                 dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, warps=4, stages=4),
-                dict(bm=64, bn=256, warps=4, stages=4)]
+                dict(bm=64, bn=256, warps=4, stages=4),
+                dict(bm=128, bn=128, warps=8, stages=3, flat_loop=True),
+                dict(bm=128, bn=256, warps=8, stages=3, flat_loop=True),
+                dict(bm=128, bn=128, warps=4, stages=4, flat_loop=True)]
 
 
 def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:

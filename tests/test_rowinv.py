@@ -202,3 +202,14 @@ def test_parts_summed_in_order_are_the_product(impl, kernel, out):
     bits = np.uint16 if out == "bfloat16" else np.uint32
     np.testing.assert_array_equal(np.asarray(sum_parts(parts, DTYPES[out])).view(bits),
                                   np.asarray(done).view(bits))
+
+
+def test_a_vocabulary_wide_product_walks_k_in_one_segment():
+    """``schedule_for`` reads the weight's shape only: one segment from WIDE_N columns on
+    (no partial sums for the head), the default segments below."""
+    from turbospark_jax.models.rowinv import WIDE_N, schedule_for
+
+    for k in (512, 2048, 3000):
+        _, tiles, per = schedule_for(k, WIDE_N).plan(k)
+        assert per == tiles
+        assert schedule_for(k, WIDE_N - 1) == Schedule()

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers
-from turbospark_jax.models.rowinv import row_tiled, rowinv_matmul, sum_parts
+from turbospark_jax.models.rowinv import row_tiled, rowinv_matmul, schedule_for, sum_parts
 
 #: Values of a model's ``kernels`` field.
 KERNELS = ("xla", "rowinv")
@@ -50,7 +50,8 @@ def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     ``w`` may be a tuple of weights whose products come out side by side (one launch under
     ``"rowinv"``), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied head)."""
     if kernels == "rowinv":
-        return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype)
+        return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype,
+                             schedule=_schedule(x, w, w_layout))
     ws = w if isinstance(w, tuple) else (w,)
     if w_layout == "nk":
         ws = tuple(a.T for a in ws)
@@ -66,7 +67,12 @@ def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...
     :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
     if kernels != "rowinv":
         raise BadInputError(f"partial sums come from the row-invariant kernels; got {kernels!r}")
-    return rowinv_matmul(x, w, parts=True)
+    return rowinv_matmul(x, w, parts=True, schedule=_schedule(x, w, "kn"))
+
+
+def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
+    ws = w if isinstance(w, tuple) else (w,)
+    return schedule_for(x.shape[-1], sum(a.shape[0 if w_layout == "nk" else 1] for a in ws))
 
 
 def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,

@@ -98,6 +98,21 @@ class Schedule:
         return tiles * self.k_tile, tiles, per
 
 
+#: From this many output columns on (a vocabulary), :func:`schedule_for` walks K in one
+#: segment: the column blocks alone give the GPU thousands of programs.
+WIDE_N = 32768
+
+
+def schedule_for(k: int, n: int) -> "Schedule":
+    """The schedule a model's ``[*, k] @ [k, n]`` product runs on: a function of the weight's
+    shape alone (never of the row count), so programs of every width share it. One segment
+    for a vocabulary-wide ``n`` (no partial sums to write out and add back, a 33 MB round
+    trip for the 1B shape's head at 16 rows), else :class:`Schedule`'s default."""
+    if n >= WIDE_N:
+        return Schedule(segment_tiles=-(-k // Schedule.k_tile))
+    return Schedule()
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile sizes and Triton settings of the two kernels. They change speed, never a bit of
