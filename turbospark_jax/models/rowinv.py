@@ -103,7 +103,7 @@ class Schedule:
 WIDE_N = 32768
 
 
-def schedule_for(k: int, n: int) -> "Schedule":
+def schedule_for(k: int, n: int) -> Schedule:
     """The schedule a model's ``[*, k] @ [k, n]`` product runs on: a function of the weight's
     shape alone (never of the row count), so programs of every width share it. One segment
     for a vocabulary-wide ``n`` (no partial sums to write out and add back, a 33 MB round
