@@ -125,7 +125,8 @@ def _invariance(f, x: jax.Array, w: jax.Array, rows: list[int], single: int) -> 
             "single_row_same": bool(np.array_equal(one, full[single]))}
 
 
-def _timed(f, *args, repeats: int = 5) -> float:
+def best_time(f, *args, repeats: int = 5) -> float:
+    """The fastest of ``repeats`` timed calls of ``f(*args)`` (after one to compile), s."""
     jax.block_until_ready(f(*args))
     best = float("inf")
     for _ in range(repeats):
@@ -151,7 +152,7 @@ def _bandwidth(product, k: int, n: int, m: int, copy_bytes: int) -> dict:
     x, stacked = _operands(k, n, m, copies)
     ws = [jnp.array(stacked[i]) for i in range(copies)]  # a buffer each
     del stacked
-    dt = _timed(_over_copies(product), x, *ws) / copies
+    dt = best_time(_over_copies(product), x, *ws) / copies
     return {"us": dt * 1e6, "weight_GBps": k * n * 2 / dt / 1e9, "copies": copies}
 
 
@@ -191,7 +192,7 @@ def main() -> None:
     copy = jax.jit(lambda a: -a)
     size = p["copy_bytes"] // 2
     run.case("bandwidth", {"impl": "copy (read + write)", "bytes": 2 * size}, lambda: {
-        "GBps": 2 * size * 2 / _timed(copy, jnp.ones((size // 4096, 4096), jnp.bfloat16)) / 1e9})
+        "GBps": 2 * size * 2 / best_time(copy, jnp.ones((size // 4096, 4096), jnp.bfloat16)) / 1e9})
     for k, n in p["shapes"]:
         for m in p["small"]:
             for name, product in (("ours", rowinv_matmul), ("xla", _xla)):
@@ -208,7 +209,7 @@ def main() -> None:
             for name, product in cases:
                 run.case("throughput", {"impl": name, "K": k, "N": n, "M": m},
                          lambda product=product, x=x, w=w, k=k, n=n, m=m: {
-                             "TFLOPs": 2 * m * k * n / _timed(jax.jit(product), x, w[0]) / 1e12})
+                             "TFLOPs": 2 * m * k * n / best_time(jax.jit(product), x, w[0]) / 1e12})
 
     for k, n in p["shapes"][:3] if on_gpu else []:
         for bn, seg in MATVEC_SWEEP:

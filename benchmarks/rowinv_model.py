@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.rowinv import best_time
 from benchmarks.run import SHAPES, Shape, copy_bandwidth, kv_bytes, weight_bytes
 
 #: A shape no test uses: odd head counts, a width that is no power of two, an untied head.
@@ -152,18 +153,6 @@ def _weights(k: int, ns: tuple[int, ...], layout: str, copies: int, seed: int) -
     return out
 
 
-def _best_time(fn: Any, *args: Any, repeats: int = 5) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _xla_product(x: Any, ws: tuple[Any, ...], layout: str = "kn") -> Any:
     import jax.numpy as jnp
 
@@ -182,7 +171,7 @@ def _product_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: 
     ws = _weights(k, ns, layout, copies, seed=k + sum(ns))
     x = jax.random.normal(jax.random.PRNGKey(1), (rows, k), jnp.bfloat16)
     fn = jax.jit(lambda x, *ws: [product(x, w) for w in ws])
-    dt = _best_time(fn, x, *ws) / copies
+    dt = best_time(fn, x, *ws) / copies
     return {"us": round(dt * 1e6, 2), "GBps": round(nbytes / dt / 1e9, 1), "copies": copies}
 
 
@@ -242,7 +231,7 @@ def _wide_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: int
     ws = _weights(k, ns, layout, 1, seed=3)[0]
     x = jax.random.normal(jax.random.PRNGKey(2), (rows, k), jnp.bfloat16)
     fn = jax.jit(lambda x, *w: product(x, w))
-    return {"TFLOPs": round(2 * rows * k * sum(ns) / _best_time(fn, x, *ws) / 1e12, 2)}
+    return {"TFLOPs": round(2 * rows * k * sum(ns) / best_time(fn, x, *ws) / 1e12, 2)}
 
 
 # -- the model ------------------------------------------------------------------------------
