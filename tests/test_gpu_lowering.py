@@ -110,7 +110,7 @@ CONFIG = DenseConfig(model_type="qwen3", vocab_size=512, hidden_size=128, interm
                      head_dim=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
 
 
-def _program(kernels: str, width: int, monkeypatch) -> str:
+def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
@@ -118,8 +118,9 @@ def _program(kernels: str, width: int, monkeypatch) -> str:
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(256))
     rows = S((width,), jnp.int32)
-    return _lowered(lambda p, c, t, pos, live, head: model.block_forward(p, c, t, pos, live, head),
-                    params, cache, rows, rows, S((), jnp.int32), S((), jnp.bool_))
+    return _lowered(lambda p, c, t, pos, live, head: model.block_forward(
+        p, c, t, pos, live, head, last_row_head=last_row_head),
+        params, cache, rows, rows, S((), jnp.int32), S((), jnp.bool_))
 
 
 def _float_reductions(text: str) -> list[str]:
@@ -127,9 +128,11 @@ def _float_reductions(text: str) -> list[str]:
     return [r for r in reductions if not re.search(r"tensor<[0-9x]*(i1|i32|i64)>", r)]
 
 
-@pytest.mark.parametrize("width", [1, 5, 64])
-def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, monkeypatch):
-    text = _program("rowinv", width, monkeypatch)
+@pytest.mark.parametrize(("width", "last_row_head"), [(1, False), (5, False), (64, False),
+                                                      (64, True)])
+def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last_row_head,
+                                                                     monkeypatch):
+    text = _program("rowinv", width, monkeypatch, last_row_head)
     kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rope_store|'
                                   r'cached_attention)"', text))
     assert {"row_rms_norm", "rope_store", "cached_attention"} <= kernel_names

@@ -99,3 +99,29 @@ def test_control_deferred_check_sees_one_changed_weight():
     w = listed["layers"][1]["down_proj"]
     listed["layers"][1]["down_proj"] = w.at[0, 0].set(w[0, 0] * 1.5)
     assert not np.array_equal(logits, _prefill_bits(model, listed)[0])
+
+
+@pytest.mark.parametrize("layout", ["stacked", "listed"])
+def test_last_row_head_is_that_row_of_the_whole_head(layout):
+    """``block_forward(last_row_head=True)`` (what a wide exact prefill runs) gives row
+    ``live - 1`` of the head over every row, bitwise; XLA's kernels refuse it."""
+    model = _model("qwen3", jnp.float32, "rowinv")
+    params = model.init_params(jax.random.PRNGKey(3))
+    if layout == "listed":
+        params = unstack_layers(params)
+    cache = model.init_cache(64)
+    tokens = jnp.asarray(PROMPT[:16], jnp.int32)
+    positions = jnp.arange(16, dtype=jnp.int32)
+    run = jax.jit(lambda live, last: model.block_forward(
+        params, cache, tokens, positions, live, jnp.bool_(True), last_row_head=last)[0],
+        static_argnums=1)
+    for live in (16, 9):
+        whole, one = run(jnp.int32(live), False), run(jnp.int32(live), True)
+        assert one.shape == (1, VOCAB)
+        assert np.array_equal(np.asarray(one[0]).view(np.uint32),
+                              np.asarray(whole[live - 1]).view(np.uint32))
+        assert not np.array_equal(np.asarray(one[0]), np.asarray(whole[live - 2]))  # control
+    xla = _model("qwen3", jnp.float32, "xla")
+    with pytest.raises(BadInputError, match="last_row_head"):
+        xla.block_forward(xla.init_params(jax.random.PRNGKey(3)), xla.init_cache(64), tokens,
+                          positions, jnp.int32(16), jnp.bool_(True), last_row_head=True)

@@ -178,12 +178,14 @@ class _EmbeddingDense(DenseModel):
         return self.dtype
 
     def block_forward(self, params, cache, tokens, positions, live, need_head, *,
-                      key_limit=None, fresh=False, embeds=None, embed_rows=None):
+                      key_limit=None, fresh=False, embeds=None, embed_rows=None,
+                      last_row_head=False):
         table = jnp.concatenate([params["embed_tokens"], embeds.astype(self.dtype)])
         rows = self.vocab_size + jnp.arange(tokens.shape[0], dtype=tokens.dtype)
         return super().block_forward(
             {**params, "embed_tokens": table}, cache, jnp.where(embed_rows, rows, tokens),
-            positions, live, need_head, key_limit=key_limit, fresh=fresh)
+            positions, live, need_head, key_limit=key_limit, fresh=fresh,
+            last_row_head=last_row_head)
 
 
 def test_injected_rows_in_wide_blocks_equal_token_by_token():
@@ -239,9 +241,10 @@ def test_the_producer_calls_the_programs_of_its_block_widths(rowinv, monkeypatch
     def record(producer: BlockProducer) -> None:
         original = producer._call
 
-        def recording(state, plan, control, n_steps):
+        def recording(state, plan, control, n_steps, last_row_head=False):
+            assert last_row_head  # the widths agree: the head runs on the last row only
             calls.append((tuple(plan.tokens.shape), int(n_steps)))
-            return original(state, plan, control, n_steps)
+            return original(state, plan, control, n_steps, last_row_head)
 
         monkeypatch.setattr(producer, "_call", recording)
 

@@ -291,15 +291,19 @@ class BlockProducer(
             fed = [block for _, block in run]
             steps = self._steps_for(rows)
             calls += [(rows, fed[i : i + steps]) for i in range(0, len(fed), steps)]
+        # Where widths agree, the head runs on the chunk's last row alone (its bits are the
+        # same as in a head over the whole block): a wide block skips W - 1 rows of the
+        # vocabulary product and the [W, V] logits it would write.
+        last_row = self.model.widths_agree
         position, logits = start_position, None
         for i, (rows, group) in enumerate(calls):
             final = i == len(calls) - 1
             plan = self._plan(group, width=rows, head_on_last=final, injection=injection,
                               position=position)
-            out, state = self._call(state, plan, self._idle, len(group))
+            out, state = self._call(state, plan, self._idle, len(group), last_row_head=last_row)
             position += sum(len(block) for block in group)
             if final:
-                logits = out.logits[len(group[-1]) - 1]
+                logits = out.logits[len(group) - 1 if last_row else len(group[-1]) - 1]
         assert logits is not None
         return logits, state
 
@@ -713,11 +717,14 @@ class BlockProducer(
         )
 
     def _call(
-        self, state: BlockState, plan: Plan, control: Control, n_steps: int
+        self, state: BlockState, plan: Plan, control: Control, n_steps: int,
+        last_row_head: bool = False,
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
+        extra = {"last_row_head": True} if last_row_head else {}
         buffers, values, out = self._program(
-            self.params, buffers_only(bare), by_value(bare), plan, control, np.int32(n_steps)
+            self.params, buffers_only(bare), by_value(bare), plan, control, np.int32(n_steps),
+            **extra,
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
 

@@ -160,9 +160,11 @@ def feed_block(
     need_head: jax.Array,
     injected: jax.Array | None = None,
     embeds: jax.Array | None = None,
+    last_row_head: bool = False,
 ) -> tuple[jax.Array, BlockState]:
     """Feed ``tokens[:live]`` (int32 ``[W]``) at the state's cursor; return the ``[W, V]``
-    logits and the state with the rows appended to its cache and fed record (jittable).
+    logits (``[1, V]``, row ``live - 1``'s, with ``last_row_head``: a model whose widths
+    agree) and the state with the rows appended to its cache and fed record (jittable).
 
     Rows with a non-zero ``injected`` identity (int32 ``[W]``) take their row of ``embeds``
     (``[W, D]``) instead of their token's embedding; a model is handed embeddings only when
@@ -179,6 +181,8 @@ def feed_block(
             embeds = jnp.broadcast_to(nothing.astype(model.embedding_dtype),
                                       (tokens.shape[0], model.embedding_size))
         extra = {"embeds": embeds, "embed_rows": injected != 0}
+    if last_row_head:
+        extra["last_row_head"] = True
     with jax.named_scope("block_forward"):
         logits, cache = model.block_forward(
             params, state.cache, tokens, positions, live, need_head, **extra
@@ -194,13 +198,16 @@ def _run_blocks(
     plan: Plan,
     control: Control,
     n_steps: jax.Array,
+    last_row_head: bool = False,
 ) -> tuple[BlockState, BlockState, StepOutput]:
     # The state arrives split so that only its append-only buffers are donated: by-value
     # leaves (cursor, recurrent state) may still be held by a checkpoint.
     state = merge_parts(buffers, values)
     steps_cap, width = plan.tokens.shape
     vocab = model.vocab_size
-    out0 = jnp.zeros((steps_cap + width - 1, vocab), jnp.float32)
+    # last_row_head: each step's one row of logits goes to output row i (a prefill).
+    rows_out = 1 if last_row_head else width
+    out0 = jnp.zeros((steps_cap + rows_out - 1, vocab), jnp.float32)
 
     def cond(carry):
         i, _, _, _, finish, _, _ = carry
@@ -212,9 +219,11 @@ def _run_blocks(
         tokens = jnp.where(control.feedback & (i > 0), tokens.at[0].set(pending), tokens)
         live = plan.live[i]
         logits, st = feed_block(model, params, st, tokens, live, plan.need_head[i],
-                                plan.injected[i], None if plan.embeds is None else plan.embeds[i])
-        out = jax.lax.dynamic_update_slice(out, logits, (plan.out_offset[i], 0))
-        last = logits[live - 1]
+                                plan.injected[i], None if plan.embeds is None else plan.embeds[i],
+                                last_row_head=last_row_head)
+        at = i if last_row_head else plan.out_offset[i]
+        out = jax.lax.dynamic_update_slice(out, logits, (at, 0))
+        last = logits[0] if last_row_head else logits[live - 1]
         finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[i]
 
         with jax.named_scope("sample"):
@@ -271,9 +280,11 @@ def compiled_parallel(model: BlockModel, donate: bool) -> Any:
 
 @functools.cache
 def compiled_program(model: BlockModel, donate: bool) -> Any:
-    """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``)."""
+    """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``; a
+    model whose widths agree also has a ``last_row_head`` form for the exact prefill)."""
     fn = functools.partial(_run_blocks, model)
-    return jax.jit(fn, donate_argnums=(1,) if donate else ())  # 1: the append-only buffers
+    return jax.jit(fn, donate_argnums=(1,) if donate else (),  # 1: the append-only buffers
+                   static_argnames=("last_row_head",))
 
 
 def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
@@ -281,7 +292,8 @@ def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
     sharded over a device mesh then keeps its layout from call to call, whatever layout the
     compiler would have picked (:mod:`turbospark_jax.sharding`)."""
     fn = functools.partial(_run_blocks, model)
-    return jax.jit(fn, donate_argnums=(1,) if donate else (), out_shardings=out_shardings)
+    return jax.jit(fn, donate_argnums=(1,) if donate else (), out_shardings=out_shardings,
+                   static_argnames=("last_row_head",))
 
 
 @functools.cache

@@ -261,14 +261,16 @@ class ShardedProducer(BlockProducer):
         )
 
     def _call(
-        self, state: BlockState, plan: Any, control: Any, n_steps: int
+        self, state: BlockState, plan: Any, control: Any, n_steps: int,
+        last_row_head: bool = False,
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
         # A state moved on the host (rewind, rollback) may come back on other shardings; the
         # program must see the ones it was compiled for.
         bare = jax.device_put(bare, self._shardings)
         plan, control, steps = self._on_mesh((plan, control, np.int32(n_steps)))
+        extra = {"last_row_head": True} if last_row_head else {}
         buffers, values, out = self._program(
-            self.params, buffers_only(bare), by_value(bare), plan, control, steps
+            self.params, buffers_only(bare), by_value(bare), plan, control, steps, **extra
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)

@@ -74,6 +74,9 @@ class BlockModel(abc.ABC):
         the same results, so the exact prefill may run in blocks wider than decode's
         (:class:`~turbospark_jax.block_producer.BlockProducer`'s ``prefill_width``). False
         by default; a family with :attr:`row_invariant_kernels` answers True in that mode.
+        Such an instance's :meth:`block_forward` also takes ``last_row_head=True`` (static):
+        the output head then runs on the last live row only and the logits are ``[1, V]``,
+        that row's bits whatever the block's width (a prefill needs no other row's).
     """
 
     rewindable: ClassVar[bool] = True

@@ -516,6 +516,7 @@ class DenseModel(BlockModel):
         *,
         key_limit: int | None = None,
         fresh: bool = False,
+        last_row_head: bool = False,
     ) -> tuple[jax.Array, DenseCache]:
         """Run a block of W rows against the cache: write their K/V, attend, return logits.
 
@@ -544,10 +545,16 @@ class DenseModel(BlockModel):
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
 
         Raises:
-          BadInputError: a per-layer cache with stacked params run as a scan.
+          BadInputError: a per-layer cache with stacked params run as a scan;
+            ``last_row_head`` where the widths do not agree.
         """
         width = tokens.shape[0]
         capacity = cache.capacity
+        if last_row_head and not self.widths_agree:
+            raise BadInputError(
+                "last_row_head needs row-invariant kernels (kernels='rowinv'): with XLA's a "
+                "one-row head rounds unlike the same row of a W-row head"
+            )
         if cache.per_layer and self._scans(params["layers"]):
             raise BadInputError(
                 "a per-layer cache needs an unrolled model (scan_layers=False) or listed params"
@@ -572,11 +579,18 @@ class DenseModel(BlockModel):
             taps = jnp.swapaxes(ran[2], 0, 1)
             cache = cache.replace(taps=cache.taps.at[write_at].set(
                 taps.astype(cache.taps.dtype), mode="drop", unique_indices=True))
+        rows_out = width
+        if last_row_head:  # the head on row live - 1 alone: [1, ...]
+            pick = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=live - 1,
+                                     slice_size=1)
+            x = ((pick(x[0], axis=0), None if x[1] is None else pick(x[1], axis=1))
+                 if isinstance(x, tuple) else pick(x, axis=0))
+            rows_out = 1
         with jax.named_scope("head"):
             logits = jax.lax.cond(
                 need_head,
                 lambda x: self._head(params, x),
-                lambda x: jnp.zeros((width, self.vocab_size), jnp.float32),
+                lambda x: jnp.zeros((rows_out, self.vocab_size), jnp.float32),
                 x,
             )
         return logits, cache.replace(k=k_all, v=v_all)
