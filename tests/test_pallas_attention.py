@@ -108,20 +108,26 @@ def test_row_invariant_form_matches_reference(case):
     assert err < 2e-2, err
 
 
-def test_row_invariant_form_rows_agree_across_widths():
-    """Blocks of 1 and 5 rows (query tiles of 16 rows) give each row the bits it has in a
-    block of 24 (a tile of 64), over several key splits. In the interpreter the tile
-    products are XLA dots, so this checks the schedule (splits, key tiles, the combine); the
+@pytest.mark.parametrize("capacity", [2304, 320])
+def test_row_invariant_form_rows_agree_across_widths(capacity):
+    """Blocks of 1 and 5 rows (the split kernel, then the fold kernel over its partials) give
+    each row the bits it has in a block of 140 (280 query rows: the folding kernel, every
+    split in one program), over nine key splits and over one. In the interpreter the tile
+    products are XLA dots, so this checks the schedule (splits, key tiles, the fold); the
     GPU's own products are checked by ``benchmarks/rowinv_model.py``."""
-    width, capacity = 24, 2304
-    q, k, v = _inputs(2, width, 4, 2, 16, capacity, jnp.bfloat16)
-    first = 1500
+    from turbospark_jax.models.pallas_attention import FOLD_ON_CHIP_ROWS
+
+    width = 140
+    assert 2 * width > FOLD_ON_CHIP_ROWS
+    # float32 outputs: a bfloat16 result's rounding would hide a fold in another order
+    q, k, v = _inputs(2, width, 4, 2, 16, capacity, jnp.float32)
+    first = capacity - width - 20
     pos = first + jnp.arange(width, dtype=jnp.int32)
     run = lambda a, p: np.asarray(cached_attention(  # noqa: E731
-        a, k, v, p, interpret=INTERPRET, row_invariant=True)).view(np.uint16)
+        a, k, v, p, interpret=INTERPRET, row_invariant=True)).view(np.uint32)
     full = run(q, pos)
     for m in (1, 5):
-        for start in (0, 7):
+        for start in (0, 77, 135):
             part = run(q[start : start + m], pos[start : start + m])
             assert np.array_equal(part, full[start : start + m]), (m, start)
     # control: the comparison sees a change of one row, and only of that row

@@ -21,6 +21,16 @@ rows the block holds and of how far the keys are scanned. Both hold here:
   zeros or rows of earlier tokens.)
 
 The tile boundaries and splits depend only on the cache capacity, never on the data.
+
+Across block widths (``row_invariant=True``, the mode of ``kernels="rowinv"``) a row must
+also keep its bits when the number of rows changes, which changes the query tile. So the
+probabilities' row sums go through the tensor cores (their order is the matrix product's, as
+the values' is) instead of a reduction laid out by the tile, and the splits are folded in
+order by one piece of arithmetic (:func:`_fold`) in either of two forms: for few rows (decode,
+verify) a program per split and a second kernel that folds the partial results; for many rows
+(a prefill) one program per query tile that runs the splits one after another and folds as
+it goes, so the partial results never leave the chip (for the 1B shape's 2,048-row block over
+an 8k cache they would be 436 MB a layer).
 """
 
 from __future__ import annotations
@@ -43,6 +53,11 @@ MAX_ROW_TILE = 64
 #: caches are split to keep that walk short and the GPU's multiprocessors busy.
 KEYS_PER_SPLIT = 256
 MAX_SPLITS = 64
+#: Under ``row_invariant``, blocks of more query rows than this (per KV head) run the
+#: folding kernel (every split in one program, the partials kept on chip); fewer, the split
+#: kernel and the fold kernel (the splits spread over programs). Speed only: both give a row
+#: the same bits.
+FOLD_ON_CHIP_ROWS = 256
 #: Columns of the ones matrix whose product with the probabilities gives their row sums
 #: (``row_invariant=True``): every column holds the same sum; the smallest tile a GPU
 #: matrix product takes.
@@ -66,14 +81,11 @@ def _plan(rows: int, capacity: int) -> tuple[int, int, int, int]:
     return tile, _ceil_div(rows, tile), _ceil_div(capacity, split_len), split_len
 
 
-def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
-            capacity: int, split_len: int, window: int | None, normalise: bool,
-            mma_sums: bool) -> None:
-    split = pl.program_id(2)
-    q = q_ref[...]  # [tile, hd]
-    pos = pos_ref[...]  # [tile]
-    first = split * split_len
-    end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound_ref[()])
+def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, scale: float,
+                   capacity: int, window: int | None, mma_sums: bool) -> tuple:
+    """One split's unnormalised attention of the query tile ``q [tile, hd]`` (positions
+    ``pos [tile]``) over keys ``first..end-1`` in tiles of :data:`KEY_TILE`, from zero:
+    ``(acc [tile, hd], m [tile], l [tile])``."""
     trips = jnp.maximum(0, (end - first + KEY_TILE - 1) // KEY_TILE)
     tile, head_dim = q.shape
     lanes = jnp.arange(KEY_TILE, dtype=jnp.int32)
@@ -107,7 +119,18 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
     acc0 = jnp.zeros((tile, head_dim), jnp.float32)
     m0 = jnp.full((tile,), MASK_VALUE, jnp.float32)
     l0 = jnp.zeros((tile,), jnp.float32)
-    acc, m, l = jax.lax.fori_loop(0, trips, body, (acc0, m0, l0))
+    return jax.lax.fori_loop(0, trips, body, (acc0, m0, l0))
+
+
+def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
+            capacity: int, split_len: int, window: int | None, normalise: bool,
+            mma_sums: bool) -> None:
+    """One program per (KV head, query tile, split): that split's partial result."""
+    first = pl.program_id(2) * split_len
+    end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound_ref[()])
+    acc, m, l = _split_partial(q_ref[...], pos_ref[...], k_ref, v_ref, first, end,
+                               scale=scale, capacity=capacity, window=window,
+                               mma_sums=mma_sums)
     if normalise:  # one split: the kernel writes the finished rows
         acc_ref[...] = (acc / l[:, None]).astype(acc_ref.dtype)
     else:
@@ -116,20 +139,52 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
         l_ref[...] = l
 
 
-def _combine_in_sequence(acc: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """The splits' partial results ``acc [S, ...hd]``, maxima and sums ``m, l [S, ...]``
-    combined one split after another (elementwise operations only, in a fixed sequence, so
-    no reduction's order can follow the shape)."""
-    top = m[0]
-    for s in range(1, m.shape[0]):
-        top = jnp.maximum(top, m[s])
-    weight = jnp.exp(m[0] - top)
-    total, out = l[0] * weight, acc[0] * weight[..., None]
-    for s in range(1, m.shape[0]):
-        weight = jnp.exp(m[s] - top)
-        total = total + l[s] * weight
-        out = out + acc[s] * weight[..., None]
-    return out / total[..., None]
+def _fold(carry: tuple, part: tuple) -> tuple:
+    """Fold one split's partial ``(acc, m, l)`` into the running ``(acc, m, l)`` of the
+    splits before it: the arithmetic both row-invariant paths share, split after split in
+    order. A split that saw no key of a row (its maximum ``MASK_VALUE``) is weighted by
+    exactly zero once any split has; the first split that did is taken exactly."""
+    acc, m, l = carry
+    part_acc, part_m, part_l = part
+    top = jnp.maximum(m, part_m)
+    old, new = jnp.exp(m - top), jnp.exp(part_m - top)
+    return acc * old[:, None] + part_acc * new[:, None], top, l * old + part_l * new
+
+
+def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: float,
+                    capacity: int, split_len: int, window: int | None, mma_sums: bool) -> None:
+    """One program per (KV head, query tile) that runs the splits one after another, each
+    from zero as :func:`_kernel` runs it, folding each into the running result
+    (:func:`_fold`): the bits of :func:`_kernel` followed by :func:`_fold_kernel`, without
+    the partial results ever leaving the chip. For many rows (a prefill), where the query
+    tiles alone fill the GPU."""
+    q, pos = q_ref[...], pos_ref[...]
+    bound = jnp.minimum(bound_ref[()], capacity)
+    needed = (bound + split_len - 1) // split_len  # later splits see no key of these rows
+
+    def one(s, carry):
+        first = s * split_len
+        end = jnp.minimum(first + split_len, bound)
+        part = _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale,
+                              capacity=capacity, window=window, mma_sums=mma_sums)
+        return _fold(carry, part)
+
+    tile, head_dim = q.shape
+    start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
+             jnp.zeros((tile,), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(0, needed, one, start)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+
+
+def _fold_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int) -> None:
+    """One program per (KV head, query tile): fold the splits' partial results in order
+    (:func:`_fold`) and normalise. A split past a row's last key folds in as nothing."""
+    tile, head_dim = o_ref.shape
+    start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
+             jnp.zeros((tile,), jnp.float32))
+    acc, _, l = jax.lax.fori_loop(
+        0, splits, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s])), start)
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
 
 
 def query_rows(width: int, heads: int, kv_heads: int, capacity: int) -> int:
@@ -176,8 +231,9 @@ def cached_attention(
       row_invariant: make every reduction's order independent of the row count, so a row's
         bits do not depend on ``W`` (``kernels="rowinv"``): the probabilities' row sums are
         taken by the tensor cores (a product with a ones matrix) instead of a reduction
-        whose thread layout follows the row tile, and the key splits are combined one after
-        another in a fixed sequence.
+        whose thread layout follows the row tile, and the key splits are folded one after
+        another in order (:func:`_fold`), either by a second kernel over the partial
+        results (few rows) or inside one program per query tile (many rows, or one split).
 
     Returns:
       ``[W, H, hd]`` in ``v_cache.dtype``.
@@ -223,52 +279,72 @@ def cached_attention_arranged(
     pos = jnp.repeat(q_positions.astype(jnp.int32), groups)
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
-    normalise = splits == 1
-    acc_dtype = v_cache.dtype if normalise else jnp.float32
-    kernel = functools.partial(
-        _kernel, scale=1.0 / math.sqrt(head_dim), capacity=capacity, split_len=split_len,
-        window=window, normalise=normalise, mma_sums=row_invariant,
-    )
+    scale = 1.0 / math.sqrt(head_dim)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
-    acc, m, l = pl.pallas_call(
-        kernel,
-        grid=(kv_heads, tiles, splits),
-        in_specs=[
-            pl.BlockSpec((), lambda h, t, s: ()),
-            pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),
-            pl.BlockSpec((tile,), lambda h, t, s: (t,)),
-            pl.BlockSpec((capacity, None, head_dim), lambda h, t, s: (0, h, 0)),
-            pl.BlockSpec((capacity, None, head_dim), lambda h, t, s: (0, h, 0)),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
-        ],
-        out_shape=[
-            jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), acc_dtype),
-            jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
-            jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
-        ],
-        interpret=interpret,
-        name="cached_attention",
-        **kwargs,
-    )(bound, qr, pos, k_cache, v_cache)
-    if normalise:
-        out = acc[0]
-    elif row_invariant:
-        out = _combine_in_sequence(acc, m, l).astype(v_cache.dtype)
+    queries = [
+        pl.BlockSpec((), lambda h, t, *_: ()),
+        pl.BlockSpec((None, tile, head_dim), lambda h, t, *_: (h, t, 0)),
+        pl.BlockSpec((tile,), lambda h, t, *_: (t,)),
+        pl.BlockSpec((capacity, None, head_dim), lambda h, t, *_: (0, h, 0)),
+        pl.BlockSpec((capacity, None, head_dim), lambda h, t, *_: (0, h, 0)),
+    ]
+    rows_out = pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))
+    finished = jax.ShapeDtypeStruct((kv_heads, padded, head_dim), v_cache.dtype)
+    if row_invariant and (splits == 1 or rows > FOLD_ON_CHIP_ROWS):
+        out = pl.pallas_call(
+            functools.partial(_folding_kernel, scale=scale, capacity=capacity,
+                              split_len=split_len, window=window, mma_sums=True),
+            grid=(kv_heads, tiles), in_specs=queries, out_specs=rows_out,
+            out_shape=finished, interpret=interpret, name="cached_attention_folding",
+            **kwargs,
+        )(bound, qr, pos, k_cache, v_cache)
     else:
-        # Splits combine in a fixed order; a split that saw no visible key has maximum
-        # MASK_VALUE and weight exactly zero.
-        top = jnp.max(m, axis=0)  # [KV, R]
-        weight = jnp.exp(m - top[None])  # [S, KV, R]
-        total = jnp.sum(l * weight, axis=0)
-        out = jnp.sum(acc * weight[..., None], axis=0) / total[..., None]
-        out = out.astype(v_cache.dtype)
+        normalise = splits == 1
+        acc_dtype = v_cache.dtype if normalise else jnp.float32
+        acc, m, l = pl.pallas_call(
+            functools.partial(_kernel, scale=scale, capacity=capacity, split_len=split_len,
+                              window=window, normalise=normalise, mma_sums=row_invariant),
+            grid=(kv_heads, tiles, splits),
+            in_specs=queries,
+            out_specs=[
+                pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
+                pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+                pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+            ],
+            out_shape=[
+                jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), acc_dtype),
+                jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
+                jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
+            ],
+            interpret=interpret,
+            name="cached_attention",
+            **kwargs,
+        )(bound, qr, pos, k_cache, v_cache)
+        if normalise:
+            out = acc[0]
+        elif row_invariant:  # the folding kernel's arithmetic, over the written partials
+            out = pl.pallas_call(
+                functools.partial(_fold_kernel, splits=splits),
+                grid=(kv_heads, tiles),
+                in_specs=[
+                    pl.BlockSpec((splits, None, tile, head_dim), lambda h, t: (0, h, t, 0)),
+                    pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
+                    pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
+                ],
+                out_specs=rows_out, out_shape=finished, interpret=interpret,
+                name="cached_attention_fold", **kwargs,
+            )(acc, m, l)
+        else:
+            # Splits combine in a fixed order; a split that saw no visible key has maximum
+            # MASK_VALUE and weight exactly zero.
+            top = jnp.max(m, axis=0)  # [KV, R]
+            weight = jnp.exp(m - top[None])  # [S, KV, R]
+            total = jnp.sum(l * weight, axis=0)
+            out = jnp.sum(acc * weight[..., None], axis=0) / total[..., None]
+            out = out.astype(v_cache.dtype)
     out = out[:, :rows].reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(width, heads, head_dim)
