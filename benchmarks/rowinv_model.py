@@ -429,6 +429,23 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float) ->
             del producer, params, model
 
 
+def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """Each traced kernel's time per token and, for the labelled matrix products, the rate at
+    which it read its weights (GB/s): ``kernels`` maps a kernel name to
+    ``[calls per token, microseconds per token]`` (``profile_decode.profile_burst``)."""
+    weights = {name: k * sum(ns) * 2 for name, k, ns, _ in _products_of(shape)}
+    out = []
+    for name, (calls, us) in kernels.items():
+        row: dict[str, Any] = {"kernel": name[:80], "calls_per_token": calls,
+                               "us_per_token": round(us, 2)}
+        for product, nbytes in weights.items():
+            if name.startswith(("rowinv_matvec_", "rowinv_matmul_")) and name.endswith(
+                    "_" + product):
+                row["weight_GBps"] = round(nbytes * calls / (us * 1e-6) / 1e9, 1)
+        out.append(row)
+    return out
+
+
 def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) -> None:
     import jax
 
@@ -440,10 +457,15 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) 
         for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
             config, model, params = _model(shape, kernels)
             producer = _producer(model, params, 512, width, preset.burst)
+
+            def traced(producer=producer, vocab=config.vocab_size, shape=shape) -> dict:
+                result = profile_burst(producer, 128, preset.burst, vocab)
+                if "all_kernels" in result:
+                    result["kernel_rates"] = kernel_rates(shape, result["all_kernels"])
+                return result
+
             run.case("profile", {"shape": name, "kernels": kernels, "width": width,
-                                 "context": 128},
-                     functools.partial(profile_burst, producer, 128, preset.burst,
-                                       config.vocab_size))
+                                 "context": 128}, traced)
             del producer, params, model
 
 

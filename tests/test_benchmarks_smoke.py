@@ -194,3 +194,17 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in speeds)
     products = [r for r in data["records"] if r["part"] == "products"]
     assert {r["product"] for r in products} == {"qkv", "o", "gate_up", "down", "head"}
+
+
+def test_rowinv_kernel_rates_read_the_labelled_products():
+    from benchmarks.rowinv_model import ALL_SHAPES, kernel_rates
+
+    shape = ALL_SHAPES["llama-3.2-1b"]
+    rates = kernel_rates(shape, {"rowinv_matvec_head": [1.0, 125.0],
+                                 "rowinv_matvec_gate_up": [16.0, 320.0],
+                                 "row_rms_norm": [33.0, 40.0]})
+    by = {r["kernel"]: r for r in rates}
+    assert by["rowinv_matvec_head"]["weight_GBps"] == round(128256 * 2048 * 2 / 125e-6 / 1e9, 1)
+    assert by["rowinv_matvec_gate_up"]["weight_GBps"] == round(
+        2048 * 16384 * 2 * 16 / 320e-6 / 1e9, 1)
+    assert "weight_GBps" not in by["row_rms_norm"]

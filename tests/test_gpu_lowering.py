@@ -137,7 +137,12 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
                                   r'cached_attention\w*)"', text))
     assert {"row_rms_norm", "rope_store"} <= kernel_names
     assert kernel_names & {"cached_attention", "cached_attention_folding"}
-    assert kernel_names & {"rowinv_matvec", "rowinv_matmul"}
+    products = {n.split("_", 2)[2] for n in kernel_names if n.startswith("rowinv_mat")}
+    assert products == {"qkv", "o", "gate_up", "down", "head"}  # each labelled, for profiles
+    kernel = "matvec" if width <= 16 else "matmul"
+    assert f"rowinv_{kernel}_down" in kernel_names
+    head = "matvec" if width <= 16 or last_row_head else "matmul"
+    assert f"rowinv_{head}_head" in kernel_names
     assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
     assert _float_reductions(text) == []
 

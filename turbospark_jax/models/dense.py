@@ -387,14 +387,15 @@ class DenseModel(BlockModel):
                 attn, kv = attention(normed, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
-                                             w_o.reshape(-1, w_o.shape[-1]))
+                                             w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
                 h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
                                                  eps)
                 f = lp["gate_proj"].shape[1]
-                gu = row_kernels.matmul(kernels, normed, (lp["gate_proj"], lp["up_proj"]))
+                gu = row_kernels.matmul(kernels, normed, (lp["gate_proj"], lp["up_proj"]),
+                                        label="gate_up")
                 act = jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
-                pending = row_kernels.matmul_parts(kernels, act, lp["down_proj"])
+                pending = row_kernels.matmul_parts(kernels, act, lp["down_proj"], label="down")
             return (h, pending), kv
 
         return layer
@@ -417,7 +418,7 @@ class DenseModel(BlockModel):
         matrix, plus its bias."""
         w_o = lp["o_proj"]
         o = row_kernels.matmul(self.kernels, attn.reshape(attn.shape[0], -1),
-                               w_o.reshape(-1, w_o.shape[-1]))
+                               w_o.reshape(-1, w_o.shape[-1]), label="o")
         if self.config.o_bias:
             o = o + lp["o_bias"]
         return o
@@ -427,9 +428,10 @@ class DenseModel(BlockModel):
         bias = self.config.has_mlp_bias
         if self.kernels == "rowinv" and not bias:  # gate and up from one launch
             f = lp["gate_proj"].shape[1]
-            gu = row_kernels.matmul(self.kernels, h, (lp["gate_proj"], lp["up_proj"]))
+            gu = row_kernels.matmul(self.kernels, h, (lp["gate_proj"], lp["up_proj"]),
+                                    label="gate_up")
             act = jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
-            return row_kernels.matmul(self.kernels, act, lp["down_proj"])
+            return row_kernels.matmul(self.kernels, act, lp["down_proj"], label="down")
         return swiglu_mlp(
             h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
             lp["gate_bias"] if bias else None,
@@ -450,8 +452,9 @@ class DenseModel(BlockModel):
         if self.kernels == "rowinv":  # a tied table [V, D] is read in place, not transposed
             if self.config.tie_word_embeddings:
                 return row_kernels.matmul(self.kernels, h, params["embed_tokens"], jnp.float32,
-                                          w_layout="nk")
-            return row_kernels.matmul(self.kernels, h, params["lm_head"], jnp.float32)
+                                          w_layout="nk", label="head")
+            return row_kernels.matmul(self.kernels, h, params["lm_head"], jnp.float32,
+                                      label="head")
         if self.config.tie_word_embeddings:
             return jnp.einsum(
                 "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32

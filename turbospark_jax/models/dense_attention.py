@@ -44,7 +44,8 @@ def _project(x: jax.Array, w: jax.Array, kernels: str) -> jax.Array:
     slower than its matrix-vector kernel.
     """
     d, n, hd = w.shape
-    return row_kernels.matmul(kernels, x, w.reshape(d, n * hd)).reshape(x.shape[0], n, hd)
+    return row_kernels.matmul(kernels, x, w.reshape(d, n * hd),
+                              label="proj").reshape(x.shape[0], n, hd)
 
 
 def _projections(
@@ -68,9 +69,11 @@ def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: s
     d = h.shape[-1]
     names = ("q_proj", "k_proj", "v_proj")
     if kernels == "rowinv" and not config.qkv_bias:
-        return row_kernels.matmul_parts(kernels, h, tuple(lp[n].reshape(d, -1) for n in names))
+        return row_kernels.matmul_parts(kernels, h, tuple(lp[n].reshape(d, -1) for n in names),
+                                        label="qkv")
     if kernels == "rowinv":
-        qkv = row_kernels.matmul(kernels, h, tuple(lp[n].reshape(d, -1) for n in names))
+        qkv = row_kernels.matmul(kernels, h, tuple(lp[n].reshape(d, -1) for n in names),
+                                 label="qkv")
     else:
         qkv = h @ jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
     if config.qkv_bias:

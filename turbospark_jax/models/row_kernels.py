@@ -44,14 +44,15 @@ def _on_gpu() -> bool:
 
 
 def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
-           out_dtype: Any = None, w_layout: str = "kn") -> jax.Array:
+           out_dtype: Any = None, w_layout: str = "kn", label: str = "") -> jax.Array:
     """``x [W, K] @ w [K, N]`` in ``out_dtype`` (``x.dtype`` when None), float32 accumulation.
 
     ``w`` may be a tuple of weights whose products come out side by side (one launch under
-    ``"rowinv"``), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied head)."""
+    ``"rowinv"``), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied head);
+    ``label`` names the row-invariant kernel in a profile."""
     if kernels == "rowinv":
         return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype,
-                             schedule=_schedule(x, w, w_layout))
+                             schedule=_schedule(x, w, w_layout), label=label)
     ws = w if isinstance(w, tuple) else (w,)
     if w_layout == "nk":
         ws = tuple(a.T for a in ws)
@@ -61,13 +62,14 @@ def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
 
 
-def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...]) -> jax.Array:
+def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
+                 label: str = "") -> jax.Array:
     """``x @ w`` under ``"rowinv"``, unfinished: float32 partial sums over K ``[S, W, N]``
     (:func:`~turbospark_jax.models.rowinv.sum_parts` finishes them; so do
     :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
     if kernels != "rowinv":
         raise BadInputError(f"partial sums come from the row-invariant kernels; got {kernels!r}")
-    return rowinv_matmul(x, w, parts=True, schedule=_schedule(x, w, "kn"))
+    return rowinv_matmul(x, w, parts=True, schedule=_schedule(x, w, "kn"), label=label)
 
 
 def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:

@@ -307,7 +307,7 @@ def _weights_padded(ws: tuple[jax.Array, ...], kp: int, bn: int, nk: bool) -> li
 
 
 def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
-            schedule: Schedule, tiles: Tiles, interpret: bool) -> jax.Array:
+            schedule: Schedule, tiles: Tiles, interpret: bool, label: str = "") -> jax.Array:
     m, k = x.shape
     kp, count, per = schedule.plan(k)
     cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), tiles.bn)
@@ -328,14 +328,14 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
         out_specs=pl.BlockSpec((tiles.bm, tiles.bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, cols.offsets[-1] * tiles.bn), out_dtype),
         interpret=interpret,
-        name="rowinv_matmul",
+        name="rowinv_matmul" + (f"_{label}" if label else ""),
         **_compiler_params(interpret, tiles.warps, tiles.stages),
     )(_pad(x, mp, kp), *_weights_padded(ws, kp, tiles.bn, nk))
     return cols.gather(out, m)
 
 
 def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
-            schedule: Schedule, tiles: Tiles, interpret: bool) -> jax.Array:
+            schedule: Schedule, tiles: Tiles, interpret: bool, label: str = "") -> jax.Array:
     """The matvec kernel's float32 partial products, one per segment: ``[S, M, N]``."""
     m, k = x.shape
     kp, count, per = schedule.plan(k)
@@ -360,7 +360,7 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
         out_specs=pl.BlockSpec((None, ROW_TILE, bn), lambda i, j, s: (s, i, j)),
         out_shape=jax.ShapeDtypeStruct((segments, mp, width), jnp.float32),
         interpret=interpret,
-        name="rowinv_matvec",
+        name="rowinv_matvec" + (f"_{label}" if label else ""),
         **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
     )(_pad(x, mp, kp), *_weights_padded(ws, kp, bn, nk))
     return jax.vmap(lambda p: cols.gather(p, m))(partials)
@@ -425,19 +425,19 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
 
 
 @functools.partial(jax.jit, static_argnames=("nk", "out_dtype", "impl", "kernel", "schedule",
-                                             "tiles", "parts"))
+                                             "tiles", "parts", "label"))
 def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any, impl: str,
                    kernel: str, schedule: Schedule, tiles: Tiles,
-                   parts: bool = False) -> jax.Array:
+                   parts: bool = False, label: str = "") -> jax.Array:
     dtype = jnp.dtype(jnp.float32) if parts else out_dtype
     if impl == "xla":
         out = _xla_tiled(x, ws, nk, dtype)
         return out[None] if parts else out
     interpret = impl == "interpret"
     if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
-        partials = _matvec(x, ws, nk, out_dtype, schedule, tiles, interpret)
+        partials = _matvec(x, ws, nk, out_dtype, schedule, tiles, interpret, label)
         return partials if parts else sum_parts(partials, out_dtype)
-    out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret)
+    out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
     return out[None] if parts else out
 
 
@@ -471,6 +471,7 @@ def rowinv_matmul(
     schedule: Schedule = Schedule(),
     tiles: Tiles = Tiles(),
     parts: bool = False,
+    label: str = "",
 ) -> jax.Array:
     """``x @ w`` accumulated in float32, with each row's result independent of the others'.
 
@@ -496,6 +497,8 @@ def rowinv_matmul(
         (``S`` segments from the matvec kernel, 1 from the others) that :func:`sum_parts`
         finishes: bitwise the finished product. A consumer kernel that adds them itself
         (``pallas_row_norm``, ``pallas_rope_store``) saves the launch that would add them.
+      label: appended to the kernel's name (``rowinv_matvec_<label>``), so a profile tells
+        the model's products apart (letters, digits and underscores).
 
     Returns:
       ``[M, N]`` (or ``[M, N1 + N2 + ...]``) in ``out_dtype``; with ``parts``, float32
@@ -530,5 +533,7 @@ def rowinv_matmul(
         raise BadInputError(f"out_dtype must be bfloat16, float16 or float32; got {out}")
     if kernel not in KERNELS:
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
+        raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
     return _rowinv_matmul(x, ws, nk, out, resolve_impl(impl), kernel, schedule, tiles,
-                          as_bool("parts", parts))
+                          as_bool("parts", parts), label)
