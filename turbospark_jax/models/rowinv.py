@@ -57,6 +57,12 @@ XLA_ROW_TILE = 4
 #: program around it and compiles its body differently there (with full optimisation on the
 #: CPU, a norm's rows came out differently from the same body in a loop).
 MIN_TILES = 2
+#: The same floor for the XLA form's matrix product: one tile. A dot between optimization
+#: barriers computes its rows alike inlined or in a loop (checked with the CPU's default and
+#: the tests' XLA flags, fp32 and bf16, 1 to 300 rows, in the model too:
+#: ``tests/test_rowinv*.py``), and a one-row decode step then pays for one tile of rows,
+#: not two: a [1, 512] @ [512, 32000] product 3.0 ms instead of 6.2.
+DOT_MIN_TILES = 1
 #: At most this many rows go to the matvec kernel under ``kernel="auto"``.
 SMALL_M = 16
 #: Values of ``impl``: ``"auto"`` (Pallas on a GPU, the XLA form elsewhere), ``"pallas"``,
@@ -376,7 +382,8 @@ def sum_parts(parts: jax.Array, dtype: Any) -> jax.Array:
     return total.astype(dtype)
 
 
-def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> Any:
+def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = (),
+              min_tiles: int = MIN_TILES) -> Any:
     """``fn`` applied to the rows of ``rows`` in tiles of :data:`XLA_ROW_TILE`, as one loop over
     one compiled body of a fixed shape.
 
@@ -396,12 +403,14 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = ()) -> 
         :data:`XLA_ROW_TILE` rows.
       rows: arrays ``[M, ...]``.
       shared: arrays every tile's ``fn`` reads whole (weights, keys).
+      min_tiles: the fewest tiles the loop runs (:data:`MIN_TILES`; the product's own
+        floor is :data:`DOT_MIN_TILES`).
 
     Returns:
       ``fn``'s pytree with each leaf ``[M, ...]``.
     """
     m = rows[0].shape[0]
-    mp = max(_ceil_to(m, XLA_ROW_TILE), MIN_TILES * XLA_ROW_TILE)
+    mp = max(_ceil_to(m, XLA_ROW_TILE), min_tiles * XLA_ROW_TILE)
     tiles = tuple(
         jnp.pad(a, [(0, mp - m)] + [(0, 0)] * (a.ndim - 1)).reshape(
             mp // XLA_ROW_TILE, XLA_ROW_TILE, *a.shape[1:])
@@ -420,7 +429,7 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
     return row_tiled(
         lambda rows, w: jax.lax.dot_general(
             rows, w, dims, preferred_element_type=jnp.float32).astype(out_dtype),
-        x, shared=(w,),
+        x, shared=(w,), min_tiles=DOT_MIN_TILES,
     )
 
 
