@@ -1,0 +1,85 @@
+"""The row-invariant model's GPU form, run whole in the Pallas interpreter on the CPU.
+
+On a GPU, ``kernels="rowinv"`` runs a different graph from the CPU's: the Triton kernels of
+``rowinv`` (merged products from one launch, the tied head read as ``[N, K]``, products handed
+on as partial sums), the one-program-a-row norm that adds them to the residual, the
+RoPE-and-cache-write kernel that adds the q/k/v product's, the attention kernel in its
+row-invariant form (split programs and a fold kernel for a few rows, the folding kernel for
+many), and the last-row head of a wide prefill. Here the backend is said to be a GPU and
+every kernel runs in the interpreter, so the wiring of that graph is checked before any GPU
+runs it: the logits match the same model on XLA's kernels to float32 rounding, and producers
+of widths 1, 1 with 256-row prefill blocks (the folding attention kernel) and 4 with 16-row
+blocks give bitwise the same prefill and decode logits. (The interpreter's tile products are
+XLA dots, so the bitwise part speaks for the schedule, not for the GPU's own arithmetic:
+``benchmarks/rowinv_model.py`` checks that on the hardware.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.models import pallas_attention, pallas_rope_store, pallas_row_norm, rowinv
+from turbospark_jax.models.dense import DenseModel, unstack_layers
+from turbospark_jax.models.dense_config import DenseConfig
+
+CONFIG = DenseConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, tie_word_embeddings=True)
+PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 256, 300)]
+CAPACITY = 640  # two key splits
+
+
+@pytest.fixture
+def gpu_graph_in_the_interpreter(monkeypatch):
+    """The model picks its GPU kernels; every kernel runs in the Pallas interpreter."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    interpret = lambda impl: "interpret" if impl in ("auto", "pallas") else impl  # noqa: E731
+    monkeypatch.setattr(rowinv, "resolve_impl", interpret)
+    monkeypatch.setattr(pallas_row_norm, "resolve_impl", interpret)
+    for module, name in ((pallas_attention, "cached_attention_arranged"),
+                         (pallas_rope_store, "rope_store")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _f=original, **k: _f(*a, **{**k, "interpret": True}))
+
+
+def _logits(model: DenseModel, params, width: int, prefill_width: int | None) -> tuple:
+    producer = BlockProducer(model, params, capacity=CAPACITY, width=width,
+                             prefill_width=prefill_width, steps_per_call=2)
+    last, state = producer.prefill_chunk(producer.init_state(), PROMPT, 0)
+    step, _ = producer.produce(state, 7, len(PROMPT))
+    return np.asarray(last), np.asarray(step)
+
+
+def _model(kernels: str) -> tuple[DenseModel, object]:
+    model = DenseModel(CONFIG, jnp.float32, scan_layers=False, kernels=kernels)
+    return model, unstack_layers(model.init_params(jax.random.PRNGKey(0)))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same model on XLA's kernels, on the CPU as it is."""
+    return _logits(*_model("xla"), 1, None)
+
+
+def test_gpu_form_matches_xla_and_its_widths_agree(gpu_graph_in_the_interpreter, reference):
+    model, params = _model("rowinv")
+    runs = {w: _logits(model, params, *w) for w in ((1, None), (1, 256), (4, 16))}
+    for got in runs.values():
+        for g, want in zip(got, reference, strict=True):
+            np.testing.assert_allclose(g, want, rtol=0, atol=1e-5)
+        for g, b in zip(got, runs[(1, None)], strict=True):
+            assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
+
+
+def test_control_one_changed_weight_is_past_the_tolerance(gpu_graph_in_the_interpreter,
+                                                          reference):
+    model, params = _model("rowinv")
+    w = params["layers"][0]["down_proj"]
+    params["layers"][0]["down_proj"] = w.at[3].set(w[3] * 1.01)
+    got = _logits(model, params, 1, None)
+    assert np.abs(got[0] - reference[0]).max() > 1e-5
