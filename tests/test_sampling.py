@@ -499,3 +499,45 @@ def test_history_and_logits_validation() -> None:
         sample(jnp.zeros(6), SamplingParams.greedy(), History.empty(5), _KEYS[0])
     with pytest.raises(BadInputError, match="1-d"):
         sample(jnp.zeros((2, 5)), SamplingParams.greedy(), History.empty(5), _KEYS[0])
+
+
+# -- the top-k / top-p filter from the best candidates ------------------------------------------
+
+@pytest.mark.parametrize("spread", [0.3, 3.0, 12.0])
+@pytest.mark.parametrize("rounded", [False, True])
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+def test_candidate_filter_keeps_what_the_whole_sort_keeps(spread: float, rounded: bool,
+                                                          backend: str, monkeypatch) -> None:
+    """Over a vocabulary of 1,000 ids the filter ranks only the best candidates (with a
+    fallback to the whole sort when they cannot decide): the same keep mask as the sort, for
+    top-k below, at and above the candidates, top-p cuts near and far, and ties (rounded
+    logits: many equal values, the lower id first); with the CPU's count and the GPU's."""
+    from turbospark_jax.sampling import _candidate_filters, _sort_filters, candidates
+
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    count = candidates()
+    assert count == (16 if backend == "gpu" else 64)
+
+    rng = np.random.default_rng(int(spread * 10) + rounded)
+    logits = rng.standard_normal(1000) * spread
+    if rounded:
+        logits = np.round(logits * 2) / 2
+    scaled = jnp.asarray(logits - logits.max(), jnp.float32)
+    candidate, whole = jax.jit(_candidate_filters), jax.jit(_sort_filters)
+    for top_k in (0, 1, 5, 50, count, count + 1, 200, 1000):
+        for top_p in (1.0, 0.99, 0.9, 0.5, 0.1):
+            if top_k in (0, 1000) and top_p == 1.0:
+                continue  # nothing to filter: the sampler never calls either
+            params = SamplingParams.make(temperature=1.0, top_k=top_k, top_p=top_p)
+            got, want = np.asarray(candidate(scaled, params)), np.asarray(whole(scaled, params))
+            assert np.array_equal(got, want), (top_k, top_p)
+
+
+def test_control_the_candidate_check_sees_one_id_more() -> None:
+    from turbospark_jax.sampling import _candidate_filters, _sort_filters
+
+    scaled = jnp.asarray(np.random.default_rng(0).standard_normal(1000), jnp.float32)
+    got = np.asarray(_candidate_filters(scaled, SamplingParams.make(temperature=1.0, top_k=50)))
+    assert got.sum() == 50
+    want = np.asarray(_sort_filters(scaled, SamplingParams.make(temperature=1.0, top_k=49)))
+    assert not np.array_equal(got, want)

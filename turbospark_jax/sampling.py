@@ -397,6 +397,56 @@ def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     )
 
 
+#: How many of the best ids the top-k / top-p filter ranks before it would sort the whole
+#: vocabulary (:func:`_candidate_filters`); on a GPU :data:`GPU_CANDIDATES`.
+CANDIDATES = 64
+#: The GPU's count: XLA's GPU top-k is a kernel of its own up to k = 16 and a whole sort
+#: above (not measured here yet: ``benchmarks.rowinv_model``'s sampled decode will tell).
+GPU_CANDIDATES = 16
+
+
+def candidates() -> int:
+    """The candidate count for the default backend (static under jit)."""
+    return GPU_CANDIDATES if jax.default_backend() == "gpu" else CANDIDATES
+
+
+def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+    """:func:`_sort_filters`' keep mask from the :func:`candidates` best ids alone, when they
+    decide it, else from the whole sorted vocabulary.
+
+    ``lax.top_k`` ranks the candidates as the stable sort ranks them (descending, the lower id
+    first on ties). They decide the mask when top-k keeps at most that many ids (the
+    same ids in the same order; top-p then normalises over them as the sort does), or when
+    top-k is off and top-p's cut falls among them (the last candidate is cut, so every later
+    id is too; the normaliser is the whole vocabulary's, one sum). The masks are the same ids
+    but for a cut within float32 rounding of ``top_p`` (the sums associate differently). On a
+    2-core CPU the filter takes 0.15 ms for 32,000 ids against the sort's 7.3 ms, and a
+    sampled draw 1.05 ms against 8.1 (a greedy one: 0.25)."""
+    vocab_size, count = scaled.shape[0], candidates()
+    if vocab_size <= count:
+        return _sort_filters(scaled, params)
+    # Behind a barrier: an expression that relates the candidates to the whole vocabulary
+    # (the normaliser below) makes XLA's CPU compiler turn the top-k back into a full sort.
+    values, ids = lax.optimization_barrier(lax.top_k(scaled, count))
+    rank = lax.iota(jnp.int32, count)
+    k = params.top_k
+    k = jnp.where((k <= 0) | (k >= vocab_size), vocab_size, k)
+    top_k_small = k <= count
+    keep = rank < k
+    in_top_k = jax.nn.softmax(jnp.where(keep, values, -jnp.inf))
+    in_vocabulary = jnp.exp(values - values[0]) / jnp.sum(jnp.exp(scaled - values[0]))
+    probs = jnp.where(top_k_small, in_top_k, in_vocabulary)
+    mass_before = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)[:-1]])
+    keep &= (mass_before < params.top_p) | (params.top_p >= 1.0)
+    decided = top_k_small | ((k == vocab_size) & ~keep[-1])
+    return lax.cond(
+        decided,
+        lambda: jnp.zeros((vocab_size,), jnp.bool_).at[ids].set(
+            keep, mode="promise_in_bounds", unique_indices=True),
+        lambda: _sort_filters(scaled, params),
+    )
+
+
 def _sampling_logits(
     penalized: jax.Array, params: SamplingParams, truncate: bool = True
 ) -> jax.Array:
@@ -411,7 +461,7 @@ def _sampling_logits(
     if truncate:
         keep = lax.cond(
             _needs_sort(params, scaled.shape[0]),
-            _sort_filters,
+            _candidate_filters,
             lambda x, _: jnp.ones(x.shape, jnp.bool_),
             scaled,
             params,
