@@ -541,3 +541,22 @@ def test_control_the_candidate_check_sees_one_id_more() -> None:
     assert got.sum() == 50
     want = np.asarray(_sort_filters(scaled, SamplingParams.make(temperature=1.0, top_k=49)))
     assert not np.array_equal(got, want)
+
+
+@pytest.mark.parametrize("top_k", [10, 0])
+def test_draws_among_the_candidates_follow_the_distribution(top_k: int) -> None:
+    """Over 1,000 ids, once top-k (10) or top-p (a peaked row) leaves at most the candidate
+    count possible, the Gumbel noise is drawn for the candidates alone: the frequencies still
+    follow ``probabilities``; every draw is a possible id. (Control: the same draws are far
+    from the distribution top-k = 2 would give.)"""
+    rng = np.random.default_rng(5)
+    logits = np.asarray(rng.standard_normal(1000) * (1.0 if top_k else 6.0), np.float32)
+    history = History.empty(1000)
+    params = SamplingParams.make(temperature=1.0, top_k=top_k, top_p=0.9 if not top_k else 1.0)
+    probs = np.asarray(probabilities(logits, params, history))
+    assert 0 < (probs > 0).sum() <= 16  # within the candidates on every backend
+    samples = draws(logits, params, history)
+    assert np.all(probs[samples] > 0)
+    assert _tv(samples, probs) < 0.05
+    other = SamplingParams.make(temperature=1.0, top_k=2)
+    assert _tv(samples, np.asarray(probabilities(logits, other, history))) > 0.1

@@ -156,10 +156,10 @@ def judge(
     bonus = sampling.draw_processed(processed, params, sampling.token_key(key, index + accepted))
     q_at = jnp.where(accepted < draft, q[jnp.minimum(accepted, draft - 1)], 0.0)
     residual = jnp.maximum(p - q_at, 0.0)
-    resampled = jax.random.categorical(
+    resampled = sampling.categorical(
         sampling.token_key(resample_key, index + accepted),
         jnp.where(residual > 0, jnp.log(jnp.where(residual > 0, residual, 1.0)), -jnp.inf),
-    ).astype(jnp.int32)
+    )
     rejected = (params.temperature > 0) & (jnp.sum(residual) > 0) & (accepted < m)
     final = jnp.where(rejected, resampled, bonus).astype(jnp.int32)
     out = jnp.concatenate([proposals, jnp.full((1,), -1, jnp.int32)])
