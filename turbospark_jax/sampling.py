@@ -398,17 +398,17 @@ def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     )
 
 
-#: How many of the best ids the top-k / top-p filter ranks before it would sort the whole
-#: vocabulary (:func:`_candidate_filters`); on a GPU :data:`GPU_CANDIDATES`.
+#: How many of the best ids the top-k / top-p filter ranks on a CPU before it would sort
+#: the whole vocabulary (:func:`_candidate_filters`). Off a CPU it sorts, as before: XLA's GPU
+#: top-k is a kernel of its own only up to k = 16 (a whole sort above), and a branch there
+#: costs a round trip to the host; whether candidates pay on a GPU is not measured yet.
 CANDIDATES = 64
-#: The GPU's count: XLA's GPU top-k is a kernel of its own up to k = 16 and a whole sort
-#: above (not measured here yet: ``benchmarks.rowinv_model``'s sampled decode will tell).
-GPU_CANDIDATES = 16
 
 
 def candidates() -> int:
-    """The candidate count for the default backend (static under jit)."""
-    return GPU_CANDIDATES if jax.default_backend() == "gpu" else CANDIDATES
+    """The candidate count for the default backend (static under jit): :data:`CANDIDATES` on
+    a CPU, 0 (sort the whole vocabulary) elsewhere."""
+    return CANDIDATES if jax.default_backend() == "cpu" else 0
 
 
 def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
@@ -424,7 +424,7 @@ def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     2-core CPU the filter takes 0.15 ms for 32,000 ids against the sort's 7.3 ms, and a
     sampled draw 1.05 ms against 8.1 (a greedy one: 0.25)."""
     vocab_size, count = scaled.shape[0], candidates()
-    if vocab_size <= count:
+    if vocab_size <= count or count == 0:
         return _sort_filters(scaled, params)
     # Behind a barrier: an expression that relates the candidates to the whole vocabulary
     # (the normaliser below) makes XLA's CPU compiler turn the top-k back into a full sort.
@@ -593,12 +593,13 @@ def sample(
 
 def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     """A draw from ``softmax(logits)`` (float32 ``[V]``, ``-inf`` for impossible ids), as
-    ``jax.random.categorical``: the Gumbel-max trick. When at most :func:`candidates` ids are
-    possible (top-k or top-p left no more), the noise is drawn for those candidates alone
-    instead of for the whole vocabulary: the same distribution, and on a 2-core CPU a tenth of
-    the time for 32,000 ids. Returns int32 ``[]``; a function of ``key`` and ``logits`` only."""
+    ``jax.random.categorical``: the Gumbel-max trick. On a CPU, when at most
+    :func:`candidates` ids are possible (top-k or top-p left no more), the noise is drawn for
+    those candidates alone instead of for the whole vocabulary: the same distribution, in a
+    tenth of the time for 32,000 ids on 2 cores. (Elsewhere the whole vocabulary's noise, as
+    before.) Returns int32 ``[]``; a function of ``key``, ``logits`` and the backend only."""
     vocab_size, count = logits.shape[0], candidates()
-    if vocab_size <= count:
+    if vocab_size <= count or count == 0:
         return jax.random.categorical(key, logits).astype(jnp.int32)
     values, ids = lax.optimization_barrier(lax.top_k(logits, count))  # see _candidate_filters
     return lax.cond(
