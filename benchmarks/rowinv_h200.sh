@@ -6,11 +6,11 @@
 #                                             # the 1B speeds in both kernel modes
 #   bash benchmarks/rowinv_h200.sh 2 "$OUT"   # the decode-size products' sweep, 0.6B speeds
 #                                             # and bitwise checks, the 1B decode profiles
-#   bash benchmarks/rowinv_h200.sh 3 "$OUT"   # 8B speeds (BIG=0 skips them), transformers
-#                                             # (sdpa) on the same machine
+#   bash benchmarks/rowinv_h200.sh 3 "$OUT"   # 8B speeds and bitwise checks
+#   bash benchmarks/rowinv_h200.sh 4 "$OUT"   # transformers (sdpa) on the same machine
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 3}
+stage=${1:?stage 1 to 4}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -33,9 +33,13 @@ case "$stage" in
     --out "$out/profile" --budget-s 130 2>&1 | tail -10
   ;;
 3)
-  [ "${BIG:-1}" = 1 ] && timeout 280 python -m benchmarks.rowinv_model --parts speed \
-    --shapes llama-3.1-8b --out "$out/speed8b" --budget-s 260 2>&1 | tail -20
-  timeout 290 python -m benchmarks.run --preset h200 --part hf --out "$out" 2>&1 | tail -20
+  timeout 300 python -m benchmarks.rowinv_model --parts speed \
+    --shapes llama-3.1-8b --out "$out/speed8b" --budget-s 280 2>&1 | tail -20
+  timeout 250 python -m benchmarks.rowinv_model --parts exact \
+    --exact-shapes llama-3.1-8b --out "$out/exact8b" --budget-s 230 2>&1 | tail -10
+  ;;
+4)
+  timeout 560 python -m benchmarks.run --preset h200 --part hf --out "$out" 2>&1 | tail -20
   ;;
 esac
 ls -R "$out" | head -30
