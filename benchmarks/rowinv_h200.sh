@@ -16,7 +16,7 @@ mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
 case "$stage" in
 1)
-  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -x -o addopts="" -p no:cacheprovider \
+  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_rowinv.py tests/test_pallas_row_norm.py tests/test_pallas_attention.py \
     tests/test_pallas_rope_store.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
   timeout 170 python -m benchmarks.rowinv_model --parts exact \

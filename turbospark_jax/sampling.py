@@ -411,6 +411,15 @@ def candidates() -> int:
     return CANDIDATES if jax.default_backend() == "cpu" else 0
 
 
+def _top(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k(x, count)`` with each output behind its own barrier: an expression that
+    relates the candidates to the whole of ``x`` (a normaliser) makes XLA's CPU compiler turn
+    the top-k back into a full sort. (One barrier over both outputs crashes XLA's SPMD
+    partitioner on a mesh.)"""
+    values, ids = lax.top_k(x, count)
+    return lax.optimization_barrier(values), lax.optimization_barrier(ids)
+
+
 def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """:func:`_sort_filters`' keep mask from the :func:`candidates` best ids alone, when they
     decide it, else from the whole sorted vocabulary.
@@ -426,9 +435,7 @@ def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     vocab_size, count = scaled.shape[0], candidates()
     if vocab_size <= count or count == 0:
         return _sort_filters(scaled, params)
-    # Behind a barrier: an expression that relates the candidates to the whole vocabulary
-    # (the normaliser below) makes XLA's CPU compiler turn the top-k back into a full sort.
-    values, ids = lax.optimization_barrier(lax.top_k(scaled, count))
+    values, ids = _top(scaled, count)
     rank = lax.iota(jnp.int32, count)
     k = params.top_k
     k = jnp.where((k <= 0) | (k >= vocab_size), vocab_size, k)
@@ -601,7 +608,7 @@ def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
     vocab_size, count = logits.shape[0], candidates()
     if vocab_size <= count or count == 0:
         return jax.random.categorical(key, logits).astype(jnp.int32)
-    values, ids = lax.optimization_barrier(lax.top_k(logits, count))  # see _candidate_filters
+    values, ids = _top(logits, count)
     return lax.cond(
         jnp.sum(jnp.isfinite(logits)) <= count,
         lambda: ids[jax.random.categorical(key, values)],
