@@ -332,20 +332,25 @@ def test_one_program_serves_every_setting() -> None:
     assert len(traces) == 1
 
 
-def _sorts_by_cond_depth(jaxpr: jax.extend.core.Jaxpr, depth: int = 0) -> list[int]:
-    """The cond-nesting depth of every sort in ``jaxpr``."""
+def _primitives_by_cond_depth(jaxpr: jax.extend.core.Jaxpr, depth: int = 0) -> list:
+    """``(primitive name, cond-nesting depth)`` of every equation in ``jaxpr``, sub-jaxprs
+    included."""
     found = []
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "sort":
-            found.append(depth)
+        found.append((eqn.primitive.name, depth))
         inner = depth + (eqn.primitive.name == "cond")
         for value in eqn.params.values():
             for sub in value if isinstance(value, tuple | list) else (value,):
                 if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    found += _sorts_by_cond_depth(sub.jaxpr, inner)
+                    found += _primitives_by_cond_depth(sub.jaxpr, inner)
                 elif isinstance(sub, jax.extend.core.Jaxpr):
-                    found += _sorts_by_cond_depth(sub, inner)
+                    found += _primitives_by_cond_depth(sub, inner)
     return found
+
+
+def _sorts_by_cond_depth(jaxpr: jax.extend.core.Jaxpr) -> list[int]:
+    """The cond-nesting depth of every sort in ``jaxpr``."""
+    return [depth for name, depth in _primitives_by_cond_depth(jaxpr) if name == "sort"]
 
 
 def test_vocabulary_sort_sits_behind_two_conds() -> None:
@@ -566,18 +571,8 @@ def test_off_a_cpu_the_filter_and_the_noise_are_the_whole_vocabulary(monkeypatch
 
     def primitives(fn, *args) -> set[str]:
         # a fresh function each time: a cached trace would hide the backend's change
-        names, todo = set(), [jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr]
-        while todo:
-            jaxpr = todo.pop()
-            for eqn in jaxpr.eqns:
-                names.add(eqn.primitive.name)
-                for value in eqn.params.values():
-                    for sub in value if isinstance(value, tuple | list) else (value,):
-                        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                            todo.append(sub.jaxpr)
-                        elif isinstance(sub, jax.extend.core.Jaxpr):
-                            todo.append(sub)
-        return names
+        closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
+        return {name for name, _ in _primitives_by_cond_depth(closed.jaxpr)}
 
     scaled = jnp.zeros(1000)
     params = SamplingParams.make(temperature=1.0, top_k=5)

@@ -340,8 +340,8 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
     return cols.gather(out, m)
 
 
-def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
-            schedule: Schedule, tiles: Tiles, interpret: bool, label: str = "") -> jax.Array:
+def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedule,
+            tiles: Tiles, interpret: bool, label: str = "") -> jax.Array:
     """The matvec kernel's float32 partial products, one per segment: ``[S, M, N]``."""
     m, k = x.shape
     kp, count, per = schedule.plan(k)
@@ -444,7 +444,7 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
         return out[None] if parts else out
     interpret = impl == "interpret"
     if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
-        partials = _matvec(x, ws, nk, out_dtype, schedule, tiles, interpret, label)
+        partials = _matvec(x, ws, nk, schedule, tiles, interpret, label)
         return partials if parts else sum_parts(partials, out_dtype)
     out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
     return out[None] if parts else out
