@@ -110,11 +110,19 @@ CONFIG = DenseConfig(model_type="qwen3", vocab_size=512, hidden_size=128, interm
                      head_dim=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
 
 
-def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False) -> str:
+#: Three query heads a KV head and an untied head: the RoPE-and-cache-write kernel does not
+#: take these shapes, so attention runs the projections, RoPE and cache writes unfused.
+ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermediate_size=200,
+                  num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+                  head_dim=32, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
+
+
+def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
+             config: DenseConfig = CONFIG) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
+    model = DenseModel(config, BF16, scan_layers=False, kernels=kernels)
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(256))
     rows = S((width,), jnp.int32)
@@ -151,3 +159,11 @@ def test_control_xla_kernels_program_has_products_and_reductions(monkeypatch):
     text = _program("xla", 5, monkeypatch)
     assert "stablehlo.dot_general" in text
     assert _float_reductions(text) != []
+
+
+@pytest.mark.parametrize("width", [1, 64])
+def test_rowinv_program_of_an_odd_shape_lowers_the_same_way(width, monkeypatch):
+    text = _program("rowinv", width, monkeypatch, config=ODD)
+    assert "rope_store" not in text and "cached_attention" in text
+    assert "stablehlo.dot_general" not in text
+    assert _float_reductions(text) == []
