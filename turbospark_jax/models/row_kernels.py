@@ -30,6 +30,12 @@ from turbospark_jax.models.rowinv import row_tiled, rowinv_matmul, schedule_for,
 
 #: Values of a model's ``kernels`` field.
 KERNELS = ("xla", "rowinv")
+#: The CPU's tiled attention runs at least one tile, like the product
+#: (:data:`~turbospark_jax.models.rowinv.DOT_MIN_TILES`), not the norms' two: checked across
+#: widths under the default and the tests' XLA flags (``tests/test_rowinv*.py`` and
+#: ``benchmarks.rowinv_model --preset cpu --parts exact``); a one-row decode step then attends
+#: with 4 query rows, not 8 (43-46 to 52-55 tokens/s on the CPU preset).
+ATTEND_MIN_TILES = 1
 
 
 def check_kernels(kernels: Any) -> None:
@@ -134,5 +140,5 @@ def attend(kernels: str, q: jax.Array, k: jax.Array, v: jax.Array, q_positions: 
         return layers.attend(q, k, v, q_positions, k_positions, window)
     return row_tiled(
         lambda qt, pt, k, v, kp: layers.attend(qt, k, v, pt, kp, window), q, q_positions,
-        shared=(k, v, k_positions),
+        shared=(k, v, k_positions), min_tiles=ATTEND_MIN_TILES,
     )
