@@ -105,8 +105,8 @@ def default_prefill_width(width: int, kernels: str = "xla") -> int:
     """The most rows one block of the exact prefill holds. With XLA's kernels, ``width``: a
     program of another width would round differently. With ``kernels="rowinv"`` a row gets
     the same bits in a block of any width, so wide blocks, which read the weights once for
-    all their rows (and on a CPU fill the row-invariant kernels' fixed 16-row tiles, which a
-    narrow block pays for in full): 2048 rows on an accelerator, where a matrix product of
+    all their rows (and on a CPU fill the row-invariant kernels' fixed-shape row tiles, which
+    a narrow block pays for in full): 2048 rows on an accelerator, where a matrix product of
     that many rows costs little more than its weight reads, and 256 on a CPU, where every
     row costs its own compute; never below ``width``."""
     if kernels != "rowinv":

@@ -375,6 +375,20 @@ def _penalize(logits: jax.Array, params: SamplingParams, history: History) -> ja
     return logits - params.frequency_penalty * history.counts.astype(jnp.float32)
 
 
+def _kept_by_top_k(params: SamplingParams, vocab_size: int) -> jax.Array:
+    """How many of the best ids top-k keeps: all of them when it is off."""
+    k = params.top_k
+    return jnp.where((k <= 0) | (k >= vocab_size), vocab_size, k)
+
+
+def _kept_by_top_p(probs: jax.Array, params: SamplingParams) -> jax.Array:
+    """Top-p's keep mask over ``probs``, ranked best first."""
+    # Mass strictly before each rank: rank 0 sees 0 < top_p, so the top id always survives.
+    mass_before = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)[:-1]])
+    # At top_p == 1 rounding could push the running sum to 1 early; "off" must mean off.
+    return (mass_before < params.top_p) | (params.top_p >= 1.0)
+
+
 def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     """Top-k then top-p on temperature-scaled logits; returns the bool[V] keep mask."""
     vocab_size = scaled.shape[0]
@@ -382,14 +396,9 @@ def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     # Stable ascending sort of the negated logits: descending logits, lower id first on ties.
     neg_sorted, order = lax.sort((-scaled, ids), num_keys=1, is_stable=True)
     sorted_logits = -neg_sorted
-    k = params.top_k
-    k = jnp.where((k <= 0) | (k >= vocab_size), vocab_size, k)
-    keep_sorted = ids < k
+    keep_sorted = ids < _kept_by_top_k(params, vocab_size)
     probs = jax.nn.softmax(jnp.where(keep_sorted, sorted_logits, -jnp.inf))
-    # Mass strictly before each rank: rank 0 sees 0 < top_p, so the top id always survives.
-    mass_before = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)[:-1]])
-    # At top_p == 1 rounding could push the running sum to 1 early; "off" must mean off.
-    keep_sorted &= (mass_before < params.top_p) | (params.top_p >= 1.0)
+    keep_sorted &= _kept_by_top_p(probs, params)
     # ``order`` is a permutation: every index is in range and written once.
     return (
         jnp.zeros((vocab_size,), jnp.bool_)
@@ -436,16 +445,12 @@ def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     if vocab_size <= count or count == 0:
         return _sort_filters(scaled, params)
     values, ids = _top(scaled, count)
-    rank = lax.iota(jnp.int32, count)
-    k = params.top_k
-    k = jnp.where((k <= 0) | (k >= vocab_size), vocab_size, k)
+    k = _kept_by_top_k(params, vocab_size)
     top_k_small = k <= count
-    keep = rank < k
+    keep = lax.iota(jnp.int32, count) < k
     in_top_k = jax.nn.softmax(jnp.where(keep, values, -jnp.inf))
     in_vocabulary = jnp.exp(values - values[0]) / jnp.sum(jnp.exp(scaled - values[0]))
-    probs = jnp.where(top_k_small, in_top_k, in_vocabulary)
-    mass_before = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(probs)[:-1]])
-    keep &= (mass_before < params.top_p) | (params.top_p >= 1.0)
+    keep &= _kept_by_top_p(jnp.where(top_k_small, in_top_k, in_vocabulary), params)
     decided = top_k_small | ((k == vocab_size) & ~keep[-1])
     return lax.cond(
         decided,

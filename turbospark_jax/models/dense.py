@@ -391,11 +391,8 @@ class DenseModel(BlockModel):
             with jax.named_scope("mlp"):
                 h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
                                                  eps)
-                f = lp["gate_proj"].shape[1]
-                gu = row_kernels.matmul(kernels, normed, (lp["gate_proj"], lp["up_proj"]),
-                                        label="gate_up")
-                act = jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
-                pending = row_kernels.matmul_parts(kernels, act, lp["down_proj"], label="down")
+                pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
+                                                   lp["down_proj"], label="down")
             return (h, pending), kv
 
         return layer
@@ -426,12 +423,9 @@ class DenseModel(BlockModel):
     def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
         """SwiGLU of the normed rows, h [W, D] -> [W, D]."""
         bias = self.config.has_mlp_bias
-        if self.kernels == "rowinv" and not bias:  # gate and up from one launch
-            f = lp["gate_proj"].shape[1]
-            gu = row_kernels.matmul(self.kernels, h, (lp["gate_proj"], lp["up_proj"]),
-                                    label="gate_up")
-            act = jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
-            return row_kernels.matmul(self.kernels, act, lp["down_proj"], label="down")
+        if self.kernels == "rowinv" and not bias:
+            return row_kernels.matmul(self.kernels, self._gated(h, lp), lp["down_proj"],
+                                      label="down")
         return swiglu_mlp(
             h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
             lp["gate_bias"] if bias else None,
@@ -440,6 +434,14 @@ class DenseModel(BlockModel):
             matmul=functools.partial(row_kernels.matmul, "rowinv")
             if self.kernels == "rowinv" else None,
         )
+
+    def _gated(self, h: jax.Array, lp: Params) -> jax.Array:
+        """SwiGLU's gated rows ``silu(gate(h)) * up(h)`` under ``"rowinv"``, gate and up from
+        one launch (no biases); SiLU in float32, rounded once, as :func:`swiglu_mlp` does."""
+        f = lp["gate_proj"].shape[1]
+        gu = row_kernels.matmul(self.kernels, h, (lp["gate_proj"], lp["up_proj"]),
+                                label="gate_up")
+        return jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
 
     def _head(self, params: Params, x: Any) -> jax.Array:
         """Final norm and output head. x [W, D] (or ``(h, pending)``, see
@@ -586,7 +588,7 @@ class DenseModel(BlockModel):
         if last_row_head:  # the head on row live - 1 alone: [1, ...]
             pick = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=live - 1,
                                      slice_size=1)
-            x = ((pick(x[0], axis=0), None if x[1] is None else pick(x[1], axis=1))
+            x = ((pick(x[0], axis=0), pick(x[1], axis=1))  # (h, pending [S, W, D])
                  if isinstance(x, tuple) else pick(x, axis=0))
             rows_out = 1
         with jax.named_scope("head"):

@@ -67,15 +67,10 @@ def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: s
     without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
     which the RoPE-and-cache-write kernel adds itself."""
     d = h.shape[-1]
-    names = ("q_proj", "k_proj", "v_proj")
+    ws = tuple(lp[n].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
     if kernels == "rowinv" and not config.qkv_bias:
-        return row_kernels.matmul_parts(kernels, h, tuple(lp[n].reshape(d, -1) for n in names),
-                                        label="qkv")
-    if kernels == "rowinv":
-        qkv = row_kernels.matmul(kernels, h, tuple(lp[n].reshape(d, -1) for n in names),
-                                 label="qkv")
-    else:
-        qkv = h @ jnp.concatenate([lp[n].reshape(d, -1) for n in names], axis=1)
+        return row_kernels.matmul_parts(kernels, h, ws, label="qkv")
+    qkv = row_kernels.matmul(kernels, h, ws, label="qkv")
     if config.qkv_bias:
         qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")])
     return qkv
