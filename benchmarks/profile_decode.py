@@ -53,15 +53,41 @@ def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
     return events
 
 
-def profile_burst(producer: Any, context: int, steps: int, vocab: int) -> dict[str, Any]:
-    """Trace one ``steps``-token decode burst and summarise the device activity."""
+def idle_gaps(events: list[tuple[str, int, int]], top: int = 12) -> dict[str, Any]:
+    """The device's idle stretches between ``events`` (``(name, start_ns, duration_ns)``,
+    sorted by start): their total, the ``top`` events they follow most (name ->
+    ``(gaps, ns)``), and how many gaps fall in each size band. Overlapping events (two
+    streams) leave no gap."""
+    after: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    bands = {"<2us": 0, "2-10us": 0, "10-50us": 0, ">=50us": 0}
+    total, end, last = 0, None, None
+    for name, start, duration in events:
+        if end is not None and start > end:
+            gap = start - end
+            total += gap
+            after[last][0] += 1
+            after[last][1] += gap
+            us = gap / 1e3
+            bands["<2us" if us < 2 else "2-10us" if us < 10 else "10-50us" if us < 50
+                  else ">=50us"] += 1
+        if end is None or start + duration >= end:
+            end, last = start + duration, name
+    ranked = sorted(after.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"total_ns": total, "after": [(n, (c, ns)) for n, (c, ns) in ranked],
+            "sizes": bands}
+
+
+def profile_burst(producer: Any, context: int, steps: int, vocab: int,
+                  params: Any = None) -> dict[str, Any]:
+    """Trace one ``steps``-token decode burst and summarise the device activity; ``params``
+    are the sampling settings (greedy when None)."""
     import jax
 
     from turbospark_jax import sampling
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, vocab, context)]
-    greedy = sampling.SamplingParams.greedy()
+    greedy = sampling.SamplingParams.greedy() if params is None else params
     key = sampling.request_key(0)
 
     def burst() -> float:
@@ -92,6 +118,7 @@ def profile_burst(producer: Any, context: int, steps: int, vocab: int) -> dict[s
         by_name[name].append(d)
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))
     top = ranked[:15]
+    idle = idle_gaps(window)
     return {
         "steps": steps,
         "wall_s": wall,
@@ -105,6 +132,11 @@ def profile_burst(producer: Any, context: int, steps: int, vocab: int) -> dict[s
             for n, ds in top
         ],
         "all_kernels": {n: [len(ds) / steps, sum(ds) / steps / 1e3] for n, ds in ranked},
+        # Where the device sat idle between two events of the burst, per token: after which
+        # event (a host sync ends in ``MemcpyD2H``), and how the gaps are sized.
+        "idle_per_token_us": idle["total_ns"] / steps / 1e3,
+        "idle_after": {n: [c / steps, ns / steps / 1e3] for n, (c, ns) in idle["after"]},
+        "idle_gap_sizes": idle["sizes"],
         # The first events of the burst in order, (name, microseconds): one token's pipeline.
         "sequence": [(n, d / 1e3) for n, _, d in window[:200]],
     }
@@ -179,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
         if "kernels_per_token" in p:
             print(f"   {p['wall_per_token_us']:.0f} us/token wall, "
                   f"{p['device_busy_per_token_us']:.0f} us busy "
-                  f"({p['device_busy_fraction']:.0%}), {p['kernels_per_token']:.0f} kernels")
+                  f"({p['device_busy_fraction']:.0%}), {p['kernels_per_token']:.0f} kernels, "
+                  f"{p['idle_per_token_us']:.0f} us idle")
             for k in p["top_kernels"][:12]:
                 print(f"     {k['us_per_token']:7.1f} us x{k['count_per_token']:.0f}  {k['name']}")
         elif p:

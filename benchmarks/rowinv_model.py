@@ -6,6 +6,7 @@ Run on the GPU machine from the repository root::
     PYTHONPATH=. python -m benchmarks.rowinv_model --parts exact,speed --shapes qwen3-0.6b ...
     PYTHONPATH=. python -m benchmarks.rowinv_model --preset cpu --parts exact,speed --out /tmp/c
     PYTHONPATH=. python -m benchmarks.rowinv_model --preset smoke --out /tmp/x   # CPU, tiny
+    PYTHONPATH=. python -m benchmarks.rowinv_model --preset cpu-widths --parts exact --out /tmp/w
 
 Parts (``--parts``, in this order; each case on its own: an error is recorded and the run goes
 on, the JSON is rewritten after every case, and cases past ``--budget-s`` are listed as
@@ -54,7 +55,21 @@ SMALL = Shape("small-60m", "qwen3", 512, 8, 8, 4, 64, 1536, 32000, True)
 #: The odd shape's kind at a CPU's size: 6 query heads on 2 KV heads, an MLP width and a
 #: vocabulary that no tile divides, an untied head.
 ODD_SMALL = Shape("odd-small", "qwen3", 384, 3, 6, 2, 64, 1000, 5003, False)
-ALL_SHAPES = {**SHAPES, ODD.name: ODD, SMALL.name: SMALL, ODD_SMALL.name: ODD_SMALL}
+
+
+def two_layers(shape: Shape) -> Shape:
+    """``shape`` cut to two layers: every width of the real shape (hidden, heads, MLP,
+    vocabulary) at a depth a CPU feeds a prompt through in minutes. Row invariance is a
+    property of each layer's kernels at their widths, so two layers (one feeding the next)
+    check what the whole depth would."""
+    return dataclasses.replace(shape, name=f"{shape.name}-2l", num_hidden_layers=2)
+
+
+#: The issue's shapes at their real widths, two layers deep (the ``cpu-widths`` preset).
+TWO_LAYER = {s.name: s for s in (two_layers(SHAPES[n]) for n in
+                                   ("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"))}
+ALL_SHAPES = {**SHAPES, ODD.name: ODD, SMALL.name: SMALL, ODD_SMALL.name: ODD_SMALL,
+              **TWO_LAYER}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +96,11 @@ PRESETS = {
                   contexts=(128, 1024),
                   prefill_lengths=(512, 2048), new_tokens=64, burst=16, exact_prompt=300,
                   prefill_width=256, verify_width=5, copies_bytes=64 << 20),
+    # The exact part at the 1B, 0.6B and 8B shapes' own widths on a CPU (float32, two layers).
+    "cpu-widths": Preset(shapes=(SMALL.name,), exact_shapes=tuple(TWO_LAYER),
+                         contexts=(128,), prefill_lengths=(512,), new_tokens=32, burst=16,
+                         exact_prompt=300, prefill_width=256, verify_width=5,
+                         copies_bytes=64 << 20),
     "smoke": Preset(shapes=("tiny",), exact_shapes=("tiny",), contexts=(24,),
                     prefill_lengths=(40,), new_tokens=8, burst=4, exact_prompt=37,
                     prefill_width=16, verify_width=3, copies_bytes=1 << 20),
@@ -458,14 +478,17 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) 
             config, model, params = _model(shape, kernels)
             producer = _producer(model, params, 512, width, preset.burst)
 
-            def traced(producer=producer, vocab=config.vocab_size, shape=shape) -> dict:
-                result = profile_burst(producer, 128, preset.burst, vocab)
+            def traced(producer=producer, vocab=config.vocab_size, shape=shape,
+                       kind="greedy") -> dict:
+                result = profile_burst(producer, 128, preset.burst, vocab, _sampling(kind))
                 if "all_kernels" in result:
                     result["kernel_rates"] = kernel_rates(shape, result["all_kernels"])
                 return result
 
-            run.case("profile", {"shape": name, "kernels": kernels, "width": width,
-                                 "context": 128}, traced)
+            for kind in ("greedy", "sampled") if kernels == "rowinv" else ("greedy",):
+                run.case("profile", {"shape": name, "kernels": kernels, "width": width,
+                                     "context": 128, "sampling": kind},
+                         functools.partial(traced, kind=kind))
             del producer, params, model
 
 

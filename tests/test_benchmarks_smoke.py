@@ -50,6 +50,21 @@ def test_profile_probe_runs_and_records(tmp_path):
         assert "error" in row["profile"] or row["profile"]["kernels_per_token"] > 0
 
 
+def test_profile_idle_gaps_are_placed_after_the_event_they_follow():
+    """The profile's idle accounting: gaps between events, charged to the event before them;
+    an event that overlaps another (a second stream) leaves no gap."""
+    from benchmarks.profile_decode import idle_gaps
+
+    events = [("norm", 0, 10_000), ("MemcpyD2H", 30_000, 1_000), ("matvec", 100_000, 5_000),
+              ("copy", 101_000, 1_000), ("attention", 106_000, 1_000)]
+    idle = idle_gaps(events)
+    assert idle["total_ns"] == 20_000 + 69_000 + 1_000
+    assert idle["after"] == [("MemcpyD2H", (1, 69_000)), ("norm", (1, 20_000)),
+                             ("matvec", (1, 1_000))]
+    assert idle["sizes"] == {"<2us": 1, "2-10us": 0, "10-50us": 1, ">=50us": 1}
+    assert idle_gaps([("a", 0, 5), ("b", 5, 5)])["total_ns"] == 0
+
+
 def test_family_figures_harness_runs(tmp_path):
     """The Qwen3.5 / Gemma 4 figures harness runs on the CPU at tiny shapes (no timing read)."""
     from benchmarks.families import main as families_main

@@ -167,3 +167,59 @@ def test_rowinv_program_of_an_odd_shape_lowers_the_same_way(width, monkeypatch):
     assert "rope_store" not in text and "cached_attention" in text
     assert "stablehlo.dot_general" not in text
     assert _float_reductions(text) == []
+
+
+# -- the decode loop's branches ----------------------------------------------------------------
+
+class _Lowered(Exception):
+    """Raised in place of running a program, with its CUDA lowering."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__("lowered")
+        self.text = text
+
+
+def _decode_program(kernels: str, settings: dict, monkeypatch) -> str:
+    """The program ``BlockProducer.decode`` would run for ``settings``, lowered for a GPU."""
+    import functools
+
+    from turbospark_jax import sampling
+    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.block_program import _run_blocks
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
+    params = unstack_layers(model.init_params(jax.random.PRNGKey(0)))
+    producer = BlockProducer(model, params, capacity=64, width=1 if kernels == "rowinv" else 4,
+                             steps_per_call=4, donate=False)
+
+    def lower(*args, **static):
+        program = jax.jit(functools.partial(_run_blocks, model), static_argnames=tuple(static))
+        exported = export.export(program, platforms=["cuda"], disabled_checks=CHECKS)
+        raise _Lowered(exported(*args, **static).mlir_module())
+
+    producer._program = lower
+    with pytest.raises(_Lowered) as lowered:
+        producer.decode(producer.init_state(), 3, 4, params=sampling.SamplingParams.make(
+            **settings), history=sampling.History.empty(CONFIG.vocab_size),
+            key=sampling.request_key(0), gen_index=1)
+    return lowered.value.text
+
+
+def _branches(text: str) -> int:
+    return len(re.findall(r"stablehlo\.(case|if)\b", text))
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.8},
+                                      {"temperature": 0.8, "top_k": 50, "top_p": 0.95}],
+                         ids=["greedy", "sampled", "truncated"])
+def test_rowinv_decode_loop_has_no_branch_but_its_loop(settings, monkeypatch):
+    """A conditional on a GPU copies its predicate to the host and waits, every token."""
+    text = _decode_program("rowinv", settings, monkeypatch)
+    assert len(re.findall(r"stablehlo\.while\b", text)) == 1
+    assert _branches(text) == 0
+
+
+def test_control_the_one_program_branches_on_the_settings(monkeypatch):
+    text = _decode_program("xla", {"temperature": 0.8, "top_k": 50}, monkeypatch)
+    assert _branches(text) >= 2  # greedy or sampled; top-k/top-p or not

@@ -483,7 +483,11 @@ class BlockProducer(
         )
         plan = self._plan([[token]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
                           offsets=np.arange(self.steps_per_call, dtype=np.int32))
-        out, state = self._call(state, plan, control, steps)
+        # A model whose widths agree may decode in a program of its own (its rows are the
+        # same bits in any program), so that program draws by the settings' plan with no
+        # branch on them; otherwise decode runs the one program prefill and verify run.
+        draw = sampling.draw_plan(params, self.vocab_size) if self.model.widths_agree else "any"
+        out, state = self._call(state, plan, control, steps, draw=draw)
         # One transfer for the scalars and tokens; slicing on the device by a count that
         # changes from call to call would compile a new program per count.
         n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
@@ -718,10 +722,14 @@ class BlockProducer(
 
     def _call(
         self, state: BlockState, plan: Plan, control: Control, n_steps: int,
-        last_row_head: bool = False,
+        last_row_head: bool = False, draw: str = "any",
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
+        # Static arguments at their defaults are left out: the call then matches the
+        # program's cache entry of the calls that never name them.
         extra = {"last_row_head": True} if last_row_head else {}
+        if draw != "any":
+            extra["draw"] = draw
         buffers, values, out = self._program(
             self.params, buffers_only(bare), by_value(bare), plan, control, np.int32(n_steps),
             **extra,

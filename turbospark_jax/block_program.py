@@ -26,6 +26,15 @@ Each step of the loop:
 
 Nothing about the request is static: sampling parameters, stop ids, step counts and live
 counts are all data, so switching between them never compiles anything new.
+
+A model whose programs of different widths agree bitwise (row-invariant kernels,
+:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`) needs no one program, and takes
+two kinds more: a wide exact prefill that runs the head on each block's last row
+(``last_row_head``), and decode programs compiled for the kind of draw a request's settings
+ask for (``draw``, one of :data:`~turbospark_jax.sampling.DRAW_PLANS`). A decode program runs
+the head on every step and draws with no ``lax.cond``: on a GPU each conditional copies its
+predicate to the host and waits for it, a stall per token. At most three such programs
+exist per width (greedy, sampled, truncated), however the settings' values change.
 """
 
 from __future__ import annotations
@@ -199,6 +208,7 @@ def _run_blocks(
     control: Control,
     n_steps: jax.Array,
     last_row_head: bool = False,
+    draw: str = "any",
 ) -> tuple[BlockState, BlockState, StepOutput]:
     # The state arrives split so that only its append-only buffers are donated: by-value
     # leaves (cursor, recurrent state) may still be held by a checkpoint.
@@ -218,7 +228,9 @@ def _run_blocks(
         tokens = plan.tokens[i]
         tokens = jnp.where(control.feedback & (i > 0), tokens.at[0].set(pending), tokens)
         live = plan.live[i]
-        logits, st = feed_block(model, params, st, tokens, live, plan.need_head[i],
+        # A decode program (a draw plan) needs every step's logits: the head runs unbranched.
+        need_head = True if draw != "any" else plan.need_head[i]
+        logits, st = feed_block(model, params, st, tokens, live, need_head,
                                 plan.injected[i], None if plan.embeds is None else plan.embeds[i],
                                 last_row_head=last_row_head)
         at = i if last_row_head else plan.out_offset[i]
@@ -232,7 +244,11 @@ def _run_blocks(
             # control of a prefill or verify asks for) is one argmax.
             keep = control.feedback & finite
             key = sampling.token_key(control.key, control.gen_index + i)
-            drawn = sampling.sample(last, control.params, history, key).astype(jnp.int32)
+            if draw == "any":
+                drawn = sampling.sample(last, control.params, history, key)
+            else:  # the host classified the settings: no branch on them here
+                drawn = sampling.draw_as(draw, last, control.params, history, key)
+            drawn = drawn.astype(jnp.int32)
             tok = jnp.where(keep, drawn, jnp.int32(-1))
             history = history.add(tok)  # -1 is outside the vocabulary: recorded as nothing
         sampled = sampled.at[i].set(tok)
@@ -281,10 +297,12 @@ def compiled_parallel(model: BlockModel, donate: bool) -> Any:
 @functools.cache
 def compiled_program(model: BlockModel, donate: bool) -> Any:
     """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``; a
-    model whose widths agree also has a ``last_row_head`` form for the exact prefill)."""
+    model whose widths agree also has a ``last_row_head`` form for the exact prefill, and
+    decode forms that draw by a plan the host chose from the request's settings, ``draw``
+    other than ``"any"``: :func:`~turbospark_jax.sampling.draw_as`)."""
     fn = functools.partial(_run_blocks, model)
     return jax.jit(fn, donate_argnums=(1,) if donate else (),  # 1: the append-only buffers
-                   static_argnames=("last_row_head",))
+                   static_argnames=("last_row_head", "draw"))
 
 
 def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
@@ -293,7 +311,7 @@ def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
     compiler would have picked (:mod:`turbospark_jax.sharding`)."""
     fn = functools.partial(_run_blocks, model)
     return jax.jit(fn, donate_argnums=(1,) if donate else (), out_shardings=out_shardings,
-                   static_argnames=("last_row_head",))
+                   static_argnames=("last_row_head", "draw"))
 
 
 @functools.cache

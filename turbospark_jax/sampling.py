@@ -36,6 +36,9 @@ Cost: :func:`sample` and :func:`probabilities` branch with ``lax.cond``, so a gr
 sorts the vocabulary and a sampled step sorts only when top-k or top-p is on. (Under ``vmap``
 with a batched setting ``lax.cond`` turns into a select that runs both branches; a batched
 program compiles :func:`draw` with ``truncate=False`` for steps where no row needs the sort.)
+A program that knows on the host which kind of draw a request needs compiles
+:func:`draw_as` with that plan (:func:`draw_plan`) instead: the same token, with no branch
+(on a GPU each ``lax.cond`` waits on the host for its predicate, a stall per drawn token).
 
 The three public entry points check their arguments (:func:`check_sampling_args`) and call a
 ``jax.jit``-wrapped core: called eagerly they run one cached program instead of re-tracing both
@@ -63,6 +66,7 @@ from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError
 
 __all__ = [
+    "DRAW_PLANS",
     "History",
     "SamplingConfig",
     "SamplingParams",
@@ -70,6 +74,8 @@ __all__ = [
     "check_sampling_args",
     "distribution",
     "draw",
+    "draw_as",
+    "draw_plan",
     "draw_processed",
     "greedy_token",
     "is_greedy",
@@ -461,17 +467,21 @@ def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
 
 
 def _sampling_logits(
-    penalized: jax.Array, params: SamplingParams, truncate: bool = True
+    penalized: jax.Array, params: SamplingParams, truncate: bool | str = True
 ) -> jax.Array:
     """Temperature, top-k, top-p, min-p on penalized logits (the temperature > 0 path).
 
     ``truncate`` (static) False leaves out the top-k/top-p branch: for settings with both off
-    the branch keeps every id, so leaving it out changes no bit."""
+    the branch keeps every id, so leaving it out changes no bit. ``"always"`` runs the
+    branch's filters without the branch: bitwise the branch for settings that turn either on.
+    """
     # Safe divisor: under vmap both cond branches run, and this one must not divide by 0.
     t = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = (penalized - jnp.max(penalized)) / t
     filtered = scaled
-    if truncate:
+    if truncate == "always":
+        filtered = jnp.where(_candidate_filters(scaled, params), scaled, -jnp.inf)
+    elif truncate:
         keep = lax.cond(
             _needs_sort(params, scaled.shape[0]),
             _candidate_filters,
@@ -645,6 +655,56 @@ def draw(
 
 
 _sample = jax.jit(draw)
+
+
+#: Values of :func:`draw_as`'s ``plan``: what the host knows of a request's settings before
+#: it compiles a decode loop. ``"any"``: nothing (:func:`draw`, branching on the settings in
+#: the program); ``"greedy"``: temperature 0; ``"sampled"``: temperature > 0 with top-k and
+#: top-p off; ``"truncated"``: temperature > 0 with top-k or top-p on.
+DRAW_PLANS = ("any", "greedy", "sampled", "truncated")
+
+
+def draw_plan(params: SamplingParams, vocab_size: int) -> str:
+    """The :data:`DRAW_PLANS` entry that ``params`` fall under (host-side: one transfer of
+    their scalars), for compiling :func:`draw_as` without the branches :func:`draw` takes.
+
+    Raises:
+      BadInputError: ``params`` is not :class:`SamplingParams`, or ``vocab_size`` is not a
+        positive integer.
+    """
+    if not isinstance(params, SamplingParams):
+        raise BadInputError(f"params must be SamplingParams, got {type(params).__name__}")
+    _check_vocab_size(vocab_size)
+    sampled, sort = jax.device_get((_is_sampled(params), _needs_sort(params, vocab_size)))
+    if not sampled:
+        return "greedy"
+    return "truncated" if sort else "sampled"
+
+
+def draw_as(
+    plan: str, logits: jax.Array, params: SamplingParams, history: History, key: jax.Array
+) -> jax.Array:
+    """:func:`draw` for settings the host has classified (:func:`draw_plan`), for use inside a
+    compiled program (traced arguments, no checks; ``plan`` static).
+
+    Each plan but ``"any"`` runs one branch of :func:`draw` with no ``lax.cond`` around it (on
+    a GPU a conditional copies its predicate to the host and waits for it, once per drawn
+    token), so for settings of that plan the token is bitwise :func:`draw`'s. Settings of
+    another plan get a token from the wrong branch: the caller picks the plan from the very
+    settings it passes.
+
+    Raises:
+      BadInputError: ``plan`` is not one of :data:`DRAW_PLANS`.
+    """
+    if plan not in DRAW_PLANS:
+        raise BadInputError(f"plan must be one of {', '.join(DRAW_PLANS)}; got {plan!r}")
+    if plan == "any":
+        return draw(logits, params, history, key)
+    if plan == "greedy":
+        return greedy_token(logits, params, history)
+    penalized = _penalize(logits.astype(jnp.float32), params, history)
+    truncate = "always" if plan == "truncated" else False
+    return categorical(key, _sampling_logits(penalized, params, truncate))
 
 
 def distribution(processed: jax.Array, params: SamplingParams) -> jax.Array:

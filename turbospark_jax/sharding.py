@@ -262,7 +262,7 @@ class ShardedProducer(BlockProducer):
 
     def _call(
         self, state: BlockState, plan: Any, control: Any, n_steps: int,
-        last_row_head: bool = False,
+        last_row_head: bool = False, draw: str = "any",
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
         # A state moved on the host (rewind, rollback) may come back on other shardings; the
@@ -270,6 +270,8 @@ class ShardedProducer(BlockProducer):
         bare = jax.device_put(bare, self._shardings)
         plan, control, steps = self._on_mesh((plan, control, np.int32(n_steps)))
         extra = {"last_row_head": True} if last_row_head else {}
+        if draw != "any":
+            extra["draw"] = draw
         buffers, values, out = self._program(
             self.params, buffers_only(bare), by_value(bare), plan, control, steps, **extra
         )

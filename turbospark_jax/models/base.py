@@ -139,7 +139,9 @@ class BlockModel(abc.ABC):
           tokens: int32 ``[W]``.
           positions: int32 ``[W]``, the position of each row (the engine passes start + i).
           live: int32 ``[]``; rows ``>= live`` are padding and write nothing.
-          need_head: bool ``[]`` (traced); when false the output head may be skipped.
+          need_head: bool ``[]`` (traced); when false the output head may be skipped. The
+            Python constant ``True`` (a decode program, whose every step needs its logits)
+            asks for the head without a branch on the flag.
           key_limit: static hint: no row attends past this position (parallel prefill only).
           fresh: static hint: the block starts at position 0 of an empty cache (parallel
             prefill only). A model that does not declare ``parallel_prefill`` ignores both.

@@ -539,7 +539,8 @@ class DenseModel(BlockModel):
           live: int32 ``[]``; rows ``>= live`` are padding: they write nothing to the cache
             and their logits are don't-care.
           need_head: bool ``[]`` (traced); when false the final norm and output head are
-            skipped and the logits are zeros.
+            skipped and the logits are zeros. The constant ``True`` runs them with no
+            ``lax.cond`` (on a GPU a conditional waits for its predicate on the host).
           key_limit: static; attend over cache positions ``< key_limit`` only (the parallel
             prefill's fast path, which knows no row sits past it). ``None``: the whole cache.
           fresh: static; the block starts at position 0 of an empty cache, so attention runs
@@ -592,6 +593,8 @@ class DenseModel(BlockModel):
                  if isinstance(x, tuple) else pick(x, axis=0))
             rows_out = 1
         with jax.named_scope("head"):
+            if need_head is True:
+                return self._head(params, x), cache.replace(k=k_all, v=v_all)
             logits = jax.lax.cond(
                 need_head,
                 lambda x: self._head(params, x),
