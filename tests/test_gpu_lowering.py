@@ -155,6 +155,26 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
     assert _float_reductions(text) == []
 
 
+def _float_pads(text: str) -> list[str]:
+    return re.findall(r"stablehlo\.pad .*-> tensor<[0-9x]*(?:f32|bf16|f16)>", text)
+
+
+@pytest.mark.parametrize("width", [1, 5])
+def test_rowinv_program_pads_no_activation_for_a_kernel(width, monkeypatch):
+    """The matvec kernel and the attention's fold read and write the call's own rows: no XLA
+    pad copies a decode row into a 16-row tile before a kernel (nor a slice copies it out
+    after), a launch each on a GPU, both ends of every product."""
+    text = _program("rowinv", width, monkeypatch)
+    assert _float_pads(text) == []
+    # the attention's rows come out live: no slice of its padded tiles before the reshape
+    assert not re.search(r"stablehlo\.slice .*tensor<2x16x32xbf16>", text)
+
+
+def test_control_a_row_padded_into_the_matmul_tile_shows_as_a_pad():
+    text = _lowered(lambda x, w: _matmul(x, (w,), kernel="matmul"), ROW, W_KN)
+    assert len(_float_pads(text)) == 1
+
+
 def test_control_xla_kernels_program_has_products_and_reductions(monkeypatch):
     text = _program("xla", 5, monkeypatch)
     assert "stablehlo.dot_general" in text

@@ -41,6 +41,7 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.layers import MASK_VALUE
@@ -151,8 +152,20 @@ def _fold(carry: tuple, part: tuple) -> tuple:
     return acc * old[:, None] + part_acc * new[:, None], top, l * old + part_l * new
 
 
+def _store_rows(o_ref, value: jax.Array, rows: int | None) -> None:
+    """Write a query tile's finished rows: all of them, or (``rows``, the output's row count,
+    which the tiles overhang) those of the output, the tile being grid axis 1."""
+    if rows is None:
+        o_ref[...] = value
+        return
+    row = pl.program_id(1) * value.shape[0] + jax.lax.broadcasted_iota(
+        jnp.int32, value.shape, 0)
+    plgpu.store(o_ref, value, mask=row < rows)
+
+
 def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: float,
-                    capacity: int, split_len: int, window: int | None, mma_sums: bool) -> None:
+                    capacity: int, split_len: int, window: int | None, mma_sums: bool,
+                    rows: int | None = None) -> None:
     """One program per (KV head, query tile) that runs the splits one after another, each
     from zero as :func:`_kernel` runs it, folding each into the running result
     (:func:`_fold`): the bits of :func:`_kernel` followed by :func:`_fold_kernel`, without
@@ -173,10 +186,10 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(0, needed, one, start)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
-def _fold_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int) -> None:
+def _fold_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, rows: int | None = None) -> None:
     """One program per (KV head, query tile): fold the splits' partial results in order
     (:func:`_fold`) and normalise. A split past a row's last key folds in as nothing."""
     tile, head_dim = o_ref.shape
@@ -184,7 +197,7 @@ def _fold_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int) -> None:
              jnp.zeros((tile,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(
         0, splits, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s])), start)
-    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
 def query_rows(width: int, heads: int, kv_heads: int, capacity: int) -> int:
@@ -282,8 +295,6 @@ def cached_attention_arranged(
     scale = 1.0 / math.sqrt(head_dim)
     kwargs = {}
     if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
     queries = [
         pl.BlockSpec((), lambda h, t, *_: ()),
@@ -293,13 +304,17 @@ def cached_attention_arranged(
         pl.BlockSpec((capacity, None, head_dim), lambda h, t, *_: (0, h, 0)),
     ]
     rows_out = pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))
-    finished = jax.ShapeDtypeStruct((kv_heads, padded, head_dim), v_cache.dtype)
+    # The row-invariant kernels write the live rows alone: no XLA copy then cuts them out
+    # of the padded tiles (at one row of a decode step, the reshape after is free too).
+    live = jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)
+    overhang = None if rows == padded else rows
     if row_invariant and (splits == 1 or rows > FOLD_ON_CHIP_ROWS):
         out = pl.pallas_call(
             functools.partial(_folding_kernel, scale=scale, capacity=capacity,
-                              split_len=split_len, window=window, mma_sums=True),
+                              split_len=split_len, window=window, mma_sums=True,
+                              rows=overhang),
             grid=(kv_heads, tiles), in_specs=queries, out_specs=rows_out,
-            out_shape=finished, interpret=interpret, name="cached_attention_folding",
+            out_shape=live, interpret=interpret, name="cached_attention_folding",
             **kwargs,
         )(bound, qr, pos, k_cache, v_cache)
     else:
@@ -328,14 +343,14 @@ def cached_attention_arranged(
             out = acc[0]
         elif row_invariant:  # the folding kernel's arithmetic, over the written partials
             out = pl.pallas_call(
-                functools.partial(_fold_kernel, splits=splits),
+                functools.partial(_fold_kernel, splits=splits, rows=overhang),
                 grid=(kv_heads, tiles),
                 in_specs=[
                     pl.BlockSpec((splits, None, tile, head_dim), lambda h, t: (0, h, t, 0)),
                     pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
                     pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
                 ],
-                out_specs=rows_out, out_shape=finished, interpret=interpret,
+                out_specs=rows_out, out_shape=live, interpret=interpret,
                 name="cached_attention_fold", **kwargs,
             )(acc, m, l)
         else:

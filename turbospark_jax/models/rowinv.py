@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
@@ -183,14 +184,24 @@ def _gpu_dot(a: jax.Array, b: jax.Array) -> jax.Array:
     return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=precision)
 
 
+def _live_rows(shape: tuple[int, int], rows: int) -> jax.Array:
+    """bool ``shape``: which rows of this program's row tile are rows of the call (its first
+    ``rows``; the tile is grid axis 0)."""
+    row = pl.program_id(0) * shape[0] + jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    return row < rows
+
+
 def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-               acc: jax.Array, nk: bool) -> jax.Array:
+               acc: jax.Array, nk: bool, live: jax.Array | None = None) -> jax.Array:
     """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
-    row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``."""
+    row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``.
+    ``live``: bool ``[rows, k_tile]``, the x tile's rows the call has (:func:`_live_rows`);
+    the others are not read and enter the product as zeros, as padding rows would."""
     at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
+    x = x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
     if nk:
-        return acc + tile_dot(x_ref[:, at], w_ref[:, at], True)
-    return acc + tile_dot(x_ref[:, at], w_ref[at, :], False)
+        return acc + tile_dot(x, w_ref[:, at], True)
+    return acc + tile_dot(x, w_ref[at, :], False)
 
 
 def _for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, ...],
@@ -236,17 +247,24 @@ def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, ti
 
 
 def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
-                   offsets: tuple[int, ...]) -> None:
+                   offsets: tuple[int, ...], rows: int | None) -> None:
     # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn]
-    # ([bn, per * k_tile] when nk).
+    # ([bn, per * k_tile] when nk). With ``rows``, x and the output hold only that many rows:
+    # the tile's other rows are neither read nor written.
     *w_refs, o_ref = refs
+    # The masks are made here: the interpreter reads the program id at the kernel's top level.
+    live_x = None if rows is None else _live_rows((x_ref.shape[0], k_tile), rows)
+    live_out = None if rows is None else _live_rows(o_ref.shape, rows)
 
     def compute(w_ref: Any) -> None:
         step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
-                                 nk=nk)
+                                 nk=nk, live=live_x)
         acc = jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
                                 jnp.zeros(o_ref.shape, jnp.float32))
-        o_ref[...] = acc.astype(o_ref.dtype)
+        if rows is None:
+            o_ref[...] = acc.astype(o_ref.dtype)
+        else:
+            plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=live_out)
 
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
@@ -254,8 +272,6 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
 def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
     if interpret:
         return {}
-    from jax.experimental.pallas import triton as plgpu
-
     return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
@@ -351,7 +367,7 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
     mp = _ceil_to(m, ROW_TILE)
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
                                tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk,
-                               offsets=cols.offsets)
+                               offsets=cols.offsets, rows=None if m == mp else m)
     if nk:
         w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
                    for w in range(len(ws))]
@@ -359,16 +375,19 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
         w_specs = [pl.BlockSpec((seg_len, bn), lambda i, j, s, w=w: (s, cols.spec_column(w, j)))
                    for w in range(len(ws))]
     width = cols.offsets[-1] * bn
+    # x and the partial sums keep the call's own rows: a decode step's one row is neither
+    # padded to the row tile before the launch nor cut out of it after (each an XLA copy
+    # kernel of its own beside the product, both ends of every product).
     partials = pl.pallas_call(
         kernel,
         grid=(mp // ROW_TILE, cols.offsets[-1], segments),
         in_specs=[pl.BlockSpec((ROW_TILE, seg_len), lambda i, j, s: (i, s)), *w_specs],
         out_specs=pl.BlockSpec((None, ROW_TILE, bn), lambda i, j, s: (s, i, j)),
-        out_shape=jax.ShapeDtypeStruct((segments, mp, width), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((segments, m, width), jnp.float32),
         interpret=interpret,
         name="rowinv_matvec" + (f"_{label}" if label else ""),
         **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
-    )(_pad(x, mp, kp), *_weights_padded(ws, kp, bn, nk))
+    )(_pad(x, m, kp), *_weights_padded(ws, kp, bn, nk))
     return jax.vmap(lambda p: cols.gather(p, m))(partials)
 
 
