@@ -8,9 +8,12 @@
 #                                             # and bitwise checks, the 1B decode profiles
 #   bash benchmarks/rowinv_h200.sh 3 "$OUT"   # 8B speeds and bitwise checks
 #   bash benchmarks/rowinv_h200.sh 4 "$OUT"   # transformers (sdpa) on the same machine
+#   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
+#                                             # buffers (no host sync a step), and its profile
+#                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 4}
+stage=${1:?stage 1 to 5}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -40,6 +43,16 @@ case "$stage" in
   ;;
 4)
   timeout 560 python -m benchmarks.run --preset h200 --part hf --out "$out" 2>&1 | tail -20
+  ;;
+5)
+  # The loop's condition is the one host sync a decode step has left (a row-invariant decode
+  # program has no lax.cond): recorded as a CUDA graph conditional node instead.
+  timeout 280 env XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+    python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b --modes rowinv \
+    --workloads decode,completion --out "$out/speed_graphs" --budget-s 260 2>&1 | tail -12
+  timeout 250 env XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true" \
+    python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b --modes rowinv \
+    --out "$out/profile_graphs" --budget-s 230 2>&1 | tail -8
   ;;
 esac
 ls -R "$out" | head -30

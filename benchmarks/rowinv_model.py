@@ -23,12 +23,18 @@ skipped):
   logits and every live cache row bitwise equal; then greedy decoding from each state, the
   emitted tokens and their logits equal; a verify of ``k + 1`` rows equal to decoding them one
   by one. The control: XLA's kernels at widths 1 and 16, expected to differ.
-* ``speed``: decode tokens/s end to end through ``producer.decode`` (greedy and sampled, at a
-  short and a long context) with row-invariant kernels at width 1 and with XLA's kernels at
-  width 16; exact prefill (``prefill_chunk``) and parallel prefill tokens/s; the weight
-  roofline at the measured copy bandwidth.
+* ``speed``: decode tokens/s through ``producer.decode`` in fixed bursts and end to end
+  through ``run_raw_completion`` (the issue's figure: its own burst sizing, the rate after
+  the first token), greedy and sampled, at a short and a long context, with row-invariant
+  kernels at width 1 and with XLA's kernels at width 16; exact prefill (``prefill_chunk``)
+  and parallel prefill tokens/s; the weight roofline at the measured copy bandwidth.
+  ``--modes`` and ``--workloads`` pick a subset (an XLA-flag variant measured beside the
+  defaults, say); the JSON's meta records ``XLA_FLAGS``.
 * ``profile``: one traced decode burst per kernel mode: kernels per token and the time each
-  took (``benchmarks.profile_decode``), with each product's achieved GB/s.
+  took (``benchmarks.profile_decode``), with each product's achieved GB/s, and where the
+  device sat idle. XLA runs without its command buffers (CUDA graphs) while a trace is on
+  unless ``XLA_FLAGS`` has ``--xla_enable_command_buffers_during_profiling=true``: without
+  it the launch gaps are those of a run with no graphs.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import platform
 import time
 import traceback
@@ -302,6 +309,18 @@ def _decode_logits(producer: Any, state: Any, first: int, start: int, steps: int
     return out, logits, state
 
 
+def _burst_logits(producer: Any, state: Any, first: int, start: int, steps: int) -> list:
+    """Greedy decoding of ``steps`` tokens (at most a burst) in one ``producer.decode``
+    call: each step's logits bits (the state is not kept: the producer does not donate it)."""
+    from turbospark_jax import sampling
+
+    steps = min(steps, producer.steps_per_call)
+    burst, _ = producer.decode(state, first, steps, params=sampling.SamplingParams.greedy(),
+                               history=sampling.History.empty(producer.vocab_size),
+                               key=sampling.request_key(0), gen_index=1)
+    return [_bits(row) for row in np.asarray(burst.logits)]
+
+
 def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[int, int | None]],
                ) -> dict[str, Any]:
     """Feed one prompt through producers of the given ``(width, prefill_width)``, decode 8
@@ -316,9 +335,12 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
         last, state = producer.prefill_chunk(producer.init_state(), prompt, 0)
         cache = _live_cache(state, len(prompt))
         first = int(np.argmax(np.asarray(last)))
+        # The device loop's decode program (its own draw plan, the head unbranched) from
+        # the same state, before the one-by-one steps go on from it.
+        burst = _burst_logits(producer, state, first, len(prompt), 8)
         tokens, logits, state = _decode_logits(producer, state, first, len(prompt), 8)
         runs.append({"last": _bits(last), "cache": cache, "tokens": tokens, "logits": logits,
-                     "producer": producer, "state": state})
+                     "burst": burst, "producer": producer, "state": state})
     base = runs[0]
     result: dict[str, Any] = {"widths": widths, "prompt": len(prompt), "agree": []}
     for r in runs[1:]:
@@ -328,7 +350,11 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
         last_same = np.array_equal(base["last"], r["last"])
         result["agree"].append({"prefill_logits": bool(last_same), "cache": bool(cache_same),
                                 "tokens": r["tokens"] == base["tokens"],
-                                "decode_logits": bool(logits_same)})
+                                "decode_logits": bool(logits_same),
+                                "burst_logits": bool(same("burst"))})
+    # the decode program's burst == the one-by-one steps it replaces
+    result["burst_equals_steps"] = all(np.array_equal(a, b) for a, b in zip(
+        base["burst"], base["logits"][: len(base["burst"])], strict=True))
     # verify of k + 1 rows at the widest producer == the narrowest producer's one-by-one steps
     wide = runs[-1]
     feed = [int(t) for t in rng.integers(0, config.vocab_size, preset.verify_width)]
@@ -340,7 +366,8 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
         one.append(_bits(row))
     result["verify_equals_decode"] = all(
         np.array_equal(_bits(v_logits[i]), one[i]) for i in range(len(feed)))
-    result["all_equal"] = bool(result["verify_equals_decode"] and all(
+    result["all_equal"] = bool(result["verify_equals_decode"] and result["burst_equals_steps"]
+                               and all(
         all(a.values()) for a in result["agree"]))
     return result
 
@@ -383,6 +410,31 @@ def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab
     return {"tokens_per_s": round(new_tokens / dt, 1)}
 
 
+def completion_speed(producer: Any, context: int, new_tokens: int, vocab: int,
+                     kind: str) -> dict[str, Any]:
+    """Decode tokens/s end to end through ``run_raw_completion`` (the issue's figure): a
+    ``context``-token prompt (exact prefill, not timed), then ``new_tokens`` tokens with
+    the loop's own burst sizing, no stop id; the rate after the first token."""
+    from turbospark_jax import CompletionRequest, run_raw_completion
+    from turbospark_jax.sampling import SamplingConfig
+
+    rng = np.random.default_rng(2)
+    prompt = [int(t) for t in rng.integers(0, vocab, context)]
+    settings = (SamplingConfig() if kind == "greedy"
+                else SamplingConfig(temperature=0.8, top_p=0.95, top_k=50))
+
+    def go(tokens: int) -> Any:
+        request = CompletionRequest(prompt_ids=prompt, max_tokens=tokens, sampling=settings,
+                                    seed=3)
+        return run_raw_completion(producer, request)
+
+    go(new_tokens)  # compile every program the loop takes
+    done = go(new_tokens)
+    generated = len(done.token_ids)
+    return {"tokens_per_s": round(done.timings.decode_tokens_per_s(generated), 1),
+            "generated": generated, "decode_s": round(done.timings.decode_s, 4)}
+
+
 def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, vocab, length)]
@@ -413,7 +465,9 @@ def part_exact(preset: Preset, run: Run, shapes: list[str]) -> None:
              lambda: exact_case(ALL_SHAPES[name], p, "xla", [(1, None), (16, None)]))
 
 
-def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float) -> None:
+def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
+               modes: tuple[str, ...] = ("rowinv", "xla"),
+               workloads: tuple[str, ...] = ("decode", "completion", "prefill")) -> None:
     import jax
 
     p = preset
@@ -421,6 +475,8 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float) ->
     for name in shapes:
         shape = ALL_SHAPES[name]
         for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
+            if kernels not in modes:
+                continue
             try:
                 config, model, params = _model(shape, kernels)
             except Exception as e:  # e.g. out of memory: recorded, next shape
@@ -434,12 +490,22 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float) ->
             for ctx in p.contexts:
                 roof = bandwidth / (wb + kv_bytes(config, ctx))
                 for kind in ("greedy", "sampled"):
+                    if "decode" in workloads:
+                        run.case("speed", {"shape": name, "kernels": kernels, "width": width,
+                                           "workload": "decode", "context": ctx,
+                                           "sampling": kind,
+                                           "roofline_tokens_per_s": round(roof, 1)},
+                                 functools.partial(decode_speed, producer, ctx, p.new_tokens,
+                                                   p.burst, config.vocab_size, kind))
+                    if "completion" not in workloads:
+                        continue
                     run.case("speed", {"shape": name, "kernels": kernels, "width": width,
-                                       "workload": "decode", "context": ctx, "sampling": kind,
+                                       "workload": "completion", "context": ctx,
+                                       "sampling": kind,
                                        "roofline_tokens_per_s": round(roof, 1)},
-                             functools.partial(decode_speed, producer, ctx, p.new_tokens,
-                                               p.burst, config.vocab_size, kind))
-            for length in p.prefill_lengths:
+                             functools.partial(completion_speed, producer, ctx, p.new_tokens,
+                                               config.vocab_size, kind))
+            for length in p.prefill_lengths if "prefill" in workloads else ():
                 for path in ("exact", "parallel"):
                     run.case("speed", {"shape": name, "kernels": kernels, "width": width,
                                        "prefill_width": prefill_width, "workload": "prefill",
@@ -466,7 +532,8 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
     return out
 
 
-def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) -> None:
+def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
+                 modes: tuple[str, ...] = ("rowinv", "xla")) -> None:
     import jax
 
     from benchmarks.profile_decode import profile_burst
@@ -475,6 +542,8 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float) 
     for name in shapes:
         shape = ALL_SHAPES[name]
         for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
+            if kernels not in modes:
+                continue
             config, model, params = _model(shape, kernels)
             producer = _producer(model, params, 512, width, preset.burst)
 
@@ -502,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", help="comma-separated shapes (default: the preset's)")
     ap.add_argument("--exact-shapes", help="comma-separated shapes for the exact part")
     ap.add_argument("--budget-s", type=float, default=520.0)
+    ap.add_argument("--modes", default="rowinv,xla",
+                    help="the speed and profile parts' kernel modes (comma-separated: "
+                         "rowinv, xla)")
+    ap.add_argument("--workloads", default="decode,completion,prefill",
+                    help="the speed part's workloads (comma-separated)")
     args = ap.parse_args(argv)
     preset = PRESETS[args.preset]
     shapes = args.shapes.split(",") if args.shapes else list(preset.shapes)
@@ -512,6 +586,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown shape {s!r}; known: {', '.join(ALL_SHAPES)}")
     parts = args.parts.split(",")
     meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "python": platform.python_version(), "preset": args.preset}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
@@ -523,9 +598,10 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "exact":
             part_exact(preset, run, exact_shapes)
         elif part == "speed":
-            part_speed(preset, run, shapes, bandwidth)
+            part_speed(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
+                       tuple(args.workloads.split(",")))
         elif part == "profile":
-            part_profile(preset, run, shapes, bandwidth)
+            part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")))
         else:
             ap.error(f"unknown part {part!r}")
     run.write()

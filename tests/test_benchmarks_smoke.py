@@ -202,10 +202,12 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     assert data["errors"] == [] and data["skipped"] == []
     exact = {r["kernels"]: r for r in data["records"] if r["part"] == "exact"}
     assert exact["rowinv"]["all_equal"] and len(exact["rowinv"]["agree"]) == 2
+    assert exact["rowinv"]["burst_equals_steps"]
+    assert all(a["burst_logits"] for a in exact["rowinv"]["agree"])
     assert not exact["xla"]["all_equal"]
     speeds = [r for r in data["records"] if r["part"] == "speed"]
     assert {(r["kernels"], r["workload"]) for r in speeds} == {
-        (k, w) for k in ("rowinv", "xla") for w in ("decode", "prefill")}
+        (k, w) for k in ("rowinv", "xla") for w in ("decode", "completion", "prefill")}
     assert all(r["tokens_per_s"] > 0 for r in speeds)
     products = [r for r in data["records"] if r["part"] == "products"]
     assert {r["product"] for r in products} == {"qkv", "o", "gate_up", "down", "head"}
