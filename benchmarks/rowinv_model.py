@@ -17,7 +17,9 @@ skipped):
   ours (several matvec tilings) against XLA's dot, as GB/s of weight reads. Each is timed
   over enough distinct weight buffers to overflow the L2 cache, passed as separate
   arguments (a slice of one stacked buffer would be copied before a custom call reads it).
-  Then the wide products (prefill rows) as TFLOP/s for a few matmul tilings.
+  Then the wide products (prefill rows) as TFLOP/s for a few matmul tilings. ``gate_up`` is
+  the gated kernel the model runs (the SwiGLU gating in its epilogue), against XLA's plain
+  product of both weights.
 * ``exact``: random weights of a shape in bfloat16, ``kernels="rowinv"``: a prompt fed token
   by token at width 1, in wide blocks (``prefill_width``), and at a verify width: the last
   logits and every live cache row bitwise equal; then greedy decoding from each state, the
@@ -204,6 +206,9 @@ def _product_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: 
 
 MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, matvec_warps=8),
                 dict(matvec_bn=256, matvec_warps=8)]
+#: The gated kernel's column tiles (the first: its default for the shape).
+GATED_TILES = [dict(), dict(gated_bn=16), dict(gated_bn=32), dict(gated_bn=64),
+               dict(gated_bn=32, matvec_warps=2), dict(gated_bn=64, matvec_stages=4)]
 SEGMENTS = (2, 4, 8, 16)
 MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, warps=8, stages=3),
                 dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, warps=4, stages=4),
@@ -213,10 +218,22 @@ MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, war
                 dict(bm=128, bn=128, warps=4, stages=4, flat_loop=True)]
 
 
+def _ours(prod: str, layout: str, tiles: Any, schedule: Any = None) -> Any:
+    """Our kernel for one of :func:`_products_of`'s products, ``(x, weights) -> rows``: the
+    gated kernel for ``gate_up`` (it gates in its epilogue and has one segment over K, so
+    ``schedule`` does not apply), :func:`rowinv_matmul` for the rest."""
+    from turbospark_jax.models.rowinv import rowinv_matmul, rowinv_swiglu
+
+    if prod == "gate_up":
+        return lambda x, w: rowinv_swiglu(x, w[0], w[1], tiles=tiles)
+    extra = {} if schedule is None else {"schedule": schedule}
+    return lambda x, w: rowinv_matmul(x, w, w_layout=layout, tiles=tiles, **extra)
+
+
 def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
     import jax
 
-    from turbospark_jax.models.rowinv import Schedule, Tiles, rowinv_matmul
+    from turbospark_jax.models.rowinv import Schedule, Tiles
 
     on_gpu = jax.default_backend() == "gpu"
     for index, name in enumerate(shapes):
@@ -229,16 +246,17 @@ def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
                          lambda k=k, ns=ns, layout=layout, rows=rows: _product_rate(
                              lambda x, w, layout=layout: _xla_product(x, w, layout),
                              k, ns, layout, rows, preset.copies_bytes))
-                for tiles in MATVEC_TILES if sweep and rows == 1 else MATVEC_TILES[:1]:
-                    for seg in SEGMENTS if sweep and rows == 1 else (4,):
+                kinds = GATED_TILES if prod == "gate_up" else MATVEC_TILES
+                for tiles in kinds if sweep and rows == 1 else kinds[:1]:
+                    segments = SEGMENTS if sweep and rows == 1 and prod != "gate_up" else (4,)
+                    for seg in segments:
                         t, s = Tiles(**tiles), Schedule(segment_tiles=seg)
-                        run.case("products", {**label, "rows": rows, "impl": "ours",
-                                              "tiles": tiles, "segment_tiles": seg},
-                                 lambda k=k, ns=ns, layout=layout, rows=rows, t=t, s=s:
-                                 _product_rate(lambda x, w, layout=layout, t=t, s=s:
-                                               rowinv_matmul(x, w, w_layout=layout, tiles=t,
-                                                             schedule=s),
-                                               k, ns, layout, rows, preset.copies_bytes))
+                        case = {**label, "rows": rows, "impl": "ours", "tiles": tiles}
+                        if prod != "gate_up":
+                            case["segment_tiles"] = seg
+                        run.case("products", case, functools.partial(
+                            _product_rate, _ours(prod, layout, t, s), k, ns, layout, rows,
+                            preset.copies_bytes))
         # wide products: TFLOP/s at prefill widths
         for prod, k, ns, layout in _products_of(shape)[:4]:
             rows = max(preset.prefill_lengths[0], 16)
@@ -246,9 +264,8 @@ def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
             run.case("wide", {**label, "impl": "xla"}, functools.partial(
                 _wide_rate, functools.partial(_xla_product, layout=layout), k, ns, layout, rows))
             for tiles in MATMUL_TILES if sweep else MATMUL_TILES[:1]:
-                ours = functools.partial(rowinv_matmul, w_layout=layout, tiles=Tiles(**tiles))
                 run.case("wide", {**label, "impl": "ours", "tiles": tiles}, functools.partial(
-                    _wide_rate, ours, k, ns, layout, rows))
+                    _wide_rate, _ours(prod, layout, Tiles(**tiles)), k, ns, layout, rows))
 
 
 def _wide_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: int) -> dict:

@@ -57,6 +57,12 @@ KERNELS = {
     "matmul, one loop": (lambda x, w: _matmul(x, (w,), tiles=Tiles(flat_loop=True)), ROWS, W_KN),
     "matmul, 128 x 256 tiles": (
         lambda x, w: _matmul(x, (w,), tiles=Tiles(bm=128, bn=256, warps=8)), ROWS, W_KN),
+    "gated matvec, one row": (
+        lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "auto", Tiles(), "gate_up"),
+        ROW, W_KN, W_KN),
+    "gated matmul": (
+        lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "auto", Tiles(), "gate_up"),
+        ROWS, W_KN, W_KN),
     "attention, row-invariant, 1 row": (
         lambda q, k, v, p: pallas_attention.cached_attention(q, k, v, p, row_invariant=True),
         Q1, CACHE, CACHE, S((1,), jnp.int32)),
@@ -153,6 +159,8 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
     assert f"rowinv_{head}_head" in kernel_names
     assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
     assert _float_reductions(text) == []
+    # SwiGLU's gating runs in the gate/up product's epilogue: no SiLU left to XLA
+    assert not re.search(r"stablehlo\.(exponential|logistic)\b", text)
 
 
 def _float_pads(text: str) -> list[str]:
@@ -179,6 +187,7 @@ def test_control_xla_kernels_program_has_products_and_reductions(monkeypatch):
     text = _program("xla", 5, monkeypatch)
     assert "stablehlo.dot_general" in text
     assert _float_reductions(text) != []
+    assert re.search(r"stablehlo\.(exponential|logistic)\b", text)
 
 
 @pytest.mark.parametrize("width", [1, 64])

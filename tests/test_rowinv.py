@@ -213,3 +213,71 @@ def test_a_vocabulary_wide_product_walks_k_in_one_segment():
         _, tiles, per = schedule_for(k, WIDE_N).plan(k)
         assert per == tiles
         assert schedule_for(k, WIDE_N - 1) == Schedule()
+
+
+# -- the gated product (SwiGLU's hidden rows) ----------------------------------------------------
+
+@functools.cache
+def _gated_operands(dtype: str, k: int = 256, f: int = 80):
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((ROWS, k)), DTYPES[dtype])
+    gate, up = (jnp.asarray(rng.standard_normal((k, f)) / np.sqrt(k), DTYPES[dtype])
+                for _ in range(2))
+    return x, gate, up
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES))
+def test_gated_product_is_the_gating_of_its_products(dtype):
+    """One launch that gates in its epilogue gives the bits of the two products (on the
+    gated schedule, one segment) gated afterwards; the rows agree for every row count in
+    both kernels and in the XLA form."""
+    from turbospark_jax.models.rowinv import _swiglu, gated_schedule, rowinv_swiglu
+
+    x, gate, up = _gated_operands(dtype)
+    f = gate.shape[1]
+    both = rowinv_matmul(x, (gate, up), out_dtype=jnp.float32, impl=KERNEL_IMPL,
+                         schedule=gated_schedule(x.shape[1]), tiles=TILES["small"])
+    want = np.asarray(_swiglu(both[:, :f], both[:, f:], x.dtype))
+    for impl, kernel in CASES:
+        def gated(rows, impl=impl, kernel=kernel):
+            return np.asarray(rowinv_swiglu(x[rows[0]:rows[1]], gate, up, impl=impl,
+                                            kernel=kernel, tiles=TILES["small"]))
+        full = gated((0, ROWS if kernel != "matvec" else 16))
+        if impl != "xla":
+            assert np.array_equal(full.view(np.uint8), want[: len(full)].view(np.uint8))
+        for m in (1, 5, len(full)):
+            assert np.array_equal(gated((0, m)), full[:m]), (impl, kernel, m)
+        assert np.array_equal(gated((7, 8))[0], full[7]), (impl, kernel)
+
+
+def test_control_the_gated_schedule_is_not_the_products_default():
+    """The check above can fail: gating the products of the default schedule (two segments
+    over K here) gives other bits than the one-segment gated kernel."""
+    from turbospark_jax.models.rowinv import _swiglu, rowinv_swiglu, schedule_for
+
+    x, gate, up = _gated_operands("float32", k=1024)
+    f = gate.shape[1]
+    both = rowinv_matmul(x, (gate, up), out_dtype=jnp.float32, impl=KERNEL_IMPL,
+                         schedule=schedule_for(1024, 2 * f), tiles=TILES["small"])
+    other = np.asarray(_swiglu(both[:, :f], both[:, f:], x.dtype))
+    gated = np.asarray(rowinv_swiglu(x, gate, up, impl=KERNEL_IMPL, tiles=TILES["small"]))
+    assert np.allclose(other, gated, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(other, gated)
+
+
+def test_gated_product_refusals():
+    from turbospark_jax.models.rowinv import rowinv_swiglu
+
+    x, gate, up = _gated_operands("float32")
+    with pytest.raises(BadInputError, match="one shape"):
+        rowinv_swiglu(x, gate, up[:, :40])
+    with pytest.raises(BadInputError, match="one shape"):
+        rowinv_swiglu(x[:, :100], gate, up)
+    with pytest.raises(BadInputError, match="share one dtype"):
+        rowinv_swiglu(x, gate.astype(jnp.bfloat16), up)
+    with pytest.raises(BadInputError, match="2-D"):
+        rowinv_swiglu(x[0], gate, up)
+    with pytest.raises(BadInputError, match="kernel must be"):
+        rowinv_swiglu(x, gate, up, kernel="gemv")
+    with pytest.raises(BadInputError, match="label"):
+        rowinv_swiglu(x, gate, up, label="gate-up")

@@ -436,12 +436,10 @@ class DenseModel(BlockModel):
         )
 
     def _gated(self, h: jax.Array, lp: Params) -> jax.Array:
-        """SwiGLU's gated rows ``silu(gate(h)) * up(h)`` under ``"rowinv"``, gate and up from
-        one launch (no biases); SiLU in float32, rounded once, as :func:`swiglu_mlp` does."""
-        f = lp["gate_proj"].shape[1]
-        gu = row_kernels.matmul(self.kernels, h, (lp["gate_proj"], lp["up_proj"]),
-                                label="gate_up")
-        return jax.nn.silu(gu[:, :f].astype(jnp.float32)).astype(h.dtype) * gu[:, f:]
+        """SwiGLU's gated rows ``silu(gate(h)) * up(h)`` under ``"rowinv"`` (no biases): one
+        launch on a GPU, gated in its epilogue; SiLU in float32, rounded once, as
+        :func:`swiglu_mlp` does."""
+        return row_kernels.swiglu(self.kernels, h, lp["gate_proj"], lp["up_proj"])
 
     def _head(self, params: Params, x: Any) -> jax.Array:
         """Final norm and output head. x [W, D] (or ``(h, pending)``, see

@@ -26,7 +26,13 @@ import jax.numpy as jnp
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers
-from turbospark_jax.models.rowinv import row_tiled, rowinv_matmul, schedule_for, sum_parts
+from turbospark_jax.models.rowinv import (
+    row_tiled,
+    rowinv_matmul,
+    rowinv_swiglu,
+    schedule_for,
+    sum_parts,
+)
 
 #: Values of a model's ``kernels`` field.
 KERNELS = ("xla", "rowinv")
@@ -66,6 +72,15 @@ def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     if out_dtype is None:
         return x @ w
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
+
+
+def swiglu(kernels: str, x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's hidden rows ``silu(x @ gate) * (x @ up)`` under ``"rowinv"``: one launch on a
+    GPU that gates in its epilogue (:func:`~turbospark_jax.models.rowinv.rowinv_swiglu`),
+    labelled ``gate_up``."""
+    if kernels != "rowinv":
+        raise BadInputError(f"the gated product is a row-invariant kernel; got {kernels!r}")
+    return rowinv_swiglu(x, gate, up, label="gate_up")
 
 
 def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],

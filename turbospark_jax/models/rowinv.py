@@ -120,6 +120,12 @@ def schedule_for(k: int, n: int) -> Schedule:
     return Schedule()
 
 
+#: The gated matvec kernel's column tile shrinks (to 16 at least) until it has this many
+#: programs: about two for each of an H200's 132 multiprocessors (the 1B shape's 8,192
+#: columns take 32, the 0.6B shape's 3,072 take 16; 64 from 16,384 columns on).
+GATED_PROGRAMS = 256
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Tile sizes and Triton settings of the two kernels. They change speed, never a bit of
@@ -130,6 +136,10 @@ class Tiles:
       warps, stages: its Triton ``num_warps`` and ``num_stages``.
       matvec_bn: the matvec kernel's output columns per program.
       matvec_warps, matvec_stages: its Triton settings.
+      gated_bn: the gated matvec kernel's output columns per program (:func:`rowinv_swiglu`;
+        it walks K in one segment, so its columns alone spread the weights over programs).
+        ``None``: the largest power of two from 16 to 64 that gives at least
+        :data:`GATED_PROGRAMS` programs.
       flat_loop: the matmul kernel walks all K tiles in one loop, folding a segment into
         the total at its last tile (Triton pipelines one loop's loads), rather than a loop
         over segments around a loop over their tiles. Off by default until measured: on the
@@ -146,13 +156,25 @@ class Tiles:
     matvec_bn: int = 64
     matvec_warps: int = 4
     matvec_stages: int = 3
+    gated_bn: int | None = None
     flat_loop: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("bm", "bn", "matvec_bn"):
+        for name in ("bm", "bn", "matvec_bn", "gated_bn"):
             value = getattr(self, name)
+            if name == "gated_bn" and value is None:
+                continue
             if not (_power_of_two(value) and value >= 16):
                 raise BadInputError(f"{name} must be a power of two >= 16, got {value}")
+
+    def gated_columns(self, f: int) -> int:
+        """The gated matvec kernel's columns per program for ``f`` output columns."""
+        if self.gated_bn is not None:
+            return self.gated_bn
+        bn = 64
+        while bn > 16 and -(-f // bn) < GATED_PROGRAMS:
+            bn //= 2
+        return bn
 
 
 def _ceil_to(n: int, step: int) -> int:
@@ -218,32 +240,78 @@ def _for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, .
             compute(w_ref)
 
 
+def _walk_k(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, tiles: int, per: int,
+            k_tile: int, tile_dot: Any, flat: bool, nk: bool) -> jax.Array:
+    """The matmul kernel's float32 total over all of K for its ``shape`` output tile: the
+    schedule's segments, each from zero, folded in order into a total that starts at
+    ``-0.0``."""
+    zeros = jnp.zeros(shape, jnp.float32)
+    total = jnp.full(shape, -0.0, jnp.float32)
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
+    if flat:  # one loop over every tile (Triton pipelines its loads), folding at ends
+        def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            total, acc = carry
+            acc = step(i, acc=acc)
+            end = jax.lax.rem(i + 1, per) == 0  # jnp's % lowers to bool arithmetic
+            return jnp.where(end, total + acc, total), jnp.where(end, zeros, acc)
+
+        total, _ = jax.lax.fori_loop(0, tiles, body, (total, zeros))
+        return total
+
+    def segment(s: Any, total: jax.Array) -> jax.Array:  # a loop over segments' tile loops
+        tile = lambda i, acc: step(s * per + i, acc=acc)  # noqa: E731
+        return total + jax.lax.fori_loop(0, per, tile, zeros)
+
+    return jax.lax.fori_loop(0, tiles // per, segment, total)
+
+
 def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, tile_dot: Any,
                    flat: bool, nk: bool, offsets: tuple[int, ...]) -> None:
     *w_refs, o_ref = refs
-    zeros = jnp.zeros(o_ref.shape, jnp.float32)
+    walk = functools.partial(_walk_k, x_ref, shape=o_ref.shape, tiles=tiles, per=per,
+                             k_tile=k_tile, tile_dot=tile_dot, flat=flat, nk=nk)
 
     def compute(w_ref: Any) -> None:
-        total = jnp.full(o_ref.shape, -0.0, jnp.float32)
-        step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
-                                 nk=nk)
-        if flat:  # one loop over every tile (Triton pipelines its loads), folding at ends
-            def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-                total, acc = carry
-                acc = step(i, acc=acc)
-                end = jax.lax.rem(i + 1, per) == 0  # jnp's % lowers to bool arithmetic
-                return jnp.where(end, total + acc, total), jnp.where(end, zeros, acc)
-
-            total, _ = jax.lax.fori_loop(0, tiles, body, (total, zeros))
-        else:  # a loop over segments around a loop over their tiles
-            def segment(s: Any, total: jax.Array) -> jax.Array:
-                tile = lambda i, acc: step(s * per + i, acc=acc)  # noqa: E731
-                return total + jax.lax.fori_loop(0, per, tile, zeros)
-
-            total = jax.lax.fori_loop(0, tiles // per, segment, total)
-        o_ref[...] = total.astype(o_ref.dtype)
+        o_ref[...] = walk(w_ref).astype(o_ref.dtype)
 
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
+
+
+def _swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
+    """SwiGLU's gating of two finished float32 products: each rounded to ``dtype`` as a
+    product of ``dtype`` operands comes out, SiLU in float32 rounded once, then the product
+    in ``dtype``. The same arithmetic in a kernel's epilogue and in XLA's form."""
+    gate, up = gate.astype(dtype), up.astype(dtype)
+    return jax.nn.silu(gate.astype(jnp.float32)).astype(dtype) * up
+
+
+def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, tiles: int,
+                         per: int, k_tile: int, tile_dot: Any, flat: bool) -> None:
+    """The matmul kernel over a gate and an up weight's same column block, gated in the
+    epilogue (:func:`_swiglu`): the MLP's hidden rows without the products leaving the chip."""
+    walk = functools.partial(_walk_k, x_ref, shape=o_ref.shape, tiles=tiles, per=per,
+                             k_tile=k_tile, tile_dot=tile_dot, flat=flat, nk=False)
+    o_ref[...] = _swiglu(walk(gate_ref), walk(up_ref), o_ref.dtype)
+
+
+def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
+                         k_tile: int, tile_dot: Any, rows: int | None) -> None:
+    """The matvec kernel over all of K in one segment (so the sums are finished here) for a
+    gate and an up weight's same column block, gated in the epilogue (:func:`_swiglu`)."""
+    live_x = None if rows is None else _live_rows((x_ref.shape[0], k_tile), rows)
+    zeros = jnp.zeros(o_ref.shape, jnp.float32)
+
+    def total(w_ref: Any) -> jax.Array:
+        step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
+                                 nk=False, live=live_x)
+        # -0.0 + the one segment, as the matmul kernel's total: bitwise the segment itself
+        return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc), zeros)
+
+    out = _swiglu(total(gate_ref), total(up_ref), o_ref.dtype)
+    if rows is None:
+        o_ref[...] = out
+    else:
+        plgpu.store(o_ref, out, mask=_live_rows(o_ref.shape, rows))
 
 
 def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
@@ -467,6 +535,109 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
         return partials if parts else sum_parts(partials, out_dtype)
     out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
     return out[None] if parts else out
+
+
+def gated_schedule(k: int) -> Schedule:
+    """The schedule of a gated product over ``k``: all of K in one segment, so the kernel
+    holds finished sums to gate (a function of ``k`` alone, as every schedule is)."""
+    return Schedule(segment_tiles=-(-k // Schedule.k_tile))
+
+
+def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, tiles: Tiles,
+                  interpret: bool, label: str) -> jax.Array:
+    m, k = x.shape
+    kp, count, per = gated_schedule(k).plan(k)
+    tile_dot = _interpret_dot if interpret else _hardware_dot
+    matvec = kernel == "matvec" or (kernel == "auto" and m <= SMALL_M)
+    bn = tiles.gated_columns(gate.shape[1]) if matvec else tiles.bn
+    cols = _Columns((gate.shape[1],), bn)
+    ws = _weights_padded((gate, up), kp, bn, False)
+    w_specs = [pl.BlockSpec((kp, bn), lambda i, j: (0, j))] * 2
+    name = "rowinv_" + ("matvec" if matvec else "matmul") + (f"_{label}" if label else "")
+    if matvec:  # the call's own rows, as the matvec kernel reads and writes them
+        mp, bm = _ceil_to(m, ROW_TILE), ROW_TILE
+        kernel_fn = functools.partial(_gated_matvec_kernel, per=count,
+                                      k_tile=Schedule.k_tile, tile_dot=tile_dot,
+                                      rows=None if m == mp else m)
+        x_in, rows_out = _pad(x, m, kp), m
+        params = _compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages)
+    else:
+        mp, bm = _ceil_to(m, tiles.bm), tiles.bm
+        kernel_fn = functools.partial(_gated_matmul_kernel, tiles=count, per=per,
+                                      k_tile=Schedule.k_tile, tile_dot=tile_dot,
+                                      flat=tiles.flat_loop)
+        x_in, rows_out = _pad(x, mp, kp), mp
+        params = _compiler_params(interpret, tiles.warps, tiles.stages)
+    out = pl.pallas_call(
+        kernel_fn,
+        grid=(mp // bm, cols.offsets[-1]),
+        in_specs=[pl.BlockSpec((bm, kp), lambda i, j: (i, 0)), *w_specs],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((rows_out, cols.offsets[-1] * bn), x.dtype),
+        interpret=interpret,
+        name=name,
+        **params,
+    )(x_in, *ws)
+    return cols.gather(out, m)
+
+
+@functools.partial(jax.jit, static_argnames=("impl", "kernel", "tiles", "label"))
+def _rowinv_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, impl: str, kernel: str,
+                   tiles: Tiles, label: str) -> jax.Array:
+    if impl == "xla":
+        both = _xla_tiled(x, (gate, up), False, x.dtype)
+        f = gate.shape[1]
+        return _swiglu(both[:, :f], both[:, f:], x.dtype)
+    return _gated_pallas(x, gate, up, kernel, tiles, impl == "interpret", label)
+
+
+def rowinv_swiglu(
+    x: jax.Array,
+    gate: jax.Array,
+    up: jax.Array,
+    *,
+    impl: str = "auto",
+    kernel: str = "auto",
+    tiles: Tiles = Tiles(),
+    label: str = "gate_up",
+) -> jax.Array:
+    """SwiGLU's hidden rows ``silu(x @ gate) * (x @ up)``, each row independent of the others.
+
+    On a GPU one launch reads both weights' same column block and gates the finished sums in
+    its epilogue (:func:`_swiglu`: each product rounded to ``x.dtype``, SiLU in float32
+    rounded once, the product in ``x.dtype``), so the products never go to memory and no
+    gating kernel runs after them. The reduction over K follows :func:`gated_schedule` (one
+    segment) in either kernel, and the epilogue is the same code in both, so a row's bits do
+    not depend on the row count. Elsewhere: the XLA form's product of both weights, then the
+    same gating in XLA.
+
+    Args:
+      x: ``[M, K]``; gate, up: ``[K, F]`` each, of ``x``'s dtype (bfloat16, float16, float32).
+      impl, kernel, tiles, label: as for :func:`rowinv_matmul`.
+
+    Returns:
+      ``[M, F]`` in ``x.dtype``.
+
+    Raises:
+      BadInputError: operands that are not 2-D, empty, of different or unsupported dtypes,
+        or of mismatched shapes; an unknown ``impl`` or ``kernel``; ``impl="pallas"`` off a
+        GPU.
+    """
+    for name, a in (("x", x), ("gate", gate), ("up", up)):
+        if getattr(a, "ndim", None) != 2 or 0 in a.shape:
+            raise BadInputError(f"{name} must be a non-empty 2-D array, got shape "
+                                f"{getattr(a, 'shape', type(a).__name__)}")
+    if gate.shape != up.shape or x.shape[1] != gate.shape[0]:
+        raise BadInputError(f"x [M, K] with gate and up [K, F] of one shape; got x "
+                            f"{tuple(x.shape)}, gate {tuple(gate.shape)}, up {tuple(up.shape)}")
+    if jnp.dtype(x.dtype) not in _DTYPES or not x.dtype == gate.dtype == up.dtype:
+        raise BadInputError(f"x, gate and up must share one dtype of bfloat16, float16, "
+                            f"float32; got {x.dtype}, {gate.dtype}, {up.dtype}")
+    if kernel not in KERNELS:
+        raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
+    if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
+        raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
+    return _rowinv_swiglu(x, gate, up, resolve_impl(impl), kernel, tiles, label)
 
 
 def resolve_impl(impl: str) -> str:
