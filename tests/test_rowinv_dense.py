@@ -125,3 +125,30 @@ def test_last_row_head_is_that_row_of_the_whole_head(layout):
     with pytest.raises(BadInputError, match="last_row_head"):
         xla.block_forward(xla.init_params(jax.random.PRNGKey(3)), xla.init_cache(64), tokens,
                           positions, jnp.int32(16), jnp.bool_(True), last_row_head=True)
+
+
+@pytest.mark.parametrize("chunk", [64, 8])  # one fresh pass; passes over a key limit
+def test_parallel_prefill_runs_on_xla_kernels(chunk):
+    """The parallel prefill stands outside the bitwise guarantees, so a row-invariant model
+    runs its passes on XLA's (faster) kernels: its state is bitwise the XLA-kernel model's
+    after the same passes (then the last token through each one's own exact program), and its
+    logits are within float32 rounding of the exact prefill's."""
+    prompt = PROMPT * 2
+    rowinv_model, xla_model = (_model("qwen3", jnp.float32, k) for k in ("rowinv", "xla"))
+    params = rowinv_model.init_params(jax.random.PRNGKey(3))
+
+    def prefill(model, parallel):
+        p = BlockProducer(model, params, capacity=64, width=1, steps_per_call=2)
+        if parallel:
+            return p.prefill_parallel(p.init_state(), prompt, 0, chunk=chunk)
+        return p.prefill_chunk(p.init_state(), prompt, 0)
+
+    logits, state = prefill(rowinv_model, True)
+    _, xla_state = prefill(xla_model, True)
+    rows = len(prompt) - 1  # the passes' rows; the last token ran each model's exact program
+    for a, b in zip((state.cache.k, state.cache.v), (xla_state.cache.k, xla_state.cache.v),
+                    strict=True):
+        for layer, xla_layer in zip(a, b, strict=True):
+            assert np.array_equal(np.asarray(layer[:rows]), np.asarray(xla_layer[:rows]))
+    exact, _ = prefill(rowinv_model, False)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(exact), rtol=1e-4, atol=1e-4)

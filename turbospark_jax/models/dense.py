@@ -545,6 +545,10 @@ class DenseModel(BlockModel):
             over the block's own rows (cuDNN flash attention on a GPU in 16-bit dtypes).
             Parallel prefill only: a different program from the exact path.
 
+        The parallel prefill's passes (``key_limit`` or ``fresh``) stand outside every bitwise
+        guarantee, so under ``kernels="rowinv"`` they run on XLA's kernels (cuBLAS products,
+        cuDNN attention on a GPU), which are faster there.
+
         Returns:
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
 
@@ -552,6 +556,10 @@ class DenseModel(BlockModel):
           BadInputError: a per-layer cache with stacked params run as a scan;
             ``last_row_head`` where the widths do not agree.
         """
+        if self.kernels == "rowinv" and (fresh or key_limit is not None):
+            fast = dataclasses.replace(self, kernels="xla")
+            return fast.block_forward(params, cache, tokens, positions, live, need_head,
+                                      key_limit=key_limit, fresh=fresh)
         width = tokens.shape[0]
         capacity = cache.capacity
         if last_row_head and not self.widths_agree:
