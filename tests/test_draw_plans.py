@@ -163,3 +163,62 @@ def test_xla_kernels_decode_in_the_one_program(traced_plans: list[str]) -> None:
     tokens, _, _ = _decode(producer, sampling.SamplingParams.make(temperature=0.8, top_k=5))
     assert len(tokens) == 12
     assert traced_plans == []
+
+
+def _same_tree(a: Any, b: Any) -> bool:
+    """Every leaf bitwise equal, the producers' identities (``fed.owner``) aside."""
+    a = a.replace(fed=a.fed.replace(owner=b.fed.owner))
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    def bits(x: Any) -> tuple:
+        x = np.asarray(x)
+        return x.shape, x.dtype, x.tobytes()
+
+    return len(la) == len(lb) and all(bits(x) == bits(y) for x, y in zip(la, lb, strict=True))
+
+
+@pytest.mark.parametrize("steps, stop_at", [(3, None), (12, 2), (12, 9), (16, 15)])
+def test_chunked_decode_stops_and_leaves_the_state_as_the_branching_loop(
+    monkeypatch: pytest.MonkeyPatch, steps: int, stop_at: int | None
+) -> None:
+    """A decode program runs its steps in chunks (block_program.DECODE_CHUNK) and idles the
+    rest of a chunk past the call's count or a stop: the tokens, logits and the whole state
+    it leaves are bitwise the branching loop's, which stops at once."""
+    model, params = _model("rowinv")
+    settings = sampling.SamplingParams.make(temperature=0.9, top_k=20)
+    prompt = [5, 17, 33, 2, 80, 41, 9]
+
+    def decode(stop_ids: list[int]) -> tuple:
+        producer = BlockProducer(model, params, capacity=64, width=1, steps_per_call=16,
+                                 donate=False)
+        _, state = producer.prefill_chunk(producer.init_state(), prompt[:-1], 0)
+        burst, state = producer.decode(
+            state, prompt[-1], steps, params=settings,
+            history=sampling.History.from_prompt(prompt, VOCAB),
+            key=sampling.request_key(4), gen_index=1, stop_ids=stop_ids)
+        return burst, state
+
+    free, _ = decode([])
+    stop = [] if stop_at is None else [free.tokens[stop_at]]
+    planned, planned_state = decode(stop)
+    with monkeypatch.context() as m:
+        m.setattr(sampling, "draw_plan", lambda *_: "any")
+        branching, branching_state = decode(stop)
+    want = steps if stop_at is None else free.tokens.index(stop[0]) + 1
+    assert planned.tokens == branching.tokens and len(planned.tokens) == want
+    assert planned.finish == branching.finish
+    assert np.array_equal(planned.logits.view(np.uint32), branching.logits.view(np.uint32))
+    assert _same_tree(planned_state, branching_state)
+
+
+def test_control_one_step_more_shows_in_the_state() -> None:
+    """The state comparison above sees a single extra fed row (what an idle step that fed
+    its row would leave)."""
+    model, params = _model("rowinv")
+    producer = BlockProducer(model, params, capacity=64, width=1, steps_per_call=16,
+                             donate=False)
+    _, state = producer.prefill_chunk(producer.init_state(), [5, 17, 33], 0)
+    states = [producer.decode(state, 2, n, params=sampling.SamplingParams.greedy(),
+                              history=sampling.History.empty(VOCAB),
+                              key=sampling.request_key(0), gen_index=1)[1] for n in (3, 4)]
+    assert not _same_tree(states[0], states[1])
+    assert _same_tree(states[0], states[0])

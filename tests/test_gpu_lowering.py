@@ -243,12 +243,26 @@ def _branches(text: str) -> int:
                                       {"temperature": 0.8, "top_k": 50, "top_p": 0.95}],
                          ids=["greedy", "sampled", "truncated"])
 def test_rowinv_decode_loop_has_no_branch_but_its_loop(settings, monkeypatch):
-    """A conditional on a GPU copies its predicate to the host and waits, every token."""
+    """A conditional on a GPU copies its predicate to the host and waits, every token; so
+    does a loop's condition, unless the loop has a known trip count. The decode program's
+    steps run in chunks of DECODE_CHUNK, a loop whose condition compares its counter with
+    that constant, inside the loop over chunks: one host check per chunk."""
+    from turbospark_jax.block_program import DECODE_CHUNK
+
     text = _decode_program("rowinv", settings, monkeypatch)
-    assert len(re.findall(r"stablehlo\.while\b", text)) == 1
     assert _branches(text) == 0
+    # the function that holds the loops (constants are named per function)
+    text = next(f for f in text.split("\n  func.func ") if "stablehlo.while" in f)
+    loops = re.findall(r"stablehlo\.while\(.*\n\s*cond \{\n\s*%\S+ = stablehlo\.compare\s+"
+                       r"(\w+), (%[\w#]+), (%[\w#]+)", text)
+    assert len(loops) == 2  # the chunks' loop, and the steps' loop inside it
+    constants = dict(re.findall(r"(%c[_\d]*) = stablehlo\.constant dense<(-?\d+)> : "
+                                r"tensor<i32>", text))
+    direction, _, bound = loops[1]
+    assert direction == "LT" and constants.get(bound) == str(DECODE_CHUNK)
 
 
 def test_control_the_one_program_branches_on_the_settings(monkeypatch):
     text = _decode_program("xla", {"temperature": 0.8, "top_k": 50}, monkeypatch)
     assert _branches(text) >= 2  # greedy or sampled; top-k/top-p or not
+    assert len(re.findall(r"stablehlo\.while\b", text)) == 1  # a look at the host a step

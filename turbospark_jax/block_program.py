@@ -199,6 +199,14 @@ def feed_block(
     return logits, state.replace(cache=cache, fed=state.fed.append(tokens, live, injected))
 
 
+#: Steps a decode program (a draw plan, :func:`compiled_program`) runs between two checks
+#: of its loop's condition. On a GPU each check copies the condition to the host and waits
+#: for it, a stall per check; the steps of a chunk are a loop of known trip count, which the
+#: GPU runs without one. A call's steps past its count or past a stop run idle (no row fed,
+#: nothing returned changes): at most ``DECODE_CHUNK - 1`` of them, at a call's end.
+DECODE_CHUNK = 8
+
+
 def _run_blocks(
     model: BlockModel,
     params: Any,
@@ -223,26 +231,34 @@ def _run_blocks(
         i, _, _, _, finish, _, _ = carry
         return (i < n_steps) & (finish == RUNNING)
 
-    def body(carry):
+    def body(carry, active=None):
+        # ``active`` (a decode program's chunks): whether this step is one of the call's;
+        # one that is not feeds no row and changes nothing the call returns.
         i, st, out, sampled, finish, history, pending = carry
-        tokens = plan.tokens[i]
+        at_i = i if active is None else jnp.minimum(i, steps_cap - 1)
+        tokens = plan.tokens[at_i]
         tokens = jnp.where(control.feedback & (i > 0), tokens.at[0].set(pending), tokens)
-        live = plan.live[i]
+        live = plan.live[at_i] if active is None else jnp.where(active, plan.live[at_i], 0)
         # A decode program (a draw plan) needs every step's logits: the head runs unbranched.
-        need_head = True if draw != "any" else plan.need_head[i]
+        need_head = True if draw != "any" else plan.need_head[at_i]
         logits, st = feed_block(model, params, st, tokens, live, need_head,
-                                plan.injected[i], None if plan.embeds is None else plan.embeds[i],
+                                plan.injected[at_i],
+                                None if plan.embeds is None else plan.embeds[at_i],
                                 last_row_head=last_row_head)
-        at = i if last_row_head else plan.out_offset[i]
+        at = at_i if last_row_head else plan.out_offset[at_i]
+        if active is not None:  # an idle step writes its row's own contents back
+            logits = jnp.where(active, logits, jax.lax.dynamic_slice(out, (at, 0), logits.shape))
         out = jax.lax.dynamic_update_slice(out, logits, (at, 0))
         last = logits[0] if last_row_head else logits[live - 1]
-        finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[i]
+        finite = jnp.all(jnp.isfinite(last)) | ~plan.need_head[at_i]
 
         with jax.named_scope("sample"):
             # Sampled unconditionally and kept by a select: a cond here would cost a
             # device-to-host round trip per token on a GPU, and a greedy draw (what the idle
             # control of a prefill or verify asks for) is one argmax.
             keep = control.feedback & finite
+            if active is not None:
+                keep &= active
             key = sampling.token_key(control.key, control.gen_index + i)
             if draw == "any":
                 drawn = sampling.sample(last, control.params, history, key)
@@ -251,10 +267,22 @@ def _run_blocks(
             drawn = drawn.astype(jnp.int32)
             tok = jnp.where(keep, drawn, jnp.int32(-1))
             history = history.add(tok)  # -1 is outside the vocabulary: recorded as nothing
-        sampled = sampled.at[i].set(tok)
         hit = control.feedback & jnp.any(control.stop_ids == tok)
-        finish = jnp.where(~finite, NON_FINITE, jnp.where(hit, STOPPED_ON_TOKEN, RUNNING))
-        return i + 1, st, out, sampled, finish, history, tok
+        ended = jnp.where(~finite, NON_FINITE, jnp.where(hit, STOPPED_ON_TOKEN, RUNNING))
+        if active is None:
+            return i + 1, st, out, sampled.at[i].set(tok), ended, history, tok
+        return (i + active.astype(jnp.int32), st, out,
+                sampled.at[i].set(tok, mode="drop"),  # past the end: dropped
+                jnp.where(active, ended, finish), history, jnp.where(active, tok, pending))
+
+    def chunk(carry):
+        """:data:`DECODE_CHUNK` steps, those past the call's end or a stop idle: a loop of
+        known trip count, which runs with no look at its condition from the host."""
+        def one(_, carry):
+            i, *_, finish = carry[:5]
+            return body(carry, active=(i < n_steps) & (finish == RUNNING))
+
+        return jax.lax.fori_loop(0, DECODE_CHUNK, one, carry)
 
     carry = (
         jnp.int32(0),
@@ -265,7 +293,10 @@ def _run_blocks(
         control.history,
         jnp.int32(-1),
     )
-    steps, state, out, sampled, finish, history, _ = jax.lax.while_loop(cond, body, carry)
+    # A decode program checks its condition once per chunk of steps (on a GPU each check
+    # copies it to the host and waits); the one program, once per step.
+    loop_body = body if draw == "any" else chunk
+    steps, state, out, sampled, finish, history, _ = jax.lax.while_loop(cond, loop_body, carry)
     return buffers_only(state), by_value(state), StepOutput(
         logits=out, sampled=sampled, steps=steps, finish=finish, history=history
     )
