@@ -110,6 +110,9 @@ def test_adaptive_burst_sizes_from_the_measured_rate():
     slow = BurstSizer(None)
     slow.observed(3, 1.0)  # 3 tokens/s: never below the first size
     assert slow.next() == BurstSizer.FIRST
+    odd = BurstSizer(None)
+    odd.observed(61, 0.05)  # 61 tokens in 50 ms: rounded down to the decode programs' chunk
+    assert odd.next() == 56 and odd.next() % BurstSizer.GRAIN == 0
 
 
 def test_device_bursts_equal_host_token_by_token_decoding():

@@ -114,13 +114,16 @@ class BurstSizer:
 
     A fixed ``burst`` is used as it is. ``None`` adapts: the first call asks for
     :attr:`FIRST` tokens; after each call the next asks for what :attr:`TARGET_S` seconds
-    of decoding give at the rate measured so far, between :attr:`FIRST` and :attr:`MOST`
-    (the loops clamp it further to what one call can hold). A call costs a fixed amount
-    beyond its steps (launch, transfers, the host's bookkeeping), which matters most when a
-    step is cheap; the tokens never depend on the burst sizes.
+    of decoding give at the rate measured so far, between :attr:`FIRST` and :attr:`MOST`,
+    rounded down to a multiple of :attr:`GRAIN` (the loops clamp it further to what one call
+    can hold). A call costs a fixed amount beyond its steps (launch, transfers, the host's
+    bookkeeping), which matters most when a step is cheap; the tokens never depend on the
+    burst sizes. The grain is the decode programs' chunk
+    (:data:`~turbospark_jax.block_program.DECODE_CHUNK`): a call of another count runs the
+    rest of its last chunk idle.
     """
 
-    FIRST, MOST, TARGET_S = 16, 256, 0.05
+    FIRST, MOST, TARGET_S, GRAIN = 16, 256, 0.05, 8
 
     def __init__(self, burst: int | None) -> None:
         self._fixed = burst
@@ -132,7 +135,7 @@ class BurstSizer:
         if self._tokens == 0 or self._seconds <= 0.0:
             return self.FIRST
         want = int(self._tokens / self._seconds * self.TARGET_S)
-        return max(self.FIRST, min(self.MOST, want))
+        return max(self.FIRST, min(self.MOST, want)) // self.GRAIN * self.GRAIN
 
     def observed(self, tokens: int, seconds: float) -> None:
         """A call that emitted ``tokens`` in ``seconds`` (host wall time)."""
