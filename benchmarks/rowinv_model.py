@@ -416,8 +416,9 @@ def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab
         t0 = time.perf_counter()
         while done < tokens:
             steps = min(burst, tokens - done)
+            # no logits back: a burst's [steps, V] float32 rows are 33 MB at the 1B shape
             b, state = producer.decode(state, tok, steps, params=params, history=history,
-                                       key=key, gen_index=done + 1)
+                                       key=key, gen_index=done + 1, record_logits=False)
             done += len(b.tokens)
             tok, history = b.tokens[-1], b.history
         return time.perf_counter() - t0

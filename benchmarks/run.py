@@ -241,8 +241,9 @@ def decode_rate(producer: Any, context: int, new_tokens: int, burst: int, chunk:
         t0 = time.perf_counter()
         while len(out) < tokens:
             steps = min(burst, tokens - len(out))
+            # no logits back: a burst's [steps, V] float32 rows are 33 MB at the 1B shape
             b, state = producer.decode(state, tok, steps, params=greedy, history=history,
-                                       key=key, gen_index=len(out) + 1)
+                                       key=key, gen_index=len(out) + 1, record_logits=False)
             out += b.tokens
             tok, history = b.tokens[-1], b.history
         return t_fill, time.perf_counter() - t0, out

@@ -114,7 +114,7 @@ def decode_rate(producer: Any, context: int, new_tokens: int, burst: int,
         while len(out) < tokens:
             b, state = producer.decode(state, tok, min(burst, tokens - len(out)),
                                        params=greedy, history=history, key=key,
-                                       gen_index=len(out) + 1)
+                                       gen_index=len(out) + 1, record_logits=False)
             out += b.tokens
             tok, history = b.tokens[-1], b.history
         return time.perf_counter() - t0, out
