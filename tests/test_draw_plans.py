@@ -36,11 +36,12 @@ SETTINGS = {
     "top-k": dict(temperature=0.8, top_k=5),
     "top-p": dict(temperature=0.7, top_p=0.8),
     "both": dict(temperature=1.0, top_k=40, top_p=0.9, repetition_penalty=1.1),
+    "wide top-k": dict(temperature=1.0, top_k=70, top_p=0.95),
 }
 PLANS = {
     "greedy": "greedy", "greedy, penalised": "greedy", "sampled": "sampled",
-    "sampled, min-p": "sampled", "top-k": "truncated", "top-p": "truncated",
-    "both": "truncated",
+    "sampled, min-p": "sampled", "top-k": "top_k", "top-p": "truncated",
+    "both": "top_k", "wide top-k": "truncated",
 }
 
 
@@ -50,7 +51,9 @@ def test_draw_plan_classifies_settings() -> None:
     # top-k at or past the vocabulary and top-p of 1 are off.
     off = sampling.SamplingParams.make(temperature=0.5, top_k=VOCAB, top_p=1.0)
     assert sampling.draw_plan(off, VOCAB) == "sampled"
-    assert sampling.draw_plan(off, VOCAB + 1) == "truncated"
+    assert sampling.draw_plan(off, VOCAB + 1) == "truncated"  # 96 ids kept: above 64
+    at_most = sampling.SamplingParams.make(temperature=0.5, top_k=sampling.CANDIDATES)
+    assert sampling.draw_plan(at_most, 1000) == "top_k"
 
 
 def _history(rng: np.random.Generator, vocab: int) -> sampling.History:
@@ -153,7 +156,7 @@ def test_rowinv_decode_draws_by_plan_and_equals_the_branching_loop(
         assert np.array_equal(planned[1].view(np.uint32), branching[1].view(np.uint32)), name
         for a, b in zip(jax.tree.leaves(planned[2]), jax.tree.leaves(branching[2]), strict=True):
             assert np.array_equal(np.asarray(a), np.asarray(b)), name
-    assert set(traced_plans) == {"greedy", "sampled", "truncated"}
+    assert set(traced_plans) == {"greedy", "sampled", "top_k", "truncated"}
 
 
 def test_xla_kernels_decode_in_the_one_program(traced_plans: list[str]) -> None:

@@ -564,20 +564,78 @@ def test_draws_among_the_candidates_follow_the_distribution(top_k: int) -> None:
     assert _tv(samples, np.asarray(probabilities(logits, other, history))) > 0.1
 
 
-def test_off_a_cpu_the_filter_and_the_noise_are_the_whole_vocabulary(monkeypatch) -> None:
-    """Candidates are a CPU measure (a GPU's top-k above 16 is a sort, a branch a round
-    trip): elsewhere the filter sorts and the draw's noise spans the vocabulary, as before."""
-    from turbospark_jax.sampling import _candidate_filters, categorical
+@pytest.mark.parametrize("n", [1025, 5000, 128256])
+def test_blocked_top_is_one_top_k(n: int) -> None:
+    """The GPU's candidate search (best 64 of each 1,024-id block, level by level) gives
+    ``lax.top_k``'s values and ids bit for bit: with many ties (rounded logits; the lower id
+    first), impossible ids (-inf) and the best ids bunched into one block."""
+    from turbospark_jax.sampling import _blocked_top
 
-    def primitives(fn, *args) -> set[str]:
+    rng = np.random.default_rng(n)
+    x = np.round(rng.standard_normal(n) * 4) / 4
+    x[rng.random(n) < 0.3] = -np.inf
+    x[2048 % n : 2048 % n + 100] += 10.0  # a block holding more than a block's share
+    x = jnp.asarray(x, jnp.float32)
+    got, want = jax.jit(lambda v: _blocked_top(v, 64))(x), jax.lax.top_k(x, 64)
+    assert np.array_equal(np.asarray(got[0]).view(np.uint32), np.asarray(want[0]).view(np.uint32))
+    assert np.array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_control_fewer_than_the_count_per_block_misses_bunched_ids() -> None:
+    """Why each block keeps the full count: keeping 16 a block (XLA's fast top-k) loses ids
+    when one block holds more of the best 64, which the comparison above would see."""
+    x = np.zeros(4096, np.float32)
+    x[:40] = 5.0 + np.arange(40)  # 40 of the best in block 0
+    x[1024::37] = 1.0
+    x = jnp.asarray(x)
+    blocks = x.reshape(4, 1024)
+    best16, at = jax.lax.top_k(blocks, 16)
+    ids16 = (at + jnp.arange(4)[:, None] * 1024).reshape(-1)
+    _, pick = jax.lax.top_k(best16.reshape(-1), 64)
+    whole = jax.lax.top_k(x, 64)[1]
+    assert set(np.asarray(ids16[pick]).tolist()) != set(np.asarray(whole).tolist())
+
+
+def test_off_a_cpu_the_candidates_come_from_blocks(monkeypatch) -> None:
+    """Off a CPU the filter and the draw rank their candidates with the blocked search (no
+    sort of the whole vocabulary, whose GPU form is about thirty kernels): the filter keeps
+    what the whole sort keeps, and a ``"top_k"`` draw plan sorts nothing longer than a block.
+    (On a CPU the filter takes ``lax.top_k`` itself: its own kernel there.)"""
+    from turbospark_jax import sampling
+    from turbospark_jax.sampling import _candidate_filters, _sort_filters
+
+    def sorted_lengths(fn, *args) -> list[int]:
         # a fresh function each time: a cached trace would hide the backend's change
         closed = jax.make_jaxpr(lambda *a: fn(*a))(*args)
-        return {name for name, _ in _primitives_by_cond_depth(closed.jaxpr)}
+        out = []
 
-    scaled = jnp.zeros(1000)
-    params = SamplingParams.make(temperature=1.0, top_k=5)
-    assert "top_k" in primitives(_candidate_filters, scaled, params)
-    assert "top_k" in primitives(categorical, _KEYS[0], scaled)
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                if eqn.primitive.name in ("sort", "top_k"):
+                    out.append(eqn.invars[0].aval.shape[-1])
+                for value in eqn.params.values():
+                    for sub in value if isinstance(value, tuple | list) else (value,):
+                        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                            walk(sub.jaxpr)
+                        elif isinstance(sub, jax.extend.core.Jaxpr):
+                            walk(sub)
+
+        walk(closed.jaxpr)
+        return out
+
+    rng = np.random.default_rng(3)
+    scaled = jnp.asarray(np.round(rng.standard_normal(5000) * 3) / 2, jnp.float32)
+    scaled = scaled - jnp.max(scaled)
+    params = SamplingParams.make(temperature=1.0, top_k=40, top_p=0.9)
+    on_cpu = sorted_lengths(lambda x, p: _candidate_filters(x, p, decided=True), scaled, params)
+    assert on_cpu == [5000]  # lax.top_k over the vocabulary
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert "top_k" not in primitives(_candidate_filters, scaled, params)
-    assert "top_k" not in primitives(categorical, _KEYS[0], scaled)
+    lengths = sorted_lengths(
+        lambda x, p, h, k: sampling.draw_as("top_k", x, p, h, k),
+        scaled, params, History.empty(5000), _KEYS[0])
+    assert lengths and max(lengths) <= sampling.TOP_BLOCK
+    for top_k, top_p in ((40, 0.9), (64, 1.0), (0, 0.5), (200, 0.9)):
+        p = SamplingParams.make(temperature=1.0, top_k=top_k, top_p=top_p)
+        got = np.asarray(jax.jit(lambda x, p: _candidate_filters(x, p))(scaled, p))
+        want = np.asarray(_sort_filters(scaled, p))
+        assert np.array_equal(got, want), (top_k, top_p)

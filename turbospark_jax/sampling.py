@@ -413,42 +413,70 @@ def _sort_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     )
 
 
-#: How many of the best ids the top-k / top-p filter ranks on a CPU before it would sort
-#: the whole vocabulary (:func:`_candidate_filters`). Off a CPU it sorts, as before: XLA's GPU
-#: top-k is a kernel of its own only up to k = 16 (a whole sort above), and a branch there
-#: costs a round trip to the host; whether candidates pay on a GPU is not measured yet.
+#: How many of the best ids the top-k / top-p filter ranks before it would sort the whole
+#: vocabulary (:func:`_candidate_filters`).
 CANDIDATES = 64
+#: Ids a block of the GPU's candidate search holds (:func:`_blocked_top`): a top-k of that
+#: many is one sort of a row in a GPU's shared memory, one kernel for all the rows.
+TOP_BLOCK = 1024
 
 
 def candidates() -> int:
-    """The candidate count for the default backend (static under jit): :data:`CANDIDATES` on
-    a CPU, 0 (sort the whole vocabulary) elsewhere."""
-    return CANDIDATES if jax.default_backend() == "cpu" else 0
+    """The candidate count (static under jit): :data:`CANDIDATES`."""
+    return CANDIDATES
+
+
+def _blocked_top(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k(x, count)`` over a long ``x`` as top-k of blocks, level by level: each
+    block of :data:`TOP_BLOCK` keeps its best ``count``, and their concatenation is searched
+    the same way until one block remains. Same values and ids as one top-k (descending, the
+    lower id first on ties): every id of the whole best ``count`` is among its block's best,
+    and equal values keep id order from level to level (blocks are runs of consecutive
+    positions, a block's equal values come out in position order). On a GPU, where XLA's
+    top-k above k = 16 sorts its input, this sorts rows of 1,024 (one kernel a level) instead
+    of the whole vocabulary (about thirty kernels for 128k ids)."""
+    values, ids = x, lax.iota(jnp.int32, x.shape[0])
+    while values.shape[0] > TOP_BLOCK:
+        n = values.shape[0]
+        blocks = -(-n // TOP_BLOCK)
+        pad = blocks * TOP_BLOCK - n
+        # Padding loses every tie to a real id (it sits after them) and never reaches the
+        # last level's best ``count``: ``x`` has more than ``count`` real ids.
+        v = jnp.pad(values, (0, pad), constant_values=-jnp.inf).reshape(blocks, TOP_BLOCK)
+        i = jnp.pad(ids, (0, pad), constant_values=x.shape[0]).reshape(blocks, TOP_BLOCK)
+        best, at = lax.top_k(v, count)
+        values, ids = best.reshape(-1), jnp.take_along_axis(i, at, axis=1).reshape(-1)
+    best, at = lax.top_k(values, count)
+    return best, ids[at]
 
 
 def _top(x: jax.Array, count: int) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k(x, count)`` with each output behind its own barrier: an expression that
-    relates the candidates to the whole of ``x`` (a normaliser) makes XLA's CPU compiler turn
-    the top-k back into a full sort. (One barrier over both outputs crashes XLA's SPMD
-    partitioner on a mesh.)"""
+    """``lax.top_k(x, count)``: on a CPU XLA's own (each output behind its own barrier: an
+    expression that relates the candidates to the whole of ``x``, a normaliser, makes XLA's
+    CPU compiler turn the top-k back into a full sort; one barrier over both outputs crashes
+    XLA's SPMD partitioner on a mesh), elsewhere :func:`_blocked_top`."""
+    if jax.default_backend() != "cpu":
+        return _blocked_top(x, count)
     values, ids = lax.top_k(x, count)
     return lax.optimization_barrier(values), lax.optimization_barrier(ids)
 
 
-def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
+def _candidate_filters(scaled: jax.Array, params: SamplingParams,
+                       decided: bool = False) -> jax.Array:
     """:func:`_sort_filters`' keep mask from the :func:`candidates` best ids alone, when they
     decide it, else from the whole sorted vocabulary.
 
-    ``lax.top_k`` ranks the candidates as the stable sort ranks them (descending, the lower id
+    :func:`_top` ranks the candidates as the stable sort ranks them (descending, the lower id
     first on ties). They decide the mask when top-k keeps at most that many ids (the
     same ids in the same order; top-p then normalises over them as the sort does), or when
     top-k is off and top-p's cut falls among them (the last candidate is cut, so every later
     id is too; the normaliser is the whole vocabulary's, one sum). The masks are the same ids
     but for a cut within float32 rounding of ``top_p`` (the sums associate differently). On a
     2-core CPU the filter takes 0.15 ms for 32,000 ids against the sort's 7.3 ms, and a
-    sampled draw 1.05 ms against 8.1 (a greedy one: 0.25)."""
+    sampled draw 1.05 ms against 8.1 (a greedy one: 0.25). ``decided`` (static): the caller
+    knows top-k keeps at most the candidates (a ``"top_k"`` draw plan), so no branch."""
     vocab_size, count = scaled.shape[0], candidates()
-    if vocab_size <= count or count == 0:
+    if vocab_size <= count:
         return _sort_filters(scaled, params)
     values, ids = _top(scaled, count)
     k = _kept_by_top_k(params, vocab_size)
@@ -457,13 +485,15 @@ def _candidate_filters(scaled: jax.Array, params: SamplingParams) -> jax.Array:
     in_top_k = jax.nn.softmax(jnp.where(keep, values, -jnp.inf))
     in_vocabulary = jnp.exp(values - values[0]) / jnp.sum(jnp.exp(scaled - values[0]))
     keep &= _kept_by_top_p(jnp.where(top_k_small, in_top_k, in_vocabulary), params)
-    decided = top_k_small | ((k == vocab_size) & ~keep[-1])
-    return lax.cond(
-        decided,
-        lambda: jnp.zeros((vocab_size,), jnp.bool_).at[ids].set(
-            keep, mode="promise_in_bounds", unique_indices=True),
-        lambda: _sort_filters(scaled, params),
-    )
+
+    def chosen() -> jax.Array:
+        return jnp.zeros((vocab_size,), jnp.bool_).at[ids].set(
+            keep, mode="drop", unique_indices=True)
+
+    if decided:
+        return chosen()
+    return lax.cond(top_k_small | ((k == vocab_size) & ~keep[-1]), chosen,
+                    lambda: _sort_filters(scaled, params))
 
 
 def _sampling_logits(
@@ -473,14 +503,17 @@ def _sampling_logits(
 
     ``truncate`` (static) False leaves out the top-k/top-p branch: for settings with both off
     the branch keeps every id, so leaving it out changes no bit. ``"always"`` runs the
-    branch's filters without the branch: bitwise the branch for settings that turn either on.
+    branch's filters without the branch: bitwise the branch for settings that turn either on;
+    ``"top_k"`` also without the filters' own branch: bitwise for settings whose top-k keeps
+    at most the candidates.
     """
     # Safe divisor: under vmap both cond branches run, and this one must not divide by 0.
     t = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = (penalized - jnp.max(penalized)) / t
     filtered = scaled
-    if truncate == "always":
-        filtered = jnp.where(_candidate_filters(scaled, params), scaled, -jnp.inf)
+    if truncate in ("always", "top_k"):
+        keep = _candidate_filters(scaled, params, decided=truncate == "top_k")
+        filtered = jnp.where(keep, scaled, -jnp.inf)
     elif truncate:
         keep = lax.cond(
             _needs_sort(params, scaled.shape[0]),
@@ -613,17 +646,21 @@ def sample(
     return _sample(_check_logits(logits, history), params, history, key)
 
 
-def categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
+def categorical(key: jax.Array, logits: jax.Array, few: bool = False) -> jax.Array:
     """A draw from ``softmax(logits)`` (float32 ``[V]``, ``-inf`` for impossible ids), as
-    ``jax.random.categorical``: the Gumbel-max trick. On a CPU, when at most
-    :func:`candidates` ids are possible (top-k or top-p left no more), the noise is drawn for
-    those candidates alone instead of for the whole vocabulary: the same distribution, in a
-    tenth of the time for 32,000 ids on 2 cores. (Elsewhere the whole vocabulary's noise, as
-    before.) Returns int32 ``[]``; a function of ``key``, ``logits`` and the backend only."""
+    ``jax.random.categorical``: the Gumbel-max trick. When at most :func:`candidates` ids
+    are possible (top-k or top-p left no more), the noise is drawn for those candidates alone
+    instead of for the whole vocabulary: the same distribution, in a tenth of the time for
+    32,000 ids on 2 cores. ``few`` (static): the caller knows they are (a ``"top_k"`` draw
+    plan), so no branch. Returns int32 ``[]``; a function of ``key`` and ``logits`` only.
+    (:func:`sample` draws this way when top-k or top-p is on, and over the whole vocabulary
+    otherwise.)"""
     vocab_size, count = logits.shape[0], candidates()
-    if vocab_size <= count or count == 0:
+    if vocab_size <= count:
         return jax.random.categorical(key, logits).astype(jnp.int32)
     values, ids = _top(logits, count)
+    if few:
+        return ids[jax.random.categorical(key, values)].astype(jnp.int32)
     return lax.cond(
         jnp.sum(jnp.isfinite(logits)) <= count,
         lambda: ids[jax.random.categorical(key, values)],
@@ -645,9 +682,19 @@ def draw(
     A row that needs the sort must be drawn with ``truncate=True``.
     """
     penalized = _penalize(logits.astype(jnp.float32), params, history)
+
+    def sampled(x: jax.Array, p: SamplingParams) -> jax.Array:
+        whole = lambda: jax.random.categorical(  # noqa: E731
+            key, _sampling_logits(x, p, False)).astype(jnp.int32)
+        if not truncate:
+            return whole()
+        # One branch for the filters and the draw: top-k / top-p on, the candidates'.
+        return lax.cond(_needs_sort(p, x.shape[0]),
+                        lambda: categorical(key, _sampling_logits(x, p, "always")), whole)
+
     return lax.cond(
         _is_sampled(params),
-        lambda x, p: categorical(key, _sampling_logits(x, p, truncate)),
+        sampled,
         lambda x, _: jnp.argmax(x).astype(jnp.int32),
         penalized,
         params,
@@ -660,8 +707,10 @@ _sample = jax.jit(draw)
 #: Values of :func:`draw_as`'s ``plan``: what the host knows of a request's settings before
 #: it compiles a decode loop. ``"any"``: nothing (:func:`draw`, branching on the settings in
 #: the program); ``"greedy"``: temperature 0; ``"sampled"``: temperature > 0 with top-k and
-#: top-p off; ``"truncated"``: temperature > 0 with top-k or top-p on.
-DRAW_PLANS = ("any", "greedy", "sampled", "truncated")
+#: top-p off; ``"top_k"``: temperature > 0 with a top-k that keeps at most
+#: :data:`CANDIDATES` ids (top-p and min-p as they are); ``"truncated"``: temperature > 0
+#: with top-k or top-p on otherwise.
+DRAW_PLANS = ("any", "greedy", "sampled", "top_k", "truncated")
 
 
 def draw_plan(params: SamplingParams, vocab_size: int) -> str:
@@ -675,10 +724,13 @@ def draw_plan(params: SamplingParams, vocab_size: int) -> str:
     if not isinstance(params, SamplingParams):
         raise BadInputError(f"params must be SamplingParams, got {type(params).__name__}")
     _check_vocab_size(vocab_size)
-    sampled, sort = jax.device_get((_is_sampled(params), _needs_sort(params, vocab_size)))
+    sampled, sort, k = jax.device_get(
+        (_is_sampled(params), _needs_sort(params, vocab_size), params.top_k))
     if not sampled:
         return "greedy"
-    return "truncated" if sort else "sampled"
+    if not sort:
+        return "sampled"
+    return "top_k" if 0 < int(k) <= CANDIDATES and int(k) < vocab_size else "truncated"
 
 
 def draw_as(
@@ -703,8 +755,11 @@ def draw_as(
     if plan == "greedy":
         return greedy_token(logits, params, history)
     penalized = _penalize(logits.astype(jnp.float32), params, history)
-    truncate = "always" if plan == "truncated" else False
-    return categorical(key, _sampling_logits(penalized, params, truncate))
+    if plan == "sampled":
+        return jax.random.categorical(
+            key, _sampling_logits(penalized, params, False)).astype(jnp.int32)
+    truncate = "top_k" if plan == "top_k" else "always"
+    return categorical(key, _sampling_logits(penalized, params, truncate), few=plan == "top_k")
 
 
 def distribution(processed: jax.Array, params: SamplingParams) -> jax.Array:
@@ -733,9 +788,13 @@ def distribution(processed: jax.Array, params: SamplingParams) -> jax.Array:
 def draw_processed(processed: jax.Array, params: SamplingParams, key: jax.Array) -> jax.Array:
     """:func:`sample`'s token from :func:`process_logits`'s output (traced arguments, no
     checks; see :func:`distribution`): int32 ``[]``, bitwise the same for the same key."""
+    def sampled(x: jax.Array) -> jax.Array:
+        return lax.cond(_needs_sort(params, x.shape[0]), lambda: categorical(key, x),
+                        lambda: jax.random.categorical(key, x).astype(jnp.int32))
+
     return lax.cond(
         _is_sampled(params),
-        lambda x: categorical(key, x),
+        sampled,
         lambda x: jnp.argmax(x).astype(jnp.int32),
         processed,
     )
