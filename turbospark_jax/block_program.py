@@ -279,8 +279,7 @@ def _run_blocks(
         """:data:`DECODE_CHUNK` steps, those past the call's end or a stop idle: a loop of
         known trip count, which runs with no look at its condition from the host."""
         def one(_, carry):
-            i, *_, finish = carry[:5]
-            return body(carry, active=(i < n_steps) & (finish == RUNNING))
+            return body(carry, active=cond(carry))
 
         return jax.lax.fori_loop(0, DECODE_CHUNK, one, carry)
 
