@@ -33,7 +33,10 @@ ties included), and top-p keeps the shortest rank prefix whose probability mass 
 together.
 
 Cost: :func:`sample` and :func:`probabilities` branch with ``lax.cond``, so a greedy step never
-sorts the vocabulary and a sampled step sorts only when top-k or top-p is on. (Under ``vmap``
+ranks the vocabulary, and a sampled step ranks only with top-k or top-p on: its best
+:data:`CANDIDATES` ids (:func:`_top`), sorting the whole vocabulary only when they cannot
+decide the cut (top-p alone, its mass not reached among them), and with the cut among them
+its noise is drawn for those ids alone. (Under ``vmap``
 with a batched setting ``lax.cond`` turns into a select that runs both branches; a batched
 program compiles :func:`draw` with ``truncate=False`` for steps where no row needs the sort.)
 A program that knows on the host which kind of draw a request needs compiles
