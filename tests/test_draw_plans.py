@@ -225,3 +225,34 @@ def test_control_one_step_more_shows_in_the_state() -> None:
                               key=sampling.request_key(0), gen_index=1)[1] for n in (3, 4)]
     assert not _same_tree(states[0], states[1])
     assert _same_tree(states[0], states[0])
+
+
+@pytest.mark.parametrize("backend, vocab", [("cpu", 700), ("gpu", 3000)])
+def test_top_k_plan_draws_the_branching_token_over_many_settings_and_ties(
+    monkeypatch: pytest.MonkeyPatch, backend: str, vocab: int
+) -> None:
+    """The ``"top_k"`` plan ranks the vocabulary once and filters and draws among the 64
+    candidates; it must draw ``draw``'s token for every such setting, with ties (rounded
+    logits), min-p, penalties and top-p cuts anywhere in the run; in the GPU's form too
+    (the candidates from 1,024-id blocks)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    rng = np.random.default_rng(21)
+    branching = jax.jit(sampling.draw)
+    planned = jax.jit(sampling.draw_as, static_argnums=0)
+    drawn = set()
+    for trial in range(120):
+        kw = dict(temperature=float(rng.choice([0.3, 1.0, 2.5])),
+                  top_k=int(rng.integers(1, sampling.CANDIDATES + 1)),
+                  top_p=float(rng.choice([1.0, 0.95, 0.6, 0.2])),
+                  min_p=float(rng.choice([0.0, 0.05, 0.3])),
+                  repetition_penalty=float(rng.choice([1.0, 1.3])))
+        params = sampling.SamplingParams.make(**kw)
+        assert sampling.draw_plan(params, vocab) == "top_k"
+        logits = np.round(rng.normal(0, 2, vocab) * 2) / 2
+        logits = jnp.asarray(logits.astype(np.float32))
+        history = _history(rng, vocab)
+        key = sampling.token_key(sampling.request_key(trial), 3)
+        want = int(branching(logits, params, history, key))
+        assert int(planned("top_k", logits, params, history, key)) == want, (trial, kw)
+        drawn.add(want)
+    assert len(drawn) > 20  # the draws are spread, not one id

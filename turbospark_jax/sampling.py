@@ -761,8 +761,29 @@ def draw_as(
     if plan == "sampled":
         return jax.random.categorical(
             key, _sampling_logits(penalized, params, False)).astype(jnp.int32)
-    truncate = "top_k" if plan == "top_k" else "always"
-    return categorical(key, _sampling_logits(penalized, params, truncate), few=plan == "top_k")
+    if plan == "top_k" and penalized.shape[0] > candidates():
+        return _draw_among_candidates(penalized, params, key)
+    return categorical(key, _sampling_logits(penalized, params, "always"))
+
+
+def _draw_among_candidates(penalized: jax.Array, params: SamplingParams,
+                           key: jax.Array) -> jax.Array:
+    """:func:`draw`'s token for settings whose top-k keeps at most the :func:`candidates`,
+    computed on the candidates alone: one ranking of the vocabulary, then top-k, top-p,
+    min-p and the noise over 64 values. Bitwise :func:`draw`'s: the ids it keeps are the
+    candidates' leading run in either (each filter cuts the ranking), with the same values
+    in the same places, so the noise of each place and the winning place are the same; the
+    vocabulary-wide mask, min-p ratio and second ranking :func:`draw` goes through add no
+    bit (``tests/test_draw_plans.py``)."""
+    t = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = (penalized - jnp.max(penalized)) / t
+    values, ids = _top(scaled, candidates())
+    keep = lax.iota(jnp.int32, values.shape[0]) < _kept_by_top_k(params, scaled.shape[0])
+    keep &= _kept_by_top_p(jax.nn.softmax(jnp.where(keep, values, -jnp.inf)), params)
+    filtered = jnp.where(keep, values, -jnp.inf)
+    ratio = jnp.exp(filtered - jnp.max(filtered))
+    filtered = jnp.where(ratio >= params.min_p, filtered, -jnp.inf)
+    return ids[jax.random.categorical(key, filtered)].astype(jnp.int32)
 
 
 def distribution(processed: jax.Array, params: SamplingParams) -> jax.Array:
