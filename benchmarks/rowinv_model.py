@@ -456,8 +456,13 @@ def completion_speed(producer: Any, context: int, new_tokens: int, vocab: int,
 def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, vocab, length)]
+    # "parallel": passes of the default 2,048 rows (the first over its own rows, cuDNN's
+    # attention on a GPU; the rest over the cache); "parallel-one-pass": the whole prompt
+    # in one fresh pass.
     fn = {"exact": lambda s: producer.prefill_chunk(s, prompt, 0),
-          "parallel": lambda s: producer.prefill_parallel(s, prompt, 0)}[path]
+          "parallel": lambda s: producer.prefill_parallel(s, prompt, 0),
+          "parallel-one-pass": lambda s: producer.prefill_parallel(s, prompt, 0,
+                                                                   chunk=length)}[path]
     import jax
 
     jax.block_until_ready(fn(producer.init_state()))
@@ -524,7 +529,9 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
                              functools.partial(completion_speed, producer, ctx, p.new_tokens,
                                                config.vocab_size, kind))
             for length in p.prefill_lengths if "prefill" in workloads else ():
-                for path in ("exact", "parallel"):
+                paths = ("exact", "parallel") + (("parallel-one-pass",) if length > 2048
+                                                 else ())
+                for path in paths:
                     run.case("speed", {"shape": name, "kernels": kernels, "width": width,
                                        "prefill_width": prefill_width, "workload": "prefill",
                                        "path": path, "length": length},
