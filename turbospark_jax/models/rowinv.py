@@ -509,15 +509,18 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = (),
 
 
 def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any) -> jax.Array:
-    """The product as one fixed-shape dot per ``XLA_ROW_TILE`` rows (a loop, one dot
-    compiled)."""
-    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=0 if nk else 1)
+    """The product as fixed-shape dots per ``XLA_ROW_TILE`` rows (a loop, one dot compiled
+    per weight): each weight's own dot, their results side by side. (Concatenating the
+    weights instead would copy them at every call: a decode step's merged q/k/v and gate/up
+    weights, read twice and written once more.)"""
     dims = (((1,), (1 if nk else 0,)), ((), ()))
-    return row_tiled(
-        lambda rows, w: jax.lax.dot_general(
-            rows, w, dims, preferred_element_type=jnp.float32).astype(out_dtype),
-        x, shared=(w,), min_tiles=DOT_MIN_TILES,
-    )
+
+    def tile(rows: jax.Array, *weights: jax.Array) -> jax.Array:
+        out = [jax.lax.dot_general(rows, w, dims, preferred_element_type=jnp.float32)
+               for w in weights]
+        return (out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)).astype(out_dtype)
+
+    return row_tiled(tile, x, shared=tuple(ws), min_tiles=DOT_MIN_TILES)
 
 
 @functools.partial(jax.jit, static_argnames=("nk", "out_dtype", "impl", "kernel", "schedule",
