@@ -3,9 +3,10 @@
 # minutes, from the repository root:
 #   bash benchmarks/rowinv_h200.sh 1 "$OUT"   # the kernels' tests compiled for the GPU, the
 #                                             # model's bitwise checks (1B and an odd shape),
-#                                             # the 1B speeds in both kernel modes
-#   bash benchmarks/rowinv_h200.sh 2 "$OUT"   # the decode-size products' sweep, 0.6B speeds
-#                                             # and bitwise checks, the 1B decode profiles
+#                                             # the 1B speeds of the exact (rowinv) mode
+#   bash benchmarks/rowinv_h200.sh 2 "$OUT"   # the 1B speeds with XLA's kernels, the
+#                                             # decode-size products' sweep, the 1B profiles
+#   bash benchmarks/rowinv_h200.sh 6 "$OUT"   # 0.6B speeds and bitwise checks
 #   bash benchmarks/rowinv_h200.sh 3 "$OUT"   # 8B speeds and bitwise checks
 #   bash benchmarks/rowinv_h200.sh 4 "$OUT"   # transformers (sdpa) on the same machine
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
@@ -13,27 +14,31 @@
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 5}
+stage=${1:?stage 1 to 6}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
 case "$stage" in
 1)
-  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_rowinv.py tests/test_pallas_row_norm.py tests/test_pallas_attention.py \
     tests/test_pallas_rope_store.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
   timeout 170 python -m benchmarks.rowinv_model --parts exact \
     --exact-shapes llama-3.2-1b,odd-1.3b --out "$out/exact" --budget-s 150 2>&1 | tail -30
-  timeout 270 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
-    --out "$out/speed" --budget-s 250 2>&1 | tail -30
+  timeout 260 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
+    --modes rowinv --out "$out/speed" --budget-s 240 2>&1 | tail -30
   ;;
 2)
-  timeout 130 python -m benchmarks.rowinv_model --parts products --shapes llama-3.2-1b \
-    --out "$out/products" --budget-s 110 2>&1 | tail -5
-  timeout 250 python -m benchmarks.rowinv_model --parts speed,exact --shapes qwen3-0.6b \
-    --exact-shapes qwen3-0.6b --out "$out/speed06" --budget-s 230 2>&1 | tail -30
-  timeout 150 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
-    --out "$out/profile" --budget-s 130 2>&1 | tail -10
+  timeout 200 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
+    --modes xla --out "$out/speed_xla" --budget-s 180 2>&1 | tail -20
+  timeout 180 python -m benchmarks.rowinv_model --parts products --shapes llama-3.2-1b \
+    --out "$out/products" --budget-s 160 2>&1 | tail -5
+  timeout 200 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
+    --out "$out/profile" --budget-s 180 2>&1 | tail -10
+  ;;
+6)
+  timeout 290 python -m benchmarks.rowinv_model --parts speed,exact --shapes qwen3-0.6b \
+    --exact-shapes qwen3-0.6b --out "$out/speed06" --budget-s 270 2>&1 | tail -30
   ;;
 3)
   timeout 300 python -m benchmarks.rowinv_model --parts speed \

@@ -229,8 +229,9 @@ def _gated_operands(dtype: str, k: int = 256, f: int = 80):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_gated_product_is_the_gating_of_its_products(dtype):
     """One launch that gates in its epilogue gives the bits of the two products (on the
-    gated schedule, one segment) gated afterwards; the rows agree for every row count in
-    both kernels and in the XLA form."""
+    gated schedule, one segment) gated afterwards, in the interpreter (on a GPU the
+    epilogue's SiLU is Triton's and the reference's XLA's: close, not bitwise); the rows
+    agree for every row count in both kernels and in the XLA form."""
     from turbospark_jax.models.rowinv import _swiglu, gated_schedule, rowinv_swiglu
 
     x, gate, up = _gated_operands(dtype)
@@ -243,8 +244,12 @@ def test_gated_product_is_the_gating_of_its_products(dtype):
             return np.asarray(rowinv_swiglu(x[rows[0]:rows[1]], gate, up, impl=impl,
                                             kernel=kernel, tiles=TILES["small"]))
         full = gated((0, ROWS if kernel != "matvec" else 16))
-        if impl != "xla":
+        if impl == "interpret":
             assert np.array_equal(full.view(np.uint8), want[: len(full)].view(np.uint8))
+        elif impl == "pallas":
+            np.testing.assert_allclose(full.astype(np.float32),
+                                       want[: len(full)].astype(np.float32), rtol=2e-2,
+                                       atol=2e-2)
         for m in (1, 5, len(full)):
             assert np.array_equal(gated((0, m)), full[:m]), (impl, kernel, m)
         assert np.array_equal(gated((7, 8))[0], full[7]), (impl, kernel)
@@ -261,7 +266,7 @@ def test_control_the_gated_schedule_is_not_the_products_default():
                          schedule=schedule_for(1024, 2 * f), tiles=TILES["small"])
     other = np.asarray(_swiglu(both[:, :f], both[:, f:], x.dtype))
     gated = np.asarray(rowinv_swiglu(x, gate, up, impl=KERNEL_IMPL, tiles=TILES["small"]))
-    assert np.allclose(other, gated, rtol=1e-5, atol=1e-6)
+    assert np.allclose(other, gated, rtol=1e-4, atol=1e-5)
     assert not np.array_equal(other, gated)
 
 
