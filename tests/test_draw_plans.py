@@ -1,13 +1,18 @@
 """Draw plans: a decode program that draws with no branch on the sampling settings.
 
 * :func:`~turbospark_jax.sampling.draw_plan` classifies settings (greedy, sampled with
-  top-k and top-p off, truncated), and :func:`~turbospark_jax.sampling.draw_as` under that
-  plan draws bitwise what :func:`~turbospark_jax.sampling.draw` draws, over random logits,
-  penalties and keys. The control: the plan for untruncated settings, given truncating ones,
-  draws ids that top-k removes.
+  top-k and top-p off, top-k of at most 64, other truncation), and
+  :func:`~turbospark_jax.sampling.draw_as` under that plan draws bitwise what
+  :func:`~turbospark_jax.sampling.draw` draws, over random logits, penalties and keys; the
+  ``"top_k"`` plan's draw among the 64 candidates over 120 settings with ties, in the CPU's
+  and the GPU's (blocked) form. The control: the plan for untruncated settings, given
+  truncating ones, draws ids that top-k removes.
 * ``BlockProducer.decode`` of a model whose widths agree (``kernels="rowinv"``) compiles its
-  decode loop by the plan, and its tokens, logits and history equal those of the loop that
-  branches (``"any"``) for every plan; a model with XLA's kernels keeps the one program.
+  decode loop by the plan, running its steps in chunks of ``DECODE_CHUNK`` (idle past the
+  count or a stop); its tokens, logits, history and the state it leaves equal those of the
+  loop that branches and checks its condition every step (``"any"``), stops inside a chunk
+  included (control: one more fed step shows in the state); a model with XLA's kernels
+  keeps the one program.
 * Refusals: an unknown plan, settings that are not ``SamplingParams``.
 """
 
