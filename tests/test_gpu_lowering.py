@@ -266,3 +266,50 @@ def test_control_the_one_program_branches_on_the_settings(monkeypatch):
     text = _decode_program("xla", {"temperature": 0.8, "top_k": 50}, monkeypatch)
     assert _branches(text) >= 2  # greedy or sampled; top-k/top-p or not
     assert len(re.findall(r"stablehlo\.while\b", text)) == 1  # a look at the host a step
+
+
+def _rounds_program(kernels: str, monkeypatch) -> str:
+    """The greedy speculative rounds program (an n-gram drafter, the target verifying 4 rows)
+    that ``SpeculativePair.device_rounds`` would run, lowered for a GPU."""
+    import functools
+
+    from turbospark_jax import sampling
+    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.drafters import NGramDrafter, SpeculativePair
+    from turbospark_jax.drafters import pair as pair_module
+    from turbospark_jax.rounds import _run_rounds
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
+    params = unstack_layers(model.init_params(jax.random.PRNGKey(0)))
+    target = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4, donate=False)
+    pair = SpeculativePair(target, NGramDrafter(CONFIG.vocab_size, max_n=3), device_rounds=True)
+
+    def compiled(target_model, drafter, width, donate, record_logits, greedy=False):
+        def lower(*args):
+            fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
+                                   greedy)
+            exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
+            raise _Lowered(exported(*args).mlir_module())
+        return lower
+
+    monkeypatch.setattr(pair_module, "compiled_rounds", compiled)
+    with pytest.raises(_Lowered) as lowered:
+        pair.device_rounds(pair.init_state(), 3, draft_len=3, budget=8,
+                           params=sampling.SamplingParams.greedy(),
+                           history=sampling.History.empty(CONFIG.vocab_size),
+                           key=sampling.request_key(0), gen_index=1, remaining=20, stop_ids=[])
+    return lowered.value.text
+
+
+def test_rowinv_greedy_rounds_verify_with_no_branch(monkeypatch):
+    """A row-invariant target verifies with its head unbranched (its rows do not depend on
+    how XLA compiles the program around them): no host sync in a greedy round but the loop's
+    own. With XLA's kernels the head's branch stays (control), so that the verify compiles
+    like the decode step whose rows it must equal."""
+    assert _branches(_rounds_program("rowinv", monkeypatch)) == 0
+
+
+def test_control_xla_kernels_rounds_keep_the_heads_branch(monkeypatch):
+    text = _rounds_program("xla", monkeypatch)
+    assert _branches(text) == 1 and "head/cond" in text

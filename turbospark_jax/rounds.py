@@ -273,8 +273,10 @@ def _run_rounds(
     out_rows = MAX_BURST + MAX_DRAFT + 1
     draft_key = jax.random.fold_in(control.key, 1)
     # Always true, but traced like plain decoding's per-step flag: a constant would let XLA
-    # fold the head's condition away and compile the verify unlike the decode step.
-    head = control.draft_len >= 0
+    # fold the head's condition away and compile the verify unlike the decode step. A target
+    # whose widths agree computes its rows alike in any program (its decode programs run the
+    # head unbranched too), so it takes the constant: no branch, no host sync per round.
+    head = True if target.widths_agree else control.draft_len >= 0
 
     def cond(c):
         i, _, _, _, n, _, _, finish, _, _ = c
