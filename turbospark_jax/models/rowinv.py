@@ -294,24 +294,42 @@ def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
     o_ref[...] = _swiglu(walk(gate_ref), walk(up_ref), o_ref.dtype)
 
 
+def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
+                 tile_dot: Any, nk: bool, live: jax.Array | None) -> jax.Array:
+    """A matvec program's float32 sum over its ``per`` K tiles, from zero."""
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk,
+                             live=live)
+    return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
+                             jnp.zeros(shape, jnp.float32))
+
+
+def _live_masks(x_ref: Any, o_ref: Any, k_tile: int,
+                rows: int | None) -> tuple[jax.Array | None, jax.Array | None]:
+    """The matvec kernels' masks of the call's rows, for an x tile and for the output (None
+    when the call fills its row tiles). Made at a kernel's top level: the interpreter reads
+    the program id there."""
+    if rows is None:
+        return None, None
+    return _live_rows((x_ref.shape[0], k_tile), rows), _live_rows(o_ref.shape, rows)
+
+
+def _store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
+    if live is None:
+        o_ref[...] = value
+    else:
+        plgpu.store(o_ref, value, mask=live)
+
+
 def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
                          k_tile: int, tile_dot: Any, rows: int | None) -> None:
     """The matvec kernel over all of K in one segment (so the sums are finished here) for a
-    gate and an up weight's same column block, gated in the epilogue (:func:`_swiglu`)."""
-    live_x = None if rows is None else _live_rows((x_ref.shape[0], k_tile), rows)
-    zeros = jnp.zeros(o_ref.shape, jnp.float32)
-
-    def total(w_ref: Any) -> jax.Array:
-        step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
-                                 nk=False, live=live_x)
-        # -0.0 + the one segment, as the matmul kernel's total: bitwise the segment itself
-        return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc), zeros)
-
-    out = _swiglu(total(gate_ref), total(up_ref), o_ref.dtype)
-    if rows is None:
-        o_ref[...] = out
-    else:
-        plgpu.store(o_ref, out, mask=_live_rows(o_ref.shape, rows))
+    gate and an up weight's same column block, gated in the epilogue (:func:`_swiglu`). The
+    one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
+    live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
+    total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
+                              tile_dot=tile_dot, nk=False, live=live_x)
+    _store_live(o_ref, _swiglu(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
+                live_out)
 
 
 def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
@@ -320,19 +338,12 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
     # ([bn, per * k_tile] when nk). With ``rows``, x and the output hold only that many rows:
     # the tile's other rows are neither read nor written.
     *w_refs, o_ref = refs
-    # The masks are made here: the interpreter reads the program id at the kernel's top level.
-    live_x = None if rows is None else _live_rows((x_ref.shape[0], k_tile), rows)
-    live_out = None if rows is None else _live_rows(o_ref.shape, rows)
+    live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
     def compute(w_ref: Any) -> None:
-        step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot,
-                                 nk=nk, live=live_x)
-        acc = jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
-                                jnp.zeros(o_ref.shape, jnp.float32))
-        if rows is None:
-            o_ref[...] = acc.astype(o_ref.dtype)
-        else:
-            plgpu.store(o_ref, acc.astype(o_ref.dtype), mask=live_out)
+        acc = _segment_sum(x_ref, w_ref, o_ref.shape, per=per, k_tile=k_tile,
+                           tile_dot=tile_dot, nk=nk, live=live_x)
+        _store_live(o_ref, acc.astype(o_ref.dtype), live_out)
 
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
