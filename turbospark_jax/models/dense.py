@@ -600,13 +600,14 @@ class DenseModel(BlockModel):
             rows_out = 1
         with jax.named_scope("head"):
             if need_head is True:
-                return self._head(params, x), cache.replace(k=k_all, v=v_all)
-            logits = jax.lax.cond(
-                need_head,
-                lambda x: self._head(params, x),
-                lambda x: jnp.zeros((rows_out, self.vocab_size), jnp.float32),
-                x,
-            )
+                logits = self._head(params, x)
+            else:
+                logits = jax.lax.cond(
+                    need_head,
+                    lambda x: self._head(params, x),
+                    lambda x: jnp.zeros((rows_out, self.vocab_size), jnp.float32),
+                    x,
+                )
         return logits, cache.replace(k=k_all, v=v_all)
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
