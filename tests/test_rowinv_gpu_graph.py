@@ -9,7 +9,9 @@ many), and the last-row head of a wide prefill. Here the backend is said to be a
 every kernel runs in the interpreter, so the wiring of that graph is checked before any GPU
 runs it: the logits match the same model on XLA's kernels to float32 rounding, and producers
 of widths 1, 1 with 256-row prefill blocks (the folding attention kernel) and 4 with 16-row
-blocks give bitwise the same prefill and decode logits. (The interpreter's tile products are
+blocks give bitwise the same prefill and decode logits; the device loop's decode program
+(draw plans, chunks of steps, one-row kernels) gives the logits of one-by-one steps, and
+sampled, the tokens and state of the branching program. (The interpreter's tile products are
 XLA dots, so the bitwise part speaks for the schedule, not for the GPU's own arithmetic:
 ``benchmarks/rowinv_model.py`` checks that on the hardware.)
 """
@@ -83,3 +85,44 @@ def test_control_one_changed_weight_is_past_the_tolerance(gpu_graph_in_the_inter
     params["layers"][0]["down_proj"] = w.at[3].set(w[3] * 1.01)
     got = _logits(model, params, 1, None)
     assert np.abs(got[0] - reference[0]).max() > 1e-5
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.9, "top_k": 20, "top_p": 0.9}],
+                         ids=["greedy", "top_k"])
+def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, monkeypatch,
+                                                  settings):
+    """The device loop's decode program in its GPU form (the draw plan's branch-free draw,
+    the head unbranched, steps in chunks with idle ones after the count, the matvec kernel on
+    the call's one row, the gated gate/up kernel): greedy, its logits are bitwise those of
+    one-by-one steps; sampled, its tokens, logits and state those of the branching one-step
+    program."""
+    from turbospark_jax import sampling
+
+    model, params = _model("rowinv")
+    producer = BlockProducer(model, params, capacity=CAPACITY, width=1, steps_per_call=16,
+                             donate=False)
+    _, state = producer.prefill_chunk(producer.init_state(), PROMPT[:40], 0)
+    params_ = sampling.SamplingParams.make(**settings)
+
+    def burst():
+        return producer.decode(state, PROMPT[40], 11, params=params_,
+                               history=sampling.History.empty(CONFIG.vocab_size),
+                               key=sampling.request_key(2), gen_index=1)
+
+    planned, planned_state = burst()
+    assert len(planned.tokens) == 11
+    if not settings:
+        tok, st = PROMPT[40], state
+        for i, row in enumerate(np.asarray(planned.logits)):
+            step, st = producer.produce(st, tok, 40 + i)
+            assert np.array_equal(np.asarray(step).view(np.uint32), row.view(np.uint32)), i
+            tok = planned.tokens[i]
+            assert tok == int(np.argmax(np.asarray(step)))
+        return
+    monkeypatch.setattr(sampling, "draw_plan", lambda *_: "any")
+    branching, branching_state = burst()
+    assert planned.tokens == branching.tokens
+    assert np.array_equal(planned.logits.view(np.uint32), branching.logits.view(np.uint32))
+    for a, b in zip(jax.tree.leaves(planned_state.cache), jax.tree.leaves(branching_state.cache),
+                    strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
