@@ -152,3 +152,45 @@ def test_parallel_prefill_runs_on_xla_kernels(chunk):
             assert np.array_equal(np.asarray(layer[:rows]), np.asarray(xla_layer[:rows]))
     exact, _ = prefill(rowinv_model, False)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(exact), rtol=1e-4, atol=1e-4)
+
+
+def _attention_operands(rows: int, length: int = 600, seed: int = 2):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((rows, 4, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((length, 2, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((length, 2, 16)), jnp.float32)
+    return q, k, v, jnp.arange(length, dtype=jnp.int32)
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_blocked_attention_is_attention_and_its_rows_ignore_the_tiles_bound(window):
+    """The XLA form's attention walks the keys in 256-key blocks up to the last one its tile
+    sees: within rounding of the whole softmax, and a row's bits do not depend on how far
+    the other rows of its tile make it walk (blocks a row sees nothing of add exact zeros),
+    the last block overlapping the one before (600 keys)."""
+    from turbospark_jax.models import layers
+    from turbospark_jax.models.row_kernels import _attend_blocks
+
+    q, k, v, kp = _attention_operands(4)
+    blocked = jax.jit(_attend_blocks, static_argnums=5)
+    near = jnp.asarray([5, 6, 7, 8], jnp.int32)
+    far = jnp.asarray([5, 580, 300, 599], jnp.int32)
+    got_near, got_far = blocked(q, k, v, near, kp, window), blocked(q, k, v, far, kp, window)
+    assert np.array_equal(np.asarray(got_near[0]), np.asarray(got_far[0]))
+    np.testing.assert_allclose(np.asarray(got_far), np.asarray(
+        layers.attend(q, k, v, far, kp, window)), rtol=1e-5, atol=1e-5)
+
+
+def test_control_a_row_follows_its_blocks_boundaries(monkeypatch):
+    """The bitwise comparison above can fail: where the online softmax folds (the block
+    boundaries, fixed offsets of the cache) does change a row's last bits, here a row at
+    position 580 walked in 128-key blocks instead of 256."""
+    from turbospark_jax.models import row_kernels
+
+    q, k, v, kp = _attention_operands(4)
+    pos = jnp.asarray([580, 581, 582, 583], jnp.int32)
+    wide = np.asarray(row_kernels._attend_blocks(q, k, v, pos, kp, None))
+    monkeypatch.setattr(row_kernels, "KEY_BLOCK", 128)
+    narrow = np.asarray(row_kernels._attend_blocks(q, k, v, pos, kp, None))
+    np.testing.assert_allclose(wide, narrow, rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(wide[0], narrow[0])

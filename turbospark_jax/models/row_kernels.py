@@ -150,10 +150,69 @@ def attend(kernels: str, q: jax.Array, k: jax.Array, v: jax.Array, q_positions: 
            k_positions: jax.Array, window: Any) -> jax.Array:
     """:func:`~turbospark_jax.models.layers.attend` of queries ``[W, H, hd]`` over keys and
     values ``[S, KV, hd]``; under ``"rowinv"`` the queries go in fixed-shape tiles, so a
-    query row's score and value products have one shape whatever ``W`` is."""
+    query row's score and value products have one shape whatever ``W`` is, and each tile
+    walks the keys in blocks up to the last one its rows see (:func:`_attend_blocks`)."""
     if kernels == "xla":
         return layers.attend(q, k, v, q_positions, k_positions, window)
     return row_tiled(
-        lambda qt, pt, k, v, kp: layers.attend(qt, k, v, pt, kp, window), q, q_positions,
+        lambda qt, pt, k, v, kp: _attend_blocks(qt, k, v, pt, kp, window), q, q_positions,
         shared=(k, v, k_positions), min_tiles=ATTEND_MIN_TILES,
     )
+
+
+#: Keys per block of the row-invariant XLA form's attention (:func:`_attend_blocks`).
+KEY_BLOCK = 256
+
+
+def _attend_blocks(q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+                   k_positions: jax.Array, window: Any) -> jax.Array:
+    """Causal grouped-query attention of a tile of query rows ``[T, H, hd]`` over ``[S, KV,
+    hd]`` keys and values (the contract of :func:`~turbospark_jax.models.layers.attend`),
+    walking the keys in blocks of :data:`KEY_BLOCK` rows at fixed offsets, up to the block of
+    the last key a row of the tile sees, with an online softmax (as the GPU kernel does).
+
+    A decode step then reads its context's blocks, not the whole cache. A row's bits do not
+    depend on how many blocks its tile walks: a block with no key the row sees leaves its
+    maximum, multiplies its sums by ``exp(0) == 1`` and adds exact zeros (the maximum starts
+    at the finite ``MASK_VALUE``: blocks before the first key a row sees add only what the
+    first such block then multiplies by ``exp(MASK_VALUE - m) == 0``). The last block may
+    overlap the one before it (it ends at ``S``); keys before its nominal start are masked.
+    """
+    rows, heads, head_dim = q.shape
+    length, kv_heads, _ = k.shape
+    block = min(KEY_BLOCK, length)
+    groups = heads // kv_heads
+    qg = q.reshape(rows, kv_heads, groups, head_dim)
+    scale = head_dim**-0.5
+    # The last cache row any row of the tile sees: an exact integer reduction.
+    index = jnp.arange(length, dtype=jnp.int32)
+    last = jnp.max(jnp.where(k_positions <= jnp.max(q_positions), index, -1))
+    blocks = (last + block) // block
+
+    def one(b: jax.Array, carry: tuple) -> tuple:
+        acc, m, l = carry
+        nominal = b * block
+        start = jnp.minimum(nominal, length - block)
+        kb, vb, pb = (jax.lax.dynamic_slice_in_dim(a, start, block, 0)
+                      for a in (k, v, k_positions))
+        scores = jnp.einsum("wkgd,skd->kgws", qg, kb,
+                            preferred_element_type=jnp.float32) * scale
+        visible = (pb[None, :] <= q_positions[:, None]) & (
+            (start + jnp.arange(block))[None, :] >= nominal)
+        if window is not None:
+            visible &= pb[None, :] > q_positions[:, None] - window
+        scores = jnp.where(visible[None, None], scores, layers.MASK_VALUE)
+        top = jnp.maximum(m, jnp.max(scores, axis=-1))
+        fade = jnp.exp(m - top)
+        probs = jnp.exp(scores - top[..., None])
+        acc = acc * fade[..., None] + jnp.einsum(
+            "kgws,skd->kgwd", probs.astype(v.dtype), vb, preferred_element_type=jnp.float32)
+        return acc, top, l * fade + jnp.sum(probs, axis=-1)
+
+    shape = (kv_heads, groups, rows)
+    acc, _, l = jax.lax.fori_loop(0, blocks, one, (
+        jnp.zeros((*shape, head_dim), jnp.float32),
+        jnp.full(shape, layers.MASK_VALUE, jnp.float32), jnp.zeros(shape, jnp.float32)))
+    l = jnp.where(l > 0, l, 1.0)  # a tile of padding rows that sees no key: zeros, not NaN
+    out = (acc / l[..., None]).astype(v.dtype)  # [KV, G, T, hd]
+    return out.transpose(2, 0, 1, 3).reshape(rows, heads, head_dim)
