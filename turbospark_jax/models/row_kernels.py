@@ -150,12 +150,15 @@ def attend(kernels: str, q: jax.Array, k: jax.Array, v: jax.Array, q_positions: 
            k_positions: jax.Array, window: Any) -> jax.Array:
     """:func:`~turbospark_jax.models.layers.attend` of queries ``[W, H, hd]`` over keys and
     values ``[S, KV, hd]``; under ``"rowinv"`` the queries go in fixed-shape tiles, so a
-    query row's score and value products have one shape whatever ``W`` is, and each tile
-    walks the keys in blocks up to the last one its rows see (:func:`_attend_blocks`)."""
+    query row's score and value products have one shape whatever ``W`` is. On a CPU each tile
+    walks the keys in blocks up to the last one its rows see (:func:`_attend_blocks`); on a
+    GPU (where this is the fallback for shapes the fused kernel does not take) it takes the
+    whole softmax, since a loop whose trip count is data waits on the host there, per block."""
     if kernels == "xla":
         return layers.attend(q, k, v, q_positions, k_positions, window)
+    attend_tile = layers.attend if _on_gpu() else _attend_blocks
     return row_tiled(
-        lambda qt, pt, k, v, kp: _attend_blocks(qt, k, v, pt, kp, window), q, q_positions,
+        lambda qt, pt, k, v, kp: attend_tile(qt, k, v, pt, kp, window), q, q_positions,
         shared=(k, v, k_positions), min_tiles=ATTEND_MIN_TILES,
     )
 
