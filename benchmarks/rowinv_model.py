@@ -488,18 +488,23 @@ def part_exact(preset: Preset, run: Run, shapes: list[str]) -> None:
              lambda: exact_case(ALL_SHAPES[name], p, "xla", [(1, None), (16, None)]))
 
 
+def _modes(modes: tuple[str, ...]) -> list[tuple[str, int]]:
+    """``(kernels, width)`` of each kernel mode in ``modes`` as the speed and profile parts
+    run it: the row-invariant kernels at width 1, XLA's at the width its exactness needs (16
+    on a GPU, 1 elsewhere)."""
+    import jax
+
+    xla_width = 16 if jax.default_backend() == "gpu" else 1
+    return [(k, w) for k, w in (("rowinv", 1), ("xla", xla_width)) if k in modes]
+
+
 def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
                modes: tuple[str, ...] = ("rowinv", "xla"),
                workloads: tuple[str, ...] = ("decode", "completion", "prefill")) -> None:
-    import jax
-
     p = preset
-    on_gpu = jax.default_backend() == "gpu"
     for name in shapes:
         shape = ALL_SHAPES[name]
-        for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
-            if kernels not in modes:
-                continue
+        for kernels, width in _modes(modes):
             try:
                 config, model, params = _model(shape, kernels)
             except Exception as e:  # e.g. out of memory: recorded, next shape
@@ -559,16 +564,11 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
 
 def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
                  modes: tuple[str, ...] = ("rowinv", "xla")) -> None:
-    import jax
-
     from benchmarks.profile_decode import profile_burst
 
-    on_gpu = jax.default_backend() == "gpu"
     for name in shapes:
         shape = ALL_SHAPES[name]
-        for kernels, width in (("rowinv", 1), ("xla", 16 if on_gpu else 1)):
-            if kernels not in modes:
-                continue
+        for kernels, width in _modes(modes):
             config, model, params = _model(shape, kernels)
             producer = _producer(model, params, 512, width, preset.burst)
 

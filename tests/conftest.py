@@ -89,3 +89,14 @@ def full_precision_products():
 
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture
+def no_tensor_read(monkeypatch):
+    """Fail the test if the loader reads a tensor (a refusal must come before any read)."""
+    from turbospark_jax import loading
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a tensor was read")
+
+    monkeypatch.setattr(loading, "_read_params", refuse)

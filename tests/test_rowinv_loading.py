@@ -114,16 +114,6 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-@pytest.fixture
-def no_tensor_read(monkeypatch):
-    """Fail the test if the loader reads a tensor."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tensor was read")
-
-    monkeypatch.setattr(loading, "_read_params", refuse)
-
-
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
 def test_a_family_without_rowinv_is_refused_before_any_tensor(folders, no_tensor_read, family):
     for load in (lambda: load_folder(folders[family], layer_layout="list", kernels="rowinv"),

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import turbospark_jax as tsj
-from turbospark_jax import api, cli, loading
+from turbospark_jax import api, cli
 from turbospark_jax.block_producer import BlockProducer, prefill_block_widths
 from turbospark_jax.cli import main
 from turbospark_jax.errors import BadInputError
@@ -312,16 +312,6 @@ def folder(tmp_path_factory) -> Path:
                 tokenizer=tokenizer,
                 generation_config=GenerationConfig(eos_token_ids=(1,), bos_token_id=0))
     return path
-
-
-@pytest.fixture
-def no_tensor_read(monkeypatch):
-    """Fail the test if the loader reads a tensor."""
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("a tensor was read")
-
-    monkeypatch.setattr(loading, "_read_params", refuse)
 
 
 def test_load_passes_prefill_width_and_defaults_it(folder):
