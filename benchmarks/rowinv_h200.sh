@@ -9,12 +9,15 @@
 #   bash benchmarks/rowinv_h200.sh 6 "$OUT"   # 0.6B speeds and bitwise checks
 #   bash benchmarks/rowinv_h200.sh 3 "$OUT"   # 8B speeds and bitwise checks
 #   bash benchmarks/rowinv_h200.sh 4 "$OUT"   # transformers (sdpa) on the same machine
+#   bash benchmarks/rowinv_h200.sh 7 "$OUT"   # when device time is short: after stage 1, the
+#                                             # rest in one call (sdpa prefill, 0.6B and 8B
+#                                             # end to end and prefill, the 1B profile)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 6}
+stage=${1:?stage 1 to 7}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -62,6 +65,18 @@ case "$stage" in
   timeout 250 env XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true" \
     python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b --modes rowinv \
     --out "$out/profile_graphs" --budget-s 230 2>&1 | tail -8
+  ;;
+7)
+  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -8
+  timeout 130 python -m benchmarks.rowinv_model --parts speed --shapes qwen3-0.6b \
+    --modes rowinv --workloads completion,prefill --out "$out/speed06" --budget-s 115 \
+    2>&1 | tail -12
+  timeout 190 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+    --modes rowinv --workloads completion,prefill --out "$out/speed8b" --budget-s 170 \
+    2>&1 | tail -12
+  timeout 120 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
+    --modes rowinv --out "$out/profile" --budget-s 100 2>&1 | tail -8
   ;;
 esac
 ls -R "$out" | head -30

@@ -367,7 +367,7 @@ def part_hf(preset: Preset, rec: Recorder) -> None:
                     best = min(best, time.perf_counter() - t0)
             rec.add(shape=name, workload="prefill", length=length,
                     impl="transformers-eager-sdpa", prefill_s=best, tokens_per_s=length / best)
-        if preset.hf_compile and device == "cuda":
+        if preset.hf_compile and preset.contexts and device == "cuda":
             try:
                 _hf_compiled_decode(model, shape, preset, rec, sync)
             except Exception as exc:  # a compile failure is a result to report, not a crash
@@ -625,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--report", type=Path, help="only merge the JSON files in this folder")
     parser.add_argument("--shapes", help="comma-separated subset of the preset's shapes")
-    parser.add_argument("--contexts", help="comma-separated decode contexts (override)")
+    parser.add_argument("--contexts", help="comma-separated decode contexts (override; empty: no decode)")
     parser.add_argument("--widths", help="comma-separated W sweep (override; empty: none)")
     parser.add_argument("--sweep-contexts", help="comma-separated W-sweep contexts (override)")
     parser.add_argument("--no-hf-compile", action="store_true",
@@ -637,8 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     preset = PRESETS[args.preset]
     if args.shapes:
         preset = dataclasses.replace(preset, shapes=tuple(args.shapes.split(",")))
-    if args.contexts:
-        preset = dataclasses.replace(preset, contexts=tuple(map(int, args.contexts.split(","))))
+    if args.contexts is not None:  # "" measures no decode: prefill alone
+        preset = dataclasses.replace(
+            preset, contexts=tuple(int(c) for c in args.contexts.split(",") if c))
     if args.sweep_contexts:
         preset = dataclasses.replace(
             preset, sweep_contexts=tuple(map(int, args.sweep_contexts.split(","))))
