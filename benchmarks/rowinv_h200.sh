@@ -3,7 +3,8 @@
 # minutes, from the repository root:
 #   bash benchmarks/rowinv_h200.sh 1 "$OUT"   # the kernels' tests compiled for the GPU, the
 #                                             # model's bitwise checks (1B and an odd shape),
-#                                             # the 1B speeds of the exact (rowinv) mode
+#                                             # the 1B end-to-end and prefill speeds of the
+#                                             # exact (rowinv) mode, its per-kernel profile
 #   bash benchmarks/rowinv_h200.sh 2 "$OUT"   # the 1B speeds with XLA's kernels, the
 #                                             # decode-size products' sweep, the 1B profiles
 #   bash benchmarks/rowinv_h200.sh 6 "$OUT"   # 0.6B speeds and bitwise checks
@@ -11,7 +12,7 @@
 #   bash benchmarks/rowinv_h200.sh 4 "$OUT"   # transformers (sdpa) on the same machine
 #   bash benchmarks/rowinv_h200.sh 7 "$OUT"   # when device time is short: after stage 1, the
 #                                             # rest in one call (sdpa prefill, 0.6B and 8B
-#                                             # end to end and prefill, the 1B profile)
+#                                             # end to end and prefill, 0.6B bitwise checks)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -30,10 +31,13 @@ case "$stage" in
   timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_rowinv.py tests/test_pallas_row_norm.py tests/test_pallas_attention.py \
     tests/test_pallas_rope_store.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
-  timeout 170 python -m benchmarks.rowinv_model --parts exact \
-    --exact-shapes llama-3.2-1b,odd-1.3b --out "$out/exact" --budget-s 150 2>&1 | tail -30
-  timeout 260 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
-    --modes rowinv --out "$out/speed" --budget-s 240 2>&1 | tail -30
+  timeout 150 python -m benchmarks.rowinv_model --parts exact \
+    --exact-shapes llama-3.2-1b,odd-1.3b --out "$out/exact" --budget-s 135 2>&1 | tail -30
+  timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
+    --modes rowinv --workloads completion,prefill --out "$out/speed" --budget-s 155 \
+    2>&1 | tail -30
+  timeout 110 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
+    --modes rowinv --out "$out/profile" --budget-s 95 2>&1 | tail -8
   ;;
 2)
   timeout 200 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
@@ -67,16 +71,14 @@ case "$stage" in
     --out "$out/profile_graphs" --budget-s 230 2>&1 | tail -8
   ;;
 7)
-  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
+  timeout 100 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
     --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -8
-  timeout 130 python -m benchmarks.rowinv_model --parts speed --shapes qwen3-0.6b \
-    --modes rowinv --workloads completion,prefill --out "$out/speed06" --budget-s 115 \
-    2>&1 | tail -12
+  timeout 220 python -m benchmarks.rowinv_model --parts speed,exact --shapes qwen3-0.6b \
+    --exact-shapes qwen3-0.6b --modes rowinv --workloads completion,prefill \
+    --out "$out/speed06" --budget-s 205 2>&1 | tail -12
   timeout 190 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
-    --modes rowinv --workloads completion,prefill --out "$out/speed8b" --budget-s 170 \
+    --modes rowinv --workloads completion,prefill --out "$out/speed8b" --budget-s 175 \
     2>&1 | tail -12
-  timeout 120 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
-    --modes rowinv --out "$out/profile" --budget-s 100 2>&1 | tail -8
   ;;
 esac
 ls -R "$out" | head -30
