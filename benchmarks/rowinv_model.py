@@ -99,7 +99,7 @@ PRESETS = {
     "h200": Preset(shapes=("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"),
                    exact_shapes=("llama-3.2-1b", "qwen3-0.6b", ODD.name),
                    contexts=(128, 4096), prefill_lengths=(2048, 8192), new_tokens=256,
-                   burst=64, exact_prompt=600, prefill_width=2048, verify_width=5,
+                   burst=128, exact_prompt=600, prefill_width=2048, verify_width=5,
                    copies_bytes=256 << 20),
     "cpu": Preset(shapes=(SMALL.name,), exact_shapes=(SMALL.name, ODD_SMALL.name),
                   contexts=(128, 1024),
@@ -295,11 +295,13 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
 
 
 def _producer(model: Any, params: Any, capacity: int, width: int, burst: int,
-              prefill_width: int | None = None) -> Any:
+              prefill_width: int | None = None, donate: bool = False) -> Any:
+    """The exact part keeps states to feed them again (no donation); the speed part donates,
+    as the CLI and the server do (a call that does not copies the KV cache first)."""
     from turbospark_jax.block_producer import BlockProducer
 
     return BlockProducer(model, params, capacity=capacity, width=width, steps_per_call=burst,
-                         prefill_width=prefill_width, donate=False)
+                         prefill_width=prefill_width, donate=donate)
 
 
 def _bits(a: Any) -> np.ndarray:
@@ -514,7 +516,7 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
             top = max(p.contexts) + p.new_tokens + 64
             prefill_width = p.prefill_width if kernels == "rowinv" else None
             producer = _producer(model, params, max(top, max(p.prefill_lengths) + 64), width,
-                                 p.burst, prefill_width)
+                                 p.burst, prefill_width, donate=True)
             for ctx in p.contexts:
                 roof = bandwidth / (wb + kv_bytes(config, ctx))
                 for kind in ("greedy", "sampled"):
@@ -570,7 +572,7 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
         shape = ALL_SHAPES[name]
         for kernels, width in _modes(modes):
             config, model, params = _model(shape, kernels)
-            producer = _producer(model, params, 512, width, preset.burst)
+            producer = _producer(model, params, 512, width, preset.burst, donate=True)
 
             def traced(producer=producer, vocab=config.vocab_size, shape=shape,
                        kind="greedy") -> dict:

@@ -103,7 +103,7 @@ def test_adaptive_burst_sizes_from_the_measured_rate():
     assert fixed.next() == 5
     sizer = BurstSizer(None)
     assert sizer.next() == BurstSizer.FIRST
-    sizer.observed(40, 0.01)  # 4,000 tokens/s: 200 tokens in 50 ms
+    sizer.observed(40, 0.05)  # 800 tokens/s: 200 tokens in a quarter second
     assert sizer.next() == 200
     sizer.observed(1000, 0.01)  # far faster: capped
     assert sizer.next() == BurstSizer.MOST
@@ -111,7 +111,7 @@ def test_adaptive_burst_sizes_from_the_measured_rate():
     slow.observed(3, 1.0)  # 3 tokens/s: never below the first size
     assert slow.next() == BurstSizer.FIRST
     odd = BurstSizer(None)
-    odd.observed(61, 0.05)  # 61 tokens in 50 ms: rounded down to the decode programs' chunk
+    odd.observed(61, 0.25)  # 61 tokens in 0.25 s: rounded down to the decode programs' chunk
     assert odd.next() == 56 and odd.next() % BurstSizer.GRAIN == 0
 
 

@@ -61,6 +61,12 @@ from turbospark_jax.state import (
 #: Prompt-end snapshots a state of a recurrent model keeps (the newest).
 MAX_SNAPSHOTS = 4
 
+#: Blocks a program call holds by default (the longest decode burst). Large enough that the
+#: fixed cost of a call (launch, transfers, the host's checks: about 9 ms on an H100 for the
+#: 1B shape) is a few percent of a burst at the burst sizer's quarter second; the per-call
+#: buffers it sizes (plan, sampled ids, a float32 logits row per block) stay small.
+STEPS_PER_CALL = 128
+
 #: The largest capacity: positions are int32 inside the programs.
 _MAX_CAPACITY = 2**31 - 1
 
@@ -115,7 +121,7 @@ class BlockProducer(
         *,
         capacity: int,
         width: int = 8,
-        steps_per_call: int = 32,
+        steps_per_call: int = STEPS_PER_CALL,
         donate: bool = True,
         prefill_width: int | None = None,
     ) -> None:

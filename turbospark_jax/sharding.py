@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_producer import STEPS_PER_CALL, BlockProducer
 from turbospark_jax.block_program import BlockState, StepOutput, pinned_program
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.models.base import BlockModel
@@ -191,7 +191,7 @@ class ShardedProducer(BlockProducer):
         mesh: Mesh,
         capacity: int,
         width: int = 8,
-        steps_per_call: int = 32,
+        steps_per_call: int = STEPS_PER_CALL,
         donate: bool = True,
     ) -> None:
         if not isinstance(model, _SHARDABLE):

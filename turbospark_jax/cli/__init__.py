@@ -183,7 +183,7 @@ def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any
     # A draft model runs XLA's kernels: its prefill stays at --width.
     wide = args.prefill_width if loaded.model.widths_agree else args.width
     return BlockProducer(loaded.model, loaded.params, capacity=capacity, width=args.width,
-                         steps_per_call=32, donate=True, prefill_width=wide)
+                         donate=True, prefill_width=wide)
 
 
 def _capacity(args: argparse.Namespace, prompt_tokens: int | None) -> int:

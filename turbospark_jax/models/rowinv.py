@@ -525,9 +525,13 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
     weights instead would copy them at every call: a decode step's merged q/k/v and gate/up
     weights, read twice and written once more.)"""
     dims = (((1,), (1 if nk else 0,)), ((), ()))
+    # float32 operands in full float32: a GPU's default would round them to TF32 (the H100
+    # missed the float64 bound without this; a CPU computes float32 either way)
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
     def tile(rows: jax.Array, *weights: jax.Array) -> jax.Array:
-        out = [jax.lax.dot_general(rows, w, dims, preferred_element_type=jnp.float32)
+        out = [jax.lax.dot_general(rows, w, dims, preferred_element_type=jnp.float32,
+                                   precision=precision)
                for w in weights]
         return (out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)).astype(out_dtype)
 

@@ -160,7 +160,7 @@ def load_server(
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
     producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,
-                                        width=width, steps_per_call=32, donate=True)
+                                        width=width, donate=True)
     speculative = None
     if choice is not None:
         def producer_for(model: LoadedModel) -> BlockProducer:
