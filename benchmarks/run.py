@@ -625,7 +625,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--report", type=Path, help="only merge the JSON files in this folder")
     parser.add_argument("--shapes", help="comma-separated subset of the preset's shapes")
-    parser.add_argument("--contexts", help="comma-separated decode contexts (override; empty: no decode)")
+    parser.add_argument("--contexts",
+                        help="comma-separated decode contexts (override; empty: no decode)")
     parser.add_argument("--widths", help="comma-separated W sweep (override; empty: none)")
     parser.add_argument("--sweep-contexts", help="comma-separated W-sweep contexts (override)")
     parser.add_argument("--no-hf-compile", action="store_true",

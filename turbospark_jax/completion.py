@@ -121,7 +121,8 @@ class BurstSizer:
     burst sizes. On an H100 that cost was about 9 ms a call for the 1B shape's row-invariant
     decode (a traced 64-step burst: 1,422 us a token of wall time against 1,273 us of
     kernels), so calls of 50 ms (about 24 tokens there) spent a fifth of their time on it;
-    at :attr:`TARGET_S` it is a few percent, and a stream still updates four times a second. The grain is the decode programs' chunk
+    at :attr:`TARGET_S` it is a few percent, and a stream still updates four times a second.
+    The grain is the decode programs' chunk
     (:data:`~turbospark_jax.block_program.DECODE_CHUNK`): a call of another count runs the
     rest of its last chunk idle.
     """
