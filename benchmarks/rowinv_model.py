@@ -16,7 +16,10 @@ skipped):
   projection, the merged gate/up, the down projection, the output head) at 1 and 16 rows,
   ours (several matvec tilings) against XLA's dot, as GB/s of weight reads. Each is timed
   over enough distinct weight buffers to overflow the L2 cache, passed as separate
-  arguments (a slice of one stacked buffer would be copied before a custom call reads it).
+  arguments (a slice of one stacked buffer would be copied before a custom call reads it),
+  by the wall clock and, on a GPU, from a trace (``kernel_us``, ``kernel_GBps``: the device's
+  work alone, which is what a product costs inside a model's step; the wall clock at decode
+  sizes is mostly the program's dispatch).
   Then the wide products (prefill rows) as TFLOP/s for a few matmul tilings. ``gate_up`` is
   the gated kernel the model runs (the SwiGLU gating in its epilogue), against XLA's plain
   product of both weights.
@@ -201,7 +204,31 @@ def _product_rate(product: Any, k: int, ns: tuple[int, ...], layout: str, rows: 
     x = jax.random.normal(jax.random.PRNGKey(1), (rows, k), jnp.bfloat16)
     fn = jax.jit(lambda x, *ws: [product(x, w) for w in ws])
     dt = best_time(fn, x, *ws) / copies
-    return {"us": round(dt * 1e6, 2), "GBps": round(nbytes / dt / 1e9, 1), "copies": copies}
+    out = {"us": round(dt * 1e6, 2), "GBps": round(nbytes / dt / 1e9, 1), "copies": copies}
+    traced = _device_seconds(fn, x, *ws)
+    if traced is not None:  # the kernels alone: what a product costs inside a model's step
+        out["kernel_us"] = round(traced / copies * 1e6, 2)
+        out["kernel_GBps"] = round(nbytes * copies / traced / 1e9, 1)
+    return out
+
+
+def _device_seconds(fn: Any, *args: Any) -> float | None:
+    """Seconds of device work (kernels and copies) in one traced call of ``fn``; None where
+    the trace holds no device stream (a CPU). A product timed alone at decode sizes is
+    mostly the program's dispatch: on the H100 the 1B shape's q/k/v matvec read 597 GB/s
+    timed by the wall clock and 1,941 GB/s in the model's trace."""
+    import tempfile
+
+    import jax
+
+    from benchmarks.profile_decode import _kernel_events
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            jax.block_until_ready(fn(*args))
+        events = _kernel_events(tmp)
+    return sum(d for _, _, d in events) * 1e-9 if events else None
 
 
 MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, matvec_warps=8),
