@@ -33,6 +33,17 @@ from benchmarks.families import SHAPES as FAMILY_SHAPES
 from benchmarks.run import SHAPES, _dense, _producer, copy_bandwidth, decode_rate, weight_bytes
 
 
+def traced_events(call: Any) -> tuple[Any, list[tuple[str, int, int]]]:
+    """``call()`` run under a profiler trace: its result and the device's events
+    (:func:`_kernel_events`; none on a machine without a GPU)."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            result = call()
+        return result, _kernel_events(tmp)
+
+
 def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
     """``(name, start_ns, duration_ns)`` of every device kernel/memcpy in a trace folder."""
     from jax.profiler import ProfileData
@@ -102,10 +113,7 @@ def profile_burst(producer: Any, context: int, steps: int, vocab: int,
         return time.perf_counter() - t0
 
     burst()  # compile
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            wall = burst()
-        events = _kernel_events(tmp)
+    wall, events = traced_events(burst)
     if not events:
         return {"error": "the trace held no device stream events"}
     events.sort(key=lambda e: e[1])

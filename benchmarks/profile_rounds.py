@@ -18,14 +18,13 @@ import itertools
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.profile_decode import _kernel_events
+from benchmarks.profile_decode import traced_events
 
 
 def _setup(shape_name: str | None) -> tuple[Any, Any, list[int], int]:
@@ -106,10 +105,7 @@ def profile(shape_name: str | None, draft_len: int, budget: int) -> dict[str, An
 
     plain()
     result["plain_wall_per_token_us"] = min(plain() for _ in range(3)) / 32 * 1e6
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            traced_wall, out = burst()
-        events = _kernel_events(tmp) if jax.default_backend() == "gpu" else []
+    (traced_wall, out), events = traced_events(burst)
     if not events:
         return result
     events.sort(key=lambda e: e[1])

@@ -23,14 +23,13 @@ import argparse
 import collections
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.profile_decode import _kernel_events
+from benchmarks.profile_decode import traced_events
 
 #: Substrings of kernel names and the kind they count under (first match wins).
 KINDS = (
@@ -109,13 +108,13 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
         "loss": float(jax.device_get(metrics["loss"])),
     }
     if trace and jax.default_backend() == "gpu":
-        with tempfile.TemporaryDirectory() as tmp:
-            with jax.profiler.trace(tmp):
-                t0 = time.perf_counter()
-                state, metrics = step_fn(state, rows, order[1])
-                jax.block_until_ready(metrics)
-                wall = time.perf_counter() - t0
-            events = _kernel_events(tmp)
+        def step() -> tuple[Any, Any, float]:  # the step donates its state: keep the new one
+            t0 = time.perf_counter()
+            new_state, new_metrics = step_fn(state, rows, order[1])
+            jax.block_until_ready(new_metrics)
+            return new_state, new_metrics, time.perf_counter() - t0
+
+        (state, metrics, wall), events = traced_events(step)
         busy = sum(d for _, _, d in events)
         by_name: dict[str, list[int]] = collections.defaultdict(list)
         by_kind: dict[str, int] = collections.defaultdict(int)

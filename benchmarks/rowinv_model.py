@@ -217,17 +217,12 @@ def _device_seconds(fn: Any, *args: Any) -> float | None:
     the trace holds no device stream (a CPU). A product timed alone at decode sizes is
     mostly the program's dispatch: on the H100 the 1B shape's q/k/v matvec read 597 GB/s
     timed by the wall clock and 1,941 GB/s in the model's trace."""
-    import tempfile
-
     import jax
 
-    from benchmarks.profile_decode import _kernel_events
+    from benchmarks.profile_decode import traced_events
 
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            jax.block_until_ready(fn(*args))
-        events = _kernel_events(tmp)
+    _, events = traced_events(lambda: jax.block_until_ready(fn(*args)))
     return sum(d for _, _, d in events) * 1e-9 if events else None
 
 
