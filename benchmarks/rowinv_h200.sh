@@ -30,7 +30,7 @@ case "$stage" in
 1)
   timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_rowinv.py tests/test_pallas_row_norm.py tests/test_pallas_attention.py \
-    tests/test_pallas_rope_store.py 2>&1 | tail -15 | tee "$out/gpu_tests.txt"
+    tests/test_pallas_rope_store.py --tb=short -rf 2>&1 | tail -60 | tee "$out/gpu_tests.txt"
   timeout 150 python -m benchmarks.rowinv_model --parts exact \
     --exact-shapes llama-3.2-1b,odd-1.3b --out "$out/exact" --budget-s 135 2>&1 | tail -30
   timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
