@@ -13,12 +13,16 @@
 #   bash benchmarks/rowinv_h200.sh 7 "$OUT"   # when device time is short: after stage 1, the
 #                                             # rest in one call (sdpa prefill, 0.6B and 8B
 #                                             # end to end and prefill, 0.6B bitwise checks)
+#   bash benchmarks/rowinv_h200.sh 8 "$OUT"   # what a call costs beyond its kernels: the 1B
+#                                             # profile at the speed part's capacity, the
+#                                             # 1B decode with and without the while loop in
+#                                             # command buffers
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 7}
+stage=${1:?stage 1 to 8}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -79,6 +83,16 @@ case "$stage" in
   timeout 190 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
     --modes rowinv --workloads completion,prefill --out "$out/speed8b" --budget-s 175 \
     2>&1 | tail -12
+  ;;
+8)
+  timeout 100 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
+    --modes rowinv --profile-capacity 8256 --out "$out/profile_8k" --budget-s 85 2>&1 | tail -4
+  timeout 120 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
+    --modes rowinv --workloads decode,completion --out "$out/speed" --budget-s 105 \
+    2>&1 | tail -10
+  timeout 120 env XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+    python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b --modes rowinv \
+    --workloads decode,completion --out "$out/speed_graphs" --budget-s 105 2>&1 | tail -10
   ;;
 esac
 ls -R "$out" | head -30

@@ -425,6 +425,8 @@ def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab
                  kind: str) -> dict[str, Any]:
     """Fill ``context`` tokens (parallel path), then time ``new_tokens`` decode steps in device
     bursts of ``burst``."""
+    import jax
+
     from turbospark_jax import sampling
 
     rng = np.random.default_rng(0)
@@ -435,6 +437,7 @@ def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab
         state = producer.init_state()
         logits, state = producer.prefill_parallel(state, prompt_ids, 0)
         tok = int(np.argmax(np.asarray(logits)))
+        jax.block_until_ready(state)  # the prefill's tail is not the decode's time
         history, key = sampling.History.empty(vocab), sampling.request_key(0)
         done = 0
         t0 = time.perf_counter()
@@ -587,14 +590,14 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
 
 
 def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
-                 modes: tuple[str, ...] = ("rowinv", "xla")) -> None:
+                 modes: tuple[str, ...] = ("rowinv", "xla"), capacity: int = 512) -> None:
     from benchmarks.profile_decode import profile_burst
 
     for name in shapes:
         shape = ALL_SHAPES[name]
         for kernels, width in _modes(modes):
             config, model, params = _model(shape, kernels)
-            producer = _producer(model, params, 512, width, preset.burst, donate=True)
+            producer = _producer(model, params, capacity, width, preset.burst, donate=True)
 
             def traced(producer=producer, vocab=config.vocab_size, shape=shape,
                        kind="greedy") -> dict:
@@ -605,7 +608,7 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
 
             for kind in ("greedy", "sampled") if kernels == "rowinv" else ("greedy",):
                 run.case("profile", {"shape": name, "kernels": kernels, "width": width,
-                                     "context": 128, "sampling": kind},
+                                     "context": 128, "capacity": capacity, "sampling": kind},
                          functools.partial(traced, kind=kind))
             del producer, params, model
 
@@ -620,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", help="comma-separated shapes (default: the preset's)")
     ap.add_argument("--exact-shapes", help="comma-separated shapes for the exact part")
     ap.add_argument("--budget-s", type=float, default=520.0)
+    ap.add_argument("--profile-capacity", type=int, default=512,
+                    help="the profile part's cache capacity (the speed part's is its longest "
+                         "prefill plus 64)")
     ap.add_argument("--modes", default="rowinv,xla",
                     help="the speed and profile parts' kernel modes (comma-separated: "
                          "rowinv, xla)")
@@ -650,7 +656,8 @@ def main(argv: list[str] | None = None) -> int:
             part_speed(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
                        tuple(args.workloads.split(",")))
         elif part == "profile":
-            part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")))
+            part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
+                         args.profile_capacity)
         else:
             ap.error(f"unknown part {part!r}")
     run.write()

@@ -189,14 +189,19 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
-def _fold_kernel(acc_ref, m_ref, l_ref, o_ref, *, splits: int, rows: int | None = None) -> None:
+def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, capacity: int, split_len: int,
+                 rows: int | None = None) -> None:
     """One program per (KV head, query tile): fold the splits' partial results in order
-    (:func:`_fold`) and normalise. A split past a row's last key folds in as nothing."""
+    (:func:`_fold`) and normalise. A split past a row's last key folds in as nothing, so
+    the walk stops at the last split any row of the call sees, as the folding kernel's does:
+    the splits of a long cache past a short context cost no sequential loads."""
     tile, head_dim = o_ref.shape
+    bound = jnp.minimum(bound_ref[()], capacity)
+    needed = (bound + split_len - 1) // split_len
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(
-        0, splits, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s])), start)
+        0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s])), start)
     _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
@@ -343,16 +348,18 @@ def cached_attention_arranged(
             out = acc[0]
         elif row_invariant:  # the folding kernel's arithmetic, over the written partials
             out = pl.pallas_call(
-                functools.partial(_fold_kernel, splits=splits, rows=overhang),
+                functools.partial(_fold_kernel, capacity=capacity, split_len=split_len,
+                                  rows=overhang),
                 grid=(kv_heads, tiles),
                 in_specs=[
+                    pl.BlockSpec((), lambda h, t: ()),
                     pl.BlockSpec((splits, None, tile, head_dim), lambda h, t: (0, h, t, 0)),
                     pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
                     pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
                 ],
                 out_specs=rows_out, out_shape=live, interpret=interpret,
                 name="cached_attention_fold", **kwargs,
-            )(acc, m, l)
+            )(bound, acc, m, l)
         else:
             # Splits combine in a fixed order; a split that saw no visible key has maximum
             # MASK_VALUE and weight exactly zero.
