@@ -230,7 +230,7 @@ MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, mat
                 dict(matvec_bn=256, matvec_warps=8)]
 #: The gated kernel's column tiles (the first: its default for the shape).
 GATED_TILES = [dict(), dict(gated_bn=16), dict(gated_bn=32), dict(gated_bn=64),
-               dict(gated_bn=32, matvec_warps=2), dict(gated_bn=64, matvec_stages=4)]
+               dict(gated_bn=32, matvec_warps=2), dict(gated_bn=64, gated_stages=3)]
 SEGMENTS = (2, 4, 8, 16)
 MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, warps=8, stages=3),
                 dict(bm=128, bn=256, warps=8, stages=3), dict(bm=128, bn=128, warps=4, stages=4),
