@@ -133,3 +133,21 @@ def test_row_invariant_form_rows_agree_across_widths(capacity):
     # control: the comparison sees a change of one row, and only of that row
     moved = run(q.at[3].set(q[3] * 2), pos)
     assert not np.array_equal(moved[3], full[3]) and np.array_equal(moved[4], full[4])
+
+
+def test_row_invariant_form_a_short_context_folds_only_the_splits_it_sees():
+    """Rows spread over a nine-split cache: a one-row block at position 5 folds one split, the
+    same row inside a block that reaches the end folds all nine (eight of them empty for it),
+    and the folding kernel of 140 rows does too; every row's bits agree."""
+    width, capacity = 140, 2304
+    q, k, v = _inputs(3, width, 4, 2, 16, capacity, jnp.float32)
+    pos = jnp.asarray(np.linspace(5, capacity - 1, width).astype(np.int32))
+    run = lambda a, p: np.asarray(cached_attention(  # noqa: E731
+        a, k, v, p, interpret=INTERPRET, row_invariant=True)).view(np.uint32)
+    full = run(q, pos)
+    for rows in ([0], [1], [0, 139], [0, 1, 2, 70, 139], [60, 61]):
+        idx = np.asarray(rows)
+        assert np.array_equal(run(q[idx], pos[idx]), full[idx]), rows
+    # control: the same rows seen to another position differ
+    shifted = run(q[:1], pos[:1] + 1)
+    assert not np.array_equal(shifted, full[:1])
