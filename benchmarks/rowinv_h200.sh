@@ -15,8 +15,8 @@
 #                                             # end to end and prefill, 0.6B bitwise checks)
 #   bash benchmarks/rowinv_h200.sh 8 "$OUT"   # what a call costs beyond its kernels: the 1B
 #                                             # profile at the speed part's capacity, the
-#                                             # 1B decode with and without the while loop in
-#                                             # command buffers
+#                                             # 1B decode with the while loop in command
+#                                             # buffers (the default) and without
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -87,12 +87,13 @@ case "$stage" in
 8)
   timeout 100 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
     --modes rowinv --profile-capacity 8256 --out "$out/profile_8k" --budget-s 85 2>&1 | tail -4
+  timeout 120 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts speed \
+    --shapes llama-3.2-1b --modes rowinv --workloads decode,completion \
+    --out "$out/speed_no_graphs" --budget-s 105 2>&1 | tail -10
+  # the default: importing turbospark_jax asks XLA for loop graphs (device_flags)
   timeout 120 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
     --modes rowinv --workloads decode,completion --out "$out/speed" --budget-s 105 \
     2>&1 | tail -10
-  timeout 120 env XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
-    python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b --modes rowinv \
-    --workloads decode,completion --out "$out/speed_graphs" --budget-s 105 2>&1 | tail -10
   ;;
 esac
 ls -R "$out" | head -30

@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.preset == "smoke":
-        os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+        from turbospark_jax.device_flags import add_xla_flag
+
+        add_xla_flag("--xla_force_host_platform_device_count=8")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
     import jax

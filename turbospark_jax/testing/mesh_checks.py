@@ -19,11 +19,12 @@ module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JS
   one-device load, each shard bitwise against its block, with a control one bit off.
 """
 
+# ruff: noqa: E402 (the simulated devices are asked for before JAX can start)
 from __future__ import annotations
 
-import os
+from turbospark_jax.device_flags import add_xla_flag
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+add_xla_flag("--xla_force_host_platform_device_count=8")
 
 import dataclasses
 import json
