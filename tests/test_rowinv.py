@@ -212,13 +212,31 @@ def test_parts_summed_in_order_are_the_product(impl, kernel, out):
 
 def test_a_vocabulary_wide_product_walks_k_in_one_segment():
     """``schedule_for`` reads the weight's shape only: one segment from WIDE_N columns on
-    (no partial sums for the head), the default segments below."""
+    (no partial sums for the head), the default segments below up to 16 tiles."""
     from turbospark_jax.models.rowinv import WIDE_N, schedule_for
 
     for k in (512, 2048, 3000):
         _, tiles, per = schedule_for(k, WIDE_N).plan(k)
         assert per == tiles
+    for k in (512, 1024, 2048):
         assert schedule_for(k, WIDE_N - 1) == Schedule()
+
+
+def test_a_long_k_has_few_segments():
+    """Past 16 tiles the segments lengthen to about MAX_SEGMENTS of them (the partial sums the
+    next kernel adds one by one): the shapes' down products and the 8B's q/k/v and o."""
+    from turbospark_jax.models.rowinv import MAX_SEGMENTS, schedule_for
+
+    def segments(k: int) -> int:
+        _, tiles, per = schedule_for(k, 4096).plan(k)
+        return tiles // per
+
+    assert MAX_SEGMENTS == 4
+    assert [segments(k) for k in (2048, 3072, 4096, 8192, 14336)] == [4, 4, 4, 4, 4]
+    assert segments(1024) == 2  # short K: the default segment length
+    assert segments(4864) == 19  # 38 tiles: the largest divisor under 10 is 2
+    assert schedule_for(8192, 2048) == schedule_for(8192, 512)  # below WIDE_N, k alone
+    assert schedule_for(8192, 2048).plan(8192) == (8192, 64, 16)
 
 
 # -- the gated product (SwiGLU's hidden rows) ----------------------------------------------------

@@ -108,16 +108,28 @@ class Schedule:
 #: From this many output columns on (a vocabulary), :func:`schedule_for` walks K in one
 #: segment: the column blocks alone give the GPU thousands of programs.
 WIDE_N = 32768
+#: Below :data:`WIDE_N`, a product has at most about this many segments. The matvec kernel
+#: runs each segment as programs of their own and leaves the segments' float32 partial sums to
+#: the kernel after it (an RMSNorm, the RoPE-store), whose one program per row adds them in
+#: order, one load after another: on an H100 the 1B shape's norm after the down product (16
+#: partials of 2,048) took 3.9 us against 2.1 for the one after the o product (4), while the
+#: down product itself took 14.5 us in 4 segments and 15.1 in 16 (traced, alone).
+MAX_SEGMENTS = 4
 
 
 def schedule_for(k: int, n: int) -> Schedule:
     """The schedule a model's ``[*, k] @ [k, n]`` product runs on: a function of the weight's
     shape alone (never of the row count), so programs of every width share it. One segment
     for a vocabulary-wide ``n`` (no partial sums to write out and add back, a 33 MB round
-    trip for the 1B shape's head at 16 rows), else :class:`Schedule`'s default."""
+    trip for the 1B shape's head at 16 rows); else segments of :class:`Schedule`'s default
+    length, lengthened for a long ``k`` so that there are about :data:`MAX_SEGMENTS` of them
+    (the 1B shape's down product, ``k`` = 8,192: 4 segments of 16 tiles; the 8B's, 14,336: 4
+    of 28). A ``k`` whose tile count has no divisor near that length keeps shorter segments
+    (see :meth:`Schedule.plan`)."""
+    tiles = -(-k // Schedule.k_tile)
     if n >= WIDE_N:
-        return Schedule(segment_tiles=-(-k // Schedule.k_tile))
-    return Schedule()
+        return Schedule(segment_tiles=tiles)
+    return Schedule(segment_tiles=max(Schedule.segment_tiles, -(-tiles // MAX_SEGMENTS)))
 
 
 #: The gated matvec kernel's column tile shrinks (to 16 at least) until it has this many
