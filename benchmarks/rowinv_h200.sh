@@ -32,9 +32,12 @@ export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
 export JAX_COMPILATION_CACHE_DIR="$PWD/.jax_cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
 case "$stage" in
 1)
-  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  # -v: each test's name and outcome is on its line as it finishes, so a run the timeout cuts
+  # short still says which failed (on a fresh machine compiling them takes about 150 s)
+  timeout 200 env JAX_PLATFORMS=cuda python -m pytest -v -o addopts="" -p no:cacheprovider \
     tests/test_rowinv.py tests/test_pallas_row_norm.py tests/test_pallas_attention.py \
-    tests/test_pallas_rope_store.py --tb=short -rf 2>&1 | tail -60 | tee "$out/gpu_tests.txt"
+    tests/test_pallas_rope_store.py --tb=short -rf > "$out/gpu_tests.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests.txt" | tail -20
   timeout 150 python -m benchmarks.rowinv_model --parts exact \
     --exact-shapes llama-3.2-1b,odd-1.3b --out "$out/exact" --budget-s 135 2>&1 | tail -30
   timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
