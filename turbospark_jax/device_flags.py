@@ -11,8 +11,10 @@ decode loop's costs beyond its kernels"): a traced burst's wall time fell from 1
 us a token. The kernels and their order do not change, so neither does a bit of any result.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts; :func:`enable_loop_graphs` must
-run before that (the command line and the server call it first thing). A flag the user set
-for command buffers is left as it is, and ``TURBOSPARK_LOOP_GRAPHS=0`` turns the setting off.
+run before that, and importing ``turbospark_jax`` runs it first thing (so the command line,
+the server, the benchmarks and a library user who imports the package before computing
+anything with JAX all get it). A flag the user set for command buffers is left as it is, and
+``TURBOSPARK_LOOP_GRAPHS=0`` turns the setting off.
 """
 
 from __future__ import annotations

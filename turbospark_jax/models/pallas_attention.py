@@ -152,6 +152,12 @@ def _fold(carry: tuple, part: tuple) -> tuple:
     return acc * old[:, None] + part_acc * new[:, None], top, l * old + part_l * new
 
 
+def _splits_seen(bound: jax.Array, split_len: int) -> jax.Array:
+    """How many key splits hold a key some row sees, the rows' last key being ``bound - 1``;
+    the later splits see none."""
+    return (bound + split_len - 1) // split_len
+
+
 def _store_rows(o_ref, value: jax.Array, rows: int | None) -> None:
     """Write a query tile's finished rows: all of them, or (``rows``, the output's row count,
     which the tiles overhang) those of the output, the tile being grid axis 1."""
@@ -173,7 +179,7 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     tiles alone fill the GPU."""
     q, pos = q_ref[...], pos_ref[...]
     bound = jnp.minimum(bound_ref[()], capacity)
-    needed = (bound + split_len - 1) // split_len  # later splits see no key of these rows
+    needed = _splits_seen(bound, split_len)
 
     def one(s, carry):
         first = s * split_len
@@ -196,8 +202,7 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, capacity: int, spli
     the walk stops at the last split any row of the call sees, as the folding kernel's does:
     the splits of a long cache past a short context cost no sequential loads."""
     tile, head_dim = o_ref.shape
-    bound = jnp.minimum(bound_ref[()], capacity)
-    needed = (bound + split_len - 1) // split_len
+    needed = _splits_seen(jnp.minimum(bound_ref[()], capacity), split_len)
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(
