@@ -17,12 +17,15 @@
 #                                             # profile at the speed part's capacity, the
 #                                             # 1B decode with the while loop in command
 #                                             # buffers (the default) and without
+#   bash benchmarks/rowinv_h200.sh 9 "$OUT"   # the exact prefill's attention alone under
+#                                             # several row tiles / warps / stages (speed
+#                                             # settings: each checked to keep the bits)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 8}
+stage=${1:?stage 1 to 9}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -97,6 +100,11 @@ case "$stage" in
   timeout 120 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
     --modes rowinv --workloads decode,completion --out "$out/speed" --budget-s 105 \
     2>&1 | tail -10
+  ;;
+9)
+  timeout 290 python -m benchmarks.rowinv_model --parts attention \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/attention" --budget-s 270 \
+    2>&1 | tail -40
   ;;
 esac
 ls -R "$out" | head -30

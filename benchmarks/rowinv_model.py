@@ -35,6 +35,11 @@ skipped):
   and parallel prefill tokens/s; the weight roofline at the measured copy bandwidth.
   ``--modes`` and ``--workloads`` pick a subset (an XLA-flag variant measured beside the
   defaults, say); the JSON's meta records ``XLA_FLAGS``.
+* ``attention``: the exact prefill's attention alone, one layer: a block of
+  ``prefill_width`` rows at the end of each prefill length, over a cache that long, in the
+  row-invariant form, for several :class:`~turbospark_jax.models.pallas_attention.AttentionTiles`
+  (row tile, warps, stages): milliseconds, TFLOP/s of the causal block, and whether its bits
+  equal the default settings' (they must: the settings are speed only).
 * ``profile``: one traced decode burst per kernel mode: kernels per token and the time each
   took (``benchmarks.profile_decode``), with each product's achieved GB/s, and where the
   device sat idle. XLA runs without its command buffers (CUDA graphs) while a trace is on
@@ -503,6 +508,55 @@ def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str
     return {"tokens_per_s": round(length / best, 1), "s": round(best, 4)}
 
 
+#: The attention part's settings; the first is the default.
+ATTENTION_TILES = [dict(), dict(max_row_tile=128, warps=8), dict(max_row_tile=128, warps=4),
+                   dict(stages=3), dict(warps=8), dict(max_row_tile=128, warps=8, stages=3)]
+
+
+def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
+                   base: dict[str, np.ndarray]) -> dict[str, Any]:
+    """One layer's exact-prefill attention: ``rows`` rows ending at position ``length - 1``
+    over a cache of ``length + 64`` positions; ``base`` keeps the default settings' bits."""
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.models.pallas_attention import AttentionTiles, cached_attention
+
+    interpret = jax.default_backend() != "gpu"
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    heads, kv, hd = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
+    capacity = length + 64
+    keys = jax.random.split(jax.random.PRNGKey(length), 3)
+    q = jax.random.normal(keys[0], (rows, heads, hd), dtype)
+    k = jax.random.normal(keys[1], (capacity, kv, hd), dtype)
+    v = jax.random.normal(keys[2], (capacity, kv, hd), dtype)
+    pos = jnp.arange(length - rows, length, dtype=jnp.int32)
+    settings = AttentionTiles(**tiles)
+    fn = jax.jit(functools.partial(cached_attention, interpret=interpret, row_invariant=True,
+                                   tiles=settings))
+    seconds = best_time(fn, q, k, v, pos, repeats=3)
+    bits = _bits(fn(q, k, v, pos))
+    key = f"{shape.name}/{length}"
+    base.setdefault(key, bits)
+    # causal work: each row sees (its position + 1) keys, 4 * head_dim flops a key a head
+    seen = float(np.sum(np.arange(length - rows, length) + 1))
+    return {"ms": round(seconds * 1e3, 3),
+            "TFLOPs": round(4 * hd * heads * seen / seconds / 1e12, 1),
+            "same_bits_as_default": bool(np.array_equal(bits, base[key]))}
+
+
+def part_attention(preset: Preset, run: Run, shapes: list[str]) -> None:
+    base: dict[str, np.ndarray] = {}
+    for name in shapes:
+        shape = ALL_SHAPES[name]
+        for length in preset.prefill_lengths:
+            rows = min(preset.prefill_width, length)
+            for tiles in ATTENTION_TILES:
+                run.case("attention", {"shape": name, "rows": rows, "length": length,
+                                       "tiles": tiles},
+                         functools.partial(attention_case, shape, rows, length, tiles, base))
+
+
 def part_exact(preset: Preset, run: Run, shapes: list[str]) -> None:
     p = preset
     for name in shapes:
@@ -655,6 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "speed":
             part_speed(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
                        tuple(args.workloads.split(",")))
+        elif part == "attention":
+            part_attention(preset, run, shapes)
         elif part == "profile":
             part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
                          args.profile_capacity)

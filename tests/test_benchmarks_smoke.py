@@ -196,7 +196,7 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     speeds come out as records (no timing is asserted)."""
     from benchmarks import rowinv_model
 
-    assert rowinv_model.main(["--preset", "smoke", "--parts", "products,exact,speed",
+    assert rowinv_model.main(["--preset", "smoke", "--parts", "products,exact,speed,attention",
                               "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "rowinv_model.json").read_text())
     assert data["errors"] == [] and data["skipped"] == []
@@ -211,6 +211,9 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in speeds)
     products = [r for r in data["records"] if r["part"] == "products"]
     assert {r["product"] for r in products} == {"qkv", "o", "gate_up", "down", "head"}
+    attention = [r for r in data["records"] if r["part"] == "attention"]
+    assert len(attention) == len(rowinv_model.ATTENTION_TILES)
+    assert all(r["same_bits_as_default"] and r["ms"] > 0 for r in attention)
 
 
 def test_rowinv_kernel_rates_read_the_labelled_products():

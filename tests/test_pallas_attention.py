@@ -151,3 +151,36 @@ def test_row_invariant_form_a_short_context_folds_only_the_splits_it_sees():
     # control: the same rows seen to another position differ
     shifted = run(q[:1], pos[:1] + 1)
     assert not np.array_equal(shifted, full[:1])
+
+
+@pytest.mark.parametrize("width", [3, 140])
+def test_row_invariant_form_keeps_its_bits_under_any_attention_tiles(width):
+    """Row tiles of 16, 64 (the default) and 128, warps and stages: speed settings only. At 3
+    rows (the split and fold kernels) and at 140 (the folding kernel), over nine splits."""
+    from turbospark_jax.models.pallas_attention import AttentionTiles
+
+    capacity = 2304
+    q, k, v = _inputs(4, width, 4, 2, 16, capacity, jnp.float32)
+    pos = capacity - width - 7 + jnp.arange(width, dtype=jnp.int32)
+
+    def run(tiles):
+        return np.asarray(cached_attention(q, k, v, pos, interpret=INTERPRET, row_invariant=True,
+                                           tiles=tiles)).view(np.uint32)
+
+    base = run(AttentionTiles())
+    for tiles in (AttentionTiles(max_row_tile=16), AttentionTiles(max_row_tile=128, warps=8),
+                  AttentionTiles(stages=3)):
+        assert np.array_equal(run(tiles), base), tiles
+    # control: the comparison sees a one-row change
+    assert not np.array_equal(np.asarray(cached_attention(
+        q.at[1].set(-q[1]), k, v, pos, interpret=INTERPRET, row_invariant=True)).view(np.uint32),
+        base)
+
+
+def test_attention_tiles_refuse_bad_settings():
+    from turbospark_jax.errors import BadInputError
+    from turbospark_jax.models.pallas_attention import AttentionTiles
+
+    for bad in ({"max_row_tile": 48}, {"max_row_tile": 8}, {"warps": 0}, {"stages": 1.5}):
+        with pytest.raises(BadInputError):
+            AttentionTiles(**bad)

@@ -35,6 +35,7 @@ an 8k cache they would be 436 MB a layer).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -65,6 +66,37 @@ FOLD_ON_CHIP_ROWS = 256
 SUM_COLUMNS = 16
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+    """Speed settings of the attention kernels, none of which changes a row's bits: a row's
+    scores, maximum, row sum (a product with a ones matrix) and value product are its own, so
+    the number of rows a program holds and Triton's warps and pipeline stages only decide
+    how the work is spread. (The key tile and the splits, which fix the order of a row's
+    additions, are module constants: :data:`KEY_TILE`, :data:`KEYS_PER_SPLIT`.)
+
+    Attributes:
+      max_row_tile: most query rows (rows x query heads of one KV head) one program holds
+        (a power of two from 16).
+      warps, stages: Triton's ``num_warps`` and ``num_stages`` for every attention kernel.
+    """
+
+    max_row_tile: int = MAX_ROW_TILE
+    warps: int = 4
+    stages: int = 2
+
+    def __post_init__(self) -> None:
+        tile = self.max_row_tile
+        if not (isinstance(tile, int) and tile >= 16 and tile & (tile - 1) == 0):
+            raise BadInputError(f"max_row_tile must be a power of two >= 16, got {tile!r}")
+        for name in ("warps", "stages"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+DEFAULT_TILES = AttentionTiles()
+
+
 def supported(head_dim: int, capacity: int) -> bool:
     """Whether the kernel handles these shapes on a GPU (Triton wants power-of-two tiles)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= KEY_TILE
@@ -74,9 +106,9 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _plan(rows: int, capacity: int) -> tuple[int, int, int, int]:
+def _plan(rows: int, capacity: int, max_row_tile: int = MAX_ROW_TILE) -> tuple[int, int, int, int]:
     """Row tile, row tiles, key splits and keys per split: functions of the shapes only."""
-    tile = min(MAX_ROW_TILE, max(16, 1 << max(0, rows - 1).bit_length()))
+    tile = min(max_row_tile, max(16, 1 << max(0, rows - 1).bit_length()))
     splits = max(1, min(MAX_SPLITS, capacity // KEYS_PER_SPLIT))
     split_len = _ceil_div(_ceil_div(capacity, splits), KEY_TILE) * KEY_TILE
     return tile, _ceil_div(rows, tile), _ceil_div(capacity, split_len), split_len
@@ -210,25 +242,28 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, capacity: int, spli
     _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
-def query_rows(width: int, heads: int, kv_heads: int, capacity: int) -> int:
+def query_rows(width: int, heads: int, kv_heads: int, capacity: int,
+               tiles: AttentionTiles = DEFAULT_TILES) -> int:
     """Rows per KV head of the kernel's query layout (see :func:`arrange_queries`)."""
-    tile, tiles, _, _ = _plan(width * (heads // kv_heads), capacity)
-    return tile * tiles
+    tile, count, _, _ = _plan(width * (heads // kv_heads), capacity, tiles.max_row_tile)
+    return tile * count
 
 
-def arrange_queries(q: jax.Array, kv_heads: int, capacity: int) -> jax.Array:
+def arrange_queries(q: jax.Array, kv_heads: int, capacity: int,
+                    tiles: AttentionTiles = DEFAULT_TILES) -> jax.Array:
     """``q [W, H, hd]`` in the kernel's layout ``[KV, R, hd]``: row ``w * G + g`` of KV head
-    ``h`` is query row ``w``, head ``h * G + g``; rows past ``W * G`` are padding."""
+    ``h`` is query row ``w``, head ``h * G + g``; rows past ``W * G`` are padding (the
+    layout's row tiles are ``tiles``' as the kernel is to run them)."""
     width, heads, head_dim = q.shape
     groups = heads // kv_heads
     rows = width * groups
     qr = q.reshape(width, kv_heads, groups, head_dim).transpose(1, 0, 2, 3)
     qr = qr.reshape(kv_heads, rows, head_dim)
-    padded = query_rows(width, heads, kv_heads, capacity)
+    padded = query_rows(width, heads, kv_heads, capacity, tiles)
     return jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "row_invariant"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "row_invariant", "tiles"))
 def cached_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -237,6 +272,7 @@ def cached_attention(
     window: int | None = None,
     interpret: bool = False,
     row_invariant: bool = False,
+    tiles: AttentionTiles = DEFAULT_TILES,
 ) -> jax.Array:
     """Causal grouped-query attention of ``W`` rows over a cache, as one fused kernel.
 
@@ -257,18 +293,20 @@ def cached_attention(
         whose thread layout follows the row tile, and the key splits are folded one after
         another in order (:func:`_fold`), either by a second kernel over the partial
         results (few rows) or inside one program per query tile (many rows, or one split).
+      tiles: speed settings (:class:`AttentionTiles`); a row's bits do not depend on them.
 
     Returns:
       ``[W, H, hd]`` in ``v_cache.dtype``.
     """
     heads = q.shape[1]
-    qr = arrange_queries(q, k_cache.shape[1], k_cache.shape[0])
+    qr = arrange_queries(q, k_cache.shape[1], k_cache.shape[0], tiles)
     return cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
                                      window=window, interpret=interpret,
-                                     row_invariant=row_invariant)
+                                     row_invariant=row_invariant, tiles=tiles)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "window", "interpret", "row_invariant"))
+@functools.partial(jax.jit,
+                   static_argnames=("heads", "window", "interpret", "row_invariant", "tiles"))
 def cached_attention_arranged(
     qr: jax.Array,
     k_cache: jax.Array,
@@ -278,12 +316,13 @@ def cached_attention_arranged(
     window: int | None = None,
     interpret: bool = False,
     row_invariant: bool = False,
+    tiles: AttentionTiles = DEFAULT_TILES,
 ) -> jax.Array:
     """:func:`cached_attention` with the queries already in the kernel's layout (as
     :func:`arrange_queries` puts them, or a kernel writes them), saving that transpose.
 
     Args:
-      qr: ``[KV, R, hd]``, ``R = query_rows(W, heads, KV, C)``; padding rows may hold
+      qr: ``[KV, R, hd]``, ``R = query_rows(W, heads, KV, C, tiles)``; padding rows may hold
         anything (they are computed, never read back).
       heads: ``H``, the number of query heads.
       the rest: as for :func:`cached_attention`.
@@ -292,8 +331,8 @@ def cached_attention_arranged(
     capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
     rows = width * groups
-    tile, tiles, splits, split_len = _plan(rows, capacity)
-    padded = tiles * tile
+    tile, count, splits, split_len = _plan(rows, capacity, tiles.max_row_tile)
+    padded = count * tile
     if qr.shape != (kv_heads, padded, head_dim):
         raise BadInputError(
             f"arranged queries must be [KV, R, hd] = {(kv_heads, padded, head_dim)} for "
@@ -305,7 +344,8 @@ def cached_attention_arranged(
     scale = 1.0 / math.sqrt(head_dim)
     kwargs = {}
     if not interpret:
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
+                                                         num_stages=tiles.stages)
     queries = [
         pl.BlockSpec((), lambda h, t, *_: ()),
         pl.BlockSpec((None, tile, head_dim), lambda h, t, *_: (h, t, 0)),
@@ -323,7 +363,7 @@ def cached_attention_arranged(
             functools.partial(_folding_kernel, scale=scale, capacity=capacity,
                               split_len=split_len, window=window, mma_sums=True,
                               rows=overhang),
-            grid=(kv_heads, tiles), in_specs=queries, out_specs=rows_out,
+            grid=(kv_heads, count), in_specs=queries, out_specs=rows_out,
             out_shape=live, interpret=interpret, name="cached_attention_folding",
             **kwargs,
         )(bound, qr, pos, k_cache, v_cache)
@@ -333,7 +373,7 @@ def cached_attention_arranged(
         acc, m, l = pl.pallas_call(
             functools.partial(_kernel, scale=scale, capacity=capacity, split_len=split_len,
                               window=window, normalise=normalise, mma_sums=row_invariant),
-            grid=(kv_heads, tiles, splits),
+            grid=(kv_heads, count, splits),
             in_specs=queries,
             out_specs=[
                 pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
@@ -355,7 +395,7 @@ def cached_attention_arranged(
             out = pl.pallas_call(
                 functools.partial(_fold_kernel, capacity=capacity, split_len=split_len,
                                   rows=overhang),
-                grid=(kv_heads, tiles),
+                grid=(kv_heads, count),
                 in_specs=[
                     pl.BlockSpec((), lambda h, t: ()),
                     pl.BlockSpec((splits, None, tile, head_dim), lambda h, t: (0, h, t, 0)),
