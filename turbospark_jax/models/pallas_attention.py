@@ -208,9 +208,15 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     from zero as :func:`_kernel` runs it, folding each into the running result
     (:func:`_fold`): the bits of :func:`_kernel` followed by :func:`_fold_kernel`, without
     the partial results ever leaving the chip. For many rows (a prefill), where the query
-    tiles alone fill the GPU."""
+    tiles alone fill the GPU.
+
+    A tile walks the keys up to its own last row's position, not the block's: in a causal
+    prefill block the early tiles would otherwise scan every later key wholly masked (half
+    the work of a block that starts a prompt). Keys past a row's position change none of its
+    bits (see the module docstring), so a row's result is the same for any such bound, as a
+    one-row decode, which walks exactly its own keys, shows."""
     q, pos = q_ref[...], pos_ref[...]
-    bound = jnp.minimum(bound_ref[()], capacity)
+    bound = jnp.minimum(jnp.minimum(bound_ref[()], jnp.max(pos) + 1), capacity)
     needed = _splits_seen(bound, split_len)
 
     def one(s, carry):
