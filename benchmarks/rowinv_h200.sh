@@ -19,7 +19,8 @@
 #                                             # buffers (the default) and without
 #   bash benchmarks/rowinv_h200.sh 9 "$OUT"   # the exact prefill's attention alone under
 #                                             # several row tiles / warps / stages (speed
-#                                             # settings: each checked to keep the bits)
+#                                             # settings: each checked to keep the bits),
+#                                             # and the exact prefill in 8,192-row blocks
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -105,6 +106,10 @@ case "$stage" in
   timeout 290 python -m benchmarks.rowinv_model --parts attention \
     --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/attention" --budget-s 270 \
     2>&1 | tail -40
+  # the exact prefill in blocks of 8,192 rows (its products on all of an 8k prompt at once)
+  timeout 250 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
+    --workloads prefill --prefill-width 8192 --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b \
+    --out "$out/prefill_8192" --budget-s 230 2>&1 | tail -16
   ;;
 esac
 ls -R "$out" | head -30
