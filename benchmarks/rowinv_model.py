@@ -30,7 +30,7 @@ skipped):
   by one. The control: XLA's kernels at widths 1 and 16, expected to differ.
 * ``speed``: decode tokens/s through ``producer.decode`` in fixed bursts and end to end
   through ``run_raw_completion`` (the issue's figure: its own burst sizing, the rate after
-  the first token), greedy and sampled, at a short and a long context, with row-invariant
+  the first token; each the best of three runs), greedy and sampled, at a short and a long context, with row-invariant
   kernels at width 1 and with XLA's kernels at width 16; exact prefill (``prefill_chunk``)
   and parallel prefill tokens/s; the weight roofline at the measured copy bandwidth.
   ``--modes`` and ``--workloads`` pick a subset (an XLA-flag variant measured beside the
@@ -456,7 +456,7 @@ def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab
         return time.perf_counter() - t0
 
     go(prompt[:8], burst)  # compile
-    dt = go(prompt, new_tokens)
+    dt = min(go(prompt, new_tokens) for _ in range(3))  # the best of three, as end to end
     return {"tokens_per_s": round(new_tokens / dt, 1)}
 
 
@@ -479,9 +479,12 @@ def completion_speed(producer: Any, context: int, new_tokens: int, vocab: int,
         return run_raw_completion(producer, request)
 
     go(new_tokens)  # compile every program the loop takes
-    done = go(new_tokens)
+    # the best of three: one run's rate moved by several percent between calls on one machine
+    runs = [go(new_tokens) for _ in range(3)]
+    rates = [r.timings.decode_tokens_per_s(len(r.token_ids)) for r in runs]
+    done = runs[int(np.argmax(rates))]
     generated = len(done.token_ids)
-    return {"tokens_per_s": round(done.timings.decode_tokens_per_s(generated), 1),
+    return {"tokens_per_s": round(max(rates), 1), "runs_tokens_per_s": [round(r, 1) for r in rates],
             "generated": generated, "decode_s": round(done.timings.decode_s, 4)}
 
 
