@@ -30,8 +30,9 @@ skipped):
   by one. The control: XLA's kernels at widths 1 and 16, expected to differ.
 * ``speed``: decode tokens/s through ``producer.decode`` in fixed bursts and end to end
   through ``run_raw_completion`` (the issue's figure: its own burst sizing, the rate after
-  the first token; each the best of three runs), greedy and sampled, at a short and a long context, with row-invariant
-  kernels at width 1 and with XLA's kernels at width 16; exact prefill (``prefill_chunk``)
+  the first token; each the best of three runs), greedy and sampled, at a short and a long
+  context, with row-invariant kernels at width 1 and with XLA's kernels at width 16; exact
+  prefill (``prefill_chunk``)
   and parallel prefill tokens/s; the weight roofline at the measured copy bandwidth.
   ``--modes`` and ``--workloads`` pick a subset (an XLA-flag variant measured beside the
   defaults, say); the JSON's meta records ``XLA_FLAGS``.
