@@ -106,21 +106,42 @@ def test_close_to_a_float64_product(dtype, out, impl, kernel):
 
 
 def _m_dependent(rows: tuple[int, int]) -> np.ndarray:
-    """A kernel that is NOT row-invariant: its K tile and its segments (partial sums from
-    zero, added in order) change with the row count. Each alone changes a row's order on one
-    side only: the interpreter adds every tile's finished product to the running sum, so
-    there only the tile length matters; a GPU's tensor cores add a tile's products into the
-    running sum in place, so there only the segments do (on the H100 a K tile of 32 against
-    64 left every bit as it was)."""
+    """A kernel that is NOT row-invariant: its segments (partial sums from zero, added in
+    order) change with the row count: two segments of two tiles for up to 16 rows, one of
+    four above. On a GPU only the segments change a row's order (the tensor cores add each
+    tile's products into the running sum in place, so a K tile's length does not: on an H100
+    a control that changed the K tile alone, and segments of one tile, which Triton folds
+    into that in-place sum too, left every bit as it was); in the interpreter they change it
+    as well."""
     x, w = _operands("float32")
     small = rows[1] - rows[0] <= 16
-    schedule = Schedule(k_tile=32 if small else 64, segment_tiles=1 if small else 4)
+    schedule = Schedule(k_tile=32, segment_tiles=2 if small else 4)
     return np.asarray(rowinv_matmul(x[rows[0] : rows[1]], w, impl=KERNEL_IMPL, kernel="matmul",
                                     schedule=schedule, tiles=TILES["small"]))
 
 
 def test_control_a_row_count_dependent_k_split_fails_the_check():
     assert _failures(_m_dependent, ms=(5, 17), singles=(23,)) != []
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_prime_tile_count_runs_one_segment_and_both_kernels_agree(dtype):
+    """Seven K tiles (no divisor from 2 to 4): one segment of seven, not seven of one, which
+    the two kernels would add in different orders on a GPU (see ``Schedule``); matvec ==
+    matmul row for row, whatever the row count."""
+    assert Schedule(k_tile=32).plan(224) == (224, 7, 7)
+    x, w = _operands(dtype, k=224)
+    schedule = Schedule(k_tile=32, segment_tiles=4)
+
+    def product(kernel: str, rows: tuple[int, int]) -> np.ndarray:
+        return np.asarray(rowinv_matmul(x[rows[0] : rows[1]], w, impl=KERNEL_IMPL,
+                                        kernel=kernel, schedule=schedule,
+                                        tiles=TILES["small"]))
+
+    full = product("matmul", (0, ROWS))
+    for kernel in ("matvec", "matmul"):
+        for rows in ((0, 1), (3, 8), (0, ROWS)):
+            assert np.array_equal(product(kernel, rows), full[rows[0] : rows[1]]), (kernel, rows)
 
 
 def test_bad_input_is_refused():
@@ -147,7 +168,9 @@ def test_bad_input_is_refused():
 
 def test_schedule_plan_depends_on_k_alone():
     assert Schedule().plan(2048) == (2048, 16, 4)
-    assert Schedule().plan(896) == (896, 7, 1)  # 7 tiles: segments of one
+    assert Schedule().plan(896) == (896, 7, 7)  # 7 tiles: one segment, never seven of one
+    assert Schedule(segment_tiles=1).plan(512) == (512, 4, 4)
+    assert Schedule().plan(128) == (128, 1, 1)
     assert Schedule().plan(4864) == (4864, 38, 2)
     assert Schedule(k_tile=32).plan(40) == (64, 2, 2)  # padded to whole tiles
 
@@ -235,6 +258,7 @@ def test_a_long_k_has_few_segments():
     assert [segments(k) for k in (2048, 3072, 4096, 8192, 14336)] == [4, 4, 4, 4, 4]
     assert segments(1024) == 2  # short K: the default segment length
     assert segments(4864) == 19  # 38 tiles: the largest divisor under 10 is 2
+    assert segments(17 * 128) == 1  # a prime count: one segment (see Schedule)
     assert schedule_for(8192, 2048) == schedule_for(8192, 512)  # below WIDE_N, k alone
     assert schedule_for(8192, 2048).plan(8192) == (8192, 64, 16)
 

@@ -85,7 +85,14 @@ class Schedule:
     Attributes:
       k_tile: columns per tile (a power of two, at least 16).
       segment_tiles: tiles per segment, at most; a ``K`` of ``t`` tiles gets segments of the
-        largest divisor of ``t`` not above it, so every segment has the same length.
+        largest divisor of ``t`` not above it, so every segment has the same length. Never
+        segments of one tile when ``t > 1``: where no divisor from 2 up fits (a prime ``t``,
+        or ``segment_tiles=1``) ``K`` is one segment. On a GPU, Triton rewrites ``c +
+        dot(a, b)`` of a dot from zero into the dot accumulating onto ``c`` in place, so the
+        matrix kernel would add a one-tile segment into its total inside the tensor cores
+        while the matrix-vector kernel adds the same segment's finished sum afterwards: two
+        orders, and a decode that differs from a prefill. (A longer segment ends with a dot
+        onto its own running sum, which that rewrite leaves alone.)
     """
 
     k_tile: int = 128
@@ -102,6 +109,8 @@ class Schedule:
         columns pad ``K`` to whole tiles; they add exact zeros."""
         tiles = -(-k // self.k_tile)
         per = max(d for d in range(1, min(self.segment_tiles, tiles) + 1) if tiles % d == 0)
+        if per == 1:  # see the class docstring: one segment rather than one-tile segments
+            per = tiles
         return tiles * self.k_tile, tiles, per
 
 
