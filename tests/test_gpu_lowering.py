@@ -69,6 +69,13 @@ KERNELS = {
     "attention, row-invariant, 300 rows": (
         lambda q, k, v, p: pallas_attention.cached_attention(q, k, v, p, row_invariant=True),
         Q2, CACHE, CACHE, S((300,), jnp.int32)),
+    "attention, row-invariant, 300 rows, 128-row tiles and 8 warps": (
+        lambda q, k, v, p: pallas_attention.cached_attention(
+            q, k, v, p, row_invariant=True,
+            tiles=pallas_attention.AttentionTiles(max_row_tile=128, warps=8, stages=3)),
+        Q2, CACHE, CACHE, S((300,), jnp.int32)),
+    "matvec, a prime tile count (one segment)": (
+        lambda x, w: _matmul(x, (w,)), S((1, 896), BF16), S((896, 384), BF16)),
     "norm": (lambda x, w: pallas_row_norm._row_rms_norm(x, w, None, 1e-5, "pallas"),
              ROWS, S((256,), BF16)),
     "norm after a residual add, D not a power of two": (
