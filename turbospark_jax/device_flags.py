@@ -27,13 +27,15 @@ LOOP_GRAPHS_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
 OPT_OUT = "TURBOSPARK_LOOP_GRAPHS"
 
 
-def add_xla_flag(flag: str) -> None:
+def add_xla_flag(flag: str) -> bool:
     """Append ``--name=value`` to ``XLA_FLAGS`` unless a flag of that name is there already
-    (before a backend starts; the simulated-device checks use it, since importing this package
-    has put a flag there)."""
+    (the user's choice stands); returns whether it was appended. Before a backend starts (the
+    simulated-device checks use it, since importing this package has put a flag there)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if flag.split("=", 1)[0] not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    if flag.split("=", 1)[0] in flags:
+        return False
+    os.environ["XLA_FLAGS"] = f"{flags} {flag}".strip()
+    return True
 
 
 def _backends_started() -> bool:
@@ -53,10 +55,6 @@ def enable_loop_graphs() -> bool:
     started (the setting would not take effect, and a half-applied one is worse than none).
     The flag is harmless on a CPU, which has no command buffers.
     """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if os.environ.get(OPT_OUT, "1").strip() == "0":
+    if os.environ.get(OPT_OUT, "1").strip() == "0" or _backends_started():
         return False
-    if "xla_gpu_enable_command_buffer" in flags or _backends_started():
-        return False
-    os.environ["XLA_FLAGS"] = f"{flags} {LOOP_GRAPHS_FLAG}".strip()
-    return True
+    return add_xla_flag(LOOP_GRAPHS_FLAG)

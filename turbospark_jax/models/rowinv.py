@@ -133,8 +133,8 @@ def schedule_for(k: int, n: int) -> Schedule:
     trip for the 1B shape's head at 16 rows); else segments of :class:`Schedule`'s default
     length, lengthened for a long ``k`` so that there are about :data:`MAX_SEGMENTS` of them
     (the 1B shape's down product, ``k`` = 8,192: 4 segments of 16 tiles; the 8B's, 14,336: 4
-    of 28). A ``k`` whose tile count has no divisor near that length keeps shorter segments
-    (see :meth:`Schedule.plan`)."""
+    of 28). A ``k`` whose tile count has no divisor near that length keeps shorter segments,
+    or one segment where the only divisor is 1 (see :class:`Schedule`)."""
     tiles = -(-k // Schedule.k_tile)
     if n >= WIDE_N:
         return Schedule(segment_tiles=tiles)
