@@ -21,12 +21,17 @@
 #                                             # several row tiles / warps / stages (speed
 #                                             # settings: each checked to keep the bits),
 #                                             # and the exact prefill in 8,192-row blocks
+#   bash benchmarks/rowinv_h200.sh 10 "$OUT"  # the attention settings the kernels choose
+#                                             # (tiles_for): their GPU tests, the sweep
+#                                             # (prefill blocks and decode steps), the exact
+#                                             # prefill of the three shapes, and the 0.6B and
+#                                             # 8B bitwise checks under them
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 9}
+stage=${1:?stage 1 to 10}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -110,6 +115,19 @@ case "$stage" in
   timeout 250 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
     --workloads prefill --prefill-width 8192 --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b \
     --out "$out/prefill_8192" --budget-s 230 2>&1 | tail -16
+  ;;
+10)
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -v -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_attention.py -k "tiles" --tb=short -rf > "$out/gpu_tests_tiles.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_tiles.txt" | tail -5
+  timeout 110 python -m benchmarks.rowinv_model --parts attention \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/attention" --budget-s 100 \
+    2>&1 | tail -3
+  timeout 150 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
+    --workloads prefill --shapes qwen3-0.6b,llama-3.1-8b,llama-3.2-1b \
+    --out "$out/prefill" --budget-s 140 2>&1 | tail -16
+  timeout 170 python -m benchmarks.rowinv_model --parts exact \
+    --exact-shapes qwen3-0.6b,llama-3.1-8b --out "$out/exact" --budget-s 160 2>&1 | tail -5
   ;;
 esac
 ls -R "$out" | head -30

@@ -513,14 +513,24 @@ def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str
 
 
 #: The attention part's settings; the first is the default.
-ATTENTION_TILES = [dict(), dict(max_row_tile=128, warps=8), dict(max_row_tile=128, warps=4),
-                   dict(stages=3), dict(warps=8), dict(max_row_tile=128, warps=8, stages=3)]
+#: ``{}``: the settings the kernels choose themselves (``tiles_for``); the bits of every
+#: other setting are checked against its.
+ATTENTION_TILES = [dict(), dict(max_row_tile=64, warps=4, stages=2),
+                   dict(max_row_tile=128, warps=8, stages=3), dict(max_row_tile=128, warps=8),
+                   dict(max_row_tile=128, warps=4, stages=3), dict(max_row_tile=64, stages=3),
+                   dict(max_row_tile=128, warps=8, stages=4), dict(max_row_tile=32, warps=4)]
+
+
+#: The decode step's settings tried (one query row; the split and fold kernels).
+DECODE_ATTENTION_TILES = [dict(), dict(warps=2), dict(warps=8), dict(stages=1),
+                          dict(stages=3), dict(warps=2, stages=3)]
 
 
 def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
-                   base: dict[str, np.ndarray]) -> dict[str, Any]:
-    """One layer's exact-prefill attention: ``rows`` rows ending at position ``length - 1``
-    over a cache of ``length + 64`` positions; ``base`` keeps the default settings' bits."""
+                   base: dict[str, np.ndarray], capacity: int | None = None) -> dict[str, Any]:
+    """One layer's row-invariant attention: ``rows`` rows ending at position ``length - 1``
+    over a cache of ``capacity`` (default ``length + 64``) positions; ``base`` keeps the
+    chosen settings' bits."""
     import jax
     import jax.numpy as jnp
 
@@ -529,18 +539,18 @@ def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
     interpret = jax.default_backend() != "gpu"
     dtype = jnp.float32 if interpret else jnp.bfloat16
     heads, kv, hd = shape.num_attention_heads, shape.num_key_value_heads, shape.head_dim
-    capacity = length + 64
+    capacity = capacity or length + 64
     keys = jax.random.split(jax.random.PRNGKey(length), 3)
     q = jax.random.normal(keys[0], (rows, heads, hd), dtype)
     k = jax.random.normal(keys[1], (capacity, kv, hd), dtype)
     v = jax.random.normal(keys[2], (capacity, kv, hd), dtype)
     pos = jnp.arange(length - rows, length, dtype=jnp.int32)
-    settings = AttentionTiles(**tiles)
+    settings = AttentionTiles(**tiles) if tiles else None
     fn = jax.jit(functools.partial(cached_attention, interpret=interpret, row_invariant=True,
                                    tiles=settings))
     seconds = best_time(fn, q, k, v, pos, repeats=3)
     bits = _bits(fn(q, k, v, pos))
-    key = f"{shape.name}/{length}"
+    key = f"{shape.name}/{rows}/{length}/{capacity}"
     base.setdefault(key, bits)
     # causal work: each row sees (its position + 1) keys, 4 * head_dim flops a key a head
     seen = float(np.sum(np.arange(length - rows, length) + 1))
@@ -559,6 +569,14 @@ def part_attention(preset: Preset, run: Run, shapes: list[str]) -> None:
                 run.case("attention", {"shape": name, "rows": rows, "length": length,
                                        "tiles": tiles},
                          functools.partial(attention_case, shape, rows, length, tiles, base))
+        # a decode step over the speed part's cache (its capacity: the longest prompt + 64)
+        capacity = max(preset.prefill_lengths) + 64
+        for length in preset.contexts:
+            for tiles in DECODE_ATTENTION_TILES:
+                run.case("attention", {"shape": name, "rows": 1, "length": length,
+                                       "capacity": capacity, "tiles": tiles},
+                         functools.partial(attention_case, shape, 1, length, tiles, base,
+                                           capacity))
 
 
 def part_exact(preset: Preset, run: Run, shapes: list[str]) -> None:

@@ -212,7 +212,9 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     products = [r for r in data["records"] if r["part"] == "products"]
     assert {r["product"] for r in products} == {"qkv", "o", "gate_up", "down", "head"}
     attention = [r for r in data["records"] if r["part"] == "attention"]
-    assert len(attention) == len(rowinv_model.ATTENTION_TILES)
+    assert len(attention) == len(rowinv_model.ATTENTION_TILES) + len(
+        rowinv_model.DECODE_ATTENTION_TILES)
+    assert sum(r["rows"] == 1 for r in attention) == len(rowinv_model.DECODE_ATTENTION_TILES)
     assert all(r["same_bits_as_default"] and r["ms"] > 0 for r in attention)
 
 

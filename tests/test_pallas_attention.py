@@ -177,6 +177,37 @@ def test_row_invariant_form_keeps_its_bits_under_any_attention_tiles(width):
         base)
 
 
+def test_wide_head_prefill_blocks_choose_their_tiles_and_keep_the_bits():
+    """Without ``tiles`` the kernels take :func:`tiles_for`'s: 128-row tiles, 8 warps and 3
+    stages for prefill-sized blocks of 128-wide heads, the defaults elsewhere. The query
+    layout follows the same choice, and the bits are those of the default settings."""
+    from turbospark_jax.errors import BadInputError
+    from turbospark_jax.models.pallas_attention import (
+        DEFAULT_TILES, FOLD_ON_CHIP_ROWS, WIDE_HEAD_PREFILL_TILES, arrange_queries,
+        cached_attention_arranged, query_rows, tiles_for)
+
+    assert tiles_for(FOLD_ON_CHIP_ROWS, 128) == DEFAULT_TILES  # decode and verify sizes
+    assert tiles_for(FOLD_ON_CHIP_ROWS + 1, 128) == WIDE_HEAD_PREFILL_TILES
+    assert tiles_for(8192, 64) == DEFAULT_TILES
+    width, heads, kv_heads, head_dim, capacity = 130, 4, 2, 128, 640
+    q, k, v = _inputs(5, width, heads, kv_heads, head_dim, capacity, jnp.float32)
+    pos = capacity - width - 3 + jnp.arange(width, dtype=jnp.int32)
+    # 260 rows a KV head: three tiles of 128 (five of 64 under the defaults)
+    assert query_rows(width, heads, kv_heads, capacity, head_dim=head_dim) == 384
+    qr = arrange_queries(q, kv_heads, capacity)
+    assert qr.shape == (kv_heads, 384, head_dim)
+    common = dict(interpret=INTERPRET, row_invariant=True)
+    chosen = np.asarray(cached_attention(q, k, v, pos, **common)).view(np.uint32)
+    arranged = cached_attention_arranged(qr, k, v, pos, heads=heads, **common)
+    assert np.array_equal(np.asarray(arranged).view(np.uint32), chosen)
+    default = cached_attention(q, k, v, pos, tiles=DEFAULT_TILES, **common)
+    assert np.array_equal(np.asarray(default).view(np.uint32), chosen)
+    # the default settings' layout does not fit the chosen kernel: refused, not misread
+    with pytest.raises(BadInputError, match="arranged queries"):
+        cached_attention_arranged(arrange_queries(q, kv_heads, capacity, DEFAULT_TILES), k, v,
+                                  pos, heads=heads, **common)
+
+
 def test_attention_tiles_refuse_bad_settings():
     from turbospark_jax.errors import BadInputError
     from turbospark_jax.models.pallas_attention import AttentionTiles

@@ -95,6 +95,23 @@ class AttentionTiles:
 
 
 DEFAULT_TILES = AttentionTiles()
+#: The prefill-sized blocks' settings for heads of 128 or more dimensions: twice the rows a
+#: program, 8 warps, 3 stages. On an H100 (``benchmarks/results/rowinv_h100_attention_tiles_
+#: s35.json``) a 2,048-row block at position 8k ran in half the time for Qwen3-0.6B (0.66 ms a
+#: layer against 1.28) and about the same for Llama-3.1-8B (1.18 against 1.21; 0.38 against
+#: 0.36 at position 2k); for 64-dimensional heads (Llama-3.2-1B) no setting tried won at every
+#: position, so those keep :data:`DEFAULT_TILES`.
+WIDE_HEAD_PREFILL_TILES = AttentionTiles(max_row_tile=128, warps=8, stages=3)
+
+
+def tiles_for(rows: int, head_dim: int) -> AttentionTiles:
+    """The settings the kernels run under when a caller names none: a function of the query
+    rows per KV head (``W x H / KV``) and the head width alone, so the query layout
+    (:func:`query_rows`) and the kernels always agree on it. Decode and verify sizes, which
+    run the split kernel, keep :data:`DEFAULT_TILES`."""
+    if head_dim >= 128 and rows > FOLD_ON_CHIP_ROWS:
+        return WIDE_HEAD_PREFILL_TILES
+    return DEFAULT_TILES
 
 
 def supported(head_dim: int, capacity: int) -> bool:
@@ -249,23 +266,27 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, capacity: int, spli
 
 
 def query_rows(width: int, heads: int, kv_heads: int, capacity: int,
-               tiles: AttentionTiles = DEFAULT_TILES) -> int:
-    """Rows per KV head of the kernel's query layout (see :func:`arrange_queries`)."""
-    tile, count, _, _ = _plan(width * (heads // kv_heads), capacity, tiles.max_row_tile)
+               tiles: AttentionTiles | None = None, *, head_dim: int) -> int:
+    """Rows per KV head of the kernel's query layout (see :func:`arrange_queries`);
+    ``tiles=None``: :func:`tiles_for`'s."""
+    rows = width * (heads // kv_heads)
+    tiles = tiles or tiles_for(rows, head_dim)
+    tile, count, _, _ = _plan(rows, capacity, tiles.max_row_tile)
     return tile * count
 
 
 def arrange_queries(q: jax.Array, kv_heads: int, capacity: int,
-                    tiles: AttentionTiles = DEFAULT_TILES) -> jax.Array:
+                    tiles: AttentionTiles | None = None) -> jax.Array:
     """``q [W, H, hd]`` in the kernel's layout ``[KV, R, hd]``: row ``w * G + g`` of KV head
     ``h`` is query row ``w``, head ``h * G + g``; rows past ``W * G`` are padding (the
-    layout's row tiles are ``tiles``' as the kernel is to run them)."""
+    layout's row tiles are ``tiles``' as the kernel is to run them; ``None``:
+    :func:`tiles_for`'s)."""
     width, heads, head_dim = q.shape
     groups = heads // kv_heads
     rows = width * groups
     qr = q.reshape(width, kv_heads, groups, head_dim).transpose(1, 0, 2, 3)
     qr = qr.reshape(kv_heads, rows, head_dim)
-    padded = query_rows(width, heads, kv_heads, capacity, tiles)
+    padded = query_rows(width, heads, kv_heads, capacity, tiles, head_dim=head_dim)
     return jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
 
 
@@ -278,7 +299,7 @@ def cached_attention(
     window: int | None = None,
     interpret: bool = False,
     row_invariant: bool = False,
-    tiles: AttentionTiles = DEFAULT_TILES,
+    tiles: AttentionTiles | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of ``W`` rows over a cache, as one fused kernel.
 
@@ -299,7 +320,8 @@ def cached_attention(
         whose thread layout follows the row tile, and the key splits are folded one after
         another in order (:func:`_fold`), either by a second kernel over the partial
         results (few rows) or inside one program per query tile (many rows, or one split).
-      tiles: speed settings (:class:`AttentionTiles`); a row's bits do not depend on them.
+      tiles: speed settings (:class:`AttentionTiles`; ``None``: :func:`tiles_for`'s); a
+        row's bits do not depend on them.
 
     Returns:
       ``[W, H, hd]`` in ``v_cache.dtype``.
@@ -322,7 +344,7 @@ def cached_attention_arranged(
     window: int | None = None,
     interpret: bool = False,
     row_invariant: bool = False,
-    tiles: AttentionTiles = DEFAULT_TILES,
+    tiles: AttentionTiles | None = None,
 ) -> jax.Array:
     """:func:`cached_attention` with the queries already in the kernel's layout (as
     :func:`arrange_queries` puts them, or a kernel writes them), saving that transpose.
@@ -337,6 +359,7 @@ def cached_attention_arranged(
     capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
     rows = width * groups
+    tiles = tiles or tiles_for(rows, head_dim)
     tile, count, splits, split_len = _plan(rows, capacity, tiles.max_row_tile)
     padded = count * tile
     if qr.shape != (kv_heads, padded, head_dim):

@@ -144,7 +144,7 @@ def rope_store(
     width = qkv.shape[-2]
     capacity, kv_heads, head_dim = k_cache.shape
     dtype = k_cache.dtype
-    rows = query_rows(width, heads, kv_heads, capacity)
+    rows = query_rows(width, heads, kv_heads, capacity, head_dim=head_dim)
     qk_norm = q_norm is not None
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h: (0,) * len(shape))  # noqa: E731
     if parts:
