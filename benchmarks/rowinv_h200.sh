@@ -26,12 +26,14 @@
 #                                             # (prefill blocks and decode steps), the exact
 #                                             # prefill of the three shapes, and the 0.6B and
 #                                             # 8B bitwise checks under them
+#   bash benchmarks/rowinv_h200.sh 11 "$OUT"  # the decode step's attention under several
+#                                             # warps / stages, timed in a loop (short)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 10}
+stage=${1:?stage 1 to 11}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -128,6 +130,11 @@ case "$stage" in
     --out "$out/prefill" --budget-s 140 2>&1 | tail -16
   timeout 170 python -m benchmarks.rowinv_model --parts exact \
     --exact-shapes qwen3-0.6b,llama-3.1-8b --out "$out/exact" --budget-s 160 2>&1 | tail -5
+  ;;
+11)
+  timeout 140 python -m benchmarks.rowinv_model --parts attention --attention-cases decode \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/attention_decode" \
+    --budget-s 130 2>&1 | tail -45
   ;;
 esac
 ls -R "$out" | head -30

@@ -524,8 +524,8 @@ ATTENTION_TILES = [dict(), dict(max_row_tile=64, warps=4, stages=2),
 #: Kernel calls a timed attention program runs (see :func:`attention_case`).
 ATTENTION_CALLS = 20
 #: The decode step's settings tried (one query row; the split and fold kernels).
-DECODE_ATTENTION_TILES = [dict(), dict(warps=2), dict(warps=8), dict(stages=1),
-                          dict(stages=3), dict(warps=2, stages=3)]
+DECODE_ATTENTION_TILES = [dict(), dict(warps=1), dict(warps=2), dict(warps=8),
+                          dict(stages=1), dict(stages=3), dict(warps=2, stages=3)]
 
 
 def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
@@ -575,11 +575,12 @@ def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
             "same_bits_as_default": bool(np.array_equal(bits, base[key]))}
 
 
-def part_attention(preset: Preset, run: Run, shapes: list[str]) -> None:
+def part_attention(preset: Preset, run: Run, shapes: list[str],
+                   cases: tuple[str, ...] = ("prefill", "decode")) -> None:
     base: dict[str, np.ndarray] = {}
     for name in shapes:
         shape = ALL_SHAPES[name]
-        for length in preset.prefill_lengths:
+        for length in preset.prefill_lengths if "prefill" in cases else ():
             rows = min(preset.prefill_width, length)
             for tiles in ATTENTION_TILES:
                 run.case("attention", {"shape": name, "rows": rows, "length": length,
@@ -587,7 +588,7 @@ def part_attention(preset: Preset, run: Run, shapes: list[str]) -> None:
                          functools.partial(attention_case, shape, rows, length, tiles, base))
         # a decode step over the speed part's cache (its capacity: the longest prompt + 64)
         capacity = max(preset.prefill_lengths) + 64
-        for length in preset.contexts:
+        for length in preset.contexts if "decode" in cases else ():
             for tiles in DECODE_ATTENTION_TILES:
                 run.case("attention", {"shape": name, "rows": 1, "length": length,
                                        "capacity": capacity, "tiles": tiles},
@@ -723,6 +724,8 @@ def main(argv: list[str] | None = None) -> int:
                          "rowinv, xla)")
     ap.add_argument("--workloads", default="decode,completion,prefill",
                     help="the speed part's workloads (comma-separated)")
+    ap.add_argument("--attention-cases", default="prefill,decode",
+                    help="the attention part's cases (comma-separated: prefill, decode)")
     ap.add_argument("--prefill-width", type=int,
                     help="the exact prefill's block rows instead of the preset's (a speed "
                          "setting: every width gives the same bits; 8192 runs an 8k prompt's "
@@ -758,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
             part_speed(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
                        tuple(args.workloads.split(",")))
         elif part == "attention":
-            part_attention(preset, run, shapes)
+            part_attention(preset, run, shapes, tuple(args.attention_cases.split(",")))
         elif part == "profile":
             part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
                          args.profile_capacity)
