@@ -183,8 +183,14 @@ def test_wide_head_prefill_blocks_choose_their_tiles_and_keep_the_bits():
     layout follows the same choice, and the bits are those of the default settings."""
     from turbospark_jax.errors import BadInputError
     from turbospark_jax.models.pallas_attention import (
-        DEFAULT_TILES, FOLD_ON_CHIP_ROWS, WIDE_HEAD_PREFILL_TILES, arrange_queries,
-        cached_attention_arranged, query_rows, tiles_for)
+        DEFAULT_TILES,
+        FOLD_ON_CHIP_ROWS,
+        WIDE_HEAD_PREFILL_TILES,
+        arrange_queries,
+        cached_attention_arranged,
+        query_rows,
+        tiles_for,
+    )
 
     assert tiles_for(FOLD_ON_CHIP_ROWS, 128) == DEFAULT_TILES  # decode and verify sizes
     assert tiles_for(FOLD_ON_CHIP_ROWS + 1, 128) == WIDE_HEAD_PREFILL_TILES
