@@ -570,9 +570,30 @@ def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
     base.setdefault(key, bits)
     # causal work: each row sees (its position + 1) keys, 4 * head_dim flops a key a head
     seen = float(np.sum(np.arange(length - rows, length) + 1))
-    return {"ms": round(seconds * 1e3, 3),
-            "TFLOPs": round(4 * hd * heads * seen / seconds / 1e12, 1),
-            "same_bits_as_default": bool(np.array_equal(bits, base[key]))}
+    out = {"ms": round(seconds * 1e3, 3),
+           "TFLOPs": round(4 * hd * heads * seen / seconds / 1e12, 1),
+           "same_bits_as_default": bool(np.array_equal(bits, base[key]))}
+    kernels = _device_kernels(fn, q, k, v, pos)
+    if kernels is not None:  # one traced call: each kernel's own time (what a step pays)
+        out["kernel_us"] = kernels
+    return out
+
+
+def _device_kernels(fn: Any, *args: Any) -> dict[str, float] | None:
+    """Microseconds of each device kernel (by name, summed) in one traced call of ``fn``;
+    None where the trace holds no device stream (a CPU)."""
+    import jax
+
+    from benchmarks.profile_decode import traced_events
+
+    jax.block_until_ready(fn(*args))
+    _, events = traced_events(lambda: jax.block_until_ready(fn(*args)))
+    if not events:
+        return None
+    totals: dict[str, float] = {}
+    for name, _, duration in events:
+        totals[name] = round(totals.get(name, 0.0) + duration * 1e-3, 2)
+    return totals
 
 
 def part_attention(preset: Preset, run: Run, shapes: list[str],
