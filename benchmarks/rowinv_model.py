@@ -39,8 +39,11 @@ skipped):
 * ``attention``: the exact prefill's attention alone, one layer: a block of
   ``prefill_width`` rows at the end of each prefill length, over a cache that long, in the
   row-invariant form, for several :class:`~turbospark_jax.models.pallas_attention.AttentionTiles`
-  (row tile, warps, stages): milliseconds, TFLOP/s of the causal block, and whether its bits
-  equal the default settings' (they must: the settings are speed only).
+  (row tile, warps, stages), and a decode step's (one row over the speed part's cache) for
+  several warps / stages: milliseconds a call (20 calls in one program's loop), TFLOP/s of
+  the causal block, each kernel's own time from a trace on a GPU (``kernel_us``), and
+  whether its bits equal the settings the kernels choose themselves' (they must: the
+  settings are speed only). ``--attention-cases`` picks prefill, decode or both.
 * ``profile``: one traced decode burst per kernel mode: kernels per token and the time each
   took (``benchmarks.profile_decode``), with each product's achieved GB/s, and where the
   device sat idle. XLA runs without its command buffers (CUDA graphs) while a trace is on
@@ -223,13 +226,20 @@ def _device_seconds(fn: Any, *args: Any) -> float | None:
     the trace holds no device stream (a CPU). A product timed alone at decode sizes is
     mostly the program's dispatch: on the H100 the 1B shape's q/k/v matvec read 597 GB/s
     timed by the wall clock and 1,941 GB/s in the model's trace."""
+    events = _device_events(fn, *args)
+    return sum(d for _, _, d in events) * 1e-9 if events else None
+
+
+def _device_events(fn: Any, *args: Any) -> list[tuple[str, int, int]]:
+    """The device's ``(name, start_ns, duration_ns)`` events of one traced call of ``fn``,
+    after one untraced call to compile it (none on a CPU)."""
     import jax
 
     from benchmarks.profile_decode import traced_events
 
     jax.block_until_ready(fn(*args))
     _, events = traced_events(lambda: jax.block_until_ready(fn(*args)))
-    return sum(d for _, _, d in events) * 1e-9 if events else None
+    return events
 
 
 MATVEC_TILES = [dict(matvec_bn=64), dict(matvec_bn=128), dict(matvec_bn=128, matvec_warps=8),
@@ -512,9 +522,8 @@ def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str
     return {"tokens_per_s": round(length / best, 1), "s": round(best, 4)}
 
 
-#: The attention part's settings; the first is the default.
-#: ``{}``: the settings the kernels choose themselves (``tiles_for``); the bits of every
-#: other setting are checked against its.
+#: The attention part's prefill settings. The first, ``{}``, is what the kernels choose
+#: themselves (``tiles_for``); the bits of every other setting are checked against its.
 ATTENTION_TILES = [dict(), dict(max_row_tile=64, warps=4, stages=2),
                    dict(max_row_tile=128, warps=8, stages=3), dict(max_row_tile=128, warps=8),
                    dict(max_row_tile=128, warps=4, stages=3), dict(max_row_tile=64, stages=3),
@@ -582,12 +591,7 @@ def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
 def _device_kernels(fn: Any, *args: Any) -> dict[str, float] | None:
     """Microseconds of each device kernel (by name, summed) in one traced call of ``fn``;
     None where the trace holds no device stream (a CPU)."""
-    import jax
-
-    from benchmarks.profile_decode import traced_events
-
-    jax.block_until_ready(fn(*args))
-    _, events = traced_events(lambda: jax.block_until_ready(fn(*args)))
+    events = _device_events(fn, *args)
     if not events:
         return None
     totals: dict[str, float] = {}

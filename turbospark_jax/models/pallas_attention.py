@@ -272,7 +272,7 @@ def query_rows(width: int, heads: int, kv_heads: int, capacity: int,
     """Rows per KV head of the kernel's query layout (see :func:`arrange_queries`);
     ``tiles=None``: :func:`tiles_for`'s."""
     rows = width * (heads // kv_heads)
-    tiles = tiles or tiles_for(rows, head_dim)
+    tiles = tiles_for(rows, head_dim) if tiles is None else tiles
     tile, count, _, _ = _plan(rows, capacity, tiles.max_row_tile)
     return tile * count
 
@@ -361,7 +361,7 @@ def cached_attention_arranged(
     capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
     rows = width * groups
-    tiles = tiles or tiles_for(rows, head_dim)
+    tiles = tiles_for(rows, head_dim) if tiles is None else tiles
     tile, count, splits, split_len = _plan(rows, capacity, tiles.max_row_tile)
     padded = count * tile
     if qr.shape != (kv_heads, padded, head_dim):
