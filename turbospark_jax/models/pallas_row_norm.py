@@ -244,3 +244,122 @@ def add_parts_rms_norm(
             f"{', '.join(map(str, residual.shape))}] with S >= 1; got shape {_shape(parts)}, "
             f"dtype {getattr(parts, 'dtype', None)}")
     return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl))
+
+
+# -- the same norm in 16-row tiles, summing squares by the tensor cores ------------------------
+
+def _tiles_kernel(r_ref: Any, p_ref: Any, w_ref: Any, h_ref: Any, o_ref: Any, *, tiles: int,
+                  d: int, eps: float, rows: int | None) -> None:
+    from turbospark_jax.models import pallas_norm_prologue as prologue
+
+    live = prologue.live_rows(rows)
+    inverse = prologue.inverse_rms(
+        r_ref, p_ref, tiles=tiles, d=d, eps=eps, live=live,
+        store_h=lambda tile, h: prologue.store_tile(h_ref, tile, h, live))
+
+    def one(tile: Any, carry: tuple) -> tuple:
+        h = prologue.residual_tile(r_ref, p_ref, tile, live)
+        prologue.store_tile(o_ref, tile, prologue.normed_tile(h, inverse, w_ref, tile), live)
+        return carry
+
+    jax.lax.fori_loop(0, tiles, one, ())
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "impl"))
+def _add_parts_norm_tiles(residual: jax.Array, parts: jax.Array, weight: jax.Array, eps: float,
+                          impl: str) -> tuple[jax.Array, jax.Array]:
+    from turbospark_jax.models import pallas_norm_prologue as prologue
+
+    shape = residual.shape
+    d = shape[-1]
+    residual = residual.reshape(-1, d)
+    parts = parts.reshape(parts.shape[0], -1, d)
+    if impl == "xla":
+        h = residual + sum_parts(parts, residual.dtype)
+        return h.reshape(shape), layers.rms_norm(h, weight, eps).reshape(shape)
+    m, kp = residual.shape[0], -(-d // prologue.K_TILE) * prologue.K_TILE
+    if kp != d:
+        pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, kp - d)])  # noqa: E731
+        residual, parts, weight = pad(residual), pad(parts), pad(weight)
+    mp = -(-m // prologue.ROW_TILE) * prologue.ROW_TILE
+    rows = pl.BlockSpec((prologue.ROW_TILE, kp), lambda i: (i, 0))
+    kwargs = {}
+    if impl != "interpret":
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=2)
+    h, normed = pl.pallas_call(
+        functools.partial(_tiles_kernel, tiles=kp // prologue.K_TILE, d=d, eps=eps,
+                          rows=None if m == mp else m),
+        grid=(mp // prologue.ROW_TILE,),
+        in_specs=[rows, pl.BlockSpec((parts.shape[0], prologue.ROW_TILE, kp),
+                                     lambda i: (0, i, 0)),
+                  pl.BlockSpec((kp,), lambda i: (0,))],
+        out_specs=[rows, rows],
+        out_shape=[jax.ShapeDtypeStruct((m, kp), residual.dtype)] * 2,
+        interpret=impl == "interpret",
+        name="add_norm_tiles",
+        **kwargs,
+    )(residual, parts, weight)
+    return h[:, :d].reshape(shape), normed[:, :d].reshape(shape)
+
+
+def check_tile_norm(residual: Any, parts: Any, weight: Any, eps: Any) -> None:
+    """The checks of :func:`add_parts_norm_tiles` (and the norm prologue of the row-invariant
+    products, which take the same operands).
+
+    Raises:
+      BadInputError: see :func:`add_parts_norm_tiles`.
+    """
+    from turbospark_jax.models.pallas_norm_prologue import DTYPES
+
+    _check(residual, weight, None, eps, name="residual")
+    if jnp.dtype(residual.dtype) not in DTYPES:
+        raise BadInputError(
+            f"the tensor-core norm takes bfloat16 or float16 rows (their squares are exact in "
+            f"float32); got {residual.dtype}: use add_parts_rms_norm")
+    if weight is None:
+        raise BadInputError("the tensor-core norm needs a weight [D]; got None")
+    if (getattr(parts, "dtype", None) != jnp.float32 or getattr(parts, "ndim", 0) < 2
+            or tuple(parts.shape[1:]) != tuple(residual.shape) or parts.shape[0] < 1):
+        raise BadInputError(
+            f"parts must be float32 [S, *residual.shape] = [S, "
+            f"{', '.join(map(str, residual.shape))}] with S >= 1; got shape {_shape(parts)}, "
+            f"dtype {getattr(parts, 'dtype', None)}")
+
+
+def add_parts_norm_tiles(
+    residual: jax.Array,
+    parts: jax.Array,
+    weight: jax.Array,
+    eps: float,
+    *,
+    impl: str = "auto",
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`add_parts_rms_norm` with the sum of squares taken by the tensor cores in 16-row
+    tiles (:mod:`~turbospark_jax.models.pallas_norm_prologue`): bitwise the normed rows that
+    the norm prologue of :func:`~turbospark_jax.models.rowinv.rowinv_norm_matvec` and
+    :func:`~turbospark_jax.models.rowinv.rowinv_norm_swiglu` feed their products, so a model
+    may normalise a decode step inside the product and a prefill here. A row's bits do not
+    depend on the row count. ``h`` is :func:`add_parts_rms_norm`'s bitwise; the normed rows
+    differ from it in the order of the sum of squares only.
+
+    Args:
+      residual: ``[..., D]``, bfloat16 or float16.
+      parts: float32 ``[S, ..., D]``, the delta's partial sums.
+      weight: ``[D]`` in ``residual``'s dtype.
+      eps: as for :func:`row_rms_norm`.
+      impl: ``"auto"`` (the kernel on a GPU, the XLA expression elsewhere), ``"pallas"``,
+        ``"interpret"`` or ``"xla"`` (``sum_parts``, the add and ``layers.rms_norm``: close
+        to the kernel, not bitwise).
+
+    Returns:
+      ``(h, normed)``, both ``[..., D]`` in ``residual``'s dtype.
+
+    Raises:
+      BadInputError: ``residual`` not a non-empty bfloat16 or float16 array; ``weight`` not
+        ``[D]`` in its dtype; ``parts`` not float32 of ``residual``'s shape behind a leading
+        axis; ``eps`` not a real number; an unknown ``impl``, or ``"pallas"`` off a GPU.
+    """
+    check_tile_norm(residual, parts, weight, eps)
+    return _add_parts_norm_tiles(residual, parts, weight, float(eps), resolve_impl(impl))
