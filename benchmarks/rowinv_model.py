@@ -690,10 +690,6 @@ def part_speed(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
             del producer, params, model
 
 
-#: The labelled matrix products' kernel names, up to the label (the norm prologue's too).
-PRODUCT_KERNELS = ("rowinv_matvec_", "rowinv_matmul_", "rowinv_norm_matvec_")
-
-
 def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str, Any]]:
     """Each traced kernel's time per token and, for the labelled matrix products, the rate at
     which it read its weights (GB/s): ``kernels`` maps a kernel name to
@@ -704,8 +700,8 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
         row: dict[str, Any] = {"kernel": name[:80], "calls_per_token": calls,
                                "us_per_token": round(us, 2)}
         for product, nbytes in weights.items():
-            labelled = name.startswith(PRODUCT_KERNELS) and name.endswith("_" + product)
-            if labelled:
+            if name.startswith(("rowinv_matvec_", "rowinv_matmul_")) and name.endswith(
+                    "_" + product):
                 row["weight_GBps"] = round(nbytes * calls / (us * 1e-6) / 1e9, 1)
         out.append(row)
     return out

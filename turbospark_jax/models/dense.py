@@ -349,7 +349,7 @@ class DenseModel(BlockModel):
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             with jax.named_scope("attention"):
-                attn, kv, _ = attention(norm(x, lp["input_layernorm"]), lp, kv, index, window)
+                attn, kv = attention(norm(x, lp["input_layernorm"]), lp, kv, index, window)
             h = x + self._output_projection(attn, lp)
             with jax.named_scope("mlp"):
                 out = h + self._mlp(norm(h, lp["post_attention_layernorm"]), lp)
@@ -360,16 +360,11 @@ class DenseModel(BlockModel):
     def defers_sums(self, layers: Params) -> bool:
         """Whether the layers hand their residual deltas on unfinished (``kernels="rowinv"``,
         unrolled layers, no biases after a product, no tap layers): each output projection
-        and MLP gives float32 partial sums over K, which the next norm adds to the residual
-        itself (a :class:`~turbospark_jax.models.row_kernels.PendingNorm`), and the q/k/v
-        product's partial sums go to the RoPE-and-cache-write kernel: the launches that would
-        finish them saved (two or three a layer at decode widths). On a GPU with 16-bit
-        activations those norms are the tensor-core norm of
-        :mod:`~turbospark_jax.models.pallas_norm_prologue`, formed inside the q/k/v and
-        gate/up products at decode widths (two launches a layer fewer again) and by their
-        own kernel in wider blocks, with the same bits; elsewhere the norm kernel of
-        :func:`~turbospark_jax.models.row_kernels.add_norm`, bitwise the arithmetic of
-        finishing every product first."""
+        and MLP gives float32 partial sums over K, which the next norm's kernel adds to the
+        residual itself (:func:`~turbospark_jax.models.row_kernels.add_norm`), and the q/k/v
+        product's partial sums go to the RoPE-and-cache-write kernel. Bitwise the same
+        arithmetic as finishing every product first, with the launches that would finish
+        them saved (two or three a layer at decode widths)."""
         c = self.config
         return (self.kernels == "rowinv" and not self._scans(layers) and not self.tap_layers
                 and not c.o_bias and not c.has_mlp_bias)
@@ -385,19 +380,19 @@ class DenseModel(BlockModel):
             h, pending = x
             with jax.named_scope("attention"):
                 if pending is None:
-                    rows = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
+                    normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
                 else:
-                    rows = row_kernels.PendingNorm(h, pending, lp["input_layernorm"], eps)
-                attn, kv, finished = attention(rows, lp, kv, index, window)
-                h = h if finished is None else finished
+                    h, normed = row_kernels.add_norm(kernels, h, pending,
+                                                     lp["input_layernorm"], eps)
+                attn, kv = attention(normed, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
                                              w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
-                h, gated = row_kernels.norm_swiglu(
-                    kernels, row_kernels.PendingNorm(h, o, lp["post_attention_layernorm"], eps),
-                    lp["gate_proj"], lp["up_proj"])
-                pending = row_kernels.matmul_parts(kernels, gated, lp["down_proj"], label="down")
+                h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
+                                                 eps)
+                pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
+                                                   lp["down_proj"], label="down")
             return (h, pending), kv
 
         return layer

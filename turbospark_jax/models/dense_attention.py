@@ -26,14 +26,9 @@ if TYPE_CHECKING:
 
 Params = dict[str, Any]
 
-#: The rows a layer's attention reads: normed rows ``[W, D]``, or the norm still to form
-#: (a deferring layer's :class:`~turbospark_jax.models.row_kernels.PendingNorm`, which the
-#: q/k/v product may form itself as it loads).
-Rows = jax.Array | row_kernels.PendingNorm
-#: A layer's attention: ``(rows, layer params, cache carry, layer index, window) ->
-#: (attention output [W, H, hd], cache carry, h)``, where ``h`` is a pending norm's finished
-#: residual ``[W, D]`` (None for normed rows).
-Attention = Callable[[Rows, Params, Any, Any, Any], tuple[jax.Array, Any, Any]]
+#: A layer's attention: ``(normed rows [W, D], layer params, cache carry, layer index,
+#: window) -> (attention output [W, H, hd], cache carry)``.
+Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
 
 # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The targets
 # are then all different, which the scatters promise to XLA (unique_indices): without the
@@ -65,26 +60,20 @@ def _projections(
     return q, k, v
 
 
-def _merged_projection(config: DenseConfig, rows: Rows, lp: Params,
-                       kernels: str) -> tuple[Any, jax.Array]:
-    """q/k/v as one matrix product: rows [W, D] -> [W, (H + 2 KV) * hd], q heads first, with
-    a pending norm's finished residual (or None). (XLA reads the three weights straight into
-    its matrix kernel, and the row-invariant kernel takes them as three operands of one
-    launch: neither copies them.) Under ``"rowinv"`` without biases the product comes
-    unfinished, as float32 partial sums ``[S, W, ...]``, which the RoPE-and-cache-write kernel
-    adds itself; a pending norm is then formed inside the product where it can be
-    (:func:`~turbospark_jax.models.row_kernels.norm_matmul_parts`)."""
-    d = rows.residual.shape[-1] if isinstance(rows, row_kernels.PendingNorm) else rows.shape[-1]
+def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: str) -> jax.Array:
+    """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
+    reads the three weights straight into its matrix kernel, and the row-invariant kernel
+    takes them as three operands of one launch: neither copies them.) Under ``"rowinv"``
+    without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
+    which the RoPE-and-cache-write kernel adds itself."""
+    d = h.shape[-1]
     ws = tuple(lp[n].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
     if kernels == "rowinv" and not config.qkv_bias:
-        if isinstance(rows, row_kernels.PendingNorm):
-            return row_kernels.norm_matmul_parts(kernels, rows, ws, label="qkv")
-        return None, row_kernels.matmul_parts(kernels, rows, ws, label="qkv")
-    h, normed = row_kernels.finish_norm(kernels, rows)
-    qkv = row_kernels.matmul(kernels, normed, ws, label="qkv")
+        return row_kernels.matmul_parts(kernels, h, ws, label="qkv")
+    qkv = row_kernels.matmul(kernels, h, ws, label="qkv")
     if config.qkv_bias:
         qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")])
-    return h, qkv
+    return qkv
 
 
 def _rotate(
@@ -200,47 +189,46 @@ def cached_attention(
     rope_store = _uses_rope_store(model, fused)
     row_invariant = model.kernels == "rowinv"
 
-    def rope_store_kernels(rows: Rows, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+    def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
-        h, qkv = _merged_projection(c, rows, lp, model.kernels)
         qr, k_layer, v_layer = pallas_rope_store.rope_store(
-            qkv, cos, sin, write_at, k_all[index], v_all[index], c.num_attention_heads, *norms,
-            eps=c.rms_norm_eps, interpret=rope_store == "interpret",
+            _merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
+            v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+            interpret=rope_store == "interpret",
         )
         kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
         attn = pallas_attention.cached_attention_arranged(
             qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
             interpret=fused == "interpret", row_invariant=row_invariant,
         )
-        return attn, kv, h
+        return attn, kv
 
-    def rotated(rows: Rows, lp: Params) -> tuple[Any, jax.Array, jax.Array, jax.Array]:
-        h, normed = row_kernels.finish_norm(model.kernels, rows)
-        q, k, v = _projections(c, normed, lp, model.kernels)
+    def rotated(h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = _projections(c, h, lp, model.kernels)
         q, k = _rotate(c, q, k, lp, cos, sin, model.kernels)
-        return h, q, k, v
+        return q, k, v
 
-    def own_rows(rows: Rows, lp: Params, kv: Any, index: Any, window: Any) -> Any:
-        h, q, k, v = rotated(rows, lp)
+    def own_rows(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        q, k, v = rotated(h, lp)
         kv, _, _ = _write_rows(kv, index, k, v, write_at, per_layer)
-        return _own_rows(model, q, k, v, positions, window), kv, h
+        return _own_rows(model, q, k, v, positions, window), kv
 
-    def attention_kernel(rows: Rows, lp: Params, kv: Any, index: Any, window: Any) -> Any:
-        h, q, k, v = rotated(rows, lp)
+    def attention_kernel(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        q, k, v = rotated(h, lp)
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
         attn = pallas_attention.cached_attention(
             q, k_layer, v_layer, positions, window=window, interpret=fused == "interpret",
             row_invariant=row_invariant,
         )
-        return attn, kv, h
+        return attn, kv
 
-    def xla(rows: Rows, lp: Params, kv: Any, index: Any, window: Any) -> Any:
-        h, q, k, v = rotated(rows, lp)
+    def xla(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        q, k, v = rotated(h, lp)
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
         attn = row_kernels.attend(model.kernels, q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)
-        return attn, kv, h
+        return attn, kv
 
     if rope_store and not fresh:
         return rope_store_kernels
@@ -262,11 +250,10 @@ def sequence_attention(
       kernels: the model's ``kernels`` mode (:mod:`~turbospark_jax.models.row_kernels`).
     """
 
-    def attention(rows: Rows, lp: Params, carry: Any, index: Any, window: Any) -> Any:
+    def attention(h: jax.Array, lp: Params, carry: Any, index: Any, window: Any) -> Any:
         del index
-        h, normed = row_kernels.finish_norm(kernels, rows)
-        q, k, v = _projections(config, normed, lp, kernels)
+        q, k, v = _projections(config, h, lp, kernels)
         q, k = _rotate(config, q, k, lp, cos, sin, kernels)
-        return row_kernels.attend(kernels, q, k, v, positions, positions, window), carry, h
+        return row_kernels.attend(kernels, q, k, v, positions, positions, window), carry
 
     return attention

@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +29,6 @@ from turbospark_jax.models import layers
 from turbospark_jax.models.rowinv import (
     row_tiled,
     rowinv_matmul,
-    rowinv_norm_matvec,
-    rowinv_norm_swiglu,
     rowinv_swiglu,
     schedule_for,
     sum_parts,
@@ -112,63 +110,6 @@ def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Ar
         return add_parts_rms_norm(residual, parts, weight, eps)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
-
-
-class PendingNorm(NamedTuple):
-    """A layer's normed rows still to be formed: the RMSNorm of ``residual + delta``, with
-    the delta still as a product's float32 partial sums (a deferring layer's input, see
-    :meth:`~turbospark_jax.models.dense.DenseModel.defers_sums`). The product that reads
-    the normed rows may form them itself (:func:`norm_matmul_parts`, :func:`norm_swiglu`)."""
-
-    residual: jax.Array  # [W, D]
-    parts: jax.Array  # float32 [S, W, D]
-    weight: jax.Array  # [D]
-    eps: float
-
-
-def _tile_norm(kernels: str, rows: PendingNorm) -> bool:
-    """Whether a pending norm runs as the tensor-core norm of 16-row tiles
-    (:mod:`~turbospark_jax.models.pallas_norm_prologue`), inside the product at decode
-    widths: row-invariant kernels on a GPU, 16-bit rows. Elsewhere :func:`add_norm`."""
-    from turbospark_jax.models.pallas_norm_prologue import DTYPES
-
-    return kernels == "rowinv" and _on_gpu() and jnp.dtype(rows.residual.dtype) in DTYPES
-
-
-def finish_norm(kernels: str, rows: jax.Array | PendingNorm) -> tuple[Any, jax.Array]:
-    """``(h, normed)`` of a :class:`PendingNorm` (the arithmetic :func:`norm_matmul_parts`
-    and :func:`norm_swiglu` use at every width); ``(None, rows)`` for rows already normed."""
-    if not isinstance(rows, PendingNorm):
-        return None, rows
-    if _tile_norm(kernels, rows):
-        from turbospark_jax.models.pallas_row_norm import add_parts_norm_tiles
-
-        return add_parts_norm_tiles(*rows)
-    return add_norm(kernels, *rows)
-
-
-def norm_matmul_parts(kernels: str, rows: PendingNorm, w: jax.Array | tuple[jax.Array, ...],
-                      label: str = "") -> tuple[jax.Array, jax.Array]:
-    """``(h, matmul_parts(normed, w))`` with ``(h, normed) = finish_norm(rows)``: on a GPU at
-    decode widths one kernel that normalises as it loads
-    (:func:`~turbospark_jax.models.rowinv.rowinv_norm_matvec`), the same bits as the norm
-    kernel followed by the product that wider blocks run."""
-    if _tile_norm(kernels, rows):
-        return rowinv_norm_matvec(*rows, w, schedule=_schedule(rows.residual, w, "kn"),
-                                  label=label)
-    h, normed = finish_norm(kernels, rows)
-    return h, matmul_parts(kernels, normed, w, label=label)
-
-
-def norm_swiglu(kernels: str, rows: PendingNorm, gate: jax.Array,
-                up: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(h, swiglu(normed, gate, up))`` with ``(h, normed) = finish_norm(rows)``, under
-    ``"rowinv"``: on a GPU at decode widths one gated kernel that normalises as it loads
-    (:func:`~turbospark_jax.models.rowinv.rowinv_norm_swiglu`)."""
-    if _tile_norm(kernels, rows):
-        return rowinv_norm_swiglu(*rows, gate, up, label="gate_up")
-    h, normed = finish_norm(kernels, rows)
-    return h, swiglu(kernels, normed, gate, up)
 
 
 def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:

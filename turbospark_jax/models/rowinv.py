@@ -45,7 +45,6 @@ from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models import pallas_norm_prologue as prologue
 
 #: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
 #: interpreter's tile products.
@@ -239,25 +238,14 @@ def _live_rows(shape: tuple[int, int], rows: int) -> jax.Array:
     return row < rows
 
 
-def _x_tiles(x_ref: Any, k_tile: int, live: jax.Array | None = None) -> Any:
-    """The x operand of the plain kernels: ``tile -> x_ref``'s K tile ``tile``. ``live``:
-    bool ``[rows, k_tile]``, the x tile's rows the call has (:func:`_live_rows`); the others
-    are not read and enter the product as zeros, as padding rows would."""
-    def x_tile(tile: Any) -> jax.Array:
-        at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
-        return x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
-
-    return x_tile
-
-
-def _tile_step(x_tile: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-               acc: jax.Array, nk: bool) -> jax.Array:
-    """``acc`` plus the product of K tile ``tile``: the one step every kernel repeats, so a
-    row's arithmetic is the same in each. ``x_tile(tile)``: the x operand's K tile (loaded,
-    or normalised as it is loaded: :func:`rowinv_norm_matvec`). ``nk``: the weight block is
-    ``[bn, K]``."""
+def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
+               acc: jax.Array, nk: bool, live: jax.Array | None = None) -> jax.Array:
+    """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
+    row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``.
+    ``live``: bool ``[rows, k_tile]``, the x tile's rows the call has (:func:`_live_rows`);
+    the others are not read and enter the product as zeros, as padding rows would."""
     at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
-    x = x_tile(tile)
+    x = x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
     if nk:
         return acc + tile_dot(x, w_ref[:, at], True)
     return acc + tile_dot(x, w_ref[at, :], False)
@@ -284,8 +272,7 @@ def _walk_k(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, tiles: int, per: 
     ``-0.0``."""
     zeros = jnp.zeros(shape, jnp.float32)
     total = jnp.full(shape, -0.0, jnp.float32)
-    step = functools.partial(_tile_step, _x_tiles(x_ref, k_tile), w_ref, k_tile=k_tile,
-                             tile_dot=tile_dot, nk=nk)
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
     if flat:  # one loop over every tile (Triton pipelines its loads), folding at ends
         def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             total, acc = carry
@@ -332,10 +319,11 @@ def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
     o_ref[...] = _swiglu(walk(gate_ref), walk(up_ref), o_ref.dtype)
 
 
-def _segment_sum(x_tile: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
-                 tile_dot: Any, nk: bool) -> jax.Array:
+def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
+                 tile_dot: Any, nk: bool, live: jax.Array | None) -> jax.Array:
     """A matvec program's float32 sum over its ``per`` K tiles, from zero."""
-    step = functools.partial(_tile_step, x_tile, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk,
+                             live=live)
     return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
                              jnp.zeros(shape, jnp.float32))
 
@@ -363,8 +351,8 @@ def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
     gate and an up weight's same column block, gated in the epilogue (:func:`_swiglu`). The
     one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
-    total = functools.partial(_segment_sum, _x_tiles(x_ref, k_tile, live_x), shape=o_ref.shape,
-                              per=per, k_tile=k_tile, tile_dot=tile_dot, nk=False)
+    total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
+                              tile_dot=tile_dot, nk=False, live=live_x)
     _store_live(o_ref, _swiglu(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
                 live_out)
 
@@ -378,8 +366,8 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
     def compute(w_ref: Any) -> None:
-        acc = _segment_sum(_x_tiles(x_ref, k_tile, live_x), w_ref, o_ref.shape, per=per,
-                           k_tile=k_tile, tile_dot=tile_dot, nk=nk)
+        acc = _segment_sum(x_ref, w_ref, o_ref.shape, per=per, k_tile=k_tile,
+                           tile_dot=tile_dot, nk=nk, live=live_x)
         _store_live(o_ref, acc.astype(o_ref.dtype), live_out)
 
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
@@ -693,279 +681,6 @@ def rowinv_swiglu(
     if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
         raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
     return _rowinv_swiglu(x, gate, up, resolve_impl(impl), kernel, tiles, label)
-
-
-# -- the RMSNorm before a product, inside the matvec kernels ----------------------------------
-
-def _norm_x_tiles(r_ref: Any, p_ref: Any, nw_ref: Any, h_ref: Any, *, tiles: int, d: int,
-                  eps: float, rows: int | None, start: Any, writes_h: Any) -> Any:
-    """The prologue of the normalising matvec kernels: each row's inverse RMS over all of its
-    K tiles (:func:`~turbospark_jax.models.pallas_norm_prologue.inverse_rms`, ``h`` written
-    out by the program where ``writes_h`` holds), then ``x_tile``: K tile ``start + tile`` of
-    the normed rows, normalised as it is loaded."""
-    live = prologue.live_rows(rows)
-
-    def store_h(tile: Any, h: jax.Array) -> None:
-        @pl.when(writes_h)
-        def _() -> None:
-            prologue.store_tile(h_ref, tile, h, live)
-
-    inverse = prologue.inverse_rms(r_ref, p_ref, tiles=tiles, d=d, eps=eps, live=live,
-                                   store_h=store_h)
-
-    def x_tile(tile: Any) -> jax.Array:
-        at = start + tile
-        return prologue.normed_tile(prologue.residual_tile(r_ref, p_ref, at, live), inverse,
-                                    nw_ref, at)
-
-    return x_tile
-
-
-def _norm_matvec_kernel(r_ref: Any, p_ref: Any, nw_ref: Any, *refs: Any, per: int, tiles: int,
-                        d: int, eps: float, tile_dot: Any, nk: bool, offsets: tuple[int, ...],
-                        rows: int | None) -> None:
-    """:func:`_matvec_kernel` over the normed rows of ``residual + sum(parts)``, normalised
-    in its prologue; the first column block's first segment writes ``h``."""
-    *w_refs, h_ref, o_ref = refs
-    column, segment = pl.program_id(1), pl.program_id(2)
-    x_tile = _norm_x_tiles(r_ref, p_ref, nw_ref, h_ref, tiles=tiles, d=d, eps=eps, rows=rows,
-                           start=segment * per, writes_h=(column == 0) & (segment == 0))
-    live_out = None if rows is None else _live_rows(o_ref.shape, rows)
-
-    def compute(w_ref: Any) -> None:
-        acc = _segment_sum(x_tile, w_ref, o_ref.shape, per=per, k_tile=prologue.K_TILE,
-                           tile_dot=tile_dot, nk=nk)
-        _store_live(o_ref, acc, live_out)
-
-    _for_each_weight(offsets, column, tuple(w_refs), compute)
-
-
-def _norm_gated_matvec_kernel(r_ref: Any, p_ref: Any, nw_ref: Any, gate_ref: Any, up_ref: Any,
-                              h_ref: Any, o_ref: Any, *, tiles: int, d: int, eps: float,
-                              tile_dot: Any, rows: int | None) -> None:
-    """:func:`_gated_matvec_kernel` over the normed rows, normalised in its prologue: one
-    walk over K that multiplies each normed tile by both weights' tiles (each product's sum
-    runs the tiles in the plain kernel's order); the first column block writes ``h``."""
-    x_tile = _norm_x_tiles(r_ref, p_ref, nw_ref, h_ref, tiles=tiles, d=d, eps=eps, rows=rows,
-                           start=0, writes_h=pl.program_id(1) == 0)
-    step = functools.partial(_tile_step, k_tile=prologue.K_TILE, tile_dot=tile_dot, nk=False)
-
-    def one(tile: Any, sums: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        x = x_tile(tile)
-        gate, up = sums
-        return (step(lambda _: x, gate_ref, tile, acc=gate),
-                step(lambda _: x, up_ref, tile, acc=up))
-
-    zeros = jnp.zeros(o_ref.shape, jnp.float32)
-    gate, up = jax.lax.fori_loop(0, tiles, one, (zeros, zeros))
-    _store_live(o_ref, _swiglu(gate, up, o_ref.dtype),
-                None if rows is None else _live_rows(o_ref.shape, rows))
-
-
-def _norm_specs(parts: int, kp: int) -> list[Any]:
-    """Block specs of the prologue's operands (grid axis 0 the row tile): the residual's and
-    the partial sums' row tile over all of K, and the norm's weight."""
-    return [pl.BlockSpec((ROW_TILE, kp), lambda i, *_: (i, 0)),
-            pl.BlockSpec((parts, ROW_TILE, kp), lambda i, *_: (0, i, 0)),
-            pl.BlockSpec((kp,), lambda i, *_: (0,))]
-
-
-def _norm_operands(residual: jax.Array, parts: jax.Array, weight: jax.Array,
-                   kp: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    m, k = residual.shape
-    if kp == k:
-        return residual, parts, weight
-    return (_pad(residual, m, kp), jnp.pad(parts, ((0, 0), (0, 0), (0, kp - k))),
-            jnp.pad(weight, (0, kp - k)))
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "nk", "impl", "schedule", "tiles", "label"))
-def _rowinv_norm_matvec(residual: jax.Array, parts: jax.Array, weight: jax.Array, eps: float,
-                        ws: tuple[jax.Array, ...], nk: bool, impl: str, schedule: Schedule,
-                        tiles: Tiles, label: str) -> tuple[jax.Array, jax.Array]:
-    m, k = residual.shape
-    if impl == "xla" or m > SMALL_M:
-        from turbospark_jax.models.pallas_row_norm import add_parts_norm_tiles
-
-        h, normed = add_parts_norm_tiles(residual, parts, weight, eps, impl=impl)
-        return h, _rowinv_matmul(normed, ws, nk, jnp.dtype(jnp.float32), impl, "auto",
-                                 schedule, tiles, True, label)
-    interpret = impl == "interpret"
-    kp, count, per = schedule.plan(k)
-    segments, seg_len = count // per, per * schedule.k_tile
-    bn = tiles.matvec_bn
-    cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
-    mp = _ceil_to(m, ROW_TILE)
-    kernel = functools.partial(
-        _norm_matvec_kernel, per=per, tiles=count, d=k, eps=eps,
-        tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk, offsets=cols.offsets,
-        rows=None if m == mp else m)
-    if nk:
-        w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
-                   for w in range(len(ws))]
-    else:
-        w_specs = [pl.BlockSpec((seg_len, bn), lambda i, j, s, w=w: (s, cols.spec_column(w, j)))
-                   for w in range(len(ws))]
-    h, partials = pl.pallas_call(
-        kernel,
-        grid=(mp // ROW_TILE, cols.offsets[-1], segments),
-        in_specs=[*_norm_specs(parts.shape[0], kp), *w_specs],
-        out_specs=[pl.BlockSpec((ROW_TILE, kp), lambda i, j, s: (i, 0)),
-                   pl.BlockSpec((None, ROW_TILE, bn), lambda i, j, s: (s, i, j))],
-        out_shape=[jax.ShapeDtypeStruct((m, kp), residual.dtype),
-                   jax.ShapeDtypeStruct((segments, m, cols.offsets[-1] * bn), jnp.float32)],
-        interpret=interpret,
-        name="rowinv_norm_matvec" + (f"_{label}" if label else ""),
-        **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
-    )(*_norm_operands(residual, parts, weight, kp), *_weights_padded(ws, kp, bn, nk))
-    return h[:, :k], jax.vmap(lambda p: cols.gather(p, m))(partials)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "impl", "tiles", "label"))
-def _rowinv_norm_swiglu(residual: jax.Array, parts: jax.Array, weight: jax.Array, eps: float,
-                        gate: jax.Array, up: jax.Array, impl: str, tiles: Tiles,
-                        label: str) -> tuple[jax.Array, jax.Array]:
-    m, k = residual.shape
-    if impl == "xla" or m > SMALL_M:
-        from turbospark_jax.models.pallas_row_norm import add_parts_norm_tiles
-
-        h, normed = add_parts_norm_tiles(residual, parts, weight, eps, impl=impl)
-        return h, _rowinv_swiglu(normed, gate, up, impl, "auto", tiles, label)
-    interpret = impl == "interpret"
-    kp, count, _ = gated_schedule(k).plan(k)
-    bn = tiles.gated_columns(gate.shape[1])
-    cols = _Columns((gate.shape[1],), bn)
-    mp = _ceil_to(m, ROW_TILE)
-    kernel = functools.partial(
-        _norm_gated_matvec_kernel, tiles=count, d=k, eps=eps,
-        tile_dot=_interpret_dot if interpret else _hardware_dot, rows=None if m == mp else m)
-    h, out = pl.pallas_call(
-        kernel,
-        grid=(mp // ROW_TILE, cols.offsets[-1]),
-        in_specs=[*_norm_specs(parts.shape[0], kp),
-                  *[pl.BlockSpec((kp, bn), lambda i, j: (0, j))] * 2],
-        out_specs=[pl.BlockSpec((ROW_TILE, kp), lambda i, j: (i, 0)),
-                   pl.BlockSpec((ROW_TILE, bn), lambda i, j: (i, j))],
-        out_shape=[jax.ShapeDtypeStruct((m, kp), residual.dtype),
-                   jax.ShapeDtypeStruct((m, cols.offsets[-1] * bn), residual.dtype)],
-        interpret=interpret,
-        name="rowinv_norm_matvec" + (f"_{label}" if label else ""),
-        **_compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages),
-    )(*_norm_operands(residual, parts, weight, kp), *_weights_padded((gate, up), kp, bn, False))
-    return h[:, :k], cols.gather(out, m)
-
-
-def _check_norm_operands(residual: Any, parts: Any, weight: Any, eps: Any) -> None:
-    from turbospark_jax.models.pallas_row_norm import check_tile_norm
-
-    if getattr(residual, "ndim", None) != 2:
-        raise BadInputError(f"residual must be [M, K]; got shape "
-                            f"{getattr(residual, 'shape', type(residual).__name__)}")
-    check_tile_norm(residual, parts, weight, eps)
-
-
-def _check_label(label: Any) -> None:
-    if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
-        raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
-
-
-def rowinv_norm_matvec(
-    residual: jax.Array,
-    parts: jax.Array,
-    weight: jax.Array,
-    eps: float,
-    w: jax.Array | tuple[jax.Array, ...],
-    *,
-    impl: str = "auto",
-    schedule: Schedule = Schedule(),
-    tiles: Tiles = Tiles(),
-    label: str = "",
-) -> tuple[jax.Array, jax.Array]:
-    """The RMSNorm of ``h = residual + sum_parts(parts)`` and its product with ``w``, as
-    float32 partial sums: ``(h, rowinv_matmul(normed, w, parts=True))`` where ``(h, normed)``
-    is :func:`~turbospark_jax.models.pallas_row_norm.add_parts_norm_tiles`, bitwise.
-
-    At most :data:`SMALL_M` rows (decode, verify) run as one matvec kernel that normalises
-    ``x`` as it loads it (:mod:`~turbospark_jax.models.pallas_norm_prologue`): no norm
-    kernel, no normed rows in memory. More rows (a prefill) run the norm kernel, then the
-    product, which gives the same bits. ``impl="xla"``: the same two steps in their XLA
-    forms (not those bits).
-
-    Args:
-      residual: ``[M, K]``, bfloat16 or float16.
-      parts: float32 ``[S, M, K]``: the delta's partial sums (a product's ``parts=True``).
-      weight: the norm's weight ``[K]`` in ``residual``'s dtype.
-      eps: the norm's epsilon (static).
-      w: the product's weight ``[K, N]`` in ``residual``'s dtype, or a tuple of them (their
-        products side by side).
-      impl, schedule, tiles, label: as for :func:`rowinv_matmul` (``schedule.k_tile`` must
-        be the norm's tile, 128).
-
-    Returns:
-      ``(h [M, K], parts [S', M, N])``: ``h`` in ``residual``'s dtype, the product's float32
-      partial sums (:func:`sum_parts` finishes them).
-
-    Raises:
-      BadInputError: a residual that is not 2-D, or not bfloat16 or float16; ``parts`` not
-        float32 ``[S, M, K]``; ``weight`` not ``[K]`` in its dtype; weights of another K or
-        dtype; a schedule of another K tile; an unknown ``impl``, or ``"pallas"`` off a GPU.
-    """
-    _check_norm_operands(residual, parts, weight, eps)
-    ws = tuple(w) if isinstance(w, tuple | list) else (w,)
-    if not ws or any(getattr(b, "ndim", None) != 2 or b.shape[0] != residual.shape[1]
-                     or b.dtype != residual.dtype for b in ws):
-        raise BadInputError(
-            f"w must be [K, N] matrices with K = {residual.shape[1]} in {residual.dtype}; got "
-            f"{[(getattr(b, 'shape', None), getattr(b, 'dtype', None)) for b in ws]}")
-    if schedule.k_tile != prologue.K_TILE:
-        raise BadInputError(f"the norm prologue walks K in tiles of {prologue.K_TILE}; got a "
-                            f"schedule of k_tile={schedule.k_tile}")
-    _check_label(label)
-    return _rowinv_norm_matvec(residual, parts, weight, float(eps), ws, False,
-                               resolve_impl(impl), schedule, tiles, label)
-
-
-def rowinv_norm_swiglu(
-    residual: jax.Array,
-    parts: jax.Array,
-    weight: jax.Array,
-    eps: float,
-    gate: jax.Array,
-    up: jax.Array,
-    *,
-    impl: str = "auto",
-    tiles: Tiles = Tiles(),
-    label: str = "gate_up",
-) -> tuple[jax.Array, jax.Array]:
-    """:func:`rowinv_norm_matvec`'s norm before :func:`rowinv_swiglu`: ``(h,
-    rowinv_swiglu(normed, gate, up))``, bitwise, with ``(h, normed)`` from
-    :func:`~turbospark_jax.models.pallas_row_norm.add_parts_norm_tiles`. At most
-    :data:`SMALL_M` rows run as one gated matvec kernel that normalises as it loads; more run
-    the norm kernel, then the gated product.
-
-    Args:
-      residual, parts, weight, eps: as for :func:`rowinv_norm_matvec`.
-      gate, up: ``[K, F]`` each, in ``residual``'s dtype.
-      impl, tiles, label: as for :func:`rowinv_swiglu`.
-
-    Returns:
-      ``(h [M, K], gated [M, F])``, both in ``residual``'s dtype.
-
-    Raises:
-      BadInputError: as :func:`rowinv_norm_matvec` raises, and for gate and up of other
-        shapes or dtypes.
-    """
-    _check_norm_operands(residual, parts, weight, eps)
-    k = residual.shape[1]
-    if any(getattr(b, "ndim", None) != 2 or b.shape[0] != k or b.dtype != residual.dtype
-           for b in (gate, up)) or gate.shape != up.shape:
-        raise BadInputError(
-            f"gate and up must be [K, F] of one shape with K = {k} in {residual.dtype}; got "
-            f"{getattr(gate, 'shape', None)} {getattr(gate, 'dtype', None)} and "
-            f"{getattr(up, 'shape', None)} {getattr(up, 'dtype', None)}")
-    _check_label(label)
-    return _rowinv_norm_swiglu(residual, parts, weight, float(eps), gate, up,
-                               resolve_impl(impl), tiles, label)
 
 
 def resolve_impl(impl: str) -> str:
