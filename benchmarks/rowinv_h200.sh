@@ -28,12 +28,14 @@
 #                                             # 8B bitwise checks under them
 #   bash benchmarks/rowinv_h200.sh 11 "$OUT"  # the decode step's attention under several
 #                                             # warps / stages, timed in a loop (short)
+#   bash benchmarks/rowinv_h200.sh 12 "$OUT"  # where an exact and a parallel prefill spend
+#                                             # the device's time, traced (1B, 8B, 0.6B)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 11}
+stage=${1:?stage 1 to 12}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -135,6 +137,11 @@ case "$stage" in
   timeout 140 python -m benchmarks.rowinv_model --parts attention --attention-cases decode \
     --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/attention_decode" \
     --budget-s 130 2>&1 | tail -45
+  ;;
+12)
+  timeout 290 python -m benchmarks.rowinv_model --parts prefill-profile \
+    --shapes llama-3.2-1b,llama-3.1-8b,qwen3-0.6b --out "$out/prefill_profile" \
+    --budget-s 270 2>&1 | cut -c1-600 | tail -14
   ;;
 esac
 ls -R "$out" | head -30

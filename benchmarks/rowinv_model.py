@@ -49,6 +49,10 @@ skipped):
   device sat idle. XLA runs without its command buffers (CUDA graphs) while a trace is on
   unless ``XLA_FLAGS`` has ``--xla_enable_command_buffers_during_profiling=true``: without
   it the launch gaps are those of a run with no graphs.
+* ``prefill-profile`` (asked for by name, not in the default list): one traced exact prefill
+  and one traced one-pass parallel prefill at each prefill length: the device's time in
+  products, attention, norms, the RoPE-store and the rest, how much of the call's span the
+  device was busy, the costliest kernels, and the products' TFLOP/s.
 """
 
 from __future__ import annotations
@@ -522,6 +526,79 @@ def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str
     return {"tokens_per_s": round(length / best, 1), "s": round(best, 4)}
 
 
+#: How the prefill profile sorts a trace's kernels: the first pattern in a kernel's name
+#: names its group (ours by their names; cuBLAS / CUTLASS products and cuDNN attention by the
+#: words their kernels carry).
+PREFILL_GROUPS = (("products", ("rowinv_mat", "gemm", "cutlass", "xmma", "cublas")),
+                  ("attention", ("cached_attention", "flash", "fmha", "cudnn", "attention")),
+                  ("norms", ("row_rms_norm",)), ("rope_store", ("rope_store",)))
+
+
+def _group(name: str) -> str:
+    low = name.lower()
+    for group, words in PREFILL_GROUPS:
+        if any(w in low for w in words):
+            return group
+    return "other"
+
+
+def prefill_profile(producer: Any, length: int, vocab: int, path: str,
+                    shape: Shape) -> dict[str, Any]:
+    """One prefill of ``length`` tokens, exact (``prefill_chunk``) or in one parallel pass
+    (as :func:`prefill_speed` runs them), traced: the device's time by group
+    (:data:`PREFILL_GROUPS`), how busy it was over the call's span, the costliest kernels,
+    and the products' FLOP rate (``2 x`` the layers' weights ``x`` the rows, plus the head
+    on the last row)."""
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(0, vocab, length)]
+    if path == "exact":
+        call = lambda: producer.prefill_chunk(producer.init_state(), prompt, 0)  # noqa: E731
+    else:
+        call = lambda: producer.prefill_parallel(  # noqa: E731
+            producer.init_state(), prompt, 0, chunk=length)
+    events = _device_events(call)
+    if not events:
+        return {"events": 0}
+    groups: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}
+    for name, _, dur in events:
+        groups[_group(name)] = groups.get(_group(name), 0.0) + dur / 1e3
+        row = kernels.setdefault(name[:80], [0, 0.0])
+        row[0] += 1
+        row[1] += dur / 1e3
+    span_us = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e3
+    layer_weights = sum(k * sum(ns) for name, k, ns, _ in _products_of(shape) if name != "head")
+    flop = 2 * layer_weights * shape.num_hidden_layers * length + 2 * shape.hidden_size * (
+        shape.vocab_size)
+    products_us = groups.get("products", 0.0)
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:14]
+    return {"span_ms": round(span_us / 1e3, 2),
+            "busy_ms": round(sum(groups.values()) / 1e3, 2),
+            "groups_ms": {g: round(us / 1e3, 2) for g, us in sorted(groups.items())},
+            "products_TFLOPs": round(flop / (products_us * 1e-6) / 1e12, 1) if products_us
+            else None,
+            "top_kernels": [{"kernel": n, "calls": c, "ms": round(us / 1e3, 3)}
+                            for n, (c, us) in top]}
+
+
+def part_prefill_profile(preset: Preset, run: Run, shapes: list[str]) -> None:
+    """The exact prefill (blocks of ``prefill_width`` rows) and the one-pass parallel
+    prefill at each prefill length, one traced call each (:func:`prefill_profile`)."""
+    for name in shapes:
+        shape = ALL_SHAPES[name]
+        config, model, params = _model(shape, "rowinv")
+        producer = _producer(model, params, max(preset.prefill_lengths) + 64, 1, preset.burst,
+                             preset.prefill_width, donate=True)
+        for length in preset.prefill_lengths:
+            for path in ("exact", "parallel-one-pass"):
+                run.case("prefill-profile", {"shape": name, "kernels": "rowinv", "path": path,
+                                             "length": length,
+                                             "prefill_width": preset.prefill_width},
+                         functools.partial(prefill_profile, producer, length,
+                                           config.vocab_size, path, shape))
+        del producer, params, model
+
+
 #: The attention part's prefill settings. The first, ``{}``, is what the kernels choose
 #: themselves (``tiles_for``); the bits of every other setting are checked against its.
 ATTENTION_TILES = [dict(), dict(max_row_tile=64, warps=4, stages=2),
@@ -790,6 +867,8 @@ def main(argv: list[str] | None = None) -> int:
         elif part == "profile":
             part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
                          args.profile_capacity)
+        elif part == "prefill-profile":
+            part_prefill_profile(preset, run, shapes)
         else:
             ap.error(f"unknown part {part!r}")
     run.write()

@@ -230,3 +230,28 @@ def test_rowinv_kernel_rates_read_the_labelled_products():
     assert by["rowinv_matvec_gate_up"]["weight_GBps"] == round(
         2048 * 16384 * 2 * 16 / 320e-6 / 1e9, 1)
     assert "weight_GBps" not in by["row_rms_norm"]
+
+
+def test_prefill_profile_sorts_kernels_into_groups_and_rates_the_products(monkeypatch):
+    """The prefill profile's arithmetic on a made-up trace (a GPU writes the real one):
+    our kernels and the libraries' by name, the span and busy time, the products' FLOP rate
+    from the shape's weights and the rows."""
+    from benchmarks import rowinv_model
+
+    events = [("rowinv_matmul_qkv", 0, 4_000_000), ("sm90_xmma_gemm_bf16", 4_000_000, 2_000_000),
+              ("cached_attention_folding", 6_000_000, 1_000_000),
+              ("cudnn_flash_fprop", 7_000_000, 500_000), ("row_rms_norm__1", 8_000_000, 250_000),
+              ("rope_store", 8_250_000, 250_000), ("loop_add_fusion", 9_000_000, 1_000_000)]
+    monkeypatch.setattr(rowinv_model, "_device_events", lambda call: events)
+    shape = rowinv_model.ALL_SHAPES["llama-3.2-1b"]
+    out = rowinv_model.prefill_profile(None, 2048, shape.vocab_size, "exact", shape)
+    assert out["groups_ms"] == {"attention": 1.5, "norms": 0.25, "other": 1.0, "products": 6.0,
+                                "rope_store": 0.25}
+    assert out["span_ms"] == 10.0 and out["busy_ms"] == 9.0
+    layer = sum(k * sum(ns) for name, k, ns, _ in rowinv_model._products_of(shape)
+                if name != "head")
+    flop = 2 * layer * shape.num_hidden_layers * 2048 + 2 * shape.hidden_size * shape.vocab_size
+    assert out["products_TFLOPs"] == round(flop / 6e-3 / 1e12, 1)
+    assert out["top_kernels"][0] == {"kernel": "rowinv_matmul_qkv", "calls": 1, "ms": 4.0}
+    monkeypatch.setattr(rowinv_model, "_device_events", lambda call: [])
+    assert rowinv_model.prefill_profile(None, 8, 100, "exact", shape) == {"events": 0}
