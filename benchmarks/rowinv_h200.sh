@@ -140,8 +140,8 @@ case "$stage" in
   ;;
 12)
   timeout 290 python -m benchmarks.rowinv_model --parts prefill-profile \
-    --shapes llama-3.2-1b,llama-3.1-8b,qwen3-0.6b --out "$out/prefill_profile" \
-    --budget-s 270 2>&1 | cut -c1-600 | tail -14
+    --shapes ${SHAPES:-llama-3.2-1b,llama-3.1-8b,qwen3-0.6b} --out "$out/prefill_profile" \
+    --budget-s 270 2>&1 | cut -c1-900 | tail -14
   ;;
 esac
 ls -R "$out" | head -30

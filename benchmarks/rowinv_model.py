@@ -546,9 +546,9 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
                     shape: Shape) -> dict[str, Any]:
     """One prefill of ``length`` tokens, exact (``prefill_chunk``) or in one parallel pass
     (as :func:`prefill_speed` runs them), traced: the device's time by group
-    (:data:`PREFILL_GROUPS`), how busy it was over the call's span, the costliest kernels,
-    and the products' FLOP rate (``2 x`` the layers' weights ``x`` the rows, plus the head
-    on the last row)."""
+    (:data:`PREFILL_GROUPS`), how busy it was over the call's span and its widest idle gaps
+    (with the kernels either side), the costliest kernels, and the products' FLOP rate
+    (``2 x`` the layers' weights ``x`` the rows, plus the head on the last row)."""
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, vocab, length)]
     if path == "exact":
@@ -567,6 +567,12 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
         row[0] += 1
         row[1] += dur / 1e3
     span_us = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e3
+    gaps, end, before = [], None, ""
+    for name, start, dur in sorted(events, key=lambda e: e[1]):
+        if end is not None and start > end:
+            gaps.append(((start - end) / 1e3, before[:48], name[:48]))
+        if end is None or start + dur > end:
+            end, before = start + dur, name
     layer_weights = sum(k * sum(ns) for name, k, ns, _ in _products_of(shape) if name != "head")
     flop = 2 * layer_weights * shape.num_hidden_layers * length + 2 * shape.hidden_size * (
         shape.vocab_size)
@@ -577,6 +583,9 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
             "groups_ms": {g: round(us / 1e3, 2) for g, us in sorted(groups.items())},
             "products_TFLOPs": round(flop / (products_us * 1e-6) / 1e12, 1) if products_us
             else None,
+            "idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 2),
+            "widest_gaps": [{"us": round(g, 1), "after": a, "before": b}
+                            for g, a, b in sorted(gaps, reverse=True)[:8]],
             "top_kernels": [{"kernel": n, "calls": c, "ms": round(us / 1e3, 3)}
                             for n, (c, us) in top]}
 

@@ -253,5 +253,8 @@ def test_prefill_profile_sorts_kernels_into_groups_and_rates_the_products(monkey
     flop = 2 * layer * shape.num_hidden_layers * 2048 + 2 * shape.hidden_size * shape.vocab_size
     assert out["products_TFLOPs"] == round(flop / 6e-3 / 1e12, 1)
     assert out["top_kernels"][0] == {"kernel": "rowinv_matmul_qkv", "calls": 1, "ms": 4.0}
+    assert out["idle_ms"] == 1.0 and out["widest_gaps"] == [
+        {"us": 500.0, "after": "rope_store", "before": "loop_add_fusion"},
+        {"us": 500.0, "after": "cudnn_flash_fprop", "before": "row_rms_norm__1"}]
     monkeypatch.setattr(rowinv_model, "_device_events", lambda call: [])
     assert rowinv_model.prefill_profile(None, 8, 100, "exact", shape) == {"events": 0}
