@@ -133,7 +133,7 @@ def as_token_ids(
         )
     if not ids and not allow_empty:
         raise BadInputError(f"{name} is empty; expected at least one token id")
-    if ids and not (0 <= min(ids) and max(ids) < vocab_size):
+    if ids and not (min(ids) >= 0 and max(ids) < vocab_size):
         token = next(t for t in ids if not 0 <= t < vocab_size)
         raise BadInputError(f"token id {token} is outside the vocabulary [0, {vocab_size})")
     return ids
