@@ -30,12 +30,16 @@
 #                                             # warps / stages, timed in a loop (short)
 #   bash benchmarks/rowinv_h200.sh 12 "$OUT"  # where an exact and a parallel prefill spend
 #                                             # the device's time, traced (1B, 8B, 0.6B)
+#   bash benchmarks/rowinv_h200.sh 13 "$OUT"  # the attention's key tile at 128 against 64:
+#                                             # the bitwise checks under it (1B, 0.6B), then
+#                                             # exact prefill and decode at both, one stretch;
+#                                             # the exact prefill without loop graphs
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 12}
+stage=${1:?stage 1 to 13}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -142,6 +146,19 @@ case "$stage" in
   timeout 290 python -m benchmarks.rowinv_model --parts prefill-profile \
     --shapes ${SHAPES:-llama-3.2-1b,llama-3.1-8b,qwen3-0.6b} --out "$out/prefill_profile" \
     --budget-s 270 2>&1 | cut -c1-900 | tail -14
+  ;;
+13)
+  timeout 150 python -m benchmarks.rowinv_model --parts exact --key-tile 128 \
+    --exact-shapes llama-3.2-1b,qwen3-0.6b --out "$out/exact_kt128" --budget-s 140 \
+    2>&1 | cut -c1-400 | tail -4
+  for kt in 64 128; do
+    timeout 130 python -m benchmarks.rowinv_model --parts speed --key-tile $kt \
+      --shapes llama-3.2-1b,qwen3-0.6b --modes rowinv --workloads completion,prefill \
+      --out "$out/speed_kt$kt" --budget-s 120 2>&1 | cut -c1-260 | grep speed | tail -16
+  done
+  timeout 90 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts speed \
+    --shapes llama-3.2-1b --modes rowinv --workloads prefill --out "$out/prefill_no_graphs" \
+    --budget-s 80 2>&1 | cut -c1-260 | grep speed | tail -5
   ;;
 esac
 ls -R "$out" | head -30

@@ -841,7 +841,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="the exact prefill's block rows instead of the preset's (a speed "
                          "setting: every width gives the same bits; 8192 runs an 8k prompt's "
                          "products on 8,192 rows at once)")
+    ap.add_argument("--key-tile", type=int,
+                    help="the attention kernels' key tile instead of pallas_attention.KEY_TILE "
+                         "(an experiment: it fixes the order of a row's softmax additions on "
+                         "every path at once, so widths still agree; run the exact part under "
+                         "it too)")
     args = ap.parse_args(argv)
+    if args.key_tile is not None:
+        from turbospark_jax.models import pallas_attention
+
+        if args.key_tile < 16 or args.key_tile & (args.key_tile - 1):
+            ap.error(f"--key-tile must be a power of two >= 16, got {args.key_tile}")
+        pallas_attention.KEY_TILE = args.key_tile  # read when a kernel is traced
     preset = PRESETS[args.preset]
     if args.prefill_width is not None:
         width = args.prefill_width
@@ -859,7 +870,7 @@ def main(argv: list[str] | None = None) -> int:
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "python": platform.python_version(), "preset": args.preset,
-            "prefill_width": preset.prefill_width}
+            "prefill_width": preset.prefill_width, "key_tile": args.key_tile}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

@@ -3,6 +3,8 @@ Nothing here looks at a timing: CI machines are shared and noisy."""
 
 import json
 
+import pytest
+
 from benchmarks.run import main
 
 
@@ -258,3 +260,14 @@ def test_prefill_profile_sorts_kernels_into_groups_and_rates_the_products(monkey
         {"us": 500.0, "after": "cudnn_flash_fprop", "before": "row_rms_norm__1"}]
     monkeypatch.setattr(rowinv_model, "_device_events", lambda call: [])
     assert rowinv_model.prefill_profile(None, 8, 100, "exact", shape) == {"events": 0}
+
+
+def test_rowinv_model_refuses_a_key_tile_that_is_not_a_power_of_two(tmp_path):
+    from benchmarks import rowinv_model
+    from turbospark_jax.models import pallas_attention
+
+    before = pallas_attention.KEY_TILE
+    with pytest.raises(SystemExit):
+        rowinv_model.main(["--preset", "smoke", "--parts", "exact", "--key-tile", "100",
+                           "--out", str(tmp_path)])
+    assert before == pallas_attention.KEY_TILE
