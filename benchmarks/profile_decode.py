@@ -67,10 +67,12 @@ def _kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
 def idle_gaps(events: list[tuple[str, int, int]], top: int = 12) -> dict[str, Any]:
     """The device's idle stretches between ``events`` (``(name, start_ns, duration_ns)``,
     sorted by start): their total, the ``top`` events they follow most (name ->
-    ``(gaps, ns)``), and how many gaps fall in each size band. Overlapping events (two
-    streams) leave no gap."""
+    ``(gaps, ns)``), how many gaps fall in each size band, and the ``top`` widest gaps
+    ``(ns, the event before, the event after)``. Overlapping events (two streams) leave no
+    gap."""
     after: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
     bands = {"<2us": 0, "2-10us": 0, "10-50us": 0, ">=50us": 0}
+    widest: list[tuple[int, str, str]] = []
     total, end, last = 0, None, None
     for name, start, duration in events:
         if end is not None and start > end:
@@ -78,6 +80,7 @@ def idle_gaps(events: list[tuple[str, int, int]], top: int = 12) -> dict[str, An
             total += gap
             after[last][0] += 1
             after[last][1] += gap
+            widest.append((gap, last, name))
             us = gap / 1e3
             bands["<2us" if us < 2 else "2-10us" if us < 10 else "10-50us" if us < 50
                   else ">=50us"] += 1
@@ -85,7 +88,7 @@ def idle_gaps(events: list[tuple[str, int, int]], top: int = 12) -> dict[str, An
             end, last = start + duration, name
     ranked = sorted(after.items(), key=lambda kv: -kv[1][1])[:top]
     return {"total_ns": total, "after": [(n, (c, ns)) for n, (c, ns) in ranked],
-            "sizes": bands}
+            "sizes": bands, "widest": sorted(widest, reverse=True)[:top]}
 
 
 def profile_burst(producer: Any, context: int, steps: int, vocab: int,

@@ -549,6 +549,8 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
     (:data:`PREFILL_GROUPS`), how busy it was over the call's span and its widest idle gaps
     (with the kernels either side), the costliest kernels, and the products' FLOP rate
     (``2 x`` the layers' weights ``x`` the rows, plus the head on the last row)."""
+    from benchmarks.profile_decode import idle_gaps
+
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, vocab, length)]
     if path == "exact":
@@ -567,12 +569,7 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
         row[0] += 1
         row[1] += dur / 1e3
     span_us = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e3
-    gaps, end, before = [], None, ""
-    for name, start, dur in sorted(events, key=lambda e: e[1]):
-        if end is not None and start > end:
-            gaps.append(((start - end) / 1e3, before[:48], name[:48]))
-        if end is None or start + dur > end:
-            end, before = start + dur, name
+    idle = idle_gaps(sorted(events, key=lambda e: e[1]), top=8)
     layer_weights = sum(k * sum(ns) for name, k, ns, _ in _products_of(shape) if name != "head")
     flop = 2 * layer_weights * shape.num_hidden_layers * length + 2 * shape.hidden_size * (
         shape.vocab_size)
@@ -583,9 +580,9 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
             "groups_ms": {g: round(us / 1e3, 2) for g, us in sorted(groups.items())},
             "products_TFLOPs": round(flop / (products_us * 1e-6) / 1e12, 1) if products_us
             else None,
-            "idle_ms": round(sum(g for g, _, _ in gaps) / 1e3, 2),
-            "widest_gaps": [{"us": round(g, 1), "after": a, "before": b}
-                            for g, a, b in sorted(gaps, reverse=True)[:8]],
+            "idle_ms": round(idle["total_ns"] / 1e6, 2),
+            "widest_gaps": [{"us": round(ns / 1e3, 1), "after": a[:48], "before": b[:48]}
+                            for ns, a, b in idle["widest"]],
             "top_kernels": [{"kernel": n, "calls": c, "ms": round(us / 1e3, 3)}
                             for n, (c, us) in top]}
 

@@ -64,6 +64,8 @@ def test_profile_idle_gaps_are_placed_after_the_event_they_follow():
     assert idle["after"] == [("MemcpyD2H", (1, 69_000)), ("norm", (1, 20_000)),
                              ("matvec", (1, 1_000))]
     assert idle["sizes"] == {"<2us": 1, "2-10us": 0, "10-50us": 1, ">=50us": 1}
+    assert idle["widest"] == [(69_000, "MemcpyD2H", "matvec"), (20_000, "norm", "MemcpyD2H"),
+                              (1_000, "matvec", "attention")]
     assert idle_gaps([("a", 0, 5), ("b", 5, 5)])["total_ns"] == 0
 
 
