@@ -564,7 +564,8 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
     groups: dict[str, float] = {}
     kernels: dict[str, list[float]] = {}
     for name, _, dur in events:
-        groups[_group(name)] = groups.get(_group(name), 0.0) + dur / 1e3
+        group = _group(name)
+        groups[group] = groups.get(group, 0.0) + dur / 1e3
         row = kernels.setdefault(name[:80], [0, 0.0])
         row[0] += 1
         row[1] += dur / 1e3
