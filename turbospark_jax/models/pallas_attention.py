@@ -47,6 +47,9 @@ from jax.experimental.pallas import triton as plgpu
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.layers import MASK_VALUE
 
+#: log2(e): score differences are scaled by ``scale * LOG2_E`` so the softmax's
+#: exponentials are ``exp2`` (one hardware instruction on a GPU, where ``exp`` is several).
+LOG2_E = math.log2(math.e)
 #: Keys per tile of the inner loop.
 KEY_TILE = 64
 #: Most query rows (rows x query heads of one KV head) one program holds.
@@ -112,6 +115,10 @@ def tiles_for(rows: int, head_dim: int) -> AttentionTiles:
     (:func:`query_rows`) and the kernels always agree on it. Decode and verify sizes, which
     run the split kernel, keep :data:`DEFAULT_TILES`."""
     if head_dim >= 128 and rows > FOLD_ON_CHIP_ROWS:
+        if KEY_TILE * head_dim > 64 * 128:
+            # three stages of key and value tiles this large, beside 128 query rows, pass
+            # the 227 KiB of shared memory a block may have (an H100 refused 228 KiB)
+            return dataclasses.replace(WIDE_HEAD_PREFILL_TILES, stages=2)
         return WIDE_HEAD_PREFILL_TILES
     return DEFAULT_TILES
 
@@ -136,28 +143,42 @@ def _plan(rows: int, capacity: int, max_row_tile: int = MAX_ROW_TILE) -> tuple[i
 def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, scale: float,
                    capacity: int, window: int | None, mma_sums: bool) -> tuple:
     """One split's unnormalised attention of the query tile ``q [tile, hd]`` (positions
-    ``pos [tile]``) over keys ``first..end-1`` in tiles of :data:`KEY_TILE`, from zero:
-    ``(acc [tile, hd], m [tile], l [tile])``."""
+    ``pos [tile]``, ``-1`` on padding rows) over keys ``first..end-1`` in tiles of
+    :data:`KEY_TILE`, from zero: ``(acc [tile, hd], m [tile], l [tile])``, the maximum that
+    of the unscaled scores ``q . k``. The exponentials are ``exp2((score - m) * c)`` with
+    ``c = scale * log2(e)``: one hardware instruction on a GPU (``exp`` is several), and a
+    subtraction before the product, which no compiler can fuse into a multiply-add
+    (``score * c - m`` could be, on one path and not on another).
+
+    The tiles every live row sees whole (keys at or before the tile's smallest live
+    position, none past the cache) run a loop without the mask; the rest (the diagonal, an
+    overlapping last tile, any tile under a sliding window) a loop with it. On a tile a row
+    sees whole the mask selects every score as it is, so a row's bits do not depend on which
+    loop ran a tile, and so not on its neighbours in the query tile; the GPU's bitwise
+    checks (``tests/test_pallas_attention.py`` compiled, ``benchmarks/rowinv_model.py``'s
+    exact part) hold that against the compiler too."""
     trips = jnp.maximum(0, (end - first + KEY_TILE - 1) // KEY_TILE)
     tile, head_dim = q.shape
     lanes = jnp.arange(KEY_TILE, dtype=jnp.int32)
+    c = scale * LOG2_E
 
-    def body(i, carry):
+    def step(i, carry, masked: bool):
         acc, m, l = carry
         nominal = first + i * KEY_TILE
         start = jnp.minimum(nominal, capacity - KEY_TILE)  # the last tile may overlap
-        keys = start + lanes  # [KT]
         k = k_ref[pl.ds(start, KEY_TILE), :]  # [KT, hd]
         v = v_ref[pl.ds(start, KEY_TILE), :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32) * scale  # [tile, KT]
-        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= nominal)
-        if window is not None:
-            visible &= keys[None, :] > pos[:, None] - window
-        s = jnp.where(visible, s, MASK_VALUE)
+                                preferred_element_type=jnp.float32)  # [tile, KT], unscaled
+        if masked:
+            keys = start + lanes  # [KT]
+            visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= nominal)
+            if window is not None:
+                visible &= keys[None, :] > pos[:, None] - window
+            s = jnp.where(visible, s, MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        correction = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
+        correction = jnp.exp2((m - m_new) * c)
+        p = jnp.exp2((s - m_new[:, None]) * c)
         p_low = p.astype(v.dtype)
         if mma_sums:  # the row sum as a matrix product: its order is the tensor cores'
             ones = jnp.ones((KEY_TILE, SUM_COLUMNS), v.dtype)
@@ -168,10 +189,15 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
         acc = acc * correction[:, None] + jnp.dot(p_low, v, preferred_element_type=jnp.float32)
         return acc, m_new, l
 
-    acc0 = jnp.zeros((tile, head_dim), jnp.float32)
-    m0 = jnp.full((tile,), MASK_VALUE, jnp.float32)
-    l0 = jnp.zeros((tile,), jnp.float32)
-    return jax.lax.fori_loop(0, trips, body, (acc0, m0, l0))
+    if window is None:  # tiles 0..whole-1 are seen whole by every live row
+        lowest = jnp.min(jnp.where(pos >= 0, pos, capacity))
+        whole = jnp.clip((jnp.minimum(lowest + 1, capacity) - first) // KEY_TILE, 0, trips)
+    else:
+        whole = jnp.zeros_like(trips)
+    carry = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
+             jnp.zeros((tile,), jnp.float32))
+    carry = jax.lax.fori_loop(0, whole, functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(whole, trips, functools.partial(step, masked=True), carry)
 
 
 def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
@@ -191,15 +217,16 @@ def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, s
         l_ref[...] = l
 
 
-def _fold(carry: tuple, part: tuple) -> tuple:
+def _fold(carry: tuple, part: tuple, c: float) -> tuple:
     """Fold one split's partial ``(acc, m, l)`` into the running ``(acc, m, l)`` of the
     splits before it: the arithmetic both row-invariant paths share, split after split in
     order. A split that saw no key of a row (its maximum ``MASK_VALUE``) is weighted by
-    exactly zero once any split has; the first split that did is taken exactly."""
+    exactly zero once any split has; the first split that did is taken exactly. The maxima
+    are unscaled scores, ``c`` the scale times log2(e) (see :func:`_split_partial`)."""
     acc, m, l = carry
     part_acc, part_m, part_l = part
     top = jnp.maximum(m, part_m)
-    old, new = jnp.exp(m - top), jnp.exp(part_m - top)
+    old, new = jnp.exp2((m - top) * c), jnp.exp2((part_m - top) * c)
     return acc * old[:, None] + part_acc * new[:, None], top, l * old + part_l * new
 
 
@@ -243,7 +270,7 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
         end = jnp.minimum(first + split_len, bound)
         part = _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale,
                               capacity=capacity, window=window, mma_sums=mma_sums)
-        return _fold(carry, part)
+        return _fold(carry, part, scale * LOG2_E)
 
     tile, head_dim = q.shape
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
@@ -252,8 +279,8 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
-def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, capacity: int, split_len: int,
-                 rows: int | None = None) -> None:
+def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capacity: int,
+                 split_len: int, rows: int | None = None) -> None:
     """One program per (KV head, query tile): fold the splits' partial results in order
     (:func:`_fold`) and normalise. A split past a row's last key folds in as nothing, so
     the walk stops at the last split any row of the call sees, as the folding kernel's does:
@@ -263,7 +290,8 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, capacity: int, spli
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(
-        0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s])), start)
+        0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s]), scale * LOG2_E),
+        start)
     _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
@@ -424,8 +452,8 @@ def cached_attention_arranged(
             out = acc[0]
         elif row_invariant:  # the folding kernel's arithmetic, over the written partials
             out = pl.pallas_call(
-                functools.partial(_fold_kernel, capacity=capacity, split_len=split_len,
-                                  rows=overhang),
+                functools.partial(_fold_kernel, scale=scale, capacity=capacity,
+                                  split_len=split_len, rows=overhang),
                 grid=(kv_heads, count),
                 in_specs=[
                     pl.BlockSpec((), lambda h, t: ()),
@@ -440,7 +468,7 @@ def cached_attention_arranged(
             # Splits combine in a fixed order; a split that saw no visible key has maximum
             # MASK_VALUE and weight exactly zero.
             top = jnp.max(m, axis=0)  # [KV, R]
-            weight = jnp.exp(m - top[None])  # [S, KV, R]
+            weight = jnp.exp2((m - top[None]) * (scale * LOG2_E))  # [S, KV, R]
             total = jnp.sum(l * weight, axis=0)
             out = jnp.sum(acc * weight[..., None], axis=0) / total[..., None]
             out = out.astype(v_cache.dtype)
