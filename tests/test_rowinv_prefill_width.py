@@ -251,11 +251,13 @@ def test_the_producer_calls_the_programs_of_its_block_widths(rowinv, monkeypatch
     record(rowinv["wide"])
     record(rowinv["mid"])
     _chunked(rowinv["wide"], rowinv["tokens"][:150])
-    # 64 + 64 + a rest of 22 in 32 rows; one block a call (a decode call holds 2 x 1 rows)
-    assert calls == [((1, 64), 1), ((1, 64), 1), ((1, 32), 1)]
+    # 64 + 64 in one call of the prefill_width program (it holds PREFILL_CALL_ROWS rows'
+    # worth of blocks, at most steps_per_call = 2), then a rest of 22 in one 32-row block (a
+    # wider program than width holds steps_per_call x width rows' worth: one block)
+    assert calls == [((2, 64), 2), ((1, 32), 1)]
     calls.clear()
     _chunked(rowinv["mid"], rowinv["tokens"][:19])
-    assert calls == [((1, 16), 1), ((2, 4), 1)]  # a rest of 3 at the producer's width 4
+    assert calls == [((2, 16), 1), ((2, 4), 1)]  # a rest of 3 at the producer's width 4
 
 
 # -- refusals --------------------------------------------------------------------------------

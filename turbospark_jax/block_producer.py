@@ -67,6 +67,15 @@ MAX_SNAPSHOTS = 4
 #: buffers it sizes (plan, sampled ids, a float32 logits row per block) stay small.
 STEPS_PER_CALL = 128
 
+#: Rows one call of the ``prefill_width`` program holds at least (whole blocks, at least one):
+#: a call returns to the host only when the device has finished it (an H100 trace of the 1B
+#: shape's 8k exact prefill in 2,048-row blocks shows the device idle about 2 ms between
+#: calls while the host prepares the next), so the full blocks of a long prompt go four to a
+#: call: 74.1 ms became 68.3 ms (``benchmarks/probe_prefill_calls.py``). The plan and the
+#: last-row logits it sizes stay small; a model that accepts embeddings keeps a zero
+#: ``[S, W, D]`` "nothing injected" block per program width.
+PREFILL_CALL_ROWS = 8192
+
 #: The largest capacity: positions are int32 inside the programs.
 _MAX_CAPACITY = 2**31 - 1
 
@@ -93,7 +102,9 @@ class BlockProducer(
         (:func:`prefill_block_widths`), so a few programs serve every prompt, each block
         reading the weights once for all its rows, and every row keeps the bits of
         token-by-token decoding. A prefill program of ``w > W`` rows runs ``S * W // w``
-        blocks a call (at least one), so a call holds about as many rows as a decode burst.
+        blocks a call (at least one), so a call holds about as many rows as a decode burst;
+        the ``prefill_width`` program, which feeds the full blocks of long prompts, at least
+        :data:`PREFILL_CALL_ROWS` rows' worth (at most ``S`` blocks).
       donate: let the program consume the state's buffers (no KV copy per call). When True,
         the append-only buffers of a state passed to any method are invalid afterwards (its
         by-value leaves, and so every :meth:`checkpoint`, stay valid); keep a
@@ -697,11 +708,17 @@ class BlockProducer(
 
     def _steps_for(self, width: int) -> int:
         """Blocks one call of the ``width``-row program holds: :attr:`steps_per_call` at the
-        producer's own width; a wider prefill program holds about as many rows (at least one
-        block), so its plan, embeddings and output stay the size of a decode burst's."""
+        producer's own width; a wider program about as many rows (at least one block), so
+        its plan, embeddings and output stay the size of a decode burst's; the
+        ``prefill_width`` program at least :data:`PREFILL_CALL_ROWS` rows (a long prompt's
+        full blocks, fewer calls each waited for), in at most :attr:`steps_per_call` blocks
+        (its per-block logits rows stay within a decode burst's)."""
         if width == self.width:
             return self.steps_per_call
-        return max(1, self.steps_per_call * self.width // width)
+        rows = self.steps_per_call * self.width
+        if width == self.prefill_width:  # never more blocks than a decode burst's steps
+            return max(1, min(max(rows, PREFILL_CALL_ROWS) // width, self.steps_per_call))
+        return max(1, rows // width)
 
     def _nothing(self, width: int) -> tuple[jax.Array, jax.Array | None]:
         """The ``width``-row program's "nothing injected" ``(identities [S, W], embeddings
