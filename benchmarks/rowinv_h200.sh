@@ -34,12 +34,17 @@
 #                                             # the bitwise checks under it (1B, 0.6B), then
 #                                             # exact prefill and decode at both, one stretch;
 #                                             # the exact prefill without loop graphs
+#   bash benchmarks/rowinv_h200.sh 14 "$OUT"  # the exact prefill's figures against sdpa in
+#                                             # one stretch: one block a call against four
+#                                             # (speed and bits, 1B and 0.6B), the three
+#                                             # shapes' prefill, transformers' sdpa, the 1B
+#                                             # prefill profile
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 13}
+stage=${1:?stage 1 to 14}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -159,6 +164,19 @@ case "$stage" in
   timeout 90 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts speed \
     --shapes llama-3.2-1b --modes rowinv --workloads prefill --out "$out/prefill_no_graphs" \
     --budget-s 80 2>&1 | cut -c1-260 | grep speed | tail -5
+  ;;
+14)
+  for s in llama-3.2-1b qwen3-0.6b; do
+    timeout 80 python -m benchmarks.probe_prefill_calls --shape $s \
+      --out "$out/prefill_calls_$s.json" 2>&1 | tail -3
+  done
+  timeout 150 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --workloads prefill --out "$out/prefill" \
+    --budget-s 140 2>&1 | cut -c1-260 | grep speed | tail -15
+  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
+  timeout 60 python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
+    --out "$out/prefill_profile" --budget-s 50 2>&1 | cut -c1-400 | tail -3
   ;;
 esac
 ls -R "$out" | head -30
