@@ -39,12 +39,15 @@
 #                                             # (speed and bits, 1B and 0.6B), the three
 #                                             # shapes' prefill, transformers' sdpa, the 1B
 #                                             # prefill profile
+#   bash benchmarks/rowinv_h200.sh 15 "$OUT"  # which calls hold the host: a decode burst's
+#                                             # call against its whole time, and each while
+#                                             # loop in or out of a command buffer (XLA dump)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 14}
+stage=${1:?stage 1 to 15}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -177,6 +180,14 @@ case "$stage" in
     --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
   timeout 60 python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
     --out "$out/prefill_profile" --budget-s 50 2>&1 | cut -c1-400 | tail -3
+  ;;
+15)
+  timeout 60 python -m benchmarks.probe_call_sync --shape tiny --steps 64 --dump /tmp/dump_tiny \
+    --out "$out/call_sync_tiny.json" 2>&1 | tail -8
+  timeout 150 python -m benchmarks.probe_call_sync --shape llama-3.2-1b --steps 128 \
+    --dump /tmp/dump_1b --out "$out/call_sync_1b.json" 2>&1 | tail -8
+  timeout 120 python -m benchmarks.probe_prefill_calls --shape llama-3.2-1b \
+    --out "$out/prefill_calls_1b.json" 2>&1 | tail -3
   ;;
 esac
 ls -R "$out" | head -30
