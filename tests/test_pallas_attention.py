@@ -153,6 +153,28 @@ def test_row_invariant_form_a_short_context_folds_only_the_splits_it_sees():
     assert not np.array_equal(shifted, full[:1])
 
 
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_a_row_keeps_its_bits_whether_its_key_tiles_ran_masked_or_not(row_invariant):
+    """The key tiles every live row of a query tile sees whole run without the mask. A row
+    next to a row at position 0 has every tile masked (the tile's lowest position bounds the
+    unmasked ones); alone, all but its last run unmasked. Its bits must not change. (The
+    first form of the base-2 softmax, ``exp2(score * c - max)``, failed here in the
+    interpreter: its LLVM fused the multiply into the subtraction on one loop only.)"""
+    capacity, position = 2304, 2000
+    q, k, v = _inputs(6, 2, 4, 2, 16, capacity, jnp.float32)
+    run = lambda a, p: np.asarray(cached_attention(  # noqa: E731
+        a, k, v, jnp.asarray(p, jnp.int32), interpret=INTERPRET,
+        row_invariant=row_invariant)).view(np.uint32)
+    beside_zero = run(q, [0, position])[1]
+    alone = run(q[1:], [position])[0]
+    assert np.array_equal(beside_zero, alone)
+    # control: a key the row sees, doubled, shows in its result
+    nudged = np.asarray(cached_attention(
+        q[1:], k.at[1000].multiply(2.0), v, jnp.asarray([position], jnp.int32),
+        interpret=INTERPRET, row_invariant=row_invariant)).view(np.uint32)
+    assert not np.array_equal(nudged[0], alone)
+
+
 @pytest.mark.parametrize("width", [3, 140])
 def test_row_invariant_form_keeps_its_bits_under_any_attention_tiles(width):
     """Row tiles of 16, 64 (the default) and 128, warps and stages: speed settings only. At 3
