@@ -20,7 +20,10 @@ rows the block holds and of how far the keys are scanned. Both hold here:
   in the combination. (Dead cache rows must hold finite values, which they do: they are
   zeros or rows of earlier tokens.)
 
-The tile boundaries and splits depend only on the cache capacity, never on the data.
+The tile boundaries and splits depend only on the cache capacity, never on the data. Which
+tiles run without the mask does depend on the rows' positions, but only tiles that every live
+row of the query tile sees whole do, where the mask would keep every score: the same bits
+(:func:`_split_partial`).
 
 Across block widths (``row_invariant=True``, the mode of ``kernels="rowinv"``) a row must
 also keep its bits when the number of rows changes, which changes the query tile. So the
@@ -289,9 +292,9 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capac
     needed = _splits_seen(jnp.minimum(bound_ref[()], capacity), split_len)
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
+    c = scale * LOG2_E
     acc, _, l = jax.lax.fori_loop(
-        0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s]), scale * LOG2_E),
-        start)
+        0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s]), c), start)
     _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
