@@ -42,12 +42,15 @@
 #   bash benchmarks/rowinv_h200.sh 15 "$OUT"  # which calls hold the host: a decode burst's
 #                                             # call against its whole time, and each while
 #                                             # loop in or out of a command buffer (XLA dump)
+#   bash benchmarks/rowinv_h200.sh 16 "$OUT"  # a Mosaic GPU matrix kernel (JAX's Hopper
+#                                             # example) against ours: bits at one segment,
+#                                             # rates at the prefill shapes
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 15}
+stage=${1:?stage 1 to 16}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -188,6 +191,10 @@ case "$stage" in
     --dump /tmp/dump_1b --out "$out/call_sync_1b.json" 2>&1 | tail -8
   timeout 120 python -m benchmarks.probe_prefill_calls --shape llama-3.2-1b \
     --out "$out/prefill_calls_1b.json" 2>&1 | tail -3
+  ;;
+16)
+  timeout 300 python -m benchmarks.probe_mosaic_matmul --out "$out/mosaic_matmul.json" \
+    2>&1 | cut -c1-700 | tail -6
   ;;
 esac
 ls -R "$out" | head -30
