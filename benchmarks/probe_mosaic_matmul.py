@@ -31,6 +31,19 @@ CASES = ((2048, 512, 2048, "one segment"), (2048, 2048, 16384, "1B gate/up"),
          (2048, 8192, 2048, "1B down"), (2048, 4096, 28672, "8B gate/up"))
 
 
+def _folded(hopper, config, x, w, cols: int):
+    """``x @ w`` in float32 as segments of ``cols`` columns of K, each a call of the example
+    kernel from zero with the running total (from -0.0) as its addend."""
+    import jax
+    import jax.numpy as jnp
+
+    run = jax.jit(lambda x, w, c: hopper.matmul(x, w, c, config))
+    total = jnp.full((x.shape[0], w.shape[1]), -0.0, jnp.float32)
+    for at in range(0, x.shape[1], cols):
+        total = run(x[:, at:at + cols], w[at:at + cols], total)
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -66,7 +79,8 @@ def main() -> None:
             x, w, out_dtype=jnp.float32, impl="pallas", kernel="matvec", schedule=s))(
             x[7:8], w)).view(np.uint32)
         record["ours_matvec_row_equals_matmul"] = bool(np.array_equal(row[0], want[7]))
-        zeros = jnp.zeros((rows, n), jnp.float32)
+        # the addend -0.0 keeps a sum of -0.0 as ours does (its total starts at -0.0)
+        zeros = jnp.full((rows, n), -0.0, jnp.float32)
         for name, config in configs.items():
             try:
                 # a float32 output doubles the epilogue's shared memory: fewer stages
@@ -80,6 +94,24 @@ def main() -> None:
                                 "rows_differing": int(np.sum(np.any(got != want, axis=1)))}
             except Exception as exc:  # a config the shape or shared memory refuses
                 record[name] = {"error": repr(exc)[:300]}
+        # Our default schedule folds segments of up to four tiles in order into a total that
+        # starts at -0.0; the example kernel's addend reproduces that fold: one call a
+        # segment, each from zero, the running total its addend (``c + acc`` in float32).
+        tiles = k // Schedule.k_tile
+        _, _, per = Schedule().plan(k)
+        if per < tiles:
+            narrow = dataclasses.replace(next(iter(configs.values())), max_concurrent_steps=2)
+            try:
+                seg_want = np.asarray(jax.jit(lambda x, w: rowinv_matmul(
+                    x, w, out_dtype=jnp.float32, impl="pallas", kernel="matmul"))(x, w))
+                got = np.asarray(_folded(hopper, narrow, x, w, per * Schedule.k_tile))
+                record["segments"] = {
+                    "count": tiles // per,
+                    "bitwise_ours_default_schedule": bool(np.array_equal(
+                        got.view(np.uint32), seg_want.view(np.uint32))),
+                    "rows_differing": int(np.sum(np.any(got != seg_want, axis=1)))}
+            except Exception as exc:
+                record["segments"] = {"error": repr(exc)[:300]}
         print(json.dumps(record), flush=True)
         records.append(record)
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
