@@ -236,6 +236,20 @@ def test_wide_head_prefill_blocks_choose_their_tiles_and_keep_the_bits():
                                   pos, heads=heads, **common)
 
 
+def test_wide_head_prefill_tiles_fit_shared_memory_under_a_longer_key_tile(monkeypatch):
+    """At 128 keys a tile (``benchmarks/rowinv_model.py --key-tile 128``), three stages of
+    128-wide key and value tiles beside 128 query rows asked an H100 for 228 KiB of shared
+    memory, 1 KiB past the limit: the chosen prefill tiles drop to two stages there; at the
+    default 64 keys they keep three."""
+    from turbospark_jax.models import pallas_attention as pa
+
+    assert pa.tiles_for(pa.FOLD_ON_CHIP_ROWS + 1, 128).stages == 3
+    monkeypatch.setattr(pa, "KEY_TILE", 128)
+    chosen = pa.tiles_for(pa.FOLD_ON_CHIP_ROWS + 1, 128)
+    assert chosen.stages == 2 and chosen.max_row_tile == pa.WIDE_HEAD_PREFILL_TILES.max_row_tile
+    assert pa.tiles_for(pa.FOLD_ON_CHIP_ROWS + 1, 64) == pa.DEFAULT_TILES
+
+
 def test_attention_tiles_refuse_bad_settings():
     from turbospark_jax.errors import BadInputError
     from turbospark_jax.models.pallas_attention import AttentionTiles
