@@ -1,0 +1,189 @@
+"""Row-invariant matrix products on Hopper's tensor cores, through Pallas' Mosaic GPU backend.
+
+The exact prefill's products ran on our Triton matrix kernel (``rowinv._matmul``) at about
+half of cuBLAS's rate on an H100. This kernel keeps that kernel's arithmetic and changes how
+the operands reach the tensor cores: a warp-specialised pipeline (one warpgroup issues TMA
+loads into a ring of shared-memory stages; two compute warpgroups issue ``wgmma``), over a
+persistent grid of one program per multiprocessor.
+
+The arithmetic is :class:`rowinv.Schedule`'s: each segment of K is summed from zero by one
+chain of tensor-core steps in K order, and the segments' sums are folded in order into a
+float32 total that starts at ``-0.0``; the total is rounded once to the output dtype. Our
+Triton kernels do the same, so a row's bits do not depend on which kernel computed it, nor
+on the rows beside it (checked on the GPU: ``tests/test_mosaic_matmul.py``;
+``benchmarks/probe_mosaic_matmul.py`` showed JAX's own example kernel agreeing with ours at
+one segment and, called once a segment with the running total as its addend, at many).
+
+The running total lives in registers beside the segment's accumulator, so a warpgroup's tile
+is at most 128 x 64 float32 of each (64 + 64 registers a thread).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from turbospark_jax.errors import BadInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicTiles:
+    """The kernel's tiling; speed only, never a bit of the result.
+
+    Attributes:
+      wg_rows, wg_cols: one compute warpgroup's output tile (its accumulator and its total
+        are each ``wg_rows * wg_cols / 128`` float32 registers a thread).
+      split: the two compute warpgroups' tiles side by side along ``"cols"`` or ``"rows"``.
+      k_step: K columns a pipeline stage holds (64 bfloat16: one 128-byte swizzle row).
+      stages: pipeline stages in shared memory.
+      minor: the persistent grid walks output tiles along ``"rows"`` or ``"cols"`` first,
+      band: in bands of this many tiles (a snake), so neighbours share operands in L2.
+    """
+
+    wg_rows: int = 128
+    wg_cols: int = 64
+    split: str = "cols"
+    k_step: int = 64
+    stages: int = 4
+    minor: str = "rows"
+    band: int = 8
+
+    def __post_init__(self) -> None:
+        if self.split not in ("cols", "rows") or self.minor not in ("cols", "rows"):
+            raise BadInputError(f"split and minor must be 'rows' or 'cols'; got {self.split!r}, "
+                                f"{self.minor!r}")
+        if self.wg_rows % 64 or self.wg_cols % 64 or self.wg_rows * self.wg_cols > 128 * 64:
+            raise BadInputError(f"a warpgroup's tile must be multiples of 64 of at most "
+                                f"128 x 64 elements; got {self.wg_rows} x {self.wg_cols}")
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """A program's output tile: the two warpgroups' tiles side by side."""
+        return (self.wg_rows * (2 if self.split == "rows" else 1),
+                self.wg_cols * (2 if self.split == "cols" else 1))
+
+
+#: The epilogue writes the output through shared memory in tiles of this size.
+EPILOGUE_TILE = 64
+
+
+def _swizzled(plgpu: Any, cols: int, dtype: Any) -> tuple[Any, ...]:
+    swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
+            plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(x_gmem: Any, w_gmem: Any, o_gmem: Any, *, t: MosaicTiles, seg_steps: int) -> None:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x_gmem.shape
+    n = w_gmem.shape[1]
+    bm, bn = t.block
+    m_tiles, n_tiles, steps = m // bm, n // bn, k // t.k_step
+    in_transforms = _swizzled(plgpu, t.k_step, x_gmem.dtype)
+    epi = EPILOGUE_TILE
+    out_dtype = o_gmem.dtype
+
+    def pipeline(body: Any, context: Any) -> Any:
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=t.stages, compute_context=context,
+            in_specs=[
+                plgpu.BlockSpec((bm, t.k_step), lambda s: (0, s), transforms=in_transforms,
+                                memory_space=plgpu.SMEM),
+                plgpu.BlockSpec((t.k_step, bn), lambda s: (s, 0), transforms=in_transforms,
+                                memory_space=plgpu.SMEM),
+            ])
+
+    unused = lambda *_, **__: None  # noqa: E731  (the allocations ignore the bodies)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(unused, unused).get_allocations(x_gmem, w_gmem),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype,
+                            transforms=_swizzled(plgpu, epi, out_dtype)),
+        collective_axes="wg",
+    )
+    def _scope(allocations: Any, out_smem: Any) -> None:
+        wg = jax.lax.axis_index("wg")
+        if t.split == "rows":
+            wg_m, wg_n = pl.ds(wg * t.wg_rows, t.wg_rows), slice(None)
+        else:
+            wg_m, wg_n = slice(None), pl.ds(wg * t.wg_cols, t.wg_cols)
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _tile(info: Any) -> None:
+            (at,) = info.index
+            mi, ni = plgpu.planar_snake(at, (m_tiles, n_tiles), 0 if t.minor == "rows" else 1,
+                                        t.band)
+            rows, cols = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+
+            def fresh() -> jax.Array:
+                return plgpu.layout_cast(jnp.zeros((t.wg_rows, t.wg_cols), jnp.float32),
+                                         plgpu.Layout.WGMMA)
+
+            def context(run: Any) -> None:
+                start = plgpu.layout_cast(jnp.full((t.wg_rows, t.wg_cols), -0.0, jnp.float32),
+                                          plgpu.Layout.WGMMA)
+                acc, total = run((fresh(), start))
+                if seg_steps == steps:  # one segment: nothing folded in the loop
+                    total = total + acc
+                out = total.astype(out_dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for i in range(t.wg_rows // epi):
+                    for j in range(t.wg_cols // epi):
+                        slot = (i * (t.wg_cols // epi) + j) % 2
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = out[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, slot],
+                            o_gmem.at[rows, cols].at[wg_m, wg_n].at[
+                                pl.ds(i * epi, epi), pl.ds(j * epi, epi)])
+
+            def body(idx: Any, x_smem: Any, w_smem: Any, carry: Any) -> Any:
+                acc, total = carry
+
+                def step(acc_ref: Any) -> None:
+                    plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
+
+                acc = pl.run_state(step)(plgpu.ACC.init(acc))
+                if seg_steps == steps:
+                    return acc, total
+                (s,) = idx
+                return jax.lax.cond(jax.lax.rem(s + 1, seg_steps) == 0,
+                                    lambda: (fresh(), total + acc), lambda: (acc, total))
+
+            pipeline(body, context)(x_gmem.at[rows, :], w_gmem.at[:, cols],
+                                    allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def mosaic_matmul(x: jax.Array, w: jax.Array, *, seg_cols: int, out_dtype: Any,
+                  tiles: MosaicTiles = MosaicTiles(), sms: int | None = None) -> jax.Array:
+    """``x [M, K] @ w [K, N]`` with K summed in segments of ``seg_cols`` columns (see the
+    module docstring); ``M``, ``N`` and ``K`` already multiples of the tiles."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x.shape
+    n = w.shape[1]
+    bm, bn = tiles.block
+    if m % bm or n % bn or k % seg_cols or seg_cols % tiles.k_step:
+        raise BadInputError(f"mosaic_matmul needs M % {bm}, N % {bn}, K % {seg_cols} and "
+                            f"{seg_cols} % {tiles.k_step} all zero; got {x.shape} @ {w.shape}")
+    if sms is None:
+        sms = jax.devices()[0].core_count
+    call = plgpu.kernel(
+        functools.partial(_kernel, t=tiles, seg_steps=seg_cols // tiles.k_step),
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return call(x, w)
