@@ -53,11 +53,12 @@ def main() -> None:
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_matmul
     from turbospark_jax.models.rowinv import Schedule, rowinv_matmul, schedule_for
 
-    tilings = {"128x64 cols": MosaicTiles(),
-               "128x64 cols, minor cols": MosaicTiles(minor="cols"),
-               "64x128 rows": MosaicTiles(wg_rows=64, wg_cols=128, split="rows"),
-               "128x64 cols, 5 stages": MosaicTiles(stages=5),
-               "128x64 rows": MosaicTiles(split="rows")}
+    tilings = {"128x64 cols, 5 stages": MosaicTiles(),
+               "128x64 cols, 4 stages": MosaicTiles(stages=4),
+               "64x128 rows, 5 stages": MosaicTiles(wg_rows=64, wg_cols=128, split="rows"),
+               "128x64 cols, 6 stages": MosaicTiles(stages=6),
+               "64x128 rows, band 16": MosaicTiles(wg_rows=64, wg_cols=128, split="rows",
+                                                   band=16)}
     records = []
     for shape, what, k, n in CASES:
         if args.only and shape not in args.only.split(","):
@@ -70,8 +71,8 @@ def main() -> None:
         schedules = {"model": schedule_for(k, n), "one segment": Schedule(segment_tiles=k // 128)}
         record = {"shape": shape, "product": what, "K": k, "N": n,
                   "segment_cols": {s: v.plan(k)[2] * v.k_tile for s, v in schedules.items()},
-                  "triton_TFLOPs": _rate(lambda x, w: rowinv_matmul(
-                      x, w, impl="pallas", kernel="matmul", schedule=schedules["model"]),
+                  "triton_TFLOPs": _rate(lambda x, w, v=schedules["model"]: rowinv_matmul(
+                      x, w, impl="pallas", kernel="matmul", schedule=v),
                       x, ws, flops),
                   "xla_TFLOPs": _rate(lambda x, w: jnp.dot(
                       x, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16),
@@ -85,14 +86,13 @@ def main() -> None:
                 for (s, d), ref in want.items():
                     seg = schedules[s].plan(k)[2] * 128
                     got = np.asarray(jax.jit(functools.partial(
-                        mosaic_matmul, seg_cols=seg, out_dtype=d, tiles=tiles))(x, ws[0]))
+                        mosaic_matmul, seg_cols=seg, out_dtype=d, tiles=tiles))(x, (ws[0],)))
                     key = f"{s} {jnp.dtype(d).name}"
                     entry[key] = int(np.sum(np.any(got.view(np.uint8) != ref.view(np.uint8),
                                                    axis=1)))
                 seg = schedules["model"].plan(k)[2] * 128
-                entry["TFLOPs"] = _rate(functools.partial(
-                    mosaic_matmul, seg_cols=seg, out_dtype=jnp.bfloat16, tiles=tiles),
-                    x, ws, flops)
+                entry["TFLOPs"] = _rate(lambda x, w, seg=seg, tiles=tiles: mosaic_matmul(
+                    x, (w,), seg_cols=seg, out_dtype=jnp.bfloat16, tiles=tiles), x, ws, flops)
             except Exception as exc:  # a tiling the shape or shared memory refuses
                 entry["error"] = repr(exc)[:400]
             record[name] = entry

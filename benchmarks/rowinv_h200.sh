@@ -42,6 +42,11 @@
 #   bash benchmarks/rowinv_h200.sh 15 "$OUT"  # which calls hold the host: a decode burst's
 #                                             # call against its whole time, and each while
 #                                             # loop in or out of a command buffer (XLA dump)
+#   bash benchmarks/rowinv_h200.sh 17 "$OUT"  # the Mosaic matrix kernel's GPU tests (bits
+#                                             # against the Triton kernels) and the exact
+#                                             # part at the 1B, 0.6B and 8B shapes
+#   bash benchmarks/rowinv_h200.sh 18 "$OUT"  # prefill speed against sdpa, with the Mosaic
+#                                             # products, and the prefill profile
 #   bash benchmarks/rowinv_h200.sh 16 "$OUT"  # a Mosaic GPU matrix kernel (JAX's Hopper
 #                                             # example) against ours: bits at one segment,
 #                                             # rates at the prefill shapes
@@ -50,7 +55,7 @@
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 16}
+stage=${1:?stage 1 to 18}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -195,6 +200,23 @@ case "$stage" in
 16)
   timeout 300 python -m benchmarks.probe_mosaic_matmul --out "$out/mosaic_matmul.json" \
     2>&1 | cut -c1-700 | tail -6
+  ;;
+17)
+  timeout 230 env JAX_PLATFORMS=cuda python -m pytest -v -o addopts="" -p no:cacheprovider \
+    tests/test_mosaic_matmul.py tests/test_rowinv.py --tb=short -rf > "$out/gpu_tests_mosaic.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_mosaic.txt" | tail -12
+  timeout 300 python -m benchmarks.rowinv_model --parts exact \
+    --exact-shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/exact" --budget-s 290 \
+    2>&1 | tail -12
+  ;;
+18)
+  timeout 200 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --workloads prefill --out "$out/prefill" \
+    --budget-s 190 2>&1 | cut -c1-260 | grep speed | tail -15
+  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
+  timeout 70 python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
+    --out "$out/prefill_profile" --budget-s 60 2>&1 | cut -c1-400 | tail -3
   ;;
 esac
 ls -R "$out" | head -30

@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 from turbospark_jax.models import pallas_attention, pallas_rope_store, pallas_row_norm, rowinv
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.models.mosaic_matmul import MosaicTiles
 from turbospark_jax.models.rowinv import Schedule, Tiles
 
 BF16 = jnp.bfloat16
@@ -92,6 +93,32 @@ KERNELS = {
 def test_kernel_lowers_for_cuda(name):
     fn, *args = KERNELS[name]
     assert "xla.gpu.triton" in _lowered(fn, *args)
+
+
+MOSAIC = {
+    "mosaic, two weights, segments": (
+        lambda x, a, b: _matmul(x, (a, b), kernel="mosaic"), S((300, 512), BF16),
+        S((512, 384), BF16),
+        S((512, 128), BF16)),
+    "mosaic, float32 out, 64 x 128 warpgroup tiles": (
+        lambda x, w: _matmul(x, (w,), out=jnp.float32, kernel="mosaic", tiles=Tiles(
+            mosaic=MosaicTiles(wg_rows=64, wg_cols=128, split="rows"))),
+        ROWS, S((256, 256), BF16)),
+    "mosaic, gated": (
+        lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(), "gate_up"),
+        ROWS, S((256, 256), BF16), S((256, 256), BF16)),
+}
+
+
+@pytest.mark.parametrize("name", MOSAIC)
+def test_mosaic_kernel_lowers_for_cuda(name):
+    """The Mosaic kernel lowers (Pallas runs its Mosaic GPU passes, layout inference
+    included, while lowering); the gated form leaves its gating to a Triton kernel."""
+    fn, *args = MOSAIC[name]
+    text = _lowered(fn, *args)
+    assert "mosaic_gpu" in text and "rowinv_mosaic" in text
+    assert ("rowinv_gate_gate_up" in text) == ("gated" in name)
+    assert "stablehlo.dot_general" not in text
 
 
 def test_control_jnp_remainder_in_a_kernel_loop_fails_to_lower():
@@ -168,6 +195,21 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
     assert _float_reductions(text) == []
     # SwiGLU's gating runs in the gate/up product's epilogue: no SiLU left to XLA
     assert not re.search(r"stablehlo\.(exponential|logistic)\b", text)
+
+
+def test_rowinv_prefill_program_on_hopper_takes_the_mosaic_kernel(monkeypatch):
+    """A prefill-wide program on a Hopper GPU runs the products the Mosaic kernel fits on it
+    (o, gate/up with its Triton gating, down) and the rest on the Triton kernels (this
+    config's 64-column K and V weights, the tied head stored [N, K]); still no XLA product
+    and no float reduction."""
+    monkeypatch.setattr(rowinv, "_hopper", lambda: True)
+    text = _program("rowinv", rowinv.MOSAIC_MIN_ROWS, monkeypatch)
+    names = set(re.findall(r"rowinv_(?:mosaic|matmul|gate)_[a-z_]+?(?=_mosaic_gpu|\b|\")",
+                           text))
+    assert {"rowinv_mosaic_o", "rowinv_mosaic_gate_up", "rowinv_gate_gate_up",
+            "rowinv_mosaic_down", "rowinv_matmul_qkv", "rowinv_matmul_head"} <= names, names
+    assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
+    assert _float_reductions(text) == []
 
 
 def _float_pads(text: str) -> list[str]:

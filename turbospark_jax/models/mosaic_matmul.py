@@ -40,7 +40,8 @@ class MosaicTiles:
         are each ``wg_rows * wg_cols / 128`` float32 registers a thread).
       split: the two compute warpgroups' tiles side by side along ``"cols"`` or ``"rows"``.
       k_step: K columns a pipeline stage holds (64 bfloat16: one 128-byte swizzle row).
-      stages: pipeline stages in shared memory.
+      stages: pipeline stages in shared memory (five: the fastest of four and five at the
+        1B and 8B shapes' prefill products on an H100, ``benchmarks/probe_mosaic_rowinv.py``).
       minor: the persistent grid walks output tiles along ``"rows"`` or ``"cols"`` first,
       band: in bands of this many tiles (a snake), so neighbours share operands in L2.
     """
@@ -49,7 +50,7 @@ class MosaicTiles:
     wg_cols: int = 64
     split: str = "cols"
     k_step: int = 64
-    stages: int = 4
+    stages: int = 5
     minor: str = "rows"
     band: int = 8
 
@@ -78,13 +79,16 @@ def _swizzled(plgpu: Any, cols: int, dtype: Any) -> tuple[Any, ...]:
             plgpu.SwizzleTransform(swizzle))
 
 
-def _kernel(x_gmem: Any, w_gmem: Any, o_gmem: Any, *, t: MosaicTiles, seg_steps: int) -> None:
+def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, seg_steps: int,
+            offsets: tuple[int, ...]) -> None:
+    """One program per multiprocessor, walking output tiles; weight ``i`` owns column tiles
+    ``offsets[i]`` up to ``offsets[i + 1]`` of the output."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    *w_gmems, o_gmem = refs
     m, k = x_gmem.shape
-    n = w_gmem.shape[1]
     bm, bn = t.block
-    m_tiles, n_tiles, steps = m // bm, n // bn, k // t.k_step
+    m_tiles, n_tiles, steps = m // bm, offsets[-1], k // t.k_step
     in_transforms = _swizzled(plgpu, t.k_step, x_gmem.dtype)
     epi = EPILOGUE_TILE
     out_dtype = o_gmem.dtype
@@ -104,7 +108,7 @@ def _kernel(x_gmem: Any, w_gmem: Any, o_gmem: Any, *, t: MosaicTiles, seg_steps:
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(unused, unused).get_allocations(x_gmem, w_gmem),
+        allocations=pipeline(unused, unused).get_allocations(x_gmem, w_gmems[0]),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype,
                             transforms=_swizzled(plgpu, epi, out_dtype)),
         collective_axes="wg",
@@ -159,31 +163,56 @@ def _kernel(x_gmem: Any, w_gmem: Any, o_gmem: Any, *, t: MosaicTiles, seg_steps:
                 return jax.lax.cond(jax.lax.rem(s + 1, seg_steps) == 0,
                                     lambda: (fresh(), total + acc), lambda: (acc, total))
 
-            pipeline(body, context)(x_gmem.at[rows, :], w_gmem.at[:, cols],
-                                    allocations=allocations)
+            for i, w_gmem in enumerate(w_gmems):
+                def run(w_gmem: Any = w_gmem, first: int = offsets[i]) -> None:
+                    pipeline(body, context)(x_gmem.at[rows, :],
+                                            w_gmem.at[:, pl.ds((ni - first) * bn, bn)],
+                                            allocations=allocations)
+
+                if len(w_gmems) == 1:
+                    run()
+                else:
+                    pl.when((ni >= offsets[i]) & (ni < offsets[i + 1]))(run)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def mosaic_matmul(x: jax.Array, w: jax.Array, *, seg_cols: int, out_dtype: Any,
-                  tiles: MosaicTiles = MosaicTiles(), sms: int | None = None) -> jax.Array:
-    """``x [M, K] @ w [K, N]`` with K summed in segments of ``seg_cols`` columns (see the
-    module docstring); ``M``, ``N`` and ``K`` already multiples of the tiles."""
+def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out_dtype: Any,
+                  tiles: MosaicTiles = MosaicTiles(), sms: int | None = None,
+                  name: str = "rowinv_mosaic") -> jax.Array:
+    """``x [M, K] @ w [K, N]`` for each ``w`` of ``ws``, side by side (``[M, N1 + N2 + ...]``,
+    one launch), with K summed in segments of ``seg_cols`` columns (see the module
+    docstring). ``M``, every ``N`` and ``K`` must already be multiples of the tiles
+    (:func:`rowinv.rowinv_matmul` pads them); ``sms``: programs (the GPU's multiprocessors
+    when None); ``name``: the kernel's name in a profile."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
-    n = w.shape[1]
     bm, bn = tiles.block
-    if m % bm or n % bn or k % seg_cols or seg_cols % tiles.k_step:
-        raise BadInputError(f"mosaic_matmul needs M % {bm}, N % {bn}, K % {seg_cols} and "
-                            f"{seg_cols} % {tiles.k_step} all zero; got {x.shape} @ {w.shape}")
+    widths = tuple(w.shape[1] for w in ws)
+    if (m % bm or k % seg_cols or seg_cols % tiles.k_step or any(n % bn for n in widths)
+            or any(w.shape[0] != k for w in ws)):
+        raise BadInputError(f"mosaic_matmul needs M % {bm}, every N % {bn}, K % {seg_cols} "
+                            f"and {seg_cols} % {tiles.k_step} all zero; got x {x.shape} and "
+                            f"w {[w.shape for w in ws]}")
+    offsets = [0]
+    for n in widths:
+        offsets.append(offsets[-1] + n // bn)
     if sms is None:
-        sms = jax.devices()[0].core_count
+        device = jax.devices()[0]
+        sms = device.core_count if device.platform == "gpu" else 132
+    body = functools.partial(_kernel, t=tiles, seg_steps=seg_cols // tiles.k_step,
+                             offsets=tuple(offsets))
+
+    def named(*refs: Any) -> None:
+        body(*refs)
+
+    named.__name__ = name
     call = plgpu.kernel(
-        functools.partial(_kernel, t=tiles, seg_steps=seg_cols // tiles.k_step),
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        named,
+        out_type=jax.ShapeDtypeStruct((m, sum(widths)), out_dtype),
         grid=(sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return call(x, w)
+    return call(x, *ws)

@@ -19,7 +19,12 @@ On a GPU two Pallas (Triton) kernels follow that schedule:
   segment, so a single row still spreads the weight reads over many programs; the segments'
   float32 partial sums are then added in order.
 
-Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them.
+Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them. On a
+Hopper GPU a third kernel, ``"mosaic"`` (:mod:`~turbospark_jax.models.mosaic_matmul`: Pallas'
+Mosaic GPU backend, TMA loads and ``wgmma`` in a warp-specialised pipeline), follows the same
+schedule for many rows at 1.3-1.6x the Triton matmul kernel's rate, and its rows are the
+Triton kernels' bitwise (``tests/test_mosaic_matmul.py`` on the GPU); ``kernel="auto"`` runs
+it from :data:`MOSAIC_MIN_ROWS` rows on where the operands fit it (:func:`mosaic_refusal`).
 
 On other backends the product runs as XLA dots of one fixed shape,
 ``[XLA_ROW_TILE, K] @ [K, N]``, over the rows in tiles (:func:`_xla_tiled`). XLA's CPU dot is
@@ -45,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_matmul
 
 #: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
 #: interpreter's tile products.
@@ -69,8 +75,15 @@ SMALL_M = 16
 #: Values of ``impl``: ``"auto"`` (Pallas on a GPU, the XLA form elsewhere), ``"pallas"``,
 #: ``"interpret"`` (the Pallas kernels in the interpreter, for CPU tests) and ``"xla"``.
 IMPLS = ("auto", "pallas", "interpret", "xla")
-#: Values of ``kernel``: which Pallas kernel runs (``"auto"`` picks by the row count).
-KERNELS = ("auto", "matvec", "matmul")
+#: Values of ``kernel``: which Pallas kernel runs (``"auto"`` picks by the row count and the
+#: GPU).
+KERNELS = ("auto", "matvec", "matmul", "mosaic")
+#: From this many rows on, ``kernel="auto"`` runs the Mosaic kernel on a Hopper GPU where the
+#: operands fit it (a prefill block's 2,048 rows do; a verify's few rows take the matvec
+#: kernel, a short chunk's the Triton matmul kernel, whose row tile is half as tall).
+MOSAIC_MIN_ROWS = 256
+#: The Mosaic kernel's default tiling.
+MOSAIC_TILES = MosaicTiles()
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -171,6 +184,8 @@ class Tiles:
         the loop index, which lowers to boolean arithmetic); it now takes ``lax.rem`` and
         lowers (``tests/test_gpu_lowering.py``), and agrees with the nested form in the
         interpreter (``tests/test_rowinv.py``).
+      mosaic: the Mosaic kernel's tiling; ``None`` keeps ``kernel="auto"`` on the Triton
+        kernels.
     """
 
     bm: int = 64
@@ -183,6 +198,7 @@ class Tiles:
     gated_bn: int | None = None
     gated_stages: int = 4
     flat_loop: bool = False
+    mosaic: MosaicTiles | None = MOSAIC_TILES
 
     def __post_init__(self) -> None:
         for name in ("bm", "bn", "matvec_bn", "gated_bn"):
@@ -563,6 +579,50 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
     return row_tiled(tile, x, shared=tuple(ws), min_tiles=DOT_MIN_TILES)
 
 
+def _hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def mosaic_refusal(x: Any, widths: tuple[int, ...], nk: bool, tiles: Tiles) -> str | None:
+    """Why the Mosaic kernel cannot run ``x @ w`` for weights of output ``widths`` (None when
+    it can): it takes bfloat16 or float16 operands (``wgmma`` would round float32 ones to
+    TF32), weights stored ``[K, N]``, and every weight's width a multiple of its tile's."""
+    if tiles.mosaic is None:
+        return "the tiles name no Mosaic tiling (Tiles(mosaic=None))"
+    if jnp.dtype(x.dtype) == jnp.float32:
+        return "float32 operands (the Mosaic kernel multiplies bfloat16 or float16)"
+    if nk:
+        return "weights stored [N, K] (the Mosaic kernel reads them [K, N])"
+    bn = tiles.mosaic.block[1]
+    if any(n % bn for n in widths):
+        return f"a weight width not a multiple of {bn} (widths {widths})"
+    return None
+
+
+def _use_mosaic(kernel: str, x: jax.Array, widths: tuple[int, ...], nk: bool,
+                tiles: Tiles) -> bool:
+    refusal = mosaic_refusal(x, widths, nk, tiles)
+    if kernel == "mosaic":
+        if refusal is not None:
+            raise BadInputError(f"kernel='mosaic' cannot run this product: {refusal}")
+        return True
+    return (kernel == "auto" and refusal is None and x.shape[0] >= MOSAIC_MIN_ROWS
+            and _hopper())
+
+
+def _mosaic(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype: Any, schedule: Schedule,
+            mosaic: MosaicTiles, label: str) -> jax.Array:
+    """The product on the Mosaic kernel: rows padded to its row tile, K to whole tiles."""
+    m, k = x.shape
+    kp, _, per = schedule.plan(k)
+    mp = _ceil_to(m, mosaic.block[0])
+    out = mosaic_matmul(_pad(x, mp, kp), tuple(_pad(w, kp, w.shape[1]) for w in ws),
+                        seg_cols=per * schedule.k_tile, out_dtype=out_dtype, tiles=mosaic,
+                        name="rowinv_mosaic" + (f"_{label}" if label else ""))
+    return out[:m]
+
+
 @functools.partial(jax.jit, static_argnames=("nk", "out_dtype", "impl", "kernel", "schedule",
                                              "tiles", "parts", "label"))
 def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any, impl: str,
@@ -576,7 +636,11 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
     if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
         partials = _matvec(x, ws, nk, schedule, tiles, interpret, label)
         return partials if parts else sum_parts(partials, out_dtype)
-    out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
+    widths = tuple(w.shape[0 if nk else 1] for w in ws)
+    if _use_mosaic(kernel, x, widths, nk, tiles):
+        out = _mosaic(x, ws, dtype, schedule, tiles.mosaic, label)
+    else:
+        out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
     return out[None] if parts else out
 
 
@@ -586,12 +650,48 @@ def gated_schedule(k: int) -> Schedule:
     return Schedule(segment_tiles=-(-k // Schedule.k_tile))
 
 
+def _gate_kernel(gate_ref: Any, up_ref: Any, o_ref: Any) -> None:
+    o_ref[...] = _swiglu(gate_ref[...], up_ref[...], o_ref.dtype)
+
+
+#: Rows and columns of a program of the gating kernel after the Mosaic product.
+GATE_BLOCK = (64, 128)
+
+
+def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTiles,
+                  label: str) -> jax.Array:
+    """The gated product for many rows on a Hopper GPU: the Mosaic kernel's two products under
+    the gated schedule, rounded to ``x.dtype`` side by side, then a Triton kernel gating them
+    with the gated kernels' own epilogue (:func:`_swiglu`, the same code Triton compiles in
+    the matvec kernel, so a row's bits agree with a decode step's; a Mosaic epilogue would
+    compile SiLU's exponential its own way)."""
+    m, k = x.shape
+    f = gate.shape[1]
+    both = _mosaic(x, (gate, up), x.dtype, gated_schedule(k), mosaic, label)
+    bm, bn = GATE_BLOCK
+    mp = _ceil_to(m, bm)
+    both = _pad(both, mp, 2 * f)
+    out = pl.pallas_call(
+        _gate_kernel,
+        grid=(mp // bm, f // bn),
+        in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+                  pl.BlockSpec((bm, bn), lambda i, j: (i, j + f // bn))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
+        name="rowinv_gate" + (f"_{label}" if label else ""),
+        **_compiler_params(False, 4, 1),
+    )(both, both)
+    return out[:m]
+
+
 def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, tiles: Tiles,
                   interpret: bool, label: str) -> jax.Array:
     m, k = x.shape
+    matvec = kernel == "matvec" or (kernel == "auto" and m <= SMALL_M)
+    if not matvec and _use_mosaic(kernel, x, (gate.shape[1],) * 2, False, tiles):
+        return _mosaic_gated(x, gate, up, tiles.mosaic, label)
     kp, count, per = gated_schedule(k).plan(k)
     tile_dot = _interpret_dot if interpret else _hardware_dot
-    matvec = kernel == "matvec" or (kernel == "auto" and m <= SMALL_M)
     bn = tiles.gated_columns(gate.shape[1]) if matvec else tiles.bn
     cols = _Columns((gate.shape[1],), bn)
     ws = _weights_padded((gate, up), kp, bn, False)
@@ -680,7 +780,15 @@ def rowinv_swiglu(
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
         raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
-    return _rowinv_swiglu(x, gate, up, resolve_impl(impl), kernel, tiles, label)
+    impl = resolve_impl(impl)
+    _check_mosaic_impl(kernel, impl)
+    return _rowinv_swiglu(x, gate, up, impl, kernel, tiles, label)
+
+
+def _check_mosaic_impl(kernel: str, impl: str) -> None:
+    if kernel == "mosaic" and impl != "pallas":
+        raise BadInputError(f"kernel='mosaic' runs on a Hopper GPU only (impl 'pallas'); "
+                            f"impl {impl!r} has no Mosaic kernel: use kernel='matmul'")
 
 
 def resolve_impl(impl: str) -> str:
@@ -777,5 +885,7 @@ def rowinv_matmul(
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
         raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
-    return _rowinv_matmul(x, ws, nk, out, resolve_impl(impl), kernel, schedule, tiles,
+    impl = resolve_impl(impl)
+    _check_mosaic_impl(kernel, impl)
+    return _rowinv_matmul(x, ws, nk, out, impl, kernel, schedule, tiles,
                           as_bool("parts", parts), label)
