@@ -48,8 +48,8 @@ def main() -> None:
         prompt = [int(t) for t in np.random.default_rng(1).integers(0, model.config.vocab_size,
                                                                     length)]
         for path in ("exact", "parallel"):
-            fn = (lambda s: producer.prefill_chunk(s, prompt, 0)) if path == "exact" else (
-                lambda s: producer.prefill_parallel(s, prompt, 0))
+            fn = (lambda s, p=prompt: producer.prefill_chunk(s, p, 0)) if path == "exact" else (
+                lambda s, p=prompt: producer.prefill_parallel(s, p, 0))
             jax.block_until_ready(fn(producer.init_state()))
             best = None
             for _ in range(3):
@@ -65,7 +65,7 @@ def main() -> None:
                     best = run
             state = producer.init_state()
             jax.block_until_ready(state)
-            _, events = traced_events(lambda s=state: jax.block_until_ready(fn(s)))
+            _, events = traced_events(lambda s=state, f=fn: jax.block_until_ready(f(s)))
             events.sort(key=lambda e: e[1])
             busy = sum(d for _, _, d in events) / 1e6
             span = (max(s + d for _, s, d in events) - events[0][1]) / 1e6 if events else 0

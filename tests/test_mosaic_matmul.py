@@ -123,7 +123,7 @@ def test_refusals_name_the_problem():
 def test_auto_keeps_the_triton_kernels_off_hopper(monkeypatch):
     """``kernel="auto"`` takes the Mosaic kernel only on a Hopper GPU, from
     ``MOSAIC_MIN_ROWS`` rows, for operands it fits."""
-    x, ws = _operands(512, (256,), rows=rowinv.MOSAIC_MIN_ROWS)
+    x, _ = _operands(512, (256,), rows=rowinv.MOSAIC_MIN_ROWS)
     tiles = Tiles()
     monkeypatch.setattr(rowinv, "_hopper", lambda: False)
     assert not rowinv._use_mosaic("auto", x, (256,), False, tiles)

@@ -130,28 +130,58 @@ def test_last_row_head_is_that_row_of_the_whole_head(layout):
 @pytest.mark.parametrize("chunk", [64, 8])  # one fresh pass; passes over a key limit
 def test_parallel_prefill_runs_on_xla_kernels(chunk):
     """The parallel prefill stands outside the bitwise guarantees, so a row-invariant model
-    runs its passes on XLA's (faster) kernels: its state is bitwise the XLA-kernel model's
-    after the same passes (then the last token through each one's own exact program), and its
-    logits are within float32 rounding of the exact prefill's."""
+    runs its passes on XLA's (faster) kernels, the last token in the last pass with the head
+    on its row alone (``parallel_head``): its state and logits are bitwise the XLA-kernel
+    model's after the same passes, and within float32 rounding of the exact prefill's."""
     prompt = PROMPT * 2
     rowinv_model, xla_model = (_model("qwen3", jnp.float32, k) for k in ("rowinv", "xla"))
+    assert rowinv_model.parallel_head and xla_model.parallel_head
     params = rowinv_model.init_params(jax.random.PRNGKey(3))
 
+    producers = {m: BlockProducer(m, params, capacity=64, width=1, steps_per_call=2)
+                 for m in (rowinv_model, xla_model)}
+
     def prefill(model, parallel):
-        p = BlockProducer(model, params, capacity=64, width=1, steps_per_call=2)
+        p = producers[model]
         if parallel:
             return p.prefill_parallel(p.init_state(), prompt, 0, chunk=chunk)
         return p.prefill_chunk(p.init_state(), prompt, 0)
 
     logits, state = prefill(rowinv_model, True)
-    _, xla_state = prefill(xla_model, True)
-    rows = len(prompt) - 1  # the passes' rows; the last token ran each model's exact program
+    xla_logits, xla_state = prefill(xla_model, True)
+    assert int(state.fed.count) == len(prompt) == int(xla_state.fed.count)
+    rows = len(prompt)  # every row from the passes
     for a, b in zip((state.cache.k, state.cache.v), (xla_state.cache.k, xla_state.cache.v),
                     strict=True):
         for layer, xla_layer in zip(a, b, strict=True):
             assert np.array_equal(np.asarray(layer[:rows]), np.asarray(xla_layer[:rows]))
-    exact, _ = prefill(rowinv_model, False)
+    assert np.array_equal(np.asarray(logits), np.asarray(xla_logits))
+    exact, exact_state = prefill(rowinv_model, False)
+    assert logits.shape == exact.shape
     np.testing.assert_allclose(np.asarray(logits), np.asarray(exact), rtol=1e-4, atol=1e-4)
+    # the next decode step from either state agrees within the same rounding
+    p = producers[rowinv_model]
+    nxt = [np.asarray(p.produce(s, 5, len(prompt))[0]) for s in (state, exact_state)]
+    np.testing.assert_allclose(nxt[0], nxt[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_parallel_pass_takes_a_last_row_head_on_xla_kernels():
+    """``parallel_head``: a parallel pass (``fresh`` or ``key_limit``) gives the last live
+    row's logits under XLA's kernels too (no bitwise claim there), the row a full head gives
+    within rounding; outside such a pass the XLA-kernel model still refuses."""
+    xla = _model("qwen3", jnp.float32, "xla")
+    params = xla.init_params(jax.random.PRNGKey(3))
+    tokens = jnp.asarray(PROMPT * 2 + [0] * (64 - 2 * len(PROMPT)), jnp.int32)
+    positions = jnp.arange(64, dtype=jnp.int32)
+    live = jnp.int32(2 * len(PROMPT))
+    one, _ = xla.block_forward(params, xla.init_cache(64), tokens, positions, live, True,
+                               fresh=True, last_row_head=True)
+    whole, _ = xla.block_forward(params, xla.init_cache(64), tokens, positions, live, True,
+                                 fresh=True)
+    assert one.shape == (1, VOCAB)
+    np.testing.assert_allclose(np.asarray(one[0]), np.asarray(whole[int(live) - 1]),
+                               rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(one[0]), np.asarray(whole[int(live) - 2]))  # control
 
 
 def _attention_operands(rows: int, length: int = 600, seed: int = 2):

@@ -331,8 +331,9 @@ class BlockProducer(
         self, state: BlockState, tokens: Sequence[int], start_position: int, *,
         chunk: int = 2048,
     ) -> tuple[jax.Array, BlockState]:
-        """The fast path: all but the last token in wide batched passes, then the last one
-        through the exact program.
+        """The fast path: the prompt in wide batched passes, the last of which also gives the
+        last token's logits (a model that declares ``parallel_head``; otherwise all but the
+        last token go in passes and the last one through the exact program).
 
         A prompt fed into an empty state goes in one pass over its own rows (width: the next
         power of two, so prompt lengths share a few programs; cuDNN flash attention on a GPU).
@@ -340,33 +341,41 @@ class BlockProducer(
         see (a static bound rounded up to a multiple of ``chunk``, so at most
         ``capacity / chunk`` programs). These are different executables from the exact
         program, so the cache rows they write differ from the exact path's by rounding (the
-        tolerance is stated in the tests); the final token goes through :meth:`produce`, so no
-        pass needs the output head. Not part of any bitwise guarantee.
+        tolerance is stated in the tests). Not part of any bitwise guarantee.
         """
         if not self.supports_parallel_prefill():
             return super().prefill_parallel(state, tokens, start_position, chunk=chunk)
         chunk = as_int("chunk", chunk, low=1)
         tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
         program = compiled_parallel(self.model, self.donate)
-        body = tokens[:-1]
-        if body and int(state.fed.count) == 0:
-            # The body is shorter than the capacity, so this one pass always holds it.
+        # With ``parallel_head`` the last pass also feeds the last token and returns its
+        # logits; otherwise that token goes through the exact program (:meth:`produce`).
+        head = self.model.parallel_head
+        body = tokens if head else tokens[:-1]
+        fed = int(state.fed.count)
+        if body and fed == 0:
+            # The body fits the capacity (checked above), so this one pass always holds it.
             width = min(max(256, 1 << (len(body) - 1).bit_length()), self.capacity)
             pieces = [(body, width, True)]
         else:
             pieces = [(body[a : a + chunk], chunk, False) for a in range(0, len(body), chunk)]
-        for piece, width, fresh in pieces:
+        logits = None
+        for i, (piece, width, fresh) in enumerate(pieces):
             padded = np.zeros((width,), np.int32)
             padded[: len(piece)] = piece
-            limit = None if fresh else min(
-                self.capacity, -(-(int(state.fed.count) + width) // chunk) * chunk
-            )
+            limit = None if fresh else min(self.capacity, -(-(fed + width) // chunk) * chunk)
             bare, held = without_auxiliary(state)
-            buffers, values = program(
+            last = head and i == len(pieces) - 1
+            buffers, values, *out = program(
                 self.params, buffers_only(bare), by_value(bare), padded,
                 np.int32(len(piece)), key_limit=limit, fresh=fresh,
+                **({"head": True} if last else {}),
             )
             state = with_auxiliary(merge_parts(buffers, values), held)
+            fed += len(piece)
+            logits = out[0] if last else None
+        if head:
+            return logits, state
         return self.produce(state, tokens[-1], start_position + len(body))
 
     # -- target side of speculative decoding ------------------------------------------

@@ -304,16 +304,22 @@ def _run_blocks(
 def _parallel_block(
     model: BlockModel, params: Any, buffers: BlockState, values: BlockState,
     tokens: jax.Array, live: jax.Array, key_limit: int | None, fresh: bool,
-) -> tuple[BlockState, BlockState]:
-    """One wide headless pass: the parallel prefill's fast path (not the exact program)."""
+    head: bool = False,
+) -> tuple[BlockState, BlockState] | tuple[BlockState, BlockState, jax.Array]:
+    """One wide pass: the parallel prefill's fast path (not the exact program). Headless, or
+    with ``head`` (a model that declares ``parallel_head``) also the float32 ``[V]`` logits
+    of its last live row."""
     state = merge_parts(buffers, values)
     width = tokens.shape[0]
     positions = state.fed.count + jnp.arange(width, dtype=jnp.int32)
-    _, cache = model.block_forward(
-        params, state.cache, tokens, positions, live, jnp.bool_(False),
-        key_limit=key_limit, fresh=fresh,
+    extra = {"last_row_head": True} if head else {}
+    logits, cache = model.block_forward(
+        params, state.cache, tokens, positions, live, True if head else jnp.bool_(False),
+        key_limit=key_limit, fresh=fresh, **extra,
     )
     state = state.replace(cache=cache, fed=state.fed.append(tokens, live))
+    if head:
+        return buffers_only(state), by_value(state), logits[0]
     return buffers_only(state), by_value(state)
 
 
@@ -321,7 +327,7 @@ def _parallel_block(
 def compiled_parallel(model: BlockModel, donate: bool) -> Any:
     fn = functools.partial(_parallel_block, model)
     return jax.jit(fn, donate_argnums=(1,) if donate else (),
-                   static_argnames=("key_limit", "fresh"))
+                   static_argnames=("key_limit", "fresh", "head"))
 
 
 @functools.cache

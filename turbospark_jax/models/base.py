@@ -49,6 +49,12 @@ class BlockModel(abc.ABC):
         without replaying it.
       parallel_prefill: ``block_forward`` accepts blocks much wider than the exact program's
         ``W`` (a batched prefill pass) and uses the ``key_limit`` / ``fresh`` hints.
+      parallel_head: such a pass (``key_limit`` or ``fresh`` given) also takes
+        ``last_row_head=True`` whatever the kernels: the logits of the last live row alone,
+        ``[1, V]``, outside any bitwise claim. The parallel prefill then feeds the prompt's
+        last token in its last pass instead of an exact step of its own (a second program
+        call, which on an H100 cost the 1B shape's 2k prompt 3-4 ms of its 14). The dense
+        family does.
       can_tap: the family can record tap rows: its instances take a ``tap_layers`` setting
         (checked by :func:`check_tap_layers`; ``dataclasses.replace(model, tap_layers=...)``
         sets it), have ``config.hidden_size``, ``config.num_hidden_layers``,
@@ -82,6 +88,7 @@ class BlockModel(abc.ABC):
     rewindable: ClassVar[bool] = True
     records_tape: ClassVar[bool] = False
     parallel_prefill: ClassVar[bool] = False
+    parallel_head: ClassVar[bool] = False
     can_tap: ClassVar[bool] = False
     tap_layers: tuple[int, ...] = ()
     accepts_embeddings: ClassVar[bool] = False

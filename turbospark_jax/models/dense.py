@@ -281,6 +281,7 @@ class DenseModel(BlockModel):
     """
 
     parallel_prefill = True
+    parallel_head = True
     can_tap = True
     row_invariant_kernels = True
 
@@ -554,15 +555,17 @@ class DenseModel(BlockModel):
 
         Raises:
           BadInputError: a per-layer cache with stacked params run as a scan;
-            ``last_row_head`` where the widths do not agree.
+            ``last_row_head`` where the widths do not agree, outside a parallel pass.
         """
         if self.kernels == "rowinv" and (fresh or key_limit is not None):
             fast = dataclasses.replace(self, kernels="xla")
             return fast.block_forward(params, cache, tokens, positions, live, need_head,
-                                      key_limit=key_limit, fresh=fresh)
+                                      key_limit=key_limit, fresh=fresh,
+                                      last_row_head=last_row_head)
         width = tokens.shape[0]
         capacity = cache.capacity
-        if last_row_head and not self.widths_agree:
+        parallel = fresh or key_limit is not None  # no bitwise claim to keep (parallel_head)
+        if last_row_head and not self.widths_agree and not parallel:
             raise BadInputError(
                 "last_row_head needs row-invariant kernels (kernels='rowinv'): with XLA's a "
                 "one-row head rounds unlike the same row of a W-row head"
