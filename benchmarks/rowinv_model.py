@@ -529,7 +529,8 @@ def prefill_speed(producer: Any, length: int, vocab: int, path: str) -> dict[str
 #: How the prefill profile sorts a trace's kernels: the first pattern in a kernel's name
 #: names its group (ours by their names; cuBLAS / CUTLASS products and cuDNN attention by the
 #: words their kernels carry).
-PREFILL_GROUPS = (("products", ("rowinv_mat", "gemm", "cutlass", "xmma", "cublas", "nvjet")),
+PREFILL_GROUPS = (("products", ("rowinv_mat", "rowinv_mosaic", "rowinv_gate", "gemm", "cutlass",
+                                 "xmma", "cublas", "nvjet")),
                   ("attention", ("cached_attention", "flash", "fmha", "cudnn", "attention")),
                   ("norms", ("row_rms_norm",)), ("rope_store", ("rope_store",)))
 
