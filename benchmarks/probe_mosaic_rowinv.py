@@ -54,11 +54,12 @@ def main() -> None:
     from turbospark_jax.models.rowinv import Schedule, rowinv_matmul, schedule_for
 
     tilings = {"128x64 cols, 5 stages": MosaicTiles(),
-               "128x64 cols, 4 stages": MosaicTiles(stages=4),
-               "64x128 rows, 5 stages": MosaicTiles(wg_rows=64, wg_cols=128, split="rows"),
                "128x64 cols, 6 stages": MosaicTiles(stages=6),
-               "64x128 rows, band 16": MosaicTiles(wg_rows=64, wg_cols=128, split="rows",
-                                                   band=16)}
+               "64x128 rows, 5 stages": MosaicTiles(wg_rows=64, wg_cols=128, split="rows"),
+               "64x128 rows, 4 stages": MosaicTiles(wg_rows=64, wg_cols=128, split="rows",
+                                                    stages=4),
+               "64x128 rows, 6 stages": MosaicTiles(wg_rows=64, wg_cols=128, split="rows",
+                                                    stages=6)}
     records = []
     for shape, what, k, n in CASES:
         if args.only and shape not in args.only.split(","):

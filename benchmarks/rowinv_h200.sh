@@ -42,14 +42,14 @@
 #   bash benchmarks/rowinv_h200.sh 15 "$OUT"  # which calls hold the host: a decode burst's
 #                                             # call against its whole time, and each while
 #                                             # loop in or out of a command buffer (XLA dump)
+#   bash benchmarks/rowinv_h200.sh 16 "$OUT"  # a Mosaic GPU matrix kernel (JAX's Hopper
+#                                             # example) against ours: bits at one segment,
+#                                             # rates at the prefill shapes
 #   bash benchmarks/rowinv_h200.sh 17 "$OUT"  # the Mosaic matrix kernel's GPU tests (bits
 #                                             # against the Triton kernels) and the exact
 #                                             # part at the 1B, 0.6B and 8B shapes
 #   bash benchmarks/rowinv_h200.sh 18 "$OUT"  # prefill speed against sdpa, with the Mosaic
 #                                             # products, and the prefill profile
-#   bash benchmarks/rowinv_h200.sh 16 "$OUT"  # a Mosaic GPU matrix kernel (JAX's Hopper
-#                                             # example) against ours: bits at one segment,
-#                                             # rates at the prefill shapes
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
