@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -111,8 +112,8 @@ def main() -> None:
                         "x": float(x[tuple(at)]), "a": float(a[tuple(at)]),
                         "b": float(b[tuple(at)]), "triton": float(want[tuple(at)]),
                         "mosaic": float(got[tuple(at)])}
-            except Exception as exc:
-                record[backend] = {"error": repr(exc)[:300]}
+            except Exception:  # the error's last frames say where it arose
+                record[backend] = {"error": traceback.format_exc()[-900:]}
         records.append(record)
         print(json.dumps(record), flush=True)
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
