@@ -58,22 +58,34 @@ def _run(backend: str, fn, out_dtype, x, a, b):
     import jax
     from jax.experimental import pallas as pl
 
-    def kernel(x_ref, a_ref, b_ref, o_ref):
-        o_ref[...] = fn(x_ref[...], a_ref[...], b_ref[...]).astype(o_ref.dtype)
-
-    spec = pl.BlockSpec(BLOCK, lambda i: (i, 0))
     if backend == "triton":
         from jax.experimental.pallas import triton as plt
-        params = plt.CompilerParams(num_warps=4, num_stages=1)
-    else:
-        from jax.experimental.pallas import mosaic_gpu as plm
-        params = plm.CompilerParams(
-            approx_math=backend == "mosaic, approx math",
-            lowering_semantics=(plm.LoweringSemantics.Warpgroup if "warpgroup" in backend
-                                else plm.LoweringSemantics.Lane))
-    call = pl.pallas_call(kernel, grid=(ROWS // BLOCK[0],), in_specs=[spec] * 3, out_specs=spec,
-                          out_shape=jax.ShapeDtypeStruct((ROWS, COLS), out_dtype),
-                          compiler_params=params)
+
+        def kernel(x_ref, a_ref, b_ref, o_ref):
+            o_ref[...] = fn(x_ref[...], a_ref[...], b_ref[...]).astype(o_ref.dtype)
+
+        spec = pl.BlockSpec(BLOCK, lambda i: (i, 0))
+        call = pl.pallas_call(kernel, grid=(ROWS // BLOCK[0],), in_specs=[spec] * 3,
+                              out_specs=spec,
+                              out_shape=jax.ShapeDtypeStruct((ROWS, COLS), out_dtype),
+                              compiler_params=plt.CompilerParams(num_warps=4, num_stages=1))
+        return np.asarray(jax.jit(call)(x, a, b))
+    from jax.experimental.pallas import mosaic_gpu as plm
+
+    def step(_, x_s, a_s, b_s, o_s):
+        o_s[...] = fn(x_s[...], a_s[...], b_s[...]).astype(o_s.dtype)
+
+    def body(x_g, a_g, b_g, o_g):
+        spec = plm.BlockSpec(BLOCK, lambda i: (i, 0))
+        plm.emit_pipeline(step, grid=(ROWS // BLOCK[0],), in_specs=[spec] * 3,
+                          out_specs=[spec], max_concurrent_steps=2)(x_g, a_g, b_g, o_g)
+
+    params = plm.CompilerParams(
+        approx_math=backend == "mosaic, approx math",
+        lowering_semantics=(plm.LoweringSemantics.Warpgroup if "warpgroup" in backend
+                            else plm.LoweringSemantics.Lane))
+    call = plm.kernel(body, out_type=jax.ShapeDtypeStruct((ROWS, COLS), out_dtype),
+                      compiler_params=params)
     return np.asarray(jax.jit(call)(x, a, b))
 
 
