@@ -51,6 +51,11 @@ def _ops():
         "swiglu": (lambda x, a, b: _swiglu(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                                            jnp.bfloat16), jnp.bfloat16),
         "silu alone": (lambda x, a, b: jax.nn.silu(a), jnp.float32),
+        # x holds every finite bfloat16 value (as float32): the gating's whole domain, since
+        # the gate is rounded to bfloat16 before SiLU and the product after it is exact
+        "swiglu, every bfloat16 gate": (
+            lambda x, a, b: _swiglu(x.astype(jnp.bfloat16), jnp.ones_like(x, jnp.bfloat16),
+                                    jnp.bfloat16), jnp.bfloat16),
     }
 
 
@@ -101,11 +106,15 @@ def main() -> None:
     x = jnp.asarray(np.linspace(-150.0, 10.0, n, dtype=np.float32).reshape(ROWS, COLS))
     a = jnp.asarray(rng.standard_normal((ROWS, COLS), np.float32) * 4)
     b = jnp.asarray(rng.standard_normal((ROWS, COLS), np.float32) * 4 + 0.01)
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(jnp.bfloat16)
+    every = np.where(np.isfinite(every.astype(np.float32)), every.astype(np.float32), 0.0)
+    every = jnp.asarray(np.resize(every, n).reshape(ROWS, COLS).astype(np.float32))
     records = []
     for name, (fn, out_dtype) in _ops().items():
         record = {"op": name}
+        x_in = every if name.startswith("swiglu, every") else x
         try:
-            want = _run("triton", fn, out_dtype, x, a, b)
+            want = _run("triton", fn, out_dtype, x_in, a, b)
         except Exception as exc:
             record["triton_error"] = repr(exc)[:300]
             records.append(record)
@@ -113,7 +122,7 @@ def main() -> None:
             continue
         for backend in BACKENDS:
             try:
-                got = _run(backend, fn, out_dtype, x, a, b)
+                got = _run(backend, fn, out_dtype, x_in, a, b)
                 differ = got.view(np.uint8 if got.itemsize == 1 else
                                   {2: np.uint16, 4: np.uint32}[got.itemsize]) != want.view(
                     {2: np.uint16, 4: np.uint32}[want.itemsize])
@@ -121,7 +130,7 @@ def main() -> None:
                 if differ.any():
                     at = np.argwhere(differ)[0]
                     record[backend]["first"] = {
-                        "x": float(x[tuple(at)]), "a": float(a[tuple(at)]),
+                        "x": float(x_in[tuple(at)]), "a": float(a[tuple(at)]),
                         "b": float(b[tuple(at)]), "triton": float(want[tuple(at)]),
                         "mosaic": float(got[tuple(at)])}
             except Exception:  # the error's last frames say where it arose
