@@ -44,6 +44,11 @@ class MosaicTiles:
         1B and 8B shapes' prefill products on an H100, ``benchmarks/probe_mosaic_rowinv.py``).
       minor: the persistent grid walks output tiles along ``"rows"`` or ``"cols"`` first,
       band: in bands of this many tiles (a snake), so neighbours share operands in L2.
+      gate_in_epilogue: the gated product gates in the kernel's epilogue
+        (:func:`mosaic_gated`) instead of writing both products for a Triton gating kernel.
+        Off until its bits are checked on a GPU (``tests/test_mosaic_matmul.py``): the
+        elementwise probe found Mosaic's SiLU and gating bitwise Triton's, but the fused
+        kernel itself has not run yet.
     """
 
     wg_rows: int = 128
@@ -53,6 +58,7 @@ class MosaicTiles:
     stages: int = 5
     minor: str = "rows"
     band: int = 8
+    gate_in_epilogue: bool = False
 
     def __post_init__(self) -> None:
         if self.split not in ("cols", "rows") or self.minor not in ("cols", "rows"):
@@ -77,6 +83,25 @@ def _swizzled(plgpu: Any, cols: int, dtype: Any) -> tuple[Any, ...]:
     swizzle = plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)),
             plgpu.SwizzleTransform(swizzle))
+
+
+def _store(out: jax.Array, out_smem: Any, o_gmem: Any) -> None:
+    """A warpgroup's finished tile ``out`` to its place ``o_gmem`` in the output, through its
+    two shared-memory slots ``out_smem`` in tiles of :data:`EPILOGUE_TILE` (each copy issued
+    once the slot's previous one has left)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    epi = EPILOGUE_TILE
+    rows, cols = out.shape
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    for i in range(rows // epi):
+        for j in range(cols // epi):
+            slot = (i * (cols // epi) + j) % 2
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[slot] = out[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[slot],
+                                    o_gmem.at[pl.ds(i * epi, epi), pl.ds(j * epi, epi)])
 
 
 def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, seg_steps: int,
@@ -137,18 +162,8 @@ def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, seg_steps: int,
                 acc, total = run((fresh(), start))
                 if seg_steps == steps:  # one segment: nothing folded in the loop
                     total = total + acc
-                out = total.astype(out_dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                for i in range(t.wg_rows // epi):
-                    for j in range(t.wg_cols // epi):
-                        slot = (i * (t.wg_cols // epi) + j) % 2
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = out[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, slot],
-                            o_gmem.at[rows, cols].at[wg_m, wg_n].at[
-                                pl.ds(i * epi, epi), pl.ds(j * epi, epi)])
+                _store(total.astype(out_dtype), out_smem.at[wg],
+                       o_gmem.at[rows, cols].at[wg_m, wg_n])
 
             def body(idx: Any, x_smem: Any, w_smem: Any, carry: Any) -> Any:
                 acc, total = carry
@@ -177,6 +192,120 @@ def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, seg_steps: int,
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _gated_kernel(x_gmem: Any, gate_gmem: Any, up_gmem: Any, o_gmem: Any, *, t: MosaicTiles,
+                  stages: int, epilogue: Any) -> None:
+    """The gated product: each program's tile of both products over all of K as one segment
+    (the gated schedule), then ``epilogue(gate, up)`` of the two float32 totals, in
+    registers. One pipeline step loads an x tile and the gate's and the up weight's tiles."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    m, k = x_gmem.shape
+    bm, bn = t.block
+    m_tiles, n_tiles, steps = m // bm, gate_gmem.shape[1] // bn, k // t.k_step
+    in_transforms = _swizzled(plgpu, t.k_step, x_gmem.dtype)
+    w_spec = plgpu.BlockSpec((t.k_step, bn), lambda s: (s, 0), transforms=in_transforms,
+                             memory_space=plgpu.SMEM)
+
+    def pipeline(body: Any, context: Any) -> Any:
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=stages, compute_context=context,
+            in_specs=[plgpu.BlockSpec((bm, t.k_step), lambda s: (0, s),
+                                      transforms=in_transforms, memory_space=plgpu.SMEM),
+                      w_spec, w_spec])
+
+    unused = lambda *_, **__: None  # noqa: E731
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(unused, unused).get_allocations(x_gmem, gate_gmem, up_gmem),
+        out_smem=plgpu.SMEM((2, 2, EPILOGUE_TILE, EPILOGUE_TILE), o_gmem.dtype,
+                            transforms=_swizzled(plgpu, EPILOGUE_TILE, o_gmem.dtype)),
+        collective_axes="wg",
+    )
+    def _scope(allocations: Any, out_smem: Any) -> None:
+        wg = jax.lax.axis_index("wg")
+        if t.split == "rows":
+            wg_m, wg_n = pl.ds(wg * t.wg_rows, t.wg_rows), slice(None)
+        else:
+            wg_m, wg_n = slice(None), pl.ds(wg * t.wg_cols, t.wg_cols)
+
+        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        def _tile(info: Any) -> None:
+            (at,) = info.index
+            mi, ni = plgpu.planar_snake(at, (m_tiles, n_tiles), 0 if t.minor == "rows" else 1,
+                                        t.band)
+            rows, cols = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+
+            def zeros() -> jax.Array:
+                return plgpu.layout_cast(jnp.zeros((t.wg_rows, t.wg_cols), jnp.float32),
+                                         plgpu.Layout.WGMMA)
+
+            def context(run: Any) -> None:
+                gate, up = run((zeros(), zeros()))
+                start = plgpu.layout_cast(jnp.full((t.wg_rows, t.wg_cols), -0.0, jnp.float32),
+                                          plgpu.Layout.WGMMA)  # the total, as the schedule's
+                _store(epilogue(start + gate, start + up), out_smem.at[wg],
+                       o_gmem.at[rows, cols].at[wg_m, wg_n])
+
+            def body(_: Any, x_smem: Any, g_smem: Any, u_smem: Any, carry: Any) -> Any:
+                def step(refs: Any) -> None:
+                    plgpu.wgmma(refs[0], x_smem.at[wg_m], g_smem.at[:, wg_n])
+                    plgpu.wgmma(refs[1], x_smem.at[wg_m], u_smem.at[:, wg_n])
+
+                return pl.run_state(step)((plgpu.ACC.init(carry[0]), plgpu.ACC.init(carry[1])))
+
+            pipeline(body, context)(x_gmem.at[rows, :], gate_gmem.at[:, cols],
+                                    up_gmem.at[:, cols], allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+#: Pipeline stages of the gated kernel: a step holds three tiles, so five would pass the
+#: shared memory a program may have.
+GATED_STAGES = 4
+
+
+def _call(body: Any, name: str, out: jax.ShapeDtypeStruct, sms: int | None) -> Any:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    if sms is None:
+        device = jax.devices()[0]
+        sms = device.core_count if device.platform == "gpu" else 132
+
+    def named(*refs: Any) -> None:
+        body(*refs)
+
+    named.__name__ = name
+    return plgpu.kernel(
+        named, out_type=out, grid=(sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+
+
+def mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, *, epilogue: Any,
+                 out_dtype: Any, tiles: MosaicTiles = MosaicTiles(), sms: int | None = None,
+                 name: str = "rowinv_mosaic_gated") -> jax.Array:
+    """``epilogue(x @ gate, x @ up)`` of the two float32 products, each over all of K as one
+    segment, computed and gated in one launch (``[M, F]`` in ``out_dtype``). ``epilogue``
+    must be elementwise; the row-invariant gated product passes its own (``rowinv._swiglu``,
+    whose bits Mosaic's compilation was found to share with Triton's over every bfloat16
+    gate value: ``benchmarks/probe_mosaic_elementwise.py``). Shapes as
+    :func:`mosaic_matmul`'s."""
+    m, k = x.shape
+    bm, bn = tiles.block
+    if m % bm or k % tiles.k_step or gate.shape != up.shape or gate.shape[0] != k or (
+            gate.shape[1] % bn):
+        raise BadInputError(f"mosaic_gated needs M % {bm}, K % {tiles.k_step} and F % {bn} "
+                            f"zero and gate and up of one shape [K, F]; got x {x.shape}, "
+                            f"gate {gate.shape}, up {up.shape}")
+    body = functools.partial(_gated_kernel, t=tiles, stages=min(tiles.stages, GATED_STAGES),
+                             epilogue=epilogue)
+    return _call(body, name, jax.ShapeDtypeStruct((m, gate.shape[1]), out_dtype), sms)(
+        x, gate, up)
+
+
 def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out_dtype: Any,
                   tiles: MosaicTiles = MosaicTiles(), sms: int | None = None,
                   name: str = "rowinv_mosaic") -> jax.Array:
@@ -185,7 +314,6 @@ def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out
     docstring). ``M``, every ``N`` and ``K`` must already be multiples of the tiles
     (:func:`rowinv.rowinv_matmul` pads them); ``sms``: programs (the GPU's multiprocessors
     when None); ``name``: the kernel's name in a profile."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     m, k = x.shape
     bm, bn = tiles.block
@@ -198,21 +326,6 @@ def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out
     offsets = [0]
     for n in widths:
         offsets.append(offsets[-1] + n // bn)
-    if sms is None:
-        device = jax.devices()[0]
-        sms = device.core_count if device.platform == "gpu" else 132
     body = functools.partial(_kernel, t=tiles, seg_steps=seg_cols // tiles.k_step,
                              offsets=tuple(offsets))
-
-    def named(*refs: Any) -> None:
-        body(*refs)
-
-    named.__name__ = name
-    call = plgpu.kernel(
-        named,
-        out_type=jax.ShapeDtypeStruct((m, sum(widths)), out_dtype),
-        grid=(sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-    )
-    return call(x, *ws)
+    return _call(body, name, jax.ShapeDtypeStruct((m, sum(widths)), out_dtype), sms)(x, *ws)

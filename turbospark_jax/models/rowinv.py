@@ -50,7 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_matmul
+from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_matmul
 
 #: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
 #: interpreter's tile products.
@@ -667,6 +667,14 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
     compile SiLU's exponential its own way)."""
     m, k = x.shape
     f = gate.shape[1]
+    if mosaic.gate_in_epilogue:
+        kp = gated_schedule(k).plan(k)[0]
+        mp = _ceil_to(m, mosaic.block[0])
+        out = mosaic_gated(_pad(x, mp, kp), _pad(gate, kp, f), _pad(up, kp, f),
+                           epilogue=functools.partial(_swiglu, dtype=x.dtype),
+                           out_dtype=x.dtype, tiles=mosaic,
+                           name="rowinv_mosaic" + (f"_{label}" if label else ""))
+        return out[:m]
     both = _mosaic(x, (gate, up), x.dtype, gated_schedule(k), mosaic, label)
     bm, bn = GATE_BLOCK
     mp = _ceil_to(m, bm)
