@@ -663,8 +663,10 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
     """The gated product for many rows on a Hopper GPU: the Mosaic kernel's two products under
     the gated schedule, rounded to ``x.dtype`` side by side, then a Triton kernel gating them
     with the gated kernels' own epilogue (:func:`_swiglu`, the same code Triton compiles in
-    the matvec kernel, so a row's bits agree with a decode step's; a Mosaic epilogue would
-    compile SiLU's exponential its own way)."""
+    the matvec kernel, so a row's bits agree with a decode step's). With
+    ``mosaic.gate_in_epilogue`` the Mosaic kernel gates in its own epilogue instead
+    (:func:`~turbospark_jax.models.mosaic_matmul.mosaic_gated`; off by default until its
+    GPU bit test has run)."""
     m, k = x.shape
     f = gate.shape[1]
     if mosaic.gate_in_epilogue:
