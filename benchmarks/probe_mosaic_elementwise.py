@@ -11,7 +11,8 @@ math) over the same inputs and counts the elements whose bits differ:
 
 * ``exp2`` over a dense sweep of [-150, 10] (the softmax's range, subnormal results
   included) and over the same sweep with results below 2^-126 set to zero in both;
-* ``a * b + c`` (contracted or not), ``a / b``;
+* ``a * b + c`` (contracted or not; with an optimization barrier after Mosaic's product),
+  ``a / b``;
 * SwiGLU's gating (:func:`rowinv._swiglu`) of bfloat16 products, and SiLU alone.
 
     PYTHONPATH=. python -m benchmarks.probe_mosaic_elementwise --out OUT.json
@@ -46,6 +47,11 @@ def _ops():
         "exp2": (lambda x, a, b: jnp.exp2(x), jnp.float32),
         "exp2, below 2^-126 flushed": (lambda x, a, b: flushed_exp2(x), jnp.float32),
         "a * b + c": (lambda x, a, b: a * b + x, jnp.float32),
+        # Triton rounds the product, then the sum; Mosaic marks its arithmetic contractible
+        # and fuses the two into one multiply-add unless a barrier stands between them
+        "a * b + c, Mosaic's product behind a barrier": (
+            lambda x, a, b: a * b + x, jnp.float32,
+            lambda x, a, b: jax.lax.optimization_barrier(a * b) + x),
         "a / b": (lambda x, a, b: a / b, jnp.float32),
         "softmax step": (lambda x, a, b: a * jnp.exp2((x - b) * 0.18033688) + x, jnp.float32),
         "swiglu": (lambda x, a, b: _swiglu(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
@@ -110,7 +116,7 @@ def main() -> None:
     every = np.where(np.isfinite(every.astype(np.float32)), every.astype(np.float32), 0.0)
     every = jnp.asarray(np.resize(every, n).reshape(ROWS, COLS).astype(np.float32))
     records = []
-    for name, (fn, out_dtype) in _ops().items():
+    for name, (fn, out_dtype, *mosaic_fn) in _ops().items():
         record = {"op": name}
         x_in = every if name.startswith("swiglu, every") else x
         try:
@@ -122,7 +128,7 @@ def main() -> None:
             continue
         for backend in BACKENDS:
             try:
-                got = _run(backend, fn, out_dtype, x_in, a, b)
+                got = _run(backend, (mosaic_fn or [fn])[0], out_dtype, x_in, a, b)
                 differ = got.view(np.uint8 if got.itemsize == 1 else
                                   {2: np.uint16, 4: np.uint32}[got.itemsize]) != want.view(
                     {2: np.uint16, 4: np.uint32}[want.itemsize])
