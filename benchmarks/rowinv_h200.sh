@@ -50,12 +50,15 @@
 #                                             # part at the 1B, 0.6B and 8B shapes
 #   bash benchmarks/rowinv_h200.sh 18 "$OUT"  # prefill speed against sdpa, with the Mosaic
 #                                             # products, and the prefill profile
+#   bash benchmarks/rowinv_h200.sh 19 "$OUT"  # Triton against Mosaic: elementwise bits, and
+#                                             # a first Mosaic attention against ours (bits,
+#                                             # time; both value-product forms)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 18}
+stage=${1:?stage 1 to 19}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -217,6 +220,14 @@ case "$stage" in
     --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
   timeout 70 python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
     --out "$out/prefill_profile" --budget-s 60 2>&1 | cut -c1-400 | tail -3
+  ;;
+19)
+  timeout 100 python -m benchmarks.probe_mosaic_elementwise --out "$out/mosaic_elementwise.json" \
+    2>&1 | cut -c1-300 | grep op
+  timeout 200 python -m benchmarks.probe_mosaic_attention --out "$out/mosaic_attention.json" \
+    2>&1 | cut -c1-600 | tail -4
+  timeout 200 python -m benchmarks.probe_mosaic_attention --pv-after \
+    --out "$out/mosaic_attention_pv_after.json" 2>&1 | cut -c1-600 | tail -4
   ;;
 esac
 ls -R "$out" | head -30
