@@ -24,7 +24,6 @@ It compares, bit for bit, the live rows of a 2,048-row prefill block over a cach
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import time
@@ -205,7 +204,7 @@ def _case(name, heads, kv_heads, hd, capacity, width, first, pv_after):
     ref = np.asarray(want(q, k, v, positions))
     try:
         got = np.asarray(got_fn(q, k, v, positions))
-    except Exception as exc:  # what the first GPU run must say
+    except Exception:  # what the first GPU run must say
         import traceback
         record["error"] = traceback.format_exc()[-1500:]
         return record
