@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import time
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +178,7 @@ def _case(name, heads, kv_heads, hd, capacity, width, first, pv_after):
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.rowinv import best_time
     from turbospark_jax.models import pallas_attention as pa
 
     rng = np.random.default_rng(hd + capacity)
@@ -213,13 +213,7 @@ def _case(name, heads, kv_heads, hd, capacity, width, first, pv_after):
     record["max_abs_difference"] = float(np.max(np.abs(got.astype(np.float32)
                                                         - ref.astype(np.float32))))
     for label, fn in (("triton_ms", want), ("mosaic_ms", got_fn)):
-        jax.block_until_ready(fn(q, k, v, positions))
-        best = float("inf")
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v, positions))
-            best = min(best, time.perf_counter() - t0)
-        record[label] = round(best * 1e3, 3)
+        record[label] = round(best_time(fn, q, k, v, positions) * 1e3, 3)
     return record
 
 
@@ -229,17 +223,14 @@ def main() -> None:
     ap.add_argument("--pv-after", action="store_true",
                     help="add the value product after rescaling, not inside the tensor cores")
     args = ap.parse_args()
-    import jax
+    from benchmarks.rowinv import write_probe
 
     records = []
     for case in CASES:
         record = _case(*case, pv_after=args.pv_after)
         print(json.dumps(record), flush=True)
         records.append(record)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__,
-            "pv_after": args.pv_after}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_probe(args.out, records, pv_after=args.pv_after)
 
 
 if __name__ == "__main__":

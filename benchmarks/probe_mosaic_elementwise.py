@@ -104,8 +104,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    import jax
     import jax.numpy as jnp
+
+    from benchmarks.rowinv import write_probe
 
     rng = np.random.default_rng(0)
     n = ROWS * COLS
@@ -143,9 +144,7 @@ def main() -> None:
                 record[backend] = {"error": traceback.format_exc()[-900:]}
         records.append(record)
         print(json.dumps(record), flush=True)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_probe(args.out, records)
 
 
 if __name__ == "__main__":

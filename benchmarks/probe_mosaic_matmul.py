@@ -52,7 +52,7 @@ def main() -> None:
     import jax.numpy as jnp
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
 
-    from benchmarks.rowinv import best_time
+    from benchmarks.rowinv import best_time, write_probe
     from turbospark_jax.models.rowinv import Schedule, rowinv_matmul
 
     configs = {f"{m}x{n}, minor {d}": hopper.TuningConfig(
@@ -114,9 +114,7 @@ def main() -> None:
                 record["segments"] = {"error": repr(exc)[:300]}
         print(json.dumps(record), flush=True)
         records.append(record)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_probe(args.out, records)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from pathlib import Path
 
 import numpy as np
@@ -32,14 +31,11 @@ COPIES = 4
 
 def _rate(f, x, ws, flops: int) -> float:
     import jax
+
+    from benchmarks.rowinv import best_time
+
     run = jax.jit(lambda x, *ws: [f(x, w) for w in ws])
-    jax.block_until_ready(run(x, *ws))
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(x, *ws))
-        best = min(best, time.perf_counter() - t0)
-    return round(flops * len(ws) / best / 1e12, 1)
+    return round(flops * len(ws) / best_time(run, x, *ws) / 1e12, 1)
 
 
 def main() -> None:
@@ -50,6 +46,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from benchmarks.rowinv import write_probe
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_matmul
     from turbospark_jax.models.rowinv import Schedule, rowinv_matmul, schedule_for
 
@@ -99,10 +96,8 @@ def main() -> None:
             record[name] = entry
         print(json.dumps(record), flush=True)
         records.append(record)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "rows": ROWS,
-            "note": "per tiling: rows differing from the Triton kernel per schedule/dtype"}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_probe(args.out, records, rows=ROWS,
+                note="per tiling: rows differing from the Triton kernel per schedule/dtype")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import numpy as np
 def main() -> None:
     import jax
 
+    from benchmarks.rowinv import write_probe
     from benchmarks.rowinv_model import ALL_SHAPES, _bits, _live_cache, _model, _producer
 
     ap = argparse.ArgumentParser()
@@ -74,9 +75,7 @@ def main() -> None:
     control = not all(np.array_equal(a, b) for a, b in zip(ca, cb, strict=True))
     records.append({"bitwise_equal": same, "control_detects_one_bit": control})
     print(json.dumps(records[-1]), flush=True)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_probe(args.out, records)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ def main() -> None:
     import jax
 
     from benchmarks.profile_decode import idle_gaps, traced_events
+    from benchmarks.rowinv import write_probe
     from benchmarks.rowinv_model import ALL_SHAPES, _model, _producer
 
     ap = argparse.ArgumentParser()
@@ -77,9 +78,7 @@ def main() -> None:
                                        "before": b[:40]} for ns, a, b in gaps["widest"]]}
             print(json.dumps(record), flush=True)
             records.append(record)
-    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    write_probe(args.out, records)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,14 @@ def _invariance(f, x: jax.Array, w: jax.Array, rows: list[int], single: int) -> 
             "single_row_same": bool(np.array_equal(one, full[single]))}
 
 
+def write_probe(out: Path, records: list, **meta) -> None:
+    """A probe's JSON: ``{"meta": {device, jax, **meta}, "records": records}`` at ``out``
+    (its folder made)."""
+    meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **meta}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
 def best_time(f, *args, repeats: int = 5) -> float:
     """The fastest of ``repeats`` timed calls of ``f(*args)`` (after one to compile), s."""
     jax.block_until_ready(f(*args))

@@ -66,6 +66,17 @@ export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
 # call while it stays warm): a later stage's program of an earlier stage's shape loads in
 # seconds instead of compiling again.
 export JAX_COMPILATION_CACHE_DIR="$PWD/.jax_cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+# The three shapes' prefill (exact and parallel) and transformers' sdpa in one stretch, then
+# the 1B's traced prefill; $1 and $2: the speed part's and the profile's time limits, s.
+prefill_against_sdpa() {
+  timeout "$1" python -m benchmarks.rowinv_model --parts speed --modes rowinv \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --workloads prefill --out "$out/prefill" \
+    --budget-s $(($1 - 10)) 2>&1 | cut -c1-260 | grep speed | tail -15
+  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
+    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
+  timeout "$2" python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
+    --out "$out/prefill_profile" --budget-s $(($2 - 10)) 2>&1 | cut -c1-400 | tail -3
+}
 case "$stage" in
 1)
   # -v: each test's name and outcome is on its line as it finishes, so a run the timeout cuts
@@ -184,13 +195,7 @@ case "$stage" in
     timeout 80 python -m benchmarks.probe_prefill_calls --shape $s \
       --out "$out/prefill_calls_$s.json" 2>&1 | tail -3
   done
-  timeout 150 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
-    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --workloads prefill --out "$out/prefill" \
-    --budget-s 140 2>&1 | cut -c1-260 | grep speed | tail -15
-  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
-    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
-  timeout 60 python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
-    --out "$out/prefill_profile" --budget-s 50 2>&1 | cut -c1-400 | tail -3
+  prefill_against_sdpa 150 60
   ;;
 15)
   timeout 60 python -m benchmarks.probe_call_sync --shape tiny --steps 64 --dump /tmp/dump_tiny \
@@ -213,13 +218,7 @@ case "$stage" in
     2>&1 | tail -12
   ;;
 18)
-  timeout 200 python -m benchmarks.rowinv_model --parts speed --modes rowinv \
-    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --workloads prefill --out "$out/prefill" \
-    --budget-s 190 2>&1 | cut -c1-260 | grep speed | tail -15
-  timeout 110 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
-    --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --out "$out/hf" 2>&1 | tail -6
-  timeout 70 python -m benchmarks.rowinv_model --parts prefill-profile --shapes llama-3.2-1b \
-    --out "$out/prefill_profile" --budget-s 60 2>&1 | cut -c1-400 | tail -3
+  prefill_against_sdpa 200 70
   ;;
 19)
   timeout 100 python -m benchmarks.probe_mosaic_elementwise --out "$out/mosaic_elementwise.json" \
