@@ -373,7 +373,8 @@ class BlockProducer(
             )
             state = with_auxiliary(merge_parts(buffers, values), held)
             fed += len(piece)
-            logits = out[0] if last else None
+            if last:
+                logits = out[0]
         if head:
             return logits, state
         return self.produce(state, tokens[-1], start_position + len(body))
