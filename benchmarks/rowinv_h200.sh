@@ -53,6 +53,9 @@
 #   bash benchmarks/rowinv_h200.sh 19 "$OUT"  # Triton against Mosaic: elementwise bits, and
 #                                             # a first Mosaic attention against ours (bits,
 #                                             # time; both value-product forms)
+#   bash benchmarks/rowinv_h200.sh 20 "$OUT"  # the Mosaic kernel's GPU tests, and a decode
+#                                             # step's products on it (row padded to 64)
+#                                             # against the Triton matvec kernel
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -227,6 +230,13 @@ case "$stage" in
     2>&1 | cut -c1-600 | tail -4
   timeout 200 python -m benchmarks.probe_mosaic_attention --pv-after \
     --out "$out/mosaic_attention_pv_after.json" 2>&1 | cut -c1-600 | tail -4
+  ;;
+20)
+  timeout 200 env JAX_PLATFORMS=cuda python -m pytest -v -o addopts="" -p no:cacheprovider \
+    tests/test_mosaic_matmul.py tests/test_rowinv.py --tb=short -rf > "$out/gpu_tests_mosaic.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_mosaic.txt" | tail -12
+  timeout 330 python -m benchmarks.probe_mosaic_decode --out "$out/mosaic_decode.json" \
+    2>&1 | cut -c1-900 | tail -12
   ;;
 esac
 ls -R "$out" | head -30

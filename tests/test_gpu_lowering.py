@@ -104,11 +104,11 @@ MOSAIC = {
         lambda x, w: _matmul(x, (w,), out=jnp.float32, kernel="mosaic", tiles=Tiles(
             mosaic=MosaicTiles(wg_rows=64, wg_cols=128, split="rows"))),
         ROWS, S((256, 256), BF16)),
-    "mosaic, gated in the epilogue": (
+    "mosaic, gated, two launches": (
         lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(
-            mosaic=MosaicTiles(gate_in_epilogue=True)), "gate_up"),
+            mosaic=MosaicTiles(gate_in_epilogue=False)), "gate_up"),
         ROWS, S((256, 256), BF16), S((256, 256), BF16)),
-    "mosaic, gated": (
+    "mosaic, gated in the epilogue": (
         lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(), "gate_up"),
         ROWS, S((256, 256), BF16), S((256, 256), BF16)),
 }
@@ -117,11 +117,12 @@ MOSAIC = {
 @pytest.mark.parametrize("name", MOSAIC)
 def test_mosaic_kernel_lowers_for_cuda(name):
     """The Mosaic kernel lowers (Pallas runs its Mosaic GPU passes, layout inference
-    included, while lowering); the gated form leaves its gating to a Triton kernel."""
+    included, while lowering); the two-launch gated form leaves its gating to a Triton
+    kernel, the default gates in the Mosaic kernel's epilogue."""
     fn, *args = MOSAIC[name]
     text = _lowered(fn, *args)
     assert "mosaic_gpu" in text and "rowinv_mosaic" in text
-    assert ("rowinv_gate_gate_up" in text) == name.endswith("gated")
+    assert ("rowinv_gate_gate_up" in text) == name.endswith("two launches")
     assert "stablehlo.dot_general" not in text
 
 
@@ -203,15 +204,16 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
 
 def test_rowinv_prefill_program_on_hopper_takes_the_mosaic_kernel(monkeypatch):
     """A prefill-wide program on a Hopper GPU runs the products the Mosaic kernel fits on it
-    (o, gate/up with its Triton gating, down) and the rest on the Triton kernels (this
+    (o, gate/up gated in its epilogue, down) and the rest on the Triton kernels (this
     config's 64-column K and V weights, the tied head stored [N, K]); still no XLA product
     and no float reduction."""
     monkeypatch.setattr(rowinv, "_hopper", lambda: True)
     text = _program("rowinv", rowinv.MOSAIC_MIN_ROWS, monkeypatch)
     names = set(re.findall(r"rowinv_(?:mosaic|matmul|gate)_[a-z_]+?(?=_mosaic_gpu|\b|\")",
                            text))
-    assert {"rowinv_mosaic_o", "rowinv_mosaic_gate_up", "rowinv_gate_gate_up",
-            "rowinv_mosaic_down", "rowinv_matmul_qkv", "rowinv_matmul_head"} <= names, names
+    assert {"rowinv_mosaic_o", "rowinv_mosaic_gate_up", "rowinv_mosaic_down",
+            "rowinv_matmul_qkv", "rowinv_matmul_head"} <= names, names
+    assert "rowinv_gate_gate_up" not in names
     assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
     assert _float_reductions(text) == []
 

@@ -45,10 +45,9 @@ class MosaicTiles:
       minor: the persistent grid walks output tiles along ``"rows"`` or ``"cols"`` first,
       band: in bands of this many tiles (a snake), so neighbours share operands in L2.
       gate_in_epilogue: the gated product gates in the kernel's epilogue
-        (:func:`mosaic_gated`) instead of writing both products for a Triton gating kernel.
-        Off until its bits are checked on a GPU (``tests/test_mosaic_matmul.py``): the
-        elementwise probe found Mosaic's SiLU and gating bitwise Triton's, but the fused
-        kernel itself has not run yet.
+        (:func:`mosaic_gated`; its rows checked bitwise against the gated matvec kernel's on
+        an H100, ``tests/test_mosaic_matmul.py``) instead of writing both products for a
+        Triton gating kernel (``False``: the form kept to compare against).
     """
 
     wg_rows: int = 128
@@ -58,7 +57,7 @@ class MosaicTiles:
     stages: int = 5
     minor: str = "rows"
     band: int = 8
-    gate_in_epilogue: bool = False
+    gate_in_epilogue: bool = True
 
     def __post_init__(self) -> None:
         if self.split not in ("cols", "rows") or self.minor not in ("cols", "rows"):
@@ -75,8 +74,13 @@ class MosaicTiles:
                 self.wg_cols * (2 if self.split == "cols" else 1))
 
 
-#: The epilogue writes the output through shared memory in tiles of this size.
-EPILOGUE_TILE = 64
+#: The epilogue writes the output through shared memory in tiles of this many rows, and of
+#: one 128-byte swizzle row's columns (64 of bfloat16, 32 of float32).
+EPILOGUE_ROWS = 64
+
+
+def _epilogue_cols(dtype: Any) -> int:
+    return 128 // jnp.dtype(dtype).itemsize
 
 
 def _swizzled(plgpu: Any, cols: int, dtype: Any) -> tuple[Any, ...]:
@@ -87,140 +91,64 @@ def _swizzled(plgpu: Any, cols: int, dtype: Any) -> tuple[Any, ...]:
 
 def _store(out: jax.Array, out_smem: Any, o_gmem: Any) -> None:
     """A warpgroup's finished tile ``out`` to its place ``o_gmem`` in the output, through its
-    two shared-memory slots ``out_smem`` in tiles of :data:`EPILOGUE_TILE` (each copy issued
-    once the slot's previous one has left)."""
+    two shared-memory slots ``out_smem`` (each copy issued once the slot's previous one has
+    left)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    epi = EPILOGUE_TILE
+    er, ec = out_smem.shape[-2:]
     rows, cols = out.shape
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    for i in range(rows // epi):
-        for j in range(cols // epi):
-            slot = (i * (cols // epi) + j) % 2
+    for i in range(rows // er):
+        for j in range(cols // ec):
+            slot = (i * (cols // ec) + j) % 2
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[slot] = out[i * epi:(i + 1) * epi, j * epi:(j + 1) * epi]
+            out_smem[slot] = out[i * er:(i + 1) * er, j * ec:(j + 1) * ec]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[slot],
-                                    o_gmem.at[pl.ds(i * epi, epi), pl.ds(j * epi, epi)])
+                                    o_gmem.at[pl.ds(i * er, er), pl.ds(j * ec, ec)])
 
 
-def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, seg_steps: int,
-            offsets: tuple[int, ...]) -> None:
-    """One program per multiprocessor, walking output tiles; weight ``i`` owns column tiles
-    ``offsets[i]`` up to ``offsets[i + 1]`` of the output."""
+def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, stages: int, seg_steps: int,
+            groups: tuple[int, ...], epilogue: Any = None, partials: bool = False) -> None:
+    """One program per multiprocessor, walking output tiles.
+
+    The weights come in ``groups`` of column tiles: weight ``i`` owns the output's column tiles
+    ``groups[i]`` up to ``groups[i + 1]`` (q/k/v side by side). With an ``epilogue`` the kernel
+    is the gated product instead: its two weights (gate, up) share every column tile, each
+    pipeline step loads both, K is one segment, and the tile written is
+    ``epilogue(gate, up)`` of the two float32 totals. With ``partials`` each program computes
+    one segment of one output tile and writes its float32 sum to ``o[segment]`` (the matvec
+    kernel's form: the segments run side by side, and the kernel after adds them in order)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     *w_gmems, o_gmem = refs
+    gated = epilogue is not None
+    per_step = 2 if gated else 1  # weight tiles a pipeline step loads
     m, k = x_gmem.shape
     bm, bn = t.block
-    m_tiles, n_tiles, steps = m // bm, offsets[-1], k // t.k_step
-    in_transforms = _swizzled(plgpu, t.k_step, x_gmem.dtype)
-    epi = EPILOGUE_TILE
-    out_dtype = o_gmem.dtype
-
-    def pipeline(body: Any, context: Any) -> Any:
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=t.stages, compute_context=context,
-            in_specs=[
-                plgpu.BlockSpec((bm, t.k_step), lambda s: (0, s), transforms=in_transforms,
-                                memory_space=plgpu.SMEM),
-                plgpu.BlockSpec((t.k_step, bn), lambda s: (s, 0), transforms=in_transforms,
-                                memory_space=plgpu.SMEM),
-            ])
-
-    unused = lambda *_, **__: None  # noqa: E731  (the allocations ignore the bodies)
-
-    @functools.partial(
-        pl.run_scoped,
-        allocations=pipeline(unused, unused).get_allocations(x_gmem, w_gmems[0]),
-        out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype,
-                            transforms=_swizzled(plgpu, epi, out_dtype)),
-        collective_axes="wg",
-    )
-    def _scope(allocations: Any, out_smem: Any) -> None:
-        wg = jax.lax.axis_index("wg")
-        if t.split == "rows":
-            wg_m, wg_n = pl.ds(wg * t.wg_rows, t.wg_rows), slice(None)
-        else:
-            wg_m, wg_n = slice(None), pl.ds(wg * t.wg_cols, t.wg_cols)
-
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
-        def _tile(info: Any) -> None:
-            (at,) = info.index
-            mi, ni = plgpu.planar_snake(at, (m_tiles, n_tiles), 0 if t.minor == "rows" else 1,
-                                        t.band)
-            rows, cols = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
-
-            def fresh() -> jax.Array:
-                return plgpu.layout_cast(jnp.zeros((t.wg_rows, t.wg_cols), jnp.float32),
-                                         plgpu.Layout.WGMMA)
-
-            def context(run: Any) -> None:
-                start = plgpu.layout_cast(jnp.full((t.wg_rows, t.wg_cols), -0.0, jnp.float32),
-                                          plgpu.Layout.WGMMA)
-                acc, total = run((fresh(), start))
-                if seg_steps == steps:  # one segment: nothing folded in the loop
-                    total = total + acc
-                _store(total.astype(out_dtype), out_smem.at[wg],
-                       o_gmem.at[rows, cols].at[wg_m, wg_n])
-
-            def body(idx: Any, x_smem: Any, w_smem: Any, carry: Any) -> Any:
-                acc, total = carry
-
-                def step(acc_ref: Any) -> None:
-                    plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
-
-                acc = pl.run_state(step)(plgpu.ACC.init(acc))
-                if seg_steps == steps:
-                    return acc, total
-                (s,) = idx
-                return jax.lax.cond(jax.lax.rem(s + 1, seg_steps) == 0,
-                                    lambda: (fresh(), total + acc), lambda: (acc, total))
-
-            for i, w_gmem in enumerate(w_gmems):
-                def run(w_gmem: Any = w_gmem, first: int = offsets[i]) -> None:
-                    pipeline(body, context)(x_gmem.at[rows, :],
-                                            w_gmem.at[:, pl.ds((ni - first) * bn, bn)],
-                                            allocations=allocations)
-
-                if len(w_gmems) == 1:
-                    run()
-                else:
-                    pl.when((ni >= offsets[i]) & (ni < offsets[i + 1]))(run)
-
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-
-def _gated_kernel(x_gmem: Any, gate_gmem: Any, up_gmem: Any, o_gmem: Any, *, t: MosaicTiles,
-                  stages: int, epilogue: Any) -> None:
-    """The gated product: each program's tile of both products over all of K as one segment
-    (the gated schedule), then ``epilogue(gate, up)`` of the two float32 totals, in
-    registers. One pipeline step loads an x tile and the gate's and the up weight's tiles."""
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-
-    m, k = x_gmem.shape
-    bm, bn = t.block
-    m_tiles, n_tiles, steps = m // bm, gate_gmem.shape[1] // bn, k // t.k_step
+    m_tiles, n_tiles, steps = m // bm, groups[-1], k // t.k_step
+    segments = steps // seg_steps if partials else 1  # segments side by side
+    one_segment = seg_steps == steps or partials  # no fold in the pipeline's loop
     in_transforms = _swizzled(plgpu, t.k_step, x_gmem.dtype)
     w_spec = plgpu.BlockSpec((t.k_step, bn), lambda s: (s, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
 
     def pipeline(body: Any, context: Any) -> Any:
         return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            body, grid=(steps // segments,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
             max_concurrent_steps=stages, compute_context=context,
             in_specs=[plgpu.BlockSpec((bm, t.k_step), lambda s: (0, s),
-                                      transforms=in_transforms, memory_space=plgpu.SMEM),
-                      w_spec, w_spec])
+                                      transforms=in_transforms, memory_space=plgpu.SMEM)]
+            + [w_spec] * per_step)
 
-    unused = lambda *_, **__: None  # noqa: E731
+    unused = lambda *_, **__: None  # noqa: E731  (the allocations ignore the bodies)
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(unused, unused).get_allocations(x_gmem, gate_gmem, up_gmem),
-        out_smem=plgpu.SMEM((2, 2, EPILOGUE_TILE, EPILOGUE_TILE), o_gmem.dtype,
-                            transforms=_swizzled(plgpu, EPILOGUE_TILE, o_gmem.dtype)),
+        allocations=pipeline(unused, unused).get_allocations(x_gmem, *w_gmems[:per_step]),
+        out_smem=plgpu.SMEM((2, 2, EPILOGUE_ROWS, _epilogue_cols(o_gmem.dtype)), o_gmem.dtype,
+                            transforms=_swizzled(plgpu, _epilogue_cols(o_gmem.dtype),
+                                                 o_gmem.dtype)),
         collective_axes="wg",
     )
     def _scope(allocations: Any, out_smem: Any) -> None:
@@ -230,33 +158,63 @@ def _gated_kernel(x_gmem: Any, gate_gmem: Any, up_gmem: Any, o_gmem: Any, *, t: 
         else:
             wg_m, wg_n = slice(None), pl.ds(wg * t.wg_cols, t.wg_cols)
 
-        @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
+        @plgpu.nd_loop((m_tiles * n_tiles * segments,), collective_axes="sm")
         def _tile(info: Any) -> None:
             (at,) = info.index
+            seg, at = jax.lax.rem(at, segments), jax.lax.div(at, segments)
             mi, ni = plgpu.planar_snake(at, (m_tiles, n_tiles), 0 if t.minor == "rows" else 1,
                                         t.band)
             rows, cols = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
+            k_cols = pl.ds(seg * seg_steps * t.k_step, seg_steps * t.k_step)
+            o_tile = (o_gmem.at[seg] if partials else o_gmem).at[rows, cols].at[wg_m, wg_n]
 
-            def zeros() -> jax.Array:
-                return plgpu.layout_cast(jnp.zeros((t.wg_rows, t.wg_cols), jnp.float32),
+            def filled(value: float) -> jax.Array:
+                return plgpu.layout_cast(jnp.full((t.wg_rows, t.wg_cols), value, jnp.float32),
                                          plgpu.Layout.WGMMA)
 
             def context(run: Any) -> None:
-                gate, up = run((zeros(), zeros()))
-                start = plgpu.layout_cast(jnp.full((t.wg_rows, t.wg_cols), -0.0, jnp.float32),
-                                          plgpu.Layout.WGMMA)  # the total, as the schedule's
-                _store(epilogue(start + gate, start + up), out_smem.at[wg],
-                       o_gmem.at[rows, cols].at[wg_m, wg_n])
+                start = filled(-0.0)  # the schedule's total starts at -0.0
+                if gated:
+                    gate, up = run((filled(0.0), filled(0.0)))
+                    out = epilogue(start + gate, start + up)
+                else:
+                    acc, total = run((filled(0.0), start))
+                    if partials:  # the segment's own sum, as the matvec kernel writes it
+                        total = acc
+                    elif seg_steps == steps:  # nothing was folded in the loop
+                        total = total + acc
+                    out = total.astype(o_gmem.dtype)
+                _store(out, out_smem.at[wg], o_tile)
 
-            def body(_: Any, x_smem: Any, g_smem: Any, u_smem: Any, carry: Any) -> Any:
-                def step(refs: Any) -> None:
-                    plgpu.wgmma(refs[0], x_smem.at[wg_m], g_smem.at[:, wg_n])
-                    plgpu.wgmma(refs[1], x_smem.at[wg_m], u_smem.at[:, wg_n])
+            def body(idx: Any, x_smem: Any, *rest: Any) -> Any:
+                *w_smems, carry = rest
 
-                return pl.run_state(step)((plgpu.ACC.init(carry[0]), plgpu.ACC.init(carry[1])))
+                def step(acc_refs: Any) -> None:
+                    for acc_ref, w_smem in zip(acc_refs, w_smems, strict=True):
+                        plgpu.wgmma(acc_ref, x_smem.at[wg_m], w_smem.at[:, wg_n])
 
-            pipeline(body, context)(x_gmem.at[rows, :], gate_gmem.at[:, cols],
-                                    up_gmem.at[:, cols], allocations=allocations)
+                if gated:
+                    return pl.run_state(step)(tuple(plgpu.ACC.init(a) for a in carry))
+                acc, total = carry
+                (acc,) = pl.run_state(step)((plgpu.ACC.init(acc),))
+                if one_segment:
+                    return acc, total
+                (s,) = idx
+                return jax.lax.cond(jax.lax.rem(s + 1, seg_steps) == 0,
+                                    lambda: (filled(0.0), total + acc), lambda: (acc, total))
+
+            weights = [tuple(w_gmems)] if gated else [(w,) for w in w_gmems]
+            for i, group in enumerate(weights):
+                def run(group: tuple[Any, ...] = group, first: int = groups[i]) -> None:
+                    pipeline(body, context)(
+                        x_gmem.at[rows, k_cols],
+                        *(w.at[k_cols, pl.ds((ni - first) * bn, bn)] for w in group),
+                        allocations=allocations)
+
+                if len(weights) == 1:
+                    run()
+                else:
+                    pl.when((ni >= groups[i]) & (ni < groups[i + 1]))(run)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -300,10 +258,29 @@ def mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, *, epilogue: Any,
         raise BadInputError(f"mosaic_gated needs M % {bm}, K % {tiles.k_step} and F % {bn} "
                             f"zero and gate and up of one shape [K, F]; got x {x.shape}, "
                             f"gate {gate.shape}, up {up.shape}")
-    body = functools.partial(_gated_kernel, t=tiles, stages=min(tiles.stages, GATED_STAGES),
+    body = functools.partial(_kernel, t=tiles, stages=min(tiles.stages, GATED_STAGES),
+                             seg_steps=k // tiles.k_step, groups=(0, gate.shape[1] // bn),
                              epilogue=epilogue)
     return _call(body, name, jax.ShapeDtypeStruct((m, gate.shape[1]), out_dtype), sms)(
         x, gate, up)
+
+
+def _check(x: jax.Array, ws: tuple[jax.Array, ...], seg_cols: int, tiles: MosaicTiles) -> None:
+    m, k = x.shape
+    bm, bn = tiles.block
+    if (m % bm or k % seg_cols or seg_cols % tiles.k_step or any(w.shape[1] % bn for w in ws)
+            or any(w.shape[0] != k for w in ws)):
+        raise BadInputError(f"the Mosaic kernel needs M % {bm}, every N % {bn}, K % "
+                            f"{seg_cols} and {seg_cols} % {tiles.k_step} all zero; got x "
+                            f"{x.shape} and w {[w.shape for w in ws]}")
+
+
+def _groups(ws: tuple[jax.Array, ...], tiles: MosaicTiles) -> tuple[int, ...]:
+    """Where each weight's column tiles start in the output, and where the last ends."""
+    offsets = [0]
+    for w in ws:
+        offsets.append(offsets[-1] + w.shape[1] // tiles.block[1])
+    return tuple(offsets)
 
 
 def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out_dtype: Any,
@@ -316,16 +293,24 @@ def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out
     when None); ``name``: the kernel's name in a profile."""
 
     m, k = x.shape
-    bm, bn = tiles.block
-    widths = tuple(w.shape[1] for w in ws)
-    if (m % bm or k % seg_cols or seg_cols % tiles.k_step or any(n % bn for n in widths)
-            or any(w.shape[0] != k for w in ws)):
-        raise BadInputError(f"mosaic_matmul needs M % {bm}, every N % {bn}, K % {seg_cols} "
-                            f"and {seg_cols} % {tiles.k_step} all zero; got x {x.shape} and "
-                            f"w {[w.shape for w in ws]}")
-    offsets = [0]
-    for n in widths:
-        offsets.append(offsets[-1] + n // bn)
-    body = functools.partial(_kernel, t=tiles, seg_steps=seg_cols // tiles.k_step,
-                             offsets=tuple(offsets))
-    return _call(body, name, jax.ShapeDtypeStruct((m, sum(widths)), out_dtype), sms)(x, *ws)
+    _check(x, ws, seg_cols, tiles)
+    body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
+                             seg_steps=seg_cols // tiles.k_step, groups=_groups(ws, tiles))
+    out = jax.ShapeDtypeStruct((m, sum(w.shape[1] for w in ws)), out_dtype)
+    return _call(body, name, out, sms)(x, *ws)
+
+
+def mosaic_partials(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int,
+                    tiles: MosaicTiles, sms: int | None = None,
+                    name: str = "rowinv_mosaic_partials") -> jax.Array:
+    """The matvec kernel's form of ``x @ w`` for each ``w`` of ``ws`` side by side: each
+    segment of ``seg_cols`` columns of K summed on its own (programs side by side), written as
+    float32 ``[S, M, N1 + N2 + ...]`` for the caller to add in order
+    (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s."""
+    m, k = x.shape
+    _check(x, ws, seg_cols, tiles)
+    body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
+                             seg_steps=seg_cols // tiles.k_step, groups=_groups(ws, tiles),
+                             partials=True)
+    out = jax.ShapeDtypeStruct((k // seg_cols, m, sum(w.shape[1] for w in ws)), jnp.float32)
+    return _call(body, name, out, sms)(x, *ws)

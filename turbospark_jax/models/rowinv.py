@@ -664,9 +664,9 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
     the gated schedule, rounded to ``x.dtype`` side by side, then a Triton kernel gating them
     with the gated kernels' own epilogue (:func:`_swiglu`, the same code Triton compiles in
     the matvec kernel, so a row's bits agree with a decode step's). With
-    ``mosaic.gate_in_epilogue`` the Mosaic kernel gates in its own epilogue instead
-    (:func:`~turbospark_jax.models.mosaic_matmul.mosaic_gated`; off by default until its
-    GPU bit test has run)."""
+    ``mosaic.gate_in_epilogue`` (the default) the Mosaic kernel gates in its own epilogue
+    instead (:func:`~turbospark_jax.models.mosaic_matmul.mosaic_gated`), one launch and no
+    round trip of the two products."""
     m, k = x.shape
     f = gate.shape[1]
     if mosaic.gate_in_epilogue:
