@@ -44,8 +44,13 @@ def main() -> None:
 
     from benchmarks.rowinv import best_time, write_probe
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_partials
-    from turbospark_jax.models.rowinv import (_swiglu, gated_schedule, rowinv_matmul,
-                                              rowinv_swiglu, schedule_for)
+    from turbospark_jax.models.rowinv import (
+        _swiglu,
+        gated_schedule,
+        rowinv_matmul,
+        rowinv_swiglu,
+        schedule_for,
+    )
 
     tilings = {"64x64 cols, 6 stages": MosaicTiles(wg_rows=64, wg_cols=64, stages=6),
                "64x64 cols, 4 stages": MosaicTiles(wg_rows=64, wg_cols=64, stages=4),
@@ -68,7 +73,7 @@ def main() -> None:
         sched = gated_schedule(k) if gated else schedule_for(k, n)
         seg = sched.plan(k)[2] * sched.k_tile
 
-        def timed(f, *operands, ws=ws):
+        def timed(f, *operands, ws=ws, gbytes=gbytes):
             run = jax.jit(lambda *a: [f(*a, *w) for w in ws])
             seconds = best_time(run, *operands) / len(ws)
             return {"us": round(seconds * 1e6, 2), "TB/s": round(gbytes / seconds / 1e3, 3)}
@@ -76,8 +81,8 @@ def main() -> None:
         if gated:
             triton = lambda x, g, u: rowinv_swiglu(x, g, u, impl="pallas", kernel="matvec")  # noqa: E731
         else:
-            triton = lambda x, w: rowinv_matmul(x, w, impl="pallas", kernel="matvec",  # noqa: E731
-                                                schedule=sched, parts=True)
+            triton = lambda x, w, v=sched: rowinv_matmul(  # noqa: E731
+                x, w, impl="pallas", kernel="matvec", schedule=v, parts=True)
         want = np.asarray(jax.jit(triton)(x, *ws[0]))
         record = {"shape": shape, "product": what, "K": k, "N": n, "segment_cols": seg,
                   "copies": copies, "triton_matvec": timed(triton, x),

@@ -292,7 +292,7 @@ def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out
     (:func:`rowinv.rowinv_matmul` pads them); ``sms``: programs (the GPU's multiprocessors
     when None); ``name``: the kernel's name in a profile."""
 
-    m, k = x.shape
+    m = x.shape[0]
     _check(x, ws, seg_cols, tiles)
     body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
                              seg_steps=seg_cols // tiles.k_step, groups=_groups(ws, tiles))
