@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 from turbospark_jax.models import pallas_attention, pallas_rope_store, pallas_row_norm, rowinv
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
-from turbospark_jax.models.mosaic_matmul import MosaicTiles
+from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_partials
 from turbospark_jax.models.rowinv import Schedule, Tiles
 
 BF16 = jnp.bfloat16
@@ -104,6 +104,10 @@ MOSAIC = {
         lambda x, w: _matmul(x, (w,), out=jnp.float32, kernel="mosaic", tiles=Tiles(
             mosaic=MosaicTiles(wg_rows=64, wg_cols=128, split="rows"))),
         ROWS, S((256, 256), BF16)),
+    "mosaic, segment partials side by side, 64-row tiles": (
+        lambda x, a, b: mosaic_partials(x, (a, b), seg_cols=256, sms=132, tiles=MosaicTiles(
+            wg_rows=64, wg_cols=64, stages=6)), S((64, 1024), BF16), S((1024, 384), BF16),
+        S((1024, 128), BF16)),
     "mosaic, gated, two launches": (
         lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(
             mosaic=MosaicTiles(gate_in_epilogue=False)), "gate_up"),
