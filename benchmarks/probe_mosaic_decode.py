@@ -17,6 +17,7 @@ over enough weight copies a program to pass the L2 cache.
 from __future__ import annotations
 
 import argparse
+import sys
 import functools
 import json
 from pathlib import Path
@@ -83,6 +84,8 @@ def main() -> None:
         else:
             triton = lambda x, w, v=sched: rowinv_matmul(  # noqa: E731
                 x, w, impl="pallas", kernel="matvec", schedule=v, parts=True)
+        say = lambda *m: print(shape, what, *m, file=sys.stderr, flush=True)  # noqa: E731
+        say("triton")
         want = np.asarray(jax.jit(triton)(x, *ws[0]))
         record = {"shape": shape, "product": what, "K": k, "N": n, "segment_cols": seg,
                   "copies": copies, "triton_matvec": timed(triton, x),
@@ -99,11 +102,13 @@ def main() -> None:
                 kernel = lambda x, w, p=part: p(x, (w,))  # noqa: E731
                 row = lambda out: out[:, 0]  # noqa: E731
             entry = {}
+            say(name)
             try:
                 got = np.asarray(row(jax.jit(kernel)(xp, *ws[0])))
                 ref = want[0] if gated else want[:, 0]
                 entry["elements_differing"] = int(np.sum(got.view(np.uint8).reshape(-1)
                                                          != ref.view(np.uint8).reshape(-1)))
+                say(name, "bits", entry["elements_differing"])
                 entry["kernel"] = timed(kernel, xp)
                 entry["padded_and_sliced"] = timed(
                     lambda x, *w, kern=kernel, r=row: r(kern(jnp.pad(

@@ -238,5 +238,10 @@ case "$stage" in
   timeout 330 python -m benchmarks.probe_mosaic_decode --out "$out/mosaic_decode.json" \
     2>&1 | cut -c1-900 | tail -12
   ;;
+21)
+  prefill_against_sdpa 200 70
+  timeout 60 python -m benchmarks.probe_mosaic_decode --only o --out "$out/mosaic_decode.json" \
+    2>&1 | cut -c1-900 | tail -12
+  ;;
 esac
 ls -R "$out" | head -30
