@@ -17,9 +17,9 @@ over enough weight copies a program to pass the L2 cache.
 from __future__ import annotations
 
 import argparse
-import sys
 import functools
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
