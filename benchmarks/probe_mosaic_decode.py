@@ -84,7 +84,7 @@ def main() -> None:
         else:
             triton = lambda x, w, v=sched: rowinv_matmul(  # noqa: E731
                 x, w, impl="pallas", kernel="matvec", schedule=v, parts=True)
-        say = lambda *m: print(shape, what, *m, file=sys.stderr, flush=True)  # noqa: E731
+        say = functools.partial(print, shape, what, file=sys.stderr, flush=True)
         say("triton")
         want = np.asarray(jax.jit(triton)(x, *ws[0]))
         record = {"shape": shape, "product": what, "K": k, "N": n, "segment_cols": seg,
