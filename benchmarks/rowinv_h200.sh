@@ -242,8 +242,10 @@ case "$stage" in
   prefill_against_sdpa 200 70
   ;;
 22)
-  timeout 330 python -m benchmarks.probe_mosaic_decode --shapes 1B --out "$out/mosaic_decode.json" \
+  timeout 230 python -m benchmarks.probe_mosaic_decode --shapes 1B --out "$out/mosaic_decode.json" \
     2>&1 | cut -c1-900 | tail -24
+  timeout 200 python -m benchmarks.rowinv_model --parts exact \
+    --exact-shapes llama-3.2-1b,llama-3.1-8b --out "$out/exact" --budget-s 190 2>&1 | tail -5
   ;;
 esac
 ls -R "$out" | head -30
