@@ -247,5 +247,9 @@ case "$stage" in
   timeout 200 python -m benchmarks.rowinv_model --parts exact \
     --exact-shapes llama-3.2-1b,llama-3.1-8b --out "$out/exact" --budget-s 190 2>&1 | tail -5
   ;;
+23)
+  timeout 260 python -m benchmarks.probe_mosaic_decode --shapes 1B --only gate_up,down,head,qkv \
+    --out "$out/mosaic_decode.json" 2>&1 | cut -c1-900 | grep -v "^1B" | tail -24
+  ;;
 esac
 ls -R "$out" | head -30
