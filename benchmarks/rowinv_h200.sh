@@ -54,8 +54,8 @@
 #                                             # a first Mosaic attention against ours (bits,
 #                                             # time; both value-product forms)
 #   bash benchmarks/rowinv_h200.sh 20 "$OUT"  # the Mosaic kernel's GPU tests, and a decode
-#                                             # step's products on it (row padded to 64)
-#                                             # against the Triton matvec kernel
+#                                             # step's 1B products on it (row padded to 64)
+#                                             # against the Triton matvec kernel (traced)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -235,21 +235,8 @@ case "$stage" in
   timeout 200 env JAX_PLATFORMS=cuda python -m pytest -v -o addopts="" -p no:cacheprovider \
     tests/test_mosaic_matmul.py tests/test_rowinv.py --tb=short -rf > "$out/gpu_tests_mosaic.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_mosaic.txt" | tail -12
-  timeout 330 python -m benchmarks.probe_mosaic_decode --out "$out/mosaic_decode.json" \
-    2>&1 | cut -c1-900 | grep -v "^[18]B" | tail -12
-  ;;
-21)
-  prefill_against_sdpa 200 70
-  ;;
-22)
-  timeout 230 python -m benchmarks.probe_mosaic_decode --shapes 1B --out "$out/mosaic_decode.json" \
-    2>&1 | cut -c1-900 | tail -24
-  timeout 200 python -m benchmarks.rowinv_model --parts exact \
-    --exact-shapes llama-3.2-1b,llama-3.1-8b --out "$out/exact" --budget-s 190 2>&1 | tail -5
-  ;;
-23)
-  timeout 260 python -m benchmarks.probe_mosaic_decode --shapes 1B --only gate_up,down,head,qkv \
-    --out "$out/mosaic_decode.json" 2>&1 | cut -c1-900 | grep -v "^1B" | tail -24
+  timeout 330 python -m benchmarks.probe_mosaic_decode --shapes 1B --out "$out/mosaic_decode.json" \
+    2>&1 | cut -c1-900 | grep -v "^1B" | tail -12
   ;;
 esac
 ls -R "$out" | head -30

@@ -306,7 +306,12 @@ def mosaic_partials(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int,
     """The matvec kernel's form of ``x @ w`` for each ``w`` of ``ws`` side by side: each
     segment of ``seg_cols`` columns of K summed on its own (programs side by side), written as
     float32 ``[S, M, N1 + N2 + ...]`` for the caller to add in order
-    (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s."""
+    (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s.
+
+    A decode step's products in this form, the row padded to a 64-row tile, gave the matvec
+    kernel's bits on an H100 but ran 7-19% slower than it at the 1B shape's products
+    (``benchmarks/probe_mosaic_decode.py``), so the model does not call it; it stays for that
+    probe."""
     m, k = x.shape
     _check(x, ws, seg_cols, tiles)
     body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
