@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from pathlib import Path
 
@@ -49,7 +48,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.rowinv import write_probe
+    from benchmarks.rowinv import add_record, tiling_entry
     from benchmarks.rowinv_model import _device_seconds
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_partials
     from turbospark_jax.models.rowinv import (
@@ -107,9 +106,8 @@ def main() -> None:
                 part = functools.partial(mosaic_partials, seg_cols=seg, tiles=tiles)
                 kernel = lambda x, w, p=part: p(x, (w,))  # noqa: E731
                 row = lambda out: out[:, 0]  # noqa: E731
-            entry = {}
-            say(name)
-            try:
+            with tiling_entry(record, name) as entry:
+                say(name)
                 got = np.asarray(row(jax.jit(kernel)(xp, *ws[0])))
                 ref = want[0] if gated else want[:, 0]
                 entry["elements_differing"] = int(np.sum(got.view(np.uint8).reshape(-1)
@@ -117,16 +115,12 @@ def main() -> None:
                 say(name, "bits", entry["elements_differing"])
                 entry["kernel"] = timed(kernel, xp)
                 entry["padded_and_sliced"] = timed(
-                    lambda x, *w, kern=kernel, r=row: r(kern(jnp.pad(
-                        x, ((0, ROWS - 1), (0, 0))), *w)), x)
-            except Exception as exc:  # a tiling the shape or shared memory refuses
-                entry["error"] = repr(exc)[:400]
-            record[name] = entry
-        print(json.dumps(record), flush=True)
-        records.append(record)
-    write_probe(args.out, records, rows=ROWS,
-                note="per tiling: row 0's elements differing from the Triton matvec kernel's "
-                     "(bytes of float32 partials, or of the gated bfloat16 row), and times")
+                    lambda x, *w, r=row, f=kernel: r(f(jnp.pad(x, ((0, ROWS - 1), (0, 0))), *w)),
+                    x)
+        add_record(args.out, records, record, rows=ROWS,
+                   note="per tiling: row 0's elements differing from the Triton matvec "
+                        "kernel's (bytes of float32 partials, or of the gated bfloat16 row), "
+                        "and times")
 
 
 if __name__ == "__main__":

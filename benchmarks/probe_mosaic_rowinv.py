@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 
 import numpy as np
@@ -46,7 +45,7 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
-    from benchmarks.rowinv import write_probe
+    from benchmarks.rowinv import add_record, tiling_entry
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_matmul
     from turbospark_jax.models.rowinv import Schedule, rowinv_matmul, schedule_for
 
@@ -79,8 +78,7 @@ def main() -> None:
                     x, w, impl="pallas", kernel="matmul", schedule=v, out_dtype=d))(x, ws[0]))
                 for s, v in schedules.items() for d in (jnp.float32, jnp.bfloat16)}
         for name, tiles in tilings.items():
-            entry = {}
-            try:
+            with tiling_entry(record, name) as entry:
                 for (s, d), ref in want.items():
                     seg = schedules[s].plan(k)[2] * 128
                     got = np.asarray(jax.jit(functools.partial(
@@ -91,13 +89,8 @@ def main() -> None:
                 seg = schedules["model"].plan(k)[2] * 128
                 entry["TFLOPs"] = _rate(lambda x, w, seg=seg, tiles=tiles: mosaic_matmul(
                     x, (w,), seg_cols=seg, out_dtype=jnp.bfloat16, tiles=tiles), x, ws, flops)
-            except Exception as exc:  # a tiling the shape or shared memory refuses
-                entry["error"] = repr(exc)[:400]
-            record[name] = entry
-        print(json.dumps(record), flush=True)
-        records.append(record)
-    write_probe(args.out, records, rows=ROWS,
-                note="per tiling: rows differing from the Triton kernel per schedule/dtype")
+        add_record(args.out, records, record, rows=ROWS,
+                   note="per tiling: rows differing from the Triton kernel per schedule/dtype")
 
 
 if __name__ == "__main__":

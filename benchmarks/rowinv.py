@@ -23,6 +23,7 @@ rewritten after every case, and cases past ``--budget-s`` skipped and listed:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import platform
@@ -131,6 +132,26 @@ def write_probe(out: Path, records: list, **meta) -> None:
     meta = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, **meta}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+
+
+def add_record(out: Path, records: list, record: dict, **meta) -> None:
+    """Print a probe's ``record``, add it to ``records`` and rewrite the probe's JSON with
+    every record so far (a run its time limit cuts short keeps what it finished)."""
+    print(json.dumps(record), flush=True)
+    records.append(record)
+    write_probe(out, records, **meta)
+
+
+@contextlib.contextmanager
+def tiling_entry(record: dict, name: str):
+    """``record[name]``, a new dict for one kernel tiling's figures, filled in the ``with``
+    block; for a tiling the shape or the shared memory refuses, its error instead (the probe
+    goes on to the next)."""
+    entry = record[name] = {}
+    try:
+        yield entry
+    except Exception as exc:
+        entry["error"] = repr(exc)[:400]
 
 
 def best_time(f, *args, repeats: int = 5) -> float:
