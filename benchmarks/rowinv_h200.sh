@@ -56,6 +56,10 @@
 #   bash benchmarks/rowinv_h200.sh 20 "$OUT"  # the Mosaic kernel's GPU tests, and a decode
 #                                             # step's 1B products on it (row padded to 64)
 #                                             # against the Triton matvec kernel (traced)
+#   bash benchmarks/rowinv_h200.sh 21 "$OUT"  # decode end to end (1B, 0.6B) with XLA's
+#                                             # programmatic dependent launch off, then on
+#                                             # (each kernel launched while the one before
+#                                             # finishes); the exact part with it on
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -237,6 +241,15 @@ case "$stage" in
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_mosaic.txt" | tail -12
   timeout 330 python -m benchmarks.probe_mosaic_decode --shapes 1B --out "$out/mosaic_decode.json" \
     2>&1 | cut -c1-900 | grep -v "^1B" | tail -12
+  ;;
+21)
+  for pdl in false true; do
+    timeout 170 env XLA_FLAGS="--xla_gpu_enable_pdl=$pdl" python -m benchmarks.rowinv_model \
+      --parts speed --shapes llama-3.2-1b,qwen3-0.6b --modes rowinv --workloads completion \
+      --out "$out/speed_pdl_$pdl" --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
+  done
+  timeout 120 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python -m benchmarks.rowinv_model \
+    --parts exact --exact-shapes llama-3.2-1b --out "$out/exact_pdl" --budget-s 110 2>&1 | tail -3
   ;;
 esac
 ls -R "$out" | head -30
