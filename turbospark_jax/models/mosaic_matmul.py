@@ -16,6 +16,12 @@ one segment and, called once a segment with the running total as its addend, at 
 
 The running total lives in registers beside the segment's accumulator, so a warpgroup's tile
 is at most 128 x 64 float32 of each (64 + 64 registers a thread).
+
+One kernel body serves three forms: :func:`mosaic_matmul` (weights side by side, as q/k/v),
+:func:`mosaic_gated` (gate and up loaded together, K in one segment, SwiGLU's gating in the
+epilogue: what a prefill block's MLP runs) and :func:`mosaic_partials` (each segment a
+program of its own, float32 partial sums out: the matvec kernel's form, measured for decode
+and slower there than the Triton matvec kernel).
 """
 
 from __future__ import annotations
