@@ -60,6 +60,9 @@
 #                                             # programmatic dependent launch off, then on
 #                                             # (each kernel launched while the one before
 #                                             # finishes); the exact part with it on
+#   bash benchmarks/rowinv_h200.sh 22 "$OUT"  # a decode step's products alone (traced), every
+#                                             # matvec column tile and segment count swept
+#                                             # on the 0.6B shape, the defaults on the 1B
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -250,6 +253,10 @@ case "$stage" in
   done
   timeout 120 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python -m benchmarks.rowinv_model \
     --parts exact --exact-shapes llama-3.2-1b --out "$out/exact_pdl" --budget-s 110 2>&1 | tail -3
+  ;;
+22)
+  timeout 400 python -m benchmarks.rowinv_model --parts products \
+    --shapes qwen3-0.6b,llama-3.2-1b --out "$out/products" --budget-s 380 2>&1 | tail -5
   ;;
 esac
 ls -R "$out" | head -30
