@@ -5,6 +5,8 @@ On a CPU the kernel runs in the Pallas interpreter; on a GPU these tests run the
 Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_attention.py``).
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.layers import attend
 from turbospark_jax.models.pallas_attention import KEY_TILE, cached_attention
 
@@ -151,6 +154,45 @@ def test_row_invariant_form_a_short_context_folds_only_the_splits_it_sees():
     # control: the same rows seen to another position differ
     shifted = run(q[:1], pos[:1] + 1)
     assert not np.array_equal(shifted, full[:1])
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_a_short_key_bound_runs_the_folding_kernel_and_keeps_the_bits(width):
+    """``max_keys`` within two splits: a decode-sized call runs the folding kernel (one
+    launch) instead of the split and fold kernels, with every row's bits unchanged; rows past
+    the bound (a broken promise) still get theirs, the folding kernel walking the splits
+    they see."""
+    from turbospark_jax.models.pallas_attention import ON_CHIP_SPLITS, _plan
+
+    capacity = 2304  # nine splits of 256
+    split_len = _plan(width * 2, capacity)[3]
+    q, k, v = _inputs(7, width, 4, 2, 16, capacity, jnp.float32)
+
+    def run(pos, **kw):
+        return np.asarray(cached_attention(q, k, v, jnp.asarray(pos, jnp.int32),
+                                           interpret=INTERPRET, row_invariant=True,
+                                           **kw)).view(np.uint32)
+
+    def folds(**kw):  # the kernels that fold the call's splits: folding, or fold
+        text = str(jax.make_jaxpr(lambda q: cached_attention(
+            q, k, v, jnp.zeros((width,), jnp.int32), interpret=INTERPRET,
+            row_invariant=True, **kw))(q))
+        return set(re.findall(r"cached_attention_fold\w*", text))
+
+    bound = ON_CHIP_SPLITS * split_len
+    short = [bound - width - 40 + i for i in range(width)]
+    assert np.array_equal(run(short, max_keys=bound), run(short))
+    far = [capacity - 1 - i for i in range(width)]
+    assert np.array_equal(run(far, max_keys=bound), run(far))
+    assert folds(max_keys=bound) == {"cached_attention_folding"}
+    assert folds(max_keys=bound + split_len) == folds() == {"cached_attention_fold"}
+    # control: the comparison sees a key the rows see, changed
+    assert not np.array_equal(np.asarray(cached_attention(
+        q, k.at[bound - 60].multiply(2.0), v, jnp.asarray(short, jnp.int32),
+        interpret=INTERPRET, row_invariant=True, max_keys=bound)).view(np.uint32), run(short))
+    with pytest.raises(BadInputError, match="max_keys"):
+        cached_attention(q, k, v, jnp.asarray(short, jnp.int32), interpret=INTERPRET,
+                         row_invariant=True, max_keys=0)
 
 
 @pytest.mark.parametrize("row_invariant", [False, True])

@@ -66,6 +66,11 @@ MAX_SPLITS = 64
 #: kernel and the fold kernel (the splits spread over programs). Speed only: both give a row
 #: the same bits.
 FOLD_ON_CHIP_ROWS = 256
+#: Under ``row_invariant``, a call whose rows see at most this many splits by its
+#: ``max_keys`` bound runs the folding kernel whatever its row count: one launch over the
+#: splits a row sees, where the split kernel would launch a program for every split of the
+#: cache (most of them empty at a short context) and the fold kernel after it. Speed only.
+ON_CHIP_SPLITS = 2
 #: Columns of the ones matrix whose product with the probabilities gives their row sums
 #: (``row_invariant=True``): every column holds the same sum; the smallest tile a GPU
 #: matrix product takes.
@@ -257,7 +262,8 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     from zero as :func:`_kernel` runs it, folding each into the running result
     (:func:`_fold`): the bits of :func:`_kernel` followed by :func:`_fold_kernel`, without
     the partial results ever leaving the chip. For many rows (a prefill), where the query
-    tiles alone fill the GPU.
+    tiles alone fill the GPU, and for few rows at a short context (``max_keys``), where the
+    splits a row sees are one or two.
 
     A tile walks the keys up to its own last row's position, not the block's: in a causal
     prefill block the early tiles would otherwise scan every later key wholly masked (half
@@ -323,7 +329,8 @@ def arrange_queries(q: jax.Array, kv_heads: int, capacity: int,
     return jnp.pad(qr, ((0, 0), (0, padded - rows), (0, 0)))
 
 
-@functools.partial(jax.jit, static_argnames=("window", "interpret", "row_invariant", "tiles"))
+@functools.partial(jax.jit, static_argnames=("window", "interpret", "row_invariant", "tiles",
+                                             "max_keys"))
 def cached_attention(
     q: jax.Array,
     k_cache: jax.Array,
@@ -333,6 +340,7 @@ def cached_attention(
     interpret: bool = False,
     row_invariant: bool = False,
     tiles: AttentionTiles | None = None,
+    max_keys: int | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of ``W`` rows over a cache, as one fused kernel.
 
@@ -355,6 +363,12 @@ def cached_attention(
         results (few rows) or inside one program per query tile (many rows, or one split).
       tiles: speed settings (:class:`AttentionTiles`; ``None``: :func:`tiles_for`'s); a
         row's bits do not depend on them.
+      max_keys: static; the caller's bound on the keys any row sees (its position + 1), or
+        ``None``. With ``row_invariant`` and a bound within :data:`ON_CHIP_SPLITS` splits,
+        the folding kernel runs for any row count (a decode step at a short context: one
+        launch instead of two). Speed only: the two forms give a row the same bits, and the
+        folding kernel walks the splits the rows actually see, so a row past the bound is
+        still right, only slower.
 
     Returns:
       ``[W, H, hd]`` in ``v_cache.dtype``.
@@ -363,11 +377,12 @@ def cached_attention(
     qr = arrange_queries(q, k_cache.shape[1], k_cache.shape[0], tiles)
     return cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
                                      window=window, interpret=interpret,
-                                     row_invariant=row_invariant, tiles=tiles)
+                                     row_invariant=row_invariant, tiles=tiles,
+                                     max_keys=max_keys)
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("heads", "window", "interpret", "row_invariant", "tiles"))
+@functools.partial(jax.jit, static_argnames=("heads", "window", "interpret", "row_invariant",
+                                             "tiles", "max_keys"))
 def cached_attention_arranged(
     qr: jax.Array,
     k_cache: jax.Array,
@@ -378,6 +393,7 @@ def cached_attention_arranged(
     interpret: bool = False,
     row_invariant: bool = False,
     tiles: AttentionTiles | None = None,
+    max_keys: int | None = None,
 ) -> jax.Array:
     """:func:`cached_attention` with the queries already in the kernel's layout (as
     :func:`arrange_queries` puts them, or a kernel writes them), saving that transpose.
@@ -388,6 +404,9 @@ def cached_attention_arranged(
       heads: ``H``, the number of query heads.
       the rest: as for :func:`cached_attention`.
     """
+    if max_keys is not None and (not isinstance(max_keys, int) or isinstance(max_keys, bool)
+                                 or max_keys < 1):
+        raise BadInputError(f"max_keys must be a positive int or None, got {max_keys!r}")
     width = q_positions.shape[0]
     capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
@@ -420,7 +439,9 @@ def cached_attention_arranged(
     # of the padded tiles (at one row of a decode step, the reshape after is free too).
     live = jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)
     overhang = None if rows == padded else rows
-    if row_invariant and (splits == 1 or rows > FOLD_ON_CHIP_ROWS):
+    short = max_keys is not None and _splits_seen(min(max_keys, capacity),
+                                                  split_len) <= ON_CHIP_SPLITS
+    if row_invariant and (splits == 1 or rows > FOLD_ON_CHIP_ROWS or short):
         out = pl.pallas_call(
             functools.partial(_folding_kernel, scale=scale, capacity=capacity,
                               split_len=split_len, window=window, mma_sums=True,
