@@ -167,17 +167,33 @@ ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermedia
 
 
 def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
-             config: DenseConfig = CONFIG) -> str:
+             config: DenseConfig = CONFIG, capacity: int = 256, **hints) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(config, BF16, scan_layers=False, kernels=kernels)
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
-    cache = jax.eval_shape(lambda: model.init_cache(256))
+    cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
     return _lowered(lambda p, c, t, pos, live, head: model.block_forward(
-        p, c, t, pos, live, head, last_row_head=last_row_head),
+        p, c, t, pos, live, head, last_row_head=last_row_head, **hints),
         params, cache, rows, rows, S((), jnp.int32), S((), jnp.bool_))
+
+
+def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
+    """A decode step over a cache of eight key splits launches the split kernel and the fold
+    kernel each layer; bounded by ``max_keys`` to two splits (a short context's decode
+    program, ``block_producer.SHORT_DECODE_KEYS``), the folding kernel alone."""
+    def attention_kernels(**hints):
+        text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
+        return set(re.findall(r'name = "(cached_attention\w*)"', text))
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert DenseModel(CONFIG, BF16, scan_layers=False, kernels="rowinv").bounds_keys
+    assert not DenseModel(CONFIG, BF16, scan_layers=False).bounds_keys  # XLA's kernels
+    assert attention_kernels() == {"cached_attention", "cached_attention_fold"}
+    assert attention_kernels(max_keys=512) == {"cached_attention_folding"}
+    assert attention_kernels(max_keys=1024) == {"cached_attention", "cached_attention_fold"}
 
 
 def _float_reductions(text: str) -> list[str]:

@@ -224,3 +224,46 @@ def test_control_a_row_follows_its_blocks_boundaries(monkeypatch):
     narrow = np.asarray(row_kernels._attend_blocks(q, k, v, pos, kp, None))
     np.testing.assert_allclose(wide, narrow, rtol=1e-5, atol=1e-6)
     assert not np.array_equal(wide[0], narrow[0])
+
+
+# -- short-context decode programs (BlockModel.bounds_keys) ----------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_short_context_bursts_run_the_bounded_program_with_the_same_bits(monkeypatch,
+                                                                          temperature):
+    """Decode bursts whose rows all sit below ``short_decode_keys`` run the program bounded by
+    it (``max_keys`` reaches the model's attention), later bursts the unbounded one; tokens and
+    logits equal those of a producer that never bounds, bit for bit. (On the CPU the dense
+    model's attention is XLA's and ignores the bound, so this checks the plumbing and that a
+    second program changes nothing; the GPU's folding kernel is checked against the split
+    kernel in ``tests/test_pallas_attention.py`` and lowered in ``tests/test_gpu_lowering.py``.)"""
+    from turbospark_jax import sampling
+    from turbospark_jax.completion import CompletionRequest
+    from turbospark_jax.generate import run_raw_completion
+    from turbospark_jax.models import dense
+
+    seen = []
+    real = dense.cached_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("max_keys"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dense, "cached_attention", spy)
+    monkeypatch.setattr(DenseModel, "bounds_keys", property(lambda m: m.kernels == "rowinv"))
+    model = _model("qwen3", jnp.float32, "rowinv")
+    params = model.init_params(jax.random.PRNGKey(3))
+    bounded, plain = (BlockProducer(model, params, capacity=96, width=1, steps_per_call=8,
+                                    short_decode_keys=keys) for keys in (40, None))
+    assert bounded.short_decode_keys == 40 and plain.short_decode_keys is None
+    request = CompletionRequest(prompt_ids=PROMPT, max_tokens=40, record_logits=True, burst=8,
+                                sampling=sampling.SamplingConfig(temperature=temperature),
+                                seed=7)
+    got, want = (run_raw_completion(p, request) for p in (bounded, plain))
+    assert got.token_ids == want.token_ids and len(got.token_ids) == 40
+    assert np.array_equal(got.logits.view(np.uint32), want.logits.view(np.uint32))
+    assert 40 in seen and None in seen  # bounded bursts first, then unbounded ones
+    # a model that does not declare the capability is never handed the hint
+    assert BlockProducer(_model("llama", jnp.float32, "xla"), params, capacity=96,
+                         width=1).short_decode_keys is None

@@ -67,6 +67,14 @@ MAX_SNAPSHOTS = 4
 #: buffers it sizes (plan, sampled ids, a float32 logits row per block) stay small.
 STEPS_PER_CALL = 128
 
+#: A decode burst whose rows all sit below this many positions runs a program bounded by it,
+#: for a model that declares ``bounds_keys`` (the dense family's row-invariant attention on
+#: a GPU): its attention then folds the one or two key splits such a context has in one
+#: launch a layer, where the unbounded program launches a program for every split of the
+#: cache and a fold kernel after them. The same bits either way; a second decode program
+#: compiles, the first time a burst runs past the bound.
+SHORT_DECODE_KEYS = 512
+
 #: Rows one call of the ``prefill_width`` program holds at least (whole blocks, at least one):
 #: a call returns to the host only when the device has finished it (an H100 trace of the 1B
 #: shape's 8k exact prefill in 2,048-row blocks shows the device idle about 2 ms between
@@ -105,6 +113,10 @@ class BlockProducer(
         blocks a call (at least one), so a call holds about as many rows as a decode burst;
         the ``prefill_width`` program, which feeds the full blocks of long prompts, at least
         :data:`PREFILL_CALL_ROWS` rows' worth (at most ``S`` blocks).
+      short_decode_keys: decode bursts whose rows all sit below this many positions run a
+        program bounded by it, on a model that declares
+        :attr:`~turbospark_jax.models.base.BlockModel.bounds_keys` (:data:`SHORT_DECODE_KEYS`;
+        ``None`` or 0: one decode program for every context). Speed only.
       donate: let the program consume the state's buffers (no KV copy per call). When True,
         the append-only buffers of a state passed to any method are invalid afterwards (its
         by-value leaves, and so every :meth:`checkpoint`, stay valid); keep a
@@ -135,6 +147,7 @@ class BlockProducer(
         steps_per_call: int = STEPS_PER_CALL,
         donate: bool = True,
         prefill_width: int | None = None,
+        short_decode_keys: int | None = SHORT_DECODE_KEYS,
     ) -> None:
         if not isinstance(model, BlockModel):
             raise BadInputError(f"model must be a BlockModel, got {type(model).__name__}")
@@ -144,6 +157,8 @@ class BlockProducer(
         donate = as_bool("donate", donate)
         prefill_width = width if prefill_width is None else as_int(
             "prefill_width", prefill_width, low=1)
+        short_decode_keys = None if short_decode_keys is None else as_int(
+            "short_decode_keys", short_decode_keys, low=0) or None
         check_prefill_width(prefill_width, width, model.widths_agree)
         # The state's layout, from shapes alone: what check_state compares against, and the
         # bytes a state takes, checked against the device before anything is allocated.
@@ -167,6 +182,7 @@ class BlockProducer(
         self.width = width
         self.steps_per_call = steps_per_call
         self.prefill_width = prefill_width
+        self.short_decode_keys = short_decode_keys if model.bounds_keys else None
         self.donate = donate
         # Stamped into every state this producer makes, so a state or checkpoint from another
         # producer (even one of the same structure) is refused.
@@ -514,7 +530,11 @@ class BlockProducer(
         # same bits in any program), so that program draws by the settings' plan with no
         # branch on them; otherwise decode runs the one program prefill and verify run.
         draw = sampling.draw_plan(params, self.vocab_size) if self.model.widths_agree else "any"
-        out, state = self._call(state, plan, control, steps, draw=draw)
+        # Every row this burst feeds (padding rows too) sits below count + steps + W - 1.
+        short = self.short_decode_keys
+        bounded = short is not None and count + steps + self.width - 1 <= short
+        out, state = self._call(state, plan, control, steps, draw=draw,
+                                max_keys=short if bounded else None)
         # One transfer for the scalars and tokens; slicing on the device by a count that
         # changes from call to call would compile a new program per count.
         n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
@@ -755,19 +775,25 @@ class BlockProducer(
 
     def _call(
         self, state: BlockState, plan: Plan, control: Control, n_steps: int,
-        last_row_head: bool = False, draw: str = "any",
+        last_row_head: bool = False, draw: str = "any", max_keys: int | None = None,
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
-        # Static arguments at their defaults are left out: the call then matches the
-        # program's cache entry of the calls that never name them.
-        extra = {"last_row_head": True} if last_row_head else {}
-        if draw != "any":
-            extra["draw"] = draw
         buffers, values, out = self._program(
             self.params, buffers_only(bare), by_value(bare), plan, control, np.int32(n_steps),
-            **extra,
+            **program_statics(last_row_head, draw, max_keys),
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
+
+
+def program_statics(last_row_head: bool, draw: str, max_keys: int | None) -> dict[str, Any]:
+    """The block program's static arguments for a call, those at their defaults left out: the
+    call then matches the program's cache entry of the calls that never name them."""
+    extra: dict[str, Any] = {"last_row_head": True} if last_row_head else {}
+    if draw != "any":
+        extra["draw"] = draw
+    if max_keys is not None:
+        extra["max_keys"] = max_keys
+    return extra
 
 
 def check_prefill_width(prefill_width: int, width: int, widths_agree: bool) -> None:

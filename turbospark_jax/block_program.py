@@ -34,7 +34,10 @@ two kinds more: a wide exact prefill that runs the head on each block's last row
 ask for (``draw``, one of :data:`~turbospark_jax.sampling.DRAW_PLANS`). A decode program runs
 the head on every step and draws with no ``lax.cond``: on a GPU each conditional copies its
 predicate to the host and waits for it, a stall per token. At most three such programs
-exist per width (greedy, sampled, truncated), however the settings' values change.
+exist per width (greedy, sampled, truncated), however the settings' values change, and as
+many again bounded by ``max_keys`` for a model that declares ``bounds_keys``: a short
+context's decode (:data:`~turbospark_jax.block_producer.SHORT_DECODE_KEYS`), whose attention
+takes a faster kernel with the same bits.
 """
 
 from __future__ import annotations
@@ -170,6 +173,7 @@ def feed_block(
     injected: jax.Array | None = None,
     embeds: jax.Array | None = None,
     last_row_head: bool = False,
+    max_keys: int | None = None,
 ) -> tuple[jax.Array, BlockState]:
     """Feed ``tokens[:live]`` (int32 ``[W]``) at the state's cursor; return the ``[W, V]``
     logits (``[1, V]``, row ``live - 1``'s, with ``last_row_head``: a model whose widths
@@ -177,7 +181,8 @@ def feed_block(
 
     Rows with a non-zero ``injected`` identity (int32 ``[W]``) take their row of ``embeds``
     (``[W, D]``) instead of their token's embedding; a model is handed embeddings only when
-    it declares ``accepts_embeddings``."""
+    it declares ``accepts_embeddings``. ``max_keys`` (static): the caller's bound on every
+    row's position + 1, handed to a model that declares ``bounds_keys`` (a speed hint)."""
     positions = state.fed.count + jnp.arange(tokens.shape[0], dtype=jnp.int32)
     extra = {}
     if model.accepts_embeddings:
@@ -192,6 +197,8 @@ def feed_block(
         extra = {"embeds": embeds, "embed_rows": injected != 0}
     if last_row_head:
         extra["last_row_head"] = True
+    if max_keys is not None and model.bounds_keys:
+        extra["max_keys"] = max_keys
     with jax.named_scope("block_forward"):
         logits, cache = model.block_forward(
             params, state.cache, tokens, positions, live, need_head, **extra
@@ -217,6 +224,7 @@ def _run_blocks(
     n_steps: jax.Array,
     last_row_head: bool = False,
     draw: str = "any",
+    max_keys: int | None = None,
 ) -> tuple[BlockState, BlockState, StepOutput]:
     # The state arrives split so that only its append-only buffers are donated: by-value
     # leaves (cursor, recurrent state) may still be held by a checkpoint.
@@ -244,7 +252,7 @@ def _run_blocks(
         logits, st = feed_block(model, params, st, tokens, live, need_head,
                                 plan.injected[at_i],
                                 None if plan.embeds is None else plan.embeds[at_i],
-                                last_row_head=last_row_head)
+                                last_row_head=last_row_head, max_keys=max_keys)
         at = at_i if last_row_head else plan.out_offset[at_i]
         if active is not None:  # an idle step writes its row's own contents back
             logits = jnp.where(active, logits, jax.lax.dynamic_slice(out, (at, 0), logits.shape))
@@ -335,10 +343,11 @@ def compiled_program(model: BlockModel, donate: bool) -> Any:
     """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``; a
     model whose widths agree also has a ``last_row_head`` form for the exact prefill, and
     decode forms that draw by a plan the host chose from the request's settings, ``draw``
-    other than ``"any"``: :func:`~turbospark_jax.sampling.draw_as`)."""
+    other than ``"any"``: :func:`~turbospark_jax.sampling.draw_as`; a model that declares
+    ``bounds_keys`` also has decode forms bounded by ``max_keys``, for short contexts)."""
     fn = functools.partial(_run_blocks, model)
     return jax.jit(fn, donate_argnums=(1,) if donate else (),  # 1: the append-only buffers
-                   static_argnames=("last_row_head", "draw"))
+                   static_argnames=("last_row_head", "draw", "max_keys"))
 
 
 def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
@@ -347,7 +356,7 @@ def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
     compiler would have picked (:mod:`turbospark_jax.sharding`)."""
     fn = functools.partial(_run_blocks, model)
     return jax.jit(fn, donate_argnums=(1,) if donate else (), out_shardings=out_shardings,
-                   static_argnames=("last_row_head", "draw"))
+                   static_argnames=("last_row_head", "draw", "max_keys"))
 
 
 @functools.cache

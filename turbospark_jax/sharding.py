@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from turbospark_jax.block_producer import STEPS_PER_CALL, BlockProducer
+from turbospark_jax.block_producer import STEPS_PER_CALL, BlockProducer, program_statics
 from turbospark_jax.block_program import BlockState, StepOutput, pinned_program
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.models.base import BlockModel
@@ -262,17 +262,15 @@ class ShardedProducer(BlockProducer):
 
     def _call(
         self, state: BlockState, plan: Any, control: Any, n_steps: int,
-        last_row_head: bool = False, draw: str = "any",
+        last_row_head: bool = False, draw: str = "any", max_keys: int | None = None,
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
         # A state moved on the host (rewind, rollback) may come back on other shardings; the
         # program must see the ones it was compiled for.
         bare = jax.device_put(bare, self._shardings)
         plan, control, steps = self._on_mesh((plan, control, np.int32(n_steps)))
-        extra = {"last_row_head": True} if last_row_head else {}
-        if draw != "any":
-            extra["draw"] = draw
         buffers, values, out = self._program(
-            self.params, buffers_only(bare), by_value(bare), plan, control, steps, **extra
+            self.params, buffers_only(bare), by_value(bare), plan, control, steps,
+            **program_statics(last_row_head, draw, max_keys),
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)

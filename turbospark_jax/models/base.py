@@ -83,6 +83,11 @@ class BlockModel(abc.ABC):
         Such an instance's :meth:`block_forward` also takes ``last_row_head=True`` (static):
         the output head then runs on the last live row only and the logits are ``[1, V]``,
         that row's bits whatever the block's width (a prefill needs no other row's).
+      bounds_keys: :meth:`block_forward` takes ``max_keys`` (static): the caller's bound on
+        every row's position + 1, which this instance can turn into speed (the dense family's
+        row-invariant attention folds a short context's key splits in one launch). A speed
+        hint only: no bit of any result depends on it, and a row past it is still computed
+        exactly. False by default (the hint is then never passed).
     """
 
     rewindable: ClassVar[bool] = True
@@ -98,6 +103,12 @@ class BlockModel(abc.ABC):
     def widths_agree(self) -> bool:
         """Whether block programs of different widths agree bit for bit, row for row, for
         this instance (declared, never probed; see the class docstring)."""
+        return False
+
+    @property
+    def bounds_keys(self) -> bool:
+        """Whether :meth:`block_forward` takes a ``max_keys`` speed hint (see the class
+        docstring)."""
         return False
 
     @property

@@ -276,8 +276,8 @@ class DenseModel(BlockModel):
       kernels: the per-row work (:mod:`~turbospark_jax.models.row_kernels`): ``"xla"``
         (XLA's own kernels and the fused ones above; exact only at one program width) or
         ``"rowinv"`` (row-invariant matrix products, norms and attention, so block programs
-        of different widths agree bitwise row for row; the fused kernels above are then not
-        used, and ``attention="interpret"`` is refused).
+        of different widths agree bitwise row for row; on a GPU the fused kernels above run
+        in their row-invariant forms, and ``attention="interpret"`` is refused).
     """
 
     parallel_prefill = True
@@ -288,6 +288,13 @@ class DenseModel(BlockModel):
     @property
     def widths_agree(self) -> bool:
         return self.kernels == "rowinv"
+
+    @property
+    def bounds_keys(self) -> bool:
+        # The row-invariant fused attention on a GPU is what a bound speeds up; elsewhere a
+        # bound would only compile programs that compute the same way.
+        return (self.kernels == "rowinv" and self.attention == "auto"
+                and jax.default_backend() == "gpu")
 
     config: DenseConfig
     dtype: Any = jnp.float32
@@ -521,6 +528,7 @@ class DenseModel(BlockModel):
         key_limit: int | None = None,
         fresh: bool = False,
         last_row_head: bool = False,
+        max_keys: int | None = None,
     ) -> tuple[jax.Array, DenseCache]:
         """Run a block of W rows against the cache: write their K/V, attend, return logits.
 
@@ -545,6 +553,9 @@ class DenseModel(BlockModel):
           fresh: static; the block starts at position 0 of an empty cache, so attention runs
             over the block's own rows (cuDNN flash attention on a GPU in 16-bit dtypes).
             Parallel prefill only: a different program from the exact path.
+          max_keys: static; the caller's bound on every row's position + 1 (see
+            :attr:`bounds_keys`): the row-invariant attention kernel may then fold a short
+            context's splits in one launch. Speed only; ``None``: no bound.
 
         The parallel prefill's passes (``key_limit`` or ``fresh``) stand outside every bitwise
         guarantee, so under ``kernels="rowinv"`` they run on XLA's kernels (cuBLAS products,
@@ -586,6 +597,7 @@ class DenseModel(BlockModel):
         attention = cached_attention(
             self, per_layer=cache.per_layer, capacity=capacity, fresh=fresh, positions=positions,
             write_at=write_at, cos=cos, sin=sin, key_positions=key_positions, limit=limit,
+            max_keys=max_keys,
         )
         x, layer = self._layers_in(params["layers"], x, attention)
         ran = self._run_layers(params["layers"], x, (cache.k, cache.v), layer, self.tap_layers)

@@ -159,6 +159,7 @@ def _uses_rope_store(model: DenseModel, fused: bool | str) -> bool | str:
 def cached_attention(
     model: DenseModel, *, per_layer: bool, capacity: int, fresh: bool, positions: jax.Array,
     write_at: jax.Array, cos: jax.Array, sin: jax.Array, key_positions: jax.Array, limit: int,
+    max_keys: int | None = None,
 ) -> Attention:
     """The attention every layer of one ``block_forward`` call runs, chosen once.
 
@@ -180,6 +181,9 @@ def cached_attention(
       cos, sin: ``[W, hd]`` rotary tables.
       key_positions: int32 ``[C]``, the cache rows' positions.
       limit: static; the XLA form attends over cache rows ``< limit`` only.
+      max_keys: static; the caller's bound on every row's position + 1, handed to the fused
+        kernel (:func:`~turbospark_jax.models.pallas_attention.cached_attention`: speed
+        only).
 
     Returns:
       The :data:`Attention`.
@@ -200,7 +204,7 @@ def cached_attention(
         kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
         attn = pallas_attention.cached_attention_arranged(
             qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
-            interpret=fused == "interpret", row_invariant=row_invariant,
+            interpret=fused == "interpret", row_invariant=row_invariant, max_keys=max_keys,
         )
         return attn, kv
 
@@ -219,7 +223,7 @@ def cached_attention(
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
         attn = pallas_attention.cached_attention(
             q, k_layer, v_layer, positions, window=window, interpret=fused == "interpret",
-            row_invariant=row_invariant,
+            row_invariant=row_invariant, max_keys=max_keys,
         )
         return attn, kv
 
