@@ -56,7 +56,11 @@
 #   bash benchmarks/rowinv_h200.sh 20 "$OUT"  # the Mosaic kernel's GPU tests, and a decode
 #                                             # step's 1B products on it (row padded to 64)
 #                                             # against the Triton matvec kernel (traced)
-#   bash benchmarks/rowinv_h200.sh 21 "$OUT"  # decode end to end (1B, 0.6B) with XLA's
+#   bash benchmarks/rowinv_h200.sh 21 "$OUT"  # decode end to end (1B, 0.6B) with one decode
+#                                             # program for every context, then with the
+#                                             # short-context program (the default); the 1B
+#                                             # exact part (its short burst runs that program)
+#   bash benchmarks/rowinv_h200.sh 23 "$OUT"  # decode end to end (1B, 0.6B) with XLA's
 #                                             # programmatic dependent launch off, then on
 #                                             # (each kernel launched while the one before
 #                                             # finishes); the exact part with it on
@@ -246,6 +250,20 @@ case "$stage" in
     2>&1 | cut -c1-900 | grep -v "^1B" | tail -12
   ;;
 21)
+  # the short-context decode program (the default) against one program for every context
+  for keys in 0 512; do
+    timeout 180 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
+      --modes rowinv --workloads completion --short-decode-keys $keys \
+      --out "$out/speed_short_$keys" --budget-s 170 2>&1 | cut -c1-300 | grep speed | tail -8
+  done
+  timeout 150 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+    --out "$out/exact_short" --budget-s 140 2>&1 | tail -3
+  ;;
+22)
+  timeout 400 python -m benchmarks.rowinv_model --parts products \
+    --shapes qwen3-0.6b,llama-3.2-1b --out "$out/products" --budget-s 380 2>&1 | tail -5
+  ;;
+23)
   for pdl in false true; do
     timeout 170 env XLA_FLAGS="--xla_gpu_enable_pdl=$pdl" python -m benchmarks.rowinv_model \
       --parts speed --shapes llama-3.2-1b,qwen3-0.6b --modes rowinv --workloads completion \
@@ -253,10 +271,6 @@ case "$stage" in
   done
   timeout 120 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python -m benchmarks.rowinv_model \
     --parts exact --exact-shapes llama-3.2-1b --out "$out/exact_pdl" --budget-s 110 2>&1 | tail -3
-  ;;
-22)
-  timeout 400 python -m benchmarks.rowinv_model --parts products \
-    --shapes qwen3-0.6b,llama-3.2-1b --out "$out/products" --budget-s 380 2>&1 | tail -5
   ;;
 esac
 ls -R "$out" | head -30

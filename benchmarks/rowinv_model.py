@@ -340,14 +340,19 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     return config, model, params
 
 
+#: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
+SHORT_DECODE_KEYS: int | None = None
+
+
 def _producer(model: Any, params: Any, capacity: int, width: int, burst: int,
               prefill_width: int | None = None, donate: bool = False) -> Any:
     """The exact part keeps states to feed them again (no donation); the speed part donates,
     as the CLI and the server do (a call that does not copies the KV cache first)."""
     from turbospark_jax.block_producer import BlockProducer
 
+    extra = {} if SHORT_DECODE_KEYS is None else {"short_decode_keys": SHORT_DECODE_KEYS}
     return BlockProducer(model, params, capacity=capacity, width=width, steps_per_call=burst,
-                         prefill_width=prefill_width, donate=donate)
+                         prefill_width=prefill_width, donate=donate, **extra)
 
 
 def _bits(a: Any) -> np.ndarray:
@@ -386,6 +391,10 @@ def _burst_logits(producer: Any, state: Any, first: int, start: int, steps: int)
     return [_bits(row) for row in np.asarray(burst.logits)]
 
 
+#: The exact part's short prompt: its decode bursts run the short-context program.
+SHORT_PROMPT = 64
+
+
 def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[int, int | None]],
                ) -> dict[str, Any]:
     """Feed one prompt through producers of the given ``(width, prefill_width)``, decode 8
@@ -420,6 +429,18 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
     # the decode program's burst == the one-by-one steps it replaces
     result["burst_equals_steps"] = all(np.array_equal(a, b) for a, b in zip(
         base["burst"], base["logits"][: len(base["burst"])], strict=True))
+    # a short context's burst (on a model that takes the bound, the decode program bounded
+    # by short_decode_keys: its attention the folding kernel) == the unbounded program's
+    # one-by-one steps
+    narrow = base["producer"]
+    short = prompt[:SHORT_PROMPT]
+    last, short_state = narrow.prefill_chunk(narrow.init_state(), short, 0)
+    first = int(np.argmax(np.asarray(last)))
+    short_burst = _burst_logits(narrow, short_state, first, len(short), 8)
+    _, short_steps, _ = _decode_logits(narrow, short_state, first, len(short), 8)
+    result["short_decode_keys"] = narrow.short_decode_keys
+    result["short_burst_equals_steps"] = all(np.array_equal(a, b) for a, b in zip(
+        short_burst, short_steps[: len(short_burst)], strict=True))
     # verify of k + 1 rows at the widest producer == the narrowest producer's one-by-one steps
     wide = runs[-1]
     feed = [int(t) for t in rng.integers(0, config.vocab_size, preset.verify_width)]
@@ -432,7 +453,7 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
     result["verify_equals_decode"] = all(
         np.array_equal(_bits(v_logits[i]), one[i]) for i in range(len(feed)))
     result["all_equal"] = bool(result["verify_equals_decode"] and result["burst_equals_steps"]
-                               and all(
+                               and result["short_burst_equals_steps"] and all(
         all(a.values()) for a in result["agree"]))
     return result
 
@@ -849,7 +870,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(an experiment: it fixes the order of a row's softmax additions on "
                          "every path at once, so widths still agree; run the exact part under "
                          "it too)")
+    ap.add_argument("--short-decode-keys", type=int,
+                    help="the producers' short_decode_keys (0: one decode program for every "
+                         "context; default: BlockProducer's)")
     args = ap.parse_args(argv)
+    global SHORT_DECODE_KEYS
+    SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:
         from turbospark_jax.models import pallas_attention
 
@@ -873,7 +899,8 @@ def main(argv: list[str] | None = None) -> int:
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "python": platform.python_version(), "preset": args.preset,
-            "prefill_width": preset.prefill_width, "key_tile": args.key_tile}
+            "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
+            "short_decode_keys": args.short_decode_keys}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

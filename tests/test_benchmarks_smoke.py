@@ -206,7 +206,7 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     assert data["errors"] == [] and data["skipped"] == []
     exact = {r["kernels"]: r for r in data["records"] if r["part"] == "exact"}
     assert exact["rowinv"]["all_equal"] and len(exact["rowinv"]["agree"]) == 2
-    assert exact["rowinv"]["burst_equals_steps"]
+    assert exact["rowinv"]["burst_equals_steps"] and exact["rowinv"]["short_burst_equals_steps"]
     assert all(a["burst_logits"] for a in exact["rowinv"]["agree"])
     assert not exact["xla"]["all_equal"]
     speeds = [r for r in data["records"] if r["part"] == "speed"]
