@@ -21,7 +21,7 @@ One kernel body serves three forms: :func:`mosaic_matmul` (weights side by side,
 :func:`mosaic_gated` (gate and up loaded together, K in one segment, SwiGLU's gating in the
 epilogue: what a prefill block's MLP runs) and :func:`mosaic_partials` (each segment a
 program of its own, float32 partial sums out: the matvec kernel's form, measured for decode
-and slower there than the Triton matvec kernel).
+where the Triton matvec kernel is the faster).
 """
 
 from __future__ import annotations
@@ -314,10 +314,9 @@ def mosaic_partials(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int,
     float32 ``[S, M, N1 + N2 + ...]`` for the caller to add in order
     (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s.
 
-    A decode step's products in this form, the row padded to a 64-row tile, gave the matvec
-    kernel's bits on an H100 but ran 7-19% slower than it at the 1B shape's products
-    (``benchmarks/probe_mosaic_decode.py``), so the model does not call it; it stays for that
-    probe."""
+    Its rows are the matvec kernel's bitwise, but the model does not call it: at decode sizes
+    the Triton matvec kernel streams the weights faster (``benchmarks/probe_mosaic_decode.py``,
+    figures in ``benchmarks/results/NOTES.md``)."""
     m, k = x.shape
     _check(x, ws, seg_cols, tiles)
     body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
