@@ -267,3 +267,6 @@ def test_short_context_bursts_run_the_bounded_program_with_the_same_bits(monkeyp
     # a model that does not declare the capability is never handed the hint
     assert BlockProducer(_model("llama", jnp.float32, "xla"), params, capacity=96,
                          width=1).short_decode_keys is None
+    for bad in (-1, True, "512"):
+        with pytest.raises(BadInputError, match="short_decode_keys"):
+            BlockProducer(model, params, capacity=96, width=1, short_decode_keys=bad)
