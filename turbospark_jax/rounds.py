@@ -256,6 +256,7 @@ def _run_rounds(
     width: int,
     record_logits: bool,
     greedy: bool,
+    max_keys: int | None,
     target_params: Any,
     drafter_params: Any,
     buffers: BlockState,
@@ -298,7 +299,7 @@ def _run_rounds(
         feed = feed.at[1 : fits + 1].set(proposals[:fits])
         with jax.named_scope("verify"):
             rows, verified = feed_block(target, target_params, st, feed, drafted + 1, head,
-                                        no_injected, no_embeds)
+                                        no_injected, no_embeds, max_keys=max_keys)
         rows = jnp.zeros((MAX_DRAFT + 1, vocab), jnp.float32).at[: fits + 1].set(
             rows[: fits + 1]
         )
@@ -349,15 +350,19 @@ def _run_rounds(
 @functools.cache
 def compiled_rounds(
     target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool,
-    greedy: bool = False,
+    greedy: bool = False, max_keys: int | None = None,
 ) -> Any:
     """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
     of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
     the variant for greedy requests (:func:`judge_greedy`, drafters drafting argmax tokens):
     the same tokens, with none of the sampling machinery and no branch on the temperature,
-    which can cost a GPU a host round trip each (XLA runs some on the device). Arguments:
+    which can cost a GPU a host round trip each (XLA runs some on the device). ``max_keys``:
+    the host's bound on every position the burst's verify blocks hold, plus one (a speed hint
+    for a target that declares ``bounds_keys``; see :func:`~turbospark_jax.block_program.
+    feed_block`). Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""
-    fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy)
+    fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
+                           max_keys)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else ())

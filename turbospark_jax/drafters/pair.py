@@ -344,8 +344,13 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             remaining=np.int32(remaining), budget=np.int32(min(budget, MAX_BURST)),
             draft_len=np.int32(draft_len), stop_ids=stops,
         )
+        # Every verify block sits below reach + W (its padding rows too): within the target's
+        # short-context bound, the rounds verify in the program bounded by it.
+        short = target.short_decode_keys
+        bounded = short is not None and reach + target.width <= short
         program = compiled_rounds(target.model, device, target.width, target.donate,
-                                  record_logits, sampling.is_greedy(params))
+                                  record_logits, sampling.is_greedy(params),
+                                  short if bounded else None)
         bare, held = without_auxiliary(state.target)
         buffers, values, drafter, out = program(
             target.params, device_params, buffers_only(bare), by_value(bare),
