@@ -360,10 +360,11 @@ def _rounds_program(kernels: str, monkeypatch) -> str:
     target = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4, donate=False)
     pair = SpeculativePair(target, NGramDrafter(CONFIG.vocab_size, max_n=3), device_rounds=True)
 
-    def compiled(target_model, drafter, width, donate, record_logits, greedy=False):
+    def compiled(target_model, drafter, width, donate, record_logits, greedy=False,
+                 max_keys=None):
         def lower(*args):
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
-                                   greedy)
+                                   greedy, max_keys)
             exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
             raise _Lowered(exported(*args).mlir_module())
         return lower
