@@ -100,3 +100,23 @@ def no_tensor_read(monkeypatch):
         raise AssertionError("a tensor was read")
 
     monkeypatch.setattr(loading, "_read_params", refuse)
+
+
+@pytest.fixture
+def key_bounds_seen(monkeypatch):
+    """The dense model declares ``bounds_keys`` in its row-invariant mode here too (on the CPU,
+    where its XLA attention ignores the hint), and every ``max_keys`` its attention is handed
+    while a program is traced goes into the list this returns (``None``: unbounded)."""
+    from turbospark_jax.models import dense
+
+    seen = []
+    real = dense.cached_attention
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("max_keys"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dense, "cached_attention", spy)
+    monkeypatch.setattr(dense.DenseModel, "bounds_keys",
+                        property(lambda m: m.kernels == "rowinv"))
+    return seen

@@ -230,7 +230,7 @@ def test_control_a_row_follows_its_blocks_boundaries(monkeypatch):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_short_context_bursts_run_the_bounded_program_with_the_same_bits(monkeypatch,
+def test_short_context_bursts_run_the_bounded_program_with_the_same_bits(key_bounds_seen,
                                                                           temperature):
     """Decode bursts whose rows all sit below ``short_decode_keys`` run the program bounded by
     it (``max_keys`` reaches the model's attention), later bursts the unbounded one; tokens and
@@ -241,17 +241,7 @@ def test_short_context_bursts_run_the_bounded_program_with_the_same_bits(monkeyp
     from turbospark_jax import sampling
     from turbospark_jax.completion import CompletionRequest
     from turbospark_jax.generate import run_raw_completion
-    from turbospark_jax.models import dense
 
-    seen = []
-    real = dense.cached_attention
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("max_keys"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(dense, "cached_attention", spy)
-    monkeypatch.setattr(DenseModel, "bounds_keys", property(lambda m: m.kernels == "rowinv"))
     model = _model("qwen3", jnp.float32, "rowinv")
     params = model.init_params(jax.random.PRNGKey(3))
     bounded, plain = (BlockProducer(model, params, capacity=96, width=1, steps_per_call=8,
@@ -263,7 +253,7 @@ def test_short_context_bursts_run_the_bounded_program_with_the_same_bits(monkeyp
     got, want = (run_raw_completion(p, request) for p in (bounded, plain))
     assert got.token_ids == want.token_ids and len(got.token_ids) == 40
     assert np.array_equal(got.logits.view(np.uint32), want.logits.view(np.uint32))
-    assert 40 in seen and None in seen  # bounded bursts first, then unbounded ones
+    assert 40 in key_bounds_seen and None in key_bounds_seen  # bounded bursts, then not
     # a model that does not declare the capability is never handed the hint
     assert BlockProducer(_model("llama", jnp.float32, "xla"), params, capacity=96,
                          width=1).short_decode_keys is None

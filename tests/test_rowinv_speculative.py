@@ -83,23 +83,12 @@ def test_control_xla_kernels_at_two_widths_differ():
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
 def test_short_context_rounds_verify_in_the_bounded_program(plain_rowinv, drafter,
-                                                            monkeypatch):
+                                                            key_bounds_seen):
     """With the target's short-context bound in force (``BlockModel.bounds_keys``, declared
     here on the CPU, whose XLA attention ignores it), the device rounds verify in the program
     bounded by ``short_decode_keys`` (the hint reaches the target's attention) and still equal
     plain greedy decoding bit for bit."""
-    from turbospark_jax.models import dense
-
-    seen = []
-    real = dense.cached_attention
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("max_keys"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(dense, "cached_attention", spy)
-    monkeypatch.setattr(DenseModel, "bounds_keys", property(lambda m: m.kernels == "rowinv"))
     got = _speculative("rowinv", drafter, "device")
-    assert got.speculative.on_device and 512 in seen
+    assert got.speculative.on_device and 512 in key_bounds_seen
     assert got.token_ids == plain_rowinv.token_ids
     np.testing.assert_array_equal(_bits(got), _bits(plain_rowinv))
