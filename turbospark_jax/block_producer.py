@@ -368,7 +368,7 @@ class BlockProducer(
         # logits; otherwise that token goes through the exact program (:meth:`produce`).
         head = self.model.parallel_head
         body = tokens if head else tokens[:-1]
-        fed = int(state.fed.count)
+        fed = int(start_position)  # the state's count: _check_tokens has held them equal
         if body and fed == 0:
             # The body fits the capacity (checked above), so this one pass always holds it.
             width = min(max(256, 1 << (len(body) - 1).bit_length()), self.capacity)

@@ -786,19 +786,23 @@ def rowinv_swiglu(
     if jnp.dtype(x.dtype) not in _DTYPES or not x.dtype == gate.dtype == up.dtype:
         raise BadInputError(f"x, gate and up must share one dtype of bfloat16, float16, "
                             f"float32; got {x.dtype}, {gate.dtype}, {up.dtype}")
+    impl = _resolve_call(impl, kernel, label)
+    return _rowinv_swiglu(x, gate, up, impl, kernel, tiles, label)
+
+
+def _resolve_call(impl: str, kernel: str, label: str) -> str:
+    """The impl a product call runs on (:func:`resolve_impl`), after the checks both public
+    products share: a known ``kernel``, a ``label`` fit for a kernel's name, and
+    ``kernel="mosaic"`` only where its kernel runs."""
     if kernel not in KERNELS:
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
         raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
     impl = resolve_impl(impl)
-    _check_mosaic_impl(kernel, impl)
-    return _rowinv_swiglu(x, gate, up, impl, kernel, tiles, label)
-
-
-def _check_mosaic_impl(kernel: str, impl: str) -> None:
     if kernel == "mosaic" and impl != "pallas":
         raise BadInputError(f"kernel='mosaic' runs on a Hopper GPU only (impl 'pallas'); "
                             f"impl {impl!r} has no Mosaic kernel: use kernel='matmul'")
+    return impl
 
 
 def resolve_impl(impl: str) -> str:
@@ -891,11 +895,6 @@ def rowinv_matmul(
     out = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out not in _DTYPES:
         raise BadInputError(f"out_dtype must be bfloat16, float16 or float32; got {out}")
-    if kernel not in KERNELS:
-        raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
-    if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
-        raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
-    impl = resolve_impl(impl)
-    _check_mosaic_impl(kernel, impl)
+    impl = _resolve_call(impl, kernel, label)
     return _rowinv_matmul(x, ws, nk, out, impl, kernel, schedule, tiles,
                           as_bool("parts", parts), label)
