@@ -67,12 +67,20 @@
 #   bash benchmarks/rowinv_h200.sh 22 "$OUT"  # a decode step's products alone (traced), every
 #                                             # matvec column tile and segment count swept
 #                                             # on the 0.6B shape, the defaults on the 1B
+#   bash benchmarks/rowinv_h200.sh 24 "$OUT"  # the short-context kernels' GPU tests (attention
+#                                             # bounded by max_keys, the Mosaic partials),
+#                                             # then stage 21: one call for both
+#   bash benchmarks/rowinv_h200.sh 25 "$OUT"  # the 8B's gated product alone under every
+#                                             # column tile (its default gives 448 programs of
+#                                             # 64 steps; the down product's 256 reach 2.96
+#                                             # TB/s), and the 1B decode traced at 128 and 4k
+#                                             # context (where the 4k's extra 140 us a token go)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 19}
+stage=${1:?stage 1 to 25}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -271,6 +279,20 @@ case "$stage" in
   done
   timeout 120 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python -m benchmarks.rowinv_model \
     --parts exact --exact-shapes llama-3.2-1b --out "$out/exact_pdl" --budget-s 110 2>&1 | tail -3
+  ;;
+24)
+  timeout 130 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_attention.py tests/test_mosaic_matmul.py --tb=short -rf \
+    > "$out/gpu_tests_short.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_short.txt" | tail -12
+  bash "$0" 21 "$out"
+  ;;
+25)
+  timeout 300 python -m benchmarks.rowinv_model --parts products --shapes llama-3.1-8b \
+    --products gate_up --out "$out/products_8b_gated" --budget-s 290 2>&1 | tail -3
+  timeout 240 python -m benchmarks.rowinv_model --parts profile --modes rowinv \
+    --shapes llama-3.2-1b --profile-contexts 128,4096 --out "$out/profile_1b_4k" \
+    --budget-s 230 2>&1 | cut -c1-400 | tail -3
   ;;
 esac
 ls -R "$out" | head -30

@@ -171,6 +171,10 @@ class Run:
 
 # -- products ---------------------------------------------------------------------------------
 
+#: The products of :func:`_products_of`, in its order.
+PRODUCT_NAMES = ("qkv", "o", "gate_up", "down", "head")
+
+
 def _products_of(shape: Shape) -> list[tuple[str, int, tuple[int, ...], str]]:
     """``(name, K, (N, ...), layout)`` of one decode step's matrix products."""
     d, hd = shape.hidden_size, shape.head_dim
@@ -276,7 +280,9 @@ def _ours(prod: str, layout: str, tiles: Any, schedule: Any = None) -> Any:
     return lambda x, w: rowinv_matmul(x, w, w_layout=layout, tiles=tiles, **extra)
 
 
-def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
+def part_products(preset: Preset, run: Run, shapes: list[str],
+                  only: tuple[str, ...] | None = None) -> None:
+    """``only``: the products to time (names of :func:`_products_of`), or all of them."""
     import jax
 
     from turbospark_jax.models.rowinv import Schedule, Tiles
@@ -286,6 +292,8 @@ def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
         shape = ALL_SHAPES[name]
         sweep = on_gpu and index == 0  # every matvec tiling on the first shape only
         for prod, k, ns, layout in _products_of(shape):
+            if only is not None and prod not in only:
+                continue
             label = {"shape": name, "product": prod, "K": k, "N": list(ns), "layout": layout}
             for rows in (1, 16):
                 run.case("products", {**label, "rows": rows, "impl": "xla"},
@@ -305,6 +313,8 @@ def part_products(preset: Preset, run: Run, shapes: list[str]) -> None:
                             preset.copies_bytes))
         # wide products: TFLOP/s at prefill widths
         for prod, k, ns, layout in _products_of(shape)[:4]:
+            if only is not None and prod not in only:
+                continue
             rows = max(preset.prefill_lengths[0], 16)
             label = {"shape": name, "product": prod, "K": k, "N": list(ns), "rows": rows}
             run.case("wide", {**label, "impl": "xla"}, functools.partial(
@@ -818,9 +828,13 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
 
 
 def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
-                 modes: tuple[str, ...] = ("rowinv", "xla"), capacity: int = 512) -> None:
+                 modes: tuple[str, ...] = ("rowinv", "xla"), capacity: int = 512,
+                 contexts: tuple[int, ...] = (128,)) -> None:
+    """A traced decode burst after each of ``contexts`` prompt tokens; the cache holds
+    ``capacity`` positions, or the longest context and the burst where that is more."""
     from benchmarks.profile_decode import profile_burst
 
+    capacity = max(capacity, max(contexts) + preset.burst + 64)
     for name in shapes:
         shape = ALL_SHAPES[name]
         for kernels, width in _modes(modes):
@@ -828,16 +842,18 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
             producer = _producer(model, params, capacity, width, preset.burst, donate=True)
 
             def traced(producer=producer, vocab=config.vocab_size, shape=shape,
-                       kind="greedy") -> dict:
-                result = profile_burst(producer, 128, preset.burst, vocab, _sampling(kind))
+                       kind="greedy", context=128) -> dict:
+                result = profile_burst(producer, context, preset.burst, vocab, _sampling(kind))
                 if "all_kernels" in result:
                     result["kernel_rates"] = kernel_rates(shape, result["all_kernels"])
                 return result
 
-            for kind in ("greedy", "sampled") if kernels == "rowinv" else ("greedy",):
-                run.case("profile", {"shape": name, "kernels": kernels, "width": width,
-                                     "context": 128, "capacity": capacity, "sampling": kind},
-                         functools.partial(traced, kind=kind))
+            for context in contexts:
+                for kind in ("greedy", "sampled") if kernels == "rowinv" else ("greedy",):
+                    run.case("profile", {"shape": name, "kernels": kernels, "width": width,
+                                         "context": context, "capacity": capacity,
+                                         "sampling": kind},
+                             functools.partial(traced, kind=kind, context=context))
             del producer, params, model
 
 
@@ -854,6 +870,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile-capacity", type=int, default=512,
                     help="the profile part's cache capacity (the speed part's is its longest "
                          "prefill plus 64)")
+    ap.add_argument("--profile-contexts", default="128",
+                    help="the profile part's prompt lengths before its traced burst "
+                         "(comma-separated; the capacity grows to hold the longest)")
+    ap.add_argument("--products", dest="only_products",
+                    help="the products part's products (comma-separated: qkv, o, gate_up, "
+                         "down, head; default: all)")
     ap.add_argument("--modes", default="rowinv,xla",
                     help="the speed and profile parts' kernel modes (comma-separated: "
                          "rowinv, xla)")
@@ -894,6 +916,10 @@ def main(argv: list[str] | None = None) -> int:
     for s in shapes + exact_shapes:
         if s not in ALL_SHAPES:
             ap.error(f"unknown shape {s!r}; known: {', '.join(ALL_SHAPES)}")
+    if args.only_products is not None:
+        unknown = set(args.only_products.split(",")) - set(PRODUCT_NAMES)
+        if unknown:
+            ap.error(f"unknown products {sorted(unknown)}; known: {', '.join(PRODUCT_NAMES)}")
     parts = args.parts.split(",")
     meta = {"date": time.strftime("%Y-%m-%d"), "jax": jax.__version__,
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
@@ -906,7 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args.out, args.budget_s, meta)
     for part in parts:
         if part == "products":
-            part_products(preset, run, shapes)
+            part_products(preset, run, shapes, None if args.only_products is None
+                          else tuple(args.only_products.split(",")))
         elif part == "exact":
             part_exact(preset, run, exact_shapes)
         elif part == "speed":
@@ -916,7 +943,8 @@ def main(argv: list[str] | None = None) -> int:
             part_attention(preset, run, shapes, tuple(args.attention_cases.split(",")))
         elif part == "profile":
             part_profile(preset, run, shapes, bandwidth, tuple(args.modes.split(",")),
-                         args.profile_capacity)
+                         args.profile_capacity,
+                         tuple(int(c) for c in args.profile_contexts.split(",")))
         elif part == "prefill-profile":
             part_prefill_profile(preset, run, shapes)
         else:

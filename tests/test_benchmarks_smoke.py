@@ -222,6 +222,27 @@ def test_rowinv_model_benchmark_checks_widths_and_times_both_modes(tmp_path):
     assert all(r["same_bits_as_default"] and r["ms"] > 0 for r in attention)
 
 
+def test_rowinv_model_benchmark_filters_products_and_profiles_each_context(tmp_path):
+    """``--products`` times only the products named (an unknown name is refused), and the
+    profile part traces a burst after each of ``--profile-contexts`` in a cache that holds
+    the longest."""
+    from benchmarks import rowinv_model
+
+    assert rowinv_model.main(["--preset", "smoke", "--parts", "products,profile", "--modes",
+                              "rowinv", "--products", "gate_up,o", "--profile-contexts",
+                              "16,40", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "rowinv_model.json").read_text())
+    assert data["errors"] == [] and data["skipped"] == []
+    products = [r for r in data["records"] if r["part"] == "products"]
+    assert products and {r["product"] for r in products} == {"gate_up", "o"}
+    profiles = [r for r in data["records"] if r["part"] == "profile"]
+    assert sorted({r["context"] for r in profiles}) == [16, 40]
+    assert all(r["capacity"] >= 40 for r in profiles)
+    with pytest.raises(SystemExit):
+        rowinv_model.main(["--preset", "smoke", "--parts", "products", "--products", "qkvo",
+                           "--out", str(tmp_path)])
+
+
 def test_rowinv_kernel_rates_read_the_labelled_products():
     from benchmarks.rowinv_model import ALL_SHAPES, kernel_rates
 
