@@ -294,3 +294,40 @@ def test_rowinv_model_refuses_a_key_tile_that_is_not_a_power_of_two(tmp_path):
         rowinv_model.main(["--preset", "smoke", "--parts", "exact", "--key-tile", "100",
                            "--out", str(tmp_path)])
     assert before == pallas_attention.KEY_TILE
+
+
+def test_decode_bound_splits_a_profile_and_carries_it_to_another_bandwidth(tmp_path):
+    """The bound reader on a made-up profile of the tiny shape: products that take exactly
+    their stream at the source rate, 30 us of other kernels and 10 us idle; at twice the
+    bandwidth the streaming halves and the rest stays. A record without a copy rate in its
+    file's meta is refused."""
+    from benchmarks.decode_bound import bound, group_of, main, weight_bytes
+    from benchmarks.run import SHAPES
+
+    assert [group_of(n) for n in ("rowinv_matvec_qkv", "cached_attention_fold",
+                                  "row_rms_norm__1", "rope_store", "sort_6_1")] == [
+        "products", "attention", "norms", "rope_store", "loop"]
+    stream = weight_bytes(SHAPES["tiny"]) / 1e6  # us at 1,000 GB/s
+    record = {"part": "profile", "kernels": "rowinv", "shape": "tiny", "context": 8,
+              "sampling": "greedy", "wall_per_token_us": stream + 40.0,
+              "all_kernels": {"rowinv_matvec_qkv": [1.0, stream], "row_rms_norm": [1.0, 20.0],
+                              "rope_store": [1.0, 10.0]}}
+    row = bound(record, 1000.0, 2000.0, bar=("share", 0.5))
+    assert row["products_share_of_copy_rate"] == 1.0 and row["idle_us"] == 10.0
+    assert abs(row["beyond_stream_us"] - 40.0) < 0.1
+    expect = 1e6 / (stream / 2 + 40.0)
+    for reading in ("streaming_scales", "rates_scale"):
+        assert abs(row["target_tokens_per_s"][reading] - expect) < 0.1
+        assert row["target_tokens_per_s"][reading + "_no_idle"] > expect
+    assert row["beyond_stream_allowed_us"] > 0
+    assert bound(record, 1000.0, 2000.0, bar=("tokens_per_s", 1e6 / stream))[
+        "beyond_stream_allowed_us"] == round(stream / 2, 1)
+    with pytest.raises(ValueError, match="a bar is"):
+        bound(record, 1000.0, 2000.0, bar=("percent", 50.0))
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"meta": {"copy_bandwidth_GBps": 1000.0}, "records": [record]}))
+    assert main([str(path), "--out", str(tmp_path / "bound.json")]) == 0
+    assert json.loads((tmp_path / "bound.json").read_text())[0]["shape"] == "tiny"
+    path.write_text(json.dumps({"meta": {}, "records": [record]}))
+    with pytest.raises(SystemExit, match="copy_bandwidth_GBps"):
+        main([str(path)])
