@@ -895,7 +895,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-decode-keys", type=int,
                     help="the producers' short_decode_keys (0: one decode program for every "
                          "context; default: BlockProducer's)")
+    ap.add_argument("--fuse-rope", action="store_true",
+                    help="run the RoPE-store inside the attention kernel where that folds "
+                         "on chip (pallas_rope_store.FUSE_INTO_ATTENTION; the same bits)")
     args = ap.parse_args(argv)
+    if args.fuse_rope:
+        from turbospark_jax.models import pallas_rope_store
+
+        pallas_rope_store.FUSE_INTO_ATTENTION = True  # read when a layer is traced
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:
@@ -926,7 +933,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
-            "short_decode_keys": args.short_decode_keys}
+            "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

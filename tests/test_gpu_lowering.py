@@ -86,6 +86,11 @@ KERNELS = {
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store(qkv, c, s, at, k, v, 8),
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
         CACHE, CACHE),
+    "rope and cache write inside the attention, partial sums, q/k norm": (
+        lambda qkv, c, s, at, k, v, n: pallas_rope_store.rope_store_attention(
+            qkv, c, s, at, k, v, at, 8, n, n, max_keys=512)[0],
+        S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
+        S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16)),
 }
 
 
@@ -194,6 +199,19 @@ def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
     assert attention_kernels() == {"cached_attention", "cached_attention_fold"}
     assert attention_kernels(max_keys=512) == {"cached_attention_folding"}
     assert attention_kernels(max_keys=1024) == {"cached_attention", "cached_attention_fold"}
+
+
+def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch):
+    """With ``pallas_rope_store.FUSE_INTO_ATTENTION`` a short context's decode program
+    launches one kernel a layer for the RoPE-store and the attention; unbounded, the two
+    kernels of the split form and the RoPE-store as before."""
+    def kernels(**hints):
+        text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
+        return set(re.findall(r'name = "(cached_attention\w*|rope_store\w*)"', text))
+
+    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
+    assert kernels(max_keys=512) == {"rope_store_attention"}
+    assert kernels() == {"rope_store", "cached_attention", "cached_attention_fold"}
 
 
 def _float_reductions(text: str) -> list[str]:

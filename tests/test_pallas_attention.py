@@ -162,10 +162,10 @@ def test_a_short_key_bound_runs_the_folding_kernel_and_keeps_the_bits(width):
     launch) instead of the split and fold kernels, with every row's bits unchanged; rows past
     the bound (a broken promise) still get theirs, the folding kernel walking the splits
     they see."""
-    from turbospark_jax.models.pallas_attention import ON_CHIP_SPLITS, _plan
+    from turbospark_jax.models.pallas_attention import ON_CHIP_SPLITS, plan_keys
 
     capacity = 2304  # nine splits of 256
-    split_len = _plan(width * 2, capacity)[3]
+    split_len = plan_keys(width * 2, capacity)[3]
     q, k, v = _inputs(7, width, 4, 2, 16, capacity, jnp.float32)
 
     def run(pos, **kw):

@@ -7,6 +7,7 @@ Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_rope_stor
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +18,12 @@ from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq
-from turbospark_jax.models.pallas_rope_store import rope_store, rope_store_xla, supported
+from turbospark_jax.models.pallas_rope_store import (
+    rope_store,
+    rope_store_attention,
+    rope_store_xla,
+    supported,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
@@ -29,13 +35,16 @@ def _normal(rng, shape, dtype):
     return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
-def _inputs(seed, dtype, width=4, first=10):
+def _inputs(seed, dtype, width=4, first=10, capacity=CAP, parts=0):
+    """A block's q/k/v projection (``parts`` float32 partial sums of it, or finished),
+    rotary tables at positions ``first..``, caches and q/k norm scales."""
     rng = np.random.default_rng(seed)
-    qkv = _normal(rng, (width, (H + 2 * KV) * HD), dtype)
+    shape = (width, (H + 2 * KV) * HD)
+    qkv = _normal(rng, (parts, *shape), jnp.float32) if parts else _normal(rng, shape, dtype)
     pos = first + jnp.arange(width, dtype=jnp.int32)
     inv, scale = rope_inv_freq(HD, 10000.0, None, 4096)
     cos, sin = rope_cos_sin(pos, inv, scale, dtype)
-    caches = (_normal(rng, (CAP, KV, HD), dtype), _normal(rng, (CAP, KV, HD), dtype))
+    caches = (_normal(rng, (capacity, KV, HD), dtype), _normal(rng, (capacity, KV, HD), dtype))
     norms = {"q_norm": _normal(rng, HD, dtype), "k_norm": _normal(rng, HD, dtype)}
     return qkv, cos, sin, pos, caches, norms
 
@@ -146,3 +155,77 @@ def test_partial_sums_give_the_bits_of_the_finished_projection(dtype, qk_norm, c
     pairs = [(got[0][:, :ROWS], want[0][:, :ROWS]), (got[1], want[1]), (got[2], want[2])]
     for g, w in pairs:
         assert np.array_equal(_bits(g), _bits(w))
+
+
+def _fused(qkv, cos, sin, write_at, caches, pos, norms, fuse, max_keys=None):
+    return rope_store_attention(qkv, cos, sin, write_at, *caches, pos, H, **norms,
+                                interpret=INTERPRET, max_keys=max_keys, fuse=fuse)
+
+
+def _pallas_calls(fn, *args) -> set[str]:
+    """The names of the Pallas kernels ``fn`` launches (its jaxpr's ``pallas_call``s)."""
+    names = set()
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                # "name" in jax 0.10, "name_and_src_info" in some versions
+                name = eqn.params.get("name_and_src_info", eqn.params.get("name"))
+                names.add(getattr(name, "name", name))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return names
+
+
+@pytest.mark.parametrize(("width", "first", "parts", "capacity", "max_keys"), [
+    (1, 10, 0, 256, None),     # a cache of one split
+    (1, 300, 3, 2048, 512),    # a short decode's bound over eight splits
+    (5, 40, 2, 2048, 512),     # a verify's rows
+    (16, 7, 0, 256, None),     # FUSED_ROWS rows
+])
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_rope_store_inside_the_attention_gives_the_two_launches_bits(width, first, parts,
+                                                                      capacity, max_keys,
+                                                                      qk_norm, dtype):
+    """The RoPE-store's work inside the folding attention kernel (one launch) gives the
+    attention's rows and both caches bitwise as the RoPE-store kernel followed by the
+    attention kernel, with the block's last row writing nothing (``write_at`` past the
+    cache); the fused kernel is the one that ran."""
+    qkv, cos, sin, pos, caches, norms = _inputs(3, dtype, width, first, capacity, parts)
+    norms = norms if qk_norm else {}
+    write_at = pos.at[-1].set(capacity + 1) if width > 1 else pos
+    args = (qkv, cos, sin, write_at, caches, pos, norms)
+    got = _fused(*args, fuse=True, max_keys=max_keys)
+    want = _fused(*args, fuse=False, max_keys=max_keys)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(_bits(g), _bits(w))
+    kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True, max_keys=max_keys), *args)
+    assert "rope_store_attention" in kernels and "rope_store" not in kernels
+    if width > 1:  # the row that writes nothing left its cache row as it was
+        row = int(pos[-1])
+        assert np.array_equal(_bits(got[1][row]), _bits(caches[0][row]))
+
+
+@pytest.mark.parametrize(("width", "capacity", "max_keys"), [
+    (1, 2048, None),   # eight splits, no bound: the split kernel and the fold kernel
+    (17, 256, None),   # past FUSED_ROWS
+])
+def test_rope_store_attention_launches_both_where_it_may_not_fuse(width, capacity, max_keys):
+    qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, width, 30, capacity)
+    args = (qkv, cos, sin, pos, caches, pos, norms)
+    kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True, max_keys=max_keys), *args)
+    assert "rope_store_attention" not in kernels and "rope_store" in kernels
+    got, want = (_fused(*args, fuse=f, max_keys=max_keys) for f in (True, False))
+    assert all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
+
+
+def test_control_the_fused_comparison_can_fail():
+    """The comparison above sees a change the size of one row's position: the fused kernel
+    given the last row one position later differs from the two launches."""
+    qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, 5, 40, 256)
+    got = _fused(qkv, cos, sin, pos, caches, pos.at[-1].add(1), norms, fuse=True)
+    want = _fused(qkv, cos, sin, pos, caches, pos, norms, fuse=False)
+    assert not np.array_equal(_bits(got[0]), _bits(want[0]))

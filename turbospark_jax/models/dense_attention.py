@@ -196,6 +196,16 @@ def cached_attention(
     def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
+        if row_invariant and pallas_rope_store.FUSE_INTO_ATTENTION:
+            # one launch for both where the attention folds on chip (a short decode)
+            attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
+                _merged_projection(c, h, lp, model.kernels), cos, sin, write_at,
+                k_all[index], v_all[index], positions, c.num_attention_heads, *norms,
+                eps=c.rms_norm_eps, window=window, interpret=rope_store == "interpret",
+                max_keys=max_keys,
+            )
+            kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
+            return attn, kv
         qr, k_layer, v_layer = pallas_rope_store.rope_store(
             _merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
             v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,

@@ -140,8 +140,10 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _plan(rows: int, capacity: int, max_row_tile: int = MAX_ROW_TILE) -> tuple[int, int, int, int]:
-    """Row tile, row tiles, key splits and keys per split: functions of the shapes only."""
+def plan_keys(rows: int, capacity: int,
+              max_row_tile: int = MAX_ROW_TILE) -> tuple[int, int, int, int]:
+    """Row tile, row tiles, key splits and keys per split of ``rows`` query rows per KV head
+    over a cache of ``capacity``: functions of the shapes only."""
     tile = min(max_row_tile, max(16, 1 << max(0, rows - 1).bit_length()))
     splits = max(1, min(MAX_SPLITS, capacity // KEYS_PER_SPLIT))
     split_len = _ceil_div(_ceil_div(capacity, splits), KEY_TILE) * KEY_TILE
@@ -244,7 +246,7 @@ def _splits_seen(bound: jax.Array, split_len: int) -> jax.Array:
     return (bound + split_len - 1) // split_len
 
 
-def _store_rows(o_ref, value: jax.Array, rows: int | None) -> None:
+def store_rows(o_ref, value: jax.Array, rows: int | None) -> None:
     """Write a query tile's finished rows: all of them, or (``rows``, the output's row count,
     which the tiles overhang) those of the output, the tile being grid axis 1."""
     if rows is None:
@@ -270,8 +272,20 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     the work of a block that starts a prompt). Keys past a row's position change none of its
     bits (see the module docstring), so a row's result is the same for any such bound, as a
     one-row decode, which walks exactly its own keys, shows."""
-    q, pos = q_ref[...], pos_ref[...]
-    bound = jnp.minimum(jnp.minimum(bound_ref[()], jnp.max(pos) + 1), capacity)
+    acc, l = fold_splits(q_ref[...], pos_ref[...], bound_ref[()], k_ref, v_ref, scale=scale,
+                         capacity=capacity, split_len=split_len, window=window,
+                         mma_sums=mma_sums)
+    store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+
+
+def fold_splits(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
+                capacity: int, split_len: int, window: int | None,
+                mma_sums: bool) -> tuple[jax.Array, jax.Array]:
+    """The folding kernel's body (inside a kernel): the query tile ``q [tile, hd]`` at
+    positions ``pos`` over the key splits its rows see (``bound``: the call's last key + 1),
+    each split from zero, folded in order; ``(acc, l)``, the result ``acc / l``. Shared by
+    every kernel that folds on chip, so their rows agree bit for bit."""
+    bound = jnp.minimum(jnp.minimum(bound, jnp.max(pos) + 1), capacity)
     needed = _splits_seen(bound, split_len)
 
     def one(s, carry):
@@ -285,7 +299,7 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(0, needed, one, start)
-    _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+    return acc, l
 
 
 def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capacity: int,
@@ -301,7 +315,20 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capac
     c = scale * LOG2_E
     acc, _, l = jax.lax.fori_loop(
         0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s]), c), start)
-    _store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+    store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+
+
+def folds_on_chip(rows: int, capacity: int, tiles: AttentionTiles,
+                  max_keys: int | None = None) -> bool:
+    """Whether a row-invariant call of ``rows`` query rows per KV head runs the folding
+    kernel (one program per query tile over the splits its rows see) rather than the split
+    kernel and the fold kernel: a cache of one split, a prefill-sized block, or a short
+    bound (``max_keys`` within :data:`ON_CHIP_SPLITS` splits). Speed only: both forms give
+    a row the same bits."""
+    _, _, splits, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
+    short = max_keys is not None and _splits_seen(min(max_keys, capacity),
+                                                  split_len) <= ON_CHIP_SPLITS
+    return splits == 1 or rows > FOLD_ON_CHIP_ROWS or short
 
 
 def query_rows(width: int, heads: int, kv_heads: int, capacity: int,
@@ -310,7 +337,7 @@ def query_rows(width: int, heads: int, kv_heads: int, capacity: int,
     ``tiles=None``: :func:`tiles_for`'s."""
     rows = width * (heads // kv_heads)
     tiles = tiles_for(rows, head_dim) if tiles is None else tiles
-    tile, count, _, _ = _plan(rows, capacity, tiles.max_row_tile)
+    tile, count, _, _ = plan_keys(rows, capacity, tiles.max_row_tile)
     return tile * count
 
 
@@ -412,7 +439,7 @@ def cached_attention_arranged(
     groups = heads // kv_heads
     rows = width * groups
     tiles = tiles_for(rows, head_dim) if tiles is None else tiles
-    tile, count, splits, split_len = _plan(rows, capacity, tiles.max_row_tile)
+    tile, count, splits, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
     padded = count * tile
     if qr.shape != (kv_heads, padded, head_dim):
         raise BadInputError(
@@ -439,9 +466,7 @@ def cached_attention_arranged(
     # of the padded tiles (at one row of a decode step, the reshape after is free too).
     live = jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)
     overhang = None if rows == padded else rows
-    short = max_keys is not None and _splits_seen(min(max_keys, capacity),
-                                                  split_len) <= ON_CHIP_SPLITS
-    if row_invariant and (splits == 1 or rows > FOLD_ON_CHIP_ROWS or short):
+    if row_invariant and folds_on_chip(rows, capacity, tiles, max_keys):
         out = pl.pallas_call(
             functools.partial(_folding_kernel, scale=scale, capacity=capacity,
                               split_len=split_len, window=window, mma_sums=True,

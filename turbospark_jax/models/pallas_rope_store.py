@@ -13,11 +13,21 @@ written into the layer's cache in place. (Figures, and the variant that was drop
 The kernel works row by row: a row's result never depends on another row, so the block
 program's bitwise guarantees (one program, different live rows) hold with it as without.
 :func:`rope_store_xla` is the XLA expression it replaces; the tests compare the two.
+
+At a decode step over a short context even this launch is a floor of its own (about 2 us a
+layer on an H100, beside a few of attention). :func:`rope_store_attention` runs the same
+row work inside the row-invariant attention's folding kernel instead: each program does
+its KV head's rows, waits at a barrier for its own writes, then attends over the cache it
+just wrote. Both kernels call the same code for the arithmetic (:func:`_rotated`,
+:func:`~turbospark_jax.models.pallas_attention.fold_splits`), so a row comes out the same
+either way; on the GPU that is the compiler's to keep, which is why the dense model asks
+for it only under :data:`FUSE_INTO_ATTENTION`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -25,7 +35,24 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from turbospark_jax.models.layers import apply_rope, rms_norm
-from turbospark_jax.models.pallas_attention import arrange_queries, query_rows
+from turbospark_jax.models.pallas_attention import (
+    arrange_queries,
+    cached_attention_arranged,
+    fold_splits,
+    folds_on_chip,
+    plan_keys,
+    query_rows,
+    store_rows,
+    tiles_for,
+)
+
+#: Blocks of at most this many rows (a decode step, a verify) may run this module's work
+#: inside the attention kernel (:func:`rope_store_attention`); wider ones launch both.
+FUSED_ROWS = 16
+#: Whether the dense model's row-invariant layers ask :func:`rope_store_attention` to fuse
+#: (``fuse=``). Off until a GPU has shown the fused kernel's rows bitwise equal to the two
+#: launches' (``benchmarks/rowinv_h200.sh`` stage 26; in the interpreter they are).
+FUSE_INTO_ATTENTION = False
 
 
 def _power_of_two(n: int) -> bool:
@@ -59,6 +86,71 @@ def rope_store_xla(
             k_cache.at[write_at].set(k, **scatter), v_cache.at[write_at].set(v, **scatter))
 
 
+def _heads_view(qkv: jax.Array, heads: int, kv_heads: int, head_dim: int,
+                dtype: Any) -> tuple[int, jax.Array]:
+    """``(parts, projection)``: the q/k/v projection by head, ``[W, H + 2 KV, hd]`` in
+    ``dtype``, or its ``parts`` float32 partial sums ``[S, W, H + 2 KV, hd]`` (``parts``
+    0 for a finished projection)."""
+    width = qkv.shape[-2]
+    if qkv.ndim == 3:
+        return qkv.shape[0], qkv.reshape(qkv.shape[0], width, heads + 2 * kv_heads, head_dim)
+    return 0, qkv.reshape(width, heads + 2 * kv_heads, head_dim).astype(dtype)
+
+
+def _projection(ref: Any, row: tuple[Any, ...], heads_at: Any, columns: Any, parts: int,
+                dtype: Any) -> jax.Array:
+    """A row's q/k/v projection at these heads and columns (``ref[*row, heads_at,
+    columns]``); from ``parts`` partial sums (``ref[i, *row, ...]``), added in order and
+    rounded once (``rowinv.sum_parts``' arithmetic)."""
+    if not parts:
+        return ref[(*row, heads_at, columns)]
+    total = ref[(0, *row, heads_at, columns)]
+    for i in range(1, parts):
+        total = total + ref[(i, *row, heads_at, columns)]
+    return total.astype(dtype)
+
+
+def _rotated(load: Any, start: Any, n: int, w_ref: Any, cos: jax.Array, sin: jax.Array,
+             eps: float) -> tuple[jax.Array, jax.Array]:
+    """Heads ``start..start+n`` of a row (``load(heads_at, columns)``), normed (with a
+    per-head RMSNorm scale ``w_ref``) and rotated: the two halves ``[n, hd/2]``. The one
+    piece of arithmetic both kernels of this module run, so their rows agree bit for bit."""
+    half = cos.shape[-1]
+    first, second = pl.ds(0, half), pl.ds(half, half)
+    heads_at = pl.ds(start, n)
+    x1, x2 = load(heads_at, first), load(heads_at, second)  # [n, hd/2] each
+    if w_ref is not None:  # per-head RMSNorm first, rounded as rms_norm rounds it
+        full = load(heads_at, slice(None)).astype(jnp.float32)
+        inv = jax.lax.rsqrt(jnp.mean(full * full, axis=1) + eps)[:, None]
+        x1 = w_ref[first][None, :] * (x1.astype(jnp.float32) * inv).astype(x1.dtype)
+        x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
+    return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
+
+
+def _write_row(load: Any, cos: jax.Array, sin: jax.Array, at: Any, h: Any, *, q_rows: Any,
+               q_out: Any, k_out: Any, v_out: Any, qn_ref: Any, kn_ref: Any, heads: int,
+               kv_heads: int, capacity: int, eps: float, head_index: bool) -> None:
+    """One row's work for KV head ``h``: its query heads rotated into ``q_out[*q_rows]``,
+    its key rotated and its value copied into cache row ``at`` (none when ``at >=
+    capacity``). ``head_index``: the caches are whole ``[C, KV, hd]`` refs; else the head's
+    own ``[C, hd]`` block."""
+    groups = heads // kv_heads
+    half = cos.shape[-1]
+    first, second = pl.ds(0, half), pl.ds(half, half)
+    q1, q2 = _rotated(load, h * groups, groups, qn_ref, cos, sin, eps)
+    q_out[(*q_rows, first)] = q1
+    q_out[(*q_rows, second)] = q2
+    # [1, hd/2] and [1, hd] either way: a whole cache's row at one head, or the block's row
+    row = (at, pl.ds(h, 1)) if head_index else (pl.ds(at, 1),)
+
+    @pl.when(at < capacity)
+    def _():
+        k1, k2 = _rotated(load, heads + h, 1, kn_ref, cos, sin, eps)
+        k_out[(*row, first)] = k1
+        k_out[(*row, second)] = k2
+        v_out[(*row, slice(None))] = load(pl.ds(heads + kv_heads + h, 1), slice(None))
+
+
 def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                        kv_heads: int, parts: int) -> None:
     if qk_norm:
@@ -69,42 +161,12 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
     row, h = pl.program_id(0), pl.program_id(1)  # a row of the block, one of its KV heads
     groups = heads // kv_heads
     half = qkv_ref.shape[-1] // 2
-    first, second = pl.ds(0, half), pl.ds(half, half)
-    cos, sin = cos_ref[first][None, :], sin_ref[first][None, :]  # both halves are equal
-
-    def load(heads_at: Any, columns: Any) -> jax.Array:
-        """The projection's values at these heads and columns; from partial sums, added in
-        order and rounded once (``rowinv.sum_parts``' arithmetic)."""
-        if not parts:
-            return qkv_ref[heads_at, columns]
-        total = qkv_ref[0, heads_at, columns]
-        for i in range(1, parts):
-            total = total + qkv_ref[i, heads_at, columns]
-        return total.astype(q_out.dtype)
-
-    def rotate(start: Any, n: int, w_ref: Any) -> tuple[jax.Array, jax.Array]:
-        """Heads ``start..start+n`` of this row, normed (optionally) and rotated: halves."""
-        heads_at = pl.ds(start, n)
-        x1, x2 = load(heads_at, first), load(heads_at, second)  # [n, hd/2] each
-        if w_ref is not None:  # per-head RMSNorm first, rounded as rms_norm rounds it
-            full = load(heads_at, slice(None)).astype(jnp.float32)
-            inv = jax.lax.rsqrt(jnp.mean(full * full, axis=1) + eps)[:, None]
-            x1 = w_ref[first][None, :] * (x1.astype(jnp.float32) * inv).astype(x1.dtype)
-            x2 = w_ref[second][None, :] * (x2.astype(jnp.float32) * inv).astype(x2.dtype)
-        return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
-
+    cos, sin = cos_ref[pl.ds(0, half)][None, :], sin_ref[pl.ds(0, half)][None, :]  # halves equal
+    load = functools.partial(_projection, qkv_ref, (), parts=parts, dtype=q_out.dtype)
     # The row's query heads of KV head h go to rows row*G.. of that head's arranged queries.
-    q1, q2 = rotate(h * groups, groups, qn_ref)
-    q_out[h, pl.ds(row * groups, groups), first] = q1
-    q_out[h, pl.ds(row * groups, groups), second] = q2
-    at = at_ref[0]
-
-    @pl.when(at < capacity)
-    def _():
-        k1, k2 = rotate(heads + h, 1, kn_ref)
-        k_out[at, pl.ds(h, 1), first] = k1
-        k_out[at, pl.ds(h, 1), second] = k2
-        v_out[at, pl.ds(h, 1), :] = load(pl.ds(heads + kv_heads + h, 1), slice(None))
+    _write_row(load, cos, sin, at_ref[0], h, q_rows=(h, pl.ds(row * groups, groups)),
+               q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
+               heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps, head_index=True)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
@@ -140,19 +202,17 @@ def rope_store(
       ``[KV, R, hd]`` (see :func:`~turbospark_jax.models.pallas_attention.arrange_queries`;
       its padding rows are left unwritten), and the caches with the live rows written.
     """
-    parts = qkv.shape[0] if qkv.ndim == 3 else 0
     width = qkv.shape[-2]
     capacity, kv_heads, head_dim = k_cache.shape
     dtype = k_cache.dtype
     rows = query_rows(width, heads, kv_heads, capacity, head_dim=head_dim)
     qk_norm = q_norm is not None
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h: (0,) * len(shape))  # noqa: E731
+    parts, projection = _heads_view(qkv, heads, kv_heads, head_dim, dtype)
     if parts:
-        projection = qkv.reshape(parts, width, heads + 2 * kv_heads, head_dim)
         projection_spec = pl.BlockSpec((parts, None, heads + 2 * kv_heads, head_dim),
                                        lambda r, h: (0, r, 0, 0))
     else:
-        projection = qkv.reshape(width, heads + 2 * kv_heads, head_dim).astype(dtype)
         projection_spec = pl.BlockSpec((None, heads + 2 * kv_heads, head_dim),
                                        lambda r, h: (r, 0, 0))
     operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
@@ -184,3 +244,130 @@ def rope_store(
         name="rope_store",
         **kwargs,
     )(*operands, k_cache, v_cache)
+
+
+def _rope_folding_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
+                         kv_heads: int, parts: int, width: int, scale: float, split_len: int,
+                         window: int | None, rows: int | None, barrier: bool) -> None:
+    """One program per (KV head, query tile): every row's work of :func:`rope_store` for
+    this KV head (the same code, :func:`_write_row`), a barrier so the program's own writes
+    are visible to all of its threads, then the folding attention kernel's body
+    (:func:`~turbospark_jax.models.pallas_attention.fold_splits`) over the rotated queries
+    read back and the cache with the new rows in it. Programs of one KV head write the same
+    values to the same places (each needs every new key of the block)."""
+    if qk_norm:
+        (at_ref, proj_ref, cos_ref, sin_ref, qn_ref, kn_ref, bound_ref, pos_ref, _, _,
+         o_ref, q_out, k_out, v_out) = refs
+    else:
+        at_ref, proj_ref, cos_ref, sin_ref, bound_ref, pos_ref, _, _, o_ref, q_out, k_out, \
+            v_out = refs
+        qn_ref = kn_ref = None
+    h, t = pl.program_id(0), pl.program_id(1)
+    groups = heads // kv_heads
+    half = proj_ref.shape[-1] // 2
+    for w in range(width):
+        cos = cos_ref[w, pl.ds(0, half)][None, :]  # both halves are equal
+        sin = sin_ref[w, pl.ds(0, half)][None, :]
+        load = functools.partial(_projection, proj_ref, (w,), parts=parts, dtype=q_out.dtype)
+        _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
+                   q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
+                   heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
+                   head_index=False)
+    if barrier:  # a CTA barrier orders the program's global writes before its reads
+        from jax.experimental.pallas import triton as plgpu
+
+        plgpu.debug_barrier()
+    tile = o_ref.shape[0]
+    acc, l = fold_splits(q_out[pl.ds(t * tile, tile), :], pos_ref[...], bound_ref[()],
+                         k_out, v_out, scale=scale, capacity=capacity, split_len=split_len,
+                         window=window, mma_sums=True)
+    store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+
+
+@functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
+                                             "fuse"))
+def rope_store_attention(
+    qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
+    k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
+    q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
+    window: int | None = None, interpret: bool = False, max_keys: int | None = None,
+    fuse: bool = True,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
+    (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
+    ``row_invariant=True``), in one launch where that attention runs its folding kernel
+    (a short context's decode or verify under ``max_keys``, a cache of one split) and the
+    block has at most :data:`FUSED_ROWS` rows; elsewhere, or with ``fuse=False``, the two
+    launches. Either way a row gets the same bits: the fused kernel runs both kernels' code.
+
+    Args:
+      qkv, cos, sin, write_at, k_cache, v_cache, heads, q_norm, k_norm, eps: as for
+        :func:`rope_store`.
+      q_positions: int32 ``[W]``, each row's position.
+      window, max_keys: as for the attention.
+      interpret: run in the Pallas interpreter (CPU tests).
+      fuse: allow the one launch.
+
+    Returns:
+      ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
+      live rows written.
+    """
+    width = q_positions.shape[0]
+    capacity, kv_heads, head_dim = k_cache.shape
+    groups = heads // kv_heads
+    rows = width * groups
+    tiles = tiles_for(rows, head_dim)
+    norms = {"q_norm": q_norm, "k_norm": k_norm, "eps": eps}
+    if not (fuse and width <= FUSED_ROWS and folds_on_chip(rows, capacity, tiles, max_keys)):
+        qr, k_cache, v_cache = rope_store(qkv, cos, sin, write_at, k_cache, v_cache, heads,
+                                          **norms, interpret=interpret)
+        out = cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
+                                        window=window, interpret=interpret,
+                                        row_invariant=True, max_keys=max_keys)
+        return out, k_cache, v_cache
+    dtype = k_cache.dtype
+    tile, count, _, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
+    padded = tile * count
+    parts, projection = _heads_view(qkv, heads, kv_heads, head_dim, dtype)
+    pos = jnp.repeat(q_positions.astype(jnp.int32), groups)
+    pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
+    bound = jnp.max(q_positions).astype(jnp.int32) + 1
+    whole = lambda shape: pl.BlockSpec(shape, lambda h, t: (0,) * len(shape))  # noqa: E731
+    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, t: (0, h, 0))
+    operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
+    specs = [whole((width,)), whole(projection.shape), whole((width, head_dim)),
+             whole((width, head_dim))]
+    if q_norm is not None:
+        operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
+        specs += [whole((head_dim,)), whole((head_dim,))]
+    operands += [bound, pos]
+    specs += [pl.BlockSpec((), lambda h, t: ()), pl.BlockSpec((tile,), lambda h, t: (t,))]
+    kernel = functools.partial(
+        _rope_folding_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
+        heads=heads, kv_heads=kv_heads, parts=parts, width=width,
+        scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
+        rows=None if rows == padded else rows, barrier=not interpret)
+    kwargs = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
+                                                         num_stages=tiles.stages)
+    out, _, k_cache, v_cache = pl.pallas_call(
+        kernel,
+        grid=(kv_heads, count),
+        in_specs=[*specs, head_block, head_block],
+        out_specs=[pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0)),
+                   pl.BlockSpec((None, padded, head_dim), lambda h, t: (h, 0, 0)),
+                   head_block, head_block],
+        out_shape=[jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype),
+                   jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
+                   jax.ShapeDtypeStruct(k_cache.shape, dtype),
+                   jax.ShapeDtypeStruct(v_cache.shape, dtype)],
+        input_output_aliases={len(operands): 2, len(operands) + 1: 3},
+        interpret=interpret,
+        name="rope_store_attention",
+        **kwargs,
+    )(*operands, k_cache, v_cache)
+    out = out.reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
+    return out.reshape(width, heads, head_dim), k_cache, v_cache
