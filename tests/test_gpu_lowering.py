@@ -91,6 +91,11 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8, n, n, max_keys=512)[0],
         S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
         S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16)),
+    "rope and cache write inside the split attention kernel": (
+        lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
+            qkv, c, s, at, k, v, at, 8)[0],
+        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
+        CACHE, CACHE),
 }
 
 
@@ -203,15 +208,16 @@ def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
 
 def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch):
     """With ``pallas_rope_store.FUSE_INTO_ATTENTION`` a short context's decode program
-    launches one kernel a layer for the RoPE-store and the attention; unbounded, the two
-    kernels of the split form and the RoPE-store as before."""
+    launches one kernel a layer for the RoPE-store and the attention, an unbounded one two
+    (the split kernel doing the RoPE-store's work, the fold kernel); without it, three."""
     def kernels(**hints):
         text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
         return set(re.findall(r'name = "(cached_attention\w*|rope_store\w*)"', text))
 
+    assert kernels() == {"rope_store", "cached_attention", "cached_attention_fold"}
     monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
     assert kernels(max_keys=512) == {"rope_store_attention"}
-    assert kernels() == {"rope_store", "cached_attention", "cached_attention_fold"}
+    assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
 
 
 def _float_reductions(text: str) -> list[str]:

@@ -19,6 +19,7 @@ from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq
 from turbospark_jax.models.pallas_rope_store import (
+    FUSED_ROWS,
     rope_store,
     rope_store_attention,
     rope_store_xla,
@@ -179,21 +180,22 @@ def _pallas_calls(fn, *args) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize(("width", "first", "parts", "capacity", "max_keys"), [
-    (1, 10, 0, 256, None),     # a cache of one split
-    (1, 300, 3, 2048, 512),    # a short decode's bound over eight splits
-    (5, 40, 2, 2048, 512),     # a verify's rows
-    (16, 7, 0, 256, None),     # FUSED_ROWS rows
+@pytest.mark.parametrize(("width", "first", "parts", "capacity", "max_keys", "kernel"), [
+    (1, 10, 0, 256, None, "rope_store_attention"),     # a cache of one split
+    (1, 300, 3, 2048, 512, "rope_store_attention"),    # a short decode's bound
+    (5, 40, 2, 2048, 512, "rope_store_attention"),     # a verify's rows
+    (16, 7, 0, 256, None, "rope_store_attention"),     # FUSED_ROWS rows
+    (1, 1000, 3, 2048, None, "rope_store_attention_split"),  # eight splits, unbounded
+    (5, 1500, 0, 2048, 1024, "rope_store_attention_split"),  # past two splits' bound
 ])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_rope_store_inside_the_attention_gives_the_two_launches_bits(width, first, parts,
-                                                                      capacity, max_keys,
-                                                                      qk_norm, dtype):
-    """The RoPE-store's work inside the folding attention kernel (one launch) gives the
-    attention's rows and both caches bitwise as the RoPE-store kernel followed by the
-    attention kernel, with the block's last row writing nothing (``write_at`` past the
-    cache); the fused kernel is the one that ran."""
+def test_rope_store_inside_the_attention_gives_the_two_launches_bits(
+        width, first, parts, capacity, max_keys, kernel, qk_norm, dtype):
+    """The RoPE-store's work inside the attention's first kernel (the folding kernel, or
+    the split kernel before the fold kernel) gives the attention's rows and both caches
+    bitwise as the RoPE-store kernel followed by the attention, with the block's last row
+    writing nothing (``write_at`` past the cache); the fused kernel is the one that ran."""
     qkv, cos, sin, pos, caches, norms = _inputs(3, dtype, width, first, capacity, parts)
     norms = norms if qk_norm else {}
     write_at = pos.at[-1].set(capacity + 1) if width > 1 else pos
@@ -203,22 +205,19 @@ def test_rope_store_inside_the_attention_gives_the_two_launches_bits(width, firs
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(_bits(g), _bits(w))
     kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True, max_keys=max_keys), *args)
-    assert "rope_store_attention" in kernels and "rope_store" not in kernels
+    assert kernel in kernels and "rope_store" not in kernels
     if width > 1:  # the row that writes nothing left its cache row as it was
         row = int(pos[-1])
         assert np.array_equal(_bits(got[1][row]), _bits(caches[0][row]))
 
 
-@pytest.mark.parametrize(("width", "capacity", "max_keys"), [
-    (1, 2048, None),   # eight splits, no bound: the split kernel and the fold kernel
-    (17, 256, None),   # past FUSED_ROWS
-])
-def test_rope_store_attention_launches_both_where_it_may_not_fuse(width, capacity, max_keys):
-    qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, width, 30, capacity)
+def test_rope_store_attention_launches_both_past_fused_rows():
+    qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, FUSED_ROWS + 1, 30, 256)
     args = (qkv, cos, sin, pos, caches, pos, norms)
-    kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True, max_keys=max_keys), *args)
-    assert "rope_store_attention" not in kernels and "rope_store" in kernels
-    got, want = (_fused(*args, fuse=f, max_keys=max_keys) for f in (True, False))
+    kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True), *args)
+    assert not any(k.startswith("rope_store_attention") for k in kernels)
+    assert "rope_store" in kernels
+    got, want = (_fused(*args, fuse=f) for f in (True, False))
     assert all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
 
 

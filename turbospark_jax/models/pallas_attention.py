@@ -210,15 +210,25 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
     return jax.lax.fori_loop(whole, trips, functools.partial(step, masked=True), carry)
 
 
+def split_of(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
+             capacity: int, split_len: int, window: int | None,
+             mma_sums: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The split kernel's body (inside a kernel whose grid axis 2 is the split): this
+    program's split's partial ``(acc, m, l)`` for the query tile ``q`` (``bound``: the call's
+    last key + 1). Shared by every kernel that writes split partials."""
+    first = pl.program_id(2) * split_len
+    end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound)
+    return _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale, capacity=capacity,
+                          window=window, mma_sums=mma_sums)
+
+
 def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
             capacity: int, split_len: int, window: int | None, normalise: bool,
             mma_sums: bool) -> None:
     """One program per (KV head, query tile, split): that split's partial result."""
-    first = pl.program_id(2) * split_len
-    end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound_ref[()])
-    acc, m, l = _split_partial(q_ref[...], pos_ref[...], k_ref, v_ref, first, end,
-                               scale=scale, capacity=capacity, window=window,
-                               mma_sums=mma_sums)
+    acc, m, l = split_of(q_ref[...], pos_ref[...], bound_ref[()], k_ref, v_ref, scale=scale,
+                         capacity=capacity, split_len=split_len, window=window,
+                         mma_sums=mma_sums)
     if normalise:  # one split: the kernel writes the finished rows
         acc_ref[...] = (acc / l[:, None]).astype(acc_ref.dtype)
     else:
@@ -329,6 +339,34 @@ def folds_on_chip(rows: int, capacity: int, tiles: AttentionTiles,
     short = max_keys is not None and _splits_seen(min(max_keys, capacity),
                                                   split_len) <= ON_CHIP_SPLITS
     return splits == 1 or rows > FOLD_ON_CHIP_ROWS or short
+
+
+def fold_partials(bound: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, *, rows: int,
+                  capacity: int, split_len: int, dtype, tiles: AttentionTiles,
+                  interpret: bool) -> jax.Array:
+    """The fold kernel over the split kernel's partials ``acc [S, KV, R, hd]``, ``m``,
+    ``l [S, KV, R]``: the finished rows ``[KV, rows, hd]`` in ``dtype`` (the first
+    ``rows`` of each KV head's ``R``)."""
+    splits, kv_heads, padded, head_dim = acc.shape
+    tile = min(padded, tiles.max_row_tile)
+    kwargs = {}
+    if not interpret:
+        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
+                                                         num_stages=tiles.stages)
+    return pl.pallas_call(
+        functools.partial(_fold_kernel, scale=1.0 / math.sqrt(head_dim), capacity=capacity,
+                          split_len=split_len, rows=None if rows == padded else rows),
+        grid=(kv_heads, padded // tile),
+        in_specs=[
+            pl.BlockSpec((), lambda h, t: ()),
+            pl.BlockSpec((splits, None, tile, head_dim), lambda h, t: (0, h, t, 0)),
+            pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
+            pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
+        ],
+        out_specs=pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0)),
+        out_shape=jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype),
+        interpret=interpret, name="cached_attention_fold", **kwargs,
+    )(bound, acc, m, l)
 
 
 def query_rows(width: int, heads: int, kv_heads: int, capacity: int,
@@ -500,19 +538,9 @@ def cached_attention_arranged(
         if normalise:
             out = acc[0]
         elif row_invariant:  # the folding kernel's arithmetic, over the written partials
-            out = pl.pallas_call(
-                functools.partial(_fold_kernel, scale=scale, capacity=capacity,
-                                  split_len=split_len, rows=overhang),
-                grid=(kv_heads, count),
-                in_specs=[
-                    pl.BlockSpec((), lambda h, t: ()),
-                    pl.BlockSpec((splits, None, tile, head_dim), lambda h, t: (0, h, t, 0)),
-                    pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
-                    pl.BlockSpec((splits, None, tile), lambda h, t: (0, h, t)),
-                ],
-                out_specs=rows_out, out_shape=live, interpret=interpret,
-                name="cached_attention_fold", **kwargs,
-            )(bound, acc, m, l)
+            out = fold_partials(bound, acc, m, l, rows=rows, capacity=capacity,
+                                split_len=split_len, dtype=v_cache.dtype, tiles=tiles,
+                                interpret=interpret)
         else:
             # Splits combine in a fixed order; a split that saw no visible key has maximum
             # MASK_VALUE and weight exactly zero.

@@ -14,14 +14,16 @@ The kernel works row by row: a row's result never depends on another row, so the
 program's bitwise guarantees (one program, different live rows) hold with it as without.
 :func:`rope_store_xla` is the XLA expression it replaces; the tests compare the two.
 
-At a decode step over a short context even this launch is a floor of its own (about 2 us a
-layer on an H100, beside a few of attention). :func:`rope_store_attention` runs the same
-row work inside the row-invariant attention's folding kernel instead: each program does
-its KV head's rows, waits at a barrier for its own writes, then attends over the cache it
-just wrote. Both kernels call the same code for the arithmetic (:func:`_rotated`,
-:func:`~turbospark_jax.models.pallas_attention.fold_splits`), so a row comes out the same
+At a decode step even this launch is a floor of its own (about 2 us a layer on an H100,
+whatever the little work in it). :func:`rope_store_attention` runs the same row work inside
+the row-invariant attention's first kernel instead (the folding kernel at a short context,
+the split kernel before the fold kernel at a long one): each program does its KV head's
+rows, waits at a barrier for its own writes, then attends over the cache it just wrote.
+The fused kernels call the same code for the arithmetic as the separate ones
+(:func:`_rotated`; :func:`~turbospark_jax.models.pallas_attention.fold_splits`,
+:func:`~turbospark_jax.models.pallas_attention.split_of`), so a row comes out the same
 either way; on the GPU that is the compiler's to keep, which is why the dense model asks
-for it only under :data:`FUSE_INTO_ATTENTION`.
+for them only under :data:`FUSE_INTO_ATTENTION`.
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from turbospark_jax.models.layers import apply_rope, rms_norm
 from turbospark_jax.models.pallas_attention import (
     arrange_queries,
     cached_attention_arranged,
+    fold_partials,
     fold_splits,
     folds_on_chip,
     plan_keys,
     query_rows,
+    split_of,
     store_rows,
     tiles_for,
 )
@@ -246,22 +250,22 @@ def rope_store(
     )(*operands, k_cache, v_cache)
 
 
-def _rope_folding_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
-                         kv_heads: int, parts: int, width: int, scale: float, split_len: int,
-                         window: int | None, rows: int | None, barrier: bool) -> None:
-    """One program per (KV head, query tile): every row's work of :func:`rope_store` for
-    this KV head (the same code, :func:`_write_row`), a barrier so the program's own writes
-    are visible to all of its threads, then the folding attention kernel's body
-    (:func:`~turbospark_jax.models.pallas_attention.fold_splits`) over the rotated queries
-    read back and the cache with the new rows in it. Programs of one KV head write the same
-    values to the same places (each needs every new key of the block)."""
-    if qk_norm:
-        (at_ref, proj_ref, cos_ref, sin_ref, qn_ref, kn_ref, bound_ref, pos_ref, _, _,
-         o_ref, q_out, k_out, v_out) = refs
-    else:
-        at_ref, proj_ref, cos_ref, sin_ref, bound_ref, pos_ref, _, _, o_ref, q_out, k_out, \
-            v_out = refs
-        qn_ref = kn_ref = None
+def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
+                           kv_heads: int, parts: int, width: int, scale: float,
+                           split_len: int, window: int | None, rows: int | None,
+                           split: bool, barrier: bool) -> None:
+    """One program per (KV head, query tile[, split]): every row's work of
+    :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
+    the program's own writes are visible to all of its threads, then the attention over
+    the rotated queries read back and the cache with the new rows in it: the folding
+    kernel's body (:func:`~turbospark_jax.models.pallas_attention.fold_splits`), or with
+    ``split`` the split kernel's (:func:`~turbospark_jax.models.pallas_attention.split_of`,
+    partials for the fold kernel). The programs of one KV head write the same values to the
+    same places (each needs every new key of the block)."""
+    at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
+    qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
+    bound_ref, pos_ref, _, _, *outs = refs[2:] if qk_norm else refs
+    *results, q_out, k_out, v_out = outs
     h, t = pl.program_id(0), pl.program_id(1)
     groups = heads // kv_heads
     half = proj_ref.shape[-1] // 2
@@ -277,11 +281,18 @@ def _rope_folding_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, h
         from jax.experimental.pallas import triton as plgpu
 
         plgpu.debug_barrier()
-    tile = o_ref.shape[0]
-    acc, l = fold_splits(q_out[pl.ds(t * tile, tile), :], pos_ref[...], bound_ref[()],
-                         k_out, v_out, scale=scale, capacity=capacity, split_len=split_len,
-                         window=window, mma_sums=True)
-    store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+    tile = pos_ref.shape[0]
+    q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
+    attend = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
+                  mma_sums=True)
+    if split:
+        acc_ref, m_ref, l_ref = results
+        acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out, v_out,
+                                                        **attend)
+    else:
+        (o_ref,) = results
+        acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **attend)
+        store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
@@ -295,10 +306,11 @@ def rope_store_attention(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
-    ``row_invariant=True``), in one launch where that attention runs its folding kernel
-    (a short context's decode or verify under ``max_keys``, a cache of one split) and the
-    block has at most :data:`FUSED_ROWS` rows; elsewhere, or with ``fuse=False``, the two
-    launches. Either way a row gets the same bits: the fused kernel runs both kernels' code.
+    ``row_invariant=True``), the RoPE-store's work done inside the attention's first kernel
+    for a block of at most :data:`FUSED_ROWS` rows: one launch where the attention folds on
+    chip (a short context under ``max_keys``, a cache of one split), the split kernel and
+    the fold kernel elsewhere; wider blocks, or ``fuse=False``, launch the RoPE-store too.
+    Either way a row gets the same bits: the fused kernels run both kernels' code.
 
     Args:
       qkv, cos, sin, write_at, k_cache, v_cache, heads, q_norm, k_norm, eps: as for
@@ -306,7 +318,7 @@ def rope_store_attention(
       q_positions: int32 ``[W]``, each row's position.
       window, max_keys: as for the attention.
       interpret: run in the Pallas interpreter (CPU tests).
-      fuse: allow the one launch.
+      fuse: allow the RoPE-store's work inside the attention kernel.
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -317,23 +329,23 @@ def rope_store_attention(
     groups = heads // kv_heads
     rows = width * groups
     tiles = tiles_for(rows, head_dim)
-    norms = {"q_norm": q_norm, "k_norm": k_norm, "eps": eps}
-    if not (fuse and width <= FUSED_ROWS and folds_on_chip(rows, capacity, tiles, max_keys)):
+    if not (fuse and width <= FUSED_ROWS):
         qr, k_cache, v_cache = rope_store(qkv, cos, sin, write_at, k_cache, v_cache, heads,
-                                          **norms, interpret=interpret)
+                                          q_norm, k_norm, eps=eps, interpret=interpret)
         out = cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
                                         window=window, interpret=interpret,
                                         row_invariant=True, max_keys=max_keys)
         return out, k_cache, v_cache
+    folding = folds_on_chip(rows, capacity, tiles, max_keys)
     dtype = k_cache.dtype
-    tile, count, _, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
+    tile, count, splits, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
     padded = tile * count
     parts, projection = _heads_view(qkv, heads, kv_heads, head_dim, dtype)
     pos = jnp.repeat(q_positions.astype(jnp.int32), groups)
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
-    whole = lambda shape: pl.BlockSpec(shape, lambda h, t: (0,) * len(shape))  # noqa: E731
-    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, t: (0, h, 0))
+    whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
+    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, *_: (0, h, 0))
     operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
     specs = [whole((width,)), whole(projection.shape), whole((width, head_dim)),
              whole((width, head_dim))]
@@ -341,33 +353,56 @@ def rope_store_attention(
         operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
         specs += [whole((head_dim,)), whole((head_dim,))]
     operands += [bound, pos]
-    specs += [pl.BlockSpec((), lambda h, t: ()), pl.BlockSpec((tile,), lambda h, t: (t,))]
+    specs += [pl.BlockSpec((), lambda *_: ()), pl.BlockSpec((tile,), lambda h, t, *_: (t,))]
+    scratch_specs = [pl.BlockSpec((None, padded, head_dim), lambda h, *_: (h, 0, 0)),
+                     head_block, head_block]
+    scratch_shapes = [jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
+                      jax.ShapeDtypeStruct(k_cache.shape, dtype),
+                      jax.ShapeDtypeStruct(v_cache.shape, dtype)]
+    if folding:
+        grid = (kv_heads, count)
+        result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))]
+        result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)]
+    else:
+        grid = (kv_heads, count, splits)
+        result_specs = [
+            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+        ]
+        result_shapes = [
+            jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
+            jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
+        ]
     kernel = functools.partial(
-        _rope_folding_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
+        _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
-        rows=None if rows == padded else rows, barrier=not interpret)
+        rows=None if rows == padded else rows, split=not folding, barrier=not interpret)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
                                                          num_stages=tiles.stages)
-    out, _, k_cache, v_cache = pl.pallas_call(
+    *results, _, k_cache, v_cache = pl.pallas_call(
         kernel,
-        grid=(kv_heads, count),
+        grid=grid,
         in_specs=[*specs, head_block, head_block],
-        out_specs=[pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0)),
-                   pl.BlockSpec((None, padded, head_dim), lambda h, t: (h, 0, 0)),
-                   head_block, head_block],
-        out_shape=[jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype),
-                   jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
-                   jax.ShapeDtypeStruct(k_cache.shape, dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, dtype)],
-        input_output_aliases={len(operands): 2, len(operands) + 1: 3},
+        out_specs=[*result_specs, *scratch_specs],
+        out_shape=[*result_shapes, *scratch_shapes],
+        input_output_aliases={len(operands): len(result_shapes) + 1,
+                              len(operands) + 1: len(result_shapes) + 2},
         interpret=interpret,
-        name="rope_store_attention",
+        name="rope_store_attention" if folding else "rope_store_attention_split",
         **kwargs,
     )(*operands, k_cache, v_cache)
+    if folding:
+        (out,) = results
+    else:
+        out = fold_partials(bound, *results, rows=rows, capacity=capacity,
+                            split_len=split_len, dtype=v_cache.dtype, tiles=tiles,
+                            interpret=interpret)
     out = out.reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(width, heads, head_dim), k_cache, v_cache
