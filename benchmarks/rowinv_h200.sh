@@ -78,14 +78,17 @@
 #   bash benchmarks/rowinv_h200.sh 26 "$OUT"  # the RoPE-store inside the attention kernel
 #                                             # (FUSE_INTO_ATTENTION): its GPU tests (bits
 #                                             # against the two launches), the 1B exact part
-#                                             # under it, decode end to end without and with
-#                                             # it (1B, 0.6B; the short-context program)
+#                                             # under it and the prefetch, decode end to end
+#                                             # without and with it (1B, 0.6B)
+#   bash benchmarks/rowinv_h200.sh 27 "$OUT"  # the same fused decode with its extra programs
+#                                             # reading 8 and 24 MB of each layer's next
+#                                             # weights into L2 (PREFETCH_BYTES)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 26}
+stage=${1:?stage 1 to 27}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -304,11 +307,18 @@ case "$stage" in
     tests/test_pallas_rope_store.py --tb=short -rf > "$out/gpu_tests_rope_attention.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_rope_attention.txt" | tail -12
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --fuse-rope --out "$out/exact_fused_rope" --budget-s 120 2>&1 | tail -3
+    --fuse-rope --prefetch-mb 8 --out "$out/exact_fused_rope" --budget-s 120 2>&1 | tail -3
   for fuse in "" --fuse-rope; do
     timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
       --modes rowinv --workloads completion $fuse --out "$out/speed_rope${fuse:+_fused}" \
       --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
+  done
+  ;;
+27)
+  for mb in 8 24; do
+    timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
+      --modes rowinv --workloads completion --fuse-rope --prefetch-mb $mb \
+      --out "$out/speed_rope_prefetch_$mb" --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
   done
   ;;
 esac

@@ -91,6 +91,12 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8, n, n, max_keys=512)[0],
         S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
         S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16)),
+    "rope and cache write inside the attention, prefetching the next weights": (
+        lambda qkv, c, s, at, k, v, wo, wg: pallas_rope_store.rope_store_attention(
+            qkv, c, s, at, k, v, at, 8, max_keys=512, prefetch=(wo, wg, wg),
+            prefetch_bytes=1 << 20)[0],
+        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
+        CACHE, CACHE, S((512, 512), BF16), S((512, 2048), BF16)),
     "rope and cache write inside the split attention kernel": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
             qkv, c, s, at, k, v, at, 8)[0],
@@ -218,6 +224,8 @@ def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch)
     monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
     assert kernels(max_keys=512) == {"rope_store_attention"}
     assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
+    monkeypatch.setattr(pallas_rope_store, "PREFETCH_BYTES", 1 << 20)  # same kernels
+    assert kernels(max_keys=512) == {"rope_store_attention"}
 
 
 def _float_reductions(text: str) -> list[str]:

@@ -198,11 +198,13 @@ def cached_attention(
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
         if row_invariant and pallas_rope_store.FUSE_INTO_ATTENTION:
             # one launch for both where the attention folds on chip (a short decode)
+            budget = pallas_rope_store.PREFETCH_BYTES
+            nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj") if k in lp)
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
                 _merged_projection(c, h, lp, model.kernels), cos, sin, write_at,
                 k_all[index], v_all[index], positions, c.num_attention_heads, *norms,
                 eps=c.rms_norm_eps, window=window, interpret=rope_store == "interpret",
-                max_keys=max_keys,
+                max_keys=max_keys, prefetch=nxt if budget else (), prefetch_bytes=budget,
             )
             kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
             return attn, kv

@@ -211,12 +211,13 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
 
 
 def split_of(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
-             capacity: int, split_len: int, window: int | None,
-             mma_sums: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The split kernel's body (inside a kernel whose grid axis 2 is the split): this
-    program's split's partial ``(acc, m, l)`` for the query tile ``q`` (``bound``: the call's
-    last key + 1). Shared by every kernel that writes split partials."""
-    first = pl.program_id(2) * split_len
+             capacity: int, split_len: int, window: int | None, mma_sums: bool,
+             split: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The split kernel's body: split ``split``'s partial ``(acc, m, l)`` for the query tile
+    ``q`` (``bound``: the call's last key + 1; ``split``: by default the program's index on
+    grid axis 2, which a caller under a branch reads at its top level and passes). Shared
+    by every kernel that writes split partials."""
+    first = (pl.program_id(2) if split is None else split) * split_len
     end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound)
     return _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale, capacity=capacity,
                           window=window, mma_sums=mma_sums)
@@ -256,13 +257,15 @@ def _splits_seen(bound: jax.Array, split_len: int) -> jax.Array:
     return (bound + split_len - 1) // split_len
 
 
-def store_rows(o_ref, value: jax.Array, rows: int | None) -> None:
+def store_rows(o_ref, value: jax.Array, rows: int | None, tile: jax.Array | None = None) -> None:
     """Write a query tile's finished rows: all of them, or (``rows``, the output's row count,
-    which the tiles overhang) those of the output, the tile being grid axis 1."""
+    which the tiles overhang) those of the output, the tile being ``tile`` (by default the
+    program's index on grid axis 1)."""
     if rows is None:
         o_ref[...] = value
         return
-    row = pl.program_id(1) * value.shape[0] + jax.lax.broadcasted_iota(
+    tile = pl.program_id(1) if tile is None else tile
+    row = tile * value.shape[0] + jax.lax.broadcasted_iota(
         jnp.int32, value.shape, 0)
     plgpu.store(o_ref, value, mask=row < rows)
 

@@ -24,6 +24,13 @@ The fused kernels call the same code for the arithmetic as the separate ones
 :func:`~turbospark_jax.models.pallas_attention.split_of`), so a row comes out the same
 either way; on the GPU that is the compiler's to keep, which is why the dense model asks
 for them only under :data:`FUSE_INTO_ATTENTION`.
+
+A decode step's attention leaves the memory idle while it waits on its own latencies, and
+the products after it then start cold from HBM. With :data:`PREFETCH_BYTES` the fused
+kernel gets extra programs that read the first bytes of the layer's next weights (the
+output projection, then the gate and up projections) meanwhile, so those products find them
+in the L2 cache; nothing is computed from what they read but one maximum each, kept so the
+reads are too.
 """
 
 from __future__ import annotations
@@ -57,6 +64,18 @@ FUSED_ROWS = 16
 #: (``fuse=``). Off until a GPU has shown the fused kernel's rows bitwise equal to the two
 #: launches' (``benchmarks/rowinv_h200.sh`` stage 26; in the interpreter they are).
 FUSE_INTO_ATTENTION = False
+#: Bytes of a layer's next weights (its output projection, then its gate and up
+#: projections, evenly) that extra programs of the fused kernel read while the attention
+#: runs, so the products after it find them in the L2 cache: a decode step's attention is
+#: launch- and latency-bound and leaves the memory idle. 0: none. Speed only (nothing is
+#: computed from them); off until measured (``rowinv_model --prefetch-mb``).
+PREFETCH_BYTES = 0
+#: The extra programs that read them, and the columns of the tiles they read the weights in
+#: (each weight seen as ``[-1, PREFETCH_COLS]``).
+PREFETCH_PROGRAMS = 64
+PREFETCH_COLS = 512
+#: Rows of a prefetch tile.
+_PREFETCH_ROWS = 16
 
 
 def _power_of_two(n: int) -> bool:
@@ -250,10 +269,29 @@ def rope_store(
     )(*operands, k_cache, v_cache)
 
 
+def _warm(p: jax.Array, weights: tuple[Any, ...], warm_rows: tuple[int, ...],
+          programs: int) -> jax.Array:
+    """Prefetch program ``p``'s share of the first ``warm_rows`` rows of each weight (seen as
+    ``[rows, PREFETCH_COLS]``), read a tile at a time; their maximum, which the caller
+    stores so that the reads are not dropped."""
+    top = jnp.float32(-jnp.inf)
+    for w_ref, rows in zip(weights, warm_rows, strict=True):
+        tiles = -(-rows // _PREFETCH_ROWS)
+        per = -(-tiles // programs)
+
+        def step(i, top, w_ref=w_ref, rows=rows, per=per):
+            start = jnp.minimum((p * per + i) * _PREFETCH_ROWS, rows - _PREFETCH_ROWS)
+            tile = w_ref[pl.ds(start, _PREFETCH_ROWS), :]
+            return jnp.maximum(top, jnp.max(tile.astype(jnp.float32)))
+
+        top = jax.lax.fori_loop(0, per, step, top)
+    return top
+
+
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
-                           split: bool, barrier: bool) -> None:
+                           split: bool, barrier: bool, warm_rows: tuple[int, ...]) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
@@ -261,48 +299,89 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     kernel's body (:func:`~turbospark_jax.models.pallas_attention.fold_splits`), or with
     ``split`` the split kernel's (:func:`~turbospark_jax.models.pallas_attention.split_of`,
     partials for the fold kernel). The programs of one KV head write the same values to the
-    same places (each needs every new key of the block)."""
+    same places (each needs every new key of the block). With ``warm_rows``, the programs
+    past the KV heads on grid axis 0 (at query tile and split 0) read that many rows of each
+    prefetch weight instead (:func:`_warm`)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
-    bound_ref, pos_ref, _, _, *outs = refs[2:] if qk_norm else refs
+    refs = refs[2:] if qk_norm else refs
+    bound_ref, pos_ref, *refs = refs
+    weights, refs = refs[:len(warm_rows)], refs[len(warm_rows):]
+    _, _, *outs = refs  # the caches' inputs: read and written through their outputs
+    if warm_rows:
+        *outs, top_ref = outs
     *results, q_out, k_out, v_out = outs
     h, t = pl.program_id(0), pl.program_id(1)
+    s = pl.program_id(2) if split else None
     groups = heads // kv_heads
     half = proj_ref.shape[-1] // 2
-    for w in range(width):
-        cos = cos_ref[w, pl.ds(0, half)][None, :]  # both halves are equal
-        sin = sin_ref[w, pl.ds(0, half)][None, :]
-        load = functools.partial(_projection, proj_ref, (w,), parts=parts, dtype=q_out.dtype)
-        _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
-                   q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
-                   heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
-                   head_index=False)
-    if barrier:  # a CTA barrier orders the program's global writes before its reads
-        from jax.experimental.pallas import triton as plgpu
 
-        plgpu.debug_barrier()
-    tile = pos_ref.shape[0]
-    q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
-    attend = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
+    def attend() -> None:
+        for w in range(width):
+            cos = cos_ref[w, pl.ds(0, half)][None, :]  # both halves are equal
+            sin = sin_ref[w, pl.ds(0, half)][None, :]
+            load = functools.partial(_projection, proj_ref, (w,), parts=parts,
+                                     dtype=q_out.dtype)
+            _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
+                       q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
+                       heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
+                       head_index=False)
+        if barrier:  # a CTA barrier orders the program's global writes before its reads
+            from jax.experimental.pallas import triton as plgpu
+
+            plgpu.debug_barrier()
+        tile = pos_ref.shape[0]
+        q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
+        kw = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
                   mma_sums=True)
-    if split:
-        acc_ref, m_ref, l_ref = results
-        acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out, v_out,
-                                                        **attend)
-    else:
-        (o_ref,) = results
-        acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **attend)
-        store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+        if split:
+            acc_ref, m_ref, l_ref = results
+            acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out,
+                                                            v_out, split=s, **kw)
+        else:
+            (o_ref,) = results
+            acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **kw)
+            store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
+
+    if not warm_rows:
+        attend()
+        return
+    pl.when(h < kv_heads)(attend)
+    first = (t == 0) if s is None else (t == 0) & (s == 0)
+
+    @pl.when((h >= kv_heads) & first)
+    def _():
+        p = h - kv_heads
+        top = _warm(p, tuple(weights), warm_rows, top_ref.shape[0])
+        top_ref[pl.ds(p, 1)] = jnp.full((1,), top, jnp.float32)
+
+
+def _warm_plan(weights: tuple[jax.Array, ...], budget: int) -> tuple[int, ...]:
+    """Rows of each weight (seen as ``[-1, PREFETCH_COLS]``) to prefetch within ``budget``
+    bytes: the first weight as far as it goes, the rest of the budget evenly over the
+    others; none of a weight whose size is not whole tiles of that shape."""
+    tile = _PREFETCH_ROWS * PREFETCH_COLS
+    rows = []
+    left = budget
+    for i, w in enumerate(weights):
+        if w.size % tile:
+            rows.append(0)
+            continue
+        share = left if i == 0 else left // (len(weights) - i)
+        n = min(w.size, share // w.dtype.itemsize) // tile * _PREFETCH_ROWS
+        rows.append(n)
+        left -= n * PREFETCH_COLS * w.dtype.itemsize
+    return tuple(rows)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
-                                             "fuse"))
+                                             "fuse", "prefetch_bytes"))
 def rope_store_attention(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-    fuse: bool = True,
+    fuse: bool = True, prefetch: tuple[jax.Array, ...] = (), prefetch_bytes: int = 0,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
@@ -319,6 +398,10 @@ def rope_store_attention(
       window, max_keys: as for the attention.
       interpret: run in the Pallas interpreter (CPU tests).
       fuse: allow the RoPE-store's work inside the attention kernel.
+      prefetch, prefetch_bytes: weights the products after the attention read, and how many
+        of their bytes :data:`PREFETCH_PROGRAMS` extra programs of the fused kernel read
+        meanwhile (:func:`_warm_plan`; 0: none): a warmer L2 cache for those products,
+        nothing else (speed only).
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -345,30 +428,41 @@ def rope_store_attention(
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, *_: (0, h, 0))
+    warm = tuple(w.reshape(-1, PREFETCH_COLS) for w in prefetch
+                 if w.size % (_PREFETCH_ROWS * PREFETCH_COLS) == 0)
+    warm_rows = _warm_plan(warm, prefetch_bytes) if prefetch_bytes else ()
+    warm = tuple(w for w, n in zip(warm, warm_rows, strict=True) if n)
+    warm_rows = tuple(n for n in warm_rows if n)
+    extra = PREFETCH_PROGRAMS if warm_rows else 0
+    head = lambda h: jnp.minimum(h, kv_heads - 1)  # noqa: E731  (prefetch programs past it)
+    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, *_: (0, head(h), 0))
     operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
     specs = [whole((width,)), whole(projection.shape), whole((width, head_dim)),
              whole((width, head_dim))]
     if q_norm is not None:
         operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
         specs += [whole((head_dim,)), whole((head_dim,))]
-    operands += [bound, pos]
-    specs += [pl.BlockSpec((), lambda *_: ()), pl.BlockSpec((tile,), lambda h, t, *_: (t,))]
-    scratch_specs = [pl.BlockSpec((None, padded, head_dim), lambda h, *_: (h, 0, 0)),
+    operands += [bound, pos, *warm]
+    specs += [pl.BlockSpec((), lambda *_: ()), pl.BlockSpec((tile,), lambda h, t, *_: (t,)),
+              *(whole(w.shape) for w in warm)]
+    scratch_specs = [pl.BlockSpec((None, padded, head_dim), lambda h, *_: (head(h), 0, 0)),
                      head_block, head_block]
     scratch_shapes = [jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
                       jax.ShapeDtypeStruct(k_cache.shape, dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, dtype)]
+    if extra:  # the prefetch programs' one value each, kept so their reads are too
+        scratch_specs.append(whole((extra,)))
+        scratch_shapes.append(jax.ShapeDtypeStruct((extra,), jnp.float32))
     if folding:
-        grid = (kv_heads, count)
-        result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))]
+        grid = (kv_heads + extra, count)
+        result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (head(h), t, 0))]
         result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)]
     else:
-        grid = (kv_heads, count, splits)
+        grid = (kv_heads + extra, count, splits)
         result_specs = [
-            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, head(h), t, 0)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, head(h), t)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, head(h), t)),
         ]
         result_shapes = [
             jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), jnp.float32),
@@ -379,14 +473,15 @@ def rope_store_attention(
         _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
-        rows=None if rows == padded else rows, split=not folding, barrier=not interpret)
+        rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
+        warm_rows=warm_rows)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
                                                          num_stages=tiles.stages)
-    *results, _, k_cache, v_cache = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[*specs, head_block, head_block],
@@ -398,6 +493,7 @@ def rope_store_attention(
         name="rope_store_attention" if folding else "rope_store_attention_split",
         **kwargs,
     )(*operands, k_cache, v_cache)
+    results, (_, k_cache, v_cache) = outs[:len(result_shapes)], outs[len(result_shapes):][:3]
     if folding:
         (out,) = results
     else:
