@@ -199,7 +199,8 @@ def cached_attention(
         if row_invariant and pallas_rope_store.FUSE_INTO_ATTENTION:
             # one launch for both where the attention folds on chip (a short decode)
             budget = pallas_rope_store.PREFETCH_BYTES
-            nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj") if k in lp)
+            nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj", "down_proj")
+                        if k in lp)
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
                 _merged_projection(c, h, lp, model.kernels), cos, sin, write_at,
                 k_all[index], v_all[index], positions, c.num_attention_heads, *norms,

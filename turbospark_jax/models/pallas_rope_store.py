@@ -28,7 +28,7 @@ for them only under :data:`FUSE_INTO_ATTENTION`.
 A decode step's attention leaves the memory idle while it waits on its own latencies, and
 the products after it then start cold from HBM. With :data:`PREFETCH_BYTES` the fused
 kernel gets extra programs that read the first bytes of the layer's next weights (the
-output projection, then the gate and up projections) meanwhile, so those products find them
+output projection, then the MLP's three) meanwhile, so those products find them
 in the L2 cache; nothing is computed from what they read but one maximum each, kept so the
 reads are too.
 """
@@ -64,7 +64,7 @@ FUSED_ROWS = 16
 #: (``fuse=``). Off until a GPU has shown the fused kernel's rows bitwise equal to the two
 #: launches' (``benchmarks/rowinv_h200.sh`` stage 26; in the interpreter they are).
 FUSE_INTO_ATTENTION = False
-#: Bytes of a layer's next weights (its output projection, then its gate and up
+#: Bytes of a layer's next weights (its output projection, then its gate, up and down
 #: projections, evenly) that extra programs of the fused kernel read while the attention
 #: runs, so the products after it find them in the L2 cache: a decode step's attention is
 #: launch- and latency-bound and leaves the memory idle. 0: none. Speed only (nothing is
