@@ -1,6 +1,8 @@
 """The fused RoPE kernel (q/k norm + RoPE + queries in the attention layout + in-place cache
 writes): the same function as the XLA expression it replaces, rows that never mix, writes of
-the live rows only, and a model that runs it agreeing with one that does not.
+the live rows only, and a model that runs it agreeing with one that does not. Then the same
+work inside the attention kernel (``rope_store_attention``): bitwise the two launches, and
+its prefetch programs changing nothing.
 
 On a CPU the kernel runs in the Pallas interpreter; on a GPU these tests run the compiled
 Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_rope_store.py``).
