@@ -14,8 +14,8 @@ The kernel works row by row: a row's result never depends on another row, so the
 program's bitwise guarantees (one program, different live rows) hold with it as without.
 :func:`rope_store_xla` is the XLA expression it replaces; the tests compare the two.
 
-At a decode step even this launch is a floor of its own (about 2 us a layer on an H100,
-whatever the little work in it). :func:`rope_store_attention` runs the same row work inside
+At a decode step even this launch is a floor of its own, whatever the little work in it
+(figures: ``benchmarks/results/NOTES.md``). :func:`rope_store_attention` runs the same row work inside
 the row-invariant attention's first kernel instead (the folding kernel at a short context,
 the split kernel before the fold kernel at a long one): each program does its KV head's
 rows, waits at a barrier for its own writes, then attends over the cache it just wrote.
