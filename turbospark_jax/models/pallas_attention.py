@@ -117,6 +117,15 @@ DEFAULT_TILES = AttentionTiles()
 WIDE_HEAD_PREFILL_TILES = AttentionTiles(max_row_tile=128, warps=8, stages=3)
 
 
+def compiler_kwargs(tiles: AttentionTiles, interpret: bool) -> dict:
+    """The ``pallas_call`` keyword giving an attention kernel ``tiles``' Triton settings (none
+    in the interpreter)."""
+    if interpret:
+        return {}
+    return {"compiler_params": plgpu.CompilerParams(num_warps=tiles.warps,
+                                                    num_stages=tiles.stages)}
+
+
 def tiles_for(rows: int, head_dim: int) -> AttentionTiles:
     """The settings the kernels run under when a caller names none: a function of the query
     rows per KV head (``W x H / KV``) and the head width alone, so the query layout
@@ -352,10 +361,6 @@ def fold_partials(bound: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, 
     ``rows`` of each KV head's ``R``)."""
     splits, kv_heads, padded, head_dim = acc.shape
     tile = min(padded, tiles.max_row_tile)
-    kwargs = {}
-    if not interpret:
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
-                                                         num_stages=tiles.stages)
     return pl.pallas_call(
         functools.partial(_fold_kernel, scale=1.0 / math.sqrt(head_dim), capacity=capacity,
                           split_len=split_len, rows=None if rows == padded else rows),
@@ -368,7 +373,7 @@ def fold_partials(bound: jax.Array, acc: jax.Array, m: jax.Array, l: jax.Array, 
         ],
         out_specs=pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0)),
         out_shape=jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype),
-        interpret=interpret, name="cached_attention_fold", **kwargs,
+        interpret=interpret, name="cached_attention_fold", **compiler_kwargs(tiles, interpret),
     )(bound, acc, m, l)
 
 
@@ -491,10 +496,7 @@ def cached_attention_arranged(
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
     scale = 1.0 / math.sqrt(head_dim)
-    kwargs = {}
-    if not interpret:
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
-                                                         num_stages=tiles.stages)
+    kwargs = compiler_kwargs(tiles, interpret)
     queries = [
         pl.BlockSpec((), lambda h, t, *_: ()),
         pl.BlockSpec((None, tile, head_dim), lambda h, t, *_: (h, t, 0)),

@@ -15,11 +15,11 @@ program's bitwise guarantees (one program, different live rows) hold with it as 
 :func:`rope_store_xla` is the XLA expression it replaces; the tests compare the two.
 
 At a decode step even this launch is a floor of its own, whatever the little work in it
-(figures: ``benchmarks/results/NOTES.md``). :func:`rope_store_attention` runs the same row work inside
-the row-invariant attention's first kernel instead (the folding kernel at a short context,
-the split kernel before the fold kernel at a long one): each program does its KV head's
-rows, waits at a barrier for its own writes, then attends over the cache it just wrote.
-The fused kernels call the same code for the arithmetic as the separate ones
+(figures: ``benchmarks/results/NOTES.md``). :func:`rope_store_attention` runs the same row
+work inside the row-invariant attention's first kernel instead (the folding kernel at a
+short context, the split kernel before the fold kernel at a long one): each program does
+its KV head's rows, waits at a barrier for its own writes, then attends over the cache it
+just wrote. The fused kernels call the same code for the arithmetic as the separate ones
 (:func:`_rotated`; :func:`~turbospark_jax.models.pallas_attention.fold_splits`,
 :func:`~turbospark_jax.models.pallas_attention.split_of`), so a row comes out the same
 either way; on the GPU that is the compiler's to keep, which is why the dense model asks
@@ -47,6 +47,7 @@ from turbospark_jax.models.layers import apply_rope, rms_norm
 from turbospark_jax.models.pallas_attention import (
     arrange_queries,
     cached_attention_arranged,
+    compiler_kwargs,
     fold_partials,
     fold_splits,
     folds_on_chip,
@@ -475,12 +476,6 @@ def rope_store_attention(
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
         rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
         warm_rows=warm_rows)
-    kwargs = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=tiles.warps,
-                                                         num_stages=tiles.stages)
     outs = pl.pallas_call(
         kernel,
         grid=grid,
@@ -491,7 +486,7 @@ def rope_store_attention(
                               len(operands) + 1: len(result_shapes) + 2},
         interpret=interpret,
         name="rope_store_attention" if folding else "rope_store_attention_split",
-        **kwargs,
+        **compiler_kwargs(tiles, interpret),
     )(*operands, k_cache, v_cache)
     results, (_, k_cache, v_cache) = outs[:len(result_shapes)], outs[len(result_shapes):][:3]
     if folding:
