@@ -181,9 +181,9 @@ def _products_of(shape: Shape) -> list[tuple[str, int, tuple[int, ...], str]]:
     q, kv = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
     f = shape.intermediate_size
     head = (shape.vocab_size,)
-    return [("qkv", d, (q, kv, kv), "kn"), ("o", q, (d,), "kn"), ("gate_up", d, (f, f), "kn"),
-            ("down", f, (d,), "kn"), ("head", d, head, "nk" if shape.tie_word_embeddings
-                                      else "kn")]
+    specs = [(d, (q, kv, kv), "kn"), (q, (d,), "kn"), (d, (f, f), "kn"), (f, (d,), "kn"),
+             (d, head, "nk" if shape.tie_word_embeddings else "kn")]
+    return [(name, *spec) for name, spec in zip(PRODUCT_NAMES, specs, strict=True)]
 
 
 def _weights(k: int, ns: tuple[int, ...], layout: str, copies: int, seed: int) -> list[Any]:
