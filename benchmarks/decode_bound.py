@@ -31,7 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.run import SHAPES, Shape
+from benchmarks.rowinv_model import products_of
+from benchmarks.run import SHAPES, Shape, kv_bytes
 
 #: The issue's H200 copy rate (GB/s), at which its rooflines are stated.
 H200_COPY_GBPS = 4240.0
@@ -55,16 +56,11 @@ def group_of(kernel: str) -> str:
 
 def weight_bytes(shape: Shape) -> int:
     """Bytes of bfloat16 weights a decode step reads: every layer's products and the head
-    (the embedding row gathered is negligible)."""
-    d, hd = shape.hidden_size, shape.head_dim
-    q, kv = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
-    layer = d * (q + 2 * kv) + q * d + 3 * d * shape.intermediate_size
-    return 2 * (shape.num_hidden_layers * layer + d * shape.vocab_size)
-
-
-def cache_bytes(shape: Shape, context: int) -> int:
-    """Bytes of bfloat16 keys and values a decode step at ``context`` reads."""
-    return 2 * 2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * context
+    (:func:`~benchmarks.rowinv_model.products_of`; the embedding row gathered is
+    negligible)."""
+    each = {name: k * sum(ns) * 2 for name, k, ns, _ in products_of(shape)}
+    head = each.pop("head")
+    return shape.num_hidden_layers * sum(each.values()) + head
 
 
 def bound(record: dict[str, Any], source_gbps: float, target_gbps: float,
@@ -84,7 +80,7 @@ def bound(record: dict[str, Any], source_gbps: float, target_gbps: float,
     idle = max(0.0, wall - busy)
     beyond = busy + idle - stream  # what the streaming-scales reading keeps as measured
     target_stream = weights / (target_gbps * 1e3)
-    roofline_us = (weights + cache_bytes(shape, record["context"])) / (target_gbps * 1e3)
+    roofline_us = (weights + kv_bytes(shape, record["context"])) / (target_gbps * 1e3)
     readings = {"streaming_scales": target_stream + beyond - idle,
                 "rates_scale": products * source_gbps / target_gbps + (busy - products)}
     out = {

@@ -171,11 +171,11 @@ class Run:
 
 # -- products ---------------------------------------------------------------------------------
 
-#: The products of :func:`_products_of`, in its order.
+#: The products of :func:`products_of`, in its order.
 PRODUCT_NAMES = ("qkv", "o", "gate_up", "down", "head")
 
 
-def _products_of(shape: Shape) -> list[tuple[str, int, tuple[int, ...], str]]:
+def products_of(shape: Shape) -> list[tuple[str, int, tuple[int, ...], str]]:
     """``(name, K, (N, ...), layout)`` of one decode step's matrix products."""
     d, hd = shape.hidden_size, shape.head_dim
     q, kv = shape.num_attention_heads * hd, shape.num_key_value_heads * hd
@@ -269,7 +269,7 @@ MATMUL_TILES = [dict(bm=64, bn=128, warps=4, stages=3), dict(bm=128, bn=128, war
 
 
 def _ours(prod: str, layout: str, tiles: Any, schedule: Any = None) -> Any:
-    """Our kernel for one of :func:`_products_of`'s products, ``(x, weights) -> rows``: the
+    """Our kernel for one of :func:`products_of`'s products, ``(x, weights) -> rows``: the
     gated kernel for ``gate_up`` (it gates in its epilogue and has one segment over K, so
     ``schedule`` does not apply), :func:`rowinv_matmul` for the rest."""
     from turbospark_jax.models.rowinv import rowinv_matmul, rowinv_swiglu
@@ -282,7 +282,7 @@ def _ours(prod: str, layout: str, tiles: Any, schedule: Any = None) -> Any:
 
 def part_products(preset: Preset, run: Run, shapes: list[str],
                   only: tuple[str, ...] | None = None) -> None:
-    """``only``: the products to time (names of :func:`_products_of`), or all of them."""
+    """``only``: the products to time (names of :func:`products_of`), or all of them."""
     import jax
 
     from turbospark_jax.models.rowinv import Schedule, Tiles
@@ -291,7 +291,7 @@ def part_products(preset: Preset, run: Run, shapes: list[str],
     for index, name in enumerate(shapes):
         shape = ALL_SHAPES[name]
         sweep = on_gpu and index == 0  # every matvec tiling on the first shape only
-        for prod, k, ns, layout in _products_of(shape):
+        for prod, k, ns, layout in products_of(shape):
             if only is not None and prod not in only:
                 continue
             label = {"shape": name, "product": prod, "K": k, "N": list(ns), "layout": layout}
@@ -312,7 +312,7 @@ def part_products(preset: Preset, run: Run, shapes: list[str],
                             _product_rate, _ours(prod, layout, t, s), k, ns, layout, rows,
                             preset.copies_bytes))
         # wide products: TFLOP/s at prefill widths
-        for prod, k, ns, layout in _products_of(shape)[:4]:
+        for prod, k, ns, layout in products_of(shape)[:4]:
             if only is not None and prod not in only:
                 continue
             rows = max(preset.prefill_lengths[0], 16)
@@ -607,7 +607,7 @@ def prefill_profile(producer: Any, length: int, vocab: int, path: str,
         row[1] += dur / 1e3
     span_us = (max(s + d for _, s, d in events) - min(s for _, s, _ in events)) / 1e3
     idle = idle_gaps(sorted(events, key=lambda e: e[1]), top=8)
-    layer_weights = sum(k * sum(ns) for name, k, ns, _ in _products_of(shape) if name != "head")
+    layer_weights = sum(k * sum(ns) for name, k, ns, _ in products_of(shape) if name != "head")
     flop = 2 * layer_weights * shape.num_hidden_layers * length + 2 * shape.hidden_size * (
         shape.vocab_size)
     products_us = groups.get("products", 0.0)
@@ -814,7 +814,7 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
     """Each traced kernel's time per token and, for the labelled matrix products, the rate at
     which it read its weights (GB/s): ``kernels`` maps a kernel name to
     ``[calls per token, microseconds per token]`` (``profile_decode.profile_burst``)."""
-    weights = {name: k * sum(ns) * 2 for name, k, ns, _ in _products_of(shape)}
+    weights = {name: k * sum(ns) * 2 for name, k, ns, _ in products_of(shape)}
     out = []
     for name, (calls, us) in kernels.items():
         row: dict[str, Any] = {"kernel": name[:80], "calls_per_token": calls,

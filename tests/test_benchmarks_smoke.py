@@ -273,7 +273,7 @@ def test_prefill_profile_sorts_kernels_into_groups_and_rates_the_products(monkey
     assert out["groups_ms"] == {"attention": 1.5, "norms": 0.25, "other": 1.0, "products": 6.0,
                                 "rope_store": 0.25}
     assert out["span_ms"] == 10.0 and out["busy_ms"] == 9.0
-    layer = sum(k * sum(ns) for name, k, ns, _ in rowinv_model._products_of(shape)
+    layer = sum(k * sum(ns) for name, k, ns, _ in rowinv_model.products_of(shape)
                 if name != "head")
     flop = 2 * layer * shape.num_hidden_layers * 2048 + 2 * shape.hidden_size * shape.vocab_size
     assert out["products_TFLOPs"] == round(flop / 6e-3 / 1e12, 1)
