@@ -235,7 +235,7 @@ def test_control_the_fused_comparison_can_fail():
 def test_prefetch_programs_leave_every_result_as_it_was():
     """Extra programs that read the next products' weights (``prefetch``) change nothing
     the fused kernel returns, in either form; they are what the budget asks for."""
-    from turbospark_jax.models import pallas_rope_store as prs
+    from turbospark_jax.models import pallas_prefetch
 
     rng = np.random.default_rng(4)
     weights = (_normal(rng, (H * HD, 256), jnp.bfloat16),
@@ -248,33 +248,7 @@ def test_prefetch_programs_leave_every_result_as_it_was():
                                     prefetch=weights, prefetch_bytes=400_000)
         assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(base, warm, strict=True))
     # the plan: the first weight whole (128 KB), the rest of the budget split evenly
-    rows = prs._warm_plan(tuple(w.reshape(-1, prs.PREFETCH_COLS) for w in weights), 400_000)
-    assert rows[0] == weights[0].size // prs.PREFETCH_COLS
+    views, rows = pallas_prefetch.prepare(weights, 400_000)
+    assert len(views) == 3 and rows[0] == weights[0].size // pallas_prefetch.COLS
     assert rows[1] == rows[2] > 0
-    assert sum(rows) * prs.PREFETCH_COLS * 2 <= 400_000
-
-
-@pytest.mark.parametrize("rows", [16, 48, 160])
-def test_prefetch_reads_exactly_the_rows_it_plans(rows):
-    """The prefetch programs together read every one of the first ``rows`` rows of a weight
-    and none past them: a marker in the last planned row is seen, a larger one just past it
-    is not (the programs' maximum), for program counts that do and do not divide the
-    tiles."""
-    from jax.experimental import pallas as pl
-
-    from turbospark_jax.models import pallas_rope_store as prs
-
-    cols = prs.PREFETCH_COLS
-    w = np.zeros((rows + 32, cols), np.float32)
-    w[rows - 1, 7], w[rows, 3] = 100.0, 1000.0
-    for programs in (1, 3, 4):
-        def kernel(w_ref, o_ref, programs=programs):
-            p = pl.program_id(0)
-            o_ref[pl.ds(p, 1)] = jnp.full((1,), prs._warm(p, (w_ref,), (rows,), programs))
-
-        top = pl.pallas_call(kernel, grid=(programs,),
-                             in_specs=[pl.BlockSpec(w.shape, lambda p: (0, 0))],
-                             out_specs=pl.BlockSpec((programs,), lambda p: (0,)),
-                             out_shape=jax.ShapeDtypeStruct((programs,), jnp.float32),
-                             interpret=True)(jnp.asarray(w))
-        assert float(jnp.max(top)) == 100.0
+    assert sum(rows) * pallas_prefetch.COLS * 2 <= 400_000

@@ -25,12 +25,9 @@ just wrote. The fused kernels call the same code for the arithmetic as the separ
 either way; on the GPU that is the compiler's to keep, which is why the dense model asks
 for them only under :data:`FUSE_INTO_ATTENTION`.
 
-A decode step's attention leaves the memory idle while it waits on its own latencies, and
-the products after it then start cold from HBM. With :data:`PREFETCH_BYTES` the fused
-kernel gets extra programs that read the first bytes of the layer's next weights (the
-output projection, then the MLP's three) meanwhile, so those products find them
-in the L2 cache; nothing is computed from what they read but one maximum each, kept so the
-reads are too.
+With :data:`PREFETCH_BYTES` the fused kernel also reads the first bytes of the layer's next
+weights (the output projection, then the MLP's three) into the L2 cache while its attention
+waits on its latencies (:mod:`~turbospark_jax.models.pallas_prefetch`).
 """
 
 from __future__ import annotations
@@ -43,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.models import pallas_prefetch
 from turbospark_jax.models.layers import apply_rope, rms_norm
 from turbospark_jax.models.pallas_attention import (
     arrange_queries,
@@ -71,12 +69,6 @@ FUSE_INTO_ATTENTION = False
 #: launch- and latency-bound and leaves the memory idle. 0: none. Speed only (nothing is
 #: computed from them); off until measured (``rowinv_model --prefetch-mb``).
 PREFETCH_BYTES = 0
-#: The extra programs that read them, and the columns of the tiles they read the weights in
-#: (each weight seen as ``[-1, PREFETCH_COLS]``).
-PREFETCH_PROGRAMS = 64
-PREFETCH_COLS = 512
-#: Rows of a prefetch tile.
-_PREFETCH_ROWS = 16
 
 
 def _power_of_two(n: int) -> bool:
@@ -270,25 +262,6 @@ def rope_store(
     )(*operands, k_cache, v_cache)
 
 
-def _warm(p: jax.Array, weights: tuple[Any, ...], warm_rows: tuple[int, ...],
-          programs: int) -> jax.Array:
-    """Prefetch program ``p``'s share of the first ``warm_rows`` rows of each weight (seen as
-    ``[rows, PREFETCH_COLS]``), read a tile at a time; their maximum, which the caller
-    stores so that the reads are not dropped."""
-    top = jnp.float32(-jnp.inf)
-    for w_ref, rows in zip(weights, warm_rows, strict=True):
-        tiles = -(-rows // _PREFETCH_ROWS)
-        per = -(-tiles // programs)
-
-        def step(i, top, w_ref=w_ref, rows=rows, per=per):
-            start = jnp.minimum((p * per + i) * _PREFETCH_ROWS, rows - _PREFETCH_ROWS)
-            tile = w_ref[pl.ds(start, _PREFETCH_ROWS), :]
-            return jnp.maximum(top, jnp.max(tile.astype(jnp.float32)))
-
-        top = jax.lax.fori_loop(0, per, step, top)
-    return top
-
-
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
@@ -302,7 +275,7 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     partials for the fold kernel). The programs of one KV head write the same values to the
     same places (each needs every new key of the block). With ``warm_rows``, the programs
     past the KV heads on grid axis 0 (at query tile and split 0) read that many rows of each
-    prefetch weight instead (:func:`_warm`)."""
+    prefetch weight instead (:func:`~turbospark_jax.models.pallas_prefetch.warm`)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
     refs = refs[2:] if qk_norm else refs
@@ -353,26 +326,8 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     @pl.when((h >= kv_heads) & first)
     def _():
         p = h - kv_heads
-        top = _warm(p, tuple(weights), warm_rows, top_ref.shape[0])
-        top_ref[pl.ds(p, 1)] = jnp.full((1,), top, jnp.float32)
-
-
-def _warm_plan(weights: tuple[jax.Array, ...], budget: int) -> tuple[int, ...]:
-    """Rows of each weight (seen as ``[-1, PREFETCH_COLS]``) to prefetch within ``budget``
-    bytes: the first weight as far as it goes, the rest of the budget evenly over the
-    others; none of a weight whose size is not whole tiles of that shape."""
-    tile = _PREFETCH_ROWS * PREFETCH_COLS
-    rows = []
-    left = budget
-    for i, w in enumerate(weights):
-        if w.size % tile:
-            rows.append(0)
-            continue
-        share = left if i == 0 else left // (len(weights) - i)
-        n = min(w.size, share // w.dtype.itemsize) // tile * _PREFETCH_ROWS
-        rows.append(n)
-        left -= n * PREFETCH_COLS * w.dtype.itemsize
-    return tuple(rows)
+        pallas_prefetch.store(top_ref, p, pallas_prefetch.warm(p, tuple(weights), warm_rows,
+                                                               top_ref.shape[0]))
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
@@ -400,9 +355,9 @@ def rope_store_attention(
       interpret: run in the Pallas interpreter (CPU tests).
       fuse: allow the RoPE-store's work inside the attention kernel.
       prefetch, prefetch_bytes: weights the products after the attention read, and how many
-        of their bytes :data:`PREFETCH_PROGRAMS` extra programs of the fused kernel read
-        meanwhile (:func:`_warm_plan`; 0: none): a warmer L2 cache for those products,
-        nothing else (speed only).
+        of their bytes extra programs of the fused kernel read meanwhile
+        (:mod:`~turbospark_jax.models.pallas_prefetch`; 0: none): a warmer L2 cache for those
+        products, nothing else (speed only).
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -429,12 +384,8 @@ def rope_store_attention(
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-    warm = tuple(w.reshape(-1, PREFETCH_COLS) for w in prefetch
-                 if w.size % (_PREFETCH_ROWS * PREFETCH_COLS) == 0)
-    warm_rows = _warm_plan(warm, prefetch_bytes) if prefetch_bytes else ()
-    warm = tuple(w for w, n in zip(warm, warm_rows, strict=True) if n)
-    warm_rows = tuple(n for n in warm_rows if n)
-    extra = PREFETCH_PROGRAMS if warm_rows else 0
+    warm, warm_rows = pallas_prefetch.prepare(prefetch, prefetch_bytes)
+    extra = pallas_prefetch.PROGRAMS if warm_rows else 0
     head = lambda h: jnp.minimum(h, kv_heads - 1)  # noqa: E731  (prefetch programs past it)
     head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, *_: (0, head(h), 0))
     operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
