@@ -82,7 +82,8 @@
 #                                             # without and with it (1B, 0.6B)
 #   bash benchmarks/rowinv_h200.sh 27 "$OUT"  # the same fused decode with its extra programs
 #                                             # reading 8 and 24 MB of each layer's next
-#                                             # weights into L2 (PREFETCH_BYTES)
+#                                             # weights into L2 (pallas_prefetch), then 24 MB
+#                                             # with the norms reading 4 MB ahead too
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -307,7 +308,8 @@ case "$stage" in
     tests/test_pallas_rope_store.py --tb=short -rf > "$out/gpu_tests_rope_attention.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_rope_attention.txt" | tail -12
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --fuse-rope --prefetch-mb 8 --out "$out/exact_fused_rope" --budget-s 120 2>&1 | tail -3
+    --fuse-rope --prefetch-mb 8 --norm-prefetch-mb 4 --out "$out/exact_fused_rope" \
+    --budget-s 120 2>&1 | tail -3
   for fuse in "" --fuse-rope; do
     timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
       --modes rowinv --workloads completion $fuse --out "$out/speed_rope${fuse:+_fused}" \
@@ -315,10 +317,11 @@ case "$stage" in
   done
   ;;
 27)
-  for mb in 8 24; do
+  for mb in "8 0" "24 0" "24 4"; do
+    set -- $mb
     timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
-      --modes rowinv --workloads completion --fuse-rope --prefetch-mb $mb \
-      --out "$out/speed_rope_prefetch_$mb" --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
+      --modes rowinv --workloads completion --fuse-rope --prefetch-mb $1 --norm-prefetch-mb $2 \
+      --out "$out/speed_rope_prefetch_$1_$2" --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
   done
   ;;
 esac

@@ -901,7 +901,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch-mb", type=float, default=0.0,
                     help="with --fuse-rope: MB of each layer's next weights the fused "
                          "kernel's extra programs read into the L2 cache "
-                         "(pallas_rope_store.PREFETCH_BYTES; speed only)")
+                         "(pallas_prefetch.ATTENTION_BYTES; speed only)")
+    ap.add_argument("--norm-prefetch-mb", type=float, default=0.0,
+                    help="MB of the next product's weights each norm's extra programs read "
+                         "into the L2 cache (pallas_prefetch.NORM_BYTES; speed only)")
     args = ap.parse_args(argv)
     if args.prefetch_mb and not args.fuse_rope:
         ap.error("--prefetch-mb needs --fuse-rope (the fused kernel does the prefetching)")
@@ -909,7 +912,10 @@ def main(argv: list[str] | None = None) -> int:
         from turbospark_jax.models import pallas_rope_store
 
         pallas_rope_store.FUSE_INTO_ATTENTION = True  # read when a layer is traced
-        pallas_rope_store.PREFETCH_BYTES = int(args.prefetch_mb * (1 << 20))
+    from turbospark_jax.models import pallas_prefetch
+
+    pallas_prefetch.ATTENTION_BYTES = int(args.prefetch_mb * (1 << 20))
+    pallas_prefetch.NORM_BYTES = int(args.norm_prefetch_mb * (1 << 20))
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:
@@ -941,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
-            "prefetch_mb": args.prefetch_mb}
+            "prefetch_mb": args.prefetch_mb, "norm_prefetch_mb": args.norm_prefetch_mb}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

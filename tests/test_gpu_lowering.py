@@ -22,7 +22,13 @@ import pytest
 from jax import export
 from jax.experimental import pallas as pl
 
-from turbospark_jax.models import pallas_attention, pallas_rope_store, pallas_row_norm, rowinv
+from turbospark_jax.models import (
+    pallas_attention,
+    pallas_prefetch,
+    pallas_rope_store,
+    pallas_row_norm,
+    rowinv,
+)
 from turbospark_jax.models.dense import DenseModel, unstack_layers
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_partials
@@ -79,6 +85,11 @@ KERNELS = {
         lambda x, w: _matmul(x, (w,)), S((1, 896), BF16), S((896, 384), BF16)),
     "norm": (lambda x, w: pallas_row_norm._row_rms_norm(x, w, None, 1e-5, "pallas"),
              ROWS, S((256,), BF16)),
+    "norm after partial sums, prefetching the next product's weights": (
+        lambda r, p, w, a, b: pallas_row_norm._add_parts_rms_norm(
+            r, p, w, 1e-5, "pallas", (a, b), 1 << 20),
+        S((1, 256), BF16), S((4, 1, 256), jnp.float32), S((256,), BF16),
+        S((256, 1024), BF16), S((256, 1024), BF16)),
     "norm after a residual add, D not a power of two": (
         lambda x, w, r: pallas_row_norm._row_rms_norm(x, w, r, 1e-5, "pallas"),
         S((5, 96), BF16), S((96,), BF16), S((5, 96), BF16)),
@@ -224,7 +235,8 @@ def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch)
     monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
     assert kernels(max_keys=512) == {"rope_store_attention"}
     assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
-    monkeypatch.setattr(pallas_rope_store, "PREFETCH_BYTES", 1 << 20)  # same kernels
+    monkeypatch.setattr(pallas_prefetch, "ATTENTION_BYTES", 1 << 20)  # the same kernels
+    monkeypatch.setattr(pallas_prefetch, "NORM_BYTES", 1 << 20)
     assert kernels(max_keys=512) == {"rope_store_attention"}
 
 

@@ -390,15 +390,16 @@ class DenseModel(BlockModel):
                 if pending is None:
                     normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
                 else:
-                    h, normed = row_kernels.add_norm(kernels, h, pending,
-                                                     lp["input_layernorm"], eps)
+                    h, normed = row_kernels.add_norm(
+                        kernels, h, pending, lp["input_layernorm"], eps,
+                        prefetch=tuple(lp[k] for k in ("q_proj", "k_proj", "v_proj")))
                 attn, kv = attention(normed, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
                                              w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
                 h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
-                                                 eps)
+                                                 eps, prefetch=(lp["gate_proj"], lp["up_proj"]))
                 pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
                                                    lp["down_proj"], label="down")
             return (h, pending), kv

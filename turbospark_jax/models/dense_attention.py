@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from turbospark_jax.models import pallas_attention, pallas_rope_store, row_kernels
+from turbospark_jax.models import (
+    pallas_attention,
+    pallas_prefetch,
+    pallas_rope_store,
+    row_kernels,
+)
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import attend
 
@@ -197,8 +202,8 @@ def cached_attention(
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
         if row_invariant and pallas_rope_store.FUSE_INTO_ATTENTION:
-            # one launch for both where the attention folds on chip (a short decode)
-            budget = pallas_rope_store.PREFETCH_BYTES
+            # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
+            budget = pallas_prefetch.ATTENTION_BYTES
             nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj", "down_proj")
                         if k in lp)
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(

@@ -23,6 +23,17 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+#: What the dense model's row-invariant decode reads ahead (bytes; 0: nothing; read when a
+#: program is traced). Speed only, and off until a GPU has measured it
+#: (``benchmarks/rowinv_model.py --prefetch-mb``, ``--norm-prefetch-mb``):
+#: the fused RoPE-store-and-attention kernel reads the layer's output projection, then its
+#: gate, up and down projections; each norm of a deferred-sum layer reads the product's
+#: after it (q/k/v after the input norm, gate and up after the post-attention norm).
+ATTENTION_BYTES = 0
+NORM_BYTES = 0
+#: Calls of more rows than this (a prefill's) read nothing ahead: their own work keeps the
+#: memory busy.
+MAX_ROWS = 16
 #: The extra programs a kernel gets for its prefetch.
 PROGRAMS = 64
 #: The weights are read as ``[-1, COLS]`` tiles of :data:`ROWS` rows.

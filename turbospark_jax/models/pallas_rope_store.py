@@ -25,7 +25,8 @@ just wrote. The fused kernels call the same code for the arithmetic as the separ
 either way; on the GPU that is the compiler's to keep, which is why the dense model asks
 for them only under :data:`FUSE_INTO_ATTENTION`.
 
-With :data:`PREFETCH_BYTES` the fused kernel also reads the first bytes of the layer's next
+With :data:`~turbospark_jax.models.pallas_prefetch.ATTENTION_BYTES` the fused kernel
+also reads the first bytes of the layer's next
 weights (the output projection, then the MLP's three) into the L2 cache while its attention
 waits on its latencies (:mod:`~turbospark_jax.models.pallas_prefetch`).
 """
@@ -61,14 +62,9 @@ from turbospark_jax.models.pallas_attention import (
 FUSED_ROWS = 16
 #: Whether the dense model's row-invariant layers ask :func:`rope_store_attention` to fuse
 #: (``fuse=``). Off until a GPU has shown the fused kernel's rows bitwise equal to the two
-#: launches' (``benchmarks/rowinv_h200.sh`` stage 26; in the interpreter they are).
+#: launches' (``benchmarks/rowinv_h200.sh`` stage 26; in the interpreter they are). Read
+#: when a program is traced: set it before a model's first call.
 FUSE_INTO_ATTENTION = False
-#: Bytes of a layer's next weights (its output projection, then its gate, up and down
-#: projections, evenly) that extra programs of the fused kernel read while the attention
-#: runs, so the products after it find them in the L2 cache: a decode step's attention is
-#: launch- and latency-bound and leaves the memory idle. 0: none. Speed only (nothing is
-#: computed from them); off until measured (``rowinv_model --prefetch-mb``).
-PREFETCH_BYTES = 0
 
 
 def _power_of_two(n: int) -> bool:

@@ -99,15 +99,21 @@ def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
 
 
 def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-             eps: float) -> tuple[jax.Array, jax.Array]:
+             eps: float, prefetch: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:
     """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
     ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
     add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
-    ``h`` exactly as finishing the product and adding it would."""
+    ``h`` exactly as finishing the product and adding it would. ``prefetch``: the weights
+    of the product after the norm, which a decode-sized call on a GPU reads ahead into the
+    L2 cache (:data:`~turbospark_jax.models.pallas_prefetch.NORM_BYTES` of them)."""
     if _on_gpu():
+        from turbospark_jax.models import pallas_prefetch
         from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 
-        return add_parts_rms_norm(residual, parts, weight, eps)
+        budget = pallas_prefetch.NORM_BYTES if residual.shape[0] <= pallas_prefetch.MAX_ROWS \
+            else 0
+        return add_parts_rms_norm(residual, parts, weight, eps,
+                                  prefetch=prefetch if budget else (), prefetch_bytes=budget)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
 
