@@ -160,9 +160,10 @@ def test_partial_sums_give_the_bits_of_the_finished_projection(dtype, qk_norm, c
         assert np.array_equal(_bits(g), _bits(w))
 
 
-def _fused(qkv, cos, sin, write_at, caches, pos, norms, fuse, max_keys=None):
+def _fused(qkv, cos, sin, write_at, caches, pos, norms, fuse, max_keys=None, window=None):
     return rope_store_attention(qkv, cos, sin, write_at, *caches, pos, H, **norms,
-                                interpret=INTERPRET, max_keys=max_keys, fuse=fuse)
+                                interpret=INTERPRET, max_keys=max_keys, fuse=fuse,
+                                window=window)
 
 
 def _pallas_calls(fn, *args) -> set[str]:
@@ -211,6 +212,18 @@ def test_rope_store_inside_the_attention_gives_the_two_launches_bits(
     if width > 1:  # the row that writes nothing left its cache row as it was
         row = int(pos[-1])
         assert np.array_equal(_bits(got[1][row]), _bits(caches[0][row]))
+
+
+@pytest.mark.parametrize(("capacity", "max_keys"), [(256, None), (2048, None), (2048, 512)])
+def test_rope_store_inside_the_attention_under_a_sliding_window(capacity, max_keys):
+    """A sliding-window layer's attention, fused or not, gives the same bits (three rows,
+    the window shorter than their context)."""
+    qkv, cos, sin, pos, caches, norms = _inputs(6, jnp.bfloat16, 3, 200, capacity)
+    args = (qkv, cos, sin, pos, caches, pos, norms)
+    got, want = (_fused(*args, fuse=f, max_keys=max_keys, window=37) for f in (True, False))
+    assert all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
+    wide = _fused(*args, fuse=True, max_keys=max_keys)  # control: the window matters here
+    assert not np.array_equal(_bits(wide[0]), _bits(got[0]))
 
 
 def test_rope_store_attention_launches_both_past_fused_rows():
