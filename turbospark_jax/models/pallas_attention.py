@@ -71,6 +71,11 @@ FOLD_ON_CHIP_ROWS = 256
 #: splits a row sees, where the split kernel would launch a program for every split of the
 #: cache (most of them empty at a short context) and the fold kernel after it. Speed only.
 ON_CHIP_SPLITS = 2
+#: The fold kernel loads this many splits' partial results at once, then folds them one
+#: after another: one round trip to memory for each group instead of each split. The split
+#: kernel of the row-invariant form writes a whole number of such groups (the splits past
+#: the cache are empty: they fold in as exact identities). Speed only.
+FOLD_LOADS = 4
 #: Columns of the ones matrix whose product with the probabilities gives their row sums
 #: (``row_invariant=True``): every column holds the same sum; the smallest tile a GPU
 #: matrix product takes.
@@ -324,19 +329,36 @@ def fold_splits(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *,
     return acc, l
 
 
+def partial_splits(splits: int) -> int:
+    """The splits the row-invariant split kernel writes partials for: ``splits`` rounded up to
+    whole groups of :data:`FOLD_LOADS` (those past the cache see no key)."""
+    return _ceil_div(splits, FOLD_LOADS) * FOLD_LOADS
+
+
 def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capacity: int,
                  split_len: int, rows: int | None = None) -> None:
     """One program per (KV head, query tile): fold the splits' partial results in order
-    (:func:`_fold`) and normalise. A split past a row's last key folds in as nothing, so
-    the walk stops at the last split any row of the call sees, as the folding kernel's does:
-    the splits of a long cache past a short context cost no sequential loads."""
+    (:func:`_fold`) and normalise, loading them :data:`FOLD_LOADS` splits at a time (the
+    loads of a group go out together; the folds stay one after another). A split past a
+    row's last key folds in as an exact identity (its maximum ``MASK_VALUE`` weighs it by
+    zero, the running result by one), so the walk stops at the group holding the last split
+    any row of the call sees: the splits of a long cache past a short context cost no
+    loads."""
     tile, head_dim = o_ref.shape
     needed = _splits_seen(jnp.minimum(bound_ref[()], capacity), split_len)
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     c = scale * LOG2_E
-    acc, _, l = jax.lax.fori_loop(
-        0, needed, lambda s, carry: _fold(carry, (acc_ref[s], m_ref[s], l_ref[s]), c), start)
+
+    def group(g, carry):
+        first = g * FOLD_LOADS
+        parts = [(acc_ref[first + j], m_ref[first + j], l_ref[first + j])
+                 for j in range(FOLD_LOADS)]
+        for part in parts:
+            carry = _fold(carry, part, c)
+        return carry
+
+    acc, _, l = jax.lax.fori_loop(0, _ceil_div(needed, FOLD_LOADS), group, start)
     store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
@@ -521,6 +543,8 @@ def cached_attention_arranged(
     else:
         normalise = splits == 1
         acc_dtype = v_cache.dtype if normalise else jnp.float32
+        if row_invariant:  # whole groups for the fold kernel's loads
+            splits = partial_splits(splits)
         acc, m, l = pl.pallas_call(
             functools.partial(_kernel, scale=scale, capacity=capacity, split_len=split_len,
                               window=window, normalise=normalise, mma_sums=row_invariant),

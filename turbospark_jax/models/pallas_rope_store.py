@@ -50,6 +50,7 @@ from turbospark_jax.models.pallas_attention import (
     fold_partials,
     fold_splits,
     folds_on_chip,
+    partial_splits,
     plan_keys,
     query_rows,
     split_of,
@@ -406,6 +407,7 @@ def rope_store_attention(
         result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (head(h), t, 0))]
         result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)]
     else:
+        splits = partial_splits(splits)  # whole groups for the fold kernel's loads
         grid = (kv_heads + extra, count, splits)
         result_specs = [
             pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, head(h), t, 0)),
