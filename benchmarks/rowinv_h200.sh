@@ -68,7 +68,8 @@
 #                                             # matvec column tile and segment count swept
 #                                             # on the 0.6B shape, the defaults on the 1B
 #   bash benchmarks/rowinv_h200.sh 24 "$OUT"  # the short-context kernels' GPU tests (attention
-#                                             # bounded by max_keys, the Mosaic partials),
+#                                             # bounded by max_keys, the fold's grouped loads,
+#                                             # the Mosaic partials),
 #                                             # then stage 21: one call for both
 #   bash benchmarks/rowinv_h200.sh 25 "$OUT"  # the 8B's gated product alone under every
 #                                             # column tile (its default gives 448 programs of
@@ -77,7 +78,8 @@
 #                                             # context (where the 4k's extra 140 us a token go)
 #   bash benchmarks/rowinv_h200.sh 26 "$OUT"  # the RoPE-store inside the attention kernel
 #                                             # (FUSE_INTO_ATTENTION): its GPU tests (bits
-#                                             # against the two launches), the 1B exact part
+#                                             # against the two launches; the prefetching
+#                                             # norm's), the 1B exact part
 #                                             # under it and the prefetch, decode end to end
 #                                             # without and with it (1B, 0.6B)
 #   bash benchmarks/rowinv_h200.sh 27 "$OUT"  # the same fused decode with its extra programs
@@ -304,8 +306,9 @@ case "$stage" in
     --budget-s 230 2>&1 | cut -c1-400 | tail -3
   ;;
 26)
-  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_rope_store.py --tb=short -rf > "$out/gpu_tests_rope_attention.txt" 2>&1
+  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_rope_store.py tests/test_pallas_prefetch.py tests/test_pallas_row_norm.py \
+    --tb=short -rf > "$out/gpu_tests_rope_attention.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_rope_attention.txt" | tail -12
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
     --fuse-rope --prefetch-mb 8 --norm-prefetch-mb 4 --out "$out/exact_fused_rope" \
