@@ -292,11 +292,18 @@ case "$stage" in
     --parts exact --exact-shapes llama-3.2-1b --out "$out/exact_pdl" --budget-s 110 2>&1 | tail -3
   ;;
 24)
-  timeout 130 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  # under the ten minutes of one call: the tests, then stage 21's runs with shorter limits
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_attention.py tests/test_mosaic_matmul.py --tb=short -rf \
     > "$out/gpu_tests_short.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_short.txt" | tail -12
-  bash "$0" 21 "$out"
+  for keys in 0 512; do
+    timeout 160 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
+      --modes rowinv --workloads completion --short-decode-keys $keys \
+      --out "$out/speed_short_$keys" --budget-s 150 2>&1 | cut -c1-300 | grep speed | tail -8
+  done
+  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+    --out "$out/exact_short" --budget-s 120 2>&1 | tail -3
   ;;
 25)
   timeout 300 python -m benchmarks.rowinv_model --parts products --shapes llama-3.1-8b \
@@ -306,17 +313,17 @@ case "$stage" in
     --budget-s 230 2>&1 | cut -c1-400 | tail -3
   ;;
 26)
-  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_rope_store.py tests/test_pallas_prefetch.py tests/test_pallas_row_norm.py \
     --tb=short -rf > "$out/gpu_tests_rope_attention.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_rope_attention.txt" | tail -12
-  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+  timeout 120 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
     --fuse-rope --prefetch-mb 8 --norm-prefetch-mb 4 --out "$out/exact_fused_rope" \
-    --budget-s 120 2>&1 | tail -3
+    --budget-s 110 2>&1 | tail -3
   for fuse in "" --fuse-rope; do
-    timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
+    timeout 160 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
       --modes rowinv --workloads completion $fuse --out "$out/speed_rope${fuse:+_fused}" \
-      --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
+      --budget-s 150 2>&1 | cut -c1-300 | grep speed | tail -8
   done
   ;;
 27)
