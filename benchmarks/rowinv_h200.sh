@@ -99,6 +99,25 @@ export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
 # call while it stays warm): a later stage's program of an earlier stage's shape loads in
 # seconds instead of compiling again.
 export JAX_COMPILATION_CACHE_DIR="$PWD/.jax_cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1
+# Decode end to end through run_raw_completion (1B and 0.6B, row-invariant kernels): $1 the
+# time limit, s; $2 the output's name; the rest, rowinv_model's extra options.
+decode_speed() {
+  local limit=$1 name=$2
+  shift 2
+  timeout "$limit" python -m benchmarks.rowinv_model --parts speed \
+    --shapes llama-3.2-1b,qwen3-0.6b --modes rowinv --workloads completion "$@" \
+    --out "$out/$name" --budget-s $((limit - 10)) 2>&1 | cut -c1-300 | grep speed | tail -8
+}
+# The short-context decode program (the default) against one program for every context,
+# then the 1B exact part (its short burst runs that program); $1 and $2: the speed runs' and
+# the exact part's time limits, s.
+short_decode_against_one_program() {
+  for keys in 0 512; do
+    decode_speed "$1" "speed_short_$keys" --short-decode-keys $keys
+  done
+  timeout "$2" python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+    --out "$out/exact_short" --budget-s $(($2 - 10)) 2>&1 | tail -3
+}
 # The three shapes' prefill (exact and parallel) and transformers' sdpa in one stretch, then
 # the 1B's traced prefill; $1 and $2: the speed part's and the profile's time limits, s.
 prefill_against_sdpa() {
@@ -269,14 +288,7 @@ case "$stage" in
     2>&1 | cut -c1-900 | grep -v "^1B" | tail -12
   ;;
 21)
-  # the short-context decode program (the default) against one program for every context
-  for keys in 0 512; do
-    timeout 180 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
-      --modes rowinv --workloads completion --short-decode-keys $keys \
-      --out "$out/speed_short_$keys" --budget-s 170 2>&1 | cut -c1-300 | grep speed | tail -8
-  done
-  timeout 150 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --out "$out/exact_short" --budget-s 140 2>&1 | tail -3
+  short_decode_against_one_program 180 150
   ;;
 22)
   timeout 400 python -m benchmarks.rowinv_model --parts products \
@@ -284,9 +296,7 @@ case "$stage" in
   ;;
 23)
   for pdl in false true; do
-    timeout 170 env XLA_FLAGS="--xla_gpu_enable_pdl=$pdl" python -m benchmarks.rowinv_model \
-      --parts speed --shapes llama-3.2-1b,qwen3-0.6b --modes rowinv --workloads completion \
-      --out "$out/speed_pdl_$pdl" --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
+    XLA_FLAGS="--xla_gpu_enable_pdl=$pdl" decode_speed 170 "speed_pdl_$pdl"
   done
   timeout 120 env XLA_FLAGS="--xla_gpu_enable_pdl=true" python -m benchmarks.rowinv_model \
     --parts exact --exact-shapes llama-3.2-1b --out "$out/exact_pdl" --budget-s 110 2>&1 | tail -3
@@ -297,13 +307,7 @@ case "$stage" in
     tests/test_pallas_attention.py tests/test_mosaic_matmul.py --tb=short -rf \
     > "$out/gpu_tests_short.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_short.txt" | tail -12
-  for keys in 0 512; do
-    timeout 160 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
-      --modes rowinv --workloads completion --short-decode-keys $keys \
-      --out "$out/speed_short_$keys" --budget-s 150 2>&1 | cut -c1-300 | grep speed | tail -8
-  done
-  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --out "$out/exact_short" --budget-s 120 2>&1 | tail -3
+  short_decode_against_one_program 160 130
   ;;
 25)
   timeout 300 python -m benchmarks.rowinv_model --parts products --shapes llama-3.1-8b \
@@ -320,18 +324,14 @@ case "$stage" in
   timeout 120 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
     --fuse-rope --prefetch-mb 8 --norm-prefetch-mb 4 --out "$out/exact_fused_rope" \
     --budget-s 110 2>&1 | tail -3
-  for fuse in "" --fuse-rope; do
-    timeout 160 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
-      --modes rowinv --workloads completion $fuse --out "$out/speed_rope${fuse:+_fused}" \
-      --budget-s 150 2>&1 | cut -c1-300 | grep speed | tail -8
-  done
+  decode_speed 160 speed_rope
+  decode_speed 160 speed_rope_fused --fuse-rope
   ;;
 27)
   for mb in "8 0" "24 0" "24 4"; do
     set -- $mb
-    timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b,qwen3-0.6b \
-      --modes rowinv --workloads completion --fuse-rope --prefetch-mb $1 --norm-prefetch-mb $2 \
-      --out "$out/speed_rope_prefetch_$1_$2" --budget-s 160 2>&1 | cut -c1-300 | grep speed | tail -8
+    decode_speed 170 "speed_rope_prefetch_$1_$2" --fuse-rope --prefetch-mb "$1" \
+      --norm-prefetch-mb "$2"
   done
   ;;
 esac
