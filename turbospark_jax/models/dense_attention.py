@@ -201,30 +201,28 @@ def cached_attention(
     def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
+        rows = (_merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
+                v_all[index])
         if row_invariant and pallas_rope_store.FUSE_INTO_ATTENTION:
-            # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
+            # the RoPE-store's work inside the attention's first kernel (a decode, a verify),
+            # reading the layer's next weights ahead within its budget
             budget = pallas_prefetch.ATTENTION_BYTES
-            nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj", "down_proj")
-                        if k in lp)
+            nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj", "down_proj"))
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
-                _merged_projection(c, h, lp, model.kernels), cos, sin, write_at,
-                k_all[index], v_all[index], positions, c.num_attention_heads, *norms,
-                eps=c.rms_norm_eps, window=window, interpret=rope_store == "interpret",
-                max_keys=max_keys, prefetch=nxt if budget else (), prefetch_bytes=budget,
+                *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+                window=window, interpret=rope_store == "interpret", max_keys=max_keys,
+                prefetch=nxt if budget else (), prefetch_bytes=budget,
             )
-            kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
-            return attn, kv
-        qr, k_layer, v_layer = pallas_rope_store.rope_store(
-            _merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
-            v_all[index], c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-            interpret=rope_store == "interpret",
-        )
-        kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
-        attn = pallas_attention.cached_attention_arranged(
-            qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
-            interpret=fused == "interpret", row_invariant=row_invariant, max_keys=max_keys,
-        )
-        return attn, kv
+        else:
+            qr, k_layer, v_layer = pallas_rope_store.rope_store(
+                *rows, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+                interpret=rope_store == "interpret",
+            )
+            attn = pallas_attention.cached_attention_arranged(
+                qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
+                interpret=fused == "interpret", row_invariant=row_invariant, max_keys=max_keys,
+            )
+        return attn, (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
 
     def rotated(h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = _projections(c, h, lp, model.kernels)
