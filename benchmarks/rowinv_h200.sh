@@ -86,12 +86,16 @@
 #                                             # reading 8 and 24 MB of each layer's next
 #                                             # weights into L2 (pallas_prefetch), then 24 MB
 #                                             # with the norms reading 4 MB ahead too
+#   bash benchmarks/rowinv_h200.sh 28 "$OUT"  # the new defaults (RoPE-store in the attention,
+#                                             # the 8B's wider gated tile): the gated kernel's
+#                                             # GPU tests, 8B decode end to end and its exact
+#                                             # part, the 1B profile at 128 and 4k context
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 27}
+stage=${1:?stage 1 to 28}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -333,6 +337,22 @@ case "$stage" in
     decode_speed 170 "speed_rope_prefetch_$1_$2" --fuse-rope --prefetch-mb "$1" \
       --norm-prefetch-mb "$2"
   done
+  ;;
+28)
+  # the defaults of session 41: the RoPE-store inside the attention, the 8B's gated product
+  # at 64 columns a program; a traced profile records each step's kernels only without the
+  # loop graphs (with them, JAX 0.11.2's trace holds one step's kernels for a whole burst)
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_rowinv.py -k gated --tb=short -rf > "$out/gpu_tests_gated.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_gated.txt" | tail -6
+  timeout 140 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+    --modes rowinv --workloads completion --out "$out/speed8b" --budget-s 130 2>&1 \
+    | cut -c1-300 | grep speed | tail -4
+  timeout 150 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.1-8b \
+    --out "$out/exact8b" --budget-s 140 2>&1 | cut -c1-400 | tail -3
+  timeout 150 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
+    --modes rowinv --shapes llama-3.2-1b --profile-contexts 128,4096 \
+    --out "$out/profile_1b_4k" --budget-s 140 2>&1 | cut -c1-300 | tail -3
   ;;
 esac
 ls -R "$out" | head -30

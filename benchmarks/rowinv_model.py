@@ -895,23 +895,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--short-decode-keys", type=int,
                     help="the producers' short_decode_keys (0: one decode program for every "
                          "context; default: BlockProducer's)")
-    ap.add_argument("--fuse-rope", action="store_true",
+    ap.add_argument("--fuse-rope", action=argparse.BooleanOptionalAction, default=None,
                     help="run the RoPE-store inside the attention kernel where that folds "
-                         "on chip (pallas_rope_store.FUSE_INTO_ATTENTION; the same bits)")
+                         "on chip (pallas_rope_store.FUSE_INTO_ATTENTION, on by default; the "
+                         "same bits); --no-fuse-rope launches the two kernels")
     ap.add_argument("--prefetch-mb", type=float, default=0.0,
-                    help="with --fuse-rope: MB of each layer's next weights the fused "
-                         "kernel's extra programs read into the L2 cache "
+                    help="with the fused RoPE-store: MB of each layer's next weights the "
+                         "fused kernel's extra programs read into the L2 cache "
                          "(pallas_prefetch.ATTENTION_BYTES; speed only)")
     ap.add_argument("--norm-prefetch-mb", type=float, default=0.0,
                     help="MB of the next product's weights each norm's extra programs read "
                          "into the L2 cache (pallas_prefetch.NORM_BYTES; speed only)")
     args = ap.parse_args(argv)
-    if args.prefetch_mb and not args.fuse_rope:
-        ap.error("--prefetch-mb needs --fuse-rope (the fused kernel does the prefetching)")
-    if args.fuse_rope:
-        from turbospark_jax.models import pallas_rope_store
+    from turbospark_jax.models import pallas_rope_store
 
-        pallas_rope_store.FUSE_INTO_ATTENTION = True  # read when a layer is traced
+    if args.fuse_rope is not None:  # read when a layer is traced
+        pallas_rope_store.FUSE_INTO_ATTENTION = args.fuse_rope
+    args.fuse_rope = pallas_rope_store.FUSE_INTO_ATTENTION
+    if args.prefetch_mb and not args.fuse_rope:
+        ap.error("--prefetch-mb needs the fused RoPE-store (the fused kernel does the "
+                 "prefetching): drop --no-fuse-rope")
     from turbospark_jax.models import pallas_prefetch
 
     pallas_prefetch.ATTENTION_BYTES = int(args.prefetch_mb * (1 << 20))

@@ -216,6 +216,7 @@ def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
         return set(re.findall(r'name = "(cached_attention\w*)"', text))
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", False)  # attention alone
     assert DenseModel(CONFIG, BF16, scan_layers=False, kernels="rowinv").bounds_keys
     assert not DenseModel(CONFIG, BF16, scan_layers=False).bounds_keys  # XLA's kernels
     assert attention_kernels() == {"cached_attention", "cached_attention_fold"}
@@ -224,14 +225,18 @@ def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
 
 
 def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch):
-    """With ``pallas_rope_store.FUSE_INTO_ATTENTION`` a short context's decode program
-    launches one kernel a layer for the RoPE-store and the attention, an unbounded one two
-    (the split kernel doing the RoPE-store's work, the fold kernel); without it, three."""
+    """With ``pallas_rope_store.FUSE_INTO_ATTENTION`` (the default) a short context's
+    decode program launches one kernel a layer for the RoPE-store and the attention, an
+    unbounded one two (the split kernel doing the RoPE-store's work, the fold kernel);
+    without it, two and three."""
     def kernels(**hints):
         text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
         return set(re.findall(r'name = "(cached_attention\w*|rope_store\w*)"', text))
 
+    assert pallas_rope_store.FUSE_INTO_ATTENTION  # the default
+    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", False)
     assert kernels() == {"rope_store", "cached_attention", "cached_attention_fold"}
+    assert kernels(max_keys=512) == {"rope_store", "cached_attention_folding"}
     monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
     assert kernels(max_keys=512) == {"rope_store_attention"}
     assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
@@ -250,10 +255,16 @@ def _float_reductions(text: str) -> list[str]:
 def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last_row_head,
                                                                      monkeypatch):
     text = _program("rowinv", width, monkeypatch, last_row_head)
-    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rope_store|'
+    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rope_store\w*|'
                                   r'cached_attention\w*)"', text))
-    assert {"row_rms_norm", "rope_store"} <= kernel_names
-    assert kernel_names & {"cached_attention", "cached_attention_folding"}
+    assert "row_rms_norm" in kernel_names
+    # a decode or verify block runs the RoPE-store inside the attention's first kernel
+    fused = {"rope_store_attention", "rope_store_attention_split"}
+    if width <= pallas_rope_store.FUSED_ROWS:
+        assert kernel_names & fused and "rope_store" not in kernel_names
+    else:
+        assert "rope_store" in kernel_names and not kernel_names & fused
+        assert kernel_names & {"cached_attention", "cached_attention_folding"}
     products = {n.split("_", 2)[2] for n in kernel_names if n.startswith("rowinv_mat")}
     assert products == {"qkv", "o", "gate_up", "down", "head"}  # each labelled, for profiles
     kernel = "matvec" if width <= 16 else "matmul"

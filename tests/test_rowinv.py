@@ -318,6 +318,32 @@ def test_control_the_gated_schedule_is_not_the_products_default():
     assert not np.array_equal(other, gated)
 
 
+def test_gated_column_tiles_change_no_bit():
+    """The gated matvec kernel's columns per program and pipeline depth are speed only: a
+    decode row and a 16-row verify block come out bitwise the same under every setting
+    (each column's sum runs over K in one order, whatever the tile)."""
+    from turbospark_jax.models.rowinv import rowinv_swiglu
+
+    x, gate, up = _gated_operands("bfloat16", f=160)
+
+    def gated(tiles, m):
+        return np.asarray(rowinv_swiglu(x[:m], gate, up, impl=KERNEL_IMPL, kernel="matvec",
+                                        tiles=tiles)).view(np.uint16)
+
+    for m in (1, 16):
+        want = gated(Tiles(), m)
+        for tiles in (Tiles(gated_bn=16), Tiles(gated_bn=64), Tiles(gated_bn=64,
+                                                                     gated_stages=3)):
+            assert np.array_equal(gated(tiles, m), want), (tiles, m)
+
+
+def test_gated_column_tile_keeps_the_multiprocessors_busy():
+    """The default column tile: the widest of 16, 32, 64 with at least GATED_PROGRAMS
+    programs (the 0.6B, 1B and 8B shapes' gate/up widths), unless one is asked for."""
+    assert [Tiles().gated_columns(f) for f in (3072, 8192, 14336)] == [16, 32, 64]
+    assert Tiles(gated_bn=16).gated_columns(14336) == 16
+
+
 def test_gated_product_refusals():
     from turbospark_jax.models.rowinv import rowinv_swiglu
 

@@ -43,7 +43,8 @@ def gpu_graph_in_the_interpreter(monkeypatch):
     monkeypatch.setattr(rowinv, "resolve_impl", interpret)
     monkeypatch.setattr(pallas_row_norm, "resolve_impl", interpret)
     for module, name in ((pallas_attention, "cached_attention_arranged"),
-                         (pallas_rope_store, "rope_store")):
+                         (pallas_rope_store, "rope_store"),
+                         (pallas_rope_store, "rope_store_attention")):
         original = getattr(module, name)
         monkeypatch.setattr(module, name,
                             lambda *a, _f=original, **k: _f(*a, **{**k, "interpret": True}))
@@ -80,36 +81,39 @@ def test_gpu_form_matches_xla_and_its_widths_agree(gpu_graph_in_the_interpreter,
 
 def test_gpu_form_with_the_fused_rope_store_and_prefetch_keeps_every_bit(
         gpu_graph_in_the_interpreter, monkeypatch):
-    """The RoPE-store's work inside the attention kernels (``FUSE_INTO_ATTENTION``: the
-    folding form for a short decode, the split form for 16-row prefill blocks) and the
-    prefetch programs of the attention and the norms change no logit of any width: the
-    graph with them gives bitwise the graph without them."""
+    """The RoPE-store's work inside the attention kernels (``FUSE_INTO_ATTENTION``, the
+    default: the folding form for a short decode, the split form for 16-row prefill blocks)
+    and the prefetch programs of the attention and the norms change no logit of any width:
+    the graph with them gives bitwise the graph with two launches and no prefetching."""
     from turbospark_jax import block_program
     from turbospark_jax.models import pallas_prefetch
 
-    model, params = _model("rowinv")
-    widths = ((1, None), (4, 16))
-    plain = {w: _logits(model, params, *w) for w in widths}
-    original, fused = pallas_rope_store.rope_store_attention, []
-    monkeypatch.setattr(pallas_rope_store, "rope_store_attention",
-                        lambda *a, **k: fused.append(1) or original(*a, **{**k, "interpret": True}))
-    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
-    monkeypatch.setattr(pallas_prefetch, "ATTENTION_BYTES", 64 << 10)
-    monkeypatch.setattr(pallas_prefetch, "NORM_BYTES", 32 << 10)
-    calls = []
-    monkeypatch.setattr(pallas_prefetch, "prepare",
-                        lambda *a, _f=pallas_prefetch.prepare: calls.append(1) or _f(*a))
     def forget_programs():  # the switches are read when a program is traced
         for program in (block_program.compiled_program, block_program.compiled_parallel):
             program.cache_clear()
         jax.clear_caches()
 
+    model, params = _model("rowinv")
+    widths = ((1, None), (4, 16))
+    assert pallas_rope_store.FUSE_INTO_ATTENTION  # the default
+    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", False)
     forget_programs()
     try:
+        plain = {w: _logits(model, params, *w) for w in widths}
+        original, fused = pallas_rope_store.rope_store_attention, []
+        monkeypatch.setattr(pallas_rope_store, "rope_store_attention",
+                            lambda *a, **k: fused.append(1) or original(*a, **k))
+        monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
+        monkeypatch.setattr(pallas_prefetch, "ATTENTION_BYTES", 64 << 10)
+        monkeypatch.setattr(pallas_prefetch, "NORM_BYTES", 32 << 10)
+        calls = []
+        monkeypatch.setattr(pallas_prefetch, "prepare",
+                            lambda *a, _f=pallas_prefetch.prepare: calls.append(1) or _f(*a))
+        forget_programs()
         for w in widths:
             for got, want in zip(_logits(model, params, *w), plain[w], strict=True):
                 assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    finally:  # no later test may meet a program traced with the switches on
+    finally:  # no later test may meet a program traced with the switches changed
         forget_programs()
     assert fused and calls  # the fused, prefetching kernels were traced
 

@@ -155,9 +155,11 @@ def schedule_for(k: int, n: int) -> Schedule:
 
 
 #: The gated matvec kernel's column tile shrinks (to 16 at least) until it has this many
-#: programs: about two for each of an H200's 132 multiprocessors (the 1B shape's 8,192
-#: columns take 32, the 0.6B shape's 3,072 take 16; 64 from 16,384 columns on).
-GATED_PROGRAMS = 256
+#: programs: about one and a half for each of an H100's or H200's 132 multiprocessors. The
+#: 1B shape's 8,192 columns take 32, the 0.6B shape's 3,072 take 16 and the 8B shape's
+#: 14,336 keep 64 (224 programs: on an H100 its gate/up product took 81 us at 64 columns
+#: against 96 at 32, traced).
+GATED_PROGRAMS = 192
 
 
 @dataclasses.dataclass(frozen=True)
