@@ -305,8 +305,9 @@ def test_decode_bound_splits_a_profile_and_carries_it_to_another_bandwidth(tmp_p
     from benchmarks.run import SHAPES
 
     assert [group_of(n) for n in ("rowinv_matvec_qkv", "cached_attention_fold",
-                                  "row_rms_norm__1", "rope_store", "sort_6_1")] == [
-        "products", "attention", "norms", "rope_store", "loop"]
+                                  "rope_store_attention_split", "row_rms_norm__1",
+                                  "rope_store", "sort_6_1")] == [
+        "products", "attention", "attention", "norms", "rope_store", "loop"]
     stream = weight_bytes(SHAPES["tiny"]) / 1e6  # us at 1,000 GB/s
     record = {"part": "profile", "kernels": "rowinv", "shape": "tiny", "context": 8,
               "sampling": "greedy", "wall_per_token_us": stream + 40.0,

@@ -197,11 +197,14 @@ def test_a_short_key_bound_runs_the_folding_kernel_and_keeps_the_bits(width):
 
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_a_row_keeps_its_bits_whether_its_key_tiles_ran_masked_or_not(row_invariant):
-    """The key tiles every live row of a query tile sees whole run without the mask. A row
-    next to a row at position 0 has every tile masked (the tile's lowest position bounds the
-    unmasked ones); alone, all but its last run unmasked. Its bits must not change. (The
-    first form of the base-2 softmax, ``exp2(score * c - max)``, failed here in the
-    interpreter: its LLVM fused the multiply into the subtraction on one loop only.)"""
+    """In the row-invariant form the key tiles every live row of a query tile sees whole
+    run without the mask. A row next to a row at position 0 has every tile masked (the
+    tile's lowest position bounds the unmasked ones); alone, all but its last run unmasked.
+    Its bits must not change. (The first form of the base-2 softmax, ``exp2(score * c -
+    max)``, failed here in the interpreter: its LLVM fused the multiply into the subtraction
+    on one loop only. The other form, whose row sums are a reduction the compiler lays out
+    per loop, failed here compiled on an H100 while it skipped the mask too; it now masks
+    every tile.)"""
     capacity, position = 2304, 2000
     q, k, v = _inputs(6, 2, 4, 2, 16, capacity, jnp.float32)
     run = lambda a, p: np.asarray(cached_attention(  # noqa: E731

@@ -20,10 +20,10 @@ rows the block holds and of how far the keys are scanned. Both hold here:
   in the combination. (Dead cache rows must hold finite values, which they do: they are
   zeros or rows of earlier tokens.)
 
-The tile boundaries and splits depend only on the cache capacity, never on the data. Which
-tiles run without the mask does depend on the rows' positions, but only tiles that every live
-row of the query tile sees whole do, where the mask would keep every score: the same bits
-(:func:`_split_partial`).
+The tile boundaries and splits depend only on the cache capacity, never on the data. In the
+row-invariant form, which tiles run without the mask does depend on the rows' positions, but
+only tiles that every live row of the query tile sees whole do, where the mask would keep
+every score: the same bits (:func:`_split_partial`); the other form masks every tile.
 
 Across block widths (``row_invariant=True``, the mode of ``kernels="rowinv"``) a row must
 also keep its bits when the number of rows changes, which changes the query tile. So the
@@ -174,13 +174,17 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
     subtraction before the product, which no compiler can fuse into a multiply-add
     (``score * c - m`` could be, on one path and not on another).
 
-    The tiles every live row sees whole (keys at or before the tile's smallest live
-    position, none past the cache) run a loop without the mask; the rest (the diagonal, an
-    overlapping last tile, any tile under a sliding window) a loop with it. On a tile a row
-    sees whole the mask selects every score as it is, so a row's bits do not depend on which
-    loop ran a tile, and so not on its neighbours in the query tile; the GPU's bitwise
-    checks (``tests/test_pallas_attention.py`` compiled, ``benchmarks/rowinv_model.py``'s
-    exact part) hold that against the compiler too."""
+    With the row sums through the tensor cores (``mma_sums``, the row-invariant form) the
+    tiles every live row sees whole (keys at or before the tile's smallest live position,
+    none past the cache) run a loop without the mask; the rest (the diagonal, an overlapping
+    last tile, any tile under a sliding window) a loop with it. On a tile a row sees whole
+    the mask selects every score as it is, so a row's bits do not depend on which loop ran a
+    tile, and so not on its neighbours in the query tile; the GPU's bitwise checks
+    (``tests/test_pallas_attention.py`` compiled, ``benchmarks/rowinv_model.py``'s exact
+    part) hold that against the compiler too. The other form's row sum is a reduction the
+    compiler lays out per loop, and on an H100 the two loops gave a row different bits
+    (that test's ``row_invariant=False`` case, compiled), so that form runs every tile
+    through the masked loop: the same code for a row whatever its neighbours."""
     trips = jnp.maximum(0, (end - first + KEY_TILE - 1) // KEY_TILE)
     tile, head_dim = q.shape
     lanes = jnp.arange(KEY_TILE, dtype=jnp.int32)
@@ -213,7 +217,7 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
         acc = acc * correction[:, None] + jnp.dot(p_low, v, preferred_element_type=jnp.float32)
         return acc, m_new, l
 
-    if window is None:  # tiles 0..whole-1 are seen whole by every live row
+    if window is None and mma_sums:  # tiles 0..whole-1 are seen whole by every live row
         lowest = jnp.min(jnp.where(pos >= 0, pos, capacity))
         whole = jnp.clip((jnp.minimum(lowest + 1, capacity) - first) // KEY_TILE, 0, trips)
     else:
