@@ -77,7 +77,7 @@
 #                                             # TB/s), and the 1B decode traced at 128 and 4k
 #                                             # context (where the 4k's extra 140 us a token go)
 #   bash benchmarks/rowinv_h200.sh 26 "$OUT"  # the RoPE-store inside the attention kernel
-#                                             # (FUSE_INTO_ATTENTION): its GPU tests (bits
+#                                             # (DenseModel.fuse_rope_store): its GPU tests (bits
 #                                             # against the two launches; the prefetching
 #                                             # norm's), the 1B exact part
 #                                             # under it and the prefetch, decode end to end

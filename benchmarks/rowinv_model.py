@@ -345,11 +345,14 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
 
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    model = DenseModel(config, dtype, scan_layers=False, kernels=kernels)
+    model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
+                       fuse_rope_store=FUSE_ROPE_STORE)
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
 
+#: ``--fuse-rope`` / ``--no-fuse-rope``: the models' ``fuse_rope_store``.
+FUSE_ROPE_STORE = True
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -897,8 +900,8 @@ def main(argv: list[str] | None = None) -> int:
                          "context; default: BlockProducer's)")
     ap.add_argument("--fuse-rope", action=argparse.BooleanOptionalAction, default=None,
                     help="run the RoPE-store inside the attention kernel where that folds "
-                         "on chip (pallas_rope_store.FUSE_INTO_ATTENTION, on by default; the "
-                         "same bits); --no-fuse-rope launches the two kernels")
+                         "on chip (DenseModel.fuse_rope_store, on by default; the same bits); "
+                         "--no-fuse-rope launches the two kernels")
     ap.add_argument("--prefetch-mb", type=float, default=0.0,
                     help="with the fused RoPE-store: MB of each layer's next weights the "
                          "fused kernel's extra programs read into the L2 cache "
@@ -907,11 +910,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="MB of the next product's weights each norm's extra programs read "
                          "into the L2 cache (pallas_prefetch.NORM_BYTES; speed only)")
     args = ap.parse_args(argv)
-    from turbospark_jax.models import pallas_rope_store
-
-    if args.fuse_rope is not None:  # read when a layer is traced
-        pallas_rope_store.FUSE_INTO_ATTENTION = args.fuse_rope
-    args.fuse_rope = pallas_rope_store.FUSE_INTO_ATTENTION
+    global FUSE_ROPE_STORE
+    if args.fuse_rope is not None:
+        FUSE_ROPE_STORE = args.fuse_rope
+    args.fuse_rope = FUSE_ROPE_STORE
     if args.prefetch_mb and not args.fuse_rope:
         ap.error("--prefetch-mb needs the fused RoPE-store (the fused kernel does the "
                  "prefetching): drop --no-fuse-rope")

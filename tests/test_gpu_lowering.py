@@ -194,11 +194,13 @@ ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermedia
 
 
 def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
-             config: DenseConfig = CONFIG, capacity: int = 256, **hints) -> str:
+             config: DenseConfig = CONFIG, capacity: int = 256, fuse_rope_store: bool = True,
+             **hints) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    model = DenseModel(config, BF16, scan_layers=False, kernels=kernels)
+    model = DenseModel(config, BF16, scan_layers=False, kernels=kernels,
+                       fuse_rope_store=fuse_rope_store)
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
@@ -211,12 +213,12 @@ def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
     """A decode step over a cache of eight key splits launches the split kernel and the fold
     kernel each layer; bounded by ``max_keys`` to two splits (a short context's decode
     program, ``block_producer.SHORT_DECODE_KEYS``), the folding kernel alone."""
-    def attention_kernels(**hints):
-        text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
+    def attention_kernels(**hints):  # the attention alone: the RoPE-store launched apart
+        text = _program("rowinv", 1, monkeypatch, capacity=2048, fuse_rope_store=False,
+                        **hints)
         return set(re.findall(r'name = "(cached_attention\w*)"', text))
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", False)  # attention alone
     assert DenseModel(CONFIG, BF16, scan_layers=False, kernels="rowinv").bounds_keys
     assert not DenseModel(CONFIG, BF16, scan_layers=False).bounds_keys  # XLA's kernels
     assert attention_kernels() == {"cached_attention", "cached_attention_fold"}
@@ -225,7 +227,7 @@ def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
 
 
 def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch):
-    """With ``pallas_rope_store.FUSE_INTO_ATTENTION`` (the default) a short context's
+    """With ``DenseModel.fuse_rope_store`` (the default) a short context's
     decode program launches one kernel a layer for the RoPE-store and the attention, an
     unbounded one two (the split kernel doing the RoPE-store's work, the fold kernel);
     without it, two and three."""
@@ -233,11 +235,11 @@ def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch)
         text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
         return set(re.findall(r'name = "(cached_attention\w*|rope_store\w*)"', text))
 
-    assert pallas_rope_store.FUSE_INTO_ATTENTION  # the default
-    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", False)
-    assert kernels() == {"rope_store", "cached_attention", "cached_attention_fold"}
-    assert kernels(max_keys=512) == {"rope_store", "cached_attention_folding"}
-    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
+    assert DenseModel(CONFIG, BF16).fuse_rope_store  # the default
+    assert kernels(fuse_rope_store=False) == {"rope_store", "cached_attention",
+                                              "cached_attention_fold"}
+    assert kernels(fuse_rope_store=False, max_keys=512) == {"rope_store",
+                                                            "cached_attention_folding"}
     assert kernels(max_keys=512) == {"rope_store_attention"}
     assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
     monkeypatch.setattr(pallas_prefetch, "ATTENTION_BYTES", 1 << 20)  # the same kernels

@@ -58,8 +58,8 @@ def _logits(model: DenseModel, params, width: int, prefill_width: int | None) ->
     return np.asarray(last), np.asarray(step)
 
 
-def _model(kernels: str) -> tuple[DenseModel, object]:
-    model = DenseModel(CONFIG, jnp.float32, scan_layers=False, kernels=kernels)
+def _model(kernels: str, **fields) -> tuple[DenseModel, object]:
+    model = DenseModel(CONFIG, jnp.float32, scan_layers=False, kernels=kernels, **fields)
     return model, unstack_layers(model.init_params(jax.random.PRNGKey(0)))
 
 
@@ -81,7 +81,7 @@ def test_gpu_form_matches_xla_and_its_widths_agree(gpu_graph_in_the_interpreter,
 
 def test_gpu_form_with_the_fused_rope_store_and_prefetch_keeps_every_bit(
         gpu_graph_in_the_interpreter, monkeypatch):
-    """The RoPE-store's work inside the attention kernels (``FUSE_INTO_ATTENTION``, the
+    """The RoPE-store's work inside the attention kernels (``fuse_rope_store``, the
     default: the folding form for a short decode, the split form for 16-row prefill blocks)
     and the prefetch programs of the attention and the norms change no logit of any width:
     the graph with them gives bitwise the graph with two launches and no prefetching."""
@@ -94,16 +94,15 @@ def test_gpu_form_with_the_fused_rope_store_and_prefetch_keeps_every_bit(
         jax.clear_caches()
 
     model, params = _model("rowinv")
+    two_launches, _ = _model("rowinv", fuse_rope_store=False)
+    assert model.fuse_rope_store  # the default
     widths = ((1, None), (4, 16))
-    assert pallas_rope_store.FUSE_INTO_ATTENTION  # the default
-    monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", False)
     forget_programs()
     try:
-        plain = {w: _logits(model, params, *w) for w in widths}
+        plain = {w: _logits(two_launches, params, *w) for w in widths}
         original, fused = pallas_rope_store.rope_store_attention, []
         monkeypatch.setattr(pallas_rope_store, "rope_store_attention",
                             lambda *a, **k: fused.append(1) or original(*a, **k))
-        monkeypatch.setattr(pallas_rope_store, "FUSE_INTO_ATTENTION", True)
         monkeypatch.setattr(pallas_prefetch, "ATTENTION_BYTES", 64 << 10)
         monkeypatch.setattr(pallas_prefetch, "NORM_BYTES", 32 << 10)
         calls = []
@@ -113,7 +112,7 @@ def test_gpu_form_with_the_fused_rope_store_and_prefetch_keeps_every_bit(
         for w in widths:
             for got, want in zip(_logits(model, params, *w), plain[w], strict=True):
                 assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    finally:  # no later test may meet a program traced with the switches changed
+    finally:  # no later test may meet a program traced with the prefetch on
         forget_programs()
     assert fused and calls  # the fused, prefetching kernels were traced
 

@@ -278,6 +278,12 @@ class DenseModel(BlockModel):
         ``"rowinv"`` (row-invariant matrix products, norms and attention, so block programs
         of different widths agree bitwise row for row; on a GPU the fused kernels above run
         in their row-invariant forms, and ``attention="interpret"`` is refused).
+      fuse_rope_store: with ``kernels="rowinv"`` on a GPU, a block of up to
+        :data:`~turbospark_jax.models.pallas_rope_store.FUSED_ROWS` rows (a decode step, a
+        verify) runs the RoPE-store's work inside the attention's first kernel
+        (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`): one launch a
+        layer fewer. ``False`` launches the two kernels. The same bits either way (the
+        kernels' tests and the exact part, compiled on an H100); speed only.
     """
 
     parallel_prefill = True
@@ -303,6 +309,7 @@ class DenseModel(BlockModel):
     rope_store: str = "auto"
     tap_layers: tuple[int, ...] = ()
     kernels: str = "xla"
+    fuse_rope_store: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))

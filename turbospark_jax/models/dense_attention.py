@@ -203,7 +203,7 @@ def cached_attention(
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
         rows = (_merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
                 v_all[index])
-        if row_invariant and pallas_rope_store.FUSE_INTO_ATTENTION:
+        if row_invariant and model.fuse_rope_store:
             # the RoPE-store's work inside the attention's first kernel (a decode, a verify),
             # reading the layer's next weights ahead within its budget
             budget = pallas_prefetch.ATTENTION_BYTES

@@ -22,8 +22,8 @@ its KV head's rows, waits at a barrier for its own writes, then attends over the
 just wrote. The fused kernels call the same code for the arithmetic as the separate ones
 (:func:`_rotated`; :func:`~turbospark_jax.models.pallas_attention.fold_splits`,
 :func:`~turbospark_jax.models.pallas_attention.split_of`), so a row comes out the same
-either way; on the GPU that is the compiler's to keep, checked there by the kernel tests
-(:data:`FUSE_INTO_ATTENTION` turns the fusion off).
+either way; on the GPU that is the compiler's to keep, checked there by the kernel tests.
+The dense model runs it by default (``DenseModel.fuse_rope_store``).
 
 With :data:`~turbospark_jax.models.pallas_prefetch.ATTENTION_BYTES` the fused kernel
 also reads the first bytes of the layer's next
@@ -61,12 +61,6 @@ from turbospark_jax.models.pallas_attention import (
 #: Blocks of at most this many rows (a decode step, a verify) may run this module's work
 #: inside the attention kernel (:func:`rope_store_attention`); wider ones launch both.
 FUSED_ROWS = 16
-#: Whether the dense model's row-invariant layers ask :func:`rope_store_attention` to fuse
-#: (``fuse=``). On since an H100 showed the fused kernel's rows bitwise equal to the two
-#: launches' and the 1B's exact part all equal under it (``benchmarks/rowinv_h200.sh``
-#: stage 26), and its decode a little faster. Read when a program is traced: set it before
-#: a model's first call.
-FUSE_INTO_ATTENTION = True
 
 
 def _power_of_two(n: int) -> bool:
