@@ -93,12 +93,15 @@
 #   bash benchmarks/rowinv_h200.sh 29 "$OUT"  # the attention kernels' and Mosaic kernel's GPU
 #                                             # tests in full, and XLA mode's bitwise checks
 #                                             # (benchmarks.run --part exact)
+#   bash benchmarks/rowinv_h200.sh 30 "$OUT"  # the attention's keys per split (256, 128,
+#                                             # 512): the 1B exact part, decode end to end
+#                                             # (1B, 0.6B)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 29}
+stage=${1:?stage 1 to 30}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -368,6 +371,19 @@ case "$stage" in
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_attention.txt" | tail -12
   timeout 300 python -m benchmarks.run --preset h200 --part exact --out "$out/exact_xla" 2>&1 \
     | tail -8
+  ;;
+30)
+  # the keys per split at a long context: the split kernel's programs (8 KV heads times the
+  # splits) against the fold's walk; each setting's 1B exact part first (it moves the
+  # partials' fold order on every path at once), then decode (1B, 0.6B) against the default
+  # in the same call (at 128 keys a split the short program's 512 keys are four splits, past
+  # ON_CHIP_SPLITS: it runs the split and fold kernels too)
+  for keys in 256 128 512; do
+    timeout 60 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+      --keys-per-split $keys --out "$out/exact_kps_$keys" --budget-s 50 2>&1 \
+      | grep -o '"all_equal": [a-z]*' | head -2
+    decode_speed 110 "speed_kps_$keys" --keys-per-split $keys
+  done
   ;;
 esac
 ls -R "$out" | head -30

@@ -895,6 +895,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(an experiment: it fixes the order of a row's softmax additions on "
                          "every path at once, so widths still agree; run the exact part under "
                          "it too)")
+    ap.add_argument("--keys-per-split", type=int,
+                    help="the attention's keys per split instead of "
+                         "pallas_attention.KEYS_PER_SPLIT (an experiment like --key-tile: the "
+                         "splits' boundaries fix the order the partials fold in on every path "
+                         "at once; a multiple of the key tile)")
     ap.add_argument("--short-decode-keys", type=int,
                     help="the producers' short_decode_keys (0: one decode program for every "
                          "context; default: BlockProducer's)")
@@ -929,6 +934,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.key_tile < 16 or args.key_tile & (args.key_tile - 1):
             ap.error(f"--key-tile must be a power of two >= 16, got {args.key_tile}")
         pallas_attention.KEY_TILE = args.key_tile  # read when a kernel is traced
+    if args.keys_per_split is not None:
+        from turbospark_jax.models import pallas_attention
+
+        tile = pallas_attention.KEY_TILE
+        if args.keys_per_split < tile or args.keys_per_split % tile:
+            ap.error(f"--keys-per-split must be a positive multiple of the key tile ({tile}), "
+                     f"got {args.keys_per_split}")
+        pallas_attention.KEYS_PER_SPLIT = args.keys_per_split  # read when a call is planned
     preset = PRESETS[args.preset]
     if args.prefill_width is not None:
         width = args.prefill_width
@@ -951,6 +964,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
+            "keys_per_split": args.keys_per_split,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
             "prefetch_mb": args.prefetch_mb, "norm_prefetch_mb": args.norm_prefetch_mb}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)

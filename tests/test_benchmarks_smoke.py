@@ -285,6 +285,18 @@ def test_prefill_profile_sorts_kernels_into_groups_and_rates_the_products(monkey
     assert rowinv_model.prefill_profile(None, 8, 100, "exact", shape) == {"events": 0}
 
 
+@pytest.mark.parametrize("keys", ["100", "0"])
+def test_rowinv_model_refuses_keys_per_split_off_the_key_tile(tmp_path, keys):
+    from benchmarks import rowinv_model
+    from turbospark_jax.models import pallas_attention
+
+    before = pallas_attention.KEYS_PER_SPLIT
+    with pytest.raises(SystemExit):
+        rowinv_model.main(["--preset", "smoke", "--parts", "exact", "--keys-per-split", keys,
+                           "--out", str(tmp_path)])
+    assert before == pallas_attention.KEYS_PER_SPLIT
+
+
 def test_rowinv_model_refuses_a_key_tile_that_is_not_a_power_of_two(tmp_path):
     from benchmarks import rowinv_model
     from turbospark_jax.models import pallas_attention
