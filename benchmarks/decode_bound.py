@@ -64,12 +64,26 @@ def weight_bytes(shape: Shape) -> int:
     return shape.num_hidden_layers * sum(each.values()) + head
 
 
+def check_whole_steps(record: dict[str, Any], layers: int) -> None:
+    """Refuse a profile whose trace holds fewer product launches a token than a step makes
+    (every layer launches at least one): a trace of a burst run in loop graphs, which on
+    JAX 0.11.2 records one step's kernels for the whole burst."""
+    products = sum(calls for name, (calls, _) in record["all_kernels"].items()
+                   if group_of(name) == "products")
+    if products < layers:
+        raise ValueError(
+            f"{record['shape']} at {record['context']}: the trace holds {products:.2f} product "
+            f"launches a token against {layers} layers, so it did not record every step "
+            "(taken with the loop graphs on?); profile with TURBOSPARK_LOOP_GRAPHS=0")
+
+
 def bound(record: dict[str, Any], source_gbps: float, target_gbps: float,
           bar: tuple[str, float] | None = None) -> dict[str, Any]:
     """One profile record's decode step, split and carried to ``target_gbps``; times in
     microseconds a token. ``bar``: ``("share", s)`` of the target's roofline or
     ``("tokens_per_s", r)`` to compare with: the time beyond the stream it leaves room for."""
     shape = SHAPES[record["shape"]]
+    check_whole_steps(record, shape.num_hidden_layers)
     groups: dict[str, float] = {}
     for name, (_, us) in record["all_kernels"].items():
         groups[group_of(name)] = groups.get(group_of(name), 0.0) + us
@@ -133,21 +147,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kernels", default="rowinv", help="the profile records' kernel mode")
     ap.add_argument("--out", type=Path, help="also write the results here as JSON")
     args = ap.parse_args(argv)
-    results = []
+    results, refused = [], 0
     for path in args.profiles:
         source, records = _rows(path, args.kernels)
         if not records:
             print(f"{path}: no {args.kernels} profile records", file=sys.stderr)
         for r in records:
             bar = ("share", args.bar) if args.bar is not None else ISSUE_BARS.get(r["shape"])
-            row = bound(r, source, args.bandwidth_gbps, bar)
+            try:
+                row = bound(r, source, args.bandwidth_gbps, bar)
+            except ValueError as e:
+                print(f"{path}: {e}", file=sys.stderr)
+                refused += 1
+                continue
             row["source"] = path.name
             row["source_gbps"] = source
             results.append(row)
             print(json.dumps(row))
     if args.out is not None:
         args.out.write_text(json.dumps(results, indent=1) + "\n")
-    return 0
+    return 1 if refused else 0
 
 
 if __name__ == "__main__":

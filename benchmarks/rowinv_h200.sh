@@ -152,16 +152,16 @@ case "$stage" in
   timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
     --modes rowinv --workloads completion,prefill --out "$out/speed" --budget-s 155 \
     2>&1 | tail -30
-  timeout 110 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
-    --modes rowinv --out "$out/profile" --budget-s 95 2>&1 | tail -8
+  timeout 110 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
+    --shapes llama-3.2-1b --modes rowinv --out "$out/profile" --budget-s 95 2>&1 | tail -8
   ;;
 2)
   timeout 200 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
     --modes xla --out "$out/speed_xla" --budget-s 180 2>&1 | tail -20
   timeout 180 python -m benchmarks.rowinv_model --parts products --shapes llama-3.2-1b \
     --out "$out/products" --budget-s 160 2>&1 | tail -5
-  timeout 200 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
-    --out "$out/profile" --budget-s 180 2>&1 | tail -10
+  timeout 200 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
+    --shapes llama-3.2-1b --out "$out/profile" --budget-s 180 2>&1 | tail -10
   ;;
 6)
   timeout 290 python -m benchmarks.rowinv_model --parts speed,exact --shapes qwen3-0.6b \
@@ -182,6 +182,7 @@ case "$stage" in
   timeout 280 env XLA_FLAGS="--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
     python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b --modes rowinv \
     --workloads decode,completion --out "$out/speed_graphs" --budget-s 260 2>&1 | tail -12
+  # (on JAX 0.11.2 such a trace holds one step's kernels for a burst: the part refuses it)
   timeout 250 env XLA_FLAGS="--xla_enable_command_buffers_during_profiling=true" \
     python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b --modes rowinv \
     --out "$out/profile_graphs" --budget-s 230 2>&1 | tail -8
@@ -197,8 +198,8 @@ case "$stage" in
     2>&1 | tail -12
   ;;
 8)
-  timeout 100 python -m benchmarks.rowinv_model --parts profile --shapes llama-3.2-1b \
-    --modes rowinv --profile-capacity 8256 --out "$out/profile_8k" --budget-s 85 2>&1 | tail -4
+  timeout 100 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
+    --shapes llama-3.2-1b --modes rowinv --profile-capacity 8256 --out "$out/profile_8k" --budget-s 85 2>&1 | tail -4
   timeout 120 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts speed \
     --shapes llama-3.2-1b --modes rowinv --workloads decode,completion \
     --out "$out/speed_no_graphs" --budget-s 105 2>&1 | tail -10
@@ -322,8 +323,8 @@ case "$stage" in
 25)
   timeout 300 python -m benchmarks.rowinv_model --parts products --shapes llama-3.1-8b \
     --products gate_up --out "$out/products_8b_gated" --budget-s 290 2>&1 | tail -3
-  timeout 240 python -m benchmarks.rowinv_model --parts profile --modes rowinv \
-    --shapes llama-3.2-1b --profile-contexts 128,4096 --out "$out/profile_1b_4k" \
+  timeout 240 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
+    --modes rowinv --shapes llama-3.2-1b --profile-contexts 128,4096 --out "$out/profile_1b_4k" \
     --budget-s 230 2>&1 | cut -c1-400 | tail -3
   ;;
 26)

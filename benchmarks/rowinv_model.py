@@ -46,9 +46,10 @@ skipped):
   settings are speed only). ``--attention-cases`` picks prefill, decode or both.
 * ``profile``: one traced decode burst per kernel mode: kernels per token and the time each
   took (``benchmarks.profile_decode``), with each product's achieved GB/s, and where the
-  device sat idle. XLA runs without its command buffers (CUDA graphs) while a trace is on
-  unless ``XLA_FLAGS`` has ``--xla_enable_command_buffers_during_profiling=true``: without
-  it the launch gaps are those of a run with no graphs.
+  device sat idle. Run it with ``TURBOSPARK_LOOP_GRAPHS=0``: on JAX 0.11.2 a trace of a
+  burst in loop graphs records one step's kernels for the whole burst, which the part
+  refuses (fewer product launches a token than layers); without the graphs the launch gaps
+  are those of a run with none.
 * ``prefill-profile`` (asked for by name, not in the default list): one traced exact prefill
   and one traced one-pass parallel prefill at each prefill length: the device's time in
   products, attention, norms, the RoPE-store and the rest, how much of the call's span the
@@ -848,6 +849,10 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
                        kind="greedy", context=128) -> dict:
                 result = profile_burst(producer, context, preset.burst, vocab, _sampling(kind))
                 if "all_kernels" in result:
+                    from benchmarks.decode_bound import check_whole_steps
+
+                    check_whole_steps({"shape": shape.name, "context": context, **result},
+                                      shape.num_hidden_layers)
                     result["kernel_rates"] = kernel_rates(shape, result["all_kernels"])
                 return result
 

@@ -243,6 +243,24 @@ def test_rowinv_model_benchmark_filters_products_and_profiles_each_context(tmp_p
                            "--out", str(tmp_path)])
 
 
+def test_rowinv_model_profile_refuses_a_trace_of_one_step_for_a_burst(tmp_path, monkeypatch):
+    """A traced burst whose kernels hold fewer product launches a token than the shape has
+    layers (what a trace of loop graphs records) is an error naming the cause; a whole one
+    gets its products' rates."""
+    from benchmarks import profile_decode, rowinv_model
+
+    layers = rowinv_model.ALL_SHAPES["tiny"].num_hidden_layers
+    traces = iter([{"all_kernels": {"rowinv_matvec_down": [layers / 8, 1.0]}},
+                   {"all_kernels": {"rowinv_matvec_down": [layers, 8.0]}}])
+    monkeypatch.setattr(profile_decode, "profile_burst", lambda *a, **k: next(traces))
+    assert rowinv_model.main(["--preset", "smoke", "--parts", "profile", "--shapes", "tiny",
+                              "--modes", "rowinv", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "rowinv_model.json").read_text())
+    assert len(data["errors"]) == 1 and "did not record every step" in data["errors"][0]["error"]
+    whole = [r for r in data["records"] if r["part"] == "profile" and "kernel_rates" in r]
+    assert len(whole) == 1 and whole[0]["sampling"] == "sampled"
+
+
 def test_rowinv_kernel_rates_read_the_labelled_products():
     from benchmarks.rowinv_model import ALL_SHAPES, kernel_rates
 
@@ -321,10 +339,11 @@ def test_decode_bound_splits_a_profile_and_carries_it_to_another_bandwidth(tmp_p
                                   "rope_store", "sort_6_1")] == [
         "products", "attention", "attention", "norms", "rope_store", "loop"]
     stream = weight_bytes(SHAPES["tiny"]) / 1e6  # us at 1,000 GB/s
+    layers = SHAPES["tiny"].num_hidden_layers
     record = {"part": "profile", "kernels": "rowinv", "shape": "tiny", "context": 8,
               "sampling": "greedy", "wall_per_token_us": stream + 40.0,
-              "all_kernels": {"rowinv_matvec_qkv": [1.0, stream], "row_rms_norm": [1.0, 20.0],
-                              "rope_store": [1.0, 10.0]}}
+              "all_kernels": {"rowinv_matvec_qkv": [layers, stream],
+                              "row_rms_norm": [1.0, 20.0], "rope_store": [1.0, 10.0]}}
     row = bound(record, 1000.0, 2000.0, bar=("share", 0.5))
     assert row["products_share_of_copy_rate"] == 1.0 and row["idle_us"] == 10.0
     assert abs(row["beyond_stream_us"] - 40.0) < 0.1
@@ -344,3 +363,12 @@ def test_decode_bound_splits_a_profile_and_carries_it_to_another_bandwidth(tmp_p
     path.write_text(json.dumps({"meta": {}, "records": [record]}))
     with pytest.raises(SystemExit, match="copy_bandwidth_GBps"):
         main([str(path)])
+    # a trace of one step for a whole burst (loop graphs on): fewer product launches a token
+    # than layers, refused by name; the file's other records still read
+    partial = {**record, "all_kernels": {"rowinv_matvec_qkv": [layers / 8, stream / 8]}}
+    with pytest.raises(ValueError, match="did not record every step"):
+        bound(partial, 1000.0, 2000.0)
+    path.write_text(json.dumps({"meta": {"copy_bandwidth_GBps": 1000.0},
+                                "records": [partial, record]}))
+    assert main([str(path), "--out", str(tmp_path / "bound.json")]) == 1
+    assert len(json.loads((tmp_path / "bound.json").read_text())) == 1
