@@ -531,10 +531,8 @@ class BlockProducer(
         # branch on them; otherwise decode runs the one program prefill and verify run.
         draw = sampling.draw_plan(params, self.vocab_size) if self.model.widths_agree else "any"
         # Every row this burst feeds (padding rows too) sits below count + steps + W - 1.
-        short = self.short_decode_keys
-        bounded = short is not None and count + steps + self.width - 1 <= short
         out, state = self._call(state, plan, control, steps, draw=draw,
-                                max_keys=short if bounded else None)
+                                max_keys=self.key_bound(count + steps + self.width - 1))
         # One transfer for the scalars and tokens; slicing on the device by a count that
         # changes from call to call would compile a new program per count.
         n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
@@ -772,6 +770,12 @@ class BlockProducer(
             gen_index=jnp.int32(0),
             stop_ids=jnp.full((MAX_STOP_IDS,), -1, jnp.int32),
         )
+
+    def key_bound(self, end: int) -> int | None:
+        """The ``max_keys`` hint for a call whose rows all sit below position ``end``: the
+        short-context bound when they fit under it, else ``None`` (the unbounded program)."""
+        short = self.short_decode_keys
+        return short if short is not None and end <= short else None
 
     def _call(
         self, state: BlockState, plan: Plan, control: Control, n_steps: int,

@@ -346,11 +346,9 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         )
         # Every verify block sits below reach + W (its padding rows too): within the target's
         # short-context bound, the rounds verify in the program bounded by it.
-        short = target.short_decode_keys
-        bounded = short is not None and reach + target.width <= short
         program = compiled_rounds(target.model, device, target.width, target.donate,
                                   record_logits, sampling.is_greedy(params),
-                                  short if bounded else None)
+                                  target.key_bound(reach + target.width))
         bare, held = without_auxiliary(state.target)
         buffers, values, drafter, out = program(
             target.params, device_params, buffers_only(bare), by_value(bare),
