@@ -96,12 +96,15 @@
 #   bash benchmarks/rowinv_h200.sh 30 "$OUT"  # the attention's keys per split (256, 128,
 #                                             # 512): the 1B exact part, decode end to end
 #                                             # (1B, 0.6B)
+#   bash benchmarks/rowinv_h200.sh 31 "$OUT"  # the norms inside the products: their GPU
+#                                             # tests, the 1B exact part, 1B decode with
+#                                             # and without them
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 30}
+stage=${1:?stage 1 to 31}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -384,6 +387,26 @@ case "$stage" in
       --keys-per-split $keys --out "$out/exact_kps_$keys" --budget-s 50 2>&1 \
       | grep -o '"all_equal": [a-z]*' | head -2
     decode_speed 110 "speed_kps_$keys" --keys-per-split $keys
+  done
+  ;;
+31)
+  # session 42: a decode step's norms inside the products after them (fuse_norms) and the
+  # norm's fixed sum tree, compiled; the attention case session 41 fixed (XLA mode's masked
+  # tiles); the 1B exact part with the fused norms; 1B decode with and without them
+  timeout 170 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_norm_matvec.py tests/test_pallas_row_norm.py --tb=short -rf \
+    > "$out/gpu_tests_norm_matvec.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_norm_matvec.txt" | tail -12
+  timeout 80 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_attention.py -k "masked_or_not" --tb=short -rf \
+    > "$out/gpu_tests_masked_tiles.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_masked_tiles.txt" | tail -6
+  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+    --out "$out/exact_fused_norms" --budget-s 120 2>&1 | cut -c1-400 | tail -3
+  for fuse in fuse-norms no-fuse-norms; do
+    timeout 100 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
+      --modes rowinv --workloads completion --$fuse --out "$out/speed_$fuse" --budget-s 90 \
+      2>&1 | cut -c1-300 | grep speed | tail -4
   done
   ;;
 esac

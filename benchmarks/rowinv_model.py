@@ -347,13 +347,15 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=FUSE_ROPE_STORE)
+                       fuse_rope_store=FUSE_ROPE_STORE, fuse_norms=FUSE_NORMS)
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
 
 #: ``--fuse-rope`` / ``--no-fuse-rope``: the models' ``fuse_rope_store``.
 FUSE_ROPE_STORE = True
+#: ``--fuse-norms`` / ``--no-fuse-norms``: the models' ``fuse_norms``.
+FUSE_NORMS = True
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -824,7 +826,8 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
         row: dict[str, Any] = {"kernel": name[:80], "calls_per_token": calls,
                                "us_per_token": round(us, 2)}
         for product, nbytes in weights.items():
-            if name.startswith(("rowinv_matvec_", "rowinv_matmul_")) and name.endswith(
+            if name.startswith(("rowinv_matvec_", "rowinv_matmul_",
+                                "rowinv_norm_matvec_")) and name.endswith(
                     "_" + product):
                 row["weight_GBps"] = round(nbytes * calls / (us * 1e-6) / 1e9, 1)
         out.append(row)
@@ -912,6 +915,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the RoPE-store inside the attention kernel where that folds "
                          "on chip (DenseModel.fuse_rope_store, on by default; the same bits); "
                          "--no-fuse-rope launches the two kernels")
+    ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
+                    help="a decode step's norms inside the products after them "
+                         "(DenseModel.fuse_norms, on by default; the same bits); "
+                         "--no-fuse-norms launches the norm kernels")
     ap.add_argument("--prefetch-mb", type=float, default=0.0,
                     help="with the fused RoPE-store: MB of each layer's next weights the "
                          "fused kernel's extra programs read into the L2 cache "
@@ -924,6 +931,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
     args.fuse_rope = FUSE_ROPE_STORE
+    global FUSE_NORMS
+    if args.fuse_norms is not None:
+        FUSE_NORMS = args.fuse_norms
+    args.fuse_norms = FUSE_NORMS
     if args.prefetch_mb and not args.fuse_rope:
         ap.error("--prefetch-mb needs the fused RoPE-store (the fused kernel does the "
                  "prefetching): drop --no-fuse-rope")
@@ -971,6 +982,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
+            "fuse_norms": args.fuse_norms,
             "prefetch_mb": args.prefetch_mb, "norm_prefetch_mb": args.norm_prefetch_mb}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)

@@ -257,8 +257,8 @@ def _float_reductions(text: str) -> list[str]:
 def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last_row_head,
                                                                      monkeypatch):
     text = _program("rowinv", width, monkeypatch, last_row_head)
-    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rope_store\w*|'
-                                  r'cached_attention\w*)"', text))
+    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rowinv_norm_mat\w+|'
+                                  r'rope_store\w*|cached_attention\w*)"', text))
     assert "row_rms_norm" in kernel_names
     # a decode or verify block runs the RoPE-store inside the attention's first kernel
     fused = {"rope_store_attention", "rope_store_attention_split"}
@@ -268,7 +268,11 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
         assert "rope_store" in kernel_names and not kernel_names & fused
         assert kernel_names & {"cached_attention", "cached_attention_folding"}
     products = {n.split("_", 2)[2] for n in kernel_names if n.startswith("rowinv_mat")}
-    assert products == {"qkv", "o", "gate_up", "down", "head"}  # each labelled, for profiles
+    # a one-row decode step's norms run inside the q/k/v and gate/up products (after the
+    # first layer, whose input is no sum to finish)
+    normed = {n.split("_", 3)[3] for n in kernel_names if n.startswith("rowinv_norm_matvec")}
+    assert normed == ({"qkv", "gate_up"} if width == 1 else set())
+    assert products | normed == {"qkv", "o", "gate_up", "down", "head"}  # each labelled
     kernel = "matvec" if width <= 16 else "matmul"
     assert f"rowinv_{kernel}_down" in kernel_names
     head = "matvec" if width <= 16 or last_row_head else "matmul"

@@ -165,3 +165,35 @@ def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, 
     for a, b in zip(jax.tree.leaves(planned_state.cache), jax.tree.leaves(branching_state.cache),
                     strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_gpu_form_with_the_norms_in_the_products_keeps_every_bit(gpu_graph_in_the_interpreter,
+                                                                 monkeypatch):
+    """A bfloat16 model of a power-of-two width: its one-row decode steps norm the rows inside
+    the q/k/v and gated products (``fuse_norms``, the default), and every width's logits are
+    bitwise those of the same model with the norm kernels launched (``fuse_norms=False``);
+    the fused kernels were traced, and only for one-row blocks."""
+    from turbospark_jax import block_program
+    from turbospark_jax.models import pallas_norm_matvec
+
+    config = DenseConfig(model_type="qwen3", vocab_size=256, hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    fused_model = DenseModel(config, jnp.bfloat16, scan_layers=False, kernels="rowinv")
+    plain_model = DenseModel(config, jnp.bfloat16, scan_layers=False, kernels="rowinv",
+                             fuse_norms=False)
+    assert fused_model.fuse_norms  # the default
+    params = unstack_layers(fused_model.init_params(jax.random.PRNGKey(1)))
+    rows = []
+    for name in ("norm_matvec_parts", "norm_swiglu"):
+        original = getattr(pallas_norm_matvec, name)
+        monkeypatch.setattr(
+            pallas_norm_matvec, name,
+            lambda r, *a, _f=original, **k: rows.append(r.shape[0]) or _f(r, *a, **k))
+    for program in (block_program.compiled_program, block_program.compiled_parallel):
+        program.cache_clear()
+    for width in ((1, None), (4, 16)):
+        got, want = _logits(fused_model, params, *width), _logits(plain_model, params, *width)
+        for g, w in zip(got, want, strict=True):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
+    assert rows and set(rows) == {1}

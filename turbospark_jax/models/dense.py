@@ -284,6 +284,11 @@ class DenseModel(BlockModel):
         (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`): one launch a
         layer fewer. ``False`` launches the two kernels. The same bits either way (the
         kernels' tests and the exact part, compiled on an H100); speed only.
+      fuse_norms: with ``kernels="rowinv"`` on a GPU, a decode step (one row of a 16-bit
+        dtype, a power-of-two hidden size) runs each layer's two RMSNorms inside the products
+        after them (:mod:`~turbospark_jax.models.pallas_norm_matvec`: the q/k/v product and
+        the gated MLP product norm the row in their prologues): two launches a layer fewer.
+        ``False`` launches the norm kernels. The same bits either way; speed only.
     """
 
     parallel_prefill = True
@@ -310,6 +315,7 @@ class DenseModel(BlockModel):
     tap_layers: tuple[int, ...] = ()
     kernels: str = "xla"
     fuse_rope_store: bool = True
+    fuse_norms: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -393,22 +399,28 @@ class DenseModel(BlockModel):
 
         def layer(x: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             h, pending = x
+            first = row_kernels.Unnormed(h, () if pending is None else (pending,),
+                                         lp["input_layernorm"], eps)
+            # a decode step's norms inside the products after them: the q/k/v product norms
+            # ``first`` itself, the gated product finishes the residual and writes it
+            fused = (self.fuse_norms and pending is not None
+                     and row_kernels.fuses_norm(kernels, first))
             with jax.named_scope("attention"):
-                if pending is None:
-                    normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
-                else:
-                    h, normed = row_kernels.add_norm(
-                        kernels, h, pending, lp["input_layernorm"], eps,
-                        prefetch=tuple(lp[k] for k in ("q_proj", "k_proj", "v_proj")))
-                attn, kv = attention(normed, lp, kv, index, window)
+                if not fused:
+                    h, first = row_kernels.finish_norm(
+                        kernels, first, prefetch=tuple(lp[k] for k in ("q_proj", "k_proj",
+                                                                         "v_proj")))
+                attn, kv = attention(first, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
                                              w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
-                h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
-                                                 eps, prefetch=(lp["gate_proj"], lp["up_proj"]))
-                pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
-                                                   lp["down_proj"], label="down")
+                second = row_kernels.Unnormed(h, (pending, o) if fused else (o,),
+                                              lp["post_attention_layernorm"], eps)
+                h, gated = row_kernels.norm_swiglu(kernels, second, lp["gate_proj"],
+                                                   lp["up_proj"])
+                pending = row_kernels.matmul_parts(kernels, gated, lp["down_proj"],
+                                                   label="down")
             return (h, pending), kv
 
         return layer

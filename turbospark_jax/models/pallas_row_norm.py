@@ -71,28 +71,66 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
             i - rows, weights, warm_rows, top_ref.shape[0]))
 
 
+def halving_sum(v: jax.Array) -> jax.Array:
+    """The sum of ``v [n]`` (``n`` a power of two) as a fixed tree: the first half added to
+    the second elementwise, again and again, down to one value. Every addition pairs two
+    named elements, so the order is the tree's whatever layout a compiler gives ``v``
+    (``jnp.sum``'s order in a Triton kernel follows the layout, which follows the kernel
+    around it): the norm kernel and the product kernels that norm their rows in a prologue
+    (:mod:`~turbospark_jax.models.pallas_norm_matvec`) get one sum from the same row."""
+    while v.shape[0] > 1:
+        # halves as a split, not a reduction over a [2, n] view: XLA merges a chain of
+        # reductions into one of its own order
+        first, second = jnp.split(v, 2)
+        v = first + second
+    return v.reshape(())
+
+
+def finished_rows(residual: jax.Array, *deltas: jax.Array, dtype: Any) -> jax.Array:
+    """``residual`` plus each delta in turn, each sum rounded to ``dtype`` (float32 has more
+    than twice the bits of bfloat16 or float16, so rounding the float32 sum gives the
+    correctly rounded sum: XLA's ``residual + delta``)."""
+    h = residual
+    for delta in deltas:
+        h = (h.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)
+    return h
+
+
+def parts_total(load: Any, parts: int, dtype: Any) -> jax.Array:
+    """Partial sums ``load(0) .. load(parts - 1)`` added in order, rounded once to ``dtype``
+    (:func:`~turbospark_jax.models.rowinv.sum_parts`' arithmetic)."""
+    total = load(0)
+    for i in range(1, parts):
+        total = total + load(i)
+    return total.astype(dtype)
+
+
+def inverse_rms(h: jax.Array, d: int, eps: float) -> jax.Array:
+    """``1 / sqrt(mean(h ** 2) + eps)`` of a row ``h [Dp]`` (zeros past the true ``d``), its
+    sum of squares a :func:`halving_sum`."""
+    x32 = h.astype(jnp.float32)
+    return jax.lax.rsqrt(halving_sum(x32 * x32) / d + eps)
+
+
+def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:
+    """``h`` normed by ``inv`` and rounded to ``dtype``, then times ``weight`` (two bfloat16 or
+    float16 values multiply exactly in float32), as ``layers.rms_norm`` rounds."""
+    normed = (h.astype(jnp.float32) * inv).astype(dtype)
+    if weight is None:
+        return normed
+    return (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+
+
 def _norm_row(x_ref: Any, w_ref: Any, r_ref: Any, h_out: Any, o_ref: Any, *, eps: float,
               d: int, parts: int) -> None:
     """One row's norm (the kernel's work)."""
     dtype = o_ref.dtype
-    if parts:  # the partial sums added in order, rounded once: rowinv.sum_parts' arithmetic
-        total = x_ref[0, :]
-        for i in range(1, parts):
-            total = total + x_ref[i, :]
-        x = total.astype(dtype)
-    else:
-        x = x_ref[...]
+    x = parts_total(lambda i: x_ref[i, :], parts, dtype) if parts else x_ref[...]
     if r_ref is not None:
-        # float32 has more than twice the bits of bfloat16 or float16, so rounding the
-        # float32 sum once more gives the correctly rounded sum: XLA's ``residual + x``.
-        x = (r_ref[...].astype(jnp.float32) + x.astype(jnp.float32)).astype(dtype)
+        x = finished_rows(r_ref[...], x, dtype=dtype)
         h_out[...] = x
-    x32 = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.sum(x32 * x32) / d + eps)
-    normed = (x32 * inv).astype(dtype)
-    if w_ref is not None:  # two bfloat16 or float16 values multiply exactly in float32
-        normed = (w_ref[...].astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
-    o_ref[...] = normed
+    o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps),
+                             None if w_ref is None else w_ref[...], dtype)
 
 
 def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,

@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +116,75 @@ def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Ar
                                   prefetch=prefetch if budget else (), prefetch_bytes=budget)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
+
+
+class Unnormed(NamedTuple):
+    """Rows still to be finished and normed: ``residual`` plus each of ``deltas`` (float32
+    partial sums ``[S, W, D]`` of unfinished products, added in turn), then RMSNorm with
+    ``weight`` and ``eps``. A product that takes them (:func:`norm_matmul_parts`,
+    :func:`norm_swiglu`) may run the norm in its own prologue at a decode step."""
+
+    residual: jax.Array
+    deltas: tuple[jax.Array, ...]
+    weight: jax.Array
+    eps: float
+
+
+def fuses_norm(kernels: str, rows: Unnormed) -> bool:
+    """Whether a product after ``rows``' norm runs the norm itself (one launch, not two): the
+    row-invariant kernels on a GPU, and rows the prologue takes
+    (:func:`~turbospark_jax.models.pallas_norm_matvec.refusal`: one row of a 16-bit dtype, a
+    power-of-two width)."""
+    if kernels != "rowinv" or not _on_gpu():
+        return False
+    from turbospark_jax.models.pallas_norm_matvec import refusal
+
+    return refusal(rows.residual, rows.weight) is None
+
+
+def finish_norm(kernels: str, rows: Unnormed,
+                prefetch: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:
+    """``(h, normed)`` of :class:`Unnormed` rows: the deltas before the last added as XLA
+    adds them (each sum correctly rounded, as the norm kernel rounds it), the last one and
+    the norm by :func:`add_norm` (``prefetch``: as it takes them)."""
+    h = rows.residual
+    if not rows.deltas:
+        return h, rms_norm(kernels, h, rows.weight, rows.eps)
+    for delta in rows.deltas[:-1]:
+        h = h + sum_parts(delta, h.dtype)
+    return add_norm(kernels, h, rows.deltas[-1], rows.weight, rows.eps, prefetch=prefetch)
+
+
+def normed(kernels: str, rows: jax.Array | Unnormed) -> jax.Array:
+    """Rows as a product takes them: normed rows as they are, :class:`Unnormed` ones
+    finished and normed (:func:`finish_norm`)."""
+    return finish_norm(kernels, rows)[1] if isinstance(rows, Unnormed) else rows
+
+
+def norm_matmul_parts(kernels: str, rows: Unnormed, w: jax.Array | tuple[jax.Array, ...],
+                      label: str = "") -> jax.Array:
+    """:func:`matmul_parts` of ``rows`` normed: in one launch where :func:`fuses_norm`
+    (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_matvec_parts`), else the norm
+    kernels then the product; bitwise the same either way."""
+    if fuses_norm(kernels, rows):
+        from turbospark_jax.models.pallas_norm_matvec import norm_matvec_parts
+
+        return norm_matvec_parts(rows.residual, rows.deltas, rows.weight, rows.eps, w,
+                                 label=label)
+    return matmul_parts(kernels, normed(kernels, rows), w, label=label)
+
+
+def norm_swiglu(kernels: str, rows: Unnormed, gate: jax.Array,
+                up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(h, swiglu(normed))`` of :class:`Unnormed` rows: in one launch where
+    :func:`fuses_norm` (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_swiglu`), else
+    the norm kernels then :func:`swiglu`; bitwise the same either way."""
+    if fuses_norm(kernels, rows):
+        from turbospark_jax.models.pallas_norm_matvec import norm_swiglu as fused
+
+        return fused(rows.residual, rows.deltas, rows.weight, rows.eps, gate, up)
+    h, x = finish_norm(kernels, rows, prefetch=(gate, up))
+    return h, swiglu(kernels, x, gate, up)
 
 
 def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
