@@ -80,25 +80,56 @@ class _Row:
         self.weight_ref, self.eps = weight_ref, eps
         self.dtype = residual_ref.dtype
 
-    def finished(self, at: Any) -> jax.Array:
-        """The row's columns ``at`` with every delta added, in order."""
-        deltas = [parts_total(lambda i, ref=ref: ref[i, at], ref.shape[0], self.dtype)
-                  for ref in self.delta_refs]
-        return finished_rows(self.residual_ref[at], *deltas, dtype=self.dtype)
+    def pieces(self, at: Any) -> tuple[jax.Array, ...]:
+        """The loads columns ``at`` of the normed row need: the residual's, each delta's
+        partial sums', the norm weight's."""
+        parts = tuple(ref[i, at] for ref in self.delta_refs for i in range(ref.shape[0]))
+        return (self.residual_ref[at], *parts, self.weight_ref[at])
+
+    def finished(self, pieces: tuple[jax.Array, ...]) -> jax.Array:
+        """The row's columns with every delta added, in order (from :meth:`pieces`)."""
+        residual, *parts, _ = pieces
+        deltas, i = [], 0
+        for ref in self.delta_refs:
+            n = ref.shape[0]
+            deltas.append(parts_total(lambda j, i=i: parts[i + j], n, self.dtype))
+            i += n
+        return finished_rows(residual, *deltas, dtype=self.dtype)
 
     def inverse(self) -> jax.Array:
-        return inverse_rms(self.finished(slice(None)), self.residual_ref.shape[0], self.eps)
+        whole = self.pieces(slice(None))
+        return inverse_rms(self.finished(whole), self.residual_ref.shape[0], self.eps)
 
-    def tile_loader(self, inv: jax.Array, offset: Any, rows: int) -> Any:
-        """``at -> [rows, len(at)]``: the normed columns ``offset + at`` in row 0 and zeros
-        below it, the matvec kernel's x tile of a one-row call (its padding rows read as
-        zeros there too)."""
-        def load(at: Any) -> jax.Array:
-            cols = pl.ds(pl.multiple_of(offset + at.start, at.size), at.size)
-            normed = scaled_rows(self.finished(cols), inv, self.weight_ref[cols], self.dtype)
-            first = jax.lax.broadcasted_iota(jnp.int32, (rows, at.size), 0) == 0
-            return jnp.where(first, normed[None, :], jnp.zeros((), self.dtype))
-        return load
+    def x_tile(self, pieces: tuple[jax.Array, ...], inv: jax.Array, rows: int) -> jax.Array:
+        """``[rows, k_tile]``: the normed columns in row 0, zeros below it (the matvec
+        kernel's x tile of a one-row call, whose padding rows read as zeros too)."""
+        normed = scaled_rows(self.finished(pieces), inv, pieces[-1], self.dtype)
+        first = jax.lax.broadcasted_iota(jnp.int32, (rows, normed.shape[0]), 0) == 0
+        return jnp.where(first, normed[None, :], jnp.zeros((), self.dtype))
+
+    def products(self, w_refs: tuple[Any, ...], offset: Any, shape: tuple[int, int], *,
+                 per: int, k_tile: int, tile_dot: Any) -> tuple[jax.Array, ...]:
+        """Each weight block's float32 sum over ``per`` K tiles of the normed row from column
+        ``offset``: the matvec kernel's loop (:func:`~turbospark_jax.models.rowinv.
+        tile_step`, the tiles in order from zero), with each tile's pieces loaded one step
+        ahead, so their round trip to the L2 cache overlaps the tile before."""
+        inv = self.inverse()
+
+        def cols(i: Any) -> Any:
+            return pl.ds(pl.multiple_of(offset + i * k_tile, k_tile), k_tile)
+
+        def body(i: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+            accs, pieces = carry
+            ahead = self.pieces(cols(jnp.minimum(i + 1, per - 1)))
+            x = self.x_tile(pieces, inv, shape[0])
+            accs = tuple(rowinv.tile_step(lambda _: x, w_ref, i, k_tile=k_tile,
+                                          tile_dot=tile_dot, acc=acc, nk=False)
+                         for w_ref, acc in zip(w_refs, accs, strict=True))
+            return accs, ahead
+
+        zeros = tuple(jnp.zeros(shape, jnp.float32) for _ in w_refs)
+        accs, _ = jax.lax.fori_loop(0, per, body, (zeros, self.pieces(cols(0))))
+        return accs
 
 
 def _row_refs(refs: list[Any], deltas: int, eps: float) -> _Row:
@@ -114,11 +145,11 @@ def _norm_matvec_kernel(*refs: Any, deltas: int, eps: float, per: int, k_tile: i
     row = _row_refs(refs, deltas, eps)
     *w_refs, o_ref = refs[deltas + 2:]
     live = rowinv.live_masks(o_ref, o_ref, k_tile, 1)[1]
-    load = row.tile_loader(row.inverse(), pl.program_id(2) * per * k_tile, o_ref.shape[0])
+    offset = pl.program_id(2) * per * k_tile
 
     def compute(w_ref: Any) -> None:
-        acc = rowinv.segment_sum(load, w_ref, o_ref.shape, per=per, k_tile=k_tile,
-                                 tile_dot=tile_dot, nk=False)
+        (acc,) = row.products((w_ref,), offset, o_ref.shape, per=per, k_tile=k_tile,
+                              tile_dot=tile_dot)
         rowinv.store_live(o_ref, acc, live)
 
     rowinv.for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
@@ -132,15 +163,13 @@ def _norm_gated_kernel(*refs: Any, deltas: int, eps: float, per: int, k_tile: in
     row = _row_refs(refs, deltas, eps)
     gate_ref, up_ref, o_ref, h_ref = refs[deltas + 2:]
     live = rowinv.live_masks(o_ref, o_ref, k_tile, 1)[1]
-    load = row.tile_loader(row.inverse(), 0, o_ref.shape[0])
-    total = functools.partial(rowinv.segment_sum, load, shape=o_ref.shape, per=per,
-                              k_tile=k_tile, tile_dot=tile_dot, nk=False)
-    rowinv.store_live(o_ref, rowinv.swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref),
-                                                  o_ref.dtype), live)
+    gate, up = row.products((gate_ref, up_ref), 0, o_ref.shape, per=per, k_tile=k_tile,
+                            tile_dot=tile_dot)
+    rowinv.store_live(o_ref, rowinv.swiglu_gating(gate, up, o_ref.dtype), live)
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        h_ref[...] = row.finished(slice(None))
+        h_ref[...] = row.finished(row.pieces(slice(None)))
 
 
 def _row_operands(residual: jax.Array, deltas: tuple[jax.Array, ...],

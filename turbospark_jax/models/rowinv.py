@@ -19,7 +19,7 @@ On a GPU two Pallas (Triton) kernels follow that schedule:
   segment, so a single row still spreads the weight reads over many programs; the segments'
   float32 partial sums are then added in order.
 
-Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them. On a
+Both repeat the same tile step (:func:`tile_step`), so a row agrees between them. On a
 Hopper GPU a third kernel, ``"mosaic"`` (:mod:`~turbospark_jax.models.mosaic_matmul`: Pallas'
 Mosaic GPU backend, TMA loads and ``wgmma`` in a warp-specialised pipeline), follows the same
 schedule for many rows at 1.3-1.6x the Triton matmul kernel's rate, and its rows are the
@@ -265,7 +265,7 @@ def x_loader(x_ref: Any, live: jax.Array | None = None) -> Any:
     return lambda at: plgpu.load(x_ref.at[:, at], mask=live, other=0)
 
 
-def _tile_step(load_x: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
+def tile_step(load_x: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
                acc: jax.Array, nk: bool) -> jax.Array:
     """``acc`` plus the product of K tile ``tile``: the one step every kernel repeats, so a
     row's arithmetic is the same in each. ``load_x(at)``: the x tile at columns ``at`` of
@@ -298,7 +298,7 @@ def _walk_k(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, tiles: int, per: 
     ``-0.0``."""
     zeros = jnp.zeros(shape, jnp.float32)
     total = jnp.full(shape, -0.0, jnp.float32)
-    step = functools.partial(_tile_step, x_loader(x_ref), w_ref, k_tile=k_tile,
+    step = functools.partial(tile_step, x_loader(x_ref), w_ref, k_tile=k_tile,
                              tile_dot=tile_dot, nk=nk)
     if flat:  # one loop over every tile (Triton pipelines its loads), folding at ends
         def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -350,8 +350,8 @@ def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
 def segment_sum(load_x: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
                 tile_dot: Any, nk: bool) -> jax.Array:
     """A matvec program's float32 sum over its ``per`` K tiles, from zero (``load_x``: as
-    :func:`_tile_step` takes it)."""
-    step = functools.partial(_tile_step, load_x, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
+    :func:`tile_step` takes it)."""
+    step = functools.partial(tile_step, load_x, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
     return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
                              jnp.zeros(shape, jnp.float32))
 
