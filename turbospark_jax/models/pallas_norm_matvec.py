@@ -7,7 +7,11 @@ matvec kernel (:mod:`~turbospark_jax.models.rowinv`) loads the whole row's piece
 residual and the unfinished products still to be added to it, as float32 partial sums),
 finishes the row, takes its inverse RMS, and then norms each K tile of its own segment as
 its loop reaches it, instead of loading a normed tile. The row is a few kilobytes that every
-program reads from the L2 cache; no program waits for another.
+program reads from the L2 cache; no program waits for another. A tile's pieces are loaded one
+loop step ahead (carried to the next step): session 36's form of this fusion loaded them in
+the step that used them, outside Triton's pipelining of the weight tiles, and each of its
+tiles waited a round trip to L2 (the 1B decode fell to 400 tokens/s on an H100;
+``benchmarks/results/NOTES.md``, "The norm inside the product").
 
 * :func:`norm_matvec_parts`: the normed row times one or more weights, as the matvec kernel's
   float32 partial sums (the q/k/v product after the input norm);
