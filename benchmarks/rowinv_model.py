@@ -347,15 +347,17 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=FUSE_ROPE_STORE, fuse_norms=FUSE_NORMS)
+                       fuse_rope_store=FUSE_ROPE_STORE,
+                       **({} if FUSE_NORMS is None else {"fuse_norms": FUSE_NORMS}))
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
 
 #: ``--fuse-rope`` / ``--no-fuse-rope``: the models' ``fuse_rope_store``.
 FUSE_ROPE_STORE = True
-#: ``--fuse-norms`` / ``--no-fuse-norms``: the models' ``fuse_norms``.
-FUSE_NORMS = True
+#: ``--fuse-norms`` / ``--no-fuse-norms``: the models' ``fuse_norms`` (None: the model's
+#: default).
+FUSE_NORMS: bool | None = None
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -917,8 +919,8 @@ def main(argv: list[str] | None = None) -> int:
                          "--no-fuse-rope launches the two kernels")
     ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
                     help="a decode step's norms inside the products after them "
-                         "(DenseModel.fuse_norms, on by default; the same bits); "
-                         "--no-fuse-norms launches the norm kernels")
+                         "(DenseModel.fuse_norms; the same bits); --no-fuse-norms launches "
+                         "the norm kernels (default: the model's)")
     ap.add_argument("--prefetch-mb", type=float, default=0.0,
                     help="with the fused RoPE-store: MB of each layer's next weights the "
                          "fused kernel's extra programs read into the L2 cache "
@@ -932,9 +934,7 @@ def main(argv: list[str] | None = None) -> int:
         FUSE_ROPE_STORE = args.fuse_rope
     args.fuse_rope = FUSE_ROPE_STORE
     global FUSE_NORMS
-    if args.fuse_norms is not None:
-        FUSE_NORMS = args.fuse_norms
-    args.fuse_norms = FUSE_NORMS
+    FUSE_NORMS = args.fuse_norms
     if args.prefetch_mb and not args.fuse_rope:
         ap.error("--prefetch-mb needs the fused RoPE-store (the fused kernel does the "
                  "prefetching): drop --no-fuse-rope")

@@ -195,12 +195,12 @@ ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermedia
 
 def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
              config: DenseConfig = CONFIG, capacity: int = 256, fuse_rope_store: bool = True,
-             **hints) -> str:
+             fuse_norms: bool = False, **hints) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(config, BF16, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=fuse_rope_store)
+                       fuse_rope_store=fuse_rope_store, fuse_norms=fuse_norms)
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
@@ -268,11 +268,9 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
         assert "rope_store" in kernel_names and not kernel_names & fused
         assert kernel_names & {"cached_attention", "cached_attention_folding"}
     products = {n.split("_", 2)[2] for n in kernel_names if n.startswith("rowinv_mat")}
-    # a one-row decode step's norms run inside the q/k/v and gate/up products (after the
-    # first layer, whose input is no sum to finish)
-    normed = {n.split("_", 3)[3] for n in kernel_names if n.startswith("rowinv_norm_matvec")}
-    assert normed == ({"qkv", "gate_up"} if width == 1 else set())
-    assert products | normed == {"qkv", "o", "gate_up", "down", "head"}  # each labelled
+    # the norm kernels run by default (DenseModel.fuse_norms is off)
+    assert not any(n.startswith("rowinv_norm_matvec") for n in kernel_names)
+    assert products == {"qkv", "o", "gate_up", "down", "head"}  # each labelled, for profiles
     kernel = "matvec" if width <= 16 else "matmul"
     assert f"rowinv_{kernel}_down" in kernel_names
     head = "matvec" if width <= 16 or last_row_head else "matmul"
@@ -281,6 +279,20 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
     assert _float_reductions(text) == []
     # SwiGLU's gating runs in the gate/up product's epilogue: no SiLU left to XLA
     assert not re.search(r"stablehlo\.(exponential|logistic)\b", text)
+
+
+@pytest.mark.parametrize("width", [1, 5])
+def test_fused_norms_leave_a_decode_step_two_norm_kernels_a_layer_fewer(width, monkeypatch):
+    """With ``fuse_norms`` a one-row step's layers after the first norm their rows inside the
+    q/k/v and gate/up products (the first layer's input and the head keep the norm kernel);
+    a wider block runs only the norm kernel. Either way no product and no float reduction
+    is left to XLA."""
+    text = _program("rowinv", width, monkeypatch, fuse_norms=True)
+    names = set(re.findall(r'name = "(row_rms_norm|rowinv_norm_matvec_\w+)"', text))
+    fused = {"rowinv_norm_matvec_qkv", "rowinv_norm_matvec_gate_up"}
+    assert names == (fused | {"row_rms_norm"} if width == 1 else {"row_rms_norm"})
+    assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
+    assert _float_reductions(text) == []
 
 
 def test_rowinv_prefill_program_on_hopper_takes_the_mosaic_kernel(monkeypatch):

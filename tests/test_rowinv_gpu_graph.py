@@ -170,19 +170,19 @@ def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, 
 def test_gpu_form_with_the_norms_in_the_products_keeps_every_bit(gpu_graph_in_the_interpreter,
                                                                  monkeypatch):
     """A bfloat16 model of a power-of-two width: its one-row decode steps norm the rows inside
-    the q/k/v and gated products (``fuse_norms``, the default), and every width's logits are
-    bitwise those of the same model with the norm kernels launched (``fuse_norms=False``);
-    the fused kernels were traced, and only for one-row blocks."""
+    the q/k/v and gated products (``fuse_norms=True``), and every width's logits are bitwise
+    those of the same model with the norm kernels launched (the default); the fused kernels
+    were traced, and only for one-row blocks."""
     from turbospark_jax import block_program
     from turbospark_jax.models import pallas_norm_matvec
 
     config = DenseConfig(model_type="qwen3", vocab_size=256, hidden_size=128,
                          intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-    fused_model = DenseModel(config, jnp.bfloat16, scan_layers=False, kernels="rowinv")
-    plain_model = DenseModel(config, jnp.bfloat16, scan_layers=False, kernels="rowinv",
-                             fuse_norms=False)
-    assert fused_model.fuse_norms  # the default
+    fused_model = DenseModel(config, jnp.bfloat16, scan_layers=False, kernels="rowinv",
+                             fuse_norms=True)
+    plain_model = DenseModel(config, jnp.bfloat16, scan_layers=False, kernels="rowinv")
+    assert not plain_model.fuse_norms  # the default until measured on the GPU
     params = unstack_layers(fused_model.init_params(jax.random.PRNGKey(1)))
     rows = []
     for name in ("norm_matvec_parts", "norm_swiglu"):

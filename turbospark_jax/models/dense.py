@@ -287,8 +287,10 @@ class DenseModel(BlockModel):
       fuse_norms: with ``kernels="rowinv"`` on a GPU, a decode step (one row of a 16-bit
         dtype, a power-of-two hidden size) runs each layer's two RMSNorms inside the products
         after them (:mod:`~turbospark_jax.models.pallas_norm_matvec`: the q/k/v product and
-        the gated MLP product norm the row in their prologues): two launches a layer fewer.
-        ``False`` launches the norm kernels. The same bits either way; speed only.
+        the gated MLP product norm the row in their prologues): two launches a layer fewer,
+        the same bits (checked in the Pallas interpreter; speed only). Off by default until
+        measured on the GPU: session 36's first form of it made those products 3.4 times
+        slower (``benchmarks/results/NOTES.md``, "The norm inside the product").
     """
 
     parallel_prefill = True
@@ -315,7 +317,7 @@ class DenseModel(BlockModel):
     tap_layers: tuple[int, ...] = ()
     kernels: str = "xla"
     fuse_rope_store: bool = True
-    fuse_norms: bool = True
+    fuse_norms: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -417,8 +419,13 @@ class DenseModel(BlockModel):
             with jax.named_scope("mlp"):
                 second = row_kernels.Unnormed(h, (pending, o) if fused else (o,),
                                               lp["post_attention_layernorm"], eps)
-                h, gated = row_kernels.norm_swiglu(kernels, second, lp["gate_proj"],
-                                                   lp["up_proj"])
+                if fused:
+                    h, gated = row_kernels.norm_swiglu(kernels, second, lp["gate_proj"],
+                                                       lp["up_proj"])
+                else:
+                    h, x = row_kernels.finish_norm(
+                        kernels, second, prefetch=(lp["gate_proj"], lp["up_proj"]))
+                    gated = self._gated(x, lp)
                 pending = row_kernels.matmul_parts(kernels, gated, lp["down_proj"],
                                                    label="down")
             return (h, pending), kv

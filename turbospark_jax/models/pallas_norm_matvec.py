@@ -120,7 +120,10 @@ class _Row:
         inv = self.inverse()
 
         def cols(i: Any) -> Any:
-            return pl.ds(pl.multiple_of(offset + i * k_tile, k_tile), k_tile)
+            start = offset + i * k_tile
+            if not isinstance(start, int):  # a traced start: say it is tile-aligned
+                start = pl.multiple_of(start, k_tile)
+            return pl.ds(start, k_tile)
 
         def body(i: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
             accs, pieces = carry
