@@ -393,18 +393,18 @@ case "$stage" in
   # session 42: a decode step's norms inside the products after them (fuse_norms) and the
   # norm's fixed sum tree, compiled; the attention case session 41 fixed (XLA mode's masked
   # tiles); 1B decode with and without the fused norms; the 1B exact part with them
-  timeout 130 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 110 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_norm_matvec.py tests/test_pallas_row_norm.py --tb=short -rf \
     > "$out/gpu_tests_norm_matvec.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_norm_matvec.txt" | tail -12
-  timeout 60 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 50 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_attention.py -k "masked_or_not" --tb=short -rf \
     > "$out/gpu_tests_masked_tiles.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_masked_tiles.txt" | tail -6
   for fuse in fuse-norms no-fuse-norms; do
-    timeout 85 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
+    timeout 75 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
       --modes rowinv --workloads completion --$fuse --out "$out/speed_$fuse" \
-      --budget-s 75 2>&1 | cut -c1-300 | grep speed | tail -4
+      --budget-s 65 2>&1 | cut -c1-300 | grep speed | tail -4
   done
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
     --out "$out/exact_fused_norms" --budget-s 120 2>&1 | cut -c1-400 | tail -3
