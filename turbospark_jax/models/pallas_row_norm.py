@@ -8,10 +8,12 @@ the step that opens every pre-norm block (``h = x + attention(norm(x))``; the ne
 
 The kernel runs one program per row (grid ``(M,)``), and each program loads its whole row as a
 single block of ``Dp`` columns (``D`` rounded up to a power of two, the padding zeros, which add
-nothing to the sum of squares; the mean divides by the true ``D``). The program, its block, its
-reduction tree and its Triton settings are functions of ``D`` alone, so every row runs the same
-instructions whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the
-weight and ``eps`` only, as DESIGN.md section 7 asks of the norms. In the Pallas interpreter
+nothing to the sum of squares; the mean divides by the true ``D``). The program, its block and
+its Triton settings are functions of ``D`` alone, so every row runs the same instructions
+whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the weight and
+``eps`` only, as DESIGN.md section 7 asks of the norms. The sum of squares is a fixed halving
+tree (:func:`halving_sum`), not a reduction whose order Triton lays out, so a kernel that norms
+a row in its prologue (:mod:`~turbospark_jax.models.pallas_norm_matvec`) sums it the same way. In the Pallas interpreter
 ``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
 GPU by the benchmarks.
 
