@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 
 from turbospark_jax.models import (
     pallas_attention,
+    pallas_norm_matvec,
     pallas_prefetch,
     pallas_rope_store,
     pallas_row_norm,
@@ -93,6 +94,19 @@ KERNELS = {
     "norm after a residual add, D not a power of two": (
         lambda x, w, r: pallas_row_norm._row_rms_norm(x, w, r, 1e-5, "pallas"),
         S((5, 96), BF16), S((96,), BF16), S((5, 96), BF16)),
+    "norm, the halving tree's sum": (
+        lambda x, w: pallas_row_norm._row_rms_norm(x, w, None, 1e-5, "pallas", tree=True),
+        ROWS, S((256,), BF16)),
+    "norm in the q/k/v matvec's prologue": (
+        lambda r, p, w, a, b: pallas_norm_matvec._norm_matvec_parts(
+            r, (p,), w, (a, b, b), 1e-5, False, Tiles(), "qkv"),
+        S((1, 512), BF16), S((4, 1, 512), jnp.float32), S((512,), BF16),
+        S((512, 512), BF16), S((512, 128), BF16)),
+    "norm in the gated matvec's prologue, two deltas": (
+        lambda r, p, o, w, g, u: pallas_norm_matvec._norm_swiglu(
+            r, (p, o), w, g, u, 1e-5, False, Tiles(), "gate_up"),
+        S((1, 512), BF16), S((4, 1, 512), jnp.float32), S((2, 1, 512), jnp.float32),
+        S((512,), BF16), S((512, 1024), BF16), S((512, 1024), BF16)),
     "rope and cache write": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store(qkv, c, s, at, k, v, 8),
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),

@@ -48,13 +48,13 @@ def _bits(a) -> np.ndarray:
 
 def _normed_by_the_norm_kernel(residual, deltas, weight, eps=EPS):
     """``(h, normed)``: the deltas before the last added as XLA adds them, the last one and
-    the norm by the norm kernel."""
+    the norm by the norm kernel, its sum of squares the halving tree (``tree=True``)."""
     if not deltas:
-        return residual, row_rms_norm(residual, weight, eps, impl=IMPL)
+        return residual, row_rms_norm(residual, weight, eps, impl=IMPL, tree=True)
     h = residual
     for p in deltas[:-1]:
         h = h + rowinv.sum_parts(p, h.dtype)
-    return add_parts_rms_norm(h, deltas[-1], weight, eps, impl=IMPL)
+    return add_parts_rms_norm(h, deltas[-1], weight, eps, impl=IMPL, tree=True)
 
 
 def _fused_parts(residual, deltas, weight, ws, row, eps=EPS):

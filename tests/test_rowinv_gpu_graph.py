@@ -169,10 +169,12 @@ def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, 
 
 def test_gpu_form_with_the_norms_in_the_products_keeps_every_bit(gpu_graph_in_the_interpreter,
                                                                  monkeypatch):
-    """A bfloat16 model of a power-of-two width: its one-row decode steps norm the rows inside
-    the q/k/v and gated products (``fuse_norms=True``), and every width's logits are bitwise
-    those of the same model with the norm kernels launched (the default); the fused kernels
-    were traced, and only for one-row blocks."""
+    """A bfloat16 model of a power-of-two width with ``fuse_norms``: its one-row steps norm
+    the rows inside the q/k/v and gated products, its 16-row prefill blocks and 4-row steps
+    launch the norm kernel (summing the squares in the same fixed tree), and the two
+    producers' logits agree bitwise; both are close to the model without ``fuse_norms``
+    (the default: Triton's own order for the sum). The fused kernels were traced, and only
+    for one-row blocks."""
     from turbospark_jax import block_program
     from turbospark_jax.models import pallas_norm_matvec
 
@@ -192,8 +194,11 @@ def test_gpu_form_with_the_norms_in_the_products_keeps_every_bit(gpu_graph_in_th
             lambda r, *a, _f=original, **k: rows.append(r.shape[0]) or _f(r, *a, **k))
     for program in (block_program.compiled_program, block_program.compiled_parallel):
         program.cache_clear()
-    for width in ((1, None), (4, 16)):
-        got, want = _logits(fused_model, params, *width), _logits(plain_model, params, *width)
-        for g, w in zip(got, want, strict=True):
-            assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
-    assert rows and set(rows) == {1}
+    one = _logits(fused_model, params, 1, None)
+    traced_one_row = bool(rows)
+    four = _logits(fused_model, params, 4, 16)
+    plain = _logits(plain_model, params, 1, None)
+    for a, b, c in zip(one, four, plain, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+        np.testing.assert_allclose(a, c, rtol=0, atol=0.05)
+    assert traced_one_row and set(rows) == {1}

@@ -368,7 +368,8 @@ class DenseModel(BlockModel):
         """One pre-norm decoder layer around ``attention``:
         ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
         eps = self.config.rms_norm_eps
-        norm = functools.partial(row_kernels.rms_norm, self.kernels, eps=eps)
+        norm = functools.partial(row_kernels.rms_norm, self.kernels, eps=eps,
+                                 tree=self.fuse_norms)
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             with jax.named_scope("attention"):
@@ -410,8 +411,8 @@ class DenseModel(BlockModel):
             with jax.named_scope("attention"):
                 if not fused:
                     h, first = row_kernels.finish_norm(
-                        kernels, first, prefetch=tuple(lp[k] for k in ("q_proj", "k_proj",
-                                                                         "v_proj")))
+                        kernels, first, tree=self.fuse_norms,
+                        prefetch=tuple(lp[k] for k in ("q_proj", "k_proj", "v_proj")))
                 attn, kv = attention(first, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
@@ -424,7 +425,8 @@ class DenseModel(BlockModel):
                                                        lp["up_proj"])
                 else:
                     h, x = row_kernels.finish_norm(
-                        kernels, second, prefetch=(lp["gate_proj"], lp["up_proj"]))
+                        kernels, second, prefetch=(lp["gate_proj"], lp["up_proj"]),
+                        tree=self.fuse_norms)
                     gated = self._gated(x, lp)
                 pending = row_kernels.matmul_parts(kernels, gated, lp["down_proj"],
                                                    label="down")
@@ -481,9 +483,11 @@ class DenseModel(BlockModel):
         :meth:`defers_sums`) -> float32 logits [W, V]."""
         eps = self.config.rms_norm_eps
         if isinstance(x, tuple):
-            _, h = row_kernels.add_norm(self.kernels, x[0], x[1], params["norm"], eps)
+            _, h = row_kernels.add_norm(self.kernels, x[0], x[1], params["norm"], eps,
+                                        tree=self.fuse_norms)
         else:
-            h = row_kernels.rms_norm(self.kernels, x, params["norm"], eps)
+            h = row_kernels.rms_norm(self.kernels, x, params["norm"], eps,
+                                     tree=self.fuse_norms)
         if self.kernels == "rowinv":  # a tied table [V, D] is read in place, not transposed
             if self.config.tie_word_embeddings:
                 return row_kernels.matmul(self.kernels, h, params["embed_tokens"], jnp.float32,

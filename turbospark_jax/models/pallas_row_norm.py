@@ -11,9 +11,10 @@ single block of ``Dp`` columns (``D`` rounded up to a power of two, the padding 
 nothing to the sum of squares; the mean divides by the true ``D``). The program, its block and
 its Triton settings are functions of ``D`` alone, so every row runs the same instructions
 whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the weight and
-``eps`` only, as DESIGN.md section 7 asks of the norms. The sum of squares is a fixed halving
-tree (:func:`halving_sum`), not a reduction whose order Triton lays out, so a kernel that norms
-a row in its prologue (:mod:`~turbospark_jax.models.pallas_norm_matvec`) sums it the same way. In the Pallas interpreter
+``eps`` only, as DESIGN.md section 7 asks of the norms. With ``tree=True`` the sum of squares
+is a fixed halving tree (:func:`halving_sum`) rather than a reduction whose order Triton lays
+out by the kernel around it, so a product that norms a row in its prologue
+(:mod:`~turbospark_jax.models.pallas_norm_matvec`) sums it the same way. In the Pallas interpreter
 ``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
 GPU by the benchmarks.
 
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers, pallas_prefetch
 from turbospark_jax.models.rowinv import resolve_impl, sum_parts
@@ -48,7 +50,7 @@ def _next_power_of_two(n: int) -> int:
 
 
 def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
-                 parts: int, rows: int, warm_rows: tuple[int, ...]) -> None:
+                 parts: int, rows: int, warm_rows: tuple[int, ...], tree: bool) -> None:
     # Refs in order: x, [weight], [residual], [prefetch weights], then outputs [h], normed,
     # [prefetch maxima]; the row blocks are [Dp] (x's is [parts, Dp] when it comes as float32
     # partial sums). Programs past ``rows`` (with ``warm_rows``) prefetch instead.
@@ -60,12 +62,12 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
     h_out = refs.pop(0) if has_residual else None
     o_ref = refs.pop(0)
     if not warm_rows:
-        _norm_row(x_ref, w_ref, r_ref, h_out, o_ref, eps=eps, d=d, parts=parts)
+        _norm_row(x_ref, w_ref, r_ref, h_out, o_ref, eps=eps, d=d, parts=parts, tree=tree)
         return
     (top_ref,) = refs
     i = pl.program_id(0)
     pl.when(i < rows)(lambda: _norm_row(x_ref, w_ref, r_ref, h_out, o_ref, eps=eps, d=d,
-                                        parts=parts))
+                                        parts=parts, tree=tree))
 
     @pl.when(i >= rows)
     def _():
@@ -107,11 +109,12 @@ def parts_total(load: Any, parts: int, dtype: Any) -> jax.Array:
     return total.astype(dtype)
 
 
-def inverse_rms(h: jax.Array, d: int, eps: float) -> jax.Array:
+def inverse_rms(h: jax.Array, d: int, eps: float, tree: bool = True) -> jax.Array:
     """``1 / sqrt(mean(h ** 2) + eps)`` of a row ``h [Dp]`` (zeros past the true ``d``), its
-    sum of squares a :func:`halving_sum`."""
+    sum of squares a :func:`halving_sum` (``tree``) or ``jnp.sum`` (Triton's order)."""
     x32 = h.astype(jnp.float32)
-    return jax.lax.rsqrt(halving_sum(x32 * x32) / d + eps)
+    squares = x32 * x32
+    return jax.lax.rsqrt((halving_sum(squares) if tree else jnp.sum(squares)) / d + eps)
 
 
 def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:
@@ -124,20 +127,20 @@ def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: A
 
 
 def _norm_row(x_ref: Any, w_ref: Any, r_ref: Any, h_out: Any, o_ref: Any, *, eps: float,
-              d: int, parts: int) -> None:
+              d: int, parts: int, tree: bool) -> None:
     """One row's norm (the kernel's work)."""
     dtype = o_ref.dtype
     x = parts_total(lambda i: x_ref[i, :], parts, dtype) if parts else x_ref[...]
     if r_ref is not None:
         x = finished_rows(r_ref[...], x, dtype=dtype)
         h_out[...] = x
-    o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps),
+    o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps, tree),
                              None if w_ref is None else w_ref[...], dtype)
 
 
 def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
             interpret: bool, dtype: Any, prefetch: tuple[jax.Array, ...] = (),
-            prefetch_bytes: int = 0) -> Any:
+            prefetch_bytes: int = 0, tree: bool = False) -> Any:
     parts = x.shape[0] if x.ndim == 3 else 0  # [S, M, D]: float32 partial sums
     m, d = x.shape[-2:]
     dp = _next_power_of_two(d)
@@ -167,7 +170,7 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
                                has_residual=residual is not None, parts=parts, rows=m,
-                               warm_rows=warm_rows)
+                               warm_rows=warm_rows, tree=tree)
     out_specs = [row] * outs
     out_shape = [jax.ShapeDtypeStruct((m, dp), dtype)] * outs
     if extra:  # the prefetch programs' maxima, kept so their reads are too
@@ -187,23 +190,23 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
     return tuple(out) if residual is not None else out[0]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl", "tree"))
 def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None,
-                  eps: float, impl: str) -> Any:
-    return _norm(x, weight, residual, eps, impl, parts=False)
+                  eps: float, impl: str, tree: bool = False) -> Any:
+    return _norm(x, weight, residual, eps, impl, parts=False, tree=tree)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl", "prefetch_bytes"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl", "prefetch_bytes", "tree"))
 def _add_parts_rms_norm(residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
                         eps: float, impl: str, prefetch: tuple[jax.Array, ...] = (),
-                        prefetch_bytes: int = 0) -> Any:
+                        prefetch_bytes: int = 0, tree: bool = False) -> Any:
     return _norm(parts, weight, residual, eps, impl, parts=True, prefetch=prefetch,
-                 prefetch_bytes=prefetch_bytes)
+                 prefetch_bytes=prefetch_bytes, tree=tree)
 
 
 def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
           impl: str, parts: bool, prefetch: tuple[jax.Array, ...] = (),
-          prefetch_bytes: int = 0) -> Any:
+          prefetch_bytes: int = 0, tree: bool = False) -> Any:
     dtype = residual.dtype if parts else x.dtype
     if impl == "xla":
         delta = sum_parts(x, dtype) if parts else x
@@ -214,7 +217,7 @@ def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, ep
     rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
     first = x.reshape(x.shape[0], -1, shape[-1]) if parts else rows(x)
     out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype, prefetch,
-                  prefetch_bytes)
+                  prefetch_bytes, tree)
     if residual is None:
         return out.reshape(shape)
     return tuple(o.reshape(shape) for o in out)
@@ -252,6 +255,7 @@ def row_rms_norm(
     *,
     residual: jax.Array | None = None,
     impl: str = "auto",
+    tree: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """RMSNorm over the last axis of ``x``, each row's bits independent of the other rows.
 
@@ -269,6 +273,10 @@ def row_rms_norm(
         ``h = residual + x`` (rounded once to ``x``'s dtype).
       impl: one of ``"auto"`` (the kernel on a GPU, the XLA expression elsewhere),
         ``"pallas"``, ``"interpret"`` (the kernel in the Pallas interpreter) or ``"xla"``.
+      tree: the kernel sums the squares as a fixed halving tree (:func:`halving_sum`), the
+        order the products that norm a row in their prologue follow
+        (:mod:`~turbospark_jax.models.pallas_norm_matvec`); else as Triton lays the sum out.
+        Both orders are row-invariant; a model uses one for all its hidden-state norms.
 
     Returns:
       Without ``residual``, the normed ``[..., D]`` in ``x``'s dtype; with it, ``(h, normed)``.
@@ -280,7 +288,8 @@ def row_rms_norm(
         GPU.
     """
     _check(x, weight, residual, eps)
-    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl))
+    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl),
+                         as_bool("tree", tree))
 
 
 def add_parts_rms_norm(
@@ -292,6 +301,7 @@ def add_parts_rms_norm(
     impl: str = "auto",
     prefetch: tuple[jax.Array, ...] = (),
     prefetch_bytes: int = 0,
+    tree: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`row_rms_norm` of ``h = residual + delta``, where ``delta`` comes unfinished: the
     float32 partial sums over K of a row-invariant product
@@ -304,7 +314,7 @@ def add_parts_rms_norm(
     Args:
       residual: ``[..., D]``, bfloat16, float16 or float32.
       parts: float32 ``[S, ..., D]``: ``S`` partial sums of the rows ``residual`` has.
-      weight, eps, impl: as for :func:`row_rms_norm`.
+      weight, eps, impl, tree: as for :func:`row_rms_norm`.
       prefetch, prefetch_bytes: weights the product after the norm reads, and how many of
         their bytes extra programs of the kernel read meanwhile into the L2 cache
         (:mod:`~turbospark_jax.models.pallas_prefetch`; 0: none; speed only, under a Pallas
@@ -328,4 +338,4 @@ def add_parts_rms_norm(
             or prefetch_bytes < 0:
         raise BadInputError(f"prefetch_bytes must be an int >= 0; got {prefetch_bytes!r}")
     return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl),
-                               tuple(prefetch), prefetch_bytes)
+                               tuple(prefetch), prefetch_bytes, as_bool("tree", tree))

@@ -99,13 +99,16 @@ def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
 
 
 def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-             eps: float, prefetch: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:
+             eps: float, prefetch: tuple[jax.Array, ...] = (),
+             tree: bool = False) -> tuple[jax.Array, jax.Array]:
     """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
     ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
     add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
     ``h`` exactly as finishing the product and adding it would. ``prefetch``: the weights
     of the product after the norm, which a decode-sized call on a GPU reads ahead into the
-    L2 cache (:data:`~turbospark_jax.models.pallas_prefetch.NORM_BYTES` of them)."""
+    L2 cache (:data:`~turbospark_jax.models.pallas_prefetch.NORM_BYTES` of them). ``tree``:
+    the GPU kernel's sum of squares in the fixed order the fused norms follow
+    (:func:`~turbospark_jax.models.pallas_row_norm.row_rms_norm`)."""
     if _on_gpu():
         from turbospark_jax.models import pallas_prefetch
         from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
@@ -113,7 +116,8 @@ def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Ar
         budget = pallas_prefetch.NORM_BYTES if residual.shape[0] <= pallas_prefetch.MAX_ROWS \
             else 0
         return add_parts_rms_norm(residual, parts, weight, eps,
-                                  prefetch=prefetch if budget else (), prefetch_bytes=budget)
+                                  prefetch=prefetch if budget else (), prefetch_bytes=budget,
+                                  tree=tree)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
 
@@ -142,23 +146,24 @@ def fuses_norm(kernels: str, rows: Unnormed) -> bool:
     return refusal(rows.residual, rows.weight) is None
 
 
-def finish_norm(kernels: str, rows: Unnormed,
-                prefetch: tuple[jax.Array, ...] = ()) -> tuple[jax.Array, jax.Array]:
+def finish_norm(kernels: str, rows: Unnormed, prefetch: tuple[jax.Array, ...] = (),
+                tree: bool = False) -> tuple[jax.Array, jax.Array]:
     """``(h, normed)`` of :class:`Unnormed` rows: the deltas before the last added as XLA
     adds them (each sum correctly rounded, as the norm kernel rounds it), the last one and
-    the norm by :func:`add_norm` (``prefetch``: as it takes them)."""
+    the norm by :func:`add_norm` (``prefetch``, ``tree``: as it takes them)."""
     h = rows.residual
     if not rows.deltas:
-        return h, rms_norm(kernels, h, rows.weight, rows.eps)
+        return h, rms_norm(kernels, h, rows.weight, rows.eps, tree=tree)
     for delta in rows.deltas[:-1]:
         h = h + sum_parts(delta, h.dtype)
-    return add_norm(kernels, h, rows.deltas[-1], rows.weight, rows.eps, prefetch=prefetch)
+    return add_norm(kernels, h, rows.deltas[-1], rows.weight, rows.eps, prefetch=prefetch,
+                    tree=tree)
 
 
 def normed(kernels: str, rows: jax.Array | Unnormed) -> jax.Array:
     """Rows as a product takes them: normed rows as they are, :class:`Unnormed` ones
-    finished and normed (:func:`finish_norm`)."""
-    return finish_norm(kernels, rows)[1] if isinstance(rows, Unnormed) else rows
+    finished and normed (:func:`finish_norm`, its sum of squares the fused norms' tree)."""
+    return finish_norm(kernels, rows, tree=True)[1] if isinstance(rows, Unnormed) else rows
 
 
 def norm_matmul_parts(kernels: str, rows: Unnormed, w: jax.Array | tuple[jax.Array, ...],
@@ -183,19 +188,21 @@ def norm_swiglu(kernels: str, rows: Unnormed, gate: jax.Array,
         from turbospark_jax.models.pallas_norm_matvec import norm_swiglu as fused
 
         return fused(rows.residual, rows.deltas, rows.weight, rows.eps, gate, up)
-    h, x = finish_norm(kernels, rows, prefetch=(gate, up))
+    h, x = finish_norm(kernels, rows, prefetch=(gate, up), tree=True)
     return h, swiglu(kernels, x, gate, up)
 
 
-def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float,
+             tree: bool = False) -> jax.Array:
     """:func:`~turbospark_jax.models.layers.rms_norm` over the last axis of ``x [..., D]``;
-    under ``"rowinv"`` every leading index is a row of the fixed-shape tiles."""
+    under ``"rowinv"`` every leading index is a row of the fixed-shape tiles (``tree``: as
+    :func:`add_norm` takes it)."""
     if kernels == "xla":
         return layers.rms_norm(x, weight, eps)
     if _on_gpu():
         from turbospark_jax.models.pallas_row_norm import row_rms_norm
 
-        return row_rms_norm(x, weight, eps)
+        return row_rms_norm(x, weight, eps, tree=tree)
     rows = x.reshape(-1, x.shape[-1])
     if weight is None:
         return row_tiled(lambda t: layers.rms_norm(t, None, eps), rows).reshape(x.shape)
