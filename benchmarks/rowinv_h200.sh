@@ -407,7 +407,7 @@ case "$stage" in
       --budget-s 65 2>&1 | cut -c1-300 | grep speed | tail -4
   done
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --out "$out/exact_fused_norms" --budget-s 120 2>&1 | cut -c1-400 | tail -3
+    --fuse-norms --out "$out/exact_fused_norms" --budget-s 120 2>&1 | cut -c1-400 | tail -3
   ;;
 esac
 ls -R "$out" | head -30
