@@ -421,7 +421,7 @@ class DenseModel(BlockModel):
                 second = row_kernels.Unnormed(h, (pending, o) if fused else (o,),
                                               lp["post_attention_layernorm"], eps)
                 if fused:
-                    h, gated = row_kernels.norm_swiglu(kernels, second, lp["gate_proj"],
+                    h, gated = row_kernels.norm_swiglu(second, lp["gate_proj"],
                                                        lp["up_proj"])
                 else:
                     h, x = row_kernels.finish_norm(

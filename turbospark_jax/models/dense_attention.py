@@ -74,15 +74,15 @@ def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: s
     reads the three weights straight into its matrix kernel, and the row-invariant kernel
     takes them as three operands of one launch: neither copies them.) Under ``"rowinv"``
     without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
-    which the RoPE-and-cache-write kernel adds itself; of :class:`~turbospark_jax.models.
-    row_kernels.Unnormed` rows, the product may norm them in its prologue
-    (:func:`~turbospark_jax.models.row_kernels.norm_matmul_parts`)."""
+    which the RoPE-and-cache-write kernel adds itself; :class:`~turbospark_jax.models.
+    row_kernels.Unnormed` rows (a decode step whose layer fuses its norms) it norms in its
+    prologue (:func:`~turbospark_jax.models.row_kernels.norm_matmul_parts`)."""
     unnormed = isinstance(h, row_kernels.Unnormed)
     d = (h.residual if unnormed else h).shape[-1]
     ws = tuple(lp[n].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
     if kernels == "rowinv" and not config.qkv_bias:
         if unnormed:
-            return row_kernels.norm_matmul_parts(kernels, h, ws, label="qkv")
+            return row_kernels.norm_matmul_parts(h, ws, label="qkv")
         return row_kernels.matmul_parts(kernels, h, ws, label="qkv")
     h = row_kernels.normed(kernels, h)
     qkv = row_kernels.matmul(kernels, h, ws, label="qkv")

@@ -125,8 +125,9 @@ def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Ar
 class Unnormed(NamedTuple):
     """Rows still to be finished and normed: ``residual`` plus each of ``deltas`` (float32
     partial sums ``[S, W, D]`` of unfinished products, added in turn), then RMSNorm with
-    ``weight`` and ``eps``. A product that takes them (:func:`norm_matmul_parts`,
-    :func:`norm_swiglu`) may run the norm in its own prologue at a decode step."""
+    ``weight`` and ``eps``. Where :func:`fuses_norm`, a product runs the norm in its own
+    prologue (:func:`norm_matmul_parts`, :func:`norm_swiglu`); elsewhere
+    :func:`finish_norm` runs the norm kernels."""
 
     residual: jax.Array
     deltas: tuple[jax.Array, ...]
@@ -166,30 +167,23 @@ def normed(kernels: str, rows: jax.Array | Unnormed) -> jax.Array:
     return finish_norm(kernels, rows, tree=True)[1] if isinstance(rows, Unnormed) else rows
 
 
-def norm_matmul_parts(kernels: str, rows: Unnormed, w: jax.Array | tuple[jax.Array, ...],
+def norm_matmul_parts(rows: Unnormed, w: jax.Array | tuple[jax.Array, ...],
                       label: str = "") -> jax.Array:
-    """:func:`matmul_parts` of ``rows`` normed: in one launch where :func:`fuses_norm`
-    (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_matvec_parts`), else the norm
-    kernels then the product; bitwise the same either way."""
-    if fuses_norm(kernels, rows):
-        from turbospark_jax.models.pallas_norm_matvec import norm_matvec_parts
+    """:func:`matmul_parts` of ``rows`` normed, the norm in the product's prologue
+    (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_matvec_parts`): for rows
+    :func:`fuses_norm` takes."""
+    from turbospark_jax.models.pallas_norm_matvec import norm_matvec_parts
 
-        return norm_matvec_parts(rows.residual, rows.deltas, rows.weight, rows.eps, w,
-                                 label=label)
-    return matmul_parts(kernels, normed(kernels, rows), w, label=label)
+    return norm_matvec_parts(rows.residual, rows.deltas, rows.weight, rows.eps, w, label=label)
 
 
-def norm_swiglu(kernels: str, rows: Unnormed, gate: jax.Array,
-                up: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(h, swiglu(normed))`` of :class:`Unnormed` rows: in one launch where
-    :func:`fuses_norm` (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_swiglu`), else
-    the norm kernels then :func:`swiglu`; bitwise the same either way."""
-    if fuses_norm(kernels, rows):
-        from turbospark_jax.models.pallas_norm_matvec import norm_swiglu as fused
+def norm_swiglu(rows: Unnormed, gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(h, swiglu(normed))`` of :class:`Unnormed` rows, the norm in the gated product's
+    prologue (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_swiglu`): for rows
+    :func:`fuses_norm` takes."""
+    from turbospark_jax.models.pallas_norm_matvec import norm_swiglu as fused
 
-        return fused(rows.residual, rows.deltas, rows.weight, rows.eps, gate, up)
-    h, x = finish_norm(kernels, rows, prefetch=(gate, up), tree=True)
-    return h, swiglu(kernels, x, gate, up)
+    return fused(rows.residual, rows.deltas, rows.weight, rows.eps, gate, up)
 
 
 def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float,
