@@ -100,9 +100,13 @@ class _Row:
             i += n
         return finished_rows(residual, *deltas, dtype=self.dtype)
 
-    def inverse(self) -> jax.Array:
-        whole = self.pieces(slice(None))
-        return inverse_rms(self.finished(whole), self.residual_ref.shape[0], self.eps)
+    def whole(self) -> jax.Array:
+        """The whole row with every delta added."""
+        return self.finished(self.pieces(slice(None)))
+
+    def inverse(self, h: jax.Array) -> jax.Array:
+        """The inverse RMS of the finished row ``h`` (:meth:`whole`)."""
+        return inverse_rms(h, self.residual_ref.shape[0], self.eps)
 
     def x_tile(self, pieces: tuple[jax.Array, ...], inv: jax.Array, rows: int) -> jax.Array:
         """``[rows, k_tile]``: the normed columns in row 0, zeros below it (the matvec
@@ -111,13 +115,13 @@ class _Row:
         first = jax.lax.broadcasted_iota(jnp.int32, (rows, normed.shape[0]), 0) == 0
         return jnp.where(first, normed[None, :], jnp.zeros((), self.dtype))
 
-    def products(self, w_refs: tuple[Any, ...], offset: Any, shape: tuple[int, int], *,
-                 per: int, k_tile: int, tile_dot: Any) -> tuple[jax.Array, ...]:
-        """Each weight block's float32 sum over ``per`` K tiles of the normed row from column
-        ``offset``: the matvec kernel's loop (:func:`~turbospark_jax.models.rowinv.
-        tile_step`, the tiles in order from zero), with each tile's pieces loaded one step
-        ahead, so their round trip to the L2 cache overlaps the tile before."""
-        inv = self.inverse()
+    def products(self, w_refs: tuple[Any, ...], inv: jax.Array, offset: Any,
+                 shape: tuple[int, int], *, per: int, k_tile: int,
+                 tile_dot: Any) -> tuple[jax.Array, ...]:
+        """Each weight block's float32 sum over ``per`` K tiles of the row normed by ``inv``
+        from column ``offset``: the matvec kernel's loop (:func:`~turbospark_jax.models.
+        rowinv.tile_step`, the tiles in order from zero), with each tile's pieces loaded one
+        step ahead, so their round trip to the L2 cache overlaps the tile before."""
 
         def cols(i: Any) -> Any:
             start = offset + i * k_tile
@@ -155,8 +159,8 @@ def _norm_matvec_kernel(*refs: Any, deltas: int, eps: float, per: int, k_tile: i
     offset = pl.program_id(2) * per * k_tile
 
     def compute(w_ref: Any) -> None:
-        (acc,) = row.products((w_ref,), offset, o_ref.shape, per=per, k_tile=k_tile,
-                              tile_dot=tile_dot)
+        (acc,) = row.products((w_ref,), row.inverse(row.whole()), offset, o_ref.shape,
+                              per=per, k_tile=k_tile, tile_dot=tile_dot)
         rowinv.store_live(o_ref, acc, live)
 
     rowinv.for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
@@ -170,13 +174,14 @@ def _norm_gated_kernel(*refs: Any, deltas: int, eps: float, per: int, k_tile: in
     row = _row_refs(refs, deltas, eps)
     gate_ref, up_ref, o_ref, h_ref = refs[deltas + 2:]
     live = rowinv.live_masks(o_ref, o_ref, k_tile, 1)[1]
-    gate, up = row.products((gate_ref, up_ref), 0, o_ref.shape, per=per, k_tile=k_tile,
-                            tile_dot=tile_dot)
+    h = row.whole()
+    gate, up = row.products((gate_ref, up_ref), row.inverse(h), 0, o_ref.shape, per=per,
+                            k_tile=k_tile, tile_dot=tile_dot)
     rowinv.store_live(o_ref, rowinv.swiglu_gating(gate, up, o_ref.dtype), live)
 
     @pl.when(pl.program_id(1) == 0)
     def _():
-        h_ref[...] = row.finished(row.pieces(slice(None)))
+        h_ref[...] = h
 
 
 def _row_operands(residual: jax.Array, deltas: tuple[jax.Array, ...],
