@@ -266,7 +266,7 @@ def x_loader(x_ref: Any, live: jax.Array | None = None) -> Any:
 
 
 def tile_step(load_x: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-               acc: jax.Array, nk: bool) -> jax.Array:
+              acc: jax.Array, nk: bool) -> jax.Array:
     """``acc`` plus the product of K tile ``tile``: the one step every kernel repeats, so a
     row's arithmetic is the same in each. ``load_x(at)``: the x tile at columns ``at`` of
     the weight block (:func:`x_loader`, or a tile a kernel makes itself). ``nk``: the weight
