@@ -99,12 +99,15 @@
 #   bash benchmarks/rowinv_h200.sh 31 "$OUT"  # the norms inside the products: their GPU
 #                                             # tests, the 1B exact part, 1B decode with
 #                                             # and without them
+#   bash benchmarks/rowinv_h200.sh 32 "$OUT"  # after 31, if they gained: the 0.6B's and
+#                                             # 8B's exact parts and decode with and
+#                                             # without them
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 31}
+stage=${1:?stage 1 to 32}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -408,6 +411,25 @@ case "$stage" in
   done
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
     --fuse-norms --out "$out/exact_fused_norms" --budget-s 120 2>&1 | cut -c1-400 | tail -3
+  ;;
+32)
+  # after stage 31, when the fused norms kept the 1B's bits and gained: the 0.6B's and the
+  # 8B's exact parts under them, decode with and without them (0.6B, then 8B), and the 1B
+  # traced with them (loop graphs off, as every profile)
+  timeout 110 python -m benchmarks.rowinv_model --parts exact --exact-shapes qwen3-0.6b \
+    --fuse-norms --out "$out/exact_fused_norms_06b" --budget-s 100 2>&1 | cut -c1-400 | tail -2
+  for fuse in fuse-norms no-fuse-norms; do
+    timeout 70 python -m benchmarks.rowinv_model --parts speed --shapes qwen3-0.6b \
+      --modes rowinv --workloads completion --$fuse --out "$out/speed_06b_$fuse" \
+      --budget-s 60 2>&1 | cut -c1-300 | grep speed | tail -4
+  done
+  timeout 150 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.1-8b \
+    --fuse-norms --out "$out/exact_fused_norms_8b" --budget-s 140 2>&1 | cut -c1-400 | tail -2
+  for fuse in fuse-norms no-fuse-norms; do
+    timeout 140 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+      --modes rowinv --workloads completion --$fuse --out "$out/speed_8b_$fuse" \
+      --budget-s 130 2>&1 | cut -c1-300 | grep speed | tail -4
+  done
   ;;
 esac
 ls -R "$out" | head -30
