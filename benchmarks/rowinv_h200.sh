@@ -78,14 +78,9 @@
 #                                             # context (where the 4k's extra 140 us a token go)
 #   bash benchmarks/rowinv_h200.sh 26 "$OUT"  # the RoPE-store inside the attention kernel
 #                                             # (DenseModel.fuse_rope_store): its GPU tests (bits
-#                                             # against the two launches; the prefetching
-#                                             # norm's), the 1B exact part
-#                                             # under it and the prefetch, decode end to end
+#                                             # against the two launches; the norm kernel's),
+#                                             # the 1B exact part under it, decode end to end
 #                                             # without and with it (1B, 0.6B)
-#   bash benchmarks/rowinv_h200.sh 27 "$OUT"  # the same fused decode with its extra programs
-#                                             # reading 8 and 24 MB of each layer's next
-#                                             # weights into L2 (pallas_prefetch), then 24 MB
-#                                             # with the norms reading 4 MB ahead too
 #   bash benchmarks/rowinv_h200.sh 28 "$OUT"  # the new defaults (RoPE-store in the attention,
 #                                             # the 8B's wider gated tile): the gated kernel's
 #                                             # GPU tests, 8B decode end to end and its exact
@@ -335,21 +330,14 @@ case "$stage" in
   ;;
 26)
   timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_rope_store.py tests/test_pallas_prefetch.py tests/test_pallas_row_norm.py \
+    tests/test_pallas_rope_store.py tests/test_pallas_row_norm.py \
     --tb=short -rf > "$out/gpu_tests_rope_attention.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_rope_attention.txt" | tail -12
   timeout 120 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --fuse-rope --prefetch-mb 8 --norm-prefetch-mb 4 --out "$out/exact_fused_rope" \
+    --fuse-rope --out "$out/exact_fused_rope" \
     --budget-s 110 2>&1 | tail -3
   decode_speed 160 speed_rope
   decode_speed 160 speed_rope_fused --fuse-rope
-  ;;
-27)
-  for mb in "8 0" "24 0" "24 4"; do
-    set -- $mb
-    decode_speed 170 "speed_rope_prefetch_$1_$2" --fuse-rope --prefetch-mb "$1" \
-      --norm-prefetch-mb "$2"
-  done
   ;;
 28)
   # the defaults of session 41: the RoPE-store inside the attention, the 8B's gated product

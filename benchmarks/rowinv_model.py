@@ -921,13 +921,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="a decode step's norms inside the products after them "
                          "(DenseModel.fuse_norms; the same bits); --no-fuse-norms launches "
                          "the norm kernels (default: the model's)")
-    ap.add_argument("--prefetch-mb", type=float, default=0.0,
-                    help="with the fused RoPE-store: MB of each layer's next weights the "
-                         "fused kernel's extra programs read into the L2 cache "
-                         "(pallas_prefetch.ATTENTION_BYTES; speed only)")
-    ap.add_argument("--norm-prefetch-mb", type=float, default=0.0,
-                    help="MB of the next product's weights each norm's extra programs read "
-                         "into the L2 cache (pallas_prefetch.NORM_BYTES; speed only)")
     args = ap.parse_args(argv)
     global FUSE_ROPE_STORE
     if args.fuse_rope is not None:
@@ -935,13 +928,6 @@ def main(argv: list[str] | None = None) -> int:
     args.fuse_rope = FUSE_ROPE_STORE
     global FUSE_NORMS
     FUSE_NORMS = args.fuse_norms
-    if args.prefetch_mb and not args.fuse_rope:
-        ap.error("--prefetch-mb needs the fused RoPE-store (the fused kernel does the "
-                 "prefetching): drop --no-fuse-rope")
-    from turbospark_jax.models import pallas_prefetch
-
-    pallas_prefetch.ATTENTION_BYTES = int(args.prefetch_mb * (1 << 20))
-    pallas_prefetch.NORM_BYTES = int(args.norm_prefetch_mb * (1 << 20))
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:
@@ -982,8 +968,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
-            "fuse_norms": args.fuse_norms,
-            "prefetch_mb": args.prefetch_mb, "norm_prefetch_mb": args.norm_prefetch_mb}
+            "fuse_norms": args.fuse_norms}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

@@ -25,7 +25,6 @@ from jax.experimental import pallas as pl
 from turbospark_jax.models import (
     pallas_attention,
     pallas_norm_matvec,
-    pallas_prefetch,
     pallas_rope_store,
     pallas_row_norm,
     rowinv,
@@ -86,11 +85,9 @@ KERNELS = {
         lambda x, w: _matmul(x, (w,)), S((1, 896), BF16), S((896, 384), BF16)),
     "norm": (lambda x, w: pallas_row_norm._row_rms_norm(x, w, None, 1e-5, "pallas"),
              ROWS, S((256,), BF16)),
-    "norm after partial sums, prefetching the next product's weights": (
-        lambda r, p, w, a, b: pallas_row_norm._add_parts_rms_norm(
-            r, p, w, 1e-5, "pallas", (a, b), 1 << 20),
-        S((1, 256), BF16), S((4, 1, 256), jnp.float32), S((256,), BF16),
-        S((256, 1024), BF16), S((256, 1024), BF16)),
+    "norm after partial sums": (
+        lambda r, p, w: pallas_row_norm._add_parts_rms_norm(r, p, w, 1e-5, "pallas"),
+        S((1, 256), BF16), S((4, 1, 256), jnp.float32), S((256,), BF16)),
     "norm after a residual add, D not a power of two": (
         lambda x, w, r: pallas_row_norm._row_rms_norm(x, w, r, 1e-5, "pallas"),
         S((5, 96), BF16), S((96,), BF16), S((5, 96), BF16)),
@@ -116,12 +113,6 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8, n, n, max_keys=512)[0],
         S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
         S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16)),
-    "rope and cache write inside the attention, prefetching the next weights": (
-        lambda qkv, c, s, at, k, v, wo, wg: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 8, max_keys=512, prefetch=(wo, wg, wg),
-            prefetch_bytes=1 << 20)[0],
-        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
-        CACHE, CACHE, S((512, 512), BF16), S((512, 2048), BF16)),
     "rope and cache write inside the split attention kernel": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
             qkv, c, s, at, k, v, at, 8)[0],
@@ -256,9 +247,6 @@ def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch)
                                                             "cached_attention_folding"}
     assert kernels(max_keys=512) == {"rope_store_attention"}
     assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
-    monkeypatch.setattr(pallas_prefetch, "ATTENTION_BYTES", 1 << 20)  # the same kernels
-    monkeypatch.setattr(pallas_prefetch, "NORM_BYTES", 1 << 20)
-    assert kernels(max_keys=512) == {"rope_store_attention"}
 
 
 def _float_reductions(text: str) -> list[str]:

@@ -1,8 +1,7 @@
 """The fused RoPE kernel (q/k norm + RoPE + queries in the attention layout + in-place cache
 writes): the same function as the XLA expression it replaces, rows that never mix, writes of
 the live rows only, and a model that runs it agreeing with one that does not. Then the same
-work inside the attention kernel (``rope_store_attention``): bitwise the two launches, and
-its prefetch programs changing nothing.
+work inside the attention kernel (``rope_store_attention``): bitwise the two launches.
 
 On a CPU the kernel runs in the Pallas interpreter; on a GPU these tests run the compiled
 Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_rope_store.py``).
@@ -244,24 +243,3 @@ def test_control_the_fused_comparison_can_fail():
     want = _fused(qkv, cos, sin, pos, caches, pos, norms, fuse=False)
     assert not np.array_equal(_bits(got[0]), _bits(want[0]))
 
-
-def test_prefetch_programs_leave_every_result_as_it_was():
-    """Extra programs that read the next products' weights (``prefetch``) change nothing
-    the fused kernel returns, in either form; they are what the budget asks for."""
-    from turbospark_jax.models import pallas_prefetch
-
-    rng = np.random.default_rng(4)
-    weights = (_normal(rng, (H * HD, 256), jnp.bfloat16),
-               _normal(rng, (256, 512), jnp.bfloat16), _normal(rng, (256, 512), jnp.bfloat16))
-    for capacity, max_keys in ((256, None), (2048, None)):
-        qkv, cos, sin, pos, caches, norms = _inputs(5, jnp.bfloat16, 2, 100, capacity, 2)
-        args = (qkv, cos, sin, pos, *caches, pos, H)
-        base = rope_store_attention(*args, **norms, interpret=INTERPRET, max_keys=max_keys)
-        warm = rope_store_attention(*args, **norms, interpret=INTERPRET, max_keys=max_keys,
-                                    prefetch=weights, prefetch_bytes=400_000)
-        assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(base, warm, strict=True))
-    # the plan: the first weight whole (128 KB), the rest of the budget split evenly
-    views, rows = pallas_prefetch.prepare(weights, 400_000)
-    assert len(views) == 3 and rows[0] == weights[0].size // pallas_prefetch.COLS
-    assert rows[1] == rows[2] > 0
-    assert sum(rows) * pallas_prefetch.COLS * 2 <= 400_000

@@ -213,32 +213,6 @@ def test_parts_fused_equal_the_sum_then_the_norm(dtype, d, count):
     assert np.array_equal(_bits(h5), _bits(h[7:12]))
 
 
-@pytest.mark.parametrize("rows", [1, 5])
-def test_prefetch_programs_leave_the_norm_as_it_was(rows):
-    """Extra programs reading the next product's weights ahead (``prefetch``) change no bit
-    of ``h`` or the norm, for one row and for several (D not a power of two too)."""
-    from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
-
-    for d in (64, 96):
-        _, weight, residual = _inputs("bfloat16", d)
-        parts = _parts(d, 3)
-        rng = np.random.default_rng(2)
-        nxt = tuple(jnp.asarray(rng.standard_normal((d, 1024)), jnp.bfloat16) for _ in "ab")
-        base = add_parts_rms_norm(residual[:rows], parts[:, :rows], weight, EPS, impl=IMPL)
-        warm = add_parts_rms_norm(residual[:rows], parts[:, :rows], weight, EPS, impl=IMPL,
-                                  prefetch=nxt, prefetch_bytes=100_000)
-        assert all(np.array_equal(_bits(a), _bits(b)) for a, b in zip(base, warm, strict=True))
-
-
-@pytest.mark.parametrize("bad", [-1, 1.5, True, "1"])
-def test_a_bad_prefetch_budget_is_refused(bad):
-    from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
-
-    _, weight, residual = _inputs("bfloat16", 64)
-    with pytest.raises(BadInputError, match="prefetch_bytes"):
-        add_parts_rms_norm(residual, _parts(64, 2), weight, EPS, impl=IMPL, prefetch_bytes=bad)
-
-
 def test_parts_in_another_order_give_other_bits():
     """Control: the order of the additions is part of the result (float32 addition does not
     associate), so the bitwise check above can fail."""

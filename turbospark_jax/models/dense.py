@@ -410,9 +410,7 @@ class DenseModel(BlockModel):
                      and row_kernels.fuses_norm(kernels, first))
             with jax.named_scope("attention"):
                 if not fused:
-                    h, first = row_kernels.finish_norm(
-                        kernels, first, tree=self.fuse_norms,
-                        prefetch=tuple(lp[k] for k in ("q_proj", "k_proj", "v_proj")))
+                    h, first = row_kernels.finish_norm(kernels, first, tree=self.fuse_norms)
                 attn, kv = attention(first, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
@@ -424,9 +422,7 @@ class DenseModel(BlockModel):
                     h, gated = row_kernels.norm_swiglu(second, lp["gate_proj"],
                                                        lp["up_proj"])
                 else:
-                    h, x = row_kernels.finish_norm(
-                        kernels, second, prefetch=(lp["gate_proj"], lp["up_proj"]),
-                        tree=self.fuse_norms)
+                    h, x = row_kernels.finish_norm(kernels, second, tree=self.fuse_norms)
                     gated = self._gated(x, lp)
                 pending = row_kernels.matmul_parts(kernels, gated, lp["down_proj"],
                                                    label="down")

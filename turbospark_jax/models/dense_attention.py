@@ -17,12 +17,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import jax.numpy as jnp
 
-from turbospark_jax.models import (
-    pallas_attention,
-    pallas_prefetch,
-    pallas_rope_store,
-    row_kernels,
-)
+from turbospark_jax.models import pallas_attention, pallas_rope_store, row_kernels
 from turbospark_jax.models.dense_config import DenseConfig
 from turbospark_jax.models.layers import attend
 
@@ -214,14 +209,10 @@ def cached_attention(
         rows = (_merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
                 v_all[index])
         if row_invariant and model.fuse_rope_store:
-            # the RoPE-store's work inside the attention's first kernel (a decode, a verify),
-            # reading the layer's next weights ahead within its budget
-            budget = pallas_prefetch.ATTENTION_BYTES
-            nxt = tuple(lp[k] for k in ("o_proj", "gate_proj", "up_proj", "down_proj"))
+            # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
                 *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
                 window=window, interpret=rope_store == "interpret", max_keys=max_keys,
-                prefetch=nxt if budget else (), prefetch_bytes=budget,
             )
         else:
             qr, k_layer, v_layer = pallas_rope_store.rope_store(

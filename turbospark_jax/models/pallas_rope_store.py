@@ -24,11 +24,6 @@ just wrote. The fused kernels call the same code for the arithmetic as the separ
 :func:`~turbospark_jax.models.pallas_attention.split_of`), so a row comes out the same
 either way; on the GPU that is the compiler's to keep, checked there by the kernel tests.
 The dense model runs it by default (``DenseModel.fuse_rope_store``).
-
-With :data:`~turbospark_jax.models.pallas_prefetch.ATTENTION_BYTES` the fused kernel
-also reads the first bytes of the layer's next
-weights (the output projection, then the MLP's three) into the L2 cache while its attention
-waits on its latencies (:mod:`~turbospark_jax.models.pallas_prefetch`).
 """
 
 from __future__ import annotations
@@ -41,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from turbospark_jax.models import pallas_prefetch
 from turbospark_jax.models.layers import apply_rope, rms_norm
 from turbospark_jax.models.pallas_attention import (
     arrange_queries,
@@ -257,7 +251,7 @@ def rope_store(
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
-                           split: bool, barrier: bool, warm_rows: tuple[int, ...]) -> None:
+                           split: bool, barrier: bool) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
@@ -265,71 +259,51 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     kernel's body (:func:`~turbospark_jax.models.pallas_attention.fold_splits`), or with
     ``split`` the split kernel's (:func:`~turbospark_jax.models.pallas_attention.split_of`,
     partials for the fold kernel). The programs of one KV head write the same values to the
-    same places (each needs every new key of the block). With ``warm_rows``, the programs
-    past the KV heads on grid axis 0 (at query tile and split 0) read that many rows of each
-    prefetch weight instead (:func:`~turbospark_jax.models.pallas_prefetch.warm`)."""
+    same places (each needs every new key of the block)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
-    refs = refs[2:] if qk_norm else refs
-    bound_ref, pos_ref, *refs = refs
-    weights, refs = refs[:len(warm_rows)], refs[len(warm_rows):]
-    _, _, *outs = refs  # the caches' inputs: read and written through their outputs
-    if warm_rows:
-        *outs, top_ref = outs
+    # the caches' inputs (the two after pos): read and written through their outputs
+    bound_ref, pos_ref, _, _, *outs = refs[2:] if qk_norm else refs
     *results, q_out, k_out, v_out = outs
     h, t = pl.program_id(0), pl.program_id(1)
     s = pl.program_id(2) if split else None
     groups = heads // kv_heads
     half = proj_ref.shape[-1] // 2
 
-    def attend() -> None:
-        for w in range(width):
-            cos = cos_ref[w, pl.ds(0, half)][None, :]  # both halves are equal
-            sin = sin_ref[w, pl.ds(0, half)][None, :]
-            load = functools.partial(_projection, proj_ref, (w,), parts=parts,
-                                     dtype=q_out.dtype)
-            _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
-                       q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
-                       heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
-                       head_index=False)
-        if barrier:  # a CTA barrier orders the program's global writes before its reads
-            from jax.experimental.pallas import triton as plgpu
+    for w in range(width):
+        cos = cos_ref[w, pl.ds(0, half)][None, :]  # both halves are equal
+        sin = sin_ref[w, pl.ds(0, half)][None, :]
+        load = functools.partial(_projection, proj_ref, (w,), parts=parts, dtype=q_out.dtype)
+        _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
+                   q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
+                   heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
+                   head_index=False)
+    if barrier:  # a CTA barrier orders the program's global writes before its reads
+        from jax.experimental.pallas import triton as plgpu
 
-            plgpu.debug_barrier()
-        tile = pos_ref.shape[0]
-        q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
-        kw = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
-                  mma_sums=True)
-        if split:
-            acc_ref, m_ref, l_ref = results
-            acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out,
-                                                            v_out, split=s, **kw)
-        else:
-            (o_ref,) = results
-            acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **kw)
-            store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
-
-    if not warm_rows:
-        attend()
-        return
-    pl.when(h < kv_heads)(attend)
-    first = (t == 0) if s is None else (t == 0) & (s == 0)
-
-    @pl.when((h >= kv_heads) & first)
-    def _():
-        p = h - kv_heads
-        pallas_prefetch.store(top_ref, p, pallas_prefetch.warm(p, tuple(weights), warm_rows,
-                                                               top_ref.shape[0]))
+        plgpu.debug_barrier()
+    tile = pos_ref.shape[0]
+    q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
+    kw = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
+              mma_sums=True)
+    if split:
+        acc_ref, m_ref, l_ref = results
+        acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out, v_out,
+                                                        split=s, **kw)
+    else:
+        (o_ref,) = results
+        acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **kw)
+        store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
-                                             "fuse", "prefetch_bytes"))
+                                             "fuse"))
 def rope_store_attention(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-    fuse: bool = True, prefetch: tuple[jax.Array, ...] = (), prefetch_bytes: int = 0,
+    fuse: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
@@ -346,10 +320,6 @@ def rope_store_attention(
       window, max_keys: as for the attention.
       interpret: run in the Pallas interpreter (CPU tests).
       fuse: allow the RoPE-store's work inside the attention kernel.
-      prefetch, prefetch_bytes: weights the products after the attention read, and how many
-        of their bytes extra programs of the fused kernel read meanwhile
-        (:mod:`~turbospark_jax.models.pallas_prefetch`; 0: none): a warmer L2 cache for those
-        products, nothing else (speed only).
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -376,38 +346,31 @@ def rope_store_attention(
     pos = jnp.pad(pos, (0, padded - rows), constant_values=-1)  # padding rows see nothing
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
     whole = lambda shape: pl.BlockSpec(shape, lambda *_: (0,) * len(shape))  # noqa: E731
-    warm, warm_rows = pallas_prefetch.prepare(prefetch, prefetch_bytes)
-    extra = pallas_prefetch.PROGRAMS if warm_rows else 0
-    head = lambda h: jnp.minimum(h, kv_heads - 1)  # noqa: E731  (prefetch programs past it)
-    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, *_: (0, head(h), 0))
+    head_block = pl.BlockSpec((capacity, None, head_dim), lambda h, *_: (0, h, 0))
     operands = [write_at.astype(jnp.int32), projection, cos.astype(dtype), sin.astype(dtype)]
     specs = [whole((width,)), whole(projection.shape), whole((width, head_dim)),
              whole((width, head_dim))]
     if q_norm is not None:
         operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
         specs += [whole((head_dim,)), whole((head_dim,))]
-    operands += [bound, pos, *warm]
-    specs += [pl.BlockSpec((), lambda *_: ()), pl.BlockSpec((tile,), lambda h, t, *_: (t,)),
-              *(whole(w.shape) for w in warm)]
-    scratch_specs = [pl.BlockSpec((None, padded, head_dim), lambda h, *_: (head(h), 0, 0)),
+    operands += [bound, pos]
+    specs += [pl.BlockSpec((), lambda *_: ()), pl.BlockSpec((tile,), lambda h, t, *_: (t,))]
+    scratch_specs = [pl.BlockSpec((None, padded, head_dim), lambda h, *_: (h, 0, 0)),
                      head_block, head_block]
     scratch_shapes = [jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
                       jax.ShapeDtypeStruct(k_cache.shape, dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, dtype)]
-    if extra:  # the prefetch programs' one value each, kept so their reads are too
-        scratch_specs.append(whole((extra,)))
-        scratch_shapes.append(jax.ShapeDtypeStruct((extra,), jnp.float32))
     if folding:
-        grid = (kv_heads + extra, count)
-        result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (head(h), t, 0))]
+        grid = (kv_heads, count)
+        result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))]
         result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)]
     else:
         splits = partial_splits(splits)  # whole groups for the fold kernel's loads
-        grid = (kv_heads + extra, count, splits)
+        grid = (kv_heads, count, splits)
         result_specs = [
-            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, head(h), t, 0)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, head(h), t)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, head(h), t)),
+            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
         ]
         result_shapes = [
             jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), jnp.float32),
@@ -418,9 +381,8 @@ def rope_store_attention(
         _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
-        rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
-        warm_rows=warm_rows)
-    outs = pl.pallas_call(
+        rows=None if rows == padded else rows, split=not folding, barrier=not interpret)
+    *results, _, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=grid,
         in_specs=[*specs, head_block, head_block],
@@ -432,7 +394,6 @@ def rope_store_attention(
         name="rope_store_attention" if folding else "rope_store_attention_split",
         **compiler_kwargs(tiles, interpret),
     )(*operands, k_cache, v_cache)
-    results, (_, k_cache, v_cache) = outs[:len(result_shapes)], outs[len(result_shapes):][:3]
     if folding:
         (out,) = results
     else:

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models import layers, pallas_prefetch
+from turbospark_jax.models import layers
 from turbospark_jax.models.rowinv import resolve_impl, sum_parts
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -47,32 +47,6 @@ NARROW_ROW = 1024
 
 def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
-                 parts: int, rows: int, warm_rows: tuple[int, ...], tree: bool) -> None:
-    # Refs in order: x, [weight], [residual], [prefetch weights], then outputs [h], normed,
-    # [prefetch maxima]; the row blocks are [Dp] (x's is [parts, Dp] when it comes as float32
-    # partial sums). Programs past ``rows`` (with ``warm_rows``) prefetch instead.
-    refs = list(refs)
-    x_ref = refs.pop(0)
-    w_ref = refs.pop(0) if has_weight else None
-    r_ref = refs.pop(0) if has_residual else None
-    weights = tuple(refs.pop(0) for _ in warm_rows)
-    h_out = refs.pop(0) if has_residual else None
-    o_ref = refs.pop(0)
-    if not warm_rows:
-        _norm_row(x_ref, w_ref, r_ref, h_out, o_ref, eps=eps, d=d, parts=parts, tree=tree)
-        return
-    (top_ref,) = refs
-    i = pl.program_id(0)
-    pl.when(i < rows)(lambda: _norm_row(x_ref, w_ref, r_ref, h_out, o_ref, eps=eps, d=d,
-                                        parts=parts, tree=tree))
-
-    @pl.when(i >= rows)
-    def _():
-        pallas_prefetch.store(top_ref, i - rows, pallas_prefetch.warm(
-            i - rows, weights, warm_rows, top_ref.shape[0]))
 
 
 def halving_sum(v: jax.Array) -> jax.Array:
@@ -126,9 +100,16 @@ def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: A
     return (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
 
 
-def _norm_row(x_ref: Any, w_ref: Any, r_ref: Any, h_out: Any, o_ref: Any, *, eps: float,
-              d: int, parts: int, tree: bool) -> None:
-    """One row's norm (the kernel's work)."""
+def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
+                 parts: int, tree: bool) -> None:
+    # Refs in order: x, [weight], [residual], then outputs [h], normed; the row blocks are
+    # [Dp] (x's is [parts, Dp] when it comes as float32 partial sums).
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    w_ref = refs.pop(0) if has_weight else None
+    r_ref = refs.pop(0) if has_residual else None
+    h_out = refs.pop(0) if has_residual else None
+    (o_ref,) = refs
     dtype = o_ref.dtype
     x = parts_total(lambda i: x_ref[i, :], parts, dtype) if parts else x_ref[...]
     if r_ref is not None:
@@ -139,19 +120,15 @@ def _norm_row(x_ref: Any, w_ref: Any, r_ref: Any, h_out: Any, o_ref: Any, *, eps
 
 
 def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-            interpret: bool, dtype: Any, prefetch: tuple[jax.Array, ...] = (),
-            prefetch_bytes: int = 0, tree: bool = False) -> Any:
+            interpret: bool, dtype: Any, tree: bool = False) -> Any:
     parts = x.shape[0] if x.ndim == 3 else 0  # [S, M, D]: float32 partial sums
     m, d = x.shape[-2:]
     dp = _next_power_of_two(d)
     if dp != d:
         pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, dp - d)])  # noqa: E731
         x, weight, residual = (None if a is None else pad(a) for a in (x, weight, residual))
-    warm, warm_rows = pallas_prefetch.prepare(prefetch, prefetch_bytes)
-    extra = pallas_prefetch.PROGRAMS if warm_rows else 0
-    at = (lambda i: jnp.minimum(i, m - 1)) if extra else (lambda i: i)  # prefetch past m
-    row = pl.BlockSpec((None, dp), lambda i: (at(i), 0))
-    first = pl.BlockSpec((parts, None, dp), lambda i: (0, at(i), 0)) if parts else row
+    row = pl.BlockSpec((None, dp), lambda i: (i, 0))
+    first = pl.BlockSpec((parts, None, dp), lambda i: (0, i, 0)) if parts else row
     operands, specs = [x], [first]
     if weight is not None:
         operands.append(weight)
@@ -159,8 +136,6 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
     if residual is not None:
         operands.append(residual)
         specs.append(row)
-    operands += warm
-    specs += [pl.BlockSpec(w.shape, lambda i: (0, 0)) for w in warm]
     outs = 2 if residual is not None else 1
     kwargs = {}
     if not interpret:
@@ -169,24 +144,18 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         warps = 4 if dp <= NARROW_ROW else 8  # from D alone, never from M
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
-                               has_residual=residual is not None, parts=parts, rows=m,
-                               warm_rows=warm_rows, tree=tree)
-    out_specs = [row] * outs
-    out_shape = [jax.ShapeDtypeStruct((m, dp), dtype)] * outs
-    if extra:  # the prefetch programs' maxima, kept so their reads are too
-        out_specs.append(pl.BlockSpec((extra,), lambda i: (0,)))
-        out_shape.append(jax.ShapeDtypeStruct((extra,), jnp.float32))
+                               has_residual=residual is not None, parts=parts, tree=tree)
     out = pl.pallas_call(
         kernel,
-        grid=(m + extra,),
+        grid=(m,),
         in_specs=specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=[row] * outs,
+        out_shape=[jax.ShapeDtypeStruct((m, dp), dtype)] * outs,
         interpret=interpret,
         name="row_rms_norm",
         **kwargs,
     )(*operands)
-    out = [o[:, :d] for o in out[:outs]]
+    out = [o[:, :d] for o in out]
     return tuple(out) if residual is not None else out[0]
 
 
@@ -196,17 +165,14 @@ def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | 
     return _norm(x, weight, residual, eps, impl, parts=False, tree=tree)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl", "prefetch_bytes", "tree"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl", "tree"))
 def _add_parts_rms_norm(residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-                        eps: float, impl: str, prefetch: tuple[jax.Array, ...] = (),
-                        prefetch_bytes: int = 0, tree: bool = False) -> Any:
-    return _norm(parts, weight, residual, eps, impl, parts=True, prefetch=prefetch,
-                 prefetch_bytes=prefetch_bytes, tree=tree)
+                        eps: float, impl: str, tree: bool = False) -> Any:
+    return _norm(parts, weight, residual, eps, impl, parts=True, tree=tree)
 
 
 def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-          impl: str, parts: bool, prefetch: tuple[jax.Array, ...] = (),
-          prefetch_bytes: int = 0, tree: bool = False) -> Any:
+          impl: str, parts: bool, tree: bool = False) -> Any:
     dtype = residual.dtype if parts else x.dtype
     if impl == "xla":
         delta = sum_parts(x, dtype) if parts else x
@@ -216,8 +182,7 @@ def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, ep
     shape = residual.shape if parts else x.shape
     rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
     first = x.reshape(x.shape[0], -1, shape[-1]) if parts else rows(x)
-    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype, prefetch,
-                  prefetch_bytes, tree)
+    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype, tree)
     if residual is None:
         return out.reshape(shape)
     return tuple(o.reshape(shape) for o in out)
@@ -299,8 +264,6 @@ def add_parts_rms_norm(
     eps: float,
     *,
     impl: str = "auto",
-    prefetch: tuple[jax.Array, ...] = (),
-    prefetch_bytes: int = 0,
     tree: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`row_rms_norm` of ``h = residual + delta``, where ``delta`` comes unfinished: the
@@ -315,10 +278,6 @@ def add_parts_rms_norm(
       residual: ``[..., D]``, bfloat16, float16 or float32.
       parts: float32 ``[S, ..., D]``: ``S`` partial sums of the rows ``residual`` has.
       weight, eps, impl, tree: as for :func:`row_rms_norm`.
-      prefetch, prefetch_bytes: weights the product after the norm reads, and how many of
-        their bytes extra programs of the kernel read meanwhile into the L2 cache
-        (:mod:`~turbospark_jax.models.pallas_prefetch`; 0: none; speed only, under a Pallas
-        impl).
 
     Returns:
       ``(h, normed)``, both ``[..., D]`` in ``residual``'s dtype.
@@ -334,8 +293,5 @@ def add_parts_rms_norm(
             f"parts must be float32 [S, *residual.shape] = [S, "
             f"{', '.join(map(str, residual.shape))}] with S >= 1; got shape {_shape(parts)}, "
             f"dtype {getattr(parts, 'dtype', None)}")
-    if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) \
-            or prefetch_bytes < 0:
-        raise BadInputError(f"prefetch_bytes must be an int >= 0; got {prefetch_bytes!r}")
     return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl),
-                               tuple(prefetch), prefetch_bytes, as_bool("tree", tree))
+                               as_bool("tree", tree))

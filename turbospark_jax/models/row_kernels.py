@@ -99,25 +99,17 @@ def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
 
 
 def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-             eps: float, prefetch: tuple[jax.Array, ...] = (),
-             tree: bool = False) -> tuple[jax.Array, jax.Array]:
+             eps: float, tree: bool = False) -> tuple[jax.Array, jax.Array]:
     """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
     ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
     add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
-    ``h`` exactly as finishing the product and adding it would. ``prefetch``: the weights
-    of the product after the norm, which a decode-sized call on a GPU reads ahead into the
-    L2 cache (:data:`~turbospark_jax.models.pallas_prefetch.NORM_BYTES` of them). ``tree``:
-    the GPU kernel's sum of squares in the fixed order the fused norms follow
+    ``h`` exactly as finishing the product and adding it would. ``tree``: the GPU kernel's
+    sum of squares in the fixed order the fused norms follow
     (:func:`~turbospark_jax.models.pallas_row_norm.row_rms_norm`)."""
     if _on_gpu():
-        from turbospark_jax.models import pallas_prefetch
         from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 
-        budget = pallas_prefetch.NORM_BYTES if residual.shape[0] <= pallas_prefetch.MAX_ROWS \
-            else 0
-        return add_parts_rms_norm(residual, parts, weight, eps,
-                                  prefetch=prefetch if budget else (), prefetch_bytes=budget,
-                                  tree=tree)
+        return add_parts_rms_norm(residual, parts, weight, eps, tree=tree)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
 
@@ -147,18 +139,16 @@ def fuses_norm(kernels: str, rows: Unnormed) -> bool:
     return refusal(rows.residual, rows.weight) is None
 
 
-def finish_norm(kernels: str, rows: Unnormed, prefetch: tuple[jax.Array, ...] = (),
-                tree: bool = False) -> tuple[jax.Array, jax.Array]:
+def finish_norm(kernels: str, rows: Unnormed, tree: bool = False) -> tuple[jax.Array, jax.Array]:
     """``(h, normed)`` of :class:`Unnormed` rows: the deltas before the last added as XLA
     adds them (each sum correctly rounded, as the norm kernel rounds it), the last one and
-    the norm by :func:`add_norm` (``prefetch``, ``tree``: as it takes them)."""
+    the norm by :func:`add_norm` (``tree``: as it takes it)."""
     h = rows.residual
     if not rows.deltas:
         return h, rms_norm(kernels, h, rows.weight, rows.eps, tree=tree)
     for delta in rows.deltas[:-1]:
         h = h + sum_parts(delta, h.dtype)
-    return add_norm(kernels, h, rows.deltas[-1], rows.weight, rows.eps, prefetch=prefetch,
-                    tree=tree)
+    return add_norm(kernels, h, rows.deltas[-1], rows.weight, rows.eps, tree=tree)
 
 
 def normed(kernels: str, rows: jax.Array | Unnormed) -> jax.Array:
