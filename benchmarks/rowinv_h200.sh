@@ -419,5 +419,9 @@ case "$stage" in
       --budget-s 130 2>&1 | cut -c1-300 | grep speed | tail -4
   done
   ;;
+*)
+  echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
+  exit 2
+  ;;
 esac
 ls -R "$out" | head -30
