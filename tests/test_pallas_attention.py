@@ -197,27 +197,29 @@ def test_a_short_key_bound_runs_the_folding_kernel_and_keeps_the_bits(width):
 
 @pytest.mark.parametrize("row_invariant", [False, True])
 def test_a_row_keeps_its_bits_whether_its_key_tiles_ran_masked_or_not(row_invariant):
-    """In the row-invariant form the key tiles every live row of a query tile sees whole
-    run without the mask. A row next to a row at position 0 has every tile masked (the
-    tile's lowest position bounds the unmasked ones); alone, all but its last run unmasked.
-    Its bits must not change. (The first form of the base-2 softmax, ``exp2(score * c -
-    max)``, failed here in the interpreter: its LLVM fused the multiply into the subtraction
-    on one loop only. The other form, whose row sums are a reduction the compiler lays out
-    per loop, failed here compiled on an H100 while it skipped the mask too; it now masks
-    every tile.)"""
+    """A row next to a row at position 0 has every key tile of its query tile masked (the
+    tile's lowest position bounds the tiles the row-invariant form runs unmasked); next to
+    a padding row (position -1, as a decode's), all but its last. Its bits must not change,
+    at any slot of the block: XLA mode's one width relies on it (a prompt's row chunked
+    beside others, then the same row decoded alone), and the row-invariant form must also
+    keep them from one width to another (below). (The first form of the base-2 softmax,
+    ``exp2(score * c - max)``, failed here in the interpreter: its LLVM fused the multiply
+    into the subtraction on one loop only.)"""
     capacity, position = 2304, 2000
     q, k, v = _inputs(6, 2, 4, 2, 16, capacity, jnp.float32)
     run = lambda a, p: np.asarray(cached_attention(  # noqa: E731
         a, k, v, jnp.asarray(p, jnp.int32), interpret=INTERPRET,
         row_invariant=row_invariant)).view(np.uint32)
     beside_zero = run(q, [0, position])[1]
-    alone = run(q[1:], [position])[0]
-    assert np.array_equal(beside_zero, alone)
+    first_slot = run(q[::-1], [position, -1])[0]
+    assert np.array_equal(beside_zero, first_slot)
+    if row_invariant:  # a call of another width: another program, the same bits
+        assert np.array_equal(beside_zero, run(q[1:], [position])[0])
     # control: a key the row sees, doubled, shows in its result
     nudged = np.asarray(cached_attention(
-        q[1:], k.at[1000].multiply(2.0), v, jnp.asarray([position], jnp.int32),
+        q[::-1], k.at[1000].multiply(2.0), v, jnp.asarray([position, -1], jnp.int32),
         interpret=INTERPRET, row_invariant=row_invariant)).view(np.uint32)
-    assert not np.array_equal(nudged[0], alone)
+    assert not np.array_equal(nudged[0], first_slot)
 
 
 @pytest.mark.parametrize("width", [3, 140])
