@@ -12,32 +12,43 @@ import argparse
 import json
 import os
 import time
+from typing import Any
 
 import numpy as np
 
 
-def main() -> None:
+def prefilled_producer(shape_name: str, capacity: int,
+                       steps_per_call: int) -> tuple[Any, Any, Any]:
+    """``(config, producer, state)``: a donating ``BlockProducer`` of width 16 over the dense
+    shape ``shape_name`` with random weights (bfloat16 on a GPU, float32 elsewhere), and its
+    state after a prefill of 128 tokens."""
     import jax
     import jax.numpy as jnp
 
     from benchmarks.run import SHAPES
-    from turbospark_jax import sampling
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
     from turbospark_jax.models.dense_config import DenseConfig
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.2-1b")
-    args = ap.parse_args()
-    shape = SHAPES[args.shape]
-    config = DenseConfig.from_hf_dict(shape.hf_dict())
+    config = DenseConfig.from_hf_dict(SHAPES[shape_name].hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False)
     params = unstack_layers(init_params(config, jax.random.PRNGKey(0), dtype))
-    p = BlockProducer(model, params, capacity=4096, width=16, steps_per_call=64, donate=True)
+    producer = BlockProducer(model, params, capacity=capacity, width=16,
+                             steps_per_call=steps_per_call, donate=True)
+    state = producer.prefill_chunk(producer.init_state(), list(range(1, 129)), 0)[1]
+    return config, producer, state
+
+
+def main() -> None:
+    from turbospark_jax import sampling
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    args = ap.parse_args()
+    config, p, state = prefilled_producer(args.shape, capacity=4096, steps_per_call=64)
     greedy, key = sampling.SamplingParams.greedy(), sampling.request_key(0)
     hist = sampling.History.empty(config.vocab_size)
-    state = p.prefill_chunk(p.init_state(), list(range(1, 129)), 0)[1]
     times: dict[int, float] = {}
     for n in (4, 16, 64):
         runs = []

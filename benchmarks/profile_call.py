@@ -25,27 +25,17 @@ import numpy as np
 
 def main() -> None:
     import jax
-    import jax.numpy as jnp
 
-    from benchmarks.run import SHAPES
+    from benchmarks.call_overhead import prefilled_producer
     from turbospark_jax import sampling
-    from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
-    from turbospark_jax.models.dense_config import DenseConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
-    shape = SHAPES[args.shape]
-    config = DenseConfig.from_hf_dict(shape.hf_dict())
-    dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    model = DenseModel(config, dtype, scan_layers=False)
-    params = unstack_layers(init_params(config, jax.random.PRNGKey(0), dtype))
-    p = BlockProducer(model, params, capacity=1024, width=16, steps_per_call=32, donate=True)
+    config, p, state = prefilled_producer(args.shape, capacity=1024, steps_per_call=32)
     greedy, key = sampling.SamplingParams.greedy(), sampling.request_key(0)
     hist = sampling.History.empty(config.vocab_size)
-    state = p.prefill_chunk(p.init_state(), list(range(1, 129)), 0)[1]
     n = args.steps
 
     # phase timings: the same work BlockProducer.decode does, split

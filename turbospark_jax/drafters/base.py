@@ -19,11 +19,13 @@ still runs through the host loop.
 from __future__ import annotations
 
 import abc
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
 
+from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 
 #: The most tokens one speculative round drafts (the judgement is compiled for this size).
@@ -76,6 +78,16 @@ class DeviceDrafter(abc.ABC):
         drafter may hold fewer: it never consumed the last proposal). Default: no state."""
         del keep
         return state
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def propose_compiled(device: DeviceDrafter, params: Any, state: Any, target: Any,
+                     pending: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
+    """``device``'s :meth:`~DeviceDrafter.propose` as one compiled call, for a drafter that
+    does not sample: the proposals, how many are real and the new state. The host loop drafts
+    with it, so it runs the program the device rounds run."""
+    proposals, _, count, state = device.propose(params, state, target, pending, m, None)
+    return proposals, count, state
 
 
 class Drafter(abc.ABC):
@@ -171,3 +183,39 @@ class Drafter(abc.ABC):
         """The drafter's device form and its params, or ``None`` when it has none (the
         speculative loop then runs on the host). Default: none."""
         return None
+
+
+class LookupDrafter(Drafter):
+    """A lookup drafter (see the module docstring) that proposes whole blocks of ids below its
+    own ``vocab_size``.
+
+    Raises:
+      BadInputError: ``vocab_size`` is not a positive integer.
+    """
+
+    stateless = True
+    drafts_blocks = True
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab = as_int("vocab_size", vocab_size, low=1)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+
+class CatchUpDrafter(Drafter):
+    """A block drafter that :attr:`~Drafter.catches_up`, with its own fed record in its state
+    (``state.fed``): its position is that record's count, and a rewind only moves the record
+    back (the rows past the position are dropped; drafting rebuilds the ones it lacks, so
+    ``known`` is never read)."""
+
+    drafts_blocks = True
+    catches_up = True
+
+    def position(self, state: Any) -> int:
+        return int(state.fed.count)
+
+    def rewind(self, state: Any, position: int, known: Callable[[], Sequence[int]]) -> Any:
+        del known
+        return state.replace(fed=state.fed.moved_to(min(position, int(state.fed.count))))

@@ -22,8 +22,7 @@ compiled function the device rounds run.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -31,7 +30,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.drafters.base import (
+    MAX_DRAFT,
+    CatchUpDrafter,
+    DeviceDrafter,
+    propose_compiled,
+)
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.block_drafter import (
@@ -79,7 +83,7 @@ class BlockDrafterState:
     fed: FedRecord
 
 
-class BlockDrafter(Drafter):
+class BlockDrafter(CatchUpDrafter):
     """Draft a block per pass with a block drafter over its target's tap rows.
 
     Args:
@@ -96,9 +100,6 @@ class BlockDrafter(Drafter):
         target (hidden size, vocabulary, layer count, tap layers) or its params do not have
         the config's shapes.
     """
-
-    drafts_blocks = True
-    catches_up = True
 
     def __init__(self, target: BlockProducer, config: BlockDrafterConfig, params: Params, *,
                  bidirectional: bool = True) -> None:
@@ -163,31 +164,16 @@ class BlockDrafter(Drafter):
                 f"{type(state).__name__}"
             )
 
-    def position(self, state: BlockDrafterState) -> int:
-        return int(state.fed.count)
-
-    def rewind(self, state: BlockDrafterState, position: int,
-               known: Callable[[], Sequence[int]]) -> BlockDrafterState:
-        del known  # rows past ``position`` are dropped; missing ones are rebuilt when drafting
-        return state.replace(fed=state.fed.moved_to(min(position, int(state.fed.count))))
-
     def block(self, state: BlockDrafterState, known: Sequence[int], count: int, *,
               target: Any = None) -> tuple[list[int], BlockDrafterState]:
         if target is None:
             raise BadInputError("the block drafter reads the target's state; pass target=")
-        proposals, n, state = _propose(self._device, self._params, state, target,
-                                       jnp.int32(int(known[-1])), jnp.int32(count))
+        proposals, n, state = propose_compiled(self._device, self._params, state, target,
+                                               jnp.int32(int(known[-1])), jnp.int32(count))
         return [int(t) for t in jax.device_get(proposals)[: int(n)]], state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
         return self._device, self._params
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _propose(device: BlockDevice, params: Any, state: BlockDrafterState, target: Any,
-             pending: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array, BlockDrafterState]:
-    proposals, _, count, state = device.propose(params, state, target, pending, m, None)
-    return proposals, count, state
 
 
 @dataclasses.dataclass(frozen=True)

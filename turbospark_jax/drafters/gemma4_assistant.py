@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import BlockState
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, propose_compiled
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.models import gemma4
 from turbospark_jax.models.family import HFTensor, Params
@@ -280,19 +280,12 @@ class Gemma4AssistantDrafter(Drafter):
               target: Any = None) -> tuple[list[int], Any]:
         if target is None:
             raise BadInputError("the assistant reads the target's state; pass target=")
-        proposals, n = _assistant_propose(self._device, self._params, target,
-                                          jnp.int32(int(known[-1])), jnp.int32(count))
+        proposals, n, _ = propose_compiled(self._device, self._params, (), target,
+                                           jnp.int32(int(known[-1])), jnp.int32(count))
         return [int(t) for t in jax.device_get(proposals)[: int(n)]], state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
         return self._device, self._params
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _assistant_propose(device: AssistantDevice, params: Any, target: Any, pending: jax.Array,
-                       m: jax.Array) -> tuple[jax.Array, jax.Array]:
-    proposals, _, count, _ = device.propose(params, (), target, pending, m, None)
-    return proposals, count
 
 
 @dataclasses.dataclass(frozen=True)

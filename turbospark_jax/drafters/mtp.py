@@ -21,8 +21,7 @@ drafts with the same compiled function the device rounds run, so the two loops a
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,7 +29,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.drafters.base import (
+    MAX_DRAFT,
+    CatchUpDrafter,
+    DeviceDrafter,
+    propose_compiled,
+)
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.qwen3_5 import MTPCache, Qwen35Model
 from turbospark_jax.state import FedRecord
@@ -48,7 +52,7 @@ class MTPState:
     fed: FedRecord
 
 
-class MTPDrafter(Drafter):
+class MTPDrafter(CatchUpDrafter):
     """Draft with the target's MTP head.
 
     Args:
@@ -58,9 +62,6 @@ class MTPDrafter(Drafter):
     Raises:
       BadInputError: the target has no MTP head.
     """
-
-    drafts_blocks = True
-    catches_up = True
 
     def __init__(self, target: BlockProducer) -> None:
         model = target.model if isinstance(target, BlockProducer) else None
@@ -86,38 +87,16 @@ class MTPDrafter(Drafter):
         return MTPState(cache=self.target.model.mtp_init_cache(capacity),
                         fed=FedRecord.empty(capacity))
 
-    def position(self, state: MTPState) -> int:
-        return int(state.fed.count)
-
-    def rewind(self, state: MTPState, position: int,
-               known: Callable[[], Sequence[int]]) -> MTPState:
-        del known  # rows past ``position`` are dropped; missing ones are rebuilt when drafting
-        return state.replace(fed=state.fed.moved_to(min(position, int(state.fed.count))))
-
     def block(self, state: MTPState, known: Sequence[int], count: int, *,
               target: Any = None) -> tuple[list[int], MTPState]:
         if target is None:
             raise BadInputError("the MTP drafter reads the target's state; pass target=")
-        proposals, n, state = _host_propose(self._device, self.target.params, state, target,
-                                            int(known[-1]), count)
-        return [int(t) for t in proposals[: int(n)]], state
+        proposals, n, state = propose_compiled(self._device, self.target.params, state, target,
+                                               jnp.int32(int(known[-1])), jnp.int32(count))
+        return [int(t) for t in jax.device_get(proposals)[: int(n)]], state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
         return self._device, self.target.params
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _propose(device: MTPDevice, params: Any, state: MTPState, target: Any, pending: jax.Array,
-             m: jax.Array) -> tuple[jax.Array, jax.Array, MTPState]:
-    proposals, _, count, state = device.propose(params, state, target, pending, m, None)
-    return proposals, count, state
-
-
-def _host_propose(device: MTPDevice, params: Any, state: MTPState, target: Any, pending: int,
-                  count: int) -> tuple[Any, Any, MTPState]:
-    proposals, n, state = _propose(device, params, state, target, jnp.int32(pending),
-                                   jnp.int32(count))
-    return jax.device_get(proposals), jax.device_get(n), state
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,11 @@ import jax
 import jax.numpy as jnp
 
 from turbospark_jax.checks import as_int
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, LookupDrafter
 from turbospark_jax.errors import BadInputError
 
 
-class NGramDrafter(Drafter):
+class NGramDrafter(LookupDrafter):
     """Propose the continuation of the latest earlier match of the last ``n`` tokens.
 
     Args:
@@ -37,9 +37,6 @@ class NGramDrafter(Drafter):
         positive integer.
     """
 
-    stateless = True
-    drafts_blocks = True
-
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1) -> None:
         for name, value in (("max_n", max_n), ("min_n", min_n)):
             as_int(name, value)
@@ -47,12 +44,8 @@ class NGramDrafter(Drafter):
             raise BadInputError(
                 f"n-gram lengths need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}"
             )
-        self._vocab = as_int("vocab_size", vocab_size, low=1)
+        super().__init__(vocab_size)
         self.max_n, self.min_n = int(max_n), int(min_n)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
 
     def block(self, state: Any, known: Sequence[int], count: int, *,
               target: Any = None) -> tuple[list[int], Any]:

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from turbospark_jax.checks import as_int, as_real, as_token_ids
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, LookupDrafter
 from turbospark_jax.errors import BadInputError
 
 
-class OracleDrafter(Drafter):
+class OracleDrafter(LookupDrafter):
     """Propose ``reference[p]`` at position ``p`` with probability ``alpha``.
 
     Args:
@@ -43,20 +43,13 @@ class OracleDrafter(Drafter):
         non-negative integer.
     """
 
-    stateless = True
-    drafts_blocks = True
-
     def __init__(
         self, vocab_size: int, reference: Sequence[int], alpha: float, seed: int = 0
     ) -> None:
-        self._vocab = as_int("vocab_size", vocab_size, low=1)
+        super().__init__(vocab_size)
         self.alpha = as_real("alpha", alpha, low=0.0, high=1.0)
         self.reference = np.asarray(as_token_ids("reference", reference, self._vocab), np.int32)
         self.seed = as_int("seed", seed, low=0, high=2**32 - 1)
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab
 
     def block(self, state: Any, known: Sequence[int], count: int, *,
               target: Any = None) -> tuple[list[int], Any]:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.family import eos_ids
+from turbospark_jax.models.family import checkpoint_dtype, eos_ids, eos_to_json, hf_model_type
 from turbospark_jax.models.layers import SUPPORTED_ROPE_TYPES, RopeScaling
 
 #: ``model_type`` values this module implements, with the HF class each saves as.
@@ -228,9 +228,7 @@ class DenseConfig:
             ones), a missing required key, a value of the wrong type, an unsupported RoPE
             variant or activation, or inconsistent head counts.
         """
-        if not isinstance(d, Mapping):
-            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type")
+        model_type = hf_model_type(d)
         if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(
                 f"unsupported model_type {model_type!r}; the dense family supports "
@@ -283,7 +281,6 @@ class DenseConfig:
             eos = tuple(eos)
         elif eos is not None and not isinstance(eos, int):
             raise ModelLoadError(f"config.json key 'eos_token_id' must be an integer, got {eos!r}")
-        dtype = d.get("dtype", d.get("torch_dtype"))
         return cls(
             model_type=model_type,
             vocab_size=get("vocab_size", int),
@@ -310,7 +307,7 @@ class DenseConfig:
             eos_token_id=eos,
             pad_token_id=get("pad_token_id", int),
             initializer_range=get("initializer_range", float, 0.02),
-            dtype=str(dtype) if dtype is not None else None,
+            dtype=checkpoint_dtype(d),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -320,9 +317,6 @@ class DenseConfig:
         rope = {"rope_theta": self.rope_theta, "rope_type": "default"}
         if self.rope_scaling is not None:
             rope.update(self.rope_scaling.to_hf_dict())
-        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else (
-            self.eos_token_id
-        )
         out: dict[str, Any] = {
             "architectures": [ARCHITECTURES[self.model_type]],
             "model_type": self.model_type,
@@ -344,7 +338,7 @@ class DenseConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "initializer_range": self.initializer_range,
             "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
+            "eos_token_id": eos_to_json(self.eos_token_id),
             "pad_token_id": self.pad_token_id,
         }
         if self.model_type in ("llama", "qwen3"):

@@ -4,7 +4,7 @@ Each family module (``dense.py``, ...) builds one :class:`Family` value naming t
 ``model_type`` values it serves, how to parse their ``config.json``, the shape of its params
 tree, where each Hugging Face tensor goes in that tree, and how to build the runnable model.
 ``turbospark_jax.loading`` is generic over this declaration; ``registry.py`` lists the
-families.
+families. The readings of ``config.json`` that several families' configs share are here too.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.models.base import BlockModel
 
 Params = dict[str, Any]
@@ -25,6 +26,74 @@ def eos_ids(eos_token_id: int | tuple[int, ...] | list[int] | None) -> tuple[int
     if eos_token_id is None:
         return ()
     return (eos_token_id,) if isinstance(eos_token_id, int) else tuple(eos_token_id)
+
+
+def eos_to_json(eos_token_id: int | tuple[int, ...] | None) -> int | list[int] | None:
+    """A config's ``eos_token_id`` as ``config.json`` writes it (several ids as a list)."""
+    return list(eos_token_id) if isinstance(eos_token_id, tuple) else eos_token_id
+
+
+def hf_model_type(d: Any) -> Any:
+    """The ``model_type`` a ``config.json`` dict names (``None`` when it names none).
+
+    Raises:
+      ModelLoadError: ``d`` is not a JSON object.
+    """
+    if not isinstance(d, Mapping):
+        raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
+    return d.get("model_type")
+
+
+def text_config(d: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The text decoder's keys of a multimodal ``config.json``: its ``text_config`` (left out
+    or null: no keys).
+
+    Raises:
+      ModelLoadError: ``text_config`` is not an object.
+    """
+    text = d.get("text_config") or {}
+    if not isinstance(text, Mapping):
+        raise ModelLoadError(f"config.json key 'text_config' must be an object, got {text!r}")
+    return text
+
+
+def typed_value(key: str, value: Any, kind: type) -> Any:
+    """``value``, read from ``config.json`` key ``key``, as ``kind`` (``int``, ``float``,
+    ``bool`` or ``str``); ``true`` and ``false`` count as bools only.
+
+    Raises:
+      ModelLoadError: naming the key, when ``value`` is not of ``kind``.
+    """
+    ok = {int: isinstance(value, int), float: isinstance(value, int | float),
+          bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
+    if not ok or (kind is not bool and isinstance(value, bool)):
+        raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, got {value!r}")
+    return kind(value)
+
+
+def token_ids(text: Mapping[str, Any], outer: Mapping[str, Any],
+              defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """``bos_token_id``, ``eos_token_id`` and ``pad_token_id``, each from ``outer`` where it
+    has the key, else from ``text``, else from ``defaults``; a list of ids becomes a tuple.
+
+    Raises:
+      ModelLoadError: naming the key, for a value that is not an integer, null or a list of
+        those.
+    """
+    tokens = {k: (outer if k in outer else text).get(k, defaults[k])
+              for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    for key, value in tokens.items():
+        ids = value if isinstance(value, list) else [value]
+        if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in ids):
+            raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in tokens.items()}
+
+
+def checkpoint_dtype(d: Mapping[str, Any], outer: Mapping[str, Any] | None = None) -> str | None:
+    """The checkpoint dtype a ``config.json`` names (``dtype``, or the older ``torch_dtype``;
+    an outer multimodal config's ``dtype`` first), or ``None`` when it names none."""
+    dtype = (outer or {}).get("dtype", d.get("dtype", d.get("torch_dtype")))
+    return str(dtype) if dtype is not None else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,15 @@ from typing import Any
 import numpy as np
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.family import eos_ids
+from turbospark_jax.models.family import (
+    checkpoint_dtype,
+    eos_ids,
+    eos_to_json,
+    hf_model_type,
+    text_config,
+    token_ids,
+    typed_value,
+)
 from turbospark_jax.models.layers import rope_inv_freq
 
 FULL, SLIDING = "full_attention", "sliding_attention"
@@ -223,17 +231,13 @@ class Gemma4Config:
             unsupported feature (the MoE block, bidirectional attention, another activation
             or RoPE type) or inconsistent shapes.
         """
-        if not isinstance(d, Mapping):
-            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type")
+        model_type = hf_model_type(d)
         if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
             raise ModelLoadError(f"unsupported model_type {model_type!r} for the Gemma 4 family "
                                  f"(supported: {', '.join(ARCHITECTURES)})")
         outer: Mapping[str, Any] = {}
         if model_type == "gemma4":
-            outer, d = d, d.get("text_config") or {}
-            if not isinstance(d, Mapping):
-                raise ModelLoadError(f"config.json key 'text_config' must be an object, got {d!r}")
+            outer, d = d, text_config(d)
         defaults = {f.name: f.default for f in dataclasses.fields(cls)}
 
         def get(key: str, kind: type, source: Mapping[str, Any] = d) -> Any:
@@ -243,12 +247,7 @@ class Gemma4Config:
                     raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
                                          f"got null")
                 return None
-            ok = {int: isinstance(value, int), float: isinstance(value, int | float),
-                  bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
-            if not ok or (kind is not bool and isinstance(value, bool)):
-                raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
-                                     f"got {value!r}")
-            return kind(value)
+            return typed_value(key, value, kind)
 
         moe = d.get("enable_moe_block", False)
         if not isinstance(moe, bool):
@@ -273,14 +272,7 @@ class Gemma4Config:
             global_dim, global_kv = _per_layer_shapes(d["per_layer_config"], types, layers,
                                                       get("head_dim", int),
                                                       get("num_key_value_heads", int))
-        tokens = {k: (outer if k in outer else d).get(k, defaults[k])
-                  for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        for key, value in tokens.items():
-            ids = value if isinstance(value, list) else [value]
-            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
-                       for v in ids):
-                raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
-        dtype = outer.get("dtype", d.get("dtype", d.get("torch_dtype")))
+        tokens = token_ids(d, outer, defaults)
         return cls(
             model_type=model_type,
             **{k: get(k, int) for k in (
@@ -302,9 +294,9 @@ class Gemma4Config:
             hidden_size_per_layer_input=get("hidden_size_per_layer_input", int) or 0,
             attention_k_eq_v=k_eq_v,
             use_double_wide_mlp=get("use_double_wide_mlp", bool),
-            dtype=str(dtype) if dtype is not None else None,
+            dtype=checkpoint_dtype(d, outer),
             use_bidirectional_attention=d.get("use_bidirectional_attention"),
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in tokens.items()},
+            **tokens,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -319,8 +311,7 @@ class Gemma4Config:
         }
         text.update(
             model_type="gemma4_text", layer_types=list(self.layer_types),
-            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
+            eos_token_id=eos_to_json(self.eos_token_id),
             rope_parameters={SLIDING: self.sliding_rope.to_hf_dict(),
                              FULL: self.full_rope.to_hf_dict()},
             per_layer_config={str(i): overrides for i, t in enumerate(self.layer_types)

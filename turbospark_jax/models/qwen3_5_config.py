@@ -16,7 +16,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.models.family import eos_ids
+from turbospark_jax.models.family import (
+    checkpoint_dtype,
+    eos_ids,
+    eos_to_json,
+    hf_model_type,
+    text_config,
+    token_ids,
+    typed_value,
+)
 
 LINEAR, FULL = "linear_attention", "full_attention"
 ARCHITECTURES = {
@@ -152,14 +160,10 @@ class Qwen35Config:
             mixture-of-experts config (``qwen3_5_moe``, or ``qwen3_next`` experts in any
             layer), a RoPE type other than the default, or inconsistent shapes.
         """
-        if not isinstance(d, Mapping):
-            raise ModelLoadError(f"config.json must hold a JSON object, got {type(d).__name__}")
-        model_type = d.get("model_type")
+        model_type = hf_model_type(d)
         outer: Mapping[str, Any] = {}
         if model_type == "qwen3_5":
-            outer, d = d, d.get("text_config") or {}
-            if not isinstance(d, Mapping):
-                raise ModelLoadError(f"config.json key 'text_config' must be an object, got {d!r}")
+            outer, d = d, text_config(d)
         if model_type in _MOE_TYPES or d.get("model_type") in _MOE_TYPES:
             raise ModelLoadError(f"model_type {model_type!r} is a mixture-of-experts model: MoE "
                                  "is not supported by the Qwen3.5 family")
@@ -173,12 +177,7 @@ class Qwen35Config:
             value = source.get(key, defaults.get(key, default))
             if value is None:
                 return None
-            ok = {int: isinstance(value, int), float: isinstance(value, int | float),
-                  bool: isinstance(value, bool), str: isinstance(value, str)}[kind]
-            if not ok or (kind is not bool and isinstance(value, bool)):
-                raise ModelLoadError(f"config.json key {key!r} must be {kind.__name__}, "
-                                     f"got {value!r}")
-            return kind(value)
+            return typed_value(key, value, kind)
 
         layers = get("num_hidden_layers", int)
         _refuse_moe(d, model_type, layers, get)
@@ -199,14 +198,7 @@ class Qwen35Config:
             raise ModelLoadError(f"config.json key 'layer_types' must be a list of names, "
                                  f"got {types!r}")
         theta, partial = _parse_rope(d)
-        tokens = {k: (outer if k in outer else d).get(k) for k in
-                  ("bos_token_id", "eos_token_id", "pad_token_id")}
-        for key, value in tokens.items():
-            ids = value if isinstance(value, list) else [value]
-            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool))
-                       for v in ids):
-                raise ModelLoadError(f"config.json key {key!r} must be an integer, got {value!r}")
-        dtype = outer.get("dtype", d.get("dtype", d.get("torch_dtype")))
+        tokens = token_ids(d, outer, defaults)
         return cls(
             model_type=model_type,
             **{k: get(k, int) for k in (
@@ -223,8 +215,8 @@ class Qwen35Config:
             rope_theta=theta,
             partial_rotary_factor=partial,
             layer_types=tuple(types),
-            dtype=str(dtype) if dtype is not None else None,
-            **{k: tuple(v) if isinstance(v, list) else v for k, v in tokens.items()},
+            dtype=checkpoint_dtype(d, outer),
+            **tokens,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -236,8 +228,7 @@ class Qwen35Config:
             layer_types=list(self.layer_types),
             rope_parameters={"rope_type": "default", "rope_theta": self.rope_theta,
                              "partial_rotary_factor": self.partial_rotary_factor},
-            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple)
-            else self.eos_token_id,
+            eos_token_id=eos_to_json(self.eos_token_id),
             **({"dtype": self.dtype} if self.dtype is not None else {}),
         )
         if self.model_type == "qwen3_next":
