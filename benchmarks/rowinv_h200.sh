@@ -91,18 +91,16 @@
 #   bash benchmarks/rowinv_h200.sh 30 "$OUT"  # the attention's keys per split (256, 128,
 #                                             # 512): the 1B exact part, decode end to end
 #                                             # (1B, 0.6B)
-#   bash benchmarks/rowinv_h200.sh 31 "$OUT"  # the norms inside the products: their GPU
-#                                             # tests, the 1B exact part, 1B decode with
-#                                             # and without them
-#   bash benchmarks/rowinv_h200.sh 32 "$OUT"  # after 31, if they gained: the 0.6B's and
-#                                             # 8B's exact parts and decode with and
-#                                             # without them
+#   bash benchmarks/rowinv_h200.sh 31 "$OUT"  # the defaults' figures in one call: decode
+#                                             # end to end (1B, 0.6B, 8B), their traced
+#                                             # profiles, the 1B's and 0.6B's prefill
+#                                             # against sdpa
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 32}
+stage=${1:?stage 1 to 31}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -381,42 +379,22 @@ case "$stage" in
   done
   ;;
 31)
-  # session 42: a decode step's norms inside the products after them (fuse_norms) and the
-  # norm's fixed sum tree, compiled; the attention case session 41 fixed (XLA mode's masked
-  # tiles); 1B decode with and without the fused norms; the 1B exact part with them
-  timeout 110 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_norm_matvec.py tests/test_pallas_row_norm.py --tb=short -rf \
-    > "$out/gpu_tests_norm_matvec.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_norm_matvec.txt" | tail -12
-  timeout 50 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_attention.py -k "masked_or_not" --tb=short -rf \
-    > "$out/gpu_tests_masked_tiles.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_masked_tiles.txt" | tail -6
-  for fuse in fuse-norms no-fuse-norms; do
-    timeout 75 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
-      --modes rowinv --workloads completion --$fuse --out "$out/speed_$fuse" \
-      --budget-s 65 2>&1 | cut -c1-300 | grep speed | tail -4
-  done
-  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --fuse-norms --out "$out/exact_fused_norms" --budget-s 120 2>&1 | cut -c1-400 | tail -3
-  ;;
-32)
-  # after stage 31, when the fused norms kept the 1B's bits and gained: the 0.6B's and the
-  # 8B's exact parts under them, decode with and without them (0.6B, then 8B), and the 1B
-  # traced with them (loop graphs off, as every profile)
-  timeout 110 python -m benchmarks.rowinv_model --parts exact --exact-shapes qwen3-0.6b \
-    --fuse-norms --out "$out/exact_fused_norms_06b" --budget-s 100 2>&1 | cut -c1-400 | tail -2
-  for fuse in fuse-norms no-fuse-norms; do
-    timeout 70 python -m benchmarks.rowinv_model --parts speed --shapes qwen3-0.6b \
-      --modes rowinv --workloads completion --$fuse --out "$out/speed_06b_$fuse" \
-      --budget-s 60 2>&1 | cut -c1-300 | grep speed | tail -4
-  done
-  timeout 150 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.1-8b \
-    --fuse-norms --out "$out/exact_fused_norms_8b" --budget-s 140 2>&1 | cut -c1-400 | tail -2
-  for fuse in fuse-norms no-fuse-norms; do
-    timeout 140 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
-      --modes rowinv --workloads completion --$fuse --out "$out/speed_8b_$fuse" \
-      --budget-s 130 2>&1 | cut -c1-300 | grep speed | tail -4
+  # the defaults' figures against the issue's bars (session 43 on an H200): decode end to
+  # end, each shape traced at 128 and 4k (loop graphs off, as every profile; read them with
+  # python -m benchmarks.decode_bound), the exact and parallel prefill against sdpa
+  decode_speed 120 speed
+  timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+    --modes rowinv --workloads completion --out "$out/speed8b" --budget-s 160 2>&1 \
+    | cut -c1-300 | grep speed | tail -4
+  timeout 230 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
+    --modes rowinv --shapes llama-3.2-1b,qwen3-0.6b,llama-3.1-8b --profile-contexts 128,4096 \
+    --out "$out/profile" --budget-s 215 2>&1 | cut -c1-300 | tail -3
+  for shape in llama-3.2-1b qwen3-0.6b; do
+    timeout 95 python -m benchmarks.rowinv_model --parts speed --modes rowinv --shapes $shape \
+      --workloads prefill --out "$out/prefill_$shape" --budget-s 85 2>&1 | cut -c1-260 \
+      | grep speed | tail -5
+    timeout 95 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
+      --shapes $shape --out "$out/hf_$shape" 2>&1 | tail -2
   done
   ;;
 *)

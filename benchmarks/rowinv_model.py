@@ -347,17 +347,13 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=FUSE_ROPE_STORE,
-                       **({} if FUSE_NORMS is None else {"fuse_norms": FUSE_NORMS}))
+                       fuse_rope_store=FUSE_ROPE_STORE)
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
 
 #: ``--fuse-rope`` / ``--no-fuse-rope``: the models' ``fuse_rope_store``.
 FUSE_ROPE_STORE = True
-#: ``--fuse-norms`` / ``--no-fuse-norms``: the models' ``fuse_norms`` (None: the model's
-#: default).
-FUSE_NORMS: bool | None = None
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -828,8 +824,7 @@ def kernel_rates(shape: Shape, kernels: dict[str, list[float]]) -> list[dict[str
         row: dict[str, Any] = {"kernel": name[:80], "calls_per_token": calls,
                                "us_per_token": round(us, 2)}
         for product, nbytes in weights.items():
-            if name.startswith(("rowinv_matvec_", "rowinv_matmul_",
-                                "rowinv_norm_matvec_")) and name.endswith(
+            if name.startswith(("rowinv_matvec_", "rowinv_matmul_")) and name.endswith(
                     "_" + product):
                 row["weight_GBps"] = round(nbytes * calls / (us * 1e-6) / 1e9, 1)
         out.append(row)
@@ -917,17 +912,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the RoPE-store inside the attention kernel where that folds "
                          "on chip (DenseModel.fuse_rope_store, on by default; the same bits); "
                          "--no-fuse-rope launches the two kernels")
-    ap.add_argument("--fuse-norms", action=argparse.BooleanOptionalAction, default=None,
-                    help="a decode step's norms inside the products after them "
-                         "(DenseModel.fuse_norms; the same bits); --no-fuse-norms launches "
-                         "the norm kernels (default: the model's)")
     args = ap.parse_args(argv)
     global FUSE_ROPE_STORE
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
     args.fuse_rope = FUSE_ROPE_STORE
-    global FUSE_NORMS
-    FUSE_NORMS = args.fuse_norms
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:
@@ -967,8 +956,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split,
-            "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
-            "fuse_norms": args.fuse_norms}
+            "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

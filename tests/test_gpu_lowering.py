@@ -24,7 +24,6 @@ from jax.experimental import pallas as pl
 
 from turbospark_jax.models import (
     pallas_attention,
-    pallas_norm_matvec,
     pallas_rope_store,
     pallas_row_norm,
     rowinv,
@@ -91,19 +90,6 @@ KERNELS = {
     "norm after a residual add, D not a power of two": (
         lambda x, w, r: pallas_row_norm._row_rms_norm(x, w, r, 1e-5, "pallas"),
         S((5, 96), BF16), S((96,), BF16), S((5, 96), BF16)),
-    "norm, the halving tree's sum": (
-        lambda x, w: pallas_row_norm._row_rms_norm(x, w, None, 1e-5, "pallas", tree=True),
-        ROWS, S((256,), BF16)),
-    "norm in the q/k/v matvec's prologue": (
-        lambda r, p, w, a, b: pallas_norm_matvec._norm_matvec_parts(
-            r, (p,), w, (a, b, b), 1e-5, False, Tiles(), "qkv"),
-        S((1, 512), BF16), S((4, 1, 512), jnp.float32), S((512,), BF16),
-        S((512, 512), BF16), S((512, 128), BF16)),
-    "norm in the gated matvec's prologue, two deltas": (
-        lambda r, p, o, w, g, u: pallas_norm_matvec._norm_swiglu(
-            r, (p, o), w, g, u, 1e-5, False, Tiles(), "gate_up"),
-        S((1, 512), BF16), S((4, 1, 512), jnp.float32), S((2, 1, 512), jnp.float32),
-        S((512,), BF16), S((512, 1024), BF16), S((512, 1024), BF16)),
     "rope and cache write": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store(qkv, c, s, at, k, v, 8),
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
@@ -200,12 +186,12 @@ ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermedia
 
 def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
              config: DenseConfig = CONFIG, capacity: int = 256, fuse_rope_store: bool = True,
-             fuse_norms: bool = False, **hints) -> str:
+             **hints) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(config, BF16, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=fuse_rope_store, fuse_norms=fuse_norms)
+                       fuse_rope_store=fuse_rope_store)
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
@@ -259,8 +245,8 @@ def _float_reductions(text: str) -> list[str]:
 def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last_row_head,
                                                                      monkeypatch):
     text = _program("rowinv", width, monkeypatch, last_row_head)
-    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rowinv_norm_mat\w+|'
-                                  r'rope_store\w*|cached_attention\w*)"', text))
+    kernel_names = set(re.findall(r'name = "(row_rms_norm|rowinv_mat\w+|rope_store\w*|'
+                                  r'cached_attention\w*)"', text))
     assert "row_rms_norm" in kernel_names
     # a decode or verify block runs the RoPE-store inside the attention's first kernel
     fused = {"rope_store_attention", "rope_store_attention_split"}
@@ -270,8 +256,6 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
         assert "rope_store" in kernel_names and not kernel_names & fused
         assert kernel_names & {"cached_attention", "cached_attention_folding"}
     products = {n.split("_", 2)[2] for n in kernel_names if n.startswith("rowinv_mat")}
-    # the norm kernels run by default (DenseModel.fuse_norms is off)
-    assert not any(n.startswith("rowinv_norm_matvec") for n in kernel_names)
     assert products == {"qkv", "o", "gate_up", "down", "head"}  # each labelled, for profiles
     kernel = "matvec" if width <= 16 else "matmul"
     assert f"rowinv_{kernel}_down" in kernel_names
@@ -281,20 +265,6 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
     assert _float_reductions(text) == []
     # SwiGLU's gating runs in the gate/up product's epilogue: no SiLU left to XLA
     assert not re.search(r"stablehlo\.(exponential|logistic)\b", text)
-
-
-@pytest.mark.parametrize("width", [1, 5])
-def test_fused_norms_leave_a_decode_step_two_norm_kernels_a_layer_fewer(width, monkeypatch):
-    """With ``fuse_norms`` a one-row step's layers after the first norm their rows inside the
-    q/k/v and gate/up products (the first layer's input and the head keep the norm kernel);
-    a wider block runs only the norm kernel. Either way no product and no float reduction
-    is left to XLA."""
-    text = _program("rowinv", width, monkeypatch, fuse_norms=True)
-    names = set(re.findall(r'name = "(row_rms_norm|rowinv_norm_matvec_\w+)"', text))
-    fused = {"rowinv_norm_matvec_qkv", "rowinv_norm_matvec_gate_up"}
-    assert names == (fused | {"row_rms_norm"} if width == 1 else {"row_rms_norm"})
-    assert "stablehlo.dot_general" not in text and "stablehlo.dot " not in text
-    assert _float_reductions(text) == []
 
 
 def test_rowinv_prefill_program_on_hopper_takes_the_mosaic_kernel(monkeypatch):

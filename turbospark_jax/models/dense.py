@@ -284,13 +284,6 @@ class DenseModel(BlockModel):
         (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`): one launch a
         layer fewer. ``False`` launches the two kernels. The same bits either way (the
         kernels' tests and the exact part, compiled on an H100); speed only.
-      fuse_norms: with ``kernels="rowinv"`` on a GPU, a decode step (one row of a 16-bit
-        dtype, a power-of-two hidden size) runs each layer's two RMSNorms inside the products
-        after them (:mod:`~turbospark_jax.models.pallas_norm_matvec`: the q/k/v product and
-        the gated MLP product norm the row in their prologues): two launches a layer fewer,
-        the same bits (checked in the Pallas interpreter; speed only). Off by default until
-        measured on the GPU: session 36's first form of it made those products 3.4 times
-        slower (``benchmarks/results/NOTES.md``, "The norm inside the product").
     """
 
     parallel_prefill = True
@@ -317,7 +310,6 @@ class DenseModel(BlockModel):
     tap_layers: tuple[int, ...] = ()
     kernels: str = "xla"
     fuse_rope_store: bool = True
-    fuse_norms: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -368,8 +360,7 @@ class DenseModel(BlockModel):
         """One pre-norm decoder layer around ``attention``:
         ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
         eps = self.config.rms_norm_eps
-        norm = functools.partial(row_kernels.rms_norm, self.kernels, eps=eps,
-                                 tree=self.fuse_norms)
+        norm = functools.partial(row_kernels.rms_norm, self.kernels, eps=eps)
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             with jax.named_scope("attention"):
@@ -402,30 +393,21 @@ class DenseModel(BlockModel):
 
         def layer(x: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             h, pending = x
-            first = row_kernels.Unnormed(h, () if pending is None else (pending,),
-                                         lp["input_layernorm"], eps)
-            # a decode step's norms inside the products after them: the q/k/v product norms
-            # ``first`` itself, the gated product finishes the residual and writes it
-            fused = (self.fuse_norms and pending is not None
-                     and row_kernels.fuses_norm(kernels, first))
             with jax.named_scope("attention"):
-                if not fused:
-                    h, first = row_kernels.finish_norm(kernels, first, tree=self.fuse_norms)
-                attn, kv = attention(first, lp, kv, index, window)
+                if pending is None:
+                    normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
+                else:
+                    h, normed = row_kernels.add_norm(kernels, h, pending,
+                                                     lp["input_layernorm"], eps)
+                attn, kv = attention(normed, lp, kv, index, window)
                 w_o = lp["o_proj"]
                 o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
                                              w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
-                second = row_kernels.Unnormed(h, (pending, o) if fused else (o,),
-                                              lp["post_attention_layernorm"], eps)
-                if fused:
-                    h, gated = row_kernels.norm_swiglu(second, lp["gate_proj"],
-                                                       lp["up_proj"])
-                else:
-                    h, x = row_kernels.finish_norm(kernels, second, tree=self.fuse_norms)
-                    gated = self._gated(x, lp)
-                pending = row_kernels.matmul_parts(kernels, gated, lp["down_proj"],
-                                                   label="down")
+                h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
+                                                 eps)
+                pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
+                                                   lp["down_proj"], label="down")
             return (h, pending), kv
 
         return layer
@@ -479,11 +461,9 @@ class DenseModel(BlockModel):
         :meth:`defers_sums`) -> float32 logits [W, V]."""
         eps = self.config.rms_norm_eps
         if isinstance(x, tuple):
-            _, h = row_kernels.add_norm(self.kernels, x[0], x[1], params["norm"], eps,
-                                        tree=self.fuse_norms)
+            _, h = row_kernels.add_norm(self.kernels, x[0], x[1], params["norm"], eps)
         else:
-            h = row_kernels.rms_norm(self.kernels, x, params["norm"], eps,
-                                     tree=self.fuse_norms)
+            h = row_kernels.rms_norm(self.kernels, x, params["norm"], eps)
         if self.kernels == "rowinv":  # a tied table [V, D] is read in place, not transposed
             if self.config.tie_word_embeddings:
                 return row_kernels.matmul(self.kernels, h, params["embed_tokens"], jnp.float32,

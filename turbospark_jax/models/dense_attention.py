@@ -27,9 +27,7 @@ if TYPE_CHECKING:
 Params = dict[str, Any]
 
 #: A layer's attention: ``(normed rows [W, D], layer params, cache carry, layer index,
-#: window) -> (attention output [W, H, hd], cache carry)``. The rows may come as
-#: :class:`~turbospark_jax.models.row_kernels.Unnormed` (a decode step's norm left to the
-#: q/k/v product's prologue); every attention takes them.
+#: window) -> (attention output [W, H, hd], cache carry)``.
 Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
 
 # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The targets
@@ -53,9 +51,7 @@ def _project(x: jax.Array, w: jax.Array, kernels: str) -> jax.Array:
 def _projections(
     config: DenseConfig, h: jax.Array, lp: Params, kernels: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """q/k/v projections of the normed rows (:class:`~turbospark_jax.models.row_kernels.
-    Unnormed` ones normed first). h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
-    h = row_kernels.normed(kernels, h)
+    """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
     q = _project(h, lp["q_proj"], kernels)
     k = _project(h, lp["k_proj"], kernels)
     v = _project(h, lp["v_proj"], kernels)
@@ -69,17 +65,11 @@ def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: s
     reads the three weights straight into its matrix kernel, and the row-invariant kernel
     takes them as three operands of one launch: neither copies them.) Under ``"rowinv"``
     without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
-    which the RoPE-and-cache-write kernel adds itself; :class:`~turbospark_jax.models.
-    row_kernels.Unnormed` rows (a decode step whose layer fuses its norms) it norms in its
-    prologue (:func:`~turbospark_jax.models.row_kernels.norm_matmul_parts`)."""
-    unnormed = isinstance(h, row_kernels.Unnormed)
-    d = (h.residual if unnormed else h).shape[-1]
+    which the RoPE-and-cache-write kernel adds itself."""
+    d = h.shape[-1]
     ws = tuple(lp[n].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
     if kernels == "rowinv" and not config.qkv_bias:
-        if unnormed:
-            return row_kernels.norm_matmul_parts(h, ws, label="qkv")
         return row_kernels.matmul_parts(kernels, h, ws, label="qkv")
-    h = row_kernels.normed(kernels, h)
     qkv = row_kernels.matmul(kernels, h, ws, label="qkv")
     if config.qkv_bias:
         qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")])

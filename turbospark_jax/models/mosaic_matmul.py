@@ -253,7 +253,7 @@ def mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, *, epilogue: Any,
                  name: str = "rowinv_mosaic_gated") -> jax.Array:
     """``epilogue(x @ gate, x @ up)`` of the two float32 products, each over all of K as one
     segment, computed and gated in one launch (``[M, F]`` in ``out_dtype``). ``epilogue``
-    must be elementwise; the row-invariant gated product passes its own (``rowinv.swiglu_gating``,
+    must be elementwise; the row-invariant gated product passes its own (``rowinv._swiglu``,
     whose bits Mosaic's compilation was found to share with Triton's over every bfloat16
     gate value: ``benchmarks/probe_mosaic_elementwise.py``). Shapes as
     :func:`mosaic_matmul`'s."""

@@ -19,7 +19,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -99,94 +99,28 @@ def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
 
 
 def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-             eps: float, tree: bool = False) -> tuple[jax.Array, jax.Array]:
+             eps: float) -> tuple[jax.Array, jax.Array]:
     """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
     ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
     add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
-    ``h`` exactly as finishing the product and adding it would. ``tree``: the GPU kernel's
-    sum of squares in the fixed order the fused norms follow
-    (:func:`~turbospark_jax.models.pallas_row_norm.row_rms_norm`)."""
+    ``h`` exactly as finishing the product and adding it would."""
     if _on_gpu():
         from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 
-        return add_parts_rms_norm(residual, parts, weight, eps, tree=tree)
+        return add_parts_rms_norm(residual, parts, weight, eps)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
 
 
-class Unnormed(NamedTuple):
-    """Rows still to be finished and normed: ``residual`` plus each of ``deltas`` (float32
-    partial sums ``[S, W, D]`` of unfinished products, added in turn), then RMSNorm with
-    ``weight`` and ``eps``. Where :func:`fuses_norm`, a product runs the norm in its own
-    prologue (:func:`norm_matmul_parts`, :func:`norm_swiglu`); elsewhere
-    :func:`finish_norm` runs the norm kernels."""
-
-    residual: jax.Array
-    deltas: tuple[jax.Array, ...]
-    weight: jax.Array
-    eps: float
-
-
-def fuses_norm(kernels: str, rows: Unnormed) -> bool:
-    """Whether a product after ``rows``' norm runs the norm itself (one launch, not two): the
-    row-invariant kernels on a GPU, and rows the prologue takes
-    (:func:`~turbospark_jax.models.pallas_norm_matvec.refusal`: one row of a 16-bit dtype, a
-    power-of-two width)."""
-    if kernels != "rowinv" or not _on_gpu():
-        return False
-    from turbospark_jax.models.pallas_norm_matvec import refusal
-
-    return refusal(rows.residual, rows.weight) is None
-
-
-def finish_norm(kernels: str, rows: Unnormed, tree: bool = False) -> tuple[jax.Array, jax.Array]:
-    """``(h, normed)`` of :class:`Unnormed` rows: the deltas before the last added as XLA
-    adds them (each sum correctly rounded, as the norm kernel rounds it), the last one and
-    the norm by :func:`add_norm` (``tree``: as it takes it)."""
-    h = rows.residual
-    if not rows.deltas:
-        return h, rms_norm(kernels, h, rows.weight, rows.eps, tree=tree)
-    for delta in rows.deltas[:-1]:
-        h = h + sum_parts(delta, h.dtype)
-    return add_norm(kernels, h, rows.deltas[-1], rows.weight, rows.eps, tree=tree)
-
-
-def normed(kernels: str, rows: jax.Array | Unnormed) -> jax.Array:
-    """Rows as a product takes them: normed rows as they are, :class:`Unnormed` ones
-    finished and normed (:func:`finish_norm`, its sum of squares the fused norms' tree)."""
-    return finish_norm(kernels, rows, tree=True)[1] if isinstance(rows, Unnormed) else rows
-
-
-def norm_matmul_parts(rows: Unnormed, w: jax.Array | tuple[jax.Array, ...],
-                      label: str = "") -> jax.Array:
-    """:func:`matmul_parts` of ``rows`` normed, the norm in the product's prologue
-    (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_matvec_parts`): for rows
-    :func:`fuses_norm` takes."""
-    from turbospark_jax.models.pallas_norm_matvec import norm_matvec_parts
-
-    return norm_matvec_parts(rows.residual, rows.deltas, rows.weight, rows.eps, w, label=label)
-
-
-def norm_swiglu(rows: Unnormed, gate: jax.Array, up: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(h, swiglu(normed))`` of :class:`Unnormed` rows, the norm in the gated product's
-    prologue (:func:`~turbospark_jax.models.pallas_norm_matvec.norm_swiglu`): for rows
-    :func:`fuses_norm` takes."""
-    from turbospark_jax.models.pallas_norm_matvec import norm_swiglu as fused
-
-    return fused(rows.residual, rows.deltas, rows.weight, rows.eps, gate, up)
-
-
-def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float,
-             tree: bool = False) -> jax.Array:
+def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
     """:func:`~turbospark_jax.models.layers.rms_norm` over the last axis of ``x [..., D]``;
-    under ``"rowinv"`` every leading index is a row of the fixed-shape tiles (``tree``: as
-    :func:`add_norm` takes it)."""
+    under ``"rowinv"`` every leading index is a row of the fixed-shape tiles."""
     if kernels == "xla":
         return layers.rms_norm(x, weight, eps)
     if _on_gpu():
         from turbospark_jax.models.pallas_row_norm import row_rms_norm
 
-        return row_rms_norm(x, weight, eps, tree=tree)
+        return row_rms_norm(x, weight, eps)
     rows = x.reshape(-1, x.shape[-1])
     if weight is None:
         return row_tiled(lambda t: layers.rms_norm(t, None, eps), rows).reshape(x.shape)

@@ -19,7 +19,7 @@ On a GPU two Pallas (Triton) kernels follow that schedule:
   segment, so a single row still spreads the weight reads over many programs; the segments'
   float32 partial sums are then added in order.
 
-Both repeat the same tile step (:func:`tile_step`), so a row agrees between them. On a
+Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them. On a
 Hopper GPU a third kernel, ``"mosaic"`` (:mod:`~turbospark_jax.models.mosaic_matmul`: Pallas'
 Mosaic GPU backend, TMA loads and ``wgmma`` in a warp-specialised pipeline), follows the same
 schedule for many rows at 1.3-1.6x the Triton matmul kernel's rate, and its rows are the
@@ -220,11 +220,11 @@ class Tiles:
         return bn
 
 
-def ceil_to(n: int, step: int) -> int:
+def _ceil_to(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def pad_to(a: jax.Array, rows: int, cols: int) -> jax.Array:
+def _pad(a: jax.Array, rows: int, cols: int) -> jax.Array:
     if a.shape == (rows, cols):
         return a
     return jnp.pad(a, ((0, rows - a.shape[0]), (0, cols - a.shape[1])))
@@ -256,28 +256,20 @@ def _live_rows(shape: tuple[int, int], rows: int) -> jax.Array:
     return row < rows
 
 
-def x_loader(x_ref: Any, live: jax.Array | None = None) -> Any:
-    """``at -> x_ref[:, at]``, an x tile of the kernels' K loop. ``live``: bool ``[rows,
-    k_tile]``, the tile's rows the call has (:func:`_live_rows`); the others are not read and
-    enter the product as zeros, as padding rows would."""
-    if live is None:
-        return lambda at: x_ref[:, at]
-    return lambda at: plgpu.load(x_ref.at[:, at], mask=live, other=0)
-
-
-def tile_step(load_x: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-              acc: jax.Array, nk: bool) -> jax.Array:
-    """``acc`` plus the product of K tile ``tile``: the one step every kernel repeats, so a
-    row's arithmetic is the same in each. ``load_x(at)``: the x tile at columns ``at`` of
-    the weight block (:func:`x_loader`, or a tile a kernel makes itself). ``nk``: the weight
-    block is ``[bn, K]``."""
+def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
+               acc: jax.Array, nk: bool, live: jax.Array | None = None) -> jax.Array:
+    """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
+    row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``.
+    ``live``: bool ``[rows, k_tile]``, the x tile's rows the call has (:func:`_live_rows`);
+    the others are not read and enter the product as zeros, as padding rows would."""
     at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
+    x = x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
     if nk:
-        return acc + tile_dot(load_x(at), w_ref[:, at], True)
-    return acc + tile_dot(load_x(at), w_ref[at, :], False)
+        return acc + tile_dot(x, w_ref[:, at], True)
+    return acc + tile_dot(x, w_ref[at, :], False)
 
 
-def for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, ...],
+def _for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, ...],
                      compute: Any) -> None:
     """Run ``compute(w_ref)`` for the weight whose column blocks hold block ``column`` (the
     weights' blocks follow one another: weight ``i`` owns blocks ``offsets[i]`` up to
@@ -298,8 +290,7 @@ def _walk_k(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, tiles: int, per: 
     ``-0.0``."""
     zeros = jnp.zeros(shape, jnp.float32)
     total = jnp.full(shape, -0.0, jnp.float32)
-    step = functools.partial(tile_step, x_loader(x_ref), w_ref, k_tile=k_tile,
-                             tile_dot=tile_dot, nk=nk)
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
     if flat:  # one loop over every tile (Triton pipelines its loads), folding at ends
         def body(i: Any, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
             total, acc = carry
@@ -326,10 +317,10 @@ def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, ti
     def compute(w_ref: Any) -> None:
         o_ref[...] = walk(w_ref).astype(o_ref.dtype)
 
-    for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
+    _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
 
-def swiglu_gating(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
+def _swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
     """SwiGLU's gating of two finished float32 products: each rounded to ``dtype`` as a
     product of ``dtype`` operands comes out, SiLU in float32 rounded once, then the product
     in ``dtype``. The same arithmetic in a kernel's epilogue and in XLA's form."""
@@ -340,23 +331,22 @@ def swiglu_gating(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
 def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, tiles: int,
                          per: int, k_tile: int, tile_dot: Any, flat: bool) -> None:
     """The matmul kernel over a gate and an up weight's same column block, gated in the
-    epilogue (:func:`swiglu_gating`): the MLP's hidden rows without the products leaving the
-    chip."""
+    epilogue (:func:`_swiglu`): the MLP's hidden rows without the products leaving the chip."""
     walk = functools.partial(_walk_k, x_ref, shape=o_ref.shape, tiles=tiles, per=per,
                              k_tile=k_tile, tile_dot=tile_dot, flat=flat, nk=False)
-    o_ref[...] = swiglu_gating(walk(gate_ref), walk(up_ref), o_ref.dtype)
+    o_ref[...] = _swiglu(walk(gate_ref), walk(up_ref), o_ref.dtype)
 
 
-def segment_sum(load_x: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
-                tile_dot: Any, nk: bool) -> jax.Array:
-    """A matvec program's float32 sum over its ``per`` K tiles, from zero (``load_x``: as
-    :func:`tile_step` takes it)."""
-    step = functools.partial(tile_step, load_x, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk)
+def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
+                 tile_dot: Any, nk: bool, live: jax.Array | None) -> jax.Array:
+    """A matvec program's float32 sum over its ``per`` K tiles, from zero."""
+    step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk,
+                             live=live)
     return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
                              jnp.zeros(shape, jnp.float32))
 
 
-def live_masks(x_ref: Any, o_ref: Any, k_tile: int,
+def _live_masks(x_ref: Any, o_ref: Any, k_tile: int,
                 rows: int | None) -> tuple[jax.Array | None, jax.Array | None]:
     """The matvec kernels' masks of the call's rows, for an x tile and for the output (None
     when the call fills its row tiles). Made at a kernel's top level: the interpreter reads
@@ -366,7 +356,7 @@ def live_masks(x_ref: Any, o_ref: Any, k_tile: int,
     return _live_rows((x_ref.shape[0], k_tile), rows), _live_rows(o_ref.shape, rows)
 
 
-def store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
+def _store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
     if live is None:
         o_ref[...] = value
     else:
@@ -376,12 +366,12 @@ def store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
 def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
                          k_tile: int, tile_dot: Any, rows: int | None) -> None:
     """The matvec kernel over all of K in one segment (so the sums are finished here) for a
-    gate and an up weight's same column block, gated in the epilogue (:func:`swiglu_gating`). The
+    gate and an up weight's same column block, gated in the epilogue (:func:`_swiglu`). The
     one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
-    live_x, live_out = live_masks(x_ref, o_ref, k_tile, rows)
-    total = functools.partial(segment_sum, x_loader(x_ref, live_x), shape=o_ref.shape, per=per,
-                              k_tile=k_tile, tile_dot=tile_dot, nk=False)
-    store_live(o_ref, swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
+    live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
+    total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
+                              tile_dot=tile_dot, nk=False, live=live_x)
+    _store_live(o_ref, _swiglu(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
                 live_out)
 
 
@@ -391,33 +381,27 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
     # ([bn, per * k_tile] when nk). With ``rows``, x and the output hold only that many rows:
     # the tile's other rows are neither read nor written.
     *w_refs, o_ref = refs
-    live_x, live_out = live_masks(x_ref, o_ref, k_tile, rows)
+    live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
     def compute(w_ref: Any) -> None:
-        acc = segment_sum(x_loader(x_ref, live_x), w_ref, o_ref.shape, per=per,
-                          k_tile=k_tile, tile_dot=tile_dot, nk=nk)
-        store_live(o_ref, acc.astype(o_ref.dtype), live_out)
+        acc = _segment_sum(x_ref, w_ref, o_ref.shape, per=per, k_tile=k_tile,
+                           tile_dot=tile_dot, nk=nk, live=live_x)
+        _store_live(o_ref, acc.astype(o_ref.dtype), live_out)
 
-    for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
+    _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
 
-def compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
+def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
     if interpret:
         return {}
     return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
 
 
-def tile_dot_for(interpret: bool) -> Any:
-    """The tile product the kernels run: XLA's fixed-shape dot in the interpreter, the
-    hardware's on a GPU."""
-    return interpret_dot if interpret else hardware_dot
-
-
-def interpret_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
+def _interpret_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
     return _fixed_dot(a, b.T if nk else b)
 
 
-def hardware_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
+def _hardware_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
     if nk:
         precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
         return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
@@ -426,7 +410,7 @@ def hardware_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Columns:
+class _Columns:
     """How the weights' columns sit in the kernels' grid: each weight padded to whole column
     blocks of ``bn``, their blocks one after another."""
 
@@ -460,20 +444,20 @@ class Columns:
                                 for o, n in zip(self.offsets, self.widths, strict=False)], axis=1)
 
 
-def weights_padded(ws: tuple[jax.Array, ...], kp: int, bn: int, nk: bool) -> list[jax.Array]:
+def _weights_padded(ws: tuple[jax.Array, ...], kp: int, bn: int, nk: bool) -> list[jax.Array]:
     if nk:
-        return [pad_to(w, ceil_to(w.shape[0], bn), kp) for w in ws]
-    return [pad_to(w, kp, ceil_to(w.shape[1], bn)) for w in ws]
+        return [_pad(w, _ceil_to(w.shape[0], bn), kp) for w in ws]
+    return [_pad(w, kp, _ceil_to(w.shape[1], bn)) for w in ws]
 
 
 def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
             schedule: Schedule, tiles: Tiles, interpret: bool, label: str = "") -> jax.Array:
     m, k = x.shape
     kp, count, per = schedule.plan(k)
-    cols = Columns(tuple(w.shape[0 if nk else 1] for w in ws), tiles.bn)
-    mp = ceil_to(m, tiles.bm)
+    cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), tiles.bn)
+    mp = _ceil_to(m, tiles.bm)
     kernel = functools.partial(_matmul_kernel, tiles=count, per=per, k_tile=schedule.k_tile,
-                               tile_dot=tile_dot_for(interpret),
+                               tile_dot=_interpret_dot if interpret else _hardware_dot,
                                flat=tiles.flat_loop, nk=nk, offsets=cols.offsets)
     if nk:
         w_specs = [pl.BlockSpec((tiles.bn, kp), lambda i, j, w=w: (cols.spec_column(w, j), 0))
@@ -489,8 +473,8 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
         out_shape=jax.ShapeDtypeStruct((mp, cols.offsets[-1] * tiles.bn), out_dtype),
         interpret=interpret,
         name="rowinv_matmul" + (f"_{label}" if label else ""),
-        **compiler_params(interpret, tiles.warps, tiles.stages),
-    )(pad_to(x, mp, kp), *weights_padded(ws, kp, tiles.bn, nk))
+        **_compiler_params(interpret, tiles.warps, tiles.stages),
+    )(_pad(x, mp, kp), *_weights_padded(ws, kp, tiles.bn, nk))
     return cols.gather(out, m)
 
 
@@ -501,10 +485,10 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
     kp, count, per = schedule.plan(k)
     segments, seg_len = count // per, per * schedule.k_tile
     bn = tiles.matvec_bn
-    cols = Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
-    mp = ceil_to(m, ROW_TILE)
+    cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
+    mp = _ceil_to(m, ROW_TILE)
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
-                               tile_dot=tile_dot_for(interpret), nk=nk,
+                               tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk,
                                offsets=cols.offsets, rows=None if m == mp else m)
     if nk:
         w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
@@ -524,8 +508,8 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
         out_shape=jax.ShapeDtypeStruct((segments, m, width), jnp.float32),
         interpret=interpret,
         name="rowinv_matvec" + (f"_{label}" if label else ""),
-        **compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
-    )(pad_to(x, m, kp), *weights_padded(ws, kp, bn, nk))
+        **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
+    )(_pad(x, m, kp), *_weights_padded(ws, kp, bn, nk))
     return jax.vmap(lambda p: cols.gather(p, m))(partials)
 
 
@@ -567,7 +551,7 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = (),
       ``fn``'s pytree with each leaf ``[M, ...]``.
     """
     m = rows[0].shape[0]
-    mp = max(ceil_to(m, XLA_ROW_TILE), min_tiles * XLA_ROW_TILE)
+    mp = max(_ceil_to(m, XLA_ROW_TILE), min_tiles * XLA_ROW_TILE)
     tiles = tuple(
         jnp.pad(a, [(0, mp - m)] + [(0, 0)] * (a.ndim - 1)).reshape(
             mp // XLA_ROW_TILE, XLA_ROW_TILE, *a.shape[1:])
@@ -634,8 +618,8 @@ def _mosaic(x: jax.Array, ws: tuple[jax.Array, ...], out_dtype: Any, schedule: S
     """The product on the Mosaic kernel: rows padded to its row tile, K to whole tiles."""
     m, k = x.shape
     kp, _, per = schedule.plan(k)
-    mp = ceil_to(m, mosaic.block[0])
-    out = mosaic_matmul(pad_to(x, mp, kp), tuple(pad_to(w, kp, w.shape[1]) for w in ws),
+    mp = _ceil_to(m, mosaic.block[0])
+    out = mosaic_matmul(_pad(x, mp, kp), tuple(_pad(w, kp, w.shape[1]) for w in ws),
                         seg_cols=per * schedule.k_tile, out_dtype=out_dtype, tiles=mosaic,
                         name="rowinv_mosaic" + (f"_{label}" if label else ""))
     return out[:m]
@@ -669,7 +653,7 @@ def gated_schedule(k: int) -> Schedule:
 
 
 def _gate_kernel(gate_ref: Any, up_ref: Any, o_ref: Any) -> None:
-    o_ref[...] = swiglu_gating(gate_ref[...], up_ref[...], o_ref.dtype)
+    o_ref[...] = _swiglu(gate_ref[...], up_ref[...], o_ref.dtype)
 
 
 #: Rows and columns of a program of the gating kernel after the Mosaic product.
@@ -680,7 +664,7 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
                   label: str) -> jax.Array:
     """The gated product for many rows on a Hopper GPU: the Mosaic kernel's two products under
     the gated schedule, rounded to ``x.dtype`` side by side, then a Triton kernel gating them
-    with the gated kernels' own epilogue (:func:`swiglu_gating`, the same code Triton compiles in
+    with the gated kernels' own epilogue (:func:`_swiglu`, the same code Triton compiles in
     the matvec kernel, so a row's bits agree with a decode step's). With
     ``mosaic.gate_in_epilogue`` (the default) the Mosaic kernel gates in its own epilogue
     instead (:func:`~turbospark_jax.models.mosaic_matmul.mosaic_gated`), one launch and no
@@ -689,16 +673,16 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
     f = gate.shape[1]
     if mosaic.gate_in_epilogue:
         kp = gated_schedule(k).plan(k)[0]
-        mp = ceil_to(m, mosaic.block[0])
-        out = mosaic_gated(pad_to(x, mp, kp), pad_to(gate, kp, f), pad_to(up, kp, f),
-                           epilogue=functools.partial(swiglu_gating, dtype=x.dtype),
+        mp = _ceil_to(m, mosaic.block[0])
+        out = mosaic_gated(_pad(x, mp, kp), _pad(gate, kp, f), _pad(up, kp, f),
+                           epilogue=functools.partial(_swiglu, dtype=x.dtype),
                            out_dtype=x.dtype, tiles=mosaic,
                            name="rowinv_mosaic" + (f"_{label}" if label else ""))
         return out[:m]
     both = _mosaic(x, (gate, up), x.dtype, gated_schedule(k), mosaic, label)
     bm, bn = GATE_BLOCK
-    mp = ceil_to(m, bm)
-    both = pad_to(both, mp, 2 * f)
+    mp = _ceil_to(m, bm)
+    both = _pad(both, mp, 2 * f)
     out = pl.pallas_call(
         _gate_kernel,
         grid=(mp // bm, f // bn),
@@ -707,7 +691,7 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
         name="rowinv_gate" + (f"_{label}" if label else ""),
-        **compiler_params(False, 4, 1),
+        **_compiler_params(False, 4, 1),
     )(both, both)
     return out[:m]
 
@@ -719,26 +703,26 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
     if not matvec and _use_mosaic(kernel, x, (gate.shape[1],) * 2, False, tiles):
         return _mosaic_gated(x, gate, up, tiles.mosaic, label)
     kp, count, per = gated_schedule(k).plan(k)
-    tile_dot = tile_dot_for(interpret)
+    tile_dot = _interpret_dot if interpret else _hardware_dot
     bn = tiles.gated_columns(gate.shape[1]) if matvec else tiles.bn
-    cols = Columns((gate.shape[1],), bn)
-    ws = weights_padded((gate, up), kp, bn, False)
+    cols = _Columns((gate.shape[1],), bn)
+    ws = _weights_padded((gate, up), kp, bn, False)
     w_specs = [pl.BlockSpec((kp, bn), lambda i, j: (0, j))] * 2
     name = "rowinv_" + ("matvec" if matvec else "matmul") + (f"_{label}" if label else "")
     if matvec:  # the call's own rows, as the matvec kernel reads and writes them
-        mp, bm = ceil_to(m, ROW_TILE), ROW_TILE
+        mp, bm = _ceil_to(m, ROW_TILE), ROW_TILE
         kernel_fn = functools.partial(_gated_matvec_kernel, per=count,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
                                       rows=None if m == mp else m)
-        x_in, rows_out = pad_to(x, m, kp), m
-        params = compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
+        x_in, rows_out = _pad(x, m, kp), m
+        params = _compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
     else:
-        mp, bm = ceil_to(m, tiles.bm), tiles.bm
+        mp, bm = _ceil_to(m, tiles.bm), tiles.bm
         kernel_fn = functools.partial(_gated_matmul_kernel, tiles=count, per=per,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
                                       flat=tiles.flat_loop)
-        x_in, rows_out = pad_to(x, mp, kp), mp
-        params = compiler_params(interpret, tiles.warps, tiles.stages)
+        x_in, rows_out = _pad(x, mp, kp), mp
+        params = _compiler_params(interpret, tiles.warps, tiles.stages)
     out = pl.pallas_call(
         kernel_fn,
         grid=(mp // bm, cols.offsets[-1]),
@@ -758,7 +742,7 @@ def _rowinv_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, impl: str, kern
     if impl == "xla":
         both = _xla_tiled(x, (gate, up), False, x.dtype)
         f = gate.shape[1]
-        return swiglu_gating(both[:, :f], both[:, f:], x.dtype)
+        return _swiglu(both[:, :f], both[:, f:], x.dtype)
     return _gated_pallas(x, gate, up, kernel, tiles, impl == "interpret", label)
 
 
@@ -775,7 +759,7 @@ def rowinv_swiglu(
     """SwiGLU's hidden rows ``silu(x @ gate) * (x @ up)``, each row independent of the others.
 
     On a GPU one launch reads both weights' same column block and gates the finished sums in
-    its epilogue (:func:`swiglu_gating`: each product rounded to ``x.dtype``, SiLU in float32
+    its epilogue (:func:`_swiglu`: each product rounded to ``x.dtype``, SiLU in float32
     rounded once, the product in ``x.dtype``), so the products never go to memory and no
     gating kernel runs after them. The reduction over K follows :func:`gated_schedule` (one
     segment) in either kernel, and the epilogue is the same code in both, so a row's bits do
@@ -814,19 +798,13 @@ def _resolve_call(impl: str, kernel: str, label: str) -> str:
     ``kernel="mosaic"`` only where its kernel runs."""
     if kernel not in KERNELS:
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
-    check_label(label)
+    if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
+        raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
     impl = resolve_impl(impl)
     if kernel == "mosaic" and impl != "pallas":
         raise BadInputError(f"kernel='mosaic' runs on a Hopper GPU only (impl 'pallas'); "
                             f"impl {impl!r} has no Mosaic kernel: use kernel='matmul'")
     return impl
-
-
-def check_label(label: Any) -> None:
-    """Raises:
-      BadInputError: ``label`` is not letters, digits and underscores (a kernel's name)."""
-    if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
-        raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
 
 
 def resolve_impl(impl: str) -> str:
