@@ -95,12 +95,14 @@
 #                                             # end to end (1B, 0.6B, 8B), their traced
 #                                             # profiles, the 1B's and 0.6B's prefill
 #                                             # against sdpa
+#   bash benchmarks/rowinv_h200.sh 32 "$OUT"  # the probe of a norm in the last program of
+#                                             # the product before it (bits and time)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 31}
+stage=${1:?stage 1 to 32}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -396,6 +398,14 @@ case "$stage" in
     timeout 95 python -m benchmarks.run --preset h200 --part hf --contexts "" --no-hf-compile \
       --shapes $shape --out "$out/hf_$shape" 2>&1 | tail -2
   done
+  ;;
+32)
+  # a decode step's norm in the last program of the product before it (a counter bumped
+  # atomically as each program ends): its bits against the two launches over dependent
+  # steps, and each form's time a step, for the products before the 1B's, 0.6B's and 8B's
+  # norms (benchmarks/probe_last_program.py)
+  timeout 300 python -m benchmarks.probe_last_program --out "$out/probe_last_program.json" \
+    2>&1 | cut -c1-400 | tail -8
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
