@@ -95,8 +95,9 @@
 #                                             # end to end (1B, 0.6B, 8B), their traced
 #                                             # profiles, the 1B's and 0.6B's prefill
 #                                             # against sdpa
-#   bash benchmarks/rowinv_h200.sh 32 "$OUT"  # the probe of a norm in the last program of
-#                                             # the product before it (bits and time)
+#   bash benchmarks/rowinv_h200.sh 32 "$OUT"  # the probes of work moved into a kernel's
+#                                             # last program (a norm after a product, the
+#                                             # attention's fold): bits and time
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -405,6 +406,10 @@ case "$stage" in
   # steps, and each form's time a step, for the products before the 1B's, 0.6B's and 8B's
   # norms (benchmarks/probe_last_program.py)
   timeout 300 python -m benchmarks.probe_last_program --out "$out/probe_last_program.json" \
+    2>&1 | cut -c1-400 | tail -8
+  # and a long context's attention folding its key splits in each tile's last split program
+  # instead of the fold kernel (benchmarks/probe_last_split.py), against the two launches
+  timeout 250 python -m benchmarks.probe_last_split --out "$out/probe_last_split.json" \
     2>&1 | cut -c1-400 | tail -8
   ;;
 *)

@@ -348,8 +348,19 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capac
     zero, the running result by one), so the walk stops at the group holding the last split
     any row of the call sees: the splits of a long cache past a short context cost no
     loads."""
-    tile, head_dim = o_ref.shape
-    needed = _splits_seen(jnp.minimum(bound_ref[()], capacity), split_len)
+    acc, l = fold_partial_refs(bound_ref[()], acc_ref, m_ref, l_ref, scale=scale,
+                               capacity=capacity, split_len=split_len)
+    store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+
+
+def fold_partial_refs(bound: jax.Array, acc_ref, m_ref, l_ref, *, scale: float, capacity: int,
+                      split_len: int) -> tuple[jax.Array, jax.Array]:
+    """The fold kernel's body (inside a kernel): one query tile's split partials, ``acc_ref
+    [S, tile, hd]``, ``m_ref`` and ``l_ref [S, tile]``, folded in order up to the last split
+    a row sees, :data:`FOLD_LOADS` splits' loads at a time; ``(acc, l)``, the result
+    ``acc / l``. Shared by every kernel that folds written partials."""
+    _, tile, head_dim = acc_ref.shape
+    needed = _splits_seen(jnp.minimum(bound, capacity), split_len)
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
     c = scale * LOG2_E
@@ -363,7 +374,7 @@ def _fold_kernel(bound_ref, acc_ref, m_ref, l_ref, o_ref, *, scale: float, capac
         return carry
 
     acc, _, l = jax.lax.fori_loop(0, _ceil_div(needed, FOLD_LOADS), group, start)
-    store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
+    return acc, l
 
 
 def folds_on_chip(rows: int, capacity: int, tiles: AttentionTiles,
