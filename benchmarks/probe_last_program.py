@@ -15,7 +15,9 @@ decode's layers chain), for the products a decode step runs before its norms:
 
 * ``matvec`` alone (the floor);
 * ``two launches``: the matvec, then the norm kernel (``h = residual + y``, its RMSNorm);
-* ``last program``: the matvec whose last program norms the row;
+* ``last program``: the matvec whose last program norms the row, its counter carried from
+  step to step (as a model would thread it) or made afresh in every step (zeros: what a
+  memset costs);
 
 each with the sum of squares as Triton lays ``jnp.sum`` out and as a fixed halving tree (a
 sum no layout can reorder, which a prefill's norm kernel could share). It checks the last
@@ -181,6 +183,10 @@ def _step(form: str, tree: bool, interpret: bool):
         if form == "two launches":
             h, o = norm(matvec(x, w, interpret), residual, weight, tree, interpret)
             return h, o, count
+        if form == "last program, fresh counter":  # zeros made in the step (a memset)
+            _, h, o, _ = last_program(x, w, residual, weight, jnp.zeros_like(count), tree,
+                                      interpret)
+            return h, o, count
         _, h, o, count = last_program(x, w, residual, weight, count, tree, interpret)
         return h, o, count
     return step
@@ -253,7 +259,8 @@ def probe(shapes: tuple, steps: int, repeats: int, seeds: int, interpret: bool) 
         rec["control_differs"] = not np.array_equal(np.asarray(ref[0]), np.asarray(moved[0]))
         if not interpret:
             args = _inputs(0, k, n, dtype)
-            for form in ("matvec", "two launches", "last program"):
+            for form in ("matvec", "two launches", "last program",
+                         "last program, fresh counter"):
                 for tree in ((False,) if form == "matvec" else (False, True)):
                     fn = functools.partial(chain, form=form, tree=tree, steps=steps,
                                            interpret=False)

@@ -15,7 +15,8 @@ For the 1B's, 0.6B's and 8B's attention shapes at 4k and 8k context this checks 
 kernel's rows against :func:`~turbospark_jax.models.pallas_attention.cached_attention`
 (row-invariant: the split and fold kernels) bitwise over a scan of steps with fresh queries
 (a partial read before it was visible would show), that the counters end at zero, and
-times a step of each.
+times a step of each, the counters carried from step to step (as a model would thread them)
+or made afresh in every step (zeros: what a memset costs).
 
     PYTHONPATH=. python -m benchmarks.probe_last_split --out OUT.json
 
@@ -133,6 +134,9 @@ def chain(qs: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, count
         if form == "two launches":
             return count, pa.cached_attention(q, k, v, pos, interpret=interpret,
                                               row_invariant=True)
+        if form == "last split, fresh counters":  # zeros made in the step (a memset)
+            out, _ = last_split_attention(q, k, v, pos, jnp.zeros_like(count), interpret)
+            return count, out
         out, count = last_split_attention(q, k, v, pos, count, interpret)
         return count, out
 
@@ -192,7 +196,7 @@ def probe(shapes: tuple, contexts: tuple, steps: int, repeats: int, seeds: int,
                                  zero, form="last split", interpret=interpret)
                 rec["control_differs"] = not np.array_equal(np.asarray(ref), np.asarray(moved))
                 if not interpret:
-                    for form in ("two launches", "last split"):
+                    for form in ("two launches", "last split", "last split, fresh counters"):
                         fn = functools.partial(chain, form=form, interpret=False)
                         s = _time(fn, qs, k, v, positions, zero, repeats=repeats)
                         rec[f"us_per_step: {form}"] = round(s / steps * 1e6, 2)

@@ -30,6 +30,7 @@ def test_the_interpreted_probe_keeps_the_bits_and_resets_its_counter(tmp_path):
 
 
 @pytest.mark.parametrize("form,tree", [("last program", False), ("last program", True),
+                                       ("last program, fresh counter", True),
                                        ("two launches", True), ("matvec", False)])
 def test_each_form_lowers_for_cuda(form, tree):
     def run(x, w, r, wn, c):

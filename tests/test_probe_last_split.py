@@ -26,7 +26,7 @@ def test_the_interpreted_probe_keeps_the_bits_and_resets_its_counters(tmp_path):
     assert record["bits_equal"] and record["counter_reset"] and record["control_differs"]
 
 
-@pytest.mark.parametrize("form", ["last split", "two launches"])
+@pytest.mark.parametrize("form", ["last split", "last split, fresh counters", "two launches"])
 def test_each_form_lowers_for_cuda(form):
     heads, kv_heads, head_dim, capacity = 8, 2, 64, 2048
 
