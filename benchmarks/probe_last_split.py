@@ -47,30 +47,19 @@ CONTEXTS = (4096, 8192)
 
 
 def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, count_in, acc_ref, m_ref, l_ref, o_ref,
-            count_ref, *, scale: float, capacity: int, split_len: int, rows: int | None,
-            interpret: bool) -> None:
+            count_ref, *, scale: float, capacity: int, split_len: int, splits: int,
+            rows: int | None, interpret: bool) -> None:
     """One program per (KV head, query tile, split): its split's partial, as the split
-    kernel writes it; the last program of its (KV head, query tile) then folds them all."""
+    kernel computes it; the last program of its (KV head, query tile) then folds them all
+    (:func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`)."""
     del count_in  # read and written through its aliased output
-    from jax.experimental.pallas import triton as plgpu
-
     h, t, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    tiles, splits = pl.num_programs(1), pl.num_programs(2)
-    acc, m, l = pa.split_of(q_ref[...], pos_ref[...], bound_ref[()], k_ref, v_ref,
-                            scale=scale, capacity=capacity, split_len=split_len, window=None,
-                            mma_sums=True)
-    acc_ref[s], m_ref[s], l_ref[s] = acc, m, l
-    if not interpret:  # (the interpreter runs the programs one after another)
-        plgpu.debug_barrier()  # every thread's stores issued before the release
-    slot = h * tiles + t
-    before = plgpu.atomic_add(count_ref, (slot,), jnp.int32(1))
-
-    @pl.when(before == splits - 1)
-    def _():
-        acc, l = pa.fold_partial_refs(bound_ref[()], acc_ref, m_ref, l_ref, scale=scale,
-                                      capacity=capacity, split_len=split_len)
-        pa.store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
-        count_ref[slot] = jnp.int32(0)
+    part = pa.split_of(q_ref[...], pos_ref[...], bound_ref[()], k_ref, v_ref, scale=scale,
+                       capacity=capacity, split_len=split_len, window=None, mma_sums=True)
+    pa.fold_in_last_split(bound_ref[()], part, s, acc_ref, m_ref, l_ref, o_ref, count_ref,
+                          h * pl.num_programs(1) + t, t, splits=splits, scale=scale,
+                          capacity=capacity, split_len=split_len, rows=rows,
+                          barrier=not interpret)
 
 
 def last_split_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
@@ -95,8 +84,8 @@ def last_split_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array,
     slots = pl.BlockSpec((kv_heads * tile_count,), lambda h, t, s: (0,))
     _, _, _, out, count = pl.pallas_call(
         functools.partial(_kernel, scale=1.0 / math.sqrt(head_dim), capacity=capacity,
-                          split_len=split_len, rows=None if rows == padded else rows,
-                          interpret=interpret),
+                          split_len=split_len, splits=splits,
+                          rows=None if rows == padded else rows, interpret=interpret),
         grid=(kv_heads, tile_count, splits),
         in_specs=[pl.BlockSpec((), lambda h, t, s: ()),
                   pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),

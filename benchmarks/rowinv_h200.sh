@@ -98,12 +98,15 @@
 #   bash benchmarks/rowinv_h200.sh 32 "$OUT"  # the probes of work moved into a kernel's
 #                                             # last program (a norm after a product, the
 #                                             # attention's fold): bits and time
+#   bash benchmarks/rowinv_h200.sh 33 "$OUT"  # the model's fold in the last split program
+#                                             # (fold_in_split): GPU tests, the 1B exact
+#                                             # part, decode without and with it
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 32}
+stage=${1:?stage 1 to 33}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -411,6 +414,20 @@ case "$stage" in
   # instead of the fold kernel (benchmarks/probe_last_split.py), against the two launches
   timeout 250 python -m benchmarks.probe_last_split --out "$out/probe_last_split.json" \
     2>&1 | cut -c1-400 | tail -8
+  ;;
+33)
+  # after stage 32, if the last split program's fold kept the bits and gained: the model's
+  # form of it (DenseModel.fold_in_split) compiled (the RoPE-store kernels' tests), the 1B
+  # exact part under it, then decode (1B, 0.6B) without and with it
+  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_rope_store.py tests/test_probe_last_split.py --tb=short -rf \
+    > "$out/gpu_tests_fold_in_split.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_fold_in_split.txt" | tail -8
+  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+    --fold-in-split --out "$out/exact_fold_in_split" --budget-s 120 2>&1 | cut -c1-400 \
+    | tail -2
+  decode_speed 110 speed_fold_kernel
+  decode_speed 110 speed_fold_in_split --fold-in-split
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

@@ -347,13 +347,15 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=FUSE_ROPE_STORE)
+                       fuse_rope_store=FUSE_ROPE_STORE, fold_in_split=FOLD_IN_SPLIT)
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
 
 #: ``--fuse-rope`` / ``--no-fuse-rope``: the models' ``fuse_rope_store``.
 FUSE_ROPE_STORE = True
+#: ``--fold-in-split``: the models' ``fold_in_split``.
+FOLD_IN_SPLIT = False
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -912,7 +914,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the RoPE-store inside the attention kernel where that folds "
                          "on chip (DenseModel.fuse_rope_store, on by default; the same bits); "
                          "--no-fuse-rope launches the two kernels")
+    ap.add_argument("--fold-in-split", action="store_true",
+                    help="with the fused RoPE-store, fold a long context's key splits in "
+                         "each query tile's last split program instead of the fold kernel "
+                         "(DenseModel.fold_in_split; the same bits)")
     args = ap.parse_args(argv)
+    global FOLD_IN_SPLIT
+    FOLD_IN_SPLIT = args.fold_in_split
     global FUSE_ROPE_STORE
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
@@ -956,7 +964,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split,
-            "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope}
+            "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
+            "fold_in_split": args.fold_in_split}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

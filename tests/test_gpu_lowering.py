@@ -104,6 +104,11 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8)[0],
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
         CACHE, CACHE),
+    "rope and cache write inside the split attention kernel, folding in its last split": (
+        lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
+            qkv, c, s, at, k, v, at, 8, fold_in_split=True)[0],
+        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
+        CACHE, CACHE),
 }
 
 
@@ -186,12 +191,12 @@ ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermedia
 
 def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
              config: DenseConfig = CONFIG, capacity: int = 256, fuse_rope_store: bool = True,
-             **hints) -> str:
+             fold_in_split: bool = False, **hints) -> str:
     """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
     kernels by the default backend, so the test says it is one)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(config, BF16, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=fuse_rope_store)
+                       fuse_rope_store=fuse_rope_store, fold_in_split=fold_in_split)
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
@@ -233,6 +238,9 @@ def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch)
                                                             "cached_attention_folding"}
     assert kernels(max_keys=512) == {"rope_store_attention"}
     assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
+    # with fold_in_split, the split kernel folds in each tile's last split program
+    assert kernels(fold_in_split=True) == {"rope_store_attention_split_folding"}
+    assert kernels(fold_in_split=True, max_keys=512) == {"rope_store_attention"}
 
 
 def _float_reductions(text: str) -> list[str]:

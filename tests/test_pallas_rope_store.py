@@ -7,6 +7,8 @@ On a CPU the kernel runs in the Pallas interpreter; on a GPU these tests run the
 Triton kernel (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_rope_store.py``).
 """
 
+import functools
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -159,10 +161,11 @@ def test_partial_sums_give_the_bits_of_the_finished_projection(dtype, qk_norm, c
         assert np.array_equal(_bits(g), _bits(w))
 
 
-def _fused(qkv, cos, sin, write_at, caches, pos, norms, fuse, max_keys=None, window=None):
+def _fused(qkv, cos, sin, write_at, caches, pos, norms, fuse, max_keys=None, window=None,
+           fold_in_split=False):
     return rope_store_attention(qkv, cos, sin, write_at, *caches, pos, H, **norms,
                                 interpret=INTERPRET, max_keys=max_keys, fuse=fuse,
-                                window=window)
+                                window=window, fold_in_split=fold_in_split)
 
 
 def _pallas_calls(fn, *args) -> set[str]:
@@ -223,6 +226,38 @@ def test_rope_store_inside_the_attention_under_a_sliding_window(capacity, max_ke
     assert all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
     wide = _fused(*args, fuse=True, max_keys=max_keys)  # control: the window matters here
     assert not np.array_equal(_bits(wide[0]), _bits(got[0]))
+
+
+@pytest.mark.parametrize(("width", "first", "parts", "max_keys", "window"), [
+    (1, 1000, 3, None, None),   # eight splits, unbounded
+    (5, 1500, 0, 1024, None),   # past two splits' bound
+    (3, 1200, 2, None, 37),     # a sliding window
+    (16, 900, 0, None, None),   # FUSED_ROWS rows
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_the_fold_in_the_last_split_program_gives_the_fold_kernels_bits(
+        width, first, parts, max_keys, window, dtype):
+    """``fold_in_split``: each query tile's partials folded by its last split program (an
+    atomic counter a tile) instead of the fold kernel: the rows and caches bitwise those of
+    the split kernel and the fold kernel, no fold kernel launched; a second call (the
+    counters are made and left at zero) agrees too."""
+    qkv, cos, sin, pos, caches, norms = _inputs(4, dtype, width, first, 2048, parts)
+    args = (qkv, cos, sin, pos, caches, pos, norms)
+    run = functools.partial(_fused, fuse=True, max_keys=max_keys, window=window)
+    got, want = run(*args, fold_in_split=True), run(*args)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(_bits(g), _bits(w))
+    kernels = _pallas_calls(lambda *a: run(*a, fold_in_split=True), *args)
+    assert kernels == {"rope_store_attention_split_folding"}
+    assert "cached_attention_fold" in _pallas_calls(run, *args)
+    again = run(qkv * 2, cos, sin, pos, caches, pos, norms, fold_in_split=True)
+    assert np.array_equal(_bits(again[0]), _bits(run(qkv * 2, cos, sin, pos, caches, pos,
+                                                     norms)[0]))
+    # control: the comparison sees a key every row sees (inside the window too), changed
+    key = int(pos[0]) - 10
+    moved = run(qkv, cos, sin, pos, (caches[0].at[key].multiply(3), caches[1]), pos, norms,
+                fold_in_split=True)
+    assert not np.array_equal(_bits(moved[0]), _bits(want[0]))
 
 
 def test_rope_store_attention_launches_both_past_fused_rows():

@@ -50,9 +50,10 @@ def gpu_graph_in_the_interpreter(monkeypatch):
                             lambda *a, _f=original, **k: _f(*a, **{**k, "interpret": True}))
 
 
-def _logits(model: DenseModel, params, width: int, prefill_width: int | None) -> tuple:
+def _logits(model: DenseModel, params, width: int, prefill_width: int | None,
+            **producer_fields) -> tuple:
     producer = BlockProducer(model, params, capacity=CAPACITY, width=width,
-                             prefill_width=prefill_width, steps_per_call=2)
+                             prefill_width=prefill_width, steps_per_call=2, **producer_fields)
     last, state = producer.prefill_chunk(producer.init_state(), PROMPT, 0)
     step, _ = producer.produce(state, 7, len(PROMPT))
     return np.asarray(last), np.asarray(step)
@@ -77,6 +78,25 @@ def test_gpu_form_matches_xla_and_its_widths_agree(gpu_graph_in_the_interpreter,
             np.testing.assert_allclose(g, want, rtol=0, atol=1e-5)
         for g, b in zip(got, runs[(1, None)], strict=True):
             assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
+
+
+def test_gpu_form_folding_in_the_last_split_program_keeps_every_bit(
+        gpu_graph_in_the_interpreter, monkeypatch):
+    """``fold_in_split``: a decode step over the cache's two key splits (no short-context
+    program: ``short_decode_keys=0``) folds each tile's partials in its last split program,
+    and its logits are bitwise the default graph's (split kernel, then fold kernel); the
+    prefill, in 16-row blocks, runs the split form too."""
+    original, folds = pallas_rope_store.fold_in_last_split, []
+    monkeypatch.setattr(pallas_rope_store, "fold_in_last_split",
+                        lambda *a, **k: folds.append(1) or original(*a, **k))
+    model, params = _model("rowinv", fold_in_split=True)
+    plain, _ = _model("rowinv")
+    for w in ((1, None), (4, 16)):
+        got = _logits(model, params, *w, short_decode_keys=0)
+        want = _logits(plain, params, *w, short_decode_keys=0)
+        for g, b in zip(got, want, strict=True):
+            assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
+    assert folds  # the last split programs folded
 
 
 def test_gpu_form_with_the_fused_rope_store_keeps_every_bit(

@@ -284,6 +284,12 @@ class DenseModel(BlockModel):
         (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`): one launch a
         layer fewer. ``False`` launches the two kernels. The same bits either way (the
         kernels' tests and the exact part, compiled on an H100); speed only.
+      fold_in_split: with ``fuse_rope_store``, where that kernel is the split kernel (a
+        decode or verify past the short-context bound) each query tile's partials are folded
+        by its last split program instead of the fold kernel (an atomic counter a tile;
+        :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`): one launch a
+        layer fewer. The same bits in the Pallas interpreter; off until measured on the GPU
+        (``benchmarks/probe_last_split.py``, ``benchmarks/rowinv_model.py --fold-in-split``).
     """
 
     parallel_prefill = True
@@ -310,6 +316,7 @@ class DenseModel(BlockModel):
     tap_layers: tuple[int, ...] = ()
     kernels: str = "xla"
     fuse_rope_store: bool = True
+    fold_in_split: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))

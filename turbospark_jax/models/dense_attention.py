@@ -203,6 +203,7 @@ def cached_attention(
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
                 *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
                 window=window, interpret=rope_store == "interpret", max_keys=max_keys,
+                fold_in_split=model.fold_in_split,
             )
         else:
             qr, k_layer, v_layer = pallas_rope_store.rope_store(

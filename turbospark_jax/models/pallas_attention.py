@@ -333,6 +333,31 @@ def fold_splits(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *,
     return acc, l
 
 
+def fold_in_last_split(bound: jax.Array, part: tuple, s: jax.Array, acc_ref, m_ref, l_ref,
+                       o_ref, count_ref, slot: jax.Array, tile: jax.Array, *, splits: int,
+                       scale: float, capacity: int, split_len: int, rows: int | None,
+                       barrier: bool) -> None:
+    """A split program's end when the query tile's fold runs in its last split program, not
+    in the fold kernel: store this split's ``part`` at ``[s]`` of the tile's whole-split
+    refs (``acc_ref [S, tile, hd]``, ``m_ref``, ``l_ref [S, tile]``), bump the tile's
+    counter ``count_ref[slot]`` with an atomic add (after a CTA barrier, with ``barrier``,
+    so every thread's stores precede the add's release), and in the program that finds the
+    other ``splits - 1`` there already, fold them all with the fold kernel's body
+    (:func:`fold_partial_refs`, the same bits), store the tile's finished rows (``tile``:
+    the query tile's index) and put the counter back to zero for the next call."""
+    acc_ref[s], m_ref[s], l_ref[s] = part
+    if barrier:
+        plgpu.debug_barrier()
+    before = plgpu.atomic_add(count_ref, (slot,), jnp.int32(1))
+
+    @pl.when(before == splits - 1)
+    def _():
+        acc, l = fold_partial_refs(bound, acc_ref, m_ref, l_ref, scale=scale,
+                                   capacity=capacity, split_len=split_len)
+        store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=tile)
+        count_ref[slot] = jnp.int32(0)
+
+
 def partial_splits(splits: int) -> int:
     """The splits the row-invariant split kernel writes partials for: ``splits`` rounded up to
     whole groups of :data:`FOLD_LOADS` (those past the cache see no key)."""

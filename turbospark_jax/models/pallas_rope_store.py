@@ -41,6 +41,7 @@ from turbospark_jax.models.pallas_attention import (
     arrange_queries,
     cached_attention_arranged,
     compiler_kwargs,
+    fold_in_last_split,
     fold_partials,
     fold_splits,
     folds_on_chip,
@@ -251,19 +252,24 @@ def rope_store(
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
-                           split: bool, barrier: bool) -> None:
+                           split: bool, barrier: bool, fold_last: int = 0) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
     the rotated queries read back and the cache with the new rows in it: the folding
     kernel's body (:func:`~turbospark_jax.models.pallas_attention.fold_splits`), or with
     ``split`` the split kernel's (:func:`~turbospark_jax.models.pallas_attention.split_of`,
-    partials for the fold kernel). The programs of one KV head write the same values to the
-    same places (each needs every new key of the block)."""
+    partials for the fold kernel; with ``fold_last``, the number of splits, each tile's
+    last split program folds them itself:
+    :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`). The programs of one
+    KV head write the same values to the same places (each needs every new key of the
+    block)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
-    # the caches' inputs (the two after pos): read and written through their outputs
-    bound_ref, pos_ref, _, _, *outs = refs[2:] if qk_norm else refs
+    # the caches' inputs (the two after pos) and the fold's counters (after them): read and
+    # written through their outputs
+    bound_ref, pos_ref, *outs = refs[2:] if qk_norm else refs
+    outs = outs[3:] if fold_last else outs[2:]
     *results, q_out, k_out, v_out = outs
     h, t = pl.program_id(0), pl.program_id(1)
     s = pl.program_id(2) if split else None
@@ -286,7 +292,14 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
     kw = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
               mma_sums=True)
-    if split:
+    if split and fold_last:
+        acc_ref, m_ref, l_ref, o_ref, count_ref = results
+        part = split_of(q, pos, bound_ref[()], k_out, v_out, split=s, **kw)
+        fold_in_last_split(bound_ref[()], part, s, acc_ref, m_ref, l_ref, o_ref, count_ref,
+                           h * pl.num_programs(1) + t, t, splits=fold_last, scale=scale,
+                           capacity=capacity, split_len=split_len, rows=rows,
+                           barrier=barrier)
+    elif split:
         acc_ref, m_ref, l_ref = results
         acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out, v_out,
                                                         split=s, **kw)
@@ -297,13 +310,13 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
-                                             "fuse"))
+                                             "fuse", "fold_in_split"))
 def rope_store_attention(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-    fuse: bool = True,
+    fuse: bool = True, fold_in_split: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
@@ -320,6 +333,10 @@ def rope_store_attention(
       window, max_keys: as for the attention.
       interpret: run in the Pallas interpreter (CPU tests).
       fuse: allow the RoPE-store's work inside the attention kernel.
+      fold_in_split: where the fused kernel is the split kernel, fold each query tile's
+        partials in its last split program instead of launching the fold kernel (an atomic
+        counter a tile; the fold kernel's own code, so the same bits): one launch a layer
+        fewer at a long context. Speed only; off until measured on the GPU.
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -367,35 +384,52 @@ def rope_store_attention(
     else:
         splits = partial_splits(splits)  # whole groups for the fold kernel's loads
         grid = (kv_heads, count, splits)
+        # a tile's partials: one split's block a program, or every split's (fold_in_split)
+        at = (lambda s: 0) if fold_in_split else (lambda s: s)
+        lead = splits if fold_in_split else None
         result_specs = [
-            pl.BlockSpec((None, None, tile, head_dim), lambda h, t, s: (s, h, t, 0)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
-            pl.BlockSpec((None, None, tile), lambda h, t, s: (s, h, t)),
+            pl.BlockSpec((lead, None, tile, head_dim), lambda h, t, s: (at(s), h, t, 0)),
+            pl.BlockSpec((lead, None, tile), lambda h, t, s: (at(s), h, t)),
+            pl.BlockSpec((lead, None, tile), lambda h, t, s: (at(s), h, t)),
         ]
         result_shapes = [
             jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
             jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
         ]
+        if fold_in_split:  # the finished rows, and a counter a tile (zeros, left at zero)
+            result_specs += [pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),
+                             whole((kv_heads * count,))]
+            result_shapes += [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype),
+                              jax.ShapeDtypeStruct((kv_heads * count,), jnp.int32)]
+    fold_last = splits if fold_in_split and not folding else 0
     kernel = functools.partial(
         _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
-        rows=None if rows == padded else rows, split=not folding, barrier=not interpret)
+        rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
+        fold_last=fold_last)
+    aliases = {len(operands): len(result_shapes) + 1, len(operands) + 1: len(result_shapes) + 2}
+    counters = []
+    if fold_last:
+        counters = [jnp.zeros((kv_heads * count,), jnp.int32)]
+        aliases[len(operands) + 2] = len(result_shapes) - 1
     *results, _, k_cache, v_cache = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[*specs, head_block, head_block],
+        in_specs=[*specs, head_block, head_block, *(whole(c.shape) for c in counters)],
         out_specs=[*result_specs, *scratch_specs],
         out_shape=[*result_shapes, *scratch_shapes],
-        input_output_aliases={len(operands): len(result_shapes) + 1,
-                              len(operands) + 1: len(result_shapes) + 2},
+        input_output_aliases=aliases,
         interpret=interpret,
-        name="rope_store_attention" if folding else "rope_store_attention_split",
+        name=("rope_store_attention" if folding else "rope_store_attention_split_folding"
+              if fold_last else "rope_store_attention_split"),
         **compiler_kwargs(tiles, interpret),
-    )(*operands, k_cache, v_cache)
+    )(*operands, k_cache, v_cache, *counters)
     if folding:
         (out,) = results
+    elif fold_last:
+        out = results[3]
     else:
         out = fold_partials(bound, *results, rows=rows, capacity=capacity,
                             split_len=split_len, dtype=v_cache.dtype, tiles=tiles,
