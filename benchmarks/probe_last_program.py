@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+
+from benchmarks.rowinv import add_record, best_time
 
 #: (name, K, N): the products before a decode step's norms (output projection, down
 #: projection) of the 1B, 0.6B and 8B shapes.
@@ -218,18 +219,10 @@ def _inputs(seed: int, k: int, n: int, dtype: Any) -> tuple[jax.Array, ...]:
     return tuple(jnp.asarray(a, dtype) for a in (x, w, residual, weight))
 
 
-def _time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def probe(shapes: tuple, steps: int, repeats: int, seeds: int, interpret: bool) -> list[dict]:
-    """Each shape's bits (last program against two launches, both sums) and step times."""
+def probe(shapes: tuple, steps: int, repeats: int, seeds: int, interpret: bool,
+          out: Path | None = None) -> list[dict]:
+    """Each shape's bits (last program against two launches, both sums) and step times,
+    each record printed and written to ``out`` as it comes."""
     records = []
     dtype = jnp.bfloat16
     for name, k, n in shapes:
@@ -264,11 +257,10 @@ def probe(shapes: tuple, steps: int, repeats: int, seeds: int, interpret: bool) 
                 for tree in ((False,) if form == "matvec" else (False, True)):
                     fn = functools.partial(chain, form=form, tree=tree, steps=steps,
                                            interpret=False)
-                    s = _time(fn, *args, zero, repeats=repeats)
+                    s = best_time(fn, *args, zero, repeats=repeats)
                     key = form if form == "matvec" else f"{form}, {'tree' if tree else 'jnp.sum'}"
                     rec[f"us_per_step: {key}"] = round(s / steps * 1e6, 2)
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
+        add_record(out, records, rec, date=time.strftime("%Y-%m-%d"))
     return records
 
 
@@ -284,12 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = (("small", 256, 128), ("small, two K tiles", 512, 256)) if args.interpret \
         else SHAPES
     steps = min(args.steps, 3) if args.interpret else args.steps
-    records = probe(shapes, steps, args.repeats, args.seeds, args.interpret)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
-                "date": time.strftime("%Y-%m-%d")}
-        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    records = probe(shapes, steps, args.repeats, args.seeds, args.interpret, args.out)
     ok = all(r["bits_equal_jnp.sum"] and r["bits_equal_tree"] and r["counter_reset_jnp.sum"]
              and r["counter_reset_tree"] and r["control_differs"] for r in records)
     return 0 if ok else 1

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import time
 from pathlib import Path
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from benchmarks.rowinv import add_record, best_time
 from turbospark_jax.models import pallas_attention as pa
 
 #: (name, query heads, KV heads, head width).
@@ -146,18 +146,10 @@ def _inputs(seed: int, steps: int, heads: int, kv_heads: int, head_dim: int, cap
             jnp.asarray(positions, jnp.int32))
 
 
-def _time(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def probe(shapes: tuple, contexts: tuple, steps: int, repeats: int, seeds: int,
-          interpret: bool) -> list[dict]:
+          interpret: bool, out: Path | None = None) -> list[dict]:
+    """Each shape and context's bits (the last split's fold against the two launches) and
+    step times, each record printed and written to ``out`` as it comes."""
     records = []
     for name, heads, kv_heads, head_dim in shapes:
         for context in contexts:
@@ -187,12 +179,11 @@ def probe(shapes: tuple, contexts: tuple, steps: int, repeats: int, seeds: int,
                 if not interpret:
                     for form in ("two launches", "last split", "last split, fresh counters"):
                         fn = functools.partial(chain, form=form, interpret=False)
-                        s = _time(fn, qs, k, v, positions, zero, repeats=repeats)
+                        s = best_time(fn, qs, k, v, positions, zero, repeats=repeats)
                         rec[f"us_per_step: {form}"] = round(s / steps * 1e6, 2)
             else:
                 rec["skipped"] = "one kernel folds this context on chip already"
-            records.append(rec)
-            print(json.dumps(rec), flush=True)
+            add_record(out, records, rec, date=time.strftime("%Y-%m-%d"))
     return records
 
 
@@ -209,12 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes, contexts, steps = (("small", 4, 2, 16),), (1100,), min(args.steps, 2)
     else:
         shapes, contexts, steps = SHAPES, CONTEXTS, args.steps
-    records = probe(shapes, contexts, steps, args.repeats, args.seeds, args.interpret)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind),
-                "date": time.strftime("%Y-%m-%d")}
-        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+    records = probe(shapes, contexts, steps, args.repeats, args.seeds, args.interpret,
+                    args.out)
     checked = [r for r in records if "skipped" not in r]
     ok = bool(checked) and all(r["bits_equal"] and r["counter_reset"] and r["control_differs"]
                                for r in checked)

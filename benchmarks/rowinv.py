@@ -134,12 +134,14 @@ def write_probe(out: Path, records: list, **meta) -> None:
     out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 
-def add_record(out: Path, records: list, record: dict, **meta) -> None:
+def add_record(out: Path | None, records: list, record: dict, **meta) -> None:
     """Print a probe's ``record``, add it to ``records`` and rewrite the probe's JSON with
-    every record so far (a run its time limit cuts short keeps what it finished)."""
+    every record so far (a run its time limit cuts short keeps what it finished; ``out``
+    None: no file)."""
     print(json.dumps(record), flush=True)
     records.append(record)
-    write_probe(out, records, **meta)
+    if out is not None:
+        write_probe(out, records, **meta)
 
 
 @contextlib.contextmanager
