@@ -101,12 +101,14 @@
 #   bash benchmarks/rowinv_h200.sh 33 "$OUT"  # the model's fold in the last split program
 #                                             # (fold_in_split): GPU tests, the 1B exact
 #                                             # part, decode without and with it
+#   bash benchmarks/rowinv_h200.sh 34 "$OUT"  # a grid barrier in a persistent kernel
+#                                             # against kernel boundaries (the probe)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 33}
+stage=${1:?stage 1 to 34}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -428,6 +430,13 @@ case "$stage" in
     | tail -2
   decode_speed 110 speed_fold_kernel
   decode_speed 110 speed_fold_in_split --fold-in-split
+  ;;
+34)
+  # what a grid-wide barrier inside one persistent kernel costs against a kernel boundary:
+  # chains of decode-sized products, one kernel each against one kernel for the chain
+  # (benchmarks/probe_grid_barrier.py); the measurement a persistent decode kernel needs
+  timeout 200 python -m benchmarks.probe_grid_barrier --out "$out/probe_grid_barrier.json" \
+    2>&1 | cut -c1-400 | tail -4
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
