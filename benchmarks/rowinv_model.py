@@ -925,6 +925,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
     args.fuse_rope = FUSE_ROPE_STORE
+    if args.fold_in_split and not args.fuse_rope:
+        ap.error("--fold-in-split folds in the fused RoPE-store's split kernel: drop "
+                 "--no-fuse-rope")
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:

@@ -333,6 +333,11 @@ class DenseModel(BlockModel):
                 "kernels='rowinv' runs its own row-invariant attention; attention='interpret' "
                 "(the fused kernel, whose query tile follows the row count) cannot go with it"
             )
+        if self.fold_in_split and not self.fuse_rope_store:
+            raise BadInputError(
+                "fold_in_split folds in the fused RoPE-store's split kernel; it needs "
+                "fuse_rope_store=True (with two launches the fold kernel always runs)"
+            )
 
     @property
     def vocab_size(self) -> int:
