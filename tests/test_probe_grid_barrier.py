@@ -29,9 +29,11 @@ def test_the_launched_chain_computes_the_chained_products():
     assert got.shape == (3, ROWS, 256)
 
 
-@pytest.mark.parametrize("form", ["launches", "persistent"])
+@pytest.mark.parametrize("form", ["launches", "persistent", "persistent, 2 tiles ahead"])
 def test_each_form_lowers_for_cuda(form):
-    fn = launches if form == "launches" else (lambda x, w: persistent(x, w, programs=8))
+    ahead = 2 if "ahead" in form else 0
+    fn = launches if form == "launches" else (
+        lambda x, w: persistent(x, w, programs=8, ahead=ahead))
     exported = export.export(stepped(fn, 2), platforms=["cuda"], disabled_checks=CHECKS)(
         S((ROWS, 256), jnp.bfloat16), S((3, 256, 256), jnp.bfloat16))
     assert "__gpu$xla.gpu.triton" in exported.mlir_module()
@@ -40,3 +42,9 @@ def test_each_form_lowers_for_cuda(form):
 def test_the_probe_refuses_a_machine_without_a_gpu():
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_the_persistent_kernel_refuses_more_tiles_ahead_than_k_has():
+    x, w = inputs(0, 256, 2)
+    with pytest.raises(ValueError, match=r"ahead must be 0\.\.2"):
+        persistent(x, w, programs=8, ahead=3)
