@@ -77,6 +77,33 @@ def check_whole_steps(record: dict[str, Any], layers: int) -> None:
             "(taken with the loop graphs on?); profile with TURBOSPARK_LOOP_GRAPHS=0")
 
 
+def product_line(record: dict[str, Any], shape: Shape) -> dict[str, Any] | None:
+    """The layers' products (all but the head) as one line, time a call = a fixed cost +
+    bytes / rate, fitted by least squares over the profile's product kernels
+    (``rowinv_matvec_<name>``, a point each): the fixed cost a kernel pays whatever it reads
+    (launch, first loads' latency, tail), the rate its stream reaches, and what the fixed
+    costs add up to a token. ``None`` with fewer than two such kernels, or when they do not
+    rise with their bytes."""
+    bytes_of = {name: k * sum(ns) * 2 for name, k, ns, _ in products_of(shape)}
+    points, calls = [], 0.0
+    for name, (n, us) in record["all_kernels"].items():
+        label = name.removeprefix("rowinv_matvec_")
+        if label != name and label in bytes_of and label != "head" and n:
+            points.append((bytes_of[label], us / n))
+            calls += n
+    if len(points) < 2:
+        return None
+    mean_b = sum(b for b, _ in points) / len(points)
+    mean_t = sum(t for _, t in points) / len(points)
+    var = sum((b - mean_b) ** 2 for b, _ in points)
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in points) / var if var else 0.0
+    if slope <= 0:
+        return None
+    fixed = mean_t - slope * mean_b
+    return {"us_per_kernel": round(fixed, 2), "stream_TBps": round(1e-6 / slope, 2),
+            "fixed_us_per_token": round(fixed * calls, 1)}
+
+
 def bound(record: dict[str, Any], source_gbps: float, target_gbps: float,
           bar: tuple[str, float] | None = None) -> dict[str, Any]:
     """One profile record's decode step, split and carried to ``target_gbps``; times in
@@ -107,6 +134,7 @@ def bound(record: dict[str, Any], source_gbps: float, target_gbps: float,
         "products_stream_us": round(stream, 1),
         "products_share_of_copy_rate": round(stream / products, 3) if products else None,
         "beyond_stream_us": round(beyond, 1),
+        "products_line": product_line(record, shape),
         "target_gbps": target_gbps,
         "target_roofline_tokens_per_s": round(1e6 / roofline_us, 1),
         "target_tokens_per_s": {

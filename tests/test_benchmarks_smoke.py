@@ -372,3 +372,29 @@ def test_decode_bound_splits_a_profile_and_carries_it_to_another_bandwidth(tmp_p
                                 "records": [partial, record]}))
     assert main([str(path), "--out", str(tmp_path / "bound.json")]) == 1
     assert len(json.loads((tmp_path / "bound.json").read_text())) == 1
+
+
+def test_decode_bound_fits_the_products_fixed_cost_and_rate():
+    """The products' line on a made-up profile of the 1B shape whose kernels take exactly
+    3 us plus their bytes at 4 TB/s: the fit gives both back, and their sum over the calls a
+    token; the head is left out of the fit; a profile whose products do not rise with their
+    bytes, or with one product kernel, gives none."""
+    from benchmarks.decode_bound import product_line
+    from benchmarks.rowinv_model import products_of
+    from benchmarks.run import SHAPES
+
+    shape = SHAPES["llama-3.2-1b"]
+    layers = shape.num_hidden_layers
+    kernels = {}
+    for name, k, ns, _ in products_of(shape):
+        us = 3.0 + k * sum(ns) * 2 / 4e6
+        calls = 1 if name == "head" else layers
+        kernels[f"rowinv_matvec_{name}"] = [calls, us * calls * (3 if name == "head" else 1)]
+    kernels["row_rms_norm__1"] = [2 * layers, 70.0]
+    line = product_line({"all_kernels": kernels}, shape)
+    assert line == {"us_per_kernel": 3.0, "stream_TBps": 4.0,
+                    "fixed_us_per_token": round(3.0 * 4 * layers, 1)}
+    flat = {k: [v[0], 5.0 * v[0]] for k, v in kernels.items()}
+    assert product_line({"all_kernels": flat}, shape) is None
+    one = {"rowinv_matvec_o": kernels["rowinv_matvec_o"]}
+    assert product_line({"all_kernels": one}, shape) is None
