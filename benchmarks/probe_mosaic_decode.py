@@ -52,7 +52,7 @@ def main() -> None:
     from benchmarks.rowinv_model import _device_seconds
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_partials
     from turbospark_jax.models.rowinv import (
-        _swiglu,
+        swiglu_gating,
         gated_schedule,
         rowinv_matmul,
         rowinv_swiglu,
@@ -99,7 +99,7 @@ def main() -> None:
         for name, tiles in tilings.items():
             if gated:
                 mosaic = functools.partial(mosaic_gated, epilogue=functools.partial(
-                    _swiglu, dtype=bf16), out_dtype=bf16, tiles=tiles)
+                    swiglu_gating, dtype=bf16), out_dtype=bf16, tiles=tiles)
                 kernel = lambda x, g, u, m=mosaic: m(x, g, u)  # noqa: E731
                 row = lambda out: out[0]  # noqa: E731
             else:

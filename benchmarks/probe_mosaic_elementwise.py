@@ -13,7 +13,7 @@ math) over the same inputs and counts the elements whose bits differ:
   included) and over the same sweep with results below 2^-126 set to zero in both;
 * ``a * b + c`` (contracted or not; with an optimization barrier after Mosaic's product),
   ``a / b``;
-* SwiGLU's gating (:func:`rowinv._swiglu`) of bfloat16 products, and SiLU alone.
+* SwiGLU's gating (:func:`rowinv.swiglu_gating`) of bfloat16 products, and SiLU alone.
 
     PYTHONPATH=. python -m benchmarks.probe_mosaic_elementwise --out OUT.json
 """
@@ -38,7 +38,7 @@ def _ops():
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.rowinv import _swiglu
+    from turbospark_jax.models.rowinv import swiglu_gating
 
     def flushed_exp2(x):
         return jnp.where(x < -126.0, 0.0, jnp.exp2(x))
@@ -54,13 +54,13 @@ def _ops():
             lambda x, a, b: jax.lax.optimization_barrier(a * b) + x),
         "a / b": (lambda x, a, b: a / b, jnp.float32),
         "softmax step": (lambda x, a, b: a * jnp.exp2((x - b) * 0.18033688) + x, jnp.float32),
-        "swiglu": (lambda x, a, b: _swiglu(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+        "swiglu": (lambda x, a, b: swiglu_gating(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
                                            jnp.bfloat16), jnp.bfloat16),
         "silu alone": (lambda x, a, b: jax.nn.silu(a), jnp.float32),
         # x holds every finite bfloat16 value (as float32): the gating's whole domain, since
         # the gate is rounded to bfloat16 before SiLU and the product after it is exact
         "swiglu, every bfloat16 gate": (
-            lambda x, a, b: _swiglu(x.astype(jnp.bfloat16), jnp.ones_like(x, jnp.bfloat16),
+            lambda x, a, b: swiglu_gating(x.astype(jnp.bfloat16), jnp.ones_like(x, jnp.bfloat16),
                                     jnp.bfloat16), jnp.bfloat16),
     }
 

@@ -280,13 +280,13 @@ def test_gated_product_is_the_gating_of_its_products(dtype):
     gated schedule, one segment) gated afterwards, in the interpreter (on a GPU the
     epilogue's SiLU is Triton's and the reference's XLA's: close, not bitwise); the rows
     agree for every row count in both kernels and in the XLA form."""
-    from turbospark_jax.models.rowinv import _swiglu, gated_schedule, rowinv_swiglu
+    from turbospark_jax.models.rowinv import gated_schedule, rowinv_swiglu, swiglu_gating
 
     x, gate, up = _gated_operands(dtype)
     f = gate.shape[1]
     both = rowinv_matmul(x, (gate, up), out_dtype=jnp.float32, impl=KERNEL_IMPL,
                          schedule=gated_schedule(x.shape[1]), tiles=TILES["small"])
-    want = np.asarray(_swiglu(both[:, :f], both[:, f:], x.dtype))
+    want = np.asarray(swiglu_gating(both[:, :f], both[:, f:], x.dtype))
     for impl, kernel in CASES:
         def gated(rows, impl=impl, kernel=kernel):
             return np.asarray(rowinv_swiglu(x[rows[0]:rows[1]], gate, up, impl=impl,
@@ -306,13 +306,13 @@ def test_gated_product_is_the_gating_of_its_products(dtype):
 def test_control_the_gated_schedule_is_not_the_products_default():
     """The check above can fail: gating the products of the default schedule (two segments
     over K here) gives other bits than the one-segment gated kernel."""
-    from turbospark_jax.models.rowinv import _swiglu, rowinv_swiglu, schedule_for
+    from turbospark_jax.models.rowinv import rowinv_swiglu, schedule_for, swiglu_gating
 
     x, gate, up = _gated_operands("float32", k=1024)
     f = gate.shape[1]
     both = rowinv_matmul(x, (gate, up), out_dtype=jnp.float32, impl=KERNEL_IMPL,
                          schedule=schedule_for(1024, 2 * f), tiles=TILES["small"])
-    other = np.asarray(_swiglu(both[:, :f], both[:, f:], x.dtype))
+    other = np.asarray(swiglu_gating(both[:, :f], both[:, f:], x.dtype))
     gated = np.asarray(rowinv_swiglu(x, gate, up, impl=KERNEL_IMPL, tiles=TILES["small"]))
     assert np.allclose(other, gated, rtol=1e-4, atol=1e-5)
     assert not np.array_equal(other, gated)

@@ -11,7 +11,10 @@ single block of ``Dp`` columns (``D`` rounded up to a power of two, the padding 
 nothing to the sum of squares; the mean divides by the true ``D``). The program, its block and
 its Triton settings are functions of ``D`` alone, so every row runs the same instructions
 whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the weight and
-``eps`` only, as DESIGN.md section 7 asks of the norms. In the Pallas interpreter
+``eps`` only, as DESIGN.md section 7 asks of the norms. With ``tree=True`` the sum of squares
+is a fixed halving tree (:func:`halving_sum`) rather than a reduction whose order Triton lays
+out by the kernel around it, so a kernel that norms a row among other work
+(:mod:`~turbospark_jax.models.pallas_layer_tail`) sums it the same way. In the Pallas interpreter
 ``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
 GPU by the benchmarks.
 
@@ -32,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers
 from turbospark_jax.models.rowinv import resolve_impl, sum_parts
@@ -45,8 +49,59 @@ def _next_power_of_two(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def halving_sum(v: jax.Array) -> jax.Array:
+    """The sum of ``v [n]`` (``n`` a power of two) as a fixed tree: the first half added to
+    the second elementwise, again and again, down to one value. Every addition pairs two
+    named elements, so the order is the tree's whatever layout a compiler gives ``v``
+    (``jnp.sum``'s order in a Triton kernel follows the layout, which follows the kernel
+    around it): the norm kernel and a kernel that norms rows among other work
+    (:mod:`~turbospark_jax.models.pallas_layer_tail`) get one sum from the same row."""
+    while v.shape[0] > 1:
+        # halves as a split, not a reduction over a [2, n] view: XLA merges a chain of
+        # reductions into one of its own order
+        first, second = jnp.split(v, 2)
+        v = first + second
+    return v.reshape(())
+
+
+def finished_rows(residual: jax.Array, *deltas: jax.Array, dtype: Any) -> jax.Array:
+    """``residual`` plus each delta in turn, each sum rounded to ``dtype`` (float32 has more
+    than twice the bits of bfloat16 or float16, so rounding the float32 sum gives the
+    correctly rounded sum: XLA's ``residual + delta``)."""
+    h = residual
+    for delta in deltas:
+        h = (h.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)
+    return h
+
+
+def parts_total(load: Any, parts: int, dtype: Any) -> jax.Array:
+    """Partial sums ``load(0) .. load(parts - 1)`` added in order, rounded once to ``dtype``
+    (:func:`~turbospark_jax.models.rowinv.sum_parts`' arithmetic)."""
+    total = load(0)
+    for i in range(1, parts):
+        total = total + load(i)
+    return total.astype(dtype)
+
+
+def inverse_rms(h: jax.Array, d: int, eps: float, tree: bool = True) -> jax.Array:
+    """``1 / sqrt(mean(h ** 2) + eps)`` of a row ``h [Dp]`` (zeros past the true ``d``), its
+    sum of squares a :func:`halving_sum` (``tree``) or ``jnp.sum`` (Triton's order)."""
+    x32 = h.astype(jnp.float32)
+    squares = x32 * x32
+    return jax.lax.rsqrt((halving_sum(squares) if tree else jnp.sum(squares)) / d + eps)
+
+
+def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: Any) -> jax.Array:
+    """``h`` normed by ``inv`` and rounded to ``dtype``, then times ``weight`` (two bfloat16 or
+    float16 values multiply exactly in float32), as ``layers.rms_norm`` rounds."""
+    normed = (h.astype(jnp.float32) * inv).astype(dtype)
+    if weight is None:
+        return normed
+    return (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+
+
 def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
-                 parts: int) -> None:
+                 parts: int, tree: bool) -> None:
     # Refs in order: x, [weight], [residual], then outputs [h], normed; the row blocks are
     # [Dp] (x's is [parts, Dp] when it comes as float32 partial sums).
     refs = list(refs)
@@ -56,28 +111,16 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
     h_out = refs.pop(0) if has_residual else None
     (o_ref,) = refs
     dtype = o_ref.dtype
-    if parts:  # the partial sums added in order, rounded once: rowinv.sum_parts' arithmetic
-        total = x_ref[0, :]
-        for i in range(1, parts):
-            total = total + x_ref[i, :]
-        x = total.astype(dtype)
-    else:
-        x = x_ref[...]
+    x = parts_total(lambda i: x_ref[i, :], parts, dtype) if parts else x_ref[...]
     if r_ref is not None:
-        # float32 has more than twice the bits of bfloat16 or float16, so rounding the
-        # float32 sum once more gives the correctly rounded sum: XLA's ``residual + x``.
-        x = (r_ref[...].astype(jnp.float32) + x.astype(jnp.float32)).astype(dtype)
+        x = finished_rows(r_ref[...], x, dtype=dtype)
         h_out[...] = x
-    x32 = x.astype(jnp.float32)
-    inv = jax.lax.rsqrt(jnp.sum(x32 * x32) / d + eps)
-    normed = (x32 * inv).astype(dtype)
-    if w_ref is not None:  # two bfloat16 or float16 values multiply exactly in float32
-        normed = (w_ref[...].astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
-    o_ref[...] = normed
+    o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps, tree),
+                             None if w_ref is None else w_ref[...], dtype)
 
 
 def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-            interpret: bool, dtype: Any) -> Any:
+            interpret: bool, dtype: Any, tree: bool = False) -> Any:
     parts = x.shape[0] if x.ndim == 3 else 0  # [S, M, D]: float32 partial sums
     m, d = x.shape[-2:]
     dp = _next_power_of_two(d)
@@ -101,7 +144,7 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         warps = 4 if dp <= NARROW_ROW else 8  # from D alone, never from M
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
-                               has_residual=residual is not None, parts=parts)
+                               has_residual=residual is not None, parts=parts, tree=tree)
     out = pl.pallas_call(
         kernel,
         grid=(m,),
@@ -116,20 +159,20 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
     return tuple(out) if residual is not None else out[0]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl", "tree"))
 def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None,
-                  eps: float, impl: str) -> Any:
-    return _norm(x, weight, residual, eps, impl, parts=False)
+                  eps: float, impl: str, tree: bool = False) -> Any:
+    return _norm(x, weight, residual, eps, impl, parts=False, tree=tree)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl", "tree"))
 def _add_parts_rms_norm(residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-                        eps: float, impl: str) -> Any:
-    return _norm(parts, weight, residual, eps, impl, parts=True)
+                        eps: float, impl: str, tree: bool = False) -> Any:
+    return _norm(parts, weight, residual, eps, impl, parts=True, tree=tree)
 
 
 def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-          impl: str, parts: bool) -> Any:
+          impl: str, parts: bool, tree: bool = False) -> Any:
     dtype = residual.dtype if parts else x.dtype
     if impl == "xla":
         delta = sum_parts(x, dtype) if parts else x
@@ -139,7 +182,7 @@ def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, ep
     shape = residual.shape if parts else x.shape
     rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
     first = x.reshape(x.shape[0], -1, shape[-1]) if parts else rows(x)
-    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype)
+    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype, tree)
     if residual is None:
         return out.reshape(shape)
     return tuple(o.reshape(shape) for o in out)
@@ -177,6 +220,7 @@ def row_rms_norm(
     *,
     residual: jax.Array | None = None,
     impl: str = "auto",
+    tree: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """RMSNorm over the last axis of ``x``, each row's bits independent of the other rows.
 
@@ -194,6 +238,10 @@ def row_rms_norm(
         ``h = residual + x`` (rounded once to ``x``'s dtype).
       impl: one of ``"auto"`` (the kernel on a GPU, the XLA expression elsewhere),
         ``"pallas"``, ``"interpret"`` (the kernel in the Pallas interpreter) or ``"xla"``.
+      tree: the kernel sums the squares as a fixed halving tree (:func:`halving_sum`), the
+        order the persistent layer tail's norm follows
+        (:mod:`~turbospark_jax.models.pallas_layer_tail`); else as Triton lays the sum out.
+        Both orders are row-invariant; a model uses one for a norm at every width.
 
     Returns:
       Without ``residual``, the normed ``[..., D]`` in ``x``'s dtype; with it, ``(h, normed)``.
@@ -205,7 +253,8 @@ def row_rms_norm(
         GPU.
     """
     _check(x, weight, residual, eps)
-    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl))
+    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl),
+                         as_bool("tree", tree))
 
 
 def add_parts_rms_norm(
@@ -215,6 +264,7 @@ def add_parts_rms_norm(
     eps: float,
     *,
     impl: str = "auto",
+    tree: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`row_rms_norm` of ``h = residual + delta``, where ``delta`` comes unfinished: the
     float32 partial sums over K of a row-invariant product
@@ -227,7 +277,7 @@ def add_parts_rms_norm(
     Args:
       residual: ``[..., D]``, bfloat16, float16 or float32.
       parts: float32 ``[S, ..., D]``: ``S`` partial sums of the rows ``residual`` has.
-      weight, eps, impl: as for :func:`row_rms_norm`.
+      weight, eps, impl, tree: as for :func:`row_rms_norm`.
 
     Returns:
       ``(h, normed)``, both ``[..., D]`` in ``residual``'s dtype.
@@ -243,4 +293,5 @@ def add_parts_rms_norm(
             f"parts must be float32 [S, *residual.shape] = [S, "
             f"{', '.join(map(str, residual.shape))}] with S >= 1; got shape {_shape(parts)}, "
             f"dtype {getattr(parts, 'dtype', None)}")
-    return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl))
+    return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl),
+                               as_bool("tree", tree))

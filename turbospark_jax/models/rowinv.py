@@ -320,7 +320,7 @@ def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, ti
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
 
-def _swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
+def swiglu_gating(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
     """SwiGLU's gating of two finished float32 products: each rounded to ``dtype`` as a
     product of ``dtype`` operands comes out, SiLU in float32 rounded once, then the product
     in ``dtype``. The same arithmetic in a kernel's epilogue and in XLA's form."""
@@ -331,10 +331,11 @@ def _swiglu(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
 def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, tiles: int,
                          per: int, k_tile: int, tile_dot: Any, flat: bool) -> None:
     """The matmul kernel over a gate and an up weight's same column block, gated in the
-    epilogue (:func:`_swiglu`): the MLP's hidden rows without the products leaving the chip."""
+    epilogue (:func:`swiglu_gating`): the MLP's hidden rows without the products leaving
+    the chip."""
     walk = functools.partial(_walk_k, x_ref, shape=o_ref.shape, tiles=tiles, per=per,
                              k_tile=k_tile, tile_dot=tile_dot, flat=flat, nk=False)
-    o_ref[...] = _swiglu(walk(gate_ref), walk(up_ref), o_ref.dtype)
+    o_ref[...] = swiglu_gating(walk(gate_ref), walk(up_ref), o_ref.dtype)
 
 
 def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
@@ -366,12 +367,12 @@ def _store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
 def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
                          k_tile: int, tile_dot: Any, rows: int | None) -> None:
     """The matvec kernel over all of K in one segment (so the sums are finished here) for a
-    gate and an up weight's same column block, gated in the epilogue (:func:`_swiglu`). The
+    gate and an up weight's same column block, gated in the epilogue (:func:`swiglu_gating`). The
     one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
     total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
                               tile_dot=tile_dot, nk=False, live=live_x)
-    _store_live(o_ref, _swiglu(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
+    _store_live(o_ref, swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
                 live_out)
 
 
@@ -395,6 +396,12 @@ def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]
     if interpret:
         return {}
     return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
+
+
+def tile_dot_for(interpret: bool) -> Any:
+    """The kernels' tile product ``(a, b, nk) -> float32``: :func:`_fixed_dot` in the Pallas
+    interpreter, the tensor cores' dot on a GPU."""
+    return _interpret_dot if interpret else _hardware_dot
 
 
 def _interpret_dot(a: jax.Array, b: jax.Array, nk: bool) -> jax.Array:
@@ -653,7 +660,7 @@ def gated_schedule(k: int) -> Schedule:
 
 
 def _gate_kernel(gate_ref: Any, up_ref: Any, o_ref: Any) -> None:
-    o_ref[...] = _swiglu(gate_ref[...], up_ref[...], o_ref.dtype)
+    o_ref[...] = swiglu_gating(gate_ref[...], up_ref[...], o_ref.dtype)
 
 
 #: Rows and columns of a program of the gating kernel after the Mosaic product.
@@ -664,7 +671,7 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
                   label: str) -> jax.Array:
     """The gated product for many rows on a Hopper GPU: the Mosaic kernel's two products under
     the gated schedule, rounded to ``x.dtype`` side by side, then a Triton kernel gating them
-    with the gated kernels' own epilogue (:func:`_swiglu`, the same code Triton compiles in
+    with the gated kernels' own epilogue (:func:`swiglu_gating`, the same code Triton compiles in
     the matvec kernel, so a row's bits agree with a decode step's). With
     ``mosaic.gate_in_epilogue`` (the default) the Mosaic kernel gates in its own epilogue
     instead (:func:`~turbospark_jax.models.mosaic_matmul.mosaic_gated`), one launch and no
@@ -675,7 +682,7 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
         kp = gated_schedule(k).plan(k)[0]
         mp = _ceil_to(m, mosaic.block[0])
         out = mosaic_gated(_pad(x, mp, kp), _pad(gate, kp, f), _pad(up, kp, f),
-                           epilogue=functools.partial(_swiglu, dtype=x.dtype),
+                           epilogue=functools.partial(swiglu_gating, dtype=x.dtype),
                            out_dtype=x.dtype, tiles=mosaic,
                            name="rowinv_mosaic" + (f"_{label}" if label else ""))
         return out[:m]
@@ -742,7 +749,7 @@ def _rowinv_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, impl: str, kern
     if impl == "xla":
         both = _xla_tiled(x, (gate, up), False, x.dtype)
         f = gate.shape[1]
-        return _swiglu(both[:, :f], both[:, f:], x.dtype)
+        return swiglu_gating(both[:, :f], both[:, f:], x.dtype)
     return _gated_pallas(x, gate, up, kernel, tiles, impl == "interpret", label)
 
 
@@ -759,7 +766,7 @@ def rowinv_swiglu(
     """SwiGLU's hidden rows ``silu(x @ gate) * (x @ up)``, each row independent of the others.
 
     On a GPU one launch reads both weights' same column block and gates the finished sums in
-    its epilogue (:func:`_swiglu`: each product rounded to ``x.dtype``, SiLU in float32
+    its epilogue (:func:`swiglu_gating`: each product rounded to ``x.dtype``, SiLU in float32
     rounded once, the product in ``x.dtype``), so the products never go to memory and no
     gating kernel runs after them. The reduction over K follows :func:`gated_schedule` (one
     segment) in either kernel, and the epilogue is the same code in both, so a row's bits do
