@@ -52,11 +52,11 @@ def main() -> None:
     from benchmarks.rowinv_model import _device_seconds
     from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_partials
     from turbospark_jax.models.rowinv import (
-        swiglu_gating,
         gated_schedule,
         rowinv_matmul,
         rowinv_swiglu,
         schedule_for,
+        swiglu_gating,
     )
 
     tilings = {"64x64 cols, 6 stages": MosaicTiles(wg_rows=64, wg_cols=64, stages=6),
