@@ -43,6 +43,8 @@ from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 SHAPES = (("llama-3.2-1b", 16, 2048, 2048, 8192), ("qwen3-0.6b", 28, 1024, 2048, 3072),
           ("llama-3.1-8b", 32, 4096, 4096, 14336))
 EPS = 1e-5
+#: The forms timed: today's kernels, the tail kernel, the tail with one program norming.
+FORMS = ("four kernels", "persistent tail", "persistent tail, shared norm")
 #: Chains a timed call runs, one after another in a device loop.
 STEPS = 8
 
@@ -75,9 +77,11 @@ def four_kernels(attn: jax.Array, h: jax.Array, lw: dict) -> tuple[jax.Array, ja
 
 
 def tail_kernel(attn: jax.Array, h: jax.Array, lw: dict, count: Any = None,
-                programs: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                programs: int | None = None,
+                shared_norm: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     return pallas_layer_tail.layer_tail(attn, h, lw["w_o"], lw["post"], lw["gate"], lw["up"],
-                                        lw["down"], EPS, count=count, programs=programs)
+                                        lw["down"], EPS, count=count, programs=programs,
+                                        shared_norm=shared_norm)
 
 
 def chain(form: str, layers: list[dict], steps: int) -> Any:
@@ -90,7 +94,8 @@ def chain(form: str, layers: list[dict], steps: int) -> Any:
             if form == "four kernels":
                 h, parts = four_kernels(attn, h, lw)
             else:
-                h, parts, count = tail_kernel(attn, h, lw, count)
+                h, parts, count = tail_kernel(attn, h, lw, count,
+                                              shared_norm=form == FORMS[2])
         return h, parts
 
     def run(h: jax.Array, parts: jax.Array, attn: jax.Array) -> tuple:
@@ -125,10 +130,12 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
             attn = jnp.asarray(r.standard_normal((rows, k_o)), jnp.bfloat16)
             h = jnp.asarray(r.standard_normal((rows, d)), jnp.bfloat16)
             want = jax.jit(four_kernels)(attn, h, lw)
-            for programs in (sms, sms // 2 + 1):
-                got = jax.jit(functools.partial(tail_kernel, programs=programs))(attn, h, lw)
-                rec[f"bits_equal_rows{rows}_programs{programs}"] = _equal(got[:2], want)
-                rec[f"counter_back_to_zero_rows{rows}_programs{programs}"] = int(got[2][0]) == 0
+            for programs, shared in ((sms, False), (sms // 2 + 1, False), (sms, True)):
+                got = jax.jit(functools.partial(tail_kernel, programs=programs,
+                                                shared_norm=shared))(attn, h, lw)
+                tag = f"rows{rows}_programs{programs}" + ("_shared_norm" if shared else "")
+                rec[f"bits_equal_{tag}"] = _equal(got[:2], want)
+                rec[f"counter_back_to_zero_{tag}"] = int(got[2][0]) == 0
             moved = dict(lw, down=lw["down"].at[0, 0].multiply(3))
             rec[f"control_differs_rows{rows}"] = not _equal(jax.jit(four_kernels)(attn, h, moved),
                                                             want)
@@ -136,12 +143,13 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
         h = jnp.zeros((1, d), jnp.bfloat16).at[0].set(1)
         parts = jnp.zeros((plan.down.segments, 1, d), jnp.float32)
         weight_bytes = sum(a.size * 2 for a in jax.tree.leaves(layers))
-        for form in ("four kernels", "persistent tail"):
+        for form in FORMS:
             t = best_time(chain(form, layers, STEPS), h, parts, attn, repeats=repeats) / STEPS
             rec[f"us_per_layer: {form}"] = round(t / n_layers * 1e6, 2)
             rec[f"weights_TBps: {form}"] = round(weight_bytes / t / 1e12, 2)
-        rec["us_saved_per_layer"] = round(rec["us_per_layer: four kernels"]
-                                          - rec["us_per_layer: persistent tail"], 2)
+        for form in FORMS[1:]:
+            rec[f"us_saved_per_layer: {form}"] = round(
+                rec["us_per_layer: four kernels"] - rec[f"us_per_layer: {form}"], 2)
         add_record(out, records, rec, date=time.strftime("%Y-%m-%d"),
                    device=str(jax.devices()[0].device_kind))
         del layers

@@ -65,10 +65,12 @@ SHAPES = [(1, 256, 128, 384), (3, 1024, 256, 1024), (16, 1024, 128, 512)]
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("programs", _programs())
-def test_the_tail_is_bitwise_the_four_kernels(shape, programs):
+@pytest.mark.parametrize("shared_norm", [False, True], ids=["norm_each", "norm_shared"])
+def test_the_tail_is_bitwise_the_four_kernels(shape, programs, shared_norm):
     ops = _operands(*shape)
     want = _four_kernels(*ops)
-    h, parts, count = layer_tail(*ops, EPS, impl=IMPL, programs=programs)
+    h, parts, count = layer_tail(*ops, EPS, impl=IMPL, programs=programs,
+                                 shared_norm=shared_norm)
     assert parts.shape == want[1].shape and h.shape == want[0].shape
     assert np.array_equal(_bits(h), _bits(want[0]))
     assert np.array_equal(_bits(parts), _bits(want[1]))

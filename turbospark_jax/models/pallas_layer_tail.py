@@ -12,7 +12,8 @@ one program per multiprocessor runs them as phases that meet at grid-wide barrie
    partial sums in order, :mod:`~turbospark_jax.models.pallas_row_norm`'s functions with the
    halving-tree sum of squares), keeps its normed rows in a scratch row of its own, and runs
    its share of the gated product's column blocks (one K segment, gated in the epilogue);
-   program 0 writes the finished residual rows out;
+   program 0 writes the finished residual rows out (with ``shared_norm``, program 0 norms
+   the rows alone and the others wait for it at one more barrier);
 3. barrier; **down**: the down product's work items over the gated rows, as the matvec
    kernel's partial sums, which the next norm (the next layer's, or the head's) adds itself.
 
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import rowinv
 from turbospark_jax.models.pallas_row_norm import (
@@ -65,8 +67,6 @@ K_TILE = rowinv.Schedule.k_tile
 BLOCK_WIDTHS = (16, 32, 64, 128)
 #: Triton settings of the kernel (the matvec kernels' warps, their gated kernel's stages).
 WARPS, STAGES = 4, 4
-#: Barriers a call passes (after the o phase, after the gated phase) plus the exit count.
-_ARRIVALS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ def _grid_barrier(count_ref: Any, arrival: int, interpret: bool) -> None:
 def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref: Any,
                  up_ref: Any, down_ref: Any, count_in: Any, h_ref: Any, parts_ref: Any,
                  count_ref: Any, o_parts: Any, normed_ref: Any, hidden_ref: Any, *, rows: int,
-                 eps: float, plan: Plan, interpret: bool) -> None:
+                 eps: float, plan: Plan, interpret: bool, shared_norm: bool) -> None:
     del count_in  # read and written through its aliased output
     j = pl.program_id(0)
     dtype = h_ref.dtype
@@ -218,28 +218,40 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
     _each_item(plan.o, o_item)
     _grid_barrier(count_ref, 1, interpret)
 
-    # 2. every program norms the rows into its own scratch row, then gates its blocks
-    for r in range(rows):
-        delta = parts_total(lambda i, r=r: o_parts[i, r, :], plan.o.segments, dtype)
-        h = finished_rows(res_ref[r, :], delta, dtype=dtype)
-        normed_ref[j, r, :] = scaled_rows(h, inverse_rms(h, d, eps, tree=True), nw_ref[...],
-                                          dtype)
+    # 2. the rows normed (by every program into a scratch row of its own, or by program 0
+    # alone behind one more barrier), then the gated product's blocks
+    def norm_rows(into: Any) -> None:
+        for r in range(rows):
+            delta = parts_total(lambda i, r=r: o_parts[i, r, :], plan.o.segments, dtype)
+            h = finished_rows(res_ref[r, :], delta, dtype=dtype)
+            normed_ref[into, r, :] = scaled_rows(h, inverse_rms(h, d, eps, tree=True),
+                                                 nw_ref[...], dtype)
 
-        @pl.when(j == 0)
-        def _(r: int = r, h: jax.Array = h) -> None:
-            h_ref[r, :] = h
+            @pl.when(j == 0)
+            def _(r: int = r, h: jax.Array = h) -> None:
+                h_ref[r, :] = h
 
-    _cta_barrier(interpret)  # the scratch row's stores before this program's loads of it
+    barriers = 1
+    if shared_norm:
+        pl.when(j == 0)(lambda: norm_rows(0))
+        barriers += 1
+        _grid_barrier(count_ref, barriers, interpret)
+        normed_row = jnp.int32(0)
+    else:
+        norm_rows(j)
+        _cta_barrier(interpret)  # the scratch row's stores before this program's loads
+        normed_row = j
 
     def gated_item(s: Any, c: Any) -> None:
-        total = functools.partial(_segment_sum, x_tile(normed_ref, j), p=plan.gated, s=s, c=c,
-                                  tile_dot=tile_dot)
+        total = functools.partial(_segment_sum, x_tile(normed_ref, normed_row), p=plan.gated,
+                                  s=s, c=c, tile_dot=tile_dot)
         cols = pl.ds(pl.multiple_of(c * plan.gated.bn, plan.gated.bn), plan.gated.bn)
         hidden_ref[:, cols] = rowinv.swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref),
                                                    dtype)
 
     _each_item(plan.gated, gated_item)
-    _grid_barrier(count_ref, 2, interpret)
+    barriers += 1
+    _grid_barrier(count_ref, barriers, interpret)
 
     # 3. the down product's partial sums, the call's rows only
     def down_item(s: Any, c: Any) -> None:
@@ -251,11 +263,12 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
 
     _each_item(plan.down, down_item)
     # the exit: the last program to leave sets the counter back to zero for the next call
-    last = _bump(count_ref, 1) == _ARRIVALS * pl.num_programs(0) - 1
+    arrivals = (barriers + 1) * pl.num_programs(0)
+    last = _bump(count_ref, 1) == arrivals - 1
 
     @pl.when(last)
     def _() -> None:
-        _bump(count_ref, -_ARRIVALS * pl.num_programs(0))
+        _bump(count_ref, -arrivals)
 
 
 def multiprocessors() -> int:
@@ -263,10 +276,11 @@ def multiprocessors() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "programs"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "programs", "shared_norm"))
 def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
                 gate: jax.Array, up: jax.Array, down: jax.Array, count: jax.Array, eps: float,
-                interpret: bool, programs: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+                interpret: bool, programs: int,
+                shared_norm: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     m, k_o = attn.shape
     d, f = gate.shape
     work = plan(k_o, d, f, programs)
@@ -277,20 +291,22 @@ def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weigh
         from jax.experimental.pallas import triton as plgpu
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES)
-    kernel = functools.partial(_tail_kernel, rows=m, eps=eps, plan=work, interpret=interpret)
+    kernel = functools.partial(_tail_kernel, rows=m, eps=eps, plan=work, interpret=interpret,
+                               shared_norm=shared_norm)
+    norm_rows = 1 if shared_norm else programs
     h, parts, count, *_ = pl.pallas_call(
         kernel,
         grid=(programs,),
         in_specs=[whole((ROWS, k_o)), whole((ROWS, d)), whole(w_o.shape), whole((d,)),
                   whole(gate.shape), whole(up.shape), whole(down.shape), whole((1,))],
         out_specs=[whole((ROWS, d)), whole((work.down.segments, ROWS, d)), whole((1,)),
-                   whole((work.o.segments, ROWS, d)), whole((programs, ROWS, d)),
+                   whole((work.o.segments, ROWS, d)), whole((norm_rows, ROWS, d)),
                    whole((ROWS, f))],
         out_shape=[jax.ShapeDtypeStruct((m, d), dtype),
                    jax.ShapeDtypeStruct((work.down.segments, m, d), jnp.float32),
                    jax.ShapeDtypeStruct((1,), jnp.int32),
                    jax.ShapeDtypeStruct((work.o.segments, ROWS, d), jnp.float32),
-                   jax.ShapeDtypeStruct((programs, ROWS, d), dtype),
+                   jax.ShapeDtypeStruct((norm_rows, ROWS, d), dtype),
                    jax.ShapeDtypeStruct((ROWS, f), dtype)],
         input_output_aliases={7: 2},
         interpret=interpret,
@@ -313,6 +329,7 @@ def layer_tail(
     count: jax.Array | None = None,
     impl: str = "auto",
     programs: int | None = None,
+    shared_norm: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A pre-norm layer's work after its attention, for a few rows, in one launch.
 
@@ -334,6 +351,8 @@ def layer_tail(
       programs: the kernel's programs (static; they all wait for each other, so no more than
         the GPU runs at once: at most its multiprocessor count). None: that count on a GPU,
         1 in the interpreter (which runs programs one after another, so only one).
+      shared_norm: program 0 norms the rows alone and the others wait for it at a third
+        barrier, instead of every program norming them itself (the same bits; speed only).
 
     Returns:
       ``(h, parts, count)``: ``h [M, D]`` in the rows' dtype, ``parts`` float32 ``[S, M,
@@ -380,4 +399,4 @@ def layer_tail(
         raise BadInputError(f"count must be int32 [1] (a layer tail's counter); got "
                             f"{getattr(count, 'shape', None)}, {getattr(count, 'dtype', None)}")
     return _layer_tail(attn, residual, w_o, norm_weight, gate, up, down, count, float(eps),
-                       interpret, programs)
+                       interpret, programs, as_bool("shared_norm", shared_norm))
