@@ -11,7 +11,9 @@ sum, the gated matvec, the down matvec's partial sums):
   the kernel at the multiprocessor count of programs and at an odd count below it (which
   programs take which column blocks changes no bit), and a control (one weight changed)
   that differs;
-* **time**: a chain of the shape's layers (each its own weights, streamed from memory, as
+* **time**: each form (:data:`FORMS`: the four kernels, the tail kernel, with one program
+  norming, with the next phases' first weight tiles loaded before each barrier) over a
+  chain of the shape's layers (each its own weights, streamed from memory, as
   a decode step reads them; each layer's input norm kernel before its tail, in both forms,
   as the model runs it), in a device loop of :data:`STEPS` chains; the time a layer both
   ways, and the weights' bandwidth.
@@ -43,8 +45,11 @@ from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 SHAPES = (("llama-3.2-1b", 16, 2048, 2048, 8192), ("qwen3-0.6b", 28, 1024, 2048, 3072),
           ("llama-3.1-8b", 32, 4096, 4096, 14336))
 EPS = 1e-5
-#: The forms timed: today's kernels, the tail kernel, the tail with one program norming.
-FORMS = ("four kernels", "persistent tail", "persistent tail, shared norm")
+#: The forms timed (the tail kernel's settings): today's kernels, the tail kernel, the tail
+#: with one program norming, the tail loading its next phases' first weight tiles ahead.
+FORMS = {"four kernels": None, "persistent tail": {},
+         "persistent tail, shared norm": {"shared_norm": True},
+         "persistent tail, 2 tiles ahead": {"ahead": 2}}
 #: Chains a timed call runs, one after another in a device loop.
 STEPS = 8
 
@@ -77,11 +82,11 @@ def four_kernels(attn: jax.Array, h: jax.Array, lw: dict) -> tuple[jax.Array, ja
 
 
 def tail_kernel(attn: jax.Array, h: jax.Array, lw: dict, count: Any = None,
-                programs: int | None = None,
-                shared_norm: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                programs: int | None = None, shared_norm: bool = False,
+                ahead: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     return pallas_layer_tail.layer_tail(attn, h, lw["w_o"], lw["post"], lw["gate"], lw["up"],
                                         lw["down"], EPS, count=count, programs=programs,
-                                        shared_norm=shared_norm)
+                                        shared_norm=shared_norm, ahead=ahead)
 
 
 def chain(form: str, layers: list[dict], steps: int) -> Any:
@@ -94,8 +99,7 @@ def chain(form: str, layers: list[dict], steps: int) -> Any:
             if form == "four kernels":
                 h, parts = four_kernels(attn, h, lw)
             else:
-                h, parts, count = tail_kernel(attn, h, lw, count,
-                                              shared_norm=form == FORMS[2])
+                h, parts, count = tail_kernel(attn, h, lw, count, **FORMS[form])
         return h, parts
 
     def run(h: jax.Array, parts: jax.Array, attn: jax.Array) -> tuple:
@@ -130,10 +134,11 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
             attn = jnp.asarray(r.standard_normal((rows, k_o)), jnp.bfloat16)
             h = jnp.asarray(r.standard_normal((rows, d)), jnp.bfloat16)
             want = jax.jit(four_kernels)(attn, h, lw)
-            for programs, shared in ((sms, False), (sms // 2 + 1, False), (sms, True)):
+            for programs, settings in ((sms, {}), (sms // 2 + 1, {}), (sms, {"shared_norm": True}),
+                                       (sms, {"ahead": 2})):
                 got = jax.jit(functools.partial(tail_kernel, programs=programs,
-                                                shared_norm=shared))(attn, h, lw)
-                tag = f"rows{rows}_programs{programs}" + ("_shared_norm" if shared else "")
+                                                **settings))(attn, h, lw)
+                tag = f"rows{rows}_programs{programs}" + "".join(f"_{k}" for k in settings)
                 rec[f"bits_equal_{tag}"] = _equal(got[:2], want)
                 rec[f"counter_back_to_zero_{tag}"] = int(got[2][0]) == 0
             moved = dict(lw, down=lw["down"].at[0, 0].multiply(3))
@@ -143,15 +148,17 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
         h = jnp.zeros((1, d), jnp.bfloat16).at[0].set(1)
         parts = jnp.zeros((plan.down.segments, 1, d), jnp.float32)
         weight_bytes = sum(a.size * 2 for a in jax.tree.leaves(layers))
+        meta = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind)}
+        add_record(out, records, rec, **meta)  # the bits first: a time limit keeps them
+        base = None
         for form in FORMS:
             t = best_time(chain(form, layers, STEPS), h, parts, attn, repeats=repeats) / STEPS
-            rec[f"us_per_layer: {form}"] = round(t / n_layers * 1e6, 2)
-            rec[f"weights_TBps: {form}"] = round(weight_bytes / t / 1e12, 2)
-        for form in FORMS[1:]:
-            rec[f"us_saved_per_layer: {form}"] = round(
-                rec["us_per_layer: four kernels"] - rec[f"us_per_layer: {form}"], 2)
-        add_record(out, records, rec, date=time.strftime("%Y-%m-%d"),
-                   device=str(jax.devices()[0].device_kind))
+            us = t / n_layers * 1e6
+            base = us if base is None else base
+            add_record(out, records, {
+                "shape": name, "form": form, "us_per_layer": round(us, 2),
+                "us_saved_per_layer": round(base - us, 2),
+                "weights_TBps": round(weight_bytes / t / 1e12, 2)}, **meta)
         del layers
     return records
 
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     records = probe(tuple(chosen), args.repeats, args.out)
     ok = all(all(v for k, v in r.items() if k.startswith(("bits_equal", "counter_back",
                                                           "control_differs")))
-             for r in records)
+             for r in records if "form" not in r)
     return 0 if ok else 1
 
 

@@ -65,12 +65,16 @@ SHAPES = [(1, 256, 128, 384), (3, 1024, 256, 1024), (16, 1024, 128, 512)]
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("programs", _programs())
-@pytest.mark.parametrize("shared_norm", [False, True], ids=["norm_each", "norm_shared"])
-def test_the_tail_is_bitwise_the_four_kernels(shape, programs, shared_norm):
+@pytest.mark.parametrize(("shared_norm", "ahead"), [(False, 0), (True, 0), (False, 2), (True, 3)],
+                         ids=["norm_each", "norm_shared", "norm_each_ahead2",
+                              "norm_shared_ahead3"])
+def test_the_tail_is_bitwise_the_four_kernels(shape, programs, shared_norm, ahead):
+    """``ahead``: the gated and down phases' first weight tiles loaded before their barriers
+    (3 is more than some segments have: those load all of theirs)."""
     ops = _operands(*shape)
     want = _four_kernels(*ops)
     h, parts, count = layer_tail(*ops, EPS, impl=IMPL, programs=programs,
-                                 shared_norm=shared_norm)
+                                 shared_norm=shared_norm, ahead=ahead)
     assert parts.shape == want[1].shape and h.shape == want[0].shape
     assert np.array_equal(_bits(h), _bits(want[0]))
     assert np.array_equal(_bits(parts), _bits(want[1]))
@@ -128,6 +132,8 @@ def test_bad_calls_are_refused_with_our_error():
         layer_tail(*ops, EPS, impl=IMPL, count=jnp.zeros((2,), jnp.int32))
     with pytest.raises(BadInputError, match="programs must be"):
         layer_tail(*ops, EPS, impl=IMPL, programs=10_000)
+    with pytest.raises(BadInputError, match="ahead must be 0 to 8"):
+        layer_tail(*ops, EPS, impl=IMPL, ahead=9)
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU's refusal of the GPU kernel")
@@ -138,7 +144,8 @@ def test_pallas_off_a_gpu_is_refused():
 
 def test_the_tail_lowers_for_cuda():
     s = jax.ShapeDtypeStruct
-    fn = functools.partial(pallas_layer_tail._layer_tail, eps=EPS, interpret=False, programs=8)
+    fn = functools.partial(pallas_layer_tail._layer_tail, eps=EPS, interpret=False, programs=8,
+                           ahead=2)
     shapes = [s((2, 1024), BF16), s((2, 256), BF16), s((1024, 256), BF16), s((256,), BF16),
               s((256, 1024), BF16), s((256, 1024), BF16), s((1024, 256), BF16),
               s((1,), jnp.int32)]

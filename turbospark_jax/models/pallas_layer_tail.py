@@ -65,6 +65,9 @@ K_TILE = rowinv.Schedule.k_tile
 #: Column blocks of a phase's work items: the narrowest of these that gives no more items
 #: than programs (one round a phase), else the widest.
 BLOCK_WIDTHS = (16, 32, 64, 128)
+#: Weight tiles a program loads before a barrier for the phase after it (``layer_tail``'s
+#: ``ahead``); 0 until a GPU times the forms (``benchmarks/probe_layer_tail.py``).
+AHEAD = 0
 #: Triton settings of the kernel (the matvec kernels' warps, their gated kernel's stages).
 WARPS, STAGES = 4, 4
 
@@ -140,31 +143,53 @@ def _live(rows: int, width: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, (ROWS, width), 0) < rows
 
 
-def _segment_sum(x_tile: Any, w_ref: Any, p: _Product, s: Any, c: Any,
-                 tile_dot: Any) -> jax.Array:
+def _segment_sum(x_tile: Any, w_ref: Any, p: _Product, s: Any, c: Any, tile_dot: Any,
+                 first: tuple = ()) -> jax.Array:
     """Item ``(s, c)``'s float32 sum over segment ``s``'s tiles, from zero: the matvec
     kernel's steps (``acc + dot``, tile by tile), with ``x_tile(t)`` the rows' K tile ``t``
-    (absolute) and the weight's block read from the whole weight."""
+    (absolute) and the weight's block read from the whole weight. ``first``: the segment's
+    first weight tiles of this block, already loaded (:func:`_first_tiles`); the same steps
+    in the same order either way."""
     cols = pl.ds(pl.multiple_of(c * p.bn, p.bn), p.bn)
+    acc = jnp.zeros((ROWS, p.bn), jnp.float32)
+    for i, w_tile in enumerate(first):
+        acc = acc + tile_dot(x_tile(s * p.per + i), w_tile, False)
 
     def step(i: Any, acc: jax.Array) -> jax.Array:
         t = s * p.per + i
         rows = pl.ds(pl.multiple_of(t * K_TILE, K_TILE), K_TILE)
         return acc + tile_dot(x_tile(t), w_ref[rows, cols], False)
 
-    return jax.lax.fori_loop(0, p.per, step, jnp.zeros((ROWS, p.bn), jnp.float32))
+    return jax.lax.fori_loop(len(first), p.per, step, acc)
 
 
-def _each_item(p: _Product, body: Any) -> None:
-    """``body(segment, block)`` for this program's items: ``j, j + P, ...``."""
+def _first_tiles(w_ref: Any, p: _Product, ahead: int) -> tuple:
+    """The first ``ahead`` weight tiles (at most the segment's) of this program's first item
+    of ``p`` (item ``j``, or the last item where the program has none: loaded, never used).
+    They do not depend on the rows, so a program loads them before a barrier and their
+    latency overlaps the wait."""
+    item = jnp.minimum(pl.program_id(0), p.items - 1)
+    s, c = jax.lax.div(item, p.blocks), jax.lax.rem(item, p.blocks)
+    cols = pl.ds(pl.multiple_of(c * p.bn, p.bn), p.bn)
+    return tuple(w_ref[pl.ds(pl.multiple_of((s * p.per + t) * K_TILE, K_TILE), K_TILE), cols]
+                 for t in range(min(ahead, p.per)))
+
+
+def _each_item(p: _Product, body: Any, first: tuple = ()) -> None:
+    """``body(segment, block, first)`` for this program's items ``j, j + P, ...``, the
+    first of them with ``first`` (its loaded tiles), the rest with none."""
     j, programs = pl.program_id(0), pl.num_programs(0)
+    split = lambda item: (jax.lax.div(item, p.blocks), jax.lax.rem(item, p.blocks))  # noqa: E731
+    start = 0
+    if first:
+        pl.when(j < p.items)(lambda: body(*split(j), first))
+        start = 1
 
     def one(i: Any, carry: Any) -> Any:
-        item = j + i * programs
-        body(jax.lax.div(item, p.blocks), jax.lax.rem(item, p.blocks))
+        body(*split(j + i * programs), ())
         return carry
 
-    jax.lax.fori_loop(0, (p.items - j + programs - 1) // programs, one, 0)
+    jax.lax.fori_loop(start, (p.items - j + programs - 1) // programs, one, 0)
 
 
 def _cta_barrier(interpret: bool) -> None:
@@ -194,7 +219,8 @@ def _grid_barrier(count_ref: Any, arrival: int, interpret: bool) -> None:
 def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref: Any,
                  up_ref: Any, down_ref: Any, count_in: Any, h_ref: Any, parts_ref: Any,
                  count_ref: Any, o_parts: Any, normed_ref: Any, hidden_ref: Any, *, rows: int,
-                 eps: float, plan: Plan, interpret: bool, shared_norm: bool) -> None:
+                 eps: float, plan: Plan, interpret: bool, shared_norm: bool,
+                 ahead: int) -> None:
     del count_in  # read and written through its aliased output
     j = pl.program_id(0)
     dtype = h_ref.dtype
@@ -211,11 +237,12 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
         return load
 
     # 1. the o product's partial sums
-    def o_item(s: Any, c: Any) -> None:
-        acc = _segment_sum(x_tile(attn_ref), wo_ref, plan.o, s, c, tile_dot)
+    def o_item(s: Any, c: Any, first: tuple) -> None:
+        acc = _segment_sum(x_tile(attn_ref), wo_ref, plan.o, s, c, tile_dot, first)
         o_parts[s, :, pl.ds(pl.multiple_of(c * plan.o.bn, plan.o.bn), plan.o.bn)] = acc
 
     _each_item(plan.o, o_item)
+    gate_first = _first_tiles(gate_ref, plan.gated, ahead)  # the next phase's, before waiting
     _grid_barrier(count_ref, 1, interpret)
 
     # 2. the rows normed (by every program into a scratch row of its own, or by program 0
@@ -242,26 +269,27 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
         _cta_barrier(interpret)  # the scratch row's stores before this program's loads
         normed_row = j
 
-    def gated_item(s: Any, c: Any) -> None:
+    def gated_item(s: Any, c: Any, first: tuple) -> None:
         total = functools.partial(_segment_sum, x_tile(normed_ref, normed_row), p=plan.gated,
                                   s=s, c=c, tile_dot=tile_dot)
         cols = pl.ds(pl.multiple_of(c * plan.gated.bn, plan.gated.bn), plan.gated.bn)
-        hidden_ref[:, cols] = rowinv.swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref),
-                                                   dtype)
+        hidden_ref[:, cols] = rowinv.swiglu_gating(total(w_ref=gate_ref, first=first),
+                                                   total(w_ref=up_ref), dtype)
 
-    _each_item(plan.gated, gated_item)
+    _each_item(plan.gated, gated_item, gate_first)
+    down_first = _first_tiles(down_ref, plan.down, ahead)
     barriers += 1
     _grid_barrier(count_ref, barriers, interpret)
 
     # 3. the down product's partial sums, the call's rows only
-    def down_item(s: Any, c: Any) -> None:
+    def down_item(s: Any, c: Any, first: tuple) -> None:
         from jax.experimental.pallas import triton as plgpu
 
-        acc = _segment_sum(x_tile(hidden_ref), down_ref, plan.down, s, c, tile_dot)
+        acc = _segment_sum(x_tile(hidden_ref), down_ref, plan.down, s, c, tile_dot, first)
         cols = pl.ds(pl.multiple_of(c * plan.down.bn, plan.down.bn), plan.down.bn)
         plgpu.store(parts_ref.at[s, :, cols], acc, mask=_live(rows, plan.down.bn))
 
-    _each_item(plan.down, down_item)
+    _each_item(plan.down, down_item, down_first)
     # the exit: the last program to leave sets the counter back to zero for the next call
     arrivals = (barriers + 1) * pl.num_programs(0)
     last = _bump(count_ref, 1) == arrivals - 1
@@ -276,11 +304,12 @@ def multiprocessors() -> int:
     return int(getattr(jax.devices()[0], "core_count", 0) or 132)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "programs", "shared_norm"))
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "programs", "shared_norm",
+                                             "ahead"))
 def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
                 gate: jax.Array, up: jax.Array, down: jax.Array, count: jax.Array, eps: float,
-                interpret: bool, programs: int,
-                shared_norm: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                interpret: bool, programs: int, shared_norm: bool = False,
+                ahead: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
     m, k_o = attn.shape
     d, f = gate.shape
     work = plan(k_o, d, f, programs)
@@ -292,7 +321,7 @@ def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weigh
 
         params["compiler_params"] = plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES)
     kernel = functools.partial(_tail_kernel, rows=m, eps=eps, plan=work, interpret=interpret,
-                               shared_norm=shared_norm)
+                               shared_norm=shared_norm, ahead=ahead)
     norm_rows = 1 if shared_norm else programs
     h, parts, count, *_ = pl.pallas_call(
         kernel,
@@ -330,6 +359,7 @@ def layer_tail(
     impl: str = "auto",
     programs: int | None = None,
     shared_norm: bool = False,
+    ahead: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A pre-norm layer's work after its attention, for a few rows, in one launch.
 
@@ -353,6 +383,10 @@ def layer_tail(
         1 in the interpreter (which runs programs one after another, so only one).
       shared_norm: program 0 norms the rows alone and the others wait for it at a third
         barrier, instead of every program norming them itself (the same bits; speed only).
+      ahead: weight tiles of its first item of the gated and down phases that each program
+        loads before the barrier in front of them (0 to 8; at most a segment's tiles are
+        used), so their latency overlaps the wait (the same bits; speed only). None:
+        :data:`AHEAD`.
 
     Returns:
       ``(h, parts, count)``: ``h [M, D]`` in the rows' dtype, ``parts`` float32 ``[S, M,
@@ -398,5 +432,8 @@ def layer_tail(
     elif getattr(count, "shape", None) != (1,) or count.dtype != jnp.int32:
         raise BadInputError(f"count must be int32 [1] (a layer tail's counter); got "
                             f"{getattr(count, 'shape', None)}, {getattr(count, 'dtype', None)}")
+    ahead = AHEAD if ahead is None else ahead
+    if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= 8:
+        raise BadInputError(f"ahead must be 0 to 8 weight tiles; got {ahead!r}")
     return _layer_tail(attn, residual, w_o, norm_weight, gate, up, down, count, float(eps),
-                       interpret, programs, as_bool("shared_norm", shared_norm))
+                       interpret, programs, as_bool("shared_norm", shared_norm), ahead)
