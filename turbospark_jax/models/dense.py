@@ -296,9 +296,10 @@ class DenseModel(BlockModel):
         gated and down products) as one persistent kernel
         (:func:`~turbospark_jax.models.pallas_layer_tail.layer_tail`): three launches a layer
         fewer. The post-attention norm then sums its squares as a fixed halving tree at every
-        width (``tree=True``), so wider blocks agree with it. Off until measured on the GPU
-        (``benchmarks/probe_layer_tail.py``, ``benchmarks/rowinv_model.py
-        --persistent-tail``).
+        width (``tree=True``), so wider blocks agree with it. Off: on an H200 it kept every
+        bit but decoded 1-3% slower (the phase boundaries it keeps, not the launches it
+        saves, are the floor; NOTES.md, fourteenth session); ``benchmarks/probe_layer_tail.py``
+        and ``benchmarks/rowinv_model.py --persistent-tail`` time it.
     """
 
     parallel_prefill = True

@@ -17,6 +17,14 @@ one program per multiprocessor runs them as phases that meet at grid-wide barrie
 3. barrier; **down**: the down product's work items over the gated rows, as the matvec
    kernel's partial sums, which the next norm (the next layer's, or the head's) adds itself.
 
+With ``ahead``, each program loads its first gated and first down item's first weight
+tiles before the barrier in front of that phase (the weights do not depend on the rows), so
+their latency overlaps the wait.
+
+On an H200 the kernel keeps every bit (the kernel tests compiled) but a decode step with it
+was 1-3% slower than with the four kernels (NOTES.md, fourteenth session): the phase
+boundary, not the launch, is what a kernel's fixed cost pays for, and a barrier keeps it.
+
 A barrier is a counter bumped atomically by each program after a CTA barrier (so its
 threads' stores precede the release), then polled until every program has arrived; after the
 last phase each program bumps it once more and the last to do so sets it back to zero, so one
