@@ -46,6 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from benchmarks.rowinv import add_record, best_time
+from turbospark_jax.models.pallas_row_norm import finished_rows, inverse_rms, scaled_rows
 
 #: (name, K, N): the products before a decode step's norms (output projection, down
 #: projection) of the 1B, 0.6B and 8B shapes.
@@ -61,26 +62,15 @@ def _columns(n: int) -> int:
     return 32 if n <= 2048 else 64
 
 
-def halving_sum(v: jax.Array) -> jax.Array:
-    """``v [n]`` summed as a fixed tree: halves added elementwise down to one value."""
-    while v.shape[0] > 1:
-        first, second = jnp.split(v, 2)
-        v = first + second
-    return v.reshape(())
-
-
 def _norm_row(y: jax.Array, residual: jax.Array, weight: jax.Array, tree: bool
               ) -> tuple[jax.Array, jax.Array]:
     """``h = residual + y`` (``y`` float32, rounded to the residual's dtype first, as a
-    finished product is) and ``h``'s RMSNorm times ``weight``: the norm kernel's arithmetic."""
+    finished product is) and ``h``'s RMSNorm times ``weight``: the norm kernel's own
+    functions (:mod:`~turbospark_jax.models.pallas_row_norm`), its sum of squares as Triton
+    lays ``jnp.sum`` out or as the halving tree (``tree``)."""
     dtype = residual.dtype
-    h = (residual.astype(jnp.float32) + y.astype(dtype).astype(jnp.float32)).astype(dtype)
-    h32 = h.astype(jnp.float32)
-    squares = h32 * h32
-    total = halving_sum(squares) if tree else jnp.sum(squares)
-    inv = jax.lax.rsqrt(total / h.shape[0] + EPS)
-    normed = (h32 * inv).astype(dtype)
-    return h, (weight.astype(jnp.float32) * normed.astype(jnp.float32)).astype(dtype)
+    h = finished_rows(residual, y.astype(dtype), dtype=dtype)
+    return h, scaled_rows(h, inverse_rms(h, h.shape[0], EPS, tree), weight, dtype)
 
 
 def _tile(x_ref: Any, w_ref: Any, k: int) -> jax.Array:
