@@ -12,7 +12,8 @@ sum, the gated matvec, the down matvec's partial sums):
   programs take which column blocks changes no bit), and a control (one weight changed)
   that differs;
 * **time**: each form (:data:`FORMS`: the four kernels, the tail kernel, with one program
-  norming, with the next phases' first weight tiles loaded before each barrier) over a
+  norming, with the next phases' first weight tiles loaded before each barrier, with more
+  warps or stages) over a
   chain of the shape's layers (each its own weights, streamed from memory, as
   a decode step reads them; each layer's input norm kernel before its tail, in both forms,
   as the model runs it), in a device loop of :data:`STEPS` chains; the time a layer both
@@ -46,10 +47,14 @@ SHAPES = (("llama-3.2-1b", 16, 2048, 2048, 8192), ("qwen3-0.6b", 28, 1024, 2048,
           ("llama-3.1-8b", 32, 4096, 4096, 14336))
 EPS = 1e-5
 #: The forms timed (the tail kernel's settings): today's kernels, the tail kernel, the tail
-#: with one program norming, the tail loading its next phases' first weight tiles ahead.
+#: with one program norming, the tail loading its next phases' first weight tiles ahead, and
+#: with more warps or a deeper pipeline (one program a multiprocessor has fewer loads in
+#: flight than the matvec kernels' two).
 FORMS = {"four kernels": None, "persistent tail": {},
          "persistent tail, shared norm": {"shared_norm": True},
-         "persistent tail, 2 tiles ahead": {"ahead": 2}}
+         "persistent tail, 2 tiles ahead": {"ahead": 2},
+         "persistent tail, 8 warps": {"triton": (8, 4)},
+         "persistent tail, 6 stages": {"triton": (4, 6)}}
 #: Chains a timed call runs, one after another in a device loop.
 STEPS = 8
 
@@ -83,10 +88,12 @@ def four_kernels(attn: jax.Array, h: jax.Array, lw: dict) -> tuple[jax.Array, ja
 
 def tail_kernel(attn: jax.Array, h: jax.Array, lw: dict, count: Any = None,
                 programs: int | None = None, shared_norm: bool = False,
-                ahead: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                ahead: int = 0, triton: tuple[int, int] = (pallas_layer_tail.WARPS,
+                                                           pallas_layer_tail.STAGES),
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     return pallas_layer_tail.layer_tail(attn, h, lw["w_o"], lw["post"], lw["gate"], lw["up"],
                                         lw["down"], EPS, count=count, programs=programs,
-                                        shared_norm=shared_norm, ahead=ahead)
+                                        shared_norm=shared_norm, ahead=ahead, triton=triton)
 
 
 def chain(form: str, layers: list[dict], steps: int) -> Any:

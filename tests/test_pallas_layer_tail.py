@@ -81,6 +81,16 @@ def test_the_tail_is_bitwise_the_four_kernels(shape, programs, shared_norm, ahea
     assert int(count[0]) == 0  # ready for the next layer's call
 
 
+@pytest.mark.parametrize("triton", [(8, 4), (4, 6)], ids=["8_warps", "6_stages"])
+def test_triton_settings_change_no_bit(triton):
+    """More warps or a deeper pipeline (speed only; on a GPU, different compiled kernels)."""
+    ops = _operands(*SHAPES[1])
+    want = _four_kernels(*ops)
+    h, parts, _ = layer_tail(*ops, EPS, impl=IMPL, triton=triton)
+    assert np.array_equal(_bits(h), _bits(want[0]))
+    assert np.array_equal(_bits(parts), _bits(want[1]))
+
+
 def test_control_a_changed_weight_changes_the_bits():
     ops = list(_operands(*SHAPES[1]))
     want = _four_kernels(*ops)
@@ -134,6 +144,8 @@ def test_bad_calls_are_refused_with_our_error():
         layer_tail(*ops, EPS, impl=IMPL, programs=10_000)
     with pytest.raises(BadInputError, match="ahead must be 0 to 8"):
         layer_tail(*ops, EPS, impl=IMPL, ahead=9)
+    with pytest.raises(BadInputError, match="triton must be"):
+        layer_tail(*ops, EPS, impl=IMPL, triton=(3, 4))
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU's refusal of the GPU kernel")

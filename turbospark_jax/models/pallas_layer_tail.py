@@ -313,11 +313,12 @@ def multiprocessors() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "programs", "shared_norm",
-                                             "ahead"))
+                                             "ahead", "triton"))
 def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
                 gate: jax.Array, up: jax.Array, down: jax.Array, count: jax.Array, eps: float,
-                interpret: bool, programs: int, shared_norm: bool = False,
-                ahead: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                interpret: bool, programs: int, shared_norm: bool = False, ahead: int = 0,
+                triton: tuple[int, int] = (WARPS, STAGES),
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     m, k_o = attn.shape
     d, f = gate.shape
     work = plan(k_o, d, f, programs)
@@ -327,7 +328,8 @@ def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weigh
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=WARPS, num_stages=STAGES)
+        params["compiler_params"] = plgpu.CompilerParams(num_warps=triton[0],
+                                                         num_stages=triton[1])
     kernel = functools.partial(_tail_kernel, rows=m, eps=eps, plan=work, interpret=interpret,
                                shared_norm=shared_norm, ahead=ahead)
     norm_rows = 1 if shared_norm else programs
@@ -368,6 +370,7 @@ def layer_tail(
     programs: int | None = None,
     shared_norm: bool = False,
     ahead: int | None = None,
+    triton: tuple[int, int] = (WARPS, STAGES),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A pre-norm layer's work after its attention, for a few rows, in one launch.
 
@@ -395,6 +398,8 @@ def layer_tail(
         loads before the barrier in front of them (0 to 8; at most a segment's tiles are
         used), so their latency overlaps the wait (the same bits; speed only). None:
         :data:`AHEAD`.
+      triton: the kernel's Triton ``(num_warps, num_stages)`` (speed only: a tile's steps
+        are the same; a power of two from 1 to 16 warps, 1 to 8 stages).
 
     Returns:
       ``(h, parts, count)``: ``h [M, D]`` in the rows' dtype, ``parts`` float32 ``[S, M,
@@ -443,5 +448,11 @@ def layer_tail(
     ahead = AHEAD if ahead is None else ahead
     if isinstance(ahead, bool) or not isinstance(ahead, int) or not 0 <= ahead <= 8:
         raise BadInputError(f"ahead must be 0 to 8 weight tiles; got {ahead!r}")
+    warps, stages = triton if isinstance(triton, tuple) and len(triton) == 2 else (0, 0)
+    if (not all(isinstance(v, int) and not isinstance(v, bool) for v in (warps, stages))
+            or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8):
+        raise BadInputError(f"triton must be (num_warps, num_stages): a power of two from 1 "
+                            f"to 16 and 1 to 8; got {triton!r}")
     return _layer_tail(attn, residual, w_o, norm_weight, gate, up, down, count, float(eps),
-                       interpret, programs, as_bool("shared_norm", shared_norm), ahead)
+                       interpret, programs, as_bool("shared_norm", shared_norm), ahead,
+                       (warps, stages))
