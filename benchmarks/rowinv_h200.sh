@@ -446,8 +446,10 @@ case "$stage" in
 35)
   # the persistent layer tail (models/pallas_layer_tail.py): its tests compiled (bitwise the
   # four kernels at 1, 3 and 16 rows, over the multiprocessors' count of programs and
-  # fewer) with the norm kernel's (the tree sum), then the probe: the three shapes' tails
-  # bitwise against the four kernels and each form's time a layer in a chain of layers
+  # fewer, every program norming or one, weight tiles loaded ahead, other Triton settings)
+  # with the norm kernel's (the tree sum), then the probe: the three shapes' tails bitwise
+  # against the four kernels and each form's time a layer in a chain of layers (printed as
+  # each finishes)
   timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_layer_tail.py tests/test_pallas_row_norm.py --tb=short -rf \
     > "$out/gpu_tests_layer_tail.txt" 2>&1
