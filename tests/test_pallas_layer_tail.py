@@ -152,6 +152,8 @@ def test_bad_calls_are_refused_with_our_error():
 def test_pallas_off_a_gpu_is_refused():
     with pytest.raises(BadInputError, match="needs a GPU"):
         layer_tail(*_operands(*SHAPES[0]), EPS, impl="pallas")
+    with pytest.raises(BadInputError, match="is a GPU kernel"):
+        layer_tail(*_operands(*SHAPES[0]), EPS)  # "auto"
 
 
 def test_the_tail_lowers_for_cuda():

@@ -388,7 +388,7 @@ def layer_tail(
       count: the barrier counter, int32 ``[1]`` holding zero (as a call leaves it: thread it
         from one layer's call to the next); None makes one.
       impl: ``"pallas"`` (a GPU), ``"interpret"`` (the Pallas interpreter, one program) or
-        ``"auto"`` (``"pallas"`` on a GPU).
+        ``"auto"`` (``"pallas"`` on a GPU; refused elsewhere).
       programs: the kernel's programs (static; they all wait for each other, so no more than
         the GPU runs at once: at most its multiprocessor count). None: that count on a GPU,
         1 in the interpreter (which runs programs one after another, so only one).
@@ -407,8 +407,9 @@ def layer_tail(
 
     Raises:
       BadInputError: shapes or dtypes :func:`refusal` turns down or that do not fit
-        together; an ``impl`` other than the three; ``"pallas"`` off a GPU; ``programs`` not
-        1 in the interpreter or above the multiprocessors on a GPU.
+        together; an ``impl`` other than the three; ``"pallas"`` or ``"auto"`` off a GPU;
+        ``programs`` not 1 in the interpreter or above the multiprocessors on a GPU;
+        ``ahead``, ``triton`` or ``count`` out of their ranges.
     """
     shapes = {name: tuple(getattr(a, "shape", ())) for name, a in (
         ("attn", attn), ("residual", residual), ("w_o", w_o), ("norm_weight", norm_weight),
@@ -432,6 +433,10 @@ def layer_tail(
     if impl not in ("auto", "pallas", "interpret"):
         raise BadInputError(f"impl must be 'auto', 'pallas' or 'interpret'; got {impl!r}")
     impl = rowinv.resolve_impl(impl)
+    if impl == "xla":  # "auto" off a GPU: the kernel has no XLA form
+        raise BadInputError(
+            f"layer_tail is a GPU kernel (the backend is {jax.default_backend()!r}); use "
+            "impl='interpret' for the Pallas interpreter, or the four row-invariant kernels")
     interpret = impl == "interpret"
     limit = 1 if interpret else multiprocessors()
     programs = limit if programs is None else programs
