@@ -39,8 +39,9 @@ out bitwise as the four kernels give it at any width, provided the model's post-
 norm runs with the tree at every width (``DenseModel(persistent_tail=True)`` sees to that).
 The column blocks a program takes change no bit (a column's sum over K is the same sequence
 in any block). ``tests/test_pallas_layer_tail.py`` checks that in the Pallas interpreter,
-where one program runs every phase (its barriers pass at once); on a GPU the probe
-``benchmarks/probe_layer_tail.py`` checks the compiled kernel against the four kernels.
+where one program runs every phase (its barriers pass at once), and compiled on a GPU over
+several program counts (28 passed on an H200); ``benchmarks/probe_layer_tail.py`` checks
+the three model shapes' tails there and times them.
 
 Only up to :data:`~turbospark_jax.models.rowinv.ROW_TILE` rows (a decode step, a verify
 block) of a 16-bit dtype, a power-of-two width and K and F in whole tiles take this path;
