@@ -49,6 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from benchmarks.rowinv import add_record, best_time
+from turbospark_jax.models import pallas_layer_tail
 
 ROWS = 16  # the tensor cores' row tile; row 0 is the decode row, the rest stay zero
 K_TILE = 128
@@ -193,14 +194,9 @@ def inputs(seed: int, d: int, phases: int) -> tuple[jax.Array, jax.Array]:
     return jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
 
 
-def multiprocessors() -> int:
-    """The device's multiprocessor count (132 on an H100 or H200 when it does not say)."""
-    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
-
-
 def probe(cases: tuple, repeats: int, out: Path | None) -> list[dict]:
     records = []
-    sms = multiprocessors()
+    sms = pallas_layer_tail.multiprocessors()
     for name, d, phases in cases:
         x, w = inputs(0, d, phases)
         programs = min(sms, d // COLUMNS)

@@ -112,12 +112,12 @@ def _product(k: int, n: int, schedule: rowinv.Schedule, programs: int) -> _Produ
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The three products' work and the programs that share it (static)."""
+    """The three products' work items, each phase's column blocks fitted to the programs
+    that share them (static)."""
 
     o: _Product
     gated: _Product
     down: _Product
-    programs: int
 
 
 def plan(k_o: int, d: int, f: int, programs: int) -> Plan:
@@ -125,8 +125,7 @@ def plan(k_o: int, d: int, f: int, programs: int) -> Plan:
     a down product ``[f, d]``, over ``programs`` programs."""
     return Plan(o=_product(k_o, d, rowinv.schedule_for(k_o, d), programs),
                 gated=_product(d, f, rowinv.gated_schedule(d), programs),
-                down=_product(f, d, rowinv.schedule_for(f, d), programs),
-                programs=programs)
+                down=_product(f, d, rowinv.schedule_for(f, d), programs))
 
 
 def refusal(rows: int, dtype: Any, k_o: int, d: int, f: int) -> str | None:
@@ -325,12 +324,6 @@ def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weigh
     work = plan(k_o, d, f, programs)
     dtype = residual.dtype
     whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
-    params = {}
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params["compiler_params"] = plgpu.CompilerParams(num_warps=triton[0],
-                                                         num_stages=triton[1])
     kernel = functools.partial(_tail_kernel, rows=m, eps=eps, plan=work, interpret=interpret,
                                shared_norm=shared_norm, ahead=ahead)
     norm_rows = 1 if shared_norm else programs
@@ -351,7 +344,7 @@ def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weigh
         input_output_aliases={7: 2},
         interpret=interpret,
         name="rowinv_layer_tail",
-        **params,
+        **rowinv.compiler_params(interpret, *triton),
     )(attn, residual, w_o, norm_weight, gate, up, down, count)
     return h, parts, count
 

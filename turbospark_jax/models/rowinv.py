@@ -392,7 +392,8 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
 
 
-def _compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
+def compiler_params(interpret: bool, warps: int, stages: int) -> dict[str, Any]:
+    """``pallas_call``'s Triton settings as keyword arguments (none in the interpreter)."""
     if interpret:
         return {}
     return {"compiler_params": plgpu.CompilerParams(num_warps=warps, num_stages=stages)}
@@ -480,7 +481,7 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
         out_shape=jax.ShapeDtypeStruct((mp, cols.offsets[-1] * tiles.bn), out_dtype),
         interpret=interpret,
         name="rowinv_matmul" + (f"_{label}" if label else ""),
-        **_compiler_params(interpret, tiles.warps, tiles.stages),
+        **compiler_params(interpret, tiles.warps, tiles.stages),
     )(_pad(x, mp, kp), *_weights_padded(ws, kp, tiles.bn, nk))
     return cols.gather(out, m)
 
@@ -515,7 +516,7 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
         out_shape=jax.ShapeDtypeStruct((segments, m, width), jnp.float32),
         interpret=interpret,
         name="rowinv_matvec" + (f"_{label}" if label else ""),
-        **_compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
+        **compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
     )(_pad(x, m, kp), *_weights_padded(ws, kp, bn, nk))
     return jax.vmap(lambda p: cols.gather(p, m))(partials)
 
@@ -698,7 +699,7 @@ def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTi
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
         name="rowinv_gate" + (f"_{label}" if label else ""),
-        **_compiler_params(False, 4, 1),
+        **compiler_params(False, 4, 1),
     )(both, both)
     return out[:m]
 
@@ -722,14 +723,14 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
                                       rows=None if m == mp else m)
         x_in, rows_out = _pad(x, m, kp), m
-        params = _compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
+        params = compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
     else:
         mp, bm = _ceil_to(m, tiles.bm), tiles.bm
         kernel_fn = functools.partial(_gated_matmul_kernel, tiles=count, per=per,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
                                       flat=tiles.flat_loop)
         x_in, rows_out = _pad(x, mp, kp), mp
-        params = _compiler_params(interpret, tiles.warps, tiles.stages)
+        params = compiler_params(interpret, tiles.warps, tiles.stages)
     out = pl.pallas_call(
         kernel_fn,
         grid=(mp // bm, cols.offsets[-1]),
