@@ -53,7 +53,9 @@ EPS = 1e-5
 FORMS = {"four kernels": None, "persistent tail": {},
          "persistent tail, shared norm": {"shared_norm": True},
          "persistent tail, 2 tiles ahead": {"ahead": 2},
+         "persistent tail, 4 tiles ahead": {"ahead": 4},
          "persistent tail, 8 warps": {"triton": (8, 4)},
+         "persistent tail, 4 tiles ahead, 8 warps": {"ahead": 4, "triton": (8, 4)},
          "persistent tail, 6 stages": {"triton": (4, 6)}}
 #: Layers a chain runs at most (each its own weights: 8 of the smallest shape's are 184 MB,
 #: past the 50 MB L2 cache, so every layer streams its weights from memory), fewer than a
