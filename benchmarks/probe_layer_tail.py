@@ -47,16 +47,17 @@ SHAPES = (("llama-3.2-1b", 16, 2048, 2048, 8192), ("qwen3-0.6b", 28, 1024, 2048,
           ("llama-3.1-8b", 32, 4096, 4096, 14336))
 EPS = 1e-5
 #: The forms timed (the tail kernel's settings): today's kernels, the tail kernel, the tail
-#: with one program norming, the tail loading its next phases' first weight tiles ahead, and
-#: with more warps or a deeper pipeline (one program a multiprocessor has fewer loads in
-#: flight than the matvec kernels' two).
+#: polling its barriers with volatile loads instead of atomic adds, loading its next phases'
+#: first weight tiles ahead (with more warps to hold more of them), with one program
+#: norming.
 FORMS = {"four kernels": None, "persistent tail": {},
-         "persistent tail, shared norm": {"shared_norm": True},
-         "persistent tail, 2 tiles ahead": {"ahead": 2},
-         "persistent tail, 4 tiles ahead": {"ahead": 4},
-         "persistent tail, 8 warps": {"triton": (8, 4)},
-         "persistent tail, 4 tiles ahead, 8 warps": {"ahead": 4, "triton": (8, 4)},
-         "persistent tail, 6 stages": {"triton": (4, 6)}}
+         "persistent tail, load spin": {"spin": "load"},
+         "persistent tail, load spin, 2 tiles ahead": {"spin": "load", "ahead": 2},
+         "persistent tail, load spin, 4 tiles ahead": {"spin": "load", "ahead": 4},
+         "persistent tail, load spin, 4 tiles ahead, 8 warps": {"spin": "load", "ahead": 4,
+                                                                "triton": (8, 4)},
+         "persistent tail, load spin, shared norm": {"spin": "load", "shared_norm": True},
+         "persistent tail, 2 tiles ahead": {"ahead": 2}}
 #: Layers a chain runs at most (each its own weights: 8 of the smallest shape's are 184 MB,
 #: past the 50 MB L2 cache, so every layer streams its weights from memory), fewer than a
 #: model's to keep the compiles short.
@@ -96,10 +97,11 @@ def tail_kernel(attn: jax.Array, h: jax.Array, lw: dict, count: Any = None,
                 programs: int | None = None, shared_norm: bool = False,
                 ahead: int = 0, triton: tuple[int, int] = (pallas_layer_tail.WARPS,
                                                            pallas_layer_tail.STAGES),
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                spin: str = "atomic") -> tuple[jax.Array, jax.Array, jax.Array]:
     return pallas_layer_tail.layer_tail(attn, h, lw["w_o"], lw["post"], lw["gate"], lw["up"],
                                         lw["down"], EPS, count=count, programs=programs,
-                                        shared_norm=shared_norm, ahead=ahead, triton=triton)
+                                        shared_norm=shared_norm, ahead=ahead, triton=triton,
+                                        spin=spin)
 
 
 def chain(form: str, layers: list[dict], steps: int) -> Any:
@@ -149,7 +151,7 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
             h = jnp.asarray(r.standard_normal((rows, d)), jnp.bfloat16)
             want = jax.jit(four_kernels)(attn, h, lw)
             for programs, settings in ((sms, {}), (sms // 2 + 1, {}), (sms, {"shared_norm": True}),
-                                       (sms, {"ahead": 2})):
+                                       (sms, {"ahead": 2}), (sms, {"spin": "load", "ahead": 4})):
                 got = jax.jit(functools.partial(tail_kernel, programs=programs,
                                                 **settings))(attn, h, lw)
                 tag = f"rows{rows}_programs{programs}" + "".join(f"_{k}" for k in settings)

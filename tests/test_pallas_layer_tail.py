@@ -65,16 +65,21 @@ SHAPES = [(1, 256, 128, 384), (3, 1024, 256, 1024), (16, 1024, 128, 512)]
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("programs", _programs())
-@pytest.mark.parametrize(("shared_norm", "ahead"), [(False, 0), (True, 0), (False, 2), (True, 3)],
+@pytest.mark.parametrize(("shared_norm", "ahead", "spin"),
+                         [(False, 0, "atomic"), (True, 0, "atomic"), (False, 2, "atomic"),
+                          (True, 3, "atomic"), (False, 0, "load"), (True, 4, "load")],
                          ids=["norm_each", "norm_shared", "norm_each_ahead2",
-                              "norm_shared_ahead3"])
-def test_the_tail_is_bitwise_the_four_kernels(shape, programs, shared_norm, ahead):
+                              "norm_shared_ahead3", "norm_each_load_spin",
+                              "norm_shared_ahead4_load_spin"])
+def test_the_tail_is_bitwise_the_four_kernels(shape, programs, shared_norm, ahead, spin):
     """``ahead``: the gated and down phases' first weight tiles loaded before their barriers
-    (3 is more than some segments have: those load all of theirs)."""
+    (3 is more than some segments have: those load all of theirs). ``spin``: how programs
+    poll the barrier (on a GPU, a program that left a barrier early would read rows not
+    yet written and differ; the interpreter's one program never polls)."""
     ops = _operands(*shape)
     want = _four_kernels(*ops)
     h, parts, count = layer_tail(*ops, EPS, impl=IMPL, programs=programs,
-                                 shared_norm=shared_norm, ahead=ahead)
+                                 shared_norm=shared_norm, ahead=ahead, spin=spin)
     assert parts.shape == want[1].shape and h.shape == want[0].shape
     assert np.array_equal(_bits(h), _bits(want[0]))
     assert np.array_equal(_bits(parts), _bits(want[1]))
@@ -146,6 +151,8 @@ def test_bad_calls_are_refused_with_our_error():
         layer_tail(*ops, EPS, impl=IMPL, ahead=9)
     with pytest.raises(BadInputError, match="triton must be"):
         layer_tail(*ops, EPS, impl=IMPL, triton=(3, 4))
+    with pytest.raises(BadInputError, match="spin must be one of"):
+        layer_tail(*ops, EPS, impl=IMPL, spin="sleep")
 
 
 @pytest.mark.skipif(ON_GPU, reason="the CPU's refusal of the GPU kernel")
@@ -156,10 +163,11 @@ def test_pallas_off_a_gpu_is_refused():
         layer_tail(*_operands(*SHAPES[0]), EPS)  # "auto"
 
 
-def test_the_tail_lowers_for_cuda():
+@pytest.mark.parametrize("spin", pallas_layer_tail.SPINS)
+def test_the_tail_lowers_for_cuda(spin):
     s = jax.ShapeDtypeStruct
     fn = functools.partial(pallas_layer_tail._layer_tail, eps=EPS, interpret=False, programs=8,
-                           ahead=2)
+                           ahead=2, spin=spin)
     shapes = [s((2, 1024), BF16), s((2, 256), BF16), s((1024, 256), BF16), s((256,), BF16),
               s((256, 1024), BF16), s((256, 1024), BF16), s((1024, 256), BF16),
               s((1,), jnp.int32)]

@@ -77,6 +77,9 @@ BLOCK_WIDTHS = (16, 32, 64, 128)
 #: Weight tiles a program loads before a barrier for the phase after it (``layer_tail``'s
 #: ``ahead``); 0 until a GPU times the forms (``benchmarks/probe_layer_tail.py``).
 AHEAD = 0
+#: How a program polls the barrier's counter (:func:`layer_tail`'s ``spin``), and the ways.
+SPIN = "atomic"
+SPINS = ("atomic", "load")
 #: Triton settings of the kernel (the matvec kernels' warps, their gated kernel's stages).
 WARPS, STAGES = 4, 4
 
@@ -214,13 +217,29 @@ def _bump(count_ref: Any, by: Any) -> jax.Array:
     return plgpu.atomic_add(count_ref, (jnp.int32(0),), jnp.int32(by))
 
 
-def _grid_barrier(count_ref: Any, arrival: int, interpret: bool) -> None:
-    """Wait until every program has arrived here (the ``arrival``-th barrier of the call)."""
+def _peek(count_ref: Any) -> jax.Array:
+    """The counter read past the L1 cache (a volatile load: served by L2, where the atomics
+    land), without the read-modify-write an atomic poll makes every arriving program's add
+    queue behind."""
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(count_ref.at[0], volatile=True)
+
+
+def _grid_barrier(count_ref: Any, arrival: int, interpret: bool, spin: str) -> None:
+    """Wait until every program has arrived here (the ``arrival``-th barrier of the call).
+    ``spin``: poll with atomic adds of zero (``"atomic"``), or with volatile loads and one
+    atomic add of zero once they see everyone (``"load"``: its acquire orders this
+    program's later loads after the other programs' released stores)."""
     target = arrival * pl.num_programs(0)
     _cta_barrier(interpret)  # every thread's stores issued before the release
     seen = _bump(count_ref, 1) + 1
     if not interpret:  # (the interpreter's one program has arrived: seen == target)
-        jax.lax.while_loop(lambda n: n < target, lambda n: _bump(count_ref, 0), seen)
+        if spin == "load":
+            jax.lax.while_loop(lambda n: n < target, lambda n: _peek(count_ref), seen)
+            _bump(count_ref, 0)
+        else:
+            jax.lax.while_loop(lambda n: n < target, lambda n: _bump(count_ref, 0), seen)
     _cta_barrier(interpret)
 
 
@@ -228,7 +247,7 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
                  up_ref: Any, down_ref: Any, count_in: Any, h_ref: Any, parts_ref: Any,
                  count_ref: Any, o_parts: Any, normed_ref: Any, hidden_ref: Any, *, rows: int,
                  eps: float, plan: Plan, interpret: bool, shared_norm: bool,
-                 ahead: int) -> None:
+                 ahead: int, spin: str) -> None:
     del count_in  # read and written through its aliased output
     j = pl.program_id(0)
     dtype = h_ref.dtype
@@ -251,7 +270,7 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
 
     _each_item(plan.o, o_item)
     gate_first = _first_tiles(gate_ref, plan.gated, ahead)  # the next phase's, before waiting
-    _grid_barrier(count_ref, 1, interpret)
+    _grid_barrier(count_ref, 1, interpret, spin)
 
     # 2. the rows normed (by every program into a scratch row of its own, or by program 0
     # alone behind one more barrier), then the gated product's blocks
@@ -270,7 +289,7 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
     if shared_norm:
         pl.when(j == 0)(lambda: norm_rows(0))
         barriers += 1
-        _grid_barrier(count_ref, barriers, interpret)
+        _grid_barrier(count_ref, barriers, interpret, spin)
         normed_row = jnp.int32(0)
     else:
         norm_rows(j)
@@ -287,7 +306,7 @@ def _tail_kernel(attn_ref: Any, res_ref: Any, wo_ref: Any, nw_ref: Any, gate_ref
     _each_item(plan.gated, gated_item, gate_first)
     down_first = _first_tiles(down_ref, plan.down, ahead)
     barriers += 1
-    _grid_barrier(count_ref, barriers, interpret)
+    _grid_barrier(count_ref, barriers, interpret, spin)
 
     # 3. the down product's partial sums, the call's rows only
     def down_item(s: Any, c: Any, first: tuple) -> None:
@@ -313,11 +332,11 @@ def multiprocessors() -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "interpret", "programs", "shared_norm",
-                                             "ahead", "triton"))
+                                             "ahead", "triton", "spin"))
 def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weight: jax.Array,
                 gate: jax.Array, up: jax.Array, down: jax.Array, count: jax.Array, eps: float,
                 interpret: bool, programs: int, shared_norm: bool = False, ahead: int = 0,
-                triton: tuple[int, int] = (WARPS, STAGES),
+                triton: tuple[int, int] = (WARPS, STAGES), spin: str = "atomic",
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     m, k_o = attn.shape
     d, f = gate.shape
@@ -325,7 +344,7 @@ def _layer_tail(attn: jax.Array, residual: jax.Array, w_o: jax.Array, norm_weigh
     dtype = residual.dtype
     whole = lambda shape: pl.BlockSpec(shape, lambda j: (0,) * len(shape))  # noqa: E731
     kernel = functools.partial(_tail_kernel, rows=m, eps=eps, plan=work, interpret=interpret,
-                               shared_norm=shared_norm, ahead=ahead)
+                               shared_norm=shared_norm, ahead=ahead, spin=spin)
     norm_rows = 1 if shared_norm else programs
     h, parts, count, *_ = pl.pallas_call(
         kernel,
@@ -365,6 +384,7 @@ def layer_tail(
     shared_norm: bool = False,
     ahead: int | None = None,
     triton: tuple[int, int] = (WARPS, STAGES),
+    spin: str | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """A pre-norm layer's work after its attention, for a few rows, in one launch.
 
@@ -394,6 +414,9 @@ def layer_tail(
         :data:`AHEAD`.
       triton: the kernel's Triton ``(num_warps, num_stages)`` (speed only: a tile's steps
         are the same; a power of two from 1 to 16 warps, 1 to 8 stages).
+      spin: how a program waits at a barrier (speed only): ``"atomic"`` polls with atomic
+        adds of zero, ``"load"`` with volatile loads, then one atomic add. None:
+        :data:`SPIN`.
 
     Returns:
       ``(h, parts, count)``: ``h [M, D]`` in the rows' dtype, ``parts`` float32 ``[S, M,
@@ -403,7 +426,7 @@ def layer_tail(
       BadInputError: shapes or dtypes :func:`refusal` turns down or that do not fit
         together; an ``impl`` other than the three; ``"pallas"`` or ``"auto"`` off a GPU;
         ``programs`` not 1 in the interpreter or above the multiprocessors on a GPU;
-        ``ahead``, ``triton`` or ``count`` out of their ranges.
+        ``ahead``, ``triton``, ``spin`` or ``count`` out of their ranges.
     """
     shapes = {name: tuple(getattr(a, "shape", ())) for name, a in (
         ("attn", attn), ("residual", residual), ("w_o", w_o), ("norm_weight", norm_weight),
@@ -452,6 +475,9 @@ def layer_tail(
             or warps not in (1, 2, 4, 8, 16) or not 1 <= stages <= 8):
         raise BadInputError(f"triton must be (num_warps, num_stages): a power of two from 1 "
                             f"to 16 and 1 to 8; got {triton!r}")
+    spin = SPIN if spin is None else spin
+    if spin not in SPINS:
+        raise BadInputError(f"spin must be one of {SPINS}; got {spin!r}")
     return _layer_tail(attn, residual, w_o, norm_weight, gate, up, down, count, float(eps),
                        interpret, programs, as_bool("shared_norm", shared_norm), ahead,
-                       (warps, stages))
+                       (warps, stages), spin)
