@@ -58,10 +58,11 @@ FORMS = {"four kernels": None, "persistent tail": {},
                                                                 "triton": (8, 4)},
          "persistent tail, load spin, shared norm": {"spin": "load", "shared_norm": True},
          "persistent tail, 2 tiles ahead": {"ahead": 2}}
-#: Layers a chain runs at most (each its own weights: 8 of the smallest shape's are 184 MB,
+#: Layers a chain runs at most (each its own weights: 4 of the smallest shape's are 92 MB,
 #: past the 50 MB L2 cache, so every layer streams its weights from memory), fewer than a
-#: model's to keep the compiles short.
-CHAIN_LAYERS = 8
+#: model's to keep the compiles short (each layer's kernel compiles on its own: a form of 8
+#: layers took 60-90 s on an H100).
+CHAIN_LAYERS = 4
 #: Chains a timed call runs, one after another in a device loop.
 STEPS = 8
 
@@ -132,7 +133,8 @@ def _equal(a: tuple, b: tuple) -> bool:
     return all(np.array_equal(_bits(x), _bits(y)) for x, y in zip(a, b, strict=True))
 
 
-def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
+def probe(shapes: tuple, repeats: int, out: Path | None, forms: tuple = tuple(FORMS),
+          ) -> list[dict]:
     records: list[dict] = []
     sms = pallas_layer_tail.multiprocessors()
     for name, model_layers, d, k_o, f in shapes:
@@ -150,11 +152,12 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
             attn = jnp.asarray(r.standard_normal((rows, k_o)), jnp.bfloat16)
             h = jnp.asarray(r.standard_normal((rows, d)), jnp.bfloat16)
             want = jax.jit(four_kernels)(attn, h, lw)
-            for programs, settings in ((sms, {}), (sms // 2 + 1, {}), (sms, {"shared_norm": True}),
-                                       (sms, {"ahead": 2}), (sms, {"spin": "load", "ahead": 4})):
+            for programs, settings in ((sms // 2 + 1, {}),
+                                       *((sms, FORMS[f]) for f in forms if FORMS[f] is not None)):
                 got = jax.jit(functools.partial(tail_kernel, programs=programs,
                                                 **settings))(attn, h, lw)
-                tag = f"rows{rows}_programs{programs}" + "".join(f"_{k}" for k in settings)
+                tag = f"rows{rows}_programs{programs}" + "".join(
+                    f"_{k}_{v}".replace(" ", "") for k, v in settings.items())
                 rec[f"bits_equal_{tag}"] = _equal(got[:2], want)
                 rec[f"counter_back_to_zero_{tag}"] = int(got[2][0]) == 0
             moved = dict(lw, down=lw["down"].at[0, 0].multiply(3))
@@ -167,7 +170,7 @@ def probe(shapes: tuple, repeats: int, out: Path | None) -> list[dict]:
         meta = {"date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind)}
         add_record(out, records, rec, **meta)  # the bits first: a time limit keeps them
         base = None
-        for form in FORMS:
+        for form in ("four kernels", *(f for f in forms if f != "four kernels")):
             t = best_time(chain(form, layers, STEPS), h, parts, attn, repeats=repeats) / STEPS
             us = t / n_layers * 1e6
             base = us if base is None else base
@@ -185,11 +188,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="timed calls a shape (best kept)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
                     help="comma-separated shapes of " + ", ".join(s[0] for s in SHAPES))
+    ap.add_argument("--forms", default=",".join(FORMS),
+                    help="comma-separated forms to time (the four kernels always, first): "
+                         + "; ".join(FORMS))
     args = ap.parse_args(argv)
+    forms = tuple(f.strip() for f in args.forms.split(",") if f.strip())
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown:
+        ap.error(f"no such form: {unknown} (the forms: {list(FORMS)})")
     if jax.default_backend() != "gpu":
         ap.error("the persistent kernel needs a GPU (its programs wait for each other)")
     chosen = [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    records = probe(tuple(chosen), args.repeats, args.out)
+    records = probe(tuple(chosen), args.repeats, args.out, forms)
     ok = all(all(v for k, v in r.items() if k.startswith(("bits_equal", "counter_back",
                                                           "control_differs")))
              for r in records if "form" not in r)

@@ -237,7 +237,11 @@ def _grid_barrier(count_ref: Any, arrival: int, interpret: bool, spin: str) -> N
     if not interpret:  # (the interpreter's one program has arrived: seen == target)
         if spin == "load":
             jax.lax.while_loop(lambda n: n < target, lambda n: _peek(count_ref), seen)
-            _bump(count_ref, 0)
+            # the acquiring add: its value is used (a loop that never turns), since an atomic
+            # whose value is dropped compiles to a reduction, which releases but does not
+            # acquire (on an H100 the rows read after it were then stale: the tests caught it)
+            jax.lax.while_loop(lambda n: n < target, lambda n: _bump(count_ref, 0),
+                               _bump(count_ref, 0))
         else:
             jax.lax.while_loop(lambda n: n < target, lambda n: _bump(count_ref, 0), seen)
     _cta_barrier(interpret)
