@@ -188,11 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=10, help="timed calls a shape (best kept)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
                     help="comma-separated shapes of " + ", ".join(s[0] for s in SHAPES))
-    ap.add_argument("--forms", default=",".join(FORMS),
-                    help="comma-separated forms to time (the four kernels always, first): "
+    ap.add_argument("--forms", default=";".join(FORMS),
+                    help="forms to time, separated by semicolons (the four kernels always, first): "
                          + "; ".join(FORMS))
     args = ap.parse_args(argv)
-    forms = tuple(f.strip() for f in args.forms.split(",") if f.strip())
+    forms = tuple(f.strip() for f in args.forms.split(";") if f.strip())
     unknown = [f for f in forms if f not in FORMS]
     if unknown:
         ap.error(f"no such form: {unknown} (the forms: {list(FORMS)})")

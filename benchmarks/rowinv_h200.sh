@@ -423,17 +423,17 @@ case "$stage" in
     2>&1 | cut -c1-400 | tail -8
   ;;
 33)
-  # after stage 32, if the last split program's fold kept the bits and gained: the model's
-  # form of it (DenseModel.fold_in_split) compiled (the RoPE-store kernels' tests), the 1B
-  # exact part under it, then decode (1B, 0.6B) without and with it
-  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  # the fold in the last split program (DenseModel.fold_in_split, the default since
+  # session 45) compiled (the RoPE-store kernels' tests), the 1B exact part under it, then
+  # decode (1B, 0.6B) with the fold kernel and with it
+  timeout 220 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_rope_store.py tests/test_probe_last_split.py --tb=short -rf \
     > "$out/gpu_tests_fold_in_split.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_fold_in_split.txt" | tail -8
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
     --fold-in-split --out "$out/exact_fold_in_split" --budget-s 120 2>&1 | cut -c1-400 \
     | tail -2
-  decode_speed 110 speed_fold_kernel
+  decode_speed 110 speed_fold_kernel --no-fold-in-split
   decode_speed 110 speed_fold_in_split --fold-in-split
   ;;
 34)

@@ -356,7 +356,7 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
 #: ``--fuse-rope`` / ``--no-fuse-rope``: the models' ``fuse_rope_store``.
 FUSE_ROPE_STORE = True
 #: ``--fold-in-split``: the models' ``fold_in_split``.
-FOLD_IN_SPLIT = False
+FOLD_IN_SPLIT = True
 #: ``--persistent-tail``: the row-invariant models' ``persistent_tail``.
 PERSISTENT_TAIL = False
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
@@ -917,10 +917,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the RoPE-store inside the attention kernel where that folds "
                          "on chip (DenseModel.fuse_rope_store, on by default; the same bits); "
                          "--no-fuse-rope launches the two kernels")
-    ap.add_argument("--fold-in-split", action="store_true",
+    ap.add_argument("--fold-in-split", action=argparse.BooleanOptionalAction, default=True,
                     help="with the fused RoPE-store, fold a long context's key splits in "
-                         "each query tile's last split program instead of the fold kernel "
-                         "(DenseModel.fold_in_split; the same bits)")
+                         "each query tile's last split program (DenseModel.fold_in_split, "
+                         "the default; the same bits); --no-fold-in-split runs the fold "
+                         "kernel")
     ap.add_argument("--persistent-tail", action="store_true",
                     help="run each layer's work after the attention (o product, norm, gated "
                          "and down products) as one persistent kernel at decode and verify "
@@ -934,9 +935,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
     args.fuse_rope = FUSE_ROPE_STORE
-    if args.fold_in_split and not args.fuse_rope:
-        ap.error("--fold-in-split folds in the fused RoPE-store's split kernel: drop "
-                 "--no-fuse-rope")
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:

@@ -64,9 +64,8 @@ def test_kernels_is_checked():
         DenseModel(cfg, kernels="pallas")
     with pytest.raises(BadInputError, match="attention='interpret'"):
         DenseModel(cfg, kernels="rowinv", attention="interpret")
-    with pytest.raises(BadInputError, match=r"it needs fuse_rope_store=True"):
-        DenseModel(cfg, kernels="rowinv", fuse_rope_store=False, fold_in_split=True)
-    assert DenseModel(cfg, kernels="rowinv", fold_in_split=True).fold_in_split
+    assert DenseModel(cfg, kernels="rowinv").fold_in_split  # the default
+    assert not DenseModel(cfg, kernels="rowinv", fold_in_split=False).fold_in_split
     with pytest.raises(BadInputError, match=r"persistent_tail .* needs kernels='rowinv'"):
         DenseModel(cfg, persistent_tail=True)
     assert DenseModel(cfg, kernels="rowinv", persistent_tail=True).persistent_tail

@@ -85,13 +85,14 @@ def test_gpu_form_folding_in_the_last_split_program_keeps_every_bit(
         gpu_graph_in_the_interpreter, monkeypatch):
     """``fold_in_split``: a decode step over the cache's two key splits (no short-context
     program: ``short_decode_keys=0``) folds each tile's partials in its last split program,
-    and its logits are bitwise the default graph's (split kernel, then fold kernel); the
-    prefill, in 16-row blocks, runs the split form too."""
+    and its logits are bitwise the graph's with the fold kernel (split kernel, then fold
+    kernel: ``fold_in_split=False``); the prefill, in 16-row blocks, runs the split form
+    too."""
     original, folds = pallas_rope_store.fold_in_last_split, []
     monkeypatch.setattr(pallas_rope_store, "fold_in_last_split",
                         lambda *a, **k: folds.append(1) or original(*a, **k))
     model, params = _model("rowinv", fold_in_split=True)
-    plain, _ = _model("rowinv")
+    plain, _ = _model("rowinv", fold_in_split=False)
     for w in ((1, None), (4, 16)):
         got = _logits(model, params, *w, short_decode_keys=0)
         want = _logits(plain, params, *w, short_decode_keys=0)

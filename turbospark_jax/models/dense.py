@@ -284,12 +284,14 @@ class DenseModel(BlockModel):
         (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`): one launch a
         layer fewer. ``False`` launches the two kernels. The same bits either way (the
         kernels' tests and the exact part, compiled on an H100); speed only.
-      fold_in_split: with ``fuse_rope_store``, where that kernel is the split kernel (a
+      fold_in_split: where the fused kernel of ``fuse_rope_store`` is the split kernel (a
         decode or verify past the short-context bound) each query tile's partials are folded
         by its last split program instead of the fold kernel (an atomic counter a tile;
         :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`): one launch a
-        layer fewer. The same bits in the Pallas interpreter; off until measured on the GPU
-        (``benchmarks/probe_last_split.py``, ``benchmarks/rowinv_model.py --fold-in-split``).
+        layer fewer. The same bits (the interpreter; compiled on an H100, its kernel tests
+        and the 1B exact part); on an H100 it decoded at 4k context 2% faster on the 0.6B
+        shape and 0.3% on the 1B (NOTES.md, fifteenth session). Speed only; no effect with
+        ``fuse_rope_store=False`` (the fold kernel then always runs).
       persistent_tail: with ``kernels="rowinv"`` on a GPU, a block of up to
         :data:`~turbospark_jax.models.pallas_layer_tail.ROWS` rows runs each layer's work
         after the attention (the o product, the residual add and post-attention norm, the
@@ -326,7 +328,7 @@ class DenseModel(BlockModel):
     tap_layers: tuple[int, ...] = ()
     kernels: str = "xla"
     fuse_rope_store: bool = True
-    fold_in_split: bool = False
+    fold_in_split: bool = True
     persistent_tail: bool = False
 
     def __post_init__(self) -> None:
@@ -343,11 +345,6 @@ class DenseModel(BlockModel):
             raise BadInputError(
                 "kernels='rowinv' runs its own row-invariant attention; attention='interpret' "
                 "(the fused kernel, whose query tile follows the row count) cannot go with it"
-            )
-        if self.fold_in_split and not self.fuse_rope_store:
-            raise BadInputError(
-                "fold_in_split folds in the fused RoPE-store's split kernel; it needs "
-                "fuse_rope_store=True (with two launches the fold kernel always runs)"
             )
         if self.persistent_tail and self.kernels != "rowinv":
             raise BadInputError(
