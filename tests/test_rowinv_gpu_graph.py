@@ -89,6 +89,7 @@ def test_gpu_form_folding_in_the_last_split_program_keeps_every_bit(
     kernel: ``fold_in_split=False``); the prefill, in 16-row blocks, runs the split form
     too."""
     original, folds = pallas_rope_store.fold_in_last_split, []
+    jax.clear_caches()  # (the default graph folds this way too: trace it afresh, counted)
     monkeypatch.setattr(pallas_rope_store, "fold_in_last_split",
                         lambda *a, **k: folds.append(1) or original(*a, **k))
     model, params = _model("rowinv", fold_in_split=True)
