@@ -41,10 +41,8 @@ ISSUE_BARS = {"llama-3.2-1b": ("share", 0.7), "qwen3-0.6b": ("tokens_per_s", 150
               "llama-3.1-8b": ("share", 0.9)}
 #: Kernel name prefixes of each group, checked in this order; the rest is ``"loop"`` (the
 #: decode loop's bookkeeping, sampling, copies). The attention's first kernel with the
-#: RoPE-store's work inside (``rope_store_attention``, the default) counts as attention; the
-#: persistent layer tail (``rowinv_layer_tail``: four products and a norm) as products.
-GROUPS = (("products", ("rowinv_matvec_", "rowinv_matmul_", "rowinv_mosaic",
-                        "rowinv_layer_tail")),
+#: RoPE-store's work inside (``rope_store_attention``, the default) counts as attention.
+GROUPS = (("products", ("rowinv_matvec_", "rowinv_matmul_", "rowinv_mosaic")),
           ("attention", ("cached_attention", "rope_store_attention")),
           ("norms", ("row_rms_norm", "add_parts")),
           ("rope_store", ("rope_store",)))

@@ -101,19 +101,12 @@
 #   bash benchmarks/rowinv_h200.sh 33 "$OUT"  # the model's fold in the last split program
 #                                             # (fold_in_split): GPU tests, the 1B exact
 #                                             # part, decode without and with it
-#   bash benchmarks/rowinv_h200.sh 34 "$OUT"  # a grid barrier in a persistent kernel
-#                                             # against kernel boundaries (the probe)
-#   bash benchmarks/rowinv_h200.sh 35 "$OUT"  # the persistent layer tail: its kernel tests
-#                                             # compiled, the probe (bits and time a layer
-#                                             # against the four kernels)
-#   bash benchmarks/rowinv_h200.sh 36 "$OUT"  # the model's persistent tail: the 1B exact
-#                                             # part, decode (1B, 0.6B) without and with it
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 36}
+stage=${1:?stage 1 to 33}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -435,36 +428,6 @@ case "$stage" in
     | tail -2
   decode_speed 110 speed_fold_kernel --no-fold-in-split
   decode_speed 110 speed_fold_in_split --fold-in-split
-  ;;
-34)
-  # what a grid-wide barrier inside one persistent kernel costs against a kernel boundary:
-  # chains of decode-sized products, one kernel each against one kernel for the chain
-  # (benchmarks/probe_grid_barrier.py); the measurement a persistent decode kernel needs
-  timeout 200 python -m benchmarks.probe_grid_barrier --out "$out/probe_grid_barrier.json" \
-    2>&1 | cut -c1-400 | tail -4
-  ;;
-35)
-  # the persistent layer tail (models/pallas_layer_tail.py): its tests compiled (bitwise the
-  # four kernels at 1, 3 and 16 rows, over the multiprocessors' count of programs and
-  # fewer, every program norming or one, weight tiles loaded ahead, other Triton settings)
-  # with the norm kernel's (the tree sum), then the probe: the three shapes' tails bitwise
-  # against the four kernels and each form's time a layer in a chain of layers (printed as
-  # each finishes)
-  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_layer_tail.py tests/test_pallas_row_norm.py --tb=short -rf \
-    > "$out/gpu_tests_layer_tail.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_layer_tail.txt" | tail -8
-  timeout 280 python -m benchmarks.probe_layer_tail --out "$out/probe_layer_tail.json" \
-    2>&1 | cut -c1-700 | tail -4
-  ;;
-36)
-  # after stage 35: the model's persistent tail, the 1B exact part under it (every width
-  # bitwise), then decode (1B, 0.6B) without and with it, back to back
-  timeout 140 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --persistent-tail --out "$out/exact_persistent_tail" --budget-s 130 2>&1 | cut -c1-400 \
-    | tail -2
-  decode_speed 110 speed_default
-  decode_speed 110 speed_persistent_tail --persistent-tail
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

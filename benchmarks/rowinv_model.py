@@ -347,8 +347,7 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=FUSE_ROPE_STORE, fold_in_split=FOLD_IN_SPLIT,
-                       persistent_tail=PERSISTENT_TAIL and kernels == "rowinv")
+                       fuse_rope_store=FUSE_ROPE_STORE, fold_in_split=FOLD_IN_SPLIT)
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
@@ -357,8 +356,6 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
 FUSE_ROPE_STORE = True
 #: ``--fold-in-split``: the models' ``fold_in_split``.
 FOLD_IN_SPLIT = True
-#: ``--persistent-tail``: the row-invariant models' ``persistent_tail``.
-PERSISTENT_TAIL = False
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -922,15 +919,9 @@ def main(argv: list[str] | None = None) -> int:
                          "each query tile's last split program (DenseModel.fold_in_split, "
                          "the default; the same bits); --no-fold-in-split runs the fold "
                          "kernel")
-    ap.add_argument("--persistent-tail", action="store_true",
-                    help="run each layer's work after the attention (o product, norm, gated "
-                         "and down products) as one persistent kernel at decode and verify "
-                         "widths (DenseModel.persistent_tail; the post-attention norm sums "
-                         "its squares as a fixed tree at every width)")
     args = ap.parse_args(argv)
-    global FOLD_IN_SPLIT, PERSISTENT_TAIL
+    global FOLD_IN_SPLIT
     FOLD_IN_SPLIT = args.fold_in_split
-    PERSISTENT_TAIL = args.persistent_tail
     global FUSE_ROPE_STORE
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
@@ -975,7 +966,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
-            "fold_in_split": args.fold_in_split, "persistent_tail": args.persistent_tail}
+            "fold_in_split": args.fold_in_split}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

@@ -66,9 +66,6 @@ def test_kernels_is_checked():
         DenseModel(cfg, kernels="rowinv", attention="interpret")
     assert DenseModel(cfg, kernels="rowinv").fold_in_split  # the default
     assert not DenseModel(cfg, kernels="rowinv", fold_in_split=False).fold_in_split
-    with pytest.raises(BadInputError, match=r"persistent_tail .* needs kernels='rowinv'"):
-        DenseModel(cfg, persistent_tail=True)
-    assert DenseModel(cfg, kernels="rowinv", persistent_tail=True).persistent_tail
 
 
 # -- products handed on unfinished (DenseModel.defers_sums) -----------------------------------

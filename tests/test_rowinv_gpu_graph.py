@@ -182,34 +182,3 @@ def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, 
     for a, b in zip(jax.tree.leaves(planned_state.cache), jax.tree.leaves(branching_state.cache),
                     strict=True):
         assert np.array_equal(np.asarray(a), np.asarray(b))
-
-
-#: Shapes the persistent layer tail takes: a power-of-two width, the o product's K and the
-#: hidden width in whole 128-column tiles.
-TAIL_CONFIG = DenseConfig(model_type="qwen3", vocab_size=256, hidden_size=128,
-                          intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
-
-
-def test_gpu_form_with_the_persistent_tail_keeps_widths_agreeing(
-        gpu_graph_in_the_interpreter, monkeypatch):
-    """``persistent_tail``: blocks of up to 16 rows (the decode steps, 4-row verify steps,
-    16-row prefill blocks) run each layer's tail as the one kernel, 256-row prefill blocks as
-    the four kernels with the tree-summed norm; every width's logits agree bitwise, and with
-    the model's default graph to bfloat16 rounding (the norm's sum differs in order)."""
-    from turbospark_jax.models import pallas_layer_tail
-
-    original, calls = pallas_layer_tail.layer_tail, []
-    monkeypatch.setattr(pallas_layer_tail, "layer_tail",
-                        lambda *a, **k: calls.append(a[0].shape[0]) or original(*a, **k))
-    model = DenseModel(TAIL_CONFIG, BF16, scan_layers=False, kernels="rowinv",
-                       persistent_tail=True)
-    plain = DenseModel(TAIL_CONFIG, BF16, scan_layers=False, kernels="rowinv")
-    params = unstack_layers(model.init_params(jax.random.PRNGKey(0)))
-    runs = {w: _logits(model, params, *w) for w in ((1, None), (1, 256), (4, 16))}
-    assert set(calls) == {1, 4, 16}  # traced for the decode, verify and prefill blocks
-    for got in runs.values():
-        for g, b in zip(got, runs[(1, None)], strict=True):
-            assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
-    for g, want in zip(runs[(1, None)], _logits(plain, params, 1, None), strict=True):
-        np.testing.assert_allclose(g, want, rtol=0, atol=0.1)

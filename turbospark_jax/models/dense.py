@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models import pallas_layer_tail, row_kernels
+from turbospark_jax.models import row_kernels
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
@@ -292,16 +292,6 @@ class DenseModel(BlockModel):
         and the 1B exact part); on an H100 it decoded at 4k context 2% faster on the 0.6B
         shape and 0.3% on the 1B (NOTES.md, fifteenth session). Speed only; no effect with
         ``fuse_rope_store=False`` (the fold kernel then always runs).
-      persistent_tail: with ``kernels="rowinv"`` on a GPU, a block of up to
-        :data:`~turbospark_jax.models.pallas_layer_tail.ROWS` rows runs each layer's work
-        after the attention (the o product, the residual add and post-attention norm, the
-        gated and down products) as one persistent kernel
-        (:func:`~turbospark_jax.models.pallas_layer_tail.layer_tail`): three launches a layer
-        fewer. The post-attention norm then sums its squares as a fixed halving tree at every
-        width (``tree=True``), so wider blocks agree with it. Off: on an H200 it kept every
-        bit but decoded 1-3% slower (the phase boundaries it keeps, not the launches it
-        saves, are the floor; NOTES.md, fourteenth session); ``benchmarks/probe_layer_tail.py``
-        and ``benchmarks/rowinv_model.py --persistent-tail`` time it.
     """
 
     parallel_prefill = True
@@ -329,7 +319,6 @@ class DenseModel(BlockModel):
     kernels: str = "xla"
     fuse_rope_store: bool = True
     fold_in_split: bool = True
-    persistent_tail: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -345,11 +334,6 @@ class DenseModel(BlockModel):
             raise BadInputError(
                 "kernels='rowinv' runs its own row-invariant attention; attention='interpret' "
                 "(the fused kernel, whose query tile follows the row count) cannot go with it"
-            )
-        if self.persistent_tail and self.kernels != "rowinv":
-            raise BadInputError(
-                "persistent_tail runs the row-invariant kernels' layer tail in one launch; "
-                f"it needs kernels='rowinv', got {self.kernels!r}"
             )
 
     @property
@@ -412,16 +396,12 @@ class DenseModel(BlockModel):
     def _deferring_layer(self, attention: Attention) -> LayerFn:
         """:meth:`_layer` over a hidden state carried as ``(h, pending)``: the rows are
         ``h`` plus the previous layer's MLP output, still as partial sums (``pending``;
-        None before the first layer). See :meth:`defers_sums`. After a layer whose tail ran
-        as the persistent kernel (:attr:`persistent_tail`) the state carries that kernel's
-        barrier counter third, for the next layer's call."""
+        None before the first layer). See :meth:`defers_sums`."""
         eps = self.config.rms_norm_eps
         kernels = self.kernels
 
-        tree = self.persistent_tail  # the tail kernel's norm order, at every width
-
         def layer(x: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
-            h, pending, *count = x
+            h, pending = x
             with jax.named_scope("attention"):
                 if pending is None:
                     normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
@@ -429,33 +409,17 @@ class DenseModel(BlockModel):
                     h, normed = row_kernels.add_norm(kernels, h, pending,
                                                      lp["input_layernorm"], eps)
                 attn, kv = attention(normed, lp, kv, index, window)
-                attn = attn.reshape(attn.shape[0], -1)
                 w_o = lp["o_proj"]
-                w_o = w_o.reshape(-1, w_o.shape[-1])
-            if self._tail_kernel(attn, lp):
-                with jax.named_scope("tail"):
-                    h, pending, counter = pallas_layer_tail.layer_tail(
-                        attn, h, w_o, lp["post_attention_layernorm"], lp["gate_proj"],
-                        lp["up_proj"], lp["down_proj"], eps, count=count[0] if count else None)
-                return (h, pending, counter), kv
-            with jax.named_scope("attention"):
-                o = row_kernels.matmul_parts(kernels, attn, w_o, label="o")
+                o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
+                                             w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
                 h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
-                                                 eps, tree=tree)
+                                                 eps)
                 pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
                                                    lp["down_proj"], label="down")
-            return (h, pending, *count), kv
+            return (h, pending), kv
 
         return layer
-
-    def _tail_kernel(self, attn: jax.Array, lp: Params) -> bool:
-        """Whether this layer's tail runs as the persistent kernel (:attr:`persistent_tail`,
-        on a GPU, for shapes it takes)."""
-        if not (self.persistent_tail and jax.default_backend() == "gpu"):
-            return False
-        d, f = lp["gate_proj"].shape
-        return pallas_layer_tail.refusal(attn.shape[0], attn.dtype, attn.shape[1], d, f) is None
 
     def _layers_in(self, layers: Params, x: jax.Array, attention: Attention) -> tuple[Any, Any]:
         """The hidden state and layer function :meth:`_run_layers` starts from."""

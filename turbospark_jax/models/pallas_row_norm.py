@@ -13,8 +13,8 @@ its Triton settings are functions of ``D`` alone, so every row runs the same ins
 whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the weight and
 ``eps`` only, as DESIGN.md section 7 asks of the norms. With ``tree=True`` the sum of squares
 is a fixed halving tree (:func:`halving_sum`) rather than a reduction whose order Triton lays
-out by the kernel around it, so a kernel that norms a row among other work
-(:mod:`~turbospark_jax.models.pallas_layer_tail`) sums it the same way. In the Pallas interpreter
+out by the kernel around it, so a kernel that norms a row among other work (the last program
+of a product, ``benchmarks/probe_last_program.py``) sums it the same way. In the Pallas interpreter
 ``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
 GPU by the benchmarks.
 
@@ -54,8 +54,9 @@ def halving_sum(v: jax.Array) -> jax.Array:
     the second elementwise, again and again, down to one value. Every addition pairs two
     named elements, so the order is the tree's whatever layout a compiler gives ``v``
     (``jnp.sum``'s order in a Triton kernel follows the layout, which follows the kernel
-    around it): the norm kernel and a kernel that norms rows among other work
-    (:mod:`~turbospark_jax.models.pallas_layer_tail`) get one sum from the same row."""
+    around it): the norm kernel and a kernel that norms rows among other work (the last
+    program of a product, ``benchmarks/probe_last_program.py``) get one sum from the same
+    row."""
     while v.shape[0] > 1:
         # halves as a split, not a reduction over a [2, n] view: XLA merges a chain of
         # reductions into one of its own order
@@ -238,9 +239,9 @@ def row_rms_norm(
         ``h = residual + x`` (rounded once to ``x``'s dtype).
       impl: one of ``"auto"`` (the kernel on a GPU, the XLA expression elsewhere),
         ``"pallas"``, ``"interpret"`` (the kernel in the Pallas interpreter) or ``"xla"``.
-      tree: the kernel sums the squares as a fixed halving tree (:func:`halving_sum`), the
-        order the persistent layer tail's norm follows
-        (:mod:`~turbospark_jax.models.pallas_layer_tail`); else as Triton lays the sum out.
+      tree: the kernel sums the squares as a fixed halving tree (:func:`halving_sum`), an
+        order a kernel norming rows among other work can follow; else as Triton lays the
+        sum out.
         Both orders are row-invariant; a model uses one for a norm at every width.
 
     Returns:

@@ -99,16 +99,16 @@ def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
 
 
 def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-             eps: float, tree: bool = False) -> tuple[jax.Array, jax.Array]:
+             eps: float) -> tuple[jax.Array, jax.Array]:
     """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
     ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
-    add_parts_rms_norm`; ``tree``: its sum of squares a fixed halving tree), the sum
+    add_parts_rms_norm`), the sum
     (elementwise) and the tiled norm on the CPU. Both round ``h`` exactly as finishing the
     product and adding it would."""
     if _on_gpu():
         from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 
-        return add_parts_rms_norm(residual, parts, weight, eps, tree=tree)
+        return add_parts_rms_norm(residual, parts, weight, eps)
     h = residual + sum_parts(parts, residual.dtype)
     return h, rms_norm(kernels, h, weight, eps)
 
