@@ -919,7 +919,15 @@ def main(argv: list[str] | None = None) -> int:
                          "each query tile's last split program (DenseModel.fold_in_split, "
                          "the default; the same bits); --no-fold-in-split runs the fold "
                          "kernel")
+    ap.add_argument("--pdl", choices=("off", "trigger", "weights_first"), default="off",
+                    help="programmatic dependent launch inside the decode kernels "
+                         "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
+                         "kernel be scheduled early and waits before the rows, "
+                         "'weights_first' also loads the first weight tiles before the wait")
     args = ap.parse_args(argv)
+    from turbospark_jax.models import pallas_pdl
+
+    pallas_pdl.MODE = pallas_pdl.check_mode(args.pdl)
     global FOLD_IN_SPLIT
     FOLD_IN_SPLIT = args.fold_in_split
     global FUSE_ROPE_STORE
@@ -966,7 +974,7 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
-            "fold_in_split": args.fold_in_split}
+            "fold_in_split": args.fold_in_split, "pdl": args.pdl}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

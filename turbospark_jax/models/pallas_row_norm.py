@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models import layers
+from turbospark_jax.models import layers, pallas_pdl
 from turbospark_jax.models.rowinv import resolve_impl, sum_parts
 
 _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
@@ -102,7 +102,7 @@ def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: A
 
 
 def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
-                 parts: int, tree: bool) -> None:
+                 parts: int, tree: bool, pdl: str = "off") -> None:
     # Refs in order: x, [weight], [residual], then outputs [h], normed; the row blocks are
     # [Dp] (x's is [parts, Dp] when it comes as float32 partial sums).
     refs = list(refs)
@@ -112,9 +112,18 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
     h_out = refs.pop(0) if has_residual else None
     (o_ref,) = refs
     dtype = o_ref.dtype
-    x = parts_total(lambda i: x_ref[i, :], parts, dtype) if parts else x_ref[...]
+    gate = pallas_pdl.ready(pdl, pallas_pdl.start(pdl))  # (None when off)
+
+    def read(ref: Any) -> jax.Array:  # a row the kernel ahead wrote: after its wait
+        if gate is None:
+            return ref[...]
+        from jax.experimental.pallas import triton as plgpu
+
+        return plgpu.load(ref, mask=pallas_pdl.masked(None, gate, ref.shape), other=0)
+
+    x = parts_total(lambda i: read(x_ref.at[i, :]), parts, dtype) if parts else read(x_ref)
     if r_ref is not None:
-        x = finished_rows(r_ref[...], x, dtype=dtype)
+        x = finished_rows(read(r_ref), x, dtype=dtype)
         h_out[...] = x
     o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps, tree),
                              None if w_ref is None else w_ref[...], dtype)
@@ -145,7 +154,8 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         warps = 4 if dp <= NARROW_ROW else 8  # from D alone, never from M
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
-                               has_residual=residual is not None, parts=parts, tree=tree)
+                               has_residual=residual is not None, parts=parts, tree=tree,
+                               pdl=pallas_pdl.mode_for(interpret))
     out = pl.pallas_call(
         kernel,
         grid=(m,),

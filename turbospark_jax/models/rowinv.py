@@ -50,6 +50,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.models import pallas_pdl
 from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_matmul
 
 #: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
@@ -256,17 +257,31 @@ def _live_rows(shape: tuple[int, int], rows: int) -> jax.Array:
     return row < rows
 
 
+def _k_slice(tile: Any, k_tile: int) -> Any:
+    """K tile ``tile``'s columns (``tile`` traced, or a Python int)."""
+    if isinstance(tile, int):
+        return pl.ds(tile * k_tile, k_tile)
+    return pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
+
+
+def _weight_tile(w_ref: Any, tile: Any, k_tile: int, nk: bool) -> jax.Array:
+    """K tile ``tile`` of a weight block (``[bn, K]`` when ``nk``)."""
+    at = _k_slice(tile, k_tile)
+    return w_ref[:, at] if nk else w_ref[at, :]
+
+
 def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-               acc: jax.Array, nk: bool, live: jax.Array | None = None) -> jax.Array:
+               acc: jax.Array, nk: bool, live: jax.Array | None = None,
+               w: jax.Array | None = None) -> jax.Array:
     """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
     row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``.
     ``live``: bool ``[rows, k_tile]``, the x tile's rows the call has (:func:`_live_rows`);
-    the others are not read and enter the product as zeros, as padding rows would."""
-    at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
+    the others are not read and enter the product as zeros, as padding rows would. ``w``:
+    the weight tile, when it was loaded already (:mod:`pallas_pdl`'s ``"weights_first"``)."""
+    at = _k_slice(tile, k_tile)
     x = x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
-    if nk:
-        return acc + tile_dot(x, w_ref[:, at], True)
-    return acc + tile_dot(x, w_ref[at, :], False)
+    w = _weight_tile(w_ref, tile, k_tile, nk) if w is None else w
+    return acc + tile_dot(x, w, nk)
 
 
 def _for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, ...],
@@ -339,12 +354,29 @@ def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
 
 
 def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
-                 tile_dot: Any, nk: bool, live: jax.Array | None) -> jax.Array:
-    """A matvec program's float32 sum over its ``per`` K tiles, from zero."""
+                 tile_dot: Any, nk: bool, live: jax.Array | None,
+                 first: tuple[jax.Array, ...] = ()) -> jax.Array:
+    """A matvec program's float32 sum over its ``per`` K tiles, from zero; ``first``: its
+    first weight tiles, loaded already (the same steps in the same order)."""
     step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk,
                              live=live)
-    return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
-                             jnp.zeros(shape, jnp.float32))
+    acc = jnp.zeros(shape, jnp.float32)
+    for i, w in enumerate(first):
+        acc = step(i, acc=acc, w=w)
+    return jax.lax.fori_loop(len(first), per, lambda i, acc: step(i, acc=acc), acc)
+
+
+def _pdl_reads(x_ref: Any, w_refs: tuple[Any, ...], live_x: jax.Array | None, *, per: int,
+               k_tile: int, nk: bool, pdl: str, started: jax.Array | None,
+               ) -> tuple[jax.Array | None, tuple[tuple[jax.Array, ...], ...]]:
+    """A matvec program's x-tile mask and its weights' first tiles under the PDL mode
+    :mod:`pallas_pdl` gives it: the wait for the kernel ahead before the rows are read, and
+    under ``"weights_first"`` each weight's first tiles loaded before that wait."""
+    ahead = min(pallas_pdl.AHEAD, per) if pdl == "weights_first" else 0
+    first = tuple(tuple(_weight_tile(w_ref, t, k_tile, nk) for t in range(ahead))
+                  for w_ref in w_refs)
+    gate = pallas_pdl.ready(pdl, started, *(t for tiles in first for t in tiles))
+    return pallas_pdl.masked(live_x, gate, (x_ref.shape[0], k_tile)), first
 
 
 def _live_masks(x_ref: Any, o_ref: Any, k_tile: int,
@@ -365,28 +397,36 @@ def _store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
 
 
 def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
-                         k_tile: int, tile_dot: Any, rows: int | None) -> None:
+                         k_tile: int, tile_dot: Any, rows: int | None, pdl: str = "off") -> None:
     """The matvec kernel over all of K in one segment (so the sums are finished here) for a
     gate and an up weight's same column block, gated in the epilogue (:func:`swiglu_gating`). The
     one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
+    started = pallas_pdl.start(pdl)
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
+    live_x, (gate_first, up_first) = _pdl_reads(x_ref, (gate_ref, up_ref), live_x, per=per,
+                                                k_tile=k_tile, nk=False, pdl=pdl,
+                                                started=started)
     total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
                               tile_dot=tile_dot, nk=False, live=live_x)
-    _store_live(o_ref, swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
+    _store_live(o_ref, swiglu_gating(total(w_ref=gate_ref, first=gate_first),
+                                     total(w_ref=up_ref, first=up_first), o_ref.dtype),
                 live_out)
 
 
 def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
-                   offsets: tuple[int, ...], rows: int | None) -> None:
+                   offsets: tuple[int, ...], rows: int | None, pdl: str = "off") -> None:
     # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn]
     # ([bn, per * k_tile] when nk). With ``rows``, x and the output hold only that many rows:
     # the tile's other rows are neither read nor written.
     *w_refs, o_ref = refs
+    started = pallas_pdl.start(pdl)
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
     def compute(w_ref: Any) -> None:
+        live, (first,) = _pdl_reads(x_ref, (w_ref,), live_x, per=per, k_tile=k_tile, nk=nk,
+                                    pdl=pdl, started=started)
         acc = _segment_sum(x_ref, w_ref, o_ref.shape, per=per, k_tile=k_tile,
-                           tile_dot=tile_dot, nk=nk, live=live_x)
+                           tile_dot=tile_dot, nk=nk, live=live, first=first)
         _store_live(o_ref, acc.astype(o_ref.dtype), live_out)
 
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
@@ -497,7 +537,8 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
     mp = _ceil_to(m, ROW_TILE)
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
                                tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk,
-                               offsets=cols.offsets, rows=None if m == mp else m)
+                               offsets=cols.offsets, rows=None if m == mp else m,
+                               pdl=pallas_pdl.mode_for(interpret))
     if nk:
         w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
                    for w in range(len(ws))]
@@ -721,7 +762,8 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
         mp, bm = _ceil_to(m, ROW_TILE), ROW_TILE
         kernel_fn = functools.partial(_gated_matvec_kernel, per=count,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
-                                      rows=None if m == mp else m)
+                                      rows=None if m == mp else m,
+                                      pdl=pallas_pdl.mode_for(interpret))
         x_in, rows_out = _pad(x, m, kp), m
         params = compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
     else:
