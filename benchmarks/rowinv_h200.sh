@@ -104,13 +104,15 @@
 #   bash benchmarks/rowinv_h200.sh 37 "$OUT"  # programmatic dependent launch inside the
 #                                             # decode kernels (models/pallas_pdl.py): GPU
 #                                             # tests, where the compiled kernels wait
-#                                             # (PTX), decode under each mode, exact part
+#                                             # (PTX), decode under each mode
+#   bash benchmarks/rowinv_h200.sh 38 "$OUT"  # the 1B exact part under PDL, the fold's
+#                                             # loads at once (8, 16) at 4k
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 37}
+stage=${1:?stage 1 to 38}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -439,16 +441,25 @@ case "$stage" in
   # griddepcontrol in the compiled kernels (benchmarks/probe_pdl_ptx.py reads their PTX),
   # decode (1B, 0.6B) under each mode back to back, then the 1B exact part under the
   # mode that loads weights before its wait
-  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_pdl.py --tb=short -rf > "$out/gpu_tests_pdl.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_pdl.txt" | tail -6
-  timeout 150 python -m benchmarks.probe_pdl_ptx --out "$out/probe_pdl_ptx.json" 2>&1 \
+  timeout 120 python -m benchmarks.probe_pdl_ptx --out "$out/probe_pdl_ptx.json" 2>&1 \
     | cut -c1-700 | tail -3
   for mode in off trigger weights_first; do
     decode_speed 100 "speed_pdl_$mode" --pdl $mode
   done
+  ;;
+38)
+  # after stage 37: the 1B exact part under the PDL mode that loads weights before its wait
+  # (or the one stage 37 found fastest: PDL=trigger), then the fold's loads at once (the
+  # last split program's fold at 4k walks 16 splits' partials four at a time) at 8 and 16
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --pdl weights_first --out "$out/exact_pdl" --budget-s 120 2>&1 | cut -c1-400 | tail -2
+    --pdl "${PDL:-weights_first}" --out "$out/exact_pdl" --budget-s 120 2>&1 | cut -c1-400 \
+    | tail -2
+  for loads in 8 16; do
+    decode_speed 100 "speed_fold_loads_$loads" --fold-loads $loads
+  done
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

@@ -919,6 +919,10 @@ def main(argv: list[str] | None = None) -> int:
                          "each query tile's last split program (DenseModel.fold_in_split, "
                          "the default; the same bits); --no-fold-in-split runs the fold "
                          "kernel")
+    ap.add_argument("--fold-loads", type=int,
+                    help="splits' partials the fold loads at once instead of "
+                         "pallas_attention.FOLD_LOADS (speed only: the folds stay one after "
+                         "another in split order; a power of two from 1 to 16)")
     ap.add_argument("--pdl", choices=("off", "trigger", "weights_first"), default="off",
                     help="programmatic dependent launch inside the decode kernels "
                          "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
@@ -942,6 +946,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.key_tile < 16 or args.key_tile & (args.key_tile - 1):
             ap.error(f"--key-tile must be a power of two >= 16, got {args.key_tile}")
         pallas_attention.KEY_TILE = args.key_tile  # read when a kernel is traced
+    if args.fold_loads is not None:
+        from turbospark_jax.models import pallas_attention
+
+        if not 1 <= args.fold_loads <= 16 or args.fold_loads & (args.fold_loads - 1):
+            ap.error(f"--fold-loads must be a power of two from 1 to 16, got {args.fold_loads}")
+        pallas_attention.FOLD_LOADS = args.fold_loads  # read when a kernel is traced
     if args.keys_per_split is not None:
         from turbospark_jax.models import pallas_attention
 
@@ -972,7 +982,7 @@ def main(argv: list[str] | None = None) -> int:
             "backend": jax.default_backend(), "device": str(jax.devices()[0].device_kind),
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
-            "keys_per_split": args.keys_per_split,
+            "keys_per_split": args.keys_per_split, "fold_loads": args.fold_loads,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
             "fold_in_split": args.fold_in_split, "pdl": args.pdl}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)

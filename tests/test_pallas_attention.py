@@ -246,6 +246,28 @@ def test_row_invariant_form_keeps_its_bits_under_any_attention_tiles(width):
         base)
 
 
+@pytest.mark.parametrize("loads", [1, 8, 16])
+def test_the_fold_keeps_its_bits_whatever_it_loads_at_once(loads, monkeypatch):
+    """``FOLD_LOADS`` (splits' partials loaded at once; speed only): the split kernel writes
+    whole groups (empty splits fold in as exact identities) and the folds stay in split
+    order, so 3 rows over nine splits give the bits of four at once."""
+    from turbospark_jax.models import pallas_attention
+
+    capacity = 2304
+    q, k, v = _inputs(5, 3, 4, 2, 16, capacity, jnp.float32)
+    pos = capacity - 3 - 7 + jnp.arange(3, dtype=jnp.int32)
+
+    def run():
+        jax.clear_caches()  # the kernels are traced for the setting they meet
+        return np.asarray(cached_attention(q, k, v, pos, interpret=INTERPRET,
+                                           row_invariant=True)).view(np.uint32)
+
+    base = run()
+    monkeypatch.setattr(pallas_attention, "FOLD_LOADS", loads)
+    assert np.array_equal(run(), base)
+    assert pallas_attention.partial_splits(9) == -(-9 // loads) * loads
+
+
 def test_wide_head_prefill_blocks_choose_their_tiles_and_keep_the_bits():
     """Without ``tiles`` the kernels take :func:`tiles_for`'s: 128-row tiles, 8 warps and 3
     stages for prefill-sized blocks of 128-wide heads, the defaults elsewhere. The query
