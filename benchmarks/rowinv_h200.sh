@@ -106,7 +106,8 @@
 #                                             # tests, where the compiled kernels wait
 #                                             # (PTX), decode under each mode
 #   bash benchmarks/rowinv_h200.sh 38 "$OUT"  # the 1B exact part under PDL, the fold's
-#                                             # loads at once (8, 16) at 4k
+#                                             # loads at once (8, 16) at 4k, the gated
+#                                             # kernel's old column tile
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -460,6 +461,9 @@ case "$stage" in
   for loads in 8 16; do
     decode_speed 100 "speed_fold_loads_$loads" --fold-loads $loads
   done
+  # the gated kernel's column tile as it was until session 45 (192 programs: 16 columns on
+  # the 0.6B, 32 on the 1B) against the default (96: 32 and 64), decode end to end
+  decode_speed 100 speed_gated_programs_192 --gated-programs 192
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

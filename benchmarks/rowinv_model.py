@@ -923,6 +923,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="splits' partials the fold loads at once instead of "
                          "pallas_attention.FOLD_LOADS (speed only: the folds stay one after "
                          "another in split order; a power of two from 1 to 16)")
+    ap.add_argument("--gated-programs", type=int,
+                    help="programs the gated matvec kernel's column tile aims at instead of "
+                         "rowinv.GATED_PROGRAMS (speed only; 192 was the default until "
+                         "session 45)")
     ap.add_argument("--pdl", choices=("off", "trigger", "weights_first"), default="off",
                     help="programmatic dependent launch inside the decode kernels "
                          "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
@@ -946,6 +950,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.key_tile < 16 or args.key_tile & (args.key_tile - 1):
             ap.error(f"--key-tile must be a power of two >= 16, got {args.key_tile}")
         pallas_attention.KEY_TILE = args.key_tile  # read when a kernel is traced
+    if args.gated_programs is not None:
+        from turbospark_jax.models import rowinv
+
+        if args.gated_programs < 1:
+            ap.error(f"--gated-programs must be positive, got {args.gated_programs}")
+        rowinv.GATED_PROGRAMS = args.gated_programs  # read when a kernel is planned
     if args.fold_loads is not None:
         from turbospark_jax.models import pallas_attention
 
@@ -983,6 +993,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split, "fold_loads": args.fold_loads,
+            "gated_programs": args.gated_programs,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
             "fold_in_split": args.fold_in_split, "pdl": args.pdl}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)

@@ -340,7 +340,8 @@ def test_gated_column_tiles_change_no_bit():
 def test_gated_column_tile_keeps_the_multiprocessors_busy():
     """The default column tile: the widest of 16, 32, 64 with at least GATED_PROGRAMS
     programs (the 0.6B, 1B and 8B shapes' gate/up widths), unless one is asked for."""
-    assert [Tiles().gated_columns(f) for f in (3072, 8192, 14336)] == [16, 32, 64]
+    assert [Tiles().gated_columns(f) for f in (3072, 8192, 14336)] == [32, 64, 64]
+    assert Tiles().gated_columns(1024) == 16  # (64 programs at 16: as few as it goes)
     assert Tiles(gated_bn=16).gated_columns(14336) == 16
 
 

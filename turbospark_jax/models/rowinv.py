@@ -156,11 +156,13 @@ def schedule_for(k: int, n: int) -> Schedule:
 
 
 #: The gated matvec kernel's column tile shrinks (to 16 at least) until it has this many
-#: programs: about one and a half for each of an H100's or H200's 132 multiprocessors. The
-#: 1B shape's 8,192 columns take 32, the 0.6B shape's 3,072 take 16 and the 8B shape's
-#: 14,336 keep 64 (224 programs: on an H100 its gate/up product took 81 us at 64 columns
-#: against 96 at 32, traced).
-GATED_PROGRAMS = 192
+#: programs. The 8B shape's 14,336 columns keep 64 (224 programs: on an H100 its gate/up
+#: product took 81 us at 64 columns against 96 at 32, traced), the 1B shape's 8,192 keep 64
+#: (128 programs: 24.1 us against 25.1 at 32 on an H100, 26.3 against 26.0 traced) and the
+#: 0.6B shape's 3,072 take 32 (96 programs: 7.98 us on an H200 against 8.95 at 16 and 8.30
+#: at 64; ``rowinv_h200_products_06b_s43.json``). Until session 45 it was 192 (about 1.5
+#: programs a multiprocessor), which gave the 0.6B 16 columns and the 1B 32.
+GATED_PROGRAMS = 96
 
 
 @dataclasses.dataclass(frozen=True)
