@@ -108,12 +108,14 @@
 #   bash benchmarks/rowinv_h200.sh 38 "$OUT"  # the 1B exact part under PDL, the fold's
 #                                             # loads at once (8, 16) at 4k, the gated
 #                                             # kernel's old column tile
+#   bash benchmarks/rowinv_h200.sh 39 "$OUT"  # key tiles loaded ahead in the fused
+#                                             # attention: GPU tests, exact part, decode
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 38}
+stage=${1:?stage 1 to 39}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -464,6 +466,21 @@ case "$stage" in
   # the gated kernel's column tile as it was until session 45 (192 programs: 16 columns on
   # the 0.6B, 32 on the 1B) against the default (96: 32 and 64), decode end to end
   decode_speed 100 speed_gated_programs_192 --gated-programs 192
+  ;;
+39)
+  # key tiles loaded ahead in the fused RoPE-store attention kernels (before they write the
+  # block's rows; pallas_attention.PREFETCH_TILES): their GPU tests compiled (bitwise the
+  # kernels without), the 1B exact part with two tiles ahead, decode with one and two
+  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_rope_store.py -k "ahead or inside_the_attention" --tb=short -rf \
+    > "$out/gpu_tests_attention_prefetch.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_attention_prefetch.txt" | tail -6
+  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
+    --attention-prefetch 2 --out "$out/exact_attention_prefetch" --budget-s 120 2>&1 \
+    | cut -c1-400 | tail -2
+  for n in 1 2; do
+    decode_speed 100 "speed_attention_prefetch_$n" --attention-prefetch $n
+  done
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
