@@ -1,9 +1,18 @@
-"""Per-call cost of a device burst: time decode calls of several lengths and fit ``a + b n``.
+"""Per-call cost of a device burst: time decode calls of several lengths, fit ``a + b n``,
+and split each call's host time into its phases.
 
-    PYTHONPATH=. python -m benchmarks.call_overhead [--shape llama-3.2-1b]
+    PYTHONPATH=. python -m benchmarks.call_overhead [--shape llama-3.2-1b] [--kernels rowinv]
+        [--out OUT.json]
 
 ``a`` is what one call costs beyond its steps (host work, launch, whatever the runtime does
-per execution); ``b`` the cost of one step. Run it under different ``XLA_FLAGS`` to compare.
+per execution); ``b`` the cost of one step. The phases of a call, medians over the calls of
+each length: ``checks`` (from the call's entry to the program's call: the state's checks,
+which read its cursor back, the plan and the controls), ``dispatch`` (the program's call,
+until it returns to the host), ``wait`` (reading the burst's tokens back: the device's time
+left after the dispatch) and ``rest``. While the host runs ``checks`` and ``dispatch`` the
+device has nothing of the burst yet, so between two bursts of a generation it idles for
+about their sum; the end-to-end decode figures pay it once a call (about five calls for 256
+tokens on the 8B shape). Run it under different ``XLA_FLAGS`` to compare.
 """
 
 from __future__ import annotations
@@ -12,16 +21,22 @@ import argparse
 import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+#: Burst lengths timed (steps a call).
+LENGTHS = (4, 16, 64)
+#: Calls of each length (the first of each is dropped: a new length compiles).
+REPEATS = 6
 
-def prefilled_producer(shape_name: str, capacity: int,
-                       steps_per_call: int) -> tuple[Any, Any, Any]:
+
+def prefilled_producer(shape_name: str, capacity: int, steps_per_call: int,
+                       kernels: str = "rowinv") -> tuple[Any, Any, Any]:
     """``(config, producer, state)``: a donating ``BlockProducer`` of width 16 over the dense
-    shape ``shape_name`` with random weights (bfloat16 on a GPU, float32 elsewhere), and its
-    state after a prefill of 128 tokens."""
+    shape ``shape_name`` with random weights (bfloat16 on a GPU, float32 elsewhere) and
+    ``kernels``, and its state after a prefill of 128 tokens."""
     import jax
     import jax.numpy as jnp
 
@@ -32,7 +47,7 @@ def prefilled_producer(shape_name: str, capacity: int,
 
     config = DenseConfig.from_hf_dict(SHAPES[shape_name].hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
-    model = DenseModel(config, dtype, scan_layers=False)
+    model = DenseModel(config, dtype, scan_layers=False, kernels=kernels)
     params = unstack_layers(init_params(config, jax.random.PRNGKey(0), dtype))
     producer = BlockProducer(model, params, capacity=capacity, width=16,
                              steps_per_call=steps_per_call, donate=True)
@@ -40,32 +55,95 @@ def prefilled_producer(shape_name: str, capacity: int,
     return config, producer, state
 
 
-def main() -> None:
+class PhaseClock:
+    """Times the phases of ``producer.decode`` calls by wrapping the program's call and the
+    tokens' read-back on this producer (its class's methods are left as they are)."""
+
+    def __init__(self, producer: Any) -> None:
+        import jax
+
+        self.marks: dict[str, float] = {}
+        call, get = producer._call, jax.device_get
+
+        def timed_call(*args: Any, **kwargs: Any) -> Any:
+            self.marks["call"] = time.perf_counter()
+            out = call(*args, **kwargs)
+            self.marks["called"] = time.perf_counter()
+            return out
+
+        def timed_get(x: Any) -> Any:
+            if "called" not in self.marks or "get" in self.marks:  # the burst's read only
+                return get(x)
+            self.marks["get"] = time.perf_counter()
+            out = get(x)
+            self.marks["got"] = time.perf_counter()
+            return out
+
+        producer._call = timed_call
+        self._get = timed_get
+
+    def run(self, fn: Any) -> dict[str, float]:
+        """``fn()`` (one decode call) timed: seconds of each phase."""
+        import jax
+
+        self.marks.clear()
+        real = jax.device_get
+        jax.device_get = self._get
+        try:
+            t0 = time.perf_counter()
+            fn()
+            end = time.perf_counter()
+        finally:
+            jax.device_get = real
+        m = self.marks
+        return {"total": end - t0, "checks": m["call"] - t0, "dispatch": m["called"] - m["call"],
+                "wait": m["got"] - m["get"],
+                "rest": (end - t0) - (m["called"] - t0) - (m["got"] - m["get"])}
+
+
+def measure(shape: str, kernels: str, capacity: int = 4096) -> dict:
     from turbospark_jax import sampling
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="llama-3.2-1b")
-    args = ap.parse_args()
-    config, p, state = prefilled_producer(args.shape, capacity=4096, steps_per_call=64)
+    config, p, state = prefilled_producer(shape, capacity=capacity, steps_per_call=max(LENGTHS),
+                                          kernels=kernels)
     greedy, key = sampling.SamplingParams.greedy(), sampling.request_key(0)
     hist = sampling.History.empty(config.vocab_size)
-    times: dict[int, float] = {}
-    for n in (4, 16, 64):
+    clock = PhaseClock(p)
+    holder = {"state": state}
+    per_length: dict[int, dict[str, float]] = {}
+    for n in LENGTHS:
         runs = []
-        for _rep in range(6):
-            t0 = time.perf_counter()
-            _burst, state = p.decode(state, 1, n, params=greedy, history=hist, key=key,
-                                    gen_index=1, record_logits=False)
-            runs.append(time.perf_counter() - t0)
-            state = p.rewind(state, 128)
-        times[n] = float(np.median(runs[1:]))
-    ns = np.array(sorted(times), float)
-    ts = np.array([times[int(n)] for n in ns])
-    b, a = np.polyfit(ns, ts, 1)
-    print(json.dumps({"shape": args.shape, "xla_flags": os.environ.get("XLA_FLAGS", ""),
-                      "call_ms": {int(n): t * 1e3 for n, t in times.items()},
-                      "per_call_ms": a * 1e3, "per_step_ms": b * 1e3}))
+        for _rep in range(REPEATS):
+            def one(n: int = n) -> None:
+                _, holder["state"] = p.decode(holder["state"], 1, n, params=greedy,
+                                              history=hist, key=key, gen_index=1,
+                                              record_logits=False)
+            runs.append(clock.run(one))
+            holder["state"] = p.rewind(holder["state"], 128)
+        per_length[n] = {k: float(np.median([r[k] for r in runs[1:]])) for k in runs[0]}
+    ns = np.array(LENGTHS, float)
+    b, a = np.polyfit(ns, [per_length[n]["total"] for n in LENGTHS], 1)
+    return {"shape": shape, "kernels": kernels, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "per_call_ms": round(a * 1e3, 3), "per_step_ms": round(b * 1e3, 4),
+            "phases_ms": {n: {k: round(v * 1e3, 3) for k, v in ph.items()}
+                          for n, ph in per_length.items()}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.2-1b")
+    ap.add_argument("--kernels", default="rowinv", choices=("rowinv", "xla"))
+    ap.add_argument("--capacity", type=int, default=4096)
+    ap.add_argument("--out", type=Path, default=None, help="write the record as JSON here")
+    args = ap.parse_args(argv)
+    rec = measure(args.shape, args.kernels, args.capacity)
+    rec["date"] = time.strftime("%Y-%m-%d")
+    print(json.dumps(rec), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(rec, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -110,12 +110,14 @@
 #                                             # kernel's old column tile
 #   bash benchmarks/rowinv_h200.sh 39 "$OUT"  # key tiles loaded ahead in the fused
 #                                             # attention: GPU tests, exact part, decode
+#   bash benchmarks/rowinv_h200.sh 40 "$OUT"  # a decode call's cost beyond its steps
+#                                             # and its host phases (1B, 8B)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 39}
+stage=${1:?stage 1 to 40}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -480,6 +482,15 @@ case "$stage" in
     | cut -c1-400 | tail -2
   for n in 1 2; do
     decode_speed 100 "speed_attention_prefetch_$n" --attention-prefetch $n
+  done
+  ;;
+40)
+  # what a decode call costs beyond its steps, and where its host time goes (the state's
+  # checks, the program's dispatch, the wait for the burst), 1B and 8B row-invariant:
+  # the end-to-end figures pay it once a call (benchmarks/call_overhead.py)
+  for shape in llama-3.2-1b llama-3.1-8b; do
+    timeout 140 python -m benchmarks.call_overhead --shape $shape \
+      --out "$out/call_overhead_$shape.json" 2>&1 | cut -c1-600 | tail -1
   done
   ;;
 *)

@@ -3,6 +3,7 @@ Nothing here looks at a timing: CI machines are shared and noisy."""
 
 import json
 
+import numpy as np
 import pytest
 
 from benchmarks.run import main
@@ -398,3 +399,20 @@ def test_decode_bound_fits_the_products_fixed_cost_and_rate():
     assert product_line({"all_kernels": flat}, shape) is None
     one = {"rowinv_matvec_o": kernels["rowinv_matvec_o"]}
     assert product_line({"all_kernels": one}, shape) is None
+
+
+def test_call_overhead_splits_a_call_into_its_phases(monkeypatch):
+    """``benchmarks/call_overhead.py`` on the tiny shape: a per-call cost and a per-step cost
+    fitted over the burst lengths, and each length's phases (checks, dispatch, wait, rest)
+    adding up to the call's whole time."""
+    from benchmarks import call_overhead
+
+    monkeypatch.setattr(call_overhead, "LENGTHS", (2, 8))
+    monkeypatch.setattr(call_overhead, "REPEATS", 3)
+    rec = call_overhead.measure("tiny", "rowinv", capacity=256)
+    # (timings, not asserted: a shared CI machine's clock is noisy; the fit is made)
+    assert np.isfinite(rec["per_call_ms"]) and set(rec["phases_ms"]) == {2, 8}
+    for phases in rec["phases_ms"].values():
+        parts = phases["checks"] + phases["dispatch"] + phases["wait"] + phases["rest"]
+        assert abs(parts - phases["total"]) < 1e-2
+        assert min(phases[k] for k in ("checks", "dispatch", "wait")) > 0
