@@ -160,8 +160,8 @@ def schedule_for(k: int, n: int) -> Schedule:
 #: product took 81 us at 64 columns against 96 at 32, traced), the 1B shape's 8,192 keep 64
 #: (128 programs: 24.1 us against 25.1 at 32 on an H100, 26.3 against 26.0 traced) and the
 #: 0.6B shape's 3,072 take 32 (96 programs: 7.98 us on an H200 against 8.95 at 16 and 8.30
-#: at 64; ``rowinv_h200_products_06b_s43.json``). Until session 45 it was 192 (about 1.5
-#: programs a multiprocessor), which gave the 0.6B 16 columns and the 1B 32.
+#: at 64; ``rowinv_h200_products_06b_s43.json``). It was 192 (about 1.5 programs a
+#: multiprocessor, 16 columns for the 0.6B and 32 for the 1B) before those sweeps were read.
 GATED_PROGRAMS = 96
 
 
