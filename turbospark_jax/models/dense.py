@@ -288,9 +288,7 @@ class DenseModel(BlockModel):
         decode or verify past the short-context bound) each query tile's partials are folded
         by its last split program instead of the fold kernel (an atomic counter a tile;
         :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`): one launch a
-        layer fewer. The same bits (the interpreter; compiled on an H100, its kernel tests
-        and the 1B exact part); on an H100 it decoded at 4k context 2% faster on the 0.6B
-        shape and 0.3% on the 1B (NOTES.md, fifteenth session). Speed only; no effect with
+        layer fewer. The same bits either way; speed only, and no effect with
         ``fuse_rope_store=False`` (the fold kernel then always runs).
     """
 

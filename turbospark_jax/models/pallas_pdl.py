@@ -5,9 +5,9 @@ kernel ahead of it in the stream has finished; it must execute ``griddepcontrol.
 before it reads anything that kernel wrote. The kernel ahead lets it be scheduled early by
 executing ``griddepcontrol.launch_dependents`` (without it, only once all its programs have
 ended). XLA launches the kernels it compiles that way and puts the wait at each kernel's
-entry (``--xla_gpu_enable_pdl``, on by default in jax 0.11), so a decode step's kernels
-start as the one before them ends, and still pay the latency of their first loads after it:
-the 2.4-2.6 us a kernel that ``benchmarks/decode_bound.py`` fits to every product.
+entry (``--xla_gpu_enable_pdl``), so a decode step's kernels start as the one before them
+ends, and still pay the latency of their first loads after it (the fixed cost a kernel
+that ``benchmarks/decode_bound.py`` fits to every product).
 
 :data:`MODE` asks two things more of the decode kernels that take it (the matvec products,
 the gated product and the norm kernel):

@@ -156,12 +156,8 @@ def schedule_for(k: int, n: int) -> Schedule:
 
 
 #: The gated matvec kernel's column tile shrinks (to 16 at least) until it has this many
-#: programs. The 8B shape's 14,336 columns keep 64 (224 programs: on an H100 its gate/up
-#: product took 81 us at 64 columns against 96 at 32, traced), the 1B shape's 8,192 keep 64
-#: (128 programs: 24.1 us against 25.1 at 32 on an H100, 26.3 against 26.0 traced) and the
-#: 0.6B shape's 3,072 take 32 (96 programs: 7.98 us on an H200 against 8.95 at 16 and 8.30
-#: at 64; ``rowinv_h200_products_06b_s43.json``). It was 192 (about 1.5 programs a
-#: multiprocessor, 16 columns for the 0.6B and 32 for the 1B) before those sweeps were read.
+#: programs: the 8B and 1B shapes' gate/up widths keep 64 columns, the 0.6B's takes 32
+#: (the sweeps behind it: benchmarks/results/NOTES.md, fifteenth session).
 GATED_PROGRAMS = 96
 
 
