@@ -446,10 +446,10 @@ case "$stage" in
   # griddepcontrol in the compiled kernels (benchmarks/probe_pdl_ptx.py reads their PTX),
   # decode (1B, 0.6B) under each mode back to back, then the 1B exact part under the
   # mode that loads weights before its wait
-  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_pdl.py --tb=short -rf > "$out/gpu_tests_pdl.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_pdl.txt" | tail -6
-  timeout 120 python -m benchmarks.probe_pdl_ptx --out "$out/probe_pdl_ptx.json" 2>&1 \
+  timeout 100 python -m benchmarks.probe_pdl_ptx --out "$out/probe_pdl_ptx.json" 2>&1 \
     | cut -c1-700 | tail -3
   for mode in off trigger weights_first; do
     decode_speed 100 "speed_pdl_$mode" --pdl $mode
