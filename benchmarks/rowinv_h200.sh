@@ -444,8 +444,7 @@ case "$stage" in
   # programmatic dependent launch from inside the decode kernels (models/pallas_pdl.py):
   # their GPU tests (each mode bitwise the kernels without it), where XLA and we put
   # griddepcontrol in the compiled kernels (benchmarks/probe_pdl_ptx.py reads their PTX),
-  # decode (1B, 0.6B) under each mode back to back, then the 1B exact part under the
-  # mode that loads weights before its wait
+  # decode (1B, 0.6B) under each mode back to back (the exact part under PDL: stage 38)
   timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_pdl.py --tb=short -rf > "$out/gpu_tests_pdl.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_pdl.txt" | tail -6
