@@ -79,7 +79,16 @@ def run_mode(mode: str) -> dict:
     for f in ptx_files:
         for name, lines in kernel_bodies(f.read_text(errors="replace")).items():
             found[name] = placement(lines)
-    return {"mode": mode, "ptx_files": len(ptx_files), "kernels": found}
+    # where else the instructions show (XLA may dump our kernels' IR in other files than
+    # the module's PTX): each dumped file that names them, and how often
+    mentions = {}
+    for f in sorted(Path(dump).rglob("*")):
+        if f.is_file():
+            count = f.read_text(errors="replace").count("griddepcontrol")
+            if count:
+                mentions[f.name[:120]] = count
+    return {"mode": mode, "ptx_files": len(ptx_files), "kernels": found,
+            "files_naming_griddepcontrol": mentions}
 
 
 def compile_chain(mode: str) -> None:
