@@ -416,3 +416,30 @@ def test_call_overhead_splits_a_call_into_its_phases(monkeypatch):
         parts = phases["checks"] + phases["dispatch"] + phases["wait"] + phases["rest"]
         assert abs(parts - phases["total"]) < 1e-2
         assert min(phases[k] for k in ("checks", "dispatch", "wait")) > 0
+
+
+def test_compare_speed_puts_runs_side_by_side(tmp_path):
+    """``benchmarks/compare_speed.py``: a row a (shape, kernels, workload, context), a column
+    a file, the change against the first file in percent; a missing file or a wrong count
+    of names is refused."""
+    from benchmarks import compare_speed
+
+    def run(path, greedy, sampled):
+        recs = [{"part": "speed", "shape": "s", "kernels": "rowinv", "workload": "completion",
+                 "context": 128, "sampling": kind, "tokens_per_s": rate}
+                for kind, rate in (("greedy", greedy), ("sampled", sampled))]
+        recs.append({"part": "exact", "shape": "s"})  # not a speed record: left out
+        path.write_text(json.dumps({"records": recs}))
+        return path
+
+    a, b = run(tmp_path / "a.json", 100.0, 90.0), run(tmp_path / "b.json", 110.0, 90.0)
+    text = compare_speed.table([a, b], ["base", "new"])
+    lines = text.splitlines()
+    assert lines[0] == "| shape, kernels, workload, context | base | new |"
+    assert lines[2] == ("| s, rowinv, completion, 128 | 100.0 / 90.0 | "
+                        "110.0 (+10.0%) / 90.0 (+0.0%) |")
+    assert len(lines) == 3  # the exact part's record made no row
+    with pytest.raises(SystemExit):
+        compare_speed.main([str(a), str(tmp_path / "missing.json")])
+    with pytest.raises(SystemExit):
+        compare_speed.main([str(a), str(b), "--names", "one"])
