@@ -870,6 +870,8 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
 def main(argv: list[str] | None = None) -> int:
     import jax
 
+    from turbospark_jax.models import pallas_attention, pallas_pdl, rowinv
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="h200")
@@ -931,15 +933,13 @@ def main(argv: list[str] | None = None) -> int:
                     help="programs the gated matvec kernel's column tile aims at instead of "
                          "rowinv.GATED_PROGRAMS (speed only; 192 was the default until "
                          "session 45)")
-    ap.add_argument("--pdl", choices=("off", "trigger", "weights_first"), default="off",
+    ap.add_argument("--pdl", choices=pallas_pdl.MODES, default="off",
                     help="programmatic dependent launch inside the decode kernels "
                          "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
                          "kernel be scheduled early and waits before the rows, "
                          "'weights_first' also loads the first weight tiles before the wait")
     args = ap.parse_args(argv)
-    from turbospark_jax.models import pallas_pdl
-
-    pallas_pdl.MODE = pallas_pdl.check_mode(args.pdl)
+    pallas_pdl.MODE = args.pdl
     global FOLD_IN_SPLIT
     FOLD_IN_SPLIT = args.fold_in_split
     global FUSE_ROPE_STORE
@@ -949,32 +949,22 @@ def main(argv: list[str] | None = None) -> int:
     global SHORT_DECODE_KEYS
     SHORT_DECODE_KEYS = args.short_decode_keys
     if args.key_tile is not None:
-        from turbospark_jax.models import pallas_attention
-
         if args.key_tile < 16 or args.key_tile & (args.key_tile - 1):
             ap.error(f"--key-tile must be a power of two >= 16, got {args.key_tile}")
         pallas_attention.KEY_TILE = args.key_tile  # read when a kernel is traced
     if args.attention_prefetch is not None:
-        from turbospark_jax.models import pallas_attention
-
         if not 0 <= args.attention_prefetch <= 4:
             ap.error(f"--attention-prefetch must be 0 to 4, got {args.attention_prefetch}")
         pallas_attention.PREFETCH_TILES = args.attention_prefetch  # read when traced
     if args.gated_programs is not None:
-        from turbospark_jax.models import rowinv
-
         if args.gated_programs < 1:
             ap.error(f"--gated-programs must be positive, got {args.gated_programs}")
         rowinv.GATED_PROGRAMS = args.gated_programs  # read when a kernel is planned
     if args.fold_loads is not None:
-        from turbospark_jax.models import pallas_attention
-
         if not 1 <= args.fold_loads <= 16 or args.fold_loads & (args.fold_loads - 1):
             ap.error(f"--fold-loads must be a power of two from 1 to 16, got {args.fold_loads}")
         pallas_attention.FOLD_LOADS = args.fold_loads  # read when a kernel is traced
     if args.keys_per_split is not None:
-        from turbospark_jax.models import pallas_attention
-
         tile = pallas_attention.KEY_TILE
         if args.keys_per_split < tile or args.keys_per_split % tile:
             ap.error(f"--keys-per-split must be a positive multiple of the key tile ({tile}), "

@@ -54,6 +54,7 @@ from turbospark_jax.models.pallas_attention import (
     store_rows,
     tiles_for,
 )
+from turbospark_jax.models.pallas_row_norm import parts_total
 
 #: Blocks of at most this many rows (a decode step, a verify) may run this module's work
 #: inside the attention kernel (:func:`rope_store_attention`); wider ones launch both.
@@ -109,10 +110,7 @@ def _projection(ref: Any, row: tuple[Any, ...], heads_at: Any, columns: Any, par
     rounded once (``rowinv.sum_parts``' arithmetic)."""
     if not parts:
         return ref[(*row, heads_at, columns)]
-    total = ref[(0, *row, heads_at, columns)]
-    for i in range(1, parts):
-        total = total + ref[(i, *row, heads_at, columns)]
-    return total.astype(dtype)
+    return parts_total(lambda i: ref[(i, *row, heads_at, columns)], parts, dtype)
 
 
 def _rotated(load: Any, start: Any, n: int, w_ref: Any, cos: jax.Array, sin: jax.Array,

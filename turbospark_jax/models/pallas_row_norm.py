@@ -11,10 +11,10 @@ single block of ``Dp`` columns (``D`` rounded up to a power of two, the padding 
 nothing to the sum of squares; the mean divides by the true ``D``). The program, its block and
 its Triton settings are functions of ``D`` alone, so every row runs the same instructions
 whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the weight and
-``eps`` only, as DESIGN.md section 7 asks of the norms. With ``tree=True`` the sum of squares
-is a fixed halving tree (:func:`halving_sum`) rather than a reduction whose order Triton lays
-out by the kernel around it, so a kernel that norms a row among other work (the last program
-of a product, ``benchmarks/probe_last_program.py``) sums it the same way. In the Pallas interpreter
+``eps`` only, as DESIGN.md section 7 asks of the norms. Its steps are functions a kernel
+that norms a row among other work can share (:func:`inverse_rms`, whose sum of squares may
+instead be a fixed halving tree, :func:`halving_sum`, for a kernel whose layout differs: the
+last program of a product, ``benchmarks/probe_last_program.py``). In the Pallas interpreter
 ``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
 GPU by the benchmarks.
 
@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from turbospark_jax.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers, pallas_pdl
 from turbospark_jax.models.rowinv import resolve_impl, sum_parts
@@ -102,7 +101,7 @@ def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: A
 
 
 def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
-                 parts: int, tree: bool, pdl: str = "off") -> None:
+                 parts: int, pdl: str = "off") -> None:
     # Refs in order: x, [weight], [residual], then outputs [h], normed; the row blocks are
     # [Dp] (x's is [parts, Dp] when it comes as float32 partial sums).
     refs = list(refs)
@@ -125,12 +124,12 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
     if r_ref is not None:
         x = finished_rows(read(r_ref), x, dtype=dtype)
         h_out[...] = x
-    o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps, tree),
+    o_ref[...] = scaled_rows(x, inverse_rms(x, d, eps, tree=False),
                              None if w_ref is None else w_ref[...], dtype)
 
 
 def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-            interpret: bool, dtype: Any, tree: bool = False) -> Any:
+            interpret: bool, dtype: Any) -> Any:
     parts = x.shape[0] if x.ndim == 3 else 0  # [S, M, D]: float32 partial sums
     m, d = x.shape[-2:]
     dp = _next_power_of_two(d)
@@ -154,7 +153,7 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         warps = 4 if dp <= NARROW_ROW else 8  # from D alone, never from M
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
-                               has_residual=residual is not None, parts=parts, tree=tree,
+                               has_residual=residual is not None, parts=parts,
                                pdl=pallas_pdl.mode_for(interpret))
     out = pl.pallas_call(
         kernel,
@@ -170,20 +169,20 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
     return tuple(out) if residual is not None else out[0]
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl", "tree"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl"))
 def _row_rms_norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None,
-                  eps: float, impl: str, tree: bool = False) -> Any:
-    return _norm(x, weight, residual, eps, impl, parts=False, tree=tree)
+                  eps: float, impl: str) -> Any:
+    return _norm(x, weight, residual, eps, impl, parts=False)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "impl", "tree"))
+@functools.partial(jax.jit, static_argnames=("eps", "impl"))
 def _add_parts_rms_norm(residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-                        eps: float, impl: str, tree: bool = False) -> Any:
-    return _norm(parts, weight, residual, eps, impl, parts=True, tree=tree)
+                        eps: float, impl: str) -> Any:
+    return _norm(parts, weight, residual, eps, impl, parts=True)
 
 
 def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, eps: float,
-          impl: str, parts: bool, tree: bool = False) -> Any:
+          impl: str, parts: bool) -> Any:
     dtype = residual.dtype if parts else x.dtype
     if impl == "xla":
         delta = sum_parts(x, dtype) if parts else x
@@ -193,7 +192,7 @@ def _norm(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, ep
     shape = residual.shape if parts else x.shape
     rows = lambda a: None if a is None else a.reshape(-1, shape[-1])  # noqa: E731
     first = x.reshape(x.shape[0], -1, shape[-1]) if parts else rows(x)
-    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype, tree)
+    out = _pallas(first, weight, rows(residual), eps, impl == "interpret", dtype)
     if residual is None:
         return out.reshape(shape)
     return tuple(o.reshape(shape) for o in out)
@@ -231,7 +230,6 @@ def row_rms_norm(
     *,
     residual: jax.Array | None = None,
     impl: str = "auto",
-    tree: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:
     """RMSNorm over the last axis of ``x``, each row's bits independent of the other rows.
 
@@ -249,10 +247,6 @@ def row_rms_norm(
         ``h = residual + x`` (rounded once to ``x``'s dtype).
       impl: one of ``"auto"`` (the kernel on a GPU, the XLA expression elsewhere),
         ``"pallas"``, ``"interpret"`` (the kernel in the Pallas interpreter) or ``"xla"``.
-      tree: the kernel sums the squares as a fixed halving tree (:func:`halving_sum`), an
-        order a kernel norming rows among other work can follow; else as Triton lays the
-        sum out.
-        Both orders are row-invariant; a model uses one for a norm at every width.
 
     Returns:
       Without ``residual``, the normed ``[..., D]`` in ``x``'s dtype; with it, ``(h, normed)``.
@@ -264,8 +258,7 @@ def row_rms_norm(
         GPU.
     """
     _check(x, weight, residual, eps)
-    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl),
-                         as_bool("tree", tree))
+    return _row_rms_norm(x, weight, residual, float(eps), resolve_impl(impl))
 
 
 def add_parts_rms_norm(
@@ -275,7 +268,6 @@ def add_parts_rms_norm(
     eps: float,
     *,
     impl: str = "auto",
-    tree: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """:func:`row_rms_norm` of ``h = residual + delta``, where ``delta`` comes unfinished: the
     float32 partial sums over K of a row-invariant product
@@ -288,7 +280,7 @@ def add_parts_rms_norm(
     Args:
       residual: ``[..., D]``, bfloat16, float16 or float32.
       parts: float32 ``[S, ..., D]``: ``S`` partial sums of the rows ``residual`` has.
-      weight, eps, impl, tree: as for :func:`row_rms_norm`.
+      weight, eps, impl: as for :func:`row_rms_norm`.
 
     Returns:
       ``(h, normed)``, both ``[..., D]`` in ``residual``'s dtype.
@@ -304,5 +296,4 @@ def add_parts_rms_norm(
             f"parts must be float32 [S, *residual.shape] = [S, "
             f"{', '.join(map(str, residual.shape))}] with S >= 1; got shape {_shape(parts)}, "
             f"dtype {getattr(parts, 'dtype', None)}")
-    return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl),
-                               as_bool("tree", tree))
+    return _add_parts_rms_norm(residual, parts, weight, float(eps), resolve_impl(impl))

@@ -102,9 +102,8 @@ def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Ar
              eps: float) -> tuple[jax.Array, jax.Array]:
     """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
     ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.models.pallas_row_norm.
-    add_parts_rms_norm`), the sum
-    (elementwise) and the tiled norm on the CPU. Both round ``h`` exactly as finishing the
-    product and adding it would."""
+    add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
+    ``h`` exactly as finishing the product and adding it would."""
     if _on_gpu():
         from turbospark_jax.models.pallas_row_norm import add_parts_rms_norm
 

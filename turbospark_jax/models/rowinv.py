@@ -503,7 +503,7 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
     cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), tiles.bn)
     mp = _ceil_to(m, tiles.bm)
     kernel = functools.partial(_matmul_kernel, tiles=count, per=per, k_tile=schedule.k_tile,
-                               tile_dot=_interpret_dot if interpret else _hardware_dot,
+                               tile_dot=tile_dot_for(interpret),
                                flat=tiles.flat_loop, nk=nk, offsets=cols.offsets)
     if nk:
         w_specs = [pl.BlockSpec((tiles.bn, kp), lambda i, j, w=w: (cols.spec_column(w, j), 0))
@@ -534,7 +534,7 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
     cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
     mp = _ceil_to(m, ROW_TILE)
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
-                               tile_dot=_interpret_dot if interpret else _hardware_dot, nk=nk,
+                               tile_dot=tile_dot_for(interpret), nk=nk,
                                offsets=cols.offsets, rows=None if m == mp else m,
                                pdl=pallas_pdl.mode_for(interpret))
     if nk:
@@ -750,7 +750,7 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
     if not matvec and _use_mosaic(kernel, x, (gate.shape[1],) * 2, False, tiles):
         return _mosaic_gated(x, gate, up, tiles.mosaic, label)
     kp, count, per = gated_schedule(k).plan(k)
-    tile_dot = _interpret_dot if interpret else _hardware_dot
+    tile_dot = tile_dot_for(interpret)
     bn = tiles.gated_columns(gate.shape[1]) if matvec else tiles.bn
     cols = _Columns((gate.shape[1],), bn)
     ws = _weights_padded((gate, up), kp, bn, False)
