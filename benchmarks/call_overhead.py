@@ -13,6 +13,10 @@ left after the dispatch) and ``rest``. While the host runs ``checks`` and ``disp
 device has nothing of the burst yet, so between two bursts of a generation it idles for
 about their sum; the end-to-end decode figures pay it once a call (about five calls for 256
 tokens on the 8B shape). Run it under different ``XLA_FLAGS`` to compare.
+
+The same fit over chains of :data:`CHAIN` bursts, each queued on the device with
+``continue_decode`` before the one before is read (what the generation loop does), gives
+``chained_per_call_ms``: what a call still costs when the host's work overlaps the device's.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ import numpy as np
 LENGTHS = (4, 16, 64)
 #: Calls of each length (the first of each is dropped: a new length compiles).
 REPEATS = 6
+#: Bursts of one chained run (the first launched, the rest chained, each read after the
+#: next is queued).
+CHAIN = 4
 
 
 def prefilled_producer(shape_name: str, capacity: int, steps_per_call: int,
@@ -121,12 +128,39 @@ def measure(shape: str, kernels: str, capacity: int = 4096) -> dict:
             runs.append(clock.run(one))
             holder["state"] = p.rewind(holder["state"], 128)
         per_length[n] = {k: float(np.median([r[k] for r in runs[1:]])) for k in runs[0]}
+    chained: dict[int, float] = {}
+    for n in LENGTHS:
+        runs = []
+        for _rep in range(REPEATS):
+            seconds, holder["state"] = chain_seconds(p, holder["state"], n, greedy, hist, key)
+            runs.append(seconds)
+            holder["state"] = p.rewind(holder["state"], 128)
+        chained[n] = float(np.median(runs[1:]))
     ns = np.array(LENGTHS, float)
     b, a = np.polyfit(ns, [per_length[n]["total"] for n in LENGTHS], 1)
+    cb, ca = np.polyfit(ns, [chained[n] for n in LENGTHS], 1)
     return {"shape": shape, "kernels": kernels, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "per_call_ms": round(a * 1e3, 3), "per_step_ms": round(b * 1e3, 4),
+            "chained_per_call_ms": round(ca * 1e3, 3),
+            "chained_per_step_ms": round(cb * 1e3, 4),
+            "chained_burst_ms": {n: round(v * 1e3, 3) for n, v in chained.items()},
             "phases_ms": {n: {k: round(v * 1e3, 3) for k, v in ph.items()}
                           for n, ph in per_length.items()}}
+
+
+def chain_seconds(p: Any, state: Any, n: int, params: Any, history: Any,
+                  key: Any) -> tuple[float, Any]:
+    """Seconds a burst of ``n`` steps takes in a chain of :data:`CHAIN` (launched, each
+    next one queued before this one is read), and the state after the chain."""
+    t0 = time.perf_counter()
+    launched, state = p.launch_decode(state, 1, n, params=params, history=history, key=key,
+                                      gen_index=1, record_logits=False)
+    for _ in range(CHAIN - 1):
+        queued, state = p.continue_decode(state, launched, n)
+        p.collect(launched)
+        launched = queued
+    p.collect(launched)
+    return (time.perf_counter() - t0) / CHAIN, state
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,6 +112,8 @@
 #                                             # attention: GPU tests, exact part, decode
 #   bash benchmarks/rowinv_h200.sh 40 "$OUT"  # a decode call's cost beyond its steps
 #                                             # and its host phases (1B, 8B)
+#   bash benchmarks/rowinv_h200.sh 41 "$OUT"  # chained decode bursts: GPU tests, a call's
+#                                             # cost chained and not, decode (1B, 0.6B, 8B)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -491,6 +493,23 @@ case "$stage" in
     timeout 140 python -m benchmarks.call_overhead --shape $shape \
       --out "$out/call_overhead_$shape.json" 2>&1 | cut -c1-600 | tail -1
   done
+  ;;
+41)
+  # chained decode bursts (the generation loop queues each burst on the device before it
+  # reads the one before) with PDL's trigger mode (the default since session 46): the
+  # chain's tests on the GPU, a call's cost chained against one by one (1B, 8B), decode end
+  # to end (1B, 0.6B), the 8B's
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_chained_bursts.py --tb=short -rf > "$out/gpu_tests_chained.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_chained.txt" | tail -6
+  for shape in llama-3.2-1b llama-3.1-8b; do
+    timeout 100 python -m benchmarks.call_overhead --shape $shape \
+      --out "$out/call_overhead_chained_$shape.json" 2>&1 | cut -c1-400 | tail -1
+  done
+  decode_speed 110 speed_chained
+  timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+    --modes rowinv --workloads completion --out "$out/speed8b_chained" --budget-s 160 2>&1 \
+    | cut -c1-300 | grep speed | tail -4
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

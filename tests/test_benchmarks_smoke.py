@@ -404,7 +404,7 @@ def test_decode_bound_fits_the_products_fixed_cost_and_rate():
 def test_call_overhead_splits_a_call_into_its_phases(monkeypatch):
     """``benchmarks/call_overhead.py`` on the tiny shape: a per-call cost and a per-step cost
     fitted over the burst lengths, and each length's phases (checks, dispatch, wait, rest)
-    adding up to the call's whole time."""
+    adding up to the call's whole time; the same fit over chained bursts."""
     from benchmarks import call_overhead
 
     monkeypatch.setattr(call_overhead, "LENGTHS", (2, 8))
@@ -416,6 +416,9 @@ def test_call_overhead_splits_a_call_into_its_phases(monkeypatch):
         parts = phases["checks"] + phases["dispatch"] + phases["wait"] + phases["rest"]
         assert abs(parts - phases["total"]) < 1e-2
         assert min(phases[k] for k in ("checks", "dispatch", "wait")) > 0
+    # and the chained bursts' fit (each burst queued before the one before is read)
+    assert np.isfinite(rec["chained_per_call_ms"]) and set(rec["chained_burst_ms"]) == {2, 8}
+    assert min(rec["chained_burst_ms"].values()) > 0
 
 
 def test_compare_speed_puts_runs_side_by_side(tmp_path):

@@ -7,6 +7,7 @@ guarantee compares are the same program called with different data.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -40,9 +41,11 @@ from turbospark_jax.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import (
     NON_FINITE,
+    RUNNING,
     ChunkedPrefillRunner,
     DeviceBurst,
     DeviceDecoder,
+    LaunchedBurst,
     VerifyingTarget,
     require_prompt,
 )
@@ -477,7 +480,7 @@ class BlockProducer(
 
     # -- device-side decode -------------------------------------------------------------
 
-    def decode(
+    def launch_decode(
         self,
         state: BlockState,
         token: int,
@@ -489,8 +492,9 @@ class BlockProducer(
         gen_index: int,
         stop_ids: Sequence[int] = (),
         record_logits: bool = True,
-    ) -> tuple[DeviceBurst, BlockState]:
-        """Feed ``token`` and decode up to ``steps`` tokens on the device in one call.
+    ) -> tuple[LaunchedBurst, BlockState]:
+        """Feed ``token`` and decode up to ``steps`` tokens on the device in one call, without
+        waiting for it (:meth:`collect` reads it back).
 
         Step ``i`` samples with ``token_key(key, gen_index + i)``, so the tokens do not depend
         on how a generation is split into bursts. The burst ends early after sampling a stop
@@ -507,32 +511,71 @@ class BlockProducer(
         record_logits = as_bool("record_logits", record_logits)
         token = as_token("token", token, self.vocab_size)
         self._check_feed([token], count, count, "token")
-        if count + steps > self.capacity:
-            raise ContextOverflowError(
-                f"decoding {steps} tokens from position {count} overflows the "
-                f"context of {self.capacity} positions"
-            )
+        self._check_reach(count, steps)
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops[: len(stop_ids)] = list(stop_ids)
-        # Host scalars and arrays go to the program as they are: the call transfers them with
-        # its arguments, where an eager jnp op per field costs a dispatch each on a GPU.
-        control = Control(
-            feedback=np.bool_(True),
-            params=params,
-            history=history,
-            key=key,
-            gen_index=np.int32(gen_index),
-            stop_ids=stops,
-        )
-        plan = self._plan([[token]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
-                          offsets=np.arange(self.steps_per_call, dtype=np.int32))
         # A model whose widths agree may decode in a program of its own (its rows are the
         # same bits in any program), so that program draws by the settings' plan with no
         # branch on them; otherwise decode runs the one program prefill and verify run.
         draw = sampling.draw_plan(params, self.vocab_size) if self.model.widths_agree else "any"
-        # Every row this burst feeds (padding rows too) sits below count + steps + W - 1.
-        out, state = self._call(state, plan, control, steps, draw=draw,
-                                max_keys=self.key_bound(count + steps + self.width - 1))
+        # Host scalars and arrays go to the program as they are: the call transfers them with
+        # its arguments, where an eager jnp op per field costs a dispatch each on a GPU.
+        call = _BurstCall(
+            producer=self.identity, params=params, key=key, stop_ids=stops, draw=draw,
+            record_logits=record_logits, first=np.int32(token), gen_index=np.int32(gen_index),
+            ended=np.bool_(False), out=None, cursor=None,
+        )
+        plan = self._decode_plan(steps, first=token)
+        return self._launch(state, call, plan, history, np.int32(steps), count, steps)
+
+    def continue_decode(
+        self, state: BlockState, after: LaunchedBurst, steps: int
+    ) -> tuple[LaunchedBurst, BlockState]:
+        """Chain up to ``steps`` more tokens onto ``after`` without waiting for it (see
+        :meth:`~turbospark_jax.protocols.DeviceDecoder.continue_decode`). Nothing here reads
+        the device: the checks hold ``state`` to the one ``after``'s launch returned, and the
+        context to ``after.reach``."""
+        if not isinstance(after, LaunchedBurst) or not isinstance(after.call, _BurstCall) or (
+            after.call.producer != self.identity
+        ):
+            raise BadInputError(
+                "continue_decode continues a burst this producer launched (launch_decode or "
+                f"continue_decode); got {type(after).__name__}"
+            )
+        prior = after.call
+        if not isinstance(state, BlockState) or state.fed.count is not prior.cursor:
+            raise BadInputError(
+                "continue a burst with the state its launch returned (and nothing since): a "
+                "chained burst starts where that one stops"
+            )
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise BadInputError(
+                "this state's buffers were consumed by an earlier call (the producer donates "
+                "them); continue from the state that call returned"
+            )
+        steps = as_int("steps", steps, low=1, high=self.steps_per_call)
+        self._check_reach(after.reach, steps)
+        plan = self._decode_plan(steps, first=0)
+        # The first token, its index and whether the generation already ended come from the
+        # burst before, on the device: the host never waits for it here.
+        tokens, gen_index, n_steps, first, ended = _chained_inputs(
+            prior.out.steps, prior.out.sampled, prior.out.finish, prior.first,
+            prior.gen_index, prior.ended, plan.tokens, np.int32(steps),
+        )
+        call = dataclasses.replace(prior, first=first, gen_index=gen_index, ended=ended)
+        return self._launch(state, call, plan.replace(tokens=tokens), prior.out.history,
+                            n_steps, after.reach, steps)
+
+    def collect(self, launched: LaunchedBurst) -> DeviceBurst:
+        """Wait for a launched burst and read its tokens (and logits, when recorded) back."""
+        if not isinstance(launched, LaunchedBurst) or not isinstance(
+            launched.call, _BurstCall
+        ) or launched.call.producer != self.identity:
+            raise BadInputError(
+                "collect reads a burst this producer launched (launch_decode or "
+                f"continue_decode); got {type(launched).__name__}"
+            )
+        out = launched.call.out
         # One transfer for the scalars and tokens; slicing on the device by a count that
         # changes from call to call would compile a new program per count.
         n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
@@ -540,10 +583,39 @@ class BlockProducer(
         toks = [int(t) for t in sampled[:n]]
         if finish == NON_FINITE:
             toks = toks[: n - 1]
-        logits = np.asarray(out.logits)[: len(toks)] if record_logits else None
-        return DeviceBurst(tokens=toks, finish=finish, history=out.history, logits=logits), state
+        logits = np.asarray(out.logits)[: len(toks)] if launched.call.record_logits else None
+        return DeviceBurst(tokens=toks, finish=finish, history=out.history, logits=logits)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _check_reach(self, count: int, steps: int) -> None:
+        if count + steps > self.capacity:
+            raise ContextOverflowError(
+                f"decoding {steps} tokens from position {count} overflows the "
+                f"context of {self.capacity} positions"
+            )
+
+    def _decode_plan(self, steps: int, first: int) -> Plan:
+        return self._plan([[first]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
+                          offsets=np.arange(self.steps_per_call, dtype=np.int32))
+
+    def _launch(
+        self, state: BlockState, call: _BurstCall, plan: Plan, history: Any, n_steps: Any,
+        count: int, steps: int,
+    ) -> tuple[LaunchedBurst, BlockState]:
+        control = Control(
+            feedback=np.bool_(True),
+            params=call.params,
+            history=history,
+            key=call.key,
+            gen_index=call.gen_index,
+            stop_ids=call.stop_ids,
+        )
+        # Every row this burst feeds (padding rows too) sits below count + steps + W - 1.
+        out, state = self._call(state, plan, control, n_steps, draw=call.draw,
+                                max_keys=self.key_bound(count + steps + self.width - 1))
+        call = dataclasses.replace(call, out=out, cursor=state.fed.count)
+        return LaunchedBurst(steps=steps, reach=count + steps, call=call), state
 
     def _check_ancestor(self, state: BlockState, point: BlockState) -> None:
         """Refuse a checkpoint that is not of this producer or not an ancestor of ``state``."""
@@ -783,10 +855,51 @@ class BlockProducer(
     ) -> tuple[StepOutput, BlockState]:
         bare, held = without_auxiliary(state)
         buffers, values, out = self._program(
-            self.params, buffers_only(bare), by_value(bare), plan, control, np.int32(n_steps),
+            self.params, buffers_only(bare), by_value(bare), plan, control, program_steps(n_steps),
             **program_statics(last_row_head, draw, max_keys),
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
+
+
+def program_steps(n_steps: Any) -> Any:
+    """A call's step count as the program takes it: an int32 scalar, left on the device when
+    it is there (a chained burst's count is computed there)."""
+    return n_steps if isinstance(n_steps, jax.Array) else np.int32(n_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BurstCall:
+    """A launched decode burst's record: its outputs, what a burst chained onto it takes
+    from them (the token step 0 fed, the index it sampled, whether an earlier burst ended
+    the generation), the settings it keeps, and the returned state's cursor leaf (a chained
+    burst must continue that very state)."""
+
+    out: Any
+    first: Any
+    gen_index: Any
+    ended: Any
+    cursor: Any
+    producer: int
+    params: Any
+    key: Any
+    stop_ids: Any
+    draw: str
+    record_logits: bool
+
+
+@jax.jit
+def _chained_inputs(
+    steps_run: jax.Array, sampled: jax.Array, finish: jax.Array, first: jax.Array,
+    gen_index: jax.Array, ended: jax.Array, tokens: jax.Array, steps: jax.Array,
+) -> tuple[jax.Array, ...]:
+    """A chained burst's inputs from the burst before it, on the device: its plan's tokens
+    with the last token that burst sampled first (the token it fed itself when it ran no
+    step), the index its first step samples, its step count (none once a burst has stopped
+    on a stop id or non-finite logits), and the token and flag a burst after it takes."""
+    last = jnp.where(steps_run > 0, sampled[jnp.maximum(steps_run - 1, 0)], first)
+    done = ended | (finish != RUNNING)
+    n_steps = jnp.where(done, jnp.int32(0), steps).astype(jnp.int32)
+    return tokens.at[0, 0].set(last), gen_index + steps_run, n_steps, last, done
 
 
 def program_statics(last_row_head: bool, draw: str, max_keys: int | None) -> dict[str, Any]:

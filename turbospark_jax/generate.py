@@ -16,8 +16,10 @@ The plain loop, in order:
 4. **Decode**: sample the first token on the host from the prefill logits; then, when the
    producer decodes on the device (:class:`~turbospark_jax.protocols.DeviceDecoder`), bursts
    of up to ``burst`` steps (produce + sample + stop-token check in one jitted loop) per host
-   round trip; otherwise ``produce`` + a jitted sampler per token. Token ``i`` always samples
-   with ``token_key(key, i)`` and the same program runs every burst, so the output does not
+   round trip, each burst chained onto the one before it on the device before that one is
+   read (``continue_decode``), so the device never waits for the host between bursts;
+   otherwise ``produce`` + a jitted sampler per token. Token ``i`` always samples with
+   ``token_key(key, i)`` and the same program runs every burst, so the output does not
    depend on the burst length.
 5. **Text**, per token and in this order: a stop token ends generation (its text is not
    emitted); otherwise the incremental detokenizer turns it into text, the stop matcher holds
@@ -26,8 +28,9 @@ The plain loop, in order:
 
 History bookkeeping: the completion reports ``fed_ids``, read from the producer's own fed
 record. The last sampled token is never fed (nothing needs its logits), and when a stop string
-lands inside a device burst the tokens after it were fed: a producer that can rewind is moved
-back so its record matches token-by-token decoding; others keep the longer, truthful record.
+lands inside a device burst the tokens after it were fed (and those of the burst chained
+after it): a producer that can rewind is moved back so its record matches token-by-token
+decoding; others keep the longer, truthful record.
 """
 
 from __future__ import annotations
@@ -175,6 +178,7 @@ def _plain_loop(
     history = sampling.History.from_prompt(prompt, p.vocab_size)
     device = isinstance(p, DeviceDecoder)
     sizer = BurstSizer(req.burst)
+    launched, since = None, 0.0  # a device burst on its way, and when the last one was read
     finish, error = None, None
     first_token_s = 0.0
     try:
@@ -197,15 +201,30 @@ def _plain_loop(
             history = add_to_history(history, new[0])
             rows, failed = [logits], False
         else:
-            steps = min(sizer.next(), p.steps_per_call, req.max_tokens - len(out.tokens))
-            called = time.perf_counter()
-            burst, state = p.decode(
-                state, out.tokens[-1], steps, params=params, history=history, key=key,
-                gen_index=len(out.tokens), stop_ids=list(req.stop_token_ids),
-                record_logits=req.record_logits,
-            )
+            if launched is None:
+                steps = min(sizer.next(), p.steps_per_call, req.max_tokens - len(out.tokens))
+                since = time.perf_counter()
+                launched, state = p.launch_decode(
+                    state, out.tokens[-1], steps, params=params, history=history, key=key,
+                    gen_index=len(out.tokens), stop_ids=list(req.stop_token_ids),
+                    record_logits=req.record_logits,
+                )
+            # The next burst goes to the device before this one is read, so the device runs
+            # it while the host reads, emits and checks this one's tokens (after a stop id it
+            # runs no step; after a stop string it is rewound with the rest of the overshoot).
+            ahead = req.max_tokens - len(out.tokens) - launched.steps
+            if p.max_positions is not None:
+                ahead = min(ahead, p.max_positions - launched.reach)
+            queued = None
+            if ahead > 0:
+                queued, state = p.continue_decode(
+                    state, launched, min(sizer.next(), p.steps_per_call, ahead))
+            burst = p.collect(launched)
+            launched = queued
             new, history, failed = burst.tokens, burst.history, burst.finish == NON_FINITE
-            sizer.observed(len(new), time.perf_counter() - called)
+            now = time.perf_counter()
+            sizer.observed(len(new), now - since)
+            since = now
             # One transfer for the burst's rows (slicing a device array row by row costs a
             # dispatch per token).
             rows = np.asarray(burst.logits) if burst.logits is not None else [None] * len(new)

@@ -255,17 +255,73 @@ class DeviceBurst:
     rounds: tuple[tuple[int, int], ...] = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchedBurst:
+    """A decode burst handed to the device and not read back yet.
+
+    What the host knows of it without waiting for the device; the rest stays with the
+    producer that launched it, for :meth:`DeviceDecoder.collect` to read and for
+    :meth:`DeviceDecoder.continue_decode` to chain another burst onto.
+
+    Fields:
+      steps: the steps it asked for (it runs fewer when a stop ends it, and none when a burst
+        it continues ended the generation).
+      reach: the most positions the state it returned can have consumed once it has run.
+      call: the producer's own record of the call (opaque).
+    """
+
+    steps: int
+    reach: int
+    call: Any
+
+
 class DeviceDecoder(abc.ABC):
     """An optional capability: decode bursts that sample on the device.
 
     A producer that mixes this in runs ``steps`` produce + sample + stop-id steps in one device
     call; the generation loop then returns to the host once per burst instead of per token.
+    A burst can be launched without waiting for it (:meth:`launch_decode`), and the next one
+    chained onto it before it is read (:meth:`continue_decode`: its first token, token index
+    and penalty history are the earlier burst's, taken on the device), so the device runs
+    the next burst while the host reads this one's tokens (:meth:`collect`).
     """
 
     #: The most steps one :meth:`decode` call runs.
     steps_per_call: int
 
     @abc.abstractmethod
+    def launch_decode(
+        self,
+        state: Any,
+        token: int,
+        steps: int,
+        *,
+        params: Any,
+        history: Any,
+        key: jax.Array,
+        gen_index: int,
+        stop_ids: Sequence[int] = (),
+        record_logits: bool = True,
+    ) -> tuple[LaunchedBurst, Any]:
+        """Start feeding ``token`` and decoding up to ``steps`` tokens; return at once. Step
+        ``i`` samples with ``token_key(key, gen_index + i)`` so the tokens do not depend on
+        how a generation is cut into bursts. The last sampled token is never fed. Arguments
+        are checked before anything runs (bad ones raise and leave ``state`` as it was)."""
+
+    @abc.abstractmethod
+    def continue_decode(
+        self, state: Any, after: LaunchedBurst, steps: int
+    ) -> tuple[LaunchedBurst, Any]:
+        """Chain up to ``steps`` more tokens of the same generation onto ``after`` (launched
+        by this producer; ``state`` is the one its launch returned), without waiting for it:
+        the burst feeds the last token ``after`` sampled and keeps its settings, key,
+        stop ids and token index. When ``after`` ends on a stop id or non-finite logits, the
+        chained burst runs no step (it is read back empty, the state unchanged by it)."""
+
+    @abc.abstractmethod
+    def collect(self, launched: LaunchedBurst) -> DeviceBurst:
+        """Wait for ``launched`` and read its tokens back."""
+
     def decode(
         self,
         state: Any,
@@ -279,9 +335,12 @@ class DeviceDecoder(abc.ABC):
         stop_ids: Sequence[int] = (),
         record_logits: bool = True,
     ) -> tuple[DeviceBurst, Any]:
-        """Feed ``token`` and decode up to ``steps`` tokens; step ``i`` samples with
-        ``token_key(key, gen_index + i)`` so the tokens do not depend on how a generation is
-        cut into bursts. The last sampled token is never fed."""
+        """One burst, launched and read back: :meth:`launch_decode` then :meth:`collect`."""
+        launched, state = self.launch_decode(
+            state, token, steps, params=params, history=history, key=key,
+            gen_index=gen_index, stop_ids=stop_ids, record_logits=record_logits,
+        )
+        return self.collect(launched), state
 
 
 class VerifyingTarget(LogitProducer[State], Generic[State, Checkpoint]):

@@ -41,7 +41,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from turbospark_jax.block_producer import STEPS_PER_CALL, BlockProducer, program_statics
+from turbospark_jax.block_producer import (
+    STEPS_PER_CALL,
+    BlockProducer,
+    program_statics,
+    program_steps,
+)
 from turbospark_jax.block_program import BlockState, StepOutput, pinned_program
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.models.base import BlockModel
@@ -268,7 +273,7 @@ class ShardedProducer(BlockProducer):
         # A state moved on the host (rewind, rollback) may come back on other shardings; the
         # program must see the ones it was compiled for.
         bare = jax.device_put(bare, self._shardings)
-        plan, control, steps = self._on_mesh((plan, control, np.int32(n_steps)))
+        plan, control, steps = self._on_mesh((plan, control, program_steps(n_steps)))
         buffers, values, out = self._program(
             self.params, buffers_only(bare), by_value(bare), plan, control, steps,
             **program_statics(last_row_head, draw, max_keys),
