@@ -2,13 +2,12 @@
 
 XLA launches the kernels it compiles with programmatic dependent launch and, by its own
 design, puts ``griddepcontrol.wait`` at each kernel's entry. Whether it does so for our
-Pallas kernels too, and whether a wait of our own placed after the first weight loads
-(``models/pallas_pdl.py``'s ``"weights_first"``) is then the first one a program meets, is
-what decides whether that mode can gain anything. This compiles a small decode chain (a norm
-after partial sums, a matvec product, the gated product, another matvec) under each mode
-with XLA's dump on, and reads each of our kernels' PTX: how many ``griddepcontrol.wait`` and
-``launch_dependents`` it holds, and where the first of each sits against its first global
-load (instruction lines from the kernel's entry).
+Pallas kernels too, and whether the wait of our own (``models/pallas_pdl.py``'s
+``"trigger"``) is then the first one a program meets, is what this reads. It compiles a
+small decode chain (a norm after partial sums, a matvec product, the gated product, another
+matvec) under each mode with XLA's dump on, and reads each of our kernels' PTX: how many
+``griddepcontrol.wait`` and ``launch_dependents`` it holds, and where the first of each sits
+against its first global load (instruction lines from the kernel's entry).
 
     PYTHONPATH=. python -m benchmarks.probe_pdl_ptx --out OUT.json
 
@@ -122,7 +121,7 @@ def compile_chain(mode: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
-    ap.add_argument("--modes", default="off,trigger,weights_first")
+    ap.add_argument("--modes", default="off,trigger")
     args = ap.parse_args(argv)
     import json
 

@@ -108,8 +108,6 @@
 #   bash benchmarks/rowinv_h200.sh 38 "$OUT"  # the 1B exact part under PDL, the fold's
 #                                             # loads at once (8, 16) at 4k, the gated
 #                                             # kernel's old column tile
-#   bash benchmarks/rowinv_h200.sh 39 "$OUT"  # key tiles loaded ahead in the fused
-#                                             # attention: GPU tests, exact part, decode
 #   bash benchmarks/rowinv_h200.sh 40 "$OUT"  # a decode call's cost beyond its steps
 #                                             # and its host phases (1B, 8B)
 #   bash benchmarks/rowinv_h200.sh 41 "$OUT"  # chained decode bursts: GPU tests, a call's
@@ -452,16 +450,16 @@ case "$stage" in
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_pdl.txt" | tail -6
   timeout 100 python -m benchmarks.probe_pdl_ptx --out "$out/probe_pdl_ptx.json" 2>&1 \
     | cut -c1-700 | tail -3
-  for mode in off trigger weights_first; do
+  for mode in off trigger; do
     decode_speed 100 "speed_pdl_$mode" --pdl $mode
   done
   ;;
 38)
-  # after stage 37: the 1B exact part under the PDL mode that loads weights before its wait
-  # (or the one stage 37 found fastest: PDL=trigger), then the fold's loads at once (the
-  # last split program's fold at 4k walks 16 splits' partials four at a time) at 8 and 16
+  # after stage 37: the 1B exact part under PDL's trigger mode (or the mode in PDL), then
+  # the fold's loads at once (the last split program's fold at 4k walks 16 splits' partials
+  # four at a time) at 8 and 16
   timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --pdl "${PDL:-weights_first}" --out "$out/exact_pdl" --budget-s 120 2>&1 | cut -c1-400 \
+    --pdl "${PDL:-trigger}" --out "$out/exact_pdl" --budget-s 120 2>&1 | cut -c1-400 \
     | tail -2
   for loads in 8 16; do
     decode_speed 100 "speed_fold_loads_$loads" --fold-loads $loads
@@ -469,21 +467,6 @@ case "$stage" in
   # the gated kernel's column tile as it was until session 45 (192 programs: 16 columns on
   # the 0.6B, 32 on the 1B) against the default (96: 32 and 64), decode end to end
   decode_speed 100 speed_gated_programs_192 --gated-programs 192
-  ;;
-39)
-  # key tiles loaded ahead in the fused RoPE-store attention kernels (before they write the
-  # block's rows; pallas_attention.PREFETCH_TILES): their GPU tests compiled (bitwise the
-  # kernels without), the 1B exact part with two tiles ahead, decode with one and two
-  timeout 150 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_rope_store.py -k "ahead or inside_the_attention" --tb=short -rf \
-    > "$out/gpu_tests_attention_prefetch.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_attention_prefetch.txt" | tail -6
-  timeout 130 python -m benchmarks.rowinv_model --parts exact --exact-shapes llama-3.2-1b \
-    --attention-prefetch 2 --out "$out/exact_attention_prefetch" --budget-s 120 2>&1 \
-    | cut -c1-400 | tail -2
-  for n in 1 2; do
-    decode_speed 100 "speed_attention_prefetch_$n" --attention-prefetch $n
-  done
   ;;
 40)
   # what a decode call costs beyond its steps, and where its host time goes (the state's

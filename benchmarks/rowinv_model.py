@@ -925,10 +925,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="splits' partials the fold loads at once instead of "
                          "pallas_attention.FOLD_LOADS (speed only: the folds stay one after "
                          "another in split order; a power of two from 1 to 16)")
-    ap.add_argument("--attention-prefetch", type=int,
-                    help="key tiles the fused RoPE-store attention kernels load before they "
-                         "write the block's rows, instead of pallas_attention.PREFETCH_TILES "
-                         "(speed only; 0 to 4)")
     ap.add_argument("--gated-programs", type=int,
                     help="programs the gated matvec kernel's column tile aims at instead of "
                          "rowinv.GATED_PROGRAMS (speed only; 192 was the default until "
@@ -936,8 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pdl", choices=pallas_pdl.MODES, default="off",
                     help="programmatic dependent launch inside the decode kernels "
                          "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
-                         "kernel be scheduled early and waits before the rows, "
-                         "'weights_first' also loads the first weight tiles before the wait")
+                         "kernel be scheduled early and waits before the rows")
     args = ap.parse_args(argv)
     pallas_pdl.MODE = args.pdl
     global FOLD_IN_SPLIT
@@ -952,10 +947,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.key_tile < 16 or args.key_tile & (args.key_tile - 1):
             ap.error(f"--key-tile must be a power of two >= 16, got {args.key_tile}")
         pallas_attention.KEY_TILE = args.key_tile  # read when a kernel is traced
-    if args.attention_prefetch is not None:
-        if not 0 <= args.attention_prefetch <= 4:
-            ap.error(f"--attention-prefetch must be 0 to 4, got {args.attention_prefetch}")
-        pallas_attention.PREFETCH_TILES = args.attention_prefetch  # read when traced
     if args.gated_programs is not None:
         if args.gated_programs < 1:
             ap.error(f"--gated-programs must be positive, got {args.gated_programs}")
@@ -994,7 +985,6 @@ def main(argv: list[str] | None = None) -> int:
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split, "fold_loads": args.fold_loads,
             "gated_programs": args.gated_programs,
-            "attention_prefetch": args.attention_prefetch,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
             "fold_in_split": args.fold_in_split, "pdl": args.pdl}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)

@@ -104,16 +104,6 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8)[0],
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
         CACHE, CACHE),
-    "rope and cache write inside the attention, two key tiles loaded ahead": (
-        lambda qkv, c, s, at, k, v, n: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 8, n, n, max_keys=512, prefetch=2)[0],
-        S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
-        S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16)),
-    "rope and cache write inside the split attention kernel, a key tile loaded ahead": (
-        lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 8, fold_in_split=True, prefetch=1)[0],
-        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
-        CACHE, CACHE),
     "rope and cache write inside the split attention kernel, folding in its last split": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
             qkv, c, s, at, k, v, at, 8, fold_in_split=True)[0],

@@ -326,37 +326,3 @@ def test_attention_tiles_refuse_bad_settings():
     for bad in ({"max_row_tile": 48}, {"max_row_tile": 8}, {"warps": 0}, {"stages": 1.5}):
         with pytest.raises(BadInputError):
             AttentionTiles(**bad)
-
-
-@pytest.mark.parametrize(("first", "written", "capacity", "valid"), [
-    (0, 128, 2048, [True, True, False]),      # the row at 128 starts tile 2
-    (0, 127, 2048, [True, False, False]),     # ... at 127, the end of tile 1
-    (0, 10, 256, [False, False, False]),      # in tile 0: every tile read again
-    (768, 1000, 2048, [True, True, True]),    # a split below the written row
-    (1984, 5000, 2048, [True, True, True]),   # the cache's last tile, and overlapping ones
-])
-def test_key_tiles_loaded_ahead_are_kept_only_below_every_written_row(first, written,
-                                                                        capacity, valid):
-    """``prefetch_tiles``: a tile's loaded keys are used only where the kernel writes no row
-    into it (all its keys below the smallest written position), and they are the cache's
-    rows from the tile's start (the last tile overlapping the one before it)."""
-    from jax.experimental import pallas as pl
-
-    from turbospark_jax.models.pallas_attention import prefetch_tiles
-
-    cache = jnp.arange(capacity, dtype=jnp.float32)[:, None] * jnp.ones((1, 8), jnp.float32)
-
-    def kernel(k_ref, v_ref, keys_ref, valid_ref):
-        tiles = prefetch_tiles(k_ref, v_ref, jnp.int32(first), jnp.int32(written), capacity, 3)
-        for i, (k, _, ok) in enumerate(tiles):
-            keys_ref[i, :] = k[:, 0]
-            valid_ref[i] = ok.astype(jnp.int32)
-
-    keys, ok = pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct((3, KEY_TILE), jnp.float32),
-                           jax.ShapeDtypeStruct((3,), jnp.int32)],
-        interpret=True)(cache, cache)
-    assert [bool(v) for v in np.asarray(ok)] == valid
-    starts = [min(first + i * KEY_TILE, capacity - KEY_TILE) for i in range(3)]
-    for i, start in enumerate(starts):
-        assert np.array_equal(np.asarray(keys[i]), np.arange(start, start + KEY_TILE))

@@ -3,7 +3,7 @@
 Off a GPU: each mode lowers for CUDA with its instructions in the kernels (and ``"off"``
 without them), the interpreter never takes them, and a bad mode is refused. On a GPU
 (``JAX_PLATFORMS=cuda python -m pytest tests/test_pallas_pdl.py``): the matvec, gated and
-norm kernels under each mode give bitwise what they give without it, at 1 and 16 rows,
+norm kernels under ``"trigger"`` give bitwise what they give without it, at 1 and 16 rows,
 and a changed weight still changes them (the control)."""
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ def test_each_mode_lowers_with_its_instructions(name, mode, monkeypatch):
 
 
 def test_the_interpreter_never_takes_the_instructions(monkeypatch):
-    monkeypatch.setattr(pallas_pdl, "MODE", "weights_first")
+    monkeypatch.setattr(pallas_pdl, "MODE", "trigger")
     assert pallas_pdl.mode_for(interpret=True) == "off"
-    assert pallas_pdl.mode_for(interpret=False) == "weights_first"
+    assert pallas_pdl.mode_for(interpret=False) == "trigger"
     assert pallas_pdl.start("off") is None and pallas_pdl.ready("off", None) is None
     live = jnp.ones((2, 3), bool)
     assert pallas_pdl.masked(live, None, (2, 3)) is live
@@ -101,15 +101,14 @@ def _values(rows: int, name: str) -> tuple:
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("name", KERNELS)
 def test_each_mode_keeps_every_bit(name, rows, monkeypatch):
-    """Both modes give bitwise the kernel's output without them; a changed weight (the
-    control, under the mode that reorders the loads most) still changes it."""
+    """``"trigger"`` gives bitwise the kernel's output without it; a changed weight (the
+    control, under ``"trigger"``) still changes it."""
     fn = KERNELS[name][0]
     args = _values(rows, name)
     want = _run(fn, args, "off", monkeypatch)
-    for mode in ("trigger", "weights_first"):
-        got = _run(fn, args, mode, monkeypatch)
-        for g, w in zip(got, want, strict=True):
-            assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), mode
+    got = _run(fn, args, "trigger", monkeypatch)
+    for g, w in zip(got, want, strict=True):
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8))
     moved = (args[0], *(a.at[(0,) * a.ndim].multiply(3) for a in args[1:]))
-    control = _run(fn, moved, "weights_first", monkeypatch)
+    control = _run(fn, moved, "trigger", monkeypatch)
     assert any(not np.array_equal(c, w) for c, w in zip(control, want, strict=True))

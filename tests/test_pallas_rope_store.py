@@ -260,39 +260,6 @@ def test_the_fold_in_the_last_split_program_gives_the_fold_kernels_bits(
     assert not np.array_equal(_bits(moved[0]), _bits(want[0]))
 
 
-@pytest.mark.parametrize(("width", "first", "parts", "capacity", "max_keys", "window"), [
-    (1, 10, 0, 256, None, None),     # one split; its first tile holds the row: read again
-    (1, 128, 3, 2048, 512, None),    # a short bound; the row starts tile 2: tiles 0, 1 kept
-    (5, 300, 2, 2048, 512, None),    # a verify's rows in a short bound
-    (16, 100, 0, 256, None, None),   # FUSED_ROWS rows over tiles 1 and 2
-    (1, 1000, 3, 2048, None, None),  # eight splits: each split program's own first tiles
-    (3, 1200, 2, 2048, None, 37),    # a sliding window
-])
-@pytest.mark.parametrize("fold_in_split", [False, True])
-def test_key_tiles_loaded_ahead_change_no_bit(width, first, parts, capacity, max_keys, window,
-                                              fold_in_split):
-    """``prefetch``: each program loads its split's first key tiles before it writes the
-    block's rows (those below every written row kept, the others read again, those past
-    the split's keys unused): the rows and caches are bitwise those without, for 1 to 3
-    tiles ahead."""
-    qkv, cos, sin, pos, caches, norms = _inputs(8, jnp.bfloat16, width, first, capacity, parts)
-    args = (qkv, cos, sin, pos, caches, pos, norms)
-
-    def run(prefetch, *a):
-        return rope_store_attention(a[0], a[1], a[2], a[3], *a[4], a[5], H, **a[6],
-                                    interpret=INTERPRET, max_keys=max_keys, window=window,
-                                    fold_in_split=fold_in_split, prefetch=prefetch)
-
-    want = run(0, *args)
-    for ahead in (1, 2, 3):
-        got = run(ahead, *args)
-        for g, w in zip(got, want, strict=True):
-            assert np.array_equal(_bits(g), _bits(w)), ahead
-    # control: a key every row sees, in a tile loaded ahead, changed
-    moved = run(2, qkv, cos, sin, pos, (caches[0].at[3].multiply(3), caches[1]), pos, norms)
-    assert window is not None or not np.array_equal(_bits(moved[0]), _bits(want[0]))
-
-
 def test_rope_store_attention_launches_both_past_fused_rows():
     qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, FUSED_ROWS + 1, 30, 256)
     args = (qkv, cos, sin, pos, caches, pos, norms)

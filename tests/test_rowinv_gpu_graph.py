@@ -134,35 +134,6 @@ def test_gpu_form_with_the_fused_rope_store_keeps_every_bit(
     assert fused  # the fused kernels were traced
 
 
-def test_gpu_form_with_key_tiles_loaded_ahead_keeps_every_bit(
-        gpu_graph_in_the_interpreter, monkeypatch):
-    """``pallas_attention.PREFETCH_TILES``: the fused attention kernels load their split's
-    first key tiles before they write the block's rows (the 300-token prompt's decode row
-    sits in the first of two splits: two tiles kept, the second split's read again); the
-    prefill blocks, the short-context decode and the split decode give bitwise the logits
-    of the graph that loads none ahead."""
-    from turbospark_jax import block_program
-
-    def forget_programs():  # the setting is read when a program is traced
-        for program in (block_program.compiled_program, block_program.compiled_parallel):
-            program.cache_clear()
-        jax.clear_caches()
-
-    model, params = _model("rowinv")
-    cases = [((1, None), {}), ((4, 16), {}), ((1, None), {"short_decode_keys": 0})]
-    try:
-        forget_programs()
-        want = [_logits(model, params, *w, **kw) for w, kw in cases]
-        monkeypatch.setattr(pallas_attention, "PREFETCH_TILES", 2)
-        forget_programs()
-        for (w, kw), expected in zip(cases, want, strict=True):
-            for got, ref in zip(_logits(model, params, *w, **kw), expected, strict=True):
-                assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), (w, kw)
-    finally:
-        monkeypatch.setattr(pallas_attention, "PREFETCH_TILES", 0)
-        forget_programs()
-
-
 def test_control_one_changed_weight_is_past_the_tolerance(gpu_graph_in_the_interpreter,
                                                           reference):
     model, params = _model("rowinv")

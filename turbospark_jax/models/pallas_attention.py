@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +76,6 @@ ON_CHIP_SPLITS = 2
 #: kernel of the row-invariant form writes a whole number of such groups (the splits past
 #: the cache are empty: they fold in as exact identities). Speed only.
 FOLD_LOADS = 4
-#: Key tiles the attention kernels with the RoPE-store inside
-#: (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`) load before they
-#: write the call's rows, so the first tiles' latency overlaps that work (0: none). Speed
-#: only; off until timed on a GPU.
-PREFETCH_TILES = 0
 #: Columns of the ones matrix whose product with the probabilities gives their row sums
 #: (``row_invariant=True``): every column holds the same sum; the smallest tile a GPU
 #: matrix product takes.
@@ -170,31 +164,8 @@ def plan_keys(rows: int, capacity: int,
     return tile, _ceil_div(rows, tile), _ceil_div(capacity, split_len), split_len
 
 
-def tile_start(first: Any, i: Any, capacity: int) -> tuple[Any, Any]:
-    """Key tile ``i`` of a split starting at key ``first``: ``(nominal, start)``, the tile's
-    own first key and the first key it loads (the cache's last tile overlaps the one before
-    it; the mask drops keys below ``nominal``)."""
-    nominal = first + i * KEY_TILE
-    return nominal, jnp.minimum(nominal, capacity - KEY_TILE)
-
-
-def prefetch_tiles(k_ref, v_ref, first: Any, written: Any, capacity: int, n: int) -> tuple:
-    """The first ``n`` key tiles of a split starting at ``first`` (:data:`PREFETCH_TILES`),
-    loaded before the kernel writes its own rows into the cache: ``((k, v, valid), ...)``,
-    ``valid`` where the tile holds only keys below ``written`` (the smallest position the
-    kernel writes), so what was loaded is what the attention would read later. The others
-    are read again where the attention reaches them (:func:`_split_partial`)."""
-    out = []
-    for i in range(n):
-        _, start = tile_start(first, i, capacity)
-        keys = pl.ds(start, KEY_TILE)
-        out.append((k_ref[keys, :], v_ref[keys, :], start + KEY_TILE <= written))
-    return tuple(out)
-
-
 def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, scale: float,
-                   capacity: int, window: int | None, mma_sums: bool,
-                   pre: tuple = ()) -> tuple:
+                   capacity: int, window: int | None, mma_sums: bool) -> tuple:
     """One split's unnormalised attention of the query tile ``q [tile, hd]`` (positions
     ``pos [tile]``, ``-1`` on padding rows) over keys ``first..end-1`` in tiles of
     :data:`KEY_TILE`, from zero: ``(acc [tile, hd], m [tile], l [tile])``, the maximum that
@@ -213,28 +184,18 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
     part) hold that against the compiler too. The other form's row sum is a reduction the
     compiler lays out per loop, and on an H100 the two loops gave a row different bits
     (that test's ``row_invariant=False`` case, compiled), so that form runs every tile
-    through the masked loop: the same code for a row whatever its neighbours.
-
-    ``pre``: the split's first key tiles as :func:`prefetch_tiles` loaded them. They run
-    first, through the masked step (on a tile a row sees whole it selects every score as it
-    is: the same bits as the other loop), each from its loaded values where they are valid
-    and from the cache otherwise; then the loops go on from the tile after them."""
+    through the masked loop: the same code for a row whatever its neighbours."""
     trips = jnp.maximum(0, (end - first + KEY_TILE - 1) // KEY_TILE)
     tile, head_dim = q.shape
     lanes = jnp.arange(KEY_TILE, dtype=jnp.int32)
     c = scale * LOG2_E
 
-    def step(i, carry, masked: bool, loaded: tuple | None = None):
+    def step(i, carry, masked: bool):
         acc, m, l = carry
-        nominal, start = tile_start(first, i, capacity)  # the last tile may overlap
-        keys = pl.ds(start, KEY_TILE)
-        if loaded is None:
-            k, v = k_ref[keys, :], v_ref[keys, :]  # [KT, hd]
-        else:  # read again only where the loaded tile is not valid (a masked-off load is no read)
-            pk, pv, valid = loaded
-            again = jnp.broadcast_to(~valid, pk.shape)
-            k = jnp.where(valid, pk, plgpu.load(k_ref.at[keys, :], mask=again, other=0))
-            v = jnp.where(valid, pv, plgpu.load(v_ref.at[keys, :], mask=again, other=0))
+        nominal = first + i * KEY_TILE
+        start = jnp.minimum(nominal, capacity - KEY_TILE)  # the last tile may overlap
+        k = k_ref[pl.ds(start, KEY_TILE), :]  # [KT, hd]
+        v = v_ref[pl.ds(start, KEY_TILE), :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32)  # [tile, KT], unscaled
         if masked:
@@ -263,27 +224,21 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
         whole = jnp.zeros_like(trips)
     carry = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
-    for i, loaded in enumerate(pre):  # (a tile past the split's last changes nothing)
-        stepped = step(i, carry, masked=True, loaded=loaded)
-        carry = tuple(jnp.where(i < trips, a, b) for a, b in zip(stepped, carry, strict=True))
-    carry = jax.lax.fori_loop(len(pre), whole, functools.partial(step, masked=False), carry)
-    return jax.lax.fori_loop(jnp.maximum(whole, len(pre)), trips,
-                             functools.partial(step, masked=True), carry)
+    carry = jax.lax.fori_loop(0, whole, functools.partial(step, masked=False), carry)
+    return jax.lax.fori_loop(whole, trips, functools.partial(step, masked=True), carry)
 
 
 def split_of(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
              capacity: int, split_len: int, window: int | None, mma_sums: bool,
-             split: jax.Array | None = None, pre: tuple = ()) -> tuple[jax.Array, jax.Array,
-                                                                       jax.Array]:
+             split: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The split kernel's body: split ``split``'s partial ``(acc, m, l)`` for the query tile
     ``q`` (``bound``: the call's last key + 1; ``split``: by default the program's index on
     grid axis 2, which a caller under a branch reads at its top level and passes). Shared
-    by every kernel that writes split partials. ``pre``: the split's first key tiles, loaded
-    ahead (:func:`prefetch_tiles`)."""
+    by every kernel that writes split partials."""
     first = (pl.program_id(2) if split is None else split) * split_len
     end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound)
     return _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale, capacity=capacity,
-                          window=window, mma_sums=mma_sums, pre=pre)
+                          window=window, mma_sums=mma_sums)
 
 
 def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
@@ -356,30 +311,25 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
 
 def fold_splits(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
                 capacity: int, split_len: int, window: int | None,
-                mma_sums: bool, pre: tuple = ()) -> tuple[jax.Array, jax.Array]:
+                mma_sums: bool) -> tuple[jax.Array, jax.Array]:
     """The folding kernel's body (inside a kernel): the query tile ``q [tile, hd]`` at
     positions ``pos`` over the key splits its rows see (``bound``: the call's last key + 1),
     each split from zero, folded in order; ``(acc, l)``, the result ``acc / l``. Shared by
-    every kernel that folds on chip, so their rows agree bit for bit. ``pre``: the first
-    split's first key tiles, loaded ahead (:func:`prefetch_tiles`)."""
+    every kernel that folds on chip, so their rows agree bit for bit."""
     bound = jnp.minimum(jnp.minimum(bound, jnp.max(pos) + 1), capacity)
     needed = _splits_seen(bound, split_len)
 
-    def one(s, carry, pre=()):
+    def one(s, carry):
         first = s * split_len
         end = jnp.minimum(first + split_len, bound)
         part = _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale,
-                              capacity=capacity, window=window, mma_sums=mma_sums, pre=pre)
+                              capacity=capacity, window=window, mma_sums=mma_sums)
         return _fold(carry, part, scale * LOG2_E)
 
     tile, head_dim = q.shape
     start = (jnp.zeros((tile, head_dim), jnp.float32), jnp.full((tile,), MASK_VALUE, jnp.float32),
              jnp.zeros((tile,), jnp.float32))
-    first_split = 0
-    if pre:  # the first split on its own, with its loaded tiles (every call sees one split)
-        start = one(0, start, pre)
-        first_split = 1
-    acc, _, l = jax.lax.fori_loop(first_split, needed, one, start)
+    acc, _, l = jax.lax.fori_loop(0, needed, one, start)
     return acc, l
 
 

@@ -9,19 +9,12 @@ entry (``--xla_gpu_enable_pdl``), so a decode step's kernels start as the one be
 ends, and still pay the latency of their first loads after it (the fixed cost a kernel
 that ``benchmarks/decode_bound.py`` fits to every product).
 
-:data:`MODE` asks two things more of the decode kernels that take it (the matvec products,
-the gated product and the norm kernel):
-
-* ``"trigger"``: every program executes ``launch_dependents`` first thing, so the next
-  kernel's programs are scheduled while this one streams, and waits (``griddepcontrol.wait``)
-  before its first read of the rows the kernel ahead produced;
-* ``"weights_first"``: as ``"trigger"``, and a product's programs load their first
-  :data:`AHEAD` weight tiles before that wait (weights are never written, so they may be
-  read while the kernel ahead still runs), so their latency overlaps the kernel ahead.
-
-Whether the second can gain depends on whether XLA keeps its own wait at the kernel's entry
-(which would come before the weights anyway): ``benchmarks/rowinv_h200.sh 37`` greps the
-compiled kernels' PTX for the instructions and times both modes.
+:data:`MODE` ``"trigger"`` asks more of the decode kernels that take it (the matvec
+products, the gated product and the norm kernel): every program executes
+``launch_dependents`` first thing, so the next kernel's programs are scheduled while this
+one streams, and waits (``griddepcontrol.wait``) before its first read of the rows the
+kernel ahead produced. ``benchmarks/rowinv_h200.sh 37`` greps the compiled kernels' PTX for
+the instructions and times the modes.
 
 The instructions go in as inline assembly, which Pallas marks pure: each returns a value
 that the reads after it use (a mask that is all true at run time but opaque to the
@@ -38,12 +31,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-MODES = ("off", "trigger", "weights_first")
+MODES = ("off", "trigger")
 #: The decode kernels' PDL mode (a kernel's program is compiled for the mode it was traced
 #: under; ``benchmarks/rowinv_model.py --pdl`` sets it).
 MODE = "off"
-#: Weight tiles a product's program loads before its wait under ``"weights_first"``.
-AHEAD = 2
 
 
 def mode_for(interpret: bool) -> str:
@@ -51,36 +42,32 @@ def mode_for(interpret: bool) -> str:
     return "off" if interpret else MODE
 
 
-def _instruction(asm: str, like: jax.Array, *after: jax.Array) -> jax.Array:
+def _instruction(asm: str, like: jax.Array) -> jax.Array:
     """``asm`` executed by each thread, returning ``like`` (int32) through a register the
-    compiler cannot see into; ``after``: float32 values of ``like``'s shape the instruction
-    takes as inputs, so it is executed only once they have arrived."""
+    compiler cannot see into."""
     from jax.experimental.pallas import triton as plgpu
 
-    constraints = "=r,r" + ",f" * len(after)
     [out] = plgpu.elementwise_inline_asm(
-        f"{asm}\n\tmov.u32 $0, $1;", args=[like, *after], constraints=constraints, pack=1,
+        f"{asm}\n\tmov.u32 $0, $1;", args=[like], constraints="=r,r", pack=1,
         result_shape_dtypes=[jax.ShapeDtypeStruct(like.shape, jnp.int32)])
     return out
 
 
 def start(mode: str) -> jax.Array | None:
-    """At a kernel's top: under ``"trigger"`` or ``"weights_first"`` execute
-    ``launch_dependents``; a bool ``[1]`` (true) computed after it, for :func:`ready`."""
+    """At a kernel's top: under ``"trigger"`` execute ``launch_dependents``; a bool ``[1]``
+    (true) computed after it, for :func:`ready`."""
     if mode == "off":
         return None
     return _instruction("griddepcontrol.launch_dependents;", jnp.zeros((1,), jnp.int32)) >= 0
 
 
-def ready(mode: str, started: jax.Array | None, *loaded: jax.Array) -> jax.Array | None:
-    """Before the first read of the kernel ahead's output: execute ``griddepcontrol.wait``
-    (after ``loaded``, tiles read before it, have arrived); a bool ``[1]`` (true) computed
-    after it and after :func:`start`'s, to mask those reads with (:func:`masked`)."""
+def ready(mode: str, started: jax.Array | None) -> jax.Array | None:
+    """Before the first read of the kernel ahead's output: execute ``griddepcontrol.wait``;
+    a bool ``[1]`` (true) computed after it and after :func:`start`'s, to mask those reads
+    with (:func:`masked`)."""
     if mode == "off":
         return None
-    # one value of each loaded tile (its maximum: Pallas' Triton lowering has no slice)
-    inputs = [jnp.max(t.astype(jnp.float32), keepdims=True).reshape((1,)) for t in loaded]
-    after = _instruction("griddepcontrol.wait;", started.astype(jnp.int32), *inputs)
+    after = _instruction("griddepcontrol.wait;", started.astype(jnp.int32))
     return (after >= 0) & started
 
 

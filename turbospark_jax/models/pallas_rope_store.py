@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from turbospark_jax.models import pallas_attention
 from turbospark_jax.models.layers import apply_rope, rms_norm
 from turbospark_jax.models.pallas_attention import (
     arrange_queries,
@@ -48,7 +47,6 @@ from turbospark_jax.models.pallas_attention import (
     folds_on_chip,
     partial_splits,
     plan_keys,
-    prefetch_tiles,
     query_rows,
     split_of,
     store_rows,
@@ -252,8 +250,7 @@ def rope_store(
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
-                           split: bool, barrier: bool, fold_last: int = 0,
-                           prefetch: int = 0) -> None:
+                           split: bool, barrier: bool, fold_last: int = 0) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
@@ -264,8 +261,7 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     last split program folds them itself:
     :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`). The programs of one
     KV head write the same values to the same places (each needs every new key of the
-    block). ``prefetch``: key tiles of the program's split loaded before those writes
-    (:func:`~turbospark_jax.models.pallas_attention.prefetch_tiles`)."""
+    block)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
     # the caches' inputs (the two after pos) and the fold's counters (after them): read and
@@ -277,11 +273,6 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     s = pl.program_id(2) if split else None
     groups = heads // kv_heads
     half = proj_ref.shape[-1] // 2
-    pre = ()
-    if prefetch:  # the split's first key tiles, below every row this call writes
-        written = functools.reduce(jnp.minimum, [at_ref[w] for w in range(width)])
-        pre = prefetch_tiles(k_out, v_out, s * split_len if split else 0, written, capacity,
-                             prefetch)
 
     for w in range(width):
         cos = cos_ref[w, pl.ds(0, half)][None, :]  # both halves are equal
@@ -301,7 +292,7 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
               mma_sums=True)
     if split and fold_last:
         acc_ref, m_ref, l_ref, o_ref, count_ref = results
-        part = split_of(q, pos, bound_ref[()], k_out, v_out, split=s, pre=pre, **kw)
+        part = split_of(q, pos, bound_ref[()], k_out, v_out, split=s, **kw)
         fold_in_last_split(bound_ref[()], part, s, acc_ref, m_ref, l_ref, o_ref, count_ref,
                            h * pl.num_programs(1) + t, t, splits=fold_last, scale=scale,
                            capacity=capacity, split_len=split_len, rows=rows,
@@ -309,21 +300,21 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     elif split:
         acc_ref, m_ref, l_ref = results
         acc_ref[...], m_ref[...], l_ref[...] = split_of(q, pos, bound_ref[()], k_out, v_out,
-                                                        split=s, pre=pre, **kw)
+                                                        split=s, **kw)
     else:
         (o_ref,) = results
-        acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, pre=pre, **kw)
+        acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **kw)
         store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
-                                             "fuse", "fold_in_split", "prefetch"))
+                                             "fuse", "fold_in_split"))
 def rope_store_attention(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-    fuse: bool = True, fold_in_split: bool = False, prefetch: int | None = None,
+    fuse: bool = True, fold_in_split: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
@@ -345,10 +336,6 @@ def rope_store_attention(
         counter a tile; the fold kernel's own code, so the same bits): one launch a layer
         fewer at a long context. Speed only (``DenseModel.fold_in_split``, on by default,
         asks for it).
-      prefetch: key tiles each program of the fused kernel loads before it writes the
-        block's rows (those below every row it writes; the others are read again where the
-        attention reaches them), so their latency overlaps the RoPE-store's work. Speed
-        only. None: :data:`~turbospark_jax.models.pallas_attention.PREFETCH_TILES`.
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -420,8 +407,7 @@ def rope_store_attention(
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
         rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
-        fold_last=fold_last, prefetch=pallas_attention.PREFETCH_TILES if prefetch is None
-        else prefetch)
+        fold_last=fold_last)
     aliases = {len(operands): len(result_shapes) + 1, len(operands) + 1: len(result_shapes) + 2}
     counters = []
     if fold_last:

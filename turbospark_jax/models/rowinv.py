@@ -255,31 +255,17 @@ def _live_rows(shape: tuple[int, int], rows: int) -> jax.Array:
     return row < rows
 
 
-def _k_slice(tile: Any, k_tile: int) -> Any:
-    """K tile ``tile``'s columns (``tile`` traced, or a Python int)."""
-    if isinstance(tile, int):
-        return pl.ds(tile * k_tile, k_tile)
-    return pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
-
-
-def _weight_tile(w_ref: Any, tile: Any, k_tile: int, nk: bool) -> jax.Array:
-    """K tile ``tile`` of a weight block (``[bn, K]`` when ``nk``)."""
-    at = _k_slice(tile, k_tile)
-    return w_ref[:, at] if nk else w_ref[at, :]
-
-
 def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
-               acc: jax.Array, nk: bool, live: jax.Array | None = None,
-               w: jax.Array | None = None) -> jax.Array:
+               acc: jax.Array, nk: bool, live: jax.Array | None = None) -> jax.Array:
     """``acc`` plus the product of K tile ``tile``: the one step both kernels repeat, so a
     row's arithmetic is the same in either. ``nk``: the weight block is ``[bn, K]``.
     ``live``: bool ``[rows, k_tile]``, the x tile's rows the call has (:func:`_live_rows`);
-    the others are not read and enter the product as zeros, as padding rows would. ``w``:
-    the weight tile, when it was loaded already (:mod:`pallas_pdl`'s ``"weights_first"``)."""
-    at = _k_slice(tile, k_tile)
+    the others are not read and enter the product as zeros, as padding rows would."""
+    at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
     x = x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
-    w = _weight_tile(w_ref, tile, k_tile, nk) if w is None else w
-    return acc + tile_dot(x, w, nk)
+    if nk:
+        return acc + tile_dot(x, w_ref[:, at], True)
+    return acc + tile_dot(x, w_ref[at, :], False)
 
 
 def _for_each_weight(offsets: tuple[int, ...], column: Any, w_refs: tuple[Any, ...],
@@ -352,29 +338,20 @@ def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
 
 
 def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_tile: int,
-                 tile_dot: Any, nk: bool, live: jax.Array | None,
-                 first: tuple[jax.Array, ...] = ()) -> jax.Array:
-    """A matvec program's float32 sum over its ``per`` K tiles, from zero; ``first``: its
-    first weight tiles, loaded already (the same steps in the same order)."""
+                 tile_dot: Any, nk: bool, live: jax.Array | None) -> jax.Array:
+    """A matvec program's float32 sum over its ``per`` K tiles, from zero."""
     step = functools.partial(_tile_step, x_ref, w_ref, k_tile=k_tile, tile_dot=tile_dot, nk=nk,
                              live=live)
-    acc = jnp.zeros(shape, jnp.float32)
-    for i, w in enumerate(first):
-        acc = step(i, acc=acc, w=w)
-    return jax.lax.fori_loop(len(first), per, lambda i, acc: step(i, acc=acc), acc)
+    return jax.lax.fori_loop(0, per, lambda i, acc: step(i, acc=acc),
+                             jnp.zeros(shape, jnp.float32))
 
 
-def _pdl_reads(x_ref: Any, w_refs: tuple[Any, ...], live_x: jax.Array | None, *, per: int,
-               k_tile: int, nk: bool, pdl: str, started: jax.Array | None,
-               ) -> tuple[jax.Array | None, tuple[tuple[jax.Array, ...], ...]]:
-    """A matvec program's x-tile mask and its weights' first tiles under the PDL mode
-    :mod:`pallas_pdl` gives it: the wait for the kernel ahead before the rows are read, and
-    under ``"weights_first"`` each weight's first tiles loaded before that wait."""
-    ahead = min(pallas_pdl.AHEAD, per) if pdl == "weights_first" else 0
-    first = tuple(tuple(_weight_tile(w_ref, t, k_tile, nk) for t in range(ahead))
-                  for w_ref in w_refs)
-    gate = pallas_pdl.ready(pdl, started, *(t for tiles in first for t in tiles))
-    return pallas_pdl.masked(live_x, gate, (x_ref.shape[0], k_tile)), first
+def _pdl_live(x_ref: Any, live_x: jax.Array | None, *, k_tile: int, pdl: str,
+              started: jax.Array | None) -> jax.Array | None:
+    """A matvec program's x-tile mask under the PDL mode :mod:`pallas_pdl` gives it: the
+    wait for the kernel ahead before the rows are read."""
+    gate = pallas_pdl.ready(pdl, started)
+    return pallas_pdl.masked(live_x, gate, (x_ref.shape[0], k_tile))
 
 
 def _live_masks(x_ref: Any, o_ref: Any, k_tile: int,
@@ -401,13 +378,10 @@ def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
     one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
     started = pallas_pdl.start(pdl)
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
-    live_x, (gate_first, up_first) = _pdl_reads(x_ref, (gate_ref, up_ref), live_x, per=per,
-                                                k_tile=k_tile, nk=False, pdl=pdl,
-                                                started=started)
+    live_x = _pdl_live(x_ref, live_x, k_tile=k_tile, pdl=pdl, started=started)
     total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
                               tile_dot=tile_dot, nk=False, live=live_x)
-    _store_live(o_ref, swiglu_gating(total(w_ref=gate_ref, first=gate_first),
-                                     total(w_ref=up_ref, first=up_first), o_ref.dtype),
+    _store_live(o_ref, swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
                 live_out)
 
 
@@ -421,10 +395,9 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
     def compute(w_ref: Any) -> None:
-        live, (first,) = _pdl_reads(x_ref, (w_ref,), live_x, per=per, k_tile=k_tile, nk=nk,
-                                    pdl=pdl, started=started)
+        live = _pdl_live(x_ref, live_x, k_tile=k_tile, pdl=pdl, started=started)
         acc = _segment_sum(x_ref, w_ref, o_ref.shape, per=per, k_tile=k_tile,
-                           tile_dot=tile_dot, nk=nk, live=live, first=first)
+                           tile_dot=tile_dot, nk=nk, live=live)
         _store_live(o_ref, acc.astype(o_ref.dtype), live_out)
 
     _for_each_weight(offsets, pl.program_id(1), tuple(w_refs), compute)
