@@ -110,8 +110,9 @@
 #                                             # kernel's old column tile
 #   bash benchmarks/rowinv_h200.sh 40 "$OUT"  # a decode call's cost beyond its steps
 #                                             # and its host phases (1B, 8B)
-#   bash benchmarks/rowinv_h200.sh 41 "$OUT"  # chained decode bursts: GPU tests, a call's
-#                                             # cost chained and not, decode (1B, 0.6B, 8B)
+#   bash benchmarks/rowinv_h200.sh 41 "$OUT"  # chained decode bursts and PDL on: GPU
+#                                             # tests, a call's cost chained and not,
+#                                             # decode (1B, 0.6B, 8B)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -482,16 +483,20 @@ case "$stage" in
   # reads the one before) with PDL's trigger mode (the default since session 46): the
   # chain's tests on the GPU, a call's cost chained against one by one (1B, 8B), decode end
   # to end (1B, 0.6B), the 8B's
-  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+  timeout 60 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_chained_bursts.py --tb=short -rf > "$out/gpu_tests_chained.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_chained.txt" | tail -6
-  for shape in llama-3.2-1b llama-3.1-8b; do
-    timeout 100 python -m benchmarks.call_overhead --shape $shape \
-      --out "$out/call_overhead_chained_$shape.json" 2>&1 | cut -c1-400 | tail -1
-  done
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_pallas_pdl.py tests/test_rowinv_gpu_graph.py --tb=short -rf \
+    > "$out/gpu_tests_pdl_default.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_pdl_default.txt" | tail -6
+  timeout 60 python -m benchmarks.call_overhead --shape llama-3.2-1b \
+    --out "$out/call_overhead_chained_llama-3.2-1b.json" 2>&1 | cut -c1-400 | tail -1
+  timeout 90 python -m benchmarks.call_overhead --shape llama-3.1-8b \
+    --out "$out/call_overhead_chained_llama-3.1-8b.json" 2>&1 | cut -c1-400 | tail -1
   decode_speed 110 speed_chained
-  timeout 170 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
-    --modes rowinv --workloads completion --out "$out/speed8b_chained" --budget-s 160 2>&1 \
+  timeout 150 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+    --modes rowinv --workloads completion --out "$out/speed8b_chained" --budget-s 140 2>&1 \
     | cut -c1-300 | grep speed | tail -4
   ;;
 *)

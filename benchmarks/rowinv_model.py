@@ -929,7 +929,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="programs the gated matvec kernel's column tile aims at instead of "
                          "rowinv.GATED_PROGRAMS (speed only; 192 was the default until "
                          "session 45)")
-    ap.add_argument("--pdl", choices=pallas_pdl.MODES, default="off",
+    ap.add_argument("--pdl", choices=pallas_pdl.MODES, default=pallas_pdl.MODE,
                     help="programmatic dependent launch inside the decode kernels "
                          "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
                          "kernel be scheduled early and waits before the rows")
