@@ -486,7 +486,8 @@ case "$stage" in
   # chain's tests on the GPU, a call's cost chained against one by one (1B, 8B), decode end
   # to end (1B, 0.6B), the 8B's
   timeout 60 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_chained_bursts.py --tb=short -rf > "$out/gpu_tests_chained.txt" 2>&1
+    tests/test_chained_bursts.py tests/test_chained_rounds.py --tb=short -rf \
+    > "$out/gpu_tests_chained.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_chained.txt" | tail -6
   timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
     tests/test_pallas_pdl.py --tb=short -rf > "$out/gpu_tests_pdl_default.txt" 2>&1

@@ -96,9 +96,13 @@ def test_record_committed_default_is_identity():
         lambda p: p.draft_burst((), 1, 0, 2, params=None, history=None, key=None, index=0),
         lambda p: p.device_rounds((), 1, draft_len=2, budget=4, params=None, history=None,
                                   key=None, gen_index=0, remaining=4),
+        lambda p: p.launch_rounds((), 1, draft_len=2, budget=4, params=None, history=None,
+                                  key=None, gen_index=0, remaining=4),
+        lambda p: p.continue_rounds((), None, 4),
+        lambda p: p.collect_rounds(None),
     ],
     ids=["prefill_chunk_priming_drafter", "draft_block", "rollback_retaining", "rewind",
-         "draft_burst", "device_rounds"],
+         "draft_burst", "device_rounds", "launch_rounds", "continue_rounds", "collect_rounds"],
 )
 def test_refusing_defaults_raise_our_error(call):
     with pytest.raises(errors.UnsupportedCapabilityError) as info:

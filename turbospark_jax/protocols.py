@@ -529,13 +529,14 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
         call instead."""
         return 0
 
-    def device_rounds(
+    def launch_rounds(
         self, state: State, pending: int, *, draft_len: int, budget: int, params: Any,
         history: Any, key: jax.Array, gen_index: int, remaining: int,
         stop_ids: Sequence[int] = (), record_logits: bool = True,
-    ) -> tuple[DeviceBurst, State]:
-        """Speculative rounds on the device until ``budget`` tokens are emitted, a stop id is
-        emitted or logits turn non-finite.
+    ) -> tuple[LaunchedBurst, State]:
+        """Start speculative rounds on the device, until ``budget`` tokens are emitted, a
+        stop id is emitted or logits turn non-finite; return at once (:meth:`collect_rounds`
+        reads them back).
 
         Each round drafts up to ``min(draft_len, remaining - 1)`` tokens after ``pending``
         (the last emitted token, not yet fed), verifies them in one target pass, judges them
@@ -552,6 +553,41 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
             f"{type(self).__name__} runs no speculative rounds on the device for this "
             "draft length; see device_draft_limit()"
         )
+
+    def continue_rounds(
+        self, state: State, after: LaunchedBurst, budget: int
+    ) -> tuple[LaunchedBurst, State]:
+        """Chain rounds for up to ``budget`` more tokens of the same request onto ``after``
+        (launched by this producer; ``state`` is the one its launch returned), without waiting
+        for it: they feed the last token ``after`` emitted and keep its settings, key, stop
+        ids, token index and the tokens the request has left. When ``after`` ends on a stop
+        id or non-finite logits, or emits every token left, the chained rounds run none. The
+        default refuses."""
+        del state, after, budget
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} runs no speculative rounds on the device"
+        )
+
+    def collect_rounds(self, launched: LaunchedBurst) -> DeviceBurst:
+        """Wait for launched rounds and read them back. The default refuses."""
+        del launched
+        raise UnsupportedCapabilityError(
+            f"{type(self).__name__} runs no speculative rounds on the device"
+        )
+
+    def device_rounds(
+        self, state: State, pending: int, *, draft_len: int, budget: int, params: Any,
+        history: Any, key: jax.Array, gen_index: int, remaining: int,
+        stop_ids: Sequence[int] = (), record_logits: bool = True,
+    ) -> tuple[DeviceBurst, State]:
+        """One burst of rounds, launched and read back: :meth:`launch_rounds` then
+        :meth:`collect_rounds`."""
+        launched, state = self.launch_rounds(
+            state, pending, draft_len=draft_len, budget=budget, params=params,
+            history=history, key=key, gen_index=gen_index, remaining=remaining,
+            stop_ids=stop_ids, record_logits=record_logits,
+        )
+        return self.collect_rounds(launched), state
 
 
 def require_prompt(prompt_ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -6,7 +6,9 @@ contracts, in one of two ways:
 * **on the device**, when the producer runs whole rounds there
   (:meth:`~turbospark_jax.protocols.SpeculativeProducer.device_rounds`, see
   :mod:`turbospark_jax.rounds`): one device call runs rounds until ``burst`` tokens are out,
-  and the host handles text and stop strings between bursts;
+  and the host handles text and stop strings between bursts; each call is queued
+  (``continue_rounds``) before the one before it is read, so the device does not wait for
+  the host between them;
 * **on the host**, round by round through the protocol's methods: the reference the device
   loop is tested against, and the path for drafters that cannot run on the device.
 
@@ -61,7 +63,7 @@ from turbospark_jax.completion import (
     validate_request,
 )
 from turbospark_jax.drafters.base import MAX_DRAFT
-from turbospark_jax.errors import BadInputError
+from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.protocols import NON_FINITE, SpeculativeProducer
 from turbospark_jax.rounds import (
     judge,
@@ -250,6 +252,10 @@ class _Loop:
         self.progress = progress
         self.on_device = draft_len <= producer.device_draft_limit()
         self.sizer = BurstSizer(request.burst)
+        # Device rounds on their way (queued before the call before them was read), and when
+        # the last call was read.
+        self.launched: Any = None
+        self.since = 0.0
 
     def run(self, state: Any | None) -> Generator[StreamEvent, None, Completion]:
         p, req = self.p, self.req
@@ -330,17 +336,35 @@ class _Loop:
     # -- rounds on the device ---------------------------------------------------------------
 
     def _device_burst(self, state, out, history, key, stats):
-        """One device call of rounds; yields the events, returns (finish, history, state)."""
+        """One device call of rounds; yields the events, returns (finish, history, state).
+
+        The next call is queued on the device before this one is read (``continue_rounds``:
+        its first token, index and tokens left are this one's, taken there), so the device
+        runs it while the host reads and emits; after a stop id it runs no round, and after
+        a stop string its rows are rewound with the rest of the overshoot."""
         req = self.req
-        started = time.perf_counter()
-        burst, state = self.p.device_rounds(
-            state, out.tokens[-1], draft_len=self.draft_len, budget=self.sizer.next(),
-            params=self.params, history=history, key=key, gen_index=len(out.tokens),
-            remaining=req.max_tokens - len(out.tokens), stop_ids=list(req.stop_token_ids),
-            record_logits=req.record_logits,
-        )
-        stats.seconds["device"] += time.perf_counter() - started  # the burst was read back
-        self.sizer.observed(len(burst.tokens), time.perf_counter() - started)
+        if self.launched is None:
+            self.since = time.perf_counter()
+            self.launched, state = self.p.launch_rounds(
+                state, out.tokens[-1], draft_len=self.draft_len, budget=self.sizer.next(),
+                params=self.params, history=history, key=key, gen_index=len(out.tokens),
+                remaining=req.max_tokens - len(out.tokens), stop_ids=list(req.stop_token_ids),
+                record_logits=req.record_logits,
+            )
+        queued = None
+        # The call on its way emits a token at least: queue another only if one may follow.
+        if req.max_tokens - len(out.tokens) - 1 > 0:
+            try:
+                queued, state = self.p.continue_rounds(state, self.launched,
+                                                       self.sizer.next())
+            except ContextOverflowError:  # refused before any work: read this one first
+                queued = None
+        burst = self.p.collect_rounds(self.launched)
+        self.launched = queued
+        now = time.perf_counter()
+        stats.seconds["device"] += now - self.since  # the burst was read back
+        self.sizer.observed(len(burst.tokens), now - self.since)
+        self.since = now
         for drafted, accepted in burst.rounds:
             stats.record(drafted, accepted)
         rows = np.asarray(burst.logits) if burst.logits is not None else [None] * len(burst.tokens)

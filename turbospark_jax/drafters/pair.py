@@ -8,10 +8,12 @@ a device form, whole rounds run on the device (:mod:`turbospark_jax.rounds`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
@@ -22,8 +24,10 @@ from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_in
 from turbospark_jax.drafters.base import MAX_DRAFT, Drafter
 from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.protocols import (
+    RUNNING,
     ChunkedPrefillRunner,
     DeviceBurst,
+    LaunchedBurst,
     SpeculativeProducer,
     VerifyingTarget,
     require_prompt,
@@ -291,12 +295,13 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             return 0
         return min(MAX_DRAFT, self.target.width - 1)
 
-    def device_rounds(
+    def launch_rounds(
         self, state: PairState, pending: int, *, draft_len: int, budget: int, params: Any,
         history: Any, key: jax.Array, gen_index: int, remaining: int,
         stop_ids: Sequence[int] = (), record_logits: bool = True,
-    ) -> tuple[DeviceBurst, PairState]:
-        """Runs the rounds of :mod:`turbospark_jax.rounds` in one device call.
+    ) -> tuple[LaunchedBurst, PairState]:
+        """Runs the rounds of :mod:`turbospark_jax.rounds` in one device call, without waiting
+        for it (:meth:`collect_rounds` reads it back).
 
         Raises:
           UnsupportedCapabilityError: ``draft_len`` is past :meth:`device_draft_limit`.
@@ -310,7 +315,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         draft_len = as_int("draft_len", draft_len, low=1)
         limit = self.device_draft_limit()
         if draft_len > limit:
-            return super().device_rounds(
+            return super().launch_rounds(
                 state, pending, draft_len=draft_len, budget=budget, params=params,
                 history=history, key=key, gen_index=gen_index, remaining=remaining,
                 stop_ids=stop_ids, record_logits=record_logits,
@@ -324,50 +329,118 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
         record_logits = as_bool("record_logits", record_logits)
         check_sampling_args(params, history, key, self.vocab_size)
-        # A round feeds at most up to the last position the request may still emit into, and
-        # a burst stops within one round (MAX_DRAFT) of its budget.
-        reach = count + min(remaining, min(budget, MAX_BURST) + MAX_DRAFT)
-        limit_positions = self.max_positions or target.capacity
-        if reach > limit_positions:
-            raise ContextOverflowError(
-                f"speculative rounds from position {count} with {remaining} tokens to go could "
-                f"write up to position {reach - 1}, past the {limit_positions} positions that "
-                "target and drafter hold"
-            )
-        device, device_params = self._device
         stops = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops[: len(stop_ids)] = list(stop_ids)
         # Host scalars go in with the call's arguments (an eager jnp op each would cost a
         # dispatch each on a GPU).
-        control = RoundControl(
-            params=params, history=history, key=key, gen_index=np.int32(gen_index),
-            remaining=np.int32(remaining), budget=np.int32(min(budget, MAX_BURST)),
-            draft_len=np.int32(draft_len), stop_ids=stops,
+        call = _RoundsCall(
+            pair=self, params=params, key=key, draft_len=draft_len, stop_ids=stops,
+            record_logits=record_logits, pending=np.int32(pending),
+            gen_index=np.int32(gen_index), remaining=np.int32(remaining), left=remaining,
+            out=None, cursor=None,
         )
-        # Every verify block sits below reach + W (its padding rows too): within the target's
-        # short-context bound, the rounds verify in the program bounded by it.
-        program = compiled_rounds(target.model, device, target.width, target.donate,
-                                  record_logits, sampling.is_greedy(params),
-                                  target.key_bound(reach + target.width))
-        bare, held = without_auxiliary(state.target)
-        buffers, values, drafter, out = program(
-            target.params, device_params, buffers_only(bare), by_value(bare),
-            state.drafter, np.int32(pending), control, *target.nothing_injected,
+        return self._launch_rounds(state, call, history, budget, count)
+
+    def continue_rounds(
+        self, state: PairState, after: LaunchedBurst, budget: int
+    ) -> tuple[LaunchedBurst, PairState]:
+        """Chain rounds for up to ``budget`` more tokens onto ``after`` without waiting for
+        it (see :meth:`~turbospark_jax.protocols.SpeculativeProducer.continue_rounds`).
+        Nothing here reads the device: the checks hold ``state`` to the one ``after``'s
+        launch returned and the context to ``after.reach``."""
+        if not isinstance(after, LaunchedBurst) or not isinstance(after.call, _RoundsCall) or (
+            after.call.pair is not self
+        ):
+            raise BadInputError(
+                "continue_rounds continues rounds this pair launched (launch_rounds or "
+                f"continue_rounds); got {type(after).__name__}"
+            )
+        prior = after.call
+        if not isinstance(state, PairState) or not hasattr(state.target, "fed") or (
+            state.target.fed.count is not prior.cursor
+        ):
+            raise BadInputError(
+                "continue rounds with the state their launch returned (and nothing since): "
+                "chained rounds start where those stop"
+            )
+        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+            raise BadInputError(
+                "this state's buffers were consumed by an earlier call (the target donates "
+                "them); continue from the state that call returned"
+            )
+        budget = as_int("budget", budget, low=1)
+        # The rounds before emit a token at least, unless they end the generation (then these
+        # run none): at most ``left - 1`` tokens remain.
+        if prior.left <= 1:
+            raise BadInputError(
+                "the rounds this would continue may emit every token the request has left; "
+                "collect them first"
+            )
+        pending, gen_index, remaining = _chained_round_inputs(
+            prior.out.count, prior.out.tokens, prior.out.finish, prior.pending,
+            prior.gen_index, prior.remaining,
         )
+        call = dataclasses.replace(prior, pending=pending, gen_index=gen_index,
+                                   remaining=remaining, left=prior.left - 1)
+        return self._launch_rounds(state, call, prior.out.history, budget, after.reach)
+
+    def collect_rounds(self, launched: LaunchedBurst) -> DeviceBurst:
+        """Wait for launched rounds and read their tokens (and logits, when recorded) back."""
+        if not isinstance(launched, LaunchedBurst) or not isinstance(
+            launched.call, _RoundsCall
+        ) or launched.call.pair is not self:
+            raise BadInputError(
+                "collect_rounds reads rounds this pair launched (launch_rounds or "
+                f"continue_rounds); got {type(launched).__name__}"
+            )
+        out = launched.call.out
         # One transfer for everything small; slicing on the device by a count that changes
         # from call to call would compile a new program per count.
         n, rounds, finish, tokens, sizes = jax.device_get(
             (out.count, out.rounds, out.finish, out.tokens, out.sizes)
         )
-        burst = DeviceBurst(
+        return DeviceBurst(
             tokens=[int(t) for t in tokens[: int(n)]],
             finish=int(finish),
             history=out.history,
-            logits=np.asarray(out.logits)[: int(n)] if record_logits else None,
+            logits=np.asarray(out.logits)[: int(n)] if launched.call.record_logits else None,
             rounds=tuple((int(d), int(a)) for d, a in sizes[: int(rounds)]),
         )
+
+    def _launch_rounds(
+        self, state: PairState, call: _RoundsCall, history: Any, budget: int, count: int
+    ) -> tuple[LaunchedBurst, PairState]:
+        target: BlockProducer = self.target  # type: ignore[assignment]
+        # A round feeds at most up to the last position the request may still emit into, and
+        # a burst stops within one round (MAX_DRAFT) of its budget.
+        reach = count + min(call.left, min(budget, MAX_BURST) + MAX_DRAFT)
+        limit_positions = self.max_positions or target.capacity
+        if reach > limit_positions:
+            raise ContextOverflowError(
+                f"speculative rounds from position {count} with {call.left} tokens to go "
+                f"could write up to position {reach - 1}, past the {limit_positions} "
+                "positions that target and drafter hold"
+            )
+        device, device_params = self._device
+        control = RoundControl(
+            params=call.params, history=history, key=call.key, gen_index=call.gen_index,
+            remaining=call.remaining, budget=np.int32(min(budget, MAX_BURST)),
+            draft_len=np.int32(call.draft_len), stop_ids=call.stop_ids,
+        )
+        # Every verify block sits below reach + W (its padding rows too): within the target's
+        # short-context bound, the rounds verify in the program bounded by it.
+        program = compiled_rounds(target.model, device, target.width, target.donate,
+                                  call.record_logits, sampling.is_greedy(call.params),
+                                  target.key_bound(reach + target.width))
+        bare, held = without_auxiliary(state.target)
+        buffers, values, drafter, out = program(
+            target.params, device_params, buffers_only(bare), by_value(bare),
+            state.drafter, call.pending, control, *target.nothing_injected,
+        )
         target_state = with_auxiliary(merge_parts(buffers, values), held)
-        return burst, PairState(target=target_state, drafter=drafter)
+        call = dataclasses.replace(call, out=out, cursor=target_state.fed.count)
+        return (LaunchedBurst(steps=min(budget, MAX_BURST), reach=reach, call=call),
+                PairState(target=target_state, drafter=drafter))
 
     # -- internals --------------------------------------------------------------------------
 
@@ -390,3 +463,38 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             return state
         drafter = self.drafter.rewind(state.drafter, n, lambda: self._known(state))
         return state.replace(drafter=drafter)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RoundsCall:
+    """Launched rounds' record: their outputs, what rounds chained onto them take from them
+    (the token the first round fed, the index of the first token emitted, the tokens the
+    request had left, all on the device), the settings they keep, ``left`` (the host's bound
+    on the tokens the request had left) and the returned target state's cursor leaf."""
+
+    out: Any
+    pending: Any
+    gen_index: Any
+    remaining: Any
+    left: int
+    cursor: Any
+    pair: Any
+    params: Any
+    key: Any
+    draft_len: int
+    stop_ids: Any
+    record_logits: bool
+
+
+@jax.jit
+def _chained_round_inputs(
+    count: jax.Array, tokens: jax.Array, finish: jax.Array, pending: jax.Array,
+    gen_index: jax.Array, remaining: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Chained rounds' inputs from the rounds before them, on the device: the token to feed
+    first (the last one those emitted; their own when they emitted none), the index of the
+    first token they emit, and the tokens the request has left (none once a stop id or
+    non-finite logits ended it, so the chained rounds run none)."""
+    last = jnp.where(count > 0, tokens[jnp.maximum(count - 1, 0)], pending)
+    left = jnp.where(finish != RUNNING, jnp.int32(0), remaining - count).astype(jnp.int32)
+    return last.astype(jnp.int32), gen_index + count, left
