@@ -173,17 +173,23 @@ def test_continue_decode_refuses_consumed_buffers():
         p.continue_decode(state, launched, 4)
 
 
-def test_the_loop_queues_each_burst_before_it_reads_the_one_before(monkeypatch):
-    p = toy_attention_producer(vocab=V, capacity=96, width=4, steps_per_call=8)
+def record_calls(monkeypatch, obj, names):
+    """The list ``obj``'s methods ``names`` append their names to, in call order."""
     calls = []
-    for name in ("launch_decode", "continue_decode", "collect"):
-        real = getattr(p, name)
+    for name in names:
+        real = getattr(obj, name)
 
         def recorded(*args, _name=name, _real=real, **kwargs):
             calls.append(_name)
             return _real(*args, **kwargs)
 
-        monkeypatch.setattr(p, name, recorded)
+        monkeypatch.setattr(obj, name, recorded)
+    return calls
+
+
+def test_the_loop_queues_each_burst_before_it_reads_the_one_before(monkeypatch):
+    p = toy_attention_producer(vocab=V, capacity=96, width=4, steps_per_call=8)
+    calls = record_calls(monkeypatch, p, ("launch_decode", "continue_decode", "collect"))
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=20, burst=8)
     c = run_raw_completion(p, req)
     assert c.finish_reason is FinishReason.LENGTH and len(c.token_ids) == 20

@@ -6,6 +6,7 @@ speculative loop queues each call before it reads the one before."""
 import numpy as np
 import pytest
 
+from tests.test_chained_bursts import record_calls
 from turbospark_jax import CompletionRequest, run_raw_completion_speculative, sampling
 from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, SpeculativePair
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
@@ -125,7 +126,7 @@ def test_continue_rounds_refuses_what_does_not_continue_the_rounds():
         p.continue_rounds(state, foreign, 8)
     with pytest.raises(BadInputError, match="this pair launched"):
         p.collect_rounds(foreign)
-    with pytest.raises(BadInputError, match="the state their launch returned"):
+    with pytest.raises(BadInputError, match="the state its launch returned"):
         p.continue_rounds(copy_state(state), launched, 8)
     for bad in (0, 2.5, "8"):
         with pytest.raises(BadInputError, match="budget"):
@@ -153,15 +154,7 @@ def test_a_pair_without_device_rounds_refuses_to_launch_them():
 
 def test_the_loop_queues_each_call_before_it_reads_the_one_before(monkeypatch):
     p = pairs()["draft model"]
-    calls = []
-    for name in ("launch_rounds", "continue_rounds", "collect_rounds"):
-        real = getattr(p, name)
-
-        def recorded(*args, _name=name, _real=real, **kwargs):
-            calls.append(_name)
-            return _real(*args, **kwargs)
-
-        monkeypatch.setattr(p, name, recorded)
+    calls = record_calls(monkeypatch, p, ("launch_rounds", "continue_rounds", "collect_rounds"))
     req = CompletionRequest(prompt_ids=PROMPT, max_tokens=40, burst=8, draft_len=3)
     c = run_raw_completion_speculative(p, req)
     assert len(c.token_ids) == 40 and c.speculative.on_device

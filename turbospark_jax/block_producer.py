@@ -543,16 +543,7 @@ class BlockProducer(
                 f"continue_decode); got {type(after).__name__}"
             )
         prior = after.call
-        if not isinstance(state, BlockState) or state.fed.count is not prior.cursor:
-            raise BadInputError(
-                "continue a burst with the state its launch returned (and nothing since): a "
-                "chained burst starts where that one stops"
-            )
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-            raise BadInputError(
-                "this state's buffers were consumed by an earlier call (the producer donates "
-                "them); continue from the state that call returned"
-            )
+        require_launched_state(state, state, prior.cursor)
         steps = as_int("steps", steps, low=1, high=self.steps_per_call)
         self._check_reach(after.reach, steps)
         plan = self._decode_plan(steps, first=0)
@@ -859,6 +850,22 @@ class BlockProducer(
             **program_statics(last_row_head, draw, max_keys),
         )
         return out, with_auxiliary(merge_parts(buffers, values), held)
+
+
+def require_launched_state(state: Any, target: Any, cursor: Any) -> None:
+    """Refuse to chain a device call onto anything but the state the call before it returned
+    (``target``: that state's block-producer part, whose cursor leaf must be ``cursor``),
+    and a state whose buffers a later call consumed. Reads nothing from the device."""
+    if not isinstance(target, BlockState) or target.fed.count is not cursor:
+        raise BadInputError(
+            "continue with the state its launch returned (and nothing since): a chained "
+            "call starts where the one before it stops"
+        )
+    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
+        raise BadInputError(
+            "this state's buffers were consumed by an earlier call (the producer donates "
+            "them); continue from the state that call returned"
+        )
 
 
 def program_steps(n_steps: Any) -> Any:

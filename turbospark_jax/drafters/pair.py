@@ -18,7 +18,7 @@ import numpy as np
 from flax import struct
 
 from turbospark_jax import sampling
-from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.block_producer import BlockProducer, require_launched_state
 from turbospark_jax.block_program import MAX_STOP_IDS
 from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_int
 from turbospark_jax.drafters.base import MAX_DRAFT, Drafter
@@ -356,18 +356,8 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
                 f"continue_rounds); got {type(after).__name__}"
             )
         prior = after.call
-        if not isinstance(state, PairState) or not hasattr(state.target, "fed") or (
-            state.target.fed.count is not prior.cursor
-        ):
-            raise BadInputError(
-                "continue rounds with the state their launch returned (and nothing since): "
-                "chained rounds start where those stop"
-            )
-        if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-            raise BadInputError(
-                "this state's buffers were consumed by an earlier call (the target donates "
-                "them); continue from the state that call returned"
-            )
+        require_launched_state(state, state.target if isinstance(state, PairState) else None,
+                               prior.cursor)
         budget = as_int("budget", budget, low=1)
         # The rounds before emit a token at least, unless they end the generation (then these
         # run none): at most ``left - 1`` tokens remain.
