@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 import jax
+import numpy as np
 
 from turbospark_jax.checks import as_token_ids
 from turbospark_jax.errors import UnsupportedCapabilityError
@@ -242,8 +243,8 @@ class DeviceBurst:
       finish: RUNNING (budget used), STOPPED_ON_TOKEN or NON_FINITE (the tokens before the
         failing step are kept).
       history: the penalty bookkeeping after the last emitted token.
-      logits: float32 ``[len(tokens), V]`` on the device: row ``i`` is the target row token
-        ``i`` was drawn from; ``None`` when not asked for.
+      logits: float32 ``[len(tokens), V]``, read back to the host: row ``i`` is the target
+        row token ``i`` was drawn from; ``None`` when not asked for.
       rounds: for speculative bursts, ``(drafted, accepted)`` per verify round; empty for
         plain decoding.
     """
@@ -251,7 +252,7 @@ class DeviceBurst:
     tokens: list[int]
     finish: int
     history: Any
-    logits: jax.Array | None
+    logits: np.ndarray | None
     rounds: tuple[tuple[int, int], ...] = ()
 
 
