@@ -115,6 +115,8 @@
 #                                             # decode (1B, 0.6B, 8B)
 #   bash benchmarks/rowinv_h200.sh 42 "$OUT"  # the defaults' decode end to end (1B, 0.6B,
 #                                             # 8B), short
+#   bash benchmarks/rowinv_h200.sh 43 "$OUT"  # chained speculative calls: GPU tests, the
+#                                             # 1B oracle figures
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -508,6 +510,17 @@ case "$stage" in
   timeout 150 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
     --modes rowinv --workloads completion --out "$out/speed8b" --budget-s 140 2>&1 \
     | cut -c1-300 | grep speed | tail -4
+  ;;
+43)
+  # the speculative loop's chained device calls (session 46, untimed so far): their GPU
+  # tests, then the 1B oracle figures against the README's (4.67x, 84% of ideal at alpha 0.9
+  # and draft length 8 before the chain; the plain baseline there is chained now too)
+  timeout 100 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    tests/test_chained_rounds.py tests/test_speculative.py --tb=short -rf \
+    > "$out/gpu_tests_chained_rounds.txt" 2>&1
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_chained_rounds.txt" | tail -6
+  timeout 400 python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
+    --out "$out/speculative" 2>&1 | tail -12
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
