@@ -535,14 +535,7 @@ class BlockProducer(
         :meth:`~turbospark_jax.protocols.DeviceDecoder.continue_decode`). Nothing here reads
         the device: the checks hold ``state`` to the one ``after``'s launch returned, and the
         context to ``after.reach``."""
-        if not isinstance(after, LaunchedBurst) or not isinstance(after.call, _BurstCall) or (
-            after.call.producer != self.identity
-        ):
-            raise BadInputError(
-                "continue_decode continues a burst this producer launched (launch_decode or "
-                f"continue_decode); got {type(after).__name__}"
-            )
-        prior = after.call
+        prior = self._own_call(after, "continue_decode continues")
         require_launched_state(state, state, prior.cursor)
         steps = as_int("steps", steps, low=1, high=self.steps_per_call)
         self._check_reach(after.reach, steps)
@@ -559,14 +552,8 @@ class BlockProducer(
 
     def collect(self, launched: LaunchedBurst) -> DeviceBurst:
         """Wait for a launched burst and read its tokens (and logits, when recorded) back."""
-        if not isinstance(launched, LaunchedBurst) or not isinstance(
-            launched.call, _BurstCall
-        ) or launched.call.producer != self.identity:
-            raise BadInputError(
-                "collect reads a burst this producer launched (launch_decode or "
-                f"continue_decode); got {type(launched).__name__}"
-            )
-        out = launched.call.out
+        call = self._own_call(launched, "collect reads")
+        out = call.out
         # One transfer for the scalars and tokens; slicing on the device by a count that
         # changes from call to call would compile a new program per count.
         n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
@@ -574,10 +561,21 @@ class BlockProducer(
         toks = [int(t) for t in sampled[:n]]
         if finish == NON_FINITE:
             toks = toks[: n - 1]
-        logits = np.asarray(out.logits)[: len(toks)] if launched.call.record_logits else None
+        logits = np.asarray(out.logits)[: len(toks)] if call.record_logits else None
         return DeviceBurst(tokens=toks, finish=finish, history=out.history, logits=logits)
 
     # -- internals ------------------------------------------------------------------------
+
+    def _own_call(self, launched: Any, doing: str) -> _BurstCall:
+        """The record of a burst this producer launched; anything else is refused."""
+        if not isinstance(launched, LaunchedBurst) or not isinstance(
+            launched.call, _BurstCall
+        ) or launched.call.producer != self.identity:
+            raise BadInputError(
+                f"{doing} a burst this producer launched (launch_decode or continue_decode); "
+                f"got {type(launched).__name__}"
+            )
+        return launched.call
 
     def _check_reach(self, count: int, steps: int) -> None:
         if count + steps > self.capacity:

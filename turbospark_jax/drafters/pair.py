@@ -348,14 +348,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         it (see :meth:`~turbospark_jax.protocols.SpeculativeProducer.continue_rounds`).
         Nothing here reads the device: the checks hold ``state`` to the one ``after``'s
         launch returned and the context to ``after.reach``."""
-        if not isinstance(after, LaunchedBurst) or not isinstance(after.call, _RoundsCall) or (
-            after.call.pair is not self
-        ):
-            raise BadInputError(
-                "continue_rounds continues rounds this pair launched (launch_rounds or "
-                f"continue_rounds); got {type(after).__name__}"
-            )
-        prior = after.call
+        prior = self._own_call(after, "continue_rounds continues")
         require_launched_state(state, state.target if isinstance(state, PairState) else None,
                                prior.cursor)
         budget = as_int("budget", budget, low=1)
@@ -376,14 +369,8 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
 
     def collect_rounds(self, launched: LaunchedBurst) -> DeviceBurst:
         """Wait for launched rounds and read their tokens (and logits, when recorded) back."""
-        if not isinstance(launched, LaunchedBurst) or not isinstance(
-            launched.call, _RoundsCall
-        ) or launched.call.pair is not self:
-            raise BadInputError(
-                "collect_rounds reads rounds this pair launched (launch_rounds or "
-                f"continue_rounds); got {type(launched).__name__}"
-            )
-        out = launched.call.out
+        call = self._own_call(launched, "collect_rounds reads")
+        out = call.out
         # One transfer for everything small; slicing on the device by a count that changes
         # from call to call would compile a new program per count.
         n, rounds, finish, tokens, sizes = jax.device_get(
@@ -393,9 +380,20 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             tokens=[int(t) for t in tokens[: int(n)]],
             finish=int(finish),
             history=out.history,
-            logits=np.asarray(out.logits)[: int(n)] if launched.call.record_logits else None,
+            logits=np.asarray(out.logits)[: int(n)] if call.record_logits else None,
             rounds=tuple((int(d), int(a)) for d, a in sizes[: int(rounds)]),
         )
+
+    def _own_call(self, launched: Any, doing: str) -> _RoundsCall:
+        """The record of rounds this pair launched; anything else is refused."""
+        if not isinstance(launched, LaunchedBurst) or not isinstance(
+            launched.call, _RoundsCall
+        ) or launched.call.pair is not self:
+            raise BadInputError(
+                f"{doing} rounds this pair launched (launch_rounds or continue_rounds); got "
+                f"{type(launched).__name__}"
+            )
+        return launched.call
 
     def _launch_rounds(
         self, state: PairState, call: _RoundsCall, history: Any, budget: int, count: int
