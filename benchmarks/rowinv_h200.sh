@@ -224,7 +224,7 @@ case "$stage" in
   timeout 120 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts speed \
     --shapes llama-3.2-1b --modes rowinv --workloads decode,completion \
     --out "$out/speed_no_graphs" --budget-s 105 2>&1 | tail -10
-  # the default: importing turbospark_jax asks XLA for loop graphs (device_flags)
+  # the default: a row-invariant decode program compiles its loops as graphs (device_flags)
   timeout 120 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.2-1b \
     --modes rowinv --workloads decode,completion --out "$out/speed" --budget-s 105 \
     2>&1 | tail -10

@@ -14,7 +14,7 @@ modules hold the rest (``block_producer``, ``drafters``, ``session_pool``, ``cha
 # ruff: noqa: E402 (the XLA flags go in before any import that could start a JAX backend)
 from turbospark_jax.device_flags import enable_loop_graphs
 
-enable_loop_graphs()  # device loops as CUDA graphs (device_flags)
+enable_loop_graphs()  # device loops as CUDA graphs, only if asked for (device_flags)
 
 from turbospark_jax.api import Model, generate, load, stream
 from turbospark_jax.completion import Completion, CompletionRequest, FinishReason, Usage

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from turbospark_jax import sampling
+from turbospark_jax import device_flags, sampling
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import NON_FINITE, RUNNING, STOPPED_ON_TOKEN
 from turbospark_jax.state import FedRecord, auxiliary, buffers_only, by_value, merge_parts
@@ -338,25 +338,42 @@ def compiled_parallel(model: BlockModel, donate: bool) -> Any:
                    static_argnames=("key_limit", "fresh", "head"))
 
 
+class _Programs:
+    """The jitted block program: one jit for every path, and for a model whose widths agree
+    a second jit of the same function for its decode programs (a ``draw`` other than
+    ``"any"``), compiled with :func:`~turbospark_jax.device_flags.decode_program_options`
+    (their loops as CUDA graphs). Both take the same arguments."""
+
+    def __init__(self, model: BlockModel, donate: bool, **jit_options: Any) -> None:
+        fn = functools.partial(_run_blocks, model)
+        options = dict(donate_argnums=(1,) if donate else (),  # 1: the append-only buffers
+                       static_argnames=("last_row_head", "draw", "max_keys"), **jit_options)
+        self.any = jax.jit(fn, **options)
+        decode = device_flags.decode_program_options() if model.widths_agree else None
+        self.decode = self.any if decode is None else jax.jit(
+            fn, compiler_options=decode, **options)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        decoding = kwargs.get("draw", "any") != "any"
+        return (self.decode if decoding else self.any)(*args, **kwargs)
+
+
 @functools.cache
-def compiled_program(model: BlockModel, donate: bool) -> Any:
+def compiled_program(model: BlockModel, donate: bool) -> _Programs:
     """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``; a
     model whose widths agree also has a ``last_row_head`` form for the exact prefill, and
     decode forms that draw by a plan the host chose from the request's settings, ``draw``
-    other than ``"any"``: :func:`~turbospark_jax.sampling.draw_as`; a model that declares
-    ``bounds_keys`` also has decode forms bounded by ``max_keys``, for short contexts)."""
-    fn = functools.partial(_run_blocks, model)
-    return jax.jit(fn, donate_argnums=(1,) if donate else (),  # 1: the append-only buffers
-                   static_argnames=("last_row_head", "draw", "max_keys"))
+    other than ``"any"``: :func:`~turbospark_jax.sampling.draw_as`, compiled with their
+    loops in command buffers; a model that declares ``bounds_keys`` also has decode forms
+    bounded by ``max_keys``, for short contexts)."""
+    return _Programs(model, donate)
 
 
-def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> Any:
+def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> _Programs:
     """The program of :func:`compiled_program` with its outputs' shardings pinned: a state
     sharded over a device mesh then keeps its layout from call to call, whatever layout the
     compiler would have picked (:mod:`turbospark_jax.sharding`)."""
-    fn = functools.partial(_run_blocks, model)
-    return jax.jit(fn, donate_argnums=(1,) if donate else (), out_shardings=out_shardings,
-                   static_argnames=("last_row_head", "draw", "max_keys"))
+    return _Programs(model, donate, out_shardings=out_shardings)
 
 
 @functools.cache

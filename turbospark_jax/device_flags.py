@@ -1,20 +1,33 @@
-"""XLA settings the runtime's device loops run best under, applied before JAX starts a backend.
+"""XLA settings for the runtime's device loops, applied before JAX starts a backend; off
+unless asked for.
 
-A decode burst is one XLA while loop over chunks of decode steps. Without command buffers for
-loops, XLA's GPU runtime returns to the host at every iteration: it copies the loop's
-predicate back, waits for the device to drain, and launches the next chunk's kernels one by
-one, and the device idles meanwhile. With ``--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL``
-the whole loop is recorded as one CUDA graph whose condition runs on the device.
+A decode burst is one XLA while loop over chunks of decode steps, and a burst of speculative
+rounds nests the drafter's and the judge's loops inside its own. XLA can record loops and
+conditionals as CUDA graphs whose conditions run on the device
+(``--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL``) instead of reading each loop's
+predicate back to the host.
 
-Measured on an H100 (1B shape, row-invariant kernels, 128-step bursts; NOTES.md, "The
-decode loop's costs beyond its kernels"): a traced burst's wall time fell from 1,464 to 1,338
-us a token. The kernels and their order do not change, so neither does a bit of any result.
+Until 2026-12-06 importing the package asked for that setting. On an H100 (jax 0.11.2) it
+made the speculative rounds' nested loops hang (a sampled draft-model burst ran for minutes)
+and give wrong tokens now and then (recurrent targets' device rounds against the host
+loop's, a greedy host loop once), while the same tests passed with it off; and the decode
+figures were the same with and without it (NOTES.md, "The decode loop's costs beyond its
+kernels" and "The loop graphs turned off"). So the package leaves ``XLA_FLAGS`` alone unless
+``TURBOSPARK_LOOP_GRAPHS=1`` asks for the setting for every program (for measuring it: it is
+not known safe).
+
+One kind of program keeps the loops in graphs: a decode program of a model whose widths
+agree (a draw plan, :func:`~turbospark_jax.block_program.compiled_program`), compiled with
+:func:`decode_program_options`. Its loop is what the graphs were for: without them XLA reads
+the loop's condition back every chunk of steps and the device drains and waits for the
+host's next launches, 6-7% of the 1B's and 0.6B's decode on that H100. Every bitwise check of
+those programs on the GPU since the setting came in (each burst against step-by-step
+decoding in the benchmarks' exact part, at three shapes, and the speculative tests' plain
+references) ran them with it. ``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts; :func:`enable_loop_graphs` must
-run before that, and importing ``turbospark_jax`` runs it first thing (so the command line,
-the server, the benchmarks and a library user who imports the package before computing
-anything with JAX all get it). A flag the user set for command buffers is left as it is, and
-``TURBOSPARK_LOOP_GRAPHS=0`` turns the setting off.
+run before that, and importing ``turbospark_jax`` runs it first thing. A flag the user set for
+command buffers is left as it is.
 """
 
 from __future__ import annotations
@@ -23,8 +36,9 @@ import os
 
 #: Adds while loops and conditionals to the command buffer kinds XLA records by default.
 LOOP_GRAPHS_FLAG = "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"
-#: Environment switch: ``0`` leaves ``XLA_FLAGS`` alone.
-OPT_OUT = "TURBOSPARK_LOOP_GRAPHS"
+#: Environment switch: ``1`` asks for the loop graphs; anything else (or nothing) leaves
+#: ``XLA_FLAGS`` alone.
+OPT_IN = "TURBOSPARK_LOOP_GRAPHS"
 
 
 def add_xla_flag(flag: str) -> bool:
@@ -38,6 +52,23 @@ def add_xla_flag(flag: str) -> bool:
     return True
 
 
+#: The command buffer kinds of a decode program: XLA's defaults in jax 0.10 and 0.11
+#: (as ``XLA_FLAGS`` leaves them) and while loops. A per-program option names them all.
+DECODE_COMMAND_BUFFERS = ("FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,CONDITIONAL,"
+                          "DYNAMIC_SLICE_FUSION,WHILE")
+
+
+def decode_program_options() -> dict[str, str] | None:
+    """The compiler options of a decode program (while loops in command buffers), or ``None``
+    when the switch is ``0``, or when ``XLA_FLAGS`` already says what to record (the user's
+    choice, or the switch's ``1`` for every program)."""
+    if os.environ.get(OPT_IN, "").strip() == "0":
+        return None
+    if "--xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
+        return None
+    return {"xla_gpu_enable_command_buffer": DECODE_COMMAND_BUFFERS}
+
+
 def _backends_started() -> bool:
     try:
         from jax._src import xla_bridge
@@ -48,13 +79,14 @@ def _backends_started() -> bool:
 
 
 def enable_loop_graphs() -> bool:
-    """Ask XLA to record device loops as CUDA graphs; returns whether ``XLA_FLAGS`` changed.
+    """Ask XLA to record device loops as CUDA graphs when ``TURBOSPARK_LOOP_GRAPHS=1``;
+    returns whether ``XLA_FLAGS`` changed.
 
-    Leaves the flags alone (and returns ``False``) when the user already chose a command
-    buffer setting, when ``TURBOSPARK_LOOP_GRAPHS=0``, or when a JAX backend has already
-    started (the setting would not take effect, and a half-applied one is worse than none).
-    The flag is harmless on a CPU, which has no command buffers.
+    Leaves the flags alone (and returns ``False``) unless the switch is ``1``, when the user
+    already chose a command buffer setting, or when a JAX backend has already started (the
+    setting would not take effect, and a half-applied one is worse than none). The flag is
+    harmless on a CPU, which has no command buffers.
     """
-    if os.environ.get(OPT_OUT, "1").strip() == "0" or _backends_started():
+    if os.environ.get(OPT_IN, "").strip() != "1" or _backends_started():
         return False
     return add_xla_flag(LOOP_GRAPHS_FLAG)
