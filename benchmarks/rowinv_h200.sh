@@ -117,12 +117,15 @@
 #                                             # 8B), short
 #   bash benchmarks/rowinv_h200.sh 43 "$OUT"  # chained speculative calls: GPU tests, the
 #                                             # 1B oracle figures
+#   bash benchmarks/rowinv_h200.sh 44 "$OUT"  # stage 43 under session 47's default (loop
+#                                             # graphs in decode programs only), with time
+#                                             # for the tests; test_rowinv_gpu_graph
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 40}
+stage=${1:?stage 1 to 44}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -520,6 +523,20 @@ case "$stage" in
     > "$out/gpu_tests_chained_rounds.txt" 2>&1
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_chained_rounds.txt" | tail -6
   timeout 400 python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
+    --out "$out/speculative" 2>&1 | tail -12
+  ;;
+44)
+  # the speculative rounds without loop graphs (session 47: WHILE command buffers only in a
+  # row-invariant model's decode programs): their GPU tests with room to compile (86 s on an
+  # H100), a stuck test's stack printed after 60 s, the GPU-graph test at full float32
+  # precision, then the 1B oracle figures against stage 43's (taken with the graphs
+  # everywhere)
+  timeout 200 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    -o faulthandler_timeout=60 tests/test_chained_rounds.py tests/test_speculative.py \
+    "tests/test_rowinv_gpu_graph.py::test_gpu_form_matches_xla_and_its_widths_agree" \
+    --tb=short -rf > "$out/gpu_tests_speculative.txt" 2>&1
+  grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_speculative.txt" | tail -8
+  timeout 360 python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
     --out "$out/speculative" 2>&1 | tail -12
   ;;
 *)
