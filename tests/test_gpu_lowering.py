@@ -374,7 +374,11 @@ def test_rowinv_decode_loop_has_no_branch_but_its_loop(settings, monkeypatch):
     """A conditional on a GPU copies its predicate to the host and waits, every token; so
     does a loop's condition, unless the loop has a known trip count. The decode program's
     steps run in chunks of DECODE_CHUNK, a loop whose condition compares its counter with
-    that constant, inside the loop over chunks: one host check per chunk."""
+    that constant, inside the loop over chunks: one host check per chunk. This shape (no
+    conditional, the inner loop's trip count fixed) is also why these programs alone compile
+    with their loops as CUDA graphs (``device_flags.decode_program_options``): the programs
+    that broke under the graphs on an H100 nest conditionals or data-dependent loops in
+    their loop (NOTES.md, session 47)."""
     from turbospark_jax.block_program import DECODE_CHUNK
 
     text = _decode_program("rowinv", settings, monkeypatch)
