@@ -120,12 +120,15 @@
 #   bash benchmarks/rowinv_h200.sh 44 "$OUT"  # stage 43 under session 47's default (loop
 #                                             # graphs in decode programs only), with time
 #                                             # for the tests; test_rowinv_gpu_graph
+#   bash benchmarks/rowinv_h200.sh 45 "$OUT"  # the 8B's decode under 128, 256 (default) and
+#                                             # 512 keys a split: its 4k context sat 0.1-0.8
+#                                             # points under 90% of its roofline (H100)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 44}
+stage=${1:?stage 1 to 45}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -538,6 +541,17 @@ case "$stage" in
   grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_speculative.txt" | tail -8
   timeout 360 python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
     --out "$out/speculative" 2>&1 | tail -12
+  ;;
+45)
+  # the 8B's attention at 4k: 16 splits of 256 keys a KV head (128 programs), each folded in
+  # its tile's last split program; session 43 chose 256 on the 1B and 0.6B only. Decode end
+  # to end at each setting, back to back (a setting other than 256 changes every path's
+  # attention bits alike: its exact part before it could become the default)
+  for keys in 256 128 512; do
+    timeout 120 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
+      --modes rowinv --workloads completion --keys-per-split $keys \
+      --out "$out/speed8b_kps_$keys" --budget-s 110 2>&1 | cut -c1-300 | grep speed | tail -4
+  done
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
