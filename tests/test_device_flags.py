@@ -92,12 +92,12 @@ def test_a_decode_program_of_a_row_invariant_model_is_its_own_jit():
     from turbospark_jax.models.dense_config import DenseConfig
     from turbospark_jax.testing.toy import ToyAttentionModel
 
-    programs = block_program._Programs(ToyAttentionModel(vocab=8, dim=4), donate=False)
+    programs = block_program.BlockPrograms(ToyAttentionModel(vocab=8, dim=4), donate=False)
     assert programs.decode is programs.any  # widths that do not agree: one program
     config = DenseConfig(model_type="llama", vocab_size=16, hidden_size=16,
                          intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=1, head_dim=8)
     model = DenseModel(config, jnp.float32, kernels="rowinv")
     assert model.widths_agree
-    assert block_program._Programs(model, donate=False).decode is not \
-        block_program._Programs(model, donate=False).any
+    assert block_program.BlockPrograms(model, donate=False).decode is not \
+        block_program.BlockPrograms(model, donate=False).any

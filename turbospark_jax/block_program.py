@@ -338,7 +338,7 @@ def compiled_parallel(model: BlockModel, donate: bool) -> Any:
                    static_argnames=("key_limit", "fresh", "head"))
 
 
-class _Programs:
+class BlockPrograms:
     """The jitted block program: one jit for every path, and for a model whose widths agree
     a second jit of the same function for its decode programs (a ``draw`` other than
     ``"any"``), compiled with :func:`~turbospark_jax.device_flags.decode_program_options`
@@ -359,21 +359,21 @@ class _Programs:
 
 
 @functools.cache
-def compiled_program(model: BlockModel, donate: bool) -> _Programs:
+def compiled_program(model: BlockModel, donate: bool) -> BlockPrograms:
     """The one jitted program for ``model`` (shapes specialise it per ``W`` and ``S``; a
     model whose widths agree also has a ``last_row_head`` form for the exact prefill, and
     decode forms that draw by a plan the host chose from the request's settings, ``draw``
     other than ``"any"``: :func:`~turbospark_jax.sampling.draw_as`, compiled with their
     loops in command buffers; a model that declares ``bounds_keys`` also has decode forms
     bounded by ``max_keys``, for short contexts)."""
-    return _Programs(model, donate)
+    return BlockPrograms(model, donate)
 
 
-def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> _Programs:
+def pinned_program(model: BlockModel, donate: bool, out_shardings: Any) -> BlockPrograms:
     """The program of :func:`compiled_program` with its outputs' shardings pinned: a state
     sharded over a device mesh then keeps its layout from call to call, whatever layout the
     compiler would have picked (:mod:`turbospark_jax.sharding`)."""
-    return _Programs(model, donate, out_shardings=out_shardings)
+    return BlockPrograms(model, donate, out_shardings=out_shardings)
 
 
 @functools.cache
