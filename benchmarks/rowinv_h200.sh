@@ -123,12 +123,15 @@
 #   bash benchmarks/rowinv_h200.sh 45 "$OUT"  # the 8B's decode under 128, 256 (default) and
 #                                             # 512 keys a split: its 4k context sat 0.1-0.8
 #                                             # points under 90% of its roofline (H100)
+#   bash benchmarks/rowinv_h200.sh 46 "$OUT"  # the sampled draw's candidate search in
+#                                             # blocks of 1,024 (default), 4,096 and 256 ids
+#                                             # (three sort kernels, 22.6 us a 1B token)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 45}
+stage=${1:?stage 1 to 46}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -555,6 +558,15 @@ case "$stage" in
     timeout 120 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
       --modes rowinv --workloads completion --keys-per-split $keys \
       --out "$out/speed8b_kps_$keys" --budget-s 110 2>&1 | cut -c1-300 | grep speed | tail -4
+  done
+  ;;
+46)
+  # the sampled decode's extra 40 us a token on the 1B (H200, session 43's trace) is mostly
+  # the blocked top-64's three sort kernels (rows of 1,024 ids: 126, then 8, then one row);
+  # blocks of 4,096 take two levels of longer rows, blocks of 256 more levels of shorter
+  # ones. Decode end to end at each (greedy is the control: it draws no candidates)
+  for block in 1024 4096 256; do
+    decode_speed 100 "speed_top_block_$block" --top-block $block
   done
   ;;
 *)

@@ -870,6 +870,7 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
 def main(argv: list[str] | None = None) -> int:
     import jax
 
+    from turbospark_jax import sampling
     from turbospark_jax.models import pallas_attention, pallas_pdl, rowinv
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -929,6 +930,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="programs the gated matvec kernel's column tile aims at instead of "
                          "rowinv.GATED_PROGRAMS (speed only; 192 was the default until "
                          "session 45)")
+    ap.add_argument("--top-block", type=int,
+                    help="ids a block of the sampled draw's candidate search holds instead of "
+                         "sampling.TOP_BLOCK (speed only: the search's values and ids are "
+                         "lax.top_k's for any block; a power of two from 128 to 16,384)")
     ap.add_argument("--pdl", choices=pallas_pdl.MODES, default=pallas_pdl.MODE,
                     help="programmatic dependent launch inside the decode kernels "
                          "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
@@ -955,6 +960,11 @@ def main(argv: list[str] | None = None) -> int:
         if not 1 <= args.fold_loads <= 16 or args.fold_loads & (args.fold_loads - 1):
             ap.error(f"--fold-loads must be a power of two from 1 to 16, got {args.fold_loads}")
         pallas_attention.FOLD_LOADS = args.fold_loads  # read when a kernel is traced
+    if args.top_block is not None:
+        if not 128 <= args.top_block <= 16384 or args.top_block & (args.top_block - 1):
+            ap.error(f"--top-block must be a power of two from 128 to 16384, "
+                     f"got {args.top_block}")
+        sampling.TOP_BLOCK = args.top_block  # read when a draw is traced
     if args.keys_per_split is not None:
         tile = pallas_attention.KEY_TILE
         if args.keys_per_split < tile or args.keys_per_split % tile:
@@ -984,7 +994,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "preset": args.preset,
             "prefill_width": preset.prefill_width, "key_tile": args.key_tile,
             "keys_per_split": args.keys_per_split, "fold_loads": args.fold_loads,
-            "gated_programs": args.gated_programs,
+            "gated_programs": args.gated_programs, "top_block": args.top_block,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
             "fold_in_split": args.fold_in_split, "pdl": args.pdl}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)

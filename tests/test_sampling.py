@@ -564,12 +564,17 @@ def test_draws_among_the_candidates_follow_the_distribution(top_k: int) -> None:
     assert _tv(samples, np.asarray(probabilities(logits, other, history))) > 0.1
 
 
+@pytest.mark.parametrize("block", [1024, 128, 4096])
 @pytest.mark.parametrize("n", [1025, 5000, 128256])
-def test_blocked_top_is_one_top_k(n: int) -> None:
-    """The GPU's candidate search (best 64 of each 1,024-id block, level by level) gives
-    ``lax.top_k``'s values and ids bit for bit: with many ties (rounded logits; the lower id
-    first), impossible ids (-inf) and the best ids bunched into one block."""
+def test_blocked_top_is_one_top_k(n: int, block: int, monkeypatch) -> None:
+    """The GPU's candidate search (best 64 of each block of ``TOP_BLOCK`` ids, 1,024 by
+    default, level by level) gives ``lax.top_k``'s values and ids bit for bit, whatever the
+    block (``rowinv_model --top-block`` times others): with many ties (rounded logits; the
+    lower id first), impossible ids (-inf) and the best ids bunched into one block."""
+    from turbospark_jax import sampling
     from turbospark_jax.sampling import _blocked_top
+
+    monkeypatch.setattr(sampling, "TOP_BLOCK", block)
 
     rng = np.random.default_rng(n)
     x = np.round(rng.standard_normal(n) * 4) / 4
