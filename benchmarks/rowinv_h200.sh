@@ -126,12 +126,15 @@
 #   bash benchmarks/rowinv_h200.sh 46 "$OUT"  # the sampled draw's candidate search in
 #                                             # blocks of 1,024 (default), 4,096 and 256 ids
 #                                             # (three sort kernels, 22.6 us a 1B token)
+#   bash benchmarks/rowinv_h200.sh 47 "$OUT"  # the embedded pair's speculative figures (draft
+#                                             # model, n-gram) under the new default and with
+#                                             # loop graphs in every program (speed only)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 46}
+stage=${1:?stage 1 to 47}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -567,6 +570,18 @@ case "$stage" in
   # ones. Decode end to end at each (greedy is the control: it draws no candidates)
   for block in 1024 4096 256; do
     decode_speed 100 "speed_top_block_$block" --top-block $block
+  done
+  ;;
+47)
+  # what session 47's default (no loop graphs but in row-invariant decode programs) costs the
+  # embedded model's drafters, whose rounds loop over draft steps inside the rounds' loop: the
+  # README's figures (H200, 2026-12-03) were 0.89-0.90x without the graphs and 1.09-1.12x
+  # with them for the first-generation pair's draft model
+  # (an empty switch is the default)
+  for graphs in "" 1; do
+    timeout 280 env TURBOSPARK_LOOP_GRAPHS=$graphs python -m benchmarks.speculative \
+      --part embedded --tokens 128 --draft-lens 4,8 --ngram 3 \
+      --out "$out/embedded_graphs_${graphs:-default}" 2>&1 | tail -8
   done
   ;;
 *)
