@@ -7,23 +7,23 @@ conditionals as CUDA graphs whose conditions run on the device
 (``--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL``) instead of reading each loop's
 predicate back to the host.
 
-Until 2026-12-06 importing the package asked for that setting. On an H100 (jax 0.11.2) it
-made the speculative rounds' nested loops hang (a sampled draft-model burst ran for minutes)
-and give wrong tokens now and then (recurrent targets' device rounds against the host
-loop's, a greedy host loop once), while the same tests passed with it off; and the decode
-figures were the same with and without it (NOTES.md, "The decode loop's costs beyond its
-kernels" and "The loop graphs turned off"). So the package leaves ``XLA_FLAGS`` alone unless
-``TURBOSPARK_LOOP_GRAPHS=1`` asks for the setting for every program (for measuring it: it is
-not known safe).
+Until 2026-12-06 importing the package asked for that setting in every program. On an H100
+(jax 0.11.2) it made the speculative rounds' nested loops hang (a sampled draft-model burst
+ran for minutes) and give wrong tokens now and then (recurrent targets' device rounds against
+the host loop's, a greedy host loop once), where the same tests pass without it (NOTES.md,
+"The loop graphs out of every program but decode"). So the package leaves ``XLA_FLAGS``
+alone unless ``TURBOSPARK_LOOP_GRAPHS=1`` asks for the setting in every program (to measure
+it: it is not known safe).
 
 One kind of program keeps the loops in graphs: a decode program of a model whose widths
 agree (a draw plan, :func:`~turbospark_jax.block_program.compiled_program`), compiled with
 :func:`decode_program_options`. Its loop is what the graphs were for: without them XLA reads
 the loop's condition back every chunk of steps and the device drains and waits for the
-host's next launches, 6-7% of the 1B's and 0.6B's decode on that H100. Every bitwise check of
-those programs on the GPU since the setting came in (each burst against step-by-step
-decoding in the benchmarks' exact part, at three shapes, and the speculative tests' plain
-references) ran them with it. ``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too.
+host's next launches, 6-7% of the 1B's and 0.6B's decode on that H100. Its shape is the
+simplest of the loops (no conditional; an inner loop of fixed trip count), and every bitwise
+check of those programs on the GPU since the setting came in (each burst against
+step-by-step decoding, the benchmarks' exact part at three shapes) ran them with it.
+``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts; :func:`enable_loop_graphs` must
 run before that, and importing ``turbospark_jax`` runs it first thing. A flag the user set for
