@@ -129,12 +129,17 @@
 #   bash benchmarks/rowinv_h200.sh 47 "$OUT"  # the embedded pair's speculative figures (draft
 #                                             # model, n-gram) under the new default and with
 #                                             # loop graphs in every program (speed only)
+#   bash benchmarks/rowinv_h200.sh 48 "$OUT"  # the speculative figures under session 48's
+#                                             # default (rounds calls of up to 256 tokens, no
+#                                             # loop graphs outside decode programs): GPU
+#                                             # tests, the 1B oracle, the embedded pair, a
+#                                             # burst of rounds traced, the drafters table
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 47}
+stage=${1:?stage 1 to 48}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -583,6 +588,22 @@ case "$stage" in
       --part embedded --tokens 128 --draft-lens 4,8 --ngram 3 \
       --out "$out/embedded_graphs_${graphs:-default}" 2>&1 | tail -8
   done
+  ;;
+48)
+  # session 48: with no loop graphs a call of rounds holds the host until it ends, so each
+  # call's host work is paid in full; calls of up to 256 tokens (rounds.MAX_BURST, 64 before)
+  timeout 170 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    -o faulthandler_timeout=60 tests/test_chained_rounds.py tests/test_speculative.py \
+    --tb=short -rf > "$out/gpu_tests_speculative.txt" 2>&1
+  grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_speculative.txt" | tail -8
+  timeout 200 python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
+    --out "$out/speculative" 2>&1 | grep '"alpha": 0.9' | cut -c1-300
+  timeout 150 python -m benchmarks.speculative --part embedded --tokens 128 --draft-lens 4 \
+    --ngram 3 --out "$out/embedded" 2>&1 | tail -3
+  timeout 100 python -m benchmarks.profile_rounds --shape llama-3.2-1b --draft-len 8 \
+    --out "$out/profile" 2>&1 | head -1 | cut -c1-400
+  timeout 200 python -m benchmarks.drafters --preset h200-short --max-seconds 180 \
+    --out "$out/drafters" 2>&1 | tail -24
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

@@ -409,7 +409,7 @@ def _rounds_program(kernels: str, monkeypatch) -> str:
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.drafters import NGramDrafter, SpeculativePair
     from turbospark_jax.drafters import pair as pair_module
-    from turbospark_jax.rounds import _run_rounds
+    from turbospark_jax.rounds import _run_rounds, runs_fixed_rounds
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
@@ -421,7 +421,7 @@ def _rounds_program(kernels: str, monkeypatch) -> str:
                  max_keys=None):
         def lower(*args):
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
-                                   greedy, max_keys)
+                                   greedy, max_keys, runs_fixed_rounds(drafter, greedy))
             exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
             raise _Lowered(exported(*args).mlir_module())
         return lower
@@ -435,14 +435,32 @@ def _rounds_program(kernels: str, monkeypatch) -> str:
     return lowered.value.text
 
 
+def _fixed_round_loops(text: str) -> list[str]:
+    """The trip-count bounds of the program's loops whose condition compares the counter
+    with a constant (a loop of known trip count)."""
+    text = next(f for f in text.split("\n  func.func ") if "stablehlo.while" in f)
+    loops = re.findall(r"stablehlo\.while\(.*\n\s*cond \{\n\s*%\S+ = stablehlo\.compare\s+"
+                       r"LT, (%[\w#]+), (%[\w#]+)", text)
+    constants = dict(re.findall(r"(%c[_\d]*) = stablehlo\.constant dense<(-?\d+)> : "
+                                r"tensor<i32>", text))
+    return [constants.get(bound, "?") for _, bound in loops]
+
+
 def test_rowinv_greedy_rounds_verify_with_no_branch(monkeypatch):
     """A row-invariant target verifies with its head unbranched (its rows do not depend on
-    how XLA compiles the program around them): no host sync in a greedy round but the loop's
-    own. With XLA's kernels the head's branch stays (control), so that the verify compiles
-    like the decode step whose rows it must equal."""
-    assert _branches(_rounds_program("rowinv", monkeypatch)) == 0
+    how XLA compiles the program around them), and a greedy burst with the n-gram drafter
+    runs as one loop of FIXED_ROUNDS iterations whose one branch is the round itself (run
+    while the burst's condition holds): no loop whose trip count is data. With XLA's kernels
+    the head's branch stays (control), so that the verify compiles like the decode step
+    whose rows it must equal."""
+    from turbospark_jax.rounds import FIXED_ROUNDS
+
+    text = _rounds_program("rowinv", monkeypatch)
+    assert _branches(text) == 1
+    assert len(re.findall(r"stablehlo\.while\b", text)) == 1
+    assert _fixed_round_loops(text) == [str(FIXED_ROUNDS)]
 
 
 def test_control_xla_kernels_rounds_keep_the_heads_branch(monkeypatch):
     text = _rounds_program("xla", monkeypatch)
-    assert _branches(text) == 1 and "head/cond" in text
+    assert _branches(text) == 2 and "head/cond" in text

@@ -13,6 +13,14 @@ A round, with the last emitted token ``pending`` not yet fed to the target:
 stop id is emitted or logits turn non-finite, writing the emitted tokens (and the target rows
 behind them) into output buffers; the host sees the burst only when it ends.
 
+On a GPU a ``while_loop`` whose trip count is data reads its predicate back to the host every
+iteration (unless XLA records the loop as a CUDA graph, which the package does not ask for in
+these programs: ``device_flags``), so the call holds the host until its last round and the
+next call's host work cannot overlap it. A greedy burst whose drafter's rounds hold no such
+loop (``DeviceDrafter.loop_free``: n-gram lookup, the oracle) therefore runs as a loop of
+known trip count (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while the
+burst's condition holds), which reads nothing back: the same rounds, the same tokens.
+
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
 the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
 sampling drafter's ``q`` from its logits (:func:`proposal_distributions`); the device draft
@@ -36,8 +44,18 @@ from turbospark_jax.protocols import NON_FINITE, RUNNING, STOPPED_ON_TOKEN
 from turbospark_jax.state import buffers_only, by_value, merge_parts, restore_by_value
 
 #: The most tokens one device burst of rounds emits before it returns to the host (a round
-#: may pass the burst's budget by up to ``MAX_DRAFT``; the buffers hold that too).
-MAX_BURST = 64
+#: may pass the burst's budget by up to ``MAX_DRAFT``; the buffers hold that too). The plain
+#: loop's most (:attr:`~turbospark_jax.completion.BurstSizer.MOST`): a call's fixed host cost
+#: is paid once per burst, and on a GPU a burst whose loop is not one CUDA graph holds the
+#: host until it ends, so nothing of that cost overlaps the device (64 tokens a call cost the
+#: 1B oracle pair 28% of its speed on an H100; NOTES.md, session 48).
+MAX_BURST = 256
+#: The rounds of a call of known trip count (a greedy burst whose drafter is
+#: :attr:`~turbospark_jax.drafters.base.DeviceDrafter.loop_free`): the call runs this many
+#: loop iterations, each a round while the burst's condition holds and nothing after it (a
+#: ``lax.cond``), so it emits what the ``while_loop`` form emits up to its 32nd round and then
+#: returns; the host's next call takes over from there.
+FIXED_ROUNDS = 32
 
 
 @struct.dataclass(kw_only=True)
@@ -257,6 +275,7 @@ def _run_rounds(
     record_logits: bool,
     greedy: bool,
     max_keys: int | None,
+    fixed: bool,
     target_params: Any,
     drafter_params: Any,
     buffers: BlockState,
@@ -339,18 +358,29 @@ def _run_rounds(
         jnp.zeros((out_rows if record_logits else 1, vocab), jnp.float32),
         jnp.int32(RUNNING), control.history, jnp.zeros((MAX_BURST, 2), jnp.int32),
     )
-    rounds, state, drafter_state, _, n, toks, rows, finish, hist, sizes = jax.lax.while_loop(
-        cond, body, init
-    )
+    if fixed:  # a loop of known trip count: a round while the condition holds, then nothing
+        def iteration(_, c):
+            return jax.lax.cond(cond(c), body, lambda c: c, c)
+
+        carry = jax.lax.fori_loop(0, FIXED_ROUNDS, iteration, init)
+    else:
+        carry = jax.lax.while_loop(cond, body, init)
+    rounds, state, drafter_state, _, n, toks, rows, finish, hist, sizes = carry
     out = RoundsOutput(tokens=toks, logits=rows, count=n, finish=finish, history=hist,
                        rounds=rounds, sizes=sizes)
     return buffers_only(state), by_value(state), drafter_state, out
 
 
+def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool) -> bool:
+    """Whether a burst of rounds runs as a loop of :data:`FIXED_ROUNDS` iterations: a greedy
+    one (the sampled judge's loop stops at the first rejection) with a loop-free drafter."""
+    return greedy and drafter.loop_free
+
+
 @functools.cache
 def compiled_rounds(
     target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool,
-    greedy: bool = False, max_keys: int | None = None,
+    greedy: bool = False, max_keys: int | None = None, fixed: bool | None = None,
 ) -> Any:
     """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
     of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
@@ -359,10 +389,12 @@ def compiled_rounds(
     which can cost a GPU a host round trip each (XLA runs some on the device). ``max_keys``:
     the host's bound on every position the burst's verify blocks hold, plus one (a speed hint
     for a target that declares ``bounds_keys``; see :func:`~turbospark_jax.block_program.
-    feed_block`). Arguments:
+    feed_block`). ``fixed``: run the burst as a loop of :data:`FIXED_ROUNDS` iterations
+    (``None``: :func:`runs_fixed_rounds`; either form emits the same rounds). Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
-                           max_keys)
+                           max_keys,
+                           runs_fixed_rounds(drafter, greedy) if fixed is None else fixed)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else ())

@@ -39,9 +39,14 @@ class DeviceDrafter(abc.ABC):
     Declarations:
       point_mass: proposals are deterministic, so their proposal distribution is a point mass
         and :meth:`propose` returns no ``q``.
+      loop_free: :meth:`propose` and :meth:`commit` hold no loop whose trip count is data
+        (no ``while_loop``), so a greedy burst of rounds runs as a loop of known trip count
+        (:data:`~turbospark_jax.rounds.FIXED_ROUNDS`): on a GPU such a call reads nothing
+        back to the host and returns at once, and the next call is queued while it runs.
     """
 
     point_mass: ClassVar[bool] = True
+    loop_free: ClassVar[bool] = False
 
     @abc.abstractmethod
     def propose(

@@ -75,6 +75,8 @@ def propose(known: Sequence[int], count: int, max_n: int, min_n: int = 1) -> lis
 class NGramDevice(DeviceDrafter):
     """:func:`propose` over the target's fed record, as array operations."""
 
+    loop_free = True
+
     max_n: int
     min_n: int
 

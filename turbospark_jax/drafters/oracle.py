@@ -96,6 +96,8 @@ def _oracle(
 class OracleDevice(DeviceDrafter):
     """The oracle on the device; its params are the reference sequence and alpha."""
 
+    loop_free = True
+
     vocab_size: int
     seed: int
 
