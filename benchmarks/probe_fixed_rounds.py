@@ -1,7 +1,8 @@
 """Whether a burst of speculative rounds holds the host on a GPU: the time ``launch_rounds``
 and ``continue_rounds`` take to return, and chained calls' tokens/s, with the greedy burst
 as a loop of known trip count (``rounds.FIXED_ROUNDS`` iterations, the default for loop-free
-drafters) and as the ``while_loop`` (session 48).
+drafters that do not record the target rows) and as the ``while_loop`` (session 48), with
+the rows recorded (``--record-logits 1``, the default) and without (``0``).
 
     PYTHONPATH=. python -m benchmarks.probe_fixed_rounds [--shape llama-3.2-1b] [--calls 4]
 
@@ -20,10 +21,11 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.profile_rounds import _setup
+from benchmarks.profile_rounds import _setup, prefilled
 
 
-def measure(shape: str, calls: int, budget: int, draft_len: int) -> list[dict]:
+def measure(shape: str, calls: int, budget: int, draft_len: int,
+            record_logits: bool) -> list[dict]:
     import jax
 
     from turbospark_jax import rounds, sampling
@@ -34,18 +36,16 @@ def measure(shape: str, calls: int, budget: int, draft_len: int) -> list[dict]:
     pair = SpeculativePair(target, drafter)
     greedy = sampling.SamplingParams.greedy()
     results = []
-    for form, fixed in (("fixed", None), ("while_loop", False)):
+    for form, fixed in (("fixed", True), ("while_loop", False)):
         pair_module.compiled_rounds = functools.partial(rounds.compiled_rounds, fixed=fixed)
 
         def chain() -> dict:
-            state = pair.init_state()
-            _, state = pair.prefill_chunk(state, prompt, 0)
-            jax.block_until_ready(state)
+            state = prefilled(pair, prompt)
             t0 = time.perf_counter()
             launched, state = pair.launch_rounds(
                 state, 1, draft_len=draft_len, budget=budget, params=greedy,
                 history=sampling.History.empty(vocab), key=sampling.request_key(0),
-                gen_index=1, remaining=calls * budget)
+                gen_index=1, remaining=calls * budget, record_logits=record_logits)
             returns = [time.perf_counter() - t0]
             handles = [launched]
             for _ in range(calls - 1):
@@ -66,7 +66,7 @@ def measure(shape: str, calls: int, budget: int, draft_len: int) -> list[dict]:
         runs = [chain() for _ in range(3)]
         best = min(runs, key=lambda r: r["wall_ms"])
         results.append({"shape": shape, "form": form, "budget": budget, "calls": calls,
-                        "draft_len": draft_len, **best})
+                        "draft_len": draft_len, "record_logits": record_logits, **best})
         print(json.dumps(results[-1]), flush=True)
     pair_module.compiled_rounds = rounds.compiled_rounds
     return results
@@ -78,11 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--record-logits", default="1",
+                        help="comma-separated 0/1: with and without the target rows recorded")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     import jax
 
-    results = measure(args.shape, args.calls, args.budget, args.draft_len)
+    results = []
+    for record in args.record_logits.split(","):
+        results += measure(args.shape, args.calls, args.budget, args.draft_len, record == "1")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"probe_fixed_rounds_{jax.default_backend()}.json"
     path.write_text(json.dumps(results, indent=1))

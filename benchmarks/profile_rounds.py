@@ -59,6 +59,15 @@ def _setup(shape_name: str | None) -> tuple[Any, Any, list[int], int]:
         config.vocab_size
 
 
+def prefilled(pair: Any, prompt: list[int]) -> Any:
+    """A fresh state of ``pair`` with ``prompt`` fed, ready on the device."""
+    import jax
+
+    state = pair.init_state()
+    _, state = pair.prefill_chunk(state, prompt, 0)
+    return jax.block_until_ready(state)
+
+
 def profile(shape_name: str | None, draft_len: int, budget: int) -> dict[str, Any]:
     import jax
 
@@ -71,9 +80,7 @@ def profile(shape_name: str | None, draft_len: int, budget: int) -> dict[str, An
     key = sampling.request_key(0)
 
     def burst() -> tuple[float, Any]:
-        state = pair.init_state()
-        _, state = pair.prefill_chunk(state, prompt, 0)
-        jax.block_until_ready(state)
+        state = prefilled(pair, prompt)
         t0 = time.perf_counter()
         out, state = pair.device_rounds(
             state, 1, draft_len=draft_len, budget=budget, params=greedy,

@@ -590,12 +590,18 @@ case "$stage" in
   done
   ;;
 48)
-  # session 48: with no loop graphs a call of rounds holds the host until it ends, so each
-  # call's host work is paid in full; calls of up to 256 tokens (rounds.MAX_BURST, 64 before)
+  # session 48: with no loop graphs a call of rounds whose loop stops on data holds the host
+  # until it ends, so each call's host work is paid in full: calls of up to 256 tokens
+  # (rounds.MAX_BURST, 64 before), and greedy rounds of loop-free drafters as a loop of
+  # known trip count (rounds.FIXED_ROUNDS), which returns at once
   timeout 170 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    -o faulthandler_timeout=60 tests/test_chained_rounds.py tests/test_speculative.py \
-    --tb=short -rf > "$out/gpu_tests_speculative.txt" 2>&1
+    -o faulthandler_timeout=60 tests/test_fixed_rounds.py tests/test_chained_rounds.py \
+    tests/test_speculative.py --tb=short -rf > "$out/gpu_tests_speculative.txt" 2>&1
   grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_speculative.txt" | tail -8
+  # the greedy oracle's rounds as a loop of known trip count against the while_loop: how
+  # long a launch holds the host, with the target rows recorded and without
+  timeout 170 python -m benchmarks.probe_fixed_rounds --record-logits 0,1 --out "$out" \
+    2>&1 | grep shape | cut -c1-330
   timeout 200 python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b \
     --out "$out/speculative" 2>&1 | grep '"alpha": 0.9' | cut -c1-300
   timeout 150 python -m benchmarks.speculative --part embedded --tokens 128 --draft-lens 4 \

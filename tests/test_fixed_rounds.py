@@ -1,8 +1,9 @@
-"""A greedy burst of rounds with a loop-free drafter (n-gram lookup, the oracle) runs as a
-loop of known trip count (``rounds.FIXED_ROUNDS`` iterations, a round each while the burst's
-condition holds), which a GPU runs without reading a predicate back: the rounds, tokens, rows
-and states are those of the ``while_loop`` form, a call ends after at most FIXED_ROUNDS
-rounds, and only greedy bursts of loop-free drafters take the form."""
+"""A greedy burst of rounds with a loop-free drafter (n-gram lookup, the oracle, a draft model,
+the Gemma 4 assistant) that does not record the target rows runs as a loop of known trip count
+(``rounds.FIXED_ROUNDS`` iterations, a round each while the burst's condition holds), which a
+GPU runs without reading a predicate back: its rounds, tokens, rows and states are those of
+the ``while_loop`` form (sampled too, when asked for), a call ends after at most FIXED_ROUNDS
+rounds, and only those bursts take the form by default."""
 
 import functools
 
@@ -18,6 +19,7 @@ from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_pro
 V = 32
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9, 2, 6]
 GREEDY = sampling.SamplingParams.greedy()
+SAMPLED = sampling.SamplingParams.make(temperature=0.9, top_k=12)
 KEY = sampling.request_key(5)
 
 
@@ -26,47 +28,56 @@ def make_pair(target_kind, drafter_kind):
     target = make(vocab=V, capacity=200, width=16, steps_per_call=8)
     if drafter_kind == "n-gram":
         drafter = NGramDrafter(V, max_n=3)
+    elif drafter_kind == "draft model":
+        drafter = DraftModelDrafter(toy_attention_producer(vocab=V, capacity=200, width=16,
+                                                           seed=5))
     else:  # a reference that repeats the prompt: most proposals are wrong after a while
         drafter = OracleDrafter(V, PROMPT * 8, 0.8, seed=3)
     return SpeculativePair(target, drafter)
 
 
-def run_all(p, budgets, remaining, stop_ids=()):
+def run_all(p, budgets, remaining, stop_ids=(), record_logits=False, params=GREEDY):
     """Calls of ``budgets`` (the last repeated) until the request's tokens are out, each
-    from the last token the one before emitted."""
+    from the last token the one before emitted: tokens, rows (when recorded), each call's
+    rounds and the final state."""
     logits, state = p.prefill_chunk_priming_drafter(p.init_state(), PROMPT, 0, None)
     pending, history = int(np.argmax(np.asarray(logits))), sampling.History.from_prompt(PROMPT, V)
     tokens, rows, per_call = [], [], []
     while len(tokens) < remaining:
         b = budgets[min(len(per_call), len(budgets) - 1)]
         burst, state = p.device_rounds(
-            state, pending, draft_len=2, budget=b, params=GREEDY, history=history, key=KEY,
-            gen_index=1 + len(tokens), remaining=remaining - len(tokens), stop_ids=stop_ids)
+            state, pending, draft_len=2, budget=b, params=params, history=history, key=KEY,
+            gen_index=1 + len(tokens), remaining=remaining - len(tokens), stop_ids=stop_ids,
+            record_logits=record_logits)
         tokens += burst.tokens
-        rows.append(np.asarray(burst.logits))
+        if record_logits:
+            rows.append(np.asarray(burst.logits))
         per_call.append(burst.rounds)
         history = burst.history
         if burst.finish:
             break
         pending = burst.tokens[-1]
-    return tokens, np.concatenate(rows), per_call, state
+    return tokens, np.concatenate(rows) if rows else None, per_call, state
 
 
-def as_while_loop(monkeypatch):
+def use_form(monkeypatch, fixed):
+    """``None``: the default choice; ``True`` / ``False``: the fixed / ``while_loop`` form."""
     monkeypatch.setattr(pair_module, "compiled_rounds",
-                        functools.partial(rounds.compiled_rounds, fixed=False))
+                        functools.partial(rounds.compiled_rounds, fixed=fixed))
 
 
 @pytest.mark.parametrize("target_kind", ["attention", "recurrent"])
-@pytest.mark.parametrize("drafter_kind", ["n-gram", "oracle"])
-def test_fixed_rounds_emit_the_while_loops_rounds(target_kind, drafter_kind, monkeypatch):
+@pytest.mark.parametrize("drafter_kind", ["n-gram", "oracle", "draft model"])
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_fixed_rounds_emit_the_while_loops_rounds(target_kind, drafter_kind, params,
+                                                  monkeypatch):
     budgets, remaining = [8, 5, 256], 150
     p = make_pair(target_kind, drafter_kind)  # one pair: its states carry its identity
-    fixed = run_all(p, budgets, remaining)
-    as_while_loop(monkeypatch)
-    loop = run_all(p, budgets, remaining)
+    use_form(monkeypatch, True)  # greedy: the default form here
+    fixed = run_all(p, budgets, remaining, params=params)
+    use_form(monkeypatch, False)
+    loop = run_all(p, budgets, remaining, params=params)
     assert fixed[0] == loop[0] and len(fixed[0]) == remaining
-    assert np.array_equal(fixed[1].view(np.uint32), loop[1].view(np.uint32))
     assert [r for c in fixed[2] for r in c] == [r for c in loop[2] for r in c]
     assert tree_bitwise_equal(fixed[3], loop[3])
     # a fixed call runs at most FIXED_ROUNDS rounds; the loop's 256-token calls ran more
@@ -74,23 +85,66 @@ def test_fixed_rounds_emit_the_while_loops_rounds(target_kind, drafter_kind, mon
     assert max(len(c) for c in loop[2]) > rounds.FIXED_ROUNDS  # control
 
 
+@pytest.mark.parametrize("target_kind", ["attention", "recurrent"])
+def test_fixed_rounds_record_the_while_loops_rows(target_kind, monkeypatch):
+    """The fixed form is not the default with the rows recorded; asked for, it records
+    the same bits."""
+    p = make_pair(target_kind, "n-gram")
+    use_form(monkeypatch, True)
+    fixed = run_all(p, [8, 64], 100, record_logits=True)
+    use_form(monkeypatch, False)
+    loop = run_all(p, [8, 64], 100, record_logits=True)
+    assert fixed[0] == loop[0] and len(fixed[1]) == len(fixed[0]) == 100
+    assert np.array_equal(fixed[1].view(np.uint32), loop[1].view(np.uint32))
+    assert [r for c in fixed[2] for r in c] == [r for c in loop[2] for r in c]
+    assert tree_bitwise_equal(fixed[3], loop[3])
+
+
 def test_fixed_rounds_after_a_stop_id_run_nothing(monkeypatch):
     p = make_pair("attention", "n-gram")
     free, _, _, _ = run_all(p, [256], 60)
     stop = free[20]
     at = free.index(stop)
-    tokens, rows, per_call, state = run_all(p, [256], 60, stop_ids=[stop])
-    assert tokens == free[: at + 1] and len(rows) == at + 1
+    tokens, _, per_call, state = run_all(p, [256], 60, stop_ids=[stop])
+    assert tokens == free[: at + 1]
     assert sum(len(c) for c in per_call) < rounds.FIXED_ROUNDS  # the rest ran nothing
-    as_while_loop(monkeypatch)
+    use_form(monkeypatch, False)
     loop = run_all(p, [256], 60, stop_ids=[stop])
     assert loop[0] == tokens and loop[2] == per_call and tree_bitwise_equal(loop[3], state)
 
 
-def test_only_greedy_bursts_of_loop_free_drafters_are_fixed():
-    ngram = NGramDrafter(V, max_n=3).on_device()
-    oracle = OracleDrafter(V, PROMPT, 0.5).on_device()
-    draft = DraftModelDrafter(toy_attention_producer(vocab=V, capacity=64, width=4)).on_device()
-    assert rounds.runs_fixed_rounds(ngram[0], True) and rounds.runs_fixed_rounds(oracle[0], True)
-    assert not rounds.runs_fixed_rounds(ngram[0], False)  # the sampled judge stops on data
-    assert not rounds.runs_fixed_rounds(draft[0], True)  # its draft loop stops on data
+def test_only_greedy_unrecorded_bursts_of_loop_free_drafters_are_fixed():
+    from turbospark_jax.drafters.block import BlockDevice
+    from turbospark_jax.drafters.mtp import MTPDevice
+
+    ngram = NGramDrafter(V, max_n=3).on_device()[0]
+    oracle = OracleDrafter(V, PROMPT, 0.5).on_device()[0]
+    draft = DraftModelDrafter(toy_attention_producer(vocab=V, capacity=64, width=4)).on_device()[0]
+    for drafter in (ngram, oracle, draft):
+        assert rounds.runs_fixed_rounds(drafter, True, False)
+        assert not rounds.runs_fixed_rounds(drafter, False, False)  # the judge stops on data
+        assert not rounds.runs_fixed_rounds(drafter, True, True)  # the rows recorded
+    # their catch-up loops run until the drafter reaches the target: no bound (control)
+    assert not MTPDevice.loop_free and not BlockDevice.loop_free
+
+
+def test_the_default_form_is_the_fixed_one_for_a_greedy_draft_model(monkeypatch):
+    """The greedy draft model's bursts take the fixed form by default (its draft loop is
+    bounded): a call stops at FIXED_ROUNDS rounds, as the forced form's do."""
+    p = make_pair("attention", "draft model")
+    default = run_all(p, [256], 150)
+    assert max(len(c) for c in default[2]) == rounds.FIXED_ROUNDS
+    use_form(monkeypatch, False)
+    loop = run_all(p, [256], 150)
+    assert loop[0] == default[0] and tree_bitwise_equal(loop[3], default[3])
+
+
+def test_a_call_recording_rows_emits_at_most_the_recorded_burst(monkeypatch):
+    p = make_pair("attention", "n-gram")
+    _, _, recorded_calls, _ = run_all(p, [256], 150, record_logits=True)
+    use_form(monkeypatch, False)
+    _, _, free_calls, _ = run_all(p, [256], 150)
+    assert rounds.burst_limit(True) == rounds.RECORDED_BURST < rounds.MAX_BURST
+    emitted = [sum(a + 1 for _, a in c) for c in recorded_calls]
+    assert max(emitted) <= rounds.RECORDED_BURST + 2  # a round may pass the budget
+    assert sum(a + 1 for _, a in free_calls[0]) > rounds.RECORDED_BURST + 2  # control

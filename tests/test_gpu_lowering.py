@@ -400,7 +400,7 @@ def test_control_the_one_program_branches_on_the_settings(monkeypatch):
     assert len(re.findall(r"stablehlo\.while\b", text)) == 1  # a look at the host a step
 
 
-def _rounds_program(kernels: str, monkeypatch) -> str:
+def _rounds_program(kernels: str, monkeypatch, settings=None) -> str:
     """The greedy speculative rounds program (an n-gram drafter, the target verifying 4 rows)
     that ``SpeculativePair.device_rounds`` would run, lowered for a GPU."""
     import functools
@@ -421,7 +421,8 @@ def _rounds_program(kernels: str, monkeypatch) -> str:
                  max_keys=None):
         def lower(*args):
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
-                                   greedy, max_keys, runs_fixed_rounds(drafter, greedy))
+                                   greedy, max_keys,
+                                   runs_fixed_rounds(drafter, greedy, record_logits))
             exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
             raise _Lowered(exported(*args).mlir_module())
         return lower
@@ -429,9 +430,10 @@ def _rounds_program(kernels: str, monkeypatch) -> str:
     monkeypatch.setattr(pair_module, "compiled_rounds", compiled)
     with pytest.raises(_Lowered) as lowered:
         pair.device_rounds(pair.init_state(), 3, draft_len=3, budget=8,
-                           params=sampling.SamplingParams.greedy(),
+                           params=settings or sampling.SamplingParams.greedy(),
                            history=sampling.History.empty(CONFIG.vocab_size),
-                           key=sampling.request_key(0), gen_index=1, remaining=20, stop_ids=[])
+                           key=sampling.request_key(0), gen_index=1, remaining=20, stop_ids=[],
+                           record_logits=False)
     return lowered.value.text
 
 
@@ -459,6 +461,45 @@ def test_rowinv_greedy_rounds_verify_with_no_branch(monkeypatch):
     assert _branches(text) == 1
     assert len(re.findall(r"stablehlo\.while\b", text)) == 1
     assert _fixed_round_loops(text) == [str(FIXED_ROUNDS)]
+
+
+def _constant_trip_loops(text: str) -> tuple[int, int]:
+    """(loops, loops whose condition compares the counter with a constant) in every
+    function of the program."""
+    loops = len(re.findall(r"stablehlo\.while\b", text))
+    fixed = 0
+    for block in re.findall(r"cond \{(.*?)\} do \{", text, re.S):
+        ops = re.findall(r"= (stablehlo\.\w+)(.*)", block)
+        # the counter against a constant (an integer constant, %c..., defined in or before
+        # the block) is the whole condition
+        if [op for op, _ in ops if op != "stablehlo.constant"] == ["stablehlo.compare"]:
+            compare = next(rest for op, rest in ops if op == "stablehlo.compare")
+            fixed += bool(re.match(r"\s+LT, %iterArg\w*, %c[_\d]*,", compare))
+    return loops, fixed
+
+
+def test_greedy_rounds_hold_no_loop_that_stops_on_data(monkeypatch):
+    """Greedy rounds with the n-gram drafter: every loop of the program has a constant trip
+    count, so no predicate goes back to the host. Sampled rounds keep the judge's loop,
+    which stops at the first rejection (the control)."""
+    from turbospark_jax import sampling
+
+    loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch))
+    assert loops >= 1 and fixed == loops
+    params = sampling.SamplingParams.make(temperature=0.8, top_k=50, top_p=0.95)
+    loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch, params))
+    assert fixed < loops
+
+
+def test_control_a_loop_to_a_traced_count_is_not_counted_as_fixed():
+    def count_to(n):
+        return jax.lax.while_loop(lambda c: c[0] < c[1], lambda c: (c[0] + 1, c[1]),
+                                  (jnp.int32(0), n))
+
+    assert _constant_trip_loops(jax.jit(count_to).lower(jnp.int32(9)).as_text()) == (1, 0)
+    fixed = jax.jit(lambda x: jax.lax.fori_loop(0, 8, lambda i, c: c + i, x)).lower(
+        jnp.int32(0)).as_text()
+    assert _constant_trip_loops(fixed) == (1, 1)
 
 
 def test_control_xla_kernels_rounds_keep_the_heads_branch(monkeypatch):

@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_jax"
 LAYERS: dict[str, int] = {
     "errors": 0, "device_flags": 0, "checks": 0, "kv_prefix": 0, "state": 0, "sampling": 0,
     "stop": 0, "detokenize": 0, "tokenizer": 0, "streams": 0, "distributed": 0, "images": 0,
-    "injection": 0,
+    "injection": 0, "loops": 0,
     "protocols": 1,
     "models": 2, "block_program": 2, "block_producer": 2, "sharding": 2, "tp_specs": 2,
     "rounds": 3, "drafters": 3, "batching": 3,

@@ -23,7 +23,9 @@ host's next launches, 6-7% of the 1B's and 0.6B's decode on that H100. Its shape
 simplest of the loops (no conditional; an inner loop of fixed trip count), and every bitwise
 check of those programs on the GPU since the setting came in (each burst against
 step-by-step decoding, the benchmarks' exact part at three shapes) ran them with it.
-``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too.
+``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too. Greedy speculative rounds of a
+loop-free drafter stay off the host another way: a loop of known trip count
+(:data:`~turbospark_jax.rounds.FIXED_ROUNDS`), which XLA runs without a predicate read.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts; :func:`enable_loop_graphs` must
 run before that, and importing ``turbospark_jax`` runs it first thing. A flag the user set for

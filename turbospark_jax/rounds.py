@@ -16,10 +16,16 @@ behind them) into output buffers; the host sees the burst only when it ends.
 On a GPU a ``while_loop`` whose trip count is data reads its predicate back to the host every
 iteration (unless XLA records the loop as a CUDA graph, which the package does not ask for in
 these programs: ``device_flags``), so the call holds the host until its last round and the
-next call's host work cannot overlap it. A greedy burst whose drafter's rounds hold no such
-loop (``DeviceDrafter.loop_free``: n-gram lookup, the oracle) therefore runs as a loop of
-known trip count (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while the
-burst's condition holds), which reads nothing back: the same rounds, the same tokens.
+next call's host work cannot overlap it. A burst whose drafter's rounds hold no such loop
+(``DeviceDrafter.loop_free``: n-gram lookup, the oracle, and greedy draft models and the
+Gemma 4 assistant, whose draft loops are :func:`~turbospark_jax.loops.bounded_while`), greedy
+(the sampled judge stops on data) and not recording the target rows therefore runs as a loop
+of known trip count (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond``
+while the burst's condition holds): the same rounds, the same tokens. On an H100 such a call
+of the 1B oracle pair returned to the host in 2-4 ms where the ``while_loop`` form's took the
+whole burst (172 ms), and the greedy pair went from 5.06x to 5.68x at alpha 0.9 and draft
+length 8 (NOTES.md, session 48; the draft models' bursts in this form are not yet measured on
+a GPU).
 
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
 the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
@@ -39,6 +45,7 @@ from flax import struct
 from turbospark_jax import sampling
 from turbospark_jax.block_program import BlockState, feed_block
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter
+from turbospark_jax.loops import bounded_while
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import NON_FINITE, RUNNING, STOPPED_ON_TOKEN
 from turbospark_jax.state import buffers_only, by_value, merge_parts, restore_by_value
@@ -50,8 +57,14 @@ from turbospark_jax.state import buffers_only, by_value, merge_parts, restore_by
 #: host until it ends, so nothing of that cost overlaps the device (64 tokens a call cost the
 #: 1B oracle pair 28% of its speed on an H100; NOTES.md, session 48).
 MAX_BURST = 256
-#: The rounds of a call of known trip count (a greedy burst whose drafter is
-#: :attr:`~turbospark_jax.drafters.base.DeviceDrafter.loop_free`): the call runs this many
+#: The most tokens a burst that records the target rows emits, as before session 48: its
+#: rows buffer is ``[RECORDED_BURST + MAX_DRAFT + 1, V]`` float32, 37 MB at a 128k
+#: vocabulary where MAX_BURST's would be 140 MB (on an H100 a 1B round recording into the
+#: larger buffer took 2.0 ms against 1.4 without recording; NOTES.md, session 48).
+RECORDED_BURST = 64
+#: The rounds of a call of known trip count (a burst whose drafter is
+#: :attr:`~turbospark_jax.drafters.base.DeviceDrafter.loop_free`, not recording the target
+#: rows: :func:`runs_fixed_rounds`): the call runs this many
 #: loop iterations, each a round while the burst's condition holds and nothing after it (a
 #: ``lax.cond``), so it emits what the ``while_loop`` form emits up to its 32nd round and then
 #: returns; the host's next call takes over from there.
@@ -166,7 +179,9 @@ def judge(
 
     # A while_loop, not a map over the rows: it stops at the first rejection, so it shapes
     # accepted + 1 rows (a trip count that is data) and row ``accepted``'s processed logits
-    # serve the bonus draw as well.
+    # serve the bonus draw as well. (Not ``bounded_while``: whether a GPU keeps a branch
+    # that sorts the vocabulary on the device, rather than reading its predicate back, is
+    # unmeasured; if it does not, the rows past the stop would each cost a host round trip.)
     zeros = jnp.zeros((rows.shape[1],), jnp.float32)
     accepted, processed, p, _ = jax.lax.while_loop(
         undecided, next_row, (jnp.int32(0), zeros, zeros, jnp.bool_(True)))
@@ -240,13 +255,14 @@ class RoundsOutput:
     """What a burst of rounds returns besides the states.
 
     Fields:
-      tokens: int32[MAX_BURST + MAX_DRAFT + 1], the emitted tokens (``count`` are real).
+      tokens: int32[burst + MAX_DRAFT + 1], the emitted tokens (``count`` are real); ``burst``
+        is :func:`burst_limit` of the call.
       logits: float32[same, V] target rows behind them (``[1, V]`` when not recorded).
       count: int32 ``[]`` tokens emitted.
       finish: int32 ``[]`` RUNNING, STOPPED_ON_TOKEN or NON_FINITE.
       history: the bookkeeping after the emitted tokens.
       rounds: int32 ``[]`` rounds run.
-      sizes: int32[MAX_BURST, 2], ``(drafted, accepted)`` of each round.
+      sizes: int32[burst, 2], ``(drafted, accepted)`` of each round.
     """
 
     tokens: jax.Array
@@ -290,7 +306,8 @@ def _run_rounds(
     # data as the block program's are, so a verify compiles like a decode step.
     state = merge_parts(buffers, values)
     vocab = target.vocab_size
-    out_rows = MAX_BURST + MAX_DRAFT + 1
+    most = burst_limit(record_logits)
+    out_rows = most + MAX_DRAFT + 1
     draft_key = jax.random.fold_in(control.key, 1)
     # Always true, but traced like plain decoding's per-step flag: a constant would let XLA
     # fold the head's condition away and compile the verify unlike the decode step. A target
@@ -301,7 +318,7 @@ def _run_rounds(
     def cond(c):
         i, _, _, _, n, _, _, finish, _, _ = c
         return (finish == RUNNING) & (n < control.budget) & (n < control.remaining) & (
-            i < MAX_BURST
+            i < most
         )
 
     def body(c):
@@ -356,13 +373,10 @@ def _run_rounds(
         jnp.int32(0), state, drafter_state, pending, jnp.int32(0),
         jnp.full((out_rows,), -1, jnp.int32),
         jnp.zeros((out_rows if record_logits else 1, vocab), jnp.float32),
-        jnp.int32(RUNNING), control.history, jnp.zeros((MAX_BURST, 2), jnp.int32),
+        jnp.int32(RUNNING), control.history, jnp.zeros((most, 2), jnp.int32),
     )
     if fixed:  # a loop of known trip count: a round while the condition holds, then nothing
-        def iteration(_, c):
-            return jax.lax.cond(cond(c), body, lambda c: c, c)
-
-        carry = jax.lax.fori_loop(0, FIXED_ROUNDS, iteration, init)
+        carry = bounded_while(cond, body, init, FIXED_ROUNDS)  # the call ends at the cut
     else:
         carry = jax.lax.while_loop(cond, body, init)
     rounds, state, drafter_state, _, n, toks, rows, finish, hist, sizes = carry
@@ -371,10 +385,18 @@ def _run_rounds(
     return buffers_only(state), by_value(state), drafter_state, out
 
 
-def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool) -> bool:
+def burst_limit(record_logits: bool) -> int:
+    """The most tokens one call of rounds emits: :data:`RECORDED_BURST` when it records the
+    target rows, else :data:`MAX_BURST`."""
+    return RECORDED_BURST if record_logits else MAX_BURST
+
+
+def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool) -> bool:
     """Whether a burst of rounds runs as a loop of :data:`FIXED_ROUNDS` iterations: a greedy
-    one (the sampled judge's loop stops at the first rejection) with a loop-free drafter."""
-    return greedy and drafter.loop_free
+    one (the sampled judge's loop stops at the first rejection) with a loop-free drafter,
+    not recording the target rows (with them, the one GPU probe of the form ran a 1B round
+    in 3.1 ms against the ``while_loop``'s 2.0; NOTES.md, session 48)."""
+    return greedy and drafter.loop_free and not record_logits
 
 
 @functools.cache
@@ -396,5 +418,6 @@ def compiled_rounds(
     state are donated."""
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
                            max_keys,
-                           runs_fixed_rounds(drafter, greedy) if fixed is None else fixed)
+                           runs_fixed_rounds(drafter, greedy, record_logits)
+                           if fixed is None else fixed)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else ())

@@ -39,8 +39,10 @@ class DeviceDrafter(abc.ABC):
     Declarations:
       point_mass: proposals are deterministic, so their proposal distribution is a point mass
         and :meth:`propose` returns no ``q``.
-      loop_free: :meth:`propose` and :meth:`commit` hold no loop whose trip count is data
-        (no ``while_loop``), so a greedy burst of rounds runs as a loop of known trip count
+      loop_free: in a greedy burst (``sampler.greedy``), :meth:`propose` and :meth:`commit`
+        hold no loop whose trip count is data (no ``while_loop``;
+        :func:`~turbospark_jax.loops.bounded_while` is fine), so the burst runs as a loop of
+        known trip count
         (:data:`~turbospark_jax.rounds.FIXED_ROUNDS`): on a GPU such a call reads nothing
         back to the host and returns at once, and the next call is queued while it runs.
     """

@@ -23,6 +23,7 @@ from turbospark_jax.block_program import BlockState, feed_block
 from turbospark_jax.checks import as_int
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.loops import bounded_while
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
 from turbospark_jax.rounds import DraftSampler
@@ -127,6 +128,7 @@ class DraftModelDevice(DeviceDrafter):
     """
 
     point_mass = False
+    loop_free = True
 
     model: BlockModel
     width: int
@@ -169,7 +171,11 @@ class DraftModelDevice(DeviceDrafter):
         vocab = self.model.vocab_size
         init = (jnp.int32(0), state, first, jnp.zeros((MAX_DRAFT,), jnp.int32),
                 jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
-        steps, state, _, proposals, q, _, finite = jax.lax.while_loop(cond, body, init)
+        if sampler.greedy:  # at most MAX_DRAFT argmax steps: a loop of known trip count
+            steps, state, _, proposals, q, _, finite = bounded_while(cond, body, init,
+                                                                     MAX_DRAFT)
+        else:  # sampled steps sort the vocabulary (see rounds.judge on why not bounded)
+            steps, state, _, proposals, q, _, finite = jax.lax.while_loop(cond, body, init)
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
         # host loop, the drafter goes back to the committed sequence.
         count = jnp.where(finite, steps, steps - 1)

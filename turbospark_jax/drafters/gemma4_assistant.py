@@ -40,6 +40,7 @@ from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import BlockState
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, propose_compiled
 from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.loops import bounded_while
 from turbospark_jax.models import gemma4
 from turbospark_jax.models.family import HFTensor, Params
 from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
@@ -293,6 +294,8 @@ class AssistantDevice(DeviceDrafter):
     """The assistant's greedy chain inside the device loop: every step at the pending token's
     position, over the target's cache as the round found it."""
 
+    loop_free = True
+
     config: AssistantConfig
     target_model: gemma4.Gemma4Model
 
@@ -311,8 +314,8 @@ class AssistantDevice(DeviceDrafter):
             tok = jnp.argmax(logits).astype(jnp.int32)
             return i + 1, tok, h, proposals.at[i].set(tok)
 
-        _, _, _, proposals = jax.lax.while_loop(
+        _, _, _, proposals = bounded_while(  # at most MAX_DRAFT steps
             lambda c: c[0] < count, step,
             (jnp.int32(0), pending.astype(jnp.int32), hidden,
-             jnp.zeros((MAX_DRAFT,), jnp.int32)))
+             jnp.zeros((MAX_DRAFT,), jnp.int32)), MAX_DRAFT)
         return proposals, None, count, state

@@ -36,6 +36,7 @@ from turbospark_jax.drafters.base import (
     propose_compiled,
 )
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.loops import bounded_while
 from turbospark_jax.models.qwen3_5 import MTPCache, Qwen35Model
 from turbospark_jax.state import FedRecord
 
@@ -148,9 +149,10 @@ class MTPDevice(DeviceDrafter):
             return i + 1, cache, proposals, logits_w[0], hidden_w[0]
 
         count = jnp.clip(m, 0, MAX_DRAFT)
-        _, cache, proposals, _, _ = jax.lax.while_loop(
+        _, cache, proposals, _, _ = bounded_while(  # at most MAX_DRAFT links
             lambda c: c[0] < count, chain,
-            (jnp.int32(0), cache, jnp.zeros((MAX_DRAFT,), jnp.int32), logits, hidden))
+            (jnp.int32(0), cache, jnp.zeros((MAX_DRAFT,), jnp.int32), logits, hidden),
+            MAX_DRAFT)
         # the chained rows are speculative: the record keeps only the trunk's rows
         return proposals, None, count, MTPState(cache=cache, fed=fed)
 

@@ -32,7 +32,7 @@ from turbospark_jax.protocols import (
     VerifyingTarget,
     require_prompt,
 )
-from turbospark_jax.rounds import MAX_BURST, RoundControl, compiled_rounds
+from turbospark_jax.rounds import RoundControl, burst_limit, compiled_rounds
 from turbospark_jax.sampling import check_sampling_args
 from turbospark_jax.state import (
     FedRecord,
@@ -401,7 +401,8 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         target: BlockProducer = self.target  # type: ignore[assignment]
         # A round feeds at most up to the last position the request may still emit into, and
         # a burst stops within one round (MAX_DRAFT) of its budget.
-        reach = count + min(call.left, min(budget, MAX_BURST) + MAX_DRAFT)
+        steps = min(budget, burst_limit(call.record_logits))
+        reach = count + min(call.left, steps + MAX_DRAFT)
         limit_positions = self.max_positions or target.capacity
         if reach > limit_positions:
             raise ContextOverflowError(
@@ -412,7 +413,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         device, device_params = self._device
         control = RoundControl(
             params=call.params, history=history, key=call.key, gen_index=call.gen_index,
-            remaining=call.remaining, budget=np.int32(min(budget, MAX_BURST)),
+            remaining=call.remaining, budget=np.int32(steps),
             draft_len=np.int32(call.draft_len), stop_ids=call.stop_ids,
         )
         # Every verify block sits below reach + W (its padding rows too): within the target's
@@ -427,7 +428,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         )
         target_state = with_auxiliary(merge_parts(buffers, values), held)
         call = dataclasses.replace(call, out=out, cursor=target_state.fed.count)
-        return (LaunchedBurst(steps=min(budget, MAX_BURST), reach=reach, call=call),
+        return (LaunchedBurst(steps=steps, reach=reach, call=call),
                 PairState(target=target_state, drafter=drafter))
 
     # -- internals --------------------------------------------------------------------------

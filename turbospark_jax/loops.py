@@ -1,0 +1,39 @@
+"""Device loops that a GPU runs without reading anything back to the host.
+
+XLA runs a ``while_loop`` whose trip count is data by copying its predicate to the host and
+waiting, every iteration, unless the loop is recorded as a CUDA graph (``device_flags``: the
+package asks for that only in row-invariant decode programs). A call holding such a loop
+returns to Python only when the loop is done, so nothing the host does next overlaps it. A
+loop whose trip count XLA knows (a ``fori_loop`` over constants) reads nothing back, and a
+``lax.cond`` inside one runs on the device (XLA's default command buffers take
+conditionals; on an H100 a call of 32 such iterations returned in 2-4 ms where the
+``while_loop`` form held the host for the whole 172 ms burst: NOTES.md, session 48).
+
+:func:`bounded_while` is the second form of the first: a loop of at most ``most``
+iterations, each running the body only while the condition holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import jax
+
+Carry = TypeVar("Carry")
+
+
+def bounded_while(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Carry],
+                  init: Carry, most: int) -> Carry:
+    """``lax.while_loop(cond, body, init)`` for a loop known to stop within ``most``
+    iterations, as ``most`` iterations of ``lax.cond(cond(c), body, identity, c)``.
+
+    The body runs on the same carries in the same order, so the result is bitwise the
+    ``while_loop``'s whenever that one stops within ``most`` iterations; past them the loop
+    simply ends (the caller's bound must hold, or the caller must want the cut). ``most``
+    is static.
+    """
+    def iteration(_, c):
+        return jax.lax.cond(cond(c), body, lambda c: c, c)
+
+    return jax.lax.fori_loop(0, most, iteration, init)
