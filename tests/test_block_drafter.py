@@ -272,3 +272,20 @@ def test_a_few_training_steps_lower_the_loss():
     assert losses[-1] < losses[0] - 0.1, losses
     w = T.position_weights(4, 2.0)
     assert np.isclose(float(w.sum()), 1.0) and bool(jnp.all(w[:-1] > w[1:]))
+
+
+def test_unrecorded_greedy_device_rounds_run_fixed_and_are_plain_greedy():
+    """Without the rows recorded the device rounds run as a loop of known trip count, the
+    drafter caught up before the chain's first call (the 12-token prompt is more than one of
+    the target's 9-row blocks behind)."""
+    from turbospark_jax.rounds import runs_fixed_rounds
+
+    drafter = _drafter(8)
+    device = drafter.on_device()[0]
+    assert runs_fixed_rounds(device, True, False) and device.caught_up
+    assert not drafter._device.loop_free  # the host loop's form: no bound (control)
+    pair = SpeculativePair(TARGET, drafter)
+    got = run_raw_completion_speculative(
+        pair, dataclasses.replace(GREEDY, draft_len=7, record_logits=False))
+    assert got.speculative.on_device
+    assert got.token_ids == PLAIN.token_ids and got.fed_ids == PLAIN.fed_ids

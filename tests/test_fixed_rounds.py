@@ -124,8 +124,10 @@ def test_only_greedy_unrecorded_bursts_of_loop_free_drafters_are_fixed():
         assert rounds.runs_fixed_rounds(drafter, True, False)
         assert not rounds.runs_fixed_rounds(drafter, False, False)  # the judge stops on data
         assert not rounds.runs_fixed_rounds(drafter, True, True)  # the rows recorded
-    # their catch-up loops run until the drafter reaches the target: no bound (control)
-    assert not MTPDevice.loop_free and not BlockDevice.loop_free
+    # the host loop's forms of the catching-up drafters run until they reach the target: no
+    # bound (control); the device rounds' forms are caught up before a chain (their tests)
+    for device in (MTPDevice, BlockDevice):
+        assert device.catches_up and "caught_up" in device.__dataclass_fields__
 
 
 def test_the_default_form_is_the_fixed_one_for_a_greedy_draft_model(monkeypatch):

@@ -96,3 +96,41 @@ def test_pairings_the_head_cannot_serve_are_refused():
     with pytest.raises(BadInputError, match="target="):
         drafter = MTPDrafter(TARGET)
         drafter.block(drafter.init_state(), PROMPT, 2)
+
+
+@pytest.mark.parametrize("draft_len", [2, 5])
+def test_unrecorded_greedy_device_rounds_run_fixed_and_are_plain_greedy(draft_len):
+    """Without the rows recorded the device rounds run as a loop of known trip count: the
+    pair catches the head up before the chain's first call (the 20-token prompt is more than
+    three of the target's 6-row blocks behind), and each round then catches up one block."""
+    from turbospark_jax.rounds import runs_fixed_rounds
+
+    pair = SpeculativePair(TARGET, MTPDrafter(TARGET))
+    device = MTPDrafter(TARGET).on_device()[0]
+    assert runs_fixed_rounds(device, True, False) and device.caught_up
+    assert not MTPDrafter(TARGET)._device.loop_free  # the host loop's form: no bound (control)
+    req = dataclasses.replace(GREEDY, draft_len=draft_len, record_logits=False)
+    got = run_raw_completion_speculative(pair, req)
+    assert got.speculative.on_device
+    assert got.token_ids == PLAIN.token_ids and got.fed_ids == PLAIN.fed_ids
+
+
+def test_control_without_the_catch_up_the_bounded_rounds_leave_the_head_behind(monkeypatch):
+    """The bound holds only because the pair catches the head up first: skipped, a round
+    catches up one 6-row block of the 20-token prompt and the head stays behind the target
+    (the tokens would still be plain greedy: the target judges them). One round: budget 1."""
+    from turbospark_jax import sampling
+    from turbospark_jax.drafters import pair as pair_module
+
+    def behind_after_one_call():
+        pair = SpeculativePair(TARGET, MTPDrafter(TARGET))
+        logits, state = pair.prefill_chunk_priming_drafter(pair.init_state(), PROMPT, 0, None)
+        _, state = pair.device_rounds(
+            state, int(np.argmax(np.asarray(logits))), draft_len=3, budget=1,
+            params=sampling.SamplingParams.greedy(), history=sampling.History.empty(V),
+            key=sampling.request_key(0), gen_index=1, remaining=30, record_logits=False)
+        return int(pair.fed_record(state).count) - int(state.drafter.fed.count)
+
+    assert behind_after_one_call() <= 4  # at most what the last round committed
+    monkeypatch.setattr(pair_module, "catch_up_compiled", lambda device, p, state, t: state)
+    assert behind_after_one_call() > 6

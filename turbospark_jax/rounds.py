@@ -17,15 +17,16 @@ On a GPU a ``while_loop`` whose trip count is data reads its predicate back to t
 iteration (unless XLA records the loop as a CUDA graph, which the package does not ask for in
 these programs: ``device_flags``), so the call holds the host until its last round and the
 next call's host work cannot overlap it. A burst whose drafter's rounds hold no such loop
-(``DeviceDrafter.loop_free``: n-gram lookup, the oracle, and greedy draft models and the
-Gemma 4 assistant, whose draft loops are :func:`~turbospark_jax.loops.bounded_while`), greedy
-(the sampled judge stops on data) and not recording the target rows therefore runs as a loop
-of known trip count (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond``
-while the burst's condition holds): the same rounds, the same tokens. On an H100 such a call
-of the 1B oracle pair returned to the host in 2-4 ms where the ``while_loop`` form's took the
-whole burst (172 ms), and the greedy pair went from 5.06x to 5.68x at alpha 0.9 and draft
-length 8 (NOTES.md, session 48; the draft models' bursts in this form are not yet measured on
-a GPU).
+(``DeviceDrafter.loop_free``: n-gram lookup and the oracle; draft models, the Gemma 4
+assistant and the MTP head, whose greedy draft loops are
+:func:`~turbospark_jax.loops.bounded_while`; the MTP head and block drafters caught up before
+the chain, ``DeviceDrafter.catch_up``), greedy (the sampled judge stops on data) and not
+recording the target rows therefore runs as a loop of known trip count
+(:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while the burst's condition
+holds): the same rounds, the same tokens. On an H100 such a call of the 1B oracle pair
+returned to the host in 2-4 ms where the ``while_loop`` form's took the whole burst (172 ms),
+and the greedy pair went from 5.06x to 5.68x at alpha 0.9 and draft length 8 (NOTES.md,
+session 48; the model drafters' bursts in this form are not yet measured on a GPU).
 
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
 the reference: with the same keys both loops emit the same tokens. The host loop recomputes a

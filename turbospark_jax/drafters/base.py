@@ -45,10 +45,12 @@ class DeviceDrafter(abc.ABC):
         known trip count
         (:data:`~turbospark_jax.rounds.FIXED_ROUNDS`): on a GPU such a call reads nothing
         back to the host and returns at once, and the next call is queued while it runs.
+      catches_up: :meth:`catch_up` has work to do; a chain of device rounds runs it first.
     """
 
     point_mass: ClassVar[bool] = True
     loop_free: ClassVar[bool] = False
+    catches_up: ClassVar[bool] = False
 
     @abc.abstractmethod
     def propose(
@@ -85,6 +87,21 @@ class DeviceDrafter(abc.ABC):
         drafter may hold fewer: it never consumed the last proposal). Default: no state."""
         del keep
         return state
+
+    def catch_up(self, params: Any, state: Any, target: Any) -> Any:
+        """The state brought to within one verify block (the target program's width) of the
+        target's committed positions, with what :meth:`propose` would compute on the way: a
+        drafter that catches up inside its rounds runs this before a call of device rounds
+        (``launch_rounds`` does), so that each round catches up one block at most and its
+        loop is bounded. Default: nothing to catch up."""
+        del params, target
+        return state
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def catch_up_compiled(device: DeviceDrafter, params: Any, state: Any, target: Any) -> Any:
+    """``device``'s :meth:`~DeviceDrafter.catch_up` as one compiled call."""
+    return device.catch_up(params, state, target)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -37,6 +37,7 @@ from turbospark_jax.drafters.base import (
     propose_compiled,
 )
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.loops import bounded_while
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.block_drafter import (
     BlockDrafterCache,
@@ -173,15 +174,55 @@ class BlockDrafter(CatchUpDrafter):
         return [int(t) for t in jax.device_get(proposals)[: int(n)]], state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
-        return self._device, self._params
+        return dataclasses.replace(self._device, caught_up=True), self._params
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockDevice(DeviceDrafter):
-    """The drafter's catch-up and pass inside the device loop (see the module docstring)."""
+    """The drafter's catch-up and pass inside the device loop (see the module docstring).
+
+    ``caught_up``: the form the device rounds run (:meth:`BlockDrafter.on_device`), where the
+    pair has run :meth:`catch_up` before the call, so a round's catch-up is one block at most
+    and its loop is bounded; the host loop drafts with the other form.
+    """
 
     model: BlockDrafterModel
     width: int
+    caught_up: bool = False
+    catches_up = True
+
+    @property
+    def loop_free(self) -> bool:  # type: ignore[override]
+        return self.caught_up
+
+    def _agreeing(self, state: BlockDrafterState, target: Any) -> Any:
+        """The drafter's record cut to the rows whose lineage (prefix digest) is the
+        target's up to there."""
+        fed = state.fed
+        slots = jnp.arange(fed.capacity, dtype=jnp.int32)
+        agree = (fed.prefix == target.fed.prefix) & (
+            slots < jnp.minimum(fed.count, target.fed.count))
+        return fed.moved_to(jnp.sum(jnp.cumprod(agree.astype(jnp.int32))))
+
+    def _catch_up_block(self, own: Any, c: tuple, target: Any) -> tuple:
+        """The context rows of up to ``width`` positions after ``fed.count`` (below the
+        pending token's)."""
+        cache, fed = c
+        rows_w = jnp.arange(self.width, dtype=jnp.int32)
+        positions = fed.count + rows_w
+        live = jnp.minimum(target.fed.count - fed.count, self.width)
+        taps = jnp.take(target.cache.taps, positions, axis=0, mode="clip")
+        cache = self.model.write_context(own, cache, taps, positions, live)
+        return cache, fed.append(jnp.take(target.fed.ids, positions, mode="clip"), live)
+
+    def catch_up(self, params: Any, state: BlockDrafterState, target: Any) -> BlockDrafterState:
+        own, _ = params
+        base = target.fed.count
+        cache, fed = jax.lax.while_loop(  # whole blocks while more than one is left
+            lambda c: base - c[1].count > self.width,
+            lambda c: self._catch_up_block(own, c, target),
+            (state.cache, self._agreeing(state, target)))
+        return BlockDrafterState(cache=cache, fed=fed)
 
     def propose(
         self, params: Any, state: BlockDrafterState, target: Any, pending: jax.Array,
@@ -190,23 +231,18 @@ class BlockDevice(DeviceDrafter):
         del sampler  # argmax: a point-mass proposal
         own, shared = params
         base = target.fed.count  # the pending token's position
-        fed = state.fed
-        # Keep only the rows whose lineage (prefix digest) is the target's up to there.
-        slots = jnp.arange(fed.capacity, dtype=jnp.int32)
-        agree = (fed.prefix == target.fed.prefix) & (slots < jnp.minimum(fed.count, base))
-        fed = fed.moved_to(jnp.sum(jnp.cumprod(agree.astype(jnp.int32))))
-        rows_w = jnp.arange(self.width, dtype=jnp.int32)
+
+        def behind(c):
+            return c[1].count < base
 
         def catch_up(c):
-            cache, fed = c
-            positions = fed.count + rows_w
-            live = jnp.minimum(base - fed.count, self.width)
-            taps = jnp.take(target.cache.taps, positions, axis=0, mode="clip")
-            cache = self.model.write_context(own, cache, taps, positions, live)
-            return cache, fed.append(jnp.take(target.fed.ids, positions, mode="clip"), live)
+            return self._catch_up_block(own, c, target)
 
-        cache, fed = jax.lax.while_loop(lambda c: c[1].count < base, catch_up,
-                                        (state.cache, fed))
+        init = (state.cache, self._agreeing(state, target))
+        if self.caught_up:  # one block at most
+            cache, fed = bounded_while(behind, catch_up, init, 1)
+        else:
+            cache, fed = jax.lax.while_loop(behind, catch_up, init)
         logits = self.model.block_logits(own, shared, cache.k, cache.v, base, pending)
         drafts = self.model.config.block_size - 1
         proposals = jnp.zeros((MAX_DRAFT,), jnp.int32).at[:drafts].set(

@@ -97,15 +97,59 @@ class MTPDrafter(CatchUpDrafter):
         return [int(t) for t in jax.device_get(proposals)[: int(n)]], state
 
     def on_device(self) -> tuple[DeviceDrafter, Any]:
-        return self._device, self.target.params
+        return dataclasses.replace(self._device, caught_up=True), self.target.params
 
 
 @dataclasses.dataclass(frozen=True)
 class MTPDevice(DeviceDrafter):
-    """The head's catch-up and chain inside the device loop (see the module docstring)."""
+    """The head's catch-up and chain inside the device loop (see the module docstring).
+
+    ``caught_up``: the form the device rounds run (:meth:`MTPDrafter.on_device`), where the
+    pair has run :meth:`catch_up` before the call, so a round's catch-up is one block at most
+    (a round commits at most ``width`` positions) and every loop of the round is bounded; the
+    host loop drafts with the other form, whose catch-up runs as far as the target is.
+    """
 
     model: Qwen35Model
     width: int
+    caught_up: bool = False
+    catches_up = True
+
+    @property
+    def loop_free(self) -> bool:  # type: ignore[override]
+        return self.caught_up
+
+    def _catch_up_block(self, params: Any, c: tuple, target: Any, pending: jax.Array) -> tuple:
+        """One block of up to ``width`` of the head's rows from the trunk's (the positions
+        after ``fed.count``, up to the pending token's), with the last row's logits and
+        hidden state."""
+        cache, fed, _, _ = c
+        base = target.fed.count  # the pending token's position
+        rows_w = jnp.arange(self.width, dtype=jnp.int32)
+        positions = fed.count + rows_w
+        live = jnp.minimum(base - fed.count, self.width)
+        # the token after each position: committed, or the pending one after the last
+        nxt = jnp.where(positions + 1 < base,
+                        jnp.take(target.fed.ids, positions + 1, mode="clip"), pending)
+        logits, hidden, cache = self.model.mtp_block_forward(
+            params, cache, jnp.take(target.cache.hidden_rows, positions, axis=0, mode="clip"),
+            nxt, positions, live)
+        last = live - 1
+        return cache, fed.append(nxt, live), logits[last], hidden[last]
+
+    def _catch_up_start(self, state: MTPState, target: Any) -> tuple:
+        dim = target.cache.hidden_rows.shape[-1]
+        return (state.cache, state.fed, jnp.zeros((self.model.vocab_size,), jnp.float32),
+                jnp.zeros((dim,), target.cache.hidden_rows.dtype))
+
+    def catch_up(self, params: Any, state: MTPState, target: Any) -> MTPState:
+        # whole blocks while more than one is left: their next tokens are all committed
+        base = target.fed.count
+        cache, fed, _, _ = jax.lax.while_loop(
+            lambda c: base - c[1].count > self.width,
+            lambda c: self._catch_up_block(params, c, target, jnp.int32(0)),
+            self._catch_up_start(state, target))
+        return MTPState(cache=cache, fed=fed)
 
     def propose(
         self, params: Any, state: MTPState, target: Any, pending: jax.Array, m: jax.Array,
@@ -113,30 +157,21 @@ class MTPDevice(DeviceDrafter):
     ) -> tuple[jax.Array, None, jax.Array, MTPState]:
         del sampler  # greedy: a point-mass proposal
         w = self.width
-        rows_w = jnp.arange(w, dtype=jnp.int32)
         base = target.fed.count  # the pending token's position
-        ids, hidden_rows = target.fed.ids, target.cache.hidden_rows
+        dim = target.cache.hidden_rows.shape[-1]
 
-        def next_token(p: jax.Array) -> jax.Array:
-            # the token after position p: committed, or the pending one after the last
-            return jnp.where(p + 1 < base, jnp.take(ids, p + 1, mode="clip"), pending)
+        def behind(c):
+            return c[1].count < base
 
         def catch_up(c):
-            cache, fed, _, _ = c
-            positions = fed.count + rows_w
-            live = jnp.minimum(base - fed.count, w)
-            nxt = next_token(positions)
-            logits, hidden, cache = self.model.mtp_block_forward(
-                params, cache, jnp.take(hidden_rows, positions, axis=0, mode="clip"),
-                nxt, positions, live)
-            last = live - 1
-            return cache, fed.append(nxt, live), logits[last], hidden[last]
+            return self._catch_up_block(params, c, target, pending)
 
-        vocab, dim = self.model.vocab_size, hidden_rows.shape[-1]
-        init = (state.cache, state.fed, jnp.zeros((vocab,), jnp.float32),
-                jnp.zeros((dim,), hidden_rows.dtype))
-        cache, fed, logits, hidden = jax.lax.while_loop(
-            lambda c: c[1].count < base, catch_up, init)  # rows 0 .. base - 1 from the trunk
+        init = self._catch_up_start(state, target)
+        # rows 0 .. base - 1 from the trunk; caught up, one block at most
+        if self.caught_up:
+            cache, fed, logits, hidden = bounded_while(behind, catch_up, init, 1)
+        else:
+            cache, fed, logits, hidden = jax.lax.while_loop(behind, catch_up, init)
 
         def chain(c):
             i, cache, proposals, logits, hidden = c

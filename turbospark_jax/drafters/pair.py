@@ -21,7 +21,7 @@ from turbospark_jax import sampling
 from turbospark_jax.block_producer import BlockProducer, require_launched_state
 from turbospark_jax.block_program import MAX_STOP_IDS
 from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_int
-from turbospark_jax.drafters.base import MAX_DRAFT, Drafter
+from turbospark_jax.drafters.base import MAX_DRAFT, Drafter, catch_up_compiled
 from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.protocols import (
     RUNNING,
@@ -339,7 +339,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
             gen_index=np.int32(gen_index), remaining=np.int32(remaining), left=remaining,
             out=None, cursor=None,
         )
-        return self._launch_rounds(state, call, history, budget, count)
+        return self._launch_rounds(state, call, history, budget, count, first=True)
 
     def continue_rounds(
         self, state: PairState, after: LaunchedBurst, budget: int
@@ -396,7 +396,8 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         return launched.call
 
     def _launch_rounds(
-        self, state: PairState, call: _RoundsCall, history: Any, budget: int, count: int
+        self, state: PairState, call: _RoundsCall, history: Any, budget: int, count: int,
+        first: bool = False,
     ) -> tuple[LaunchedBurst, PairState]:
         target: BlockProducer = self.target  # type: ignore[assignment]
         # A round feeds at most up to the last position the request may still emit into, and
@@ -422,9 +423,15 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
                                   call.record_logits, sampling.is_greedy(call.params),
                                   target.key_bound(reach + target.width))
         bare, held = without_auxiliary(state.target)
+        drafter_state = state.drafter
+        if first and device.catches_up:
+            # A chain's first call: the drafter brought within one block of the target (a
+            # round commits at most a block, so every later round and chained call stays
+            # there and catches up in one bounded step).
+            drafter_state = catch_up_compiled(device, device_params, drafter_state, bare)
         buffers, values, drafter, out = program(
             target.params, device_params, buffers_only(bare), by_value(bare),
-            state.drafter, call.pending, control, *target.nothing_injected,
+            drafter_state, call.pending, control, *target.nothing_injected,
         )
         target_state = with_auxiliary(merge_parts(buffers, values), held)
         call = dataclasses.replace(call, out=out, cursor=target_state.fed.count)
