@@ -134,12 +134,16 @@
 #                                             # loop graphs outside decode programs): GPU
 #                                             # tests, the 1B oracle, the embedded pair, a
 #                                             # burst of rounds traced, the drafters table
+#   bash benchmarks/rowinv_h200.sh 49 "$OUT"  # the Gemma 4 assistant's oracle figures with
+#                                             # its greedy rounds as a loop of known trip
+#                                             # count (the README's were taken with loop
+#                                             # graphs in every program)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 48}
+stage=${1:?stage 1 to 49}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -610,6 +614,11 @@ case "$stage" in
     --out "$out/profile" 2>&1 | head -1 | cut -c1-400
   timeout 200 python -m benchmarks.drafters --preset h200-short --max-seconds 180 \
     --out "$out/drafters" 2>&1 | tail -24
+  ;;
+49)
+  # the costed oracle over the assistant: its bursts are greedy and unrecorded, so since
+  # session 48 they run as a loop of known trip count (the assistant's draft loop bounded)
+  timeout 500 python -m benchmarks.assistant_oracle --out "$out/assistant" 2>&1 | tail -14
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

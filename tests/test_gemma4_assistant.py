@@ -251,10 +251,12 @@ def test_costed_oracle_overrules_the_assistant(paired: Any) -> None:
 
 
 def test_costed_oracle_assistant_is_lossless_on_the_device_loop(paired: Any) -> None:
-    """Through the device rounds, every alpha reproduces plain greedy decoding; alpha 1 keeps
-    every proposal and alpha 0 none."""
+    """Through the device rounds (greedy, no rows recorded: a loop of known trip count, the
+    assistant's and the wrapper's loops bounded), every alpha reproduces plain greedy
+    decoding; alpha 1 keeps every proposal and alpha 0 none."""
     from turbospark_jax import CompletionRequest, run_raw_completion
     from turbospark_jax.drafters import CostedOracleDrafter, SpeculativePair
+    from turbospark_jax.rounds import runs_fixed_rounds
     from turbospark_jax.speculative import run_raw_completion_speculative
 
     producer, config, aparams = paired
@@ -264,8 +266,9 @@ def test_costed_oracle_assistant_is_lossless_on_the_device_loop(paired: Any) -> 
     request = dataclasses.replace(request, draft_len=4)
     inner = A.Gemma4AssistantDrafter(producer, config, aparams)
     for alpha in (0.0, 0.6, 1.0):
-        pair = SpeculativePair(producer,
-                               CostedOracleDrafter(inner, prompt + plain.token_ids, alpha))
+        drafter = CostedOracleDrafter(inner, prompt + plain.token_ids, alpha)
+        assert runs_fixed_rounds(drafter.on_device()[0], True, False)
+        pair = SpeculativePair(producer, drafter)
         got = run_raw_completion_speculative(pair, request)
         s = got.speculative
         assert s.on_device and got.token_ids == plain.token_ids, alpha

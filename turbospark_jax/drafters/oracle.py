@@ -200,6 +200,10 @@ class CostedOracleDevice(DeviceDrafter):
     vocab_size: int
     seed: int
 
+    @property
+    def loop_free(self) -> bool:  # type: ignore[override]
+        return self.inner.loop_free
+
     def propose(
         self, params: Any, state: Any, target: Any, pending: jax.Array,
         m: jax.Array, sampler: Any,
