@@ -137,7 +137,8 @@
 #   bash benchmarks/rowinv_h200.sh 49 "$OUT"  # the Gemma 4 assistant's oracle figures with
 #                                             # its greedy rounds as a loop of known trip
 #                                             # count (the README's were taken with loop
-#                                             # graphs in every program)
+#                                             # graphs in every program), and the drafters
+#                                             # with rounds.BOUNDED_SAMPLING on
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
@@ -618,7 +619,12 @@ case "$stage" in
 49)
   # the costed oracle over the assistant: its bursts are greedy and unrecorded, so since
   # session 48 they run as a loop of known trip count (the assistant's draft loop bounded)
-  timeout 500 python -m benchmarks.assistant_oracle --out "$out/assistant" 2>&1 | tail -14
+  timeout 300 python -m benchmarks.assistant_oracle --out "$out/assistant" 2>&1 | tail -14
+  # rounds.BOUNDED_SAMPLING: the sampled judge's and draft loops as loops of known trip
+  # count, so sampled bursts run fixed; against stage 48's drafters table (sampled rows)
+  timeout 200 python -m benchmarks.drafters --preset h200-short --max-seconds 150 \
+    --drafters ngram,draft-model,mtp --bounded-sampling --out "$out/drafters_bounded" \
+    2>&1 | tail -14
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

@@ -150,3 +150,21 @@ def test_a_call_recording_rows_emits_at_most_the_recorded_burst(monkeypatch):
     emitted = [sum(a + 1 for _, a in c) for c in recorded_calls]
     assert max(emitted) <= rounds.RECORDED_BURST + 2  # a round may pass the budget
     assert sum(a + 1 for _, a in free_calls[0]) > rounds.RECORDED_BURST + 2  # control
+
+
+@pytest.mark.parametrize("drafter_kind", ["n-gram", "draft model"])
+def test_bounded_sampling_runs_sampled_bursts_fixed_with_the_same_bits(drafter_kind,
+                                                                        monkeypatch):
+    """``rounds.BOUNDED_SAMPLING`` (off by default until a GPU has timed it): the sampled
+    judge's loop and a draft model's sampled draft loop become loops of known trip count, so
+    sampled bursts take the fixed form; the tokens, rounds and states are those of the
+    default (``while_loop``) sampled bursts."""
+    p = make_pair("attention", drafter_kind)
+    default = run_all(p, [8, 256], 150, params=SAMPLED)
+    assert max(len(c) for c in default[2]) > rounds.FIXED_ROUNDS  # control: not fixed
+    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
+    bounded = run_all(p, [8, 256], 150, params=SAMPLED)
+    assert max(len(c) for c in bounded[2]) == rounds.FIXED_ROUNDS
+    assert bounded[0] == default[0] and len(bounded[0]) == 150
+    assert [r for c in bounded[2] for r in c] == [r for c in default[2] for r in c]
+    assert tree_bitwise_equal(bounded[3], default[3])

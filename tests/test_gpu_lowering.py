@@ -418,11 +418,12 @@ def _rounds_program(kernels: str, monkeypatch, settings=None) -> str:
     pair = SpeculativePair(target, NGramDrafter(CONFIG.vocab_size, max_n=3), device_rounds=True)
 
     def compiled(target_model, drafter, width, donate, record_logits, greedy=False,
-                 max_keys=None):
+                 max_keys=None, bounded=False):
         def lower(*args):
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
                                    greedy, max_keys,
-                                   runs_fixed_rounds(drafter, greedy, record_logits))
+                                   runs_fixed_rounds(drafter, greedy, record_logits, bounded),
+                                   bounded)
             exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
             raise _Lowered(exported(*args).mlir_module())
         return lower
@@ -489,6 +490,15 @@ def test_greedy_rounds_hold_no_loop_that_stops_on_data(monkeypatch):
     params = sampling.SamplingParams.make(temperature=0.8, top_k=50, top_p=0.95)
     loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch, params))
     assert fixed < loops
+
+
+def test_bounded_sampling_leaves_sampled_rounds_no_loop_that_stops_on_data(monkeypatch):
+    from turbospark_jax import rounds, sampling
+
+    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
+    params = sampling.SamplingParams.make(temperature=0.8, top_k=50, top_p=0.95)
+    loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch, params))
+    assert loops >= 2 and fixed == loops
 
 
 def test_control_a_loop_to_a_traced_count_is_not_counted_as_fixed():

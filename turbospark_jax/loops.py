@@ -6,8 +6,7 @@ package asks for that only in row-invariant decode programs). A call holding suc
 returns to Python only when the loop is done, so nothing the host does next overlaps it. A
 loop whose trip count XLA knows (a ``fori_loop`` over constants) reads nothing back, and a
 ``lax.cond`` inside one runs on the device (XLA's default command buffers take
-conditionals; on an H100 a call of 32 such iterations returned in 2-4 ms where the
-``while_loop`` form held the host for the whole 172 ms burst: NOTES.md, session 48).
+conditionals; measured in NOTES.md, session 48).
 
 :func:`bounded_while` is the second form of the first: a loop of at most ``most``
 iterations, each running the body only while the condition holds.

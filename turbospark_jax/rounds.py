@@ -23,10 +23,8 @@ assistant and the MTP head, whose greedy draft loops are
 the chain, ``DeviceDrafter.catch_up``), greedy (the sampled judge stops on data) and not
 recording the target rows therefore runs as a loop of known trip count
 (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while the burst's condition
-holds): the same rounds, the same tokens. On an H100 such a call of the 1B oracle pair
-returned to the host in 2-4 ms where the ``while_loop`` form's took the whole burst (172 ms),
-and the greedy pair went from 5.06x to 5.68x at alpha 0.9 and draft length 8 (NOTES.md,
-session 48; the model drafters' bursts in this form are not yet measured on a GPU).
+holds): the same rounds, the same tokens, and a call that returns to the host at once
+(measured in NOTES.md, session 48).
 
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
 the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
@@ -54,14 +52,12 @@ from turbospark_jax.state import buffers_only, by_value, merge_parts, restore_by
 #: The most tokens one device burst of rounds emits before it returns to the host (a round
 #: may pass the burst's budget by up to ``MAX_DRAFT``; the buffers hold that too). The plain
 #: loop's most (:attr:`~turbospark_jax.completion.BurstSizer.MOST`): a call's fixed host cost
-#: is paid once per burst, and on a GPU a burst whose loop is not one CUDA graph holds the
-#: host until it ends, so nothing of that cost overlaps the device (64 tokens a call cost the
-#: 1B oracle pair 28% of its speed on an H100; NOTES.md, session 48).
+#: is paid once per burst, and a burst whose loop stops on data holds the host until it
+#: ends, so none of that cost overlaps the device.
 MAX_BURST = 256
-#: The most tokens a burst that records the target rows emits, as before session 48: its
-#: rows buffer is ``[RECORDED_BURST + MAX_DRAFT + 1, V]`` float32, 37 MB at a 128k
-#: vocabulary where MAX_BURST's would be 140 MB (on an H100 a 1B round recording into the
-#: larger buffer took 2.0 ms against 1.4 without recording; NOTES.md, session 48).
+#: The most tokens a burst that records the target rows emits: its rows buffer is
+#: ``[RECORDED_BURST + MAX_DRAFT + 1, V]`` float32, 37 MB at a 128k vocabulary where
+#: MAX_BURST's would be 140 MB, and recording into the larger one measured slower.
 RECORDED_BURST = 64
 #: The rounds of a call of known trip count (a burst whose drafter is
 #: :attr:`~turbospark_jax.drafters.base.DeviceDrafter.loop_free`, not recording the target
@@ -70,6 +66,12 @@ RECORDED_BURST = 64
 #: ``lax.cond``), so it emits what the ``while_loop`` form emits up to its 32nd round and then
 #: returns; the host's next call takes over from there.
 FIXED_ROUNDS = 32
+#: Sampled rounds' loops (the judge's, a draft model's sampled draft loop) as loops of known
+#: trip count too, so sampled bursts of loop-free drafters take the fixed form. Off until
+#: measured on a GPU: each iteration sorts the vocabulary, and if XLA does not keep a branch
+#: holding a sort on the device, every row past the stop would cost a host round trip where
+#: the ``while_loop`` pays one.
+BOUNDED_SAMPLING = False
 
 
 @struct.dataclass(kw_only=True)
@@ -91,6 +93,9 @@ class DraftSampler:
     #: Static: the request is greedy (the rounds' greedy variant); a drafter may then draft
     #: :func:`~turbospark_jax.sampling.greedy_token`\ s and skip its ``q``.
     greedy: bool = struct.field(pytree_node=False, default=False)
+    #: Static: a sampled draft loop is to be a loop of known trip count
+    #: (:data:`BOUNDED_SAMPLING`), as a greedy one always is.
+    bounded: bool = struct.field(pytree_node=False, default=False)
 
 
 def history_rows(history: sampling.History, tokens: jax.Array) -> sampling.History:
@@ -142,6 +147,7 @@ def judge(
     history: sampling.History,
     key: jax.Array,
     index: jax.Array,
+    bounded: bool = False,
 ) -> tuple[jax.Array, jax.Array, sampling.History]:
     """Accept or reject ``m`` proposals against target rows; returns (tokens, count, history).
 
@@ -155,7 +161,8 @@ def judge(
     i)`` for the bonus draw, as plain decoding does.
 
     Only the rows up to the first rejection are shaped into ``p`` (each may sort the
-    vocabulary for top-k/top-p), one at a time: the rows after it are never read.
+    vocabulary for top-k/top-p), one at a time: the rows after it are never read. ``bounded``
+    (static): that loop as one of known trip count (``draft + 1`` iterations), the same bits.
     """
     accept_key = jax.random.fold_in(key, 2)
     resample_key = jax.random.fold_in(key, 3)
@@ -182,10 +189,14 @@ def judge(
     # accepted + 1 rows (a trip count that is data) and row ``accepted``'s processed logits
     # serve the bonus draw as well. (Not ``bounded_while``: whether a GPU keeps a branch
     # that sorts the vocabulary on the device, rather than reading its predicate back, is
-    # unmeasured; if it does not, the rows past the stop would each cost a host round trip.)
+    # unmeasured; if it does not, the rows past the stop would each cost a host round trip:
+    # ``bounded``, off by default, BOUNDED_SAMPLING.)
     zeros = jnp.zeros((rows.shape[1],), jnp.float32)
-    accepted, processed, p, _ = jax.lax.while_loop(
-        undecided, next_row, (jnp.int32(0), zeros, zeros, jnp.bool_(True)))
+    start = (jnp.int32(0), zeros, zeros, jnp.bool_(True))
+    if bounded:
+        accepted, processed, p, _ = bounded_while(undecided, next_row, start, draft + 1)
+    else:
+        accepted, processed, p, _ = jax.lax.while_loop(undecided, next_row, start)
     at = jax.tree.map(lambda a: a[accepted], hist)
     bonus = sampling.draw_processed(processed, params, sampling.token_key(key, index + accepted))
     q_at = jnp.where(accepted < draft, q[jnp.minimum(accepted, draft - 1)], 0.0)
@@ -293,6 +304,7 @@ def _run_rounds(
     greedy: bool,
     max_keys: int | None,
     fixed: bool,
+    bounded: bool,
     target_params: Any,
     drafter_params: Any,
     buffers: BlockState,
@@ -327,7 +339,7 @@ def _run_rounds(
         index = control.gen_index + n
         m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
         sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index,
-                               greedy=greedy)
+                               greedy=greedy, bounded=bounded)
         proposals, q, drafted, dst = drafter.propose(drafter_params, dst, st, pend, m, sampler)
         if q is None:
             q = point_masses(proposals, drafted, vocab)
@@ -352,7 +364,7 @@ def _run_rounds(
                                                      hist)
             else:
                 toks, count, new_hist = judge(rows, q, proposals, judged, control.params, hist,
-                                              control.key, index)
+                                              control.key, index, bounded)
         slots = jnp.arange(MAX_DRAFT + 1)
         stops = jnp.any(toks[:, None] == control.stop_ids[None, :], axis=1) & (slots < count)
         stopped = jnp.any(stops)
@@ -392,18 +404,20 @@ def burst_limit(record_logits: bool) -> int:
     return RECORDED_BURST if record_logits else MAX_BURST
 
 
-def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool) -> bool:
+def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,
+                      bounded: bool = False) -> bool:
     """Whether a burst of rounds runs as a loop of :data:`FIXED_ROUNDS` iterations: a greedy
-    one (the sampled judge's loop stops at the first rejection) with a loop-free drafter,
-    not recording the target rows (with them, the one GPU probe of the form ran a 1B round
-    in 3.1 ms against the ``while_loop``'s 2.0; NOTES.md, session 48)."""
-    return greedy and drafter.loop_free and not record_logits
+    one (the sampled judge's loop stops at the first rejection, unless ``bounded``:
+    :data:`BOUNDED_SAMPLING`) with a loop-free drafter, not recording the target rows (with
+    them the form measured slower than the ``while_loop``)."""
+    return (greedy or bounded) and drafter.loop_free and not record_logits
 
 
 @functools.cache
 def compiled_rounds(
     target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool,
     greedy: bool = False, max_keys: int | None = None, fixed: bool | None = None,
+    bounded: bool = False,
 ) -> Any:
     """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
     of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
@@ -413,12 +427,13 @@ def compiled_rounds(
     the host's bound on every position the burst's verify blocks hold, plus one (a speed hint
     for a target that declares ``bounds_keys``; see :func:`~turbospark_jax.block_program.
     feed_block`). ``fixed``: run the burst as a loop of :data:`FIXED_ROUNDS` iterations
-    (``None``: :func:`runs_fixed_rounds`; either form emits the same rounds). Arguments:
+    (``None``: :func:`runs_fixed_rounds`; either form emits the same rounds). ``bounded``:
+    sampled rounds' loops of known trip count (:data:`BOUNDED_SAMPLING`). Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""
+    if fixed is None:
+        fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
-                           max_keys,
-                           runs_fixed_rounds(drafter, greedy, record_logits)
-                           if fixed is None else fixed)
+                           max_keys, fixed, bounded)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else ())

@@ -171,10 +171,10 @@ class DraftModelDevice(DeviceDrafter):
         vocab = self.model.vocab_size
         init = (jnp.int32(0), state, first, jnp.zeros((MAX_DRAFT,), jnp.int32),
                 jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
-        if sampler.greedy:  # at most MAX_DRAFT argmax steps: a loop of known trip count
+        if sampler.greedy or sampler.bounded:  # at most MAX_DRAFT steps: known trip count
             steps, state, _, proposals, q, _, finite = bounded_while(cond, body, init,
                                                                      MAX_DRAFT)
-        else:  # sampled steps sort the vocabulary (see rounds.judge on why not bounded)
+        else:  # sampled steps sort the vocabulary (rounds.BOUNDED_SAMPLING says why)
             steps, state, _, proposals, q, _, finite = jax.lax.while_loop(cond, body, init)
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
         # host loop, the drafter goes back to the committed sequence.
