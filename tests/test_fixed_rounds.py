@@ -7,6 +7,8 @@ rounds, and only those bursts take the form by default."""
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -168,3 +170,57 @@ def test_bounded_sampling_runs_sampled_bursts_fixed_with_the_same_bits(drafter_k
     assert bounded[0] == default[0] and len(bounded[0]) == 150
     assert [r for c in bounded[2] for r in c] == [r for c in default[2] for r in c]
     assert tree_bitwise_equal(bounded[3], default[3])
+
+
+def _cache_copies(target, fixed: bool) -> int:
+    """Copies of a cache-shaped buffer in the compiled burst of greedy n-gram rounds (the
+    fixed form or the ``while_loop``), compiled for this backend."""
+    import re
+
+    captured = {}
+
+    def compiled(*args, **kwargs):
+        program = rounds.compiled_rounds(*args, **{**kwargs, "fixed": fixed})
+
+        def run(*call):
+            captured["text"] = program.lower(*call).compile().as_text()
+            return program(*call)
+        return run
+
+    p = SpeculativePair(target, NGramDrafter(target.vocab_size, max_n=3))
+    logits, state = p.prefill_chunk_priming_drafter(p.init_state(), PROMPT, 0, None)
+    shapes = {"f32[" + ",".join(map(str, leaf.shape)) + "]"
+              for leaf in jax.tree.leaves(state.target.cache) if leaf.ndim >= 2}
+    original = pair_module.compiled_rounds
+    pair_module.compiled_rounds = compiled
+    try:
+        p.device_rounds(state, 1, draft_len=2, budget=32, params=GREEDY,
+                        history=sampling.History.from_prompt(PROMPT, p.vocab_size), key=KEY,
+                        gen_index=1, remaining=64, record_logits=False)
+    finally:
+        pair_module.compiled_rounds = original
+    return sum(1 for line in captured["text"].split("\n")
+               if re.search(r"= (f32\[[\d,]+\])\{[\d,]*\} copy\(", line)
+               and re.search(r"= (f32\[[\d,]+\])", line).group(1) in shapes)
+
+
+def test_the_fixed_form_copies_no_cache_of_a_dense_model():
+    """The round runs inside a ``lax.cond``; XLA must still write a dense model's KV cache in
+    place there, as in the ``while_loop``: no extra copy of a cache buffer a round (listed
+    and stacked layers). The control: the toy target's cache, one buffer its two layers
+    each write inside the round, is copied in the fixed form."""
+    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.models.dense import DenseModel, unstack_layers
+    from turbospark_jax.models.dense_config import DenseConfig
+
+    config = DenseConfig(model_type="qwen3", vocab_size=V, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    for scan in (False, True):
+        model = DenseModel(config, jnp.float32, scan_layers=scan)
+        params = model.init_params(jax.random.PRNGKey(0))
+        target = BlockProducer(model, params if scan else unstack_layers(params),
+                               capacity=128, width=16)
+        assert _cache_copies(target, True) == _cache_copies(target, False), scan
+    toy = toy_attention_producer(vocab=V, capacity=128, width=16)
+    assert _cache_copies(toy, True) > _cache_copies(toy, False)
