@@ -188,7 +188,7 @@ def _cache_copies(target, fixed: bool) -> int:
         return run
 
     p = SpeculativePair(target, NGramDrafter(target.vocab_size, max_n=3))
-    logits, state = p.prefill_chunk_priming_drafter(p.init_state(), PROMPT, 0, None)
+    _, state = p.prefill_chunk_priming_drafter(p.init_state(), PROMPT, 0, None)
     shapes = {"f32[" + ",".join(map(str, leaf.shape)) + "]"
               for leaf in jax.tree.leaves(state.target.cache) if leaf.ndim >= 2}
     original = pair_module.compiled_rounds
