@@ -185,12 +185,10 @@ def judge(
         keep = (j < m) & (u_q[at] < p[proposals[at]])
         return j + keep.astype(jnp.int32), processed, p, keep
 
-    # A while_loop, not a map over the rows: it stops at the first rejection, so it shapes
-    # accepted + 1 rows (a trip count that is data) and row ``accepted``'s processed logits
-    # serve the bonus draw as well. (Not ``bounded_while``: whether a GPU keeps a branch
-    # that sorts the vocabulary on the device, rather than reading its predicate back, is
-    # unmeasured; if it does not, the rows past the stop would each cost a host round trip:
-    # ``bounded``, off by default, BOUNDED_SAMPLING.)
+    # A loop, not a map over the rows: it stops at the first rejection, so it shapes
+    # accepted + 1 rows and row ``accepted``'s processed logits serve the bonus draw as well.
+    # A ``while_loop`` (a trip count that is data) unless ``bounded``: BOUNDED_SAMPLING says
+    # why that is not the default yet.
     zeros = jnp.zeros((rows.shape[1],), jnp.float32)
     start = (jnp.int32(0), zeros, zeros, jnp.bool_(True))
     if bounded:
