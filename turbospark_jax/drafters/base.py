@@ -27,6 +27,7 @@ import jax
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+from turbospark_jax.loops import bounded_while
 
 #: The most tokens one speculative round drafts (the judgement is compiled for this size).
 MAX_DRAFT = 8
@@ -96,6 +97,38 @@ class DeviceDrafter(abc.ABC):
         loop is bounded. Default: nothing to catch up."""
         del params, target
         return state
+
+
+class CatchUpDevice(DeviceDrafter):
+    """A device drafter that catches up with the target inside its rounds (the MTP head, the
+    block drafter), in blocks of the target program's ``width`` positions.
+
+    Its subclass declares a ``caught_up`` field: the form the device rounds run (what
+    ``on_device`` returns), where the pair has run :meth:`catch_up` before the chain, so a
+    round catches up one block at most (a round commits at most ``width`` positions) and its
+    loop is bounded; the host loop drafts with the other form, which catches up as far as the
+    target is.
+    """
+
+    catches_up = True
+    caught_up: bool
+    width: int
+
+    @property
+    def loop_free(self) -> bool:  # type: ignore[override]
+        return self.caught_up
+
+    def _round_catch_up(self, behind: Any, block: Any, init: Any) -> Any:
+        """A round's catch-up loop: ``block`` while ``behind``."""
+        if self.caught_up:
+            return bounded_while(behind, block, init, 1)
+        return jax.lax.while_loop(behind, block, init)
+
+    def _whole_blocks(self, base: jax.Array, block: Any, init: Any) -> Any:
+        """:meth:`catch_up`'s loop: ``block`` while more than one block is left before
+        position ``base`` (``init[1]`` and each carry's second element: the drafter's fed
+        record)."""
+        return jax.lax.while_loop(lambda c: base - c[1].count > self.width, block, init)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -32,12 +32,12 @@ from flax import struct
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.drafters.base import (
     MAX_DRAFT,
+    CatchUpDevice,
     CatchUpDrafter,
     DeviceDrafter,
     propose_compiled,
 )
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loops import bounded_while
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.block_drafter import (
     BlockDrafterCache,
@@ -178,22 +178,13 @@ class BlockDrafter(CatchUpDrafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockDevice(DeviceDrafter):
-    """The drafter's catch-up and pass inside the device loop (see the module docstring).
-
-    ``caught_up``: the form the device rounds run (:meth:`BlockDrafter.on_device`), where the
-    pair has run :meth:`catch_up` before the call, so a round's catch-up is one block at most
-    and its loop is bounded; the host loop drafts with the other form.
-    """
+class BlockDevice(CatchUpDevice):
+    """The drafter's catch-up and pass inside the device loop (see the module docstring;
+    ``caught_up``: :class:`~turbospark_jax.drafters.base.CatchUpDevice`)."""
 
     model: BlockDrafterModel
     width: int
     caught_up: bool = False
-    catches_up = True
-
-    @property
-    def loop_free(self) -> bool:  # type: ignore[override]
-        return self.caught_up
 
     def _agreeing(self, state: BlockDrafterState, target: Any) -> Any:
         """The drafter's record cut to the rows whose lineage (prefix digest) is the
@@ -217,10 +208,8 @@ class BlockDevice(DeviceDrafter):
 
     def catch_up(self, params: Any, state: BlockDrafterState, target: Any) -> BlockDrafterState:
         own, _ = params
-        base = target.fed.count
-        cache, fed = jax.lax.while_loop(  # whole blocks while more than one is left
-            lambda c: base - c[1].count > self.width,
-            lambda c: self._catch_up_block(own, c, target),
+        cache, fed = self._whole_blocks(
+            target.fed.count, lambda c: self._catch_up_block(own, c, target),
             (state.cache, self._agreeing(state, target)))
         return BlockDrafterState(cache=cache, fed=fed)
 
@@ -238,11 +227,8 @@ class BlockDevice(DeviceDrafter):
         def catch_up(c):
             return self._catch_up_block(own, c, target)
 
-        init = (state.cache, self._agreeing(state, target))
-        if self.caught_up:  # one block at most
-            cache, fed = bounded_while(behind, catch_up, init, 1)
-        else:
-            cache, fed = jax.lax.while_loop(behind, catch_up, init)
+        cache, fed = self._round_catch_up(behind, catch_up,
+                                          (state.cache, self._agreeing(state, target)))
         logits = self.model.block_logits(own, shared, cache.k, cache.v, base, pending)
         drafts = self.model.config.block_size - 1
         proposals = jnp.zeros((MAX_DRAFT,), jnp.int32).at[:drafts].set(

@@ -31,6 +31,7 @@ from flax import struct
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.drafters.base import (
     MAX_DRAFT,
+    CatchUpDevice,
     CatchUpDrafter,
     DeviceDrafter,
     propose_compiled,
@@ -101,23 +102,13 @@ class MTPDrafter(CatchUpDrafter):
 
 
 @dataclasses.dataclass(frozen=True)
-class MTPDevice(DeviceDrafter):
-    """The head's catch-up and chain inside the device loop (see the module docstring).
-
-    ``caught_up``: the form the device rounds run (:meth:`MTPDrafter.on_device`), where the
-    pair has run :meth:`catch_up` before the call, so a round's catch-up is one block at most
-    (a round commits at most ``width`` positions) and every loop of the round is bounded; the
-    host loop drafts with the other form, whose catch-up runs as far as the target is.
-    """
+class MTPDevice(CatchUpDevice):
+    """The head's catch-up and chain inside the device loop (see the module docstring;
+    ``caught_up``: :class:`~turbospark_jax.drafters.base.CatchUpDevice`)."""
 
     model: Qwen35Model
     width: int
     caught_up: bool = False
-    catches_up = True
-
-    @property
-    def loop_free(self) -> bool:  # type: ignore[override]
-        return self.caught_up
 
     def _catch_up_block(self, params: Any, c: tuple, target: Any, pending: jax.Array) -> tuple:
         """One block of up to ``width`` of the head's rows from the trunk's (the positions
@@ -144,10 +135,8 @@ class MTPDevice(DeviceDrafter):
 
     def catch_up(self, params: Any, state: MTPState, target: Any) -> MTPState:
         # whole blocks while more than one is left: their next tokens are all committed
-        base = target.fed.count
-        cache, fed, _, _ = jax.lax.while_loop(
-            lambda c: base - c[1].count > self.width,
-            lambda c: self._catch_up_block(params, c, target, jnp.int32(0)),
+        cache, fed, _, _ = self._whole_blocks(
+            target.fed.count, lambda c: self._catch_up_block(params, c, target, jnp.int32(0)),
             self._catch_up_start(state, target))
         return MTPState(cache=cache, fed=fed)
 
@@ -166,12 +155,9 @@ class MTPDevice(DeviceDrafter):
         def catch_up(c):
             return self._catch_up_block(params, c, target, pending)
 
-        init = self._catch_up_start(state, target)
-        # rows 0 .. base - 1 from the trunk; caught up, one block at most
-        if self.caught_up:
-            cache, fed, logits, hidden = bounded_while(behind, catch_up, init, 1)
-        else:
-            cache, fed, logits, hidden = jax.lax.while_loop(behind, catch_up, init)
+        # rows 0 .. base - 1 from the trunk
+        cache, fed, logits, hidden = self._round_catch_up(
+            behind, catch_up, self._catch_up_start(state, target))
 
         def chain(c):
             i, cache, proposals, logits, hidden = c
