@@ -139,12 +139,17 @@
 #                                             # count (the README's were taken with loop
 #                                             # graphs in every program), and the drafters
 #                                             # with rounds.BOUNDED_SAMPLING on
+#   bash benchmarks/rowinv_h200.sh 50 "$OUT"  # session 48's CPU-only changes on the GPU:
+#                                             # every drafter's greedy bursts in the fixed
+#                                             # form, the MTP head and block drafter caught
+#                                             # up first (their GPU tests, the drafters
+#                                             # table, the probe without recorded rows)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 49}
+stage=${1:?stage 1 to 50}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -625,6 +630,24 @@ case "$stage" in
   timeout 200 python -m benchmarks.drafters --preset h200-short --max-seconds 150 \
     --drafters ngram,draft-model,mtp --bounded-sampling --out "$out/drafters_bounded" \
     2>&1 | tail -14
+  ;;
+50)
+  # session 48 built these on the CPU only: draft models', the assistant's and the MTP
+  # head's greedy draft loops bounded (loops.bounded_while), the MTP head and the block
+  # drafter caught up before a chain's first call (DeviceDrafter.catch_up), so every greedy
+  # unrecorded burst runs as a loop of known trip count. Their GPU tests, then the drafters
+  # table against drafters_h100_fixed_rounds_s48 (a model drafter slower than there goes
+  # back to the while_loop), then the probe's recorded-rows question
+  timeout 250 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    -o faulthandler_timeout=90 tests/test_loops.py tests/test_fixed_rounds.py \
+    tests/test_mtp_drafter.py tests/test_block_drafter.py tests/test_gemma4_assistant.py \
+    tests/test_chained_rounds.py tests/test_speculative.py --tb=short -rf \
+    > "$out/gpu_tests_fixed_drafters.txt" 2>&1
+  grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_fixed_drafters.txt" | tail -8
+  timeout 200 python -m benchmarks.drafters --preset h200-short --max-seconds 180 \
+    --out "$out/drafters" 2>&1 | tail -24
+  timeout 110 python -m benchmarks.probe_fixed_rounds --record-logits 0,1 --out "$out" \
+    2>&1 | grep shape | cut -c1-330
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
