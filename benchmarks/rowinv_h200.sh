@@ -144,12 +144,17 @@
 #                                             # form, the MTP head and block drafter caught
 #                                             # up first (their GPU tests, the drafters
 #                                             # table, the probe without recorded rows)
+#   bash benchmarks/rowinv_h200.sh 51 "$OUT"  # the fixed form's programs with while loops
+#                                             # in command buffers
+#                                             # (TURBOSPARK_FIXED_ROUNDS_GRAPHS=1): the
+#                                             # drafters table, their GPU tests, the copies
+#                                             # test's failure under the default
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 50}
+stage=${1:?stage 1 to 51}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -648,6 +653,26 @@ case "$stage" in
     --out "$out/drafters" 2>&1 | tail -24
   timeout 110 python -m benchmarks.probe_fixed_rounds --record-logits 0,1 --out "$out" \
     2>&1 | grep shape | cut -c1-330
+  ;;
+51)
+  # stage 50: the MTP head's greedy rounds ran at 0.56-0.64x of plain in the fixed form
+  # (1.00-1.13x in session 48's while_loop form), the draft model's at 0.88x at length 2.
+  # Their rounds hold loops (the chain, the draft loop) inside each round's conditional,
+  # which XLA's default command buffers cannot record, so each conditional reads its
+  # predicate back to the host. With while loops recorded too (every loop of the fixed
+  # form has a known trip count, the case the decode programs already run):
+  timeout 200 env TURBOSPARK_FIXED_ROUNDS_GRAPHS=1 python -m benchmarks.drafters \
+    --preset h200-short --max-seconds 160 --drafters mtp,draft-model,ngram,block \
+    --out "$out/drafters_fixed_graphs" 2>&1 | tail -22
+  timeout 220 env JAX_PLATFORMS=cuda TURBOSPARK_FIXED_ROUNDS_GRAPHS=1 python -m pytest -q \
+    -o addopts="" -p no:cacheprovider -o faulthandler_timeout=60 tests/test_loops.py \
+    tests/test_fixed_rounds.py tests/test_mtp_drafter.py tests/test_block_drafter.py \
+    --tb=short -rf > "$out/gpu_tests_fixed_graphs.txt" 2>&1
+  grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_fixed_graphs.txt" | tail -8
+  timeout 90 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    "tests/test_fixed_rounds.py::test_the_fixed_form_copies_no_cache_of_a_dense_model" \
+    --tb=long > "$out/gpu_test_fixed_copies.txt" 2>&1
+  grep -E "assert|Error|passed|failed" "$out/gpu_test_fixed_copies.txt" | tail -8
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

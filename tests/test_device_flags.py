@@ -74,6 +74,17 @@ def test_a_decode_programs_options_follow_the_switch_and_the_users_flags(monkeyp
     assert device_flags.decode_program_options() is None
 
 
+def test_greedy_fixed_rounds_take_the_decode_options_and_sampled_ones_never(monkeypatch):
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    monkeypatch.delenv(device_flags.OPT_IN, raising=False)
+    monkeypatch.delenv(device_flags.FIXED_ROUNDS_GRAPHS, raising=False)
+    assert device_flags.fixed_rounds_options(True) == device_flags.decode_program_options()
+    assert device_flags.fixed_rounds_options(True) is not None
+    assert device_flags.fixed_rounds_options(False) is None
+    monkeypatch.setenv(device_flags.FIXED_ROUNDS_GRAPHS, "0")
+    assert device_flags.fixed_rounds_options(True) is None
+
+
 def test_the_decode_options_compile_and_change_no_bit():
     """Every kind named is one this jaxlib knows (a misspelt one fails the compile), and the
     program computes what it computes without them."""

@@ -208,7 +208,7 @@ def test_the_fixed_form_copies_no_cache_of_a_dense_model():
     """The round runs inside a ``lax.cond``; XLA must still write a dense model's KV cache in
     place there, as in the ``while_loop``: no extra copy of a cache buffer a round (listed
     and stacked layers). The control: the toy target's cache, one buffer its two layers
-    each write inside the round, is copied in the fixed form."""
+    each write inside the round, is copied in the fixed form (and on a GPU in the other)."""
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.models.dense import DenseModel, unstack_layers
     from turbospark_jax.models.dense_config import DenseConfig
@@ -222,5 +222,11 @@ def test_the_fixed_form_copies_no_cache_of_a_dense_model():
         target = BlockProducer(model, params if scan else unstack_layers(params),
                                capacity=128, width=16)
         assert _cache_copies(target, True) == _cache_copies(target, False), scan
+    # the control: the count sees a cache copied in the fixed form. On the CPU the
+    # while_loop writes the toy's cache in place, so the forms differ there; a GPU build
+    # (H100, jax 0.11.2) copies it in both forms
     toy = toy_attention_producer(vocab=V, capacity=128, width=16)
-    assert _cache_copies(toy, True) > _cache_copies(toy, False)
+    copies = _cache_copies(toy, True)
+    assert copies > 0
+    if jax.default_backend() == "cpu":
+        assert copies > _cache_copies(toy, False)

@@ -71,6 +71,26 @@ def decode_program_options() -> dict[str, str] | None:
     return {"xla_gpu_enable_command_buffer": DECODE_COMMAND_BUFFERS}
 
 
+#: Environment switch for the speculative rounds' fixed form: ``0`` compiles those programs
+#: with XLA's default command buffers (each round's conditional then reads its predicate back
+#: to the host whenever the round holds a loop: a draft model's, the MTP head's chain).
+FIXED_ROUNDS_GRAPHS = "TURBOSPARK_FIXED_ROUNDS_GRAPHS"
+
+
+def fixed_rounds_options(greedy: bool) -> dict[str, str] | None:
+    """The compiler options of a burst of rounds in the fixed form (every loop of known trip
+    count): a decode program's (:func:`decode_program_options`, while loops recorded) for a
+    greedy burst, ``None`` (XLA's defaults) for a sampled one or when
+    :data:`FIXED_ROUNDS_GRAPHS` is ``0``.
+
+    Sampled bursts are left out because on an H100 (jax 0.11.2) their fixed form gave wrong
+    tokens with while loops recorded (NOTES.md, session 49); greedy ones gave the
+    ``while_loop``'s bits in every GPU test, and the MTP head's rounds twice the speed."""
+    if not greedy or os.environ.get(FIXED_ROUNDS_GRAPHS, "").strip() == "0":
+        return None
+    return decode_program_options()
+
+
 def _backends_started() -> bool:
     try:
         from jax._src import xla_bridge

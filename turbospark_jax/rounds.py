@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from turbospark_jax import sampling
+from turbospark_jax import device_flags, sampling
 from turbospark_jax.block_program import BlockState, feed_block
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter
 from turbospark_jax.loops import bounded_while
@@ -434,4 +434,5 @@ def compiled_rounds(
         fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
                            max_keys, fixed, bounded)
-    return jax.jit(fn, donate_argnums=(2, 4) if donate else ())
+    options = device_flags.fixed_rounds_options(greedy) if fixed else None
+    return jax.jit(fn, donate_argnums=(2, 4) if donate else (), compiler_options=options)
