@@ -149,12 +149,16 @@
 #                                             # (TURBOSPARK_FIXED_ROUNDS_GRAPHS=1): the
 #                                             # drafters table, their GPU tests, the copies
 #                                             # test's failure under the default
+#   bash benchmarks/rowinv_h200.sh 52 "$OUT"  # session 49's default (greedy fixed rounds
+#                                             # with while loops recorded): the drafters
+#                                             # table and the embedded model's
+#                                             # speculative.json, the speculative GPU tests
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 51}
+stage=${1:?stage 1 to 52}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -673,6 +677,19 @@ case "$stage" in
     "tests/test_fixed_rounds.py::test_the_fixed_form_copies_no_cache_of_a_dense_model" \
     --tb=long > "$out/gpu_test_fixed_copies.txt" 2>&1
   grep -E "assert|Error|passed|failed" "$out/gpu_test_fixed_copies.txt" | tail -8
+  ;;
+52)
+  # session 49's default: greedy bursts in the fixed form compile with while loops in
+  # command buffers (device_flags.fixed_rounds_options). The table for the README and the
+  # model's speculative.json, then the speculative GPU tests stage 50 ran out of time for
+  timeout 220 python -m benchmarks.drafters --preset h200-short --max-seconds 190 \
+    --write-speculative-json --out "$out/drafters" 2>&1 | tail -24
+  cp models/tsj-pycoder/speculative.json "$out/drafters/speculative.json"
+  timeout 260 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
+    -o faulthandler_timeout=60 tests/test_chained_rounds.py tests/test_speculative.py \
+    tests/test_gemma4_assistant.py tests/test_fixed_rounds.py --tb=short -rf \
+    > "$out/gpu_tests_speculative.txt" 2>&1
+  grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_speculative.txt" | tail -8
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2
