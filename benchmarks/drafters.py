@@ -352,8 +352,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="start no new configuration after this many seconds (the h200 "
                              "preset: 180, to end within a 4-minute device call)")
     parser.add_argument("--bounded-sampling", action="store_true",
-                        help="sampled rounds' loops of known trip count "
-                             "(rounds.BOUNDED_SAMPLING, off by default until measured)")
+                        help="every drafter's sampled rounds without a loop that stops on "
+                             "data (rounds.BOUNDED_SAMPLING; by default only n-gram lookup's)")
     parser.add_argument("--write-speculative-json", action="store_true",
                         help="write the target's speculative.json from the greedy figures")
     parser.add_argument("--report", type=Path, default=None,

@@ -62,10 +62,11 @@ def run_all(p, budgets, remaining, stop_ids=(), record_logits=False, params=GREE
     return tokens, np.concatenate(rows) if rows else None, per_call, state
 
 
-def use_form(monkeypatch, fixed):
-    """``None``: the default choice; ``True`` / ``False``: the fixed / ``while_loop`` form."""
+def use_form(monkeypatch, fixed, bounded=None):
+    """``None``: the default choice; ``True`` / ``False``: the fixed / ``while_loop`` form
+    (``bounded``: a sampled judge's rows side by side / its loop)."""
     monkeypatch.setattr(pair_module, "compiled_rounds",
-                        functools.partial(rounds.compiled_rounds, fixed=fixed))
+                        functools.partial(rounds.compiled_rounds, fixed=fixed, bounded=bounded))
 
 
 @pytest.mark.parametrize("target_kind", ["attention", "recurrent"])
@@ -75,9 +76,9 @@ def test_fixed_rounds_emit_the_while_loops_rounds(target_kind, drafter_kind, par
                                                   monkeypatch):
     budgets, remaining = [8, 5, 256], 150
     p = make_pair(target_kind, drafter_kind)  # one pair: its states carry its identity
-    use_form(monkeypatch, True)  # greedy: the default form here
+    use_form(monkeypatch, True)  # the default form here but for a sampled draft model
     fixed = run_all(p, budgets, remaining, params=params)
-    use_form(monkeypatch, False)
+    use_form(monkeypatch, False, bounded=False)  # sampled: the judge's loop too
     loop = run_all(p, budgets, remaining, params=params)
     assert fixed[0] == loop[0] and len(fixed[0]) == remaining
     assert [r for c in fixed[2] for r in c] == [r for c in loop[2] for r in c]
@@ -115,7 +116,9 @@ def test_fixed_rounds_after_a_stop_id_run_nothing(monkeypatch):
     assert loop[0] == tokens and loop[2] == per_call and tree_bitwise_equal(loop[3], state)
 
 
-def test_only_greedy_unrecorded_bursts_of_loop_free_drafters_are_fixed():
+def test_only_unrecorded_bursts_of_loop_free_rounds_are_fixed():
+    """Greedy bursts of loop-free drafters, and sampled ones of drafters whose sampled
+    rounds hold no loop (n-gram lookup, the oracle), unless the rows are recorded."""
     from turbospark_jax.drafters.block import BlockDevice
     from turbospark_jax.drafters.mtp import MTPDevice
 
@@ -124,8 +127,13 @@ def test_only_greedy_unrecorded_bursts_of_loop_free_drafters_are_fixed():
     draft = DraftModelDrafter(toy_attention_producer(vocab=V, capacity=64, width=4)).on_device()[0]
     for drafter in (ngram, oracle, draft):
         assert rounds.runs_fixed_rounds(drafter, True, False)
-        assert not rounds.runs_fixed_rounds(drafter, False, False)  # the judge stops on data
         assert not rounds.runs_fixed_rounds(drafter, True, True)  # the rows recorded
+        # sampled: the judge's loop stops on data unless bounded
+        assert not rounds.runs_fixed_rounds(drafter, False, False, bounded=False)
+        assert not rounds.runs_fixed_rounds(drafter, False, True)
+    assert rounds.runs_fixed_rounds(ngram, False, False)
+    assert rounds.runs_fixed_rounds(oracle, False, False)
+    assert not rounds.runs_fixed_rounds(draft, False, False)  # its sampled draft loop
     # the host loop's forms of the catching-up drafters run until they reach the target: no
     # bound (control); the device rounds' forms are caught up before a chain (their tests)
     for device in (MTPDevice, BlockDevice):
@@ -157,14 +165,16 @@ def test_a_call_recording_rows_emits_at_most_the_recorded_burst(monkeypatch):
 @pytest.mark.parametrize("drafter_kind", ["n-gram", "draft model"])
 def test_bounded_sampling_runs_sampled_bursts_fixed_with_the_same_bits(drafter_kind,
                                                                         monkeypatch):
-    """``rounds.BOUNDED_SAMPLING`` (off by default until a GPU has timed it): the sampled
-    judge's loop and a draft model's sampled draft loop become loops of known trip count, so
-    sampled bursts take the fixed form; the tokens, rounds and states are those of the
-    default (``while_loop``) sampled bursts."""
+    """Sampled rounds with no loop that stops on data (by default for n-gram lookup, under
+    ``rounds.BOUNDED_SAMPLING`` for a draft model: the judge shapes its rows side by side,
+    a draft model's sampled draft loop is bounded) take the fixed form; the tokens, rounds
+    and states are those of ``while_loop`` bursts with the judge's loop."""
     p = make_pair("attention", drafter_kind)
+    use_form(monkeypatch, None, bounded=False)
     default = run_all(p, [8, 256], 150, params=SAMPLED)
     assert max(len(c) for c in default[2]) > rounds.FIXED_ROUNDS  # control: not fixed
-    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
+    use_form(monkeypatch, None)
+    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", drafter_kind == "draft model")
     bounded = run_all(p, [8, 256], 150, params=SAMPLED)
     assert max(len(c) for c in bounded[2]) == rounds.FIXED_ROUNDS
     assert bounded[0] == default[0] and len(bounded[0]) == 150
@@ -230,3 +240,33 @@ def test_the_fixed_form_copies_no_cache_of_a_dense_model():
     assert copies > 0
     if jax.default_backend() == "cpu":
         assert copies > _cache_copies(toy, False)
+
+
+@pytest.mark.parametrize("m", [0, 1, 3, 8])
+def test_the_judge_with_its_rows_side_by_side_decides_and_draws_as_its_loop(m):
+    """``judge(bounded=True)`` shapes every row at once; its tokens, count and history are
+    the loop's bit for bit, for proposals drawn near and far from the target rows. The
+    control: a changed row after the first moves the decisions."""
+    from turbospark_jax.drafters.base import MAX_DRAFT
+
+    rng = np.random.default_rng(m)
+    rows = jnp.asarray(rng.normal(size=(MAX_DRAFT + 1, V)) * 3, jnp.float32)
+    proposals = jnp.asarray(np.argmax(np.asarray(rows[:MAX_DRAFT]) + rng.normal(
+        size=(MAX_DRAFT, V)), axis=1), jnp.int32)
+    q = rounds.point_masses(proposals, jnp.int32(m), V)
+    history = sampling.History.from_prompt(PROMPT, V)
+    outs = []
+    for bounded in (False, True):
+        judge = jax.jit(functools.partial(rounds.judge, bounded=bounded))
+        outs.append(judge(rows, q, proposals, jnp.int32(m), SAMPLED, history, KEY,
+                          jnp.int32(7)))
+    (loop_tokens, loop_count, loop_hist), (side_tokens, side_count, side_hist) = outs
+    assert np.array_equal(np.asarray(loop_tokens), np.asarray(side_tokens))
+    assert int(loop_count) == int(side_count)
+    assert tree_bitwise_equal(loop_hist, side_hist)
+    if m:  # control: the first row flattened to one token the proposal is not
+        moved = rows.at[0].set(jnp.where(jnp.arange(V) == (proposals[0] + 1) % V, 50.0, -50.0))
+        changed = jax.jit(functools.partial(rounds.judge, bounded=True))(
+            moved, q, proposals, jnp.int32(m), SAMPLED, history, KEY, jnp.int32(7))
+        assert int(changed[1]) == 1 and not np.array_equal(np.asarray(changed[0]),
+                                                           np.asarray(side_tokens))

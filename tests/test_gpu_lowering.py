@@ -400,16 +400,17 @@ def test_control_the_one_program_branches_on_the_settings(monkeypatch):
     assert len(re.findall(r"stablehlo\.while\b", text)) == 1  # a look at the host a step
 
 
-def _rounds_program(kernels: str, monkeypatch, settings=None) -> str:
+def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> str:
     """The greedy speculative rounds program (an n-gram drafter, the target verifying 4 rows)
-    that ``SpeculativePair.device_rounds`` would run, lowered for a GPU."""
+    that ``SpeculativePair.device_rounds`` would run, lowered for a GPU (``bounded``: as
+    ``rounds.compiled_rounds`` takes it)."""
     import functools
 
     from turbospark_jax import sampling
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.drafters import NGramDrafter, SpeculativePair
     from turbospark_jax.drafters import pair as pair_module
-    from turbospark_jax.rounds import _run_rounds, runs_fixed_rounds
+    from turbospark_jax.rounds import _run_rounds, runs_fixed_rounds, sampled_rounds_bounded
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
@@ -418,7 +419,10 @@ def _rounds_program(kernels: str, monkeypatch, settings=None) -> str:
     pair = SpeculativePair(target, NGramDrafter(CONFIG.vocab_size, max_n=3), device_rounds=True)
 
     def compiled(target_model, drafter, width, donate, record_logits, greedy=False,
-                 max_keys=None, bounded=False):
+                 max_keys=None, bounded=bounded):
+        if bounded is None:
+            bounded = not greedy and sampled_rounds_bounded(drafter)
+
         def lower(*args):
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
                                    greedy, max_keys,
@@ -481,24 +485,28 @@ def _constant_trip_loops(text: str) -> tuple[int, int]:
 
 def test_greedy_rounds_hold_no_loop_that_stops_on_data(monkeypatch):
     """Greedy rounds with the n-gram drafter: every loop of the program has a constant trip
-    count, so no predicate goes back to the host. Sampled rounds keep the judge's loop,
-    which stops at the first rejection (the control)."""
+    count, so no predicate goes back to the host. Sampled rounds with the judge's loop
+    (``bounded=False``), which stops at the first rejection, are the control."""
     from turbospark_jax import sampling
 
     loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch))
     assert loops >= 1 and fixed == loops
     params = sampling.SamplingParams.make(temperature=0.8, top_k=50, top_p=0.95)
-    loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch, params))
+    loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch, params,
+                                                        bounded=False))
     assert fixed < loops
 
 
-def test_bounded_sampling_leaves_sampled_rounds_no_loop_that_stops_on_data(monkeypatch):
+def test_sampled_ngram_rounds_hold_no_loop_that_stops_on_data(monkeypatch):
+    """By default (n-gram lookup's sampled rounds hold no loop) the judge shapes its rows
+    side by side, so sampled n-gram rounds hold one loop: the burst's, of
+    ``rounds.FIXED_ROUNDS`` iterations (the unbounded control is the test above)."""
     from turbospark_jax import rounds, sampling
 
-    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
     params = sampling.SamplingParams.make(temperature=0.8, top_k=50, top_p=0.95)
-    loops, fixed = _constant_trip_loops(_rounds_program("rowinv", monkeypatch, params))
-    assert loops >= 2 and fixed == loops
+    text = _rounds_program("rowinv", monkeypatch, params)
+    assert _constant_trip_loops(text) == (1, 1)
+    assert _fixed_round_loops(text) == [str(rounds.FIXED_ROUNDS)]
 
 
 def test_control_a_loop_to_a_traced_count_is_not_counted_as_fixed():

@@ -66,11 +66,12 @@ RECORDED_BURST = 64
 #: ``lax.cond``), so it emits what the ``while_loop`` form emits up to its 32nd round and then
 #: returns; the host's next call takes over from there.
 FIXED_ROUNDS = 32
-#: Sampled rounds' loops (the judge's, a draft model's sampled draft loop) as loops of known
-#: trip count too, so sampled bursts of loop-free drafters take the fixed form. Off until
-#: measured on a GPU: each iteration sorts the vocabulary, and if XLA does not keep a branch
-#: holding a sort on the device, every row past the stop would cost a host round trip where
-#: the ``while_loop`` pays one.
+#: Sampled rounds' loops (the judge's, a draft model's sampled draft loop) without a trip
+#: count that is data, so sampled bursts of every loop-free drafter take the fixed form: the
+#: judge shapes all its rows side by side, a draft model's draft loop becomes conditionals.
+#: A drafter whose sampled rounds hold no loop at all (n-gram lookup, the oracle:
+#: ``DeviceDrafter.sampled_loop_free``) always runs so; for the others this switch stays off
+#: (measured on an H100: NOTES.md, session 49).
 BOUNDED_SAMPLING = False
 
 
@@ -162,7 +163,8 @@ def judge(
 
     Only the rows up to the first rejection are shaped into ``p`` (each may sort the
     vocabulary for top-k/top-p), one at a time: the rows after it are never read. ``bounded``
-    (static): that loop as one of known trip count (``draft + 1`` iterations), the same bits.
+    (static): no loop; all ``draft + 1`` rows are shaped side by side (more sorting, nothing
+    that stops on data), with the same decisions and draws.
     """
     accept_key = jax.random.fold_in(key, 2)
     resample_key = jax.random.fold_in(key, 3)
@@ -185,15 +187,22 @@ def judge(
         keep = (j < m) & (u_q[at] < p[proposals[at]])
         return j + keep.astype(jnp.int32), processed, p, keep
 
-    # A loop, not a map over the rows: it stops at the first rejection, so it shapes
-    # accepted + 1 rows and row ``accepted``'s processed logits serve the bonus draw as well.
-    # A ``while_loop`` (a trip count that is data) unless ``bounded``: BOUNDED_SAMPLING says
-    # why that is not the default yet.
-    zeros = jnp.zeros((rows.shape[1],), jnp.float32)
-    start = (jnp.int32(0), zeros, zeros, jnp.bool_(True))
     if bounded:
-        accepted, processed, p, _ = bounded_while(undecided, next_row, start, draft + 1)
+        # every row shaped at once: draft + 1 sorts side by side, and no loop at all (a
+        # loop of conditionals, each holding a sort, gave wrong tokens on an H100 once its
+        # while loops were recorded as CUDA graphs; NOTES.md, session 49)
+        processed_all = jax.vmap(sampling.process_logits, in_axes=(0, None, 0))(
+            rows, params, hist)
+        p_all = jax.vmap(sampling.distribution, in_axes=(0, None))(processed_all, params)
+        keep = (i < m) & (u_q < p_all[i, proposals])
+        accepted = jnp.sum(jnp.cumprod(keep.astype(jnp.int32)))
+        processed, p = processed_all[accepted], p_all[accepted]
     else:
+        # A loop, not a map over the rows: it stops at the first rejection, so it shapes
+        # accepted + 1 rows and row ``accepted``'s processed logits serve the bonus draw as
+        # well. A ``while_loop``: a trip count that is data.
+        zeros = jnp.zeros((rows.shape[1],), jnp.float32)
+        start = (jnp.int32(0), zeros, zeros, jnp.bool_(True))
         accepted, processed, p, _ = jax.lax.while_loop(undecided, next_row, start)
     at = jax.tree.map(lambda a: a[accepted], hist)
     bonus = sampling.draw_processed(processed, params, sampling.token_key(key, index + accepted))
@@ -402,20 +411,28 @@ def burst_limit(record_logits: bool) -> int:
     return RECORDED_BURST if record_logits else MAX_BURST
 
 
+def sampled_rounds_bounded(drafter: DeviceDrafter) -> bool:
+    """Whether a sampled burst of ``drafter``'s rounds holds no loop whose trip count is
+    data: always for a drafter whose sampled rounds hold no loop
+    (``DeviceDrafter.sampled_loop_free``), for the others under :data:`BOUNDED_SAMPLING`."""
+    return drafter.sampled_loop_free or BOUNDED_SAMPLING
+
+
 def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,
-                      bounded: bool = False) -> bool:
+                      bounded: bool | None = None) -> bool:
     """Whether a burst of rounds runs as a loop of :data:`FIXED_ROUNDS` iterations: a greedy
-    one (the sampled judge's loop stops at the first rejection, unless ``bounded``:
-    :data:`BOUNDED_SAMPLING`) with a loop-free drafter, not recording the target rows (with
-    them the form measured slower than the ``while_loop``)."""
+    one, or a sampled one whose loops are bounded (``bounded``; ``None``:
+    :func:`sampled_rounds_bounded`), with a loop-free drafter, not recording the target rows
+    (with them the form measured slower than the ``while_loop`` in session 48)."""
+    if bounded is None:
+        bounded = not greedy and sampled_rounds_bounded(drafter)
     return (greedy or bounded) and drafter.loop_free and not record_logits
 
 
-@functools.cache
 def compiled_rounds(
     target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool,
     greedy: bool = False, max_keys: int | None = None, fixed: bool | None = None,
-    bounded: bool = False,
+    bounded: bool | None = None,
 ) -> Any:
     """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
     of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
@@ -426,12 +443,23 @@ def compiled_rounds(
     for a target that declares ``bounds_keys``; see :func:`~turbospark_jax.block_program.
     feed_block`). ``fixed``: run the burst as a loop of :data:`FIXED_ROUNDS` iterations
     (``None``: :func:`runs_fixed_rounds`; either form emits the same rounds). ``bounded``:
-    sampled rounds' loops of known trip count (:data:`BOUNDED_SAMPLING`). Arguments:
+    a sampled burst's loops of known trip count, its judge shaping every row side by side
+    (``None``: :func:`sampled_rounds_bounded`; the same tokens either way). Arguments:
     ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""
+    if bounded is None:
+        bounded = not greedy and sampled_rounds_bounded(drafter)
     if fixed is None:
         fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
+    return _compiled_rounds(target, drafter, width, donate, record_logits, greedy, max_keys,
+                            fixed, bounded)
+
+
+@functools.cache
+def _compiled_rounds(target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool,
+                     record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
+                     bounded: bool) -> Any:
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
                            max_keys, fixed, bounded)
     options = device_flags.fixed_rounds_options(greedy) if fixed else None

@@ -76,6 +76,7 @@ class NGramDevice(DeviceDrafter):
     """:func:`propose` over the target's fed record, as array operations."""
 
     loop_free = True
+    sampled_loop_free = True
 
     max_n: int
     min_n: int

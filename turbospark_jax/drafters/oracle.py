@@ -97,6 +97,7 @@ class OracleDevice(DeviceDrafter):
     """The oracle on the device; its params are the reference sequence and alpha."""
 
     loop_free = True
+    sampled_loop_free = True
 
     vocab_size: int
     seed: int
@@ -203,6 +204,10 @@ class CostedOracleDevice(DeviceDrafter):
     @property
     def loop_free(self) -> bool:  # type: ignore[override]
         return self.inner.loop_free
+
+    @property
+    def sampled_loop_free(self) -> bool:  # type: ignore[override]
+        return self.inner.sampled_loop_free
 
     def propose(
         self, params: Any, state: Any, target: Any, pending: jax.Array,

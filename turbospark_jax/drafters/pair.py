@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from turbospark_jax import rounds, sampling
+from turbospark_jax import sampling
 from turbospark_jax.block_producer import BlockProducer, require_launched_state
 from turbospark_jax.block_program import MAX_STOP_IDS
 from turbospark_jax.checks import as_bool, as_int, as_token, as_token_ids, is_int
@@ -421,8 +421,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         # short-context bound, the rounds verify in the program bounded by it.
         program = compiled_rounds(target.model, device, target.width, target.donate,
                                   call.record_logits, sampling.is_greedy(call.params),
-                                  target.key_bound(reach + target.width),
-                                  bounded=rounds.BOUNDED_SAMPLING)
+                                  target.key_bound(reach + target.width))
         bare, held = without_auxiliary(state.target)
         drafter_state = state.drafter
         if first and device.catches_up:
