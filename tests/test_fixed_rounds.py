@@ -270,3 +270,25 @@ def test_the_judge_with_its_rows_side_by_side_decides_and_draws_as_its_loop(m):
             moved, q, proposals, jnp.int32(m), SAMPLED, history, KEY, jnp.int32(7))
         assert int(changed[1]) == 1 and not np.array_equal(np.asarray(changed[0]),
                                                            np.asarray(side_tokens))
+
+
+def test_a_draft_models_loop_is_bounded_exactly_when_its_burst_is_fixed(monkeypatch):
+    """Inside a ``while_loop`` burst (sampled, or greedy with the rows recorded) a bounded
+    draft loop's conditionals would each read back to the host, so the draft loop is bounded
+    only in a burst of known trip count (``DraftSampler.bounded``)."""
+    from turbospark_jax.drafters import draft_model
+    from turbospark_jax.loops import loop_within
+
+    seen = []
+
+    def spy(cond, body, init, most, bounded):
+        seen.append(bounded)
+        return loop_within(cond, body, init, most, bounded)
+
+    monkeypatch.setattr(draft_model, "loop_within", spy)
+    p = make_pair("attention", "draft model")
+    for params, record, fixed in ((GREEDY, False, True), (GREEDY, True, False),
+                                  (SAMPLED, False, False)):
+        seen.clear()
+        run_all(p, [8], 8, params=params, record_logits=record)
+        assert seen and set(seen) == {fixed}, (params, record)

@@ -47,3 +47,23 @@ def test_it_lowers_to_a_loop_of_constant_trip_count():
     bound = re.search(r"cond \{\n\s*%\S+ = stablehlo\.constant dense<(\d+)> : tensor<i32>\n"
                       r"\s*%\S+ = stablehlo\.compare\s+LT, %iterArg,", text)
     assert bound is not None and bound.group(1) == "16"
+
+
+def test_loop_within_is_the_while_loop_in_either_form():
+    from turbospark_jax.loops import loop_within
+
+    def cond(c):
+        return c[0] < c[1]
+
+    def body(c):
+        return c[0] + 1, c[1], c[2] * 1.5 + c[0]
+
+    init = (jnp.int32(0), jnp.int32(5), jnp.float32(0.25))
+    want = jax.lax.while_loop(cond, body, init)
+    for bounded in (False, True):
+        got = jax.jit(lambda c, b=bounded: loop_within(cond, body, c, 8, b))(init)
+        assert [np.asarray(g).tobytes() for g in got] == [np.asarray(w).tobytes() for w in want]
+    text = jax.jit(lambda c: loop_within(cond, body, c, 8, False)).lower(init).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text  # a plain loop
+    text = jax.jit(lambda c: loop_within(cond, body, c, 8, True)).lower(init).as_text()
+    assert "stablehlo.case" in text or "stablehlo.if" in text  # conditionals in a loop

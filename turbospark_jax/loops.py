@@ -36,3 +36,16 @@ def bounded_while(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Ca
         return jax.lax.cond(cond(c), body, lambda c: c, c)
 
     return jax.lax.fori_loop(0, most, iteration, init)
+
+
+def loop_within(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Carry],
+                init: Carry, most: int, bounded: bool) -> Carry:
+    """A loop inside a speculative round, known to stop within ``most`` iterations:
+    :func:`bounded_while` when ``bounded`` (the burst runs as a loop of known trip count, a
+    form whose while loops are recorded as CUDA graphs), else ``lax.while_loop`` (in a burst
+    that is itself a ``while_loop`` each of the bounded form's conditionals would read its
+    predicate back to the host, ``most`` of them where the ``while_loop`` reads one an
+    iteration it runs). The same bits either way."""
+    if bounded:
+        return bounded_while(cond, body, init, most)
+    return jax.lax.while_loop(cond, body, init)

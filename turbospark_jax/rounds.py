@@ -94,8 +94,9 @@ class DraftSampler:
     #: Static: the request is greedy (the rounds' greedy variant); a drafter may then draft
     #: :func:`~turbospark_jax.sampling.greedy_token`\ s and skip its ``q``.
     greedy: bool = struct.field(pytree_node=False, default=False)
-    #: Static: a sampled draft loop is to be a loop of known trip count
-    #: (:data:`BOUNDED_SAMPLING`), as a greedy one always is.
+    #: Static: the burst runs as a loop of known trip count, so a drafter's loops inside the
+    #: round are to be bounded too (:func:`~turbospark_jax.loops.loop_within`); in a
+    #: ``while_loop`` burst they stay ``while_loop``\ s.
     bounded: bool = struct.field(pytree_node=False, default=False)
 
 
@@ -346,7 +347,7 @@ def _run_rounds(
         index = control.gen_index + n
         m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
         sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index,
-                               greedy=greedy, bounded=bounded)
+                               greedy=greedy, bounded=fixed)
         proposals, q, drafted, dst = drafter.propose(drafter_params, dst, st, pend, m, sampler)
         if q is None:
             q = point_masses(proposals, drafted, vocab)

@@ -41,8 +41,8 @@ class DeviceDrafter(abc.ABC):
       point_mass: proposals are deterministic, so their proposal distribution is a point mass
         and :meth:`propose` returns no ``q``.
       loop_free: in a greedy burst (``sampler.greedy``), :meth:`propose` and :meth:`commit`
-        hold no loop whose trip count is data (no ``while_loop``;
-        :func:`~turbospark_jax.loops.bounded_while` is fine), so the burst runs as a loop of
+        hold no loop whose trip count is data when ``sampler.bounded`` asks (their loops
+        through :func:`~turbospark_jax.loops.loop_within`), so the burst runs as a loop of
         known trip count
         (:data:`~turbospark_jax.rounds.FIXED_ROUNDS`): on a GPU such a call reads nothing
         back to the host and returns at once, and the next call is queued while it runs.
@@ -136,6 +136,13 @@ class CatchUpDevice(DeviceDrafter):
         position ``base`` (``init[1]`` and each carry's second element: the drafter's fed
         record)."""
         return jax.lax.while_loop(lambda c: base - c[1].count > self.width, block, init)
+
+
+def loops_bounded(sampler: Any) -> bool:
+    """Whether :meth:`DeviceDrafter.propose`'s loops are to be bounded
+    (:func:`~turbospark_jax.loops.loop_within`): the rounds' sampler asks for it in a burst of
+    known trip count; without one (the host loop's :func:`propose_compiled`) they are not."""
+    return sampler is not None and sampler.bounded
 
 
 @functools.partial(jax.jit, static_argnums=0)

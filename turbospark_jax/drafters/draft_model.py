@@ -23,7 +23,7 @@ from turbospark_jax.block_program import BlockState, feed_block
 from turbospark_jax.checks import as_int
 from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loops import bounded_while
+from turbospark_jax.loops import loop_within
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
 from turbospark_jax.rounds import DraftSampler
@@ -171,11 +171,8 @@ class DraftModelDevice(DeviceDrafter):
         vocab = self.model.vocab_size
         init = (jnp.int32(0), state, first, jnp.zeros((MAX_DRAFT,), jnp.int32),
                 jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
-        if sampler.greedy or sampler.bounded:  # at most MAX_DRAFT steps: known trip count
-            steps, state, _, proposals, q, _, finite = bounded_while(cond, body, init,
-                                                                     MAX_DRAFT)
-        else:  # sampled steps sort the vocabulary (rounds.BOUNDED_SAMPLING says why)
-            steps, state, _, proposals, q, _, finite = jax.lax.while_loop(cond, body, init)
+        steps, state, _, proposals, q, _, finite = loop_within(  # at most MAX_DRAFT steps
+            cond, body, init, MAX_DRAFT, sampler.bounded)
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
         # host loop, the drafter goes back to the committed sequence.
         count = jnp.where(finite, steps, steps - 1)

@@ -38,9 +38,15 @@ import jax.numpy as jnp
 
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import BlockState
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, propose_compiled
+from turbospark_jax.drafters.base import (
+    MAX_DRAFT,
+    DeviceDrafter,
+    Drafter,
+    loops_bounded,
+    propose_compiled,
+)
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.loops import bounded_while
+from turbospark_jax.loops import loop_within
 from turbospark_jax.models import gemma4
 from turbospark_jax.models.family import HFTensor, Params
 from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
@@ -301,8 +307,7 @@ class AssistantDevice(DeviceDrafter):
 
     def propose(self, params: Any, state: Any, target: Any, pending: jax.Array, m: jax.Array,
                 sampler: Any) -> tuple[jax.Array, None, jax.Array, Any]:
-        del sampler  # greedy: a point-mass proposal
-        assistant, target_params = params
+        assistant, target_params = params  # greedy drafting: a point-mass proposal
         base = target.fed.count
         hidden = target.cache.hidden_rows[jnp.maximum(base - 1, 0)]
         count = jnp.clip(m, 0, MAX_DRAFT)
@@ -314,8 +319,8 @@ class AssistantDevice(DeviceDrafter):
             tok = jnp.argmax(logits).astype(jnp.int32)
             return i + 1, tok, h, proposals.at[i].set(tok)
 
-        _, _, _, proposals = bounded_while(  # at most MAX_DRAFT steps
+        _, _, _, proposals = loop_within(  # at most MAX_DRAFT steps
             lambda c: c[0] < count, step,
             (jnp.int32(0), pending.astype(jnp.int32), hidden,
-             jnp.zeros((MAX_DRAFT,), jnp.int32)), MAX_DRAFT)
+             jnp.zeros((MAX_DRAFT,), jnp.int32)), MAX_DRAFT, loops_bounded(sampler))
         return proposals, None, count, state

@@ -34,10 +34,11 @@ from turbospark_jax.drafters.base import (
     CatchUpDevice,
     CatchUpDrafter,
     DeviceDrafter,
+    loops_bounded,
     propose_compiled,
 )
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loops import bounded_while
+from turbospark_jax.loops import loop_within
 from turbospark_jax.models.qwen3_5 import MTPCache, Qwen35Model
 from turbospark_jax.state import FedRecord
 
@@ -144,7 +145,7 @@ class MTPDevice(CatchUpDevice):
         self, params: Any, state: MTPState, target: Any, pending: jax.Array, m: jax.Array,
         sampler: Any,
     ) -> tuple[jax.Array, None, jax.Array, MTPState]:
-        del sampler  # greedy: a point-mass proposal
+        # greedy drafting (a point-mass proposal); the sampler says whether to bound the chain
         w = self.width
         base = target.fed.count  # the pending token's position
         dim = target.cache.hidden_rows.shape[-1]
@@ -170,10 +171,10 @@ class MTPDevice(CatchUpDevice):
             return i + 1, cache, proposals, logits_w[0], hidden_w[0]
 
         count = jnp.clip(m, 0, MAX_DRAFT)
-        _, cache, proposals, _, _ = bounded_while(  # at most MAX_DRAFT links
+        _, cache, proposals, _, _ = loop_within(  # at most MAX_DRAFT links
             lambda c: c[0] < count, chain,
             (jnp.int32(0), cache, jnp.zeros((MAX_DRAFT,), jnp.int32), logits, hidden),
-            MAX_DRAFT)
+            MAX_DRAFT, loops_bounded(sampler))
         # the chained rows are speculative: the record keeps only the trunk's rows
         return proposals, None, count, MTPState(cache=cache, fed=fed)
 
