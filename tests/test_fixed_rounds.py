@@ -290,5 +290,81 @@ def test_a_draft_models_loop_is_bounded_exactly_when_its_burst_is_fixed(monkeypa
     for params, record, fixed in ((GREEDY, False, True), (GREEDY, True, False),
                                   (SAMPLED, False, False)):
         seen.clear()
+        rounds._compiled_rounds.cache_clear()  # traced afresh: an earlier test's is cached
         run_all(p, [8], 8, params=params, record_logits=record)
         assert seen and set(seen) == {fixed}, (params, record)
+
+
+def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2):
+    """The StableHLO text of the burst ``pair.device_rounds`` runs after a prefill of
+    ``prompt`` (its default form for ``params``), and whether that form is the fixed one."""
+    captured = {}
+
+    def compiled(*args, **kwargs):
+        program = rounds.compiled_rounds(*args, **kwargs)
+        # the pair's arguments: (target model, drafter, width, donate, record_logits, greedy,
+        # max_keys)
+        _, drafter, _, _, record_logits, greedy, _ = args
+        captured["fixed"] = rounds.runs_fixed_rounds(drafter, greedy, record_logits)
+
+        def run(*call):
+            captured["text"] = program.lower(*call).as_text()
+            return program(*call)
+        return run
+
+    vocab = pair.vocab_size
+    logits, state = pair.prefill_chunk_priming_drafter(pair.init_state(), prompt, 0, None)
+    original = pair_module.compiled_rounds
+    pair_module.compiled_rounds = compiled
+    try:
+        pair.device_rounds(state, int(np.argmax(np.asarray(logits))), draft_len=draft_len,
+                           budget=8, params=params,
+                           history=sampling.History.from_prompt(prompt, vocab), key=KEY,
+                           gen_index=1, remaining=16, record_logits=False)
+    finally:
+        pair_module.compiled_rounds = original
+    return captured["text"], captured["fixed"]
+
+
+def _mtp_pair():
+    from tests.test_mtp_drafter import PROMPT as MTP_PROMPT
+    from tests.test_mtp_drafter import TARGET as MTP_TARGET
+    from turbospark_jax.drafters import MTPDrafter
+
+    return SpeculativePair(MTP_TARGET, MTPDrafter(MTP_TARGET)), MTP_PROMPT
+
+
+def _block_pair():
+    from tests.test_block_drafter import PROMPT as BLOCK_PROMPT
+    from tests.test_block_drafter import TARGET as BLOCK_TARGET
+    from tests.test_block_drafter import _drafter
+
+    return SpeculativePair(BLOCK_TARGET, _drafter()), BLOCK_PROMPT
+
+
+@pytest.mark.parametrize("kind", ["n-gram/attention", "oracle/recurrent",
+                                  "draft model/attention", "draft model/recurrent", "mtp",
+                                  "block"])
+def test_greedy_fixed_bursts_hold_no_loop_that_stops_on_data(kind):
+    """A greedy burst in the fixed form is compiled with its while loops recorded as CUDA
+    graphs (``device_flags.fixed_rounds_options``), which hung and broke programs whose
+    loops stop on data (NOTES.md, session 47): every loop of every drafter's greedy fixed
+    burst has a constant trip count. The control: the same draft model's sampled burst,
+    whose draft loop and judge stop on data."""
+    from tests.test_gpu_lowering import _constant_trip_loops
+
+    if kind == "mtp":
+        pair, prompt = _mtp_pair()
+    elif kind == "block":
+        pair, prompt = _block_pair()
+    else:
+        drafter_kind, target_kind = kind.split("/")
+        pair, prompt = make_pair(target_kind, drafter_kind), PROMPT
+    text, fixed = lowered_rounds(pair, prompt)
+    assert fixed
+    loops, constant = _constant_trip_loops(text)
+    assert loops >= 1 and constant == loops, (loops, constant)
+    if kind == "draft model/attention":
+        text, fixed = lowered_rounds(pair, prompt, params=SAMPLED)
+        loops, constant = _constant_trip_loops(text)
+        assert not fixed and constant < loops

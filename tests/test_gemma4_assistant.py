@@ -283,3 +283,19 @@ def test_costed_oracle_refuses_a_drafter_with_state(paired: Any) -> None:
     for inner in (DraftModelDrafter(producer), object()):
         with pytest.raises(BadInputError, match="keeps no state"):
             CostedOracleDrafter(inner, [1, 2], 0.5)  # type: ignore[arg-type]
+
+
+def test_greedy_fixed_assistant_bursts_hold_no_loop_that_stops_on_data(paired: Any) -> None:
+    """As ``tests/test_fixed_rounds.py`` holds for the other drafters: the assistant's greedy
+    burst is in the fixed form and every loop in it has a constant trip count (it is
+    compiled with its while loops recorded on a GPU)."""
+    from tests.test_fixed_rounds import lowered_rounds
+    from tests.test_gpu_lowering import _constant_trip_loops
+    from turbospark_jax.drafters import SpeculativePair
+
+    producer, config, aparams = paired
+    pair = SpeculativePair(producer, A.Gemma4AssistantDrafter(producer, config, aparams))
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, PROMPT)]
+    text, fixed = lowered_rounds(pair, prompt, draft_len=3)
+    loops, constant = _constant_trip_loops(text)
+    assert fixed and loops >= 2 and constant == loops, (loops, constant)

@@ -520,9 +520,12 @@ class Qwen35Model(BlockModel):
             s, outs, states = carry
             decayed = s * jnp.exp(g[r])[:, None, None]  # [Hv, dk, dv]
             delta = (v[r] - jnp.einsum("hkv,hk->hv", decayed, k[r])) * beta[r][:, None]
-            s = decayed + k[r][:, :, None] * delta[:, None, :]
-            outs = outs.at[r].set(jnp.einsum("hkv,hk->hv", s, q[r]))
-            return s, outs, states.at[r].set(s) if states is not None else None
+            new = decayed + k[r][:, :, None] * delta[:, None, :]
+            on = r < live  # a padding row changes nothing: its values are selected away
+            outs = outs.at[r].set(jnp.where(on, jnp.einsum("hkv,hk->hv", new, q[r]), outs[r]))
+            if states is not None:
+                states = states.at[r].set(jnp.where(on, new, states[r]))
+            return jnp.where(on, new, s), outs, states
 
         rows = jnp.arange(w, dtype=jnp.int32)
         if chunked:
@@ -533,18 +536,20 @@ class Qwen35Model(BlockModel):
                                            inverse=self.chunk_inverse)
             tape = None
         else:
-            # Only the live rows run: a decode step is one pass of the row update, not W.
             # Every row runs the same loop body whatever the block's width or live count, so
             # chunked == token by token still holds bitwise. Padding rows' outputs stay zero
-            # and they write no tape row. The kernel walks the rows in one launch (on a GPU
-            # the XLA loop returns to the host every pass).
+            # and their tape rows as they were. The kernel walks the live rows in one launch;
+            # the XLA loop walks all W rows, padding ones selected away, so its trip count is
+            # a constant: a loop that stops on data would read back to the host every pass
+            # on a GPU, and must not sit inside the speculative rounds' recorded loops
+            # (tests/test_fixed_rounds.py).
             kernel = self._recurrence_kernel()
             if kernel:
                 core, rec, tape = pallas_delta_rule.delta_rule_rows(
                     q, k, v, g, beta, rec, live, tape=tape, interpret=kernel == "interpret")
             else:
                 rec, core, tape = jax.lax.fori_loop(
-                    0, live, row, (rec, jnp.zeros(v.shape, f32), tape))
+                    0, w, row, (rec, jnp.zeros(v.shape, f32), tape))
         core = core.astype(self.dtype)  # [W, Hv, dv]
         gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
         gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
