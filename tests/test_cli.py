@@ -357,6 +357,29 @@ def test_speculative_on_the_embedded_model_says_which_drafter_and_why():
     assert "speculative (device rounds)" in err
 
 
+def test_speculative_sampled_decodes_plainly_where_auto_measured_sampling_slower():
+    """The embedded folder's figures on a CPU say its pick (the draft model) samples slower
+    than plain decoding: a sampled --speculative run says so and decodes without drafting,
+    the same text as the plain run; with --draft-len given it drafts (the control)."""
+    from turbospark_jax.drafter_choice import choose_drafter
+
+    want = choose_drafter(EMBEDDED, "auto", jax.default_backend())
+    if want.plain_when_sampling is None:
+        pytest.skip("this backend's figures measured the pick's sampling at 1x or more")
+    base = ("generate", "--model", str(EMBEDDED), "def main(argv):", "--max-tokens", "16",
+            "--temperature", "0.8", "--seed", "4", "--stats")
+    code, plain, err = run(*base)
+    assert code == 0, err
+    code, spec, err = run(*base, "--speculative")
+    assert code == 0, err
+    assert spec == plain
+    assert f"note: --speculative: {want.plain_when_sampling}" in err
+    assert not any(line.startswith("[drafter] ") for line in err.splitlines())
+    code, _, err = run(*base, "--speculative", "--draft-len", "2")
+    assert code == 0, err
+    assert re.search(r"speculative \((device|host) rounds\)", err)
+
+
 STATS = re.compile(
     r"^\[(stop_token|stop_string|length)\] prompt \d+ tokens \(reused \d+, prefilled \d+\), "
     r"generated \d+; load \d+\.\d\ds, compile \d+\.\d\ds, prefill \d+\.\d\ds "

@@ -125,6 +125,28 @@ def test_why_names_the_figures_and_what_is_missing(tmp_path: Path) -> None:
     assert ", ".join(FALLBACK_ORDER["gpu"]) in gpu.why
 
 
+def test_auto_decodes_sampled_requests_plainly_when_sampling_measured_slower(
+        tmp_path: Path) -> None:
+    """A drafter auto picks whose sampled figure on the backend is under 1x says that sampled
+    requests decode without it; one at or over 1x, one with no sampled figure, and one asked
+    for by name draft (the controls)."""
+    target = _folder(tmp_path / "m", DENSE)
+    _folder(tmp_path / "m-draft", DENSE)
+    _figures(target, _entry("draft-model", "cpu", 1.3, 2, sampled_speedup=0.78),
+             _entry("draft-model", "gpu", 1.3, 2, sampled_speedup=1.0))
+    cpu = choose_drafter(target, "auto", "cpu")
+    assert cpu.auto and cpu.plain_when_sampling is not None
+    assert "0.78x plain sampled decoding" in cpu.plain_when_sampling
+    assert cpu.plain_when_sampling in cpu.why
+    assert choose_drafter(target, "auto", "gpu").plain_when_sampling is None
+    named = choose_drafter(target, "draft-model", "cpu")
+    assert not named.auto and named.plain_when_sampling is None
+    _figures(target, _entry("draft-model", "cpu", 1.3, 2))
+    assert choose_drafter(target, "auto", "cpu").plain_when_sampling is None
+    fallback = choose_drafter(_folder(tmp_path / "n", DENSE), "auto", "cpu")
+    assert fallback.auto and fallback.plain_when_sampling is None
+
+
 def test_a_drafter_measured_not_lossless_warns_when_asked_for(tmp_path: Path) -> None:
     target = _folder(tmp_path / "m", DENSE)
     _folder(tmp_path / "m-block", BLOCK)
@@ -287,6 +309,38 @@ def test_load_with_drafter_auto_pairs_the_pick_and_stays_lossless(tiny_pair: Pat
     assert spec.speculative is not None and spec.token_ids == plain.token_ids
     with pytest.raises(BadInputError, match="choose one drafter"):
         tsj.load(tiny_pair, drafter="auto", ngram=2)
+
+
+def test_generate_with_auto_decodes_a_sampled_request_plainly_when_told_to(
+        tiny_pair: Path, tmp_path: Path) -> None:
+    """With figures saying the pick samples slower than plain on this backend, a sampled
+    request decodes without drafting (the same tokens as a model loaded without a drafter)
+    unless ``draft_len`` is given; a greedy request drafts. Without such figures a sampled
+    request drafts (the control)."""
+    import shutil
+
+    import turbospark_jax as tsj
+
+    backend = jax.default_backend()
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_pair, folder)
+    shutil.copytree(tiny_pair.parent / "m-draft", tmp_path / "m-draft")
+    prompt = [int(t) for t in np.random.default_rng(0).integers(0, VOCAB, 6)]
+    sampled = dict(max_tokens=10, temperature=0.9, seed=3)
+    _figures(folder, *(_entry(d, backend, 1.5, 2, sampled_speedup=0.7)
+                       for d in ("draft-model", "ngram")))
+    model = tsj.load(folder, drafter="auto", context=64)
+    assert model.drafter.plain_when_sampling is not None
+    plain = tsj.generate(tsj.load(folder, context=64), prompt, **sampled)
+    got = tsj.generate(model, prompt, **sampled)
+    assert got.speculative is None and got.token_ids == plain.token_ids
+    assert tsj.generate(model, prompt, draft_len=2, **sampled).speculative is not None
+    assert tsj.generate(model, prompt, max_tokens=10).speculative is not None  # greedy
+    _figures(folder, *(_entry(d, backend, 1.5, 2, sampled_speedup=1.2)
+                       for d in ("draft-model", "ngram")))
+    control = tsj.load(folder, drafter="auto", context=64)
+    assert control.drafter.plain_when_sampling is None
+    assert tsj.generate(control, prompt, **sampled).speculative is not None
     with pytest.raises(BadInputError, match="not available"):
         tsj.load(tiny_pair, drafter="mtp")
     with pytest.raises(BadInputError, match="drafter must be"):

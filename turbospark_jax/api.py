@@ -263,7 +263,9 @@ def stream(
       stop: stop strings (a single str is one stop string).
       seed: the sampling seed (same seed, same output).
       draft_len: proposals per speculative round (0: decode plainly; default: the draft
-        length the model's drafter was loaded with).
+        length the model's drafter was loaded with, or 0 for a sampled request when
+        ``auto`` picked a drafter whose figures measured sampled decoding slower than plain:
+        ``model.drafter.plain_when_sampling`` says so).
       **settings: sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) or other
         :class:`~turbospark_jax.completion.CompletionRequest` fields.
@@ -302,12 +304,13 @@ def stream(
     if model.prefill_width is not None:
         settings.setdefault("prefill_chunk_size",
                             max(CompletionRequest.prefill_chunk_size, model.prefill_width))
+    config = SamplingConfig(**sampling)
     if draft_len is None and model.drafter is not None:
-        draft_len = model.drafter.draft_len
+        sampled = config.temperature > 0 and model.drafter.plain_when_sampling
+        draft_len = 0 if sampled else model.drafter.draft_len
     request = CompletionRequest(
         prompt_ids=ids, max_tokens=max_tokens, stop_strings=stop, seed=seed,
-        sampling=SamplingConfig(**sampling), draft_len=draft_len, injection=injection,
-        **settings,
+        sampling=config, draft_len=draft_len, injection=injection, **settings,
     )
     return stream_completion(model.producer, request, tokenizer=model.tokenizer)
 

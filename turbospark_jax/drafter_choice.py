@@ -119,6 +119,7 @@ class DrafterChoice:
       measured: the figures it was picked on (``None``: none).
       warning: what a user should hear even unasked (a drafter asked for by name that was
         measured not lossless on this backend), else ``None``.
+      auto: picked by ``auto`` (not asked for by name).
     """
 
     drafter: str
@@ -128,6 +129,19 @@ class DrafterChoice:
     why: str
     measured: Measurement | None = None
     warning: str | None = None
+    auto: bool = False
+
+    @property
+    def plain_when_sampling(self) -> str | None:
+        """Why a sampled request decodes without the drafter, or ``None`` when it drafts: a
+        drafter ``auto`` picked whose figures on this backend measured sampled decoding
+        slower than plain sampled decoding (a drafter asked for by name always drafts)."""
+        m = self.measured
+        if not self.auto or m is None or m.sampled_speedup is None or m.sampled_speedup >= 1:
+            return None
+        return (f"sampled requests decode without drafting: {self.drafter} measured "
+                f"{m.sampled_speedup:.2f}x plain sampled decoding at draft length "
+                f"{m.draft_len} on this backend (greedy requests draft)")
 
 
 def requested_drafter(named: Sequence[tuple[str, str]]) -> str | None:
@@ -318,13 +332,16 @@ def choose_drafter(
                f"{best.command}{unavailable}")
         if best.speedup < 1.0:
             why += f"; it measured slower than plain decoding on {backend}"
-        return DrafterChoice(pick, table[pick].folder, k, n, why, best)
+        choice = DrafterChoice(pick, table[pick].folder, k, n, why, best, auto=True)
+        if choice.plain_when_sampling:
+            choice = dataclasses.replace(choice, why=f"{why}; {choice.plain_when_sampling}")
+        return choice
     pick = available[0]  # ngram is always there
     k = draft_len or table[pick].draft_len
     lack = source if figures is None else f"{source} has no figures for {backend}"
     why = (f"auto picked {pick} at draft length {k}: {lack}, so the first available in the "
            f"fallback order {', '.join(_order(backend))}{unavailable}")
-    return DrafterChoice(pick, table[pick].folder, k, n, why)
+    return DrafterChoice(pick, table[pick].folder, k, n, why, auto=True)
 
 
 def _order(backend: str) -> tuple[str, ...]:

@@ -332,7 +332,14 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     target = _read_folder(Path(args.model) if args.model else
                           embedded_model_path(DEFAULT_TARGET), "--model")
     on_cpu = jax.default_backend() == "cpu"
+    asked_len = args.draft_len
     choice = _choose(args, target, jax.default_backend())
+    if (choice is not None and asked_len is None and args.sampling.temperature > 0
+            and choice.plain_when_sampling):
+        # auto's drafter measured sampled decoding slower than plain: decode plainly
+        print(f"{PROG}: note: {args.drafter_flag}: {choice.plain_when_sampling}",
+              file=stderr, flush=True)
+        choice, args.drafting, args.draft_len = None, False, None
     tok = _read_tokenizer(target)
     if args.dtype is None and on_cpu:
         args.dtype = "float32"
