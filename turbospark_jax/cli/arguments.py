@@ -184,7 +184,9 @@ def parser() -> _Parser:
                           "mtp, assistant, then draft-model and ngram, in that order on a CPU, "
                           "reversed on a GPU); draft-model and block use the folder beside the "
                           "model (<model>-draft, <model>-block) unless --draft-model or "
-                          "--block-drafter names one; --stats says which was picked and why")
+                          "--block-drafter names one; --stats says which was picked and why; "
+                          "with sampling, auto decodes plainly where its pick measured "
+                          "sampling slower than plain (a note says so)")
     gen.add_argument("--speculative", action="store_true",
                      help="speculative decoding with the best drafter: --drafter auto")
     gen.add_argument("--draft-model", metavar="PATH",
