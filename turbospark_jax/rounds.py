@@ -14,17 +14,19 @@ stop id is emitted or logits turn non-finite, writing the emitted tokens (and th
 behind them) into output buffers; the host sees the burst only when it ends.
 
 On a GPU a ``while_loop`` whose trip count is data reads its predicate back to the host every
-iteration (unless XLA records the loop as a CUDA graph, which the package does not ask for in
-these programs: ``device_flags``), so the call holds the host until its last round and the
-next call's host work cannot overlap it. A burst whose drafter's rounds hold no such loop
-(``DeviceDrafter.loop_free``: n-gram lookup and the oracle; draft models, the Gemma 4
-assistant and the MTP head, whose greedy draft loops are
-:func:`~turbospark_jax.loops.bounded_while`; the MTP head and block drafters caught up before
-the chain, ``DeviceDrafter.catch_up``), greedy (the sampled judge stops on data) and not
-recording the target rows therefore runs as a loop of known trip count
-(:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while the burst's condition
-holds): the same rounds, the same tokens, and a call that returns to the host at once
-(measured in NOTES.md, session 48).
+iteration, so the call holds the host until its last round and the next call's host work
+cannot overlap it. A burst whose rounds hold no such loop runs as a loop of known trip count
+instead (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while the burst's
+condition holds): the same rounds, the same tokens, and a call that returns to the host at
+once. That is every greedy burst of a ``DeviceDrafter.loop_free`` drafter (n-gram lookup, the
+oracle; draft models, the Gemma 4 assistant and the MTP head, whose draft loops are then
+bounded, :func:`~turbospark_jax.loops.loop_within`; the MTP head and block drafters caught up
+before the chain, ``DeviceDrafter.catch_up``), compiled with its while loops recorded as CUDA
+graphs (``device_flags.fixed_rounds_options``; a round holding a loop is a conditional XLA's
+default command buffers cannot record), and every sampled burst of a drafter whose sampled
+rounds hold no loop at all (``DeviceDrafter.sampled_loop_free``: n-gram lookup, the oracle),
+whose judge then shapes its rows side by side. Bursts that record the target rows keep the
+``while_loop``. Figures: NOTES.md, sessions 48 and 49.
 
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
 the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
