@@ -116,9 +116,10 @@ def test_fixed_rounds_after_a_stop_id_run_nothing(monkeypatch):
     assert loop[0] == tokens and loop[2] == per_call and tree_bitwise_equal(loop[3], state)
 
 
-def test_only_unrecorded_bursts_of_loop_free_rounds_are_fixed():
-    """Greedy bursts of loop-free drafters, and sampled ones of drafters whose sampled
-    rounds hold no loop (n-gram lookup, the oracle), unless the rows are recorded."""
+def test_only_unrecorded_bursts_of_loop_free_rounds_are_fixed(monkeypatch):
+    """Greedy bursts of loop-free drafters, and on an accelerator sampled ones of drafters
+    whose sampled rounds hold no loop (n-gram lookup, the oracle), unless the rows are
+    recorded."""
     from turbospark_jax.drafters.block import BlockDevice
     from turbospark_jax.drafters.mtp import MTPDevice
 
@@ -131,9 +132,11 @@ def test_only_unrecorded_bursts_of_loop_free_rounds_are_fixed():
         # sampled: the judge's loop stops on data unless bounded
         assert not rounds.runs_fixed_rounds(drafter, False, False, bounded=False)
         assert not rounds.runs_fixed_rounds(drafter, False, True)
-    assert rounds.runs_fixed_rounds(ngram, False, False)
-    assert rounds.runs_fixed_rounds(oracle, False, False)
-    assert not rounds.runs_fixed_rounds(draft, False, False)  # its sampled draft loop
+    on_cpu = [rounds.runs_fixed_rounds(d, False, False) for d in (ngram, oracle, draft)]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    on_gpu = [rounds.runs_fixed_rounds(d, False, False) for d in (ngram, oracle, draft)]
+    assert on_gpu == [True, True, False]  # the draft model: its sampled draft loop
+    assert on_cpu == [False, False, False]  # a CPU shapes the judge's rows one by one
     # the host loop's forms of the catching-up drafters run until they reach the target: no
     # bound (control); the device rounds' forms are caught up before a chain (their tests)
     for device in (MTPDevice, BlockDevice):
@@ -165,16 +168,16 @@ def test_a_call_recording_rows_emits_at_most_the_recorded_burst(monkeypatch):
 @pytest.mark.parametrize("drafter_kind", ["n-gram", "draft model"])
 def test_bounded_sampling_runs_sampled_bursts_fixed_with_the_same_bits(drafter_kind,
                                                                         monkeypatch):
-    """Sampled rounds with no loop that stops on data (by default for n-gram lookup, under
-    ``rounds.BOUNDED_SAMPLING`` for a draft model: the judge shapes its rows side by side,
-    a draft model's sampled draft loop is bounded) take the fixed form; the tokens, rounds
-    and states are those of ``while_loop`` bursts with the judge's loop."""
+    """Sampled rounds with no loop that stops on data (on an accelerator by default for
+    n-gram lookup, anywhere under ``rounds.BOUNDED_SAMPLING``: the judge shapes its rows
+    side by side, a draft model's sampled draft loop is bounded) take the fixed form; the
+    tokens, rounds and states are those of ``while_loop`` bursts with the judge's loop."""
     p = make_pair("attention", drafter_kind)
     use_form(monkeypatch, None, bounded=False)
     default = run_all(p, [8, 256], 150, params=SAMPLED)
     assert max(len(c) for c in default[2]) > rounds.FIXED_ROUNDS  # control: not fixed
     use_form(monkeypatch, None)
-    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", drafter_kind == "draft model")
+    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
     bounded = run_all(p, [8, 256], 150, params=SAMPLED)
     assert max(len(c) for c in bounded[2]) == rounds.FIXED_ROUNDS
     assert bounded[0] == default[0] and len(bounded[0]) == 150

@@ -23,9 +23,10 @@ oracle; draft models, the Gemma 4 assistant and the MTP head, whose draft loops 
 bounded, :func:`~turbospark_jax.loops.loop_within`; the MTP head and block drafters caught up
 before the chain, ``DeviceDrafter.catch_up``), compiled with its while loops recorded as CUDA
 graphs (``device_flags.fixed_rounds_options``; a round holding a loop is a conditional XLA's
-default command buffers cannot record), and every sampled burst of a drafter whose sampled
-rounds hold no loop at all (``DeviceDrafter.sampled_loop_free``: n-gram lookup, the oracle),
-whose judge then shapes its rows side by side. Bursts that record the target rows keep the
+default command buffers cannot record), and on an accelerator every sampled burst of a
+drafter whose sampled rounds hold no loop at all (``DeviceDrafter.sampled_loop_free``: n-gram
+lookup, the oracle), whose judge then shapes its rows side by side
+(:func:`sampled_rounds_bounded` says why not on a CPU). Bursts that record the target rows keep the
 ``while_loop``. Figures: NOTES.md, sessions 48 and 49.
 
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
@@ -72,8 +73,8 @@ FIXED_ROUNDS = 32
 #: count that is data, so sampled bursts of every loop-free drafter take the fixed form: the
 #: judge shapes all its rows side by side, a draft model's draft loop becomes conditionals.
 #: A drafter whose sampled rounds hold no loop at all (n-gram lookup, the oracle:
-#: ``DeviceDrafter.sampled_loop_free``) always runs so; for the others this switch stays off
-#: (measured on an H100: NOTES.md, session 49).
+#: ``DeviceDrafter.sampled_loop_free``) runs so on an accelerator; for the others this switch
+#: stays off (measured on an H100: NOTES.md, session 49).
 BOUNDED_SAMPLING = False
 
 
@@ -416,9 +417,16 @@ def burst_limit(record_logits: bool) -> int:
 
 def sampled_rounds_bounded(drafter: DeviceDrafter) -> bool:
     """Whether a sampled burst of ``drafter``'s rounds holds no loop whose trip count is
-    data: always for a drafter whose sampled rounds hold no loop
-    (``DeviceDrafter.sampled_loop_free``), for the others under :data:`BOUNDED_SAMPLING`."""
-    return drafter.sampled_loop_free or BOUNDED_SAMPLING
+    data: on an accelerator for a drafter whose sampled rounds hold no loop
+    (``DeviceDrafter.sampled_loop_free``), anywhere for every drafter under
+    :data:`BOUNDED_SAMPLING`.
+
+    Not on a CPU by default: there a loop costs no round trip, and shaping all ``MAX_DRAFT +
+    1`` rows where the loop shapes the ones up to the first rejection made sampled n-gram
+    rounds of the embedded model 3x slower (0.25x plain sampled decoding against 0.75-0.84x;
+    NOTES.md, session 49)."""
+    on_accelerator = jax.default_backend() != "cpu"
+    return (drafter.sampled_loop_free and on_accelerator) or BOUNDED_SAMPLING
 
 
 def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,

@@ -47,8 +47,8 @@ class DeviceDrafter(abc.ABC):
         (:data:`~turbospark_jax.rounds.FIXED_ROUNDS`): on a GPU such a call reads nothing
         back to the host and returns at once, and the next call is queued while it runs.
       sampled_loop_free: in a sampled burst too, :meth:`propose` and :meth:`commit` hold no
-        loop at all, so a sampled burst runs as a loop of known trip count as well, its
-        judge shaping every row side by side (:func:`~turbospark_jax.rounds.judge` with
+        loop at all, so on an accelerator a sampled burst runs as a loop of known trip count
+        as well, its judge shaping every row side by side (:func:`~turbospark_jax.rounds.judge` with
         ``bounded``). A round holding a loop would be a conditional that XLA's default
         command buffers cannot record, and a sampled burst is not compiled with while loops
         recorded (``device_flags.fixed_rounds_options`` says why).
