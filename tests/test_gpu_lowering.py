@@ -421,7 +421,7 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
     def compiled(target_model, drafter, width, donate, record_logits, greedy=False,
                  max_keys=None, bounded=bounded):
         if bounded is None:
-            bounded = not greedy and sampled_rounds_bounded(drafter)
+            bounded = sampled_rounds_bounded(drafter, greedy)
 
         def lower(*args):
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,

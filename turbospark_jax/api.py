@@ -306,8 +306,8 @@ def stream(
                             max(CompletionRequest.prefill_chunk_size, model.prefill_width))
     config = SamplingConfig(**sampling)
     if draft_len is None and model.drafter is not None:
-        sampled = config.temperature > 0 and model.drafter.plain_when_sampling
-        draft_len = 0 if sampled else model.drafter.draft_len
+        plain = config.temperature > 0 and model.drafter.plain_when_sampling
+        draft_len = 0 if plain else model.drafter.draft_len
     request = CompletionRequest(
         prompt_ids=ids, max_tokens=max_tokens, stop_strings=stop, seed=seed,
         sampling=config, draft_len=draft_len, injection=injection, **settings,

@@ -26,8 +26,8 @@ graphs (``device_flags.fixed_rounds_options``; a round holding a loop is a condi
 default command buffers cannot record), and on an accelerator every sampled burst of a
 drafter whose sampled rounds hold no loop at all (``DeviceDrafter.sampled_loop_free``: n-gram
 lookup, the oracle), whose judge then shapes its rows side by side
-(:func:`sampled_rounds_bounded` says why not on a CPU). Bursts that record the target rows keep the
-``while_loop``. Figures: NOTES.md, sessions 48 and 49.
+(:func:`sampled_rounds_bounded` says why not on a CPU). Bursts that record the target rows
+keep the ``while_loop``. Figures: NOTES.md, sessions 48 and 49.
 
 :func:`judge` is shared with the host loop of :mod:`turbospark_jax.speculative`, which stays
 the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
@@ -415,18 +415,18 @@ def burst_limit(record_logits: bool) -> int:
     return RECORDED_BURST if record_logits else MAX_BURST
 
 
-def sampled_rounds_bounded(drafter: DeviceDrafter) -> bool:
-    """Whether a sampled burst of ``drafter``'s rounds holds no loop whose trip count is
-    data: on an accelerator for a drafter whose sampled rounds hold no loop
-    (``DeviceDrafter.sampled_loop_free``), anywhere for every drafter under
-    :data:`BOUNDED_SAMPLING`.
+def sampled_rounds_bounded(drafter: DeviceDrafter, greedy: bool) -> bool:
+    """Whether a burst of ``drafter``'s rounds is a sampled one (not ``greedy``) whose loops
+    are bounded, so that it holds no loop whose trip count is data: on an accelerator for a
+    drafter whose sampled rounds hold no loop (``DeviceDrafter.sampled_loop_free``), anywhere
+    for every drafter under :data:`BOUNDED_SAMPLING`.
 
     Not on a CPU by default: there a loop costs no round trip, and shaping all ``MAX_DRAFT +
     1`` rows where the loop shapes the ones up to the first rejection made sampled n-gram
     rounds of the embedded model 3x slower (0.25x plain sampled decoding against 0.75-0.84x;
     NOTES.md, session 49)."""
     on_accelerator = jax.default_backend() != "cpu"
-    return (drafter.sampled_loop_free and on_accelerator) or BOUNDED_SAMPLING
+    return not greedy and ((drafter.sampled_loop_free and on_accelerator) or BOUNDED_SAMPLING)
 
 
 def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,
@@ -436,7 +436,7 @@ def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,
     :func:`sampled_rounds_bounded`), with a loop-free drafter, not recording the target rows
     (with them the form measured slower than the ``while_loop`` in session 48)."""
     if bounded is None:
-        bounded = not greedy and sampled_rounds_bounded(drafter)
+        bounded = sampled_rounds_bounded(drafter, greedy)
     return (greedy or bounded) and drafter.loop_free and not record_logits
 
 
@@ -460,7 +460,7 @@ def compiled_rounds(
     control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
     state are donated."""
     if bounded is None:
-        bounded = not greedy and sampled_rounds_bounded(drafter)
+        bounded = sampled_rounds_bounded(drafter, greedy)
     if fixed is None:
         fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
     return _compiled_rounds(target, drafter, width, donate, record_logits, greedy, max_keys,
