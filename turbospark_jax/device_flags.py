@@ -84,8 +84,8 @@ def fixed_rounds_options(greedy: bool) -> dict[str, str] | None:
     :data:`FIXED_ROUNDS_GRAPHS` is ``0``.
 
     Sampled bursts are left out because on an H100 (jax 0.11.2) their fixed form gave wrong
-    tokens with while loops recorded (NOTES.md, session 49); greedy ones gave the
-    ``while_loop``'s bits in every GPU test, and the MTP head's rounds twice the speed."""
+    tokens with while loops recorded; greedy ones gave the ``while_loop``'s bits in every GPU
+    test (NOTES.md, session 49)."""
     if not greedy or os.environ.get(FIXED_ROUNDS_GRAPHS, "").strip() == "0":
         return None
     return decode_program_options()

@@ -421,10 +421,9 @@ def sampled_rounds_bounded(drafter: DeviceDrafter, greedy: bool) -> bool:
     drafter whose sampled rounds hold no loop (``DeviceDrafter.sampled_loop_free``), anywhere
     for every drafter under :data:`BOUNDED_SAMPLING`.
 
-    Not on a CPU by default: there a loop costs no round trip, and shaping all ``MAX_DRAFT +
-    1`` rows where the loop shapes the ones up to the first rejection made sampled n-gram
-    rounds of the embedded model 3x slower (0.25x plain sampled decoding against 0.75-0.84x;
-    NOTES.md, session 49)."""
+    Not on a CPU by default: there a loop costs no round trip, while shaping all ``MAX_DRAFT
+    + 1`` rows, where the loop shapes those up to the first rejection, costs more than the
+    rounds save (measured in NOTES.md, session 49)."""
     on_accelerator = jax.default_backend() != "cpu"
     return not greedy and ((drafter.sampled_loop_free and on_accelerator) or BOUNDED_SAMPLING)
 
