@@ -157,12 +157,15 @@
 #                                             # defaults (sampled n-gram rounds fixed, a
 #                                             # drafter's loops bounded only in a fixed
 #                                             # burst), and the model's speculative.json
+#   bash benchmarks/rowinv_h200.sh 54 "$OUT"  # which construct recorded while loops get
+#                                             # wrong (sorts, top-k, draws, the sampled
+#                                             # rounds' shaping under conditionals)
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 53}
+stage=${1:?stage 1 to 54}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -706,6 +709,12 @@ case "$stage" in
     -o faulthandler_timeout=60 tests/test_fixed_rounds.py tests/test_mtp_drafter.py \
     tests/test_loops.py --tb=short -rf > "$out/gpu_tests_fixed_rounds.txt" 2>&1
   grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_fixed_rounds.txt" | tail -8
+  ;;
+54)
+  # the sampled fixed rounds gave wrong tokens with their while loops recorded (stage 51);
+  # small programs of each construct they hold, with and without the recording
+  timeout 200 python -m benchmarks.probe_loop_graphs --seeds 8 \
+    --out "$out/probe_loop_graphs.json" 2>&1 | cut -c1-300
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

@@ -446,3 +446,25 @@ def test_compare_speed_puts_runs_side_by_side(tmp_path):
         compare_speed.main([str(a), str(tmp_path / "missing.json")])
     with pytest.raises(SystemExit):
         compare_speed.main([str(a), str(b), "--names", "one"])
+
+
+def test_loop_graphs_probe_runs_every_case_and_its_check_can_fail(tmp_path):
+    """On the CPU the recorded-loop option changes nothing, so every case agrees; the
+    comparison sees a one-ulp change (the control)."""
+    import json
+
+    import numpy as np
+
+    from benchmarks import probe_loop_graphs
+
+    out = tmp_path / "probe.json"
+    assert probe_loop_graphs.main(["--out", str(out), "--seeds", "1"]) == 0
+    records = json.loads(out.read_text())["records"]
+    assert {r["case"] for r in records} == {"cond_sort", "cond_top_k", "cond_draw",
+                                            "cond_sampling", "nested_cond_sort",
+                                            "cond_no_sort"}
+    assert all(r["differing"] == 0 for r in records)
+    a = (np.int32(3), np.float32(1.5))
+    assert probe_loop_graphs.same_bits(a, (np.int32(3), np.float32(1.5)))
+    assert not probe_loop_graphs.same_bits(a, (np.int32(3), np.nextafter(np.float32(1.5),
+                                                                          np.float32(2))))
