@@ -336,6 +336,8 @@ def test_generate_with_auto_decodes_a_sampled_request_plainly_when_told_to(
     assert got.speculative is None and got.token_ids == plain.token_ids
     assert tsj.generate(model, prompt, draft_len=2, **sampled).speculative is not None
     assert tsj.generate(model, prompt, max_tokens=10).speculative is not None  # greedy
+    with pytest.raises(BadInputError, match="temperature"):
+        tsj.generate(model, prompt, max_tokens=10, temperature="hot")
     _figures(folder, *(_entry(d, backend, 1.5, 2, sampled_speedup=1.2)
                        for d in ("draft-model", "ngram")))
     control = tsj.load(folder, drafter="auto", context=64)

@@ -50,7 +50,7 @@ from turbospark_jax.loading import (
 )
 from turbospark_jax.models.row_kernels import check_kernels
 from turbospark_jax.protocols import LogitProducer
-from turbospark_jax.sampling import SamplingConfig
+from turbospark_jax.sampling import SamplingConfig, is_greedy
 from turbospark_jax.streams import Stream
 from turbospark_jax.vision import VisionEncoder, require_vision
 
@@ -306,7 +306,8 @@ def stream(
                             max(CompletionRequest.prefill_chunk_size, model.prefill_width))
     config = SamplingConfig(**sampling)
     if draft_len is None and model.drafter is not None:
-        plain = config.temperature > 0 and model.drafter.plain_when_sampling
+        # to_params validates the settings (a BadInputError naming a bad one) before reading them
+        plain = model.drafter.plain_when_sampling and not is_greedy(config.to_params())
         draft_len = 0 if plain else model.drafter.draft_len
     request = CompletionRequest(
         prompt_ids=ids, max_tokens=max_tokens, stop_strings=stop, seed=seed,
