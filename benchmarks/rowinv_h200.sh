@@ -709,6 +709,11 @@ case "$stage" in
     -o faulthandler_timeout=60 tests/test_fixed_rounds.py tests/test_mtp_drafter.py \
     tests/test_loops.py --tb=short -rf > "$out/gpu_tests_fixed_rounds.txt" 2>&1
   grep -E "FAILED|ERROR|Timeout|passed|failed" "$out/gpu_tests_fixed_rounds.txt" | tail -8
+  # BOUNDED_SAMPLING with the drafters' loops unrolled in sampled fixed bursts (session 49,
+  # after its device time): against the table's sampled rows above
+  timeout 150 python -m benchmarks.drafters --preset h200-short --max-seconds 120 \
+    --drafters draft-model,mtp,block --bounded-sampling --out "$out/drafters_bounded" \
+    2>&1 | grep sampled
   ;;
 54)
   # the sampled fixed rounds gave wrong tokens with their while loops recorded (stage 51);

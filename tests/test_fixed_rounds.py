@@ -278,30 +278,39 @@ def test_the_judge_with_its_rows_side_by_side_decides_and_draws_as_its_loop(m):
 def test_a_draft_models_loop_is_bounded_exactly_when_its_burst_is_fixed(monkeypatch):
     """Inside a ``while_loop`` burst (sampled, or greedy with the rows recorded) a bounded
     draft loop's conditionals would each read back to the host, so the draft loop is bounded
-    only in a burst of known trip count (``DraftSampler.bounded``)."""
-    from turbospark_jax.drafters import draft_model
+    only in a burst of known trip count (``DraftSampler.bounded``), and unrolled too where
+    that burst's while loops are not recorded (a sampled one, ``DraftSampler.unrolled``)."""
+    from turbospark_jax.drafters import base
     from turbospark_jax.loops import loop_within
 
     seen = []
 
-    def spy(cond, body, init, most, bounded):
-        seen.append(bounded)
-        return loop_within(cond, body, init, most, bounded)
+    def spy(cond, body, init, most, bounded, unroll=False):
+        seen.append((bounded, unroll))
+        return loop_within(cond, body, init, most, bounded, unroll)
 
-    monkeypatch.setattr(draft_model, "loop_within", spy)
+    monkeypatch.setattr(base, "loop_within", spy)
     p = make_pair("attention", "draft model")
-    for params, record, fixed in ((GREEDY, False, True), (GREEDY, True, False),
-                                  (SAMPLED, False, False)):
+    for params, record, bounded, form in ((GREEDY, False, False, (True, False)),
+                                          (GREEDY, True, False, (False, False)),
+                                          (SAMPLED, False, False, (False, False)),
+                                          (SAMPLED, False, True, (True, True))):
+        monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", bounded)
         seen.clear()
         rounds._compiled_rounds.cache_clear()  # traced afresh: an earlier test's is cached
         run_all(p, [8], 8, params=params, record_logits=record)
-        assert seen and set(seen) == {fixed}, (params, record)
+        assert seen and set(seen) == {form}, (params, record, bounded, seen)
 
 
-def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2):
+def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2, cuda=False):
     """The StableHLO text of the burst ``pair.device_rounds`` runs after a prefill of
-    ``prompt`` (its default form for ``params``), and whether that form is the fixed one."""
+    ``prompt`` (its default form for ``params``), lowered for this backend or (``cuda``)
+    exported for a GPU, and whether that form is the fixed one."""
+    from jax import export
+
     captured = {}
+    if cuda:
+        rounds._compiled_rounds.cache_clear()  # traced afresh, as on a GPU
 
     def compiled(*args, **kwargs):
         program = rounds.compiled_rounds(*args, **kwargs)
@@ -311,7 +320,19 @@ def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2):
         captured["fixed"] = rounds.runs_fixed_rounds(drafter, greedy, record_logits)
 
         def run(*call):
-            captured["text"] = program.lower(*call).as_text()
+            if cuda:  # traced as on a GPU: its kernels, and its random draws (the CPU
+                # lowers their hash as a loop)
+                checks = [export.DisabledSafetyCheck.custom_call(name) for name in
+                          ("cu_threefry2x32", "cu_threefry2x32_ffi", "__gpu$xla.gpu.triton")]
+                backend = jax.default_backend
+                jax.default_backend = lambda: "gpu"
+                try:
+                    captured["text"] = export.export(
+                        program, platforms=["cuda"], disabled_checks=checks)(*call).mlir_module()
+                finally:
+                    jax.default_backend = backend
+            else:
+                captured["text"] = program.lower(*call).as_text()
             return program(*call)
         return run
 
@@ -371,3 +392,41 @@ def test_greedy_fixed_bursts_hold_no_loop_that_stops_on_data(kind):
         text, fixed = lowered_rounds(pair, prompt, params=SAMPLED)
         loops, constant = _constant_trip_loops(text)
         assert not fixed and constant < loops
+
+
+def loop_trip_counts(text: str) -> list[int | None]:
+    """Every loop's trip count in a lowered program: the constant its counter is compared
+    with, or ``None`` where the condition is not a counter against a constant."""
+    import re
+
+    counts: list[int | None] = []
+    for function in text.split("func.func ")[1:]:
+        constants = dict(re.findall(r"(%c[_\d]*) = stablehlo\.constant dense<(-?\d+)> : "
+                                    r"tensor<i32>", function))
+        for block in re.findall(r"cond \{(.*?)\} do \{", function, re.S):
+            bound = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%c[_\d]*),", block)
+            counts.append(int(constants[bound.group(1)]) if bound and bound.group(1) in
+                          constants else None)
+    return counts
+
+
+@pytest.mark.parametrize("kind", ["draft model/attention", "draft model/recurrent", "mtp"])
+def test_bounded_sampled_bursts_unroll_their_drafters_loops(kind, monkeypatch):
+    """Under ``rounds.BOUNDED_SAMPLING`` a sampled burst runs fixed without its while loops
+    recorded, so a drafter's loop inside the round (of ``MAX_DRAFT`` iterations) is unrolled
+    (a round holding a loop would be a conditional XLA's default command buffers cannot
+    record); every loop left has a constant trip count (the models' own, the burst's). The
+    control: the greedy burst keeps its bounded draft loop as a loop."""
+    from turbospark_jax.drafters.base import MAX_DRAFT
+
+    if kind == "mtp":
+        pair, prompt = _mtp_pair()
+    else:
+        pair, prompt = make_pair(kind.split("/")[1], "draft model"), PROMPT
+    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
+    text, fixed = lowered_rounds(pair, prompt, params=SAMPLED, cuda=True)
+    trips = loop_trip_counts(text)
+    assert fixed and None not in trips and rounds.FIXED_ROUNDS in trips
+    assert MAX_DRAFT not in trips, trips
+    text, _ = lowered_rounds(pair, prompt, cuda=True)  # greedy: the control
+    assert MAX_DRAFT in loop_trip_counts(text)

@@ -406,7 +406,7 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
     ``rounds.compiled_rounds`` takes it)."""
     import functools
 
-    from turbospark_jax import sampling
+    from turbospark_jax import device_flags, sampling
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.drafters import NGramDrafter, SpeculativePair
     from turbospark_jax.drafters import pair as pair_module
@@ -424,10 +424,10 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
             bounded = sampled_rounds_bounded(drafter, greedy)
 
         def lower(*args):
+            fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
+            unroll = fixed and device_flags.fixed_rounds_options(greedy) is None
             fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
-                                   greedy, max_keys,
-                                   runs_fixed_rounds(drafter, greedy, record_logits, bounded),
-                                   bounded)
+                                   greedy, max_keys, fixed, bounded, unroll)
             exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
             raise _Lowered(exported(*args).mlir_module())
         return lower

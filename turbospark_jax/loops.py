@@ -23,29 +23,31 @@ Carry = TypeVar("Carry")
 
 
 def bounded_while(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Carry],
-                  init: Carry, most: int) -> Carry:
+                  init: Carry, most: int, unroll: bool = False) -> Carry:
     """``lax.while_loop(cond, body, init)`` for a loop known to stop within ``most``
     iterations, as ``most`` iterations of ``lax.cond(cond(c), body, identity, c)``.
 
     The body runs on the same carries in the same order, so the result is bitwise the
     ``while_loop``'s whenever that one stops within ``most`` iterations; past them the loop
     simply ends (the caller's bound must hold, or the caller must want the cut). ``most``
-    is static.
+    is static. ``unroll``: the iterations written out one after another, no loop at all (a
+    conditional holding no loop is one XLA's default command buffers record).
     """
     def iteration(_, c):
         return jax.lax.cond(cond(c), body, lambda c: c, c)
 
-    return jax.lax.fori_loop(0, most, iteration, init)
+    return jax.lax.fori_loop(0, most, iteration, init, unroll=True if unroll else 1)
 
 
 def loop_within(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Carry],
-                init: Carry, most: int, bounded: bool) -> Carry:
+                init: Carry, most: int, bounded: bool, unroll: bool = False) -> Carry:
     """A loop inside a speculative round, known to stop within ``most`` iterations:
-    :func:`bounded_while` when ``bounded`` (the burst runs as a loop of known trip count, a
-    form whose while loops are recorded as CUDA graphs), else ``lax.while_loop`` (in a burst
-    that is itself a ``while_loop`` each of the bounded form's conditionals would read its
-    predicate back to the host, ``most`` of them where the ``while_loop`` reads one an
-    iteration it runs). The same bits either way."""
+    :func:`bounded_while` when ``bounded`` (the burst runs as a loop of known trip count),
+    unrolled with ``unroll`` (a burst whose while loops are not recorded as CUDA graphs, so
+    that its round stays a conditional XLA's default command buffers record); else
+    ``lax.while_loop`` (in a burst that is itself a ``while_loop`` each of the bounded form's
+    conditionals would read its predicate back to the host, ``most`` of them where the
+    ``while_loop`` reads one an iteration it runs). The same bits in every form."""
     if bounded:
-        return bounded_while(cond, body, init, most)
+        return bounded_while(cond, body, init, most, unroll)
     return jax.lax.while_loop(cond, body, init)

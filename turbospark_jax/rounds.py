@@ -101,6 +101,10 @@ class DraftSampler:
     #: round are to be bounded too (:func:`~turbospark_jax.loops.loop_within`); in a
     #: ``while_loop`` burst they stay ``while_loop``\ s.
     bounded: bool = struct.field(pytree_node=False, default=False)
+    #: Static: the bounded loops are to be unrolled as well: the burst's while loops are not
+    #: recorded as CUDA graphs (a sampled burst: ``device_flags.fixed_rounds_options``), and
+    #: only a round holding no loop is a conditional XLA's default command buffers record.
+    unrolled: bool = struct.field(pytree_node=False, default=False)
 
 
 def history_rows(history: sampling.History, tokens: jax.Array) -> sampling.History:
@@ -316,6 +320,7 @@ def _run_rounds(
     max_keys: int | None,
     fixed: bool,
     bounded: bool,
+    unroll: bool,
     target_params: Any,
     drafter_params: Any,
     buffers: BlockState,
@@ -350,7 +355,7 @@ def _run_rounds(
         index = control.gen_index + n
         m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
         sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index,
-                               greedy=greedy, bounded=fixed)
+                               greedy=greedy, bounded=fixed, unrolled=unroll)
         proposals, q, drafted, dst = drafter.propose(drafter_params, dst, st, pend, m, sampler)
         if q is None:
             q = point_masses(proposals, drafted, vocab)
@@ -470,7 +475,8 @@ def compiled_rounds(
 def _compiled_rounds(target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool,
                      record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
                      bounded: bool) -> Any:
-    fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
-                           max_keys, fixed, bounded)
     options = device_flags.fixed_rounds_options(greedy) if fixed else None
+    # a fixed burst whose while loops are not recorded unrolls its drafter's loops
+    fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
+                           max_keys, fixed, bounded, fixed and options is None)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else (), compiler_options=options)

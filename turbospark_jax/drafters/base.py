@@ -27,7 +27,7 @@ import jax
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
-from turbospark_jax.loops import bounded_while
+from turbospark_jax.loops import bounded_while, loop_within
 
 #: The most tokens one speculative round drafts (the judgement is compiled for this size).
 MAX_DRAFT = 8
@@ -127,8 +127,8 @@ class CatchUpDevice(DeviceDrafter):
 
     def _round_catch_up(self, behind: Any, block: Any, init: Any) -> Any:
         """A round's catch-up loop: ``block`` while ``behind``."""
-        if self.caught_up:
-            return bounded_while(behind, block, init, 1)
+        if self.caught_up:  # one block: a conditional, no loop
+            return bounded_while(behind, block, init, 1, unroll=True)
         return jax.lax.while_loop(behind, block, init)
 
     def _whole_blocks(self, base: jax.Array, block: Any, init: Any) -> Any:
@@ -138,11 +138,14 @@ class CatchUpDevice(DeviceDrafter):
         return jax.lax.while_loop(lambda c: base - c[1].count > self.width, block, init)
 
 
-def loops_bounded(sampler: Any) -> bool:
-    """Whether :meth:`DeviceDrafter.propose`'s loops are to be bounded
-    (:func:`~turbospark_jax.loops.loop_within`): the rounds' sampler asks for it in a burst of
-    known trip count; without one (the host loop's :func:`propose_compiled`) they are not."""
-    return sampler is not None and sampler.bounded
+def draft_loop(cond: Any, body: Any, init: Any, sampler: Any) -> Any:
+    """A drafter's loop inside a round, of at most :data:`MAX_DRAFT` iterations, in the form
+    the rounds' sampler asks for (:func:`~turbospark_jax.loops.loop_within`): bounded in a
+    burst of known trip count, and unrolled too where that burst's while loops are not
+    recorded (``sampler.unrolled``); a ``while_loop`` in a ``while_loop`` burst or without a
+    sampler (the host loop's :func:`propose_compiled`)."""
+    bounded = sampler is not None and sampler.bounded
+    return loop_within(cond, body, init, MAX_DRAFT, bounded, bounded and sampler.unrolled)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -21,9 +21,8 @@ from turbospark_jax import sampling
 from turbospark_jax.block_producer import BlockProducer
 from turbospark_jax.block_program import BlockState, feed_block
 from turbospark_jax.checks import as_int
-from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, loops_bounded
+from turbospark_jax.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, draft_loop
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loops import loop_within
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.protocols import ChunkedPrefillRunner, DeviceDecoder, LogitProducer
 from turbospark_jax.rounds import DraftSampler
@@ -171,8 +170,7 @@ class DraftModelDevice(DeviceDrafter):
         vocab = self.model.vocab_size
         init = (jnp.int32(0), state, first, jnp.zeros((MAX_DRAFT,), jnp.int32),
                 jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
-        steps, state, _, proposals, q, _, finite = loop_within(  # at most MAX_DRAFT steps
-            cond, body, init, MAX_DRAFT, loops_bounded(sampler))
+        steps, state, _, proposals, q, _, finite = draft_loop(cond, body, init, sampler)
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
         # host loop, the drafter goes back to the committed sequence.
         count = jnp.where(finite, steps, steps - 1)

@@ -42,11 +42,10 @@ from turbospark_jax.drafters.base import (
     MAX_DRAFT,
     DeviceDrafter,
     Drafter,
-    loops_bounded,
+    draft_loop,
     propose_compiled,
 )
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.loops import loop_within
 from turbospark_jax.models import gemma4
 from turbospark_jax.models.family import HFTensor, Params
 from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
@@ -319,8 +318,8 @@ class AssistantDevice(DeviceDrafter):
             tok = jnp.argmax(logits).astype(jnp.int32)
             return i + 1, tok, h, proposals.at[i].set(tok)
 
-        _, _, _, proposals = loop_within(  # at most MAX_DRAFT steps
+        _, _, _, proposals = draft_loop(  # at most MAX_DRAFT steps
             lambda c: c[0] < count, step,
             (jnp.int32(0), pending.astype(jnp.int32), hidden,
-             jnp.zeros((MAX_DRAFT,), jnp.int32)), MAX_DRAFT, loops_bounded(sampler))
+             jnp.zeros((MAX_DRAFT,), jnp.int32)), sampler)
         return proposals, None, count, state

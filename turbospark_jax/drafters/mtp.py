@@ -34,11 +34,10 @@ from turbospark_jax.drafters.base import (
     CatchUpDevice,
     CatchUpDrafter,
     DeviceDrafter,
-    loops_bounded,
+    draft_loop,
     propose_compiled,
 )
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loops import loop_within
 from turbospark_jax.models.qwen3_5 import MTPCache, Qwen35Model
 from turbospark_jax.state import FedRecord
 
@@ -171,10 +170,10 @@ class MTPDevice(CatchUpDevice):
             return i + 1, cache, proposals, logits_w[0], hidden_w[0]
 
         count = jnp.clip(m, 0, MAX_DRAFT)
-        _, cache, proposals, _, _ = loop_within(  # at most MAX_DRAFT links
+        _, cache, proposals, _, _ = draft_loop(  # at most MAX_DRAFT links
             lambda c: c[0] < count, chain,
             (jnp.int32(0), cache, jnp.zeros((MAX_DRAFT,), jnp.int32), logits, hidden),
-            MAX_DRAFT, loops_bounded(sampler))
+            sampler)
         # the chained rows are speculative: the record keeps only the trunk's rows
         return proposals, None, count, MTPState(cache=cache, fed=fed)
 
