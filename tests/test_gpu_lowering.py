@@ -404,13 +404,11 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
     """The greedy speculative rounds program (an n-gram drafter, the target verifying 4 rows)
     that ``SpeculativePair.device_rounds`` would run, lowered for a GPU (``bounded``: as
     ``rounds.compiled_rounds`` takes it)."""
-    import functools
-
-    from turbospark_jax import device_flags, sampling
+    from turbospark_jax import sampling
     from turbospark_jax.block_producer import BlockProducer
     from turbospark_jax.drafters import NGramDrafter, SpeculativePair
     from turbospark_jax.drafters import pair as pair_module
-    from turbospark_jax.rounds import _run_rounds, runs_fixed_rounds, sampled_rounds_bounded
+    from turbospark_jax.rounds import rounds_function, runs_fixed_rounds, sampled_rounds_bounded
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
@@ -425,9 +423,8 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
 
         def lower(*args):
             fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
-            unroll = fixed and device_flags.fixed_rounds_options(greedy) is None
-            fn = functools.partial(_run_rounds, target_model, drafter, width, record_logits,
-                                   greedy, max_keys, fixed, bounded, unroll)
+            fn, _ = rounds_function(target_model, drafter, width, record_logits, greedy,
+                                    max_keys, fixed, bounded)
             exported = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)
             raise _Lowered(exported(*args).mlir_module())
         return lower

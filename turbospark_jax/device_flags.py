@@ -15,17 +15,17 @@ the host loop's, a greedy host loop once), where the same tests pass without it 
 alone unless ``TURBOSPARK_LOOP_GRAPHS=1`` asks for the setting in every program (to measure
 it: it is not known safe).
 
-One kind of program keeps the loops in graphs: a decode program of a model whose widths
-agree (a draw plan, :func:`~turbospark_jax.block_program.compiled_program`), compiled with
-:func:`decode_program_options`. Its loop is what the graphs were for: without them XLA reads
-the loop's condition back every chunk of steps and the device drains and waits for the
-host's next launches, 6-7% of the 1B's and 0.6B's decode on that H100. Its shape is the
+Two kinds of program keep the loops in graphs. The first is a decode program of a model
+whose widths agree (a draw plan, :func:`~turbospark_jax.block_program.compiled_program`),
+compiled with :func:`decode_program_options`. Its loop is what the graphs were for: without
+them XLA reads the loop's condition back every chunk of steps and the device drains and waits
+for the host's next launches, 6-7% of the 1B's and 0.6B's decode on that H100. Its shape is the
 simplest of the loops (no conditional; an inner loop of fixed trip count), and every bitwise
 check of those programs on the GPU since the setting came in (each burst against
 step-by-step decoding, the benchmarks' exact part at three shapes) ran them with it.
-``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too. Greedy speculative rounds of a
-loop-free drafter stay off the host another way: a loop of known trip count
-(:data:`~turbospark_jax.rounds.FIXED_ROUNDS`), which XLA runs without a predicate read.
+``TURBOSPARK_LOOP_GRAPHS=0`` takes it from them too. The second kind is a greedy burst of
+speculative rounds in the fixed form (:data:`~turbospark_jax.rounds.FIXED_ROUNDS` rounds,
+every loop of known trip count: :func:`fixed_rounds_options`); sampled bursts are left out.
 
 XLA reads ``XLA_FLAGS`` once, when the first backend starts; :func:`enable_loop_graphs` must
 run before that, and importing ``turbospark_jax`` runs it first thing. A flag the user set for

@@ -2,11 +2,12 @@
 
 XLA runs a ``while_loop`` whose trip count is data by copying its predicate to the host and
 waiting, every iteration, unless the loop is recorded as a CUDA graph (``device_flags``: the
-package asks for that only in row-invariant decode programs). A call holding such a loop
-returns to Python only when the loop is done, so nothing the host does next overlaps it. A
-loop whose trip count XLA knows (a ``fori_loop`` over constants) reads nothing back, and a
-``lax.cond`` inside one runs on the device (XLA's default command buffers take
-conditionals; measured in NOTES.md, session 48).
+package asks for that in row-invariant decode programs and greedy speculative bursts of known
+trip count). A call holding such a loop returns to Python only when the loop is done, so
+nothing the host does next overlaps it. A loop whose trip count XLA knows (a ``fori_loop``
+over constants) reads nothing back, and a ``lax.cond`` inside one runs on the device when its
+branches hold no loop (XLA's default command buffers take conditionals, not loops; measured
+in NOTES.md, sessions 48 and 49).
 
 :func:`bounded_while` is the second form of the first: a loop of at most ``most``
 iterations, each running the body only while the condition holds.
@@ -36,7 +37,7 @@ def bounded_while(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Ca
     def iteration(_, c):
         return jax.lax.cond(cond(c), body, lambda c: c, c)
 
-    return jax.lax.fori_loop(0, most, iteration, init, unroll=True if unroll else 1)
+    return jax.lax.fori_loop(0, most, iteration, init, unroll=unroll)
 
 
 def loop_within(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Carry],

@@ -438,7 +438,8 @@ def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,
     """Whether a burst of rounds runs as a loop of :data:`FIXED_ROUNDS` iterations: a greedy
     one, or a sampled one whose loops are bounded (``bounded``; ``None``:
     :func:`sampled_rounds_bounded`), with a loop-free drafter, not recording the target rows
-    (with them the form measured slower than the ``while_loop`` in session 48)."""
+    (with them session 48's probe measured the form slower than the ``while_loop``, session
+    49's faster: not the default until timed end to end)."""
     if bounded is None:
         bounded = sampled_rounds_bounded(drafter, greedy)
     return (greedy or bounded) and drafter.loop_free and not record_logits
@@ -471,12 +472,22 @@ def compiled_rounds(
                             fixed, bounded)
 
 
-@functools.cache
-def _compiled_rounds(target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool,
-                     record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
-                     bounded: bool) -> Any:
+def rounds_function(target: BlockModel, drafter: DeviceDrafter, width: int,
+                    record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
+                    bounded: bool) -> tuple[Any, dict[str, str] | None]:
+    """The burst's function (arguments as :func:`compiled_rounds`'s program takes them) and
+    the compiler options it is jitted with, for a form already resolved."""
     options = device_flags.fixed_rounds_options(greedy) if fixed else None
     # a fixed burst whose while loops are not recorded unrolls its drafter's loops
     fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
                            max_keys, fixed, bounded, fixed and options is None)
+    return fn, options
+
+
+@functools.cache
+def _compiled_rounds(target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool,
+                     record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
+                     bounded: bool) -> Any:
+    fn, options = rounds_function(target, drafter, width, record_logits, greedy, max_keys,
+                                  fixed, bounded)
     return jax.jit(fn, donate_argnums=(2, 4) if donate else (), compiler_options=options)

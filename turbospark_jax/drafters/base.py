@@ -125,8 +125,12 @@ class CatchUpDevice(DeviceDrafter):
     def loop_free(self) -> bool:  # type: ignore[override]
         return self.caught_up
 
-    def _round_catch_up(self, behind: Any, block: Any, init: Any) -> Any:
-        """A round's catch-up loop: ``block`` while ``behind``."""
+    def _round_catch_up(self, base: jax.Array, block: Any, init: Any) -> Any:
+        """A round's catch-up loop: ``block`` while the drafter's fed record (each carry's
+        second element) is short of position ``base``."""
+        def behind(c: Any) -> jax.Array:
+            return c[1].count < base
+
         if self.caught_up:  # one block: a conditional, no loop
             return bounded_while(behind, block, init, 1, unroll=True)
         return jax.lax.while_loop(behind, block, init)

@@ -221,13 +221,10 @@ class BlockDevice(CatchUpDevice):
         own, shared = params
         base = target.fed.count  # the pending token's position
 
-        def behind(c):
-            return c[1].count < base
-
         def catch_up(c):
             return self._catch_up_block(own, c, target)
 
-        cache, fed = self._round_catch_up(behind, catch_up,
+        cache, fed = self._round_catch_up(base, catch_up,
                                           (state.cache, self._agreeing(state, target)))
         logits = self.model.block_logits(own, shared, cache.k, cache.v, base, pending)
         drafts = self.model.config.block_size - 1

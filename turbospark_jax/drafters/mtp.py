@@ -149,15 +149,12 @@ class MTPDevice(CatchUpDevice):
         base = target.fed.count  # the pending token's position
         dim = target.cache.hidden_rows.shape[-1]
 
-        def behind(c):
-            return c[1].count < base
-
         def catch_up(c):
             return self._catch_up_block(params, c, target, pending)
 
         # rows 0 .. base - 1 from the trunk
         cache, fed, logits, hidden = self._round_catch_up(
-            behind, catch_up, self._catch_up_start(state, target))
+            base, catch_up, self._catch_up_start(state, target))
 
         def chain(c):
             i, cache, proposals, logits, hidden = c
