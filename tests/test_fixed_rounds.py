@@ -132,6 +132,7 @@ def test_only_unrecorded_bursts_of_loop_free_rounds_are_fixed(monkeypatch):
         # sampled: the judge's loop stops on data unless bounded
         assert not rounds.runs_fixed_rounds(drafter, False, False, bounded=False)
         assert not rounds.runs_fixed_rounds(drafter, False, True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # whatever this machine is
     on_cpu = [rounds.runs_fixed_rounds(d, False, False) for d in (ngram, oracle, draft)]
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     on_gpu = [rounds.runs_fixed_rounds(d, False, False) for d in (ngram, oracle, draft)]
@@ -394,22 +395,6 @@ def test_greedy_fixed_bursts_hold_no_loop_that_stops_on_data(kind):
         assert not fixed and constant < loops
 
 
-def loop_trip_counts(text: str) -> list[int | None]:
-    """Every loop's trip count in a lowered program: the constant its counter is compared
-    with, or ``None`` where the condition is not a counter against a constant."""
-    import re
-
-    counts: list[int | None] = []
-    for function in text.split("func.func ")[1:]:
-        constants = dict(re.findall(r"(%c[_\d]*) = stablehlo\.constant dense<(-?\d+)> : "
-                                    r"tensor<i32>", function))
-        for block in re.findall(r"cond \{(.*?)\} do \{", function, re.S):
-            bound = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%c[_\d]*),", block)
-            counts.append(int(constants[bound.group(1)]) if bound and bound.group(1) in
-                          constants else None)
-    return counts
-
-
 @pytest.mark.parametrize("kind", ["draft model/attention", "draft model/recurrent", "mtp"])
 def test_bounded_sampled_bursts_unroll_their_drafters_loops(kind, monkeypatch):
     """Under ``rounds.BOUNDED_SAMPLING`` a sampled burst runs fixed without its while loops
@@ -417,6 +402,7 @@ def test_bounded_sampled_bursts_unroll_their_drafters_loops(kind, monkeypatch):
     (a round holding a loop would be a conditional XLA's default command buffers cannot
     record); every loop left has a constant trip count (the models' own, the burst's). The
     control: the greedy burst keeps its bounded draft loop as a loop."""
+    from tests.test_gpu_lowering import loop_trip_counts
     from turbospark_jax.drafters.base import MAX_DRAFT
 
     if kind == "mtp":
@@ -427,6 +413,7 @@ def test_bounded_sampled_bursts_unroll_their_drafters_loops(kind, monkeypatch):
     text, fixed = lowered_rounds(pair, prompt, params=SAMPLED, cuda=True)
     trips = loop_trip_counts(text)
     assert fixed and None not in trips and rounds.FIXED_ROUNDS in trips
-    assert MAX_DRAFT not in trips, trips
+    # (jax 0.11 lowers a cumulative sum as a loop of its own, over MAX_DRAFT rows here)
+    assert MAX_DRAFT not in loop_trip_counts(text, skip_scans=True), trips
     text, _ = lowered_rounds(pair, prompt, cuda=True)  # greedy: the control
     assert MAX_DRAFT in loop_trip_counts(text)

@@ -476,19 +476,66 @@ def test_rowinv_greedy_rounds_verify_with_no_branch(monkeypatch):
     assert _fixed_round_loops(text) == [str(FIXED_ROUNDS)]
 
 
+def loop_trip_counts(text: str, skip_scans: bool = False) -> list[int | None]:
+    """Every loop's trip count in a lowered program (every function): the constant its
+    counter is compared with, where that comparison is the whole condition, else ``None``.
+    A constant is an integer literal or the size of a static dimension (jax 0.11 lowers a
+    cumulative sum as a loop to ``get_dimension_size`` of its operand, in a function of its
+    own: ``skip_scans`` leaves those out)."""
+    counts: list[int | None] = []
+    for function in text.split("func.func ")[1:]:
+        if skip_scans and re.match(r"\w+ @chlo\.scan", function):
+            continue
+        constants = dict(re.findall(r"(%\w+) = stablehlo\.constant dense<(-?\d+)> : "
+                                    r"tensor<i(?:32|64)>", function))
+        for name, dim, shape in re.findall(r"(%\w+) = stablehlo\.get_dimension_size %\w+, "
+                                           r"dim = (\d+) : \(tensor<([^>]+)>\)", function):
+            constants[name] = shape.split("x")[int(dim)]
+        for name, source in re.findall(r"(%\w+) = stablehlo\.convert (%\w+) : "
+                                       r"\(tensor<i\d+>\) -> tensor<i\d+>", function):
+            if source in constants:
+                constants[name] = constants[source]
+        for block in re.findall(r"cond \{(.*?)\} do \{", function, re.S):
+            ops = [op for op in re.findall(r"= (stablehlo\.\w+)", block)
+                   if op != "stablehlo.constant"]
+            # a region may define its own constants under names the function uses elsewhere
+            known = {**constants, **dict(re.findall(
+                r"(%\w+) = stablehlo\.constant dense<(-?\d+)> : tensor<i(?:32|64)>", block))}
+            bound = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%\w+)", block)
+            fixed = ops == ["stablehlo.compare"] and bound and bound.group(1) in known
+            counts.append(int(known[bound.group(1)]) if fixed else None)
+    return counts
+
+
 def _constant_trip_loops(text: str) -> tuple[int, int]:
-    """(loops, loops whose condition compares the counter with a constant) in every
-    function of the program."""
-    loops = len(re.findall(r"stablehlo\.while\b", text))
-    fixed = 0
-    for block in re.findall(r"cond \{(.*?)\} do \{", text, re.S):
-        ops = re.findall(r"= (stablehlo\.\w+)(.*)", block)
-        # the counter against a constant (an integer constant, %c..., defined in or before
-        # the block) is the whole condition
-        if [op for op, _ in ops if op != "stablehlo.constant"] == ["stablehlo.compare"]:
-            compare = next(rest for op, rest in ops if op == "stablehlo.compare")
-            fixed += bool(re.match(r"\s+LT, %iterArg\w*, %c[_\d]*,", compare))
-    return loops, fixed
+    """(loops, loops of a constant trip count: :func:`loop_trip_counts`)."""
+    counts = loop_trip_counts(text)
+    assert len(counts) == len(re.findall(r"stablehlo\.while\b", text))
+    return len(counts), sum(c is not None for c in counts)
+
+
+def test_loop_trip_counts_reads_literals_and_static_sizes():
+    """The parser on the forms jax 0.10 and 0.11 lower loops to: a counter against an
+    integer literal, against a static dimension's size, and (control) against a value."""
+    literal = jax.jit(lambda x: jax.lax.fori_loop(0, 7, lambda i, a: a + i, x)).lower(
+        S((), jnp.int32)).as_text()
+    assert loop_trip_counts(literal) == [7]
+    data = jax.jit(lambda n, x: jax.lax.fori_loop(0, n, lambda i, a: a + i, x)).lower(
+        S((), jnp.int32), S((), jnp.int32)).as_text()
+    assert loop_trip_counts(data) == [None]
+    scan = """func.func private @f(%arg0: tensor<9x32xf32>) {
+    %c_0 = stablehlo.constant dense<0> : tensor<i64>
+    %0 = stablehlo.get_dimension_size %arg0, dim = 1 : (tensor<9x32xf32>) -> tensor<i32>
+    %1 = stablehlo.convert %0 : (tensor<i32>) -> tensor<i64>
+    %3:3 = stablehlo.while(%iterArg = %c_0) : tensor<i64>
+    cond {
+      %4 = stablehlo.compare LT, %iterArg, %1 : (tensor<i64>, tensor<i64>) -> tensor<i1>
+      stablehlo.return %4 : tensor<i1>
+    } do {
+"""
+    assert loop_trip_counts(scan) == [32]
+    assert loop_trip_counts(scan.replace("@f(", "@chlo.scan.impl(")) == [32]
+    assert loop_trip_counts(scan.replace("@f(", "@chlo.scan.impl("), skip_scans=True) == []
 
 
 def test_greedy_rounds_hold_no_loop_that_stops_on_data(monkeypatch):
