@@ -160,18 +160,12 @@
 #   bash benchmarks/rowinv_h200.sh 54 "$OUT"  # which construct recorded while loops get
 #                                             # wrong (sorts, top-k, draws, the sampled
 #                                             # rounds' shaping under conditionals)
-#   bash benchmarks/rowinv_h200.sh 55 "$OUT"  # the o product inside the short-context
-#                                             # attention (DenseModel.o_in_attention): its
-#                                             # GPU tests, the 1B and 0.6B exact part, decode
-#                                             # with it and without (1B, 0.6B)
-#   bash benchmarks/rowinv_h200.sh 56 "$OUT"  # the 8B with it and without, the 1B and 0.6B
-#                                             # traced with it at 128 context
 #   bash benchmarks/rowinv_h200.sh 5 "$OUT"   # 1B decode with the while loop in XLA's command
 #                                             # buffers (no host sync a step), and its profile
 #                                             # with the command buffers kept while tracing
 # Each writes its JSON and a log under $OUT; copy them into benchmarks/results.
 set -uo pipefail
-stage=${1:?stage 1 to 56}
+stage=${1:?stage 1 to 54}
 out=${2:?output folder}
 mkdir -p "$out"
 export PYTHONPATH=. TF_CPP_MIN_LOG_LEVEL=2
@@ -726,30 +720,6 @@ case "$stage" in
   # small programs of each construct they hold, with and without the recording
   timeout 200 python -m benchmarks.probe_loop_graphs --seeds 8 \
     --out "$out/probe_loop_graphs.json" 2>&1 | cut -c1-300
-  ;;
-55)
-  # session 50: each program of the short-context attention kernel also multiplies its KV
-  # group's rows by a column block of W_o (the o product on KV-group segments in every
-  # path), so a decode layer launches the o product no more
-  timeout 120 env JAX_PLATFORMS=cuda python -m pytest -q -o addopts="" -p no:cacheprovider \
-    tests/test_pallas_o_in_attention.py --tb=short -rf > "$out/gpu_tests_o.txt" 2>&1
-  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests_o.txt" | tail -8
-  timeout 130 python -m benchmarks.rowinv_model --parts exact --o-in-attention \
-    --exact-shapes llama-3.2-1b,qwen3-0.6b --out "$out/exact_o" --budget-s 120 2>&1 | tail -4
-  decode_speed 100 speed_o --o-in-attention
-  decode_speed 100 speed_no_o --no-o-in-attention
-  ;;
-56)
-  # stage 55's second half: the 8B with the o product inside the attention and without,
-  # then the 1B and 0.6B traced with it (what the attention kernel costs now)
-  for o in --o-in-attention --no-o-in-attention; do
-    timeout 140 python -m benchmarks.rowinv_model --parts speed --shapes llama-3.1-8b \
-      --modes rowinv --workloads completion $o --out "$out/speed8b$o" --budget-s 130 2>&1 \
-      | cut -c1-300 | grep speed | tail -4
-  done
-  timeout 200 env TURBOSPARK_LOOP_GRAPHS=0 python -m benchmarks.rowinv_model --parts profile \
-    --modes rowinv --shapes llama-3.2-1b,qwen3-0.6b --profile-contexts 128 --o-in-attention \
-    --out "$out/profile_o" --budget-s 190 2>&1 | cut -c1-300 | tail -3
   ;;
 *)
   echo "rowinv_h200.sh: no stage $stage (see the list at the top)" >&2

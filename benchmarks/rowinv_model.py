@@ -347,8 +347,7 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
     model = DenseModel(config, dtype, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=FUSE_ROPE_STORE, fold_in_split=FOLD_IN_SPLIT,
-                       **({} if O_IN_ATTENTION is None else {"o_in_attention": O_IN_ATTENTION}))
+                       fuse_rope_store=FUSE_ROPE_STORE, fold_in_split=FOLD_IN_SPLIT)
     params = unstack_layers(jax.jit(model.init_params)(jax.random.PRNGKey(seed)))
     return config, model, params
 
@@ -357,8 +356,6 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
 FUSE_ROPE_STORE = True
 #: ``--fold-in-split``: the models' ``fold_in_split``.
 FOLD_IN_SPLIT = True
-#: ``--o-in-attention``: the models' ``o_in_attention`` (None: the model's default).
-O_IN_ATTENTION: bool | None = None
 #: ``--short-decode-keys``: the producers' ``short_decode_keys`` (None: the default).
 SHORT_DECODE_KEYS: int | None = None
 
@@ -925,14 +922,6 @@ def main(argv: list[str] | None = None) -> int:
                          "each query tile's last split program (DenseModel.fold_in_split, "
                          "the default; the same bits); --no-fold-in-split runs the fold "
                          "kernel")
-    ap.add_argument("--o-in-attention", action=argparse.BooleanOptionalAction, default=None,
-                    help="the output projection on KV-group segments, run inside the "
-                         "short-context attention kernel (DenseModel.o_in_attention); "
-                         "--no-o-in-attention keeps the weight's own schedule and the o "
-                         "product's launch (other last bits); default: the model's")
-    ap.add_argument("--o-columns", type=int,
-                    help="output columns a program of the attention kernel's o product takes "
-                         "instead of pallas_rope_store.O_COLUMNS (speed only)")
     ap.add_argument("--fold-loads", type=int,
                     help="splits' partials the fold loads at once instead of "
                          "pallas_attention.FOLD_LOADS (speed only: the folds stay one after "
@@ -951,13 +940,8 @@ def main(argv: list[str] | None = None) -> int:
                          "kernel be scheduled early and waits before the rows")
     args = ap.parse_args(argv)
     pallas_pdl.MODE = args.pdl
-    global FOLD_IN_SPLIT, O_IN_ATTENTION
+    global FOLD_IN_SPLIT
     FOLD_IN_SPLIT = args.fold_in_split
-    O_IN_ATTENTION = args.o_in_attention
-    if args.o_columns is not None:
-        from turbospark_jax.models import pallas_rope_store
-
-        pallas_rope_store.O_COLUMNS = args.o_columns
     global FUSE_ROPE_STORE
     if args.fuse_rope is not None:
         FUSE_ROPE_STORE = args.fuse_rope
@@ -1012,8 +996,7 @@ def main(argv: list[str] | None = None) -> int:
             "keys_per_split": args.keys_per_split, "fold_loads": args.fold_loads,
             "gated_programs": args.gated_programs, "top_block": args.top_block,
             "short_decode_keys": args.short_decode_keys, "fuse_rope": args.fuse_rope,
-            "fold_in_split": args.fold_in_split, "o_in_attention": args.o_in_attention,
-            "o_columns": args.o_columns, "pdl": args.pdl}
+            "fold_in_split": args.fold_in_split, "pdl": args.pdl}
     bandwidth = copy_bandwidth(4 << 30 if jax.default_backend() == "gpu" else 64 << 20)
     meta["copy_bandwidth_GBps"] = round(bandwidth / 1e9, 1)
     run = Run(args.out, args.budget_s, meta)

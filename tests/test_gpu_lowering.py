@@ -104,17 +104,6 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8)[0],
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
         CACHE, CACHE),
-    "the o product inside the attention, two heads a K tile, partial sums": (
-        lambda qkv, c, s, at, k, v, n, w: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 8, n, n, max_keys=512, o_weight=w)[0],
-        S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
-        S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16), S((8 * 64, 256), BF16)),
-    "the o product inside the attention, a head a K tile, one row": (
-        lambda qkv, c, s, at, k, v, w: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 4, max_keys=512, o_weight=w)[0],
-        S((1, 8 * 128), BF16), S((1, 128), BF16), S((1, 128), BF16),
-        S((1,), jnp.int32), S((2048, 2, 128), BF16), S((2048, 2, 128), BF16),
-        S((4 * 128, 128), BF16)),
     "rope and cache write inside the split attention kernel, folding in its last split": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
             qkv, c, s, at, k, v, at, 8, fold_in_split=True)[0],

@@ -143,54 +143,6 @@ def test_gpu_form_with_the_fused_rope_store_keeps_every_bit(
     assert fused  # the fused kernels were traced
 
 
-#: Heads of 128 in groups of two: the o product's KV-group segments are two whole K tiles,
-#: so ``o_in_attention`` runs it inside the short-context attention kernel.
-GROUPED = DenseConfig(model_type="qwen3", vocab_size=256, hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=128, tie_word_embeddings=True)
-
-
-def test_gpu_form_with_the_o_product_in_the_attention_keeps_every_bit(
-        gpu_graph_in_the_interpreter, monkeypatch):
-    """``o_in_attention``: the o product on KV-group segments everywhere, run
-    inside the attention kernel by blocks of up to 16 rows that fold on chip. A producer of
-    width 1 (every block through the kernel), one with 256-row prefill blocks (the RoPE-store,
-    the attention and the matrix kernel on the same schedule) and one of width 4 with
-    16-row blocks give bitwise the same prefill and decode logits, the in-kernel product
-    ran, and they are the XLA model's logits to float32 rounding."""
-    from turbospark_jax import block_program
-
-    for program in (block_program.compiled_program, block_program.compiled_parallel):
-        program.cache_clear()
-    jax.clear_caches()
-    original, inside = pallas_rope_store._o_partial, []
-    monkeypatch.setattr(pallas_rope_store, "_o_partial",
-                        lambda *a, **k: inside.append(1) or original(*a, **k))
-    model = DenseModel(GROUPED, jnp.float32, scan_layers=False, kernels="rowinv",
-                       o_in_attention=True)
-    assert model.o_schedule == rowinv.Schedule(segment_tiles=2)
-    params = unstack_layers(model.init_params(jax.random.PRNGKey(1)))
-
-    def logits(model, width, prefill_width):  # a cache of one key split: the folding form
-        producer = BlockProducer(model, params, capacity=256, width=width,
-                                 prefill_width=prefill_width, steps_per_call=2)
-        last, state = producer.prefill_chunk(producer.init_state(), PROMPT[:200], 0)
-        step, _ = producer.produce(state, 7, 200)
-        return np.asarray(last), np.asarray(step)
-
-    runs = {w: logits(model, *w) for w in ((1, None), (1, 256), (4, 16))}
-    assert inside  # the decode steps ran the product inside the attention
-    for got in runs.values():
-        for g, b in zip(got, runs[(1, None)], strict=True):
-            assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
-    xla = DenseModel(GROUPED, jnp.float32, scan_layers=False)
-    for g, want in zip(runs[(1, None)], logits(xla, 1, None), strict=True):
-        np.testing.assert_allclose(g, want, rtol=0, atol=1e-5)
-    for program in (block_program.compiled_program, block_program.compiled_parallel):
-        program.cache_clear()
-    jax.clear_caches()  # no later test may meet a program traced with the patched kernel
-
-
 def test_control_one_changed_weight_is_past_the_tolerance(gpu_graph_in_the_interpreter,
                                                           reference):
     model, params = _model("rowinv")

@@ -60,18 +60,12 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.models import pallas_rope_store, row_kernels
+from turbospark_jax.models import row_kernels
 from turbospark_jax.models.base import BlockModel, check_tap_layers
-from turbospark_jax.models.dense_attention import (
-    Attention,
-    OutputParts,
-    cached_attention,
-    sequence_attention,
-)
+from turbospark_jax.models.dense_attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense_config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
 from turbospark_jax.models.layers import random_leaves, rope_inv_freq, swiglu_mlp
-from turbospark_jax.models.rowinv import Schedule
 from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
@@ -296,17 +290,6 @@ class DenseModel(BlockModel):
         :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`): one launch a
         layer fewer. The same bits either way; speed only, and no effect with
         ``fuse_rope_store=False`` (the fold kernel then always runs).
-      o_in_attention: with ``kernels="rowinv"``, the output projection runs on a schedule
-        whose K segments are the KV groups' rows
-        (:func:`~turbospark_jax.models.pallas_rope_store.o_group_schedule`; heads whose
-        group is two or more whole K tiles), in every path; then where the fused kernel of
-        ``fuse_rope_store`` folds on chip (a decode or verify at a short context) each of
-        its programs also takes a block of the projection's columns and ends with its
-        group's partial sums: the o product's launch saved. This changes the o product's
-        order of additions (its segments), so a model with it and one without may differ in
-        the last bits; each is exact within itself. Off by default until timed on a GPU
-        (``benchmarks/rowinv_h200.sh 55``): the weight's own schedule and the product's own
-        launch.
     """
 
     parallel_prefill = True
@@ -334,7 +317,6 @@ class DenseModel(BlockModel):
     kernels: str = "xla"
     fuse_rope_store: bool = True
     fold_in_split: bool = True
-    o_in_attention: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -351,16 +333,6 @@ class DenseModel(BlockModel):
                 "kernels='rowinv' runs its own row-invariant attention; attention='interpret' "
                 "(the fused kernel, whose query tile follows the row count) cannot go with it"
             )
-
-    @property
-    def o_schedule(self) -> Schedule | None:
-        """The output projection's schedule (see ``o_in_attention``); None: the weight's
-        own."""
-        if self.kernels != "rowinv" or not self.o_in_attention:
-            return None
-        c = self.config
-        return pallas_rope_store.o_group_schedule(c.num_attention_heads,
-                                                  c.num_key_value_heads, c.head_dim)
 
     @property
     def vocab_size(self) -> int:
@@ -435,13 +407,9 @@ class DenseModel(BlockModel):
                     h, normed = row_kernels.add_norm(kernels, h, pending,
                                                      lp["input_layernorm"], eps)
                 attn, kv = attention(normed, lp, kv, index, window)
-                if isinstance(attn, OutputParts):  # the attention kernel applied o_proj
-                    o = attn.parts
-                else:
-                    w_o = lp["o_proj"]
-                    o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
-                                                 w_o.reshape(-1, w_o.shape[-1]), label="o",
-                                                 schedule=self.o_schedule)
+                w_o = lp["o_proj"]
+                o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
+                                             w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
                 h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
                                                  eps)
@@ -466,14 +434,10 @@ class DenseModel(BlockModel):
 
     def _output_projection(self, attn: jax.Array, lp: Params) -> jax.Array:
         """attn [W, H, hd] -> [W, D]: ``o_proj`` [H, hd, D] contracted as one [H * hd, D]
-        matrix, plus its bias. (Partial sums the attention kernel made, finished.)"""
-        if isinstance(attn, OutputParts):
-            o = row_kernels.sum_parts(attn.parts, self.dtype)
-        else:
-            w_o = lp["o_proj"]
-            o = row_kernels.matmul(self.kernels, attn.reshape(attn.shape[0], -1),
-                                   w_o.reshape(-1, w_o.shape[-1]), label="o",
-                                   schedule=self.o_schedule)
+        matrix, plus its bias."""
+        w_o = lp["o_proj"]
+        o = row_kernels.matmul(self.kernels, attn.reshape(attn.shape[0], -1),
+                               w_o.reshape(-1, w_o.shape[-1]), label="o")
         if self.config.o_bias:
             o = o + lp["o_bias"]
         return o

@@ -12,7 +12,7 @@ within it. :func:`sequence_attention` is the cache-free form ``forward`` uses.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +27,8 @@ if TYPE_CHECKING:
 Params = dict[str, Any]
 
 #: A layer's attention: ``(normed rows [W, D], layer params, cache carry, layer index,
-#: window) -> (attention output [W, H, hd], cache carry)``; or, where the attention kernel
-#: ran the output projection itself, ``(OutputParts, cache carry)``.
-Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[Any, Any]]
-
-
-class OutputParts(NamedTuple):
-    """An attention's result with the output projection already applied (the fused kernel
-    with ``DenseModel.o_in_attention``): float32 partial sums ``[S, W, D]`` on the model's
-    o schedule, for the layer to finish or hand on."""
-
-    parts: jax.Array
+#: window) -> (attention output [W, H, hd], cache carry)``.
+Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
 
 # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The targets
 # are then all different, which the scatters promise to XLA (unique_indices): without the
@@ -201,7 +192,6 @@ def cached_attention(
     fused = _fused_attention(model, per_layer, capacity)
     rope_store = _uses_rope_store(model, fused)
     row_invariant = model.kernels == "rowinv"
-    o_schedule = model.o_schedule
 
     def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
@@ -209,16 +199,12 @@ def cached_attention(
         rows = (_merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
                 v_all[index])
         if row_invariant and model.fuse_rope_store:
-            # the RoPE-store's work inside the attention's first kernel (a decode, a verify),
-            # and the output projection too where the model's schedule allows it
-            w_o = None if o_schedule is None else lp["o_proj"].reshape(-1, h.shape[-1])
+            # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
                 *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
                 window=window, interpret=rope_store == "interpret", max_keys=max_keys,
-                fold_in_split=model.fold_in_split, o_weight=w_o,
+                fold_in_split=model.fold_in_split,
             )
-            if w_o is not None:
-                attn = OutputParts(attn)
         else:
             qr, k_layer, v_layer = pallas_rope_store.rope_store(
                 *rows, c.num_attention_heads, *norms, eps=c.rms_norm_eps,

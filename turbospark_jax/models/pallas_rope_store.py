@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.layers import apply_rope, rms_norm
 from turbospark_jax.models.pallas_attention import (
     arrange_queries,
@@ -54,65 +53,10 @@ from turbospark_jax.models.pallas_attention import (
     tiles_for,
 )
 from turbospark_jax.models.pallas_row_norm import parts_total
-from turbospark_jax.models.rowinv import (
-    ROW_TILE,
-    Schedule,
-    rowinv_matmul,
-    tile_dot_for,
-)
 
 #: Blocks of at most this many rows (a decode step, a verify) may run this module's work
 #: inside the attention kernel (:func:`rope_store_attention`); wider ones launch both.
 FUSED_ROWS = 16
-#: The output projection inside the short-context kernel (:func:`rope_store_attention` with
-#: ``o_weight``): output columns per program. Each program attends for its KV head again
-#: (a few key tiles from L2 at a short context) and multiplies that head group's rows by a
-#: ``[G * hd, O_COLUMNS]`` block of ``W_o``, loaded before the attention starts.
-O_COLUMNS = 64
-
-
-def o_group_schedule(heads: int, kv_heads: int, head_dim: int) -> Schedule | None:
-    """The output projection's schedule whose K segments are the KV groups' rows (``G * hd``
-    of ``H * hd``), so that one KV head's program of the attention kernel can finish its own
-    segment's partial sums; None where a group is not two or more whole K tiles (a schedule
-    never has one-tile segments: :class:`~turbospark_jax.models.rowinv.Schedule`). A model
-    that asks for it (``DenseModel.o_in_attention``) runs its o product on this schedule in
-    every path, prefill included, so the rows agree however they were computed."""
-    group = heads // kv_heads * head_dim
-    k_tile = Schedule.k_tile
-    if heads % kv_heads or group % k_tile or group // k_tile < 2:
-        return None
-    return Schedule(segment_tiles=group // k_tile)
-
-
-def _o_partial(out: jax.Array, w_tiles: list[jax.Array], parts_ref: Any, *, groups: int,
-               width: int, tile_dot: Any) -> None:
-    """The output projection's partial sums over one KV group's K segment, from the
-    attention's rows ``out [16 * G, hd]`` of this group (row ``w * G + g``: block row ``w``,
-    query head ``g``), and stored (block rows ``< width``) in ``parts_ref [16, bn]``.
-
-    The matvec kernel's steps: each K tile of the segment in order, the x tile ``[16, k_tile]``
-    (block rows, zeros past ``width``) times the weight tile in float32, added onto the
-    running sum from zero. A block row's x is its heads side by side, the attention's rows
-    in row-major order, so a reshape gives it; tile ``j`` is picked out of its row with
-    additions of ``-0.0`` (exact: every other term is ``-0.0``)."""
-    rows = out.shape[0] // groups
-    n, k_tile = len(w_tiles), w_tiles[0].shape[0]
-    x = out.astype(jnp.float32).reshape(rows, n, k_tile)
-    which = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    live = jax.lax.broadcasted_iota(jnp.int32, (rows, k_tile), 0) < width
-    acc = jnp.zeros((rows, w_tiles[0].shape[1]), jnp.float32)
-    for j, w in enumerate(w_tiles):
-        xj = jnp.sum(jnp.where(which == j, x, -0.0), axis=1)
-        xj = jnp.where(live, xj, 0.0).astype(out.dtype)
-        acc = acc + tile_dot(xj, w, False)
-    if width == rows:
-        parts_ref[...] = acc
-    else:
-        from jax.experimental.pallas import triton as plgpu
-
-        row = jax.lax.broadcasted_iota(jnp.int32, acc.shape, 0)
-        plgpu.store(parts_ref, acc, mask=row < width)
 
 
 def _power_of_two(n: int) -> bool:
@@ -306,8 +250,7 @@ def rope_store(
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
-                           split: bool, barrier: bool, fold_last: int = 0,
-                           o_tiles: int = 0, tile_dot: Any = None) -> None:
+                           split: bool, barrier: bool, fold_last: int = 0) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
@@ -318,18 +261,12 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     last split program folds them itself:
     :func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`). The programs of one
     KV head write the same values to the same places (each needs every new key of the
-    block). With ``o_tiles`` (the folding form only) the grid's third axis is the output
-    projection's column blocks: each program also loads its ``W_o`` block first and ends
-    with its group's partial sums of the projection (:func:`_o_partial`)."""
+    block)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
     # the caches' inputs (the two after pos) and the fold's counters (after them): read and
     # written through their outputs
     bound_ref, pos_ref, *outs = refs[2:] if qk_norm else refs
-    if o_tiles:  # W_o's [G * hd, bn] block, loaded before anything waits on the rows
-        wo_ref, *outs = outs
-        k_tile = wo_ref.shape[0] // o_tiles
-        w_tiles = [wo_ref[pl.ds(j * k_tile, k_tile), :] for j in range(o_tiles)]
     outs = outs[3:] if fold_last else outs[2:]
     *results, q_out, k_out, v_out = outs
     h, t = pl.program_id(0), pl.program_id(1)
@@ -367,22 +304,17 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     else:
         (o_ref,) = results
         acc, l = fold_splits(q, pos, bound_ref[()], k_out, v_out, **kw)
-        if o_tiles:
-            _o_partial((acc / l[:, None]).astype(q_out.dtype), w_tiles, o_ref, groups=groups,
-                       width=width, tile_dot=tile_dot)
-        else:
-            store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
+        store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
-                                             "fuse", "fold_in_split", "o_columns"))
+                                             "fuse", "fold_in_split"))
 def rope_store_attention(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-    fuse: bool = True, fold_in_split: bool = False, o_weight: jax.Array | None = None,
-    o_columns: int | None = None,
+    fuse: bool = True, fold_in_split: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.models.pallas_attention.cached_attention_arranged` with
@@ -404,50 +336,16 @@ def rope_store_attention(
         counter a tile; the fold kernel's own code, so the same bits): one launch a layer
         fewer at a long context. Speed only (``DenseModel.fold_in_split``, on by default,
         asks for it).
-      o_weight: the output projection ``[H * hd, N]``: return its product with the
-        attention's rows instead of the rows, unfinished (float32 partial sums ``[KV, W,
-        N]``, one K segment a KV group: :func:`o_group_schedule`, whose heads/groups must
-        allow it). Where the kernel folds on chip with a block of up to 16 rows, the
-        product runs inside it (:func:`_o_partial`), one launch a layer fewer; elsewhere the
-        row-invariant matvec kernel takes the rows on the same schedule. The same bits
-        either way.
-      o_columns: the in-kernel product's output columns per program (speed only; None:
-        :data:`O_COLUMNS`).
 
     Returns:
-      ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows (with ``o_weight``, the
-      output projection's partial sums ``[KV, W, N]``) and the caches with the live rows
-      written.
-
-    Raises:
-      BadInputError: ``o_weight`` of the wrong shape, or for heads whose groups are not a
-        schedule (:func:`o_group_schedule`).
+      ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
+      live rows written.
     """
     width = q_positions.shape[0]
     capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
     rows = width * groups
     tiles = tiles_for(rows, head_dim)
-    o_schedule = None
-    o_columns = O_COLUMNS if o_columns is None else o_columns
-    if o_weight is not None:
-        o_schedule = o_group_schedule(heads, kv_heads, head_dim)
-        if o_schedule is None or o_weight.ndim != 2 or o_weight.shape[0] != heads * head_dim:
-            raise BadInputError(
-                f"o_weight must be [{heads * head_dim}, N] for {heads} heads of {head_dim} in "
-                f"{kv_heads} groups of whole K tiles; got {tuple(o_weight.shape)}")
-    folding = fuse and width <= FUSED_ROWS and folds_on_chip(rows, capacity, tiles, max_keys)
-    o_inside = (o_schedule is not None and folding and ROW_TILE * groups <= tiles.max_row_tile
-                and o_weight.shape[1] % o_columns == 0)
-    if o_schedule is not None and not o_inside:  # the rows, then the matvec on the schedule
-        out, k_cache, v_cache = rope_store_attention(
-            qkv, cos, sin, write_at, k_cache, v_cache, q_positions, heads, q_norm, k_norm,
-            eps=eps, window=window, interpret=interpret, max_keys=max_keys, fuse=fuse,
-            fold_in_split=fold_in_split)
-        parts = rowinv_matmul(out.reshape(width, -1), o_weight, parts=True,
-                              schedule=o_schedule, impl="interpret" if interpret else "auto",
-                              label="o")
-        return parts, k_cache, v_cache
     if not (fuse and width <= FUSED_ROWS):
         qr, k_cache, v_cache = rope_store(qkv, cos, sin, write_at, k_cache, v_cache, heads,
                                           q_norm, k_norm, eps=eps, interpret=interpret)
@@ -455,10 +353,9 @@ def rope_store_attention(
                                         window=window, interpret=interpret,
                                         row_invariant=True, max_keys=max_keys)
         return out, k_cache, v_cache
+    folding = folds_on_chip(rows, capacity, tiles, max_keys)
     dtype = k_cache.dtype
     tile, count, splits, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
-    if o_inside:  # one query tile of 16 block rows: the product's x tile is its rows
-        tile, count = ROW_TILE * groups, 1
     padded = tile * count
     parts, projection = _heads_view(qkv, heads, kv_heads, head_dim, dtype)
     pos = jnp.repeat(q_positions.astype(jnp.int32), groups)
@@ -479,14 +376,7 @@ def rope_store_attention(
     scratch_shapes = [jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
                       jax.ShapeDtypeStruct(k_cache.shape, dtype),
                       jax.ShapeDtypeStruct(v_cache.shape, dtype)]
-    if o_inside:
-        n = o_weight.shape[1]
-        grid = (kv_heads, count, n // o_columns)
-        operands.append(o_weight.astype(dtype))
-        specs.append(pl.BlockSpec((groups * head_dim, o_columns), lambda h, t, c: (h, c)))
-        result_specs = [pl.BlockSpec((None, ROW_TILE, o_columns), lambda h, t, c: (h, t, c))]
-        result_shapes = [jax.ShapeDtypeStruct((kv_heads, width, n), jnp.float32)]
-    elif folding:
+    if folding:
         grid = (kv_heads, count)
         result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))]
         result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)]
@@ -517,8 +407,7 @@ def rope_store_attention(
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
         rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
-        fold_last=fold_last, o_tiles=o_schedule.segment_tiles if o_inside else 0,
-        tile_dot=tile_dot_for(interpret))
+        fold_last=fold_last)
     aliases = {len(operands): len(result_shapes) + 1, len(operands) + 1: len(result_shapes) + 2}
     counters = []
     if fold_last:
@@ -532,13 +421,10 @@ def rope_store_attention(
         out_shape=[*result_shapes, *scratch_shapes],
         input_output_aliases=aliases,
         interpret=interpret,
-        name=("rope_store_attention_o" if o_inside else "rope_store_attention" if folding
-              else "rope_store_attention_split_folding"
+        name=("rope_store_attention" if folding else "rope_store_attention_split_folding"
               if fold_last else "rope_store_attention_split"),
         **compiler_kwargs(tiles, interpret),
     )(*operands, k_cache, v_cache, *counters)
-    if o_inside:
-        return results[0], k_cache, v_cache
     if folding:
         (out,) = results
     elif fold_last:

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import layers
 from turbospark_jax.models.rowinv import (
-    Schedule,
     row_tiled,
     rowinv_matmul,
     rowinv_swiglu,
@@ -57,17 +56,15 @@ def _on_gpu() -> bool:
 
 
 def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
-           out_dtype: Any = None, w_layout: str = "kn", label: str = "",
-           schedule: Schedule | None = None) -> jax.Array:
+           out_dtype: Any = None, w_layout: str = "kn", label: str = "") -> jax.Array:
     """``x [W, K] @ w [K, N]`` in ``out_dtype`` (``x.dtype`` when None), float32 accumulation.
 
     ``w`` may be a tuple of weights whose products come out side by side (one launch under
     ``"rowinv"``), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied head);
-    ``label`` names the row-invariant kernel in a profile; ``schedule`` replaces the
-    weight's own (:func:`~turbospark_jax.models.rowinv.schedule_for`) under ``"rowinv"``."""
+    ``label`` names the row-invariant kernel in a profile."""
     if kernels == "rowinv":
         return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype,
-                             schedule=schedule or _schedule(x, w, w_layout), label=label)
+                             schedule=_schedule(x, w, w_layout), label=label)
     ws = w if isinstance(w, tuple) else (w,)
     if w_layout == "nk":
         ws = tuple(a.T for a in ws)
@@ -87,15 +84,13 @@ def swiglu(kernels: str, x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Ar
 
 
 def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
-                 label: str = "", schedule: Schedule | None = None) -> jax.Array:
+                 label: str = "") -> jax.Array:
     """``x @ w`` under ``"rowinv"``, unfinished: float32 partial sums over K ``[S, W, N]``
     (:func:`~turbospark_jax.models.rowinv.sum_parts` finishes them; so do
-    :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own);
-    ``schedule`` as for :func:`matmul`."""
+    :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
     if kernels != "rowinv":
         raise BadInputError(f"partial sums come from the row-invariant kernels; got {kernels!r}")
-    return rowinv_matmul(x, w, parts=True, schedule=schedule or _schedule(x, w, "kn"),
-                         label=label)
+    return rowinv_matmul(x, w, parts=True, schedule=_schedule(x, w, "kn"), label=label)
 
 
 def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
