@@ -16,6 +16,7 @@ from turbospark_jax import rounds, sampling
 from turbospark_jax.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter, SpeculativePair
 from turbospark_jax.drafters import pair as pair_module
 from turbospark_jax.state import tree_bitwise_equal
+from turbospark_jax.testing.cuda_export import cuda_text
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 V = 32
@@ -307,8 +308,6 @@ def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2, cuda=False):
     """The StableHLO text of the burst ``pair.device_rounds`` runs after a prefill of
     ``prompt`` (its default form for ``params``), lowered for this backend or (``cuda``)
     exported for a GPU, and whether that form is the fixed one."""
-    from jax import export
-
     captured = {}
     if cuda:
         rounds._compiled_rounds.cache_clear()  # traced afresh, as on a GPU
@@ -323,13 +322,10 @@ def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2, cuda=False):
         def run(*call):
             if cuda:  # traced as on a GPU: its kernels, and its random draws (the CPU
                 # lowers their hash as a loop)
-                checks = [export.DisabledSafetyCheck.custom_call(name) for name in
-                          ("cu_threefry2x32", "cu_threefry2x32_ffi", "__gpu$xla.gpu.triton")]
                 backend = jax.default_backend
                 jax.default_backend = lambda: "gpu"
                 try:
-                    captured["text"] = export.export(
-                        program, platforms=["cuda"], disabled_checks=checks)(*call).mlir_module()
+                    captured["text"] = cuda_text(program, *call)
                 finally:
                     jax.default_backend = backend
             else:

@@ -12,18 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models import pallas_pdl, pallas_row_norm, rowinv
 from turbospark_jax.models.rowinv import Schedule, Tiles
+from turbospark_jax.testing.cuda_export import cuda_text
 
 BF16 = jnp.bfloat16
 S = jax.ShapeDtypeStruct
 ON_GPU = jax.default_backend() == "gpu"
-CHECKS = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-
-
 def _matvec(x, ws, nk=False):
     return rowinv._rowinv_matmul(x, ws, nk, jnp.dtype(jnp.float32), "pallas", "auto",
                                  Schedule(), Tiles())
@@ -54,8 +51,7 @@ def test_each_mode_lowers_with_its_instructions(name, mode, monkeypatch):
     fn, *args = KERNELS[name]
     monkeypatch.setattr(pallas_pdl, "MODE", mode)
     jax.clear_caches()  # a kernel is traced for the mode it meets
-    text = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=CHECKS)(
-        *args).mlir_module()
+    text = cuda_text(fn, *args)
     jax.clear_caches()
     assert "xla.gpu.triton" in text
     # (the Triton IR travels serialised: look for the instruction's name in its bytes)

@@ -11,14 +11,11 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
 from benchmarks.probe_last_program import chain, main
+from turbospark_jax.testing.cuda_export import cuda_text
 
 S = jax.ShapeDtypeStruct
-CHECKS = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-
-
 def test_the_interpreted_probe_keeps_the_bits_and_resets_its_counter(tmp_path):
     out = tmp_path / "probe.json"
     assert main(["--interpret", "--seeds", "2", "--out", str(out)]) == 0
@@ -37,7 +34,6 @@ def test_each_form_lowers_for_cuda(form, tree):
         return chain(x, w, r, wn, c, form=form, tree=tree, steps=2, interpret=False)
 
     bf16 = jnp.bfloat16
-    exported = export.export(jax.jit(run), platforms=["cuda"], disabled_checks=CHECKS)(
-        S((16, 512), bf16), S((512, 256), bf16), S((256,), bf16), S((256,), bf16),
-        S((1,), jnp.int32))
-    assert "__gpu$xla.gpu.triton" in exported.mlir_module()
+    text = cuda_text(run, S((16, 512), bf16), S((512, 256), bf16), S((256,), bf16),
+                     S((256,), bf16), S((1,), jnp.int32))
+    assert "__gpu$xla.gpu.triton" in text

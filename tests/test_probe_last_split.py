@@ -12,14 +12,11 @@ import json
 import jax
 import jax.numpy as jnp
 import pytest
-from jax import export
 
 from benchmarks.probe_last_split import chain, main
+from turbospark_jax.testing.cuda_export import cuda_text
 
 S = jax.ShapeDtypeStruct
-CHECKS = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-
-
 def test_the_interpreted_probe_keeps_the_bits(tmp_path):
     out = tmp_path / "probe.json"
     assert main(["--interpret", "--seeds", "1", "--out", str(out)]) == 0
@@ -35,12 +32,11 @@ def test_each_form_lowers_for_cuda(form):
         return chain(qkv, cos, sin, positions, k, v, heads=heads, form=form, interpret=False)
 
     bf16 = jnp.bfloat16
-    exported = export.export(jax.jit(run), platforms=["cuda"], disabled_checks=CHECKS)(
-        S((steps, 1, (heads + 2 * kv_heads) * head_dim), bf16),
+    text = cuda_text(
+        run, S((steps, 1, (heads + 2 * kv_heads) * head_dim), bf16),
         S((steps, 1, head_dim), bf16), S((steps, 1, head_dim), bf16),
         S((steps, 1), jnp.int32), S((capacity, kv_heads, head_dim), bf16),
         S((capacity, kv_heads, head_dim), bf16))
-    text = exported.mlir_module()
     assert "__gpu$xla.gpu.triton" in text
     folding = "rope_store_attention_split_folding" in text
     assert folding == (form == "last split")
