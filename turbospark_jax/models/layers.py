@@ -207,7 +207,15 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [W, N, hd]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    out = x * cos[:, None, :] + rotated * sin[:, None, :]
+    if jax.default_backend() == "cpu":
+        # Rounded as written, in a kernel of its own. Fused into its consumer (the attention's
+        # score product), jax 0.11's CPU compiler gave a row other bits at other slots of
+        # one block (the products and the sum contracted differently lane by lane), which
+        # broke chunked == sequential on an 8-way tensor-parallel mesh; materialised, every
+        # row is the same arithmetic (NOTES.md, twentieth session).
+        out = jax.lax.optimization_barrier(out)
+    return out
 
 
 def rms_norm(

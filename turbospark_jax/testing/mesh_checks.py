@@ -118,6 +118,8 @@ def against_one_device(model: Any, params: Any, sharded: dict[str, Any]) -> dict
     return {
         "max_abs_logit_diff": float(np.max(np.abs(got - want))),
         "max_logit": float(np.max(np.abs(want))),
+        # the prompt's last row, before either run has picked a token
+        "first_step_gap": float(np.max(np.abs(got[0] - want[0]))),
         "bitwise": bool(np.array_equal(got.view(np.uint32), want.view(np.uint32))),
         "same_tokens": list(plain.token_ids) == sharded["tokens"],
     }
