@@ -32,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.completion import Completion, CompletionRequest, FinishReason
+from turbospark_jax.detokenize import provides
 from turbospark_jax.errors import BadInputError, SessionError, UnsupportedCapabilityError
 from turbospark_jax.images import PreparedImage
 from turbospark_jax.images import as_list as as_image_list
@@ -144,7 +145,7 @@ class ChatSession:
         vision: VisionEncoder | None = None,
         **defaults: Any,
     ) -> None:
-        if not isinstance(tokenizer, ChatTokenizer):
+        if not provides(tokenizer, _TOKENIZER_NEEDS):
             raise BadInputError(
                 f"tokenizer must provide {', '.join(_TOKENIZER_NEEDS)} "
                 f"(turbospark_jax.tokenizer.Tokenizer does), got {type(tokenizer).__name__}"

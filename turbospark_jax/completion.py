@@ -21,7 +21,7 @@ import numpy as np
 
 from turbospark_jax import sampling
 from turbospark_jax.checks import as_bool, as_token_ids, is_int
-from turbospark_jax.detokenize import IncrementalDetokenizer, TokenizerLike
+from turbospark_jax.detokenize import TOKENIZER_CALLS, IncrementalDetokenizer, provides
 from turbospark_jax.errors import (
     BadInputError,
     ContextOverflowError,
@@ -273,7 +273,7 @@ def validate_request(
     as_token_ids("stop_token_ids", request.stop_token_ids, vocab, allow_empty=True)
     for flag in ("include_stop_string", "record_logits", "parallel_prefill"):
         as_bool(flag, getattr(request, flag))
-    if tokenizer is not None and not isinstance(tokenizer, TokenizerLike):
+    if tokenizer is not None and not provides(tokenizer, TOKENIZER_CALLS):
         raise BadInputError(
             f"tokenizer must have decode(ids, skip_special_tokens=...) and id_to_token(id) "
             f"(turbospark_jax.tokenizer.Tokenizer has both), got {type(tokenizer).__name__}"

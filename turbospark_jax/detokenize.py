@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 
 from turbospark_jax.errors import BadInputError
 
-__all__ = ["IncrementalDetokenizer", "TokenizerLike"]
+__all__ = ["TOKENIZER_CALLS", "IncrementalDetokenizer", "TokenizerLike", "provides"]
 
 #: What decoders write for bytes that are not (yet) valid UTF-8.
 REPLACEMENT = "\ufffd"
@@ -56,6 +56,18 @@ class TokenizerLike(Protocol):
     def id_to_token(self, id: int, /) -> str | None:
         """The token string of ``id``, or ``None`` when the id is not in the vocabulary."""
         ...
+
+
+def provides(obj: object, names: tuple[str, ...]) -> bool:
+    """Whether ``obj`` has every attribute in ``names``, looked up as a call would look it up,
+    so a wrapper that forwards through ``__getattr__`` counts. (From Python 3.12 on,
+    ``isinstance`` against a runtime-checkable protocol looks its members up statically and
+    refuses such a wrapper, which 3.11 accepts.)"""
+    return all(hasattr(obj, name) for name in names)
+
+
+#: What :class:`TokenizerLike` asks of an object.
+TOKENIZER_CALLS = ("decode", "id_to_token")
 
 
 class IncrementalDetokenizer:
