@@ -248,6 +248,31 @@ def test_a_closed_stream_leaves_the_history_and_frees_the_slot():
     assert chat.send("more").usage.reused_tokens == 0
 
 
+class _Forwarding:
+    """A tokenizer wrapper whose members come through ``__getattr__`` (Python 3.12's
+    ``isinstance`` against a runtime-checkable protocol would not see them)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_forwarding_tokenizer_is_taken_and_one_lacking_a_member_refused():
+    chat = ChatSession(ATT, _Forwarding(CHAR), max_tokens=3, seed=1)
+    assert chat.send("hi").text == ChatSession(ATT, CHAR, max_tokens=3, seed=1).send("hi").text
+
+    class Lacking(_Forwarding):  # control: no apply_chat_template
+        def __getattr__(self, name):
+            if name == "apply_chat_template":
+                raise AttributeError(name)
+            return super().__getattr__(name)
+
+    with pytest.raises(BadInputError, match="tokenizer must provide"):
+        ChatSession(ATT, Lacking(CHAR))
+
+
 def test_bad_settings_and_misuse_are_refused():
     with pytest.raises(BadInputError, match="unknown request setting"):
         ChatSession(ATT, CHAR, max_token=5)

@@ -35,9 +35,6 @@ from turbospark_jax.testing.cuda_export import cuda_text
 
 BF16 = jnp.bfloat16
 S = jax.ShapeDtypeStruct
-#: Our Triton calls carry no serialisation guarantee; lowering is all these tests need.
-def _lowered(fn, *args) -> str:
-    return cuda_text(fn, *args)
 
 
 def _matmul(x, ws, nk=False, out=BF16, kernel="auto", tiles=None):
@@ -111,7 +108,7 @@ KERNELS = {
 @pytest.mark.parametrize("name", KERNELS)
 def test_kernel_lowers_for_cuda(name):
     fn, *args = KERNELS[name]
-    assert "xla.gpu.triton" in _lowered(fn, *args)
+    assert "xla.gpu.triton" in cuda_text(fn, *args)
 
 
 MOSAIC = {
@@ -143,7 +140,7 @@ def test_mosaic_kernel_lowers_for_cuda(name):
     included, while lowering); the two-launch gated form leaves its gating to a Triton
     kernel, the default gates in the Mosaic kernel's epilogue."""
     fn, *args = MOSAIC[name]
-    text = _lowered(fn, *args)
+    text = cuda_text(fn, *args)
     assert "mosaic_gpu" in text and "rowinv_mosaic" in text
     assert ("rowinv_gate_gate_up" in text) == name.endswith("two launches")
     assert "stablehlo.dot_general" not in text
@@ -168,7 +165,7 @@ def test_control_jnp_remainder_in_a_kernel_loop_fails_to_lower():
                               compiler_params=plgpu.CompilerParams(num_warps=4))(x)
 
     with pytest.raises(Exception, match="i1"):
-        _lowered(call, S((16, 16), jnp.float32))
+        cuda_text(call, S((16, 16), jnp.float32))
 
 
 # -- what a block program is made of --------------------------------------------------------
@@ -196,7 +193,7 @@ def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
-    return _lowered(lambda p, c, t, pos, live, head: model.block_forward(
+    return cuda_text(lambda p, c, t, pos, live, head: model.block_forward(
         p, c, t, pos, live, head, last_row_head=last_row_head, **hints),
         params, cache, rows, rows, S((), jnp.int32), S((), jnp.bool_))
 
@@ -303,7 +300,7 @@ def test_rowinv_program_pads_no_activation_for_a_kernel(width, monkeypatch):
 
 
 def test_control_a_row_padded_into_the_matmul_tile_shows_as_a_pad():
-    text = _lowered(lambda x, w: _matmul(x, (w,), kernel="matmul"), ROW, W_KN)
+    text = cuda_text(lambda x, w: _matmul(x, (w,), kernel="matmul"), ROW, W_KN)
     assert len(_float_pads(text)) == 1
 
 
@@ -459,6 +456,10 @@ def test_rowinv_greedy_rounds_verify_with_no_branch(monkeypatch):
     assert _fixed_round_loops(text) == [str(FIXED_ROUNDS)]
 
 
+#: An integer constant's name and value in StableHLO text.
+_INTEGER_CONSTANT = r"(%\w+) = stablehlo\.constant dense<(-?\d+)> : tensor<i(?:32|64)>"
+
+
 def loop_trip_counts(text: str, skip_scans: bool = False) -> list[int | None]:
     """Every loop's trip count in a lowered program (every function): the constant its
     counter is compared with, where that comparison is the whole condition, else ``None``.
@@ -469,8 +470,7 @@ def loop_trip_counts(text: str, skip_scans: bool = False) -> list[int | None]:
     for function in text.split("func.func ")[1:]:
         if skip_scans and re.match(r"\w+ @chlo\.scan", function):
             continue
-        constants = dict(re.findall(r"(%\w+) = stablehlo\.constant dense<(-?\d+)> : "
-                                    r"tensor<i(?:32|64)>", function))
+        constants = dict(re.findall(_INTEGER_CONSTANT, function))
         for name, dim, shape in re.findall(r"(%\w+) = stablehlo\.get_dimension_size %\w+, "
                                            r"dim = (\d+) : \(tensor<([^>]+)>\)", function):
             constants[name] = shape.split("x")[int(dim)]
@@ -482,8 +482,7 @@ def loop_trip_counts(text: str, skip_scans: bool = False) -> list[int | None]:
             ops = [op for op in re.findall(r"= (stablehlo\.\w+)", block)
                    if op != "stablehlo.constant"]
             # a region may define its own constants under names the function uses elsewhere
-            known = {**constants, **dict(re.findall(
-                r"(%\w+) = stablehlo\.constant dense<(-?\d+)> : tensor<i(?:32|64)>", block))}
+            known = {**constants, **dict(re.findall(_INTEGER_CONSTANT, block))}
             bound = re.search(r"stablehlo\.compare\s+LT, %iterArg\w*, (%\w+)", block)
             fixed = ops == ["stablehlo.compare"] and bound and bound.group(1) in known
             counts.append(int(known[bound.group(1)]) if fixed else None)

@@ -21,6 +21,8 @@ from turbospark_jax.testing.cuda_export import cuda_text
 BF16 = jnp.bfloat16
 S = jax.ShapeDtypeStruct
 ON_GPU = jax.default_backend() == "gpu"
+
+
 def _matvec(x, ws, nk=False):
     return rowinv._rowinv_matmul(x, ws, nk, jnp.dtype(jnp.float32), "pallas", "auto",
                                  Schedule(), Tiles())

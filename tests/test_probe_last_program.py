@@ -16,6 +16,8 @@ from benchmarks.probe_last_program import chain, main
 from turbospark_jax.testing.cuda_export import cuda_text
 
 S = jax.ShapeDtypeStruct
+
+
 def test_the_interpreted_probe_keeps_the_bits_and_resets_its_counter(tmp_path):
     out = tmp_path / "probe.json"
     assert main(["--interpret", "--seeds", "2", "--out", str(out)]) == 0

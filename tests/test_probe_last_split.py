@@ -17,6 +17,8 @@ from benchmarks.probe_last_split import chain, main
 from turbospark_jax.testing.cuda_export import cuda_text
 
 S = jax.ShapeDtypeStruct
+
+
 def test_the_interpreted_probe_keeps_the_bits(tmp_path):
     out = tmp_path / "probe.json"
     assert main(["--interpret", "--seeds", "1", "--out", str(out)]) == 0

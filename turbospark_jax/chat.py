@@ -28,7 +28,7 @@ import dataclasses
 import threading
 import uuid
 from collections.abc import Generator, Mapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from turbospark_jax.checks import as_int
 from turbospark_jax.completion import Completion, CompletionRequest, FinishReason
@@ -57,11 +57,10 @@ REQUEST_FIELDS = tuple(
 )
 
 
-@runtime_checkable
 class ChatTokenizer(Protocol):
     """What a chat session needs of a tokenizer (:class:`turbospark_jax.tokenizer.Tokenizer`
-    has all of it). ``chat_template`` is ``None`` when the tokenizer has none. Runtime
-    checkable: a session refuses a tokenizer that lacks any of it before any work."""
+    has all of it). ``chat_template`` is ``None`` when the tokenizer has none. A session
+    refuses a tokenizer that lacks any of it (:data:`_TOKENIZER_NEEDS`) before any work."""
 
     eos_token_id: int | Sequence[int] | None
     chat_template: str | None

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol
 
 from turbospark_jax.errors import BadInputError
 
@@ -44,10 +44,10 @@ REPLACEMENT = "\ufffd"
 PROMPT_CONTEXT_IDS = 5
 
 
-@runtime_checkable
 class TokenizerLike(Protocol):
     """The two tokenizer calls the detokenizer needs; :class:`tokenizers.Tokenizer` has both.
-    (Runtime-checkable, so the loops refuse an object without them before any work.)"""
+    (The loops refuse an object without them before any work: :func:`provides` with
+    :data:`TOKENIZER_CALLS`.)"""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; an incomplete UTF-8 sequence is written as U+FFFD."""
