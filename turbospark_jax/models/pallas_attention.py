@@ -80,6 +80,16 @@ FOLD_LOADS = 4
 #: (``row_invariant=True``): every column holds the same sum; the smallest tile a GPU
 #: matrix product takes.
 SUM_COLUMNS = 16
+#: Query rows a tile product of the row-invariant form takes at once in the Pallas
+#: interpreter. A CPU's matrix product may round a row differently beside another number of
+#: rows (jax 0.12's does), and the query tile's rows follow the call's width, so there the
+#: tile's products run 16 rows at a time, a shape no width changes; on a GPU the tensor
+#: cores already keep a row's bits, and the whole tile is one product.
+INTERPRET_DOT_ROWS = 16
+#: Contractions of the attention's tile products: scores (a query row with a key row) and
+#: the products with the probabilities (their columns with a value's or a ones matrix' rows).
+_SCORES = (((1,), (1,)), ((), ()))
+_PRODUCT = (((1,), (0,)), ((), ()))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,8 +174,25 @@ def plan_keys(rows: int, capacity: int,
     return tile, _ceil_div(rows, tile), _ceil_div(capacity, split_len), split_len
 
 
+def interpret_dot_rows(interpret: bool) -> int | None:
+    """The row-invariant form's ``dot_rows`` (see :data:`INTERPRET_DOT_ROWS`)."""
+    return INTERPRET_DOT_ROWS if interpret else None
+
+
+def _tile_product(a: jax.Array, b: jax.Array, dims: tuple, dot_rows: int | None) -> jax.Array:
+    """``dot_general(a, b, dims)`` in float32 for a query tile ``a [tile, ...]``: one product,
+    or with ``dot_rows`` (:data:`INTERPRET_DOT_ROWS`) one of that many rows after another."""
+    def one(rows: jax.Array) -> jax.Array:
+        return jax.lax.dot_general(rows, b, dims, preferred_element_type=jnp.float32)
+    tile = a.shape[0]
+    if dot_rows is None or tile <= dot_rows or tile % dot_rows:
+        return one(a)
+    return jnp.concatenate([one(a[i : i + dot_rows]) for i in range(0, tile, dot_rows)])
+
+
 def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, scale: float,
-                   capacity: int, window: int | None, mma_sums: bool) -> tuple:
+                   capacity: int, window: int | None, mma_sums: bool,
+                   dot_rows: int | None = None) -> tuple:
     """One split's unnormalised attention of the query tile ``q [tile, hd]`` (positions
     ``pos [tile]``, ``-1`` on padding rows) over keys ``first..end-1`` in tiles of
     :data:`KEY_TILE`, from zero: ``(acc [tile, hd], m [tile], l [tile])``, the maximum that
@@ -184,7 +211,8 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
     part) hold that against the compiler too. The other form's row sum is a reduction the
     compiler lays out per loop, and on an H100 the two loops gave a row different bits
     (that test's ``row_invariant=False`` case, compiled), so that form runs every tile
-    through the masked loop: the same code for a row whatever its neighbours."""
+    through the masked loop: the same code for a row whatever its neighbours. ``dot_rows``:
+    the tile products' rows at a time (:data:`INTERPRET_DOT_ROWS` in the interpreter)."""
     trips = jnp.maximum(0, (end - first + KEY_TILE - 1) // KEY_TILE)
     tile, head_dim = q.shape
     lanes = jnp.arange(KEY_TILE, dtype=jnp.int32)
@@ -196,8 +224,7 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
         start = jnp.minimum(nominal, capacity - KEY_TILE)  # the last tile may overlap
         k = k_ref[pl.ds(start, KEY_TILE), :]  # [KT, hd]
         v = v_ref[pl.ds(start, KEY_TILE), :]
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32)  # [tile, KT], unscaled
+        s = _tile_product(q, k, _SCORES, dot_rows)  # [tile, KT], unscaled
         if masked:
             keys = start + lanes  # [KT]
             visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] >= nominal)
@@ -210,11 +237,11 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
         p_low = p.astype(v.dtype)
         if mma_sums:  # the row sum as a matrix product: its order is the tensor cores'
             ones = jnp.ones((KEY_TILE, SUM_COLUMNS), v.dtype)
-            row_sum = jnp.max(jnp.dot(p_low, ones, preferred_element_type=jnp.float32), axis=1)
+            row_sum = jnp.max(_tile_product(p_low, ones, _PRODUCT, dot_rows), axis=1)
         else:
             row_sum = jnp.sum(p, axis=1)
         l = l * correction + row_sum
-        acc = acc * correction[:, None] + jnp.dot(p_low, v, preferred_element_type=jnp.float32)
+        acc = acc * correction[:, None] + _tile_product(p_low, v, _PRODUCT, dot_rows)
         return acc, m_new, l
 
     if window is None and mma_sums:  # tiles 0..whole-1 are seen whole by every live row
@@ -230,7 +257,8 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
 
 def split_of(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
              capacity: int, split_len: int, window: int | None, mma_sums: bool,
-             split: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+             split: jax.Array | None = None,
+             dot_rows: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The split kernel's body: split ``split``'s partial ``(acc, m, l)`` for the query tile
     ``q`` (``bound``: the call's last key + 1; ``split``: by default the program's index on
     grid axis 2, which a caller under a branch reads at its top level and passes). Shared
@@ -238,16 +266,16 @@ def split_of(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, sc
     first = (pl.program_id(2) if split is None else split) * split_len
     end = jnp.minimum(jnp.minimum(first + split_len, capacity), bound)
     return _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale, capacity=capacity,
-                          window=window, mma_sums=mma_sums)
+                          window=window, mma_sums=mma_sums, dot_rows=dot_rows)
 
 
 def _kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *, scale: float,
             capacity: int, split_len: int, window: int | None, normalise: bool,
-            mma_sums: bool) -> None:
+            mma_sums: bool, dot_rows: int | None = None) -> None:
     """One program per (KV head, query tile, split): that split's partial result."""
     acc, m, l = split_of(q_ref[...], pos_ref[...], bound_ref[()], k_ref, v_ref, scale=scale,
                          capacity=capacity, split_len=split_len, window=window,
-                         mma_sums=mma_sums)
+                         mma_sums=mma_sums, dot_rows=dot_rows)
     if normalise:  # one split: the kernel writes the finished rows
         acc_ref[...] = (acc / l[:, None]).astype(acc_ref.dtype)
     else:
@@ -290,7 +318,7 @@ def store_rows(o_ref, value: jax.Array, rows: int | None, tile: jax.Array | None
 
 def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: float,
                     capacity: int, split_len: int, window: int | None, mma_sums: bool,
-                    rows: int | None = None) -> None:
+                    rows: int | None = None, dot_rows: int | None = None) -> None:
     """One program per (KV head, query tile) that runs the splits one after another, each
     from zero as :func:`_kernel` runs it, folding each into the running result
     (:func:`_fold`): the bits of :func:`_kernel` followed by :func:`_fold_kernel`, without
@@ -305,13 +333,13 @@ def _folding_kernel(bound_ref, q_ref, pos_ref, k_ref, v_ref, o_ref, *, scale: fl
     one-row decode, which walks exactly its own keys, shows."""
     acc, l = fold_splits(q_ref[...], pos_ref[...], bound_ref[()], k_ref, v_ref, scale=scale,
                          capacity=capacity, split_len=split_len, window=window,
-                         mma_sums=mma_sums)
+                         mma_sums=mma_sums, dot_rows=dot_rows)
     store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows)
 
 
 def fold_splits(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *, scale: float,
                 capacity: int, split_len: int, window: int | None,
-                mma_sums: bool) -> tuple[jax.Array, jax.Array]:
+                mma_sums: bool, dot_rows: int | None = None) -> tuple[jax.Array, jax.Array]:
     """The folding kernel's body (inside a kernel): the query tile ``q [tile, hd]`` at
     positions ``pos`` over the key splits its rows see (``bound``: the call's last key + 1),
     each split from zero, folded in order; ``(acc, l)``, the result ``acc / l``. Shared by
@@ -323,7 +351,8 @@ def fold_splits(q: jax.Array, pos: jax.Array, bound: jax.Array, k_ref, v_ref, *,
         first = s * split_len
         end = jnp.minimum(first + split_len, bound)
         part = _split_partial(q, pos, k_ref, v_ref, first, end, scale=scale,
-                              capacity=capacity, window=window, mma_sums=mma_sums)
+                              capacity=capacity, window=window, mma_sums=mma_sums,
+                              dot_rows=dot_rows)
         return _fold(carry, part, scale * LOG2_E)
 
     tile, head_dim = q.shape
@@ -575,7 +604,7 @@ def cached_attention_arranged(
         out = pl.pallas_call(
             functools.partial(_folding_kernel, scale=scale, capacity=capacity,
                               split_len=split_len, window=window, mma_sums=True,
-                              rows=overhang),
+                              rows=overhang, dot_rows=interpret_dot_rows(interpret)),
             grid=(kv_heads, count), in_specs=queries, out_specs=rows_out,
             out_shape=live, interpret=interpret, name="cached_attention_folding",
             **kwargs,
@@ -587,7 +616,8 @@ def cached_attention_arranged(
             splits = partial_splits(splits)
         acc, m, l = pl.pallas_call(
             functools.partial(_kernel, scale=scale, capacity=capacity, split_len=split_len,
-                              window=window, normalise=normalise, mma_sums=row_invariant),
+                              window=window, normalise=normalise, mma_sums=row_invariant,
+                              dot_rows=interpret_dot_rows(interpret) if row_invariant else None),
             grid=(kv_heads, count, splits),
             in_specs=queries,
             out_specs=[

@@ -45,6 +45,7 @@ from turbospark_jax.models.pallas_attention import (
     fold_partials,
     fold_splits,
     folds_on_chip,
+    interpret_dot_rows,
     partial_splits,
     plan_keys,
     query_rows,
@@ -250,7 +251,8 @@ def rope_store(
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
                            kv_heads: int, parts: int, width: int, scale: float,
                            split_len: int, window: int | None, rows: int | None,
-                           split: bool, barrier: bool, fold_last: int = 0) -> None:
+                           split: bool, barrier: bool, fold_last: int = 0,
+                           dot_rows: int | None = None) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
@@ -289,7 +291,7 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     tile = pos_ref.shape[0]
     q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
     kw = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
-              mma_sums=True)
+              mma_sums=True, dot_rows=dot_rows)
     if split and fold_last:
         acc_ref, m_ref, l_ref, o_ref, count_ref = results
         part = split_of(q, pos, bound_ref[()], k_out, v_out, split=s, **kw)
@@ -407,7 +409,7 @@ def rope_store_attention(
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
         rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
-        fold_last=fold_last)
+        fold_last=fold_last, dot_rows=interpret_dot_rows(interpret))
     aliases = {len(operands): len(result_shapes) + 1, len(operands) + 1: len(result_shapes) + 2}
     counters = []
     if fold_last:
