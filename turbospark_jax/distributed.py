@@ -35,7 +35,8 @@ def initialize(
       num_processes: processes in the run.
       process_id: this process's index, ``0 <= process_id < num_processes``.
       cpu_devices: run on this many CPU devices per process (with gloo collectives between
-        the processes) instead of the accelerators: for tests on one machine.
+        the processes) instead of the accelerators: for tests on one machine. Such a process
+        compiles its programs afresh (jax's persistent compilation cache off).
 
     Raises:
       BadInputError: ``process_id`` is outside ``[0, num_processes)``.
@@ -49,6 +50,10 @@ def initialize(
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Under jax 0.12 a gloo program read back from the persistent compilation cache hangs
+        # in its first collective (the same two processes pass over a cold cache and hang
+        # over the cache they wrote); programs of a CPU run are compiled afresh.
+        jax.config.update("jax_enable_compilation_cache", False)
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                process_id=process_id)
 
