@@ -56,6 +56,7 @@ def main() -> None:
         "processes": jax.process_count(),
         "devices": jax.device_count(),
         "local_devices": jax.local_device_count(),
+        "compilation_cache": bool(jax.config.jax_enable_compilation_cache),
         "tokens": [int(t) for t in completion.token_ids],
     }), flush=True)
     jax.distributed.shutdown()
