@@ -181,7 +181,8 @@ def interpret_dot_rows(interpret: bool) -> int | None:
 
 def _tile_product(a: jax.Array, b: jax.Array, dims: tuple, dot_rows: int | None) -> jax.Array:
     """``dot_general(a, b, dims)`` in float32 for a query tile ``a [tile, ...]``: one product,
-    or with ``dot_rows`` (:data:`INTERPRET_DOT_ROWS`) one of that many rows after another."""
+    or with ``dot_rows`` (:data:`INTERPRET_DOT_ROWS`) one of that many rows after another
+    (a tile of no more rows, or of rows that are not a multiple of it, is one product)."""
     def one(rows: jax.Array) -> jax.Array:
         return jax.lax.dot_general(rows, b, dims, preferred_element_type=jnp.float32)
     tile = a.shape[0]
