@@ -182,13 +182,12 @@ def interpret_dot_rows(interpret: bool) -> int | None:
 def _tile_product(a: jax.Array, b: jax.Array, dims: tuple, dot_rows: int | None) -> jax.Array:
     """``dot_general(a, b, dims)`` in float32 for a query tile ``a [tile, ...]``: one product,
     or with ``dot_rows`` (:data:`INTERPRET_DOT_ROWS`) one of that many rows after another
-    (a tile of no more rows, or of rows that are not a multiple of it, is one product)."""
+    (query tiles are powers of two from 16 up: :func:`plan_keys`)."""
     def one(rows: jax.Array) -> jax.Array:
         return jax.lax.dot_general(rows, b, dims, preferred_element_type=jnp.float32)
-    tile = a.shape[0]
-    if dot_rows is None or tile <= dot_rows or tile % dot_rows:
+    if dot_rows is None:
         return one(a)
-    return jnp.concatenate([one(a[i : i + dot_rows]) for i in range(0, tile, dot_rows)])
+    return jnp.concatenate([one(a[i : i + dot_rows]) for i in range(0, a.shape[0], dot_rows)])
 
 
 def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, scale: float,
