@@ -9,7 +9,8 @@ batch 1, greedy); the assistant has the size of the published ``gemma-4-E2B-it-a
 2048, 4 query heads over 1 KV head of 256 / 512 dims, window 512, the centroid head with 2048
 centroids keeping the best 32, tied embeddings; about 78M parameters, 67M of them the
 embedding table). A random assistant's proposals would all be rejected, so it drafts through
-:class:`~turbospark_jax.drafters.oracle.CostedOracleDrafter`: its whole proposal runs every
+:class:`~turbospark_jax.speculative.drafters.oracle.CostedOracleDrafter`: its whole proposal runs
+every
 round, then each proposal is set right with probability ``alpha`` (a wrong one otherwise).
 
 After a 128-token prompt, 128 new tokens; per (alpha, draft length ``k``) a record holds
@@ -101,13 +102,14 @@ PRESETS = {
 
 
 def assistant(config_dict: dict[str, Any], producer: Any) -> Any:
-    """A :class:`~turbospark_jax.drafters.gemma4_assistant.Gemma4AssistantDrafter` of random
+    """A :class:`~turbospark_jax.speculative.drafters.gemma4_assistant.Gemma4AssistantDrafter` of
+    random
     weights in the target's dtype, drawn leaf by leaf (:func:`benchmarks.families.random_params`;
     its token order a random permutation)."""
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.drafters import gemma4_assistant as A
+    from turbospark_jax.speculative.drafters import gemma4_assistant as A
 
     config = A.AssistantConfig.from_hf_dict(config_dict)
     dtype = producer.model.dtype
@@ -159,9 +161,10 @@ def run(preset: Preset, rec: Recorder) -> None:
     """Plain decoding and its step costs, then every (alpha, draft length): see the module
     docstring."""
     from turbospark_jax import CompletionRequest, run_raw_completion
-    from turbospark_jax.drafters import CostedOracleDrafter, SpeculativePair
-    from turbospark_jax.rounds import MAX_BURST
-    from turbospark_jax.speculative import run_raw_completion_speculative
+    from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+    from turbospark_jax.speculative.drafters import CostedOracleDrafter
+    from turbospark_jax.speculative.pair import SpeculativePair
+    from turbospark_jax.speculative.rounds import MAX_BURST
 
     capacity = preset.prompt_length + preset.new_tokens + MAX_BURST + 2 * preset.width
     config, producer, _ = build(preset.target, capacity, preset.width, preset.burst,
@@ -219,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.draft_lens is not None:
         preset = dataclasses.replace(
             preset, draft_lens=tuple(int(k) for k in args.draft_lens.split(",")))
-    from turbospark_jax.drafters import MAX_DRAFT
+    from turbospark_jax.speculative.drafters import MAX_DRAFT
 
     limit = min(MAX_DRAFT, preset.width - 1)  # past it the rounds would run on the host
     if not all(1 <= k <= limit for k in preset.draft_lens):

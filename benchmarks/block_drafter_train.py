@@ -23,14 +23,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from turbospark_jax import CompletionRequest, run_raw_completion
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.drafters import BlockDrafter, SpeculativePair
-from turbospark_jax.drafters.block import tapped_target
-from turbospark_jax.models import qwen3_5 as Q
-from turbospark_jax.models import qwen3_5_config as QC
-from turbospark_jax.recipe import block_drafter_training as T
-from turbospark_jax.speculative import run_raw_completion_speculative
-from turbospark_jax.state import live_equal
+from turbospark_jax.core.state import live_equal
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+from turbospark_jax.models.qwen3_5 import config as QC
+from turbospark_jax.models.qwen3_5 import model as Q
+from turbospark_jax.speculative.drafters import BlockDrafter
+from turbospark_jax.speculative.drafters.block import tapped_target
+from turbospark_jax.speculative.pair import SpeculativePair
+from turbospark_recipe import block_drafter_training as T
 
 
 def target_config(vocab: int) -> QC.Qwen35Config:
@@ -88,7 +89,7 @@ def main() -> None:
     # Greedy losslessness of the trained drafter (exported and loaded in bfloat16).
     folder = Path(args.out) / "drafter"
     T.export_block_drafter(folder, result.config, result.params)
-    from turbospark_jax.loading import load_block_drafter
+    from turbospark_jax.io.loading import load_block_drafter
 
     loaded = load_block_drafter(folder, dtype="bfloat16")
     request = CompletionRequest(prompt_ids=prompt, max_tokens=48, record_logits=True)

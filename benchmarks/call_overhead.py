@@ -48,9 +48,9 @@ def prefilled_producer(shape_name: str, capacity: int, steps_per_call: int,
     import jax.numpy as jnp
 
     from benchmarks.run import SHAPES
-    from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
-    from turbospark_jax.models.dense_config import DenseConfig
+    from turbospark_jax.engine.producer import BlockProducer
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel, init_params, unstack_layers
 
     config = DenseConfig.from_hf_dict(SHAPES[shape_name].hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -109,7 +109,7 @@ class PhaseClock:
 
 
 def measure(shape: str, kernels: str, capacity: int = 4096) -> dict:
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     config, p, state = prefilled_producer(shape, capacity=capacity, steps_per_call=max(LENGTHS),
                                           kernels=kernels)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turbospark_jax.models import qwen3_5 as Q
-from turbospark_jax.models import qwen3_5_config as QC
+from turbospark_jax.models.qwen3_5 import config as QC
+from turbospark_jax.models.qwen3_5 import model as Q
 
 #: (hidden size, key heads, value heads, key dim, value dim) of a DeltaNet layer: the
 #: published shapes', and a tiny one for a run on the CPU.

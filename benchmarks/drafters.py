@@ -4,7 +4,7 @@
     PYTHONPATH=. python -m benchmarks.drafters --out DIR --preset h200 --write-speculative-json
     PYTHONPATH=. python -m benchmarks.drafters --report DIR      # the table again, from the JSON
 
-For each drafter :func:`~turbospark_jax.drafter_choice.available_drafters` finds for the target
+For each drafter :func:`~turbospark_jax.speculative.choice.available_drafters` finds for the target
 (draft model, n-gram lookup, MTP head, block drafter, Gemma 4 assistant), at each draft length
 the preset lists for it (a block drafter: up to its block less one), greedy and sampled
 (temperature 0.8, top-p 0.95, seed = the prompt's index): mean tokens per round, acceptance by
@@ -16,7 +16,7 @@ and reply), and runs the same loop: device rounds where the drafter has a device
 configuration runs once on the first prompt to compile, then every prompt is timed.
 
 **Prompts**: held-out Python function headers (decorators, signature, docstring), the ones the
-recipe's quality bar asks for (:mod:`turbospark_jax.recipe.code_eval`), without the openings of
+recipe's quality bar asks for (:mod:`turbospark_recipe.code_eval`), without the openings of
 their enclosing scopes that the bar puts before them (the recorded figures were measured so):
 files of the running
 interpreter's standard library whose path hash is held out (``--heldout-fraction``, the
@@ -29,7 +29,7 @@ did not. Sampled runs are lossless in distribution only, so they are not compare
 Writes ``drafters_<backend>.json`` after every configuration (meta, prompts, records),
 ``drafters_<backend>.md`` (the table) and ``drafters_<backend>.png`` (acceptance by position,
 each drafter at its fastest draft length). ``--write-speculative-json`` writes the target's
-``speculative.json`` (:mod:`turbospark_jax.drafter_figures`): each drafter's greedy figures at
+``speculative.json`` (:mod:`turbospark_jax.speculative.figures`): each drafter's greedy figures at
 its fastest draft length on this backend, which ``--drafter auto`` reads.
 """
 
@@ -76,8 +76,8 @@ PRESETS = {
 
 def held_out_prompts(n: int, root: Path | None, heldout_fraction: float) -> list[str]:
     """``n`` held-out function headers (module docstring)."""
-    from turbospark_jax.recipe.code_eval import function_prompts, spaced_sample
-    from turbospark_jax.recipe.corpus import load_corpus
+    from turbospark_recipe.code_eval import function_prompts, spaced_sample
+    from turbospark_recipe.corpus import load_corpus
 
     corpus = load_corpus(root, heldout_fraction=heldout_fraction)
     return [f.prompt for f in spaced_sample(function_prompts(corpus.heldout), n)]
@@ -86,7 +86,7 @@ def held_out_prompts(n: int, root: Path | None, heldout_fraction: float) -> list
 def _context(target: Path, prompts: list[str], tokens: int) -> int:
     """The CLI's allocation for the longest prompt: a power of two >= 256 holding prompt,
     reply and one block of the widest width any configuration uses (16)."""
-    from turbospark_jax.tokenizer import Tokenizer
+    from turbospark_jax.io.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_folder(target)
     longest = max(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
@@ -166,7 +166,7 @@ def measure(target: Path, out: Path, preset: Preset, prompts: list[str],
     import jax
 
     import turbospark_jax as tsj
-    from turbospark_jax.drafter_choice import available_drafters
+    from turbospark_jax.speculative.choice import available_drafters
 
     table, _ = available_drafters(target, folders)
     drafters = [d for d, a in table.items() if a.available and (only is None or d in only)]
@@ -300,7 +300,7 @@ def report(json_path: Path) -> None:
 def write_speculative_json(target: Path, data: dict[str, Any]) -> Path:
     """The target's ``speculative.json`` from the greedy figures (each drafter at its fastest
     draft length), with the sampled speedup at that length beside them."""
-    from turbospark_jax.drafter_figures import Measurement, write_figures
+    from turbospark_jax.speculative.figures import Measurement, write_figures
 
     meta = data["meta"]
     sampled = {(r["drafter"], r["draft_len"]): r["speedup"] for r in data["records"]
@@ -318,7 +318,7 @@ def write_speculative_json(target: Path, data: dict[str, Any]) -> Path:
 def write_card_section(target: Path, data: dict[str, Any]) -> Path | None:
     """The table as a section of the target's model card, one section per device (``None``:
     the folder has no card)."""
-    from turbospark_jax.recipe.card import set_card_section
+    from turbospark_recipe.card import set_card_section
 
     if not (Path(target) / "README.md").is_file():
         return None
@@ -363,8 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import jax
 
-    from turbospark_jax import rounds
-    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.speculative import rounds
 
     if args.bounded_sampling:
         if args.write_speculative_json:

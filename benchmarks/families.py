@@ -111,7 +111,7 @@ def build(name: str, capacity: int, width: int, burst: int,
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.engine.producer import BlockProducer
     from turbospark_jax.models.registry import family_of
 
     family = family_of(SHAPES[name]["model_type"])
@@ -184,7 +184,7 @@ def step_bytes(config: Any, params: Any, context: int) -> int:
 
 def verify_costs(producer: Any, vocab: int, rows: tuple[int, ...], context: int) -> dict:
     """Seconds of one verify of each row count, and of one single-step decode call."""
-    from turbospark_jax.state import copy_state
+    from turbospark_jax.core.state import copy_state
 
     rng = np.random.default_rng(3)
     prompt = [int(t) for t in rng.integers(0, vocab, context)]
@@ -345,7 +345,7 @@ def report(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from turbospark_jax.models.qwen3_5 import RECURRENCE_MODES
+    from turbospark_jax.models.qwen3_5.model import RECURRENCE_MODES
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="h200")

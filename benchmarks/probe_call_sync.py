@@ -68,7 +68,7 @@ def main() -> None:
     import jax
 
     from benchmarks.rowinv_model import ALL_SHAPES, _model, _producer
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     _, model, params = _model(ALL_SHAPES[args.shape], "rowinv")
     vocab = model.config.vocab_size

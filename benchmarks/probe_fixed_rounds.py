@@ -28,9 +28,10 @@ def measure(shape: str, calls: int, budget: int, draft_len: int,
             record_logits: bool) -> list[dict]:
     import jax
 
-    from turbospark_jax import rounds, sampling
-    from turbospark_jax.drafters import SpeculativePair
-    from turbospark_jax.drafters import pair as pair_module
+    from turbospark_jax.core import sampling
+    from turbospark_jax.speculative import pair as pair_module
+    from turbospark_jax.speculative import rounds
+    from turbospark_jax.speculative.pair import SpeculativePair
 
     target, drafter, prompt, vocab = _setup(shape)
     pair = SpeculativePair(target, drafter)

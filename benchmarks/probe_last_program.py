@@ -46,7 +46,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from benchmarks.rowinv import add_record, best_time
-from turbospark_jax.models.pallas_row_norm import finished_rows, inverse_rms, scaled_rows
+from turbospark_jax.kernels.row_norm import finished_rows, inverse_rms, scaled_rows
 
 #: (name, K, N): the products before a decode step's norms (output projection, down
 #: projection) of the 1B, 0.6B and 8B shapes.
@@ -66,7 +66,7 @@ def _norm_row(y: jax.Array, residual: jax.Array, weight: jax.Array, tree: bool
               ) -> tuple[jax.Array, jax.Array]:
     """``h = residual + y`` (``y`` float32, rounded to the residual's dtype first, as a
     finished product is) and ``h``'s RMSNorm times ``weight``: the norm kernel's own
-    functions (:mod:`~turbospark_jax.models.pallas_row_norm`), its sum of squares as Triton
+    functions (:mod:`~turbospark_jax.kernels.row_norm`), its sum of squares as Triton
     lays ``jnp.sum`` out or as the halving tree (``tree``)."""
     dtype = residual.dtype
     h = finished_rows(residual, y.astype(dtype), dtype=dtype)

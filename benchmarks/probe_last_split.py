@@ -5,11 +5,11 @@ RoPE-store and split kernel (one program per KV head, query tile and key split, 
 its split's partial ``(acc, m, l)``) and the fold kernel (one program per KV head and query
 tile, folding the partials in order). On an H200 the 1B's attention costs 238 us a token at
 4k against 113 at 128, where one kernel folds on chip (NOTES.md, thirteenth session). With
-``fold_in_split`` (:func:`~turbospark_jax.models.pallas_rope_store.rope_store_attention`,
+``fold_in_split`` (:func:`~turbospark_jax.kernels.rope_store.rope_store_attention`,
 the dense model's ``DenseModel.fold_in_split``) the split kernel's programs bump a counter
 per (KV head, query tile) with an atomic add after their partial is stored; the one that
 finds itself last folds that tile's partials with the fold kernel's own body
-(:func:`~turbospark_jax.models.pallas_attention.fold_in_last_split`) and resets the
+(:func:`~turbospark_jax.kernels.attention.fold_in_last_split`) and resets the
 counter, which each call makes as zeros. The fold is elementwise across splits, in split
 order, so the bits should be the two launches'.
 
@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.rowinv import add_record, best_time
-from turbospark_jax.models import pallas_attention as pa
-from turbospark_jax.models.layers import rope_cos_sin, rope_inv_freq
-from turbospark_jax.models.pallas_rope_store import rope_store_attention
+from turbospark_jax.kernels import attention as pa
+from turbospark_jax.kernels.layers import rope_cos_sin, rope_inv_freq
+from turbospark_jax.kernels.rope_store import rope_store_attention
 
 #: (name, query heads, KV heads, head width).
 SHAPES = (("1b", 32, 8, 64), ("0.6b", 16, 8, 128), ("8b", 32, 8, 128))

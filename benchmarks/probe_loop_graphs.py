@@ -78,7 +78,7 @@ def _cases() -> dict[str, Any]:
                                 lambda a: a, a)
         return count + 1, jax.lax.fori_loop(0, INNER, inner, acc)
 
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     params = sampling.SamplingParams.make(temperature=0.8, top_k=50, top_p=0.95)
     history = sampling.History.empty(VOCAB)
@@ -108,7 +108,7 @@ def run(seeds: int) -> list[dict[str, Any]]:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax import device_flags
+    from turbospark_jax.engine import loop_graphs as device_flags
 
     recorded = {"xla_gpu_enable_command_buffer": device_flags.DECODE_COMMAND_BUFFERS}
     out = []

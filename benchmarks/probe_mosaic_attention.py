@@ -44,8 +44,8 @@ def mosaic_attention(qr, pos, k_cache, v_cache, bound, *, split_len: int, pv_aft
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    from turbospark_jax.models.layers import MASK_VALUE
-    from turbospark_jax.models.pallas_attention import KEY_TILE, LOG2_E, SUM_COLUMNS
+    from turbospark_jax.kernels.attention import KEY_TILE, LOG2_E, SUM_COLUMNS
+    from turbospark_jax.kernels.layers import MASK_VALUE
 
     kv_heads, rows, hd = qr.shape
     capacity = k_cache.shape[0]
@@ -179,7 +179,7 @@ def _case(name, heads, kv_heads, hd, capacity, width, first, pv_after):
     import jax.numpy as jnp
 
     from benchmarks.rowinv import best_time
-    from turbospark_jax.models import pallas_attention as pa
+    from turbospark_jax.kernels import attention as pa
 
     rng = np.random.default_rng(hd + capacity)
     q = jnp.asarray(rng.standard_normal((width, heads, hd)), jnp.bfloat16)

@@ -50,8 +50,8 @@ def main() -> None:
 
     from benchmarks.rowinv import add_record, tiling_entry
     from benchmarks.rowinv_model import _device_seconds
-    from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_partials
-    from turbospark_jax.models.rowinv import (
+    from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_partials
+    from turbospark_jax.kernels.rowinv import (
         gated_schedule,
         rowinv_matmul,
         rowinv_swiglu,

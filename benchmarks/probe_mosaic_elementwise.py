@@ -38,7 +38,7 @@ def _ops():
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.rowinv import swiglu_gating
+    from turbospark_jax.kernels.rowinv import swiglu_gating
 
     def flushed_exp2(x):
         return jnp.where(x < -126.0, 0.0, jnp.exp2(x))

@@ -53,7 +53,7 @@ def main() -> None:
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hopper
 
     from benchmarks.rowinv import best_time, write_probe
-    from turbospark_jax.models.rowinv import Schedule, rowinv_matmul
+    from turbospark_jax.kernels.rowinv import Schedule, rowinv_matmul
 
     configs = {f"{m}x{n}, minor {d}": hopper.TuningConfig(
         tile_m=m, tile_n=n, tile_k=64, max_concurrent_steps=4, epi_tile_m=64, epi_tile_n=64,

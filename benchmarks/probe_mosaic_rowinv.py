@@ -1,4 +1,4 @@
-"""Probe: our Mosaic GPU matrix kernel (``models/mosaic_matmul.py``) against our Triton one.
+"""Probe: our Mosaic GPU matrix kernel (``kernels/mosaic_matmul.py``) against our Triton one.
 
 For each product of the 0.6B, 1B and 8B shapes at a 2,048-row prefill block: are its rows
 bitwise the Triton matrix kernel's under the model's schedule (``rowinv.schedule_for``, and
@@ -46,8 +46,8 @@ def main() -> None:
     import jax.numpy as jnp
 
     from benchmarks.rowinv import add_record, tiling_entry
-    from turbospark_jax.models.mosaic_matmul import MosaicTiles, mosaic_matmul
-    from turbospark_jax.models.rowinv import Schedule, rowinv_matmul, schedule_for
+    from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_matmul
+    from turbospark_jax.kernels.rowinv import Schedule, rowinv_matmul, schedule_for
 
     tilings = {"128x64 cols, 5 stages": MosaicTiles(),
                "128x64 cols, 6 stages": MosaicTiles(stages=6),

@@ -2,7 +2,7 @@
 
 XLA launches the kernels it compiles with programmatic dependent launch and, by its own
 design, puts ``griddepcontrol.wait`` at each kernel's entry. Whether it does so for our
-Pallas kernels too, and whether the wait of our own (``models/pallas_pdl.py``'s
+Pallas kernels too, and whether the wait of our own (``kernels/pdl.py``'s
 ``"trigger"``) is then the first one a program meets, is what this reads. It compiles a
 small decode chain (a norm after partial sums, a matvec product, the gated product, another
 matvec) under each mode with XLA's dump on, and reads each of our kernels' PTX: how many
@@ -95,7 +95,9 @@ def compile_chain(mode: str) -> None:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models import pallas_pdl, pallas_row_norm, rowinv
+    from turbospark_jax.kernels import pdl as pallas_pdl
+    from turbospark_jax.kernels import row_norm as pallas_row_norm
+    from turbospark_jax.kernels import rowinv
 
     pallas_pdl.MODE = pallas_pdl.check_mode(mode)
     d, f = 2048, 8192

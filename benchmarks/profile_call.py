@@ -27,7 +27,7 @@ def main() -> None:
     import jax
 
     from benchmarks.call_overhead import prefilled_producer
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="llama-3.2-1b")

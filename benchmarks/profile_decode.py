@@ -97,7 +97,7 @@ def profile_burst(producer: Any, context: int, steps: int, vocab: int,
     are the sampling settings (greedy when None)."""
     import jax
 
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, vocab, context)]

@@ -34,10 +34,10 @@ def _setup(shape_name: str | None) -> tuple[Any, Any, list[int], int]:
 
     from benchmarks.run import SHAPES
     from turbospark_jax import CompletionRequest, run_raw_completion
-    from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.drafters import NGramDrafter, OracleDrafter
-    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
-    from turbospark_jax.models.dense_config import DenseConfig
+    from turbospark_jax.engine.producer import BlockProducer
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel, init_params, unstack_layers
+    from turbospark_jax.speculative.drafters import NGramDrafter, OracleDrafter
 
     if shape_name is None:
         import turbospark_jax as tsj
@@ -71,8 +71,8 @@ def prefilled(pair: Any, prompt: list[int]) -> Any:
 def profile(shape_name: str | None, draft_len: int, budget: int) -> dict[str, Any]:
     import jax
 
-    from turbospark_jax import sampling
-    from turbospark_jax.drafters import SpeculativePair
+    from turbospark_jax.core import sampling
+    from turbospark_jax.speculative.pair import SpeculativePair
 
     target, drafter, prompt, vocab = _setup(shape_name)
     pair = SpeculativePair(target, drafter)

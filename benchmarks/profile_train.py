@@ -9,7 +9,7 @@ for the dense draft (2.6%), and the target's step ran out of memory at 256 x 102
     PYTHONPATH=. python -m benchmarks.profile_train --presets target35 --head-rows 0,8192 --out DIR
 
 For each preset and batch size it compiles the recipe's own train step
-(:func:`turbospark_jax.recipe.train.make_train_step`, the one ``recipe`` runs), times a few
+(:func:`turbospark_recipe.train.make_train_step`, the one ``recipe`` runs), times a few
 steps, and records tokens/s, MFU and the device's peak memory. Then it traces one step at the
 largest batch that ran and reads the trace back: the device's busy share of the wall time,
 kernels per step, and the kernels that took the time, by name and by kind (matrix products,
@@ -65,10 +65,10 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
-    from turbospark_jax.recipe import train as rt
-    from turbospark_jax.recipe.flops import mfu, training_flops_per_token
-    from turbospark_jax.tokenizer import Tokenizer
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.io.tokenizer import Tokenizer
+    from turbospark_recipe import train as rt
+    from turbospark_recipe.flops import mfu, training_flops_per_token
 
     tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
     config = rt.model_config(preset, tokenizer)

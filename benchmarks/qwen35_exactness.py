@@ -18,11 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turbospark_jax import sampling
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.models import qwen3_5 as Q
-from turbospark_jax.models import qwen3_5_config as QC
-from turbospark_jax.state import copy_state, live_equal
+from turbospark_jax.core import sampling
+from turbospark_jax.core.state import copy_state, live_equal
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.models.qwen3_5 import config as QC
+from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.testing import conformance as C
 
 

@@ -24,7 +24,7 @@
 #   5. the three folders packed as tsj-pycoder, tsj-pycoder-draft, tsj-pycoder-block.
 # The defaults continue the embedded target and keep the embedded draft (this session's run);
 # TARGET_INIT= DRAFT_FROM= PROBE=1 train everything from scratch as the first run did.
-# Then, here: python -m turbospark_jax.recipe unpack OUT --to models/ (after moving the old
+# Then, here: python -m turbospark_recipe unpack OUT --to models/ (after moving the old
 # folders away), and the JSON files from OUT/results.tar.gz into benchmarks/results.
 # A CPU rehearsal of the whole job, on tiny shapes and a few files (a few minutes):
 #   RUN=/tmp/rehearsal SMOKE=1 bash benchmarks/recipe_h200.sh job
@@ -108,7 +108,7 @@ EOF
   echo "[job] recipe with attention=$attention inverse=$inverse, the target for $TARGET_S s:" \
     "${start[*]} ${draft_args[*]}"
   m=$run/m
-  timeout $((TARGET_S + 900)) python3 -m turbospark_jax.recipe recipe --out "$run/r" \
+  timeout $((TARGET_S + 900)) python3 -m turbospark_recipe recipe --out "$run/r" \
     --tokenizer models/tsj-pycoder --packages "${corpus[@]}" --target-preset "$target" \
     "${draft_args[@]}" --seq-len "$seq" --train-attention "$attention" \
     --chunk-inverse "$inverse" --target-batch-size "$batch" --target-seconds "$TARGET_S" \
@@ -120,16 +120,16 @@ EOF
   mv "$run/r/target" "$m/tsj-pycoder"; mv "$run/r/draft" "$m/tsj-pycoder-draft"
   mv "$run/r/block" "$m/tsj-pycoder-block"
   cp "$run"/r/*_history.jsonl "$run/probe/" 2>/dev/null
-  python3 -m turbospark_jax.recipe pack "$m/tsj-pycoder" "$m/tsj-pycoder-draft" \
+  python3 -m turbospark_recipe pack "$m/tsj-pycoder" "$m/tsj-pycoder-draft" \
     "$m/tsj-pycoder-block" --out "$run/parts_early"
-  timeout 150 python3 -m turbospark_jax.recipe evaluate --model "$m/tsj-pycoder" --packages \
+  timeout 150 python3 -m turbospark_recipe evaluate --model "$m/tsj-pycoder" --packages \
     "${corpus[@]}" --functions "$functions" --out "$run/code_eval_h200.json" \
     --card "the training machine's held-out split (H200)"
   timeout 120 python3 -m benchmarks.tap_check "$m/tsj-pycoder" "$m/tsj-pycoder-block" \
     "$tap_tokens" > "$run/tap_check.txt" 2>&1
   timeout 240 python3 -m benchmarks.drafters --preset "$preset" --target "$m/tsj-pycoder" \
     --max-seconds 180 --write-speculative-json --out "$run/drafters"
-  python3 -m turbospark_jax.recipe pack "$m/tsj-pycoder" "$m/tsj-pycoder-draft" \
+  python3 -m turbospark_recipe pack "$m/tsj-pycoder" "$m/tsj-pycoder-draft" \
     "$m/tsj-pycoder-block" --out "$run/parts"
   touch "$run/done"
   ;;

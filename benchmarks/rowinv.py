@@ -1,4 +1,4 @@
-"""Row invariance and speed of the row-invariant matrix product (models/rowinv.py) against
+"""Row invariance and speed of the row-invariant matrix product (kernels/rowinv.py) against
 XLA's dot, on the 1B shape's projection sizes.
 
     PYTHONPATH=. python -m benchmarks.rowinv --out /tmp/rowinv            # on the H200
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turbospark_jax.models.rowinv import Schedule, Tiles, rowinv_matmul
+from turbospark_jax.kernels.rowinv import Schedule, Tiles, rowinv_matmul
 
 PRESETS = {
     "h200": {

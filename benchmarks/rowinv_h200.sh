@@ -102,7 +102,7 @@
 #                                             # (fold_in_split): GPU tests, the 1B exact
 #                                             # part, decode without and with it
 #   bash benchmarks/rowinv_h200.sh 37 "$OUT"  # programmatic dependent launch inside the
-#                                             # decode kernels (models/pallas_pdl.py): GPU
+#                                             # decode kernels (kernels/pdl.py): GPU
 #                                             # tests, where the compiled kernels wait
 #                                             # (PTX), decode under each mode
 #   bash benchmarks/rowinv_h200.sh 38 "$OUT"  # the 1B exact part under PDL, the fold's
@@ -489,7 +489,7 @@ case "$stage" in
   decode_speed 110 speed_fold_in_split --fold-in-split
   ;;
 37)
-  # programmatic dependent launch from inside the decode kernels (models/pallas_pdl.py):
+  # programmatic dependent launch from inside the decode kernels (kernels/pdl.py):
   # their GPU tests (each mode bitwise the kernels without it), where XLA and we put
   # griddepcontrol in the compiled kernels (benchmarks/probe_pdl_ptx.py reads their PTX),
   # decode (1B, 0.6B) under each mode back to back (the exact part under PDL: stage 38)

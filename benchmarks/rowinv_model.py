@@ -38,7 +38,7 @@ skipped):
   defaults, say); the JSON's meta records ``XLA_FLAGS``.
 * ``attention``: the exact prefill's attention alone, one layer: a block of
   ``prefill_width`` rows at the end of each prefill length, over a cache that long, in the
-  row-invariant form, for several :class:`~turbospark_jax.models.pallas_attention.AttentionTiles`
+  row-invariant form, for several :class:`~turbospark_jax.kernels.attention.AttentionTiles`
   (row tile, warps, stages), and a decode step's (one row over the speed part's cache) for
   several warps / stages: milliseconds a call (20 calls in one program's loop), TFLOP/s of
   the causal block, each kernel's own time from a trace on a GPU (``kernel_us``), and
@@ -273,7 +273,7 @@ def _ours(prod: str, layout: str, tiles: Any, schedule: Any = None) -> Any:
     """Our kernel for one of :func:`products_of`'s products, ``(x, weights) -> rows``: the
     gated kernel for ``gate_up`` (it gates in its epilogue and has one segment over K, so
     ``schedule`` does not apply), :func:`rowinv_matmul` for the rest."""
-    from turbospark_jax.models.rowinv import rowinv_matmul, rowinv_swiglu
+    from turbospark_jax.kernels.rowinv import rowinv_matmul, rowinv_swiglu
 
     if prod == "gate_up":
         return lambda x, w: rowinv_swiglu(x, w[0], w[1], tiles=tiles)
@@ -286,7 +286,7 @@ def part_products(preset: Preset, run: Run, shapes: list[str],
     """``only``: the products to time (names of :func:`products_of`), or all of them."""
     import jax
 
-    from turbospark_jax.models.rowinv import Schedule, Tiles
+    from turbospark_jax.kernels.rowinv import Schedule, Tiles
 
     on_gpu = jax.default_backend() == "gpu"
     for index, name in enumerate(shapes):
@@ -341,8 +341,8 @@ def _model(shape: Shape, kernels: str, seed: int = 0) -> tuple[Any, Any, Any]:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.dense import DenseModel, unstack_layers
-    from turbospark_jax.models.dense_config import DenseConfig
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     dtype = jnp.bfloat16 if jax.default_backend() == "gpu" else jnp.float32
@@ -364,7 +364,7 @@ def _producer(model: Any, params: Any, capacity: int, width: int, burst: int,
               prefill_width: int | None = None, donate: bool = False) -> Any:
     """The exact part keeps states to feed them again (no donation); the speed part donates,
     as the CLI and the server do (a call that does not copies the KV cache first)."""
-    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.engine.producer import BlockProducer
 
     extra = {} if SHORT_DECODE_KEYS is None else {"short_decode_keys": SHORT_DECODE_KEYS}
     return BlockProducer(model, params, capacity=capacity, width=width, steps_per_call=burst,
@@ -398,7 +398,7 @@ def _decode_logits(producer: Any, state: Any, first: int, start: int, steps: int
 def _burst_logits(producer: Any, state: Any, first: int, start: int, steps: int) -> list:
     """Greedy decoding of ``steps`` tokens (at most a burst) in one ``producer.decode``
     call: each step's logits bits (the state is not kept: the producer does not donate it)."""
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     steps = min(steps, producer.steps_per_call)
     burst, _ = producer.decode(state, first, steps, params=sampling.SamplingParams.greedy(),
@@ -475,7 +475,7 @@ def exact_case(shape: Shape, preset: Preset, kernels: str, widths: list[tuple[in
 
 
 def _sampling(kind: str) -> Any:
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     if kind == "greedy":
         return sampling.SamplingParams.greedy()
@@ -488,7 +488,7 @@ def decode_speed(producer: Any, context: int, new_tokens: int, burst: int, vocab
     bursts of ``burst``."""
     import jax
 
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, vocab, context)]
@@ -522,7 +522,7 @@ def completion_speed(producer: Any, context: int, new_tokens: int, vocab: int,
     ``context``-token prompt (exact prefill, not timed), then ``new_tokens`` tokens with
     the loop's own burst sizing, no stop id; the rate after the first token."""
     from turbospark_jax import CompletionRequest, run_raw_completion
-    from turbospark_jax.sampling import SamplingConfig
+    from turbospark_jax.core.sampling import SamplingConfig
 
     rng = np.random.default_rng(2)
     prompt = [int(t) for t in rng.integers(0, vocab, context)]
@@ -671,7 +671,7 @@ def attention_case(shape: Shape, rows: int, length: int, tiles: dict[str, int],
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.pallas_attention import AttentionTiles, cached_attention
+    from turbospark_jax.kernels.attention import AttentionTiles, cached_attention
 
     interpret = jax.default_backend() != "gpu"
     dtype = jnp.float32 if interpret else jnp.bfloat16
@@ -870,8 +870,10 @@ def part_profile(preset: Preset, run: Run, shapes: list[str], bandwidth: float,
 def main(argv: list[str] | None = None) -> int:
     import jax
 
-    from turbospark_jax import sampling
-    from turbospark_jax.models import pallas_attention, pallas_pdl, rowinv
+    from turbospark_jax.core import sampling
+    from turbospark_jax.kernels import attention as pallas_attention
+    from turbospark_jax.kernels import pdl as pallas_pdl
+    from turbospark_jax.kernels import rowinv
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
@@ -936,7 +938,7 @@ def main(argv: list[str] | None = None) -> int:
                          "lax.top_k's for any block; a power of two from 128 to 16,384)")
     ap.add_argument("--pdl", choices=pallas_pdl.MODES, default=pallas_pdl.MODE,
                     help="programmatic dependent launch inside the decode kernels "
-                         "(models/pallas_pdl.py; the same bits): 'trigger' lets the next "
+                         "(kernels/pdl.py; the same bits): 'trigger' lets the next "
                          "kernel be scheduled early and waits before the rows")
     args = ap.parse_args(argv)
     pallas_pdl.MODE = args.pdl

@@ -182,8 +182,8 @@ def _dense(shape: Shape, seed: int = 0) -> tuple[Any, Any, Any]:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.dense import DenseModel, unstack_layers
-    from turbospark_jax.models.dense_config import DenseConfig
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 
     config = DenseConfig.from_hf_dict(shape.hf_dict())
     model = DenseModel(config, jnp.bfloat16, scan_layers=False)
@@ -211,7 +211,7 @@ def kv_bytes(config: Any, context: int) -> int:
 
 
 def _producer(model: Any, params: Any, capacity: int, width: int, steps: int) -> Any:
-    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.engine.producer import BlockProducer
 
     return BlockProducer(model, params, capacity=capacity, width=width, steps_per_call=steps,
                          donate=True)
@@ -220,7 +220,7 @@ def _producer(model: Any, params: Any, capacity: int, width: int, steps: int) ->
 def decode_rate(producer: Any, context: int, new_tokens: int, burst: int, chunk: int,
                 vocab: int) -> dict[str, float]:
     """Fill ``context`` tokens (parallel path), then time ``new_tokens`` greedy decode steps."""
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(0, vocab, context)]
@@ -462,14 +462,10 @@ def _hf_compiled_decode(model: Any, shape: Shape, preset: Preset, rec: Recorder,
 def part_exact(preset: Preset, rec: Recorder) -> None:
     """Bitwise checks on this backend: chunked == token by token, speculative == plain."""
     from turbospark_jax import CompletionRequest, run_raw_completion
-    from turbospark_jax.drafters import (
-        DraftModelDrafter,
-        NGramDrafter,
-        OracleDrafter,
-        SpeculativePair,
-    )
-    from turbospark_jax.speculative import run_raw_completion_speculative
-    from turbospark_jax.state import live_equal
+    from turbospark_jax.core.state import live_equal
+    from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+    from turbospark_jax.speculative.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter
+    from turbospark_jax.speculative.pair import SpeculativePair
     from turbospark_jax.testing.conformance import chunked_prefill, sequential_prefill
 
     name = preset.sweep_shape

@@ -112,7 +112,7 @@ def _latency_summary(ttft: list[float], gaps: list[float], tokens: int, wall: fl
 def _our_model(preset: Preset) -> tuple[Any, Any, Any]:
     """(model, params, tokenizer) for the preset."""
     if preset.model == "embedded":
-        from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path, load_folder
+        from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path, load_folder
 
         loaded = load_folder(embedded_model_path(DEFAULT_TARGET), dtype=preset.dtype,
                              layer_layout="list")
@@ -175,7 +175,7 @@ class Report:
 def _build_server(preset: Preset, model: Any, params: Any, tokenizer: Any, replicas: int,
                   slots: int) -> Any:
     """Our server with ``replicas`` replicas (one per device) of ``slots`` slots each."""
-    from turbospark_jax.replicas import replicas_one_per_device
+    from turbospark_jax.parallel.replicas import replicas_one_per_device
     from turbospark_jax.server.build import make_server
 
     producers = replicas_one_per_device(model, params, replicas, capacity=preset.context,
@@ -264,7 +264,7 @@ def _hf_model(preset: Preset, device: str) -> Any:
     import transformers
 
     if preset.model == "embedded":
-        from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
+        from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
 
         model = transformers.AutoModelForCausalLM.from_pretrained(
             embedded_model_path(DEFAULT_TARGET), dtype=getattr(torch, preset.dtype),

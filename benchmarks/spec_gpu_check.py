@@ -14,18 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.run import SHAPES
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.drafters import (
-    DraftModelDrafter,
-    NGramDrafter,
-    OracleDrafter,
-    SpeculativePair,
-)
-from turbospark_jax.generate import run_raw_completion
-from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
-from turbospark_jax.models.dense_config import DenseConfig
-from turbospark_jax.speculative import run_raw_completion_speculative
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.generation.completion import CompletionRequest
+from turbospark_jax.generation.driver import run_raw_completion
+from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+from turbospark_jax.models.dense.config import DenseConfig
+from turbospark_jax.models.dense.model import DenseModel, init_params, unstack_layers
+from turbospark_jax.speculative.drafters import DraftModelDrafter, NGramDrafter, OracleDrafter
+from turbospark_jax.speculative.pair import SpeculativePair
 
 
 def _producer(d: dict, dtype, seed: int, capacity: int, width: int) -> BlockProducer:

@@ -75,11 +75,12 @@ def part_oracle(shapes: list[str], tokens: int, out: Path) -> Path:
     import jax.numpy as jnp
 
     from turbospark_jax import CompletionRequest, run_raw_completion
-    from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.drafters import OracleDrafter, SpeculativePair
-    from turbospark_jax.models.dense import DenseModel, init_params, unstack_layers
-    from turbospark_jax.models.dense_config import DenseConfig
-    from turbospark_jax.speculative import run_raw_completion_speculative
+    from turbospark_jax.engine.producer import BlockProducer
+    from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel, init_params, unstack_layers
+    from turbospark_jax.speculative.drafters import OracleDrafter
+    from turbospark_jax.speculative.pair import SpeculativePair
 
     gpu = jax.default_backend() == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32

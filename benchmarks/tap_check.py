@@ -16,9 +16,9 @@ import sys
 import numpy as np
 
 from turbospark_jax import CompletionRequest, run_raw_completion
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.drafters.block import tapped_target
-from turbospark_jax.loading import load_block_drafter, load_folder
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.io.loading import load_block_drafter, load_folder
+from turbospark_jax.speculative.drafters.block import tapped_target
 
 
 def main() -> int:
@@ -28,7 +28,7 @@ def main() -> int:
     if "--barrier" in sys.argv:
         import jax
 
-        from turbospark_jax.models.qwen3_5 import Qwen35Model
+        from turbospark_jax.models.qwen3_5.model import Qwen35Model
 
         mlp = Qwen35Model._mlp
         Qwen35Model._mlp = lambda self, lp, x: jax.lax.optimization_barrier(mlp(self, lp, x))

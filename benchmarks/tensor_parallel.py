@@ -75,8 +75,8 @@ def random_sharded_params(model: Any, mesh: Any, seed: int = 0) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.dense import init_params, unstack_layers
-    from turbospark_jax.sharding import check_divisible, param_shardings, tp_size
+    from turbospark_jax.models.dense.model import init_params, unstack_layers
+    from turbospark_jax.parallel.sharding import check_divisible, param_shardings, tp_size
 
     check_divisible(model.config, tp_size(mesh))
     shapes = jax.eval_shape(lambda: unstack_layers(
@@ -101,7 +101,7 @@ def random_sharded_params(model: Any, mesh: Any, seed: int = 0) -> Any:
 def decode_rate(producer: Any, context: int, new_tokens: int, burst: int,
                 vocab: int) -> dict[str, Any]:
     """Fill ``context`` tokens through the exact program, then time greedy decode bursts."""
-    from turbospark_jax import sampling
+    from turbospark_jax.core import sampling
 
     prompt = [int(t) for t in np.random.default_rng(0).integers(0, vocab, context)]
     greedy, key = sampling.SamplingParams.greedy(), sampling.request_key(0)
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     preset = PRESETS[args.preset]
     if args.preset == "smoke":
-        from turbospark_jax.device_flags import add_xla_flag
+        from turbospark_jax.engine.loop_graphs import add_xla_flag
 
         add_xla_flag("--xla_force_host_platform_device_count=8")
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.models.dense import DenseModel
-    from turbospark_jax.models.dense_config import DenseConfig
-    from turbospark_jax.sharding import ShardedProducer, tp_mesh
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel
+    from turbospark_jax.parallel.sharding import ShardedProducer, tp_mesh
 
     devices = jax.devices()
     bandwidth = copy_bandwidth(preset.bandwidth_bytes)  # one device's

@@ -11,7 +11,7 @@ program on random bfloat16 inputs, every matrix product the training step must d
   sequence; they are counted with ``seq_len``);
 * the output head, once for the trunk and once for the MTP head, with float32 logits and a
   bfloat16 logits gradient into its backward products, as the step computes them
-  (:func:`~turbospark_jax.recipe.objectives.output_head`; ``--head-grad-dtype float32`` times
+  (:func:`~turbospark_recipe.objectives.output_head`; ``--head-grad-dtype float32`` times
   the float32 gradient the step used to take);
 * the full-attention layers' scores and weighted sums (the MTP layer's too): per sequence and
   head ``Q K^T`` and ``P V`` forward, ``dO V^T``, ``P^T dO``, ``dS K`` and ``dS^T Q`` backward,
@@ -19,14 +19,14 @@ program on random bfloat16 inputs, every matrix product the training step must d
 
 Each product accumulates in float32 and rounds its output to bfloat16, as the step does. Left
 out: the gated delta rule's chunk products (float32, batched per 64-row chunk; their FLOPs are
-reported from a trace of :func:`~turbospark_jax.models.delta_rule.delta_rule_chunked`, not
+reported from a trace of :func:`~turbospark_jax.models.qwen3_5.delta_rule.delta_rule_chunked`, not
 timed), the flash-attention backward's recomputed scores, and all elementwise work, norms, the
 optimizer and copies.
 
 **The bound.** If the products alone take ``t`` seconds, no schedule of the step can beat
 ``model FLOPs per step / (peak * t)``: that is the MFU the recipe would reach if everything
 else took no time at all (the model FLOPs are the recipe's own count,
-:func:`~turbospark_jax.recipe.flops.training_flops_per_token`, which leaves out the MTP head
+:func:`~turbospark_recipe.flops.training_flops_per_token`, which leaves out the MTP head
 and counts attention's causal half). A low ceiling says the shapes, not the rest of the step,
 hold MFU down. Each distinct shape is also timed alone, so the table shows which are slow::
 
@@ -104,7 +104,7 @@ def enumerate_products(config: Any, params: Any, batch: int, seq_len: int,
     the first, the one training runs. The head is the tied embedding ``[V, D]`` (or an untied
     ``lm_head [D, V]``), applied to the trunk's rows and the MTP head's.
     """
-    from turbospark_jax.models.qwen3_5_config import FULL
+    from turbospark_jax.models.qwen3_5.config import FULL
 
     m = batch * seq_len
     products: list[Product] = []
@@ -198,10 +198,10 @@ def dot_flops(jaxpr: Any) -> int:
 
 def delta_rule_flops(config: Any, batch: int, seq_len: int, inverse: str) -> int:
     """The chunked delta rule's products, forward and backward, over every linear layer of a
-    step: traced from :func:`~turbospark_jax.models.delta_rule.delta_rule_chunked` (64-row
+    step: traced from :func:`~turbospark_jax.models.qwen3_5.delta_rule.delta_rule_chunked` (64-row
     chunks) at one sequence's shapes, times the batch."""
-    from turbospark_jax.models.delta_rule import delta_rule_chunked
-    from turbospark_jax.models.qwen3_5_config import LINEAR
+    from turbospark_jax.models.qwen3_5.config import LINEAR
+    from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
 
     hv, dk, dv = (config.linear_num_value_heads, config.linear_key_head_dim,
                   config.linear_value_head_dim)
@@ -225,7 +225,7 @@ def traced_step_flops(config: Any, params: Any, batch: int, seq_len: int) -> int
     account for all of it but the delta rule's and the MTP head's one row a sequence fewer."""
     from jax._src.interpreters import partial_eval as pe
 
-    from turbospark_jax.recipe import train as rt
+    from turbospark_recipe import train as rt
 
     tc = rt.TrainConfig(batch_size=batch, seq_len=seq_len)
     model = rt.build_model(config, tc.compute_dtype, "xla", tc.chunk_inverse)
@@ -284,11 +284,11 @@ def _dtype_tag(dtype: str) -> str:
 
 def _case(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
           head_grad_dtype: str, seed: int) -> dict[str, Any]:
-    from turbospark_jax.loading import DEFAULT_TARGET, embedded_model_path
-    from turbospark_jax.models.qwen3_5_config import Qwen35Config
-    from turbospark_jax.recipe import train as rt
-    from turbospark_jax.recipe.flops import peak_flops, training_flops_per_token
-    from turbospark_jax.tokenizer import Tokenizer
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.io.tokenizer import Tokenizer
+    from turbospark_jax.models.qwen3_5.config import Qwen35Config
+    from turbospark_recipe import train as rt
+    from turbospark_recipe.flops import peak_flops, training_flops_per_token
 
     tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
     config = rt.model_config(preset, tokenizer)

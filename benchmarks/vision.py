@@ -37,8 +37,10 @@ def _e2b(dtype: Any) -> tuple[Any, Any, Any]:
     """(model, params, vision encoder) at E2B's shape with random weights."""
     import jax
 
-    from turbospark_jax.models import gemma4, gemma4_config, gemma4_vision
-    from turbospark_jax.vision import ImageTokens, VisionEncoder
+    from turbospark_jax.io.vision import ImageTokens, VisionEncoder
+    from turbospark_jax.models.gemma4 import config as gemma4_config
+    from turbospark_jax.models.gemma4 import model as gemma4
+    from turbospark_jax.models.gemma4 import vision as gemma4_vision
 
     full, sliding = gemma4_config.FULL, gemma4_config.SLIDING
     config = gemma4_config.Gemma4Config.from_hf_dict(dict(
@@ -60,7 +62,7 @@ def _e2b(dtype: Any) -> tuple[Any, Any, Any]:
 
 
 def _tiny() -> tuple[Any, Any, Any]:
-    from turbospark_jax.models import gemma4
+    from turbospark_jax.models.gemma4 import model as gemma4
     from turbospark_jax.testing.vision import tiny_vision_model
 
     config, params, vision, _ = tiny_vision_model()
@@ -81,10 +83,10 @@ def run(tiny: bool, repeats: int) -> dict[str, Any]:
     import jax.numpy as jnp
     from PIL import Image
 
-    from turbospark_jax.block_producer import BlockProducer
-    from turbospark_jax.completion import CompletionRequest
-    from turbospark_jax.generate import stream_completion
-    from turbospark_jax.state import copy_state
+    from turbospark_jax.core.state import copy_state
+    from turbospark_jax.engine.producer import BlockProducer
+    from turbospark_jax.generation.completion import CompletionRequest
+    from turbospark_jax.generation.driver import stream_completion
 
     on_gpu = jax.default_backend() != "cpu"
     model, params, vision = _tiny() if tiny else _e2b(jnp.bfloat16 if on_gpu else jnp.float32)

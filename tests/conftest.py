@@ -94,7 +94,7 @@ def full_precision_products():
 @pytest.fixture
 def no_tensor_read(monkeypatch):
     """Fail the test if the loader reads a tensor (a refusal must come before any read)."""
-    from turbospark_jax import loading
+    from turbospark_jax.io import loading
 
     def refuse(*args, **kwargs):
         raise AssertionError("a tensor was read")
@@ -107,7 +107,7 @@ def key_bounds_seen(monkeypatch):
     """The dense model declares ``bounds_keys`` in its row-invariant mode here too (on the CPU,
     where its XLA attention ignores the hint), and every ``max_keys`` its attention is handed
     while a program is traced goes into the list this returns (``None``: unbounded)."""
-    from turbospark_jax.models import dense
+    from turbospark_jax.models.dense import model as dense
 
     seen = []
     real = dense.cached_attention

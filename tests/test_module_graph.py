@@ -1,8 +1,9 @@
-"""The module graph README.md draws holds: no module imports from a layer above its own.
+"""The package graph the README draws holds: no package imports from a layer above its own,
+nor from another package of its own layer, and the runtime never imports the training recipe.
 
-Protocols sit at the centre; the engine and the models below the loops; the loops below
-multi-turn; the entry points (API, CLI, recipe) on top. An import that reaches upward is the
-first step towards a cycle, so the test reads every module's imports and checks the layers.
+Each top-level package of ``turbospark_jax`` is one layer of the architecture; modules inside a
+package may import each other freely. An import that reaches up (or sideways) is the first step
+towards a cycle between concerns, so the test reads every module's imports and checks them.
 """
 
 import ast
@@ -10,57 +11,86 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "turbospark_jax"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "turbospark_jax"
 
-#: Layer of each module (by dotted name under ``turbospark_jax``; a package stands for its
-#: modules). Lower layers never import higher ones.
+#: Layer of each top-level package or module of ``turbospark_jax``. A unit may import only
+#: units of strictly lower layers.
 LAYERS: dict[str, int] = {
-    "errors": 0, "device_flags": 0, "checks": 0, "kv_prefix": 0, "state": 0, "sampling": 0,
-    "stop": 0, "detokenize": 0, "tokenizer": 0, "streams": 0, "distributed": 0, "images": 0,
-    "injection": 0, "loops": 0,
-    "protocols": 1,
-    "models": 2, "block_program": 2, "block_producer": 2, "sharding": 2, "tp_specs": 2,
-    "rounds": 3, "drafters": 3, "batching": 3,
-    "completion": 4, "generate": 4, "speculative": 4, "vision": 4,
-    "session_pool": 5, "chat": 5, "replicas": 5,
-    "loading": 6, "sharded_loading": 6, "drafter_figures": 6, "drafter_choice": 6,
-    "api": 7, "server": 7, "cli": 8, "recipe": 8, "testing": 8, "__init__": 9,
+    "errors": 0,
+    "core": 1,
+    "kernels": 2,
+    "models": 3,
+    "engine": 4, "io": 4,
+    "speculative": 5,
+    "generation": 6,
+    "sessions": 7,
+    "parallel": 8,
+    "api": 9, "server": 9,
+    "cli": 10, "testing": 10,
+    "__init__": 11,
 }
 
 
-def _layer(dotted: str) -> int:
+def _unit(dotted: str) -> str:
     head = dotted.split(".")[0]
     if head not in LAYERS:
-        raise AssertionError(f"module {dotted!r} has no layer in LAYERS; give it one")
-    return LAYERS[head]
-
-
-def _modules() -> list[Path]:
-    return sorted(PACKAGE.rglob("*.py"))
+        raise AssertionError(f"{dotted!r} belongs to no layer in LAYERS; give its package one")
+    return head
 
 
 def _imports(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text())
+    """The ``turbospark_jax`` units a module imports (dotted under the package), and
+    ``turbospark_recipe`` where it imports the recipe."""
     found = []
-    for node in ast.walk(tree):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append(node.module)
+            if node.module == "turbospark_jax":
+                found += [f"turbospark_jax.{alias.name}" for alias in node.names]
+            else:
+                found.append(node.module)
         elif isinstance(node, ast.Import):
             found += [alias.name for alias in node.names]
     prefix = "turbospark_jax."
-    return [m[len(prefix):] for m in found if m.startswith(prefix)]
+    ours = [m[len(prefix):] for m in found if m.startswith(prefix)]
+    # the package's own version string and names re-exported at the top count as __init__
+    ours = [m if m.split(".")[0] in LAYERS else "__init__" for m in ours]
+    return ours + [m for m in found if m.split(".")[0] == "turbospark_recipe"]
 
 
-@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
-def test_no_module_imports_from_a_higher_layer(path):
-    rel = path.relative_to(PACKAGE).with_suffix("")
-    own = _layer(".".join(rel.parts))
-    upward = [m for m in _imports(path) if _layer(m) > own]
-    assert not upward, f"{rel} (layer {own}) imports from higher layers: {upward}"
+def _violations(at: Path, source: Path | None = None) -> list[str]:
+    """The imports of ``source`` (default: the module at ``at``) that a module at ``at`` may
+    not make."""
+    own = _unit(".".join(at.relative_to(PACKAGE).with_suffix("").parts))
+    bad = []
+    for m in _imports(source or at):
+        recipe = m.startswith("turbospark_recipe")
+        if recipe or (_unit(m) != own and LAYERS[_unit(m)] >= LAYERS[own]):
+            bad.append(m)
+    return bad
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")),
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_no_module_imports_upward_or_sideways(path):
+    bad = _violations(path)
+    assert not bad, f"{path.relative_to(PACKAGE)} imports from its own or a higher layer: {bad}"
+
+
+def test_top_level_holds_packages_and_a_handful_of_modules():
+    modules = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert modules == ["__init__.py", "api.py", "errors.py"]
 
 
 def test_control_an_upward_import_is_caught(tmp_path):
-    """The check can fail: a protocols module importing the CLI is reported."""
-    fake = tmp_path / "protocols.py"
-    fake.write_text("from turbospark_jax.cli import main\n")
-    assert [m for m in _imports(fake) if _layer(m) > LAYERS["protocols"]] == ["cli"]
+    """The check can fail: a core module importing the CLI, an engine module importing the io
+    layer beside it, and a model importing the recipe are each reported."""
+    for rel, line, expected in [
+        ("core/fake.py", "from turbospark_jax.cli import main\n", ["cli"]),
+        ("engine/fake.py", "from turbospark_jax.io import loading\n", ["io"]),
+        ("models/fake.py", "import turbospark_recipe.train\n", ["turbospark_recipe.train"]),
+    ]:
+        fake = PACKAGE / rel
+        body = tmp_path / "body.py"
+        body.write_text(line)
+        assert _violations(fake, body) == expected

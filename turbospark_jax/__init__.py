@@ -12,12 +12,20 @@ modules hold the rest (``block_producer``, ``drafters``, ``session_pool``, ``cha
 """
 
 # ruff: noqa: E402 (the XLA flags go in before any import that could start a JAX backend)
-from turbospark_jax.device_flags import enable_loop_graphs
+from turbospark_jax.engine.loop_graphs import enable_loop_graphs
 
 enable_loop_graphs()  # device loops as CUDA graphs, only if asked for (device_flags)
 
 from turbospark_jax.api import Model, generate, load, stream
-from turbospark_jax.completion import Completion, CompletionRequest, FinishReason, Usage
+from turbospark_jax.core.protocols import (
+    ChunkedPrefillRunner,
+    DeviceDecoder,
+    LogitProducer,
+    SpeculativeProducer,
+    VerifyingTarget,
+)
+from turbospark_jax.core.sampling import SamplingConfig
+from turbospark_jax.core.streams import Stream, StreamEvent
 from turbospark_jax.errors import (
     BadInputError,
     ContextOverflowError,
@@ -28,17 +36,9 @@ from turbospark_jax.errors import (
     TurbosparkError,
     UnsupportedCapabilityError,
 )
-from turbospark_jax.generate import run_raw_completion, stream_completion
-from turbospark_jax.protocols import (
-    ChunkedPrefillRunner,
-    DeviceDecoder,
-    LogitProducer,
-    SpeculativeProducer,
-    VerifyingTarget,
-)
-from turbospark_jax.sampling import SamplingConfig
-from turbospark_jax.speculative import run_raw_completion_speculative
-from turbospark_jax.streams import Stream, StreamEvent
+from turbospark_jax.generation.completion import Completion, CompletionRequest, FinishReason, Usage
+from turbospark_jax.generation.driver import run_raw_completion, stream_completion
+from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
 
 __version__ = "0.1.0"
 

@@ -15,7 +15,7 @@
     tsj.generate(vlm, "<|image|> What is in the picture?", images=["cat.png"])
 
 Everything here is built from the layers below it (loading, the block producer, drafters,
-:func:`~turbospark_jax.generate.stream_completion`); reach for those when you need a state,
+:func:`~turbospark_jax.generation.driver.stream_completion`); reach for those when you need a state,
 a session pool or a custom drafter.
 """
 
@@ -28,31 +28,31 @@ from typing import Any
 
 import jax
 
-from turbospark_jax.block_producer import BlockProducer, check_prefill_width
-from turbospark_jax.checks import as_int, as_token_ids
-from turbospark_jax.completion import Completion, CompletionRequest
-from turbospark_jax.drafter_choice import (
-    DrafterChoice,
-    choose_drafter,
-    pair_with_drafter,
-    requested_drafter,
-)
-from turbospark_jax.drafters import MAX_DRAFT
+from turbospark_jax.core.checks import as_int, as_token_ids
+from turbospark_jax.core.protocols import LogitProducer
+from turbospark_jax.core.sampling import SamplingConfig, is_greedy
+from turbospark_jax.core.streams import Stream
+from turbospark_jax.engine.producer import BlockProducer, check_prefill_width
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.generate import stream_completion
-from turbospark_jax.images import as_list as as_image_list
-from turbospark_jax.loading import (
+from turbospark_jax.generation.completion import Completion, CompletionRequest
+from turbospark_jax.generation.driver import stream_completion
+from turbospark_jax.io.images import as_list as as_image_list
+from turbospark_jax.io.loading import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
     LoadedModel,
     embedded_model_path,
     load_folder,
 )
-from turbospark_jax.models.row_kernels import check_kernels
-from turbospark_jax.protocols import LogitProducer
-from turbospark_jax.sampling import SamplingConfig, is_greedy
-from turbospark_jax.streams import Stream
-from turbospark_jax.vision import VisionEncoder, require_vision
+from turbospark_jax.io.vision import VisionEncoder, require_vision
+from turbospark_jax.kernels.plan import check_kernels
+from turbospark_jax.speculative.choice import (
+    DrafterChoice,
+    choose_drafter,
+    pair_with_drafter,
+    requested_drafter,
+)
+from turbospark_jax.speculative.drafters import MAX_DRAFT
 
 __all__ = ["Model", "generate", "load", "stream"]
 
@@ -65,7 +65,7 @@ class Model:
     """A loaded model, ready to generate.
 
     Fields:
-      producer: the producer to drive (a :class:`~turbospark_jax.drafters.SpeculativePair`
+      producer: the producer to drive (a :class:`~turbospark_jax.speculative.pair.SpeculativePair`
         when a drafter was asked for).
       tokenizer: the folder's tokenizer (``None`` when it has none: pass token ids then).
       stop_token_ids: the ids that end a reply (end of sequence, from the folder).
@@ -133,13 +133,13 @@ def load(
     Args:
       path: the model folder; ``None`` for the embedded default model.
       drafter: ``"auto"`` for the drafter the folder's figures measured fastest on this
-        backend (:mod:`~turbospark_jax.drafter_choice`), or one by name: ``"draft-model"``,
+        backend (:mod:`~turbospark_jax.speculative.choice`), or one by name: ``"draft-model"``,
         ``"ngram"``, ``"mtp"``, ``"block"``, ``"assistant"``; ``None``: no drafter unless one
         of the next three asks for one.
       draft: a draft model folder for speculative decoding, or ``True`` for the embedded
         draft model (``drafter="draft-model"`` with that folder).
       block_drafter: a block drafter folder trained for this model
-        (:func:`~turbospark_jax.loading.save_block_drafter`): the target then records the
+        (:func:`~turbospark_jax.io.loading.save_block_drafter`): the target then records the
         layers it reads, and it proposes a block per pass (``drafter="block"``).
       ngram: draft by prompt lookup with n-grams up to this length (0: off; with
         ``drafter="ngram"`` the default is 3).
@@ -155,7 +155,7 @@ def load(
         ``"rowinv"`` (row-invariant, dense models only: a row's bits do not depend on the
         width, so any ``width`` gives the same tokens and logits as any other).
       prefill_width: the most rows one block of the target's exact prefill holds
-        (:class:`~turbospark_jax.block_producer.BlockProducer`); default
+        (:class:`~turbospark_jax.engine.producer.BlockProducer`); default
         :func:`default_prefill_width`: ``width`` with XLA's kernels, wide blocks (the same
         bits, faster) with ``kernels="rowinv"``. :func:`stream` then prefills in chunks of at
         least this many tokens. Another value than ``width`` needs ``kernels="rowinv"``; a
@@ -268,7 +268,7 @@ def stream(
         ``model.drafter.plain_when_sampling`` says so).
       **settings: sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) or other
-        :class:`~turbospark_jax.completion.CompletionRequest` fields.
+        :class:`~turbospark_jax.generation.completion.CompletionRequest` fields.
 
     Raises:
       BadInputError: an unknown setting, text for a model without a tokenizer, images for a

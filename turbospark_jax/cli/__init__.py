@@ -3,7 +3,7 @@ the checks that need no model, ``progress`` for what stderr shows while it works
 
 turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded default
 model; --model PATH takes any supported Hugging Face folder. --speculative drafts with the best
-drafter the model has (``turbospark_jax.drafter_choice``), --drafter names one (--draft-model
+drafter the model has (``turbospark_jax.speculative.choice``), --drafter names one (--draft-model
 PATH, --block-drafter PATH and --ngram N name theirs); --chat keeps one session across turns
 read from standard input and reports prefix reuse.
 
@@ -36,7 +36,7 @@ from turbospark_jax.cli.arguments import (
 )
 from turbospark_jax.cli.progress import Bar, CompileClock, Spinner
 from turbospark_jax.errors import BadInputError, ModelLoadError, TurbosparkError
-from turbospark_jax.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
+from turbospark_jax.io.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
 
 __all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "embedded_model_path", "main"]
 
@@ -76,7 +76,7 @@ def _read_folder(path: Path, flag: str) -> _Folder:
 
 
 def _read_tokenizer(folder: _Folder) -> Any:
-    from turbospark_jax.tokenizer import TOKENIZER_FILE, Tokenizer
+    from turbospark_jax.io.tokenizer import TOKENIZER_FILE, Tokenizer
 
     if not (folder.path / TOKENIZER_FILE).is_file():
         raise ModelLoadError(
@@ -170,7 +170,7 @@ class _Clock:
 
 
 def _load(path: Path, args: argparse.Namespace) -> Any:
-    from turbospark_jax.loading import load_folder
+    from turbospark_jax.io.loading import load_folder
 
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
@@ -178,7 +178,7 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
 
 
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
-    from turbospark_jax.block_producer import BlockProducer
+    from turbospark_jax.engine.producer import BlockProducer
 
     # A draft model runs XLA's kernels: its prefill stays at --width.
     wide = args.prefill_width if loaded.model.widths_agree else args.width
@@ -201,7 +201,7 @@ def _assemble(args: argparse.Namespace, target: _Folder, choice: Any,
               spinner: Spinner, capacity: int) -> tuple[Any, list[int], Any]:
     """(producer to drive, stop ids, vision tower or None): the target loaded, paired with
     the drafter chosen."""
-    from turbospark_jax.drafter_choice import pair_with_drafter
+    from turbospark_jax.speculative.choice import pair_with_drafter
 
     spinner.set(f"loading {target.path}")
     loaded = _load(target.path, args)
@@ -221,7 +221,7 @@ def _stop_ids(loaded: Any) -> list[int]:
 
 
 def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
-    from turbospark_jax.completion import CompletionRequest
+    from turbospark_jax.generation.completion import CompletionRequest
 
     return CompletionRequest(
         prompt_ids=list(prompt_ids),
@@ -242,7 +242,7 @@ def _warm_up(producer: Any, request: Any) -> None:
     """Compile every program the run will call, on a scratch state and a two-token prompt
     (a drafter is primed on all but the last prompt token), so that the run's prefill and
     decode timings are not compile time."""
-    from turbospark_jax.generate import stream_completion
+    from turbospark_jax.generation.driver import stream_completion
 
     tiny = dataclasses.replace(request, prompt_ids=list(request.prompt_ids[:2]),
                                max_tokens=min(request.max_tokens, 2 + (request.draft_len or 0)),
@@ -293,7 +293,7 @@ def _image_tokens(args: argparse.Namespace, target: _Folder) -> int:
     if settings is None:
         raise CommandLineError(f"--image needs a model with a vision tower; {target.path} is a "
                                "text-only model")
-    from turbospark_jax.images import prepare
+    from turbospark_jax.io.images import prepare
 
     vision, budget = settings
     return sum(prepare(path, patch_size=vision.get("patch_size", 16),
@@ -405,7 +405,7 @@ def _set_prefill_width(args: argparse.Namespace) -> None:
       CommandLineError: a value below ``--width``, or other than it with ``--kernels xla``.
     """
     from turbospark_jax.api import default_prefill_width
-    from turbospark_jax.block_producer import check_prefill_width
+    from turbospark_jax.engine.producer import check_prefill_width
 
     if args.prefill_width is None:
         args.prefill_width = default_prefill_width(args.width, args.kernels)
@@ -423,7 +423,7 @@ def _choose(args: argparse.Namespace, target: _Folder, backend: str) -> Any:
       CommandLineError: a folder named on the command line is not there, or the drafter
         asked for is not available for the model (why, in one line).
     """
-    from turbospark_jax.drafter_choice import choose_drafter
+    from turbospark_jax.speculative.choice import choose_drafter
 
     if args.requested_drafter is None:
         return None
@@ -445,7 +445,7 @@ def _choose(args: argparse.Namespace, target: _Folder, backend: str) -> Any:
 def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, clock: _Clock,
               stdout: TextIO, stderr: TextIO, choice: Any = None) -> int:
     """One completion streamed to stdout, progress on stderr, --stats after it."""
-    from turbospark_jax.generate import stream_completion
+    from turbospark_jax.generation.driver import stream_completion
 
     show = args.progress or stderr.isatty()
     prefill_bar = Bar(show, stderr, "prefill", len(request.prompt_ids))
@@ -483,8 +483,8 @@ def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, c
 
 def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision=None) -> int:
     """One session across turns: each line of stdin is a user turn."""
-    from turbospark_jax.chat import ChatSession, default_stop_ids
-    from turbospark_jax.session_pool import SessionPool
+    from turbospark_jax.sessions.chat import ChatSession, default_stop_ids
+    from turbospark_jax.sessions.session_pool import SessionPool
 
     pool = SessionPool(producer, slots=args.slots)
     request = _request(args, [0], stops)

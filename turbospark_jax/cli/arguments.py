@@ -11,15 +11,15 @@ import re
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from turbospark_jax.drafter_choice import (
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.kernels.plan import KERNELS
+from turbospark_jax.speculative.choice import (
     AUTO,
     DEFAULT_DRAFT_LEN,
     DEFAULT_NGRAM,
     DRAFTERS,
     requested_drafter,
 )
-from turbospark_jax.errors import BadInputError
-from turbospark_jax.models.row_kernels import KERNELS
 
 PROG = "turbospark-jax"
 
@@ -111,13 +111,14 @@ class _Version(argparse.Action):
 
 def version_line() -> str:
     """``turbospark-jax 0.1.0, jax 0.10.2, backend cpu (cpu)``."""
-    import jax
+    from importlib.metadata import version
 
-    from turbospark_jax import __version__
+    import jax
 
     devices = jax.devices()
     kind = devices[0].device_kind if devices else "none"
-    return (f"{PROG} {__version__}, jax {jax.__version__}, backend {jax.default_backend()} "
+    return (f"{PROG} {version('turbospark-jax')}, jax {jax.__version__}, "
+            f"backend {jax.default_backend()} "
             f"({len(devices)} x {kind})")
 
 
@@ -333,8 +334,8 @@ def check_arguments(args: argparse.Namespace) -> None:
     Raises:
       CommandLineError: the first problem, in the flags' words.
     """
-    from turbospark_jax.drafters import MAX_DRAFT
-    from turbospark_jax.sampling import SamplingConfig, request_key
+    from turbospark_jax.core.sampling import SamplingConfig, request_key
+    from turbospark_jax.speculative.drafters import MAX_DRAFT
 
     if args.max_tokens < 1:
         raise CommandLineError(f"--max-tokens must be >= 1, got {args.max_tokens}")
@@ -366,7 +367,7 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError(
             f"--image decodes without drafting; drop {named[0][0]} to run a prompt with images"
         )
-    from turbospark_jax.images import decode
+    from turbospark_jax.io.images import decode
 
     for path in args.image:
         try:

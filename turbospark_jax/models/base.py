@@ -70,7 +70,7 @@ class BlockModel(abc.ABC):
         model also answers :attr:`embedding_size` and :attr:`embedding_dtype`.
       row_invariant_kernels: the family has a row-invariant mode: its instances take a
         ``kernels`` setting, ``"xla"`` (the default) or ``"rowinv"``
-        (:mod:`~turbospark_jax.models.row_kernels`), and
+        (:mod:`~turbospark_jax.kernels.plan`), and
         ``dataclasses.replace(model, kernels="rowinv")`` sets it. In that mode a row's result
         does not depend on how many rows the call has, so block programs of different widths
         agree bit for bit. The dense family does.
@@ -78,7 +78,7 @@ class BlockModel(abc.ABC):
     Declared per instance (a property, since it follows the instance's settings):
       widths_agree: block programs of different widths give this instance's rows bitwise
         the same results, so the exact prefill may run in blocks wider than decode's
-        (:class:`~turbospark_jax.block_producer.BlockProducer`'s ``prefill_width``). False
+        (:class:`~turbospark_jax.engine.producer.BlockProducer`'s ``prefill_width``). False
         by default; a family with :attr:`row_invariant_kernels` answers True in that mode.
         Such an instance's :meth:`block_forward` also takes ``last_row_head=True`` (static):
         the output head then runs on the last live row only and the logits are ``[1, V]``,

@@ -5,8 +5,8 @@ The drafter owns no embedding and no output head: it embeds with the target's
 ``embed_tokens`` and scores with the target's head (``lm_head``, or the embedding when tied),
 so its hidden size and vocabulary are the target's. What it reads of the target is the output
 of a few evenly spaced target layers at every fed position (the target's ``tap_layers``,
-:class:`~turbospark_jax.models.dense.TappedDenseCache`,
-:class:`~turbospark_jax.models.qwen3_5.TappedQwen35Cache`). Those rows are concatenated,
+:class:`~turbospark_jax.models.dense.model.TappedDenseCache`,
+:class:`~turbospark_jax.models.qwen3_5.model.TappedQwen35Cache`). Those rows are concatenated,
 projected to the drafter's width and normed (``fc``, ``hidden_norm``); each drafter layer
 turns the projected row of position ``p`` into its context key and value at ``p``. A context
 row depends on nothing but its own tap row, so the drafter's KV is append-only, computed once
@@ -31,7 +31,7 @@ heads, ``hd`` head dim, ``F`` intermediate); matrices are ``[in, out]``::
 
 A saved folder holds ``config.json`` (``model_type`` :data:`MODEL_TYPE`) and
 ``model.safetensors`` with one tensor per leaf, named by its path (``layers.q_proj``); see
-:func:`~turbospark_jax.loading.load_block_drafter`.
+:func:`~turbospark_jax.io.loading.load_block_drafter`.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from turbospark_jax.core.state import append_only
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models.layers import (
+from turbospark_jax.kernels.layers import (
     apply_rope,
     attend,
     random_leaves,
@@ -55,7 +56,6 @@ from turbospark_jax.models.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
-from turbospark_jax.state import append_only
 
 Params = dict[str, Any]
 

@@ -3,7 +3,7 @@
 Each family module (``dense.py``, ...) builds one :class:`Family` value naming the
 ``model_type`` values it serves, how to parse their ``config.json``, the shape of its params
 tree, where each Hugging Face tensor goes in that tree, and how to build the runnable model.
-``turbospark_jax.loading`` is generic over this declaration; ``registry.py`` lists the
+``turbospark_jax.io.loading`` is generic over this declaration; ``registry.py`` lists the
 families. The readings of ``config.json`` that several families' configs share are here too.
 """
 

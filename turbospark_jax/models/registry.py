@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.models import dense, gemma4, qwen3_5
+from turbospark_jax.models.dense import model as dense
 from turbospark_jax.models.family import Family
+from turbospark_jax.models.gemma4 import model as gemma4
+from turbospark_jax.models.qwen3_5 import model as qwen3_5
 
 #: The families, in the order their model types are listed in messages.
 FAMILIES: tuple[Family, ...] = (dense.FAMILY, qwen3_5.FAMILY, gemma4.FAMILY)

@@ -27,14 +27,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from turbospark_jax.completion import CompletionRequest
+from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.errors import (
     ContextOverflowError,
     OverloadedError,
     TurbosparkError,
     UnavailableError,
 )
-from turbospark_jax.sampling import SamplingConfig
+from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server import responses
 from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
 from turbospark_jax.server.metrics import ServerMetrics

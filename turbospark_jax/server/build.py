@@ -10,17 +10,17 @@ from typing import Any
 
 from starlette.applications import Starlette
 
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.chat import default_stop_ids
-from turbospark_jax.drafter_choice import DrafterChoice, choose_drafter, pair_with_drafter
-from turbospark_jax.drafters import SpeculativePair
+from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
-from turbospark_jax.replicas import check_replica_count, replicas_one_per_device
+from turbospark_jax.io.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
+from turbospark_jax.parallel.replicas import check_replica_count, replicas_one_per_device
 from turbospark_jax.server.app import ServerConfig, build_app
 from turbospark_jax.server.engine import Engine
 from turbospark_jax.server.metrics import ServerMetrics
 from turbospark_jax.server.router import ReplicaRouter
+from turbospark_jax.sessions.chat import default_stop_ids
+from turbospark_jax.speculative.choice import DrafterChoice, choose_drafter, pair_with_drafter
+from turbospark_jax.speculative.pair import SpeculativePair
 
 __all__ = ["Server", "load_server", "make_server"]
 
@@ -75,7 +75,7 @@ def make_server(
     """A server over a ready producer (the tests build one over a toy model).
 
     Args:
-      producer: the model's :class:`~turbospark_jax.block_producer.BlockProducer`, or one per
+      producer: the model's :class:`~turbospark_jax.engine.producer.BlockProducer`, or one per
         replica (data parallel: :class:`~turbospark_jax.server.router.ReplicaRouter`).
       tokenizer: its tokenizer (with a chat template for ``/v1/chat/completions``).
       model_name: the id requests must name.
@@ -132,14 +132,14 @@ def load_server(
       draft: a draft model folder (``True``: the model's own, ``<model>-draft`` beside it;
         for the embedded model, the embedded draft model) for speculative decoding of greedy
         requests; ``ngram``: prompt lookup up to this n instead.
-      drafter: a drafter by name (:mod:`~turbospark_jax.drafter_choice`: ``"auto"`` picks the
+      drafter: a drafter by name (:mod:`~turbospark_jax.speculative.choice`: ``"auto"`` picks the
         model's best, as ``generate --speculative`` does); at most one of ``draft``,
         ``ngram`` and ``drafter``.
       model_name: the served id (default: the folder's name).
       replicas: data-parallel replicas, one per local device (the first ``replicas`` of
         them), each a full copy of the weights with ``slots`` slots of its own.
       kernels: the model's per-row kernels, ``"xla"`` or ``"rowinv"``
-        (:func:`~turbospark_jax.loading.load_folder`).
+        (:func:`~turbospark_jax.io.loading.load_folder`).
       **options: :func:`make_server` keywords.
 
     Raises:

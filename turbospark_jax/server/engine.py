@@ -6,12 +6,13 @@ scheduler thread owns the device and loops over ticks:
 1. drop requests whose client went away (their slot is free from this point on);
 2. give waiting requests slots (:func:`~turbospark_jax.server.slots.choose_slot`); a request
    whose session's slot is busy waits without holding up the others;
-3. run **one prefill call** (:meth:`~turbospark_jax.batching.BatchedDecoder.prefill`) for the
+3. run **one prefill call** (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.prefill`) for the
    oldest ``P`` requests still prefilling, each fed up to ``C`` more prompt tokens on its own
    row; a request whose prompt ends in the call draws its first token in it and joins the batch;
 4. run **one batched decode step** for every row in the batch
-   (:meth:`~turbospark_jax.batching.BatchedDecoder.step`); each row's token goes through the
-   request's own :class:`~turbospark_jax.completion.Emission` (stop tokens, detokenizer, stop
+   (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.step`); each row's token goes through the
+   request's own :class:`~turbospark_jax.generation.completion.Emission` (stop tokens, detokenizer,
+   stop
    strings, ``max_tokens``), and a finished row leaves the batch.
 
 So a tick's prompt work is bounded (``P * C`` tokens, at most ``C / W`` block steps): a long
@@ -27,7 +28,7 @@ them would make a continued conversation differ from the same prompt served fres
 (``tests/test_batching.py`` checks reuse against fresh bitwise). A request's
 output depends only on its own prompt, settings and seed: its prompt and first token are a row
 of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
-and neither program's rows interact (see :mod:`turbospark_jax.batching`).
+and neither program's rows interact (see :mod:`turbospark_jax.engine.batching`).
 
 **Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
 request without logprobs runs the existing speculative loop on a fresh state of its own, one
@@ -51,11 +52,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from turbospark_jax import sampling
-from turbospark_jax.batching import BatchedDecoder
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.checks import as_int
-from turbospark_jax.completion import (
+from turbospark_jax.core import sampling
+from turbospark_jax.core.checks import as_int
+from turbospark_jax.core.protocols import SpeculativeProducer
+from turbospark_jax.engine.batching import BatchedDecoder
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
+from turbospark_jax.generation.completion import (
     NON_FINITE_LOGITS,
     Completion,
     CompletionRequest,
@@ -63,9 +66,7 @@ from turbospark_jax.completion import (
     FinishReason,
     validate_request,
 )
-from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
-from turbospark_jax.generate import stream_completion
-from turbospark_jax.protocols import SpeculativeProducer
+from turbospark_jax.generation.driver import stream_completion
 from turbospark_jax.server.slots import SlotRecord, choose_slot, open_prefix
 
 __all__ = ["Delta", "Done", "Engine", "EngineObserver", "Failed", "ServeRequest", "Ticket",
@@ -217,7 +218,7 @@ class Engine:
     """Serve completions from ``slots`` session slots with batched decoding.
 
     Args:
-      producer: the model as a :class:`~turbospark_jax.block_producer.BlockProducer`.
+      producer: the model as a :class:`~turbospark_jax.engine.producer.BlockProducer`.
       slots: session slots, which is also the decode batch ``B``.
       tokenizer: for text, stop strings and deltas.
       max_waiting: requests that may wait while every slot is busy; more are refused with

@@ -6,7 +6,7 @@ import functools
 import time
 from typing import Any
 
-from turbospark_jax.completion import Completion, FinishReason
+from turbospark_jax.generation.completion import Completion, FinishReason
 from turbospark_jax.server.engine import TokenLogprob
 
 __all__ = ["TokenTexts", "chat_logprobs", "finish_reason", "text_logprobs", "usage"]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from turbospark_jax.kv_prefix import common_prefix
+from turbospark_jax.core.kv_prefix import common_prefix
 
 __all__ = ["Choice", "SlotRecord", "choose_slot", "open_prefix"]
 

@@ -3,7 +3,7 @@
 Each ``check_*`` function drives a producer through two paths the protocols promise are
 identical and raises :class:`ConformanceError` naming the first difference. Equality is bitwise
 (``np.array_equal`` on the raw bytes), on logits and on every live state leaf
-(:func:`turbospark_jax.state.live_equal`: dead rows past the cursor and scratch leaves aside).
+(:func:`turbospark_jax.core.state.live_equal`: dead rows past the cursor and scratch leaves aside).
 
 Each check has a control: :func:`perturbed` wraps a producer so that one path is wrong by one
 bit or one position, and the same check must then fail. A check that cannot fail proves
@@ -22,8 +22,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from turbospark_jax.protocols import ChunkedPrefillRunner, LogitProducer, VerifyingTarget
-from turbospark_jax.state import copy_state, live_equal, live_view
+from turbospark_jax.core.protocols import ChunkedPrefillRunner, LogitProducer, VerifyingTarget
+from turbospark_jax.core.state import copy_state, live_equal, live_view
 
 
 class ConformanceError(AssertionError):

@@ -8,10 +8,10 @@ from typing import Any
 
 import jax
 
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.kv_prefix import common_prefix
-from turbospark_jax.models.dense import DenseCache, DenseModel, init_params
-from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.core.kv_prefix import common_prefix
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.models.dense.config import DenseConfig
+from turbospark_jax.models.dense.model import DenseCache, DenseModel, init_params
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 

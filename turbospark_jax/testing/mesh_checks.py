@@ -22,7 +22,7 @@ module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JS
 # ruff: noqa: E402 (the simulated devices are asked for before JAX can start)
 from __future__ import annotations
 
-from turbospark_jax.device_flags import add_xla_flag
+from turbospark_jax.engine.loop_graphs import add_xla_flag
 
 add_xla_flag("--xla_force_host_platform_device_count=8")
 
@@ -35,26 +35,27 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turbospark_jax.block_producer import BlockProducer
-from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.drafters import BlockDrafter, MTPDrafter, NGramDrafter, SpeculativePair
-from turbospark_jax.drafters.block import tapped_target
+from turbospark_jax.core.state import live_equal
+from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.generate import run_raw_completion
-from turbospark_jax.loading import load_folder, save_folder
+from turbospark_jax.generation.completion import CompletionRequest
+from turbospark_jax.generation.driver import run_raw_completion
+from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+from turbospark_jax.io.loading import load_folder, save_folder
 from turbospark_jax.models import block_drafter
 from turbospark_jax.models.block_drafter import BlockDrafterConfig
-from turbospark_jax.models.dense import DenseModel, unstack_layers
-from turbospark_jax.models.dense_config import DenseConfig
-from turbospark_jax.models.gemma4 import Gemma4Model
-from turbospark_jax.models.gemma4_config import FULL, SLIDING, Gemma4Config
-from turbospark_jax.models.qwen3_5 import Qwen35Model
-from turbospark_jax.models.qwen3_5_config import Qwen35Config
-from turbospark_jax.replicas import ReplicaPool, replicas_on_devices
-from turbospark_jax.sharded_loading import load_sharded
-from turbospark_jax.sharding import ShardedProducer, tp_mesh
-from turbospark_jax.speculative import run_raw_completion_speculative
-from turbospark_jax.state import live_equal
+from turbospark_jax.models.dense.config import DenseConfig
+from turbospark_jax.models.dense.model import DenseModel, unstack_layers
+from turbospark_jax.models.gemma4.config import FULL, SLIDING, Gemma4Config
+from turbospark_jax.models.gemma4.model import Gemma4Model
+from turbospark_jax.models.qwen3_5.config import Qwen35Config
+from turbospark_jax.models.qwen3_5.model import Qwen35Model
+from turbospark_jax.parallel.loading import load_sharded
+from turbospark_jax.parallel.replicas import ReplicaPool, replicas_on_devices
+from turbospark_jax.parallel.sharding import ShardedProducer, tp_mesh
+from turbospark_jax.speculative.drafters import BlockDrafter, MTPDrafter, NGramDrafter
+from turbospark_jax.speculative.drafters.block import tapped_target
+from turbospark_jax.speculative.pair import SpeculativePair
 from turbospark_jax.testing import conformance as C
 
 VOCAB = 96

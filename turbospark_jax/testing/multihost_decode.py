@@ -1,10 +1,11 @@
 """One process of a multi-host tensor-parallel decode (started by
-:func:`turbospark_jax.distributed.launch_local`).
+:func:`turbospark_jax.parallel.distributed.launch_local`).
 
 Every process joins the run, builds the global mesh over all processes' devices, makes the
 same random dense model straight into its shards, and runs the same greedy completion (a
 chunked prefill, then decode bursts) through a
-:class:`~turbospark_jax.sharding.ShardedProducer`. It prints one JSON line: its process index,
+:class:`~turbospark_jax.parallel.sharding.ShardedProducer`. It prints one JSON line: its process
+index,
 the devices it sees, and the tokens; the test checks that the processes agree.
 """
 
@@ -16,9 +17,9 @@ import json
 import jax
 import jax.numpy as jnp
 
-from turbospark_jax import distributed
-from turbospark_jax.completion import CompletionRequest
-from turbospark_jax.models.dense_config import DenseConfig
+from turbospark_jax.generation.completion import CompletionRequest
+from turbospark_jax.models.dense.config import DenseConfig
+from turbospark_jax.parallel import distributed
 
 #: The model every process builds (weights large enough that greedy decoding does not repeat
 #: one token), and the request every process runs.
@@ -41,9 +42,9 @@ def main() -> None:
                            cpu_devices=a.cpu_devices)
 
     # Imported after initialize: nothing may touch a JAX backend before it.
-    from turbospark_jax.generate import run_raw_completion
-    from turbospark_jax.models.dense import DenseModel
-    from turbospark_jax.sharding import ShardedProducer, init_sharded_params, tp_mesh
+    from turbospark_jax.generation.driver import run_raw_completion
+    from turbospark_jax.models.dense.model import DenseModel
+    from turbospark_jax.parallel.sharding import ShardedProducer, init_sharded_params, tp_mesh
 
     model = DenseModel(CONFIG, jnp.float32)
     mesh = tp_mesh()  # every device of every process

@@ -3,7 +3,7 @@
 It decouples the loop's control flow (stop handling, detokenizer ordering, history
 bookkeeping) from any model. Its state is a small immutable value: how many scripted steps
 have been used and the fed record of which ids were consumed (the same
-:class:`~turbospark_jax.state.FedRecord` every producer keeps).
+:class:`~turbospark_jax.core.state.FedRecord` every producer keeps).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from turbospark_jax.core.protocols import ChunkedPrefillRunner
+from turbospark_jax.core.state import FedRecord
 from turbospark_jax.errors import BadInputError, ContextOverflowError, ProducerExhaustedError
-from turbospark_jax.protocols import ChunkedPrefillRunner
-from turbospark_jax.state import FedRecord
 
 
 @struct.dataclass

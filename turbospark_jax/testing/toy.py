@@ -5,7 +5,7 @@
 * :class:`ToyRecurrentModel`: a tanh RNN whose hidden state cannot be rewound by any cursor;
   it rolls back by value and keeps a per-row tape so ``rollback_retaining`` can replay.
 
-Both implement :class:`~turbospark_jax.block_program.BlockModel`, so they run on the same
+Both implement :class:`~turbospark_jax.engine.program.BlockModel`, so they run on the same
 compiled block program as the real models and pass the same conformance suite.
 """
 
@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from turbospark_jax.block_producer import BlockProducer
+from turbospark_jax.core.state import append_only, scratch
+from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.models.base import BlockModel
-from turbospark_jax.state import append_only, scratch
 
 
 @struct.dataclass(kw_only=True)

@@ -13,11 +13,13 @@ import jax
 import numpy as np
 from PIL import Image
 
-from turbospark_jax.loading import save_folder
-from turbospark_jax.models import gemma4, gemma4_config, gemma4_vision
+from turbospark_jax.io.loading import save_folder
+from turbospark_jax.io.tokenizer import Tokenizer
+from turbospark_jax.io.vision import ImageTokens, VisionEncoder
+from turbospark_jax.models.gemma4 import config as gemma4_config
+from turbospark_jax.models.gemma4 import model as gemma4
+from turbospark_jax.models.gemma4 import vision as gemma4_vision
 from turbospark_jax.testing.tokenizers import byte_level_bpe
-from turbospark_jax.tokenizer import Tokenizer
-from turbospark_jax.vision import ImageTokens, VisionEncoder
 
 #: Tokens the tiny tokenizer adds after its byte-level vocabulary.
 IMAGE_TOKEN, BEGIN_IMAGE, END_IMAGE = "<|image|>", "<start_of_image>", "<end_of_image>"

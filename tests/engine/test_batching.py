@@ -1,0 +1,287 @@
+"""Batched serving never changes anyone's output: each request's tokens and logits are bitwise
+what it gets alone, for any neighbours, arrival times, prompt lengths, reused prefixes and slot
+index, with prompts prefilled a few at a time in chunks between decode steps.
+
+The engine is driven step by step (``Engine.run_once``, no thread), so a test decides exactly
+when each request arrives. The controls swap in a decode or prefill program that mixes rows (a
+tiny batch-wide term in the logits) and expect the same check to fail.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from turbospark_jax.core.sampling import SamplingConfig
+from turbospark_jax.engine.batching import BatchedDecoder, decode_step, prefill_step
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.errors import BadInputError, OverloadedError
+from turbospark_jax.generation.completion import CompletionRequest, FinishReason
+from turbospark_jax.server.engine import Done, Engine, Failed, ServeRequest
+from turbospark_jax.server.slots import SlotRecord, choose_slot
+from turbospark_jax.speculative.drafters import NGramDrafter
+from turbospark_jax.speculative.pair import SpeculativePair
+from turbospark_jax.testing.toy import ToyAttentionModel
+
+VOCAB, SLOTS, CAPACITY = 64, 4, 96
+# Two prompts prefilled per call, 10 tokens each (7 rounded up to the width 5): a long prompt
+# takes many ticks, and prompts queue for the prefill.
+PREFILL = {"prefill_rows": 2, "prefill_chunk": 7}
+MODEL = ToyAttentionModel(vocab=VOCAB, dim=16)
+PARAMS = MODEL.init_params(jax.random.PRNGKey(3))
+
+
+def producer(width: int = 5) -> BlockProducer:
+    return BlockProducer(MODEL, PARAMS, capacity=CAPACITY, width=width, steps_per_call=8,
+                         donate=True)
+
+
+def _mixing_step(model, params, stack, rows, active, **variant):
+    """The control: a decode program whose rows see each other (one batch-wide term)."""
+    stack, rows, out = decode_step(model, params, stack, rows, active, **variant)
+    shared = jnp.sum(jnp.where(active[:, None], out.logits, 0.0), axis=0) * 1e-3
+    return stack, rows, out.replace(logits=out.logits + shared)
+
+
+class MixingDecoder(BatchedDecoder):
+    step_fn = staticmethod(_mixing_step)
+
+
+def _mixing_prefill(model, params, stack, rows, index, tokens, counts, final, **variant):
+    """The prefill control: the first tokens' logits see each other."""
+    stack, rows, out = prefill_step(model, params, stack, rows, index, tokens, counts, final,
+                                    **variant)
+    shared = jnp.sum(jnp.where(final[:, None], out.logits, 0.0), axis=0) * 1e-3
+    return stack, rows, out.replace(logits=out.logits + shared)
+
+
+class MixingPrefill(BatchedDecoder):
+    prefill_fn = staticmethod(_mixing_prefill)
+
+
+def engine(decoder=BatchedDecoder, **kw):
+    return Engine(producer(), slots=SLOTS, decoder=decoder, **PREFILL, **kw)
+
+
+SETTINGS = [
+    SamplingConfig(),
+    SamplingConfig(temperature=0.9),
+    SamplingConfig(temperature=1.2, top_k=8, top_p=0.9, min_p=0.05),
+    SamplingConfig(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5,
+                   frequency_penalty=0.3),
+]
+
+
+def request(prompt, setting=0, seed=0, max_tokens=10, stops=()):
+    return CompletionRequest(prompt_ids=list(prompt), max_tokens=max_tokens, seed=seed,
+                             sampling=SETTINGS[setting], record_logits=True,
+                             stop_token_ids=list(stops), prefill_chunk_size=5)
+
+
+def serve(engine, arrivals):
+    """Run ``arrivals`` (``(step, ServeRequest)`` pairs) to the end; return the Done events in
+    the order given and the slot each ran in."""
+    results = {}
+    pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
+    step = 0
+    while pending or not engine.idle:
+        while pending and pending[0][1][0] <= step:
+            i, (_, req) = pending.pop(0)
+            engine.submit(req, lambda ev, i=i: results.setdefault(i, []).append(ev))
+        engine.run_once()
+        step += 1
+    ends = [results[i][-1] for i in range(len(arrivals))]
+    assert all(isinstance(e, Done) for e in ends), ends
+    return ends
+
+
+def alone(req, decoder=BatchedDecoder):
+    return serve(engine(decoder), [(0, req)])[0]
+
+
+def same(a, b):
+    ca, cb = a.completion, b.completion
+    return ca.token_ids == cb.token_ids and np.array_equal(ca.logits, cb.logits) and [
+        (e.token, e.logprob, e.top) for e in a.logprobs] == [
+        (e.token, e.logprob, e.top) for e in b.logprobs]
+
+
+#: Shared openings (a short and a long one), so later requests reuse earlier ones' rows.
+OPENINGS = [[], [7, 3, 9, 1, 12, 40, 2, 2], list(range(10, 40))]
+
+
+@st.composite
+def workloads(draw):
+    n = draw(st.integers(2, 6))
+    out = []
+    for _ in range(n):
+        opening = draw(st.sampled_from(OPENINGS))
+        opening = opening[: draw(st.one_of(st.just(len(opening)), st.integers(0, len(opening))))]
+        # Up to 80 tokens: eight prefill calls, arriving while others decode.
+        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=50))
+        req = request(opening + tail, setting=draw(st.integers(0, len(SETTINGS) - 1)),
+                      seed=draw(st.integers(0, 2**32)), max_tokens=draw(st.integers(1, 12)))
+        top = draw(st.one_of(st.none(), st.integers(0, 3)))
+        session = draw(st.sampled_from([None, None, "a", "b"]))
+        out.append((draw(st.integers(0, 20)),
+                    ServeRequest(completion=req, top_logprobs=top, session_id=session)))
+    return out
+
+
+@settings(max_examples=8)
+@given(workloads())
+def test_each_request_bitwise_equal_to_serving_it_alone(arrivals):
+    together = serve(engine(), arrivals)
+    for (_, req), got in zip(arrivals, together, strict=True):
+        assert same(got, alone(req)), got.completion.usage
+
+
+def test_every_slot_index_gives_the_same_result():
+    """A request placed in each row in turn (the rows before it busy with others)."""
+    target = request([5, 9, 2, 33, 7], setting=1, seed=11, max_tokens=12)
+    ref = alone(ServeRequest(completion=target, top_logprobs=2))
+    for slot in range(SLOTS):
+        fillers = [(0, ServeRequest(completion=request([i + 1] * (3 + i), setting=i % 4,
+                                                       seed=i, max_tokens=30)))
+                   for i in range(slot)]
+        got = serve(engine(), [*fillers, (0, ServeRequest(completion=target, top_logprobs=2))])
+        assert got[-1].completion.usage.slot == slot
+        assert same(got[-1], ref)
+
+
+@pytest.mark.parametrize(("decoder", "second_at"), [(MixingDecoder, 2), (MixingPrefill, 0)])
+def test_control_a_row_mixing_program_fails_the_check(decoder, second_at):
+    reqs = [(0, ServeRequest(completion=request([3, 1, 4, 1, 5], seed=1))),
+            (second_at, ServeRequest(completion=request([2, 7, 1, 8], setting=1, seed=2)))]
+    together = serve(engine(decoder), reqs)
+    refs = [alone(r, decoder) for _, r in reqs]
+    assert not all(same(g, r) for g, r in zip(together, refs, strict=True))
+
+
+class CountingDecoder(BatchedDecoder):
+    """Records how many prompts each prefill call fed."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.fed_per_call = []
+
+    def prefill(self, feeds, **kw):
+        self.fed_per_call.append(len(feeds))
+        return super().prefill(feeds, **kw)
+
+
+def test_long_prompts_are_fed_in_chunks_between_decode_steps():
+    """A stream in flight gets a token every tick while two long prompts arrive and prefill
+    (ten tokens each a tick, both in the same call), and all three stay exact."""
+    eng = engine(CountingDecoder)
+    short = ServeRequest(completion=request([5, 6, 7], setting=1, seed=3, max_tokens=14))
+    longs = [ServeRequest(completion=request([(3 * i + k) % VOCAB for k in range(60)],
+                                             setting=2 * i, seed=i, max_tokens=3))
+             for i in range(2)]
+    ticks, events = [], {}
+    eng.submit(short, lambda ev: (ticks.append(tick), events.setdefault(0, []).append(ev)))
+    for tick in range(14):
+        if tick == 2:
+            for i, req in enumerate(longs, 1):
+                eng.submit(req, lambda ev, i=i: events.setdefault(i, []).append(ev))
+        eng.run_once()
+    while not eng.idle:
+        eng.run_once()
+    assert set(ticks) == set(range(13))  # a token every tick, prefills or not
+    assert eng.decoder.fed_per_call.count(2) == 6  # both long prompts, six calls together
+    for i, req in enumerate([short, *longs]):
+        assert same(events[i][-1], alone(req))
+
+
+def test_prefix_reuse_and_session_slot():
+    engine = Engine(producer(), slots=SLOTS, **PREFILL)
+    first = request([1, 2, 3, 4, 5, 6], max_tokens=4)
+    a = serve(engine, [(0, ServeRequest(completion=first, session_id="s"))])[0]
+    history = [*first.prompt_ids, *a.completion.token_ids, 9]
+    b = serve(engine, [(0, ServeRequest(completion=request(history, max_tokens=4),
+                                        session_id="s"))])[0]
+    assert b.completion.usage.slot == a.completion.usage.slot
+    # Reuse stops where the prefill's rows end: the reply's rows came from the decode program.
+    assert b.completion.usage.reused_tokens == len(first.prompt_ids)
+    assert same(b, alone(ServeRequest(completion=request(history, max_tokens=4))))
+    # Without a session the longest shared prefix wins.
+    x = serve(engine, [(0, ServeRequest(completion=request([7, 7, 7, 7], max_tokens=2)))])[0]
+    y = serve(engine, [(0, ServeRequest(completion=request([7, 7, 7, 7, 5], max_tokens=2)))])[0]
+    assert x.completion.usage.slot != a.completion.usage.slot  # a named session's slot
+    assert y.completion.usage.slot == x.completion.usage.slot
+    assert y.completion.usage.reused_tokens == 4 and not y.completion.usage.evicted
+
+
+def test_slot_choice_rule():
+    slots = [SlotRecord(0, None, (1, 2, 3), 5), SlotRecord(1, "x", (1, 2, 3, 4), 1),
+             SlotRecord(2, None, (), 0), SlotRecord(3, None, (7,), 2)]
+    assert choose_slot(slots, None, [1, 2, 3, 9]).slot.index == 0  # longest open prefix
+    assert choose_slot(slots, "x", [5]).slot.index == 1  # its own slot
+    fresh = choose_slot(slots, None, [8, 8])
+    assert fresh.slot.index == 2 and not fresh.evicts  # never used before any LRU
+    slots[2].busy = True
+    lru = choose_slot(slots, "y", [8, 8])
+    assert lru.slot.index == 3 and lru.evicts  # least recently used open slot, evicted
+    for s in slots:
+        s.busy = s.index != 1
+    taken = choose_slot(slots, "y", [8])
+    assert taken.slot.index == 1 and taken.evicts  # only another session's slot is left
+    slots[1].busy = True
+    assert choose_slot(slots, None, [1]) is None
+
+
+def test_cancel_frees_the_slot_and_keeps_others_exact():
+    engine = Engine(producer(), slots=SLOTS, **PREFILL)
+    other = ServeRequest(completion=request([4, 4, 2], setting=2, seed=5, max_tokens=12))
+    events = {}
+    long = engine.submit(ServeRequest(completion=request([1, 2], max_tokens=40)),
+                         lambda ev: events.setdefault("long", []).append(ev))
+    engine.submit(other, lambda ev: events.setdefault("other", []).append(ev))
+    for _ in range(4):
+        engine.run_once()
+    long.cancel()
+    engine.run_once()
+    assert sum(s.busy for s in engine.slots) == 1  # freed before the next step
+    while not engine.idle:
+        engine.run_once()
+    assert "long" not in events or not any(isinstance(e, Done | Failed) for e in events["long"])
+    assert same(events["other"][-1], alone(other))
+
+
+def test_overload_is_refused_and_bad_input_touches_nothing():
+    engine = Engine(producer(), slots=1, max_waiting=1)
+    engine.submit(ServeRequest(completion=request([1])), lambda ev: None)
+    engine.submit(ServeRequest(completion=request([2])), lambda ev: None)
+    with pytest.raises(OverloadedError):
+        engine.submit(ServeRequest(completion=request([3])), lambda ev: None)
+    with pytest.raises(BadInputError):
+        engine.submit(ServeRequest(completion=request([VOCAB + 1])), lambda ev: None)
+    with pytest.raises(BadInputError):
+        engine.submit(ServeRequest(completion=request([1], max_tokens=CAPACITY)), lambda ev: None)
+    assert engine.load()["waiting"] == 2 and not any(s.fed_ids for s in engine.slots)
+
+
+def test_speculative_greedy_requests_give_the_same_tokens():
+    # The host rounds: the same block program as the prefill, so nothing new to compile.
+    pair = SpeculativePair(producer(), NGramDrafter(VOCAB, max_n=3), device_rounds=False)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    plain = alone(ServeRequest(completion=dataclasses.replace(
+        request(prompt, max_tokens=12), record_logits=False)))
+    events = []
+    engine = Engine(producer(), slots=SLOTS, speculative=pair)
+    engine.submit(ServeRequest(completion=dataclasses.replace(
+        request(prompt, max_tokens=12), record_logits=False)), events.append)
+    import time
+
+    deadline = time.monotonic() + 60
+    while not events or not isinstance(events[-1], Done | Failed):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    done = events[-1]
+    assert isinstance(done, Done) and done.completion.speculative is not None
+    assert done.completion.token_ids == plain.completion.token_ids
+    assert done.completion.finish_reason is FinishReason.LENGTH

@@ -1,0 +1,57 @@
+"""``turbospark-jax serve``: its flags are checked before anything loads (one line, status 1)."""
+
+import io
+
+import pytest
+
+from turbospark_jax.cli import main
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--session-slots", "0"], "--session-slots must be >= 1"),
+    (["--context", "1"], "--context must be >= 2"),
+    (["--ngram", "0"], "--ngram must be >= 1"),
+    (["--speculative", "--ngram", "2"], "choose one drafter"),
+    (["--width", "0"], "--width must be >= 1"),
+    (["--prefill-rows", "0"], "--prefill-rows must be >= 1"),
+    (["--replicas", "0"], "--replicas must be >= 1"),
+    (["--replicas", "2", "--ngram", "2"], "one replica only"),
+])
+def test_bad_serve_flags_fail_before_loading(argv, words):
+    err = io.StringIO()
+    assert main(["serve", *argv], stdout=io.StringIO(), stderr=err) == 1
+    assert words in err.getvalue() and err.getvalue().count("\n") == 1
+
+
+def test_serve_help_names_the_endpoints():
+    out = io.StringIO()
+    assert main(["serve", "--help"], stdout=out, stderr=io.StringIO()) == 0
+    assert "/v1/chat/completions" in out.getvalue() and "--session-slots" in out.getvalue()
+
+
+def test_serve_speculative_picks_the_drafter_as_generate_does():
+    pytest.importorskip("starlette")
+    import jax
+
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.server.build import load_server
+    from turbospark_jax.speculative.choice import choose_drafter
+
+    server = load_server(None, slots=1, context=64, dtype="float32", drafter="auto")
+    choice = server.drafter
+    want = choose_drafter(embedded_model_path(DEFAULT_TARGET), "auto", jax.default_backend())
+    assert choice is not None and (choice.drafter, choice.draft_len) == (want.drafter,
+                                                                         want.draft_len)
+    assert choice.why == want.why and choice.why.startswith(f"auto picked {want.drafter}")
+    assert load_server(None, slots=1, context=64, dtype="float32").drafter is None
+
+
+def test_serve_refuses_a_drafter_the_model_does_not_have():
+    pytest.importorskip("starlette")
+    from turbospark_jax.errors import BadInputError
+    from turbospark_jax.server.build import load_server
+
+    with pytest.raises(BadInputError, match="assistant drafter is not available"):
+        load_server(None, slots=1, context=64, drafter="assistant")
+    with pytest.raises(BadInputError, match="choose one drafter"):
+        load_server(None, slots=1, context=64, drafter="auto", ngram=2)

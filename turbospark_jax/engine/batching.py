@@ -1,0 +1,374 @@
+"""Batched serving: every session slot's state stacked on one leading axis, advanced together.
+
+A server holding ``B`` session slots keeps their :class:`~turbospark_jax.engine.program.BlockState`
+values stacked into one pytree whose leaves have a leading axis of ``B``. Two compiled programs
+work on the stack:
+
+* **decode** (:func:`decode_step`): ``jax.vmap`` of the single-sequence block step
+  (:func:`~turbospark_jax.engine.program.feed_block` with one live row), then per-row sampling,
+  advances every decoding row by one token per call;
+* **prefill** (:func:`prefill_step`): gathers ``P`` rows, feeds each up to ``C`` prompt tokens in
+  ``W``-wide blocks (``jax.vmap`` of ``feed_block`` with ``W`` rows, ``live`` of them real,
+  inside one loop with a traced trip count), scatters them back, and draws the first token of
+  the rows whose prompt ends there.
+
+A request joins by having its row set between two calls and leaves by being marked idle; rows a
+call does not advance are fed with ``live = 0``, which writes nothing to their cache or fed
+record, and keep their sampling controls unchanged.
+
+Why a row's result does not depend on its neighbours: ``B``, ``P``, ``C`` and ``W`` are fixed,
+so each program and every shape in it are the same on every call whoever is in flight; ``vmap``
+maps each row's computation independently (no reduction runs across rows), so a row's values
+flow only from its own inputs. What such a program *may* still depend on is the row's index (a
+GEMM kernel can treat rows differently by their place in a tile), and for the prefill, where a
+prompt's blocks start: they start ``W`` apart from wherever the row's state stood, and the
+block program's guarantee (any split of a prompt into live counts gives the same bits, padding
+rows writing nothing) is what makes a prompt fed in chunks, after any reused prefix, equal to
+the same prompt fed alone. ``tests/test_batching.py`` checks that a request's tokens and logits
+are bitwise equal to serving it alone in every slot index and for the neighbour mixes, arrival
+orders, shared prefixes and prompt lengths it fuzzes, on XLA's CPU backend with the toy
+attention model. On a GPU it must be checked again on the device (the same test runs there).
+
+Sampling cost: under ``vmap`` the sampler's ``lax.cond`` becomes a select that computes both
+branches for every row, so each program comes in variants chosen per call from the rows in it:
+with the top-k/top-p sort only when some row has top-k or top-p on, and with log-probabilities
+only when some row asks for them. Neither changes any row's token or logits
+(:func:`~turbospark_jax.core.sampling.draw`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from turbospark_jax.core import sampling
+from turbospark_jax.core.checks import as_int, as_token, as_token_ids
+from turbospark_jax.core.state import without_auxiliary
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.engine.program import BlockState, feed_block
+from turbospark_jax.errors import BadInputError
+from turbospark_jax.models.base import BlockModel
+
+__all__ = ["MAX_TOP_LOGPROBS", "BatchedDecoder", "RowControls", "StepResult", "decode_step",
+           "prefill_step"]
+
+#: Alternatives per token the step reports log-probabilities for (OpenAI's limit is 20).
+MAX_TOP_LOGPROBS = 20
+
+
+@struct.dataclass(kw_only=True)
+class RowControls:
+    """Per-row decode controls, stacked over the ``B`` rows; all data, never static.
+
+    Fields:
+      tokens:    int32[B]          the token each row feeds at the next step (the last sampled).
+      params:    SamplingParams    each field ``[B]``: the row's request's sampling settings.
+      history:   History           ``counts`` int32[B, V], ``seen`` bool[B, V]: penalties.
+      keys:      uint32[B, 2]      raw key data of each request's base key (``request_key``).
+      gen_index: int32[B]          index of the token the next step samples (for ``token_key``).
+    """
+
+    tokens: jax.Array
+    params: sampling.SamplingParams
+    history: sampling.History
+    keys: jax.Array
+    gen_index: jax.Array
+
+
+@struct.dataclass(kw_only=True)
+class StepResult:
+    """What one batched step returns besides the new stack and controls.
+
+    Fields:
+      logits:   float32[B, V]  each row's next-token logits (idle rows: meaningless).
+      sampled:  int32[B]       the token each row drew.
+      finite:   bool[B]        whether the row's logits were all finite.
+      logprob:  float32[B]     log-probability of the drawn token under the raw logits.
+      top_ids:  int32[B, K]    the ``K = MAX_TOP_LOGPROBS`` likeliest ids, best first.
+      top_logprobs: float32[B, K]  their log-probabilities.
+    """
+
+    logits: jax.Array
+    sampled: jax.Array
+    finite: jax.Array
+    logprob: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def _logprob_row(logits: jax.Array, token: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Log-probability of ``token`` and the top ``K`` under ``softmax(logits)`` (row-local)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32))
+    top_lp, top_ids = jax.lax.top_k(lp, min(MAX_TOP_LOGPROBS, lp.shape[0]))
+    return lp[token], top_ids.astype(jnp.int32), top_lp
+
+
+def _where_rows(mask: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` in the rows where ``mask`` (bool[B]) is set, else ``old``, leaf by leaf."""
+    return jax.tree.map(
+        lambda n, o: jnp.where(mask.reshape(mask.shape + (1,) * (n.ndim - 1)), n, o), new, old
+    )
+
+
+def _draw_rows(
+    logits: jax.Array, rows: RowControls, active: jax.Array, *, truncate: bool, logprobs: bool,
+) -> tuple[RowControls, StepResult]:
+    """Sample each row's next token from its ``logits`` (``[B, V]``) with its own settings and
+    key; the active rows' controls move on (the token to feed, penalty history, index).
+
+    ``truncate`` and ``logprobs`` are static: ``truncate`` False compiles the sampler without
+    the top-k/top-p sort (:func:`~turbospark_jax.core.sampling.draw`), ``logprobs`` False without
+    the log-softmax and top-``K`` (zeros come back). The caller chooses them from the rows in
+    the call; neither changes any row's token or logits."""
+    draw = functools.partial(sampling.draw, truncate=truncate)
+    keys = jax.vmap(lambda data, i: sampling.token_key(jax.random.wrap_key_data(data), i))(
+        rows.keys, rows.gen_index
+    )
+    drawn = jax.vmap(draw)(logits, rows.params, rows.history, keys).astype(jnp.int32)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    size, k = logits.shape[0], min(MAX_TOP_LOGPROBS, logits.shape[1])
+    if logprobs:
+        lp, top_ids, top_lp = jax.vmap(_logprob_row)(logits, drawn)
+    else:
+        lp = jnp.zeros((size,), jnp.float32)
+        top_ids, top_lp = jnp.zeros((size, k), jnp.int32), jnp.zeros((size, k), jnp.float32)
+    grown = jax.vmap(sampling.History.add)(rows.history, drawn)
+    rows = rows.replace(
+        tokens=jnp.where(active, drawn, rows.tokens),
+        history=_where_rows(active, grown, rows.history),
+        gen_index=rows.gen_index + active.astype(jnp.int32),
+    )
+    out = StepResult(logits=logits, sampled=drawn, finite=finite, logprob=lp, top_ids=top_ids,
+                     top_logprobs=top_lp)
+    return rows, out
+
+
+def decode_step(
+    model: BlockModel, params: Any, stack: BlockState, rows: RowControls, active: jax.Array,
+    *, truncate: bool = True, logprobs: bool = True,
+) -> tuple[BlockState, RowControls, StepResult]:
+    """Advance every active row by one token (jittable; ``active`` is bool[B]): feed the row's
+    last drawn token, then draw the next from the logits."""
+    live = active.astype(jnp.int32)
+
+    def feed(state: BlockState, token: jax.Array, n: jax.Array) -> tuple[jax.Array, BlockState]:
+        logits, state = feed_block(model, params, state, token[None], n, jnp.bool_(True))
+        return logits[0], state
+
+    logits, stack = jax.vmap(feed)(stack, rows.tokens, live)
+    rows, out = _draw_rows(logits, rows, active, truncate=truncate, logprobs=logprobs)
+    return stack, rows, out
+
+
+def prefill_step(
+    model: BlockModel, params: Any, stack: BlockState, rows: RowControls, index: jax.Array,
+    tokens: jax.Array, counts: jax.Array, final: jax.Array, *, truncate: bool = True,
+    logprobs: bool = True,
+) -> tuple[BlockState, RowControls, StepResult]:
+    """Feed prompt tokens to ``P`` rows at once and draw the first token of rows whose prompt
+    ends here (jittable).
+
+    Args:
+      stack: the ``B`` rows' states.
+      rows: the ``B`` rows' controls (a finishing row's ``gen_index`` is 0, its history the
+        prompt's).
+      index: int32[P], distinct rows of the stack to feed.
+      tokens: int32[P, S, W]: row ``p`` feeds ``tokens[p].ravel()[:counts[p]]``, ``W`` at a
+        time (``W``: the width of the block each step feeds).
+      counts: int32[P], tokens each row feeds (0: the row is left as it is).
+      final: bool[P], whether the row's last fed token ends its prompt (then its first token
+        is drawn and its controls move on).
+
+    Returns:
+      The stack, the controls, and the draws (:class:`StepResult` over the ``P`` rows; a row
+      not finishing here has meaningless entries).
+
+    Each step of the loop feeds one ``W``-wide block to every row (``live``: how many of its
+    tokens are left, clipped to ``[0, W]``), so a row's blocks start ``W`` apart from where
+    its state stood, and the loop runs as many steps as the longest row needs (a traced trip
+    count: one program whatever the counts)."""
+    _, steps_cap, width = tokens.shape
+    sub = jax.tree.map(lambda x: x[index], stack)
+    n_steps = jnp.minimum(jnp.max((counts + width - 1) // width), steps_cap)
+    ends = final & (counts > 0)
+    last0 = jnp.zeros((index.shape[0], model.vocab_size), jnp.float32)
+
+    def body(i: jax.Array, carry: tuple[BlockState, jax.Array]) -> tuple[BlockState, jax.Array]:
+        sub, last = carry
+        live = jnp.clip(counts - i * width, 0, width)
+        here = ends & (counts > i * width) & (counts <= (i + 1) * width)
+        # One head flag for the whole step (unbatched): the head runs only on steps where some
+        # prompt ends, and a row's logits are taken only from the step its prompt ends on.
+        step = jax.vmap(functools.partial(feed_block, model, params),
+                        in_axes=(0, 0, 0, None))
+        logits, sub = step(sub, tokens[:, i], live, jnp.any(here))
+        row = jnp.take_along_axis(logits, jnp.maximum(live - 1, 0)[:, None, None], axis=1)[:, 0]
+        return sub, jnp.where(here[:, None], row, last)
+
+    sub, last = jax.lax.fori_loop(0, n_steps, body, (sub, last0))
+    stack = jax.tree.map(lambda x, r: x.at[index].set(r, unique_indices=True), stack, sub)
+    picked = jax.tree.map(lambda x: x[index], rows)
+    picked, out = _draw_rows(last, picked, ends, truncate=truncate, logprobs=logprobs)
+    rows = jax.tree.map(lambda x, r: x.at[index].set(r, unique_indices=True), rows, picked)
+    return stack, rows, out
+
+
+@functools.cache
+def _compiled(model: BlockModel, fn: Callable[..., Any], truncate: bool, logprobs: bool) -> Any:
+    return jax.jit(functools.partial(fn, model, truncate=truncate, logprobs=logprobs),
+                   donate_argnums=(1, 2))
+
+
+@functools.cache
+def _row_io() -> tuple[Any, Any]:
+    take = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
+    put = jax.jit(
+        lambda tree, i, row: jax.tree.map(lambda x, r: x.at[i].set(r), tree, row),
+        donate_argnums=(0,),
+    )
+    return take, put
+
+
+class BatchedDecoder:
+    """``B`` rows of one :class:`BlockProducer`'s states: prompts fed to several rows per call,
+    decoded one token per call, together.
+
+    Args:
+      producer: the single-sequence producer (its model, params, capacity and block width
+        ``W``; its states are the rows).
+      rows: ``B``, the number of rows (the server's session slots).
+      prefill_rows: ``P``, rows one prefill call feeds (at most ``B``).
+      prefill_chunk: the most prompt tokens one prefill call feeds a row (rounded up to a
+        multiple of ``W``); with ``P`` it fixes the prefill program's shape.
+
+    Raises:
+      BadInputError: ``producer`` is not a :class:`BlockProducer`, or a size is below 1.
+    """
+
+    #: The batched step; the tests swap in a row-mixing one as the control.
+    step_fn: Callable[..., Any] = staticmethod(decode_step)
+    #: The batched prefill.
+    prefill_fn: Callable[..., Any] = staticmethod(prefill_step)
+
+    def __init__(self, producer: BlockProducer, rows: int, *, prefill_rows: int = 4,
+                 prefill_chunk: int = 64) -> None:
+        if not isinstance(producer, BlockProducer):
+            raise BadInputError(
+                f"batched decoding needs a BlockProducer, got {type(producer).__name__}"
+            )
+        self.producer = producer
+        self.size = as_int("rows", rows, low=1)
+        self.prefill_rows = min(as_int("prefill_rows", prefill_rows, low=1), self.size)
+        width = producer.width
+        self.prefill_chunk = -(-as_int("prefill_chunk", prefill_chunk, low=1) // width) * width
+        fresh = without_auxiliary(producer.init_state())[0]
+        self.stack: BlockState = jax.tree.map(lambda x: jnp.stack([x] * self.size), fresh)
+        vocab = producer.vocab_size
+        one = sampling.SamplingParams.greedy()
+        self.controls = RowControls(
+            tokens=jnp.zeros((self.size,), jnp.int32),
+            params=jax.tree.map(lambda x: jnp.stack([x] * self.size), one),
+            history=sampling.History(
+                counts=jnp.zeros((self.size, vocab), jnp.int32),
+                seen=jnp.zeros((self.size, vocab), jnp.bool_),
+            ),
+            keys=jnp.zeros((self.size, 2), jnp.uint32),
+            gen_index=jnp.zeros((self.size,), jnp.int32),
+        )
+        # Which rows' settings need the top-k/top-p sort: a call compiles it in only when one
+        # of its rows does.
+        self._truncates = np.zeros((self.size,), bool)
+        self._take, self._put = _row_io()
+
+    def take_row(self, index: int) -> BlockState:
+        """A copy of row ``index``'s state, a state of :attr:`producer`."""
+        return self._take(self.stack, np.int32(self._index(index)))
+
+    def put_row(self, index: int, state: BlockState) -> None:
+        """Store ``state`` (a state of :attr:`producer`, snapshots dropped) as row ``index``."""
+        self.producer.check_state(state)
+        bare = without_auxiliary(state)[0]
+        self.stack = self._put(self.stack, np.int32(self._index(index)), bare)
+
+    def start_row(
+        self, index: int, *, params: sampling.SamplingParams, history: sampling.History,
+        seed: int, token: int = 0, gen_index: int = 0,
+    ) -> None:
+        """Set row ``index``'s controls for a request: its settings, penalty history, seed, the
+        index of the token it draws next and the token it feeds next (a row about to be
+        prefilled draws its first token, index 0, at the end of its prompt)."""
+        index = self._index(index)
+        token = as_token("token", token, self.producer.vocab_size)
+        sampling.check_sampling_args(params, history, None, self.producer.vocab_size)
+        key = jax.random.key_data(sampling.request_key(seed))
+        row = RowControls(tokens=np.int32(token), params=params, history=history, keys=key,
+                          gen_index=np.int32(as_int("gen_index", gen_index, low=0)))
+        self.controls = self._put(self.controls, np.int32(index), row)
+        self._truncates[index] = sampling.needs_truncation(params, self.producer.vocab_size)
+
+    def prefill(
+        self, feeds: list[tuple[int, list[int], bool]], *, logprobs: bool = False,
+    ) -> StepResult:
+        """Feed prompt tokens to up to ``P`` rows in one call.
+
+        Args:
+          feeds: ``(row, tokens, final)`` per row: at most :attr:`prefill_chunk` tokens to
+            feed at the row's cursor, and whether they end its prompt (then the row draws its
+            first token with the controls :meth:`start_row` set).
+          logprobs: whether to compute the drawn tokens' log-probabilities.
+
+        Returns:
+          The draws, entry ``i`` for ``feeds[i]`` (meaningful where ``final``).
+
+        Raises:
+          BadInputError: more than ``P`` feeds, a row twice, or an empty or too long feed
+            (nothing is fed).
+        """
+        if not 1 <= len(feeds) <= self.prefill_rows:
+            raise BadInputError(f"a prefill call feeds 1 to {self.prefill_rows} rows, "
+                                f"got {len(feeds)}")
+        chosen = [self._index(row) for row, _, _ in feeds]
+        if len(set(chosen)) != len(chosen):
+            raise BadInputError(f"a row may be fed once per prefill call, got rows {chosen}")
+        width = self.producer.width
+        tokens = np.zeros((self.prefill_rows, self.prefill_chunk), np.int32)
+        counts = np.zeros((self.prefill_rows,), np.int32)
+        final = np.zeros((self.prefill_rows,), bool)
+        for i, (_, toks, last) in enumerate(feeds):
+            toks = as_token_ids("tokens", toks, self.producer.vocab_size)
+            if len(toks) > self.prefill_chunk:
+                raise BadInputError(f"at most {self.prefill_chunk} tokens a row per prefill "
+                                    f"call, got {len(toks)}")
+            tokens[i, : len(toks)], counts[i], final[i] = toks, len(toks), bool(last)
+        # Rows past the feeds: distinct rows that feed nothing (live = 0 writes nothing).
+        spare = [r for r in range(self.size) if r not in chosen]
+        index = np.asarray(chosen + spare[: self.prefill_rows - len(chosen)], np.int32)
+        truncate = bool(np.any(self._truncates[index[: len(feeds)]] & final[: len(feeds)]))
+        program = _compiled(self.producer.model, type(self).prefill_fn, truncate, logprobs)
+        shaped = tokens.reshape(self.prefill_rows, -1, width)
+        self.stack, self.controls, out = program(
+            self.producer.params, self.stack, self.controls, index, shaped, counts, final,
+        )
+        return out
+
+    def step(self, active: np.ndarray, *, logprobs: bool = True) -> StepResult:
+        """Advance the rows where ``active`` (bool[B]) is set by one token, in one call;
+        ``logprobs`` False leaves the log-probabilities out (zeros)."""
+        active = np.asarray(active, bool)
+        if active.shape != (self.size,):
+            raise BadInputError(f"active must be bool[{self.size}], got shape {active.shape}")
+        truncate = bool(np.any(self._truncates & active))
+        program = _compiled(self.producer.model, type(self).step_fn, truncate, logprobs)
+        self.stack, self.controls, out = program(
+            self.producer.params, self.stack, self.controls, active
+        )
+        return out
+
+    def _index(self, index: int) -> int:
+        return as_int("index", index, low=0, high=self.size - 1)

@@ -1,0 +1,456 @@
+"""What a completion asks for and what it returns, and the per-token work every loop shares.
+
+Both loops (plain :mod:`turbospark_jax.generation.driver` and speculative
+:mod:`turbospark_jax.generation.speculative_loop`) take a :class:`CompletionRequest`, validate it
+with
+:func:`validate_request` before touching any state, push every token they emit through one
+:class:`Emission` (stop tokens, the detokenizer, stop strings, ``max_tokens``, in the seed
+loop's order) and end with one :class:`Completion`. The session pool and chat return the same
+:class:`Completion`, its :class:`Usage` naming the slot that served the turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from turbospark_jax.core import sampling
+from turbospark_jax.core.checks import as_bool, as_token_ids, is_int
+from turbospark_jax.core.detokenize import TOKENIZER_CALLS, IncrementalDetokenizer, provides
+from turbospark_jax.core.injection import Injection
+from turbospark_jax.core.protocols import LogitProducer
+from turbospark_jax.core.sampling import SamplingConfig
+from turbospark_jax.core.stop import StopMatcher
+from turbospark_jax.core.streams import StreamEvent
+from turbospark_jax.errors import (
+    BadInputError,
+    ContextOverflowError,
+    ProducerExhaustedError,
+    ProducerFailedError,
+)
+
+__all__ = [
+    "NON_FINITE_LOGITS",
+    "Completion",
+    "CompletionRequest",
+    "Emission",
+    "FinishReason",
+    "Timings",
+    "Usage",
+    "rewind_overshoot",
+    "validate_request",
+]
+
+#: The error reason when a producer hands back NaN or infinite logits.
+NON_FINITE_LOGITS = "the producer returned non-finite logits"
+
+#: Failures a producer may raise mid-generation; the loops turn them into an ERROR finish.
+PRODUCER_FAILURES = (ProducerExhaustedError, ProducerFailedError)
+
+#: ``History.add`` compiled once; the loops update the history on the host side with it.
+add_to_history = jax.jit(sampling.History.add)
+
+
+class FinishReason(enum.Enum):
+    """Why a completion ended."""
+
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    LENGTH = "length"
+    ERROR = "error"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompletionRequest:
+    """One raw completion.
+
+    Args:
+      prompt_ids: the token ids to continue (at least one).
+      max_tokens: the most tokens to generate (>= 1).
+      stop_token_ids: ids that end generation when sampled (not fed, text not emitted).
+      stop_strings: texts that end generation when they appear in the output.
+      include_stop_string: keep a matched stop string in the text.
+      sampling: the sampling settings.
+      seed: the request's PRNG seed (same seed, same output).
+      prefill_chunk_size: tokens per ``prefill_chunk`` call.
+      burst: tokens per host round trip when the producer decodes on the device (never
+        changes the output). ``None`` (the default) sizes each call from the rate seen so
+        far (:class:`BurstSizer`): the first call asks for 16 tokens, later ones for about
+        a quarter of a second of decoding, so a fast model pays the fixed cost of a call
+        rarely and a slow one still streams several times a second.
+      record_logits: keep the logits each generated token was sampled from.
+      parallel_prefill: use the producer's batched prefill when it has one: faster, but equal
+        to the exact path only within a stated tolerance.
+      draft_len: proposals per speculative round, 1..``speculative.MAX_DRAFT``; ``None``
+        takes the default (4) when the producer can draft; ``0`` decodes plainly even with a
+        speculative producer. A non-zero value needs a speculative producer.
+      injection: embeddings injected at prompt positions (images in their placeholder
+        spans, :mod:`turbospark_jax.core.injection`); needs a producer that
+        ``accepts_embeddings`` and the plain loop. Prefix reuse compares its identities.
+    """
+
+    prompt_ids: Sequence[int]
+    max_tokens: int = 128
+    stop_token_ids: Sequence[int] = ()
+    stop_strings: Sequence[str] = ()
+    include_stop_string: bool = False
+    sampling: SamplingConfig = dataclasses.field(default_factory=SamplingConfig)
+    seed: int = 0
+    prefill_chunk_size: int = 256
+    burst: int | None = None
+    record_logits: bool = False
+    parallel_prefill: bool = False
+    draft_len: int | None = None
+    injection: Injection | None = None
+
+
+class BurstSizer:
+    """How many tokens a device loop asks of its next call.
+
+    A fixed ``burst`` is used as it is. ``None`` adapts: the first call asks for
+    :attr:`FIRST` tokens; after each call the next asks for what :attr:`TARGET_S` seconds
+    of decoding give at the rate measured so far, between :attr:`FIRST` and :attr:`MOST`,
+    rounded down to a multiple of :attr:`GRAIN` (the loops clamp it further to what one call
+    can hold). A call costs a fixed amount beyond its steps (launch, transfers, the host's
+    bookkeeping), which matters most when a step is cheap; the tokens never depend on the
+    burst sizes. On an H100 that cost was about 9 ms a call for the 1B shape's row-invariant
+    decode (a traced 64-step burst: 1,422 us a token of wall time against 1,273 us of
+    kernels), so calls of 50 ms (about 24 tokens there) spent a fifth of their time on it;
+    at :attr:`TARGET_S` it is a few percent, and a stream still updates four times a second.
+    The grain is the decode programs' chunk
+    (:data:`~turbospark_jax.engine.program.DECODE_CHUNK`): a call of another count runs the
+    rest of its last chunk idle.
+    """
+
+    FIRST, MOST, TARGET_S, GRAIN = 16, 256, 0.25, 8
+
+    def __init__(self, burst: int | None) -> None:
+        self._fixed = burst
+        self._tokens, self._seconds = 0, 0.0
+
+    def next(self) -> int:
+        if self._fixed is not None:
+            return int(self._fixed)
+        if self._tokens == 0 or self._seconds <= 0.0:
+            return self.FIRST
+        want = int(self._tokens / self._seconds * self.TARGET_S)
+        return max(self.FIRST, min(self.MOST, want)) // self.GRAIN * self.GRAIN
+
+    def observed(self, tokens: int, seconds: float) -> None:
+        """A call that emitted ``tokens`` in ``seconds`` (host wall time)."""
+        self._tokens += int(tokens)
+        self._seconds += float(seconds)
+
+
+@dataclasses.dataclass(frozen=True)
+class Usage:
+    """Token counts of one completion, and where it ran.
+
+    Fields:
+      prompt_tokens: length of the prompt.
+      reused_tokens: leading prompt tokens the state already held (not fed again).
+      prefilled_tokens: prompt tokens fed (``prompt_tokens - reused_tokens``).
+      generated_tokens: tokens generated, a final stop token included.
+      slot: the session-pool slot that served it (``None`` outside a pool).
+      evicted: whether taking that slot discarded a different session's non-empty state.
+    """
+
+    prompt_tokens: int
+    reused_tokens: int
+    prefilled_tokens: int
+    generated_tokens: int
+    slot: int | None = None
+    evicted: bool = False
+
+    def summary(self) -> str:
+        """One line for a log or a status bar."""
+        line = (
+            f"prompt {self.prompt_tokens} tokens (reused {self.reused_tokens}, prefilled "
+            f"{self.prefilled_tokens}), generated {self.generated_tokens}"
+        )
+        if self.slot is not None:
+            line += f", slot {self.slot}"
+        return line + (", evicted another session" if self.evicted else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Timings:
+    """Wall-clock seconds spent in each phase.
+
+    Fields:
+      prefill_s: reuse and feeding the prompt (the first call's compile included).
+      first_token_s: sampling the first token after the prefill.
+      decode_s: everything after the first token.
+      total_s: the whole completion.
+    """
+
+    prefill_s: float
+    first_token_s: float
+    decode_s: float
+    total_s: float
+
+    def decode_tokens_per_s(self, generated: int) -> float:
+        """Tokens per second after the first one (0 when there is nothing to measure)."""
+        return (generated - 1) / self.decode_s if generated > 1 and self.decode_s > 0 else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """The result of a completion, a pool turn or a chat turn.
+
+    Fields:
+      token_ids: every generated token, including a final stop token.
+      text: the emitted text (equals the concatenation of the stream's deltas).
+      finish_reason: why it ended; ``error`` carries the reason when it is ERROR.
+      stop_string: the stop string that matched, if any.
+      usage, timings: counts and seconds.
+      prompt_ids: the prompt as it was sent (for a chat turn: the rendered history).
+      fed_ids: what the producer's state consumed, position by position (prompt included).
+      state: the producer state after the completion, for the next turn's reuse; ``None``
+        after an error (such a state is never offered for reuse) and for pool turns (the pool
+        keeps it).
+      logits: with ``record_logits``, float32 ``[len(token_ids), V]``: row ``i`` is what
+        token ``i`` was sampled from.
+      speculative: the speculative loop's statistics, ``None`` for the plain loop.
+    """
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    error: str | None
+    stop_string: str | None
+    usage: Usage
+    timings: Timings
+    prompt_ids: tuple[int, ...]
+    fed_ids: tuple[int, ...]
+    state: Any
+    logits: np.ndarray | None = None
+    speculative: Any = None
+
+    def summary(self) -> str:
+        """:meth:`Usage.summary` plus the decode speed when there is one to report."""
+        rate = self.timings.decode_tokens_per_s(self.usage.generated_tokens)
+        return self.usage.summary() + (f", {rate:.1f} tokens/s" if rate > 0 else "")
+
+
+def require_request(request: object) -> CompletionRequest:
+    """``request`` when it is a :class:`CompletionRequest` whose ``draft_len`` (which picks
+    the loop) is ``None`` or an integer >= 0; BadInputError otherwise."""
+    if not isinstance(request, CompletionRequest):
+        raise BadInputError(f"request must be a CompletionRequest, got {type(request).__name__}")
+    if request.draft_len is not None and (not is_int(request.draft_len) or request.draft_len < 0):
+        raise BadInputError(
+            f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
+        )
+    return request
+
+
+def validate_request(
+    producer: LogitProducer,
+    request: CompletionRequest,
+    tokenizer: Any | None,
+    state: Any | None = None,
+) -> sampling.SamplingParams:
+    """Check everything about a completion that can be checked without running the producer:
+    the producer, the request, the tokenizer, and the state handed in.
+
+    Returns the device sampling params. Raises BadInputError (ContextOverflowError for
+    length) naming the problem.
+    """
+    if not isinstance(producer, LogitProducer):
+        raise BadInputError(
+            f"producer must be a LogitProducer (a BlockProducer, a SpeculativePair...), got "
+            f"{type(producer).__name__}"
+        )
+    require_request(request)
+    vocab = producer.vocab_size
+    prompt = as_token_ids("prompt_ids", request.prompt_ids, vocab)
+    as_token_ids("stop_token_ids", request.stop_token_ids, vocab, allow_empty=True)
+    for flag in ("include_stop_string", "record_logits", "parallel_prefill"):
+        as_bool(flag, getattr(request, flag))
+    if tokenizer is not None and not provides(tokenizer, TOKENIZER_CALLS):
+        raise BadInputError(
+            f"tokenizer must have decode(ids, skip_special_tokens=...) and id_to_token(id) "
+            f"(turbospark_jax.io.tokenizer.Tokenizer has both), got {type(tokenizer).__name__}"
+        )
+    if not is_int(request.max_tokens) or request.max_tokens < 1:
+        raise BadInputError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
+    for name in ("prefill_chunk_size", "burst"):
+        value = getattr(request, name)
+        if (value is not None or name != "burst") and (not is_int(value) or value < 1):
+            raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
+    limit = producer.max_positions
+    if limit is not None and len(prompt) + request.max_tokens > limit:
+        raise ContextOverflowError(
+            f"a prompt of {len(prompt)} tokens plus max_tokens={request.max_tokens} needs "
+            f"{len(prompt) + request.max_tokens} positions; the producer holds {limit}"
+        )
+    StopMatcher(request.stop_strings, include_stop=request.include_stop_string)
+    if request.stop_strings and tokenizer is None:
+        raise BadInputError("stop strings need a tokenizer to see text; pass tokenizer=")
+    if not isinstance(request.sampling, SamplingConfig):
+        raise BadInputError(
+            f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}"
+        )
+    params = request.sampling.to_params()
+    sampling.request_key(request.seed)
+    check_injection(producer, request.injection, len(prompt))
+    if state is not None:
+        producer.check_state(state)
+    return params
+
+
+def check_injection(producer: LogitProducer, injection: Any, prompt_length: int) -> None:
+    """Refuse an injection the producer cannot take or whose positions leave the prompt."""
+    if injection is None:
+        return
+    if not isinstance(injection, Injection):
+        raise BadInputError(f"injection must be an Injection or None, got "
+                            f"{type(injection).__name__}")
+    if not producer.accepts_embeddings:
+        raise BadInputError(
+            f"{type(producer).__name__} takes token ids only: this model cannot be given "
+            "images (load a model folder with a vision tower, or leave the images out)"
+        )
+    if len(injection.positions) and int(injection.positions[-1]) >= prompt_length:
+        raise BadInputError(
+            f"the injection reaches position {int(injection.positions[-1])} but the prompt "
+            f"has {prompt_length} tokens"
+        )
+
+
+class Emission:
+    """Per-token bookkeeping every loop shares: stop tokens, text, stop strings, max_tokens.
+
+    :meth:`push` takes one sampled token (and the logits it came from) and says what to
+    stream and whether generation ends there, in the seed loop's order: a stop token ends
+    generation without text; otherwise the detokenizer's text goes through the stop matcher.
+    """
+
+    def __init__(self, request: CompletionRequest, tokenizer: Any | None, prompt: list[int]):
+        self.request = request
+        self.prompt = prompt
+        self.tokens: list[int] = []
+        self.rows: list[Any] = []
+        #: Why the text pipeline ended generation, when it did (a token it cannot decode).
+        self.failure: str | None = None
+        self.text = _TextPipeline(tokenizer, prompt, request)
+
+    def push(self, token: int, row: Any) -> tuple[StreamEvent | None, FinishReason | None]:
+        req = self.request
+        self.tokens.append(token)
+        if req.record_logits:
+            self.rows.append(row)
+        if token in req.stop_token_ids:
+            return None, FinishReason.STOP_TOKEN
+        try:
+            delta, hit = self.text.push(token)
+        except BadInputError as exc:
+            # The model generated an id the tokenizer does not know (a model vocabulary padded
+            # past the tokenizer's): no text for it, and generation cannot go on truthfully.
+            self.failure = f"the tokenizer cannot decode generated token {token}: {exc}"
+            return None, FinishReason.ERROR
+        event = StreamEvent(text=delta, token_ids=[token]) if delta or not hit else None
+        if hit:
+            return event, FinishReason.STOP_STRING
+        if len(self.tokens) >= req.max_tokens:
+            return event, FinishReason.LENGTH
+        return event, None
+
+    def finish(
+        self,
+        producer: LogitProducer,
+        finish: FinishReason,
+        error: str | None,
+        state: Any,
+        *,
+        reused: int,
+        started: float,
+        prefill_s: float,
+        first_token_s: float,
+        speculative: Any = None,
+    ) -> tuple[StreamEvent | None, Completion]:
+        """The closing event (held-back text) and the completion.
+
+        ``started`` is the ``time.perf_counter()`` reading the request began at; decode time is
+        what is left of the total after prefill and the first token.
+        """
+        total_s = time.perf_counter() - started
+        n = len(self.prompt)
+        usage = Usage(n, reused, n - reused, len(self.tokens))
+        timings = Timings(prefill_s, first_token_s, total_s - prefill_s - first_token_s, total_s)
+        if finish is FinishReason.ERROR:
+            state = None  # never offered for reuse
+            error = error if error is not None else self.failure
+        tail = "" if finish is FinishReason.STOP_STRING else self.text.flush()
+        if finish is FinishReason.LENGTH and self.text.matched is not None:
+            finish = FinishReason.STOP_STRING  # the flush settled a held-back stop string
+        completion = Completion(
+            token_ids=self.tokens,
+            text=self.text.emitted,
+            finish_reason=finish,
+            error=error,
+            stop_string=self.text.matched,
+            usage=usage,
+            timings=timings,
+            prompt_ids=tuple(self.prompt),
+            fed_ids=producer.fed_record(state).to_host().ids if state is not None else (),
+            state=state,
+            logits=np.stack([np.asarray(r) for r in self.rows]) if self.rows else None,
+            speculative=speculative,
+        )
+        return (StreamEvent(text=tail, token_ids=[]) if tail else None), completion
+
+
+class _TextPipeline:
+    """Detokenizer then stop matcher, in the loop's order; text-free without a tokenizer."""
+
+    def __init__(self, tokenizer: Any | None, prompt: list[int], req: CompletionRequest) -> None:
+        self.emitted = ""
+        self.matched: str | None = None
+        self._detok = None
+        if tokenizer is not None:
+            self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+        self._stop = StopMatcher(req.stop_strings, include_stop=req.include_stop_string)
+
+    def push(self, token: int) -> tuple[str, bool]:
+        if self._detok is None:
+            return "", False
+        out, hit = self._stop.push(self._detok.push(token))
+        self.emitted += out
+        if hit:
+            self.matched = self._stop.matched
+        return out, hit
+
+    def flush(self) -> str:
+        if self._detok is None:
+            return ""
+        out, hit = self._stop.push(self._detok.flush())
+        if not hit:
+            # A stop string still undecided at the end (held for a longer candidate) is
+            # settled here, so ``matched`` is read after the flush.
+            out += self._stop.flush()
+        self.matched = self._stop.matched
+        self.emitted += out
+        return out
+
+
+def rewind_overshoot(producer: LogitProducer, state: Any, count: int) -> Any:
+    """Leave the state having consumed ``count`` positions when it fed more and can rewind.
+
+    A device burst keeps feeding after a token whose text completes a stop string (the host
+    sees text only after the burst), so a producer that can rewind exactly is moved back and
+    the fed record is the same whichever way generation stopped; others keep the longer,
+    still truthful, record (so does a sliding-window ring that no longer holds the rows).
+    """
+    if producer.can_rewind and int(producer.fed_record(state).count) > count and (
+        producer.rewind_floor(state) <= count
+    ):
+        return producer.rewind(state, count)
+    return state

@@ -1,0 +1,1 @@
+"""Reading and writing model folders, tokenizers and images."""

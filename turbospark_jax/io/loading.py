@@ -1,0 +1,750 @@
+"""Load and save model folders in the Hugging Face layout.
+
+A folder holds ``config.json``, the weights as ``model.safetensors`` or as shards listed in
+``model.safetensors.index.json``, optionally ``generation_config.json`` and tokenizer files.
+Weights are read with ``safetensors`` in numpy mode (bfloat16 arrives as an ``ml_dtypes``
+array); nothing is ever unpickled, so ``pytorch_model.bin`` folders are refused.
+
+The loader is generic: ``config.json``'s ``model_type`` picks a family from
+:mod:`~turbospark_jax.models.registry`, whose :class:`~turbospark_jax.models.family.Family`
+declaration says how to parse the config, which tensors the folder holds and where each goes.
+
+Tensor policy:
+  * every tensor the model needs must be present with the Hugging Face shape, or a
+    :class:`~turbospark_jax.errors.ModelLoadError` names it (and both shapes);
+  * an unexpected tensor is an error naming it, except the extras the family tolerates
+    (rotary ``inv_freq`` buffers that old checkpoints carry, for example) and copies of tied
+    weights (a tied model's ``lm_head.weight``) that are bitwise equal to what they copy. A
+    copy that differs is refused: which of the two the author meant is not ours to guess.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from turbospark_jax.core.checks import as_int
+from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.io.tokenizer import TOKENIZER_FILE, Tokenizer
+from turbospark_jax.io.vision import ImageTokens, VisionEncoder
+from turbospark_jax.kernels import plan as row_kernels
+from turbospark_jax.models import block_drafter
+from turbospark_jax.models.base import BlockModel
+from turbospark_jax.models.family import Family, HFTensor, Params
+from turbospark_jax.models.gemma4 import assistant as gemma4_assistant
+from turbospark_jax.models.gemma4 import vision as gemma4_vision
+from turbospark_jax.models.registry import family_of, family_of_config
+
+CONFIG_FILE = "config.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+PROCESSOR_CONFIG_FILE = "processor_config.json"
+
+#: Default shard limit for :func:`save_folder` (transformers' historical default).
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+_DTYPES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationConfig:
+    """The generation defaults a folder ships (``generation_config.json``).
+
+    Attributes:
+      eos_token_ids: every id that ends a reply (``eos_token_id`` may be one id or a list).
+      bos_token_id: the beginning-of-sequence id, if any.
+      pad_token_id: the padding id, if any.
+      extra: every other key as read (``do_sample``, ``temperature``, ``top_p``...).
+    """
+
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    extra: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> GenerationConfig:
+        """Parse a ``generation_config.json`` dict.
+
+        Raises:
+          ModelLoadError: a token id that is not an integer.
+        """
+        eos = d.get("eos_token_id")
+        eos_list = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        for name, value in (("eos_token_id", e) for e in eos_list):
+            _check_id(name, value)
+        bos, pad = d.get("bos_token_id"), d.get("pad_token_id")
+        _check_id("bos_token_id", bos)
+        _check_id("pad_token_id", pad)
+        extra = {
+            k: v for k, v in d.items() if k not in ("eos_token_id", "bos_token_id", "pad_token_id")
+        }
+        return cls(eos_token_ids=tuple(eos_list), bos_token_id=bos, pad_token_id=pad, extra=extra)
+
+    @classmethod
+    def from_model_config(cls, config: Any) -> GenerationConfig:
+        """The defaults implied by ``config.json`` alone (what transformers derives too)."""
+        return cls(
+            eos_token_ids=config.eos_token_ids,
+            bos_token_id=config.bos_token_id,
+            pad_token_id=config.pad_token_id,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``generation_config.json`` dict."""
+        out: dict[str, Any] = dict(self.extra)
+        if self.bos_token_id is not None:
+            out["bos_token_id"] = self.bos_token_id
+        if self.eos_token_ids:
+            ids = list(self.eos_token_ids)
+            out["eos_token_id"] = ids[0] if len(ids) == 1 else ids
+        if self.pad_token_id is not None:
+            out["pad_token_id"] = self.pad_token_id
+        return out
+
+
+def _check_id(name: str, value: Any) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ModelLoadError(f"{GENERATION_CONFIG_FILE}: {name} must be an integer, got {value!r}")
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """Everything a model folder provides.
+
+    Attributes:
+      model: the runnable model (static under ``jit``).
+      params: its params tree, on the default device.
+      config: the parsed ``config.json`` (the family's config type).
+      tokenizer: the tokenizer, or ``None`` when the folder has no ``tokenizer.json``.
+      generation_config: ``generation_config.json``, or defaults derived from ``config.json``.
+      path: the folder it came from.
+      vision: the vision tower of a ``gemma4`` folder with a ``vision_config`` (``None``:
+        a text-only model).
+    """
+
+    model: BlockModel
+    params: Params
+    config: Any
+    tokenizer: Tokenizer | None
+    generation_config: GenerationConfig
+    path: str
+    vision: VisionEncoder | None = None
+
+
+# -- params trees ----------------------------------------------------------------------------
+
+
+def _node(tree: Any, key: tuple[str | int, ...]) -> Any:
+    """The subtree at ``key``: ``str`` entries index dicts, ``int`` entries index lists."""
+    for k in key:
+        tree = tree[k]
+    return tree
+
+
+def _slot_shape(shapes: Params, t: HFTensor) -> tuple[int, ...]:
+    """The shape ``t`` fills: its leaf's, less the stacked layer axis when it has one."""
+    shape = tuple(_node(shapes, t.key))
+    return shape[1:] if t.stacked is not None else shape
+
+
+def _is_shape(x: Any) -> bool:
+    return isinstance(x, tuple)
+
+
+# -- loading ---------------------------------------------------------------------------------
+
+
+def _read_json(path: str, what: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"{what} {path} is not valid JSON: {e}") from e
+    except OSError as e:
+        raise ModelLoadError(f"could not read {what} {path}: {e}") from e
+
+
+def _check_dtype_argument(dtype: Any) -> None:
+    """Refuse a ``dtype`` argument we do not compute in (the caller's, so BadInputError)."""
+    if dtype is None:
+        return
+    try:
+        resolved = jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+    except TypeError:
+        resolved = None
+    if resolved not in {jnp.dtype(d) for d in _DTYPES.values()}:
+        raise BadInputError(f"unsupported dtype {dtype!r}; supported: {', '.join(_DTYPES)}")
+
+
+def _resolve_dtype(dtype: Any, config: Any) -> jnp.dtype:
+    if dtype is None:
+        # The folder's own dtype: one we do not compute in is the folder's problem.
+        named = config.dtype or "float32"
+        if named not in _DTYPES:
+            raise ModelLoadError(
+                f"config.json names dtype {named!r}, which we do not compute in; pass "
+                f"dtype= one of {', '.join(_DTYPES)}"
+            )
+        dtype = named
+    return jnp.dtype(_DTYPES[dtype] if isinstance(dtype, str) else dtype)
+
+
+def _weight_files(folder: str) -> dict[str, str]:
+    """Map each tensor name to the file holding it, as the folder declares."""
+    index_path = os.path.join(folder, WEIGHTS_INDEX_FILE)
+    single_path = os.path.join(folder, WEIGHTS_FILE)
+    if os.path.isfile(index_path):
+        index = _read_json(index_path, "weight index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(v, str) for v in weight_map.values()
+        ):
+            raise ModelLoadError(f"{index_path} has no valid 'weight_map' object")
+        for shard in sorted(set(weight_map.values())):
+            if not os.path.isfile(os.path.join(folder, shard)):
+                raise ModelLoadError(f"weight shard {shard} listed in {index_path} is missing")
+        return dict(weight_map)
+    if os.path.isfile(single_path):
+        with _open_safetensors(single_path) as f:
+            return dict.fromkeys(f.keys(), WEIGHTS_FILE)
+    hint = ""
+    if any(n.endswith(".bin") or n.endswith(".pt") for n in os.listdir(folder)):
+        hint = " (pickled torch weights are never loaded; convert them to safetensors)"
+    raise ModelLoadError(f"no {WEIGHTS_FILE} or {WEIGHTS_INDEX_FILE} in {folder}{hint}")
+
+
+@contextlib.contextmanager
+def _open_safetensors(path: str) -> Iterator[Any]:
+    """``safe_open`` that turns the library's errors into a ModelLoadError naming the file."""
+    try:
+        handle = safe_open(path, framework="np")
+    except Exception as e:  # SafetensorError, OSError, ...: all mean "unreadable"
+        raise ModelLoadError(
+            f"could not read safetensors file {path} (corrupt or truncated?): {e}"
+        ) from e
+    with handle as f:
+        yield f
+
+
+def _iter_tensors(folder: str, weight_map: Mapping[str, str]) -> Iterator[tuple[str, Any, str]]:
+    """Yield ``(name, handle, file)`` for every tensor, one shard open at a time."""
+    by_file: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        by_file.setdefault(file, []).append(name)
+    for file in sorted(by_file):
+        path = os.path.join(folder, file)
+        with _open_safetensors(path) as f:
+            present = set(f.keys())
+            for name in by_file[file]:
+                if name not in present:
+                    raise ModelLoadError(f"tensor {name} is listed for {file} but not in it")
+                yield name, f, path
+
+
+def load_folder(
+    path: str | os.PathLike[str],
+    dtype: Any = None,
+    layer_layout: Literal["stacked", "list"] = "stacked",
+    kernels: Literal["xla", "rowinv"] = "xla",
+) -> LoadedModel:
+    """Load a Hugging Face model folder of any family the registry knows.
+
+    Args:
+      path: the folder.
+      dtype: the params / activation dtype (``"float32"``, ``"bfloat16"``, ``"float16"`` or a
+        jnp dtype); by default the ``dtype`` (or ``torch_dtype``) that ``config.json`` names,
+        else float32. Tensors stored in another dtype are cast (round to nearest even).
+      layer_layout: ``"stacked"`` (per-layer leaves on a leading L axis: training, scans,
+        saving) or ``"list"`` (one dict per layer: the fast layout for GPU decoding, see
+        :mod:`turbospark_jax.models.dense.model`). A family whose layers differ in shape has only
+        ``"list"``.
+      kernels: the model's per-row kernels (:mod:`~turbospark_jax.kernels.plan`):
+        ``"xla"`` (XLA's own; the block program is exact across paths at one width) or
+        ``"rowinv"`` (row-invariant: programs of any two widths agree bit for bit), for a
+        family that declares
+        :attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`.
+
+    Returns:
+      The :class:`LoadedModel`.
+
+    Raises:
+      BadInputError: ``path`` is not a path, ``dtype`` is not one we compute in,
+        ``layer_layout`` is neither layout, or one the family does not have, ``kernels`` is
+        neither mode (all checked before any tensor is read).
+      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without that mode
+        (checked before any tensor is read).
+      ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
+        or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
+        missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
+        a safetensors file is corrupt or truncated (named).
+    """
+    row_kernels.check_kernels(kernels)
+    folder, family, config, resolved = folder_config(path, dtype, layer_layout)
+    model = _in_kernels_mode(family.build(config, resolved, layer_layout), family, config,
+                             kernels)
+    host = _read_params(folder, family, config, np.dtype(resolved))
+    vision = _load_vision(folder, np.dtype(resolved))
+    tokenizer, generation = folder_extras(folder, config)
+    params = jax.tree.map(jnp.asarray, host)
+    if layer_layout != family.native_layout:
+        params = family.to_layer_layout(params, layer_layout)
+    return LoadedModel(
+        model=model,
+        params=params,
+        config=config,
+        tokenizer=tokenizer,
+        generation_config=generation,
+        path=folder,
+        vision=vision,
+    )
+
+
+def _in_kernels_mode(model: BlockModel, family: Family, config: Any,
+                     kernels: str) -> BlockModel:
+    """``model`` with its ``kernels`` set; a family that does not declare
+    ``row_invariant_kernels`` has only XLA's kernels, and so only ``"xla"``."""
+    if kernels == "xla":
+        return model
+    if not model.row_invariant_kernels:
+        raise UnsupportedCapabilityError(
+            f"the {family.name} family (model_type {config.model_type!r}) has no row-invariant "
+            f"kernels, so kernels={kernels!r} is not available for it; load it with "
+            "kernels='xla' (the default)"
+        )
+    return dataclasses.replace(model, kernels=kernels)
+
+
+def folder_config(path: Any, dtype: Any, layer_layout: str) -> tuple[str, Family, Any, Any]:
+    """The checks :func:`load_folder` makes before reading any tensor, and what they find:
+    ``(folder, family, config, dtype)``. Raises as :func:`load_folder` does."""
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    if layer_layout not in ("stacked", "list"):
+        raise BadInputError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
+    _check_dtype_argument(dtype)
+    folder = os.fspath(path)
+    if not isinstance(folder, str):
+        raise BadInputError(f"path must be a text path, got {folder!r}")
+    if not os.path.isdir(folder):
+        raise ModelLoadError(f"model folder {folder} does not exist")
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder}")
+    raw_config = _read_json(config_path, "model config")
+    if not isinstance(raw_config, Mapping):
+        raise ModelLoadError(
+            f"{CONFIG_FILE} must hold a JSON object, got {type(raw_config).__name__}"
+        )
+    family = family_of(raw_config.get("model_type"))
+    config = family.parse_config(raw_config)
+    if layer_layout != family.native_layout and family.to_layer_layout is None:
+        raise BadInputError(
+            f"the {family.name} family's params come only in the {family.native_layout!r} "
+            f"layer layout; got layer_layout={layer_layout!r}"
+        )
+    resolved = _resolve_dtype(dtype, config)
+
+    return folder, family, config, resolved
+
+
+def folder_extras(folder: str, config: Any) -> tuple[Tokenizer | None, GenerationConfig]:
+    """The folder's tokenizer (``None`` without ``tokenizer.json``) and generation config
+    (defaults from ``config`` without ``generation_config.json``)."""
+    tokenizer = Tokenizer.from_folder(folder) if os.path.isfile(
+        os.path.join(folder, TOKENIZER_FILE)
+    ) else None
+    gen_path = os.path.join(folder, GENERATION_CONFIG_FILE)
+    if os.path.isfile(gen_path):
+        raw_gen = _read_json(gen_path, "generation config")
+        if not isinstance(raw_gen, dict):
+            raise ModelLoadError(f"{gen_path} must hold a JSON object")
+        generation = GenerationConfig.from_hf_dict(raw_gen)
+        if not generation.eos_token_ids and config.eos_token_ids:
+            generation = dataclasses.replace(generation, eos_token_ids=config.eos_token_ids)
+    else:
+        generation = GenerationConfig.from_model_config(config)
+    return tokenizer, generation
+
+
+def _load_vision(folder: str, np_dtype: np.dtype) -> VisionEncoder | None:
+    """The vision tower a ``gemma4`` folder's ``vision_config`` names (``None`` without one),
+    its soft-token budget from ``processor_config.json`` (280 when it names none)."""
+    raw = _read_json(os.path.join(folder, CONFIG_FILE), "model config")
+    if raw.get("model_type") != "gemma4":
+        return None
+    config = gemma4_vision.Gemma4VisionConfig.from_hf_dict(raw)
+    if config is None:
+        return None
+    host = _read_params(folder, gemma4_vision.TENSORS, config, np_dtype)
+    budget = 280
+    processor = os.path.join(folder, PROCESSOR_CONFIG_FILE)
+    if os.path.isfile(processor):
+        settings = _read_json(processor, "processor config")
+        image = settings.get("image_processor", {}) if isinstance(settings, Mapping) else {}
+        budget = image.get("max_soft_tokens", budget) if isinstance(image, Mapping) else budget
+    if budget not in (70, 140, 280, 560, 1120):
+        raise ModelLoadError(f"{PROCESSOR_CONFIG_FILE}: max_soft_tokens must be one of 70, "
+                             f"140, 280, 560, 1120, got {budget!r}")
+    return VisionEncoder(
+        tower=gemma4_vision.Gemma4Vision(config, jnp.dtype(np_dtype)),
+        params=jax.tree.map(jnp.asarray, host),
+        tokens=ImageTokens.from_hf_dict(dict(raw)),
+        max_soft_tokens=int(budget),
+    )
+
+
+def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -> Params:
+    """The folder's tensors as a host params tree (numpy, ``np_dtype``) in the family's
+    native layout, every tensor checked against the family's declaration."""
+    weight_map = _weight_files(folder)
+    tensors = family.hf_tensors(config)
+    wanted = {t.name: t for t in tensors}
+    missing = [t.name for t in tensors if t.name not in weight_map]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}{more}")
+    shapes = family.param_shapes(config)
+    # Every shape is checked against the files' headers before the params are allocated, so a
+    # config that implies absurd sizes is refused, not allocated.
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = wanted.get(name)
+        if t is not None:
+            got = _header_shape(handle, name, file)
+            if got != t.hf_shape:
+                raise ModelLoadError(
+                    f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}"
+                )
+    host: Params = jax.tree.map(lambda s: np.empty(s, np_dtype), shapes, is_leaf=_is_shape)
+    copies = family.tied_copies(config)
+    spares: list[tuple[str, np.ndarray, str]] = []
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = wanted.get(name)
+        if t is None:
+            if family.tolerated(name):
+                continue
+            if name in copies:
+                spares.append((name, handle.get_tensor(name), file))
+                continue
+            raise ModelLoadError(f"unexpected tensor {name} in {file}")
+        try:
+            array = handle.get_tensor(name)
+        except Exception as e:
+            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
+        converted = t.to_ours(array, _slot_shape(shapes, t)).astype(np_dtype, copy=False)
+        parent = _node(host, t.key[:-1])
+        if t.stacked is None:
+            parent[t.key[-1]] = converted
+        else:
+            parent[t.key[-1]][t.stacked] = converted
+    for name, array, file in spares:
+        original = wanted[copies[name]]
+        leaf = _node(host, original.key)
+        ours = original.to_hf(leaf if original.stacked is None else leaf[original.stacked])
+        if array.shape != ours.shape or not np.array_equal(array.astype(np_dtype), ours):
+            raise ModelLoadError(
+                f"the config ties {name} to {original.name}, but {file} holds a {name} that "
+                f"differs from it; untie the config or drop the tensor"
+            )
+    return host
+
+
+def _header_shape(handle: Any, name: str, file: str) -> tuple[int, ...]:
+    try:
+        return tuple(handle.get_slice(name).get_shape())
+    except Exception as e:  # the library's errors for a damaged header entry
+        raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
+
+
+# -- saving ----------------------------------------------------------------------------------
+
+
+def save_folder(
+    path: str | os.PathLike[str],
+    config: Any,
+    params: Params,
+    tokenizer: Tokenizer | None = None,
+    generation_config: GenerationConfig | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    vision: VisionEncoder | None = None,
+) -> None:
+    """Write a Hugging Face folder that this loader and ``transformers`` both load.
+
+    Writes ``config.json`` (with ``architectures``, and ``dtype`` set to the params' dtype),
+    the weights in the params' dtype as ``model.safetensors`` or, past ``max_shard_bytes``,
+    as ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``,
+    ``generation_config.json`` (given, or derived from ``config``) and the tokenizer files.
+    Weight files already in the folder are removed first so no stale shard survives.
+
+    Args:
+      path: the destination folder (created if needed).
+      config: the model config (its ``model_type`` picks the family).
+      params: the params tree, in either layer layout the family has (see
+        :mod:`turbospark_jax.models.dense.model`).
+      tokenizer: written alongside when given.
+      generation_config: written as ``generation_config.json``; derived when ``None``.
+      max_shard_bytes: the most tensor bytes in one file (a larger tensor gets a file alone).
+      vision: a vision tower to save beside a ``gemma4`` text model (its config goes into
+        ``vision_config``, its budget into ``processor_config.json``).
+
+    Raises:
+      ModelLoadError: no family saves ``config.model_type``, or the params do not have the
+        shapes ``config`` implies.
+      BadInputError: an argument of the wrong type (a config that is no family's, a
+        tokenizer that is not ours, ``max_shard_bytes`` below 1).
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
+        raise BadInputError(
+            f"tokenizer must be a turbospark_jax.io.tokenizer.Tokenizer, got "
+            f"{type(tokenizer).__name__}"
+        )
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise BadInputError(
+            f"generation_config must be a GenerationConfig, got "
+            f"{type(generation_config).__name__}"
+        )
+    max_shard_bytes = as_int("max_shard_bytes", max_shard_bytes, low=1)
+    family_of_config(config)  # a config of some family, not a dict
+    family = family_of(config.model_type)
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    shapes = family.param_shapes(config)
+    tensors = family.hf_tensors(config)
+    if family.to_layer_layout is not None:
+        params = family.to_layer_layout(params, family.native_layout)
+    expected = jax.tree.leaves(shapes, is_leaf=_is_shape)
+    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params), is_leaf=_is_shape)
+    if jax.tree.structure(shapes, is_leaf=_is_shape) != jax.tree.structure(
+        jax.tree.map(lambda a: 0, params)
+    ) or list(map(tuple, expected)) != got:
+        raise ModelLoadError("params do not match the layout the config implies")
+    host = jax.tree.map(np.asarray, params)
+    if vision is not None and (not isinstance(vision, VisionEncoder)
+                               or config.model_type != "gemma4"):
+        raise BadInputError("vision must be a VisionEncoder, saved beside a config of "
+                            "model_type 'gemma4'")
+
+    hf: dict[str, np.ndarray] = {}
+    for t in tensors:
+        leaf = _node(host, t.key)
+        hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
+    if vision is not None:
+        vision_host = jax.tree.map(np.asarray, vision.params)
+        for t in gemma4_vision.hf_tensors(vision.tower.config):
+            leaf = _node(vision_host, t.key)
+            hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
+    dtype_name = np.dtype(hf[tensors[0].name].dtype).name
+
+    for name in os.listdir(folder):
+        if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and
+                                          name.endswith(".safetensors")):
+            os.remove(os.path.join(folder, name))
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, array in hf.items():
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += array.nbytes
+    metadata = {"format": "pt"}  # transformers expects the torch layout tag
+    if len(shards) == 1:
+        save_file(hf, os.path.join(folder, WEIGHTS_FILE), metadata=metadata)
+    else:
+        weight_map: dict[str, str] = {}
+        for i, names in enumerate(shards, start=1):
+            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: hf[n] for n in names}, os.path.join(folder, file), metadata=metadata)
+            weight_map.update(dict.fromkeys(names, file))
+        index = {
+            "metadata": {"total_size": int(sum(a.nbytes for a in hf.values()))},
+            "weight_map": weight_map,
+        }
+        _write_json(os.path.join(folder, WEIGHTS_INDEX_FILE), index)
+
+    config_dict = config.to_hf_dict()
+    config_dict["dtype"] = dtype_name
+    if vision is not None:
+        config_dict["vision_config"] = vision.tower.config.to_hf_dict()
+        config_dict.update(image_token_id=vision.tokens.image, boi_token_id=vision.tokens.begin,
+                           eoi_token_id=vision.tokens.end)
+        _write_json(os.path.join(folder, PROCESSOR_CONFIG_FILE),
+                    {"image_processor": {"max_soft_tokens": vision.max_soft_tokens}})
+    _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
+    generation = generation_config or GenerationConfig.from_model_config(config)
+    _write_json(os.path.join(folder, GENERATION_CONFIG_FILE), generation.to_hf_dict())
+    if tokenizer is not None:
+        tokenizer.save(folder)
+
+
+def _write_json(path: str, data: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+# -- block drafters -------------------------------------------------------------------------
+
+
+def save_block_drafter(path: str | os.PathLike[str], config: block_drafter.BlockDrafterConfig,
+                       params: Params) -> None:
+    """Write a block drafter folder: ``config.json`` (``model_type``
+    :data:`~turbospark_jax.models.block_drafter.MODEL_TYPE`, ``dtype`` the params') and
+    ``model.safetensors`` with one tensor per params leaf, named by its dotted path.
+
+    Raises:
+      BadInputError: ``config`` is not a block drafter config, or ``path`` not a path.
+      ModelLoadError: the params do not have the shapes ``config`` implies.
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    if not isinstance(config, block_drafter.BlockDrafterConfig):
+        raise BadInputError(f"config must be a BlockDrafterConfig, got {type(config).__name__}")
+    tensors = {k: np.asarray(v) for k, v in block_drafter.flat_tensors(params).items()}
+    block_drafter.unflatten_tensors(config, tensors)  # refuses a params tree of other shapes
+    folder = os.fspath(path)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "np"})
+    config_dict = config.to_hf_dict()
+    config_dict["dtype"] = np.dtype(next(iter(tensors.values())).dtype).name
+    _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
+
+
+def _drafter_folder(path: Any, dtype: Any, what: str) -> tuple[str, Any, jnp.dtype]:
+    """A drafter folder's checks before any tensor is read: ``(folder, its config.json,
+    the dtype to load in)`` (``dtype``, else the folder's ``dtype``, else float32)."""
+    if not isinstance(path, str | os.PathLike):
+        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
+    _check_dtype_argument(dtype)
+    folder = os.fspath(path)
+    config_path = os.path.join(folder, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it a {what} folder?)")
+    raw = _read_json(config_path, f"{what} config")
+    if dtype is None:
+        dtype = raw.get("dtype") if isinstance(raw, Mapping) and raw.get("dtype") in _DTYPES \
+            else "float32"
+    return folder, raw, jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
+
+
+def load_block_drafter(
+    path: str | os.PathLike[str], dtype: Any = None
+) -> tuple[block_drafter.BlockDrafterConfig, Params]:
+    """Read a folder :func:`save_block_drafter` wrote.
+
+    Args:
+      path: the folder.
+      dtype: as :func:`load_folder`'s (default: the folder's ``dtype``, else float32).
+
+    Returns:
+      ``(config, params)``, for :class:`~turbospark_jax.speculative.drafters.block.BlockDrafter`.
+
+    Raises:
+      BadInputError: ``path`` or ``dtype`` of the wrong kind.
+      ModelLoadError: a missing folder or file, a ``config.json`` of another model type or
+        with a bad value, a tensor missing, unexpected or of the wrong shape (each named).
+    """
+    folder, raw, resolved = _drafter_folder(path, dtype, "block drafter")
+    config = block_drafter.BlockDrafterConfig.from_hf_dict(raw)
+    weight_map = _weight_files(folder)
+    host: dict[str, np.ndarray] = {}
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        try:
+            host[name] = handle.get_tensor(name).astype(np.dtype(resolved))
+        except Exception as e:
+            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
+    params = block_drafter.unflatten_tensors(config, host)
+    return config, jax.tree.map(jnp.asarray, params)
+
+
+def load_assistant(path: str | os.PathLike[str], dtype: Any = None) -> tuple[Any, Params]:
+    """Read a Gemma 4 assistant folder (``model_type`` ``gemma4_assistant``, the Hugging Face
+    layout), for
+    :class:`~turbospark_jax.speculative.drafters.gemma4_assistant.Gemma4AssistantDrafter`.
+
+    Args:
+      path: the folder.
+      dtype: as :func:`load_folder`'s (default: the folder's ``dtype``, else float32); the
+        token ordering of ordered embeddings stays int32.
+
+    Returns:
+      ``(config, params)``: an :class:`~turbospark_jax.models.gemma4.assistant.AssistantConfig`
+      and its params tree.
+
+    Raises:
+      BadInputError: ``path`` or ``dtype`` of the wrong kind.
+      ModelLoadError: a missing folder or file, a config of another model type or with a bad
+        value, a tensor missing or of the wrong shape (each named).
+    """
+    folder, raw, dtype = _drafter_folder(path, dtype, "assistant")
+    config = gemma4_assistant.AssistantConfig.from_hf_dict(raw)
+    resolved = np.dtype(dtype)
+    tensors = {t.name: t for t in gemma4_assistant.hf_tensors(config)}
+    shapes = gemma4_assistant.param_shapes(config)
+    weight_map = _weight_files(folder)
+    missing = sorted(set(tensors) - set(weight_map))
+    if missing:
+        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}")
+    params: Params = jax.tree.map(lambda s: None, shapes, is_leaf=_is_shape)
+    for name, handle, file in _iter_tensors(folder, weight_map):
+        t = tensors.get(name)
+        if t is None:
+            if name == "lm_head.weight" and config.tie_word_embeddings:
+                continue  # a tied head's saved copy: the tied embedding is what runs
+            raise ModelLoadError(f"unexpected tensor {name} in {file}")
+        got = _header_shape(handle, name, file)
+        if got != t.hf_shape:
+            raise ModelLoadError(
+                f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}")
+        array = t.to_ours(handle.get_tensor(name), _node(shapes, t.key))
+        kind = np.int32 if np.issubdtype(array.dtype, np.integer) else resolved
+        _node(params, t.key[:-1])[t.key[-1]] = jnp.asarray(array.astype(kind, copy=False))
+    return config, params
+
+
+# -- the embedded models ---------------------------------------------------------------------
+
+#: Names of the embedded models under ``models/``.
+DEFAULT_TARGET = "tsj-pycoder"
+DEFAULT_DRAFT = "tsj-pycoder-draft"
+
+
+def embedded_model_path(name: str) -> Path:
+    """Where the embedded model ``name`` lives, in an editable install or an installed wheel.
+
+    Raises:
+      ModelLoadError: it is in neither place.
+    """
+    candidates = []
+    try:
+        from importlib.resources import files
+
+        candidates.append(Path(str(files("turbospark_jax_models") / name)))
+    except ModuleNotFoundError:
+        pass
+    candidates.append(Path(__file__).resolve().parents[2] / "models" / name)
+    for path in candidates:
+        if (path / "config.json").is_file():
+            return path
+    raise ModelLoadError(
+        f"the embedded model {name!r} is missing (looked in {', '.join(map(str, candidates))}); "
+        "pass --model PATH"
+    )

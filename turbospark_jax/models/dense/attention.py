@@ -1,0 +1,273 @@
+"""How a dense layer attends, with the implementation chosen once per call.
+
+A layer's attention takes its normed rows ``h [W, D]`` to the attention output ``[W, H, hd]``
+(the output projection is the layer's): the q/k/v projections, the optional per-head q/k norm
+and RoPE, the writes of the rows' k/v into the cache, and attention over the cache.
+:func:`cached_attention` picks one implementation for a whole
+:meth:`~turbospark_jax.models.dense.model.DenseModel.block_forward` call from static facts, so each
+choice is one program for every path of the block program and the bitwise guarantees hold
+within it. :func:`sequence_attention` is the cache-free form ``forward`` uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+from turbospark_jax.kernels import attention as pallas_attention
+from turbospark_jax.kernels import plan as row_kernels
+from turbospark_jax.kernels import rope_store as pallas_rope_store
+from turbospark_jax.kernels.layers import attend
+from turbospark_jax.models.dense.config import DenseConfig
+
+if TYPE_CHECKING:
+    from turbospark_jax.models.dense.model import DenseModel
+
+Params = dict[str, Any]
+
+#: A layer's attention: ``(normed rows [W, D], layer params, cache carry, layer index,
+#: window) -> (attention output [W, H, hd], cache carry)``.
+Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
+
+# Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The targets
+# are then all different, which the scatters promise to XLA (unique_indices): without the
+# promise a GPU scatter of 16-bit values has to write with atomics.
+_SCATTER = {"mode": "drop", "unique_indices": True}
+
+
+def _project(x: jax.Array, w: jax.Array, kernels: str) -> jax.Array:
+    """``x [W, D] @ w [D, N, hd] -> [W, N, hd]`` as one 2-D matrix product.
+
+    Written as a plain matrix product over a free reshape of the weight: for a single row,
+    XLA on a GPU lowers the 3-D einsum form to a multiply and a reduction, several times
+    slower than its matrix-vector kernel.
+    """
+    d, n, hd = w.shape
+    return row_kernels.matmul(kernels, x, w.reshape(d, n * hd),
+                              label="proj").reshape(x.shape[0], n, hd)
+
+
+def _projections(
+    config: DenseConfig, h: jax.Array, lp: Params, kernels: str
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
+    q = _project(h, lp["q_proj"], kernels)
+    k = _project(h, lp["k_proj"], kernels)
+    v = _project(h, lp["v_proj"], kernels)
+    if config.qkv_bias:
+        q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
+    return q, k, v
+
+
+def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: str) -> jax.Array:
+    """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
+    reads the three weights straight into its matrix kernel, and the row-invariant kernel
+    takes them as three operands of one launch: neither copies them.) Under ``"rowinv"``
+    without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
+    which the RoPE-and-cache-write kernel adds itself."""
+    d = h.shape[-1]
+    ws = tuple(lp[n].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
+    if kernels == "rowinv" and not config.qkv_bias:
+        return row_kernels.matmul_parts(kernels, h, ws, label="qkv")
+    qkv = row_kernels.matmul(kernels, h, ws, label="qkv")
+    if config.qkv_bias:
+        qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")])
+    return qkv
+
+
+def _rotate(
+    config: DenseConfig, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array,
+    kernels: str,
+) -> tuple[jax.Array, jax.Array]:
+    """Optional per-head q/k norm, then RoPE."""
+    if config.qk_norm:
+        q = row_kernels.rms_norm(kernels, q, lp["q_norm"], config.rms_norm_eps)
+        k = row_kernels.rms_norm(kernels, k, lp["k_norm"], config.rms_norm_eps)
+    return (row_kernels.apply_rope(kernels, q, cos, sin),
+            row_kernels.apply_rope(kernels, k, cos, sin))
+
+
+def _replace_at(buffers: Any, index: int, new: jax.Array) -> tuple[jax.Array, ...]:
+    return (*buffers[:index], new, *buffers[index + 1 :])
+
+
+def _write_rows(
+    kv: Any, index: Any, k: jax.Array, v: jax.Array, write_at: jax.Array, per_layer: bool
+) -> tuple[Any, jax.Array, jax.Array]:
+    """Write a block's ``k``/``v`` ``[W, KV, hd]`` into layer ``index`` of the cache carry at
+    rows ``write_at``; returns the carry and that layer's ``[C, KV, hd]`` k and v buffers."""
+    k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
+    if per_layer:  # index is a python int: this layer's own buffers
+        k_layer = k_all[index].at[write_at].set(k, **_SCATTER)
+        v_layer = v_all[index].at[write_at].set(v, **_SCATTER)
+        kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
+        return kv, k_layer, v_layer
+    k_all = k_all.at[index, write_at].set(k, **_SCATTER)
+    v_all = v_all.at[index, write_at].set(v, **_SCATTER)
+    return (k_all, v_all), k_all[index], v_all[index]
+
+
+def _own_rows(
+    model: DenseModel, q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array,
+    window: Any,
+) -> jax.Array:
+    """Causal attention of a block over its own rows (q [W, H, hd], k/v [W, KV, hd])."""
+    flash = (
+        jax.default_backend() == "gpu"
+        and model.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+        and window is None
+        and model.config.head_dim % 8 == 0
+        and model.config.head_dim <= 128
+    )
+    if flash:
+        out = jax.nn.dot_product_attention(
+            q[None], k[None], v[None], is_causal=True, implementation="cudnn"
+        )
+        return out[0]
+    return attend(q, k, v, positions, positions, window)
+
+
+def _fused_attention(model: DenseModel, per_layer: bool, capacity: int) -> bool | str:
+    """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``: in
+    the Pallas interpreter, for tests on a CPU). Under ``kernels="rowinv"`` only the compiled
+    kernel on a GPU, in its row-invariant form (in the interpreter its products are XLA
+    dots of the row tile's shape, which follows the row count)."""
+    if not per_layer or model.attention == "xla":
+        return False
+    if model.attention == "interpret":
+        return "interpret" if capacity >= pallas_attention.KEY_TILE else False
+    return jax.default_backend() == "gpu" and pallas_attention.supported(
+        model.config.head_dim, capacity
+    )
+
+
+def _uses_rope_store(model: DenseModel, fused: bool | str) -> bool | str:
+    """Whether q/k norm, RoPE and the cache writes run as the RoPE-and-cache-write kernel
+    (``"interpret"``: in the Pallas interpreter). It feeds the fused attention kernel, so it
+    needs that one too."""
+    if not fused or model.rope_store == "xla":
+        return False
+    if model.rope_store == "interpret":
+        return "interpret"
+    c = model.config
+    return jax.default_backend() == "gpu" and pallas_rope_store.supported(
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    )
+
+
+def cached_attention(
+    model: DenseModel, *, per_layer: bool, capacity: int, fresh: bool, positions: jax.Array,
+    write_at: jax.Array, cos: jax.Array, sin: jax.Array, key_positions: jax.Array, limit: int,
+    max_keys: int | None = None,
+) -> Attention:
+    """The attention every layer of one ``block_forward`` call runs, chosen once.
+
+    Each layer writes its rows' k/v into the cache, then attends with one of:
+
+    * the RoPE-and-cache-write kernel (which does the writes) feeding the fused attention
+      kernel: a per-layer cache where both kernels run, and a block that is not ``fresh``;
+    * ``fresh``: attention over the block's own rows (the cache was empty before it);
+    * the fused attention kernel over the layer's cache, where it runs;
+    * :func:`~turbospark_jax.kernels.plan.attend` (XLA's, in the model's ``kernels``
+      mode) over the first ``limit`` positions.
+
+    Args:
+      model: the model (its config, dtype and kernel modes).
+      per_layer, capacity: the cache's layout and size.
+      fresh: the block starts at position 0 of an empty cache.
+      positions: int32 ``[W]``, each row's position.
+      write_at: int32 ``[W]``, the cache row each row writes (``>= capacity``: none).
+      cos, sin: ``[W, hd]`` rotary tables.
+      key_positions: int32 ``[C]``, the cache rows' positions.
+      limit: static; the XLA form attends over cache rows ``< limit`` only.
+      max_keys: static; the caller's bound on every row's position + 1, handed to the fused
+        kernel (:func:`~turbospark_jax.kernels.attention.cached_attention`: speed
+        only).
+
+    Returns:
+      The :data:`Attention`.
+    """
+    c = model.config
+    fused = _fused_attention(model, per_layer, capacity)
+    rope_store = _uses_rope_store(model, fused)
+    row_invariant = model.kernels == "rowinv"
+
+    def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
+        norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
+        rows = (_merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
+                v_all[index])
+        if row_invariant and model.fuse_rope_store:
+            # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
+            attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
+                *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+                window=window, interpret=rope_store == "interpret", max_keys=max_keys,
+                fold_in_split=model.fold_in_split,
+            )
+        else:
+            qr, k_layer, v_layer = pallas_rope_store.rope_store(
+                *rows, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
+                interpret=rope_store == "interpret",
+            )
+            attn = pallas_attention.cached_attention_arranged(
+                qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
+                interpret=fused == "interpret", row_invariant=row_invariant, max_keys=max_keys,
+            )
+        return attn, (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
+
+    def rotated(h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
+        q, k, v = _projections(c, h, lp, model.kernels)
+        q, k = _rotate(c, q, k, lp, cos, sin, model.kernels)
+        return q, k, v
+
+    def own_rows(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        q, k, v = rotated(h, lp)
+        kv, _, _ = _write_rows(kv, index, k, v, write_at, per_layer)
+        return _own_rows(model, q, k, v, positions, window), kv
+
+    def attention_kernel(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        q, k, v = rotated(h, lp)
+        kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
+        attn = pallas_attention.cached_attention(
+            q, k_layer, v_layer, positions, window=window, interpret=fused == "interpret",
+            row_invariant=row_invariant, max_keys=max_keys,
+        )
+        return attn, kv
+
+    def xla(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
+        q, k, v = rotated(h, lp)
+        kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
+        attn = row_kernels.attend(model.kernels, q, k_layer[:limit], v_layer[:limit], positions,
+                                  key_positions[:limit], window)
+        return attn, kv
+
+    if rope_store and not fresh:
+        return rope_store_kernels
+    if fresh:
+        return own_rows
+    return attention_kernel if fused else xla
+
+
+def sequence_attention(
+    config: DenseConfig, positions: jax.Array, cos: jax.Array, sin: jax.Array,
+    kernels: str = "xla",
+) -> Attention:
+    """Causal attention of a whole sequence over itself, no cache (the carry passes through).
+
+    Args:
+      config: the model config.
+      positions: int32 ``[T]``, ``0..T-1``.
+      cos, sin: ``[T, hd]`` rotary tables.
+      kernels: the model's ``kernels`` mode (:mod:`~turbospark_jax.kernels.plan`).
+    """
+
+    def attention(h: jax.Array, lp: Params, carry: Any, index: Any, window: Any) -> Any:
+        del index
+        q, k, v = _projections(config, h, lp, kernels)
+        q, k = _rotate(config, q, k, lp, cos, sin, kernels)
+        return row_kernels.attend(kernels, q, k, v, positions, positions, window), carry
+
+    return attention

@@ -1,0 +1,1 @@
+"""The Gemma 4 family: text decoder, vision tower and assistant drafter."""

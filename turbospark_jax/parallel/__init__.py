@@ -1,0 +1,1 @@
+"""Meshes, tensor-parallel sharding, data-parallel replicas and multi-host start-up."""

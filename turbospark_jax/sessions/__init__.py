@@ -1,0 +1,1 @@
+"""Multi-turn use: the session pool and chat sessions over it."""

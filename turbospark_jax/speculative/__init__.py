@@ -1,0 +1,2 @@
+"""Speculative decoding: the target-and-drafter pair, its rounds on the device, the drafters, and
+which drafter a model uses."""
