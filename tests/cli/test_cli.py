@@ -452,6 +452,27 @@ def test_a_drafting_mode_on_a_cpu_says_what_was_measured(our_folder, mode):
     assert "note" not in out
 
 
+@pytest.mark.parametrize("speedup", [0.5, 1.2])
+def test_the_cpu_note_reads_the_model_folders_speculative_json(our_folder, tmp_path, speedup):
+    from turbospark_jax.speculative.figures import Measurement, write_figures
+
+    folder = tmp_path / "model"
+    shutil.copytree(our_folder, folder)
+    write_figures(folder, [Measurement(drafter="ngram", backend=jax.default_backend(),
+                                       draft_len=3, speedup=speedup,
+                                       mean_acceptance_length=1.5, acceptance_rate=0.2,
+                                       command="a test's own figures")])
+    code, _, err = run("generate", "--model", str(folder), "x = 1\nx =", "--max-tokens", "4",
+                       "--context", "128", "--ngram", "2")
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("turbospark-jax: note:")]
+    if jax.default_backend() != "cpu" or speedup >= 1:
+        assert not notes  # figures of 1x or more: nothing to warn about
+        return
+    assert len(notes) == 1 and "measured 0.50x plain decoding" in notes[0]
+    assert "speculative.json" in notes[0] and "--draft-len" in notes[0]
+
+
 def test_a_long_exact_prefill_on_a_cpu_suggests_parallel_prefill(our_folder, monkeypatch):
     monkeypatch.setattr(cli, "LONG_PREFILL_TOKENS", 16)
     argv = ("generate", "--model", str(our_folder), "hello world " * 12, "--max-tokens", "2",

@@ -113,19 +113,11 @@ def _check_length(args: argparse.Namespace, folder: _Folder, prompt_tokens: int,
         )
 
 
-#: What the drafters measured against plain decoding on a 2-core CPU with the embedded models,
-#: each command a fresh process (README, "Speculative decoding", has the table and the command).
-CPU_MEASURED = {
-    "draft-model": "compiled in 12-17 s against 4-6 s plain and decoded at 109 tokens/s "
-                   "against 99, 21 s in all against 10",
-    "ngram": "compiled in 10-11 s against 4-6 s plain and decoded at 95 tokens/s against 99, "
-             "16 s in all against 10",
-}
-
-
 def _speculative_note(args: argparse.Namespace, on_cpu: bool, choice: Any) -> str | None:
-    """One line when the drafter chosen measured slower than plain decoding on a CPU: it runs
-    as asked, but the user hears what was measured."""
+    """One line when the drafter chosen may be slower than plain decoding on a CPU: it runs as
+    asked, but the user hears why. The figures are the model folder's ``speculative.json``
+    (what :func:`~turbospark_jax.speculative.choice.choose_drafter` read); a drafter without
+    figures there gets the general reason (its wider programs compile longer)."""
     if not on_cpu or choice is None:
         return None
     drafter, flag = choice.drafter, args.drafter_flag
@@ -135,13 +127,13 @@ def _speculative_note(args: argparse.Namespace, on_cpu: bool, choice: Any) -> st
         return (f"on a CPU, {flag} ({drafter}) measured {choice.measured.speedup:.2f}x plain "
                 f"decoding for this model at draft length {choice.measured.draft_len} "
                 "(speculative.json); it runs as asked; --draft-len sets the proposals per round")
-    if drafter not in CPU_MEASURED:
-        return None  # nothing measured for it on a CPU
+    if drafter not in ("draft-model", "ngram"):
+        return None  # a drafter trained for its target: no reason to doubt it unmeasured
     return (
-        f"on a CPU, {flag} ({drafter}) may be slower than plain decoding: for 96 tokens with "
-        f"the embedded models, the {drafter} drafter {CPU_MEASURED[drafter]} (README, "
-        "Speculative decoding; held warm in a 2,048-position context it decoded 1.4-1.8x "
-        "faster); --draft-len sets the proposals per round"
+        f"on a CPU, {flag} ({drafter}) may be slower than plain decoding: this model's "
+        "speculative.json has no figures for it on a CPU, and a drafting run compiles wider "
+        "programs than plain decoding; it runs as asked; --draft-len sets the proposals per "
+        "round"
     )
 
 
@@ -156,8 +148,8 @@ def _prefill_note(args: argparse.Namespace, on_cpu: bool, prompt_tokens: int) ->
         return None
     return (
         f"a {prompt_tokens:,}-token prompt prefills exactly, {args.width} row(s) per step on a "
-        "CPU (the embedded model: about 55 tokens/s); --parallel-prefill is several times "
-        "faster (about 250 tokens/s), equal to the exact path within tolerance"
+        "CPU; --parallel-prefill is several times faster, equal to the exact path within "
+        "tolerance"
     )
 
 
