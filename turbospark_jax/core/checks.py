@@ -115,8 +115,8 @@ def as_token_ids(
         ids = np.asarray(values).tolist()  # Python ints
     elif isinstance(values, list | tuple) and all(type(v) is int for v in values):
         # The common case, a prompt of plain ints, checked without the per-element
-        # ``isinstance`` against the numeric ABCs below (24 ms for 8,192 ids on a 2-core CPU,
-        # paid before a prefill's first kernel; the GPU sat idle that long in a trace).
+        # ``isinstance`` against the numeric ABCs below (costly for a long prompt, and paid
+        # on the host before a prefill's first kernel while the device waits).
         # ``type(v) is int`` refuses bools, which subclass int.
         ids = list(values)
     elif isinstance(values, Sequence) and not isinstance(values, str | bytes | bytearray):

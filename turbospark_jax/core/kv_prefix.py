@@ -6,7 +6,8 @@ new prompt carries that reply back re-tokenized from text, which may split it di
 the reusable part is the longest common prefix of the ids the state FED and the new prompt,
 compared position by position, never a count derived from the history's length.
 
-Three rules, held by every producer that reuses a state (DESIGN.md section 3):
+Three rules, held by every producer that reuses a state (docs/design.md, "Keyed on what was
+fed"):
 
 * compare ids with the fed record, and stop at the first difference;
 * stop at a position where the state consumed an injected embedding (an image in a

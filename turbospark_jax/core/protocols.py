@@ -108,8 +108,9 @@ class LogitProducer(abc.ABC, Generic[State]):
 
     @abc.abstractmethod
     def fed_record(self, state: State) -> FedRecord:
-        """The record of what ``state`` has consumed, position by position (DESIGN.md section
-        3): reuse, history bookkeeping and speculative commits key on it."""
+        """The record of what ``state`` has consumed, position by position: reuse, history
+        bookkeeping and speculative commits key on it (docs/design.md, "Keyed on what was
+        fed")."""
 
     @property
     def can_rewind(self) -> bool:

@@ -25,7 +25,7 @@ wrote for the reply are rewound away and prefilled again when a new prompt repea
 reason is measured, not assumed: on the CPU the vmapped decode program writes KV rows that
 differ in the last bits from what the prefill program writes for the same tokens, so reusing
 them would make a continued conversation differ from the same prompt served fresh
-(``tests/test_batching.py`` checks reuse against fresh bitwise). A request's
+(``tests/engine/test_batching.py`` checks reuse against fresh bitwise). A request's
 output depends only on its own prompt, settings and seed: its prompt and first token are a row
 of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
 and neither program's rows interact (see :mod:`turbospark_jax.engine.batching`).
