@@ -1,10 +1,9 @@
 """The delta-rule row kernel (``kernels/delta_rule.py``) in the Pallas interpreter: close to
-the XLA row loop, and, as the exact path of a Qwen3.5 model (``recurrence="interpret"``), every
-bitwise guarantee of that path, each with its control."""
+the XLA row loop, and, as the exact path of a Qwen3.5 model (``Qwen35Model.interpreted``),
+every bitwise guarantee of that path, each with its control."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 from turbospark_jax.engine.producer import BlockProducer
-from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
+from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels.delta_rule import delta_rule_rows, tape_rows
 from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
@@ -89,7 +88,7 @@ def test_kernel_rows_one_call_each_equal_one_call_for_all_bitwise() -> None:
         outs.append(o[0])
     assert np.array_equal(np.stack(outs), whole) and np.array_equal(s, end)
     # Control: the same walk from a state with one element off by about 1e-3 of itself
-    # differs (a last-bit change can round away in the outputs, as it did on an H200).
+    # differs (a last-bit change can round away in the outputs).
     bad = np.array(state).reshape(-1)
     bad[0] = (bad[:1].view(np.uint32) ^ np.uint32(1 << 13)).view(np.float32)[0]
     other, _, _ = delta_rule_rows(q, k, v, g, beta, jnp.asarray(bad.reshape(state.shape)),
@@ -100,9 +99,9 @@ def test_kernel_rows_one_call_each_equal_one_call_for_all_bitwise() -> None:
 @pytest.fixture(scope="module")
 def producers() -> tuple[BlockProducer, BlockProducer]:
     """The same params on the kernel (interpreted) and on the XLA loop."""
-    xla = Q.Qwen35Model(CONFIG, max_width=WIDTH, recurrence="xla")
+    xla = Q.Qwen35Model(CONFIG, max_width=WIDTH).for_mesh()  # the XLA loop on any backend
     params = xla.init_params(jax.random.PRNGKey(0))
-    kernel = dataclasses.replace(xla, recurrence="interpret")
+    kernel = xla.interpreted()
     make = lambda m: BlockProducer(m, params, capacity=CAPACITY, width=WIDTH,  # noqa: E731
                                    steps_per_call=4)
     return make(kernel), make(xla)
@@ -157,26 +156,26 @@ def _keeps_one_more(producer: BlockProducer) -> Any:
     return KeepsOneMore()
 
 
-def test_unknown_recurrence_mode_is_refused() -> None:
-    with pytest.raises(BadInputError,
-                       match="recurrence must be one of auto, xla, pallas, interpret"):
-        Q.Qwen35Model(CONFIG, recurrence="triton")
+def test_a_row_walk_outside_the_two_pins_is_refused() -> None:
+    with pytest.raises(BadInputError, match="_rows must be None or one of xla, interpret"):
+        Q.Qwen35Model(CONFIG, _rows="triton")
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="auto picks the kernel on a GPU")
-def test_auto_is_the_xla_loop_off_a_gpu(producers: Any) -> None:
+def test_the_kernel_tape_and_the_loop_tape() -> None:
+    """The kernel walks a power-of-two block of at least 16 rows, so its tape holds that many;
+    the XLA loop's holds ``max_width``."""
+    model = Q.Qwen35Model(CONFIG, max_width=WIDTH)
+    assert model.interpreted().tape_rows() == tape_rows(WIDTH) == 16
+    assert model.for_mesh().tape_rows() == WIDTH
+    assert model.interpreted().for_mesh() == model.for_mesh()
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU walks the rows on the kernel")
+def test_off_a_gpu_the_rows_walk_on_the_xla_loop(producers: Any) -> None:
     _, xla = producers
-    auto = BlockProducer(dataclasses.replace(xla.model, recurrence="auto"), xla.params,
-                         capacity=CAPACITY, width=WIDTH, steps_per_call=4)
-    assert auto.model.tape_rows() == WIDTH
-    got, _ = auto.prefill_chunk(auto.init_state(), PROMPT, 0)
+    plain = BlockProducer(Q.Qwen35Model(CONFIG, max_width=WIDTH), xla.params,
+                          capacity=CAPACITY, width=WIDTH, steps_per_call=4)
+    assert plain.model.tape_rows() == WIDTH
+    got, _ = plain.prefill_chunk(plain.init_state(), PROMPT, 0)
     want, _ = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
     assert np.array_equal(got, want)
-
-
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the kernel runs on a GPU")
-def test_the_gpu_kernel_off_a_gpu_is_refused_by_name(producers: Any) -> None:
-    kernel, _ = producers
-    model = dataclasses.replace(kernel.model, recurrence="pallas")
-    with pytest.raises(UnsupportedCapabilityError, match="needs a GPU; this backend is 'cpu'"):
-        BlockProducer(model, kernel.params, capacity=CAPACITY, width=WIDTH)

@@ -6,8 +6,8 @@ The recurrence (per value head, float32, state ``S [dk, dv]``)::
     S_t   = exp(g_t) * S_{t-1} + k_t d_t^T,   d_t = beta_t * (v_t - (exp(g_t) * S_{t-1})^T k_t)
     o_t   = S_t^T q_t
 
-is what the block program runs row by row (a ``lax.scan``: exact, and what makes chunked ==
-token by token bitwise). Over thousands of rows that scan is a long chain of small products.
+is what the block program runs row by row (exact, and what makes chunked == token by token
+bitwise). Over thousands of rows that walk is a long chain of small products.
 The chunked form does the same algebra ``C`` rows at a time with matrix products. Within a
 chunk starting from ``S_0``, with ``G_i = exp(g_1 + ... + g_i)`` (cumulative decay from the
 chunk's start) and ``D`` the rows ``d_i``:
@@ -28,8 +28,12 @@ the ``exp`` so no entry above the diagonal can overflow. Rows past the end are p
 ``beta = 0`` and ``g = 0``: they change neither the state nor any other row.
 
 This is a different order of floating-point operations from the row-by-row scan, so results
-agree within a tolerance (float32; measured in ``tests/test_delta_rule.py``), not bitwise: it
-serves the parallel prefill, which is outside the bitwise guarantees, and training.
+agree within a float32 tolerance, not bitwise: it serves the parallel prefill, which is outside
+the bitwise guarantees, and training.
+
+The chunk systems are inverted by matrix products (:func:`unit_lower_inverse`) rather than a
+triangular solve: a solve is a chain of small dependent steps per chunk, where the products
+batch over every chunk and head at once, forward and backward.
 """
 
 from __future__ import annotations
@@ -64,9 +68,6 @@ def delta_rule_scan(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta
 #: Unit lower-triangular blocks this wide or narrower are inverted by their Neumann series;
 #: wider ones split in halves (see :func:`unit_lower_inverse`).
 NEUMANN_BLOCK = 8
-#: How the chunk systems are solved: ``"blocked"`` (:func:`unit_lower_inverse`, matrix
-#: products only) or ``"solve"`` (XLA's batched triangular solve).
-INVERSE_METHODS = ("blocked", "solve")
 
 
 def unit_lower_inverse(a: jax.Array) -> jax.Array:
@@ -75,9 +76,10 @@ def unit_lower_inverse(a: jax.Array) -> jax.Array:
     Up to :data:`NEUMANN_BLOCK` rows the inverse is the finite Neumann series
     ``sum_k (-a)^k`` (``a`` is nilpotent), taken as ``(I - a)(I + a^2)(I + a^4)``. Its terms
     stay small there: with unit keys, ``beta <= 1`` and decays ``<= 1`` every entry of ``a``
-    is at most 1 in size, so ``a^m``'s entries are at most ``C(7, 3) = 35`` for 8 rows, and
-    the series loses little to cancellation (over 16 rows the terms reach 3432 and a repeated
-    key with no decay costs 1e-3; over a whole 64-row chunk they could overflow). Wider
+    is at most 1 in size, so ``a^m``'s entries are at most ``C(6, 3) = 20`` for 8 rows, and
+    the series loses little to cancellation (over 16 rows the terms reach ``C(14, 7) = 3432``
+    and cancellation shows with a repeated key and no decay; over a whole 64-row chunk they
+    could overflow). Wider
     matrices split into halves: ``[[T1, 0], [-T2 a21 T1, T2]]`` with ``T1``, ``T2`` the halves'
     inverses (both computed in one batched recursion).
     """
@@ -110,8 +112,7 @@ def _unit_lower_inverse(a: jax.Array) -> jax.Array:
 
 def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
                        beta: jax.Array, state: jax.Array, chunk: int = 64,
-                       inverse: str = "blocked", unroll: int = 16,
-                       ) -> tuple[jax.Array, jax.Array]:
+                       unroll: int = 16) -> tuple[jax.Array, jax.Array]:
     """The same as :func:`delta_rule_scan`, ``chunk`` rows at a time (see the module doc).
 
     Everything that does not depend on the carried state is computed for all chunks at once
@@ -124,11 +125,8 @@ def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     Args:
       q, k, v, g, beta, state: as :func:`delta_rule_scan`.
       chunk: rows per chunk.
-      inverse: one of :data:`INVERSE_METHODS`.
       unroll: chunks per pass of the state's loop.
     """
-    if inverse not in INVERSE_METHODS:
-        raise ValueError(f"inverse must be one of {INVERSE_METHODS}, got {inverse!r}")
     t, h, _ = k.shape
     dv = v.shape[-1]
     n = -(-t // chunk)
@@ -147,16 +145,9 @@ def delta_rule_chunked(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array,
     decay = jnp.exp(cum)  # G_i
     a = bs[..., :, None] * jnp.exp(jnp.where(lower, diff, -jnp.inf)) * jnp.einsum(
         "nhik,nhjk->nhij", ks, ks)
-    if inverse == "blocked":
-        tri = unit_lower_inverse(a)
-        w = tri @ (ks * (bs * decay)[..., None])  # [n, H, C, dk]
-        u = tri @ (vs * bs[..., None])  # [n, H, C, dv]
-    else:
-        eye = jnp.eye(chunk, dtype=a.dtype)
-        both = jax.scipy.linalg.solve_triangular(
-            eye + a, jnp.concatenate([ks * (bs * decay)[..., None], vs * bs[..., None]], -1),
-            lower=True, unit_diagonal=True)
-        w, u = both[..., : ks.shape[-1]], both[..., ks.shape[-1] :]
+    tri = unit_lower_inverse(a)
+    w = tri @ (ks * (bs * decay)[..., None])  # [n, H, C, dk]
+    u = tri @ (vs * bs[..., None])  # [n, H, C, dv]
     qk = jnp.einsum("nhik,nhjk->nhij", qs, ks) * jnp.exp(jnp.where(causal, diff, -jnp.inf))
     q_decayed = qs * decay[..., None]  # [n, H, C, dk]
     k_tail = ks * jnp.exp(cum[..., -1:] - cum)[..., None]  # K scaled by G_C / G_j

@@ -14,15 +14,25 @@ a dense SwiGLU MLP; every RMSNorm but the gated one is zero-centred (scale ``1 +
 Qwen3-Next fuses the DeltaNet projections (``in_proj_qkvz`` / ``in_proj_ba``, grouped per key
 head); Qwen3.5 keeps them apart. Mixture-of-experts MLPs are refused.
 
-Row by row: the recurrence runs as a loop over the live rows of a block (one pass for a decode
-step; padding rows leave the state as it was; on a GPU one kernel per layer walks them,
-:mod:`~turbospark_jax.kernels.delta_rule`), so decode, chunked prefill and verify are one
-program and chunked == token by token holds bitwise. The loop also writes a tape: each live
-row's conv and recurrent state (``retain_rows`` selects from it, so ``rollback_retaining``
-needs no replay) and each row's final hidden state (what the MTP head reads). The recurrent
-tape is written in place and only for live rows, so a decode step writes one state per layer;
-it holds ``max_width`` rows per linear layer (16 at least under the kernel), ``Hv * dk * dv *
-4`` bytes each (Qwen3.5-9B shape, 16 rows: 768 MiB in all).
+Row by row: the recurrence walks the rows of a block one at a time, every row by the same loop
+body (padding rows leave the state as it was), so decode, chunked prefill and verify are one
+program and chunked == token by token holds bitwise. Where the walk runs follows from the
+backend, not from an option: on a GPU where the head sizes suit it, one Pallas kernel per layer
+walks the live rows (:mod:`~turbospark_jax.kernels.delta_rule`; a loop of XLA kernels there
+returns to the host on every pass); elsewhere, and on a tensor-parallel mesh
+(:meth:`Qwen35Model.for_mesh`: the kernel is a single-device custom call), a loop of XLA kernels
+walks all ``W`` rows, selecting the padding ones away. The two agree within float32 rounding;
+each is one program for every path, so the bitwise guarantees hold within either.
+
+The walk also writes a tape: each live row's conv and recurrent state (``retain_rows`` selects
+from it, so ``rollback_retaining`` needs no replay) and each row's final hidden state (what the
+MTP head reads). The recurrent tape is written in place and only for live rows, so a decode
+step writes one state per layer; it holds ``max_width`` rows per linear layer (16 at least
+under the kernel), ``Hv * dk * dv * 4`` bytes each.
+
+Training and the parallel prefill (:meth:`Qwen35Model.train_forward`, wide headless passes) run
+the chunked delta rule (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`) instead: matrix
+products over chunks of rows, within a tolerance of the walk.
 
 Params (``D`` hidden, ``V`` vocab, ``F`` MLP width, ``H``/``KV``/``hd`` attention heads, ``C``
 the conv channels ``2 * Hk * dk + Hv * dv``, ``K`` the conv width); matrices are ``[in, out]``
@@ -54,7 +64,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.core.state import append_only, scratch
-from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.kernels import delta_rule as pallas_delta_rule
 from turbospark_jax.kernels.layers import (
     apply_rope,
@@ -68,7 +78,7 @@ from turbospark_jax.kernels.layers import (
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.qwen3_5.config import ARCHITECTURES, FULL, LINEAR, Qwen35Config
-from turbospark_jax.models.qwen3_5.delta_rule import INVERSE_METHODS, delta_rule_chunked
+from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -274,8 +284,10 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
-RECURRENCE_MODES = ("auto", "xla", "pallas", "interpret")
-TRAIN_ATTENTION = ("auto", "xla", "cudnn")
+#: Row walks the exact path may be pinned to (``Qwen35Model._rows``): the XLA loop
+#: (:meth:`Qwen35Model.for_mesh`) or the kernel in the Pallas interpreter
+#: (:meth:`Qwen35Model.interpreted`).
+_ROW_WALKS = ("xla", "interpret")
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 State = tuple[jax.Array, jax.Array]  # (conv [K-1, C], recurrent float32 [Hv, dk, dv])
 
@@ -292,20 +304,9 @@ class Qwen35Model(BlockModel):
         rows (:meth:`tape_rows`).
       tap_layers: layers whose output rows the cache records for every fed position
         (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
-      recurrence: how the exact path walks the delta rule's rows: ``"auto"`` (the default:
-        ``"pallas"`` on a GPU where the head sizes suit it, ``"xla"`` otherwise), ``"xla"`` (a
-        loop of XLA kernels over the live rows; on a GPU such a loop returns to the host on
-        every pass), ``"pallas"`` (one Triton kernel per layer,
-        :mod:`~turbospark_jax.kernels.delta_rule`, GPU only), or ``"interpret"`` (that
-        kernel in the Pallas interpreter, for tests on a CPU). Each choice is one program for
-        every path, so the bitwise guarantees hold within it; the kernel and the XLA loop
-        agree within float32 rounding.
-      chunk_inverse: how the chunked delta rule (parallel prefill, training) inverts its
-        chunk systems: ``"blocked"`` (matrix products) or ``"solve"`` (XLA's triangular
-        solve); see :mod:`~turbospark_jax.models.qwen3_5.delta_rule`.
-      train_attention: the full-attention layers' kernel in the training pass
-        (:meth:`train_forward`): ``"auto"`` (cuDNN's fused attention on a GPU in bfloat16 or
-        float16, XLA's otherwise), ``"xla"`` or ``"cudnn"``. The block program never uses it.
+
+    How the exact path walks the delta rule's rows follows from the backend and the head sizes
+    (module docstring); :meth:`for_mesh` and :meth:`interpreted` pin it.
     """
 
     can_tap = True
@@ -317,56 +318,42 @@ class Qwen35Model(BlockModel):
     dtype: Any = jnp.float32
     max_width: int = 16
     tap_layers: tuple[int, ...] = ()
-    recurrence: str = "auto"
-    chunk_inverse: str = "blocked"
-    train_attention: str = "auto"
+    _rows: str | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         if self.max_width < 1:
             raise BadInputError(f"max_width must be >= 1, got {self.max_width}")
-        if self.recurrence not in RECURRENCE_MODES:
-            raise BadInputError(f"recurrence must be one of {', '.join(RECURRENCE_MODES)}; "
-                                f"got {self.recurrence!r}")
-        if self.chunk_inverse not in INVERSE_METHODS:
-            raise BadInputError(f"chunk_inverse must be one of {', '.join(INVERSE_METHODS)}; "
-                                f"got {self.chunk_inverse!r}")
-        if self.train_attention not in TRAIN_ATTENTION:
-            raise BadInputError(f"train_attention must be one of {', '.join(TRAIN_ATTENTION)}; "
-                                f"got {self.train_attention!r}")
+        if self._rows is not None and self._rows not in _ROW_WALKS:
+            raise BadInputError(f"_rows must be None or one of {', '.join(_ROW_WALKS)}; "
+                                f"got {self._rows!r}")
 
-    def _recurrence_kernel(self) -> bool | str:
-        """Whether the exact path's rows run as the Pallas kernel (``"interpret"``: in the
-        interpreter).
+    def for_mesh(self) -> Qwen35Model:
+        """This model with the exact path's rows on the XLA loop, which a tensor-parallel
+        mesh splits over the value heads (the kernel is a single-device custom call the
+        compiler cannot split)."""
+        return dataclasses.replace(self, _rows="xla")
 
-        Raises:
-          UnsupportedCapabilityError: ``recurrence="pallas"`` off a GPU, or with head sizes
-            the kernel does not tile.
-        """
+    def interpreted(self) -> Qwen35Model:
+        """This model with the exact path's rows on the delta-rule kernel in the Pallas
+        interpreter: a test fixture that runs the GPU's walk on a CPU (slow: tiny models
+        only), never a serving choice."""
+        return dataclasses.replace(self, _rows="interpret")
+
+    def _row_kernel(self) -> bool:
+        """Whether the exact path's rows run as the kernel: on a GPU where it tiles the head
+        sizes, unless pinned (``_rows``)."""
+        if self._rows is not None:
+            return self._rows == "interpret"
         c = self.config
-        if self.recurrence == "auto":
-            return jax.default_backend() == "gpu" and pallas_delta_rule.supported(
-                c.linear_key_head_dim, c.linear_value_head_dim)
-        if self.recurrence != "pallas":
-            return "interpret" if self.recurrence == "interpret" else False
-        if jax.default_backend() != "gpu":
-            raise UnsupportedCapabilityError(
-                f"recurrence='pallas' runs a Triton kernel and needs a GPU; this backend is "
-                f"{jax.default_backend()!r} (recurrence='interpret' runs it in the Pallas "
-                "interpreter)")
-        if not pallas_delta_rule.supported(c.linear_key_head_dim, c.linear_value_head_dim):
-            raise UnsupportedCapabilityError(
-                f"recurrence='pallas' tiles power-of-two head sizes of at least 16 (value "
-                f"heads in multiples of {pallas_delta_rule.VALUE_TILE}); this model has "
-                f"linear_key_head_dim={c.linear_key_head_dim}, "
-                f"linear_value_head_dim={c.linear_value_head_dim}")
-        return True
+        return jax.default_backend() == "gpu" and pallas_delta_rule.supported(
+            c.linear_key_head_dim, c.linear_value_head_dim)
 
     def tape_rows(self) -> int:
         """Rows of each layer's recurrent tape: ``max_width``, or the kernel's power-of-two
         block of rows where the kernel walks them (it writes the tape in place)."""
-        if self._recurrence_kernel():
+        if self._row_kernel():
             return pallas_delta_rule.tape_rows(self.max_width)
         return self.max_width
 
@@ -495,9 +482,8 @@ class Qwen35Model(BlockModel):
         dk, dv]``, the returned tape is the conv state after each row ``[W, K-1, C]`` and that
         recurrent tape with rows ``< live`` set to the state after each row (``None`` without
         a tape). ``chunked`` runs the recurrence in its chunked form
-        (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`; the parallel prefill's, within a
-        tolerance
-        of the row-by-row scan; no tape)."""
+        (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`; the parallel prefill's and
+        training's, within a tolerance of the row-by-row walk; no tape)."""
         c, w = self.config, h.shape[0]
         taps, f32 = c.linear_conv_kernel_dim, jnp.float32
         nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
@@ -533,8 +519,7 @@ class Qwen35Model(BlockModel):
             # Padding rows write nothing (beta 0) and decay nothing (g 0).
             real = (rows < live)[:, None]
             core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
-                                           jnp.where(real, beta, 0.0), rec,
-                                           inverse=self.chunk_inverse)
+                                           jnp.where(real, beta, 0.0), rec)
             tape = None
         else:
             # Every row runs the same loop body whatever the block's width or live count, so
@@ -542,12 +527,11 @@ class Qwen35Model(BlockModel):
             # and their tape rows as they were. The kernel walks the live rows in one launch;
             # the XLA loop walks all W rows, padding ones selected away, so its trip count is
             # a constant: a loop that stops on data would read back to the host every pass
-            # on a GPU, and must not sit inside the speculative rounds' recorded loops
-            # (tests/test_fixed_rounds.py).
-            kernel = self._recurrence_kernel()
-            if kernel:
+            # on a GPU, and must not sit inside the speculative rounds' recorded loops.
+            if self._row_kernel():
                 core, rec, tape = pallas_delta_rule.delta_rule_rows(
-                    q, k, v, g, beta, rec, live, tape=tape, interpret=kernel == "interpret")
+                    q, k, v, g, beta, rec, live, tape=tape,
+                    interpret=self._rows == "interpret")
             else:
                 rec, core, tape = jax.lax.fori_loop(
                     0, w, row, (rec, jnp.zeros(v.shape, f32), tape))
@@ -597,8 +581,8 @@ class Qwen35Model(BlockModel):
                     tapes.append(layer_tape)
                     x = self._mlp(lp, x + o)
             # Every layer's output rows are materialised as they are, tapped or not: on a GPU
-            # the tap's extra reader changed how XLA fused them into the next layer, and a
-            # tapped target decoded apart from an untapped one (logits 0.14 apart on an H200).
+            # the tap's extra reader can change how XLA fuses them into the next layer, and a
+            # tapped target would then decode apart from an untapped one.
             x = jax.lax.optimization_barrier(x)
             if i in self.tap_layers:
                 taps.append(x)
@@ -719,9 +703,9 @@ class Qwen35Model(BlockModel):
         """Whole sequences from an empty state, for training: int32 ``[B, T]`` -> float32
         logits ``[B, T, V]`` and the normed hidden states ``[B, T, D]`` (what the MTP head
         reads). The DeltaNet layers run the chunked recurrence
-        (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`) and the full-attention layers one fused
-        causal attention over the batch (:attr:`train_attention`): within a tolerance of
-        :meth:`forward`, never bitwise."""
+        (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`) and the full-attention layers one
+        causal attention over the batch (cuDNN's fused kernel on a GPU in bfloat16 or float16,
+        XLA's otherwise): within a tolerance of :meth:`forward`, never bitwise."""
         x, _ = self._train_pass(params, tokens, with_taps=False)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
         return self.head_logits(params, hidden), hidden
@@ -741,9 +725,10 @@ class Qwen35Model(BlockModel):
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
         return self.head_logits(params, hidden), taps
 
-    def _train_attention_impl(self) -> str:
-        if self.train_attention != "auto":
-            return self.train_attention
+    def _train_attention(self) -> str:
+        """The training pass's attention: cuDNN's fused kernel on a GPU in bfloat16 or float16
+        (its scores never written out, forward or backward), XLA's products otherwise (cuDNN
+        takes no other dtype)."""
         fused = jax.default_backend() == "gpu" and self.dtype in (jnp.bfloat16, jnp.float16)
         return "cudnn" if fused else "xla"
 
@@ -752,7 +737,7 @@ class Qwen35Model(BlockModel):
         """A full-attention layer over whole sequences x [B, T, D] (row t at position t)."""
         h = _norm(x, lp["input_layernorm"], self.config.rms_norm_eps)
         q, k, v, gate = jax.vmap(lambda rows: self._attention_inputs(lp, rows, rope))(h)
-        attn = causal_attention(q, k, v, implementation=self._train_attention_impl())
+        attn = causal_attention(q, k, v, implementation=self._train_attention())
         x = x + self._attention_output(lp, attn, gate)
         return self._mlp(lp, x.reshape(-1, x.shape[-1])).reshape(x.shape)
 
@@ -794,7 +779,7 @@ class Qwen35Model(BlockModel):
         """The MTP head over whole sequences, for training, before the output head: row ``t``
         reads ``hidden[t]`` and ``tokens[t + 1]``; its normed output rows ``[B, T - 1, D]``
         (through :meth:`head_logits`) predict ``tokens[t + 2]``, as a drafter's first proposal
-        does. Its attention is the training pass's (:attr:`train_attention`)."""
+        does. Its attention is the training pass's (:meth:`train_forward`)."""
         c = self.config
         x = self._mtp_input(params, hidden[:, :-1], tokens[:, 1:])
         rope = self._rope(jnp.arange(x.shape[1], dtype=jnp.int32))
