@@ -4,7 +4,7 @@ A decode step launches a norm kernel after the output projection and after the d
 projection of every layer (2.3-3.3 us each on an H200, 72 us a token on the 1B shape). Putting
 the norm in the prologue of the product after it kept the bits and cost more than the launch
 (every program of that product must finish the row's reduction before its first weight tile:
-NOTES.md, "The norm inside the product", both forms). The other side is open: the product
+docs/decisions/0012-removed-measured-losers.md, both forms). The other side is open: the product
 *before* the norm finishes its output tile by tile, and the program that finishes last could
 norm the whole row while the others are already done. It learns that it is last from a
 counter every program bumps with an atomic add after its tile is stored (release, then the

@@ -4,7 +4,7 @@ At a long context a decode step's row-invariant attention is two launches a laye
 RoPE-store and split kernel (one program per KV head, query tile and key split, each writing
 its split's partial ``(acc, m, l)``) and the fold kernel (one program per KV head and query
 tile, folding the partials in order). On an H200 the 1B's attention costs 238 us a token at
-4k against 113 at 128, where one kernel folds on chip (NOTES.md, thirteenth session). With
+4k against 113 at 128, where one kernel folds on chip (docs/decisions/0010-decode-bound.md). With
 ``fold_in_split`` (:func:`~turbospark_jax.kernels.rope_store.rope_store_attention`,
 the dense model's ``DenseModel.fold_in_split``) the split kernel's programs bump a counter
 per (KV head, query tile) with an atomic add after their partial is stored; the one that

@@ -2,12 +2,12 @@
 graphs.
 
 With while loops recorded (``device_flags.decode_program_options``), the speculative rounds'
-sampled fixed form gave wrong tokens on an H100 (jax 0.11.2; NOTES.md, session 49), while
-every greedy form gave the right ones. The sampled form then held, inside a loop of known trip
-count, conditionals whose branches sort the vocabulary and draw from it, some of them inside
-a second loop of conditionals. This probe compiles small programs of those shapes twice, with
-XLA's default command buffers and with while loops recorded, runs each on the same inputs,
-and reports which outputs differ bit for bit:
+sampled fixed form gave wrong tokens on an H100 (jax 0.11.2;
+docs/decisions/0004-loop-graphs.md), while every greedy form gave the right ones. The sampled
+form then held, inside a loop of known trip count, conditionals whose branches sort the
+vocabulary and draw from it, some of them inside a second loop of conditionals. This probe
+compiles small programs of those shapes twice, with XLA's default command buffers and with while
+loops recorded, runs each on the same inputs, and reports which outputs differ bit for bit:
 
 - ``cond_sort``: a loop of known trip count, each iteration a conditional whose branch sorts;
 - ``cond_top_k``: the same with ``lax.top_k``;

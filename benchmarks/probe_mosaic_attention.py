@@ -1,9 +1,9 @@
 """Probe: can a Mosaic GPU attention kernel give the row-invariant attention's bits?
 
 The exact prefill's attention is our Triton folding kernel (``pallas_attention``), which on an
-H100 takes about twice cuDNN's time for the same work (NOTES.md, session 38: 70.7 ms against
-34.8 in the 8B's 8k prompt). A Mosaic GPU form (TMA loads, ``wgmma`` for the scores, the row
-sums and the value product) could run nearer cuDNN, but only serves the exact path if every
+H100 takes about twice cuDNN's time for the same work (70.7 ms against 34.8 in the 8B's 8k
+prompt, when this probe was written). A Mosaic GPU form (TMA loads, ``wgmma`` for the scores,
+the row sums and the value product) could run nearer cuDNN, but only serves the exact path if every
 row keeps the Triton kernels' bits, since a decode step runs the Triton split kernel. This is a
 first, plain form of that kernel: one warpgroup per 64 query rows of one KV head, key and value
 tiles double-buffered by TMA, every key tile through the masked step (a tile a row sees whole

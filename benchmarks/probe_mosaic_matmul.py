@@ -1,7 +1,7 @@
 """Probe: could a Mosaic GPU matrix kernel carry the exact prefill's products?
 
 The exact prefill's products run our Triton matrix kernel at 410-450 TFLOP/s on an H100
-where cuBLAS reaches 690-820 (``benchmarks/results/NOTES.md``, session 37); for the 8B shape
+where cuBLAS reaches 690-820 (when this probe was written); for the 8B shape
 the products alone take most of transformers' whole prefill time. A kernel with TMA loads,
 warp specialisation and ``wgmma`` (Pallas' Mosaic GPU backend) could run nearer cuBLAS, but
 it would only serve the exact path if each row's sums keep the bits of our kernels: ours add

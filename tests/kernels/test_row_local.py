@@ -3,7 +3,7 @@ sampling come out bitwise the same whatever the number of rows beside it and whe
 
 (RMSNorm in float32, the MLP's and attention's XLA matrix products, and the Pallas attention
 kernel in the interpreter are *not* row-invariant on the CPU: see
-``benchmarks/results/NOTES.md``, "Row invariance on the CPU".)
+``docs/decisions/0008-cpu-row-tiles.md``.)
 """
 
 import jax

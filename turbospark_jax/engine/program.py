@@ -1,12 +1,12 @@
 """One compiled program for every path a guarantee compares.
 
-Measured on the H200 (DESIGN.md section 2): a jitted ``lax.scan`` of a decode step is not
-bitwise equal to the same step called token by token, and a batched pass over a chunk is not
-either. What held on both CPU and GPU is *one* executable over a fixed-width block of ``W``
-rows, called with different data: padding rows write nothing, decode has one live row, a
-prefill chunk has ``W`` live rows, a verify has ``k + 1``. Wrapping that block in a
-``while_loop`` with a traced trip count keeps it one executable while serving decode bursts
-and long chunks alike.
+On a GPU a jitted ``lax.scan`` of a decode step is not bitwise equal to the same step called
+token by token, and a batched pass over a chunk is not either
+(docs/decisions/0001-one-block-program.md). What holds on both CPU and GPU is *one* executable
+over a fixed-width block of ``W`` rows, called with different data: padding rows write nothing,
+decode has one live row, a prefill chunk has ``W`` live rows, a verify has ``k + 1``. Wrapping
+that block in a ``while_loop`` with a traced trip count keeps it one executable while serving
+decode bursts and long chunks alike.
 
 So this module compiles exactly one program per (model, ``W``, steps per call, donation), and
 :class:`~turbospark_jax.engine.producer.BlockProducer` routes ``produce``, ``produce_prefill``,

@@ -213,7 +213,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         # score product), jax 0.11's CPU compiler gave a row other bits at other slots of
         # one block (the products and the sum contracted differently lane by lane), which
         # broke chunked == sequential on an 8-way tensor-parallel mesh; materialised, every
-        # row is the same arithmetic (NOTES.md, twentieth session).
+        # row is the same arithmetic (docs/decisions/0008-cpu-row-tiles.md).
         out = jax.lax.optimization_barrier(out)
     return out
 

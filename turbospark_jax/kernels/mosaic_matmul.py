@@ -315,8 +315,8 @@ def mosaic_partials(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int,
     (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s.
 
     Its rows are the matvec kernel's bitwise, but the model does not call it: at decode sizes
-    the Triton matvec kernel streams the weights faster (``benchmarks/probe_mosaic_decode.py``,
-    figures in ``benchmarks/results/NOTES.md``)."""
+    the Triton matvec kernel streams the weights faster (``benchmarks/probe_mosaic_decode.py``;
+    docs/decisions/0012-removed-measured-losers.md)."""
     m, k = x.shape
     _check(x, ws, seg_cols, tiles)
     body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
