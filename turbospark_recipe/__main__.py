@@ -23,8 +23,6 @@ import numpy as np
 
 from turbospark_jax.errors import BadInputError, TurbosparkError
 from turbospark_jax.io.tokenizer import Tokenizer
-from turbospark_jax.models.qwen3_5.delta_rule import INVERSE_METHODS
-from turbospark_jax.models.qwen3_5.model import TRAIN_ATTENTION
 from turbospark_recipe.card import (
     block_drafter_card,
     card_samples,
@@ -135,8 +133,6 @@ def _train_config(args: argparse.Namespace, num_rows: int, prefix: str = "") -> 
         log_every=args.log_every,
         checkpoint_every=args.checkpoint_every,
         head_rows=args.head_rows,
-        train_attention=args.train_attention,
-        chunk_inverse=args.chunk_inverse,
         seconds=seconds,
     )
 
@@ -155,12 +151,6 @@ def _add_common_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--head-rows", type=int, default=0,
                    help="a Qwen3.5 target's output-head loss this many rows at a time, "
                    "recomputed in the backward pass (less memory; default 0: all at once)")
-    p.add_argument("--train-attention", choices=TRAIN_ATTENTION, default="auto",
-                   help="a Qwen3.5 target's attention kernel in training (default auto: "
-                   "cuDNN's fused attention on a GPU, XLA's elsewhere)")
-    p.add_argument("--chunk-inverse", choices=INVERSE_METHODS, default="blocked",
-                   help="how a Qwen3.5 target's chunked delta rule inverts its chunk systems "
-                   "in training (default blocked: matrix products; solve: XLA's solve)")
     p.add_argument("--save-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                    help="dtype of the exported weights")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

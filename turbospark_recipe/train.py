@@ -214,9 +214,6 @@ class TrainConfig:
       head_rows: a Qwen3.5 target's output head runs this many rows at a time, each slice's
         logits recomputed in the backward pass (``objectives.head_cross_entropy``); 0 for the
         whole batch's logits at once.
-      train_attention, chunk_inverse: a Qwen3.5 model's attention kernel and delta-rule
-        inverse in the training pass (:class:`~turbospark_jax.models.qwen3_5.model.Qwen35Model`);
-        dense models ignore them.
       seconds: train for about this long instead of a fixed number of steps: ``steps`` is then
         a ceiling, and the run sets its schedule's length from its own step time, timed over
         the :data:`TRIAL_STEPS` steps after the compile (inside the warmup, whose learning
@@ -245,8 +242,6 @@ class TrainConfig:
     mtp_weight: float = 0.3
     #: rows per slice of the output head's loss (Qwen3.5 targets; 0: all at once)
     head_rows: int = 0
-    train_attention: str = "auto"
-    chunk_inverse: str = "blocked"
     seconds: float | None = None
 
     @property
@@ -409,14 +404,12 @@ def make_eval_step(model: BlockModel) -> Callable[[Params, jax.Array], jax.Array
     return jax.jit(lambda params, rows: training_loss(model, 0.0, params, rows)[1]["loss"])
 
 
-def build_model(config: DenseConfig | Qwen35Config, compute_dtype: str,
-                train_attention: str = "auto", chunk_inverse: str = "blocked") -> BlockModel:
+def build_model(config: DenseConfig | Qwen35Config, compute_dtype: str) -> BlockModel:
     """The model a config trains as: the dense family's stacked layout (one scanned layer
-    program), Qwen3.5's list of mixed layers with its training-pass kernels."""
+    program), Qwen3.5's list of mixed layers."""
     if isinstance(config, DenseConfig):
         return DenseModel(config, jnp.dtype(compute_dtype))
-    return Qwen35Model(config, jnp.dtype(compute_dtype), train_attention=train_attention,
-                       chunk_inverse=chunk_inverse)
+    return Qwen35Model(config, jnp.dtype(compute_dtype))
 
 
 @functools.lru_cache(maxsize=8)
@@ -668,7 +661,7 @@ def train_model(
         raise BadInputError(
             f"a run of train_config.seconds times its first {TRIAL_STEPS} steps inside the "
             f"warmup; warmup_steps must be at least {TRIAL_STEPS + 1}, got {tc.warmup_steps}")
-    model = build_model(config, tc.compute_dtype, tc.train_attention, tc.chunk_inverse)
+    model = build_model(config, tc.compute_dtype)
     order = DataOrder(len(train_rows), tc.batch_size, tc.seed)
     if tc.eval_rows:
         heldout_rows = heldout_rows[: tc.eval_rows]
