@@ -18,9 +18,8 @@ layers keep nothing. Position ``p`` sits in ring slot ``p % slots``, with the sl
 kept beside it, so a row attends by absolute position. A block of ``W`` rows writes all its
 rows first, so ``W <= ring_margin + 1`` keeps every row's window intact; a cursor moved back
 by up to ``ring_margin + 1`` positions from the furthest position the ring was written to
-still finds its window (:meth:`Gemma4Model.oldest_rewind`). At 32k context in bfloat16 an
-E2B-shaped cache takes 210.8 MB (ring_margin 256) against 604.0 MB for keeping every row of
-every KV-owning layer and 1409.3 MB for every row of all 35 layers (tests/test_gemma4.py).
+still finds its window (:meth:`Gemma4Model.oldest_rewind`). At long contexts the rings make
+the cache a fraction of what keeping every row of every KV-owning layer would take.
 
 Parallel prefill (:meth:`Gemma4Model.pass_hidden`): a wide headless pass attends before it
 writes, so it has no width limit. Its rows attend over their own k/v (a sliding layer over
@@ -251,8 +250,9 @@ class Gemma4Model(BlockModel):
         slot costs ``2 * KV * head_dim`` values per sliding layer.
       keep_hidden_rows: record every fed row's final hidden state in the cache
         (``hidden_rows``, ``C * hidden_size`` values), which the assistant drafter reads.
-      pass_block: query rows a parallel-prefill pass attends at a time (its float32 scores
-        are ``[heads, pass_block, keys]``).
+      pass_block: query rows a parallel-prefill pass attends at a time. Its float32 scores
+        are ``[heads, pass_block, keys]``, so a smaller block bounds a long prompt's memory,
+        and a larger one runs fewer, wider products.
     """
 
     parallel_prefill = True  # wide headless passes (pass_hidden)
