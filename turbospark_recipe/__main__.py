@@ -183,7 +183,7 @@ def _build_parser() -> argparse.ArgumentParser:
                     help="also write the share and every sample here (JSON)")
     ev.add_argument("--card", default=None, metavar="LABEL",
                     help="also write the shares and a few bodies into the model's card, as "
-                    "section 'Function bodies: LABEL' (e.g. 'H200 held-out split')")
+                    "section 'Function bodies: LABEL' (e.g. 'held-out split')")
     _add_corpus_args(ev)
 
     tok = sub.add_parser("tokenizer", help="train the tokenizer on the corpus' training split")

@@ -70,8 +70,8 @@ TRIAL_STEPS = 20
 # -- models --------------------------------------------------------------------------------
 
 #: Model shapes for the recipe (``config.json`` keys). Parameter counts at vocab 8192, with the
-#: tied embedding: target 23.1M (the first embedded target), draft 3.2M, target35 19.3M (the
-#: embedded target since 2026-12-04; printed by every run).
+#: tied embedding: target 23.1M, draft 3.2M, target35 19.3M (the embedded target's shape;
+#: printed by every run).
 PRESETS: dict[str, dict[str, Any]] = {
     "target": {
         "hidden_size": 512,

@@ -776,7 +776,7 @@ def _draw_among_candidates(penalized: jax.Array, params: SamplingParams,
     candidates' leading run in either (each filter cuts the ranking), with the same values
     in the same places, so the noise of each place and the winning place are the same; the
     vocabulary-wide mask, min-p ratio and second ranking :func:`draw` goes through add no
-    bit (``tests/test_draw_plans.py``)."""
+    bit (``tests/core/test_draw_plans.py``)."""
     scaled = _scaled(penalized, params)
     values, ids = _top(scaled, candidates())
     keep, in_top_k = _kept_among(values, params, _kept_by_top_k(params, scaled.shape[0]))

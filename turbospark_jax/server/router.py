@@ -13,7 +13,7 @@ Where a request goes, decided when it is submitted:
    these two steps; a session held by one waits for it (or gets its 503).
 
 A request's output is the same whichever replica serves it: every replica runs the same model
-with the same programs, and prefix reuse never changes output (``tests/test_batching.py``).
+with the same programs, and prefix reuse never changes output (``tests/engine/test_batching.py``).
 Each replica schedules its own requests (its own scheduler thread and batch); the replicas
 share nothing but the metrics collector.
 """

@@ -1,8 +1,9 @@
 """The tensor-parallel checks, run in a process of its own with simulated CPU devices.
 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` must be set before JAX starts, and the
-test suite's process has started it with one device, so ``tests/test_sharding.py`` runs this
-module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JSON it prints:
+test suite's process has started it with one device, so ``tests/parallel/test_sharding.py`` runs
+this module as ``python -m turbospark_jax.testing.mesh_checks`` and asserts on the JSON it
+prints:
 
 * the conformance guarantees hold bitwise on a mesh (chunked == token by token, verify ==
   decode, rollback, reuse == fresh, speculative == plain greedy), for the dense family's
