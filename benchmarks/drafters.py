@@ -350,9 +350,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="start no new configuration after this many seconds (the h200 "
                              "preset: 180, to end within a 4-minute device call)")
-    parser.add_argument("--bounded-sampling", action="store_true",
-                        help="every drafter's sampled rounds without a loop that stops on "
-                             "data (rounds.BOUNDED_SAMPLING; by default only n-gram lookup's)")
     parser.add_argument("--write-speculative-json", action="store_true",
                         help="write the target's speculative.json from the greedy figures")
     parser.add_argument("--report", type=Path, default=None,
@@ -364,13 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
-    from turbospark_jax.speculative import rounds
-
-    if args.bounded_sampling:
-        if args.write_speculative_json:
-            parser.error("--bounded-sampling measures a setting the package does not use: "
-                         "it cannot write the model's speculative.json")
-        rounds.BOUNDED_SAMPLING = True
 
     target = args.target or embedded_model_path(DEFAULT_TARGET)
     preset = PRESETS[args.preset or ("cpu" if jax.default_backend() == "cpu" else "h200")]

@@ -38,7 +38,7 @@ def measure(shape: str, calls: int, budget: int, draft_len: int,
     greedy = sampling.SamplingParams.greedy()
     results = []
     for form, fixed in (("fixed", True), ("while_loop", False)):
-        pair_module.compiled_rounds = functools.partial(rounds.compiled_rounds, fixed=fixed)
+        pair_module.compiled_rounds = functools.partial(_forced, fixed=fixed)
 
         def chain() -> dict:
             state = prefilled(pair, prompt)
@@ -98,3 +98,12 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     sys.exit(main())
+
+
+def _forced(spec: object, donate: bool, *, fixed: bool) -> object:
+    """The pair's compiled rounds with the burst's form forced."""
+    import dataclasses
+
+    from turbospark_jax.speculative import rounds
+
+    return rounds.compiled_rounds(dataclasses.replace(spec, fixed=fixed), donate)

@@ -11,11 +11,6 @@ The protocols, the request and result types and the errors are re-exported here;
 modules hold the rest (``block_producer``, ``drafters``, ``session_pool``, ``chat``, ...).
 """
 
-# ruff: noqa: E402 (the XLA flags go in before any import that could start a JAX backend)
-from turbospark_jax.engine.loop_graphs import enable_loop_graphs
-
-enable_loop_graphs()  # device loops as CUDA graphs, only if asked for (device_flags)
-
 from turbospark_jax.api import Model, generate, load, stream
 from turbospark_jax.core.protocols import (
     ChunkedPrefillRunner,

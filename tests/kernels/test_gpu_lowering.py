@@ -399,11 +399,7 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
     from turbospark_jax.speculative import pair as pair_module
     from turbospark_jax.speculative.drafters import NGramDrafter
     from turbospark_jax.speculative.pair import SpeculativePair
-    from turbospark_jax.speculative.rounds import (
-        rounds_function,
-        runs_fixed_rounds,
-        sampled_rounds_bounded,
-    )
+    from turbospark_jax.speculative.rounds import RoundsSpec, rounds_function
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
@@ -411,16 +407,14 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
     target = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4, donate=False)
     pair = SpeculativePair(target, NGramDrafter(CONFIG.vocab_size, max_n=3), device_rounds=True)
 
-    def compiled(target_model, drafter, width, donate, record_logits, greedy=False,
-                 max_keys=None, bounded=bounded):
-        if bounded is None:
-            bounded = sampled_rounds_bounded(drafter, greedy)
+    def compiled(spec, donate):
+        if bounded is not None:
+            spec = RoundsSpec.choose(spec.target, spec.drafter, spec.width, greedy=spec.greedy,
+                                     record_logits=spec.record_logits, max_keys=spec.max_keys,
+                                     bounded=bounded)
 
         def lower(*args):
-            fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
-            fn, _ = rounds_function(target_model, drafter, width, record_logits, greedy,
-                                    max_keys, fixed, bounded)
-            raise _Lowered(cuda_text(fn, *args))
+            raise _Lowered(cuda_text(rounds_function(spec), *args))
         return lower
 
     monkeypatch.setattr(pair_module, "compiled_rounds", compiled)

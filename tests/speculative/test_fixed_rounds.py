@@ -5,6 +5,7 @@ GPU runs without reading a predicate back: its rounds, tokens, rows and states a
 the ``while_loop`` form (sampled too, when asked for), a call ends after at most FIXED_ROUNDS
 rounds, and only those bursts take the form by default."""
 
+import dataclasses
 import functools
 
 import jax
@@ -65,11 +66,21 @@ def run_all(p, budgets, remaining, stop_ids=(), record_logits=False, params=GREE
     return tokens, np.concatenate(rows) if rows else None, per_call, state
 
 
+def forced(spec, fixed=None, bounded=None):
+    """``spec`` with its form forced: ``fixed`` the fixed / ``while_loop`` form, ``bounded`` a
+    sampled judge's rows side by side / its loop (``None``: as chosen)."""
+    if fixed is not None:
+        spec = dataclasses.replace(spec, fixed=fixed)
+    if bounded is not None:
+        spec = dataclasses.replace(spec, bounded=bounded)
+    return spec
+
+
 def use_form(monkeypatch, fixed, bounded=None):
     """``None``: the default choice; ``True`` / ``False``: the fixed / ``while_loop`` form
     (``bounded``: a sampled judge's rows side by side / its loop)."""
-    monkeypatch.setattr(pair_module, "compiled_rounds",
-                        functools.partial(rounds.compiled_rounds, fixed=fixed, bounded=bounded))
+    monkeypatch.setattr(pair_module, "compiled_rounds", lambda spec, donate: rounds.compiled_rounds(
+        forced(spec, fixed, bounded), donate))
 
 
 @pytest.mark.parametrize("target_kind", ["attention", "recurrent"])
@@ -133,7 +144,8 @@ def test_only_unrecorded_bursts_of_loop_free_rounds_are_fixed(monkeypatch):
         assert rounds.runs_fixed_rounds(drafter, True, False)
         assert not rounds.runs_fixed_rounds(drafter, True, True)  # the rows recorded
         # sampled: the judge's loop stops on data unless bounded
-        assert not rounds.runs_fixed_rounds(drafter, False, False, bounded=False)
+        assert not rounds.RoundsSpec.choose(None, drafter, 4, greedy=False, record_logits=False,
+                                            bounded=False).fixed
         assert not rounds.runs_fixed_rounds(drafter, False, True)
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")  # whatever this machine is
     on_cpu = [rounds.runs_fixed_rounds(d, False, False) for d in (ngram, oracle, draft)]
@@ -169,19 +181,16 @@ def test_a_call_recording_rows_emits_at_most_the_recorded_burst(monkeypatch):
     assert sum(a + 1 for _, a in free_calls[0]) > rounds.RECORDED_BURST + 2  # control
 
 
-@pytest.mark.parametrize("drafter_kind", ["n-gram", "draft model"])
-def test_bounded_sampling_runs_sampled_bursts_fixed_with_the_same_bits(drafter_kind,
-                                                                        monkeypatch):
-    """Sampled rounds with no loop that stops on data (on an accelerator by default for
-    n-gram lookup, anywhere under ``rounds.BOUNDED_SAMPLING``: the judge shapes its rows
-    side by side, a draft model's sampled draft loop is bounded) take the fixed form; the
-    tokens, rounds and states are those of ``while_loop`` bursts with the judge's loop."""
-    p = make_pair("attention", drafter_kind)
+def test_sampled_ngram_bursts_on_an_accelerator_run_fixed_with_the_same_bits(monkeypatch):
+    """Sampled rounds with no loop that stops on data (n-gram lookup on an accelerator: the
+    judge shapes its rows side by side) take the fixed form; the tokens, rounds and states
+    are those of ``while_loop`` bursts with the judge's loop."""
+    p = make_pair("attention", "n-gram")
     use_form(monkeypatch, None, bounded=False)
     default = run_all(p, [8, 256], 150, params=SAMPLED)
     assert max(len(c) for c in default[2]) > rounds.FIXED_ROUNDS  # control: not fixed
     use_form(monkeypatch, None)
-    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     bounded = run_all(p, [8, 256], 150, params=SAMPLED)
     assert max(len(c) for c in bounded[2]) == rounds.FIXED_ROUNDS
     assert bounded[0] == default[0] and len(bounded[0]) == 150
@@ -196,8 +205,8 @@ def _cache_copies(target, fixed: bool) -> int:
 
     captured = {}
 
-    def compiled(*args, **kwargs):
-        program = rounds.compiled_rounds(*args, **{**kwargs, "fixed": fixed})
+    def compiled(spec, donate):
+        program = rounds.compiled_rounds(forced(spec, fixed), donate)
 
         def run(*call):
             captured["text"] = program.lower(*call).compile().as_text()
@@ -282,28 +291,27 @@ def test_the_judge_with_its_rows_side_by_side_decides_and_draws_as_its_loop(m):
 def test_a_draft_models_loop_is_bounded_exactly_when_its_burst_is_fixed(monkeypatch):
     """Inside a ``while_loop`` burst (sampled, or greedy with the rows recorded) a bounded
     draft loop's conditionals would each read back to the host, so the draft loop is bounded
-    only in a burst of known trip count (``DraftSampler.bounded``), and unrolled too where
-    that burst's while loops are not recorded (a sampled one, ``DraftSampler.unrolled``)."""
+    only in a burst of known trip count (``DraftSampler.bounded``), forced or chosen."""
     from turbospark_jax.speculative.bounded_loops import loop_within
     from turbospark_jax.speculative.drafters import base
 
     seen = []
 
-    def spy(cond, body, init, most, bounded, unroll=False):
-        seen.append((bounded, unroll))
-        return loop_within(cond, body, init, most, bounded, unroll)
+    def spy(cond, body, init, most, bounded):
+        seen.append(bounded)
+        return loop_within(cond, body, init, most, bounded)
 
     monkeypatch.setattr(base, "loop_within", spy)
     p = make_pair("attention", "draft model")
-    for params, record, bounded, form in ((GREEDY, False, False, (True, False)),
-                                          (GREEDY, True, False, (False, False)),
-                                          (SAMPLED, False, False, (False, False)),
-                                          (SAMPLED, False, True, (True, True))):
-        monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", bounded)
+    for params, record, fixed, form in ((GREEDY, False, None, True),
+                                        (GREEDY, True, None, False),
+                                        (SAMPLED, False, None, False),
+                                        (SAMPLED, False, True, True)):
+        use_form(monkeypatch, fixed)
         seen.clear()
-        rounds._compiled_rounds.cache_clear()  # traced afresh: an earlier test's is cached
+        rounds.compiled_rounds.cache_clear()  # traced afresh: an earlier test's is cached
         run_all(p, [8], 8, params=params, record_logits=record)
-        assert seen and set(seen) == {form}, (params, record, bounded, seen)
+        assert seen and set(seen) == {form}, (params, record, fixed, seen)
 
 
 def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2, cuda=False):
@@ -312,14 +320,11 @@ def lowered_rounds(pair, prompt, params=GREEDY, draft_len=2, cuda=False):
     exported for a GPU, and whether that form is the fixed one."""
     captured = {}
     if cuda:
-        rounds._compiled_rounds.cache_clear()  # traced afresh, as on a GPU
+        rounds.compiled_rounds.cache_clear()  # traced afresh, as on a GPU
 
-    def compiled(*args, **kwargs):
-        program = rounds.compiled_rounds(*args, **kwargs)
-        # the pair's arguments: (target model, drafter, width, donate, record_logits, greedy,
-        # max_keys)
-        _, drafter, _, _, record_logits, greedy, _ = args
-        captured["fixed"] = rounds.runs_fixed_rounds(drafter, greedy, record_logits)
+    def compiled(spec, donate):
+        program = rounds.compiled_rounds(spec, donate)
+        captured["fixed"] = spec.fixed
 
         def run(*call):
             if cuda:  # traced as on a GPU: its kernels, and its random draws (the CPU
@@ -370,8 +375,8 @@ def _block_pair():
                                   "block"])
 def test_greedy_fixed_bursts_hold_no_loop_that_stops_on_data(kind):
     """A greedy burst in the fixed form is compiled with its while loops recorded as CUDA
-    graphs (``device_flags.fixed_rounds_options``), which hung and broke programs whose
-    loops stop on data (NOTES.md, session 47): every loop of every drafter's greedy fixed
+    graphs (``device_flags.fixed_rounds_options``), which hangs and breaks programs whose
+    loops stop on data: every loop of every drafter's greedy fixed
     burst has a constant trip count. The control: the same draft model's sampled burst,
     whose draft loop and judge stop on data."""
     from tests.kernels.test_gpu_lowering import _constant_trip_loops
@@ -391,27 +396,3 @@ def test_greedy_fixed_bursts_hold_no_loop_that_stops_on_data(kind):
         text, fixed = lowered_rounds(pair, prompt, params=SAMPLED)
         loops, constant = _constant_trip_loops(text)
         assert not fixed and constant < loops
-
-
-@pytest.mark.parametrize("kind", ["draft model/attention", "draft model/recurrent", "mtp"])
-def test_bounded_sampled_bursts_unroll_their_drafters_loops(kind, monkeypatch):
-    """Under ``rounds.BOUNDED_SAMPLING`` a sampled burst runs fixed without its while loops
-    recorded, so a drafter's loop inside the round (of ``MAX_DRAFT`` iterations) is unrolled
-    (a round holding a loop would be a conditional XLA's default command buffers cannot
-    record); every loop left has a constant trip count (the models' own, the burst's). The
-    control: the greedy burst keeps its bounded draft loop as a loop."""
-    from tests.kernels.test_gpu_lowering import loop_trip_counts
-    from turbospark_jax.speculative.drafters.base import MAX_DRAFT
-
-    if kind == "mtp":
-        pair, prompt = _mtp_pair()
-    else:
-        pair, prompt = make_pair(kind.split("/")[1], "draft model"), PROMPT
-    monkeypatch.setattr(rounds, "BOUNDED_SAMPLING", True)
-    text, fixed = lowered_rounds(pair, prompt, params=SAMPLED, cuda=True)
-    trips = loop_trip_counts(text)
-    assert fixed and None not in trips and rounds.FIXED_ROUNDS in trips
-    # (jax 0.11 lowers a cumulative sum as a loop of its own, over MAX_DRAFT rows here)
-    assert MAX_DRAFT not in loop_trip_counts(text, skip_scans=True), trips
-    text, _ = lowered_rounds(pair, prompt, cuda=True)  # greedy: the control
-    assert MAX_DRAFT in loop_trip_counts(text)

@@ -6,8 +6,7 @@ package asks for that in row-invariant decode programs and greedy speculative bu
 trip count). A call holding such a loop returns to Python only when the loop is done, so
 nothing the host does next overlaps it. A loop whose trip count XLA knows (a ``fori_loop``
 over constants) reads nothing back, and a ``lax.cond`` inside one runs on the device when its
-branches hold no loop (XLA's default command buffers take conditionals, not loops; measured
-in NOTES.md, sessions 48 and 49).
+branches hold no loop (XLA's default command buffers take conditionals, not loops).
 
 :func:`bounded_while` is the second form of the first: a loop of at most ``most``
 iterations, each running the body only while the condition holds.
@@ -41,14 +40,12 @@ def bounded_while(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Ca
 
 
 def loop_within(cond: Callable[[Carry], jax.Array], body: Callable[[Carry], Carry],
-                init: Carry, most: int, bounded: bool, unroll: bool = False) -> Carry:
+                init: Carry, most: int, bounded: bool) -> Carry:
     """A loop inside a speculative round, known to stop within ``most`` iterations:
-    :func:`bounded_while` when ``bounded`` (the burst runs as a loop of known trip count),
-    unrolled with ``unroll`` (a burst whose while loops are not recorded as CUDA graphs, so
-    that its round stays a conditional XLA's default command buffers record); else
-    ``lax.while_loop`` (in a burst that is itself a ``while_loop`` each of the bounded form's
-    conditionals would read its predicate back to the host, ``most`` of them where the
+    :func:`bounded_while` when ``bounded`` (the burst runs as a loop of known trip count);
+    else ``lax.while_loop`` (in a burst that is itself a ``while_loop`` each of the bounded
+    form's conditionals would read its predicate back to the host, ``most`` of them where the
     ``while_loop`` reads one an iteration it runs). The same bits in every form."""
     if bounded:
-        return bounded_while(cond, body, init, most, unroll)
+        return bounded_while(cond, body, init, most)
     return jax.lax.while_loop(cond, body, init)

@@ -41,7 +41,12 @@ from turbospark_jax.engine.producer import BlockProducer, require_launched_state
 from turbospark_jax.engine.program import MAX_STOP_IDS
 from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.speculative.drafters.base import MAX_DRAFT, Drafter, catch_up_compiled
-from turbospark_jax.speculative.rounds import RoundControl, burst_limit, compiled_rounds
+from turbospark_jax.speculative.rounds import (
+    RoundControl,
+    RoundsSpec,
+    burst_limit,
+    compiled_rounds,
+)
 
 
 @struct.dataclass(kw_only=True)
@@ -421,9 +426,11 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
         )
         # Every verify block sits below reach + W (its padding rows too): within the target's
         # short-context bound, the rounds verify in the program bounded by it.
-        program = compiled_rounds(target.model, device, target.width, target.donate,
-                                  call.record_logits, sampling.is_greedy(call.params),
-                                  target.key_bound(reach + target.width))
+        spec = RoundsSpec.choose(target.model, device, target.width,
+                                 greedy=sampling.is_greedy(call.params),
+                                 record_logits=call.record_logits,
+                                 max_keys=target.key_bound(reach + target.width))
+        program = compiled_rounds(spec, target.donate)
         bare, held = without_auxiliary(state.target)
         drafter_state = state.drafter
         if first and device.catches_up:

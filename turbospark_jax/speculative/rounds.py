@@ -3,16 +3,18 @@
 A round, with the last emitted token ``pending`` not yet fed to the target:
 
 1. **draft** up to ``m`` proposals (a
-:class:`~turbospark_jax.speculative.drafters.base.DeviceDrafter`);
+   :class:`~turbospark_jax.speculative.drafters.base.DeviceDrafter`);
 2. **verify** ``[pending, *proposals]`` in one block of the target's block program
    (:func:`~turbospark_jax.engine.program.feed_block`, the step plain decoding runs);
 3. **judge** them with :func:`judge` (greedy point masses or rejection sampling);
 4. **commit**: keep the verified rows of what was accepted (a cursor move for KV caches, a
    pick from the per-row tape for recurrent models) and bring the drafter to the same place.
 
-:func:`compiled_rounds` runs rounds in a ``while_loop`` until a token budget is reached, a
-stop id is emitted or logits turn non-finite, writing the emitted tokens (and the target rows
-behind them) into output buffers; the host sees the burst only when it ends.
+:func:`compiled_rounds` runs rounds until a token budget is reached, a stop id is emitted or
+logits turn non-finite, writing the emitted tokens (and the target rows behind them) into
+output buffers; the host sees the burst only when it ends. A :class:`RoundsSpec` says which
+program that is: the pair, the verify width, greedy or sampled, whether the target rows are
+recorded, and the burst's form.
 
 On a GPU a ``while_loop`` whose trip count is data reads its predicate back to the host every
 iteration, so the call holds the host until its last round and the next call's host work
@@ -21,25 +23,23 @@ instead (:data:`FIXED_ROUNDS` iterations, each a round under ``lax.cond`` while 
 condition holds): the same rounds, the same tokens, and a call that returns to the host at
 once. That is every greedy burst of a ``DeviceDrafter.loop_free`` drafter (n-gram lookup, the
 oracle; draft models, the Gemma 4 assistant and the MTP head, whose draft loops are then
-bounded, :func:`~turbospark_jax.speculative.bounded_loops.loop_within`; the MTP head and block
-drafters caught up
-before the chain, ``DeviceDrafter.catch_up``), compiled with its while loops recorded as CUDA
-graphs (``device_flags.fixed_rounds_options``; a round holding a loop is a conditional XLA's
-default command buffers cannot record), and on an accelerator every sampled burst of a
-drafter whose sampled rounds hold no loop at all (``DeviceDrafter.sampled_loop_free``: n-gram
-lookup, the oracle), whose judge then shapes its rows side by side
-(:func:`sampled_rounds_bounded` says why not on a CPU). Bursts that record the target rows
-keep the ``while_loop``. Figures: NOTES.md, sessions 48 and 49.
+bounded, :func:`~turbospark_jax.speculative.bounded_loops.loop_within`; the MTP head and
+block drafters caught up before the chain, ``DeviceDrafter.catch_up``), compiled with its
+while loops recorded as CUDA graphs (``device_flags.fixed_rounds_options``), and on an
+accelerator every sampled burst of a drafter whose sampled rounds hold no loop at all
+(``DeviceDrafter.sampled_loop_free``: n-gram lookup, the oracle), whose judge then shapes its
+rows side by side (:func:`sampled_rounds_bounded` says why not on a CPU). Bursts that record
+the target rows keep the ``while_loop``.
 
-:func:`judge` is shared with the host loop of :mod:`turbospark_jax.generation.speculative_loop`,
-which stays
-the reference: with the same keys both loops emit the same tokens. The host loop recomputes a
-sampling drafter's ``q`` from its logits (:func:`proposal_distributions`); the device draft
-loop keeps each row's ``q`` as it samples, and the two agree bit for bit.
+:func:`judge` is shared with the host rounds (the reference the device rounds are tested
+against): with the same keys both emit the same tokens. The host rounds recompute a sampling
+drafter's ``q`` from its logits (:func:`proposal_distributions`); the device draft loop keeps
+each row's ``q`` as it samples, and the two agree bit for bit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -58,30 +58,19 @@ from turbospark_jax.speculative.drafters.base import MAX_DRAFT, DeviceDrafter
 
 #: The most tokens one device burst of rounds emits before it returns to the host (a round
 #: may pass the burst's budget by up to ``MAX_DRAFT``; the buffers hold that too). The plain
-#: loop's most (:attr:`~turbospark_jax.generation.completion.BurstSizer.MOST`): a call's fixed host
-#: cost
-#: is paid once per burst, and a burst whose loop stops on data holds the host until it
-#: ends, so none of that cost overlaps the device.
+#: loop's most (:attr:`~turbospark_jax.generation.completion.BurstSizer.MOST`): a call's fixed
+#: host cost is paid once per burst, and a burst whose loop stops on data holds the host until
+#: it ends, so none of that cost overlaps the device.
 MAX_BURST = 256
 #: The most tokens a burst that records the target rows emits: its rows buffer is
-#: ``[RECORDED_BURST + MAX_DRAFT + 1, V]`` float32, 37 MB at a 128k vocabulary where
-#: MAX_BURST's would be 140 MB, and recording into the larger one measured slower.
+#: ``[RECORDED_BURST + MAX_DRAFT + 1, V]`` float32, a quarter of MAX_BURST's, and recording
+#: into the larger one is slower.
 RECORDED_BURST = 64
-#: The rounds of a call of known trip count (a burst whose drafter is
-#: :attr:`~turbospark_jax.speculative.drafters.base.DeviceDrafter.loop_free`, not recording the
-#: target
-#: rows: :func:`runs_fixed_rounds`): the call runs this many
-#: loop iterations, each a round while the burst's condition holds and nothing after it (a
-#: ``lax.cond``), so it emits what the ``while_loop`` form emits up to its 32nd round and then
-#: returns; the host's next call takes over from there.
+#: The rounds of a call of known trip count (:attr:`RoundsSpec.fixed`): the call runs this
+#: many loop iterations, each a round while the burst's condition holds and nothing after it
+#: (a ``lax.cond``), so it emits what the ``while_loop`` form emits up to its last round and
+#: then returns; the host's next call takes over from there.
 FIXED_ROUNDS = 32
-#: Sampled rounds' loops (the judge's, a draft model's sampled draft loop) without a trip
-#: count that is data, so sampled bursts of every loop-free drafter take the fixed form: the
-#: judge shapes all its rows side by side, a draft model's draft loop becomes conditionals.
-#: A drafter whose sampled rounds hold no loop at all (n-gram lookup, the oracle:
-#: ``DeviceDrafter.sampled_loop_free``) runs so on an accelerator; for the others this switch
-#: stays off (measured on an H100: NOTES.md, session 49).
-BOUNDED_SAMPLING = False
 
 
 @struct.dataclass(kw_only=True)
@@ -104,14 +93,10 @@ class DraftSampler:
     #: :func:`~turbospark_jax.core.sampling.greedy_token`\ s and skip its ``q``.
     greedy: bool = struct.field(pytree_node=False, default=False)
     #: Static: the burst runs as a loop of known trip count, so a drafter's loops inside the
-    #: round are to be bounded too (:func:`~turbospark_jax.speculative.bounded_loops.loop_within`);
-    #: in a
-    #: ``while_loop`` burst they stay ``while_loop``\ s.
+    #: round are to be bounded too
+    #: (:func:`~turbospark_jax.speculative.bounded_loops.loop_within`); in a ``while_loop``
+    #: burst they stay ``while_loop``\ s.
     bounded: bool = struct.field(pytree_node=False, default=False)
-    #: Static: the bounded loops are to be unrolled as well: the burst's while loops are not
-    #: recorded as CUDA graphs (a sampled burst: ``device_flags.fixed_rounds_options``), and
-    #: only a round holding no loop is a conditional XLA's default command buffers record.
-    unrolled: bool = struct.field(pytree_node=False, default=False)
 
 
 def history_rows(history: sampling.History, tokens: jax.Array) -> sampling.History:
@@ -154,6 +139,17 @@ def point_masses(proposals: jax.Array, count: jax.Array, vocab: int) -> jax.Arra
     return jnp.where((jnp.arange(q.shape[0]) < count)[:, None], q, 0.0)
 
 
+@struct.dataclass
+class _JudgedRow:
+    """The judge's loop carry: the row it is at (the proposals kept so far), that row's
+    processed logits and distribution ``p``, and whether its proposal was kept."""
+
+    row: jax.Array
+    processed: jax.Array
+    p: jax.Array
+    kept: jax.Array
+
+
 def judge(
     rows: jax.Array,
     q: jax.Array,
@@ -188,24 +184,19 @@ def judge(
     i = jnp.arange(draft, dtype=jnp.int32)
     u = jax.vmap(lambda j: jax.random.uniform(sampling.token_key(accept_key, index + j)))(i)
     u_q = u * q[i, proposals]  # proposal i is kept while u_q[i] < p_i(proposals[i])
-    # carry: (row j, its processed logits f32[V], its p f32[V], whether proposal j was kept)
-    Carry = tuple[jax.Array, jax.Array, jax.Array, jax.Array]
 
-    def undecided(c: Carry) -> jax.Array:
-        return c[3]
-
-    def next_row(c: Carry) -> Carry:
-        j = c[0]
+    def next_row(c: _JudgedRow) -> _JudgedRow:
+        j = c.row
         processed = sampling.process_logits(rows[j], params, jax.tree.map(lambda a: a[j], hist))
         p = sampling.distribution(processed, params)
         at = jnp.minimum(j, draft - 1)
         keep = (j < m) & (u_q[at] < p[proposals[at]])
-        return j + keep.astype(jnp.int32), processed, p, keep
+        return _JudgedRow(row=j + keep.astype(jnp.int32), processed=processed, p=p, kept=keep)
 
     if bounded:
-        # every row shaped at once: draft + 1 sorts side by side, and no loop at all (a
-        # loop of conditionals, each holding a sort, gave wrong tokens on an H100 once its
-        # while loops were recorded as CUDA graphs; NOTES.md, session 49)
+        # every row shaped at once: draft + 1 sorts side by side, and no loop at all (a loop
+        # of conditionals, each holding a sort, is not safe with while loops recorded as
+        # CUDA graphs)
         processed_all = jax.vmap(sampling.process_logits, in_axes=(0, None, 0))(
             rows, params, hist)
         p_all = jax.vmap(sampling.distribution, in_axes=(0, None))(processed_all, params)
@@ -217,8 +208,9 @@ def judge(
         # accepted + 1 rows and row ``accepted``'s processed logits serve the bonus draw as
         # well. A ``while_loop``: a trip count that is data.
         zeros = jnp.zeros((rows.shape[1],), jnp.float32)
-        start = (jnp.int32(0), zeros, zeros, jnp.bool_(True))
-        accepted, processed, p, _ = jax.lax.while_loop(undecided, next_row, start)
+        start = _JudgedRow(row=jnp.int32(0), processed=zeros, p=zeros, kept=jnp.bool_(True))
+        last = jax.lax.while_loop(lambda c: c.kept, next_row, start)
+        accepted, processed, p = last.row, last.processed, last.p
     at = jax.tree.map(lambda a: a[accepted], hist)
     bonus = sampling.draw_processed(processed, params, sampling.token_key(key, index + accepted))
     q_at = jnp.where(accepted < draft, q[jnp.minimum(accepted, draft - 1)], 0.0)
@@ -318,16 +310,90 @@ def _commit_target(
     return after.replace(fed=after.fed.moved_to(before.fed.count + keep))
 
 
+@dataclasses.dataclass(frozen=True)
+class RoundsSpec:
+    """Which compiled burst of rounds to run; hashable, static under ``jit``.
+
+    Fields:
+      target: the target's block model; the rounds verify in one block of its program.
+      drafter: the drafter's device form.
+      width: the rows of the target program's block (``draft_len < width``).
+      greedy: the greedy variant (:func:`judge_greedy`, drafters drafting argmax tokens): the
+        same tokens as the sampled one at temperature 0, with none of the sampling machinery
+        and no branch on the temperature, which can cost a GPU a host round trip each.
+      record_logits: keep the target row behind every emitted token.
+      max_keys: the host's bound on every position the burst's verify blocks hold, plus one
+        (a speed hint for a target that declares ``bounds_keys``; see
+        :func:`~turbospark_jax.engine.program.feed_block`).
+      fixed: run the burst as a loop of :data:`FIXED_ROUNDS` iterations instead of a
+        ``while_loop`` (the same rounds either way).
+      bounded: a sampled judge shapes every row side by side instead of looping to the first
+        rejection (the same tokens either way).
+
+    :meth:`choose` picks the form a request runs; a test may force either form with
+    ``dataclasses.replace`` and compare.
+    """
+
+    target: BlockModel
+    drafter: DeviceDrafter
+    width: int
+    greedy: bool
+    record_logits: bool
+    max_keys: int | None = None
+    fixed: bool = False
+    bounded: bool = False
+
+    @classmethod
+    def choose(cls, target: BlockModel, drafter: DeviceDrafter, width: int, *, greedy: bool,
+               record_logits: bool, max_keys: int | None = None,
+               bounded: bool | None = None) -> RoundsSpec:
+        """The spec a request runs: ``bounded`` as :func:`sampled_rounds_bounded` says unless
+        given, and the fixed form where no loop in it stops on data (a loop-free drafter,
+        greedy or with a bounded judge) and the target rows are not recorded (recording keeps
+        the ``while_loop`` until the fixed form is timed faster end to end)."""
+        if bounded is None:
+            bounded = sampled_rounds_bounded(drafter, greedy)
+        fixed = _fixed_form(drafter, greedy, bounded, record_logits)
+        return cls(target=target, drafter=drafter, width=width, greedy=greedy,
+                   record_logits=record_logits, max_keys=max_keys, fixed=fixed,
+                   bounded=bounded)
+
+    @property
+    def compiler_options(self) -> dict[str, str] | None:
+        """The burst's compiler options: a greedy fixed burst records its while loops as CUDA
+        graphs; every other burst takes XLA's defaults."""
+        return device_flags.fixed_rounds_options(self.greedy) if self.fixed else None
+
+
+@struct.dataclass
+class _Burst:
+    """The burst's loop carry.
+
+    Fields:
+      rounds: rounds run.
+      target, drafter: the states after them.
+      pending: the last emitted token (not fed yet).
+      emitted: tokens emitted.
+      tokens, rows: the output buffers (rows ``[1, V]`` when not recorded).
+      finish: RUNNING, STOPPED_ON_TOKEN or NON_FINITE.
+      history: the penalty bookkeeping after the emitted tokens.
+      sizes: ``(drafted, accepted)`` of each round.
+    """
+
+    rounds: jax.Array
+    target: BlockState
+    drafter: Any
+    pending: jax.Array
+    emitted: jax.Array
+    tokens: jax.Array
+    rows: jax.Array
+    finish: jax.Array
+    history: sampling.History
+    sizes: jax.Array
+
+
 def _run_rounds(
-    target: BlockModel,
-    drafter: DeviceDrafter,
-    width: int,
-    record_logits: bool,
-    greedy: bool,
-    max_keys: int | None,
-    fixed: bool,
-    bounded: bool,
-    unroll: bool,
+    spec: RoundsSpec,
     target_params: Any,
     drafter_params: Any,
     buffers: BlockState,
@@ -340,9 +406,9 @@ def _run_rounds(
 ) -> tuple[BlockState, BlockState, Any, RoundsOutput]:
     # no_injected / no_embeds: the target producer's "nothing injected" rows, passed in as
     # data as the block program's are, so a verify compiles like a decode step.
-    state = merge_parts(buffers, values)
+    target, drafter, width = spec.target, spec.drafter, spec.width
     vocab = target.vocab_size
-    most = burst_limit(record_logits)
+    most = burst_limit(spec.record_logits)
     out_rows = most + MAX_DRAFT + 1
     draft_key = jax.random.fold_in(control.key, 1)
     # Always true, but traced like plain decoding's per-step flag: a constant would let XLA
@@ -351,27 +417,26 @@ def _run_rounds(
     # head unbranched too), so it takes the constant: no branch, no host sync per round.
     head = True if target.widths_agree else control.draft_len >= 0
 
-    def cond(c):
-        i, _, _, _, n, _, _, finish, _, _ = c
-        return (finish == RUNNING) & (n < control.budget) & (n < control.remaining) & (
-            i < most
-        )
+    def cond(c: _Burst) -> jax.Array:
+        return (c.finish == RUNNING) & (c.emitted < control.budget) & (
+            c.emitted < control.remaining) & (c.rounds < most)
 
-    def body(c):
-        i, st, dst, pend, n, toks_out, rows_out, _, hist, sizes = c
+    def body(c: _Burst) -> _Burst:
+        n, hist = c.emitted, c.history
         index = control.gen_index + n
         m = jnp.clip(jnp.minimum(control.draft_len, control.remaining - n - 1), 0, MAX_DRAFT)
         sampler = DraftSampler(params=control.params, history=hist, key=draft_key, index=index,
-                               greedy=greedy, bounded=fixed, unrolled=unroll)
-        proposals, q, drafted, dst = drafter.propose(drafter_params, dst, st, pend, m, sampler)
+                               greedy=spec.greedy, bounded=spec.fixed)
+        proposals, q, drafted, dst = drafter.propose(drafter_params, c.drafter, c.target,
+                                                     c.pending, m, sampler)
         if q is None:
             q = point_masses(proposals, drafted, vocab)
         fits = min(width - 1, MAX_DRAFT)  # the host keeps draft_len <= width - 1
-        feed = jnp.zeros((width,), jnp.int32).at[0].set(pend)
+        feed = jnp.zeros((width,), jnp.int32).at[0].set(c.pending)
         feed = feed.at[1 : fits + 1].set(proposals[:fits])
         with jax.named_scope("verify"):
-            rows, verified = feed_block(target, target_params, st, feed, drafted + 1, head,
-                                        no_injected, no_embeds, max_keys=max_keys)
+            rows, verified = feed_block(target, target_params, c.target, feed, drafted + 1,
+                                        head, no_injected, no_embeds, max_keys=spec.max_keys)
         rows = jnp.zeros((MAX_DRAFT + 1, vocab), jnp.float32).at[: fits + 1].set(
             rows[: fits + 1]
         )
@@ -382,43 +447,57 @@ def _run_rounds(
         finite = good > 0
         judged = jnp.minimum(drafted, jnp.maximum(good - 1, 0))
         with jax.named_scope("judge"):
-            if greedy:
+            if spec.greedy:
                 toks, count, new_hist = judge_greedy(rows, proposals, judged, control.params,
                                                      hist)
             else:
                 toks, count, new_hist = judge(rows, q, proposals, judged, control.params, hist,
-                                              control.key, index, bounded)
+                                              control.key, index, spec.bounded)
         slots = jnp.arange(MAX_DRAFT + 1)
         stops = jnp.any(toks[:, None] == control.stop_ids[None, :], axis=1) & (slots < count)
         stopped = jnp.any(stops)
         kept = jnp.where(stopped, jnp.argmax(stops) + 1, count)
         kept = jnp.where(finite, kept, 0)
-        st = _commit_target(target, st, verified, kept)
-        dst = drafter.commit(dst, st.fed.count)
+        st = _commit_target(target, c.target, verified, kept)
         at = jnp.where(slots < kept, n + slots, out_rows + slots)  # others dropped
-        toks_out = toks_out.at[at].set(toks, mode="drop", unique_indices=True)
-        if record_logits:
-            rows_out = rows_out.at[at].set(rows, mode="drop", unique_indices=True)
-        sizes = sizes.at[i].set(jnp.where(finite, jnp.stack([judged, count - 1]), 0))
-        finish = jnp.where(~finite, NON_FINITE, jnp.where(stopped, STOPPED_ON_TOKEN, RUNNING))
-        pend = jnp.where(kept > 0, toks[jnp.maximum(kept - 1, 0)], pend)
-        hist = jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_hist, hist)
-        return i + 1, st, dst, pend, n + kept, toks_out, rows_out, finish, hist, sizes
+        out_rows_now = c.rows
+        if spec.record_logits:
+            out_rows_now = out_rows_now.at[at].set(rows, mode="drop", unique_indices=True)
+        return _Burst(
+            rounds=c.rounds + 1,
+            target=st,
+            drafter=drafter.commit(dst, st.fed.count),
+            pending=jnp.where(kept > 0, toks[jnp.maximum(kept - 1, 0)], c.pending),
+            emitted=n + kept,
+            tokens=c.tokens.at[at].set(toks, mode="drop", unique_indices=True),
+            rows=out_rows_now,
+            finish=jnp.where(~finite, NON_FINITE,
+                             jnp.where(stopped, STOPPED_ON_TOKEN, RUNNING)),
+            history=jax.tree.map(lambda a, b: jnp.where(finite, a, b), new_hist, hist),
+            sizes=c.sizes.at[c.rounds].set(jnp.where(finite, jnp.stack([judged, count - 1]),
+                                                     0)),
+        )
 
-    init = (
-        jnp.int32(0), state, drafter_state, pending, jnp.int32(0),
-        jnp.full((out_rows,), -1, jnp.int32),
-        jnp.zeros((out_rows if record_logits else 1, vocab), jnp.float32),
-        jnp.int32(RUNNING), control.history, jnp.zeros((most, 2), jnp.int32),
+    init = _Burst(
+        rounds=jnp.int32(0),
+        target=merge_parts(buffers, values),
+        drafter=drafter_state,
+        pending=pending,
+        emitted=jnp.int32(0),
+        tokens=jnp.full((out_rows,), -1, jnp.int32),
+        rows=jnp.zeros((out_rows if spec.record_logits else 1, vocab), jnp.float32),
+        finish=jnp.int32(RUNNING),
+        history=control.history,
+        sizes=jnp.zeros((most, 2), jnp.int32),
     )
-    if fixed:  # a loop of known trip count: a round while the condition holds, then nothing
-        carry = bounded_while(cond, body, init, FIXED_ROUNDS)  # the call ends at the cut
+    if spec.fixed:  # a loop of known trip count: a round while the condition holds, then none
+        last = bounded_while(cond, body, init, FIXED_ROUNDS)  # the call ends at the cut
     else:
-        carry = jax.lax.while_loop(cond, body, init)
-    rounds, state, drafter_state, _, n, toks, rows, finish, hist, sizes = carry
-    out = RoundsOutput(tokens=toks, logits=rows, count=n, finish=finish, history=hist,
-                       rounds=rounds, sizes=sizes)
-    return buffers_only(state), by_value(state), drafter_state, out
+        last = jax.lax.while_loop(cond, body, init)
+    out = RoundsOutput(tokens=last.tokens, logits=last.rows, count=last.emitted,
+                       finish=last.finish, history=last.history, rounds=last.rounds,
+                       sizes=last.sizes)
+    return buffers_only(last.target), by_value(last.target), last.drafter, out
 
 
 def burst_limit(record_logits: bool) -> int:
@@ -428,73 +507,40 @@ def burst_limit(record_logits: bool) -> int:
 
 
 def sampled_rounds_bounded(drafter: DeviceDrafter, greedy: bool) -> bool:
-    """Whether a burst of ``drafter``'s rounds is a sampled one (not ``greedy``) whose loops
-    are bounded, so that it holds no loop whose trip count is data: on an accelerator for a
-    drafter whose sampled rounds hold no loop (``DeviceDrafter.sampled_loop_free``), anywhere
-    for every drafter under :data:`BOUNDED_SAMPLING`.
+    """Whether a sampled burst (not ``greedy``) of ``drafter``'s rounds has a judge that
+    shapes its rows side by side: on an accelerator, for a drafter whose sampled rounds hold
+    no loop (``DeviceDrafter.sampled_loop_free``), so that the burst holds no loop whose trip
+    count is data and runs in the fixed form.
 
-    Not on a CPU by default: there a loop costs no round trip, while shaping all ``MAX_DRAFT
-    + 1`` rows, where the loop shapes those up to the first rejection, costs more than the
-    rounds save (measured in NOTES.md, session 49)."""
-    on_accelerator = jax.default_backend() != "cpu"
-    return not greedy and ((drafter.sampled_loop_free and on_accelerator) or BOUNDED_SAMPLING)
+    Not on a CPU: there a loop costs no round trip, while shaping all ``MAX_DRAFT + 1`` rows,
+    where the loop shapes those up to the first rejection, costs more than it saves. Not for
+    other drafters: their sampled draft loops would have to become conditionals, which cost
+    more than the round trips they save."""
+    return not greedy and drafter.sampled_loop_free and jax.default_backend() != "cpu"
 
 
-def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool,
-                      bounded: bool | None = None) -> bool:
-    """Whether a burst of rounds runs as a loop of :data:`FIXED_ROUNDS` iterations: a greedy
-    one, or a sampled one whose loops are bounded (``bounded``; ``None``:
-    :func:`sampled_rounds_bounded`), with a loop-free drafter, not recording the target rows
-    (with them session 48's probe measured the form slower than the ``while_loop``, session
-    49's faster: not the default until timed end to end)."""
-    if bounded is None:
-        bounded = sampled_rounds_bounded(drafter, greedy)
+def runs_fixed_rounds(drafter: DeviceDrafter, greedy: bool, record_logits: bool) -> bool:
+    """Whether a burst of ``drafter``'s rounds runs as a loop of :data:`FIXED_ROUNDS`
+    iterations by default (:meth:`RoundsSpec.choose`)."""
+    return _fixed_form(drafter, greedy, sampled_rounds_bounded(drafter, greedy), record_logits)
+
+
+def _fixed_form(drafter: DeviceDrafter, greedy: bool, bounded: bool,
+                record_logits: bool) -> bool:
     return (greedy or bounded) and drafter.loop_free and not record_logits
 
 
-def compiled_rounds(
-    target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool, record_logits: bool,
-    greedy: bool = False, max_keys: int | None = None, fixed: bool | None = None,
-    bounded: bool | None = None,
-) -> Any:
-    """The jitted burst of rounds for this (target model, drafter) pair, verifying in one block
-    of the target program's ``width`` rows (so ``draft_len < width``). ``greedy`` compiles
-    the variant for greedy requests (:func:`judge_greedy`, drafters drafting argmax tokens):
-    the same tokens, with none of the sampling machinery and no branch on the temperature,
-    which can cost a GPU a host round trip each (XLA runs some on the device). ``max_keys``:
-    the host's bound on every position the burst's verify blocks hold, plus one (a speed hint
-    for a target that declares ``bounds_keys``; see :func:`~turbospark_jax.engine.program.
-    feed_block`). ``fixed``: run the burst as a loop of :data:`FIXED_ROUNDS` iterations
-    (``None``: :func:`runs_fixed_rounds`; either form emits the same rounds). ``bounded``:
-    a sampled burst's loops of known trip count, its judge shaping every row side by side
-    (``None``: :func:`sampled_rounds_bounded`; the same tokens either way). Arguments:
-    ``(target_params, drafter_params, target_buffers, target_values, drafter_state, pending,
-    control, no_injected, no_embeds)``; the target's append-only buffers and the drafter
-    state are donated."""
-    if bounded is None:
-        bounded = sampled_rounds_bounded(drafter, greedy)
-    if fixed is None:
-        fixed = runs_fixed_rounds(drafter, greedy, record_logits, bounded)
-    return _compiled_rounds(target, drafter, width, donate, record_logits, greedy, max_keys,
-                            fixed, bounded)
-
-
-def rounds_function(target: BlockModel, drafter: DeviceDrafter, width: int,
-                    record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
-                    bounded: bool) -> tuple[Any, dict[str, str] | None]:
-    """The burst's function (arguments as :func:`compiled_rounds`'s program takes them) and
-    the compiler options it is jitted with, for a form already resolved."""
-    options = device_flags.fixed_rounds_options(greedy) if fixed else None
-    # a fixed burst whose while loops are not recorded unrolls its drafter's loops
-    fn = functools.partial(_run_rounds, target, drafter, width, record_logits, greedy,
-                           max_keys, fixed, bounded, fixed and options is None)
-    return fn, options
+def rounds_function(spec: RoundsSpec) -> Any:
+    """The burst's function for ``spec``: ``(target_params, drafter_params, target_buffers,
+    target_values, drafter_state, pending, control, no_injected, no_embeds)`` to the target's
+    buffers and values, the drafter state and the :class:`RoundsOutput`."""
+    return functools.partial(_run_rounds, spec)
 
 
 @functools.cache
-def _compiled_rounds(target: BlockModel, drafter: DeviceDrafter, width: int, donate: bool,
-                     record_logits: bool, greedy: bool, max_keys: int | None, fixed: bool,
-                     bounded: bool) -> Any:
-    fn, options = rounds_function(target, drafter, width, record_logits, greedy, max_keys,
-                                  fixed, bounded)
-    return jax.jit(fn, donate_argnums=(2, 4) if donate else (), compiler_options=options)
+def compiled_rounds(spec: RoundsSpec, donate: bool) -> Any:
+    """The jitted burst of rounds for ``spec`` (:func:`rounds_function`), with its compiler
+    options; the target's append-only buffers and the drafter state are donated when
+    ``donate``."""
+    return jax.jit(rounds_function(spec), donate_argnums=(2, 4) if donate else (),
+                   compiler_options=spec.compiler_options)

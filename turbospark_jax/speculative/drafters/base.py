@@ -44,19 +44,18 @@ class DeviceDrafter(abc.ABC):
         and :meth:`propose` returns no ``q``.
       loop_free: in a greedy burst (``sampler.greedy``), :meth:`propose` and :meth:`commit`
         hold no loop whose trip count is data when ``sampler.bounded`` asks (their loops
-        through :func:`~turbospark_jax.speculative.bounded_loops.loop_within`), so the burst runs
-        as a loop of
-        known trip count
+        through :func:`~turbospark_jax.speculative.bounded_loops.loop_within`), so the burst
+        runs as a loop of known trip count
         (:data:`~turbospark_jax.speculative.rounds.FIXED_ROUNDS`): on a GPU such a call reads
-        nothing
-        back to the host and returns at once, and the next call is queued while it runs.
+        nothing back to the host and returns at once, and the next call is queued while it
+        runs.
       sampled_loop_free: in a sampled burst too, :meth:`propose` and :meth:`commit` hold no
         loop at all, so on an accelerator a sampled burst runs as a loop of known trip count
         as well, its judge shaping every row side by side
-        (:func:`~turbospark_jax.speculative.rounds.judge` with
-        ``bounded``). A round holding a loop would be a conditional that XLA's default
-        command buffers cannot record, and a sampled burst is not compiled with while loops
-        recorded (``device_flags.fixed_rounds_options`` says why).
+        (:func:`~turbospark_jax.speculative.rounds.judge` with ``bounded``). A round holding a
+        loop would be a conditional that XLA's default command buffers cannot record, and a
+        sampled burst is not compiled with while loops recorded
+        (``device_flags.fixed_rounds_options`` says why).
       catches_up: :meth:`catch_up` has work to do; a chain of device rounds runs it first.
     """
 
@@ -151,12 +150,9 @@ class CatchUpDevice(DeviceDrafter):
 def draft_loop(cond: Any, body: Any, init: Any, sampler: Any) -> Any:
     """A drafter's loop inside a round, of at most :data:`MAX_DRAFT` iterations, in the form
     the rounds' sampler asks for (:func:`~turbospark_jax.speculative.bounded_loops.loop_within`):
-    bounded in a
-    burst of known trip count, and unrolled too where that burst's while loops are not
-    recorded (``sampler.unrolled``); a ``while_loop`` in a ``while_loop`` burst or without a
-    sampler (the host loop's :func:`propose_compiled`)."""
-    bounded = sampler is not None and sampler.bounded
-    return loop_within(cond, body, init, MAX_DRAFT, bounded, bounded and sampler.unrolled)
+    bounded in a burst of known trip count; a ``while_loop`` in a ``while_loop`` burst or
+    without a sampler (the host rounds' :func:`propose_compiled`)."""
+    return loop_within(cond, body, init, MAX_DRAFT, sampler is not None and sampler.bounded)
 
 
 @functools.partial(jax.jit, static_argnums=0)
