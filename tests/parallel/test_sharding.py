@@ -221,9 +221,9 @@ def test_mtp_and_block_drafters_on_a_sharded_target_are_plain_greedy(report, nam
     assert sum(case["accepted"]) > 0, case["accepted"]
 
 
-@pytest.mark.parametrize("recurrence", ["pallas", "interpret"])
-def test_the_delta_rule_kernel_on_a_mesh_is_refused_by_name(recurrence):
-    from turbospark_jax.errors import UnsupportedCapabilityError
+def test_a_qwen35_model_on_a_mesh_walks_its_rows_on_the_xla_loop():
+    """The delta-rule kernel is a single-device custom call the compiler cannot split, so a
+    mesh runs the XLA loop, even for a model pinned to the (interpreted) kernel."""
     from turbospark_jax.models.qwen3_5.model import Qwen35Model
     from turbospark_jax.parallel.sharding import ShardedProducer, tp_mesh
 
@@ -232,6 +232,8 @@ def test_the_delta_rule_kernel_on_a_mesh_is_refused_by_name(recurrence):
                        head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
                        linear_num_key_heads=2, linear_num_value_heads=2,
                        layer_types=("linear_attention",))
-    model = Qwen35Model(cfg, recurrence=recurrence)
-    with pytest.raises(UnsupportedCapabilityError, match="cannot be split over a mesh"):
-        ShardedProducer(model, {}, mesh=tp_mesh(), capacity=16)
+    model = Qwen35Model(cfg, max_width=4).interpreted()
+    assert model.tape_rows() == 16  # the kernel's block of rows
+    sharded = ShardedProducer(model, model.init_params(jax.random.PRNGKey(0)), mesh=tp_mesh(),
+                              capacity=16, width=4)
+    assert sharded.model.tape_rows() == 4 and sharded.model == model.for_mesh()

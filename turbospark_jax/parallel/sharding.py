@@ -174,7 +174,9 @@ class ShardedProducer(BlockProducer):
     Args:
       model: a dense model (stacked or list layout), a Qwen3.5 / Qwen3-Next model or a Gemma 4
         model. The dense family's Pallas kernels are single-device custom calls the compiler
-        cannot split, so an ``"auto"`` attention or RoPE-store mode runs as ``"xla"`` here.
+        cannot split, so an ``"auto"`` attention or RoPE-store mode runs as ``"xla"`` here;
+        so does Qwen3.5's delta-rule kernel, whose rows walk as the XLA loop here
+        (:meth:`~turbospark_jax.models.qwen3_5.model.Qwen35Model.for_mesh`).
       params: its params, anywhere: they are placed on the mesh (a no-op for params already
         sharded, as :func:`init_sharded_params` and
         :func:`~turbospark_jax.parallel.loading.load_sharded` make them).
@@ -182,10 +184,8 @@ class ShardedProducer(BlockProducer):
       capacity, width, steps_per_call, donate: as :class:`BlockProducer`.
 
     Raises:
-      UnsupportedCapabilityError: ``model`` is of another family, a dense model that asks
-        for the Pallas interpreter (``attention`` or ``rope_store`` ``"interpret"``), or a
-        Qwen3.5 model that asks for the delta-rule kernel (``recurrence`` ``"pallas"`` or
-        ``"interpret"``).
+      UnsupportedCapabilityError: ``model`` is of another family, or a dense model that asks
+        for the Pallas interpreter (``attention`` or ``rope_store`` ``"interpret"``).
       BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the query
         heads and MLP width (the dense family: and KV heads; the message lists the sizes
         that do); and as :class:`BlockProducer`.
@@ -216,12 +216,7 @@ class ShardedProducer(BlockProducer):
                 )
             model = dataclasses.replace(model, attention="xla", rope_store="xla")
         if isinstance(model, Qwen35Model):
-            if model.recurrence in ("pallas", "interpret"):
-                raise UnsupportedCapabilityError(
-                    "the delta-rule kernel cannot be split over a mesh; build the model with "
-                    f"recurrence='xla' (or 'auto'), not {model.recurrence!r}"
-                )
-            model = dataclasses.replace(model, recurrence="xla")
+            model = model.for_mesh()  # the delta-rule kernel is a single-device custom call
         self.mesh = mesh
         params = shard_params(params, mesh, model.config)
         super().__init__(model, params, capacity=capacity, width=width,
