@@ -98,7 +98,7 @@ def _run(model: Any, prompts: list[str], tokens: int, mode: str, draft_len: int 
          ) -> dict[str, Any]:
     """Untimed runs to compile, then every prompt timed; pooled figures. On an accelerator
     every prompt runs once untimed (a longer prompt can reach a wider key bound, whose
-    programs would otherwise compile inside the timed decode; NOTES.md, session 49); on a CPU
+    programs would otherwise compile inside the timed decode); on a CPU
     the first prompt alone (its decode is the cost there)."""
     import jax
 

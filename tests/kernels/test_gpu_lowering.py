@@ -368,7 +368,7 @@ def test_rowinv_decode_loop_has_no_branch_but_its_loop(settings, monkeypatch):
     conditional, the inner loop's trip count fixed) is also why these programs alone compile
     with their loops as CUDA graphs (``device_flags.decode_program_options``): the programs
     that broke under the graphs on an H100 nest conditionals or data-dependent loops in
-    their loop (NOTES.md, session 47)."""
+    their loop (docs/decisions/0004-loop-graphs.md)."""
     from turbospark_jax.engine.program import DECODE_CHUNK
 
     text = _decode_program("rowinv", settings, monkeypatch)
