@@ -39,17 +39,25 @@ def _timed(fn, *args, repeats: int) -> float:
     return (time.perf_counter() - t0) / repeats
 
 
-def _layer(shape: tuple[int, ...], recurrence: str):
+def _layer(shape: tuple[int, ...], walk: str):
     """One DeltaNet layer of the shape, jitted: ``(params, h, state, live, tape) -> (out,
-    state, tape)`` with the model's own code, the recurrence run as asked. The tape is not
-    donated, so each call also copies it (the block program writes it in place)."""
+    state, tape)`` with the model's own code, its rows walked by ``walk``: ``"pallas"`` (the
+    kernel, as a GPU runs it), ``"interpret"`` (the kernel in the Pallas interpreter) or
+    ``"xla"`` (the XLA loop). The tape is not donated, so each call also copies it (the block
+    program writes it in place)."""
     hidden, key_heads, value_heads, dk, dv = shape
     config = QC.Qwen35Config(
         vocab_size=16, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=1, num_key_value_heads=1, head_dim=16, linear_key_head_dim=dk,
         linear_value_head_dim=dv, linear_num_key_heads=key_heads,
         linear_num_value_heads=value_heads, layer_types=(QC.LINEAR,))
-    model = Q.Qwen35Model(config, dtype=jnp.bfloat16, recurrence=recurrence)
+    model = Q.Qwen35Model(config, dtype=jnp.bfloat16)
+    if walk == "xla":
+        model = model.for_mesh()
+    elif walk == "interpret":
+        model = model.interpreted()
+    elif jax.default_backend() != "gpu":
+        raise SystemExit("the compiled kernel runs on a GPU; --kernel interpret runs it here")
     return model, jax.jit(lambda lp, h, state, live, tape: model._delta_net(
         lp, h, state, live, tape))
 

@@ -223,30 +223,26 @@ def hf_model(name: str, device: str) -> Any:
     return model.eval()
 
 
-def run_shape(name: str, preset: Preset, rec: Recorder, bandwidth: float, hf: bool,
-              recurrence: str = "xla") -> None:
+def run_shape(name: str, preset: Preset, rec: Recorder, bandwidth: float, hf: bool) -> None:
     model_type = SHAPES[name]["model_type"]
     contexts = preset.contexts[model_type]
     capacity = max(max(contexts), preset.prefill_length) + preset.new_tokens + preset.width
-    options = {"recurrence": recurrence} if model_type == "qwen3_5_text" else None
-    config, producer, params = build(name, capacity, preset.width, preset.burst, options)
-    variant = {"variant": f"recurrence={recurrence}"} if options else {}
+    config, producer, params = build(name, capacity, preset.width, preset.burst)
     vocab = config.vocab_size
     for ctx in contexts:
         r = decode_rate(producer, ctx, preset.new_tokens, preset.burst,
                         chunk=min(2048, ctx), vocab=vocab)
         nbytes = step_bytes(config, params, ctx)
-        rec.add(shape=name, workload="decode", context=ctx, impl="turbospark_jax", **variant, **r,
+        rec.add(shape=name, workload="decode", context=ctx, impl="turbospark_jax", **r,
                 step_bytes=nbytes, roofline_tokens_per_s=bandwidth / nbytes,
                 fraction_of_roofline=r["tokens_per_s"] * nbytes / bandwidth)
     rec.add(shape=name, workload="prefill", length=preset.prefill_length, impl="turbospark_jax",
-            **variant, **prefill_rates(producer, preset.prefill_length,
-                                       min(2048, preset.prefill_length), vocab))
+            **prefill_rates(producer, preset.prefill_length, min(2048, preset.prefill_length),
+                            vocab))
     costs = verify_costs(producer, vocab, preset.verify_rows, contexts[0])
     step = 1.0 / decode_rate(producer, contexts[0], preset.new_tokens, preset.burst,
                              chunk=contexts[0], vocab=vocab)["tokens_per_s"]
-    rec.add(shape=name, workload="verify", context=contexts[0], width=preset.width, **variant,
-            **costs,
+    rec.add(shape=name, workload="verify", context=contexts[0], width=preset.width, **costs,
             decode_step_in_burst_s=step,
             **{f"verify_{k}_vs_step": costs[f"verify_{k}_s"] / step for k in preset.verify_rows},
             **{f"verify_{k}_vs_produce": costs[f"verify_{k}_s"] / costs["produce_s"]
@@ -345,15 +341,11 @@ def report(path: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from turbospark_jax.models.qwen3_5.model import RECURRENCE_MODES
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", choices=tuple(PRESETS), default="h200")
     ap.add_argument("--shapes", default=None, help="comma-separated subset of the preset's")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
-    ap.add_argument("--recurrence", choices=RECURRENCE_MODES, default="auto",
-                    help="how the Qwen3.5 shapes' exact path walks the delta rule's rows")
     ap.add_argument("--report", action="store_true",
                     help="print the tables of <out>/families.json (or of --out itself when it "
                          "is a .json file) instead of measuring")
@@ -369,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth(4 << 30 if args.preset == "h200" else 8 << 20)
     rec.add(workload="bandwidth", bytes_per_s=bandwidth)
     for name in shapes:
-        run_shape(name, preset, rec, bandwidth, hf=not args.no_hf, recurrence=args.recurrence)
+        run_shape(name, preset, rec, bandwidth, hf=not args.no_hf)
     return 0
 
 

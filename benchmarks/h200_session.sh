@@ -9,13 +9,13 @@
 #   bash benchmarks/h200_session.sh 5 "$OUT"   # Qwen3.5 / Gemma 4 figures (benchmarks.families)
 #   bash benchmarks/h200_session.sh 6 "$OUT"   # the recipe's train step traced (issue 18) and the
 #                                              # row-invariant kernels again (issue 19)
-#   bash benchmarks/h200_session.sh 7 "$OUT"   # the delta-rule row kernel (recurrence="pallas"):
+#   bash benchmarks/h200_session.sh 7 "$OUT"   # the delta-rule row kernel (the GPU's walk):
 #                                              # its tests, the layer against the XLA loop, the
 #                                              # Qwen3.5 bitwise checks and figures on it
 #   bash benchmarks/h200_session.sh 8 "$OUT"   # the embedded pair at draft lengths 4 / 6 / 8,
 #                                              # n-gram lookup up to 3- and 4-grams (issue 14)
 #   bash benchmarks/h200_session.sh 9 "$OUT"   # stage 7 in one call with a decode profile of
-#                                              # each recurrence and Gemma 4's figures (no hf)
+#                                              # the kernel and Gemma 4's figures (no hf)
 #   bash benchmarks/h200_session.sh 10 "$OUT"  # stage 8, then the drafters' figures and the
 #                                              # embedded model's speculative.json
 #   bash benchmarks/h200_session.sh 11 "$OUT"  # the serving benchmark (issue 20; carry the
@@ -23,7 +23,7 @@
 #   bash benchmarks/h200_session.sh 12 "$OUT"  # the delta-rule kernel's tests and checks as the
 #                                              # GPU default, a decode profile with its HLO, and
 #                                              # decode with and without command buffers
-#   bash benchmarks/h200_session.sh 13 "$OUT"  # the Qwen3.5 figures on the default recurrence
+#   bash benchmarks/h200_session.sh 13 "$OUT"  # the Qwen3.5 figures
 #   bash benchmarks/h200_session.sh 14 "$OUT"  # the oracle benchmark on the 1B shape (issue 14),
 #                                              # then the Qwen3.5 test files on the GPU
 #   bash benchmarks/h200_session.sh 15 "$OUT"  # after a change to the delta-rule kernel: its
@@ -42,7 +42,7 @@ out=${2:?output folder}
 export JAX_PLATFORMS=cuda PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=.
 quiet() { grep -v -i -E "warn|^\s*$" | cut -c1-300; }
 # The delta-rule kernel's tests on the GPU, then the Qwen3.5 bitwise checks (arguments go to
-# benchmarks.qwen35_exactness, e.g. --recurrence pallas).
+# benchmarks.qwen35_exactness).
 delta_rule_checks() {
   HYPOTHESIS_PROFILE=quick timeout 100 python3 -m pytest -n 0 -q -p no:cacheprovider \
     -p no:warnings tests/test_pallas_delta_rule.py 2>&1 | tail -3
@@ -103,21 +103,21 @@ case "$stage" in
   timeout 200 python3 -m benchmarks.rowinv --out "$out/rowinv" --budget-s 170 2>&1 | quiet | tail -5
   ;;
 7)
-  delta_rule_checks --recurrence pallas
+  delta_rule_checks
   timeout 120 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
     quiet
   timeout 300 python3 -m benchmarks.families --shapes qwen3.5-0.8b,qwen3.5-4b --no-hf \
-    --recurrence pallas --out "$out/families_pallas" 2>&1 | quiet
+    --out "$out/families_pallas" 2>&1 | quiet
   ;;
 8)
   timeout 400 python3 -m benchmarks.speculative --part embedded --tokens 128 \
     --draft-lens 4,6,8 --ngram 3,4 --out "$out" 2>&1 | quiet
   ;;
 9)
-  delta_rule_checks --recurrence pallas
+  delta_rule_checks
   timeout 80 python3 -m benchmarks.delta_rule_kernel --out "$out/delta_rule_kernel.json" 2>&1 |
     quiet
-  for r in ${RECURRENCES:-xla pallas}; do qwen_profile --recurrence "$r"; done
+  qwen_profile
   timeout 170 python3 -m benchmarks.families --shapes gemma4-e2b --no-hf \
     --out "$out/families_gemma4" 2>&1 | quiet
   ;;

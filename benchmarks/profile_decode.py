@@ -169,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model's RoPE-and-cache-write kernel (see DenseModel.rope_store)")
     parser.add_argument("--attention", choices=["auto", "xla"], default="auto",
                         help="the model's attention kernel (see DenseModel.attention)")
-    parser.add_argument("--recurrence", default="auto",
-                        help="a Qwen3.5 shape's DeltaNet recurrence (Qwen35Model.recurrence)")
     args = parser.parse_args(argv)
 
     import jax
@@ -182,10 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.shape in FAMILY_SHAPES:  # Qwen3.5 / Gemma 4: random weights as families builds
             from benchmarks import families
 
-            qwen = FAMILY_SHAPES[args.shape]["model_type"] == "qwen3_5_text"
-            config, producer, params = families.build(
-                args.shape, cap, width, args.burst,
-                {"recurrence": args.recurrence} if qwen else None)
+            config, producer, params = families.build(args.shape, cap, width, args.burst)
             roof = bw / families.step_bytes(config, params, args.context)
         else:
             config, model, params = _dense(SHAPES[args.shape])
@@ -197,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                            config.vocab_size)
         row: dict[str, Any] = {"shape": args.shape, "width": width, "context": args.context,
                                "label": args.label, "rope_store": args.rope_store,
-                               "attention": args.attention, "recurrence": args.recurrence,
+                               "attention": args.attention,
                                "tokens_per_s": rate["tokens_per_s"],
                                "roofline_tokens_per_s": roof,
                                "fraction_of_roofline": rate["tokens_per_s"] / roof}
@@ -215,8 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(old + rows, indent=1))
     for row in rows:
         p = row.get("profile", {})
-        print(f"[{row['label']} rope_store={row['rope_store']} attention={row['attention']} "
-              f"recurrence={row['recurrence']}] "
+        print(f"[{row['label']} rope_store={row['rope_store']} attention={row['attention']}] "
               f"{row['shape']} W={row['width']} ctx={row['context']}: "
               f"{row['tokens_per_s']:.0f} tok/s ({row['fraction_of_roofline']:.0%} of "
               f"{row['roofline_tokens_per_s']:.0f})")

@@ -60,8 +60,7 @@ def token_rows(rng: np.random.Generator, shape: tuple[int, int], vocab: int,
 
 
 def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
-          head_rows: int = 0, variant: str = "auto:blocked",
-          tokens: str = "uniform") -> dict[str, Any]:
+          head_rows: int = 0, tokens: str = "uniform") -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -72,10 +71,9 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
 
     tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
     config = rt.model_config(preset, tokenizer)
-    attention, inverse = variant.split(":")
     tc = rt.TrainConfig(steps=1000, batch_size=batch, seq_len=seq_len, warmup_steps=10,
-                        head_rows=head_rows, train_attention=attention, chunk_inverse=inverse)
-    model = rt.build_model(config, tc.compute_dtype, attention, inverse)
+                        head_rows=head_rows)
+    model = rt.build_model(config, tc.compute_dtype)
     step_fn = rt.make_train_step(model, tc)
     state = rt.init_state(config, tc)
     rng = np.random.default_rng(0)
@@ -101,7 +99,7 @@ def _case(preset: str, batch: int, seq_len: int, steps: int, trace: bool,
     stats = device.memory_stats() or {}
     record: dict[str, Any] = {
         "preset": preset, "batch": batch, "seq_len": seq_len, "head_rows": head_rows,
-        "variant": variant, "tokens": tokens, "compile_s": compile_s,
+        "tokens": tokens, "compile_s": compile_s,
         "step_s": step_s, "tokens_per_s": tokens_per_s, "flops_per_token": flops,
         "mfu": mfu(tokens_per_s, flops, getattr(device, "device_kind", "?")),
         "peak_bytes": stats.get("peak_bytes_in_use"),
@@ -143,9 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-rows", default="0",
                     help="output-head slice sizes to compare, comma-separated (0: whole; "
                     "Qwen3.5 presets only)")
-    ap.add_argument("--variants", default="auto:blocked",
-                    help="Qwen3.5 training kernels ATTENTION:INVERSE, comma-separated (e.g. "
-                    "cudnn:blocked,cudnn:solve,xla:blocked; default auto:blocked)")
     ap.add_argument("--tokens", default="uniform",
                     help="the rows' ids, comma-separated to compare: uniform (default) or zipf "
                     "(skewed like real code: the recipe ran 1.9x slower on real rows than this "
@@ -155,19 +150,19 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
-    cases = [(p, v, t, int(h), int(b)) for p in args.presets.split(",")
-             for v in args.variants.split(",") for t in args.tokens.split(",")
+    cases = [(p, t, int(h), int(b)) for p in args.presets.split(",")
+             for t in args.tokens.split(",")
              for h in args.head_rows.split(",") for b in args.batch_sizes.split(",")]
-    for i, (preset, variant, tokens, head_rows, batch) in enumerate(cases):
-        # Trace the largest batch of each (preset, variant, tokens, head_rows) group: its last.
-        last_of_group = i + 1 == len(cases) or cases[i + 1][:4] != cases[i][:4]
+    for i, (preset, tokens, head_rows, batch) in enumerate(cases):
+        # Trace the largest batch of each (preset, tokens, head_rows) group: its last.
+        last_of_group = i + 1 == len(cases) or cases[i + 1][:3] != cases[i][:3]
         try:
             record = _case(preset, batch, args.seq_len, args.steps,
                            trace=last_of_group and not args.no_trace, head_rows=head_rows,
-                           variant=variant, tokens=tokens)
+                           tokens=tokens)
         except Exception as exc:
             record = {"preset": preset, "batch": batch, "head_rows": head_rows,
-                      "variant": variant, "tokens": tokens, "error": repr(exc)[:400]}
+                      "tokens": tokens, "error": repr(exc)[:400]}
         results.append(record)
         print(json.dumps({k: v for k, v in record.items() if k != "trace"}), flush=True)
         if "trace" in record:

@@ -1,7 +1,7 @@
 """The Qwen3.5 family's bitwise guarantees at a bfloat16 shape wider than the tests' (for a GPU:
 CPU tests alone cannot show them), and what a decode step and a chunk cost there.
 
-    JAX_PLATFORMS=cuda python3 -m benchmarks.qwen35_exactness [--recurrence pallas]
+    JAX_PLATFORMS=cuda python3 -m benchmarks.qwen35_exactness
 
 Prints one JSON object per check: token by token == chunked (several splits), verify rows ==
 decode, rollback_retaining from the tape == decoding the kept rows, the MTP head's rows in one
@@ -42,8 +42,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--width", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=96)
-    ap.add_argument("--recurrence", choices=Q.RECURRENCE_MODES, default="auto",
-                    help="how the exact path walks the delta rule's rows")
     args = ap.parse_args()
     w = args.width
     lin, full = QC.LINEAR, QC.FULL
@@ -52,7 +50,7 @@ def main() -> None:
         num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
         linear_value_head_dim=128, linear_num_key_heads=8, linear_num_value_heads=16,
         layer_types=(lin, lin, lin, full) * 2, mtp_num_hidden_layers=1)
-    model = Q.Qwen35Model(config, dtype=jnp.bfloat16, max_width=w, recurrence=args.recurrence)
+    model = Q.Qwen35Model(config, dtype=jnp.bfloat16, max_width=w)
     params = model.init_params(jax.random.PRNGKey(0))
     producer = BlockProducer(model, params, capacity=1024, width=w, steps_per_call=8)
     rng = np.random.default_rng(0)

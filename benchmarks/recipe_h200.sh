@@ -10,8 +10,7 @@
 # reads a script as it goes).
 # The job, in order (budgets in seconds, from the environment):
 #   1. with PROBE=1, the train step of the target35 preset at 64 x 1024 tokens on rows skewed
-#      like code, with cuDNN's or XLA's attention (VARIANTS), timed and traced
-#      (benchmarks.profile_train); the faster that ran is the one the recipe uses (else XLA's);
+#      like code, timed and traced (benchmarks.profile_train);
 #   2. the recipe: corpus (standard library + permissive packages), the embedded tokenizer,
 #      the draft model (DRAFT_STEPS; or, with DRAFT_FROM, that folder as it is), the target with
 #      its MTP head for TARGET_S seconds (its schedule's length set from its own step time;
@@ -69,7 +68,7 @@ job)
   if [ -n "${SMOKE:-}" ]; then
     export JAX_PLATFORMS=cpu
     TARGET_S=${TARGET_S:-40} DRAFT_STEPS=4 BLOCK_STEPS=4 target=tiny35 draft=tiny seq=64
-    batch=4 variants=xla:blocked,xla:solve corpus=(--max-files 150) preset=smoke
+    batch=4 corpus=(--max-files 150) preset=smoke
     functions=8 tap_tokens=8
     # the embedded folders are not tiny35: a rehearsal continues what it trains first
     if [ -n "$target_init" ] || [ -n "$draft_from" ]; then
@@ -80,21 +79,13 @@ job)
   else
     export JAX_PLATFORMS=cuda
     TARGET_S=${TARGET_S:-700} DRAFT_STEPS=${DRAFT_STEPS:-640} BLOCK_STEPS=${BLOCK_STEPS:-2400}
-    target=target35 draft=draft seq=1024 batch=64 variants=${VARIANTS:-cudnn:blocked,xla:blocked}
+    target=target35 draft=draft seq=1024 batch=64
     corpus=() preset=h200-short functions=200 tap_tokens=128
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
   fi
-  attention=xla inverse=blocked
   if [ -n "${PROBE:-}" ]; then
     timeout 240 python3 -m benchmarks.profile_train --presets "$target" --batch-sizes "$batch" \
-      --seq-len "$seq" --steps 6 --variants "$variants" --tokens zipf --out "$run/probe"
-    read -r attention inverse < <(python3 - "$run/probe/profile_train.json" <<'EOF'
-import json, sys
-records = [r for r in json.load(open(sys.argv[1])) if "error" not in r]
-best = min(records, key=lambda r: r["step_s"]) if records else {"variant": "xla:blocked"}
-print(*best["variant"].split(":"))
-EOF
-    )
+      --seq-len "$seq" --steps 6 --tokens zipf --out "$run/probe"
   fi
   if [ -n "$target_init" ]; then
     start=(--target-init "$target_init" --target-lr "${TARGET_LR:-1e-3}" --target-warmup 100
@@ -105,13 +96,13 @@ EOF
   draft_args=(--draft-preset "$draft" --draft-batch-size $((2 * batch)) --draft-steps
               "$DRAFT_STEPS" --draft-lr 3e-3)
   [ -n "$draft_from" ] && draft_args=(--draft-from "$draft_from")
-  echo "[job] recipe with attention=$attention inverse=$inverse, the target for $TARGET_S s:" \
+  echo "[job] recipe, the target for $TARGET_S s:" \
     "${start[*]} ${draft_args[*]}"
   m=$run/m
   timeout $((TARGET_S + 900)) python3 -m turbospark_recipe recipe --out "$run/r" \
     --tokenizer models/tsj-pycoder --packages "${corpus[@]}" --target-preset "$target" \
-    "${draft_args[@]}" --seq-len "$seq" --train-attention "$attention" \
-    --chunk-inverse "$inverse" --target-batch-size "$batch" --target-seconds "$TARGET_S" \
+    "${draft_args[@]}" --seq-len "$seq" \
+    --target-batch-size "$batch" --target-seconds "$TARGET_S" \
     --target-steps 100000 "${start[@]}" --block-steps "$BLOCK_STEPS" \
     --block-batch-size "$batch" --block-lr 1e-3 --block-share 0.2 \
     --max-seconds $((TARGET_S + 600)) --no-progress --log-every 100 || exit 1

@@ -196,7 +196,7 @@ def dot_flops(jaxpr: Any) -> int:
     return total
 
 
-def delta_rule_flops(config: Any, batch: int, seq_len: int, inverse: str) -> int:
+def delta_rule_flops(config: Any, batch: int, seq_len: int) -> int:
     """The chunked delta rule's products, forward and backward, over every linear layer of a
     step: traced from :func:`~turbospark_jax.models.qwen3_5.delta_rule.delta_rule_chunked` (64-row
     chunks) at one sequence's shapes, times the batch."""
@@ -208,7 +208,7 @@ def delta_rule_flops(config: Any, batch: int, seq_len: int, inverse: str) -> int
 
     def loss(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
              state: jax.Array) -> jax.Array:
-        o, _ = delta_rule_chunked(q, k, v, g, beta, state, inverse=inverse)
+        o, _ = delta_rule_chunked(q, k, v, g, beta, state)
         return jnp.sum(o)
 
     f32 = jnp.float32
@@ -228,7 +228,9 @@ def traced_step_flops(config: Any, params: Any, batch: int, seq_len: int) -> int
     from turbospark_recipe import train as rt
 
     tc = rt.TrainConfig(batch_size=batch, seq_len=seq_len)
-    model = rt.build_model(config, tc.compute_dtype, "xla", tc.chunk_inverse)
+    # float32 takes XLA's attention on every backend (cuDNN's fused kernel, which hides its
+    # products, runs only in bfloat16 or float16); the products' shapes are the same.
+    model = rt.build_model(config, "float32")
     rows = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32)
 
     def loss(p: Any, r: jax.Array) -> jax.Array:
@@ -297,7 +299,7 @@ def _case(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
     params = jax.eval_shape(
         lambda: rt.build_model(config, "float32").init_params(jax.random.PRNGKey(0)))
     products, inputs = enumerate_products(config, params, batch, seq_len, head_grad_dtype)
-    delta = delta_rule_flops(config, batch, seq_len, rt.TrainConfig().chunk_inverse)
+    delta = delta_rule_flops(config, batch, seq_len)
     traced = traced_step_flops(config, params, batch, seq_len)
 
     # Fresh random inputs, one array per input (none shared by chance, so XLA merges nothing
