@@ -31,12 +31,12 @@ from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 
 from turbospark_jax import CompletionRequest, SamplingConfig, run_raw_completion, stream_completion
+from turbospark_jax.api import generate
 from turbospark_jax.core import sampling
 from turbospark_jax.core.protocols import DeviceBurst
 from turbospark_jax.core.state import copy_state, tree_bitwise_equal
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import TurbosparkError
-from turbospark_jax.generation import driver as generate
 from turbospark_jax.sessions.chat import ChatSession
 from turbospark_jax.sessions.session_pool import SessionPool
 from turbospark_jax.speculative.drafters import NGramDrafter
@@ -588,13 +588,14 @@ def test_control_a_loop_that_checks_stop_ids_late_is_caught(monkeypatch):
 
     monkeypatch.setattr(generate_module, "validate_request", forgets_stop_ids)
 
-    # A request valid in every field but its stop ids: the real loop refuses each one, the
-    # forgetful loop accepts it, and the oracle must say so.
+    # A request valid in every field but its stop ids, which lie outside the producer's
+    # vocabulary (the request itself refuses ids of the wrong type or sign when it is made):
+    # the real loop refuses each one, the forgetful loop accepts it, and the oracle must say so.
     good = dict(prompt_ids=[1, 2], max_tokens=3, stop_token_ids=[], stop_strings=[],
                 include_stop_string=False, sampling=SamplingConfig(), seed=0,
                 prefill_chunk_size=2, burst=2, record_logits=False, parallel_prefill=False,
                 draft_len=None)
-    for bad_stops in ([-1], [V], ["a"], [1.5], 3):
+    for bad_stops in ([V], [1, V + 5], [2**20]):
         case = LoopCase({**good, "stop_token_ids": bad_stops}, Chars(), None, False, False)
         assert loop_violation(case, False) is not None, bad_stops
     monkeypatch.undo()

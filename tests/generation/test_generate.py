@@ -256,3 +256,32 @@ def test_stream_without_tokenizer_yields_every_token():
     stream = stream_completion(TOY, CompletionRequest(prompt_ids=[1, 2], max_tokens=7))
     events = list(stream)
     assert [t for e in events for t in e.token_ids] == stream.result.token_ids
+
+
+@pytest.mark.parametrize("bad", [dict(prompt_ids=[]), dict(prompt_ids=[1, -2]),
+                                 dict(prompt_ids=[1.0]), dict(max_tokens=0),
+                                 dict(stop_token_ids=["a"]), dict(stop_strings="x"),
+                                 dict(record_logits=1), dict(burst=0), dict(draft_len=9),
+                                 dict(draft_len=-1), dict(seed=-1), dict(sampling={}),
+                                 dict(sampling=SamplingConfig(top_p=0.0)), dict(injection=3)])
+def test_a_request_checks_its_own_fields_when_it_is_made(bad):
+    """No producer is needed to refuse a malformed request: it never exists, so nothing below
+    the entry has to check it again. The control: the same fields well formed make one."""
+    fields = {"prompt_ids": [1, 2], **bad}
+    with pytest.raises(BadInputError):
+        CompletionRequest(**fields)
+    good = CompletionRequest(prompt_ids=np.array([1, 2]), stop_token_ids=[3], stop_strings=["x"])
+    assert good.prompt_ids == (1, 2) and good.stop_token_ids == (3,)
+    assert good.stop_strings == ("x",) and all(type(t) is int for t in good.prompt_ids)
+
+
+def test_what_only_the_producer_can_say_is_checked_where_the_request_meets_it():
+    """A well-formed request whose ids leave the producer's vocabulary is refused at the
+    entry, before any state is touched; the control: the same request inside it runs."""
+    state = TOY.init_state()
+    for bad in (dict(prompt_ids=[1, TOY.vocab_size]), dict(stop_token_ids=[TOY.vocab_size])):
+        request = CompletionRequest(**{"prompt_ids": [1, 2], "max_tokens": 2, **bad})
+        with pytest.raises(BadInputError, match="vocabulary"):
+            stream_completion(TOY, request, state=state)
+    assert run_raw_completion(TOY, CompletionRequest(prompt_ids=[1, 2], max_tokens=2),
+                              state=state).token_ids

@@ -1,11 +1,11 @@
 """What a completion asks for and what it returns, and the per-token work every loop shares.
 
-Both loops (plain :mod:`turbospark_jax.generation.driver` and speculative
-:mod:`turbospark_jax.generation.speculative_loop`) take a :class:`CompletionRequest`, validate it
-with
-:func:`validate_request` before touching any state, push every token they emit through one
+A :class:`CompletionRequest` checks its own fields when it is made, so a request that exists
+is well formed; :func:`validate_request` adds, once, where the request meets a producer, what
+only the producer can say (its vocabulary, its context, the state handed in). The generation
+driver (:mod:`turbospark_jax.generation.driver`) pushes every token it emits through one
 :class:`Emission` (stop tokens, the detokenizer, stop strings, ``max_tokens``, in the seed
-loop's order) and end with one :class:`Completion`. The session pool and chat return the same
+loop's order) and ends with one :class:`Completion`. The session pool and chat return the same
 :class:`Completion`, its :class:`Usage` naming the slot that served the turn.
 """
 
@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from turbospark_jax.core import sampling
-from turbospark_jax.core.checks import as_bool, as_token_ids, is_int
+from turbospark_jax.core.checks import as_bool, as_int, as_token_ids
 from turbospark_jax.core.detokenize import TOKENIZER_CALLS, IncrementalDetokenizer, provides
 from turbospark_jax.core.injection import Injection
 from turbospark_jax.core.protocols import LogitProducer
@@ -34,6 +34,10 @@ from turbospark_jax.errors import (
     ProducerExhaustedError,
     ProducerFailedError,
 )
+from turbospark_jax.speculative.drafters.base import MAX_DRAFT
+
+#: Token ids are int32 on the device: no vocabulary reaches past this.
+_ID_LIMIT = 2**31 - 1
 
 __all__ = [
     "NON_FINITE_LOGITS",
@@ -92,7 +96,12 @@ class CompletionRequest:
         speculative producer. A non-zero value needs a speculative producer.
       injection: embeddings injected at prompt positions (images in their placeholder
         spans, :mod:`turbospark_jax.core.injection`); needs a producer that
-        ``accepts_embeddings`` and the plain loop. Prefix reuse compares its identities.
+        ``accepts_embeddings`` and plain decoding. Prefix reuse compares its identities.
+
+    Raises:
+      BadInputError: a field of the wrong type or range (checked here, once; what depends on
+        the producer is checked by :func:`validate_request`). The id sequences are kept as
+        tuples of ``int`` and the stop strings as a tuple.
     """
 
     prompt_ids: Sequence[int]
@@ -109,6 +118,37 @@ class CompletionRequest:
     draft_len: int | None = None
     injection: Injection | None = None
 
+    def __post_init__(self) -> None:
+        def keep(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        keep("prompt_ids", tuple(as_token_ids("prompt_ids", self.prompt_ids, _ID_LIMIT)))
+        keep("stop_token_ids", tuple(as_token_ids("stop_token_ids", self.stop_token_ids,
+                                                  _ID_LIMIT, allow_empty=True)))
+        for flag in ("include_stop_string", "record_logits", "parallel_prefill"):
+            keep(flag, as_bool(flag, getattr(self, flag)))
+        keep("max_tokens", as_int("max_tokens", self.max_tokens, low=1))
+        keep("prefill_chunk_size", as_int("prefill_chunk_size", self.prefill_chunk_size, low=1))
+        if self.burst is not None:
+            keep("burst", as_int("burst", self.burst, low=1))
+        if self.draft_len is not None:
+            keep("draft_len", as_int("draft_len", self.draft_len, low=0, high=MAX_DRAFT))
+        keep("stop_strings", StopMatcher(self.stop_strings).stop_strings)
+        if not isinstance(self.sampling, SamplingConfig):
+            raise BadInputError(
+                f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}"
+            )
+        self.sampling.to_params()  # raises on a bad setting
+        keep("seed", as_int("seed", self.seed, low=0, high=2**64 - 1))
+        if self.injection is not None and not isinstance(self.injection, Injection):
+            raise BadInputError(f"injection must be an Injection or None, got "
+                                f"{type(self.injection).__name__}")
+
+    @property
+    def params(self) -> sampling.SamplingParams:
+        """The sampling settings as device params."""
+        return self.sampling.to_params()
+
 
 class BurstSizer:
     """How many tokens a device loop asks of its next call.
@@ -119,11 +159,8 @@ class BurstSizer:
     rounded down to a multiple of :attr:`GRAIN` (the loops clamp it further to what one call
     can hold). A call costs a fixed amount beyond its steps (launch, transfers, the host's
     bookkeeping), which matters most when a step is cheap; the tokens never depend on the
-    burst sizes. On an H100 that cost was about 9 ms a call for the 1B shape's row-invariant
-    decode (a traced 64-step burst: 1,422 us a token of wall time against 1,273 us of
-    kernels), so calls of 50 ms (about 24 tokens there) spent a fifth of their time on it;
-    at :attr:`TARGET_S` it is a few percent, and a stream still updates four times a second.
-    The grain is the decode programs' chunk
+    burst sizes. Calls of :attr:`TARGET_S` seconds pay that cost rarely, and a stream still
+    updates several times a second. The grain is the decode programs' chunk
     (:data:`~turbospark_jax.engine.program.DECODE_CHUNK`): a call of another count runs the
     rest of its last chunk idle.
     """
@@ -240,14 +277,10 @@ class Completion:
 
 
 def require_request(request: object) -> CompletionRequest:
-    """``request`` when it is a :class:`CompletionRequest` whose ``draft_len`` (which picks
-    the loop) is ``None`` or an integer >= 0; BadInputError otherwise."""
+    """``request`` when it is a :class:`CompletionRequest` (which checked its own fields when
+    it was made); BadInputError otherwise."""
     if not isinstance(request, CompletionRequest):
         raise BadInputError(f"request must be a CompletionRequest, got {type(request).__name__}")
-    if request.draft_len is not None and (not is_int(request.draft_len) or request.draft_len < 0):
-        raise BadInputError(
-            f"draft_len must be None or an integer >= 0, got {request.draft_len!r}"
-        )
     return request
 
 
@@ -257,8 +290,9 @@ def validate_request(
     tokenizer: Any | None,
     state: Any | None = None,
 ) -> sampling.SamplingParams:
-    """Check everything about a completion that can be checked without running the producer:
-    the producer, the request, the tokenizer, and the state handed in.
+    """Check what a well-formed request cannot say alone: that it fits the producer (its
+    vocabulary, its context, the images it takes), that the tokenizer can serve it, and that
+    the state handed in is the producer's.
 
     Returns the device sampling params. Raises BadInputError (ContextOverflowError for
     length) naming the problem.
@@ -270,49 +304,36 @@ def validate_request(
         )
     require_request(request)
     vocab = producer.vocab_size
-    prompt = as_token_ids("prompt_ids", request.prompt_ids, vocab)
-    as_token_ids("stop_token_ids", request.stop_token_ids, vocab, allow_empty=True)
-    for flag in ("include_stop_string", "record_logits", "parallel_prefill"):
-        as_bool(flag, getattr(request, flag))
+    for name in ("prompt_ids", "stop_token_ids"):
+        ids = getattr(request, name)
+        if ids and max(ids) >= vocab:
+            raise BadInputError(
+                f"{name} holds id {max(ids)}, outside the producer's vocabulary of {vocab} ids"
+            )
     if tokenizer is not None and not provides(tokenizer, TOKENIZER_CALLS):
         raise BadInputError(
             f"tokenizer must have decode(ids, skip_special_tokens=...) and id_to_token(id) "
             f"(turbospark_jax.io.tokenizer.Tokenizer has both), got {type(tokenizer).__name__}"
         )
-    if not is_int(request.max_tokens) or request.max_tokens < 1:
-        raise BadInputError(f"max_tokens must be an integer >= 1, got {request.max_tokens!r}")
-    for name in ("prefill_chunk_size", "burst"):
-        value = getattr(request, name)
-        if (value is not None or name != "burst") and (not is_int(value) or value < 1):
-            raise BadInputError(f"{name} must be an integer >= 1, got {value!r}")
+    prompt = request.prompt_ids
     limit = producer.max_positions
     if limit is not None and len(prompt) + request.max_tokens > limit:
         raise ContextOverflowError(
             f"a prompt of {len(prompt)} tokens plus max_tokens={request.max_tokens} needs "
             f"{len(prompt) + request.max_tokens} positions; the producer holds {limit}"
         )
-    StopMatcher(request.stop_strings, include_stop=request.include_stop_string)
     if request.stop_strings and tokenizer is None:
         raise BadInputError("stop strings need a tokenizer to see text; pass tokenizer=")
-    if not isinstance(request.sampling, SamplingConfig):
-        raise BadInputError(
-            f"sampling must be a SamplingConfig, got {type(request.sampling).__name__}"
-        )
-    params = request.sampling.to_params()
-    sampling.request_key(request.seed)
     check_injection(producer, request.injection, len(prompt))
     if state is not None:
         producer.check_state(state)
-    return params
+    return request.params
 
 
 def check_injection(producer: LogitProducer, injection: Any, prompt_length: int) -> None:
     """Refuse an injection the producer cannot take or whose positions leave the prompt."""
     if injection is None:
         return
-    if not isinstance(injection, Injection):
-        raise BadInputError(f"injection must be an Injection or None, got "
-                            f"{type(injection).__name__}")
     if not producer.accepts_embeddings:
         raise BadInputError(
             f"{type(producer).__name__} takes token ids only: this model cannot be given "

@@ -1,34 +1,42 @@
-"""The generation loop (``run_raw_completion``) and the one entry that picks a loop.
+"""The generation driver: one loop for every completion, plain or speculative.
 
-:func:`stream_completion` is what the CLI, the session pool and chat call: it runs the
-speculative loop (:mod:`turbospark_jax.generation.speculative_loop`) when the producer can draft
-and the
-request does not say ``draft_len=0``, and the plain loop below otherwise.
+:func:`stream_completion` is what the CLI, the session pool and chat call;
+:func:`run_raw_completion` and
+:func:`~turbospark_jax.generation.speculative_loop.run_raw_completion_speculative` run it to
+the end. Every completion goes through the same steps, in order:
 
-The plain loop, in order:
-
-1. **Validate** the whole request before touching any state (bad input raises and leaves the
-   caller's state exactly as it was).
+1. **Validate** once, where the request meets the producer (:func:`validate_request`; the
+   request checked its own fields when it was made): bad input raises and leaves the
+   caller's state exactly as it was.
 2. **Reuse**: ``try_reuse_prefix`` on the state handed in; feed only the unreused suffix,
    never fewer than one token.
-3. **Prefill**: ``prefill_chunk_with_status`` in chunks when the producer is a
-   :class:`~turbospark_jax.core.protocols.ChunkedPrefillRunner`, else ``produce_prefill`` token by
-   token and ``produce`` for the last prompt token.
-4. **Decode**: sample the first token on the host from the prefill logits; then, when the
-   producer decodes on the device (:class:`~turbospark_jax.core.protocols.DeviceDecoder`), bursts
-   of up to ``burst`` steps (produce + sample + stop-token check in one jitted loop) per host
-   round trip, each burst chained onto the one before it on the device before that one is
-   read (``continue_decode``), so the device never waits for the host between bursts;
-   otherwise ``produce`` + a jitted sampler per token. Token ``i`` always samples with
-   ``token_key(key, i)`` and the same program runs every burst, so the output does not
-   depend on the burst length.
-5. **Text**, per token and in this order: a stop token ends generation (its text is not
-   emitted); otherwise the incremental detokenizer turns it into text, the stop matcher holds
-   back what could still become a stop string and releases the rest; a matched stop string
-   ends generation. At the end the held-back text is flushed.
+3. **Prefill** (:func:`prefill`): chunks through ``prefill_chunk_with_status`` when the
+   producer is a :class:`~turbospark_jax.core.protocols.ChunkedPrefillRunner`, else
+   ``produce_prefill`` token by token and ``produce`` for the last prompt token; a speculative
+   completion primes the drafter over every known pair on the way.
+4. **First token**: sampled on the host from the prefill logits with ``token_key(key, 0)``.
+5. **Steps**: a :class:`Stepper` emits the rest, one step at a time, and the driver pushes
+   each step's tokens through the :class:`~turbospark_jax.generation.completion.Emission`
+   (a stop token ends generation without text; otherwise the incremental detokenizer's text
+   goes through the stop matcher; a matched stop string or ``max_tokens`` ends it). The
+   steppers:
+
+   * :class:`HostSteps`: ``produce`` and a jitted sampler per token;
+   * :class:`DecodeBursts`: for a :class:`~turbospark_jax.core.protocols.DeviceDecoder`,
+     bursts of decode steps (produce + sample + stop-token check in one jitted loop), each
+     chained onto the one before it on the device before that one is read;
+   * :class:`~turbospark_jax.generation.speculative_loop.DeviceRounds`: bursts of
+     speculative rounds on the device;
+   * :class:`~turbospark_jax.generation.speculative_loop.HostRounds`: speculative rounds
+     through the protocol's methods, the reference the device rounds are tested against and
+     the path for pairs that cannot run rounds on the device.
+
+   Token ``i`` always samples with ``token_key(key, i)``, so the output depends on neither
+   the burst lengths nor the stepper.
+6. **Finish**: at the end the held-back text is flushed.
 
 History bookkeeping: the completion reports ``fed_ids``, read from the producer's own fed
-record. The last sampled token is never fed (nothing needs its logits), and when a stop string
+record. The last sampled token is never fed (nothing needs its logits). When a stop string
 lands inside a device burst the tokens after it were fed (and those of the burst chained
 after it): a producer that can rewind is moved back so its record matches token-by-token
 decoding; others keep the longer, truthful record.
@@ -36,10 +44,13 @@ decoding; others keep the longer, truthful record.
 
 from __future__ import annotations
 
+import abc
+import dataclasses
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from turbospark_jax.core import sampling
@@ -66,13 +77,162 @@ from turbospark_jax.generation.completion import (
     rewind_overshoot,
     validate_request,
 )
-from turbospark_jax.generation.speculative_loop import speculative_events
 
-__all__ = ["PrefillProgress", "prefill", "run_raw_completion", "stream_completion"]
+__all__ = [
+    "DecodeBursts",
+    "Decoding",
+    "HostSteps",
+    "PrefillProgress",
+    "Step",
+    "Stepper",
+    "drive",
+    "prefill",
+    "run_raw_completion",
+    "stream_completion",
+]
 
 #: Called during a prefill as ``progress(fed, total)``: prompt tokens fed so far of the
 #: ``total`` the prefill feeds (the unreused suffix), after each chunk or token.
 PrefillProgress = Callable[[int, int], None]
+
+
+@dataclasses.dataclass
+class Decoding:
+    """One completion's decoding as a stepper sees it.
+
+    Fields:
+      producer: the producer.
+      request: the request (well formed and validated against the producer).
+      params: its sampling params.
+      key: its PRNG key (``request_key(seed)``).
+      out: the emission: the tokens so far and the prompt.
+      history: the penalty bookkeeping after every emitted token.
+    """
+
+    producer: Any
+    request: CompletionRequest
+    params: sampling.SamplingParams
+    key: jax.Array
+    out: Emission
+    history: sampling.History
+
+    @property
+    def emitted(self) -> int:
+        """Tokens emitted so far."""
+        return len(self.out.tokens)
+
+    @property
+    def left(self) -> int:
+        """Tokens the request may still emit."""
+        return self.request.max_tokens - len(self.out.tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+    """What one step emits.
+
+    Fields:
+      tokens: the tokens, in order.
+      rows: the logits row behind each token (``None`` where not recorded).
+      history: the penalty bookkeeping after all of ``tokens``.
+      error: when set, generation fails after these tokens with this reason.
+    """
+
+    tokens: Sequence[int]
+    rows: Sequence[Any]
+    history: sampling.History
+    error: str | None = None
+
+
+class Stepper(abc.ABC):
+    """How a completion's tokens after the first are made.
+
+    The driver calls :meth:`advance` until the emission ends the completion, pushing each
+    step's tokens; then :meth:`settle` with how many of them it kept (all, or up to the one
+    that ended the completion), and at the end :meth:`report`.
+    """
+
+    @abc.abstractmethod
+    def advance(self, state: Any, run: Decoding) -> tuple[Step, Any]:
+        """The next step's tokens and the state after it (the last emitted token is
+        ``run.out.tokens[-1]``, not fed yet)."""
+
+    def settle(self, state: Any, kept: int) -> Any:
+        """The state once the driver kept ``kept`` of the last step's tokens. Default: as it
+        is (an overshoot is rewound at the end)."""
+        del kept
+        return state
+
+    def report(self, decode_s: float) -> Any:
+        """What the completion's ``speculative`` field holds. Default: ``None``."""
+        del decode_s
+
+
+def host_token(logits: Any, run: Decoding) -> Step:
+    """One token sampled on the host from ``logits`` (a prefill's or a host step's): token
+    ``run.emitted`` samples with ``token_key(key, run.emitted)``."""
+    if not bool(np.all(np.isfinite(np.asarray(logits)))):
+        return Step(tokens=(), rows=(), history=run.history, error=NON_FINITE_LOGITS)
+    index_key = sampling.token_key(run.key, run.emitted)
+    token = int(sampling.sample(logits, run.params, run.history, index_key))
+    return Step(tokens=(token,), rows=(logits,), history=add_to_history(run.history, token))
+
+
+class HostSteps(Stepper):
+    """One ``produce`` and one host-side sample per token."""
+
+    def advance(self, state: Any, run: Decoding) -> tuple[Step, Any]:
+        position = len(run.out.prompt) + run.emitted - 1
+        logits, state = run.producer.produce(state, run.out.tokens[-1], position)
+        return host_token(logits, run), state
+
+
+class DecodeBursts(Stepper):
+    """Bursts of decode steps on a :class:`~turbospark_jax.core.protocols.DeviceDecoder`.
+
+    The next burst goes to the device before this one is read (``continue_decode``), so the
+    device runs it while the host reads, emits and checks this one's tokens (after a stop id
+    it runs no step; after a stop string it is rewound with the rest of the overshoot).
+    """
+
+    def __init__(self, burst: int | None) -> None:
+        self.sizer = BurstSizer(burst)
+        self.launched: Any = None  # a burst on its way
+        self.since = 0.0  # when the last one was read
+
+    def advance(self, state: Any, run: Decoding) -> tuple[Step, Any]:
+        p, req = run.producer, run.request
+        if self.launched is None:
+            steps = min(self.sizer.next(), p.steps_per_call, run.left)
+            self.since = time.perf_counter()
+            self.launched, state = p.launch_decode(
+                state, run.out.tokens[-1], steps, params=run.params, history=run.history,
+                key=run.key, gen_index=run.emitted, stop_ids=list(req.stop_token_ids),
+                record_logits=req.record_logits,
+            )
+        ahead = run.left - self.launched.steps
+        if p.max_positions is not None:
+            ahead = min(ahead, p.max_positions - self.launched.reach)
+        queued = None
+        if ahead > 0:
+            queued, state = p.continue_decode(
+                state, self.launched, min(self.sizer.next(), p.steps_per_call, ahead))
+        burst = p.collect(self.launched)
+        self.launched = queued
+        now = time.perf_counter()
+        self.sizer.observed(len(burst.tokens), now - self.since)
+        self.since = now
+        return device_step(burst), state
+
+
+def device_step(burst: Any) -> Step:
+    """A device burst (:class:`~turbospark_jax.core.protocols.DeviceBurst`) as a step: one
+    transfer for its rows (slicing a device array row by row costs a dispatch per token)."""
+    n = len(burst.tokens)
+    rows = np.asarray(burst.logits) if burst.logits is not None else [None] * n
+    return Step(tokens=burst.tokens, rows=rows, history=burst.history,
+                error=NON_FINITE_LOGITS if burst.finish == NON_FINITE else None)
+
 
 def stream_completion(
     producer: LogitProducer,
@@ -82,11 +242,11 @@ def stream_completion(
     state: Any | None = None,
     progress: PrefillProgress | None = None,
 ) -> Stream[Completion]:
-    """Start a completion with the loop that fits; iterate for text, then read ``.result``.
+    """Start a completion with the stepper that fits; iterate for text, then read ``.result``.
 
-    The speculative loop runs when ``producer`` is a
+    Speculative rounds run when ``producer`` is a
     :class:`~turbospark_jax.core.protocols.SpeculativeProducer` and ``request.draft_len`` is not
-    0; the plain loop otherwise.
+    0; plain decoding otherwise.
 
     Args:
       producer: any :class:`~turbospark_jax.core.protocols.LogitProducer`.
@@ -102,23 +262,14 @@ def stream_completion(
         ``draft_len`` for a producer that cannot draft); raised now, before any state is
         touched.
 
-    Once iteration starts the state handed in belongs to the loop (a donating producer
+    Once iteration starts the state handed in belongs to the driver (a donating producer
     consumes its buffers), whatever happens next. Non-finite logits, a producer failure or a
     generated id the tokenizer cannot decode end the completion with ``finish_reason ==
     FinishReason.ERROR`` (``error`` says why; the tokens before stay; no state is offered).
     An exception raised by the caller's own tokenizer is not ours to reinterpret: it
     propagates unchanged, and no completion (so no state) comes back.
     """
-    require_request(request)
-    if isinstance(producer, SpeculativeProducer) and request.draft_len != 0:
-        return Stream(speculative_events(producer, request, tokenizer, state, progress))
-    if request.draft_len:
-        raise BadInputError(
-            f"draft_len={request.draft_len} asks for speculative decoding, but "
-            f"{type(producer).__name__} cannot draft; pair it with a drafter "
-            "(turbospark_jax.speculative.pair.SpeculativePair) or leave draft_len unset"
-        )
-    return Stream(plain_events(producer, request, tokenizer, state, progress))
+    return Stream(start(producer, request, tokenizer, state, progress))
 
 
 def run_raw_completion(
@@ -128,7 +279,7 @@ def run_raw_completion(
     tokenizer: Any | None = None,
     state: Any | None = None,
 ) -> Completion:
-    """Run the plain loop to the end and return the completion (the seed's entry point).
+    """Decode plainly to the end and return the completion (the seed's entry point).
 
     Arguments as for :func:`stream_completion`; a speculative producer decodes plainly here
     (through its target).
@@ -136,124 +287,122 @@ def run_raw_completion(
     Raises:
       BadInputError: an invalid request; the state is untouched.
     """
-    require_request(request)
-    if request.draft_len:
+    if require_request(request).draft_len:
         raise BadInputError(
-            "run_raw_completion is the plain loop; use run_raw_completion_speculative or "
+            "run_raw_completion decodes plainly; use run_raw_completion_speculative or "
             "stream_completion for draft_len > 0"
         )
-    return Stream(plain_events(producer, request, tokenizer, state)).drain()
+    return Stream(start(producer, request, tokenizer, state, speculative=False)).drain()
 
 
-def plain_events(
+def start(
     producer: LogitProducer,
     request: CompletionRequest,
     tokenizer: Any | None,
     state: Any | None,
     progress: PrefillProgress | None = None,
+    *,
+    speculative: bool | None = None,
 ) -> Generator[StreamEvent, None, Completion]:
-    """The plain loop as a generator: validates now, runs as it is consumed."""
+    """Validate the completion now and return the driver's generator, which runs as it is
+    consumed. ``speculative``: ``None`` picks as :func:`stream_completion` says; ``True``
+    asks for speculative rounds, ``False`` for plain decoding."""
+    from turbospark_jax.generation.speculative_loop import rounds_stepper  # imports this module
+
+    require_request(request)
+    if speculative is None:
+        speculative = isinstance(producer, SpeculativeProducer) and request.draft_len != 0
+    if speculative:
+        stepper = rounds_stepper(producer, request)
+    elif request.draft_len:
+        raise BadInputError(
+            f"draft_len={request.draft_len} asks for speculative decoding, but "
+            f"{type(producer).__name__} cannot draft; pair it with a drafter "
+            "(turbospark_jax.speculative.pair.SpeculativePair) or leave draft_len unset"
+        )
     params = validate_request(producer, request, tokenizer, state)
+    if not speculative:
+        stepper = (DecodeBursts(request.burst) if isinstance(producer, DeviceDecoder)
+                   else HostSteps())
     # The text pipeline is built now too: a prompt id the tokenizer refuses is bad input.
-    out = Emission(request, tokenizer, [int(t) for t in request.prompt_ids])
-    return _plain_loop(producer, request, out, state, params, progress)
+    out = Emission(request, tokenizer, list(request.prompt_ids))
+    return drive(producer, out, params, state, stepper, progress, primes_drafter=speculative)
 
 
-def _plain_loop(
-    p: LogitProducer,
-    req: CompletionRequest,
+def drive(
+    producer: LogitProducer,
     out: Emission,
-    state: Any | None,
     params: sampling.SamplingParams,
-    progress: PrefillProgress | None,
+    state: Any | None,
+    stepper: Stepper,
+    progress: PrefillProgress | None = None,
+    *,
+    primes_drafter: bool = False,
 ) -> Generator[StreamEvent, None, Completion]:
+    """The driver: reuse, prefill, the first token, ``stepper``'s steps, the overshoot's
+    rewind and the completion (see the module docstring). The request is ``out.request``,
+    already validated against ``producer``."""
     t0 = time.perf_counter()
-    prompt = out.prompt
-    state = state if state is not None else p.init_state()
+    req, prompt = out.request, out.prompt
+    state = state if state is not None else producer.init_state()
     injection = req.injection
     if injection is None:
-        reused, state = p.try_reuse_prefix(state, prompt)
+        reused, state = producer.try_reuse_prefix(state, prompt)
     else:
-        reused, state = p.try_reuse_prefix(state, prompt, injected=injection.identity_map())
-    key = sampling.request_key(req.seed)
-    history = sampling.History.from_prompt(prompt, p.vocab_size)
-    device = isinstance(p, DeviceDecoder)
-    sizer = BurstSizer(req.burst)
-    launched, since = None, 0.0  # a device burst on its way, and when the last one was read
-    finish, error = None, None
-    first_token_s = 0.0
+        reused, state = producer.try_reuse_prefix(state, prompt,
+                                                  injected=injection.identity_map())
+    run = Decoding(producer=producer, request=req, params=params,
+                   key=sampling.request_key(req.seed), out=out,
+                   history=sampling.History.from_prompt(prompt, producer.vocab_size))
+    finish, error, first_token_s = None, None, 0.0
     try:
         logits, state = prefill(
-            p, state, prompt[reused:], reused, req.prefill_chunk_size, req.parallel_prefill,
-            progress, injection,
+            producer, state, prompt[reused:], reused, req.prefill_chunk_size,
+            req.parallel_prefill, progress, injection, primes_drafter=primes_drafter,
         )
     except PRODUCER_FAILURES as exc:
         finish, error = FinishReason.ERROR, str(exc)
     prefill_s = time.perf_counter() - t0
-
+    if finish is None:
+        step = host_token(logits, run)
+        first_token_s = time.perf_counter() - t0 - prefill_s
+        finish, error, _ = yield from _emit(step, run)
     while finish is None:
-        if not out.tokens or not device:
-            # One token sampled on the host from ``logits`` (prefill's or a host step's).
-            if not bool(np.all(np.isfinite(np.asarray(logits)))):
-                finish, error = FinishReason.ERROR, NON_FINITE_LOGITS
-                break
-            index_key = sampling.token_key(key, len(out.tokens))
-            new = [int(sampling.sample(logits, params, history, index_key))]
-            history = add_to_history(history, new[0])
-            rows, failed = [logits], False
-        else:
-            if launched is None:
-                steps = min(sizer.next(), p.steps_per_call, req.max_tokens - len(out.tokens))
-                since = time.perf_counter()
-                launched, state = p.launch_decode(
-                    state, out.tokens[-1], steps, params=params, history=history, key=key,
-                    gen_index=len(out.tokens), stop_ids=list(req.stop_token_ids),
-                    record_logits=req.record_logits,
-                )
-            # The next burst goes to the device before this one is read, so the device runs
-            # it while the host reads, emits and checks this one's tokens (after a stop id it
-            # runs no step; after a stop string it is rewound with the rest of the overshoot).
-            ahead = req.max_tokens - len(out.tokens) - launched.steps
-            if p.max_positions is not None:
-                ahead = min(ahead, p.max_positions - launched.reach)
-            queued = None
-            if ahead > 0:
-                queued, state = p.continue_decode(
-                    state, launched, min(sizer.next(), p.steps_per_call, ahead))
-            burst = p.collect(launched)
-            launched = queued
-            new, history, failed = burst.tokens, burst.history, burst.finish == NON_FINITE
-            now = time.perf_counter()
-            sizer.observed(len(new), now - since)
-            since = now
-            # One transfer for the burst's rows (slicing a device array row by row costs a
-            # dispatch per token).
-            rows = np.asarray(burst.logits) if burst.logits is not None else [None] * len(new)
-        if not out.tokens:
-            first_token_s = time.perf_counter() - t0 - prefill_s
-        for tok, row in zip(new, rows, strict=True):
-            event, finish = out.push(tok, row)
-            if event is not None:
-                yield event
-            if finish is not None:
-                break
-        if finish is None and failed:
-            finish, error = FinishReason.ERROR, NON_FINITE_LOGITS
-        if finish is None and not device:
-            try:
-                position = len(prompt) + len(out.tokens) - 1
-                logits, state = p.produce(state, out.tokens[-1], position)
-            except PRODUCER_FAILURES as exc:
-                finish, error = FinishReason.ERROR, str(exc)
+        try:
+            step, state = stepper.advance(state, run)
+        except PRODUCER_FAILURES as exc:
+            finish, error = FinishReason.ERROR, str(exc)
+            break
+        finish, error, kept = yield from _emit(step, run)
+        state = stepper.settle(state, kept)
     if finish is not FinishReason.ERROR:
-        state = rewind_overshoot(p, state, len(prompt) + len(out.tokens) - 1)
+        state = rewind_overshoot(producer, state, len(prompt) + len(out.tokens) - 1)
+    decode_s = time.perf_counter() - t0 - prefill_s - first_token_s
     event, completion = out.finish(
-        p, finish, error, state, reused=reused, started=t0, prefill_s=prefill_s,
-        first_token_s=first_token_s,
+        producer, finish, error, state, reused=reused, started=t0, prefill_s=prefill_s,
+        first_token_s=first_token_s, speculative=stepper.report(decode_s),
     )
     if event is not None:
         yield event
     return completion
+
+
+def _emit(step: Step, run: Decoding) -> Generator[
+        StreamEvent, None, tuple[FinishReason | None, str | None, int]]:
+    """Push ``step``'s tokens until one ends the completion; returns the finish, its error
+    (``None``: the emission's own, if any) and how many tokens were pushed."""
+    finish, kept = None, 0
+    for token, row in zip(step.tokens, step.rows, strict=True):
+        event, finish = run.out.push(token, row)
+        kept += 1
+        if event is not None:
+            yield event
+        if finish is not None:
+            break
+    run.history = step.history
+    if finish is None and step.error is not None:
+        return FinishReason.ERROR, step.error, kept
+    return finish, None, kept
 
 
 def prefill(
@@ -265,6 +414,8 @@ def prefill(
     parallel: bool = False,
     progress: PrefillProgress | None = None,
     injection: Injection | None = None,
+    *,
+    primes_drafter: bool = False,
 ) -> tuple[Any, Any]:
     """Feed the unreused prompt suffix; return the logits after its last token and the state.
 
@@ -274,6 +425,12 @@ def prefill(
     hears after each chunk (or token) how many of the suffix's tokens are in. An
     ``injection`` (images) goes to every call, which takes the rows on its own positions;
     it always takes the exact path, never the parallel one.
+
+    ``primes_drafter`` (a :class:`~turbospark_jax.core.protocols.SpeculativeProducer`): the
+    drafter is primed over every known pair on the way, in chunks through
+    ``prefill_chunk_priming_drafter`` when the producer supports it, otherwise token by token
+    (``produce_prefill`` for the target only when ``supports_headless_prefill``, else
+    ``produce``) with ``prime_drafter``.
     """
     total = len(suffix)
     extra = {} if injection is None else {"injection": injection}
@@ -282,8 +439,11 @@ def prefill(
         if progress is not None:
             progress(done, total)
 
-    if isinstance(producer, ChunkedPrefillRunner):
-        if parallel and injection is None and producer.supports_parallel_prefill():
+    chunked = (producer.supports_chunked_drafter_prefill() if primes_drafter
+               else isinstance(producer, ChunkedPrefillRunner))
+    if chunked:
+        if (not primes_drafter and parallel and injection is None
+                and producer.supports_parallel_prefill()):
             out = producer.prefill_parallel(state, suffix, start, chunk=chunk_size)
             told(total)
             return out
@@ -291,12 +451,23 @@ def prefill(
         for a in range(0, total, chunk_size):
             chunk = suffix[a : a + chunk_size]
             final = a + chunk_size >= total
-            logits, state = producer.prefill_chunk_with_status(state, chunk, start + a, final,
-                                                               **extra)
+            if primes_drafter:
+                after = None if final else suffix[a + chunk_size]
+                logits, state = producer.prefill_chunk_priming_drafter(state, chunk, start + a,
+                                                                       after)
+            else:
+                logits, state = producer.prefill_chunk_with_status(state, chunk, start + a,
+                                                                   final, **extra)
             told(a + len(chunk))
         return logits, state
+    headless = not primes_drafter or producer.supports_headless_prefill()
     for i, tok in enumerate(suffix[:-1]):
-        state = producer.produce_prefill(state, tok, start + i, **extra)
+        if headless:
+            state = producer.produce_prefill(state, tok, start + i, **extra)
+        else:
+            state = producer.produce(state, tok, start + i)[1]
+        if primes_drafter:
+            state = producer.prime_drafter(state, suffix[i + 1], start + i)
         told(i + 1)
     out = producer.produce(state, suffix[-1], start + total - 1, **extra)
     told(total)
