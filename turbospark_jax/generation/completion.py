@@ -308,7 +308,8 @@ def validate_request(
         ids = getattr(request, name)
         if ids and max(ids) >= vocab:
             raise BadInputError(
-                f"{name} holds id {max(ids)}, outside the producer's vocabulary of {vocab} ids"
+                f"{name}: token id {max(ids)} is outside the vocabulary [0, {vocab}) of "
+                f"{type(producer).__name__}"
             )
     if tokenizer is not None and not provides(tokenizer, TOKENIZER_CALLS):
         raise BadInputError(

@@ -55,6 +55,7 @@ import numpy as np
 from turbospark_jax.core import sampling
 from turbospark_jax.core.checks import as_int
 from turbospark_jax.core.protocols import SpeculativeProducer
+from turbospark_jax.core.streams import Stream
 from turbospark_jax.engine.batching import BatchedDecoder
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
@@ -319,14 +320,17 @@ class Engine:
         req = request.completion
         if request.top_logprobs is not None:
             as_int("top_logprobs", request.top_logprobs, low=0, high=20)
-        params = validate_request(self.producer, req, self.tokenizer)
+        speculates = self._speculates(request)
+        if speculates:  # validated against the pair now; it runs when the thread reads it
+            stream = stream_completion(self.speculative, req, tokenizer=self.tokenizer)
+        else:
+            params = validate_request(self.producer, req, self.tokenizer)
         if request.session_id is not None and not isinstance(request.session_id, str):
             raise BadInputError(f"session_id must be a string, got {request.session_id!r}")
         self._refuse_if_unavailable()
         ticket = Ticket(self)
-        if self._speculates(request):
-            stream_completion(self.speculative, req, tokenizer=self.tokenizer)  # validates
-            threading.Thread(target=self._speculate, args=(request, sink, ticket),
+        if speculates:
+            threading.Thread(target=self._speculate, args=(stream, sink, ticket),
                              daemon=True).start()
             return ticket
         emission = Emission(req, self.tokenizer, [int(t) for t in req.prompt_ids])
@@ -624,18 +628,17 @@ class Engine:
                 and req.sampling.temperature == 0 and request.top_logprobs is None
                 and not req.record_logits)
 
-    def _speculate(self, request: ServeRequest, sink: Sink, ticket: Ticket) -> None:
+    def _speculate(self, stream: Stream[Completion], sink: Sink, ticket: Ticket) -> None:
         try:
-            self._speculate_unguarded(request, sink, ticket)
+            self._speculate_unguarded(stream, sink, ticket)
         except Exception as exc:  # the client must hear of it, not wait forever
             self.observer.request_ended("error", 0)
             sink(Failed(f"{type(exc).__name__}: {exc}"))
 
-    def _speculate_unguarded(self, request: ServeRequest, sink: Sink, ticket: Ticket) -> None:
+    def _speculate_unguarded(self, stream: Stream[Completion], sink: Sink,
+                             ticket: Ticket) -> None:
         submitted = time.perf_counter()
         with self._spec_lock:
-            stream = stream_completion(self.speculative, request.completion,
-                                       tokenizer=self.tokenizer)
             first = True
             with stream:
                 for event in stream:
