@@ -26,10 +26,8 @@ for the backend it takes the first available drafter in :data:`FALLBACK_ORDER`. 
 whose figures say its greedy output differed from plain greedy decoding on the backend
 (``lossless: false``) is never picked there, by figures or fallback. The fallback takes those
 trained for the target (block, MTP head, assistant) first, then, on a CPU, the draft model before
-n-gram lookup, and on an accelerator n-gram lookup before the draft model (measured with the
-first-generation embedded pair: on the 2-core CPU the draft model decoded 1.7x plain held warm
-and 1.1x in the command, n-gram lookup 1.8x and 1.0x; on the H200 n-gram lookup 1.39x, the
-draft model 0.80-0.89x).
+n-gram lookup, and on an accelerator n-gram lookup before the draft model (the order the
+embedded pair's figures gave on each).
 """
 
 from __future__ import annotations

@@ -10,10 +10,10 @@ is checked when read and a bad one is refused by name, never half-used.
     {
       "format": 1,
       "measurements": [
-        {"drafter": "mtp", "backend": "gpu", "draft_len": 3, "speedup": 1.62,
-         "mean_acceptance_length": 2.41, "acceptance_rate": 0.47,
-         "command": "python -m benchmarks.drafters --target models/tsj-pycoder --preset h200 ...",
-         "device": "NVIDIA H200", "date": "2026-12-10", "sampled_speedup": 1.3}
+        {"drafter": "mtp", "backend": "gpu", "draft_len": 3, "speedup": <float>,
+         "mean_acceptance_length": <float>, "acceptance_rate": <float>,
+         "command": "python -m benchmarks.drafters --target models/tsj-pycoder ...",
+         "device": "<the device's name>", "date": "<YYYY-MM-DD>", "sampled_speedup": <float>}
       ],
       "folders": {"draft-model": "../tsj-pycoder-draft", "block": "../tsj-pycoder-block"}
     }
