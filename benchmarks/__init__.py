@@ -1,11 +1,13 @@
-"""Benchmarks: run on the GPU machine with ``python -m benchmarks.run --preset h200``.
+"""The benchmark suites: ``python -m benchmarks --suite decode --preset h100``.
 
-Every benchmark runs under the XLA settings the package chooses
-(``turbospark_jax.engine.loop_graphs``:
-a row-invariant model's decode programs with their loops as CUDA graphs, nothing else), as the
-command line and a library user's process do: importing the package here applies them before
-any benchmark can start a JAX backend. ``TURBOSPARK_LOOP_GRAPHS=0`` measures without the
-graphs, ``TURBOSPARK_LOOP_GRAPHS=1`` with them in every program.
+``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels`` and ``train`` (``--suite all``
+runs them in that order), each with presets ``smoke``, ``cpu``, ``h100`` and ``h200``, write
+``benchmarks/results/<suite>_<preset>.json``; ``python -m benchmarks --report`` rebuilds
+``benchmarks/results/REPORT.md`` and its plots from those files.
+
+Every suite runs under the XLA settings the package chooses, as the command line and a
+library user's process do: importing the package here applies them before any suite can
+start a JAX backend.
 """
 
 import turbospark_jax  # noqa: F401

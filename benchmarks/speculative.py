@@ -1,265 +1,250 @@
-"""Speculative decoding: the loop measured apart from drafter quality, and the real pairs.
+"""Each drafter's speed-up over plain decoding on the embedded models, greedy and sampled.
 
-    PYTHONPATH=. python -m benchmarks.speculative --part oracle --shapes llama-3.2-1b,llama-3.1-8b
-    PYTHONPATH=. python -m benchmarks.speculative --part embedded
-    python -m benchmarks.speculative --report benchmarks/results
+For every drafter :func:`~turbospark_jax.speculative.choice.available_drafters` finds for the
+target (draft model, n-gram lookup, MTP head, block drafter, Gemma 4 assistant), at each draft
+length the preset lists (a block drafter: at most its block less one), greedy and sampled
+(:data:`SAMPLED`, seed = the prompt's index): tokens per round, acceptance by draft position
+and decode tokens/s after the first token, pooled over held-out prompts, against plain
+decoding of the same prompts with the same settings. Each configuration is loaded as the CLI
+loads it (``tsj.load``), in the context the CLI allocates, and compiled on untimed runs first.
 
-**oracle**: a random bf16 model of each shape, greedy. The oracle drafter proposes the
-target's own greedy continuation with probability ``alpha`` per position (a wrong token
-otherwise), so acceptance is set from outside. Beside each run stands the *ideal* speedup of a
-loop with no overhead at the acceptance the run measured: ``L * t_decode / t_verify(k + 1)``
-(``L`` the mean tokens per round, the two step costs measured on the same program in the same
-run, each as a device-side loop of many steps). Speedups compare decode tokens per second after
-the first token.
+**Prompts**: held-out Python function headers (the recipe's quality-bar prompts without
+their enclosing scopes) from the running interpreter's standard library, the files whose path
+hash the recipe holds out.
 
-**embedded**: the embedded target with its draft model and with n-gram lookup, on code
-prompts, each configuration as the CLI builds it (on a CPU the plain run has ``W = 1``, a
-speculative one ``W = k + 1``; on a GPU ``W = 16``).
+**Lossless**: every greedy run must equal plain greedy decoding token for token; each case
+says whether it did, and the suite's status is 1 when one did not.
 
-Every speculative run must reproduce the plain run token for token (checked, reported).
-Writes ``speculative_<part>_<backend>.json``; ``--report`` turns every such file into
-``speculative.md`` and ``speculative.png``.
+**Model figures**: a preset that asks for them (not ``smoke``) then writes the target's
+``speculative.json`` (:mod:`turbospark_jax.speculative.figures`: each drafter's greedy figures
+at its fastest draft length on this backend, which ``--drafter auto`` reads) and the table as
+a section of its model card.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from benchmarks.run import SHAPES, _meta
+from benchmarks import common
 
-PROMPTS = [
-    "def fibonacci(n):",
-    "class Stack:\n    def __init__(self):",
-    "import os\nimport sys\n\n\ndef main(argv):",
-    "    def __repr__(self):\n        return",
-]
-ALPHAS = (0.5, 0.7, 0.9)
-DRAFT_LENS = (2, 3, 4, 5, 6, 7, 8)
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}
 
 
-def step_seconds(producer: Any, rows: int, steps: int = 32) -> float:
-    """Device seconds of one block-program step feeding ``rows`` live rows with the head on:
-    ``steps`` such steps in one call (the program a verify and a decode step run), timed
-    after a warm-up, per step."""
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    prompts: int
+    tokens: int
+    draft_lens: dict[str, tuple[int, ...]]
+    modes: tuple[str, ...] = ("greedy", "sampled")
+    #: start no configuration after this many seconds (those left are listed as skipped)
+    budget_s: float | None = None
+    model_figures: bool = True
+
+
+_GPU = Preset(16, 128, {"draft-model": (2, 3, 4, 6), "ngram": (2, 4, 6, 8),
+                        "mtp": (1, 2, 3, 4), "block": (2, 4, 6, 8), "assistant": (2, 4, 6)},
+              budget_s=540.0)
+PRESETS = {
+    "smoke": Preset(1, 8, {"ngram": (2,)}, modes=("greedy",), model_figures=False),
+    "cpu": Preset(2, 32, {"draft-model": (3,), "ngram": (3,), "mtp": (2,), "block": (4,),
+                          "assistant": (2,)}, budget_s=240.0),
+    "h100": _GPU,
+    "h200": _GPU,
+}
+
+
+def held_out_prompts(n: int) -> list[str]:
+    """``n`` held-out function headers, evenly spaced over the held-out files."""
+    from turbospark_recipe.code_eval import function_prompts, spaced_sample
+    from turbospark_recipe.corpus import load_corpus
+
+    corpus = load_corpus(None, heldout_fraction=0.03)
+    return [f.prompt for f in spaced_sample(function_prompts(corpus.heldout), n)]
+
+
+def context_for(target: Path, prompts: list[str], tokens: int) -> int:
+    """The CLI's allocation for the longest prompt: a power of two >= 256 holding prompt,
+    reply and one block of the widest width a configuration uses (16)."""
+    from turbospark_jax.io.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_folder(target)
+    longest = max(len(tokenizer.encode(p, add_special_tokens=False)) for p in prompts)
+    return max(256, 1 << (longest + tokens + 16 - 1).bit_length())
+
+
+def pooled_run(model: Any, prompts: list[str], tokens: int, mode: str,
+               draft_len: int | None) -> dict[str, Any]:
+    """Untimed runs to compile (every prompt on an accelerator, where a longer prompt can
+    reach programs of a wider key bound; the first on a CPU), then every prompt timed;
+    figures pooled over the prompts."""
     import jax
 
-    state = producer.init_state()
-    plan = producer._plan([[1] * rows] * steps, head_on_last=False, head_all=True)
-
-    def once() -> float:
-        s = producer.init_state() if producer.donate else state
-        t0 = time.perf_counter()
-        out, _ = producer._call(s, plan, producer._idle, steps)
-        jax.block_until_ready(out.logits)
-        return time.perf_counter() - t0
-
-    once()
-    return min(once() for _ in range(3)) / steps
-
-
-def _timed_completion(fn: Any) -> Any:
-    fn()  # compile and warm
-    return fn()
-
-
-def part_oracle(shapes: list[str], tokens: int, out: Path) -> Path:
-    import jax
-    import jax.numpy as jnp
-
-    from turbospark_jax import CompletionRequest, run_raw_completion
-    from turbospark_jax.engine.producer import BlockProducer
-    from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
-    from turbospark_jax.models.dense.config import DenseConfig
-    from turbospark_jax.models.dense.model import DenseModel, init_params, unstack_layers
-    from turbospark_jax.speculative.drafters import OracleDrafter
-    from turbospark_jax.speculative.pair import SpeculativePair
-
-    gpu = jax.default_backend() == "gpu"
-    dtype = jnp.bfloat16 if gpu else jnp.float32
-    records = []
-    for name in shapes:
-        shape = SHAPES[name]
-        config = DenseConfig.from_hf_dict(shape.hf_dict())
-        model = DenseModel(config, dtype, scan_layers=False)
-        params = unstack_layers(init_params(config, jax.random.PRNGKey(0), dtype))
-        producer = BlockProducer(model, params, capacity=1024, width=16, donate=True)
-        rng = np.random.default_rng(0)
-        prompt = [int(t) for t in rng.integers(0, config.vocab_size, 128)]
-        req = CompletionRequest(prompt_ids=prompt, max_tokens=tokens)  # burst sized by the loop
-        plain = _timed_completion(lambda req=req, p=producer: run_raw_completion(p, req))
-        plain_tps = plain.timings.decode_tokens_per_s(len(plain.token_ids))
-        t_decode = step_seconds(producer, 1)
-        t_verify = {k: step_seconds(producer, k + 1) for k in DRAFT_LENS}
-        base = {"shape": name, "plain_tokens_per_s": plain_tps, "t_decode_s": t_decode}
-        print(json.dumps({**base, "t_verify_s": t_verify}), flush=True)
-        reference = prompt + plain.token_ids
-        for alpha in ALPHAS:
-            pair = SpeculativePair(producer, OracleDrafter(config.vocab_size, reference, alpha))
-            for k in DRAFT_LENS:
-                r = dataclasses.replace(req, draft_len=k)
-                spec = _timed_completion(
-                    lambda r=r, pair=pair: run_raw_completion_speculative(pair, r))
-                s = spec.speculative
-                tps = spec.timings.decode_tokens_per_s(len(spec.token_ids))
-                ideal = s.mean_acceptance_length * t_decode / t_verify[k]
-                records.append({
-                    **base, "alpha": alpha, "draft_len": k, "t_verify_s": t_verify[k],
-                    "mean_acceptance_length": s.mean_acceptance_length,
-                    "tokens_per_s": tps, "speedup": tps / plain_tps, "ideal_speedup": ideal,
-                    "fraction_of_ideal": tps / plain_tps / ideal,
-                    "equal_to_plain": spec.token_ids == plain.token_ids,
-                    "on_device": s.on_device,
-                })
-                print(json.dumps(records[-1]), flush=True)
-    return _write(out, "oracle", records, {"tokens": tokens, "width": 16})
-
-
-def part_embedded(tokens: int, out: Path, draft_lens: tuple[int, ...],
-                  ngram: tuple[int, ...] = (3,)) -> Path:
     import turbospark_jax as tsj
 
-    records = []
-    drafters: list[tuple[str, dict[str, Any]]] = [("plain", {})]
-    drafters += [("draft_model", {"draft": True})]
-    drafters += [("ngram" if n == 3 else f"ngram-{n}", {"ngram": n}) for n in ngram]
-    for name, kind in drafters:
-        for k in ((0,) if name == "plain" else draft_lens):
-            model = tsj.load(draft_len=max(k, 1), **kind)  # the CLI's width for this setting
-            total_tokens, total_s, lengths, equal = 0, 0.0, [], True
-            for prompt in PROMPTS:
-                def go(prompt=prompt, model=model, k=k):
-                    return tsj.generate(model, prompt, max_tokens=tokens, draft_len=k or None)
+    def one(i: int, prompt: str) -> Any:
+        settings = SAMPLED if mode == "sampled" else {}
+        return tsj.generate(model, prompt, max_tokens=tokens, seed=i, draft_len=draft_len,
+                            **settings)
 
-                c = _timed_completion(go)
-                total_tokens += len(c.token_ids) - 1
-                total_s += c.timings.decode_s
-                if c.speculative is not None:
-                    lengths.append(c.speculative.mean_acceptance_length)
-                if name == "plain":
-                    PLAIN_TOKENS[prompt] = c.token_ids
-                else:
-                    equal &= c.token_ids == PLAIN_TOKENS[prompt]
-            producer = model.producer.target if name != "plain" else model.producer
-            records.append({
-                "drafter": name, "draft_len": k, "width": producer.width,
-                "tokens_per_s": total_tokens / total_s,
-                "mean_acceptance_length": float(np.mean(lengths)) if lengths else 1.0,
-                "equal_to_plain": equal,
-            })
-            print(json.dumps(records[-1]), flush=True)
-    plain = records[0]["tokens_per_s"]
+    for i, prompt in enumerate(prompts if jax.default_backend() != "cpu" else prompts[:1]):
+        one(i, prompt)
+    decoded, seconds, outputs = 0, 0.0, []
+    rounds, drafted, accepted = 0, np.zeros(8, np.int64), np.zeros(8, np.int64)
+    on_device = None
+    for i, prompt in enumerate(prompts):
+        c = one(i, prompt)
+        outputs.append(c.token_ids)
+        decoded += max(len(c.token_ids) - 1, 0)
+        seconds += c.timings.decode_s
+        s = c.speculative
+        if s is not None:
+            rounds += s.rounds
+            drafted[: len(s.drafted_by_position)] += s.drafted_by_position
+            accepted[: len(s.accepted_by_position)] += s.accepted_by_position
+            on_device = s.on_device
+    record: dict[str, Any] = {"tokens_per_s": decoded / seconds if seconds > 0 else 0.0,
+                              "decoded_tokens": decoded, "decode_s": seconds}
+    if draft_len is not None:
+        k = draft_len
+        record.update(
+            rounds=rounds, drafted=int(drafted.sum()), accepted=int(accepted.sum()),
+            mean_acceptance_length=float((accepted.sum() + rounds) / rounds) if rounds else 0.0,
+            acceptance_rate=float(accepted.sum() / drafted.sum()) if drafted.sum() else 0.0,
+            acceptance_by_position=[float(a / d) if d else 0.0
+                                    for a, d in zip(accepted[:k], drafted[:k], strict=True)],
+            on_device=on_device)
+    return {"outputs": outputs, **record}
+
+
+def run(preset: Preset, results: common.Results, model_figures: bool = True,
+        target: Path | None = None) -> int:
+    """Plain decoding, then every available drafter at each draft length (module docstring).
+    Returns 1 when a greedy run differed from plain greedy decoding, else 0."""
+    import jax
+
+    import turbospark_jax as tsj
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
+    from turbospark_jax.speculative.choice import available_drafters
+
+    target = Path(target or embedded_model_path(DEFAULT_TARGET))
+    prompts = held_out_prompts(preset.prompts)
+    table, _ = available_drafters(target)
+    drafters = [d for d, a in table.items() if a.available and d in preset.draft_lens]
+    context = context_for(target, prompts, preset.tokens)
+    meta = results.data["meta"]
+    meta.update(target=str(target), context=context, prompts=prompts, sampled=SAMPLED,
+                drafters={d: a.reason for d, a in table.items()})
+    plain_model = tsj.load(target, context=context)
+    plain: dict[str, dict[str, Any]] = {}
+    for mode in preset.modes:
+        plain[mode] = pooled_run(plain_model, prompts, preset.tokens, mode, None)
+        results.add({"drafter": "plain", "mode": mode, "draft_len": 0,
+                     "width": plain_model.producer.width,
+                     **{k: v for k, v in plain[mode].items() if k != "outputs"}})
+    del plain_model
+    gpu = jax.default_backend() != "cpu"
+    for drafter in drafters:
+        limit = table[drafter].draft_len if drafter == "block" else 8
+        model = None
+        for k in sorted({min(k, limit) for k in preset.draft_lens[drafter]}):
+            if model is None or not gpu:  # on a CPU the width follows the draft length
+                model = tsj.load(target, drafter=drafter, context=context, draft_len=k)
+            for mode in preset.modes:
+                results.case({"drafter": drafter, "mode": mode, "draft_len": k},
+                             lambda m=model, k=k, mode=mode: _against_plain(
+                                 m, prompts, preset.tokens, mode, k, plain[mode]))
+    status = 0 if lossless(results.cases) else 1
+    if model_figures and preset.model_figures and results.cases:
+        print(f"wrote {write_speculative_json(target, results.data)}")
+        card = write_card_section(target, results.data)
+        print(f"wrote {card}" if card else f"no model card in {target} to add the table to")
+    return status
+
+
+def _against_plain(model: Any, prompts: list[str], tokens: int, mode: str, k: int,
+                   plain: dict[str, Any]) -> dict[str, Any]:
+    started = time.perf_counter()
+    got = pooled_run(model, prompts, tokens, mode, k)
+    record = {"width": model.producer.target.width,
+              **{key: v for key, v in got.items() if key != "outputs"},
+              "speedup": got["tokens_per_s"] / plain["tokens_per_s"]
+              if plain["tokens_per_s"] else 0.0,
+              "wall_s": time.perf_counter() - started}
+    if mode == "greedy":
+        record["equal_to_plain"] = got["outputs"] == plain["outputs"]
+    return record
+
+
+def lossless(records: list[dict[str, Any]]) -> bool:
+    """Whether every greedy drafter run equalled plain greedy decoding."""
+    return all(r.get("equal_to_plain", True) for r in records)
+
+
+def fastest(records: list[dict[str, Any]], mode: str) -> dict[str, dict[str, Any]]:
+    """Each drafter's case with the highest speed-up in ``mode``."""
+    best: dict[str, dict[str, Any]] = {}
     for r in records:
-        r["speedup"] = r["tokens_per_s"] / plain
-    return _write(out, "embedded", records, {"tokens": tokens, "prompts": PROMPTS})
+        if r["drafter"] != "plain" and r["mode"] == mode and (
+                r["drafter"] not in best or r["speedup"] > best[r["drafter"]]["speedup"]):
+            best[r["drafter"]] = r
+    return best
 
 
-PLAIN_TOKENS: dict[str, list[int]] = {}
+def table(data: dict[str, Any]) -> list[str]:
+    """The cases as markdown table lines, one row per configuration."""
+    lines = ["| drafter | mode | draft length | W | tokens/round | acceptance | acceptance by "
+             "position | decode tokens/s | speed-up | equal to plain |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in data["cases"]:
+        if r["drafter"] == "plain":
+            lines.append(f"| plain | {r['mode']} | - | {r['width']} | 1.00 | - | - | "
+                         f"{r['tokens_per_s']:.1f} | 1.00x | - |")
+            continue
+        by_pos = " ".join(f"{a:.2f}" for a in r["acceptance_by_position"])
+        equal = {True: "yes", False: "**NO**"}.get(r.get("equal_to_plain"), "-")
+        lines.append(
+            f"| {r['drafter']} | {r['mode']} | {r['draft_len']} | {r['width']} | "
+            f"{r['mean_acceptance_length']:.2f} | {r['acceptance_rate']:.2f} | {by_pos} | "
+            f"{r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {equal} |")
+    return lines
 
 
-def _write(out: Path, part: str, records: list[dict[str, Any]], extra: dict[str, Any]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    meta = {**_meta(), **extra}
-    path = out / f"speculative_{part}_{meta['backend']}.json"
-    path.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-    return path
+def write_speculative_json(target: Path, data: dict[str, Any]) -> Path:
+    """The target's ``speculative.json`` from the greedy figures (each drafter at its fastest
+    draft length), with the sampled speed-up at that length beside them."""
+    from turbospark_jax.speculative.figures import Measurement, write_figures
+
+    meta = data["meta"]
+    sampled = {(r["drafter"], r["draft_len"]): r["speedup"] for r in data["cases"]
+               if r["mode"] == "sampled" and r["drafter"] != "plain"}
+    found = [Measurement(
+        drafter=d, backend=meta["backend"], draft_len=r["draft_len"], speedup=r["speedup"],
+        mean_acceptance_length=r["mean_acceptance_length"],
+        acceptance_rate=r["acceptance_rate"], command=meta["command"],
+        device=meta["device_kind"], date=meta["date"][:10],
+        sampled_speedup=sampled.get((d, r["draft_len"])),
+        lossless=lossless([x for x in data["cases"] if x["drafter"] == d]))
+        for d, r in sorted(fastest(data["cases"], "greedy").items())]
+    return write_figures(target, found)
 
 
-def report(out: Path) -> None:
-    """``speculative.md`` (the tables) and ``speculative.png`` (speedup vs acceptance)."""
-    lines = ["# Speculative decoding", ""]
-    points = []
-    for path in sorted(out.glob("speculative_oracle_*.json")):
-        data = json.loads(path.read_text())
-        meta = data["meta"]
-        lines += [f"## Oracle drafter, {meta['device']}, greedy, {meta['tokens']} new tokens, "
-                  f"W={meta['width']} ({meta['date']})", "",
-                  "| shape | alpha | draft length | tokens/round | speedup | ideal | of ideal "
-                  "| equal to plain |", "|---|---|---|---|---|---|---|---|"]
-        for r in data["records"]:
-            lines.append(
-                f"| {r['shape']} | {r['alpha']} | {r['draft_len']} | "
-                f"{r['mean_acceptance_length']:.2f} | {r['speedup']:.2f}x | "
-                f"{r['ideal_speedup']:.2f}x | {100 * r['fraction_of_ideal']:.0f}% | "
-                f"{r['equal_to_plain']} |")
-            points.append((r["shape"], r["mean_acceptance_length"], r["speedup"],
-                           r["ideal_speedup"]))
-        lines.append("")
-    for path in sorted(out.glob("speculative_embedded_*.json")):
-        data = json.loads(path.read_text())
-        meta = data["meta"]
-        lines += [f"## Embedded target, {meta['device']} ({meta['backend']}), greedy, "
-                  f"{meta['tokens']} new tokens, 4 code prompts ({meta['date']})", "",
-                  *([f"XLA_FLAGS={meta['xla_flags']}: {meta.get('note', '')}", ""]
-                    if meta.get("xla_flags") else []),
-                  "| drafter | draft length | W | tokens/round | decode tokens/s | speedup vs "
-                  "plain | equal to plain |", "|---|---|---|---|---|---|---|"]
-        for r in data["records"]:
-            lines.append(
-                f"| {r['drafter']} | {r['draft_len'] or '-'} | {r['width']} | "
-                f"{r['mean_acceptance_length']:.2f} | {r['tokens_per_s']:.0f} | "
-                f"{r['speedup']:.2f}x | {r['equal_to_plain']} |")
-            if r["drafter"] != "plain":
-                points.append((f"embedded {r['drafter']} ({meta['backend']})",
-                               r["mean_acceptance_length"], r["speedup"], None))
-        lines.append("")
-    (out / "speculative.md").write_text("\n".join(lines))
-    _plot(points, out / "speculative.png")
+def write_card_section(target: Path, data: dict[str, Any]) -> Path | None:
+    """The table as a section of the target's model card, one section per device (``None``:
+    the folder has no card)."""
+    from turbospark_recipe.card import set_card_section
 
-
-def _plot(points: list[tuple[str, float, float, float | None]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in sorted({p[0] for p in points}):
-        mine = sorted((p for p in points if p[0] == label), key=lambda p: p[1])
-        ax.scatter([p[1] for p in mine], [p[2] for p in mine], s=14, label=label)
-    ideal = [(p[1], p[3]) for p in points if p[3] is not None]
-    if ideal:
-        xs = np.linspace(1, max(x for x, _ in ideal), 20)
-        ax.plot(xs, xs, "k--", lw=0.8, label="ideal (verify costs a decode step)")
-    ax.axhline(1.0, color="grey", lw=0.6)
-    ax.set_xlabel("mean tokens per round")
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", choices=["oracle", "embedded"])
-    parser.add_argument("--shapes", default="llama-3.2-1b,llama-3.1-8b")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--draft-lens", default="2,3,4,6,8")
-    parser.add_argument("--ngram", default="3",
-                        help="the n-gram drafter's longest n-grams, comma-separated (embedded)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--report", type=Path, default=None)
-    args = parser.parse_args(argv)
-    if args.report is not None:
-        report(args.report)
-        return 0
-    if args.part == "oracle":
-        print(part_oracle(args.shapes.split(","), args.tokens, args.out))
-    elif args.part == "embedded":
-        lens = tuple(int(k) for k in args.draft_lens.split(","))
-        ngram = tuple(int(n) for n in args.ngram.split(","))
-        print(part_embedded(args.tokens, args.out, lens, ngram))
-    else:
-        parser.error("give --part or --report")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    if not (target / "README.md").is_file():
+        return None
+    meta = data["meta"]
+    intro = (f"Measured {meta['date'][:10]} on {meta['device_kind']} ({meta['backend']}): "
+             f"{len(meta['prompts'])} held-out function headers, "
+             f"{meta['settings']['tokens']} new tokens each, greedy and sampled (temperature "
+             f"{SAMPLED['temperature']}, top-p {SAMPLED['top_p']}), each configuration loaded "
+             f"as the CLI loads it. Reproduce: `{meta['command']}`.")
+    return set_card_section(target, f"Speculative decoding on {meta['device_kind']}",
+                            intro + "\n\n" + "\n".join(table(data)) + "\n")

@@ -1,0 +1,210 @@
+"""The Pallas kernels' per-call times beside the XLA forms they replace.
+
+* ``matvec``: each matrix product of a decode step of a shape (merged q/k/v, output projection,
+  merged gate/up, down projection, output head) at one row, the row-invariant kernel against
+  XLA's dot: microseconds a product and GB/s of weight reads, timed over enough distinct
+  weight buffers in one program to overflow the L2 cache.
+* ``norm``: the row-invariant RMSNorm at one row and at a prefill block of rows.
+* ``attention``: the fused attention kernel in its row-invariant form, one decode row over a
+  cache of each preset context.
+* ``delta_rule``: the gated delta rule's row kernel (Qwen3.5's recurrent layers) over a block
+  of rows, against XLA's row-by-row scan.
+
+Calls other than the products are timed as one program that runs the kernel ``calls`` times
+in a loop, each call's input fed by the last output (a call timed alone from the host carries
+its dispatch). Off a GPU the kernels run in the Pallas interpreter: the figures then time the
+interpreter and only say that every case runs (``meta.interpreted``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from benchmarks import common
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    shapes: tuple[str, ...]
+    contexts: tuple[int, ...]
+    block_rows: int
+    delta_rule: tuple[tuple[int, int, int], ...]  # (value heads, key dim, value dim)
+    delta_rows: int
+    calls: int
+    repeats: int
+    copies_bytes: int
+
+
+_GPU = Preset(("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"), (128, 4096, 16384), 2048,
+              ((16, 128, 128), (32, 128, 128)), 16, 20, 5, 256 << 20)
+PRESETS = {
+    "smoke": Preset(("tiny",), (32,), 8, ((2, 16, 16),), 4, 1, 1, 1 << 16),
+    "cpu": Preset(("tiny",), (64,), 16, ((2, 16, 16),), 4, 1, 2, 1 << 18),
+    "h100": _GPU,
+    "h200": _GPU,
+}
+
+
+def _interpret() -> bool:
+    import jax
+
+    return jax.default_backend() != "gpu"
+
+
+def looped_seconds(fn: Callable[..., Any], first: Any, rest: tuple[Any, ...], calls: int,
+                   repeats: int) -> float:
+    """Seconds a call of ``fn(first, *rest)`` inside one program of ``calls`` calls, each one's
+    ``first`` fed by the last output's first leaf (scaled by zero: the values stay, the
+    dependence keeps the calls apart)."""
+    import jax
+
+    @jax.jit
+    def looped(first: Any, *rest: Any) -> Any:
+        def body(_: Any, x: Any) -> Any:
+            out = jax.tree.leaves(fn(x, *rest))[0]
+            return x + (out.reshape(-1)[: x.size].reshape(x.shape) * 0).astype(x.dtype)
+
+        return jax.lax.fori_loop(0, calls, body, first)
+
+    best, _ = common.best_seconds(lambda: looped(first, *rest), repeats)
+    return best / calls
+
+
+def products_of(shape: str) -> list[tuple[str, int, tuple[int, ...], str]]:
+    """``(name, K, (N, ...), layout)`` of a decode step's matrix products."""
+    s = common.SHAPES[shape]
+    d, hd = s["hidden_size"], s["head_dim"]
+    q, kv = s["num_attention_heads"] * hd, s["num_key_value_heads"] * hd
+    f = s["intermediate_size"]
+    head = "nk" if s["tie_word_embeddings"] else "kn"
+    return [("qkv", d, (q, kv, kv), "kn"), ("o", q, (d,), "kn"), ("gate_up", d, (f, f), "kn"),
+            ("down", f, (d,), "kn"), ("head", d, (s["vocab_size"],), head)]
+
+
+def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
+                copies_bytes: int, repeats: int) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.kernels.rowinv import rowinv_matmul, rowinv_swiglu
+
+    nbytes = k * sum(ns) * jnp.dtype(dtype).itemsize
+    copies = int(max(2, min(32, -(-copies_bytes // nbytes))))
+    keys = jax.random.split(jax.random.PRNGKey(k + sum(ns)), copies * len(ns))
+    ws = [tuple((jax.random.normal(keys[c * len(ns) + i], (n, k) if layout == "nk" else (k, n),
+                                   jnp.float32) / np.sqrt(k)).astype(dtype)
+                for i, n in enumerate(ns)) for c in range(copies)]
+    x = jax.random.normal(jax.random.PRNGKey(1), (1, k), jnp.float32).astype(dtype)
+    if impl == "xla":
+        def product(x: Any, w: tuple[Any, ...]) -> Any:
+            mats = [m.T for m in w] if layout == "nk" else list(w)
+            return jnp.dot(x, jnp.concatenate(mats, axis=1) if len(mats) > 1 else mats[0],
+                           preferred_element_type=jnp.float32).astype(x.dtype)
+    elif len(ns) == 2 and ns[0] == ns[1] and layout == "kn":  # gate/up: the gated kernel
+        def product(x: Any, w: tuple[Any, ...]) -> Any:
+            return rowinv_swiglu(x, w[0], w[1], impl=impl)
+    else:
+        def product(x: Any, w: tuple[Any, ...]) -> Any:
+            return rowinv_matmul(x, w if len(w) > 1 else w[0], w_layout=layout, impl=impl)
+    fn = jax.jit(lambda x, *ws: [product(x, w) for w in ws])
+    best, _ = common.best_seconds(lambda: fn(x, *ws), repeats)
+    per = best / copies
+    return {"us": round(per * 1e6, 2), "GBps": round(nbytes / per / 1e9, 2), "copies": copies}
+
+
+def run(preset: Preset, results: common.Results) -> None:
+    import jax.numpy as jnp
+
+    interpret = _interpret()
+    results.data["meta"]["interpreted"] = interpret
+    dtype = jnp.float32 if interpret else jnp.bfloat16
+    impl = "interpret" if interpret else "pallas"
+    for shape in preset.shapes:
+        for name, k, ns, layout in products_of(shape):
+            for kind in (impl, "xla"):
+                results.case({"kernel": "matvec", "shape": shape, "product": name, "K": k,
+                              "N": list(ns), "impl": kind},
+                             lambda k=k, ns=ns, layout=layout, kind=kind: matvec_case(
+                                 k, ns, layout, kind, dtype, preset.copies_bytes,
+                                 preset.repeats))
+        s = common.SHAPES[shape]
+        for rows in (1, preset.block_rows):
+            results.case({"kernel": "norm", "shape": shape, "rows": rows, "impl": impl},
+                         lambda rows=rows, s=s: norm_case(rows, s["hidden_size"], impl, dtype,
+                                                          preset))
+        for context in preset.contexts:
+            results.case({"kernel": "attention", "shape": shape, "rows": 1,
+                          "context": context, "impl": impl},
+                         lambda c=context, s=s: attention_case(s, c, interpret, dtype, preset))
+    for heads, dk, dv in preset.delta_rule:
+        for kind in ("kernel", "xla_scan"):
+            results.case({"kernel": "delta_rule", "value_heads": heads, "key_dim": dk,
+                          "value_dim": dv, "rows": preset.delta_rows, "impl": kind},
+                         lambda h=heads, dk=dk, dv=dv, kind=kind: delta_rule_case(
+                             h, dk, dv, kind, interpret, preset))
+
+
+def norm_case(rows: int, hidden: int, impl: str, dtype: Any, preset: Preset) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.kernels.row_norm import row_rms_norm
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (rows, hidden), jnp.float32).astype(dtype)
+    weight = jnp.ones((hidden,), dtype)
+    per = looped_seconds(lambda x, w: row_rms_norm(x, w, 1e-6, impl=impl), x, (weight,),
+                         preset.calls, preset.repeats)
+    return {"us": round(per * 1e6, 2)}
+
+
+def attention_case(shape: dict[str, Any], context: int, interpret: bool, dtype: Any,
+                   preset: Preset) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.kernels.attention import cached_attention
+
+    heads, kv, hd = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    keys = jax.random.split(jax.random.PRNGKey(context), 3)
+    q = jax.random.normal(keys[0], (1, heads, hd), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (context + 64, kv, hd), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (context + 64, kv, hd), jnp.float32).astype(dtype)
+    pos = jnp.asarray([context - 1], jnp.int32)
+    per = looped_seconds(lambda q, k, v, pos: cached_attention(
+        q, k, v, pos, interpret=interpret, row_invariant=True), q, (k, v, pos), preset.calls,
+        preset.repeats)
+    cache_bytes = 2 * context * kv * hd * jnp.dtype(dtype).itemsize
+    return {"us": round(per * 1e6, 2), "cache_GBps": round(cache_bytes / per / 1e9, 2)}
+
+
+def delta_rule_case(heads: int, dk: int, dv: int, kind: str, interpret: bool,
+                    preset: Preset) -> dict[str, Any]:
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.kernels.delta_rule import delta_rule_rows
+    from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_scan
+
+    w = preset.delta_rows
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+
+    def unit(key: Any, shape: tuple[int, ...]) -> Any:
+        x = jax.random.normal(key, shape, jnp.float32)
+        return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
+    q, k = unit(keys[0], (w, heads, dk)), unit(keys[1], (w, heads, dk))
+    v = jax.random.normal(keys[2], (w, heads, dv), jnp.float32)
+    g = -jax.nn.softplus(jax.random.normal(keys[3], (w, heads), jnp.float32))
+    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (w, heads), jnp.float32))
+    state = jax.random.normal(keys[5], (heads, dk, dv), jnp.float32) * 0.1
+    if kind == "kernel":
+        def fn(q: Any, *rest: Any) -> Any:
+            return delta_rule_rows(q, *rest, jnp.int32(w), interpret=interpret)
+    else:
+        fn = delta_rule_scan
+    per = looped_seconds(fn, q, (k, v, g, beta, state), preset.calls, preset.repeats)
+    return {"us": round(per * 1e6, 2), "state_MiB": round(heads * dk * dv * 4 / 2**20, 3)}
