@@ -8,7 +8,8 @@ The short way in::
     print(tsj.generate(model, "def fibonacci(n):", max_tokens=64).text)
 
 The protocols, the request and result types and the errors are re-exported here; the
-modules hold the rest (``block_producer``, ``drafters``, ``session_pool``, ``chat``, ...).
+packages hold the rest (``engine.producer``, ``speculative.drafters``, ``sessions``, ...), one
+concern each, layered as docs/design.md draws them.
 """
 
 from turbospark_jax.api import Model, generate, load, stream
