@@ -118,5 +118,5 @@ def key_bounds_seen(monkeypatch):
 
     monkeypatch.setattr(dense, "cached_attention", spy)
     monkeypatch.setattr(dense.DenseModel, "bounds_keys",
-                        property(lambda m: m.kernels == "rowinv"))
+                        property(lambda m: m.plan.row_invariant))
     return seen

@@ -10,7 +10,7 @@
         print(event.text, end="")
 
     fast = tsj.load(drafter="auto")                      # with its best measured drafter
-    same = tsj.load(kernels="rowinv")                    # any width gives the same bits
+    quick = tsj.load(exact=False)                        # speed over bitwise identity
     vlm = tsj.load("path/to/gemma4")                     # a folder with a vision tower
     tsj.generate(vlm, "<|image|> What is in the picture?", images=["cat.png"])
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import jax
 
-from turbospark_jax.core.checks import as_int, as_token_ids
+from turbospark_jax.core.checks import as_bool, as_int, as_token_ids
 from turbospark_jax.core.protocols import LogitProducer
 from turbospark_jax.core.sampling import SamplingConfig, is_greedy
 from turbospark_jax.core.streams import Stream
@@ -43,9 +43,9 @@ from turbospark_jax.io.loading import (
     LoadedModel,
     embedded_model_path,
     load_folder,
+    serving_plan,
 )
 from turbospark_jax.io.vision import VisionEncoder, require_vision
-from turbospark_jax.kernels.plan import check_kernels
 from turbospark_jax.speculative.choice import (
     DrafterChoice,
     choose_drafter,
@@ -75,6 +75,8 @@ class Model:
       prefill_width: the most rows one block of the target's exact prefill holds; a
         request's default prefill chunk is at least this long, so a chunk fills its blocks
         (``None``: the request's own default).
+      exact: whether the model was loaded exact (:func:`load`); when not, a request
+        prefills in parallel passes unless it says otherwise.
     """
 
     producer: LogitProducer
@@ -83,6 +85,7 @@ class Model:
     loaded: LoadedModel
     drafter: DrafterChoice | None = None
     prefill_width: int | None = None
+    exact: bool = True
 
     @property
     def vision(self) -> VisionEncoder | None:
@@ -90,26 +93,26 @@ class Model:
         return None if self.loaded is None else self.loaded.vision
 
 
-def default_width(drafting: bool, draft_len: int = 4, kernels: str = "xla") -> int:
-    """Rows of the block program. With XLA's kernels every path must run the one program, so
-    16 on an accelerator, where a step reads the weights once whatever the width, and on a CPU,
-    where every row costs compute, 1, or room for one verify. With ``kernels="rowinv"`` any
-    width gives the same bits, so decode's own width on every backend: 1, or room for one
-    verify."""
-    if jax.default_backend() != "cpu" and kernels == "xla":
+def default_width(drafting: bool, draft_len: int = 4, widths_agree: bool = False) -> int:
+    """Rows of the block program. Where programs of different widths disagree (XLA's
+    kernels) every path must run the one program, so 16 on an accelerator, where a step
+    reads the weights once whatever the width, and on a CPU, where every row costs compute,
+    1, or room for one verify. Where they agree (a row-invariant plan), decode's own width
+    on every backend: 1, or room for one verify."""
+    if jax.default_backend() != "cpu" and not widths_agree:
         return 16
     return draft_len + 1 if drafting else 1
 
 
-def default_prefill_width(width: int, kernels: str = "xla") -> int:
-    """The most rows one block of the exact prefill holds. With XLA's kernels, ``width``: a
-    program of another width would round differently. With ``kernels="rowinv"`` a row gets
-    the same bits in a block of any width, so wide blocks, which read the weights once for
-    all their rows (and on a CPU fill the row-invariant kernels' fixed-shape row tiles, which
-    a narrow block pays for in full): 2048 rows on an accelerator, where a matrix product of
-    that many rows costs little more than its weight reads, and 256 on a CPU, where every
-    row costs its own compute; never below ``width``."""
-    if kernels != "rowinv":
+def default_prefill_width(width: int, widths_agree: bool = False) -> int:
+    """The most rows one block of the exact prefill holds. Where programs of different widths
+    disagree, ``width``: a program of another width would round differently. Where they
+    agree a row gets the same bits in a block of any width, so wide blocks, which read the
+    weights once for all their rows (and on a CPU fill the row-invariant forms' fixed-shape
+    row tiles, which a narrow block pays for in full): 2048 rows on an accelerator, where a
+    matrix product of that many rows costs little more than its weight reads, and 256 on a
+    CPU, where every row costs its own compute; never below ``width``."""
+    if not widths_agree:
         return width
     return max(width, 256 if jax.default_backend() == "cpu" else 2048)
 
@@ -125,7 +128,7 @@ def load(
     context: int | None = None,
     width: int | None = None,
     draft_len: int | None = None,
-    kernels: str = "xla",
+    exact: bool = True,
     prefill_width: int | None = None,
 ) -> Model:
     """Load a Hugging Face folder (default: the embedded model) as a ready producer.
@@ -150,15 +153,20 @@ def load(
       width: rows of the block program (:func:`default_width`).
       draft_len: proposals per round: :func:`stream`'s default and what the width leaves room
         for on a CPU (default: the drafter's best measured, else 4).
-      kernels: the target's per-row kernels: ``"xla"`` (XLA's own: exact across prefill,
-        verify and decode because they all run the one program of ``width`` rows) or
-        ``"rowinv"`` (row-invariant, dense models only: a row's bits do not depend on the
-        width, so any ``width`` gives the same tokens and logits as any other).
+      exact: keep every path bitwise equal to token-by-token decoding (the default): a
+        dense model then runs the row-invariant kernels, so any ``width`` gives the same
+        tokens and logits and the prefill runs in wide blocks; a family without them runs
+        XLA's kernels at one program width. ``False`` trades that identity for speed: a
+        request prefills in parallel passes (its logits equal the exact path's to rounding,
+        not bitwise; a request may still ask for the exact prefill), and off a GPU a dense
+        model decodes on XLA's own kernels, faster there than the row-invariant forms (on a
+        GPU the row-invariant kernels are the faster ones either way;
+        :func:`~turbospark_jax.kernels.plan.kernel_plan`).
       prefill_width: the most rows one block of the target's exact prefill holds
         (:class:`~turbospark_jax.engine.producer.BlockProducer`); default
-        :func:`default_prefill_width`: ``width`` with XLA's kernels, wide blocks (the same
-        bits, faster) with ``kernels="rowinv"``. :func:`stream` then prefills in chunks of at
-        least this many tokens. Another value than ``width`` needs ``kernels="rowinv"``; a
+        :func:`default_prefill_width`: wide blocks (the same bits, faster) where the
+        target's widths agree, else ``width``. :func:`stream` then prefills in chunks of at
+        least this many tokens. Another value than ``width`` needs widths that agree; a
         draft model, whose kernels are XLA's, prefills at ``width``.
 
     Raises:
@@ -166,10 +174,8 @@ def load(
         reason).
       BadInputError: options that ask for two different drafters, a drafter the model does
         not have (why), or a value of the wrong kind (checked before any weights are read); a
-        block drafter made for another target; ``kernels`` neither mode; a
-        ``prefill_width`` below ``width``, or other than ``width`` with ``kernels="xla"``.
-      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without row-invariant
-        kernels (before any weights are read).
+        block drafter made for another target; ``exact`` not a bool; a ``prefill_width``
+        below ``width``, or other than ``width`` where the target's widths do not agree.
       ContextOverflowError: a state of ``context`` positions does not fit the device.
     """
     if not (draft is None or isinstance(draft, bool | str | os.PathLike)):
@@ -201,10 +207,11 @@ def load(
         as_int("draft_len", draft_len, low=1, high=MAX_DRAFT)
     if prefill_width is not None:
         as_int("prefill_width", prefill_width, low=1)
-    check_kernels(kernels)
+    exact = as_bool("exact", exact)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
     target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
+    plan = serving_plan(target_path, exact)
     choice = None
     if requested is not None:
         folders: dict[str, Any] = {}
@@ -215,11 +222,11 @@ def load(
         choice = choose_drafter(target_path, requested, jax.default_backend(), folders=folders,
                                 draft_len=draft_len, ngram=ngram or None)
     width = width if width is not None else default_width(
-        choice is not None, choice.draft_len if choice is not None else 4, kernels)
+        choice is not None, choice.draft_len if choice is not None else 4, plan.widths_agree)
     if prefill_width is None:
-        prefill_width = default_prefill_width(width, kernels)
-    check_prefill_width(prefill_width, width, kernels == "rowinv")
-    loaded = load_folder(target_path, dtype=dtype, layer_layout="list", kernels=kernels)
+        prefill_width = default_prefill_width(width, plan.widths_agree)
+    check_prefill_width(prefill_width, width, plan.widths_agree)
+    loaded = load_folder(target_path, dtype=dtype, layer_layout="list", plan=plan)
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )
@@ -236,7 +243,7 @@ def load(
         stops.add(loaded.tokenizer.eos_token_id)
     return Model(producer=producer, tokenizer=loaded.tokenizer,
                  stop_token_ids=tuple(sorted(stops)), loaded=loaded, drafter=choice,
-                 prefill_width=prefill_width)
+                 prefill_width=prefill_width, exact=exact)
 
 
 def stream(
@@ -301,6 +308,8 @@ def stream(
             f"fields {sorted(fields - {'prompt_ids', 'sampling'})}"
         )
     settings.setdefault("stop_token_ids", model.stop_token_ids)
+    if not model.exact:
+        settings.setdefault("parallel_prefill", True)
     if model.prefill_width is not None:
         settings.setdefault("prefill_chunk_size",
                             max(CompletionRequest.prefill_chunk_size, model.prefill_width))

@@ -7,7 +7,7 @@
   ``"top_k"`` plan's draw among the 64 candidates over 120 settings with ties, in the CPU's
   and the GPU's (blocked) form. The control: the plan for untruncated settings, given
   truncating ones, draws ids that top-k removes.
-* ``BlockProducer.decode`` of a model whose widths agree (``kernels="rowinv"``) compiles its
+* ``BlockProducer.decode`` of a model whose widths agree (a row-invariant plan) compiles its
   decode loop by the plan, running its steps in chunks of ``DECODE_CHUNK`` (idle past the
   count or a stop); its tokens, logits, history and the state it leaves equal those of the
   loop that branches and checks its condition every step (``"any"``), stops inside a chunk
@@ -28,6 +28,7 @@ import pytest
 from turbospark_jax.core import sampling
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel
 
@@ -118,7 +119,7 @@ def _model(kernels: str) -> tuple[DenseModel, Any]:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         tie_word_embeddings=True,
     )
-    model = DenseModel(config, jnp.float32, kernels=kernels)
+    model = DenseModel(config, jnp.float32, plan=KernelPlan(row_invariant=kernels == "rowinv"))
     return model, model.init_params(jax.random.PRNGKey(3))
 
 

@@ -1,6 +1,6 @@
 """Exact prefill in wide blocks (``BlockProducer(prefill_width=...)``), on the CPU.
 
-* With ``kernels="rowinv"`` a producer of width 1 that prefills in blocks of up to 64 rows,
+* Under a row-invariant kernel plan a producer of width 1 that prefills in blocks of up to 64 rows,
   and one of width 4 with blocks of up to 16, leave bitwise the logits and the whole state
   (every leaf, dead rows included) that a width-1 producer leaves feeding the same tokens one
   by one; prompts of several lengths, in one chunk or split. The control: with XLA's kernels
@@ -35,11 +35,14 @@ from turbospark_jax.engine.producer import BlockProducer, prefill_block_widths
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import GenerationConfig, save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense import model as dense
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import ToyAttentionModel
+
+ROWINV = KernelPlan(row_invariant=True)
 
 VOCAB = 96
 CAPACITY = 160
@@ -108,7 +111,7 @@ def _chunked(producer: BlockProducer, tokens: list[int], cuts: tuple[int, ...] =
 
 @pytest.fixture(scope="module")
 def rowinv() -> dict[str, Any]:
-    model = DenseModel(_config(), jnp.float32, kernels="rowinv")
+    model = DenseModel(_config(), jnp.float32, plan=ROWINV)
     params = model.init_params(jax.random.PRNGKey(3))
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB, max(LENGTHS))]
     decoder = _producer(model, params, 1)
@@ -151,7 +154,7 @@ def test_control_a_one_bit_change_is_seen(rowinv):
 def test_control_xla_kernels_differ_across_widths_in_float32():
     """The check can fail: with XLA's kernels a width-16 program's chunked prefill and a
     width-1 program's token-by-token one round differently in float32."""
-    model = DenseModel(_config(), jnp.float32, kernels="xla")
+    model = DenseModel(_config(), jnp.float32)
     params = model.init_params(jax.random.PRNGKey(3))
     tokens = [int(t) for t in np.random.default_rng(7).integers(0, VOCAB, 19)]
     want_logits, want_state = _token_by_token(_producer(model, params, 1), tokens, (19,))[19]
@@ -190,7 +193,7 @@ class _EmbeddingDense(DenseModel):
 
 
 def test_injected_rows_in_wide_blocks_equal_token_by_token():
-    model = _EmbeddingDense(_config("llama"), jnp.float32, kernels="rowinv")
+    model = _EmbeddingDense(_config("llama"), jnp.float32, plan=ROWINV)
     params = model.init_params(jax.random.PRNGKey(5))
     rng = np.random.default_rng(11)
     tokens = [int(t) for t in rng.integers(0, VOCAB, 100)]
@@ -265,10 +268,10 @@ def test_the_producer_calls_the_programs_of_its_block_widths(rowinv, monkeypatch
 
 
 def test_a_prefill_width_for_xla_kernels_is_refused():
-    model = DenseModel(_config(), jnp.float32, kernels="xla")
+    model = DenseModel(_config(), jnp.float32)
     params = model.init_params(jax.random.PRNGKey(3))
     for width, wide in ((1, 16), (16, 32)):
-        with pytest.raises(BadInputError, match="kernels='rowinv'") as caught:
+        with pytest.raises(BadInputError, match="exact=True") as caught:
             _producer(model, params, width, prefill_width=wide)
         assert "token-by-token" in str(caught.value)
     assert _producer(model, params, 4, prefill_width=4).prefill_width == 4
@@ -282,7 +285,7 @@ def test_a_prefill_width_for_xla_kernels_is_refused():
 
 @pytest.mark.parametrize("bad", [0, -3, 1.5, "8", True])
 def test_a_bad_prefill_width_is_refused(bad):
-    model = DenseModel(_config(), jnp.float32, kernels="rowinv")
+    model = DenseModel(_config(), jnp.float32, plan=ROWINV)
     params = model.init_params(jax.random.PRNGKey(3))
     with pytest.raises(BadInputError, match="prefill_width must be an integer >= 1"):
         _producer(model, params, 1, prefill_width=bad)
@@ -291,7 +294,7 @@ def test_a_bad_prefill_width_is_refused(bad):
 
 
 def test_a_prefill_width_below_width_is_refused():
-    model = DenseModel(_config(), jnp.float32, kernels="rowinv")
+    model = DenseModel(_config(), jnp.float32, plan=ROWINV)
     assert model.widths_agree
     with pytest.raises(BadInputError, match="below width=8"):
         _producer(model, model.init_params(jax.random.PRNGKey(3)), 8, prefill_width=4)
@@ -318,11 +321,11 @@ def folder(tmp_path_factory) -> Path:
 
 
 def test_load_passes_prefill_width_and_defaults_it(folder):
-    wide = tsj.load(folder, kernels="rowinv", width=2, prefill_width=32, context=64)
+    wide = tsj.load(folder, width=2, prefill_width=32, context=64)
     assert (wide.producer.width, wide.producer.prefill_width) == (2, 32)
     assert wide.prefill_width == 32
-    assert tsj.load(folder, kernels="rowinv", context=64).producer.prefill_width == 256
-    plain = tsj.load(folder, width=3, context=64)
+    assert tsj.load(folder, context=64).producer.prefill_width == 256
+    plain = tsj.load(folder, exact=False, width=3, context=64)
     assert plain.producer.prefill_width == 3 and plain.prefill_width == 3
 
 
@@ -341,7 +344,7 @@ def test_load_in_wide_blocks_gives_the_same_tokens_and_logits(folder, monkeypatc
     prompt = "def f(x):\n    return x + 1\n" * 3
     runs = []
     for wide in (1, 16, None):
-        model = tsj.load(folder, kernels="rowinv", width=1, prefill_width=wide, context=256)
+        model = tsj.load(folder, width=1, prefill_width=wide, context=256)
         runs.append(tsj.generate(model, prompt, max_tokens=6, record_logits=True,
                                  stop_token_ids=()))
     assert chunks == [256, 256, 256]
@@ -355,20 +358,20 @@ def test_load_in_wide_blocks_gives_the_same_tokens_and_logits(folder, monkeypatc
 
 
 def test_load_refuses_a_prefill_width_with_xla_kernels(folder, no_tensor_read):
-    with pytest.raises(BadInputError, match="kernels='rowinv'"):
-        tsj.load(folder, width=1, prefill_width=64)
+    with pytest.raises(BadInputError, match="exact=True"):
+        tsj.load(folder, exact=False, width=1, prefill_width=64)
     with pytest.raises(BadInputError, match="below width=4"):
-        tsj.load(folder, kernels="rowinv", width=4, prefill_width=2)
+        tsj.load(folder, width=4, prefill_width=2)
 
 
 def test_default_prefill_width_by_backend(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert api.default_prefill_width(16) == 16
-    assert api.default_prefill_width(1, "rowinv") == 2048
+    assert api.default_prefill_width(1, widths_agree=True) == 2048
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert api.default_prefill_width(1) == 1
-    assert api.default_prefill_width(5, "rowinv") == 256
-    assert api.default_prefill_width(512, "rowinv") == 512
+    assert api.default_prefill_width(5, widths_agree=True) == 256
+    assert api.default_prefill_width(512, widths_agree=True) == 512
 
 
 def _run(*argv: str) -> tuple[int, str, str]:
@@ -386,10 +389,10 @@ def test_a_prefill_width_below_one_is_a_clean_cli_error(value):
 
 def test_a_prefill_width_with_xla_kernels_is_a_clean_cli_error(folder, no_tensor_read):
     code, out, err = _run("generate", "--model", str(folder), "hi", "--width", "2",
-                          "--prefill-width", "8")
+                          "--prefill-width", "8", "--no-exact")
     assert code == 1 and out == "" and "Traceback" not in err, err
     assert err.count("\n") == 1 and "--prefill-width 8 differs from --width 2" in err, err
-    assert "--kernels rowinv" in err, err
+    assert "with --exact" in err, err
 
 
 def test_the_prefill_width_flag_reaches_the_producer_and_keeps_the_text(folder, monkeypatch):
@@ -403,7 +406,7 @@ def test_the_prefill_width_flag_reaches_the_producer_and_keeps_the_text(folder, 
 
     monkeypatch.setattr(cli, "_block_producer", recording)
     argv = ("generate", "--model", str(folder), "def f(x):\n    return x + 1\n" * 3,
-            "--max-tokens", "6", "--context", "256", "--kernels", "rowinv")
+            "--max-tokens", "6", "--context", "256")
     texts = []
     for extra in (("--prefill-width", "1"), ("--prefill-width", "16"), ()):
         code, out, err = _run(*argv, *extra)

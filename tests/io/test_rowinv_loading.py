@@ -1,13 +1,15 @@
-"""``kernels="rowinv"`` as a user reaches it: ``load_folder``, ``tsj.load`` and ``--kernels``.
+"""``exact`` as a user reaches it: ``load_folder``'s plan, ``tsj.load`` and ``--exact``.
 
-* The embedded draft model (qwen3) loaded with row-invariant kernels at width 1 and at width 16
-  gives bitwise the same greedy completion, tokens and the logits each token was sampled
-  from; with XLA's kernels (float32) the same two widths round differently (the control).
-* A family without row-invariant kernels (Qwen3.5, Gemma 4) is refused with
-  :class:`~turbospark_jax.errors.UnsupportedCapabilityError` naming the family and the mode,
-  and a value that is neither mode with :class:`~turbospark_jax.errors.BadInputError`, both
-  before any tensor is read.
-* ``--kernels`` parses for ``generate`` and ``serve`` and reaches the model they build.
+* The embedded draft model (qwen3) loaded exact (on a CPU: the row-invariant plan) at width 1
+  and at width 16 gives bitwise the same greedy completion, tokens and the logits each token
+  was sampled from; loaded with ``exact=False`` (XLA's kernels on a CPU) the same two widths
+  round differently (the control).
+* A family without row-invariant kernels (Qwen3.5, Gemma 4) serves exact on XLA's kernels at
+  one width: a wider prefill block is refused with
+  :class:`~turbospark_jax.errors.BadInputError`, a row-invariant plan with
+  :class:`~turbospark_jax.errors.UnsupportedCapabilityError`, and a bad ``exact`` with
+  :class:`~turbospark_jax.errors.BadInputError`, all before any tensor is read.
+* ``--exact`` / ``--no-exact`` parse for ``generate`` and reach the model it builds.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import turbospark_jax as tsj
 from turbospark_jax import api, cli
 from turbospark_jax.cli import main
 from turbospark_jax.cli.arguments import parser
-from turbospark_jax.errors import BadInputError, TurbosparkError, UnsupportedCapabilityError
+from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.io import loading
-from turbospark_jax.io.loading import GenerationConfig, load_folder, save_folder
+from turbospark_jax.io.loading import GenerationConfig, load_folder, save_folder, serving_plan
 from turbospark_jax.io.tokenizer import Tokenizer
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense import model as dense
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.gemma4 import model as gemma4
@@ -44,43 +47,44 @@ NEW_TOKENS = 12
 DENSE_FOLDER = loading.embedded_model_path(loading.DEFAULT_DRAFT)
 
 
-def _complete(kernels: str, width: int) -> Any:
-    model = tsj.load(DENSE_FOLDER, kernels=kernels, width=width, dtype="float32", context=128)
-    assert model.loaded.model.kernels == kernels and model.producer.width == width
+def _complete(exact: bool, width: int) -> Any:
+    model = tsj.load(DENSE_FOLDER, exact=exact, width=width, dtype="float32", context=128)
+    assert model.loaded.model.plan.row_invariant == exact and model.producer.width == width
     return tsj.generate(model, PROMPT, max_tokens=NEW_TOKENS, record_logits=True,
-                        stop_token_ids=())
+                        stop_token_ids=(), parallel_prefill=False)
 
 
 def _bits(completion: Any) -> np.ndarray:
     return np.asarray(completion.logits, np.float32).view(np.uint32)
 
 
-def test_rowinv_widths_give_the_same_bits_on_an_embedded_model():
+def test_exact_widths_give_the_same_bits_on_an_embedded_model():
     """Width 1 prefills token by token and decodes one row; width 16 prefills the prompt in
     blocks of 16 rows and decodes one live row of 16: different programs, the same bits."""
-    narrow, wide = _complete("rowinv", 1), _complete("rowinv", 16)
+    narrow, wide = _complete(True, 1), _complete(True, 16)
     assert len(narrow.token_ids) == NEW_TOKENS
     assert narrow.token_ids == wide.token_ids
     np.testing.assert_array_equal(_bits(narrow), _bits(wide))
 
 
 def test_control_xla_kernels_differ_across_widths():
-    """The check can fail: with XLA's kernels a one-row program and a sixteen-row one sum in
-    other orders, so the logits differ in float32 (the greedy tokens happen to agree)."""
-    narrow, wide = _complete("xla", 1), _complete("xla", 16)
+    """The check can fail: with XLA's kernels (``exact=False`` on a CPU) a one-row program
+    and a sixteen-row one sum in other orders, so the logits differ in float32 (the greedy
+    tokens happen to agree)."""
+    narrow, wide = _complete(False, 1), _complete(False, 16)
     assert not np.array_equal(_bits(narrow), _bits(wide))
 
 
-def test_rowinv_default_width_is_decodes_on_every_backend(monkeypatch):
+def test_default_width_is_decodes_where_widths_agree(monkeypatch):
     """XLA's kernels need one program for every path, 16 rows on a GPU; row-invariant kernels
     let decode run at its own width on every backend."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert api.default_width(False) == 16
     assert api.default_width(True, 3) == 16
-    assert api.default_width(False, kernels="rowinv") == 1
-    assert api.default_width(True, 3, kernels="rowinv") == 4
+    assert api.default_width(False, widths_agree=True) == 1
+    assert api.default_width(True, 3, widths_agree=True) == 4
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert api.default_width(False, kernels="rowinv") == api.default_width(False) == 1
+    assert api.default_width(False, widths_agree=True) == api.default_width(False) == 1
 
 
 # -- refusals -------------------------------------------------------------------------------
@@ -118,30 +122,36 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
-def test_a_family_without_rowinv_is_refused_before_any_tensor(folders, no_tensor_read, family):
-    for load in (lambda: load_folder(folders[family], layer_layout="list", kernels="rowinv"),
-                 lambda: tsj.load(folders[family], kernels="rowinv")):
-        with pytest.raises(UnsupportedCapabilityError) as caught:
-            load()
-        message = str(caught.value)
-        assert f"the {family} family" in message and "kernels='rowinv'" in message, message
+def test_a_family_without_rowinv_is_exact_at_one_width(folders, no_tensor_read, family):
+    for exact in (True, False):
+        assert serving_plan(folders[family], exact) == KernelPlan()
+    with pytest.raises(BadInputError, match="prefill_width=64 differs from width=1"):
+        tsj.load(folders[family], width=1, prefill_width=64)
+    with pytest.raises(UnsupportedCapabilityError) as caught:
+        load_folder(folders[family], layer_layout="list", plan=KernelPlan(row_invariant=True))
+    assert f"the {family} family" in str(caught.value), caught.value
     config, module = FAMILIES[family]
     assert not module.FAMILY.build(config, np.float32, "list").row_invariant_kernels
 
 
-@pytest.mark.parametrize("bad", ["pallas", "ROWINV", None, 1])
-def test_a_bad_kernels_value_is_refused_before_the_folder_is_read(no_tensor_read, bad):
-    with pytest.raises(BadInputError, match="kernels must be one of xla, rowinv"):
-        load_folder("/nonexistent/folder", kernels=bad)
-    with pytest.raises(BadInputError, match="kernels must be one of xla, rowinv"):
-        tsj.load("/nonexistent/folder", kernels=bad)
+@pytest.mark.parametrize("bad", ["yes", None, 1])
+def test_a_bad_exact_value_is_refused_before_the_folder_is_read(no_tensor_read, bad):
+    with pytest.raises(BadInputError, match="exact must be True or False"):
+        tsj.load("/nonexistent/folder", exact=bad)
+    with pytest.raises(BadInputError, match="exact must be True or False"):
+        serving_plan("/nonexistent/folder", bad)
+    with pytest.raises(BadInputError, match="plan must be a KernelPlan"):
+        load_folder("/nonexistent/folder", plan="rowinv")
 
 
-def test_the_dense_family_loads_in_either_mode(folders):
-    assert load_folder(folders["dense"]).model.kernels == "xla"
-    stacked = load_folder(folders["dense"], kernels="rowinv")
-    listed = load_folder(folders["dense"], layer_layout="list", kernels="rowinv")
-    assert stacked.model.kernels == listed.model.kernels == "rowinv"
+def test_the_dense_family_loads_under_either_plan(folders):
+    assert load_folder(folders["dense"]).model.plan == KernelPlan()
+    rowinv = KernelPlan(row_invariant=True)
+    assert serving_plan(folders["dense"], True) == rowinv  # on this CPU
+    assert serving_plan(folders["dense"], False) == KernelPlan()
+    stacked = load_folder(folders["dense"], plan=rowinv)
+    listed = load_folder(folders["dense"], layer_layout="list", plan=rowinv)
+    assert stacked.model.plan == listed.model.plan == rowinv
     assert stacked.model.scan_layers and not listed.model.scan_layers
 
 
@@ -154,56 +164,40 @@ def _run(*argv: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def test_the_kernels_flag_parses_for_generate_and_serve():
-    assert parser().parse_args(["generate", "hi"]).kernels == "xla"
-    assert parser().parse_args(["generate", "hi", "--kernels", "rowinv"]).kernels == "rowinv"
-    assert parser().parse_args(["serve"]).kernels == "xla"
-    assert parser().parse_args(["serve", "--kernels", "rowinv"]).kernels == "rowinv"
+def test_the_exact_flag_parses_for_generate():
+    assert parser().parse_args(["generate", "hi"]).exact is True
+    assert parser().parse_args(["generate", "hi", "--no-exact"]).exact is False
+    assert not hasattr(parser().parse_args(["serve"]), "exact")
     code, out, _ = _run("generate", "--help")
-    assert code == 0 and "--kernels {xla,rowinv}" in out and "(default: xla)" in out
+    assert code == 0 and "--exact, --no-exact" in out and "--kernels" not in out
 
 
-def test_the_kernels_flag_reaches_the_model_and_any_width_gives_the_same_text(folders,
-                                                                              monkeypatch):
+def test_the_exact_flag_reaches_the_model_and_any_width_gives_the_same_text(folders,
+                                                                            monkeypatch):
     built = []
     original = cli._block_producer
 
     def recording(loaded, args, capacity):
-        built.append((loaded.model.kernels, args.width))
+        built.append((loaded.model.plan.row_invariant, args.width))
         return original(loaded, args, capacity)
 
     monkeypatch.setattr(cli, "_block_producer", recording)
     argv = ("generate", "--model", str(folders["dense"]), "def f(x):", "--max-tokens", "8",
             "--context", "256")
     texts = []
-    for extra in ((), ("--kernels", "rowinv"), ("--kernels", "rowinv", "--width", "5")):
+    for extra in ((), ("--width", "5"), ("--no-exact",)):
         code, out, err = _run(*argv, *extra)
         assert code == 0, err
         texts.append(out)
-    assert built == [("xla", 1), ("rowinv", 1), ("rowinv", 5)]
-    assert texts[1] == texts[2] and texts[1].strip()
+    assert built == [(True, 1), (True, 5), (False, 1)]
+    assert texts[0] == texts[1] and texts[0].strip()
 
 
-def test_the_kernels_flag_for_a_family_without_it_is_a_clean_error(folders, no_tensor_read):
+def test_a_wide_prefill_for_a_family_without_it_is_a_clean_error(folders, no_tensor_read):
     code, out, err = _run("generate", "--model", str(folders["qwen3_5"]), "hi",
-                          "--kernels", "rowinv")
+                          "--prefill-width", "64")
     assert code == 1 and out == "" and "Traceback" not in err
-    last = err.splitlines()[-1]  # after the spinner's "loading" line, before any tensor
-    assert last.startswith("turbospark-jax: error: the qwen3_5 family"), err
-    assert "--kernels rowinv is not available" in last and "--kernels xla" in last, err
-    code, _, err = _run("generate", "hi", "--kernels", "fast")
-    assert code == 1 and "invalid choice: 'fast'" in err and err.count("\n") == 1
-
-
-def test_serve_passes_the_kernels_flag_to_the_server(monkeypatch):
-    build = pytest.importorskip("turbospark_jax.server.build")
-    asked = {}
-
-    def stop_here(path, **kwargs):
-        asked.update(kwargs)
-        raise TurbosparkError("stopped before loading")
-
-    monkeypatch.setattr(build, "load_server", stop_here)
-    code, _, err = _run("serve", "--kernels", "rowinv")
-    assert code == 1 and "stopped before loading" in err
-    assert asked["kernels"] == "rowinv"
+    last = err.splitlines()[-1]  # before any tensor
+    assert last.startswith("turbospark-jax: error: --prefill-width 64 differs"), err
+    code, _, err = _run("generate", "hi", "--kernels", "rowinv")
+    assert code == 1 and "unrecognized arguments" in err and "Traceback" not in err

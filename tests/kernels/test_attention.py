@@ -97,7 +97,7 @@ def test_control_one_ulp_in_a_visible_key_changes_the_row():
     assert not np.array_equal(base.view(np.uint16), _row(q, nudged, v, 1500, 2).view(np.uint16))
 
 
-# -- the row-invariant form (kernels="rowinv") ------------------------------------------------
+# -- the row-invariant form (a row-invariant kernel plan) -------------------------------------
 
 @pytest.mark.parametrize("case", CASES)
 def test_row_invariant_form_matches_reference(case):

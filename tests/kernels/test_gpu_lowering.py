@@ -4,7 +4,7 @@ A CPU machine cannot run a Triton kernel, but it can lower one: ``jax.export`` f
 ``cuda`` platform runs Pallas' Triton lowering, which is where a kernel that the GPU would
 refuse usually fails (the matmul kernel's single-loop form did, on the H200, with an
 ``('i32', 'i1')`` assertion; the control below keeps that failure reproducible). And it shows
-what a row-invariant block program (``kernels="rowinv"``) is made of on a GPU: no XLA matrix
+what a row-invariant block program (a row-invariant kernel plan) is made of on a GPU: no XLA matrix
 product, no floating-point reduction outside our kernels (XLA's reductions and products choose
 their order by shape, ours by ``K`` and the cache's capacity alone), only exact integer and
 boolean reductions; the same program with XLA's kernels is full of products (the control).
@@ -26,6 +26,7 @@ from turbospark_jax.kernels import rope_store as pallas_rope_store
 from turbospark_jax.kernels import row_norm as pallas_row_norm
 from turbospark_jax.kernels import rowinv
 from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_partials
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.kernels.rowinv import Schedule, Tiles
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
@@ -90,14 +91,9 @@ KERNELS = {
             qkv, c, s, at, k, v, at, 8, n, n, max_keys=512)[0],
         S((4, 3, 12 * 64), jnp.float32), S((3, 64), BF16), S((3, 64), BF16),
         S((3,), jnp.int32), CACHE, CACHE, S((64,), BF16)),
-    "rope and cache write inside the split attention kernel": (
-        lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 8)[0],
-        S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
-        CACHE, CACHE),
     "rope and cache write inside the split attention kernel, folding in its last split": (
         lambda qkv, c, s, at, k, v: pallas_rope_store.rope_store_attention(
-            qkv, c, s, at, k, v, at, 8, fold_in_split=True)[0],
+            qkv, c, s, at, k, v, at, 8)[0],
         S((3, 12 * 64), BF16), S((3, 64), BF16), S((3, 64), BF16), S((3,), jnp.int32),
         CACHE, CACHE),
 }
@@ -180,14 +176,17 @@ ODD = DenseConfig(model_type="qwen3", vocab_size=500, hidden_size=96, intermedia
                   head_dim=32, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1)
 
 
+def _gpu_plan(kernels: str) -> KernelPlan:
+    """The GPU's plan: the compiled Pallas kernels, row-invariant for ``"rowinv"``."""
+    return KernelPlan(row_invariant=kernels == "rowinv", pallas="compiled")
+
+
 def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
-             config: DenseConfig = CONFIG, capacity: int = 256, fuse_rope_store: bool = True,
-             fold_in_split: bool = False, **hints) -> str:
-    """The block program of ``width`` rows as it lowers for a GPU (the model picks its GPU
-    kernels by the default backend, so the test says it is one)."""
+             config: DenseConfig = CONFIG, capacity: int = 256, **hints) -> str:
+    """The block program of ``width`` rows as it lowers for a GPU (the products check that
+    the backend is one, so the test says it is)."""
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    model = DenseModel(config, BF16, scan_layers=False, kernels=kernels,
-                       fuse_rope_store=fuse_rope_store, fold_in_split=fold_in_split)
+    model = DenseModel(config, BF16, scan_layers=False, plan=_gpu_plan(kernels))
     params = jax.eval_shape(lambda: unstack_layers(model.init_params(jax.random.PRNGKey(0))))
     cache = jax.eval_shape(lambda: model.init_cache(capacity))
     rows = S((width,), jnp.int32)
@@ -197,41 +196,20 @@ def _program(kernels: str, width: int, monkeypatch, last_row_head: bool = False,
 
 
 def test_a_short_decode_bound_folds_the_attention_in_one_launch(monkeypatch):
-    """A decode step over a cache of eight key splits launches the split kernel and the fold
-    kernel each layer; bounded by ``max_keys`` to two splits (a short context's decode
-    program, ``block_producer.SHORT_DECODE_KEYS``), the folding kernel alone."""
-    def attention_kernels(**hints):  # the attention alone: the RoPE-store launched apart
-        text = _program("rowinv", 1, monkeypatch, capacity=2048, fuse_rope_store=False,
-                        **hints)
-        return set(re.findall(r'name = "(cached_attention\w*)"', text))
-
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert DenseModel(CONFIG, BF16, scan_layers=False, kernels="rowinv").bounds_keys
-    assert not DenseModel(CONFIG, BF16, scan_layers=False).bounds_keys  # XLA's kernels
-    assert attention_kernels() == {"cached_attention", "cached_attention_fold"}
-    assert attention_kernels(max_keys=512) == {"cached_attention_folding"}
-    assert attention_kernels(max_keys=1024) == {"cached_attention", "cached_attention_fold"}
-
-
-def test_a_short_decode_may_run_the_rope_store_inside_the_attention(monkeypatch):
-    """With ``DenseModel.fuse_rope_store`` (the default) a short context's
-    decode program launches one kernel a layer for the RoPE-store and the attention, an
-    unbounded one two (the split kernel doing the RoPE-store's work, the fold kernel);
-    without it, two and three."""
+    """A decode step over a cache of eight key splits runs the RoPE-store's work inside the
+    split kernel, whose last program folds each query tile: one launch a layer; bounded by
+    ``max_keys`` to two splits (a short context's decode program,
+    ``block_producer.SHORT_DECODE_KEYS``), inside the folding kernel: one launch too."""
     def kernels(**hints):
         text = _program("rowinv", 1, monkeypatch, capacity=2048, **hints)
         return set(re.findall(r'name = "(cached_attention\w*|rope_store\w*)"', text))
 
-    assert DenseModel(CONFIG, BF16).fuse_rope_store  # the default
-    assert kernels(fuse_rope_store=False) == {"rope_store", "cached_attention",
-                                              "cached_attention_fold"}
-    assert kernels(fuse_rope_store=False, max_keys=512) == {"rope_store",
-                                                            "cached_attention_folding"}
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert DenseModel(CONFIG, BF16, scan_layers=False, plan=_gpu_plan("rowinv")).bounds_keys
+    assert not DenseModel(CONFIG, BF16, scan_layers=False).bounds_keys  # XLA's kernels
+    assert kernels() == {"rope_store_attention_split_folding"}
     assert kernels(max_keys=512) == {"rope_store_attention"}
-    assert kernels() == {"rope_store_attention_split", "cached_attention_fold"}
-    # with fold_in_split, the split kernel folds in each tile's last split program
-    assert kernels(fold_in_split=True) == {"rope_store_attention_split_folding"}
-    assert kernels(fold_in_split=True, max_keys=512) == {"rope_store_attention"}
+    assert kernels(max_keys=1024) == {"rope_store_attention_split_folding"}
 
 
 def _float_reductions(text: str) -> list[str]:
@@ -248,7 +226,7 @@ def test_rowinv_program_leaves_xla_no_product_and_no_float_reduction(width, last
                                   r'cached_attention\w*)"', text))
     assert "row_rms_norm" in kernel_names
     # a decode or verify block runs the RoPE-store inside the attention's first kernel
-    fused = {"rope_store_attention", "rope_store_attention_split"}
+    fused = {"rope_store_attention", "rope_store_attention_split_folding"}
     if width <= pallas_rope_store.FUSED_ROWS:
         assert kernel_names & fused and "rope_store" not in kernel_names
     else:
@@ -336,7 +314,7 @@ def _decode_program(kernels: str, settings: dict, monkeypatch) -> str:
     from turbospark_jax.engine.program import _run_blocks
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
+    model = DenseModel(CONFIG, BF16, scan_layers=False, plan=_gpu_plan(kernels))
     params = unstack_layers(model.init_params(jax.random.PRNGKey(0)))
     producer = BlockProducer(model, params, capacity=64, width=1 if kernels == "rowinv" else 4,
                              steps_per_call=4, donate=False)
@@ -402,7 +380,7 @@ def _rounds_program(kernels: str, monkeypatch, settings=None, bounded=None) -> s
     from turbospark_jax.speculative.rounds import RoundsSpec, rounds_function
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    model = DenseModel(CONFIG, BF16, scan_layers=False, kernels=kernels)
+    model = DenseModel(CONFIG, BF16, scan_layers=False, plan=_gpu_plan(kernels))
     params = unstack_layers(model.init_params(jax.random.PRNGKey(0)))
     target = BlockProducer(model, params, capacity=64, width=4, steps_per_call=4, donate=False)
     pair = SpeculativePair(target, NGramDrafter(CONFIG.vocab_size, max_n=3), device_rounds=True)

@@ -1,10 +1,10 @@
 """Programmatic dependent launch inside the decode kernels (``kernels/pdl.py``).
 
-Off a GPU: each mode lowers for CUDA with its instructions in the kernels (and ``"off"``
-without them), the interpreter never takes them, and a bad mode is refused. On a GPU
-(``JAX_PLATFORMS=cuda python -m pytest tests/kernels/test_pdl.py``): the matvec, gated and
-norm kernels under ``"trigger"`` give bitwise what they give without it, at 1 and 16 rows,
-and a changed weight still changes them (the control)."""
+Off a GPU: the compiled kernels lower for CUDA with the instructions in them (and without
+them when the helpers are stubbed out, the comparison's baseline), and the interpreter never
+takes them. On a GPU (``JAX_PLATFORMS=cuda python -m pytest tests/kernels/test_pdl.py``): the
+matvec, gated and norm kernels give bitwise what they give without the instructions, at 1
+and 16 rows, and a changed weight still changes them (the control)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import pdl as pallas_pdl
 from turbospark_jax.kernels import row_norm as pallas_row_norm
 from turbospark_jax.kernels import rowinv
@@ -49,39 +48,40 @@ KERNELS = {
 }
 
 
-@pytest.mark.parametrize("mode", pallas_pdl.MODES)
+def _without_pdl(monkeypatch) -> None:
+    """The helpers stubbed to give nothing: the kernels as they read without the
+    instructions (a baseline for the tests, not a mode of the library)."""
+    monkeypatch.setattr(pallas_pdl, "start", lambda on: None)
+    monkeypatch.setattr(pallas_pdl, "ready", lambda started: None)
+
+
+@pytest.mark.parametrize("pdl", [True, False], ids=["with", "without"])
 @pytest.mark.parametrize("name", KERNELS)
-def test_each_mode_lowers_with_its_instructions(name, mode, monkeypatch):
+def test_the_compiled_kernels_lower_with_the_instructions(name, pdl, monkeypatch):
     fn, *args = KERNELS[name]
-    monkeypatch.setattr(pallas_pdl, "MODE", mode)
-    jax.clear_caches()  # a kernel is traced for the mode it meets
+    if not pdl:
+        _without_pdl(monkeypatch)
+    jax.clear_caches()  # a kernel is traced for the helpers it meets
     text = cuda_text(fn, *args)
     jax.clear_caches()
     assert "xla.gpu.triton" in text
     # (the Triton IR travels serialised: look for the instruction's name in its bytes)
-    assert ("griddepcontrol" in text) == (mode != "off")
+    assert ("griddepcontrol" in text) == pdl
 
 
-def test_the_interpreter_never_takes_the_instructions(monkeypatch):
-    monkeypatch.setattr(pallas_pdl, "MODE", "trigger")
-    assert pallas_pdl.mode_for(interpret=True) == "off"
-    assert pallas_pdl.mode_for(interpret=False) == "trigger"
-    assert pallas_pdl.start("off") is None and pallas_pdl.ready("off", None) is None
+def test_the_interpreter_never_takes_the_instructions():
+    assert pallas_pdl.start(False) is None and pallas_pdl.ready(None) is None
     live = jnp.ones((2, 3), bool)
     assert pallas_pdl.masked(live, None, (2, 3)) is live
 
 
-def test_a_bad_mode_is_refused():
-    assert pallas_pdl.check_mode("trigger") == "trigger"
-    with pytest.raises(BadInputError, match="PDL mode must be one of"):
-        pallas_pdl.check_mode("early")
-
-
-def _run(fn, args, mode, monkeypatch):
-    monkeypatch.setattr(pallas_pdl, "MODE", mode)
-    jax.clear_caches()
-    out = jax.jit(fn)(*args)
-    jax.clear_caches()
+def _run(fn, args, pdl, monkeypatch):
+    with monkeypatch.context() as patch:
+        if not pdl:
+            _without_pdl(patch)
+        jax.clear_caches()
+        out = jax.jit(fn)(*args)
+        jax.clear_caches()
     return [np.asarray(o) for o in jax.tree.leaves(out)]
 
 
@@ -100,15 +100,15 @@ def _values(rows: int, name: str) -> tuple:
 @pytest.mark.skipif(not ON_GPU, reason="the instructions run on a Hopper GPU")
 @pytest.mark.parametrize("rows", [1, 16])
 @pytest.mark.parametrize("name", KERNELS)
-def test_each_mode_keeps_every_bit(name, rows, monkeypatch):
-    """``"trigger"`` gives bitwise the kernel's output without it; a changed weight (the
-    control, under ``"trigger"``) still changes it."""
+def test_the_instructions_keep_every_bit(name, rows, monkeypatch):
+    """The kernels with the instructions give bitwise their output without them; a changed
+    weight (the control, with them) still changes it."""
     fn = KERNELS[name][0]
     args = _values(rows, name)
-    want = _run(fn, args, "off", monkeypatch)
-    got = _run(fn, args, "trigger", monkeypatch)
+    want = _run(fn, args, False, monkeypatch)
+    got = _run(fn, args, True, monkeypatch)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(g.view(np.uint8), w.view(np.uint8))
     moved = (args[0], *(a.at[(0,) * a.ndim].multiply(3) for a in args[1:]))
-    control = _run(fn, moved, "trigger", monkeypatch)
+    control = _run(fn, moved, True, monkeypatch)
     assert any(not np.array_equal(c, w) for c, w in zip(control, want, strict=True))

@@ -18,7 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.kernels.attention import cached_attention_arranged
 from turbospark_jax.kernels.layers import rope_cos_sin, rope_inv_freq
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.kernels.rope_store import (
     FUSED_ROWS,
     rope_store,
@@ -127,9 +129,9 @@ def test_model_with_kernel_agrees_with_model_without(model_type):
     cfg = DenseConfig(model_type=model_type, vocab_size=64, hidden_size=64,
                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
-    mode = "interpret" if INTERPRET else "auto"
-    plain = DenseModel(cfg, jnp.float32, scan_layers=False, attention=mode, rope_store="xla")
-    fused = DenseModel(cfg, jnp.float32, scan_layers=False, attention=mode, rope_store=mode)
+    plan = KernelPlan(pallas="interpret" if INTERPRET else "compiled")
+    plain = DenseModel(cfg, jnp.float32, scan_layers=False)
+    fused = DenseModel(cfg, jnp.float32, scan_layers=False, plan=plan)
     params = unstack_layers(plain.init_params(jax.random.PRNGKey(3)))
     logits = []
     for model in (plain, fused):
@@ -161,11 +163,17 @@ def test_partial_sums_give_the_bits_of_the_finished_projection(dtype, qk_norm, c
         assert np.array_equal(_bits(g), _bits(w))
 
 
-def _fused(qkv, cos, sin, write_at, caches, pos, norms, fuse, max_keys=None, window=None,
-           fold_in_split=False):
+def _fused(qkv, cos, sin, write_at, caches, pos, norms, max_keys=None, window=None):
     return rope_store_attention(qkv, cos, sin, write_at, *caches, pos, H, **norms,
-                                interpret=INTERPRET, max_keys=max_keys, fuse=fuse,
-                                window=window, fold_in_split=fold_in_split)
+                                interpret=INTERPRET, max_keys=max_keys, window=window)
+
+
+def _two_launches(qkv, cos, sin, write_at, caches, pos, norms, max_keys=None, window=None):
+    """The RoPE-store kernel, then the row-invariant attention over the cache it wrote."""
+    qr, k, v = rope_store(qkv, cos, sin, write_at, *caches, H, **norms, interpret=INTERPRET)
+    out = cached_attention_arranged(qr, k, v, pos, heads=H, window=window,
+                                    interpret=INTERPRET, row_invariant=True, max_keys=max_keys)
+    return out, k, v
 
 
 def _pallas_calls(fn, *args) -> set[str]:
@@ -190,27 +198,27 @@ def _pallas_calls(fn, *args) -> set[str]:
     (1, 300, 3, 2048, 512, "rope_store_attention"),    # a short decode's bound
     (5, 40, 2, 2048, 512, "rope_store_attention"),     # a verify's rows
     (16, 7, 0, 256, None, "rope_store_attention"),     # FUSED_ROWS rows
-    (1, 1000, 3, 2048, None, "rope_store_attention_split"),  # eight splits, unbounded
-    (5, 1500, 0, 2048, 1024, "rope_store_attention_split"),  # past two splits' bound
+    (1, 1000, 3, 2048, None, "rope_store_attention_split_folding"),  # eight splits
+    (5, 1500, 0, 2048, 1024, "rope_store_attention_split_folding"),  # past two splits' bound
 ])
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_rope_store_inside_the_attention_gives_the_two_launches_bits(
         width, first, parts, capacity, max_keys, kernel, qk_norm, dtype):
     """The RoPE-store's work inside the attention's first kernel (the folding kernel, or
-    the split kernel before the fold kernel) gives the attention's rows and both caches
+    the split kernel whose last program folds) gives the attention's rows and both caches
     bitwise as the RoPE-store kernel followed by the attention, with the block's last row
     writing nothing (``write_at`` past the cache); the fused kernel is the one that ran."""
     qkv, cos, sin, pos, caches, norms = _inputs(3, dtype, width, first, capacity, parts)
     norms = norms if qk_norm else {}
     write_at = pos.at[-1].set(capacity + 1) if width > 1 else pos
     args = (qkv, cos, sin, write_at, caches, pos, norms)
-    got = _fused(*args, fuse=True, max_keys=max_keys)
-    want = _fused(*args, fuse=False, max_keys=max_keys)
+    got = _fused(*args, max_keys=max_keys)
+    want = _two_launches(*args, max_keys=max_keys)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(_bits(g), _bits(w))
-    kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True, max_keys=max_keys), *args)
-    assert kernel in kernels and "rope_store" not in kernels
+    kernels = _pallas_calls(lambda *a: _fused(*a, max_keys=max_keys), *args)
+    assert kernel in kernels and not {"rope_store", "cached_attention_fold"} & kernels
     if width > 1:  # the row that writes nothing left its cache row as it was
         row = int(pos[-1])
         assert np.array_equal(_bits(got[1][row]), _bits(caches[0][row]))
@@ -222,9 +230,10 @@ def test_rope_store_inside_the_attention_under_a_sliding_window(capacity, max_ke
     the window shorter than their context)."""
     qkv, cos, sin, pos, caches, norms = _inputs(6, jnp.bfloat16, 3, 200, capacity)
     args = (qkv, cos, sin, pos, caches, pos, norms)
-    got, want = (_fused(*args, fuse=f, max_keys=max_keys, window=37) for f in (True, False))
+    got = _fused(*args, max_keys=max_keys, window=37)
+    want = _two_launches(*args, max_keys=max_keys, window=37)
     assert all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
-    wide = _fused(*args, fuse=True, max_keys=max_keys)  # control: the window matters here
+    wide = _fused(*args, max_keys=max_keys)  # control: the window matters here
     assert not np.array_equal(_bits(wide[0]), _bits(got[0]))
 
 
@@ -237,36 +246,36 @@ def test_rope_store_inside_the_attention_under_a_sliding_window(capacity, max_ke
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_the_fold_in_the_last_split_program_gives_the_fold_kernels_bits(
         width, first, parts, max_keys, window, dtype):
-    """``fold_in_split``: each query tile's partials folded by its last split program (an
-    atomic counter a tile) instead of the fold kernel: the rows and caches bitwise those of
+    """Each query tile's partials folded by its last split program (an atomic counter a
+    tile) instead of the fold kernel: the rows and caches bitwise those of the RoPE-store,
     the split kernel and the fold kernel, no fold kernel launched; a second call (the
     counters are made and left at zero) agrees too."""
     qkv, cos, sin, pos, caches, norms = _inputs(4, dtype, width, first, 2048, parts)
     args = (qkv, cos, sin, pos, caches, pos, norms)
-    run = functools.partial(_fused, fuse=True, max_keys=max_keys, window=window)
-    got, want = run(*args, fold_in_split=True), run(*args)
+    run = functools.partial(_fused, max_keys=max_keys, window=window)
+    apart = functools.partial(_two_launches, max_keys=max_keys, window=window)
+    got, want = run(*args), apart(*args)
     for g, w in zip(got, want, strict=True):
         assert np.array_equal(_bits(g), _bits(w))
-    kernels = _pallas_calls(lambda *a: run(*a, fold_in_split=True), *args)
+    kernels = _pallas_calls(run, *args)
     assert kernels == {"rope_store_attention_split_folding"}
-    assert "cached_attention_fold" in _pallas_calls(run, *args)
-    again = run(qkv * 2, cos, sin, pos, caches, pos, norms, fold_in_split=True)
-    assert np.array_equal(_bits(again[0]), _bits(run(qkv * 2, cos, sin, pos, caches, pos,
-                                                     norms)[0]))
+    assert "cached_attention_fold" in _pallas_calls(apart, *args)
+    again = run(qkv * 2, cos, sin, pos, caches, pos, norms)
+    assert np.array_equal(_bits(again[0]), _bits(apart(qkv * 2, cos, sin, pos, caches, pos,
+                                                       norms)[0]))
     # control: the comparison sees a key every row sees (inside the window too), changed
     key = int(pos[0]) - 10
-    moved = run(qkv, cos, sin, pos, (caches[0].at[key].multiply(3), caches[1]), pos, norms,
-                fold_in_split=True)
+    moved = run(qkv, cos, sin, pos, (caches[0].at[key].multiply(3), caches[1]), pos, norms)
     assert not np.array_equal(_bits(moved[0]), _bits(want[0]))
 
 
 def test_rope_store_attention_launches_both_past_fused_rows():
     qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, FUSED_ROWS + 1, 30, 256)
     args = (qkv, cos, sin, pos, caches, pos, norms)
-    kernels = _pallas_calls(lambda *a: _fused(*a, fuse=True), *args)
+    kernels = _pallas_calls(_fused, *args)
     assert not any(k.startswith("rope_store_attention") for k in kernels)
     assert "rope_store" in kernels
-    got, want = (_fused(*args, fuse=f) for f in (True, False))
+    got, want = _fused(*args), _two_launches(*args)
     assert all(np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want, strict=True))
 
 
@@ -274,7 +283,7 @@ def test_control_the_fused_comparison_can_fail():
     """The comparison above sees a change the size of one row's position: the fused kernel
     given the last row one position later differs from the two launches."""
     qkv, cos, sin, pos, caches, norms = _inputs(3, jnp.bfloat16, 5, 40, 256)
-    got = _fused(qkv, cos, sin, pos, caches, pos.at[-1].add(1), norms, fuse=True)
-    want = _fused(qkv, cos, sin, pos, caches, pos, norms, fuse=False)
+    got = _fused(qkv, cos, sin, pos, caches, pos.at[-1].add(1), norms)
+    want = _two_launches(qkv, cos, sin, pos, caches, pos, norms)
     assert not np.array_equal(_bits(got[0]), _bits(want[0]))
 

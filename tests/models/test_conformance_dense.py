@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.testing import conformance as C
@@ -17,15 +18,14 @@ from turbospark_jax.testing import conformance as C
 VOCAB = 96
 
 
-def _producer(model_type, dtype, listed=False, attention="auto", capacity=64, head_dim=12,
-              hidden=48, rope_store="auto", tap_layers=(), **extra):
+def _producer(model_type, dtype, listed=False, plan=XLA_PLAN, capacity=64, head_dim=12,
+              hidden=48, tap_layers=(), **extra):
     cfg = DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=hidden, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2", **extra,
     )
-    model = DenseModel(cfg, dtype, scan_layers=not listed, attention=attention,
-                       rope_store=rope_store, tap_layers=tap_layers)
+    model = DenseModel(cfg, dtype, scan_layers=not listed, plan=plan, tap_layers=tap_layers)
     params = model.init_params(jax.random.PRNGKey(1))
     if listed:  # the serving layout: one params dict and one KV buffer per layer
         params = unstack_layers(params)
@@ -38,8 +38,7 @@ PRODUCERS = {
     "qwen3_f32": _producer("qwen3", jnp.float32),
     "llama_bf16": _producer("llama", jnp.bfloat16),
     "qwen2_f32": _producer("qwen2", jnp.float32),
-    # The serving layout; on a GPU these shapes take the compiled attention and
-    # RoPE-and-cache-write kernels.
+    # The serving layout.
     "llama_bf16_listed": _producer("llama", jnp.bfloat16, listed=True, capacity=80,
                                    head_dim=16, hidden=64),
     # Recording both layers' rows for a block drafter (the taps are append-only state, held
@@ -47,9 +46,11 @@ PRODUCERS = {
     "llama_bf16_listed_tapped": _producer("llama", jnp.bfloat16, listed=True, capacity=80,
                                           head_dim=16, hidden=64, tap_layers=(0, 1)),
     # The fused attention and RoPE-and-cache-write kernels (in the Pallas interpreter), over
-    # two key tiles, with the q/k norm inside the RoPE kernel.
-    "qwen3_f32_kernel": _producer("qwen3", jnp.float32, listed=True, attention="interpret",
-                                  rope_store="interpret", capacity=80),
+    # two key tiles, with the q/k norm inside the RoPE kernel: the form a parallel prefill
+    # pass runs on a GPU.
+    "qwen3_f32_kernel": _producer("qwen3", jnp.float32, listed=True,
+                                  plan=KernelPlan.interpreted(row_invariant=False),
+                                  capacity=80, head_dim=16, hidden=64),
 }
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=22)
 

@@ -156,12 +156,10 @@ def test_unrolled_layers_agree_with_scan(setup: Any) -> None:
     np.testing.assert_allclose(np.asarray(cache_a.k), np.stack(cache_b.k), atol=1e-5, rtol=0)
 
 
-def test_bad_attention_mode_and_cache_layout_are_refused(setup: Any) -> None:
+def test_bad_plan_and_cache_layout_are_refused(setup: Any) -> None:
     model, params, _ = setup
-    with pytest.raises(BadInputError, match="attention must be one of"):
-        DenseModel(model.config, model.dtype, attention="flash")
-    with pytest.raises(BadInputError, match="rope_store must be one of"):
-        DenseModel(model.config, model.dtype, rope_store="triton")
+    with pytest.raises(BadInputError, match="plan must be a KernelPlan"):
+        DenseModel(model.config, model.dtype, plan="flash")
     per_layer = DenseModel(model.config, model.dtype, scan_layers=False).init_cache(CAPACITY)
     with pytest.raises(BadInputError, match="per-layer cache"):
         model.block_forward(params, per_layer, jnp.zeros((4,), jnp.int32),

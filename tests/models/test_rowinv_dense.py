@@ -1,5 +1,5 @@
-"""The dense model with ``kernels="rowinv"``: block programs of different widths agree bit for
-bit, row for row (issue 19), on the CPU.
+"""The dense model under a row-invariant kernel plan: block programs of different widths agree
+bit for bit, row for row, on the CPU.
 
 A producer of width 1 prefills token by token and decodes; producers of width 16 and 64 (other
 programs) prefill in chunks and verify ``k + 1`` rows. Logits rows and every live state leaf
@@ -14,6 +14,7 @@ import pytest
 
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.testing import conformance as C
@@ -30,7 +31,7 @@ def _model(model_type: str, dtype, kernels: str) -> DenseModel:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2",
     )
-    return DenseModel(cfg, dtype, kernels=kernels)
+    return DenseModel(cfg, dtype, plan=KernelPlan(row_invariant=kernels == "rowinv"))
 
 
 def _producers(model: DenseModel, widths: tuple[int, ...]) -> list[BlockProducer]:
@@ -58,14 +59,16 @@ def test_control_xla_kernels_differ_across_widths_in_float32():
         C.check_widths_agree(decoder, prefiller, PROMPT, CUTS, FEED)
 
 
-def test_kernels_is_checked():
+def test_the_plan_is_checked():
     cfg = _model("llama", jnp.float32, "xla").config
-    with pytest.raises(BadInputError, match="kernels must be one of"):
-        DenseModel(cfg, kernels="pallas")
-    with pytest.raises(BadInputError, match="attention='interpret'"):
-        DenseModel(cfg, kernels="rowinv", attention="interpret")
-    assert DenseModel(cfg, kernels="rowinv").fold_in_split  # the default
-    assert not DenseModel(cfg, kernels="rowinv", fold_in_split=False).fold_in_split
+    with pytest.raises(BadInputError, match="plan must be a KernelPlan"):
+        DenseModel(cfg, plan="rowinv")
+    with pytest.raises(BadInputError, match="pallas must be one of"):
+        KernelPlan(row_invariant=True, pallas="triton")
+    with pytest.raises(BadInputError, match="row_invariant must be True or False"):
+        KernelPlan(row_invariant=1)
+    assert DenseModel(cfg, plan=KernelPlan(row_invariant=True)).widths_agree
+    assert not DenseModel(cfg).widths_agree  # XLA's kernels by default
 
 
 # -- products handed on unfinished (DenseModel.defers_sums) -----------------------------------

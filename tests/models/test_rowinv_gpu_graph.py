@@ -1,19 +1,20 @@
 """The row-invariant model's GPU form, run whole in the Pallas interpreter on the CPU.
 
-On a GPU, ``kernels="rowinv"`` runs a different graph from the CPU's: the Triton kernels of
+On a GPU the row-invariant plan runs a different graph from the CPU's: the Triton kernels of
 ``rowinv`` (merged products from one launch, the tied head read as ``[N, K]``, products handed
 on as partial sums), the one-program-a-row norm that adds them to the residual, the
-RoPE-and-cache-write kernel that adds the q/k/v product's, the attention kernel in its
-row-invariant form (split programs and a fold kernel for a few rows, the folding kernel for
-many), and the last-row head of a wide prefill. Here the backend is said to be a GPU and
-every kernel runs in the interpreter, so the wiring of that graph is checked before any GPU
-runs it: the logits match the same model on XLA's kernels to float32 rounding, and producers
-of widths 1, 1 with 256-row prefill blocks (the folding attention kernel) and 4 with 16-row
-blocks give bitwise the same prefill and decode logits; the device loop's decode program
-(draw plans, chunks of steps, one-row kernels) gives the logits of one-by-one steps, and
-sampled, the tokens and state of the branching program. (The interpreter's tile products are
-XLA dots, so the bitwise part speaks for the schedule, not for the GPU's own arithmetic:
-``benchmarks/rowinv_model.py`` checks that on the hardware.)
+RoPE-and-cache-write work inside the attention kernel in its row-invariant form (the folding
+kernel for a short context, the split kernel whose last program folds for a long one), the
+two launched apart for wide blocks, and the last-row head of a wide prefill. Here the model
+runs :meth:`KernelPlan.interpreted`, every kernel in the interpreter, so the wiring of that
+graph is checked before any GPU runs it: the logits match the same model on XLA's kernels to
+float32 rounding, and producers of widths 1, 1 with 256-row prefill blocks (the folding
+attention kernel) and 4 with 16-row blocks give bitwise the same prefill and decode logits;
+the device loop's decode program (draw plans, chunks of steps, one-row kernels) gives the
+logits of one-by-one steps, and sampled, the tokens and state of the branching program.
+(The interpreter's tile products are XLA dots, so the bitwise part speaks for the schedule,
+not for the GPU's own arithmetic: ``benchmarks/rowinv_model.py`` checks that on the
+hardware.)
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ import numpy as np
 import pytest
 
 from turbospark_jax.engine.producer import BlockProducer
-from turbospark_jax.kernels import attention as pallas_attention
 from turbospark_jax.kernels import rope_store as pallas_rope_store
-from turbospark_jax.kernels import row_norm as pallas_row_norm
-from turbospark_jax.kernels import rowinv
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 
@@ -48,21 +47,6 @@ def full_float32_products():
         yield
 
 
-@pytest.fixture
-def gpu_graph_in_the_interpreter(monkeypatch):
-    """The model picks its GPU kernels; every kernel runs in the Pallas interpreter."""
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    interpret = lambda impl: "interpret" if impl in ("auto", "pallas") else impl  # noqa: E731
-    monkeypatch.setattr(rowinv, "resolve_impl", interpret)
-    monkeypatch.setattr(pallas_row_norm, "resolve_impl", interpret)
-    for module, name in ((pallas_attention, "cached_attention_arranged"),
-                         (pallas_rope_store, "rope_store"),
-                         (pallas_rope_store, "rope_store_attention")):
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name,
-                            lambda *a, _f=original, **k: _f(*a, **{**k, "interpret": True}))
-
-
 def _logits(model: DenseModel, params, width: int, prefill_width: int | None,
             **producer_fields) -> tuple:
     producer = BlockProducer(model, params, capacity=CAPACITY, width=width,
@@ -72,19 +56,23 @@ def _logits(model: DenseModel, params, width: int, prefill_width: int | None,
     return np.asarray(last), np.asarray(step)
 
 
-def _model(kernels: str, **fields) -> tuple[DenseModel, object]:
-    model = DenseModel(CONFIG, jnp.float32, scan_layers=False, kernels=kernels, **fields)
+def _model(plan: KernelPlan) -> tuple[DenseModel, object]:
+    model = DenseModel(CONFIG, jnp.float32, scan_layers=False, plan=plan)
     return model, unstack_layers(model.init_params(jax.random.PRNGKey(0)))
+
+
+GPU_FORM = KernelPlan.interpreted()
 
 
 @pytest.fixture(scope="module")
 def reference():
     """The same model on XLA's kernels, on the CPU as it is."""
-    return _logits(*_model("xla"), 1, None)
+    return _logits(*_model(KernelPlan()), 1, None)
 
 
-def test_gpu_form_matches_xla_and_its_widths_agree(gpu_graph_in_the_interpreter, reference):
-    model, params = _model("rowinv")
+def test_gpu_form_matches_xla_and_its_widths_agree(reference):
+    model, params = _model(GPU_FORM)
+    assert model.bounds_keys and model.widths_agree
     runs = {w: _logits(model, params, *w) for w in ((1, None), (1, 256), (4, 16))}
     for got in runs.values():
         for g, want in zip(got, reference, strict=True):
@@ -93,33 +81,12 @@ def test_gpu_form_matches_xla_and_its_widths_agree(gpu_graph_in_the_interpreter,
             assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
 
 
-def test_gpu_form_folding_in_the_last_split_program_keeps_every_bit(
-        gpu_graph_in_the_interpreter, monkeypatch):
-    """``fold_in_split``: a decode step over the cache's two key splits (no short-context
-    program: ``short_decode_keys=0``) folds each tile's partials in its last split program,
-    and its logits are bitwise the graph's with the fold kernel (split kernel, then fold
-    kernel: ``fold_in_split=False``); the prefill, in 16-row blocks, runs the split form
-    too."""
-    original, folds = pallas_rope_store.fold_in_last_split, []
-    jax.clear_caches()  # (the default graph folds this way too: trace it afresh, counted)
-    monkeypatch.setattr(pallas_rope_store, "fold_in_last_split",
-                        lambda *a, **k: folds.append(1) or original(*a, **k))
-    model, params = _model("rowinv", fold_in_split=True)
-    plain, _ = _model("rowinv", fold_in_split=False)
-    for w in ((1, None), (4, 16)):
-        got = _logits(model, params, *w, short_decode_keys=0)
-        want = _logits(plain, params, *w, short_decode_keys=0)
-        for g, b in zip(got, want, strict=True):
-            assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
-    assert folds  # the last split programs folded
-
-
-def test_gpu_form_with_the_fused_rope_store_keeps_every_bit(
-        gpu_graph_in_the_interpreter, monkeypatch):
-    """The RoPE-store's work inside the attention kernels (``fuse_rope_store``, the
-    default: the folding form for a short decode, the split form for 16-row prefill blocks)
-    changes no logit of any width: the graph with it gives bitwise the graph with two
-    launches."""
+def test_gpu_form_folds_in_the_last_split_program_and_keeps_every_bit(monkeypatch):
+    """A decode step over the cache's two key splits (no short-context program:
+    ``short_decode_keys=0``) runs the RoPE-store inside the split kernel, whose last program
+    folds each tile's partials; the prefill, in 16-row blocks, runs the split form too. Its
+    logits are bitwise those of the default producer (the short-context folding kernel for
+    the decode step), at both widths."""
     from turbospark_jax.engine import program as block_program
 
     def forget_programs():  # the patched kernel is called only when a program is traced
@@ -127,28 +94,24 @@ def test_gpu_form_with_the_fused_rope_store_keeps_every_bit(
             program.cache_clear()
         jax.clear_caches()
 
-    model, params = _model("rowinv")
-    two_launches, _ = _model("rowinv", fuse_rope_store=False)
-    assert model.fuse_rope_store  # the default
-    widths = ((1, None), (4, 16))
+    original, folds = pallas_rope_store.fold_in_last_split, []
+    model, params = _model(GPU_FORM)
     forget_programs()
     try:
-        plain = {w: _logits(two_launches, params, *w) for w in widths}
-        original, fused = pallas_rope_store.rope_store_attention, []
-        monkeypatch.setattr(pallas_rope_store, "rope_store_attention",
-                            lambda *a, **k: fused.append(1) or original(*a, **k))
-        forget_programs()
-        for w in widths:
-            for got, want in zip(_logits(model, params, *w), plain[w], strict=True):
-                assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        monkeypatch.setattr(pallas_rope_store, "fold_in_last_split",
+                            lambda *a, **k: folds.append(1) or original(*a, **k))
+        for w in ((1, None), (4, 16)):
+            got = _logits(model, params, *w, short_decode_keys=0)
+            want = _logits(model, params, *w)
+            for g, b in zip(got, want, strict=True):
+                assert np.array_equal(g.view(np.uint32), b.view(np.uint32))
     finally:  # no later test may meet a program traced with the patched kernel
         forget_programs()
-    assert fused  # the fused kernels were traced
+    assert folds  # the last split programs folded
 
 
-def test_control_one_changed_weight_is_past_the_tolerance(gpu_graph_in_the_interpreter,
-                                                          reference):
-    model, params = _model("rowinv")
+def test_control_one_changed_weight_is_past_the_tolerance(reference):
+    model, params = _model(GPU_FORM)
     w = params["layers"][0]["down_proj"]
     params["layers"][0]["down_proj"] = w.at[3].set(w[3] * 1.1)  # 1% was 9.99e-6 on jax 0.12
     got = _logits(model, params, 1, None)
@@ -157,8 +120,7 @@ def test_control_one_changed_weight_is_past_the_tolerance(gpu_graph_in_the_inter
 
 @pytest.mark.parametrize("settings", [{}, {"temperature": 0.9, "top_k": 20, "top_p": 0.9}],
                          ids=["greedy", "top_k"])
-def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, monkeypatch,
-                                                  settings):
+def test_gpu_form_decode_program_equals_its_steps(monkeypatch, settings):
     """The device loop's decode program in its GPU form (the draw plan's branch-free draw,
     the head unbranched, steps in chunks with idle ones after the count, the matvec kernel on
     the call's one row, the gated gate/up kernel): greedy, its logits are bitwise those of
@@ -166,7 +128,7 @@ def test_gpu_form_decode_program_equals_its_steps(gpu_graph_in_the_interpreter, 
     program."""
     from turbospark_jax.core import sampling
 
-    model, params = _model("rowinv")
+    model, params = _model(GPU_FORM)
     producer = BlockProducer(model, params, capacity=CAPACITY, width=1, steps_per_call=16,
                              donate=False)
     _, state = producer.prefill_chunk(producer.init_state(), PROMPT[:40], 0)

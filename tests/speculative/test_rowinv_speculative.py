@@ -1,5 +1,5 @@
 """Speculative greedy decoding equals plain greedy decoding bit for bit when verify and decode
-are *different* programs: with ``kernels="rowinv"`` the plain loop decodes at width 1 and
+are *different* programs: under a row-invariant kernel plan the plain loop decodes at width 1 and
 prefills in wide blocks, while the speculative target verifies ``k + 1`` rows in a program of
 its own width (issue 19's third check, on the CPU). The control: the same comparison with
 XLA's kernels, whose programs of two widths round differently in float32.
@@ -17,6 +17,7 @@ import pytest
 from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel
 from turbospark_jax.speculative.drafters import DraftModelDrafter, NGramDrafter
@@ -34,7 +35,7 @@ def _model(kernels: str, seed: int = 0) -> tuple[DenseModel, object]:
     cfg = DenseConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=48,
                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=12, tie_word_embeddings=False)
-    model = DenseModel(cfg, jnp.float32, kernels=kernels)
+    model = DenseModel(cfg, jnp.float32, plan=KernelPlan(row_invariant=kernels == "rowinv"))
     return model, model.init_params(jax.random.PRNGKey(seed))
 
 

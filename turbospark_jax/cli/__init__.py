@@ -143,7 +143,8 @@ LONG_PREFILL_TOKENS = 512
 
 def _prefill_note(args: argparse.Namespace, on_cpu: bool, prompt_tokens: int) -> str | None:
     """One line when a long prompt will take the slow exact prefill on a CPU."""
-    if (not on_cpu or args.parallel_prefill or prompt_tokens < LONG_PREFILL_TOKENS
+    if (not on_cpu or args.parallel_prefill or not args.exact
+            or prompt_tokens < LONG_PREFILL_TOKENS
             or args.prefill_width != args.width):
         return None
     return (
@@ -166,7 +167,7 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
 
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights, which measured 2.2x slower decode on the H200.
-    return load_folder(path, dtype=args.dtype, layer_layout="list", kernels=args.kernels)
+    return load_folder(path, dtype=args.dtype, layer_layout="list", plan=args.plan)
 
 
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
@@ -225,7 +226,7 @@ def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequenc
         # Progress is told per chunk: 16 blocks of the program keep it moving on a CPU; a
         # chunk holds at least one block of the widest prefill program.
         prefill_chunk_size=max(64, 16 * args.width, args.prefill_width),
-        parallel_prefill=args.parallel_prefill,
+        parallel_prefill=args.parallel_prefill or not args.exact,
         draft_len=args.draft_len if args.drafting else None,
     )
 
@@ -323,6 +324,9 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     check_arguments(args)
     target = _read_folder(Path(args.model) if args.model else
                           embedded_model_path(DEFAULT_TARGET), "--model")
+    from turbospark_jax.io.loading import serving_plan
+
+    args.plan = serving_plan(target.path, args.exact)  # the kernels, before any weights
     on_cpu = jax.default_backend() == "cpu"
     asked_len = args.draft_len
     choice = _choose(args, target, jax.default_backend())
@@ -338,7 +342,7 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     if args.width is None:
         from turbospark_jax.api import default_width
 
-        args.width = default_width(args.drafting, args.draft_len or 4, args.kernels)
+        args.width = default_width(args.drafting, args.draft_len or 4, args.plan.widths_agree)
     _set_prefill_width(args)
     chat_loop = args.chat and args.prompt is None
     image_tokens = _image_tokens(args, target)
@@ -391,18 +395,19 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
 
 def _set_prefill_width(args: argparse.Namespace) -> None:
     """Set ``args.prefill_width``: ``--prefill-width``, or its default for ``--width`` and
-    ``--kernels``.
+    the model's kernel plan.
 
     Raises:
-      CommandLineError: a value below ``--width``, or other than it with ``--kernels xla``.
+      CommandLineError: a value below ``--width``, or other than it where the plan's widths
+        do not agree.
     """
     from turbospark_jax.api import default_prefill_width
     from turbospark_jax.engine.producer import check_prefill_width
 
     if args.prefill_width is None:
-        args.prefill_width = default_prefill_width(args.width, args.kernels)
+        args.prefill_width = default_prefill_width(args.width, args.plan.widths_agree)
     try:
-        check_prefill_width(args.prefill_width, args.width, args.kernels == "rowinv")
+        check_prefill_width(args.prefill_width, args.width, args.plan.widths_agree)
     except BadInputError as exc:
         raise CommandLineError(user_words(str(exc))) from exc
 
@@ -516,7 +521,7 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
                          ngram=args.ngram or 0, drafter=AUTO if args.speculative else None,
                          model_name=args.served_name, max_waiting=args.max_waiting,
                          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-                         replicas=args.replicas, kernels=args.kernels)
+                         replicas=args.replicas)
     if server.drafter is not None:
         print(f"[drafter] {server.drafter.why}", file=stderr, flush=True)
     replicas = f" x {args.replicas} replicas" if args.replicas > 1 else ""

@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels.plan import KERNELS
 from turbospark_jax.speculative.choice import (
     AUTO,
     DEFAULT_DRAFT_LEN,
@@ -32,11 +31,11 @@ DESCRIPTION = (
     "model's config.json and its tokenizer are checked before any weights load."
 )
 
-#: --kernels' help, for generate and serve.
-_KERNELS_HELP = (
-    "the model's per-row kernels: xla (XLA's own: prefill, verify and decode agree bitwise "
-    "because they run one program of --width rows) or rowinv (row-invariant: every --width "
-    "gives the same bits; dense models only; its GPU speed is not measured yet)"
+#: --exact's help.
+_EXACT_HELP = (
+    "keep every path bitwise equal to token-by-token decoding (the default): dense models run "
+    "their row-invariant kernels, so every --width gives the same bits; --no-exact trades "
+    "that for speed: a parallel prefill, and off a GPU XLA's own kernels for dense models"
 )
 
 #: The escapes --stop understands.
@@ -61,7 +60,7 @@ _REQUEST_WORDS = (
     (re.compile(r"\bdraft_len\b"), "--draft-len"),
     (re.compile(r"\bmax_n\b"), "--ngram"),
     (re.compile(r"the producer holds (\d+)"), r"--context is \1"),
-    (re.compile(r"\bkernels='(\w+)'"), r"--kernels \1"),
+    (re.compile(r"\bexact=True\b"), "--exact"),
     (re.compile(r"\bprefill_width=(\d+)"), r"--prefill-width \1"),
     (re.compile(r"\bprefill_width\b"), "--prefill-width"),
     (re.compile(r"\bwidth=(\d+)"), r"--width \1"),
@@ -211,15 +210,15 @@ def parser() -> _Parser:
                           "max_position_embeddings (with a warning) instead of refusing it")
     gen.add_argument("--width", type=int, default=None, metavar="W",
                      help="rows of the exact block program (default: 16 on a GPU; on a CPU 1, "
-                          "or --draft-len + 1 when drafting; with --kernels rowinv the CPU's "
-                          "rule on every backend)")
+                          "or --draft-len + 1 when drafting; with a dense model under --exact "
+                          "the CPU's rule on every backend)")
     gen.add_argument("--prefill-width", type=int, default=None, metavar="P",
                      help="the most rows one block of the exact prefill holds (default: "
-                          "--width; with --kernels rowinv 2048 on a GPU, 256 on a CPU: the "
-                          "same bits in fewer, wider blocks); another value than --width "
-                          "needs --kernels rowinv")
-    gen.add_argument("--kernels", choices=KERNELS, default="xla",
-                     help=_KERNELS_HELP)
+                          "--width; with a dense model under --exact 2048 on a GPU, 256 on a "
+                          "CPU: the same bits in fewer, wider blocks); another value than "
+                          "--width needs a dense model under --exact")
+    gen.add_argument("--exact", action=argparse.BooleanOptionalAction, default=True,
+                     help=_EXACT_HELP)
     gen.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                      help="weights and activations (default: the model's own on a GPU, float32 "
                           "on a CPU, where XLA's bfloat16 matrix products are slow)")
@@ -261,7 +260,6 @@ def _serve_parser(sub: Any) -> None:
     serve.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="weights and activations (default: the model's own on a GPU, "
                             "float32 on a CPU)")
-    serve.add_argument("--kernels", choices=KERNELS, default="xla", help=_KERNELS_HELP)
     serve.add_argument("--prefill-chunk", type=int, default=64, metavar="N",
                        help="the most tokens of one prompt fed between two decode steps "
                             "(rounded up to a multiple of --width)")

@@ -24,7 +24,7 @@ GEMM kernel can treat rows differently by their place in a tile), and for the pr
 prompt's blocks start: they start ``W`` apart from wherever the row's state stood, and the
 block program's guarantee (any split of a prompt into live counts gives the same bits, padding
 rows writing nothing) is what makes a prompt fed in chunks, after any reused prefix, equal to
-the same prompt fed alone. ``tests/test_batching.py`` checks that a request's tokens and logits
+the same prompt fed alone. The batching tests check that a request's tokens and logits
 are bitwise equal to serving it alone in every slot index and for the neighbour mixes, arrival
 orders, shared prefixes and prompt lengths it fuzzes, on XLA's CPU backend with the toy
 attention model. On a GPU it must be checked again on the device (the same test runs there).

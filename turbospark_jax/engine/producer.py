@@ -65,8 +65,8 @@ from turbospark_jax.models.base import BlockModel
 MAX_SNAPSHOTS = 4
 
 #: Blocks a program call holds by default (the longest decode burst). Large enough that the
-#: fixed cost of a call (launch, transfers, the host's checks: about 9 ms on an H100 for the
-#: 1B shape) is a few percent of a burst at the burst sizer's quarter second; the per-call
+#: fixed cost of a call (launch, transfers, the host's checks) is a few percent of a burst
+#: at the burst sizer's quarter second; the per-call
 #: buffers it sizes (plan, sampled ids, a float32 logits row per block) stay small.
 STEPS_PER_CALL = 128
 
@@ -79,10 +79,9 @@ STEPS_PER_CALL = 128
 SHORT_DECODE_KEYS = 512
 
 #: Rows one call of the ``prefill_width`` program holds at least (whole blocks, at least one):
-#: a call returns to the host only when the device has finished it (an H100 trace of the 1B
-#: shape's 8k exact prefill in 2,048-row blocks shows the device idle about 2 ms between
+#: a call returns to the host only when the device has finished it (the device idles between
 #: calls while the host prepares the next), so the full blocks of a long prompt go four to a
-#: call: 74.1 ms became 68.3 ms (``benchmarks/probe_prefill_calls.py``). The plan and the
+#: call. The plan and the
 #: last-row logits it sizes stay small; a model that accepts embeddings keeps a zero
 #: ``[S, W, D]`` "nothing injected" block per program width.
 PREFILL_CALL_ROWS = 8192
@@ -107,8 +106,8 @@ class BlockProducer(
       prefill_width: the most rows one block of the exact prefill holds (:meth:`prefill_chunk`
         and what routes through it); ``None``: ``width``, the one program. A wider value
         needs a model whose programs of different widths agree bitwise
-        (:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`: a dense model with
-        ``kernels="rowinv"``): a chunk then runs in blocks of ``prefill_width`` rows and its
+        (:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`: a dense model under a
+        row-invariant kernel plan): a chunk then runs in blocks of ``prefill_width`` rows and its
         rest in one block of a power of two between ``width`` and ``prefill_width``
         (:func:`prefill_block_widths`), so a few programs serve every prompt, each block
         reading the weights once for all its rows, and every row keeps the bits of
@@ -941,8 +940,8 @@ def check_prefill_width(prefill_width: int, width: int, widths_agree: bool) -> N
             f"prefill_width={prefill_width} differs from width={width}, but this model's "
             "programs of different widths do not agree bit for bit: with XLA's kernels they "
             "round differently, so a chunked prefill in wider blocks would no longer equal "
-            "token-by-token decoding. Load the model with kernels='rowinv' (row-invariant "
-            f"kernels, dense models), or leave prefill_width out (it is then width={width})"
+            "token-by-token decoding. Load a dense model with exact=True (its row-invariant "
+            f"kernels), or leave prefill_width out (it is then width={width})"
         )
 
 

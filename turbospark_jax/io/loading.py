@@ -34,11 +34,11 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from turbospark_jax.core.checks import as_int
+from turbospark_jax.core.checks import as_bool, as_int
 from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
 from turbospark_jax.io.tokenizer import TOKENIZER_FILE, Tokenizer
 from turbospark_jax.io.vision import ImageTokens, VisionEncoder
-from turbospark_jax.kernels import plan as row_kernels
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, kernel_plan
 from turbospark_jax.models import block_drafter
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
@@ -262,7 +262,7 @@ def load_folder(
     path: str | os.PathLike[str],
     dtype: Any = None,
     layer_layout: Literal["stacked", "list"] = "stacked",
-    kernels: Literal["xla", "rowinv"] = "xla",
+    plan: KernelPlan | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face model folder of any family the registry knows.
 
@@ -275,30 +275,30 @@ def load_folder(
         saving) or ``"list"`` (one dict per layer: the fast layout for GPU decoding, see
         :mod:`turbospark_jax.models.dense.model`). A family whose layers differ in shape has only
         ``"list"``.
-      kernels: the model's per-row kernels (:mod:`~turbospark_jax.kernels.plan`):
-        ``"xla"`` (XLA's own; the block program is exact across paths at one width) or
-        ``"rowinv"`` (row-invariant: programs of any two widths agree bit for bit), for a
-        family that declares
-        :attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`.
+      plan: the kernel plan the model runs (:func:`serving_plan` resolves the one to serve
+        with); ``None``: the family's own XLA kernels, which training, saving and sharding
+        want. A row-invariant plan needs a family with row-invariant kernels
+        (:attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`).
 
     Returns:
       The :class:`LoadedModel`.
 
     Raises:
       BadInputError: ``path`` is not a path, ``dtype`` is not one we compute in,
-        ``layer_layout`` is neither layout, or one the family does not have, ``kernels`` is
-        neither mode (all checked before any tensor is read).
-      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without that mode
-        (checked before any tensor is read).
+        ``layer_layout`` is neither layout, or one the family does not have, ``plan`` is
+        not a :class:`~turbospark_jax.kernels.plan.KernelPlan` (all checked before any
+        tensor is read).
+      UnsupportedCapabilityError: a plan other than XLA's for a family without
+        row-invariant kernels (checked before any tensor is read).
       ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
         or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
         missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
         a safetensors file is corrupt or truncated (named).
     """
-    row_kernels.check_kernels(kernels)
+    if not (plan is None or isinstance(plan, KernelPlan)):
+        raise BadInputError(f"plan must be a KernelPlan or None; got {plan!r}")
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
-    model = _in_kernels_mode(family.build(config, resolved, layer_layout), family, config,
-                             kernels)
+    model = _with_plan(family.build(config, resolved, layer_layout), family, config, plan)
     host = _read_params(folder, family, config, np.dtype(resolved))
     vision = _load_vision(folder, np.dtype(resolved))
     tokenizer, generation = folder_extras(folder, config)
@@ -316,19 +316,31 @@ def load_folder(
     )
 
 
-def _in_kernels_mode(model: BlockModel, family: Family, config: Any,
-                     kernels: str) -> BlockModel:
-    """``model`` with its ``kernels`` set; a family that does not declare
-    ``row_invariant_kernels`` has only XLA's kernels, and so only ``"xla"``."""
-    if kernels == "xla":
+def _with_plan(model: BlockModel, family: Family, config: Any,
+               plan: KernelPlan | None) -> BlockModel:
+    """``model`` running ``plan``; a family without row-invariant kernels takes XLA's only."""
+    if plan is None or (plan == XLA_PLAN and not model.row_invariant_kernels):
         return model
     if not model.row_invariant_kernels:
         raise UnsupportedCapabilityError(
-            f"the {family.name} family (model_type {config.model_type!r}) has no row-invariant "
-            f"kernels, so kernels={kernels!r} is not available for it; load it with "
-            "kernels='xla' (the default)"
+            f"the {family.name} family (model_type {config.model_type!r}) runs XLA's kernels "
+            f"only, so the plan {plan} is not available for it; load it without a plan"
         )
-    return dataclasses.replace(model, kernels=kernels)
+    return dataclasses.replace(model, plan=plan)
+
+
+def serving_plan(path: str | os.PathLike[str], exact: bool) -> KernelPlan:
+    """The kernel plan a model folder serves with on this backend
+    (:func:`~turbospark_jax.kernels.plan.kernel_plan`), from its ``config.json`` alone.
+
+    Raises:
+      BadInputError: ``exact`` is not a bool; the rest as :func:`load_folder` raises before
+        reading a tensor.
+    """
+    exact = as_bool("exact", exact)
+    _, family, config, resolved = folder_config(path, None, "list")
+    model = family.build(config, resolved, "list")
+    return kernel_plan(jax.default_backend(), exact, model.row_invariant_kernels)
 
 
 def folder_config(path: Any, dtype: Any, layer_layout: str) -> tuple[str, Family, Any, Any]:

@@ -5,7 +5,7 @@ exp, sum, normalise, the value product, transposes); at decode widths their laun
 more than their work. This kernel does the whole of it in one launch per layer: for every KV
 head and tile of query rows it streams the cache a key tile at a time with an online softmax
 (FlashAttention style), and for long caches it splits the keys over several programs whose
-partial results XLA combines. (Figures: ``benchmarks/results/NOTES.md``.)
+partial results XLA combines.
 
 Exactness: the block program's guarantees need a row's result to be independent of how many
 rows the block holds and of how far the keys are scanned. Both hold here:
@@ -25,7 +25,7 @@ row-invariant form, which tiles run without the mask does depend on the rows' po
 only tiles that every live row of the query tile sees whole do, where the mask would keep
 every score: the same bits (:func:`_split_partial`); the other form masks every tile.
 
-Across block widths (``row_invariant=True``, the mode of ``kernels="rowinv"``) a row must
+Across block widths (``row_invariant=True``, under a row-invariant kernel plan) a row must
 also keep its bits when the number of rows changes, which changes the query tile. So the
 probabilities' row sums go through the tensor cores (their order is the matrix product's, as
 the values' is) instead of a reduction laid out by the tile, and the splits are folded in
@@ -82,7 +82,7 @@ FOLD_LOADS = 4
 SUM_COLUMNS = 16
 #: Query rows a tile product of the row-invariant form takes at once in the Pallas
 #: interpreter. A CPU's matrix product may round a row differently beside another number of
-#: rows (jax 0.12's does), and the query tile's rows follow the call's width, so there the
+#: rows, and the query tile's rows follow the call's width, so there the
 #: tile's products run 16 rows at a time, a shape no width changes; on a GPU the tensor
 #: cores already keep a row's bits, and the whole tile is one product.
 INTERPRET_DOT_ROWS = 16
@@ -122,13 +122,9 @@ class AttentionTiles:
 
 DEFAULT_TILES = AttentionTiles()
 #: The prefill-sized blocks' settings for heads of 128 or more dimensions: twice the rows a
-#: program, 8 warps, 3 stages. A modest choice: on an H100 (``benchmarks/results/
-#: rowinv_h100_attention_chosen_s35.json``) a 2,048-row block of Llama-3.1-8B ran in 0.41 ms a
-#: layer against the defaults' 0.50 at position 2k and 1.16 against 1.18 at 8k, Qwen3-0.6B's
-#: in 0.25 against 0.29 at 2k but 0.70 against 0.66 at 8k; the exact prefill end to end moved
-#: within its noise. (A first sweep's halving for the 0.6B was the first case of each group
-#: timed while the clocks ramped; the sweep now times kernels in a loop.) For 64-dimensional
-#: heads (Llama-3.2-1B) no setting tried won at both positions, so they keep the defaults.
+#: program, 8 warps, 3 stages. A modest choice: faster for wide heads at a short prefix,
+#: about even at a long one. 64-dimensional heads keep the defaults, which no setting tried
+#: beat at both.
 WIDE_HEAD_PREFILL_TILES = AttentionTiles(max_row_tile=128, warps=8, stages=3)
 
 
@@ -149,7 +145,7 @@ def tiles_for(rows: int, head_dim: int) -> AttentionTiles:
     if head_dim >= 128 and rows > FOLD_ON_CHIP_ROWS:
         if KEY_TILE * head_dim > 64 * 128:
             # three stages of key and value tiles this large, beside 128 query rows, pass
-            # the 227 KiB of shared memory a block may have (an H100 refused 228 KiB)
+            # the shared memory a block may have
             return dataclasses.replace(WIDE_HEAD_PREFILL_TILES, stages=2)
         return WIDE_HEAD_PREFILL_TILES
     return DEFAULT_TILES
@@ -206,10 +202,9 @@ def _split_partial(q: jax.Array, pos: jax.Array, k_ref, v_ref, first, end, *, sc
     none past the cache) run a loop without the mask; the rest (the diagonal, an overlapping
     last tile, any tile under a sliding window) a loop with it. On a tile a row sees whole
     the mask selects every score as it is, so a row's bits do not depend on which loop ran a
-    tile, and so not on its neighbours in the query tile; the GPU's bitwise checks
-    (``tests/test_pallas_attention.py`` compiled, ``benchmarks/rowinv_model.py``'s exact
-    part) hold that against the compiler too. The other form's row sum is a reduction the
-    compiler lays out per loop, and on an H100 the two loops gave a row different bits
+    tile, and so not on its neighbours in the query tile; the attention tests, compiled on
+    the GPU, hold that against the compiler too. The other form's row sum is a reduction
+    the compiler lays out per loop, and on a GPU the two loops gave a row different bits
     (that test's ``row_invariant=False`` case, compiled), so that form runs every tile
     through the masked loop: the same code for a row whatever its neighbours. ``dot_rows``:
     the tile products' rows at a time (:data:`INTERPRET_DOT_ROWS` in the interpreter)."""
@@ -520,7 +515,7 @@ def cached_attention(
       window: static sliding window, or ``None``.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
       row_invariant: make every reduction's order independent of the row count, so a row's
-        bits do not depend on ``W`` (``kernels="rowinv"``): the probabilities' row sums are
+        bits do not depend on ``W`` (a row-invariant kernel plan): the probabilities' row sums are
         taken by the tensor cores (a product with a ones matrix) instead of a reduction
         whose thread layout follows the row tile, and the key splits are folded one after
         another in order (:func:`_fold`), either by a second kernel over the partial

@@ -210,7 +210,7 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     out = x * cos[:, None, :] + rotated * sin[:, None, :]
     if jax.default_backend() == "cpu":
         # Rounded as written, in a kernel of its own. Fused into its consumer (the attention's
-        # score product), jax 0.11's CPU compiler gave a row other bits at other slots of
+        # score product), the CPU compiler gave a row other bits at other slots of
         # one block (the products and the sum contracted differently lane by lane), which
         # broke chunked == sequential on an 8-way tensor-parallel mesh; materialised, every
         # row is the same arithmetic (docs/decisions/0008-cpu-row-tiles.md).

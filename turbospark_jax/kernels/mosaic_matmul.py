@@ -1,7 +1,7 @@
 """Row-invariant matrix products on Hopper's tensor cores, through Pallas' Mosaic GPU backend.
 
-The exact prefill's products ran on our Triton matrix kernel (``rowinv._matmul``) at about
-half of cuBLAS's rate on an H100. This kernel keeps that kernel's arithmetic and changes how
+Our Triton matrix kernel (``rowinv._matmul``) runs a prefill block's products well below
+cuBLAS's rate. This kernel keeps that kernel's arithmetic and changes how
 the operands reach the tensor cores: a warp-specialised pipeline (one warpgroup issues TMA
 loads into a ring of shared-memory stages; two compute warpgroups issue ``wgmma``), over a
 persistent grid of one program per multiprocessor.
@@ -10,9 +10,9 @@ The arithmetic is :class:`rowinv.Schedule`'s: each segment of K is summed from z
 chain of tensor-core steps in K order, and the segments' sums are folded in order into a
 float32 total that starts at ``-0.0``; the total is rounded once to the output dtype. Our
 Triton kernels do the same, so a row's bits do not depend on which kernel computed it, nor
-on the rows beside it (checked on the GPU: ``tests/test_mosaic_matmul.py``;
-``benchmarks/probe_mosaic_matmul.py`` showed JAX's own example kernel agreeing with ours at
-one segment and, called once a segment with the running total as its addend, at many).
+on the rows beside it (checked on the GPU by the kernel's tests; JAX's own example kernel
+agrees with ours at one segment and, called once a segment with the running total as its
+addend, at many).
 
 The running total lives in registers beside the segment's accumulator, so a warpgroup's tile
 is at most 128 x 64 float32 of each (64 + 64 registers a thread).
@@ -46,14 +46,14 @@ class MosaicTiles:
         are each ``wg_rows * wg_cols / 128`` float32 registers a thread).
       split: the two compute warpgroups' tiles side by side along ``"cols"`` or ``"rows"``.
       k_step: K columns a pipeline stage holds (64 bfloat16: one 128-byte swizzle row).
-      stages: pipeline stages in shared memory (five: the fastest of four and five at the
-        1B and 8B shapes' prefill products on an H100, ``benchmarks/probe_mosaic_rowinv.py``).
+      stages: pipeline stages in shared memory (five: the faster of four and five at the
+        model shapes' prefill products).
       minor: the persistent grid walks output tiles along ``"rows"`` or ``"cols"`` first,
       band: in bands of this many tiles (a snake), so neighbours share operands in L2.
       gate_in_epilogue: the gated product gates in the kernel's epilogue
         (:func:`mosaic_gated`; its rows checked bitwise against the gated matvec kernel's on
-        an H100, ``tests/test_mosaic_matmul.py``) instead of writing both products for a
-        Triton gating kernel (``False``: the form kept to compare against).
+        the GPU) instead of writing both products for a Triton gating kernel (``False``: the
+        form kept to compare against).
     """
 
     wg_rows: int = 128
@@ -255,7 +255,7 @@ def mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, *, epilogue: Any,
     segment, computed and gated in one launch (``[M, F]`` in ``out_dtype``). ``epilogue``
     must be elementwise; the row-invariant gated product passes its own (``rowinv._swiglu``,
     whose bits Mosaic's compilation was found to share with Triton's over every bfloat16
-    gate value: ``benchmarks/probe_mosaic_elementwise.py``). Shapes as
+    gate value). Shapes as
     :func:`mosaic_matmul`'s."""
     m, k = x.shape
     bm, bn = tiles.block
@@ -315,8 +315,7 @@ def mosaic_partials(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int,
     (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s.
 
     Its rows are the matvec kernel's bitwise, but the model does not call it: at decode sizes
-    the Triton matvec kernel streams the weights faster (``benchmarks/probe_mosaic_decode.py``;
-    docs/decisions/0012-removed-measured-losers.md)."""
+    the Triton matvec kernel streams the weights faster."""
     m, k = x.shape
     _check(x, ws, seg_cols, tiles)
     body = functools.partial(_kernel, t=tiles, stages=tiles.stages,

@@ -1,29 +1,40 @@
-"""The per-row work of a dense layer (matrix products, RMSNorm, RoPE, attention) under a model's
-``kernels`` mode.
+"""The kernel plan: which implementation runs each piece of a dense layer's per-row work
+(matrix products, RMSNorm, RoPE, attention), fixed once when a model is built.
 
-* ``"xla"``: XLA's own kernels. Fast, but a row's bits may change with the number of rows
-  in the call, so exactness needs one program width for every path (DESIGN.md section 2).
-* ``"rowinv"``: every piece gives a row the same bits whatever the number of rows beside it,
-  so programs of different widths (decode at one row, verify at ``k + 1``, prefill in wide
-  chunks) agree row for row. Matrix products run through
-  :func:`~turbospark_jax.kernels.rowinv.rowinv_matmul` (Pallas kernels with a fixed order
-  over K on a GPU). On a GPU the norm is a Pallas kernel of one program per row
-  (:mod:`~turbospark_jax.kernels.row_norm`) and RoPE's elementwise arithmetic runs as
-  XLA writes it (no reduction, so nothing whose order could follow the shape); attention is
-  the fused kernel in its row-invariant form where the dense model's cache is per layer
-  (:mod:`~turbospark_jax.models.dense.attention`). On the CPU, where XLA's own reductions
-  and products change with the row count, the norm, RoPE and attention run in fixed-shape
-  tiles of :data:`~turbospark_jax.kernels.rowinv.XLA_ROW_TILE` rows
-  (:func:`~turbospark_jax.kernels.rowinv.row_tiled`).
+A :class:`KernelPlan` has two facts, and every choice below follows from them:
+
+* ``row_invariant``: every piece gives a row the same bits whatever the number of rows
+  beside it, so programs of different widths (decode at one row, verify at ``k + 1``,
+  prefill in wide chunks) agree row for row. Without it XLA's own kernels run: fast, but a
+  row's bits may change with the number of rows in the call, so exactness needs one program
+  width for every path.
+* ``pallas``: where the Pallas kernels run. ``"compiled"`` on a GPU: row-invariant products
+  through :func:`~turbospark_jax.kernels.rowinv.rowinv_matmul`, the norm as one program per
+  row (:mod:`~turbospark_jax.kernels.row_norm`), attention over a per-layer cache as the
+  fused kernel (:mod:`~turbospark_jax.kernels.attention`) fed by the RoPE-and-cache-write
+  kernel (:mod:`~turbospark_jax.kernels.rope_store`), which in the row-invariant form runs
+  inside the attention's first kernel for a decode or verify block and folds a long
+  context's splits in the last split program. ``"off"`` elsewhere: XLA's operations, and
+  under ``row_invariant`` their fixed-shape tiled forms of
+  :data:`~turbospark_jax.kernels.rowinv.XLA_ROW_TILE` rows
+  (:func:`~turbospark_jax.kernels.rowinv.row_tiled`), since XLA's own CPU reductions and
+  products change with the row count. ``"interpret"`` runs the GPU's kernels in the Pallas
+  interpreter: a test fixture (:meth:`KernelPlan.interpreted`) that checks the GPU graph's
+  wiring on a CPU, never a serving choice.
+
+:func:`kernel_plan` resolves the plan a loaded model serves with from the backend and the
+user's one choice, ``exact``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import layers
 from turbospark_jax.kernels.rowinv import (
@@ -34,36 +45,107 @@ from turbospark_jax.kernels.rowinv import (
     sum_parts,
 )
 
-#: Values of a model's ``kernels`` field.
-KERNELS = ("xla", "rowinv")
+#: Values of :attr:`KernelPlan.pallas`.
+PALLAS = ("off", "compiled", "interpret")
 #: The CPU's tiled attention runs at least one tile, like the product
-#: (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`), not the norms' two: checked across
-#: widths under the default and the tests' XLA flags (``tests/test_rowinv*.py`` and
-#: ``benchmarks.rowinv_model --preset cpu --parts exact``); a one-row decode step then attends
-#: with 4 query rows, not 8 (43-46 to 52-55 tokens/s on the CPU preset).
+#: (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`), not the norms' two: a one-row
+#: decode step then attends with one tile of query rows, not two, and every width still
+#: agrees (checked by the row-invariant model tests under the CPU's default XLA flags and
+#: the tests' own).
 ATTEND_MIN_TILES = 1
 
 
-def check_kernels(kernels: Any) -> None:
-    """Raises:
-      BadInputError: ``kernels`` is not one of :data:`KERNELS`."""
-    if kernels not in KERNELS:
-        raise BadInputError(f"kernels must be one of {', '.join(KERNELS)}; got {kernels!r}")
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+    """Which kernels a model's per-row work runs on (see the module docstring). Frozen and
+    hashable: a static part of the model under ``jit``.
+
+    Attributes:
+      row_invariant: a row's bits do not depend on the number of rows in the call, so block
+        programs of different widths agree bitwise (:attr:`widths_agree`).
+      pallas: one of :data:`PALLAS`: ``"compiled"`` (the Pallas kernels on a GPU),
+        ``"off"`` (XLA's operations only) or ``"interpret"`` (the GPU's kernels in the
+        Pallas interpreter; tests only).
+    """
+
+    row_invariant: bool = False
+    pallas: str = "off"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "row_invariant", as_bool("row_invariant", self.row_invariant))
+        if self.pallas not in PALLAS:
+            raise BadInputError(
+                f"pallas must be one of {', '.join(PALLAS)}; got {self.pallas!r}")
+
+    @classmethod
+    def interpreted(cls, row_invariant: bool = True) -> KernelPlan:
+        """The GPU's plan with every Pallas kernel in the interpreter, for tests on a CPU
+        (slow: tiny models only)."""
+        return cls(row_invariant=row_invariant, pallas="interpret")
+
+    @property
+    def widths_agree(self) -> bool:
+        """Whether block programs of different widths agree bitwise, row for row."""
+        return self.row_invariant
+
+    @property
+    def uses_pallas(self) -> bool:
+        """Whether the Pallas kernels run (compiled or interpreted)."""
+        return self.pallas != "off"
+
+    @property
+    def impl(self) -> str:
+        """The ``impl`` the row-invariant products and norm take under this plan."""
+        return {"off": "xla", "compiled": "pallas", "interpret": "interpret"}[self.pallas]
+
+    def parallel(self) -> KernelPlan:
+        """The plan of a parallel prefill pass: it stands outside every bitwise guarantee,
+        so XLA's kernels (and the faster, non-invariant forms of the Pallas ones)."""
+        return dataclasses.replace(self, row_invariant=False)
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+#: XLA's own kernels, no Pallas: a model's plan until loading resolves another (training and
+#: tools want it: every piece differentiates and shards).
+XLA_PLAN = KernelPlan()
 
 
-def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
+def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> KernelPlan:
+    """The plan a loaded model serves with.
+
+    Args:
+      backend: the JAX backend (``jax.default_backend()``).
+      exact: whether the exact prefill should run in wide blocks that agree bitwise with
+        token-by-token decoding (the row-invariant plan). On a GPU the row-invariant kernels
+        are also the fastest, so both choices take them there; on another backend the
+        row-invariant forms are fixed-shape tiles that decode slower than XLA's own kernels,
+        which ``exact=False`` takes instead.
+      row_invariant_family: the family has row-invariant kernels
+        (:attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`); one without
+        them always runs XLA's kernels at one program width.
+
+    Raises:
+      BadInputError: ``exact`` or ``row_invariant_family`` not a bool, ``backend`` not a str.
+    """
+    exact = as_bool("exact", exact)
+    if not isinstance(backend, str):
+        raise BadInputError(f"backend must be a JAX backend name; got {backend!r}")
+    if not as_bool("row_invariant_family", row_invariant_family):
+        return XLA_PLAN
+    gpu = backend == "gpu"
+    if exact or gpu:
+        return KernelPlan(row_invariant=True, pallas="compiled" if gpu else "off")
+    return XLA_PLAN
+
+
+def matmul(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
            out_dtype: Any = None, w_layout: str = "kn", label: str = "") -> jax.Array:
     """``x [W, K] @ w [K, N]`` in ``out_dtype`` (``x.dtype`` when None), float32 accumulation.
 
     ``w`` may be a tuple of weights whose products come out side by side (one launch under
-    ``"rowinv"``), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied head);
-    ``label`` names the row-invariant kernel in a profile."""
-    if kernels == "rowinv":
-        return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype,
+    a row-invariant plan), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied
+    head); ``label`` names the row-invariant kernel in a profile."""
+    if plan.row_invariant:
+        return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype, impl=plan.impl,
                              schedule=_schedule(x, w, w_layout), label=label)
     ws = w if isinstance(w, tuple) else (w,)
     if w_layout == "nk":
@@ -74,23 +156,27 @@ def matmul(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
 
 
-def swiglu(kernels: str, x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
-    """SwiGLU's hidden rows ``silu(x @ gate) * (x @ up)`` under ``"rowinv"``: one launch on a
-    GPU that gates in its epilogue (:func:`~turbospark_jax.kernels.rowinv.rowinv_swiglu`),
-    labelled ``gate_up``."""
-    if kernels != "rowinv":
-        raise BadInputError(f"the gated product is a row-invariant kernel; got {kernels!r}")
-    return rowinv_swiglu(x, gate, up, label="gate_up")
+def _require_row_invariant(plan: KernelPlan, what: str) -> None:
+    if not plan.row_invariant:
+        raise BadInputError(f"{what} is a row-invariant kernel; the plan {plan} is not")
 
 
-def matmul_parts(kernels: str, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
+def swiglu(plan: KernelPlan, x: jax.Array, gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's hidden rows ``silu(x @ gate) * (x @ up)`` under a row-invariant plan: one
+    launch on a GPU that gates in its epilogue
+    (:func:`~turbospark_jax.kernels.rowinv.rowinv_swiglu`), labelled ``gate_up``."""
+    _require_row_invariant(plan, "the gated product")
+    return rowinv_swiglu(x, gate, up, impl=plan.impl, label="gate_up")
+
+
+def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
                  label: str = "") -> jax.Array:
-    """``x @ w`` under ``"rowinv"``, unfinished: float32 partial sums over K ``[S, W, N]``
-    (:func:`~turbospark_jax.kernels.rowinv.sum_parts` finishes them; so do
+    """``x @ w`` under a row-invariant plan, unfinished: float32 partial sums over K
+    ``[S, W, N]`` (:func:`~turbospark_jax.kernels.rowinv.sum_parts` finishes them; so do
     :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
-    if kernels != "rowinv":
-        raise BadInputError(f"partial sums come from the row-invariant kernels; got {kernels!r}")
-    return rowinv_matmul(x, w, parts=True, schedule=_schedule(x, w, "kn"), label=label)
+    _require_row_invariant(plan, "a product's partial sums")
+    return rowinv_matmul(x, w, parts=True, impl=plan.impl, schedule=_schedule(x, w, "kn"),
+                         label=label)
 
 
 def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
@@ -98,29 +184,33 @@ def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:
     return schedule_for(x.shape[-1], sum(a.shape[0 if w_layout == "nk" else 1] for a in ws))
 
 
-def add_norm(kernels: str, residual: jax.Array, parts: jax.Array, weight: jax.Array | None,
-             eps: float) -> tuple[jax.Array, jax.Array]:
-    """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under
-    ``"rowinv"``: one kernel on a GPU (:func:`~turbospark_jax.kernels.row_norm.
-    add_parts_rms_norm`), the sum (elementwise) and the tiled norm on the CPU. Both round
-    ``h`` exactly as finishing the product and adding it would."""
-    if _on_gpu():
+def add_norm(plan: KernelPlan, residual: jax.Array, parts: jax.Array,
+             weight: jax.Array | None, eps: float) -> tuple[jax.Array, jax.Array]:
+    """``h = residual + sum_parts(parts)`` and its RMSNorm, ``(h, normed)``, under a
+    row-invariant plan: one kernel where the Pallas kernels run
+    (:func:`~turbospark_jax.kernels.row_norm.add_parts_rms_norm`), the sum (elementwise) and
+    the tiled norm elsewhere. Both round ``h`` exactly as finishing the product and adding
+    it would."""
+    _require_row_invariant(plan, "the norm after partial sums")
+    if plan.uses_pallas:
         from turbospark_jax.kernels.row_norm import add_parts_rms_norm
 
-        return add_parts_rms_norm(residual, parts, weight, eps)
+        return add_parts_rms_norm(residual, parts, weight, eps, impl=plan.impl)
     h = residual + sum_parts(parts, residual.dtype)
-    return h, rms_norm(kernels, h, weight, eps)
+    return h, rms_norm(plan, h, weight, eps)
 
 
-def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -> jax.Array:
+def rms_norm(plan: KernelPlan, x: jax.Array, weight: jax.Array | None,
+             eps: float) -> jax.Array:
     """:func:`~turbospark_jax.kernels.layers.rms_norm` over the last axis of ``x [..., D]``;
-    under ``"rowinv"`` every leading index is a row of the fixed-shape tiles."""
-    if kernels == "xla":
+    under a row-invariant plan every leading index is a row of the norm kernel or of the
+    fixed-shape tiles."""
+    if not plan.row_invariant:
         return layers.rms_norm(x, weight, eps)
-    if _on_gpu():
+    if plan.uses_pallas:
         from turbospark_jax.kernels.row_norm import row_rms_norm
 
-        return row_rms_norm(x, weight, eps)
+        return row_rms_norm(x, weight, eps, impl=plan.impl)
     rows = x.reshape(-1, x.shape[-1])
     if weight is None:
         return row_tiled(lambda t: layers.rms_norm(t, None, eps), rows).reshape(x.shape)
@@ -128,35 +218,42 @@ def rms_norm(kernels: str, x: jax.Array, weight: jax.Array | None, eps: float) -
                      shared=(weight,)).reshape(x.shape)
 
 
-def rope_cos_sin(kernels: str, positions: jax.Array, inv_freq: Any, scale: float,
+def _tiles_elementwise(plan: KernelPlan) -> bool:
+    """Whether RoPE's tables and rotation run in fixed-shape tiles: under a row-invariant
+    plan without the Pallas kernels (XLA's vectorised sine and cosine, and its fusions on
+    the CPU, need not round a row alike at every row count). Beside the Pallas kernels that
+    elementwise arithmetic runs as XLA writes it (no reduction, so nothing whose order could
+    follow the shape)."""
+    return plan.row_invariant and not plan.uses_pallas
+
+
+def rope_cos_sin(plan: KernelPlan, positions: jax.Array, inv_freq: Any, scale: float,
                  dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """:func:`~turbospark_jax.kernels.layers.rope_cos_sin` of ``positions [W]``; under
-    ``"rowinv"`` in fixed-shape tiles (XLA's vectorised sine and cosine need not round a
-    row alike at every row count)."""
-    if kernels == "xla" or _on_gpu():
+    """:func:`~turbospark_jax.kernels.layers.rope_cos_sin` of ``positions [W]``."""
+    if not _tiles_elementwise(plan):
         return layers.rope_cos_sin(positions, inv_freq, scale, dtype)
     return row_tiled(lambda p: layers.rope_cos_sin(p, inv_freq, scale, dtype), positions)
 
 
-def apply_rope(kernels: str, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """:func:`~turbospark_jax.kernels.layers.apply_rope` of ``x [W, N, hd]``; under
-    ``"rowinv"`` in fixed-shape tiles."""
-    if kernels == "xla" or _on_gpu():
+def apply_rope(plan: KernelPlan, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """:func:`~turbospark_jax.kernels.layers.apply_rope` of ``x [W, N, hd]``."""
+    if not _tiles_elementwise(plan):
         return layers.apply_rope(x, cos, sin)
     return row_tiled(layers.apply_rope, x, cos, sin)
 
 
-def attend(kernels: str, q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
+def attend(plan: KernelPlan, q: jax.Array, k: jax.Array, v: jax.Array, q_positions: jax.Array,
            k_positions: jax.Array, window: Any) -> jax.Array:
     """:func:`~turbospark_jax.kernels.layers.attend` of queries ``[W, H, hd]`` over keys and
-    values ``[S, KV, hd]``; under ``"rowinv"`` the queries go in fixed-shape tiles, so a
-    query row's score and value products have one shape whatever ``W`` is. On a CPU each tile
-    walks the keys in blocks up to the last one its rows see (:func:`_attend_blocks`); on a
-    GPU (where this is the fallback for shapes the fused kernel does not take) it takes the
-    whole softmax, since a loop whose trip count is data waits on the host there, per block."""
-    if kernels == "xla":
+    values ``[S, KV, hd]``; under a row-invariant plan the queries go in fixed-shape tiles,
+    so a query row's score and value products have one shape whatever ``W`` is. Without the
+    Pallas kernels each tile walks the keys in blocks up to the last one its rows see
+    (:func:`_attend_blocks`); beside them (where this is the fallback for shapes the fused
+    kernel does not take) it takes the whole softmax, since on a GPU a loop whose trip count
+    is data waits on the host, per block."""
+    if not plan.row_invariant:
         return layers.attend(q, k, v, q_positions, k_positions, window)
-    attend_tile = layers.attend if _on_gpu() else _attend_blocks
+    attend_tile = layers.attend if plan.uses_pallas else _attend_blocks
     return row_tiled(
         lambda qt, pt, k, v, kp: attend_tile(qt, k, v, pt, kp, window), q, q_positions,
         shared=(k, v, k_positions), min_tiles=ATTEND_MIN_TILES,

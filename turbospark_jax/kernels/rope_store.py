@@ -7,23 +7,22 @@ layout, the K cache write and the V cache write) are launch-bound kernels of the
 it comes (one ``[W, (H + 2 KV) hd]`` matrix): the optional per-head q/k RMSNorm (Qwen3), the
 rotation of q and k, the queries written straight into the layout of
 :func:`~turbospark_jax.kernels.attention.cached_attention_arranged`, and k and v
-written into the layer's cache in place. (Figures, and the variant that was dropped:
-``benchmarks/results/NOTES.md``.)
+written into the layer's cache in place.
 
 The kernel works row by row: a row's result never depends on another row, so the block
 program's bitwise guarantees (one program, different live rows) hold with it as without.
 :func:`rope_store_xla` is the XLA expression it replaces; the tests compare the two.
 
-At a decode step even this launch is a floor of its own, whatever the little work in it
-(figures: ``benchmarks/results/NOTES.md``). :func:`rope_store_attention` runs the same row
-work inside the row-invariant attention's first kernel instead (the folding kernel at a
-short context, the split kernel before the fold kernel at a long one): each program does
+At a decode step even this launch is a floor of its own, whatever the little work in it.
+:func:`rope_store_attention` runs the same row work inside the row-invariant attention's
+first kernel instead (the folding kernel at a short context, the split kernel whose last
+program folds at a long one): each program does
 its KV head's rows, waits at a barrier for its own writes, then attends over the cache it
 just wrote. The fused kernels call the same code for the arithmetic as the separate ones
 (:func:`_rotated`; :func:`~turbospark_jax.kernels.attention.fold_splits`,
 :func:`~turbospark_jax.kernels.attention.split_of`), so a row comes out the same
 either way; on the GPU that is the compiler's to keep, checked there by the kernel tests.
-The dense model runs it by default (``DenseModel.fuse_rope_store``).
+The dense model runs it under a row-invariant plan with the Pallas kernels.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from turbospark_jax.kernels.attention import (
     cached_attention_arranged,
     compiler_kwargs,
     fold_in_last_split,
-    fold_partials,
     fold_splits,
     folds_on_chip,
     interpret_dot_rows,
@@ -309,22 +307,23 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
         store_rows(o_ref, (acc / l[:, None]).astype(o_ref.dtype), rows, tile=t)
 
 
-@functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys",
-                                             "fuse", "fold_in_split"))
+@functools.partial(jax.jit, static_argnames=("heads", "eps", "window", "interpret", "max_keys"))
 def rope_store_attention(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-    fuse: bool = True, fold_in_split: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.kernels.attention.cached_attention_arranged` with
     ``row_invariant=True``), the RoPE-store's work done inside the attention's first kernel
     for a block of at most :data:`FUSED_ROWS` rows: one launch where the attention folds on
-    chip (a short context under ``max_keys``, a cache of one split), the split kernel and
-    the fold kernel elsewhere; wider blocks, or ``fuse=False``, launch the RoPE-store too.
-    Either way a row gets the same bits: the fused kernels run both kernels' code.
+    chip (a short context under ``max_keys``, a cache of one split); elsewhere the split
+    kernel, whose last program to finish a query tile folds that tile's partials
+    (:func:`~turbospark_jax.kernels.attention.fold_in_last_split`: an atomic counter a tile,
+    the fold kernel's own code), so again one launch. Wider blocks launch the RoPE-store and
+    the attention apart. Either way a row gets the same bits: the fused kernels run both
+    kernels' code.
 
     Args:
       qkv, cos, sin, write_at, k_cache, v_cache, heads, q_norm, k_norm, eps: as for
@@ -332,12 +331,6 @@ def rope_store_attention(
       q_positions: int32 ``[W]``, each row's position.
       window, max_keys: as for the attention.
       interpret: run in the Pallas interpreter (CPU tests).
-      fuse: allow the RoPE-store's work inside the attention kernel.
-      fold_in_split: where the fused kernel is the split kernel, fold each query tile's
-        partials in its last split program instead of launching the fold kernel (an atomic
-        counter a tile; the fold kernel's own code, so the same bits): one launch a layer
-        fewer at a long context. Speed only (``DenseModel.fold_in_split``, on by default,
-        asks for it).
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
@@ -348,7 +341,7 @@ def rope_store_attention(
     groups = heads // kv_heads
     rows = width * groups
     tiles = tiles_for(rows, head_dim)
-    if not (fuse and width <= FUSED_ROWS):
+    if width > FUSED_ROWS:
         qr, k_cache, v_cache = rope_store(qkv, cos, sin, write_at, k_cache, v_cache, heads,
                                           q_norm, k_norm, eps=eps, interpret=interpret)
         out = cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
@@ -385,25 +378,23 @@ def rope_store_attention(
     else:
         splits = partial_splits(splits)  # whole groups for the fold kernel's loads
         grid = (kv_heads, count, splits)
-        # a tile's partials: one split's block a program, or every split's (fold_in_split)
-        at = (lambda s: 0) if fold_in_split else (lambda s: s)
-        lead = splits if fold_in_split else None
+        # every split's partials of a tile, for its last split program to fold
         result_specs = [
-            pl.BlockSpec((lead, None, tile, head_dim), lambda h, t, s: (at(s), h, t, 0)),
-            pl.BlockSpec((lead, None, tile), lambda h, t, s: (at(s), h, t)),
-            pl.BlockSpec((lead, None, tile), lambda h, t, s: (at(s), h, t)),
+            pl.BlockSpec((splits, None, tile, head_dim), lambda h, t, s: (0, h, t, 0)),
+            pl.BlockSpec((splits, None, tile), lambda h, t, s: (0, h, t)),
+            pl.BlockSpec((splits, None, tile), lambda h, t, s: (0, h, t)),
         ]
         result_shapes = [
             jax.ShapeDtypeStruct((splits, kv_heads, padded, head_dim), jnp.float32),
             jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
             jax.ShapeDtypeStruct((splits, kv_heads, padded), jnp.float32),
         ]
-        if fold_in_split:  # the finished rows, and a counter a tile (zeros, left at zero)
-            result_specs += [pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),
-                             whole((kv_heads * count,))]
-            result_shapes += [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype),
-                              jax.ShapeDtypeStruct((kv_heads * count,), jnp.int32)]
-    fold_last = splits if fold_in_split and not folding else 0
+        # the finished rows, and a counter a tile (zeros, left at zero)
+        result_specs += [pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),
+                         whole((kv_heads * count,))]
+        result_shapes += [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype),
+                          jax.ShapeDtypeStruct((kv_heads * count,), jnp.int32)]
+    fold_last = 0 if folding else splits
     kernel = functools.partial(
         _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
@@ -423,17 +414,9 @@ def rope_store_attention(
         out_shape=[*result_shapes, *scratch_shapes],
         input_output_aliases=aliases,
         interpret=interpret,
-        name=("rope_store_attention" if folding else "rope_store_attention_split_folding"
-              if fold_last else "rope_store_attention_split"),
+        name="rope_store_attention" if folding else "rope_store_attention_split_folding",
         **compiler_kwargs(tiles, interpret),
     )(*operands, k_cache, v_cache, *counters)
-    if folding:
-        (out,) = results
-    elif fold_last:
-        out = results[3]
-    else:
-        out = fold_partials(bound, *results, rows=rows, capacity=capacity,
-                            split_len=split_len, dtype=v_cache.dtype, tiles=tiles,
-                            interpret=interpret)
+    out = results[0] if folding else results[3]
     out = out.reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(width, heads, head_dim), k_cache, v_cache

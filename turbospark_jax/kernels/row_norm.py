@@ -11,12 +11,11 @@ single block of ``Dp`` columns (``D`` rounded up to a power of two, the padding 
 nothing to the sum of squares; the mean divides by the true ``D``). The program, its block and
 its Triton settings are functions of ``D`` alone, so every row runs the same instructions
 whatever ``M`` is and wherever the row sits: a row's bits depend on that row, the weight and
-``eps`` only, as DESIGN.md section 7 asks of the norms. Its steps are functions a kernel
-that norms a row among other work can share (:func:`inverse_rms`, whose sum of squares may
-instead be a fixed halving tree, :func:`halving_sum`, for a kernel whose layout differs: the
-last program of a product, ``benchmarks/probe_last_program.py``). In the Pallas interpreter
-``tests/test_pallas_row_norm.py`` checks that on a CPU; the compiled kernel is checked on the
-GPU by the benchmarks.
+``eps`` only, as the block program's bitwise guarantees ask of the norms. Its steps are
+functions a kernel that norms a row among other work can share (:func:`inverse_rms`, whose
+sum of squares may instead be a fixed halving tree, :func:`halving_sum`, for a kernel whose
+layout differs: the last program of a product). In the Pallas interpreter the norm's tests
+check that on a CPU; the compiled kernel is checked on the GPU.
 
 ``impl="xla"`` (the default off a GPU) is the plain XLA expression, ``residual + x`` and
 ``layers.rms_norm``. On a CPU its rows are *not* claimed to be independent of ``M``: XLA's
@@ -55,8 +54,7 @@ def halving_sum(v: jax.Array) -> jax.Array:
     named elements, so the order is the tree's whatever layout a compiler gives ``v``
     (``jnp.sum``'s order in a Triton kernel follows the layout, which follows the kernel
     around it): the norm kernel and a kernel that norms rows among other work (the last
-    program of a product, ``benchmarks/probe_last_program.py``) get one sum from the same
-    row."""
+    program of a product) get one sum from the same row."""
     while v.shape[0] > 1:
         # halves as a split, not a reduction over a [2, n] view: XLA merges a chain of
         # reductions into one of its own order
@@ -102,7 +100,7 @@ def scaled_rows(h: jax.Array, inv: jax.Array, weight: jax.Array | None, dtype: A
 
 
 def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual: bool,
-                 parts: int, pdl: str = "off") -> None:
+                 parts: int, pdl: bool = False) -> None:
     # Refs in order: x, [weight], [residual], then outputs [h], normed; the row blocks are
     # [Dp] (x's is [parts, Dp] when it comes as float32 partial sums).
     refs = list(refs)
@@ -112,7 +110,7 @@ def _norm_kernel(*refs: Any, eps: float, d: int, has_weight: bool, has_residual:
     h_out = refs.pop(0) if has_residual else None
     (o_ref,) = refs
     dtype = o_ref.dtype
-    gate = pallas_pdl.ready(pdl, pallas_pdl.start(pdl))  # (None when off)
+    gate = pallas_pdl.ready(pallas_pdl.start(pdl))  # (None in the interpreter)
 
     def read(ref: Any) -> jax.Array:  # a row the kernel ahead wrote: after its wait
         if gate is None:
@@ -155,7 +153,7 @@ def _pallas(x: jax.Array, weight: jax.Array | None, residual: jax.Array | None, 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=warps, num_stages=1)
     kernel = functools.partial(_norm_kernel, eps=eps, d=d, has_weight=weight is not None,
                                has_residual=residual is not None, parts=parts,
-                               pdl=pallas_pdl.mode_for(interpret))
+                               pdl=not interpret)
     out = pl.pallas_call(
         kernel,
         grid=(m,),

@@ -3,7 +3,7 @@
 ``rowinv_matmul(x [M, K], w [K, N])`` gives row ``r`` of its result bitwise the same for any
 ``M``, any position of the row in ``x`` and either of its kernels, so a decode step of one row,
 a verify of ``k + 1`` rows and a prefill chunk of thousands can be different programs and still
-agree bit for bit (DESIGN.md section 7).
+agree bit for bit.
 
 What fixes a row's arithmetic is its *schedule* (:class:`Schedule`), a function of ``K``
 alone: the reduction over ``K`` runs in tiles of ``k_tile`` columns, one after another; runs of
@@ -22,19 +22,18 @@ On a GPU two Pallas (Triton) kernels follow that schedule:
 Both repeat the same tile step (:func:`_tile_step`), so a row agrees between them. On a
 Hopper GPU a third kernel, ``"mosaic"`` (:mod:`~turbospark_jax.kernels.mosaic_matmul`: Pallas'
 Mosaic GPU backend, TMA loads and ``wgmma`` in a warp-specialised pipeline), follows the same
-schedule for many rows at 1.3-1.6x the Triton matmul kernel's rate, and its rows are the
-Triton kernels' bitwise (``tests/test_mosaic_matmul.py`` on the GPU); ``kernel="auto"`` runs
+schedule for many rows faster than the Triton matmul kernel, and its rows are the Triton
+kernels' bitwise (checked on the GPU by the Mosaic kernel's tests); ``kernel="auto"`` runs
 it from :data:`MOSAIC_MIN_ROWS` rows on where the operands fit it (:func:`mosaic_refusal`).
 
 On other backends the product runs as XLA dots of one fixed shape,
 ``[XLA_ROW_TILE, K] @ [K, N]``, over the rows in tiles (:func:`_xla_tiled`). XLA's CPU dot is
 not row-invariant by itself (a single row takes a matrix-vector path that sums differently;
 small float32 products switch algorithm with the row count), but a dot of one fixed shape
-computes each of its rows alike, whatever the row holds and wherever it sits;
-``tests/test_rowinv.py`` checks both facts. In the Pallas interpreter the kernels' tile
-products are such dots too, so the interpreted kernels show the schedule's invariance on a
-CPU; the hardware's own tile product is checked on the GPU by ``benchmarks/rowinv.py`` and
-``benchmarks/rowinv_model.py``.
+computes each of its rows alike, whatever the row holds and wherever it sits; the kernel
+tests check both facts. In the Pallas interpreter the kernels' tile products are such dots
+too, so the interpreted kernels show the schedule's invariance on a CPU; the hardware's own
+tile product is checked on the GPU.
 """
 
 from __future__ import annotations
@@ -57,9 +56,8 @@ from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_gated, mosa
 #: interpreter's tile products.
 ROW_TILE = 16
 #: Rows of the fixed-shape tiles of the XLA form (:func:`row_tiled`): every row runs one dot
-#: (or norm, or attention) of this many rows. Four on a 2-core CPU (jax 0.10, f32, K=512,
-#: N=3072): a one-row call, padded to two tiles, costs 1.3x XLA's own one-row dot (16-row
-#: tiles: 4.2x), and 256 rows 1.07x XLA's dot (16-row tiles: 0.9x).
+#: (or norm, or attention) of this many rows. Small, so that a one-row call pays for few
+#: padding rows, yet enough that a wide call stays near XLA's own dot.
 XLA_ROW_TILE = 4
 #: :func:`row_tiled` runs at least this many tiles: XLA inlines a loop of one trip into the
 #: program around it and compiles its body differently there (with full optimisation on the
@@ -67,9 +65,8 @@ XLA_ROW_TILE = 4
 MIN_TILES = 2
 #: The same floor for the XLA form's matrix product: one tile. A dot between optimization
 #: barriers computes its rows alike inlined or in a loop (checked with the CPU's default and
-#: the tests' XLA flags, fp32 and bf16, 1 to 300 rows, in the model too:
-#: ``tests/test_rowinv*.py``), and a one-row decode step then pays for one tile of rows,
-#: not two: a [1, 512] @ [512, 32000] product 3.0 ms instead of 6.2.
+#: the tests' XLA flags, in float32 and bfloat16, in the model too), and a one-row decode
+#: step then pays for one tile of rows, not two.
 DOT_MIN_TILES = 1
 #: At most this many rows go to the matvec kernel under ``kernel="auto"``.
 SMALL_M = 16
@@ -134,20 +131,18 @@ WIDE_N = 32768
 #: Below :data:`WIDE_N`, a product has at most about this many segments. The matvec kernel
 #: runs each segment as programs of their own and leaves the segments' float32 partial sums to
 #: the kernel after it (an RMSNorm, the RoPE-store), whose one program per row adds them in
-#: order, one load after another: on an H100 the 1B shape's norm after the down product (16
-#: partials of 2,048) took 3.9 us against 2.1 for the one after the o product (4), while the
-#: down product itself took 14.5 us in 4 segments and 15.1 in 16 (traced, alone).
+#: order, one load after another: more partials cost that kernel more than they save the
+#: product.
 MAX_SEGMENTS = 4
 
 
 def schedule_for(k: int, n: int) -> Schedule:
     """The schedule a model's ``[*, k] @ [k, n]`` product runs on: a function of the weight's
     shape alone (never of the row count), so programs of every width share it. One segment
-    for a vocabulary-wide ``n`` (no partial sums to write out and add back, a 33 MB round
-    trip for the 1B shape's head at 16 rows); else segments of :class:`Schedule`'s default
-    length, lengthened for a long ``k`` so that there are about :data:`MAX_SEGMENTS` of them
-    (the 1B shape's down product, ``k`` = 8,192: 4 segments of 16 tiles; the 8B's, 14,336: 4
-    of 28). A ``k`` whose tile count has no divisor near that length keeps shorter segments,
+    for a vocabulary-wide ``n`` (no partial sums to write out and add back: a head's are
+    large); else segments of :class:`Schedule`'s default length, lengthened for a long ``k``
+    so that there are about :data:`MAX_SEGMENTS` of them (``k`` = 8,192: 4 segments of 16
+    tiles). A ``k`` whose tile count has no divisor near that length keeps shorter segments,
     or one segment where the only divisor is 1 (see :class:`Schedule`)."""
     tiles = -(-k // Schedule.k_tile)
     if n >= WIDE_N:
@@ -156,8 +151,7 @@ def schedule_for(k: int, n: int) -> Schedule:
 
 
 #: The gated matvec kernel's column tile shrinks (to 16 at least) until it has this many
-#: programs: the 8B and 1B shapes' gate/up widths keep 64 columns, the 0.6B's takes 32
-#: (the sweeps behind it: benchmarks/results/NOTES.md, fifteenth session).
+#: programs: enough to keep every multiprocessor streaming weights at decode widths.
 GATED_PROGRAMS = 96
 
 
@@ -176,15 +170,13 @@ class Tiles:
         ``None``: the largest power of two from 16 to 64 that gives at least
         :data:`GATED_PROGRAMS` programs.
       gated_stages: the gated matvec kernel's ``num_stages``: its loads are two weight tiles
-        a step, and a deeper pipeline kept them coming (H100, 1B shape's gate/up product
-        alone, traced: 24.0 us at 4 stages, 26.3 at 3).
+        a step, and a deeper pipeline keeps them coming.
       flat_loop: the matmul kernel walks all K tiles in one loop, folding a segment into
         the total at its last tile (Triton pipelines one loop's loads), rather than a loop
-        over segments around a loop over their tiles. Off by default until measured: on the
-        H200 (jax 0.11.2) Triton's lowering refused its first form (``jnp``'s remainder of
-        the loop index, which lowers to boolean arithmetic); it now takes ``lax.rem`` and
-        lowers (``tests/test_gpu_lowering.py``), and agrees with the nested form in the
-        interpreter (``tests/test_rowinv.py``).
+        over segments around a loop over their tiles. Off by default until measured (it
+        takes ``lax.rem`` of the loop index, since ``jnp``'s remainder lowers to boolean
+        arithmetic Triton refuses); it lowers and agrees with the nested form in the
+        interpreter.
       mosaic: the Mosaic kernel's tiling; ``None`` keeps ``kernel="auto"`` on the Triton
         kernels.
     """
@@ -346,11 +338,11 @@ def _segment_sum(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, per: int, k_
                              jnp.zeros(shape, jnp.float32))
 
 
-def _pdl_live(x_ref: Any, live_x: jax.Array | None, *, k_tile: int, pdl: str,
+def _pdl_live(x_ref: Any, live_x: jax.Array | None, *, k_tile: int,
               started: jax.Array | None) -> jax.Array | None:
-    """A matvec program's x-tile mask under the PDL mode :mod:`pallas_pdl` gives it: the
-    wait for the kernel ahead before the rows are read."""
-    gate = pallas_pdl.ready(pdl, started)
+    """A matvec program's x-tile mask with the wait for the kernel ahead before the rows are
+    read (:mod:`~turbospark_jax.kernels.pdl`; none where ``started`` is None)."""
+    gate = pallas_pdl.ready(started)
     return pallas_pdl.masked(live_x, gate, (x_ref.shape[0], k_tile))
 
 
@@ -372,13 +364,13 @@ def _store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
 
 
 def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
-                         k_tile: int, tile_dot: Any, rows: int | None, pdl: str = "off") -> None:
+                         k_tile: int, tile_dot: Any, rows: int | None, pdl: bool = False) -> None:
     """The matvec kernel over all of K in one segment (so the sums are finished here) for a
     gate and an up weight's same column block, gated in the epilogue (:func:`swiglu_gating`). The
     one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
     started = pallas_pdl.start(pdl)
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
-    live_x = _pdl_live(x_ref, live_x, k_tile=k_tile, pdl=pdl, started=started)
+    live_x = _pdl_live(x_ref, live_x, k_tile=k_tile, started=started)
     total = functools.partial(_segment_sum, x_ref, shape=o_ref.shape, per=per, k_tile=k_tile,
                               tile_dot=tile_dot, nk=False, live=live_x)
     _store_live(o_ref, swiglu_gating(total(w_ref=gate_ref), total(w_ref=up_ref), o_ref.dtype),
@@ -386,7 +378,7 @@ def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
 
 
 def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
-                   offsets: tuple[int, ...], rows: int | None, pdl: str = "off") -> None:
+                   offsets: tuple[int, ...], rows: int | None, pdl: bool = False) -> None:
     # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn]
     # ([bn, per * k_tile] when nk). With ``rows``, x and the output hold only that many rows:
     # the tile's other rows are neither read nor written.
@@ -395,7 +387,7 @@ def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
     def compute(w_ref: Any) -> None:
-        live = _pdl_live(x_ref, live_x, k_tile=k_tile, pdl=pdl, started=started)
+        live = _pdl_live(x_ref, live_x, k_tile=k_tile, started=started)
         acc = _segment_sum(x_ref, w_ref, o_ref.shape, per=per, k_tile=k_tile,
                            tile_dot=tile_dot, nk=nk, live=live)
         _store_live(o_ref, acc.astype(o_ref.dtype), live_out)
@@ -509,7 +501,7 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
                                tile_dot=tile_dot_for(interpret), nk=nk,
                                offsets=cols.offsets, rows=None if m == mp else m,
-                               pdl=pallas_pdl.mode_for(interpret))
+                               pdl=not interpret)
     if nk:
         w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
                    for w in range(len(ws))]
@@ -551,8 +543,7 @@ def row_tiled(fn: Any, *rows: jax.Array, shared: tuple[jax.Array, ...] = (),
     Every array of ``rows`` shares its leading (row) axis; the last tile is padded with zero
     rows, whose results are dropped. Since the body's shape never depends on the row count, a
     row-local ``fn`` gives each row the same bits for any number of rows beside it (on the
-    CPU, where XLA computes every row of one fixed-shape reduction or dot alike:
-    ``tests/test_rowinv.py``, ``tests/test_rowinv_dense.py``).
+    CPU, where XLA computes every row of one fixed-shape reduction or dot alike).
 
     The body sits between optimization barriers (its inputs, ``shared`` and its outputs):
     XLA drops a loop of one tile and would otherwise fuse across it, differently from program
@@ -588,8 +579,8 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
     weights instead would copy them at every call: a decode step's merged q/k/v and gate/up
     weights, read twice and written once more.)"""
     dims = (((1,), (1 if nk else 0,)), ((), ()))
-    # float32 operands in full float32: a GPU's default would round them to TF32 (the H100
-    # missed the float64 bound without this; a CPU computes float32 either way)
+    # float32 operands in full float32: a GPU's default would round them to TF32, past the
+    # float64 bound the tests hold products to (a CPU computes float32 either way)
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
 
     def tile(rows: jax.Array, *weights: jax.Array) -> jax.Array:
@@ -734,7 +725,7 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
         kernel_fn = functools.partial(_gated_matvec_kernel, per=count,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
                                       rows=None if m == mp else m,
-                                      pdl=pallas_pdl.mode_for(interpret))
+                                      pdl=not interpret)
         x_in, rows_out = _pad(x, m, kp), m
         params = compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
     else:

@@ -53,8 +53,7 @@ class BlockModel(abc.ABC):
         ``last_row_head=True`` whatever the kernels: the logits of the last live row alone,
         ``[1, V]``, outside any bitwise claim. The parallel prefill then feeds the prompt's
         last token in its last pass instead of an exact step of its own (a second program
-        call, which on an H100 cost the 1B shape's 2k prompt 3-4 ms of its 14). The dense
-        family does.
+        call, a sizeable share of a short prompt's prefill). The dense family does.
       can_tap: the family can record tap rows: its instances take a ``tap_layers`` setting
         (checked by :func:`check_tap_layers`; ``dataclasses.replace(model, tap_layers=...)``
         sets it), have ``config.hidden_size``, ``config.num_hidden_layers``,
@@ -68,18 +67,18 @@ class BlockModel(abc.ABC):
       accepts_embeddings: ``block_forward`` takes ``embeds`` / ``embed_rows``: rows whose
         input is a given embedding (an image's soft token) instead of their token's. Such a
         model also answers :attr:`embedding_size` and :attr:`embedding_dtype`.
-      row_invariant_kernels: the family has a row-invariant mode: its instances take a
-        ``kernels`` setting, ``"xla"`` (the default) or ``"rowinv"``
-        (:mod:`~turbospark_jax.kernels.plan`), and
-        ``dataclasses.replace(model, kernels="rowinv")`` sets it. In that mode a row's result
-        does not depend on how many rows the call has, so block programs of different widths
-        agree bit for bit. The dense family does.
+      row_invariant_kernels: the family has row-invariant kernels: its instances take a
+        ``plan`` (:class:`~turbospark_jax.kernels.plan.KernelPlan`;
+        ``dataclasses.replace(model, plan=...)`` sets it), and under a row-invariant plan a
+        row's result does not depend on how many rows the call has, so block programs of
+        different widths agree bit for bit. The dense family does.
 
     Declared per instance (a property, since it follows the instance's settings):
       widths_agree: block programs of different widths give this instance's rows bitwise
         the same results, so the exact prefill may run in blocks wider than decode's
         (:class:`~turbospark_jax.engine.producer.BlockProducer`'s ``prefill_width``). False
-        by default; a family with :attr:`row_invariant_kernels` answers True in that mode.
+        by default; a family with :attr:`row_invariant_kernels` answers True under a
+        row-invariant plan.
         Such an instance's :meth:`block_forward` also takes ``last_row_head=True`` (static):
         the output head then runs on the last live row only and the logits are ``[1, V]``,
         that row's bits whatever the block's width (a prefill needs no other row's).

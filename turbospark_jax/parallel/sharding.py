@@ -34,7 +34,6 @@ product can round differently from the whole product (the tolerance is measured 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -184,8 +183,7 @@ class ShardedProducer(BlockProducer):
       capacity, width, steps_per_call, donate: as :class:`BlockProducer`.
 
     Raises:
-      UnsupportedCapabilityError: ``model`` is of another family, or a dense model that asks
-        for the Pallas interpreter (``attention`` or ``rope_store`` ``"interpret"``).
+      UnsupportedCapabilityError: ``model`` is of another family.
       BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the query
         heads and MLP width (the dense family: and KV heads; the message lists the sizes
         that do); and as :class:`BlockProducer`.
@@ -208,15 +206,8 @@ class ShardedProducer(BlockProducer):
                 f"families; got {type(model).__name__}. Serve it on one device with "
                 f"BlockProducer"
             )
-        if isinstance(model, DenseModel):
-            if "interpret" in (model.attention, model.rope_store):
-                raise UnsupportedCapabilityError(
-                    "the Pallas kernels cannot be split over a mesh; build the model with "
-                    "attention='xla' (or 'auto') and rope_store='xla' (or 'auto')"
-                )
-            model = dataclasses.replace(model, attention="xla", rope_store="xla")
-        if isinstance(model, Qwen35Model):
-            model = model.for_mesh()  # the delta-rule kernel is a single-device custom call
+        if isinstance(model, DenseModel | Qwen35Model):
+            model = model.for_mesh()  # the Pallas kernels are single-device custom calls
         self.mesh = mesh
         params = shard_params(params, mesh, model.config)
         super().__init__(model, params, capacity=capacity, width=width,

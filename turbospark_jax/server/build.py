@@ -117,7 +117,6 @@ def load_server(
     drafter: str | None = None,
     model_name: str | None = None,
     replicas: int = 1,
-    kernels: str = "xla",
     **options: Any,
 ) -> Server:
     """A server over a model folder (default: the embedded model).
@@ -138,13 +137,10 @@ def load_server(
       model_name: the served id (default: the folder's name).
       replicas: data-parallel replicas, one per local device (the first ``replicas`` of
         them), each a full copy of the weights with ``slots`` slots of its own.
-      kernels: the model's per-row kernels, ``"xla"`` or ``"rowinv"``
-        (:func:`~turbospark_jax.io.loading.load_folder`).
       **options: :func:`make_server` keywords.
 
     Raises:
       ModelLoadError: the folder cannot be loaded.
-      UnsupportedCapabilityError: ``kernels="rowinv"`` for a family without that mode.
       BadInputError: more than one of ``draft``, ``ngram`` and ``drafter``, a drafter the
         model does not have (named, with the reason), or a folder without a tokenizer;
         ``replicas`` below 1 or above the local devices, or with a drafter.
@@ -156,7 +152,9 @@ def load_server(
         raise BadInputError(_SPECULATIVE_REPLICAS)
     target = embedded_model_path(DEFAULT_TARGET) if path is None else path
     choice = _drafter_choice(target, draft, ngram, drafter)  # before loading, as the CLI does
-    loaded = load_folder(target, dtype=dtype, layer_layout="list", kernels=kernels)
+    # XLA's kernels: the batched programs' guarantee (a request's bits as if alone) rests on
+    # their fixed shapes, not on widths agreeing, and they map the block step over the slots
+    loaded = load_folder(target, dtype=dtype, layer_layout="list")
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
     producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,

@@ -21,6 +21,7 @@ from turbospark_jax.kernels import attention as pallas_attention
 from turbospark_jax.kernels import plan as row_kernels
 from turbospark_jax.kernels import rope_store as pallas_rope_store
 from turbospark_jax.kernels.layers import attend
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
 _SCATTER = {"mode": "drop", "unique_indices": True}
 
 
-def _project(x: jax.Array, w: jax.Array, kernels: str) -> jax.Array:
+def _project(x: jax.Array, w: jax.Array, plan: KernelPlan) -> jax.Array:
     """``x [W, D] @ w [D, N, hd] -> [W, N, hd]`` as one 2-D matrix product.
 
     Written as a plain matrix product over a free reshape of the weight: for a single row,
@@ -46,33 +47,34 @@ def _project(x: jax.Array, w: jax.Array, kernels: str) -> jax.Array:
     slower than its matrix-vector kernel.
     """
     d, n, hd = w.shape
-    return row_kernels.matmul(kernels, x, w.reshape(d, n * hd),
+    return row_kernels.matmul(plan, x, w.reshape(d, n * hd),
                               label="proj").reshape(x.shape[0], n, hd)
 
 
 def _projections(
-    config: DenseConfig, h: jax.Array, lp: Params, kernels: str
+    config: DenseConfig, h: jax.Array, lp: Params, plan: KernelPlan
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q/k/v projections of the normed rows. h [W, D] -> q [W, H, hd], k/v [W, KV, hd]."""
-    q = _project(h, lp["q_proj"], kernels)
-    k = _project(h, lp["k_proj"], kernels)
-    v = _project(h, lp["v_proj"], kernels)
+    q = _project(h, lp["q_proj"], plan)
+    k = _project(h, lp["k_proj"], plan)
+    v = _project(h, lp["v_proj"], plan)
     if config.qkv_bias:
         q, k, v = q + lp["q_bias"], k + lp["k_bias"], v + lp["v_bias"]
     return q, k, v
 
 
-def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: str) -> jax.Array:
+def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params,
+                       plan: KernelPlan) -> jax.Array:
     """q/k/v as one matrix product: h [W, D] -> [W, (H + 2 KV) * hd], q heads first. (XLA
     reads the three weights straight into its matrix kernel, and the row-invariant kernel
-    takes them as three operands of one launch: neither copies them.) Under ``"rowinv"``
-    without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
+    takes them as three operands of one launch: neither copies them.) Under a row-invariant
+    plan without biases the product comes unfinished, as float32 partial sums ``[S, W, ...]``,
     which the RoPE-and-cache-write kernel adds itself."""
     d = h.shape[-1]
     ws = tuple(lp[n].reshape(d, -1) for n in ("q_proj", "k_proj", "v_proj"))
-    if kernels == "rowinv" and not config.qkv_bias:
-        return row_kernels.matmul_parts(kernels, h, ws, label="qkv")
-    qkv = row_kernels.matmul(kernels, h, ws, label="qkv")
+    if plan.row_invariant and not config.qkv_bias:
+        return row_kernels.matmul_parts(plan, h, ws, label="qkv")
+    qkv = row_kernels.matmul(plan, h, ws, label="qkv")
     if config.qkv_bias:
         qkv = qkv + jnp.concatenate([lp[n].reshape(-1) for n in ("q_bias", "k_bias", "v_bias")])
     return qkv
@@ -80,14 +82,14 @@ def _merged_projection(config: DenseConfig, h: jax.Array, lp: Params, kernels: s
 
 def _rotate(
     config: DenseConfig, q: jax.Array, k: jax.Array, lp: Params, cos: jax.Array, sin: jax.Array,
-    kernels: str,
+    plan: KernelPlan,
 ) -> tuple[jax.Array, jax.Array]:
     """Optional per-head q/k norm, then RoPE."""
     if config.qk_norm:
-        q = row_kernels.rms_norm(kernels, q, lp["q_norm"], config.rms_norm_eps)
-        k = row_kernels.rms_norm(kernels, k, lp["k_norm"], config.rms_norm_eps)
-    return (row_kernels.apply_rope(kernels, q, cos, sin),
-            row_kernels.apply_rope(kernels, k, cos, sin))
+        q = row_kernels.rms_norm(plan, q, lp["q_norm"], config.rms_norm_eps)
+        k = row_kernels.rms_norm(plan, k, lp["k_norm"], config.rms_norm_eps)
+    return (row_kernels.apply_rope(plan, q, cos, sin),
+            row_kernels.apply_rope(plan, k, cos, sin))
 
 
 def _replace_at(buffers: Any, index: int, new: jax.Array) -> tuple[jax.Array, ...]:
@@ -116,7 +118,7 @@ def _own_rows(
 ) -> jax.Array:
     """Causal attention of a block over its own rows (q [W, H, hd], k/v [W, KV, hd])."""
     flash = (
-        jax.default_backend() == "gpu"
+        model.plan.pallas == "compiled"  # on a GPU, beside the compiled kernels
         and model.dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
         and window is None
         and model.config.head_dim % 8 == 0
@@ -130,32 +132,19 @@ def _own_rows(
     return attend(q, k, v, positions, positions, window)
 
 
-def _fused_attention(model: DenseModel, per_layer: bool, capacity: int) -> bool | str:
-    """Whether attention over a per-layer cache runs as the fused kernel (``"interpret"``: in
-    the Pallas interpreter, for tests on a CPU). Under ``kernels="rowinv"`` only the compiled
-    kernel on a GPU, in its row-invariant form (in the interpreter its products are XLA
-    dots of the row tile's shape, which follows the row count)."""
-    if not per_layer or model.attention == "xla":
-        return False
-    if model.attention == "interpret":
-        return "interpret" if capacity >= pallas_attention.KEY_TILE else False
-    return jax.default_backend() == "gpu" and pallas_attention.supported(
-        model.config.head_dim, capacity
-    )
+def _fused_attention(model: DenseModel, per_layer: bool, capacity: int) -> bool:
+    """Whether attention over a per-layer cache runs as the fused kernel: where the plan
+    runs the Pallas kernels and the shapes suit it."""
+    return (per_layer and model.plan.uses_pallas
+            and pallas_attention.supported(model.config.head_dim, capacity))
 
 
-def _uses_rope_store(model: DenseModel, fused: bool | str) -> bool | str:
-    """Whether q/k norm, RoPE and the cache writes run as the RoPE-and-cache-write kernel
-    (``"interpret"``: in the Pallas interpreter). It feeds the fused attention kernel, so it
-    needs that one too."""
-    if not fused or model.rope_store == "xla":
-        return False
-    if model.rope_store == "interpret":
-        return "interpret"
+def _uses_rope_store(model: DenseModel, fused: bool) -> bool:
+    """Whether q/k norm, RoPE and the cache writes run as the RoPE-and-cache-write kernel.
+    It feeds the fused attention kernel, so it needs that one too."""
     c = model.config
-    return jax.default_backend() == "gpu" and pallas_rope_store.supported(
-        c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    )
+    return fused and pallas_rope_store.supported(
+        c.num_attention_heads, c.num_key_value_heads, c.head_dim)
 
 
 def cached_attention(
@@ -171,11 +160,11 @@ def cached_attention(
       kernel: a per-layer cache where both kernels run, and a block that is not ``fresh``;
     * ``fresh``: attention over the block's own rows (the cache was empty before it);
     * the fused attention kernel over the layer's cache, where it runs;
-    * :func:`~turbospark_jax.kernels.plan.attend` (XLA's, in the model's ``kernels``
-      mode) over the first ``limit`` positions.
+    * :func:`~turbospark_jax.kernels.plan.attend` (XLA's, under the model's plan) over the
+      first ``limit`` positions.
 
     Args:
-      model: the model (its config, dtype and kernel modes).
+      model: the model (its config, dtype and kernel plan).
       per_layer, capacity: the cache's layout and size.
       fresh: the block starts at position 0 of an empty cache.
       positions: int32 ``[W]``, each row's position.
@@ -193,34 +182,34 @@ def cached_attention(
     c = model.config
     fused = _fused_attention(model, per_layer, capacity)
     rope_store = _uses_rope_store(model, fused)
-    row_invariant = model.kernels == "rowinv"
+    plan = model.plan
+    row_invariant = plan.row_invariant
+    interpret = plan.pallas == "interpret"
 
     def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
-        rows = (_merged_projection(c, h, lp, model.kernels), cos, sin, write_at, k_all[index],
+        rows = (_merged_projection(c, h, lp, plan), cos, sin, write_at, k_all[index],
                 v_all[index])
-        if row_invariant and model.fuse_rope_store:
+        if row_invariant:
             # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
             attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
                 *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-                window=window, interpret=rope_store == "interpret", max_keys=max_keys,
-                fold_in_split=model.fold_in_split,
+                window=window, interpret=interpret, max_keys=max_keys,
             )
         else:
             qr, k_layer, v_layer = pallas_rope_store.rope_store(
-                *rows, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-                interpret=rope_store == "interpret",
+                *rows, c.num_attention_heads, *norms, eps=c.rms_norm_eps, interpret=interpret,
             )
             attn = pallas_attention.cached_attention_arranged(
                 qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
-                interpret=fused == "interpret", row_invariant=row_invariant, max_keys=max_keys,
+                interpret=interpret, row_invariant=False, max_keys=max_keys,
             )
         return attn, (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
 
     def rotated(h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
-        q, k, v = _projections(c, h, lp, model.kernels)
-        q, k = _rotate(c, q, k, lp, cos, sin, model.kernels)
+        q, k, v = _projections(c, h, lp, plan)
+        q, k = _rotate(c, q, k, lp, cos, sin, plan)
         return q, k, v
 
     def own_rows(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
@@ -232,7 +221,7 @@ def cached_attention(
         q, k, v = rotated(h, lp)
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
         attn = pallas_attention.cached_attention(
-            q, k_layer, v_layer, positions, window=window, interpret=fused == "interpret",
+            q, k_layer, v_layer, positions, window=window, interpret=interpret,
             row_invariant=row_invariant, max_keys=max_keys,
         )
         return attn, kv
@@ -240,7 +229,7 @@ def cached_attention(
     def xla(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         q, k, v = rotated(h, lp)
         kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
-        attn = row_kernels.attend(model.kernels, q, k_layer[:limit], v_layer[:limit], positions,
+        attn = row_kernels.attend(plan, q, k_layer[:limit], v_layer[:limit], positions,
                                   key_positions[:limit], window)
         return attn, kv
 
@@ -253,7 +242,7 @@ def cached_attention(
 
 def sequence_attention(
     config: DenseConfig, positions: jax.Array, cos: jax.Array, sin: jax.Array,
-    kernels: str = "xla",
+    plan: KernelPlan,
 ) -> Attention:
     """Causal attention of a whole sequence over itself, no cache (the carry passes through).
 
@@ -261,13 +250,13 @@ def sequence_attention(
       config: the model config.
       positions: int32 ``[T]``, ``0..T-1``.
       cos, sin: ``[T, hd]`` rotary tables.
-      kernels: the model's ``kernels`` mode (:mod:`~turbospark_jax.kernels.plan`).
+      plan: the model's kernel plan (:mod:`~turbospark_jax.kernels.plan`).
     """
 
     def attention(h: jax.Array, lp: Params, carry: Any, index: Any, window: Any) -> Any:
         del index
-        q, k, v = _projections(config, h, lp, kernels)
-        q, k = _rotate(config, q, k, lp, cos, sin, kernels)
-        return row_kernels.attend(kernels, q, k, v, positions, positions, window), carry
+        q, k, v = _projections(config, h, lp, plan)
+        q, k = _rotate(config, q, k, lp, cos, sin, plan)
+        return row_kernels.attend(plan, q, k, v, positions, positions, window), carry
 
     return attention

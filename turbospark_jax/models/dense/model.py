@@ -32,7 +32,8 @@ Two layer layouts are accepted everywhere (``block_forward``, ``forward``, ``sav
 
 * **stacked** (above; what :func:`init_params` and ``load_folder`` return by default): the
   layers run as a ``lax.scan`` over the L axis (``scan_layers=True``) or a Python loop over
-  static slices (``scan_layers=False``). Compact, and what training wants.
+  static slices (``scan_layers=False``, whose cache is per layer). Compact, and what
+  training wants.
 * **list** (:func:`unstack_layers`; ``load_folder(..., layer_layout="list")``): ``layers`` is a
   list of per-layer dicts, run by an unrolled Python loop. Use this for decoding on a GPU:
   inside a jitted loop XLA materialises every slice of a stacked weight, so a stacked model
@@ -44,7 +45,7 @@ of a stacked buffer in the loop costs copies) and, on a GPU, attends over it wit
 kernel of :mod:`~turbospark_jax.kernels.attention`, fed by the RoPE-and-cache-write
 kernel of :mod:`~turbospark_jax.kernels.rope_store`. Blocks wider than
 :data:`~turbospark_jax.kernels.layers.ATTENTION_QUERY_BLOCK` rows attend in query slices of that
-width, which bounds the score tensor. Measurements: ``benchmarks/results/NOTES.md``.
+width, which bounds the score tensor.
 """
 
 from __future__ import annotations
@@ -63,15 +64,13 @@ from turbospark_jax.core.state import append_only
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import plan as row_kernels
 from turbospark_jax.kernels.layers import random_leaves, rope_inv_freq, swiglu_mlp
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense.attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense.config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
 
 Params = dict[str, Any]
-
-#: Values of :attr:`DenseModel.attention` and :attr:`DenseModel.rope_store`.
-KERNEL_MODES = ("auto", "xla", "interpret")
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -259,37 +258,18 @@ class DenseModel(BlockModel):
     Attributes:
       config: the hyperparameters.
       dtype: the activation / cache dtype (float32, bfloat16, float16); params should match.
-      scan_layers: for stacked params, run the layers as a ``lax.scan`` (default) or unroll
-        them over static slices (longer compiles, same speed). Listed params (see
-        :func:`unstack_layers`) are always unrolled. An unrolled model keeps one KV buffer
-        per layer (see :class:`DenseCache`).
-      attention: how the block program attends over a per-layer cache: ``"auto"`` (the
-        fused Pallas kernel of :mod:`~turbospark_jax.kernels.attention` on a GPU when
-        the shapes suit it, XLA otherwise), ``"xla"`` (always XLA), or ``"interpret"`` (the
-        kernel in the Pallas interpreter: slow, for testing it on a CPU). Each choice is one
-        program for every path, so the bitwise guarantees hold within it.
-      rope_store: the same choice for the RoPE-and-cache-write kernel of
-        :mod:`~turbospark_jax.kernels.rope_store`, which takes the q/k/v projection's
-        output to the fused attention kernel's input (q/k norm, RoPE, the query layout, the
-        cache writes) in one launch. It feeds that attention kernel, so it runs only where
-        that one does.
-      kernels: the per-row work (:mod:`~turbospark_jax.kernels.plan`): ``"xla"``
-        (XLA's own kernels and the fused ones above; exact only at one program width) or
-        ``"rowinv"`` (row-invariant matrix products, norms and attention, so block programs
-        of different widths agree bitwise row for row; on a GPU the fused kernels above run
-        in their row-invariant forms, and ``attention="interpret"`` is refused).
-      fuse_rope_store: with ``kernels="rowinv"`` on a GPU, a block of up to
-        :data:`~turbospark_jax.kernels.rope_store.FUSED_ROWS` rows (a decode step, a
-        verify) runs the RoPE-store's work inside the attention's first kernel
-        (:func:`~turbospark_jax.kernels.rope_store.rope_store_attention`): one launch a
-        layer fewer. ``False`` launches the two kernels. The same bits either way (the
-        kernels' tests and the exact part, compiled on an H100); speed only.
-      fold_in_split: where the fused kernel of ``fuse_rope_store`` is the split kernel (a
-        decode or verify past the short-context bound) each query tile's partials are folded
-        by its last split program instead of the fold kernel (an atomic counter a tile;
-        :func:`~turbospark_jax.kernels.attention.fold_in_last_split`): one launch a
-        layer fewer. The same bits either way; speed only, and no effect with
-        ``fuse_rope_store=False`` (the fold kernel then always runs).
+      scan_layers: for stacked params, run the layers as a ``lax.scan`` (compact: the
+        compile does not grow with the depth; what training wants) rather than unrolled over
+        static slices. It also picks the cache layout: a scanning model keeps one stacked KV
+        buffer, an unrolled one a buffer per layer (see :class:`DenseCache`), which the fused
+        attention kernels need. Listed params (see :func:`unstack_layers`) are always
+        unrolled; :func:`load_folder`'s ``layer_layout`` sets it.
+      plan: the kernels the per-row work runs on
+        (:class:`~turbospark_jax.kernels.plan.KernelPlan`): XLA's own by default (exact at
+        one program width only); a row-invariant plan makes block programs of different
+        widths agree bitwise row for row. Loading resolves it once from the backend and
+        ``exact`` (:func:`~turbospark_jax.kernels.plan.kernel_plan`).
+      tap_layers: see :class:`~turbospark_jax.models.base.BlockModel`.
     """
 
     parallel_prefill = True
@@ -299,40 +279,32 @@ class DenseModel(BlockModel):
 
     @property
     def widths_agree(self) -> bool:
-        return self.kernels == "rowinv"
+        return self.plan.widths_agree
 
     @property
     def bounds_keys(self) -> bool:
-        # The row-invariant fused attention on a GPU is what a bound speeds up; elsewhere a
-        # bound would only compile programs that compute the same way.
-        return (self.kernels == "rowinv" and self.attention == "auto"
-                and jax.default_backend() == "gpu")
+        # The row-invariant fused attention is what a bound speeds up; elsewhere a bound
+        # would only compile programs that compute the same way.
+        return self.plan.row_invariant and self.plan.uses_pallas
 
     config: DenseConfig
     dtype: Any = jnp.float32
     scan_layers: bool = True
-    attention: str = "auto"
-    rope_store: str = "auto"
     tap_layers: tuple[int, ...] = ()
-    kernels: str = "xla"
-    fuse_rope_store: bool = True
-    fold_in_split: bool = True
+    plan: KernelPlan = XLA_PLAN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
-        for field in ("attention", "rope_store"):
-            value = getattr(self, field)
-            if value not in KERNEL_MODES:
-                raise BadInputError(
-                    f"{field} must be one of {', '.join(KERNEL_MODES)}; got {value!r}"
-                )
-        row_kernels.check_kernels(self.kernels)
-        if self.kernels == "rowinv" and self.attention == "interpret":
-            raise BadInputError(
-                "kernels='rowinv' runs its own row-invariant attention; attention='interpret' "
-                "(the fused kernel, whose query tile follows the row count) cannot go with it"
-            )
+        if not isinstance(self.plan, KernelPlan):
+            raise BadInputError(f"plan must be a KernelPlan (turbospark_jax.kernels.plan); "
+                                f"got {self.plan!r}")
+
+    def for_mesh(self) -> DenseModel:
+        """This model with its plan's Pallas kernels off (XLA's operations, in the plan's
+        row-invariant form where it has one), which a tensor-parallel mesh splits: the
+        kernels are single-device custom calls the compiler cannot split."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, pallas="off"))
 
     @property
     def vocab_size(self) -> int:
@@ -367,7 +339,7 @@ class DenseModel(BlockModel):
         """One pre-norm decoder layer around ``attention``:
         ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
         eps = self.config.rms_norm_eps
-        norm = functools.partial(row_kernels.rms_norm, self.kernels, eps=eps)
+        norm = functools.partial(row_kernels.rms_norm, self.plan, eps=eps)
 
         def layer(x: jax.Array, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             with jax.named_scope("attention"):
@@ -380,7 +352,7 @@ class DenseModel(BlockModel):
         return layer
 
     def defers_sums(self, layers: Params) -> bool:
-        """Whether the layers hand their residual deltas on unfinished (``kernels="rowinv"``,
+        """Whether the layers hand their residual deltas on unfinished (a row-invariant plan,
         unrolled layers, no biases after a product, no tap layers): each output projection
         and MLP gives float32 partial sums over K, which the next norm's kernel adds to the
         residual itself (:func:`~turbospark_jax.kernels.plan.add_norm`), and the q/k/v
@@ -388,7 +360,7 @@ class DenseModel(BlockModel):
         arithmetic as finishing every product first, with the launches that would finish
         them saved (two or three a layer at decode widths)."""
         c = self.config
-        return (self.kernels == "rowinv" and not self._scans(layers) and not self.tap_layers
+        return (self.plan.row_invariant and not self._scans(layers) and not self.tap_layers
                 and not c.o_bias and not c.has_mlp_bias)
 
     def _deferring_layer(self, attention: Attention) -> LayerFn:
@@ -396,24 +368,23 @@ class DenseModel(BlockModel):
         ``h`` plus the previous layer's MLP output, still as partial sums (``pending``;
         None before the first layer). See :meth:`defers_sums`."""
         eps = self.config.rms_norm_eps
-        kernels = self.kernels
+        plan = self.plan
 
         def layer(x: Any, kv: Any, lp: Params, index: Any, window: Any) -> Any:
             h, pending = x
             with jax.named_scope("attention"):
                 if pending is None:
-                    normed = row_kernels.rms_norm(kernels, h, lp["input_layernorm"], eps)
+                    normed = row_kernels.rms_norm(plan, h, lp["input_layernorm"], eps)
                 else:
-                    h, normed = row_kernels.add_norm(kernels, h, pending,
+                    h, normed = row_kernels.add_norm(plan, h, pending,
                                                      lp["input_layernorm"], eps)
                 attn, kv = attention(normed, lp, kv, index, window)
                 w_o = lp["o_proj"]
-                o = row_kernels.matmul_parts(kernels, attn.reshape(attn.shape[0], -1),
+                o = row_kernels.matmul_parts(plan, attn.reshape(attn.shape[0], -1),
                                              w_o.reshape(-1, w_o.shape[-1]), label="o")
             with jax.named_scope("mlp"):
-                h, normed = row_kernels.add_norm(kernels, h, o, lp["post_attention_layernorm"],
-                                                 eps)
-                pending = row_kernels.matmul_parts(kernels, self._gated(normed, lp),
+                h, normed = row_kernels.add_norm(plan, h, o, lp["post_attention_layernorm"], eps)
+                pending = row_kernels.matmul_parts(plan, self._gated(normed, lp),
                                                    lp["down_proj"], label="down")
             return (h, pending), kv
 
@@ -430,13 +401,13 @@ class DenseModel(BlockModel):
         inv_freq, scale = rope_inv_freq(
             c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings
         )
-        return row_kernels.rope_cos_sin(self.kernels, positions, inv_freq, scale, self.dtype)
+        return row_kernels.rope_cos_sin(self.plan, positions, inv_freq, scale, self.dtype)
 
     def _output_projection(self, attn: jax.Array, lp: Params) -> jax.Array:
         """attn [W, H, hd] -> [W, D]: ``o_proj`` [H, hd, D] contracted as one [H * hd, D]
         matrix, plus its bias."""
         w_o = lp["o_proj"]
-        o = row_kernels.matmul(self.kernels, attn.reshape(attn.shape[0], -1),
+        o = row_kernels.matmul(self.plan, attn.reshape(attn.shape[0], -1),
                                w_o.reshape(-1, w_o.shape[-1]), label="o")
         if self.config.o_bias:
             o = o + lp["o_bias"]
@@ -445,37 +416,38 @@ class DenseModel(BlockModel):
     def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
         """SwiGLU of the normed rows, h [W, D] -> [W, D]."""
         bias = self.config.has_mlp_bias
-        if self.kernels == "rowinv" and not bias:
-            return row_kernels.matmul(self.kernels, self._gated(h, lp), lp["down_proj"],
+        if self.plan.row_invariant and not bias:
+            return row_kernels.matmul(self.plan, self._gated(h, lp), lp["down_proj"],
                                       label="down")
         return swiglu_mlp(
             h, lp["gate_proj"], lp["up_proj"], lp["down_proj"],
             lp["gate_bias"] if bias else None,
             lp["up_bias"] if bias else None,
             lp["down_bias"] if bias else None,
-            matmul=functools.partial(row_kernels.matmul, "rowinv")
-            if self.kernels == "rowinv" else None,
+            matmul=functools.partial(row_kernels.matmul, self.plan)
+            if self.plan.row_invariant else None,
         )
 
     def _gated(self, h: jax.Array, lp: Params) -> jax.Array:
-        """SwiGLU's gated rows ``silu(gate(h)) * up(h)`` under ``"rowinv"`` (no biases): one
+        """SwiGLU's gated rows ``silu(gate(h)) * up(h)`` under a row-invariant plan (no
+        biases): one
         launch on a GPU, gated in its epilogue; SiLU in float32, rounded once, as
         :func:`swiglu_mlp` does."""
-        return row_kernels.swiglu(self.kernels, h, lp["gate_proj"], lp["up_proj"])
+        return row_kernels.swiglu(self.plan, h, lp["gate_proj"], lp["up_proj"])
 
     def _head(self, params: Params, x: Any) -> jax.Array:
         """Final norm and output head. x [W, D] (or ``(h, pending)``, see
         :meth:`defers_sums`) -> float32 logits [W, V]."""
         eps = self.config.rms_norm_eps
         if isinstance(x, tuple):
-            _, h = row_kernels.add_norm(self.kernels, x[0], x[1], params["norm"], eps)
+            _, h = row_kernels.add_norm(self.plan, x[0], x[1], params["norm"], eps)
         else:
-            h = row_kernels.rms_norm(self.kernels, x, params["norm"], eps)
-        if self.kernels == "rowinv":  # a tied table [V, D] is read in place, not transposed
+            h = row_kernels.rms_norm(self.plan, x, params["norm"], eps)
+        if self.plan.row_invariant:  # a tied table [V, D] is read in place, not transposed
             if self.config.tie_word_embeddings:
-                return row_kernels.matmul(self.kernels, h, params["embed_tokens"], jnp.float32,
+                return row_kernels.matmul(self.plan, h, params["embed_tokens"], jnp.float32,
                                           w_layout="nk", label="head")
-            return row_kernels.matmul(self.kernels, h, params["lm_head"], jnp.float32,
+            return row_kernels.matmul(self.plan, h, params["lm_head"], jnp.float32,
                                       label="head")
         if self.config.tie_word_embeddings:
             return jnp.einsum(
@@ -572,8 +544,9 @@ class DenseModel(BlockModel):
             context's splits in one launch. Speed only; ``None``: no bound.
 
         The parallel prefill's passes (``key_limit`` or ``fresh``) stand outside every bitwise
-        guarantee, so under ``kernels="rowinv"`` they run on XLA's kernels (cuBLAS products,
-        cuDNN attention on a GPU), which are faster there.
+        guarantee, so under a row-invariant plan they run on the plan's non-invariant forms
+        (:meth:`~turbospark_jax.kernels.plan.KernelPlan.parallel`: XLA's products, and
+        cuDNN's attention on a GPU), which are faster there.
 
         Returns:
           ``(logits, cache)``: float32 ``[W, V]`` and the updated cache.
@@ -582,8 +555,8 @@ class DenseModel(BlockModel):
           BadInputError: a per-layer cache with stacked params run as a scan;
             ``last_row_head`` where the widths do not agree, outside a parallel pass.
         """
-        if self.kernels == "rowinv" and (fresh or key_limit is not None):
-            fast = dataclasses.replace(self, kernels="xla")
+        if self.plan.row_invariant and (fresh or key_limit is not None):
+            fast = dataclasses.replace(self, plan=self.plan.parallel())
             return fast.block_forward(params, cache, tokens, positions, live, need_head,
                                       key_limit=key_limit, fresh=fresh,
                                       last_row_head=last_row_head)
@@ -592,8 +565,8 @@ class DenseModel(BlockModel):
         parallel = fresh or key_limit is not None  # no bitwise claim to keep (parallel_head)
         if last_row_head and not self.widths_agree and not parallel:
             raise BadInputError(
-                "last_row_head needs row-invariant kernels (kernels='rowinv'): with XLA's a "
-                "one-row head rounds unlike the same row of a W-row head"
+                "last_row_head needs a row-invariant kernel plan: with XLA's kernels a one-row "
+                "head rounds unlike the same row of a W-row head"
             )
         if cache.per_layer and self._scans(params["layers"]):
             raise BadInputError(
@@ -657,7 +630,7 @@ class DenseModel(BlockModel):
             x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
-        attention = sequence_attention(self.config, positions, cos, sin, self.kernels)
+        attention = sequence_attention(self.config, positions, cos, sin, self.plan)
         x, layer = self._layers_in(params["layers"], x, attention)
         x, _ = self._run_layers(params["layers"], x, None, layer)
         with jax.named_scope("head"):
@@ -684,7 +657,7 @@ class DenseModel(BlockModel):
             positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
             x = jnp.take(params["embed_tokens"], seq, axis=0).astype(self.dtype)
             cos, sin = self._rope(positions)
-            attention = sequence_attention(self.config, positions, cos, sin, self.kernels)
+            attention = sequence_attention(self.config, positions, cos, sin, self.plan)
             x, _, taps = self._run_layers(params["layers"], x, None, self._layer(attention),
                                           self.tap_layers)
             return self._head(params, x), jnp.swapaxes(taps, 0, 1)
