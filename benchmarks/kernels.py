@@ -5,6 +5,10 @@
   XLA's dot: microseconds a product and GB/s of weight reads, timed over enough distinct
   weight buffers in one program to overflow the L2 cache.
 * ``norm``: the row-invariant RMSNorm at one row and at a prefill block of rows.
+
+The products and the norm also record whether a row alone gets the bits it gets inside a
+block of ``block_rows`` (``row_alone_equals_row_in_block``): the row-invariant kernels must,
+XLA's forms (the control) need not.
 * ``attention``: the fused attention kernel in its row-invariant form, one decode row over a
   cache of each preset context.
 * ``delta_rule``: the gated delta rule's row kernel (Qwen3.5's recurrent layers) over a block
@@ -37,12 +41,15 @@ class Preset:
     calls: int
     repeats: int
     copies_bytes: int
+    #: the products of :func:`products_of` to time (None: every one)
+    products: tuple[str, ...] | None = None
 
 
 _GPU = Preset(("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"), (128, 4096, 16384), 2048,
               ((16, 128, 128), (32, 128, 128)), 16, 20, 5, 256 << 20)
 PRESETS = {
-    "smoke": Preset(("tiny",), (32,), 8, ((2, 16, 16),), 4, 1, 1, 1 << 16),
+    "smoke": Preset(("tiny",), (32,), 8, ((2, 16, 16),), 4, 1, 1, 1 << 16,
+                    products=("o", "gate_up")),
     "cpu": Preset(("tiny",), (64,), 16, ((2, 16, 16),), 4, 1, 2, 1 << 18),
     "h100": _GPU,
     "h200": _GPU,
@@ -86,7 +93,7 @@ def products_of(shape: str) -> list[tuple[str, int, tuple[int, ...], str]]:
 
 
 def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
-                copies_bytes: int, repeats: int) -> dict[str, Any]:
+                copies_bytes: int, repeats: int, block_rows: int) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -113,7 +120,21 @@ def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
     fn = jax.jit(lambda x, *ws: [product(x, w) for w in ws])
     best, _ = common.best_seconds(lambda: fn(x, *ws), repeats)
     per = best / copies
-    return {"us": round(per * 1e6, 2), "GBps": round(nbytes / per / 1e9, 2), "copies": copies}
+    return {"us": round(per * 1e6, 2), "GBps": round(nbytes / per / 1e9, 2), "copies": copies,
+            "row_alone_equals_row_in_block": same_row_bits(
+                jax.jit(lambda x: product(x, ws[0])), x, block_rows)}
+
+
+def same_row_bits(fn: Callable[[Any], Any], row: Any, rows: int) -> bool:
+    """Whether ``fn`` gives ``row`` alone the bits it gives it as the first of ``rows`` rows
+    (the row-invariant kernels must; XLA's forms need not)."""
+    import jax
+    import jax.numpy as jnp
+
+    others = jax.random.normal(jax.random.PRNGKey(7), (rows - 1, *row.shape[1:]), jnp.float32)
+    block = jnp.concatenate([row, others.astype(row.dtype)])
+    alone, within = np.asarray(fn(row)[:1]), np.asarray(fn(block)[:1])
+    return bool(np.array_equal(alone.view(np.uint8), within.view(np.uint8)))
 
 
 def run(preset: Preset, results: common.Results) -> None:
@@ -125,12 +146,14 @@ def run(preset: Preset, results: common.Results) -> None:
     impl = "interpret" if interpret else "pallas"
     for shape in preset.shapes:
         for name, k, ns, layout in products_of(shape):
+            if preset.products is not None and name not in preset.products:
+                continue
             for kind in (impl, "xla"):
                 results.case({"kernel": "matvec", "shape": shape, "product": name, "K": k,
                               "N": list(ns), "impl": kind},
                              lambda k=k, ns=ns, layout=layout, kind=kind: matvec_case(
                                  k, ns, layout, kind, dtype, preset.copies_bytes,
-                                 preset.repeats))
+                                 preset.repeats, preset.block_rows))
         s = common.SHAPES[shape]
         for rows in (1, preset.block_rows):
             results.case({"kernel": "norm", "shape": shape, "rows": rows, "impl": impl},
@@ -158,7 +181,8 @@ def norm_case(rows: int, hidden: int, impl: str, dtype: Any, preset: Preset) -> 
     weight = jnp.ones((hidden,), dtype)
     per = looped_seconds(lambda x, w: row_rms_norm(x, w, 1e-6, impl=impl), x, (weight,),
                          preset.calls, preset.repeats)
-    return {"us": round(per * 1e6, 2)}
+    return {"us": round(per * 1e6, 2), "row_alone_equals_row_in_block": same_row_bits(
+        jax.jit(lambda x: row_rms_norm(x, weight, 1e-6, impl=impl)), x[:1], preset.block_rows)}
 
 
 def attention_case(shape: dict[str, Any], context: int, interpret: bool, dtype: Any,

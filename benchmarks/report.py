@@ -93,7 +93,8 @@ def kernels_lines(data: dict[str, Any]) -> list[str]:
     if data["meta"].get("interpreted"):
         lines += ["The kernels ran in the Pallas interpreter: these times are the "
                   "interpreter's.", ""]
-    lines += ["| kernel | case | impl | us a call | GB/s |", "|---|---|---|---|---|"]
+    lines += ["| kernel | case | impl | us a call | GB/s | a row alone = in a block |",
+              "|---|---|---|---|---|---|"]
     for c in data["cases"]:
         kernel = c["kernel"]
         if kernel == "matvec":
@@ -107,19 +108,28 @@ def kernels_lines(data: dict[str, Any]) -> list[str]:
             case = (f"{c['value_heads']} heads, dk {c['key_dim']}, dv {c['value_dim']}, "
                     f"{c['rows']} rows")
             rate = None
+        same = c.get("row_alone_equals_row_in_block")
         lines.append(f"| {kernel} | {case} | {c.get('impl', 'pallas')} | {_num(c['us'], 2)} | "
-                     f"{_num(rate, 2)} |")
+                     f"{_num(rate, 2)} | {'-' if same is None else same} |")
     return lines
 
 
 def train_lines(data: dict[str, Any]) -> list[str]:
     lines = ["| recipe preset | batch | seq_len | tokens/s | MFU | peak GiB | compile s |",
              "|---|---|---|---|---|---|---|"]
+    bounds = [c for c in data["cases"] if c.get("workload") == "matmul_bound"]
     for c in data["cases"]:
+        if c in bounds:
+            continue
         mfu = f"{c['mfu']:.1%}" if c.get("mfu") is not None else "-"
         peak = f"{c['peak_bytes'] / 2**30:.1f}" if c.get("peak_bytes") else "-"
         lines.append(f"| {c['model']} | {c['batch']} | {c['seq_len']} | "
                      f"{_num(c['tokens_per_s'])} | {mfu} | {peak} | {c['compile_s']} |")
+    for c in bounds:
+        ceiling = "-" if c["mfu_ceiling"] is None else f"{c['mfu_ceiling']:.1%}"
+        lines += ["", f"Matmul bound of `{c['model']}` at {c['batch']} x {c['seq_len']} tokens: "
+                  f"its {c['products']} products take {c['time_s'] * 1e3:.2f} ms together "
+                  f"({c['tflops']:.2f} TFLOP/s), which caps MFU at {ceiling}."]
     return lines
 
 

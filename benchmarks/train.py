@@ -5,7 +5,9 @@ Each case compiles the recipe's own train step (:func:`turbospark_recipe.train.m
 the one ``recipe`` runs) on random token rows (no corpus needed), runs two steps to warm, then
 times ``steps`` steps. MFU is the recipe's FLOP count per token
 (:func:`turbospark_recipe.flops.training_flops_per_token`) at the measured rate over the
-device's dense bf16 peak; ``None`` where the device has no known peak (a CPU).
+device's dense bf16 peak; ``None`` where the device has no known peak (a CPU). Beside the
+Qwen3.5 presets' step at their largest batch stands the ceiling their matrix products alone
+allow (:func:`benchmarks.train_bound.matmul_bound`).
 """
 
 from __future__ import annotations
@@ -26,12 +28,14 @@ class Preset:
     batch_sizes: tuple[int, ...]
     seq_len: int
     steps: int
+    #: the presets whose matmul bound is measured (Qwen3.5 ones), at the largest batch
+    bound: tuple[str, ...] = ()
 
 
-_GPU = Preset(("target35", "draft"), (16, 32, 64), 1024, 5)
+_GPU = Preset(("target35", "draft"), (16, 32, 64), 1024, 5, bound=("target35",))
 PRESETS = {
     "smoke": Preset(("tiny",), (2,), 32, 1),
-    "cpu": Preset(("tiny", "tiny35"), (4,), 128, 2),
+    "cpu": Preset(("tiny", "tiny35"), (4,), 128, 2, bound=("tiny35",)),
     "h100": _GPU,
     "h200": _GPU,
 }
@@ -86,3 +90,20 @@ def run(preset: Preset, results: common.Results) -> None:
             results.case({"model": name, "batch": batch, "seq_len": preset.seq_len},
                          lambda n=name, b=batch: step_case(n, b, preset.seq_len, preset.steps))
             jax.clear_caches()
+        if name in preset.bound:
+            batch = max(preset.batch_sizes)
+            results.case({"model": name, "batch": batch, "seq_len": preset.seq_len,
+                          "workload": "matmul_bound"},
+                         lambda n=name, b=batch: bound_case(n, b, preset))
+
+
+def bound_case(name: str, batch: int, preset: Preset) -> dict[str, Any]:
+    """The matmul bound's totals and shape groups (the product list is left out)."""
+    from benchmarks.train_bound import matmul_bound
+
+    record = matmul_bound(name, batch, preset.seq_len, iters=max(2, preset.steps),
+                          repeats=max(1, preset.steps))
+    keep = ("matmul_flops", "attention_flops", "delta_rule_chunk_flops", "unaccounted_flops",
+            "time_s", "tflops", "fraction_of_peak", "model_flops_per_step", "mfu_ceiling",
+            "groups")
+    return {"products": len(record["products"]), **{k: record[k] for k in keep}}

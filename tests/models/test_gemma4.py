@@ -326,9 +326,9 @@ def test_parallel_prefill_through_completions() -> None:
 
 
 def test_benchmark_prefill_figures_include_the_parallel_path() -> None:
-    """The figures harnesses (benchmarks.run, benchmarks.families) time the parallel path of
+    """The prefill benchmark (benchmarks.prefill) times the parallel path of
     every producer that declares one: for Gemma 4 now too."""
-    from benchmarks.run import prefill_rates
+    from benchmarks.prefill import prefill_rates
 
     rates = prefill_rates(PARALLEL["tiny"], 24, 24, VOCAB)
     assert rates["exact_tokens_per_s"] > 0 and rates["parallel_tokens_per_s"] > 0

@@ -1,8 +1,7 @@
 """A measured ceiling on the recipe's training MFU: the step's matrix products, and nothing else.
 
-The recipe's Qwen3.5 target (preset ``target35``) trains at about 7% MFU on an H200 at
-64 x 1024 tokens a step. Its shapes are small (hidden 384, MLP 1024, vocab 8192), and products
-that thin may not reach the tensor cores' peak at all. This harness times, in one jitted
+The recipe's Qwen3.5 shapes are small (the embedded target: hidden 384, MLP 1024, vocabulary
+8192), and products that thin may not reach the tensor cores' peak at all. This times, in one jitted
 program on random bfloat16 inputs, every matrix product the training step must do:
 
 * each weight that multiplies activations (read off the params tree, so the list follows the
@@ -11,8 +10,8 @@ program on random bfloat16 inputs, every matrix product the training step must d
   sequence; they are counted with ``seq_len``);
 * the output head, once for the trunk and once for the MTP head, with float32 logits and a
   bfloat16 logits gradient into its backward products, as the step computes them
-  (:func:`~turbospark_recipe.objectives.output_head`; ``--head-grad-dtype float32`` times
-  the float32 gradient the step used to take);
+  (:func:`~turbospark_recipe.objectives.output_head`; ``head_grad_dtype="float32"`` times a
+  float32 gradient);
 * the full-attention layers' scores and weighted sums (the MTP layer's too): per sequence and
   head ``Q K^T`` and ``P V`` forward, ``dO V^T``, ``P^T dO``, ``dS K`` and ``dS^T Q`` backward,
   counted and timed as full ``T x T`` squares though causality makes half of them useful.
@@ -28,26 +27,20 @@ optimizer and copies.
 else took no time at all (the model FLOPs are the recipe's own count,
 :func:`~turbospark_recipe.flops.training_flops_per_token`, which leaves out the MTP head
 and counts attention's causal half). A low ceiling says the shapes, not the rest of the step,
-hold MFU down. Each distinct shape is also timed alone, so the table shows which are slow::
-
-    PYTHONPATH=. python -m benchmarks.train_matmul_bound --preset target35 --batch-size 64 \\
-        --seq-len 1024 --repeats 5 --out results.json
+hold MFU down. Each distinct shape is also timed alone (``groups``), which shows the slow ones.
+The train suite (:mod:`benchmarks.train`) records the bound beside each Qwen3.5 preset's step.
 
 On a CPU the times are real but there is no peak: the fraction and the ceiling are ``None``.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import re
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -284,8 +277,11 @@ def _dtype_tag(dtype: str) -> str:
     return {"bfloat16": "bf16", "float32": "f32"}.get(dtype, dtype)
 
 
-def _case(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
-          head_grad_dtype: str, seed: int) -> dict[str, Any]:
+def matmul_bound(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
+                 head_grad_dtype: str = "bfloat16", seed: int = 0) -> dict[str, Any]:
+    """The bound's record for a Qwen3.5 recipe preset at ``batch`` x ``seq_len`` tokens a step
+    (module docstring): every product listed with its FLOPs, the groups of one shape timed
+    alone, all of them timed in one program, and the MFU ceiling that time allows."""
     from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
     from turbospark_jax.io.tokenizer import Tokenizer
     from turbospark_jax.models.qwen3_5.config import Qwen35Config
@@ -295,7 +291,7 @@ def _case(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
     tokenizer = Tokenizer.from_folder(embedded_model_path(DEFAULT_TARGET))
     config = rt.model_config(preset, tokenizer)
     if not isinstance(config, Qwen35Config):
-        raise SystemExit(f"preset {preset!r} is not a Qwen3.5 model; this bound is for those")
+        raise ValueError(f"preset {preset!r} is not a Qwen3.5 model; this bound is for those")
     params = jax.eval_shape(
         lambda: rt.build_model(config, "float32").init_params(jax.random.PRNGKey(0)))
     products, inputs = enumerate_products(config, params, batch, seq_len, head_grad_dtype)
@@ -335,8 +331,6 @@ def _case(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
             **timing, "tflops": g_flops / timing["time_s"] / 1e12,
             "fraction_of_peak": None if peak is None else g_flops / timing["time_s"] / peak,
         })
-        print(json.dumps({k: group_records[-1][k] for k in ("kind", "lhs", "rhs", "count",
-                                                            "time_s", "tflops")}), flush=True)
 
     whole = time_products(products, arrays, iters, repeats)
     t = whole["time_s"]
@@ -372,63 +366,3 @@ def _case(preset: str, batch: int, seq_len: int, iters: int, repeats: int,
         "model_flops_per_token": per_token, "model_flops_per_step": model_flops,
         "mfu_ceiling": None if peak is None else model_flops / (peak * t),
     }
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}"
-
-
-def table(r: dict[str, Any]) -> str:
-    """The record as a short text table: each shape group, then the totals and the bound."""
-    peak = r["peak_flops"]
-    peak_s = "no peak known" if peak is None else f"peak {peak / 1e12:.1f} TFLOP/s"
-    lines = [f"{r['preset']}: {r['batch']} x {r['seq_len']} tokens ({r['rows']} rows), "
-             f"{r['device_kind']} ({peak_s})",
-             f"{'kind':4s} {'lhs x rhs':32s} {'dtypes':18s} {'weights':26s} {'n':>3s} "
-             f"{'GFLOP':>8s} {'ms':>8s} {'TFLOP/s':>8s} {'%peak':>6s}"]
-    for g in sorted(r["groups"], key=lambda g: -g["time_s"]):
-        shapes = f"{g['lhs']}x{g['rhs']}".replace(" ", "")
-        lines.append(f"{g['kind']:4s} {shapes:32s} {g['dtypes']:18s} "
-                     f"{','.join(g['weights'])[:26]:26s} {g['count']:3d} {g['flops'] / 1e9:8.2f} "
-                     f"{g['time_s'] * 1e3:8.3f} {g['tflops']:8.2f} "
-                     f"{_pct(g['fraction_of_peak']):>6s}")
-    lines += [
-        f"all {len(r['products'])} products, one program: {r['matmul_flops'] / 1e9:.2f} GFLOP "
-        f"in {r['time_s'] * 1e3:.3f} ms = {r['tflops']:.2f} TFLOP/s "
-        f"({_pct(r['fraction_of_peak'])}% of peak); the groups alone sum to "
-        f"{r['groups_time_s'] * 1e3:.3f} ms",
-        f"  of which attention {r['attention_flops'] / 1e9:.2f} GFLOP as full squares "
-        f"(causal: half useful); not timed: delta-rule chunk products "
-        f"{r['delta_rule_chunk_flops'] / 1e9:.2f} GFLOP (float32); the traced step's "
-        f"products: {r['traced_step_dot_flops'] / 1e9:.2f} GFLOP, "
-        f"{r['unaccounted_flops'] / 1e9:.2f} of them neither listed nor the delta rule's",
-        f"model FLOPs per step (the recipe's MFU count): {r['model_flops_per_step'] / 1e9:.2f} "
-        f"GFLOP -> MFU ceiling {_pct(r['mfu_ceiling'])}%",
-    ]
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="target35", help="a Qwen3.5 recipe preset")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--iters", type=int, default=10, help="calls per timed repeat")
-    ap.add_argument("--repeats", type=int, default=5, help="timed repeats (median taken)")
-    ap.add_argument("--head-grad-dtype", default="bfloat16", choices=("float32", "bfloat16"),
-                    help="the logits gradient's dtype in the head's backward products "
-                    "(bfloat16: as the step computes it; float32: as it did before)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, help="write the record as JSON here")
-    args = ap.parse_args(argv)
-    record = _case(args.preset, args.batch_size, args.seq_len, args.iters, args.repeats,
-                   args.head_grad_dtype, args.seed)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1) + "\n")
-    print(table(record))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,26 +1,24 @@
-"""The matmul bound on training MFU runs on the CPU at tiny shapes, lists every product of the
-step, and counts their FLOPs right. No timing is compared: CI machines are shared and noisy."""
+"""The train suite's matmul bound on training MFU runs on the CPU at tiny shapes, lists every
+product of the step, and counts their FLOPs right. No timing is compared: CI machines are shared
+and noisy."""
 
-import json
 import math
 
 import jax
+import pytest
 
-from benchmarks.train_matmul_bound import main
+from benchmarks.train_bound import matmul_bound
 
 B, T = 2, 64
 
 
-def test_matmul_bound_lists_every_product_and_counts_them(tmp_path):
+def test_matmul_bound_lists_every_product_and_counts_them():
     from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
     from turbospark_jax.io.tokenizer import Tokenizer
     from turbospark_recipe import train as rt
 
     assert "tiny35" in rt.PRESETS
-    out = tmp_path / "bound.json"
-    assert main(["--preset", "tiny35", "--batch-size", str(B), "--seq-len", str(T),
-                 "--repeats", "1", "--iters", "2", "--out", str(out)]) == 0
-    r = json.loads(out.read_text())
+    r = matmul_bound("tiny35", B, T, iters=2, repeats=1)
     for key in ("products", "groups", "matmul_flops", "attention_flops", "time_s", "tflops",
                 "fraction_of_peak", "peak_flops", "model_flops_per_step", "mfu_ceiling",
                 "delta_rule_chunk_flops", "traced_step_dot_flops", "unaccounted_flops"):
@@ -67,3 +65,8 @@ def test_matmul_bound_lists_every_product_and_counts_them(tmp_path):
     assert r["groups"] and all(g["time_s"] > 0 and g["tflops"] > 0 for g in r["groups"])
     assert sum(g["count"] for g in r["groups"]) == len(products)
     assert sum(g["flops"] for g in r["groups"]) == r["matmul_flops"]
+
+
+def test_matmul_bound_refuses_a_dense_preset():
+    with pytest.raises(ValueError, match=r"not a Qwen3\.5 model"):
+        matmul_bound("tiny", B, T, iters=1, repeats=1)
