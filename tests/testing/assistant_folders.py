@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from safetensors.numpy import save_file
 
-from turbospark_jax.speculative.drafters import gemma4_assistant as A
+from turbospark_jax.models.gemma4 import assistant as A
 
 
 def write_assistant_folder(folder: Path, raw: dict[str, Any], seed: int = 0

@@ -79,6 +79,7 @@ from turbospark_jax.generation.completion import (
 )
 
 __all__ = [
+    "Begin",
     "DecodeBursts",
     "Decoding",
     "HostSteps",
@@ -87,6 +88,7 @@ __all__ = [
     "Stepper",
     "drive",
     "prefill",
+    "prepare",
     "run_raw_completion",
     "stream_completion",
 ]
@@ -307,6 +309,31 @@ def start(
     """Validate the completion now and return the driver's generator, which runs as it is
     consumed. ``speculative``: ``None`` picks as :func:`stream_completion` says; ``True``
     asks for speculative rounds, ``False`` for plain decoding."""
+    begin = prepare(producer, request, tokenizer, speculative=speculative)
+    if state is not None:
+        producer.check_state(state)
+    return begin(state, progress)
+
+
+#: A validated completion waiting for its state: ``begin(state, progress)`` is the driver's
+#: generator (once).
+Begin = Callable[[Any, PrefillProgress | None], Generator[StreamEvent, None, Completion]]
+
+
+def prepare(
+    producer: LogitProducer,
+    request: CompletionRequest,
+    tokenizer: Any | None,
+    *,
+    speculative: bool | None = None,
+) -> Begin:
+    """Validate a completion (all but the state it will start from) and pick its stepper;
+    returns what starts it. For a caller that holds the state itself (the session pool takes
+    a slot's only once the turn begins), so the request is still checked once.
+
+    Raises:
+      BadInputError: as :func:`stream_completion`.
+    """
     from turbospark_jax.generation.speculative_loop import rounds_stepper  # imports this module
 
     require_request(request)
@@ -320,13 +347,19 @@ def start(
             f"{type(producer).__name__} cannot draft; pair it with a drafter "
             "(turbospark_jax.speculative.pair.SpeculativePair) or leave draft_len unset"
         )
-    params = validate_request(producer, request, tokenizer, state)
+    params = validate_request(producer, request, tokenizer)
     if not speculative:
         stepper = (DecodeBursts(request.burst) if isinstance(producer, DeviceDecoder)
                    else HostSteps())
     # The text pipeline is built now too: a prompt id the tokenizer refuses is bad input.
     out = Emission(request, tokenizer, list(request.prompt_ids))
-    return drive(producer, out, params, state, stepper, progress, primes_drafter=speculative)
+
+    def begin(state: Any, progress: PrefillProgress | None = None) -> Generator[
+            StreamEvent, None, Completion]:
+        return drive(producer, out, params, state, stepper, progress,
+                     primes_drafter=speculative)
+
+    return begin
 
 
 def drive(

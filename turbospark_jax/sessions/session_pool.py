@@ -46,7 +46,7 @@ from turbospark_jax.core.state import copy_state
 from turbospark_jax.core.streams import Stream, StreamEvent
 from turbospark_jax.errors import BadInputError, SessionError
 from turbospark_jax.generation.completion import Completion, CompletionRequest
-from turbospark_jax.generation.driver import stream_completion
+from turbospark_jax.generation.driver import Begin, prepare
 
 __all__ = ["SessionId", "SessionPool", "SlotInfo"]
 
@@ -146,9 +146,9 @@ class SessionPool:
         The request is validated now; the slot is taken when iteration starts and given back
         when it ends. Iterate to the end, or close the stream (or use it as a context manager):
         an abandoned turn holds its slot until it is closed or collected, and leaves the slot
-        fresh. The loop is picked as :func:`~turbospark_jax.generation.driver.stream_completion`
-        picks
-        it (speculative for a producer that can draft, unless ``request.draft_len == 0``).
+        fresh. The stepper is picked as
+        :func:`~turbospark_jax.generation.driver.stream_completion` picks it (speculative
+        rounds for a producer that can draft, unless ``request.draft_len == 0``).
 
         Args:
           session_id: the conversation (any hashable value but ``None``).
@@ -166,10 +166,10 @@ class SessionPool:
           BadInputError: an invalid request (nothing is touched).
         """
         _check_session_id(session_id)
-        # Building a stream validates without running anything or touching a state, so bad
-        # input raises here, before any slot is taken.
-        stream_completion(self.producer, request, tokenizer=tokenizer)
-        return Stream(self._turn(session_id, request, tokenizer))
+        # Validated here, once, without running anything or touching a state, so bad input
+        # raises before any slot is taken; the turn starts from the slot's own state.
+        begin = prepare(self.producer, request, tokenizer)
+        return Stream(self._turn(session_id, begin))
 
     def generate(
         self,
@@ -187,14 +187,12 @@ class SessionPool:
         return self.stream(session_id, request, tokenizer=tokenizer).drain()
 
     def _turn(
-        self, session_id: SessionId, request: CompletionRequest, tokenizer: Any | None
+        self, session_id: SessionId, begin: Begin
     ) -> Generator[StreamEvent, None, Completion]:
         slot, evicted = self._claim(session_id, create=True)
         completion: Completion | None = None
         try:
-            inner = stream_completion(
-                self.producer, request, tokenizer=tokenizer, state=self._take_state(slot)
-            )
+            inner = Stream(begin(self._take_state(slot), None))
             yield from inner
             completion = inner.result
         finally:
