@@ -166,7 +166,7 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
     from turbospark_jax.io.loading import load_folder
 
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
-    # weights, which measured 2.2x slower decode on the H200.
+    # weights (docs/decisions/0011-listed-layers.md).
     return load_folder(path, dtype=args.dtype, layer_layout="list", plan=args.plan)
 
 

@@ -29,7 +29,7 @@ bitwise guarantees hold on a given mesh exactly as on one device. A sharded run 
 bitwise equal to a one-device run: the row-parallel layers sum partial products across
 devices, in another order than one device's matrix product does, and even a column slice of a
 product can round differently from the whole product (the tolerance is measured in
-``tests/test_sharding.py``).
+``tests/parallel/test_sharding.py``; docs/decisions/0013-sharded-tolerance.md).
 """
 
 from __future__ import annotations
