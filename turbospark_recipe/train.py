@@ -89,8 +89,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "head_dim": 48,
         "intermediate_size": 768,
     },
-    # The second generation's target: Qwen3.5 (gated DeltaNet layers, one full-attention layer
-    # in four) with its MTP head, trained jointly (recipe/objectives.py). 19.3M parameters at
+    # The embedded target's shape: Qwen3.5 (gated DeltaNet layers, one full-attention layer
+    # in four) with its MTP head, trained jointly (objectives.py). 19.3M parameters at
     # vocab 8192, the head's 2.0M included: with the draft model and a block drafter beside it,
     # all the embedded weights stay within the repository's 55 MB of bf16 safetensors.
     "target35": {
