@@ -18,6 +18,7 @@ from pathlib import Path
 from types import ModuleType
 
 SUITES = ("decode", "prefill", "speculative", "serve", "kernels", "train")
+PRESET_NAMES = ("smoke", "cpu", "h100", "h200")
 
 
 def suite_module(name: str) -> ModuleType:
@@ -30,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--suite", default=None,
                         help=f"one of {', '.join(SUITES)}, several comma-separated, or all")
-    parser.add_argument("--preset", choices=("smoke", "cpu", "h100", "h200"), default=None,
+    parser.add_argument("--preset", choices=PRESET_NAMES, default=None,
                         help="default: the machine's (cpu, h100, else h200)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where the results go (default benchmarks/results)")

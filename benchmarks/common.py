@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 RESULTS = Path(__file__).resolve().parent / "results"
-PRESET_NAMES = ("smoke", "cpu", "h100", "h200")
 
 # -- exactness: the one place the suites name the option ------------------------------------
 
@@ -54,11 +53,6 @@ def with_exactness(model: Any, exact: bool) -> Any:
     gpu = jax.default_backend() == "gpu"
     return dataclasses.replace(
         model, plan=KernelPlan(row_invariant=exact, pallas="compiled" if gpu else "off"))
-
-
-def load_options(exact: bool) -> dict[str, Any]:
-    """``tsj.load``'s keyword arguments for the exact path or not (its ``exact``)."""
-    return {"exact": exact}
 
 
 def widths(model: Any) -> tuple[int, int]:

@@ -184,6 +184,13 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(fig: Any, path: Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    _pyplot().close(fig)
+    return True
+
+
 def plot_decode(data: dict[str, Any], path: Path) -> bool:
     """Greedy tokens/s against context, one panel per shape."""
     cases = [c for c in data["cases"] if c["sampling"] == "greedy"]
@@ -212,10 +219,7 @@ def plot_decode(data: dict[str, Any], path: Path) -> bool:
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("decode tokens/s")
         ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def plot_serve(data: dict[str, Any], path: Path) -> bool:
@@ -230,10 +234,7 @@ def plot_serve(data: dict[str, Any], path: Path) -> bool:
     ax.set_ylabel("aggregate tokens/s")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 def plot_speculative(data: dict[str, Any], path: Path) -> bool:
@@ -254,10 +255,7 @@ def plot_speculative(data: dict[str, Any], path: Path) -> bool:
     ax.set_xticks([j + 0.2 * (len(modes) - 1) for j in range(len(drafters))], drafters)
     ax.set_ylabel("speed-up over plain (best draft length)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return True
+    return _save(fig, path)
 
 
 PLOTS = {"decode": plot_decode, "serve": plot_serve, "speculative": plot_speculative}
