@@ -26,9 +26,12 @@ transformers = pytest.importorskip("transformers")
 
 from tests.models.test_gemma4_parity import _BASE, CASES, VOCAB, convert, randomise  # noqa: E402
 from turbospark_jax.errors import BadInputError, ModelLoadError  # noqa: E402
+from turbospark_jax.models.gemma4 import assistant as A  # noqa: E402
 from turbospark_jax.models.gemma4 import config as GC  # noqa: E402
 from turbospark_jax.models.gemma4 import model as G  # noqa: E402
-from turbospark_jax.speculative.drafters import gemma4_assistant as A  # noqa: E402
+from turbospark_jax.speculative.drafters.gemma4_assistant import (  # noqa: E402
+    Gemma4AssistantDrafter,
+)
 
 ATOL = 1e-4
 PROMPT, STEPS = 12, 4
@@ -180,7 +183,7 @@ def test_paired_assistant_is_lossless_greedy_bit_for_bit(paired: Any, device: bo
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, VOCAB, PROMPT)]
     request = CompletionRequest(prompt_ids=prompt, max_tokens=24, record_logits=True)
     plain = run_raw_completion(producer, request)
-    pair = SpeculativePair(producer, A.Gemma4AssistantDrafter(producer, config, aparams),
+    pair = SpeculativePair(producer, Gemma4AssistantDrafter(producer, config, aparams),
                            device_rounds=device)
     got = run_raw_completion_speculative(pair, dataclasses.replace(request, draft_len=4))
     assert got.speculative.on_device == device
@@ -199,7 +202,7 @@ def test_paired_proposals_are_the_assistants_own(paired: Any) -> None:
     want, _ = A.draft_greedy(config, aparams, producer.model, producer.params, state.cache,
                              jnp.int32(pending), state.cache.hidden_rows[PROMPT - 1],
                              jnp.int32(PROMPT), 3)
-    drafter = A.Gemma4AssistantDrafter(producer, config, aparams)
+    drafter = Gemma4AssistantDrafter(producer, config, aparams)
     got, _ = drafter.block((), [*prompt, pending], 3, target=state)
     assert got == [int(t) for t in want]
 
@@ -211,9 +214,9 @@ def test_pairing_refusals(target: Any, paired: Any) -> None:
     producer, config, aparams = paired
     plain = BlockProducer(model, params, capacity=64, width=6)  # keeps no hidden rows
     with pytest.raises(BadInputError, match="keep_hidden_rows"):
-        A.Gemma4AssistantDrafter(plain, config, aparams)
+        Gemma4AssistantDrafter(plain, config, aparams)
     with pytest.raises(BadInputError, match="target="):
-        A.Gemma4AssistantDrafter(producer, config, aparams).block((), [1, 2], 2)
+        Gemma4AssistantDrafter(producer, config, aparams).block((), [1, 2], 2)
 
 
 # -- under the costed oracle (benchmarks/assistant_oracle.py) ---------------------------------
@@ -230,7 +233,7 @@ def test_costed_oracle_overrules_the_assistant(paired: Any) -> None:
     prompt = [int(t) for t in rng.integers(0, VOCAB, PROMPT)]
     state = producer.prefill_chunk(producer.init_state(), prompt, 0)[1]
     pending, m = 5, 4
-    inner = A.Gemma4AssistantDrafter(producer, config, aparams)
+    inner = Gemma4AssistantDrafter(producer, config, aparams)
     drafted, _ = inner.block((), [*prompt, pending], m, target=state)
     ahead = [int(t) for t in rng.integers(0, VOCAB, m + 2)]
     ahead[1] = drafted[1]  # the assistant is right here: its token cannot be the wrong one
@@ -265,7 +268,7 @@ def test_costed_oracle_assistant_is_lossless_on_the_device_loop(paired: Any) -> 
     request = CompletionRequest(prompt_ids=prompt, max_tokens=20)
     plain = run_raw_completion(producer, request)
     request = dataclasses.replace(request, draft_len=4)
-    inner = A.Gemma4AssistantDrafter(producer, config, aparams)
+    inner = Gemma4AssistantDrafter(producer, config, aparams)
     for alpha in (0.0, 0.6, 1.0):
         drafter = CostedOracleDrafter(inner, prompt + plain.token_ids, alpha)
         assert runs_fixed_rounds(drafter.on_device()[0], True, False)
@@ -296,7 +299,7 @@ def test_greedy_fixed_assistant_bursts_hold_no_loop_that_stops_on_data(paired: A
     from turbospark_jax.speculative.pair import SpeculativePair
 
     producer, config, aparams = paired
-    pair = SpeculativePair(producer, A.Gemma4AssistantDrafter(producer, config, aparams))
+    pair = SpeculativePair(producer, Gemma4AssistantDrafter(producer, config, aparams))
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, VOCAB, PROMPT)]
     text, fixed = lowered_rounds(pair, prompt, draft_len=3)
     loops, constant = _constant_trip_loops(text)
