@@ -341,11 +341,15 @@ class Results:
         self.data["skipped"].append({**label, "reason": reason})
         self.write()
 
+    def out_of_time(self) -> bool:
+        """Whether the preset's time budget is spent."""
+        return self.budget_s is not None and time.perf_counter() - self.started > self.budget_s
+
     def case(self, label: dict[str, Any], fn: Callable[[], dict[str, Any]]
              ) -> dict[str, Any] | None:
         """``label`` with ``fn()``'s figures, as a case; an exception is recorded as an error,
         and past the budget the case is skipped."""
-        if self.budget_s is not None and time.perf_counter() - self.started > self.budget_s:
+        if self.out_of_time():
             self.skip("out of the preset's time budget", **label)
             return None
         try:

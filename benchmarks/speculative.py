@@ -152,7 +152,9 @@ def run(preset: Preset, results: common.Results, model_figures: bool = True,
         limit = table[drafter].draft_len if drafter == "block" else 8
         model = None
         for k in sorted({min(k, limit) for k in preset.draft_lens[drafter]}):
-            if model is None or not gpu:  # on a CPU the width follows the draft length
+            if results.out_of_time():  # listed as skipped, without loading anything
+                model = None
+            elif model is None or not gpu:  # on a CPU the width follows the draft length
                 model = tsj.load(target, drafter=drafter, context=context, draft_len=k)
             for mode in preset.modes:
                 results.case({"drafter": drafter, "mode": mode, "draft_len": k},
