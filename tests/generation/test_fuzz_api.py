@@ -668,12 +668,17 @@ def test_pool_arguments_are_refused_or_served_and_a_refusal_touches_no_slot(data
 
 
 class EagerPool(SessionPool):
-    """Control: takes the slot and its state before the request is checked."""
+    """Control: takes the slot and its state before the request is checked against the
+    producer (a malformed request is refused when it is made, before any pool sees it)."""
 
     def stream(self, session_id, request, *, tokenizer=None):
         from turbospark_jax.core.streams import Stream
+        from turbospark_jax.generation.driver import start
 
-        turn = Stream(self._turn(session_id, request, tokenizer))
+        def begin(state, progress):
+            return start(self.producer, request, tokenizer, state, progress)
+
+        turn = Stream(self._turn(session_id, begin))
         with contextlib.suppress(StopIteration):
             next(turn)
         return turn

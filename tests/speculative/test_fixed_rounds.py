@@ -250,7 +250,7 @@ def test_the_fixed_form_copies_no_cache_of_a_dense_model():
         assert _cache_copies(target, True) == _cache_copies(target, False), scan
     # the control: the count sees a cache copied in the fixed form. On the CPU the
     # while_loop writes the toy's cache in place, so the forms differ there; a GPU build
-    # (H100, jax 0.11.2) copies it in both forms
+    # copies it in both forms
     toy = toy_attention_producer(vocab=V, capacity=128, width=16)
     copies = _cache_copies(toy, True)
     assert copies > 0
