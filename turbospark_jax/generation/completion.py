@@ -1,4 +1,4 @@
-"""What a completion asks for and what it returns, and the per-token work every loop shares.
+"""What a completion asks for and what it returns, and the per-token work every step shares.
 
 A :class:`CompletionRequest` checks its own fields when it is made, so a request that exists
 is well formed; :func:`validate_request` adds, once, where the request meets a producer, what
@@ -54,10 +54,10 @@ __all__ = [
 #: The error reason when a producer hands back NaN or infinite logits.
 NON_FINITE_LOGITS = "the producer returned non-finite logits"
 
-#: Failures a producer may raise mid-generation; the loops turn them into an ERROR finish.
+#: Failures a producer may raise mid-generation; the driver turns them into an ERROR finish.
 PRODUCER_FAILURES = (ProducerExhaustedError, ProducerFailedError)
 
-#: ``History.add`` compiled once; the loops update the history on the host side with it.
+#: ``History.add`` compiled once; the host steps update the history with it.
 add_to_history = jax.jit(sampling.History.add)
 
 
@@ -254,7 +254,7 @@ class Completion:
         keeps it).
       logits: with ``record_logits``, float32 ``[len(token_ids), V]``: row ``i`` is what
         token ``i`` was sampled from.
-      speculative: the speculative loop's statistics, ``None`` for the plain loop.
+      speculative: the speculative rounds' statistics, ``None`` for plain decoding.
     """
 
     token_ids: list[int]
@@ -348,7 +348,8 @@ def check_injection(producer: LogitProducer, injection: Any, prompt_length: int)
 
 
 class Emission:
-    """Per-token bookkeeping every loop shares: stop tokens, text, stop strings, max_tokens.
+    """Per-token bookkeeping every completion shares: stop tokens, text, stop strings,
+    max_tokens.
 
     :meth:`push` takes one sampled token (and the logits it came from) and says what to
     stream and whether generation ends there, in the seed loop's order: a stop token ends

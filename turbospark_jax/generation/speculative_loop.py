@@ -93,7 +93,7 @@ class SpeculativeStats:
       accepted_by_position: proposals kept at draft position ``i``.
       on_device: whether the rounds ran on the device.
       device_s: seconds inside device calls of rounds (drafting, verifying and judging).
-      draft_s, verify_s: host loop only: seconds drafting and verifying (device work waited
+      draft_s, verify_s: host rounds only: seconds drafting and verifying (device work waited
         for); zero on the device, where the three run inside one call.
       host_s: the rest of the decode time (text, stop strings, bookkeeping, dispatch).
     """

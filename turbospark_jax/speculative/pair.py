@@ -68,7 +68,7 @@ class SpeculativePair(SpeculativeProducer[PairState, Any]):
       drafter: a :class:`~turbospark_jax.speculative.drafters.base.Drafter` with the same
       vocabulary.
       device_rounds: run whole rounds on the device when target and drafter allow it (the
-        default); ``False`` keeps the host loop, the reference the tests compare against.
+        default); ``False`` keeps the host rounds, the reference the tests compare against.
 
     Raises:
       BadInputError: the vocabularies differ, or an argument has the wrong type.

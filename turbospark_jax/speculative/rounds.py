@@ -113,7 +113,7 @@ def proposal_distributions(
     params: sampling.SamplingParams, history: sampling.History,
 ) -> jax.Array:
     """q for each proposal: the distribution it was sampled from, under the same shaping as
-    the target's p (the history grows by the proposals before it). The host loop's way; a
+    the target's p (the history grows by the proposals before it). The host rounds' way; a
     device drafter returns the same rows from its draft loop.
 
     drafter_rows: f32[MAX_DRAFT, V]; proposals: i32[MAX_DRAFT]; ``count`` are real. Returns

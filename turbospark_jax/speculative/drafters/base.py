@@ -11,9 +11,9 @@ Step-wise drafters return full logits per step, so the loop can shape them like 
 and keep the proposal distribution for rejection sampling; block drafters return a list of
 proposals and are deterministic (their proposal distribution is a point mass).
 
-A drafter that can run inside the device speculative loop returns its on-device form from
+A drafter that can run inside the device speculative rounds returns its on-device form from
 :meth:`Drafter.on_device` (a :class:`DeviceDrafter`); one that cannot (a Python-only drafter)
-still runs through the host loop.
+still runs through the host rounds.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ DEFAULT_DRAFT_LEN = 4
 
 
 class DeviceDrafter(abc.ABC):
-    """A drafter's pure functions for the device speculative loop (frozen, hashable: static
+    """A drafter's pure functions for the device speculative rounds (frozen, hashable: static
     under ``jit``).
 
     Declarations:
@@ -118,7 +118,7 @@ class CatchUpDevice(DeviceDrafter):
     Its subclass declares a ``caught_up`` field: the form the device rounds run (what
     ``on_device`` returns), where the pair has run :meth:`catch_up` before the chain, so a
     round catches up one block at most (a round commits at most ``width`` positions) and its
-    loop is bounded; the host loop drafts with the other form, which catches up as far as the
+    loop is bounded; the host rounds draft with the other form, which catches up as far as the
     target is.
     """
 
@@ -165,7 +165,7 @@ def catch_up_compiled(device: DeviceDrafter, params: Any, state: Any, target: An
 def propose_compiled(device: DeviceDrafter, params: Any, state: Any, target: Any,
                      pending: jax.Array, m: jax.Array) -> tuple[jax.Array, jax.Array, Any]:
     """``device``'s :meth:`~DeviceDrafter.propose` as one compiled call, for a drafter that
-    does not sample: the proposals, how many are real and the new state. The host loop drafts
+    does not sample: the proposals, how many are real and the new state. The host rounds draft
     with it, so it runs the program the device rounds run."""
     proposals, _, count, state = device.propose(params, state, target, pending, m, None)
     return proposals, count, state
@@ -262,7 +262,7 @@ class Drafter(abc.ABC):
 
     def on_device(self) -> tuple[DeviceDrafter, Any] | None:
         """The drafter's device form and its params, or ``None`` when it has none (the
-        speculative loop then runs on the host). Default: none."""
+        speculative rounds then run on the host). Default: none."""
         return None
 
 

@@ -15,7 +15,7 @@ with its own fed record. A round:
 
 Proposals are deterministic (a point mass), so sampled decoding stays lossless through the
 rejection sampler. At the commit the drafter keeps only rows the target still holds; a
-rewind moves its cursor back (its rows are append-only). The host loop drafts with the same
+rewind moves its cursor back (its rows are append-only). The host rounds draft with the same
 compiled function the device rounds run.
 """
 

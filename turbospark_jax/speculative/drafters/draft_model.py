@@ -172,7 +172,7 @@ class DraftModelDevice(DeviceDrafter):
                 jnp.zeros((MAX_DRAFT, vocab), jnp.float32), sampler.history, jnp.bool_(True))
         steps, state, _, proposals, q, _, finite = draft_loop(cond, body, init, sampler)
         # Non-finite logits end the drafting: the proposals before them stand and, as in the
-        # host loop, the drafter goes back to the committed sequence.
+        # host rounds, the drafter goes back to the committed sequence.
         count = jnp.where(finite, steps, steps - 1)
         state = jnp_rewind(state, jnp.where(finite, state.fed.count, target.fed.count))
         q = jnp.where((jnp.arange(MAX_DRAFT) < count)[:, None], q, 0.0)

@@ -14,8 +14,8 @@ from the trunk's hidden state, which the target records for every fed position
   the trunk, and the next round rebuilds the accepted positions from the target's rows.
 
 Proposals are the head's argmax (a deterministic drafter: its proposal distribution is a
-point mass, so sampled decoding stays lossless through rejection sampling). The host loop
-drafts with the same compiled function the device rounds run, so the two loops agree.
+point mass, so sampled decoding stays lossless through rejection sampling). The host rounds
+draft with the same compiled function the device rounds run, so the two agree.
 """
 
 from __future__ import annotations
