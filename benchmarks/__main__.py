@@ -4,12 +4,14 @@ Suites: ``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels``, ``trai
 (in that order). Presets: ``cpu`` (minutes on a laptop-class CPU), ``h100``, ``h200``, and
 ``smoke`` (seconds: what the tests run). Each suite writes ``<out>/<suite>_<preset>.json``;
 ``--report`` rebuilds ``<out>/REPORT.md`` and its plots from every such file in ``<out>``
-(a run of suites rebuilds it too).
+(a run of suites rebuilds it too). A preset too long for one sitting runs in parts with
+``--shapes``: each part replaces its own shapes' cases in the file and keeps the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import shlex
@@ -35,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="default: the machine's (cpu, h100, else h200)")
     parser.add_argument("--out", type=Path, default=None,
                         help="where the results go (default benchmarks/results)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shapes instead of the preset's (decode, prefill, "
+                             "kernels); the file keeps an earlier run's other shapes")
     parser.add_argument("--report", action="store_true",
                         help="rebuild REPORT.md and its plots from the JSON files in --out")
     parser.add_argument("--no-model-figures", action="store_true",
@@ -65,8 +70,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         module = suite_module(name)
         settings = module.PRESETS[preset]
+        only = None
+        if args.shapes and hasattr(settings, "shapes"):
+            only = tuple(args.shapes.split(","))
+            unknown = [s for s in only if s not in common.SHAPES]
+            if unknown:
+                parser.error(f"unknown shape {', '.join(unknown)}; the shapes: "
+                             f"{', '.join(common.SHAPES)}")
+            settings = dataclasses.replace(settings, shapes=only)
         results = common.Results(name, preset, settings, out, command,
-                                 getattr(settings, "budget_s", None))
+                                 getattr(settings, "budget_s", None), only)
         options = {"model_figures": not args.no_model_figures} if name == "speculative" else {}
         status = max(status, module.run(settings, results, **options) or 0)
         results.write()

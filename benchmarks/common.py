@@ -314,7 +314,10 @@ class Results:
     """One suite's results file, rewritten after every case."""
 
     def __init__(self, suite: str, preset: str, settings: Any, out: Path, command: str,
-                 budget_s: float | None = None) -> None:
+                 budget_s: float | None = None, only_shapes: tuple[str, ...] | None = None
+                 ) -> None:
+        """``only_shapes``: this run measures those shapes alone, so an earlier file's entries
+        for other shapes stay (a preset too long for one sitting runs in parts)."""
         out.mkdir(parents=True, exist_ok=True)
         self.path = out / f"{suite}_{preset}.json"
         self.started = time.perf_counter()
@@ -322,6 +325,13 @@ class Results:
         self.data: dict[str, Any] = {"suite": suite, "preset": preset,
                                      "meta": meta(preset, settings, command),
                                      "cases": [], "errors": [], "skipped": []}
+        if only_shapes is not None and self.path.is_file():
+            old = json.loads(self.path.read_text())
+            for key in ("cases", "errors", "skipped"):
+                self.data[key] = [r for r in old.get(key, [])
+                                  if r.get("shape", only_shapes[0]) not in only_shapes]
+            self.data["meta"]["earlier_commands"] = [
+                *old["meta"].get("earlier_commands", []), old["meta"]["command"]]
         self.write()
 
     @property

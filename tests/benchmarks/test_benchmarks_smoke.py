@@ -62,9 +62,30 @@ def test_the_report_is_built_from_the_files(smoke):
     assert "interpreter" in text  # the kernels' times on a CPU say whose they are
 
 
-def test_an_unknown_suite_is_refused(tmp_path):
+def test_an_unknown_suite_or_shape_is_refused(tmp_path):
     with pytest.raises(SystemExit):
         main(["--suite", "decode,nope", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        main(["--suite", "decode", "--shapes", "tiny,nope", "--out", str(tmp_path)])
+
+
+def test_a_run_of_some_shapes_keeps_the_other_shapes_cases(tmp_path):
+    """A preset run in parts: the second part replaces its shape's entries and keeps the
+    first part's other shapes; entries of no shape are the part's to measure again."""
+    from benchmarks.common import Results
+    from benchmarks.decode import PRESETS
+
+    first = Results("decode", "smoke", PRESETS["smoke"], tmp_path, "one")
+    for shape in ("a", "b"):
+        first.add({"shape": shape, "tokens_per_s": 1.0})
+    first.data["errors"].append({"shape": "b", "error": "old"})
+    first.data["skipped"].append({"reason": "no shape"})
+    first.write()
+    second = Results("decode", "smoke", PRESETS["smoke"], tmp_path, "two", only_shapes=("b",))
+    assert second.cases == [{"shape": "a", "tokens_per_s": 1.0}]
+    assert second.data["errors"] == second.data["skipped"] == []
+    assert second.data["meta"]["earlier_commands"] == ["one"]
+    assert json.loads(first.path.read_text())["cases"] == second.cases
 
 
 def _speculative_file(folder):
