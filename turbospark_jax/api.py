@@ -275,7 +275,8 @@ def stream(
         ``model.drafter.plain_when_sampling`` says so).
       **settings: sampling settings (``temperature``, ``top_k``, ``top_p``, ``min_p``,
         ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``) or other
-        :class:`~turbospark_jax.generation.completion.CompletionRequest` fields.
+        :class:`~turbospark_jax.generation.completion.CompletionRequest` fields
+        (``parallel_prefill`` defaults to on for a model loaded with ``exact=False``).
 
     Raises:
       BadInputError: an unknown setting, text for a model without a tokenizer, images for a
