@@ -118,10 +118,6 @@ MOSAIC = {
         lambda x, a, b: mosaic_partials(x, (a, b), seg_cols=256, sms=132, tiles=MosaicTiles(
             wg_rows=64, wg_cols=64, stages=6)), S((64, 1024), BF16), S((1024, 384), BF16),
         S((1024, 128), BF16)),
-    "mosaic, gated, two launches": (
-        lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(
-            mosaic=MosaicTiles(gate_in_epilogue=False)), "gate_up"),
-        ROWS, S((256, 256), BF16), S((256, 256), BF16)),
     "mosaic, gated in the epilogue": (
         lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(), "gate_up"),
         ROWS, S((256, 256), BF16), S((256, 256), BF16)),
@@ -131,12 +127,12 @@ MOSAIC = {
 @pytest.mark.parametrize("name", MOSAIC)
 def test_mosaic_kernel_lowers_for_cuda(name):
     """The Mosaic kernel lowers (Pallas runs its Mosaic GPU passes, layout inference
-    included, while lowering); the two-launch gated form leaves its gating to a Triton
-    kernel, the default gates in the Mosaic kernel's epilogue."""
+    included, while lowering); the gated product gates in the Mosaic kernel's epilogue, with
+    no Triton gating kernel after it."""
     fn, *args = MOSAIC[name]
     text = cuda_text(fn, *args)
     assert "mosaic_gpu" in text and "rowinv_mosaic" in text
-    assert ("rowinv_gate_gate_up" in text) == name.endswith("two launches")
+    assert "rowinv_gate_gate_up" not in text
     assert "stablehlo.dot_general" not in text
 
 

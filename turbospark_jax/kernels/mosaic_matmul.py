@@ -50,10 +50,6 @@ class MosaicTiles:
         model shapes' prefill products).
       minor: the persistent grid walks output tiles along ``"rows"`` or ``"cols"`` first,
       band: in bands of this many tiles (a snake), so neighbours share operands in L2.
-      gate_in_epilogue: the gated product gates in the kernel's epilogue
-        (:func:`mosaic_gated`; its rows checked bitwise against the gated matvec kernel's on
-        the GPU) instead of writing both products for a Triton gating kernel (``False``: the
-        form kept to compare against).
     """
 
     wg_rows: int = 128
@@ -63,7 +59,6 @@ class MosaicTiles:
     stages: int = 5
     minor: str = "rows"
     band: int = 8
-    gate_in_epilogue: bool = True
 
     def __post_init__(self) -> None:
         if self.split not in ("cols", "rows") or self.minor not in ("cols", "rows"):

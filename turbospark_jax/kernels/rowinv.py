@@ -663,47 +663,21 @@ def gated_schedule(k: int) -> Schedule:
     return Schedule(segment_tiles=-(-k // Schedule.k_tile))
 
 
-def _gate_kernel(gate_ref: Any, up_ref: Any, o_ref: Any) -> None:
-    o_ref[...] = swiglu_gating(gate_ref[...], up_ref[...], o_ref.dtype)
-
-
-#: Rows and columns of a program of the gating kernel after the Mosaic product.
-GATE_BLOCK = (64, 128)
-
-
 def _mosaic_gated(x: jax.Array, gate: jax.Array, up: jax.Array, mosaic: MosaicTiles,
                   label: str) -> jax.Array:
     """The gated product for many rows on a Hopper GPU: the Mosaic kernel's two products under
-    the gated schedule, rounded to ``x.dtype`` side by side, then a Triton kernel gating them
-    with the gated kernels' own epilogue (:func:`swiglu_gating`, the same code Triton compiles in
-    the matvec kernel, so a row's bits agree with a decode step's). With
-    ``mosaic.gate_in_epilogue`` (the default) the Mosaic kernel gates in its own epilogue
-    instead (:func:`~turbospark_jax.kernels.mosaic_matmul.mosaic_gated`), one launch and no
-    round trip of the two products."""
+    the gated schedule, gated in its own epilogue
+    (:func:`~turbospark_jax.kernels.mosaic_matmul.mosaic_gated`) with the gated kernels' own
+    gating (:func:`swiglu_gating`, the same code Triton compiles in the matvec kernel, so a
+    row's bits agree with a decode step's): one launch, no round trip of the two products."""
     m, k = x.shape
     f = gate.shape[1]
-    if mosaic.gate_in_epilogue:
-        kp = gated_schedule(k).plan(k)[0]
-        mp = _ceil_to(m, mosaic.block[0])
-        out = mosaic_gated(_pad(x, mp, kp), _pad(gate, kp, f), _pad(up, kp, f),
-                           epilogue=functools.partial(swiglu_gating, dtype=x.dtype),
-                           out_dtype=x.dtype, tiles=mosaic,
-                           name="rowinv_mosaic" + (f"_{label}" if label else ""))
-        return out[:m]
-    both = _mosaic(x, (gate, up), x.dtype, gated_schedule(k), mosaic, label)
-    bm, bn = GATE_BLOCK
-    mp = _ceil_to(m, bm)
-    both = _pad(both, mp, 2 * f)
-    out = pl.pallas_call(
-        _gate_kernel,
-        grid=(mp // bm, f // bn),
-        in_specs=[pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-                  pl.BlockSpec((bm, bn), lambda i, j: (i, j + f // bn))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((mp, f), x.dtype),
-        name="rowinv_gate" + (f"_{label}" if label else ""),
-        **compiler_params(False, 4, 1),
-    )(both, both)
+    kp = gated_schedule(k).plan(k)[0]
+    mp = _ceil_to(m, mosaic.block[0])
+    out = mosaic_gated(_pad(x, mp, kp), _pad(gate, kp, f), _pad(up, kp, f),
+                       epilogue=functools.partial(swiglu_gating, dtype=x.dtype),
+                       out_dtype=x.dtype, tiles=mosaic,
+                       name="rowinv_mosaic" + (f"_{label}" if label else ""))
     return out[:m]
 
 
