@@ -3,11 +3,6 @@
 ``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels`` and ``train`` (``--suite all``
 runs them in that order), each with presets ``smoke``, ``cpu``, ``h100`` and ``h200``, write
 ``benchmarks/results/<suite>_<preset>.json``; ``python -m benchmarks --report`` rebuilds
-``benchmarks/results/REPORT.md`` and its plots from those files.
-
-Every suite runs under the XLA settings the package chooses, as the command line and a
-library user's process do: importing the package here applies them before any suite can
-start a JAX backend.
+``benchmarks/results/REPORT.md`` and its plots from those files. The suites build models
+through the package as a user's process does, so they measure its own compiler settings.
 """
-
-import turbospark_jax  # noqa: F401
