@@ -25,7 +25,7 @@ from turbospark_jax.kernels import attention as pallas_attention
 from turbospark_jax.kernels import rope_store as pallas_rope_store
 from turbospark_jax.kernels import row_norm as pallas_row_norm
 from turbospark_jax.kernels import rowinv
-from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_partials
+from turbospark_jax.kernels.mosaic_matmul import MosaicTiles
 from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.kernels.rowinv import Schedule, Tiles
 from turbospark_jax.models.dense.config import DenseConfig
@@ -114,10 +114,6 @@ MOSAIC = {
         lambda x, w: _matmul(x, (w,), out=jnp.float32, kernel="mosaic", tiles=Tiles(
             mosaic=MosaicTiles(wg_rows=64, wg_cols=128, split="rows"))),
         ROWS, S((256, 256), BF16)),
-    "mosaic, segment partials side by side, 64-row tiles": (
-        lambda x, a, b: mosaic_partials(x, (a, b), seg_cols=256, sms=132, tiles=MosaicTiles(
-            wg_rows=64, wg_cols=64, stages=6)), S((64, 1024), BF16), S((1024, 384), BF16),
-        S((1024, 128), BF16)),
     "mosaic, gated in the epilogue": (
         lambda x, g, u: rowinv._rowinv_swiglu(x, g, u, "pallas", "mosaic", Tiles(), "gate_up"),
         ROWS, S((256, 256), BF16), S((256, 256), BF16)),

@@ -19,7 +19,7 @@ import pytest
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import rowinv
-from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_matmul, mosaic_partials
+from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_matmul
 from turbospark_jax.kernels.rowinv import Schedule, Tiles, rowinv_matmul, rowinv_swiglu
 
 HOPPER = rowinv._hopper()
@@ -97,23 +97,6 @@ def test_gating_in_the_epilogue_keeps_the_gated_kernels_bits():
         for at in (0, 17, 299):
             row = rowinv_swiglu(x[at:at + 1], gate, up, impl="pallas", kernel="matvec")
             assert np.array_equal(_bits(row)[0], wide[at]), (k, at)
-
-
-@on_hopper
-@pytest.mark.parametrize(("k", "widths"), SHAPES)
-def test_segment_partials_are_the_matvec_kernels(k, widths):
-    """The segment-partial form (a decode step's products as ``probe_mosaic_decode`` runs them:
-    rows padded to a 64-row tile, segments side by side): every row's float32 partial sums
-    are the matvec kernel's, segment by segment."""
-    x, ws = _operands(k, widths, rows=64)
-    schedule = rowinv.schedule_for(k, sum(widths))
-    _, _, per = schedule.plan(k)
-    got = mosaic_partials(x, ws, seg_cols=per * schedule.k_tile,
-                          tiles=MosaicTiles(wg_rows=64, wg_cols=64, stages=6))
-    for at in (0, 37):
-        want = rowinv_matmul(x[at:at + 1], ws, impl="pallas", kernel="matvec",
-                             schedule=schedule, parts=True)
-        assert np.array_equal(_bits(got[:, at:at + 1]), _bits(want)), at
 
 
 @on_hopper

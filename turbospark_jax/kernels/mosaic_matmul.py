@@ -17,11 +17,10 @@ addend, at many).
 The running total lives in registers beside the segment's accumulator, so a warpgroup's tile
 is at most 128 x 64 float32 of each (64 + 64 registers a thread).
 
-One kernel body serves three forms: :func:`mosaic_matmul` (weights side by side, as q/k/v),
-:func:`mosaic_gated` (gate and up loaded together, K in one segment, SwiGLU's gating in the
-epilogue: what a prefill block's MLP runs) and :func:`mosaic_partials` (each segment a
-program of its own, float32 partial sums out: the matvec kernel's form, measured for decode
-where the Triton matvec kernel is the faster).
+One kernel body serves two forms: :func:`mosaic_matmul` (weights side by side, as q/k/v)
+and :func:`mosaic_gated` (gate and up loaded together, K in one segment, SwiGLU's gating in
+the epilogue: what a prefill block's MLP runs). Decode sizes stay on the Triton matvec
+kernel, which streams the weights faster there.
 """
 
 from __future__ import annotations
@@ -110,16 +109,14 @@ def _store(out: jax.Array, out_smem: Any, o_gmem: Any) -> None:
 
 
 def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, stages: int, seg_steps: int,
-            groups: tuple[int, ...], epilogue: Any = None, partials: bool = False) -> None:
+            groups: tuple[int, ...], epilogue: Any = None) -> None:
     """One program per multiprocessor, walking output tiles.
 
     The weights come in ``groups`` of column tiles: weight ``i`` owns the output's column tiles
     ``groups[i]`` up to ``groups[i + 1]`` (q/k/v side by side). With an ``epilogue`` the kernel
     is the gated product instead: its two weights (gate, up) share every column tile, each
     pipeline step loads both, K is one segment, and the tile written is
-    ``epilogue(gate, up)`` of the two float32 totals. With ``partials`` each program computes
-    one segment of one output tile and writes its float32 sum to ``o[segment]`` (the matvec
-    kernel's form: the segments run side by side, and the kernel after adds them in order)."""
+    ``epilogue(gate, up)`` of the two float32 totals."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     *w_gmems, o_gmem = refs
@@ -128,8 +125,8 @@ def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, stages: int, seg_steps: int
     m, k = x_gmem.shape
     bm, bn = t.block
     m_tiles, n_tiles, steps = m // bm, groups[-1], k // t.k_step
-    segments = steps // seg_steps if partials else 1  # segments side by side
-    one_segment = seg_steps == steps or partials  # no fold in the pipeline's loop
+    segments = 1  # a program walks all of K for its tile
+    one_segment = seg_steps == steps  # no fold in the pipeline's loop
     in_transforms = _swizzled(plgpu, t.k_step, x_gmem.dtype)
     w_spec = plgpu.BlockSpec((t.k_step, bn), lambda s: (s, 0), transforms=in_transforms,
                              memory_space=plgpu.SMEM)
@@ -167,7 +164,7 @@ def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, stages: int, seg_steps: int
                                         t.band)
             rows, cols = pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)
             k_cols = pl.ds(seg * seg_steps * t.k_step, seg_steps * t.k_step)
-            o_tile = (o_gmem.at[seg] if partials else o_gmem).at[rows, cols].at[wg_m, wg_n]
+            o_tile = o_gmem.at[rows, cols].at[wg_m, wg_n]
 
             def filled(value: float) -> jax.Array:
                 return plgpu.layout_cast(jnp.full((t.wg_rows, t.wg_cols), value, jnp.float32),
@@ -180,9 +177,7 @@ def _kernel(x_gmem: Any, *refs: Any, t: MosaicTiles, stages: int, seg_steps: int
                     out = epilogue(start + gate, start + up)
                 else:
                     acc, total = run((filled(0.0), start))
-                    if partials:  # the segment's own sum, as the matvec kernel writes it
-                        total = acc
-                    elif seg_steps == steps:  # nothing was folded in the loop
+                    if seg_steps == steps:  # nothing was folded in the loop
                         total = total + acc
                     out = total.astype(o_gmem.dtype)
                 _store(out, out_smem.at[wg], o_tile)
@@ -298,23 +293,4 @@ def mosaic_matmul(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int, out
     body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
                              seg_steps=seg_cols // tiles.k_step, groups=_groups(ws, tiles))
     out = jax.ShapeDtypeStruct((m, sum(w.shape[1] for w in ws)), out_dtype)
-    return _call(body, name, out, sms)(x, *ws)
-
-
-def mosaic_partials(x: jax.Array, ws: tuple[jax.Array, ...], *, seg_cols: int,
-                    tiles: MosaicTiles, sms: int | None = None,
-                    name: str = "rowinv_mosaic_partials") -> jax.Array:
-    """The matvec kernel's form of ``x @ w`` for each ``w`` of ``ws`` side by side: each
-    segment of ``seg_cols`` columns of K summed on its own (programs side by side), written as
-    float32 ``[S, M, N1 + N2 + ...]`` for the caller to add in order
-    (:func:`rowinv.sum_parts`). Shapes as :func:`mosaic_matmul`'s.
-
-    Its rows are the matvec kernel's bitwise, but the model does not call it: at decode sizes
-    the Triton matvec kernel streams the weights faster."""
-    m, k = x.shape
-    _check(x, ws, seg_cols, tiles)
-    body = functools.partial(_kernel, t=tiles, stages=tiles.stages,
-                             seg_steps=seg_cols // tiles.k_step, groups=_groups(ws, tiles),
-                             partials=True)
-    out = jax.ShapeDtypeStruct((k // seg_cols, m, sum(w.shape[1] for w in ws)), jnp.float32)
     return _call(body, name, out, sms)(x, *ws)
