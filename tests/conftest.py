@@ -120,3 +120,19 @@ def key_bounds_seen(monkeypatch):
     monkeypatch.setattr(dense.DenseModel, "bounds_keys",
                         property(lambda m: m.plan.row_invariant))
     return seen
+
+
+@pytest.fixture
+def requests_seen(monkeypatch):
+    """Every request ``tsj.stream`` hands the driver goes into the list this returns."""
+    from turbospark_jax import api
+
+    seen = []
+    original = api.stream_completion
+
+    def recording(producer, request, **kwargs):
+        seen.append(request)
+        return original(producer, request, **kwargs)
+
+    monkeypatch.setattr(api, "stream_completion", recording)
+    return seen

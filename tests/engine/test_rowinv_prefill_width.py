@@ -329,27 +329,19 @@ def test_load_passes_prefill_width_and_defaults_it(folder):
     assert plain.producer.prefill_width == 3 and plain.prefill_width == 3
 
 
-def test_load_in_wide_blocks_gives_the_same_tokens_and_logits(folder, monkeypatch):
+def test_load_in_wide_blocks_gives_the_same_tokens_and_logits(folder, requests_seen):
     """Through ``tsj.load`` and ``tsj.generate``: prefill blocks of 1, 16 and (the CPU's
     default) 256 rows, the same tokens and logits bit for bit; ``stream``'s chunks hold at
     least one widest block."""
-    chunks = []
-    original = api.stream_completion
-
-    def recording(producer, request, **kwargs):
-        chunks.append(request.prefill_chunk_size)
-        return original(producer, request, **kwargs)
-
-    monkeypatch.setattr(api, "stream_completion", recording)
     prompt = "def f(x):\n    return x + 1\n" * 3
     runs = []
     for wide in (1, 16, None):
         model = tsj.load(folder, width=1, prefill_width=wide, context=256)
         runs.append(tsj.generate(model, prompt, max_tokens=6, record_logits=True,
                                  stop_token_ids=()))
-    assert chunks == [256, 256, 256]
+    assert [r.prefill_chunk_size for r in requests_seen] == [256, 256, 256]
     tsj.generate(model, prompt, max_tokens=1, prefill_chunk_size=20)  # the caller's wins
-    assert chunks[-1] == 20
+    assert requests_seen[-1].prefill_chunk_size == 20
     assert len(runs[0].token_ids) == 6
     for run in runs[1:]:
         assert run.token_ids == runs[0].token_ids

@@ -145,21 +145,13 @@ def test_a_bad_exact_value_is_refused_before_the_folder_is_read(no_tensor_read, 
 
 
 @pytest.mark.parametrize("family", ["dense", "qwen3_5"])
-def test_not_exact_prefills_in_parallel_unless_asked_not_to(folders, monkeypatch, family):
-    asked = []
-    original = api.stream_completion
-
-    def recording(producer, request, **kwargs):
-        asked.append(request.parallel_prefill)
-        return original(producer, request, **kwargs)
-
-    monkeypatch.setattr(api, "stream_completion", recording)
+def test_not_exact_prefills_in_parallel_unless_asked_not_to(folders, requests_seen, family):
     for exact in (True, False):
         model = tsj.load(folders[family], exact=exact, context=64)
         assert model.exact is exact
         tsj.generate(model, "hi", max_tokens=2)
     tsj.generate(model, "hi", max_tokens=2, parallel_prefill=False)  # the caller's wins
-    assert asked == [False, True, False]
+    assert [r.parallel_prefill for r in requests_seen] == [False, True, False]
 
 
 def test_the_dense_family_loads_under_either_plan(folders):
