@@ -263,7 +263,8 @@ class DenseModel(BlockModel):
         static slices. It also picks the cache layout: a scanning model keeps one stacked KV
         buffer, an unrolled one a buffer per layer (see :class:`DenseCache`), which the fused
         attention kernels need. Listed params (see :func:`unstack_layers`) are always
-        unrolled; :func:`load_folder`'s ``layer_layout`` sets it.
+        unrolled; :func:`~turbospark_jax.io.loading.load_folder`'s ``layer_layout`` sets
+        it.
       plan: the kernels the per-row work runs on
         (:class:`~turbospark_jax.kernels.plan.KernelPlan`): XLA's own by default (exact at
         one program width only); a row-invariant plan makes block programs of different
