@@ -1,2 +1,2 @@
 """The numerical layers every family shares, in their XLA forms and as Pallas kernels, and the
-per-row dispatch between them."""
+kernel plan (:mod:`~turbospark_jax.kernels.plan`) that picks between them once per model."""
