@@ -18,7 +18,7 @@ cross-entropies run through :func:`head_cross_entropy`, which applies the output
 ``head_rows`` rows at a time under ``jax.checkpoint``, so the float32 ``[rows, vocabulary]``
 logits of a whole batch never exist at once, forward or backward (the backward pass recomputes
 each slice's logits). It trades the head's products once more for memory; whether that pays on
-a given device is for the train benchmark's ``--head-rows`` to say.
+a given device is for the train suite of the benchmarks to say.
 
 **Mixed precision where it matters** (:func:`compute_params`, :func:`output_head`): the
 params are cast to the compute dtype inside the loss, but the embedding rows are gathered from

@@ -28,9 +28,9 @@ import pytest
 from turbospark_jax.core import sampling
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel
+from turbospark_jax.testing.fixtures import backend_plan
 
 VOCAB = 96
 
@@ -119,7 +119,7 @@ def _model(kernels: str) -> tuple[DenseModel, Any]:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         tie_word_embeddings=True,
     )
-    model = DenseModel(config, jnp.float32, plan=KernelPlan(row_invariant=kernels == "rowinv"))
+    model = DenseModel(config, jnp.float32, plan=backend_plan(kernels == "rowinv"))
     return model, model.init_params(jax.random.PRNGKey(3))
 
 

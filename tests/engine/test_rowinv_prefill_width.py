@@ -35,14 +35,14 @@ from turbospark_jax.engine.producer import BlockProducer, prefill_block_widths
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import GenerationConfig, save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
-from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense import model as dense
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel
+from turbospark_jax.testing.fixtures import backend_plan
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import ToyAttentionModel
 
-ROWINV = KernelPlan(row_invariant=True)
+ROWINV = backend_plan()
 
 VOCAB = 96
 CAPACITY = 160

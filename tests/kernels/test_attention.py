@@ -117,7 +117,8 @@ def test_row_invariant_form_rows_agree_across_widths(capacity):
     each row the bits it has in a block of 140 (280 query rows: the folding kernel, every
     split in one program), over nine key splits and over one. In the interpreter the tile
     products are XLA dots, so this checks the schedule (splits, key tiles, the fold); the
-    GPU's own products are checked by ``benchmarks/rowinv_model.py``."""
+    GPU's own products are checked by this file and ``tests/models/test_rowinv_dense.py``
+    run with ``JAX_PLATFORMS=cuda``."""
     from turbospark_jax.kernels.attention import FOLD_ON_CHIP_ROWS
 
     width = 140
@@ -306,7 +307,7 @@ def test_wide_head_prefill_blocks_choose_their_tiles_and_keep_the_bits():
 
 
 def test_wide_head_prefill_tiles_fit_shared_memory_under_a_longer_key_tile(monkeypatch):
-    """At 128 keys a tile (``benchmarks/rowinv_model.py --key-tile 128``), three stages of
+    """At 128 keys a tile, three stages of
     128-wide key and value tiles beside 128 query rows asked an H100 for 228 KiB of shared
     memory, 1 KiB past the limit: the chosen prefill tiles drop to two stages there; at the
     default 64 keys they keep three."""

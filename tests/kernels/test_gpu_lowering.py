@@ -9,7 +9,7 @@ product, no floating-point reduction outside our kernels (XLA's reductions and p
 their order by shape, ours by ``K`` and the cache's capacity alone), only exact integer and
 boolean reductions; the same program with XLA's kernels is full of products (the control).
 What lowering cannot show, that the compiled kernels keep every row's bits on the hardware,
-``benchmarks/rowinv_model.py`` checks on the GPU.
+the kernel and model tests check when run with ``JAX_PLATFORMS=cuda``.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.testing import conformance as C
+from turbospark_jax.testing.fixtures import backend_plan
 
 VOCAB = 96
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 77, 14, 30, 65, 8, 51, 23, 90, 1, 36, 70]
@@ -31,7 +32,7 @@ def _model(model_type: str, dtype, kernels: str) -> DenseModel:
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
         tie_word_embeddings=model_type == "qwen3", attention_bias=model_type == "qwen2",
     )
-    return DenseModel(cfg, dtype, plan=KernelPlan(row_invariant=kernels == "rowinv"))
+    return DenseModel(cfg, dtype, plan=backend_plan(kernels == "rowinv"))
 
 
 def _producers(model: DenseModel, widths: tuple[int, ...]) -> list[BlockProducer]:

@@ -17,11 +17,11 @@ import pytest
 from turbospark_jax import CompletionRequest, run_raw_completion
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
-from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel
 from turbospark_jax.speculative.drafters import DraftModelDrafter, NGramDrafter
 from turbospark_jax.speculative.pair import SpeculativePair
+from turbospark_jax.testing.fixtures import backend_plan
 
 VOCAB = 96
 PROMPT = [5, 17, 3, 88, 41, 41, 9, 60, 2, 77, 14, 30, 65, 8, 51, 23, 90, 1, 36, 70, 5, 17, 3]
@@ -35,7 +35,7 @@ def _model(kernels: str, seed: int = 0) -> tuple[DenseModel, object]:
     cfg = DenseConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=48,
                       intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, head_dim=12, tie_word_embeddings=False)
-    model = DenseModel(cfg, jnp.float32, plan=KernelPlan(row_invariant=kernels == "rowinv"))
+    model = DenseModel(cfg, jnp.float32, plan=backend_plan(kernels == "rowinv"))
     return model, model.init_params(jax.random.PRNGKey(seed))
 
 

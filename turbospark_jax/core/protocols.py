@@ -542,7 +542,7 @@ class SpeculativeProducer(VerifyingTarget[State, Checkpoint]):
 
         Each round drafts up to ``min(draft_len, remaining - 1)`` tokens after ``pending``
         (the last emitted token, not yet fed), verifies them in one target pass, judges them
-        (lossless: greedy point masses or rejection sampling, with the host loop's keys:
+        (lossless: greedy point masses or rejection sampling, with the host rounds' keys:
         token ``gen_index + i`` of the request) and commits. ``remaining`` counts the tokens
         the request may still emit, so a round never drafts past ``max_tokens``. The last
         emitted token is never fed. The default refuses. A judgement uses the verified rows up

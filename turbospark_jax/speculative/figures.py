@@ -1,8 +1,8 @@
 """``speculative.json``: what each drafter measured for a model, kept in the model's folder.
 
 The file is how ``--drafter auto`` (and ``--speculative``) knows which drafter pays on which
-backend: ``benchmarks/drafters.py --write-speculative-json`` writes it from its runs, one entry
-per drafter and backend at the draft length that measured best. Hand-editing is fine; the file
+backend: ``python -m benchmarks --suite speculative`` writes it from its runs, one entry per
+drafter and backend at the draft length that measured best. Hand-editing is fine; the file
 is checked when read and a bad one is refused by name, never half-used.
 
 ::
@@ -12,7 +12,7 @@ is checked when read and a bad one is refused by name, never half-used.
       "measurements": [
         {"drafter": "mtp", "backend": "gpu", "draft_len": 3, "speedup": <float>,
          "mean_acceptance_length": <float>, "acceptance_rate": <float>,
-         "command": "python -m benchmarks.drafters --target models/tsj-pycoder ...",
+         "command": "python -m benchmarks --suite speculative --preset h100",
          "device": "<the device's name>", "date": "<YYYY-MM-DD>", "sampled_speedup": <float>}
       ],
       "folders": {"draft-model": "../tsj-pycoder-draft", "block": "../tsj-pycoder-block"}

@@ -10,9 +10,20 @@ import jax
 
 from turbospark_jax.core.kv_prefix import common_prefix
 from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, kernel_plan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseCache, DenseModel, init_params
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
+
+
+def backend_plan(row_invariant: bool = True) -> KernelPlan:
+    """The plan a dense model is served with on this backend (the compiled Pallas kernels on a
+    GPU, the tiled XLA forms elsewhere) when ``row_invariant``; XLA's own kernels, the controls'
+    plan, when not. Tests that check a row's bits across widths build their models with it, so
+    the same test checks the GPU's own arithmetic when run with ``JAX_PLATFORMS=cuda``."""
+    if row_invariant:
+        return kernel_plan(jax.default_backend(), exact=True, row_invariant_family=True)
+    return XLA_PLAN
 
 
 @functools.partial(jax.jit, static_argnums=0)
