@@ -1,6 +1,9 @@
 """The generation loop on the scripted and toy producers: sampling, bursts, bookkeeping,
 finish reasons and bad input."""
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -285,3 +288,20 @@ def test_what_only_the_producer_can_say_is_checked_where_the_request_meets_it():
             stream_completion(TOY, request, state=state)
     assert run_raw_completion(TOY, CompletionRequest(prompt_ids=[1, 2], max_tokens=2),
                               state=state).token_ids
+
+
+def test_making_a_request_starts_no_jax_backend():
+    """A request is checked when it is made, and that may happen before a program has set up
+    its devices (a multi-host process builds its request at import, before it joins the run):
+    the checks touch no JAX backend. The control: building device sampling params does."""
+    probe = ("from jax._src import xla_bridge as xb\n"
+             "from turbospark_jax.generation.completion import CompletionRequest\n"
+             "from turbospark_jax.core.sampling import SamplingConfig\n"
+             "CompletionRequest(prompt_ids=[3, 5], max_tokens=4,\n"
+             "                  sampling=SamplingConfig(temperature=0.7, top_k=5))\n"
+             "print(xb.backends_are_initialized())\n"
+             "SamplingConfig(temperature=0.7).to_params()\n"
+             "print(xb.backends_are_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out == ["False", "True"]

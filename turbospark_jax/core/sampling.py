@@ -101,6 +101,46 @@ def _real(name: str, value: object) -> float:
         raise BadInputError(f"{name} must be a real scalar, got {value!r}") from exc
 
 
+def checked_settings(temperature: object = 0.0, top_k: object = 0, top_p: object = 1.0,
+                     min_p: object = 0.0, repetition_penalty: object = 1.0,
+                     presence_penalty: object = 0.0,
+                     frequency_penalty: object = 0.0) -> dict[str, float | int]:
+    """The sampling settings checked and normalised on the host, touching no JAX backend (a
+    request is checked when it is made, which may be before a backend may start): ranges as
+    :meth:`SamplingParams.make` documents them, ``top_k`` capped to int32.
+
+    Raises:
+      BadInputError: a setting is outside its range; the message names it.
+    """
+    t = _real("temperature", temperature)
+    if not (math.isfinite(t) and t >= 0.0):
+        raise BadInputError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
+    if isinstance(top_k, bool) or not isinstance(top_k, Integral | np.integer):
+        raise BadInputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    k = int(top_k)
+    if k < 0:
+        raise BadInputError(f"top_k must be >= 0 (0 = off), got {k}")
+    # Values past int32 cannot be stored; they exceed any vocabulary, i.e. mean "off".
+    k = min(k, int(np.iinfo(np.int32).max))
+    p = _real("top_p", top_p)
+    if not 0.0 < p <= 1.0:  # NaN fails this comparison too
+        raise BadInputError(f"top_p must be in (0, 1] (1 = off), got {p}")
+    m = _real("min_p", min_p)
+    if not 0.0 <= m <= 1.0:
+        raise BadInputError(f"min_p must be in [0, 1] (0 = off), got {m}")
+    r = _real("repetition_penalty", repetition_penalty)
+    if not (math.isfinite(r) and r > 0.0):
+        raise BadInputError(f"repetition_penalty must be finite and > 0 (1 = off), got {r}")
+    pres = _real("presence_penalty", presence_penalty)
+    if not math.isfinite(pres):
+        raise BadInputError(f"presence_penalty must be finite (0 = off), got {pres}")
+    freq = _real("frequency_penalty", frequency_penalty)
+    if not math.isfinite(freq):
+        raise BadInputError(f"frequency_penalty must be finite (0 = off), got {freq}")
+    return dict(temperature=t, top_k=k, top_p=p, min_p=m, repetition_penalty=r,
+                presence_penalty=pres, frequency_penalty=freq)
+
+
 @struct.dataclass(kw_only=True)
 class SamplingParams:
     """Sampling settings, every one a traced scalar so one program serves them all.
@@ -154,43 +194,20 @@ class SamplingParams:
         Raises:
           BadInputError: a setting is outside the range above; the message names it.
         """
-        t = _real("temperature", temperature)
-        if not (math.isfinite(t) and t >= 0.0):
-            raise BadInputError(f"temperature must be finite and >= 0 (0 = greedy), got {t}")
-        if isinstance(top_k, bool) or not isinstance(top_k, Integral | np.integer):
-            raise BadInputError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
-        k = int(top_k)
-        if k < 0:
-            raise BadInputError(f"top_k must be >= 0 (0 = off), got {k}")
-        # Values past int32 cannot be stored; they exceed any vocabulary, i.e. mean "off".
-        k = min(k, int(np.iinfo(np.int32).max))
-        p = _real("top_p", top_p)
-        if not 0.0 < p <= 1.0:  # NaN fails this comparison too
-            raise BadInputError(f"top_p must be in (0, 1] (1 = off), got {p}")
-        m = _real("min_p", min_p)
-        if not 0.0 <= m <= 1.0:
-            raise BadInputError(f"min_p must be in [0, 1] (0 = off), got {m}")
-        r = _real("repetition_penalty", repetition_penalty)
-        if not (math.isfinite(r) and r > 0.0):
-            raise BadInputError(f"repetition_penalty must be finite and > 0 (1 = off), got {r}")
-        pres = _real("presence_penalty", presence_penalty)
-        if not math.isfinite(pres):
-            raise BadInputError(f"presence_penalty must be finite (0 = off), got {pres}")
-        freq = _real("frequency_penalty", frequency_penalty)
-        if not math.isfinite(freq):
-            raise BadInputError(f"frequency_penalty must be finite (0 = off), got {freq}")
+        c = checked_settings(temperature, top_k, top_p, min_p, repetition_penalty,
+                             presence_penalty, frequency_penalty)
 
-        def f32(x: float) -> jax.Array:
-            return jnp.asarray(np.float32(x))
+        def f32(name: str) -> jax.Array:
+            return jnp.asarray(np.float32(c[name]))
 
         return cls(
-            temperature=f32(t),
-            top_k=jnp.asarray(np.int32(k)),
-            top_p=f32(p),
-            min_p=f32(m),
-            repetition_penalty=f32(r),
-            presence_penalty=f32(pres),
-            frequency_penalty=f32(freq),
+            temperature=f32("temperature"),
+            top_k=jnp.asarray(np.int32(c["top_k"])),
+            top_p=f32("top_p"),
+            min_p=f32("min_p"),
+            repetition_penalty=f32("repetition_penalty"),
+            presence_penalty=f32("presence_penalty"),
+            frequency_penalty=f32("frequency_penalty"),
         )
 
     @classmethod
@@ -216,6 +233,10 @@ class SamplingConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+
+    def check(self) -> None:
+        """Raise BadInputError naming a bad setting; touches no JAX backend."""
+        checked_settings(**dataclasses.asdict(self))
 
     def to_params(self) -> SamplingParams:
         """Validated device params; raises BadInputError naming a bad setting."""

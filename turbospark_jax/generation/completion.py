@@ -138,7 +138,7 @@ class CompletionRequest:
             raise BadInputError(
                 f"sampling must be a SamplingConfig, got {type(self.sampling).__name__}"
             )
-        self.sampling.to_params()  # raises on a bad setting
+        self.sampling.check()
         keep("seed", as_int("seed", self.seed, low=0, high=2**64 - 1))
         if self.injection is not None and not isinstance(self.injection, Injection):
             raise BadInputError(f"injection must be an Injection or None, got "
