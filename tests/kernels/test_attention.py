@@ -117,7 +117,7 @@ def test_row_invariant_form_rows_agree_across_widths(capacity):
     each row the bits it has in a block of 140 (280 query rows: the folding kernel, every
     split in one program), over nine key splits and over one. In the interpreter the tile
     products are XLA dots, so this checks the schedule (splits, key tiles, the fold); the
-    GPU's own products are checked by this file and ``tests/models/test_rowinv_dense.py``
+    GPU's own products are checked by this file and ``tests/models/test_dense_widths_agree.py``
     run with ``JAX_PLATFORMS=cuda``."""
     from turbospark_jax.kernels.attention import FOLD_ON_CHIP_ROWS
 

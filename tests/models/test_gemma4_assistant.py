@@ -290,12 +290,11 @@ def test_costed_oracle_refuses_a_drafter_with_state(paired: Any) -> None:
 
 
 def test_greedy_fixed_assistant_bursts_hold_no_loop_that_stops_on_data(paired: Any) -> None:
-    """As ``tests/speculative/test_fixed_rounds.py`` holds for the other drafters: the assistant's
-    greedy
-    burst is in the fixed form and every loop in it has a constant trip count (it is
-    compiled with its while loops recorded on a GPU)."""
+    """As ``tests/speculative/test_rounds_fixed_form.py`` holds for the other drafters: the
+    assistant's greedy burst is in the fixed form and every loop in it has a constant trip
+    count (it is compiled with its while loops recorded on a GPU)."""
     from tests.kernels.test_gpu_lowering import _constant_trip_loops
-    from tests.speculative.test_fixed_rounds import lowered_rounds
+    from tests.speculative.test_rounds_fixed_form import lowered_rounds
     from turbospark_jax.speculative.pair import SpeculativePair
 
     producer, config, aparams = paired

@@ -13,7 +13,7 @@ attention kernel) and 4 with 16-row blocks give bitwise the same prefill and dec
 the device loop's decode program (draw plans, chunks of steps, one-row kernels) gives the
 logits of one-by-one steps, and sampled, the tokens and state of the branching program.
 (The interpreter's tile products are XLA dots, so the bitwise part speaks for the schedule,
-not for the GPU's own arithmetic: ``tests/models/test_rowinv_dense.py`` run with
+not for the GPU's own arithmetic: ``tests/models/test_dense_widths_agree.py`` run with
 ``JAX_PLATFORMS=cuda`` checks that on the hardware.)
 """
 

@@ -6,7 +6,7 @@ speculative loop queues each call before it reads the one before."""
 import numpy as np
 import pytest
 
-from tests.engine.test_chained_bursts import record_calls
+from tests.engine.test_decode_chain import record_calls
 from turbospark_jax import CompletionRequest, run_raw_completion_speculative
 from turbospark_jax.core import sampling
 from turbospark_jax.core.state import copy_state, tree_bitwise_equal

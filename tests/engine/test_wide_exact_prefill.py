@@ -50,8 +50,8 @@ LENGTHS = (1, 19, 64, 100, 150)
 
 
 def _config(model_type: str = "qwen3") -> DenseConfig:
-    # As tests/models/test_rowinv_dense.py: there XLA's kernels round differently at widths 1 and
-    # 16.
+    # As tests/models/test_dense_widths_agree.py: there XLA's kernels round differently at
+    # widths 1 and 16.
     return DenseConfig(
         model_type=model_type, vocab_size=VOCAB, hidden_size=48, intermediate_size=96,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=12,
