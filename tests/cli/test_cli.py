@@ -8,6 +8,8 @@ import io
 import json
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -565,3 +567,14 @@ def test_generate_with_a_block_drafter_over_a_qwen3_5_target(tmp_path):
                          "--draft-len", "3", "--stats")
     assert code == 0, err
     assert out.endswith("\n") and "generated 8" in err
+
+
+def test_python_dash_m_runs_the_command():
+    """``python -m turbospark_jax`` is the ``turbospark-jax`` command: the same version line, and
+    a mistyped flag gets the same one-line error and status."""
+    done = subprocess.run([sys.executable, "-m", "turbospark_jax", "--version"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("turbospark-jax ")
+    bad = subprocess.run([sys.executable, "-m", "turbospark_jax", "generate", "--no-such-flag"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--no-such-flag" in bad.stderr

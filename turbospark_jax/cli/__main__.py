@@ -1,7 +1,0 @@
-"""``python -m turbospark_jax.cli``: the same command as ``turbospark-jax``."""
-
-import sys
-
-from turbospark_jax.cli import main
-
-sys.exit(main())
