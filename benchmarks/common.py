@@ -56,16 +56,12 @@ def with_exactness(model: Any, exact: bool) -> Any:
 
 
 def widths(model: Any) -> tuple[int, int]:
-    """``(width, prefill_width)`` of plain decoding as the loader picks them: one row when every
-    width agrees (or on a CPU, where every row costs compute), else one program of 16 rows;
-    wide prefill blocks only where the widths agree."""
-    import jax
+    """``(width, prefill_width)`` of plain decoding, as ``tsj.load`` picks them
+    (:func:`turbospark_jax.api.default_width`, :func:`turbospark_jax.api.default_prefill_width`)."""
+    from turbospark_jax.api import default_prefill_width, default_width
 
-    cpu = jax.default_backend() == "cpu"
-    if model.widths_agree:
-        return 1, 256 if cpu else 2048
-    width = 1 if cpu else 16
-    return width, width
+    width = default_width(False, widths_agree=model.widths_agree)
+    return width, default_prefill_width(width, model.widths_agree)
 
 
 # -- shapes ---------------------------------------------------------------------------------
