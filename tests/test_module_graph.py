@@ -19,16 +19,17 @@ PACKAGE = ROOT / "turbospark_jax"
 LAYERS: dict[str, int] = {
     "errors": 0,
     "core": 1,
-    "kernels": 2,
-    "models": 3,
-    "engine": 4, "io": 4,
-    "speculative": 5,
-    "generation": 6,
-    "sessions": 7,
-    "parallel": 8,
-    "api": 9, "server": 9,
-    "cli": 10, "testing": 10,
-    "__init__": 11, "__main__": 11,
+    "quant": 2,
+    "kernels": 3,
+    "models": 4,
+    "engine": 5, "io": 5,
+    "speculative": 6,
+    "generation": 7,
+    "sessions": 8,
+    "parallel": 9,
+    "api": 10, "server": 10,
+    "cli": 11, "testing": 11,
+    "__init__": 12, "__main__": 12,
 }
 
 

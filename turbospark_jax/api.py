@@ -46,6 +46,7 @@ from turbospark_jax.io.loading import (
     serving_plan,
 )
 from turbospark_jax.io.vision import VisionEncoder, require_vision
+from turbospark_jax.quant.weights import Quantization
 from turbospark_jax.speculative.choice import (
     DrafterChoice,
     choose_drafter,
@@ -130,6 +131,7 @@ def load(
     draft_len: int | None = None,
     exact: bool = True,
     prefill_width: int | None = None,
+    quantize: str | Quantization | None = None,
 ) -> Model:
     """Load a Hugging Face folder (default: the embedded model) as a ready producer.
 
@@ -168,6 +170,12 @@ def load(
         target's widths agree, else ``width``. :func:`stream` then prefills in chunks of at
         least this many tokens. Another value than ``width`` needs widths that agree; a
         draft model, whose kernels are XLA's, prefills at ``width``.
+      quantize: store the target's linear weights quantized: ``"int8"`` (per output
+        channel), ``"int4"`` (groups of 128 rows with zero points; ``"int4-g32"``,
+        ``"int4-g64"`` for smaller groups), ``"fp8"`` (e4m3 per output channel) or
+        ``"fp8-block"`` (e4m3, 128 x 128 blocks), or a
+        :class:`~turbospark_jax.quant.weights.Quantization`; see the quantization guide.
+        Every exactness guarantee holds within the quantized model.
 
     Raises:
       ModelLoadError: the folder (or a drafter's folder) cannot be loaded (named, with the
@@ -208,6 +216,7 @@ def load(
     if prefill_width is not None:
         as_int("prefill_width", prefill_width, low=1)
     exact = as_bool("exact", exact)
+    quantization = Quantization.parse(quantize)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
     target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
@@ -226,7 +235,8 @@ def load(
     if prefill_width is None:
         prefill_width = default_prefill_width(width, plan.widths_agree)
     check_prefill_width(prefill_width, width, plan.widths_agree)
-    loaded = load_folder(target_path, dtype=dtype, layer_layout="list", plan=plan)
+    loaded = load_folder(target_path, dtype=dtype, layer_layout="list", plan=plan,
+                         quantize=quantization)
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )

@@ -45,6 +45,7 @@ from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4 import assistant as gemma4_assistant
 from turbospark_jax.models.gemma4 import vision as gemma4_vision
 from turbospark_jax.models.registry import family_of, family_of_config
+from turbospark_jax.quant.weights import Quantization, quantize_leaf
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -263,6 +264,7 @@ def load_folder(
     dtype: Any = None,
     layer_layout: Literal["stacked", "list"] = "stacked",
     plan: KernelPlan | None = None,
+    quantize: Quantization | str | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face model folder of any family the registry knows.
 
@@ -297,9 +299,12 @@ def load_folder(
     """
     if not (plan is None or isinstance(plan, KernelPlan)):
         raise BadInputError(f"plan must be a KernelPlan or None; got {plan!r}")
+    spec = Quantization.parse(quantize)
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
     model = _with_plan(family.build(config, resolved, layer_layout), family, config, plan)
     host = _read_params(folder, family, config, np.dtype(resolved))
+    if spec is not None:
+        host = quantize_params(host, family.hf_tensors(config), spec, resolved)
     vision = _load_vision(folder, np.dtype(resolved))
     tokenizer, generation = folder_extras(folder, config)
     params = jax.tree.map(jnp.asarray, host)
@@ -474,6 +479,22 @@ def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -
                 f"the config ties {name} to {original.name}, but {file} holds a {name} that "
                 f"differs from it; untie the config or drop the tensor"
             )
+    return host
+
+
+def quantize_params(host: Params, tensors: list[HFTensor], spec: Quantization,
+                    dtype: Any) -> Params:
+    """``host`` (a params tree of numpy leaves) with each leaf that holds linear weights
+    (:attr:`~turbospark_jax.models.family.HFTensor.linear`) quantized by ``spec``; the output
+    head only when ``spec.head``. Leaves are replaced in place of the tree's dicts."""
+    done: set[tuple[Any, ...]] = set()
+    for t in tensors:
+        if not t.linear or t.key in done or (t.key[-1] == "lm_head" and not spec.head):
+            continue
+        done.add(t.key)
+        parent = _node(host, t.key[:-1])
+        parent[t.key[-1]] = quantize_leaf(parent[t.key[-1]], t.hf_shape[1],
+                                          0 if t.stacked is None else 1, spec, dtype)
     return host
 
 

@@ -15,7 +15,6 @@ program serve 1 live row or W.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.quant.weights import as_array
 
 #: Added to masked attention scores. Finite, so a fully masked (padding) row gives a uniform
 #: softmax instead of NaN; far below any real score, so it never carries weight otherwise.
@@ -268,7 +268,8 @@ def swiglu_mlp(
       half-precision inputs.
     """
     if matmul is None:
-        matmul = functools.partial(jnp.einsum, "wd,df->wf")
+        def matmul(a: jax.Array, w: Any) -> jax.Array:
+            return jnp.einsum("wd,df->wf", a, as_array(w, a.dtype))
     g = matmul(x, gate)
     u = matmul(x, up)
     if gate_bias is not None:

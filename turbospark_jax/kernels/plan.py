@@ -44,6 +44,7 @@ from turbospark_jax.kernels.rowinv import (
     schedule_for,
     sum_parts,
 )
+from turbospark_jax.quant.weights import as_array
 
 #: Values of :attr:`KernelPlan.pallas`.
 PALLAS = ("off", "compiled", "interpret")
@@ -143,7 +144,9 @@ def matmul(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
 
     ``w`` may be a tuple of weights whose products come out side by side (one launch under
     a row-invariant plan), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied
-    head); ``label`` names the row-invariant kernel in a profile."""
+    head); ``label`` names the row-invariant kernel in a profile. A weight may be a
+    :class:`~turbospark_jax.quant.weights.QuantizedWeight` (``[K, N]``)."""
+    w = _dense(w, x.dtype)
     if plan.row_invariant:
         return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype, impl=plan.impl,
                              schedule=_schedule(x, w, w_layout), label=label)
@@ -166,7 +169,8 @@ def swiglu(plan: KernelPlan, x: jax.Array, gate: jax.Array, up: jax.Array) -> ja
     launch on a GPU that gates in its epilogue
     (:func:`~turbospark_jax.kernels.rowinv.rowinv_swiglu`), labelled ``gate_up``."""
     _require_row_invariant(plan, "the gated product")
-    return rowinv_swiglu(x, gate, up, impl=plan.impl, label="gate_up")
+    return rowinv_swiglu(x, as_array(gate, x.dtype), as_array(up, x.dtype), impl=plan.impl,
+                         label="gate_up")
 
 
 def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
@@ -175,8 +179,16 @@ def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array,
     ``[S, W, N]`` (:func:`~turbospark_jax.kernels.rowinv.sum_parts` finishes them; so do
     :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
     _require_row_invariant(plan, "a product's partial sums")
+    w = _dense(w, x.dtype)
     return rowinv_matmul(x, w, parts=True, impl=plan.impl, schedule=_schedule(x, w, "kn"),
                          label=label)
+
+
+def _dense(w: Any, dtype: Any) -> Any:
+    """``w`` (a weight or a tuple of them) with quantized weights dequantized to ``dtype``."""
+    if isinstance(w, tuple):
+        return tuple(as_array(a, dtype) for a in w)
+    return as_array(w, dtype)
 
 
 def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:

@@ -117,6 +117,12 @@ class HFTensor:
     transpose: bool = False
     stacked: int | None = None
 
+    @property
+    def linear(self) -> bool:
+        """Whether it is an ``nn.Linear`` weight (``[out, in]`` in the file): a matrix a
+        quantized model stores quantized."""
+        return self.transpose and len(self.hf_shape) == 2
+
     def to_ours(self, array: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
         """The file's array as our leaf (or one slice of a stacked leaf) of ``shape``."""
         return (array.T if self.transpose else array).reshape(shape)

@@ -69,6 +69,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense.attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense.config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
+from turbospark_jax.quant.weights import as_array
 
 Params = dict[str, Any]
 
@@ -134,7 +135,7 @@ def _init_params(config: DenseConfig, key: jax.Array, dtype: jnp.dtype) -> Param
 def unstack_layers(params: Params) -> Params:
     """``params`` with ``layers`` as a list of per-layer dicts (each leaf without the L axis)."""
     layers = params["layers"]
-    n = len(next(iter(layers.values())))
+    n = jax.tree.leaves(layers)[0].shape[0]
     return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
 
 
@@ -143,7 +144,9 @@ def stack_layers(params: Params) -> Params:
     layers = params["layers"]
     if not isinstance(layers, list | tuple):
         return params
-    return {**params, "layers": {k: jnp.stack([lp[k] for lp in layers]) for k in layers[0]}}
+    return {**params, "layers": {k: jax.tree.map(lambda *xs: jnp.stack(xs),
+                                                 *[lp[k] for lp in layers])
+                                 for k in layers[0]}}
 
 
 
@@ -454,7 +457,8 @@ class DenseModel(BlockModel):
             return jnp.einsum(
                 "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32
             )
-        return jnp.einsum("wd,dv->wv", h, params["lm_head"], preferred_element_type=jnp.float32)
+        return jnp.einsum("wd,dv->wv", h, as_array(params["lm_head"], h.dtype),
+                          preferred_element_type=jnp.float32)
 
     def _scans(self, layers: Params) -> bool:
         """Whether :meth:`_run_layers` runs these layers as a ``lax.scan``."""

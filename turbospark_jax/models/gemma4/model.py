@@ -72,6 +72,7 @@ from turbospark_jax.kernels.layers import (
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4.config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
+from turbospark_jax.quant.weights import as_array
 
 #: Where a ring slot holds no position: below any window, so attention never sees it.
 EMPTY_SLOT = -(2**30)
@@ -442,7 +443,7 @@ class Gemma4Model(BlockModel):
             logits = jnp.einsum("nd,vd->nv", h, params["embed_tokens"],
                                 preferred_element_type=jnp.float32)
         else:
-            logits = jnp.einsum("nd,dv->nv", h, params["lm_head"],
+            logits = jnp.einsum("nd,dv->nv", h, as_array(params["lm_head"], h.dtype),
                                 preferred_element_type=jnp.float32)
         cap = c.final_logit_softcapping
         return logits if cap is None else cap * jnp.tanh(logits / cap)

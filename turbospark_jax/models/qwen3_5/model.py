@@ -79,6 +79,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.qwen3_5.config import ARCHITECTURES, FULL, LINEAR, Qwen35Config
 from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
+from turbospark_jax.quant.weights import as_array
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -593,7 +594,7 @@ class Qwen35Model(BlockModel):
         if self.config.tie_word_embeddings:
             return jnp.einsum("wd,vd->wv", hidden, params["embed_tokens"],
                               preferred_element_type=jnp.float32)
-        return jnp.einsum("wd,dv->wv", hidden, params["lm_head"],
+        return jnp.einsum("wd,dv->wv", hidden, as_array(params["lm_head"], hidden.dtype),
                           preferred_element_type=jnp.float32)
 
     def _embed(self, params: Params, tokens: jax.Array) -> jax.Array:
