@@ -486,10 +486,14 @@ def quantize_params(host: Params, tensors: list[HFTensor], spec: Quantization,
                     dtype: Any) -> Params:
     """``host`` (a params tree of numpy leaves) with each leaf that holds linear weights
     (:attr:`~turbospark_jax.models.family.HFTensor.linear`) quantized by ``spec``; the output
-    head only when ``spec.head``. Leaves are replaced in place of the tree's dicts."""
+    head only when ``spec.head``, and only matrices the scheme fits
+    (:meth:`~turbospark_jax.quant.weights.Quantization.fits`). Leaves are replaced in place
+    of the tree's dicts."""
     done: set[tuple[Any, ...]] = set()
     for t in tensors:
         if not t.linear or t.key in done or (t.key[-1] == "lm_head" and not spec.head):
+            continue
+        if not spec.fits(t.hf_shape[1], t.hf_shape[0]):
             continue
         done.add(t.key)
         parent = _node(host, t.key[:-1])

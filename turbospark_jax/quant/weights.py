@@ -241,6 +241,16 @@ class Quantization:
         if not isinstance(self.head, bool):
             raise BadInputError(f"head must be a bool; got {self.head!r}")
 
+    def fits(self, k: int, n: int) -> bool:
+        """Whether a ``[k, n]`` matrix takes this scheme: whole groups (and blocks) and, for
+        int4, an even ``n``. A loader keeps a matrix that does not fit in the model's dtype
+        (a small projection whose inputs are fewer than one group)."""
+        if self.scheme == "int4":
+            return k % self.group == 0 and n % 2 == 0
+        if self.scheme == "fp8-block":
+            return k % FP8_BLOCK == 0 and n % FP8_BLOCK == 0
+        return True
+
     @classmethod
     def parse(cls, spec: Any) -> Quantization | None:
         """``spec`` as a :class:`Quantization`: None, one already, or a name such as

@@ -7,12 +7,17 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from turbospark_jax.core.kv_prefix import common_prefix
 from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.io.loading import quantize_params
 from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, kernel_plan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseCache, DenseModel, init_params
+from turbospark_jax.models.family import Family
+from turbospark_jax.quant.weights import Quantization
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 
@@ -24,6 +29,16 @@ def backend_plan(row_invariant: bool = True) -> KernelPlan:
     if row_invariant:
         return kernel_plan(jax.default_backend(), exact=True, row_invariant_family=True)
     return XLA_PLAN
+
+
+def quantized(family: Family, config: Any, params: Any, spec: Quantization | str,
+              dtype: Any) -> Any:
+    """``params`` (in the family's native layout) with its linear weights quantized as
+    loading a folder with ``quantize=spec`` would."""
+    host = jax.tree.map(np.asarray, params)
+    spec = Quantization.parse(spec)
+    return jax.tree.map(jnp.asarray, quantize_params(host, family.hf_tensors(config), spec,
+                                                     dtype))
 
 
 @functools.partial(jax.jit, static_argnums=0)
