@@ -145,12 +145,13 @@ def matmul(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     ``w`` may be a tuple of weights whose products come out side by side (one launch under
     a row-invariant plan), and ``w_layout="nk"`` takes weights stored ``[N, K]`` (a tied
     head); ``label`` names the row-invariant kernel in a profile. A weight may be a
-    :class:`~turbospark_jax.quant.weights.QuantizedWeight` (``[K, N]``)."""
-    w = _dense(w, x.dtype)
+    :class:`~turbospark_jax.quant.weights.QuantizedWeight` (``[K, N]``): the row-invariant
+    kernels read it at its stored width where they can (a decode step's), XLA's multiply by
+    it dequantized."""
     if plan.row_invariant:
         return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype, impl=plan.impl,
                              schedule=_schedule(x, w, w_layout), label=label)
-    ws = w if isinstance(w, tuple) else (w,)
+    ws = _dense(w if isinstance(w, tuple) else (w,), x.dtype)
     if w_layout == "nk":
         ws = tuple(a.T for a in ws)
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
@@ -169,8 +170,7 @@ def swiglu(plan: KernelPlan, x: jax.Array, gate: jax.Array, up: jax.Array) -> ja
     launch on a GPU that gates in its epilogue
     (:func:`~turbospark_jax.kernels.rowinv.rowinv_swiglu`), labelled ``gate_up``."""
     _require_row_invariant(plan, "the gated product")
-    return rowinv_swiglu(x, as_array(gate, x.dtype), as_array(up, x.dtype), impl=plan.impl,
-                         label="gate_up")
+    return rowinv_swiglu(x, gate, up, impl=plan.impl, label="gate_up")
 
 
 def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
@@ -179,7 +179,6 @@ def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array,
     ``[S, W, N]`` (:func:`~turbospark_jax.kernels.rowinv.sum_parts` finishes them; so do
     :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
     _require_row_invariant(plan, "a product's partial sums")
-    w = _dense(w, x.dtype)
     return rowinv_matmul(x, w, parts=True, impl=plan.impl, schedule=_schedule(x, w, "kn"),
                          label=label)
 

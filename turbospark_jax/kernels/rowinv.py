@@ -51,6 +51,8 @@ from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import pdl as pallas_pdl
 from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_matmul
+from turbospark_jax.kernels.quant_tiles import QuantLayout, QuantTile, bind, fits_tiles
+from turbospark_jax.quant.weights import QuantizedWeight, dequantize
 
 #: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
 #: interpreter's tile products.
@@ -255,6 +257,8 @@ def _tile_step(x_ref: Any, w_ref: Any, tile: Any, k_tile: int, tile_dot: Any,
     the others are not read and enter the product as zeros, as padding rows would."""
     at = pl.ds(pl.multiple_of(tile * k_tile, k_tile), k_tile)
     x = x_ref[:, at] if live is None else plgpu.load(x_ref.at[:, at], mask=live, other=0)
+    if isinstance(w_ref, QuantTile):  # read at its stored width, dequantized here
+        return acc + tile_dot(x, w_ref.tile(tile, k_tile), False)
     if nk:
         return acc + tile_dot(x, w_ref[:, at], True)
     return acc + tile_dot(x, w_ref[at, :], False)
@@ -363,11 +367,15 @@ def _store_live(o_ref: Any, value: jax.Array, live: jax.Array | None) -> None:
         plgpu.store(o_ref, value, mask=live)
 
 
-def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, per: int,
-                         k_tile: int, tile_dot: Any, rows: int | None, pdl: bool = False) -> None:
+def _gated_matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any,
+                         rows: int | None, layouts: tuple[Any, ...] = (None, None),
+                         pdl: bool = False) -> None:
     """The matvec kernel over all of K in one segment (so the sums are finished here) for a
     gate and an up weight's same column block, gated in the epilogue (:func:`swiglu_gating`). The
-    one segment's sum is the matmul kernel's total bitwise (-0.0 plus it)."""
+    one segment's sum is the matmul kernel's total bitwise (-0.0 plus it). ``layouts``: each
+    weight's :class:`~turbospark_jax.kernels.quant_tiles.QuantLayout` (None: plain)."""
+    *operand_refs, o_ref = refs
+    gate_ref, up_ref = bind(layouts, tuple(operand_refs))
     started = pallas_pdl.start(pdl)
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
     live_x = _pdl_live(x_ref, live_x, k_tile=k_tile, started=started)
@@ -378,11 +386,14 @@ def _gated_matvec_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, 
 
 
 def _matvec_kernel(x_ref: Any, *refs: Any, per: int, k_tile: int, tile_dot: Any, nk: bool,
-                   offsets: tuple[int, ...], rows: int | None, pdl: bool = False) -> None:
+                   offsets: tuple[int, ...], rows: int | None, layouts: tuple[Any, ...],
+                   pdl: bool = False) -> None:
     # The blocks are this program's segment: x [16, per * k_tile], w [per * k_tile, bn]
     # ([bn, per * k_tile] when nk). With ``rows``, x and the output hold only that many rows:
-    # the tile's other rows are neither read nor written.
-    *w_refs, o_ref = refs
+    # the tile's other rows are neither read nor written. A quantized weight comes as its
+    # operands (``layouts``), read at their stored width.
+    *operand_refs, o_ref = refs
+    w_refs = bind(layouts, tuple(operand_refs))
     started = pallas_pdl.start(pdl)
     live_x, live_out = _live_masks(x_ref, o_ref, k_tile, rows)
 
@@ -498,16 +509,24 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
     bn = tiles.matvec_bn
     cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), bn)
     mp = _ceil_to(m, ROW_TILE)
+    layouts = tuple(QuantLayout.of(w) if isinstance(w, QuantizedWeight) else None for w in ws)
     kernel = functools.partial(_matvec_kernel, per=per, k_tile=schedule.k_tile,
                                tile_dot=tile_dot_for(interpret), nk=nk,
                                offsets=cols.offsets, rows=None if m == mp else m,
-                               pdl=not interpret)
-    if nk:
-        w_specs = [pl.BlockSpec((bn, seg_len), lambda i, j, s, w=w: (cols.spec_column(w, j), s))
-                   for w in range(len(ws))]
-    else:
-        w_specs = [pl.BlockSpec((seg_len, bn), lambda i, j, s, w=w: (s, cols.spec_column(w, j)))
-                   for w in range(len(ws))]
+                               layouts=layouts, pdl=not interpret)
+    w_specs, operands = [], []
+    for w, (a, layout) in enumerate(zip(ws, layouts, strict=True)):
+        if layout is not None:
+            w_specs += layout.specs(seg_len, bn, lambda i, j, s, w=w: (s, cols.spec_column(w, j)))
+            operands += layout.padded(a, kp, _ceil_to(a.shape[1], bn))
+        elif nk:
+            w_specs.append(pl.BlockSpec((bn, seg_len),
+                                        lambda i, j, s, w=w: (cols.spec_column(w, j), s)))
+            operands += _weights_padded((a,), kp, bn, nk)
+        else:
+            w_specs.append(pl.BlockSpec((seg_len, bn),
+                                        lambda i, j, s, w=w: (s, cols.spec_column(w, j))))
+            operands += _weights_padded((a,), kp, bn, nk)
     width = cols.offsets[-1] * bn
     # x and the partial sums keep the call's own rows: a decode step's one row is neither
     # padded to the row tile before the launch nor cut out of it after (each an XLA copy
@@ -521,7 +540,7 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
         interpret=interpret,
         name="rowinv_matvec" + (f"_{label}" if label else ""),
         **compiler_params(interpret, tiles.matvec_warps, tiles.matvec_stages),
-    )(_pad(x, m, kp), *_weights_padded(ws, kp, bn, nk))
+    )(_pad(x, m, kp), *operands)
     return jax.vmap(lambda p: cols.gather(p, m))(partials)
 
 
@@ -642,11 +661,13 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
                    kernel: str, schedule: Schedule, tiles: Tiles,
                    parts: bool = False, label: str = "") -> jax.Array:
     dtype = jnp.dtype(jnp.float32) if parts else out_dtype
+    interpret = impl == "interpret"
+    matvec = impl != "xla" and (kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M))
+    ws = in_kernel(ws, schedule.k_tile, x.dtype) if matvec and not nk else dense(ws, x.dtype)
     if impl == "xla":
         out = _xla_tiled(x, ws, nk, dtype)
         return out[None] if parts else out
-    interpret = impl == "interpret"
-    if kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M):
+    if matvec:
         partials = _matvec(x, ws, nk, schedule, tiles, interpret, label)
         return partials if parts else sum_parts(partials, out_dtype)
     widths = tuple(w.shape[0 if nk else 1] for w in ws)
@@ -655,6 +676,20 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
     else:
         out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
     return out[None] if parts else out
+
+
+def dense(ws: tuple[Any, ...], dtype: Any) -> tuple[jax.Array, ...]:
+    """The weights with every quantized one dequantized to ``dtype``: how the XLA form and the
+    wide kernels (a prefill's, whose rows share each weight tile) multiply by it."""
+    return tuple(dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w for w in ws)
+
+
+def in_kernel(ws: tuple[Any, ...], k_tile: int, dtype: Any) -> tuple[Any, ...]:
+    """The weights as the matvec kernels take them: a quantized one in place where its
+    groups fit the tiles (:func:`~turbospark_jax.kernels.quant_tiles.fits_tiles`), else
+    dequantized."""
+    return tuple(w if not isinstance(w, QuantizedWeight) or fits_tiles(w, k_tile)
+                 else dequantize(w, dtype) for w in ws)
 
 
 def gated_schedule(k: int) -> Schedule:
@@ -686,19 +721,30 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
     m, k = x.shape
     matvec = kernel == "matvec" or (kernel == "auto" and m <= SMALL_M)
     if not matvec and _use_mosaic(kernel, x, (gate.shape[1],) * 2, False, tiles):
+        gate, up = dense((gate, up), x.dtype)
         return _mosaic_gated(x, gate, up, tiles.mosaic, label)
     kp, count, per = gated_schedule(k).plan(k)
     tile_dot = tile_dot_for(interpret)
     bn = tiles.gated_columns(gate.shape[1]) if matvec else tiles.bn
     cols = _Columns((gate.shape[1],), bn)
-    ws = _weights_padded((gate, up), kp, bn, False)
-    w_specs = [pl.BlockSpec((kp, bn), lambda i, j: (0, j))] * 2
+    pair = (in_kernel((gate, up), Schedule.k_tile, x.dtype) if matvec
+            else dense((gate, up), x.dtype))
+    layouts = tuple(QuantLayout.of(w) if isinstance(w, QuantizedWeight) else None
+                    for w in pair)
+    w_specs, ws = [], []
+    for w, layout in zip(pair, layouts, strict=True):
+        if layout is None:
+            w_specs.append(pl.BlockSpec((kp, bn), lambda i, j: (0, j)))
+            ws += _weights_padded((w,), kp, bn, False)
+        else:
+            w_specs += layout.specs(kp, bn, lambda i, j: (0, j))
+            ws += layout.padded(w, kp, _ceil_to(w.shape[1], bn))
     name = "rowinv_" + ("matvec" if matvec else "matmul") + (f"_{label}" if label else "")
     if matvec:  # the call's own rows, as the matvec kernel reads and writes them
         mp, bm = _ceil_to(m, ROW_TILE), ROW_TILE
         kernel_fn = functools.partial(_gated_matvec_kernel, per=count,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
-                                      rows=None if m == mp else m,
+                                      rows=None if m == mp else m, layouts=layouts,
                                       pdl=not interpret)
         x_in, rows_out = _pad(x, m, kp), m
         params = compiler_params(interpret, tiles.matvec_warps, tiles.gated_stages)
@@ -726,7 +772,7 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
 def _rowinv_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, impl: str, kernel: str,
                    tiles: Tiles, label: str) -> jax.Array:
     if impl == "xla":
-        both = _xla_tiled(x, (gate, up), False, x.dtype)
+        both = _xla_tiled(x, dense((gate, up), x.dtype), False, x.dtype)
         f = gate.shape[1]
         return swiglu_gating(both[:, :f], both[:, f:], x.dtype)
     return _gated_pallas(x, gate, up, kernel, tiles, impl == "interpret", label)
