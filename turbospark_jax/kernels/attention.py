@@ -34,6 +34,12 @@ verify) a program per split and a second kernel that folds the partial results; 
 (a prefill) one program per query tile that runs the splits one after another and folds as
 it goes, so the partial results never leave the chip (for the 1B shape's 2,048-row block over
 an 8k cache they would be 436 MB a layer).
+
+A quantized cache (:mod:`~turbospark_jax.quant.kv`: int8 or float8 values with a float32
+scale a row and KV head) is read through :class:`DequantizedRef`: each key and value tile is
+dequantized in registers as it is loaded, elementwise as :func:`~turbospark_jax.quant.kv.
+dequantize` does it, so every kernel runs the same arithmetic over the same tiles as over an
+unquantized cache holding the dequantized rows.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels.layers import MASK_VALUE
+from turbospark_jax.quant import kv as kv_quant
 
 #: log2(e): score differences are scaled by ``scale * LOG2_E`` so the softmax's
 #: exponentials are ``exp2`` (one hardware instruction on a GPU, where ``exp`` is several).
@@ -154,6 +161,42 @@ def tiles_for(rows: int, head_dim: int) -> AttentionTiles:
 def supported(head_dim: int, capacity: int) -> bool:
     """Whether the kernel handles these shapes on a GPU (Triton wants power-of-two tiles)."""
     return head_dim >= 16 and head_dim & (head_dim - 1) == 0 and capacity >= KEY_TILE
+
+
+class DequantizedRef:
+    """A KV head's quantized cache rows read as a ref of rows in the compute dtype: indexing
+    it loads the values and their rows' scales and dequantizes them
+    (:func:`~turbospark_jax.quant.kv.dequantize`; in a kernel, in registers).
+
+    Attributes:
+      values: the head's stored rows, ``[C, hd]`` (a kernel ref or an array).
+      scales: their float32 scales, ``[C]``.
+      dtype: the compute dtype.
+    """
+
+    def __init__(self, values, scales, dtype) -> None:
+        self.values, self.scales, self.dtype = values, scales, dtype
+
+    def __getitem__(self, index) -> jax.Array:
+        rows = index[0] if isinstance(index, tuple) else index
+        return kv_quant.dequantize(self.values[index], self.scales[rows], self.dtype)
+
+
+def cache_refs(k_ref, v_ref, k_scale_ref, v_scale_ref, dtype) -> tuple:
+    """The key and value refs a kernel body reads: as they are, or (with scale refs)
+    :class:`DequantizedRef` views of a quantized cache."""
+    if k_scale_ref is None:
+        return k_ref, v_ref
+    return (DequantizedRef(k_ref, k_scale_ref, dtype), DequantizedRef(v_ref, v_scale_ref, dtype))
+
+
+def _with_scales(kernel, dtype):
+    """``kernel(bound, q, pos, k, v, *outs)`` as a kernel over a quantized cache, whose refs
+    are ``(bound, q, pos, k, v, k_scale, v_scale, *outs)``."""
+    def quantized(bound_ref, q_ref, pos_ref, k_ref, v_ref, ks_ref, vs_ref, *outs):
+        return kernel(bound_ref, q_ref, pos_ref,
+                      *cache_refs(k_ref, v_ref, ks_ref, vs_ref, dtype), *outs)
+    return quantized
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -500,6 +543,8 @@ def cached_attention(
     row_invariant: bool = False,
     tiles: AttentionTiles | None = None,
     max_keys: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Causal grouped-query attention of ``W`` rows over a cache, as one fused kernel.
 
@@ -528,16 +573,19 @@ def cached_attention(
         launch instead of two). Speed only: the two forms give a row the same bits, and the
         folding kernel walks the splits the rows actually see, so a row past the bound is
         still right, only slower.
+      k_scale, v_scale: float32 ``[C, KV]``, each cache row's scale where the cache is
+        quantized (:mod:`~turbospark_jax.quant.kv`; the kernel dequantizes each tile it
+        loads), else ``None``.
 
     Returns:
-      ``[W, H, hd]`` in ``v_cache.dtype``.
+      ``[W, H, hd]`` in ``q.dtype``.
     """
     heads = q.shape[1]
     qr = arrange_queries(q, k_cache.shape[1], k_cache.shape[0], tiles)
     return cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
                                      window=window, interpret=interpret,
                                      row_invariant=row_invariant, tiles=tiles,
-                                     max_keys=max_keys)
+                                     max_keys=max_keys, k_scale=k_scale, v_scale=v_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "window", "interpret", "row_invariant",
@@ -553,6 +601,8 @@ def cached_attention_arranged(
     row_invariant: bool = False,
     tiles: AttentionTiles | None = None,
     max_keys: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """:func:`cached_attention` with the queries already in the kernel's layout (as
     :func:`arrange_queries` puts them, or a kernel writes them), saving that transpose.
@@ -583,6 +633,7 @@ def cached_attention_arranged(
     bound = jnp.max(q_positions).astype(jnp.int32) + 1
     scale = 1.0 / math.sqrt(head_dim)
     kwargs = compiler_kwargs(tiles, interpret)
+    dtype = qr.dtype  # the cache's own, or the compute dtype a quantized cache reads in
     queries = [
         pl.BlockSpec((), lambda h, t, *_: ()),
         pl.BlockSpec((None, tile, head_dim), lambda h, t, *_: (h, t, 0)),
@@ -590,29 +641,38 @@ def cached_attention_arranged(
         pl.BlockSpec((capacity, None, head_dim), lambda h, t, *_: (0, h, 0)),
         pl.BlockSpec((capacity, None, head_dim), lambda h, t, *_: (0, h, 0)),
     ]
+    operands = [bound, qr, pos, k_cache, v_cache]
+    if k_scale is not None:  # each head's row scales beside its rows
+        queries += [pl.BlockSpec((capacity, None), lambda h, t, *_: (0, h))] * 2
+        operands += [k_scale, v_scale]
+
+    def body(kernel):
+        return kernel if k_scale is None else _with_scales(kernel, dtype)
+
     rows_out = pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))
     # The row-invariant kernels write the live rows alone: no XLA copy then cuts them out
     # of the padded tiles (at one row of a decode step, the reshape after is free too).
-    live = jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)
+    live = jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype)
     overhang = None if rows == padded else rows
     if row_invariant and folds_on_chip(rows, capacity, tiles, max_keys):
         out = pl.pallas_call(
-            functools.partial(_folding_kernel, scale=scale, capacity=capacity,
-                              split_len=split_len, window=window, mma_sums=True,
-                              rows=overhang, dot_rows=interpret_dot_rows(interpret)),
+            body(functools.partial(_folding_kernel, scale=scale, capacity=capacity,
+                                   split_len=split_len, window=window, mma_sums=True,
+                                   rows=overhang, dot_rows=interpret_dot_rows(interpret))),
             grid=(kv_heads, count), in_specs=queries, out_specs=rows_out,
             out_shape=live, interpret=interpret, name="cached_attention_folding",
             **kwargs,
-        )(bound, qr, pos, k_cache, v_cache)
+        )(*operands)
     else:
         normalise = splits == 1
-        acc_dtype = v_cache.dtype if normalise else jnp.float32
+        acc_dtype = dtype if normalise else jnp.float32
         if row_invariant:  # whole groups for the fold kernel's loads
             splits = partial_splits(splits)
         acc, m, l = pl.pallas_call(
-            functools.partial(_kernel, scale=scale, capacity=capacity, split_len=split_len,
-                              window=window, normalise=normalise, mma_sums=row_invariant,
-                              dot_rows=interpret_dot_rows(interpret) if row_invariant else None),
+            body(functools.partial(
+                _kernel, scale=scale, capacity=capacity, split_len=split_len, window=window,
+                normalise=normalise, mma_sums=row_invariant,
+                dot_rows=interpret_dot_rows(interpret) if row_invariant else None)),
             grid=(kv_heads, count, splits),
             in_specs=queries,
             out_specs=[
@@ -628,12 +688,12 @@ def cached_attention_arranged(
             interpret=interpret,
             name="cached_attention",
             **kwargs,
-        )(bound, qr, pos, k_cache, v_cache)
+        )(*operands)
         if normalise:
             out = acc[0]
         elif row_invariant:  # the folding kernel's arithmetic, over the written partials
             out = fold_partials(bound, acc, m, l, rows=rows, capacity=capacity,
-                                split_len=split_len, dtype=v_cache.dtype, tiles=tiles,
+                                split_len=split_len, dtype=dtype, tiles=tiles,
                                 interpret=interpret)
         else:
             # Splits combine in a fixed order; a split that saw no visible key has maximum
@@ -642,6 +702,6 @@ def cached_attention_arranged(
             weight = jnp.exp2((m - top[None]) * (scale * LOG2_E))  # [S, KV, R]
             total = jnp.sum(l * weight, axis=0)
             out = jnp.sum(acc * weight[..., None], axis=0) / total[..., None]
-            out = out.astype(v_cache.dtype)
+            out = out.astype(dtype)
     out = out[:, :rows].reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
     return out.reshape(width, heads, head_dim)

@@ -23,6 +23,12 @@ just wrote. The fused kernels call the same code for the arithmetic as the separ
 :func:`~turbospark_jax.kernels.attention.split_of`), so a row comes out the same
 either way; on the GPU that is the compiler's to keep, checked there by the kernel tests.
 The dense model runs it under a row-invariant plan with the Pallas kernels.
+
+A quantized cache (:mod:`~turbospark_jax.quant.kv`) is written quantized: each new key and
+value row is divided by its own scale (its largest magnitude over the stored form's) in
+registers, with the scale stored beside it, by the same elementwise functions as the XLA
+form (:func:`~turbospark_jax.quant.kv.quantize_with`), so the kernels write the bits
+:func:`rope_store_xla` writes; the attention after it dequantizes the tiles it reads.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from jax.experimental import pallas as pl
 
 from turbospark_jax.kernels.attention import (
     arrange_queries,
+    cache_refs,
     cached_attention_arranged,
     compiler_kwargs,
     fold_in_last_split,
@@ -52,6 +59,7 @@ from turbospark_jax.kernels.attention import (
 )
 from turbospark_jax.kernels.layers import apply_rope, rms_norm
 from turbospark_jax.kernels.row_norm import parts_total
+from turbospark_jax.quant import kv as kv_quant
 
 #: Blocks of at most this many rows (a decode step, a verify) may run this module's work
 #: inside the attention kernel (:func:`rope_store_attention`); wider ones launch both.
@@ -77,16 +85,22 @@ def rope_store_xla(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The XLA form of :func:`rope_store` (same arguments and results)."""
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
+    """The XLA form of :func:`rope_store` (same arguments and results; a finished
+    projection ``[W, (H + 2 KV) * hd]`` only)."""
     capacity, kv_heads, _ = k_cache.shape
     q, k, v = _split(qkv, heads, kv_heads)
     if q_norm is not None:
         q, k = rms_norm(q, q_norm, eps), rms_norm(k, k_norm, eps)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     scatter = {"mode": "drop", "unique_indices": True}
-    return (arrange_queries(q, kv_heads, capacity),
-            k_cache.at[write_at].set(k, **scatter), v_cache.at[write_at].set(v, **scatter))
+    qr = arrange_queries(q, kv_heads, capacity)
+    kv_dtype = None if k_scale is None else kv_quant.kv_dtype_of(k_cache.dtype)
+    k_cache, k_scale = kv_quant.write(k_cache, k_scale, write_at, k, kv_dtype, **scatter)
+    v_cache, v_scale = kv_quant.write(v_cache, v_scale, write_at, v, kv_dtype, **scatter)
+    return (qr, k_cache, v_cache) if kv_dtype is None else (qr, k_cache, v_cache, k_scale,
+                                                            v_scale)
 
 
 def _heads_view(qkv: jax.Array, heads: int, kv_heads: int, head_dim: int,
@@ -127,13 +141,21 @@ def _rotated(load: Any, start: Any, n: int, w_ref: Any, cos: jax.Array, sin: jax
     return x1 * cos + (-x2) * sin, x2 * cos + x1 * sin
 
 
+def _amax(x: jax.Array) -> jax.Array:
+    """The largest magnitude of each row of ``x [n, m]``, in float32: ``[n]``."""
+    return jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+
+
 def _write_row(load: Any, cos: jax.Array, sin: jax.Array, at: Any, h: Any, *, q_rows: Any,
                q_out: Any, k_out: Any, v_out: Any, qn_ref: Any, kn_ref: Any, heads: int,
-               kv_heads: int, capacity: int, eps: float, head_index: bool) -> None:
+               kv_heads: int, capacity: int, eps: float, head_index: bool,
+               ks_out: Any = None, vs_out: Any = None) -> None:
     """One row's work for KV head ``h``: its query heads rotated into ``q_out[*q_rows]``,
     its key rotated and its value copied into cache row ``at`` (none when ``at >=
     capacity``). ``head_index``: the caches are whole ``[C, KV, hd]`` refs; else the head's
-    own ``[C, hd]`` block."""
+    own ``[C, hd]`` block. With scale refs (``ks_out``, ``vs_out``: ``[C, KV]`` or the
+    head's ``[C]``) the cache is quantized: the key and value are stored quantized by their
+    own rows' scales (:mod:`~turbospark_jax.quant.kv`), and the scales beside them."""
     groups = heads // kv_heads
     half = cos.shape[-1]
     first, second = pl.ds(0, half), pl.ds(half, half)
@@ -146,18 +168,28 @@ def _write_row(load: Any, cos: jax.Array, sin: jax.Array, at: Any, h: Any, *, q_
     @pl.when(at < capacity)
     def _():
         k1, k2 = _rotated(load, heads + h, 1, kn_ref, cos, sin, eps)
+        v = load(pl.ds(heads + kv_heads + h, 1), slice(None))  # [1, hd]
+        if ks_out is not None:  # quantized: each row by its own scale (over both halves)
+            kv_dtype = kv_quant.kv_dtype_of(k_out.dtype)
+            k_scale = kv_quant.row_scale(jnp.maximum(_amax(k1), _amax(k2)), kv_dtype)
+            v_scale = kv_quant.row_scale(_amax(v), kv_dtype)
+            k1, k2 = (kv_quant.quantize_with(x, k_scale[:, None], kv_dtype) for x in (k1, k2))
+            v = kv_quant.quantize_with(v, v_scale[:, None], kv_dtype)
+            ks_out[row] = k_scale
+            vs_out[row] = v_scale
         k_out[(*row, first)] = k1
         k_out[(*row, second)] = k2
-        v_out[(*row, slice(None))] = load(pl.ds(heads + kv_heads + h, 1), slice(None))
+        v_out[(*row, slice(None))] = v
 
 
-def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
-                       kv_heads: int, parts: int) -> None:
-    if qk_norm:
-        at_ref, qkv_ref, cos_ref, sin_ref, qn_ref, kn_ref, _, _, q_out, k_out, v_out = refs
-    else:
-        at_ref, qkv_ref, cos_ref, sin_ref, _, _, q_out, k_out, v_out = refs
-        qn_ref = kn_ref = None
+def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, quantized: bool, capacity: int,
+                       heads: int, kv_heads: int, parts: int) -> None:
+    at_ref, qkv_ref, cos_ref, sin_ref, *refs = refs
+    qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
+    refs = refs[2:] if qk_norm else refs
+    # the caches' inputs (and their scales') are read and written through the outputs
+    q_out, k_out, v_out, *scales = refs[4:] if quantized else refs[2:]
+    ks_out, vs_out = scales if quantized else (None, None)
     row, h = pl.program_id(0), pl.program_id(1)  # a row of the block, one of its KV heads
     groups = heads // kv_heads
     half = qkv_ref.shape[-1] // 2
@@ -166,7 +198,8 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, hea
     # The row's query heads of KV head h go to rows row*G.. of that head's arranged queries.
     _write_row(load, cos, sin, at_ref[0], h, q_rows=(h, pl.ds(row * groups, groups)),
                q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
-               heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps, head_index=True)
+               heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps, head_index=True,
+               ks_out=ks_out, vs_out=vs_out)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
@@ -174,8 +207,9 @@ def rope_store(
     qkv: jax.Array, cos: jax.Array, sin: jax.Array, write_at: jax.Array,
     k_cache: jax.Array, v_cache: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
-    interpret: bool = False,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    interpret: bool = False, k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
     """Norm and rotate a block's queries and keys, and write its keys and values to the cache.
 
     One program per row and KV head (the head's queries, its key and its value); the caches
@@ -196,15 +230,20 @@ def rope_store(
       q_norm, k_norm: ``[hd]`` per-head RMSNorm scales (Qwen3), or None.
       eps: the q/k norm's epsilon.
       interpret: run in the Pallas interpreter (CPU tests).
+      k_scale, v_scale: float32 ``[C, KV]``, the row scales of a quantized cache
+        (:mod:`~turbospark_jax.quant.kv`; ``k_cache``, ``v_cache`` then hold int8 or float8
+        values, and the queries come out in ``cos``' dtype), else ``None``.
 
     Returns:
       ``(qr, k_cache, v_cache)``: the rotated queries in the attention kernel's layout
       ``[KV, R, hd]`` (see :func:`~turbospark_jax.kernels.attention.arrange_queries`;
-      its padding rows are left unwritten), and the caches with the live rows written.
+      its padding rows are left unwritten), and the caches with the live rows written; and
+      after them ``k_scale``, ``v_scale`` with the live rows' scales for a quantized cache.
     """
     width = qkv.shape[-2]
     capacity, kv_heads, head_dim = k_cache.shape
-    dtype = k_cache.dtype
+    quantized = k_scale is not None
+    dtype = cos.dtype if quantized else k_cache.dtype
     rows = query_rows(width, heads, kv_heads, capacity, head_dim=head_dim)
     qk_norm = q_norm is not None
     whole = lambda shape: pl.BlockSpec(shape, lambda r, h: (0,) * len(shape))  # noqa: E731
@@ -223,31 +262,32 @@ def rope_store(
     if qk_norm:
         operands += [q_norm.astype(dtype), k_norm.astype(dtype)]
         specs += [whole((head_dim,)), whole((head_dim,))]
-    cache = whole((capacity, kv_heads, head_dim))
-    kernel = functools.partial(_rope_store_kernel, eps=eps, qk_norm=qk_norm, capacity=capacity,
-                               heads=heads, kv_heads=kv_heads, parts=parts)
+    caches = [k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
+    cache_specs = [whole(c.shape) for c in caches]
+    kernel = functools.partial(_rope_store_kernel, eps=eps, qk_norm=qk_norm, quantized=quantized,
+                               capacity=capacity, heads=heads, kv_heads=kv_heads, parts=parts)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
         kwargs["compiler_params"] = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    return pl.pallas_call(
+    return tuple(pl.pallas_call(
         kernel,
         grid=(width, kv_heads),
-        in_specs=[*specs, cache, cache],
-        out_specs=[whole((kv_heads, rows, head_dim)), cache, cache],
+        in_specs=[*specs, *cache_specs],
+        out_specs=[whole((kv_heads, rows, head_dim)), *cache_specs],
         out_shape=[jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype),
-                   jax.ShapeDtypeStruct(k_cache.shape, dtype),
-                   jax.ShapeDtypeStruct(v_cache.shape, dtype)],
-        input_output_aliases={len(operands): 1, len(operands) + 1: 2},
+                   *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)],
+        input_output_aliases={len(operands) + i: 1 + i for i in range(len(caches))},
         interpret=interpret,
         name="rope_store",
         **kwargs,
-    )(*operands, k_cache, v_cache)
+    )(*operands, *caches))
 
 
-def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int, heads: int,
-                           kv_heads: int, parts: int, width: int, scale: float,
+def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, quantized: bool,
+                           capacity: int, heads: int, kv_heads: int, parts: int, width: int,
+                           scale: float,
                            split_len: int, window: int | None, rows: int | None,
                            split: bool, barrier: bool, fold_last: int = 0,
                            dot_rows: int | None = None) -> None:
@@ -261,14 +301,17 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
     last split program folds them itself:
     :func:`~turbospark_jax.kernels.attention.fold_in_last_split`). The programs of one
     KV head write the same values to the same places (each needs every new key of the
-    block)."""
+    block). ``quantized``: the caches come with their row scales (written quantized, read
+    dequantized: :mod:`~turbospark_jax.quant.kv`)."""
     at_ref, proj_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
-    # the caches' inputs (the two after pos) and the fold's counters (after them): read and
-    # written through their outputs
+    # the caches' inputs (the two after pos, and their scales') and the fold's counters
+    # (after them): read and written through their outputs
     bound_ref, pos_ref, *outs = refs[2:] if qk_norm else refs
-    outs = outs[3:] if fold_last else outs[2:]
-    *results, q_out, k_out, v_out = outs
+    caches = 4 if quantized else 2
+    outs = outs[caches + (1 if fold_last else 0):]
+    *results, q_out, k_out, v_out = outs[:-2] if quantized else outs
+    ks_out, vs_out = outs[-2:] if quantized else (None, None)
     h, t = pl.program_id(0), pl.program_id(1)
     s = pl.program_id(2) if split else None
     groups = heads // kv_heads
@@ -281,13 +324,14 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, capacity: int,
         _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
                    q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
                    heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
-                   head_index=False)
+                   head_index=False, ks_out=ks_out, vs_out=vs_out)
     if barrier:  # a CTA barrier orders the program's global writes before its reads
         from jax.experimental.pallas import triton as plgpu
 
         plgpu.debug_barrier()
     tile = pos_ref.shape[0]
     q, pos = q_out[pl.ds(t * tile, tile), :], pos_ref[...]
+    k_out, v_out = cache_refs(k_out, v_out, ks_out, vs_out, q_out.dtype)
     kw = dict(scale=scale, capacity=capacity, split_len=split_len, window=window,
               mma_sums=True, dot_rows=dot_rows)
     if split and fold_last:
@@ -313,7 +357,8 @@ def rope_store_attention(
     k_cache: jax.Array, v_cache: jax.Array, q_positions: jax.Array, heads: int,
     q_norm: jax.Array | None = None, k_norm: jax.Array | None = None, eps: float = 1e-6,
     window: int | None = None, interpret: bool = False, max_keys: int | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
+    k_scale: jax.Array | None = None, v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, ...]:
     """:func:`rope_store` followed by the row-invariant attention over the cache it wrote
     (:func:`~turbospark_jax.kernels.attention.cached_attention_arranged` with
     ``row_invariant=True``), the RoPE-store's work done inside the attention's first kernel
@@ -326,30 +371,33 @@ def rope_store_attention(
     kernels' code.
 
     Args:
-      qkv, cos, sin, write_at, k_cache, v_cache, heads, q_norm, k_norm, eps: as for
-        :func:`rope_store`.
+      qkv, cos, sin, write_at, k_cache, v_cache, heads, q_norm, k_norm, eps, k_scale,
+        v_scale: as for :func:`rope_store`.
       q_positions: int32 ``[W]``, each row's position.
       window, max_keys: as for the attention.
       interpret: run in the Pallas interpreter (CPU tests).
 
     Returns:
       ``(out [W, H, hd], k_cache, v_cache)``: the attention's rows and the caches with the
-      live rows written.
+      live rows written; and after them the scales, for a quantized cache.
     """
     width = q_positions.shape[0]
     capacity, kv_heads, head_dim = k_cache.shape
     groups = heads // kv_heads
     rows = width * groups
     tiles = tiles_for(rows, head_dim)
+    quantized = k_scale is not None
     if width > FUSED_ROWS:
-        qr, k_cache, v_cache = rope_store(qkv, cos, sin, write_at, k_cache, v_cache, heads,
-                                          q_norm, k_norm, eps=eps, interpret=interpret)
-        out = cached_attention_arranged(qr, k_cache, v_cache, q_positions, heads=heads,
+        qr, *caches = rope_store(qkv, cos, sin, write_at, k_cache, v_cache, heads, q_norm,
+                                 k_norm, eps=eps, interpret=interpret, k_scale=k_scale,
+                                 v_scale=v_scale)
+        scales = dict(zip(("k_scale", "v_scale"), caches[2:], strict=False))
+        out = cached_attention_arranged(qr, caches[0], caches[1], q_positions, heads=heads,
                                         window=window, interpret=interpret,
-                                        row_invariant=True, max_keys=max_keys)
-        return out, k_cache, v_cache
+                                        row_invariant=True, max_keys=max_keys, **scales)
+        return (out, *caches)
     folding = folds_on_chip(rows, capacity, tiles, max_keys)
-    dtype = k_cache.dtype
+    dtype = cos.dtype if quantized else k_cache.dtype
     tile, count, splits, split_len = plan_keys(rows, capacity, tiles.max_row_tile)
     padded = tile * count
     parts, projection = _heads_view(qkv, heads, kv_heads, head_dim, dtype)
@@ -366,15 +414,17 @@ def rope_store_attention(
         specs += [whole((head_dim,)), whole((head_dim,))]
     operands += [bound, pos]
     specs += [pl.BlockSpec((), lambda *_: ()), pl.BlockSpec((tile,), lambda h, t, *_: (t,))]
+    caches = [k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
+    scale_block = pl.BlockSpec((capacity, None), lambda h, *_: (0, h))
+    cache_specs = [head_block, head_block] + ([scale_block] * 2 if quantized else [])
     scratch_specs = [pl.BlockSpec((None, padded, head_dim), lambda h, *_: (h, 0, 0)),
-                     head_block, head_block]
+                     *cache_specs]
     scratch_shapes = [jax.ShapeDtypeStruct((kv_heads, padded, head_dim), dtype),
-                      jax.ShapeDtypeStruct(k_cache.shape, dtype),
-                      jax.ShapeDtypeStruct(v_cache.shape, dtype)]
+                      *(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)]
     if folding:
         grid = (kv_heads, count)
         result_specs = [pl.BlockSpec((None, tile, head_dim), lambda h, t: (h, t, 0))]
-        result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype)]
+        result_shapes = [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype)]
     else:
         splits = partial_splits(splits)  # whole groups for the fold kernel's loads
         grid = (kv_heads, count, splits)
@@ -392,31 +442,34 @@ def rope_store_attention(
         # the finished rows, and a counter a tile (zeros, left at zero)
         result_specs += [pl.BlockSpec((None, tile, head_dim), lambda h, t, s: (h, t, 0)),
                          whole((kv_heads * count,))]
-        result_shapes += [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), v_cache.dtype),
+        result_shapes += [jax.ShapeDtypeStruct((kv_heads, rows, head_dim), dtype),
                           jax.ShapeDtypeStruct((kv_heads * count,), jnp.int32)]
     fold_last = 0 if folding else splits
     kernel = functools.partial(
-        _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, capacity=capacity,
+        _rope_attention_kernel, eps=eps, qk_norm=q_norm is not None, quantized=quantized,
+        capacity=capacity,
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
         rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
         fold_last=fold_last, dot_rows=interpret_dot_rows(interpret))
-    aliases = {len(operands): len(result_shapes) + 1, len(operands) + 1: len(result_shapes) + 2}
+    # each cache (and scale) input is written through its output after the queries' scratch
+    aliases = {len(operands) + i: len(result_shapes) + 1 + i for i in range(len(caches))}
     counters = []
     if fold_last:
         counters = [jnp.zeros((kv_heads * count,), jnp.int32)]
-        aliases[len(operands) + 2] = len(result_shapes) - 1
-    *results, _, k_cache, v_cache = pl.pallas_call(
+        aliases[len(operands) + len(caches)] = len(result_shapes) - 1
+    outs = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[*specs, head_block, head_block, *(whole(c.shape) for c in counters)],
+        in_specs=[*specs, *cache_specs, *(whole(c.shape) for c in counters)],
         out_specs=[*result_specs, *scratch_specs],
         out_shape=[*result_shapes, *scratch_shapes],
         input_output_aliases=aliases,
         interpret=interpret,
         name="rope_store_attention" if folding else "rope_store_attention_split_folding",
         **compiler_kwargs(tiles, interpret),
-    )(*operands, k_cache, v_cache, *counters)
+    )(*operands, *caches, *counters)
+    results, caches = outs[:len(result_shapes)], outs[len(result_shapes) + 1:]
     out = results[0] if folding else results[3]
     out = out.reshape(kv_heads, width, groups, head_dim).transpose(1, 0, 2, 3)
-    return out.reshape(width, heads, head_dim), k_cache, v_cache
+    return (out.reshape(width, heads, head_dim), *caches)

@@ -23,6 +23,7 @@ from turbospark_jax.kernels import rope_store as pallas_rope_store
 from turbospark_jax.kernels.layers import attend
 from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
+from turbospark_jax.quant import kv as kv_quant
 
 if TYPE_CHECKING:
     from turbospark_jax.models.dense.model import DenseModel
@@ -30,7 +31,8 @@ if TYPE_CHECKING:
 Params = dict[str, Any]
 
 #: A layer's attention: ``(normed rows [W, D], layer params, cache carry, layer index,
-#: window) -> (attention output [W, H, hd], cache carry)``.
+#: window) -> (attention output [W, H, hd], cache carry)``. The cache carry is ``(k, v,
+#: k_scale, v_scale)`` as :class:`~turbospark_jax.models.dense.model.DenseCache` holds them.
 Attention = Callable[[jax.Array, Params, Any, Any, Any], tuple[jax.Array, Any]]
 
 # Padding rows scatter to distinct out-of-range rows, which mode="drop" discards. The targets
@@ -96,20 +98,44 @@ def _replace_at(buffers: Any, index: int, new: jax.Array) -> tuple[jax.Array, ..
     return (*buffers[:index], new, *buffers[index + 1 :])
 
 
+def _write(buffers: Any, index: Any, rows: jax.Array, write_at: jax.Array,
+           per_layer: bool) -> tuple[Any, jax.Array]:
+    """``rows [W, ...]`` written into layer ``index`` of ``buffers`` (stacked ``[L, C, ...]``
+    or a tuple of ``[C, ...]``) at ``write_at``: the buffers and that layer's buffer."""
+    if per_layer:  # index is a python int: this layer's own buffer
+        layer = buffers[index].at[write_at].set(rows, **_SCATTER)
+        return _replace_at(buffers, index, layer), layer
+    buffers = buffers.at[index, write_at].set(rows, **_SCATTER)
+    return buffers, buffers[index]
+
+
 def _write_rows(
-    kv: Any, index: Any, k: jax.Array, v: jax.Array, write_at: jax.Array, per_layer: bool
-) -> tuple[Any, jax.Array, jax.Array]:
+    kv: Any, index: Any, k: jax.Array, v: jax.Array, write_at: jax.Array, per_layer: bool,
+    kv_dtype: str | None,
+) -> tuple[Any, tuple[Any, ...]]:
     """Write a block's ``k``/``v`` ``[W, KV, hd]`` into layer ``index`` of the cache carry at
-    rows ``write_at``; returns the carry and that layer's ``[C, KV, hd]`` k and v buffers."""
-    k_all, v_all = kv  # stacked [L, C, KV, hd] each, or tuples of [C, KV, hd]
-    if per_layer:  # index is a python int: this layer's own buffers
-        k_layer = k_all[index].at[write_at].set(k, **_SCATTER)
-        v_layer = v_all[index].at[write_at].set(v, **_SCATTER)
-        kv = (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
-        return kv, k_layer, v_layer
-    k_all = k_all.at[index, write_at].set(k, **_SCATTER)
-    v_all = v_all.at[index, write_at].set(v, **_SCATTER)
-    return (k_all, v_all), k_all[index], v_all[index]
+    rows ``write_at``, quantized when ``kv_dtype`` is set; returns the carry and that layer's
+    ``(k [C, KV, hd], v, k_scale [C, KV] or None, v_scale)``."""
+    k_all, v_all, ks_all, vs_all = kv
+    if kv_dtype is None:
+        rows = (k, v)
+    else:
+        (k, ks), (v, vs) = kv_quant.quantize(k, kv_dtype), kv_quant.quantize(v, kv_dtype)
+        rows = (k, v, ks, vs)
+    written = [_write(b, index, r, write_at, per_layer)
+               for b, r in zip((k_all, v_all, ks_all, vs_all), rows, strict=False)]
+    carry = tuple(b for b, _ in written)
+    layer = tuple(one for _, one in written)
+    if kv_dtype is None:
+        return (*carry, ks_all, vs_all), (*layer, None, None)
+    return carry, layer
+
+
+def _read(layer: tuple[Any, ...], dtype: Any, limit: int | None = None) -> tuple[jax.Array, ...]:
+    """A layer's ``(k, v, k_scale, v_scale)`` (from :func:`_write_rows`) as k and v in the
+    compute ``dtype`` (dequantized where quantized), over the first ``limit`` rows."""
+    k, v, ks, vs = (None if b is None else b[:limit] for b in layer)
+    return kv_quant.read(k, ks, dtype), kv_quant.read(v, vs, dtype)
 
 
 def _own_rows(
@@ -154,7 +180,10 @@ def cached_attention(
 ) -> Attention:
     """The attention every layer of one ``block_forward`` call runs, chosen once.
 
-    Each layer writes its rows' k/v into the cache, then attends with one of:
+    Each layer writes its rows' k/v into the cache (quantized where the model's
+    ``kv_dtype`` says: :mod:`~turbospark_jax.quant.kv`), then attends with one of (each
+    dequantizing what it reads from a quantized cache: the kernels a tile at a time in
+    registers, XLA's form the layer's rows it attends over):
 
     * the RoPE-and-cache-write kernel (which does the writes) feeding the fused attention
       kernel: a per-layer cache where both kernels run, and a block that is not ``fresh``;
@@ -186,26 +215,33 @@ def cached_attention(
     row_invariant = plan.row_invariant
     interpret = plan.pallas == "interpret"
 
+    kv_dtype = model.kv_dtype
+
     def rope_store_kernels(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
-        k_all, v_all = kv  # tuples of [C, KV, hd]: the kernels need a per-layer cache
+        k_all, v_all, ks_all, vs_all = kv  # tuples of [C, KV, hd]: a per-layer cache
         norms = (lp["q_norm"], lp["k_norm"]) if c.qk_norm else (None, None)
         rows = (_merged_projection(c, h, lp, plan), cos, sin, write_at, k_all[index],
                 v_all[index])
+        scales = ({} if kv_dtype is None else
+                  {"k_scale": ks_all[index], "v_scale": vs_all[index]})
         if row_invariant:
             # the RoPE-store's work inside the attention's first kernel (a decode, a verify)
-            attn, k_layer, v_layer = pallas_rope_store.rope_store_attention(
+            attn, *layer = pallas_rope_store.rope_store_attention(
                 *rows, positions, c.num_attention_heads, *norms, eps=c.rms_norm_eps,
-                window=window, interpret=interpret, max_keys=max_keys,
+                window=window, interpret=interpret, max_keys=max_keys, **scales,
             )
         else:
-            qr, k_layer, v_layer = pallas_rope_store.rope_store(
+            qr, *layer = pallas_rope_store.rope_store(
                 *rows, c.num_attention_heads, *norms, eps=c.rms_norm_eps, interpret=interpret,
+                **scales,
             )
             attn = pallas_attention.cached_attention_arranged(
-                qr, k_layer, v_layer, positions, heads=c.num_attention_heads, window=window,
+                qr, layer[0], layer[1], positions, heads=c.num_attention_heads, window=window,
                 interpret=interpret, row_invariant=False, max_keys=max_keys,
+                **dict(zip(scales, layer[2:], strict=True)),
             )
-        return attn, (_replace_at(k_all, index, k_layer), _replace_at(v_all, index, v_layer))
+        carry = tuple(_replace_at(b, index, new) for b, new in zip(kv, layer, strict=False))
+        return attn, (*carry, *kv[len(carry):])
 
     def rotated(h: jax.Array, lp: Params) -> tuple[jax.Array, jax.Array, jax.Array]:
         q, k, v = _projections(c, h, lp, plan)
@@ -214,22 +250,26 @@ def cached_attention(
 
     def own_rows(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         q, k, v = rotated(h, lp)
-        kv, _, _ = _write_rows(kv, index, k, v, write_at, per_layer)
+        kv, _ = _write_rows(kv, index, k, v, write_at, per_layer, kv_dtype)
+        # the rows as the cache gives them back, as every later block reads them
+        k, v = kv_quant.round_trip(k, kv_dtype), kv_quant.round_trip(v, kv_dtype)
         return _own_rows(model, q, k, v, positions, window), kv
 
     def attention_kernel(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         q, k, v = rotated(h, lp)
-        kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
+        kv, (k_layer, v_layer, k_scale, v_scale) = _write_rows(kv, index, k, v, write_at,
+                                                               per_layer, kv_dtype)
         attn = pallas_attention.cached_attention(
             q, k_layer, v_layer, positions, window=window, interpret=interpret,
-            row_invariant=row_invariant, max_keys=max_keys,
+            row_invariant=row_invariant, max_keys=max_keys, k_scale=k_scale, v_scale=v_scale,
         )
         return attn, kv
 
     def xla(h: jax.Array, lp: Params, kv: Any, index: Any, window: Any) -> Any:
         q, k, v = rotated(h, lp)
-        kv, k_layer, v_layer = _write_rows(kv, index, k, v, write_at, per_layer)
-        attn = row_kernels.attend(plan, q, k_layer[:limit], v_layer[:limit], positions,
+        kv, layer = _write_rows(kv, index, k, v, write_at, per_layer, kv_dtype)
+        k_layer, v_layer = _read(layer, model.dtype, limit)
+        attn = row_kernels.attend(plan, q, k_layer, v_layer, positions,
                                   key_positions[:limit], window)
         return attn, kv
 

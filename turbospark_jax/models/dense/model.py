@@ -69,6 +69,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense.attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense.config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
+from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array
 
 Params = dict[str, Any]
@@ -215,11 +216,16 @@ class DenseCache:
       on a GPU.
 
     Either way the position axis is axis 1 of the stacked view (a tuple stacks to it), rows
-    at positions ``>= fed.count`` are dead, and keys are stored rotated, in the model dtype.
+    at positions ``>= fed.count`` are dead, and keys are stored rotated, in the model dtype,
+    or quantized (:attr:`DenseModel.kv_dtype`): then ``k_scale`` and ``v_scale`` hold each
+    row's float32 scale, ``[L, C, KV]`` or tuples of ``[C, KV]`` beside the values
+    (:mod:`~turbospark_jax.quant.kv`); ``()`` without quantization.
     """
 
     k: jax.Array | tuple[jax.Array, ...] = append_only(axis=1)
     v: jax.Array | tuple[jax.Array, ...] = append_only(axis=1)
+    k_scale: jax.Array | tuple[jax.Array, ...] = kv_quant.scale_field(append_only(axis=1))
+    v_scale: jax.Array | tuple[jax.Array, ...] = kv_quant.scale_field(append_only(axis=1))
 
     @property
     def per_layer(self) -> bool:
@@ -274,6 +280,10 @@ class DenseModel(BlockModel):
         widths agree bitwise row for row. Loading resolves it once from the backend and
         ``exact`` (:func:`~turbospark_jax.kernels.plan.kernel_plan`).
       tap_layers: see :class:`~turbospark_jax.models.base.BlockModel`.
+      kv_dtype: the KV cache's stored form: ``None`` (the model dtype), ``"int8"`` or
+        ``"fp8"`` (one byte a value and a float32 scale a row and KV head, quantized on
+        write and dequantized on read: :mod:`~turbospark_jax.quant.kv`).
+        :func:`~turbospark_jax.io.loading.load_folder`'s ``kv_dtype`` sets it.
     """
 
     parallel_prefill = True
@@ -296,9 +306,11 @@ class DenseModel(BlockModel):
     scan_layers: bool = True
     tap_layers: tuple[int, ...] = ()
     plan: KernelPlan = XLA_PLAN
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        kv_quant.check_kv_dtype(self.kv_dtype)
         check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         if not isinstance(self.plan, KernelPlan):
             raise BadInputError(f"plan must be a KernelPlan (turbospark_jax.kernels.plan); "
@@ -322,16 +334,26 @@ class DenseModel(BlockModel):
         c = self.config
         shape = (capacity, c.num_key_value_heads, c.head_dim)
         if self.scan_layers:
-            stacked = (c.num_hidden_layers, *shape)
-            k, v = jnp.zeros(stacked, self.dtype), jnp.zeros(stacked, self.dtype)
+            (k, k_scale), (v, v_scale) = (
+                kv_quant.zeros((c.num_hidden_layers, *shape), self.kv_dtype, self.dtype)
+                for _ in range(2))
         else:
-            n = c.num_hidden_layers
-            k = tuple(jnp.zeros(shape, self.dtype) for _ in range(n))
-            v = tuple(jnp.zeros(shape, self.dtype) for _ in range(n))
+            k, k_scale, v, v_scale = self._layer_buffers(shape)
+        buffers = {"k": k, "v": v, "k_scale": k_scale, "v_scale": v_scale}
         if not self.tap_layers:
-            return DenseCache(k=k, v=v)
+            return DenseCache(**buffers)
         taps = jnp.zeros((capacity, len(self.tap_layers), c.hidden_size), self.dtype)
-        return TappedDenseCache(k=k, v=v, taps=taps)
+        return TappedDenseCache(**buffers, taps=taps)
+
+    def _layer_buffers(self, shape: tuple[int, ...]) -> tuple[Any, ...]:
+        """Per-layer zeroed ``(k, k_scale, v, v_scale)`` tuples (the scales ``()`` without
+        quantization)."""
+        n = self.config.num_hidden_layers
+        k = [kv_quant.zeros(shape, self.kv_dtype, self.dtype) for _ in range(n)]
+        v = [kv_quant.zeros(shape, self.kv_dtype, self.dtype) for _ in range(n)]
+        scales = self.kv_dtype is not None
+        return (tuple(b for b, _ in k), tuple(s for _, s in k) if scales else (),
+                tuple(b for b, _ in v), tuple(s for _, s in v) if scales else ())
 
     def init_params(self, key: jax.Array) -> Params:
         """Random params in this model's dtype (see :func:`init_params`)."""
@@ -592,8 +614,10 @@ class DenseModel(BlockModel):
             max_keys=max_keys,
         )
         x, layer = self._layers_in(params["layers"], x, attention)
-        ran = self._run_layers(params["layers"], x, (cache.k, cache.v), layer, self.tap_layers)
-        x, (k_all, v_all) = ran[:2]
+        ran = self._run_layers(params["layers"], x,
+                               (cache.k, cache.v, cache.k_scale, cache.v_scale), layer,
+                               self.tap_layers)
+        x, (k_all, v_all, k_scale, v_scale) = ran[:2]
         if self.tap_layers:  # [K, W, D] -> rows [W, K, D] at each live row's position
             taps = jnp.swapaxes(ran[2], 0, 1)
             cache = cache.replace(taps=cache.taps.at[write_at].set(
@@ -615,7 +639,7 @@ class DenseModel(BlockModel):
                     lambda x: jnp.zeros((rows_out, self.vocab_size), jnp.float32),
                     x,
                 )
-        return logits, cache.replace(k=k_all, v=v_all)
+        return logits, cache.replace(k=k_all, v=v_all, k_scale=k_scale, v_scale=v_scale)
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:
         """Plain causal forward over whole sequences, no cache (training, parity tests).
