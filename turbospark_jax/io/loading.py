@@ -36,6 +36,7 @@ from safetensors.numpy import save_file
 
 from turbospark_jax.core.checks import as_bool, as_int
 from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
+from turbospark_jax.io import quantized as stored_quantization
 from turbospark_jax.io.tokenizer import TOKENIZER_FILE, Tokenizer
 from turbospark_jax.io.vision import ImageTokens, VisionEncoder
 from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, kernel_plan
@@ -45,7 +46,7 @@ from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4 import assistant as gemma4_assistant
 from turbospark_jax.models.gemma4 import vision as gemma4_vision
 from turbospark_jax.models.registry import family_of, family_of_config
-from turbospark_jax.quant.weights import Quantization, quantize_leaf
+from turbospark_jax.quant.weights import Quantization, is_quantized, quantize_leaf
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -281,6 +282,10 @@ def load_folder(
         with); ``None``: the family's own XLA kernels, which training, saving and sharding
         want. A row-invariant plan needs a family with row-invariant kernels
         (:attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`).
+      quantize: quantize the linear weights on load (a
+        :class:`~turbospark_jax.quant.weights.Quantization` or its name, such as ``"int8"``).
+        A folder whose ``config.json`` carries a ``quantization_config`` loads in its own
+        format without it (:mod:`turbospark_jax.io.quantized` lists the layouts read).
 
     Returns:
       The :class:`LoadedModel`.
@@ -288,10 +293,12 @@ def load_folder(
     Raises:
       BadInputError: ``path`` is not a path, ``dtype`` is not one we compute in,
         ``layer_layout`` is neither layout, or one the family does not have, ``plan`` is
-        not a :class:`~turbospark_jax.kernels.plan.KernelPlan` (all checked before any
-        tensor is read).
+        not a :class:`~turbospark_jax.kernels.plan.KernelPlan`, ``quantize`` for a folder
+        that is quantized already (all checked before any tensor is read).
       UnsupportedCapabilityError: a plan other than XLA's for a family without
-        row-invariant kernels (checked before any tensor is read).
+        row-invariant kernels (checked before any tensor is read); a quantization method,
+        bit width or variant :mod:`turbospark_jax.io.quantized` does not read (named, before
+        any tensor is read).
       ModelLoadError: the folder or a file is missing (named); ``config.json`` is malformed
         or names an unsupported ``model_type`` (the supported ones are listed); a tensor is
         missing, unexpected, or of the wrong shape (named, with expected and actual shapes);
@@ -301,8 +308,11 @@ def load_folder(
         raise BadInputError(f"plan must be a KernelPlan or None; got {plan!r}")
     spec = Quantization.parse(quantize)
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
+    stored = stored_quantization.checkpoint_quantization(
+        _read_json(os.path.join(folder, CONFIG_FILE), "model config"))
+    stored_quantization.refuse_requantizing(stored, spec)
     model = _with_plan(family.build(config, resolved, layer_layout), family, config, plan)
-    host = _read_params(folder, family, config, np.dtype(resolved))
+    host = _read_params(folder, family, config, np.dtype(resolved), stored)
     if spec is not None:
         host = quantize_params(host, family.hf_tensors(config), spec, resolved)
     vision = _load_vision(folder, np.dtype(resolved))
@@ -427,17 +437,24 @@ def _load_vision(folder: str, np_dtype: np.dtype) -> VisionEncoder | None:
     )
 
 
-def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -> Params:
+def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype,
+                 stored: stored_quantization.CheckpointQuantization | None = None) -> Params:
     """The folder's tensors as a host params tree (numpy, ``np_dtype``) in the family's
-    native layout, every tensor checked against the family's declaration."""
+    native layout, every tensor checked against the family's declaration; the linear layers
+    of a quantized folder (``stored``) as quantized leaves."""
     weight_map = _weight_files(folder)
     tensors = family.hf_tensors(config)
+    shapes = family.param_shapes(config)
+    quantized: dict[tuple[Any, ...], Any] = {}
+    consumed: set[str] = set()
+    if stored is not None:
+        tensors, quantized, consumed = stored_quantization.read_quantized(
+            folder, weight_map, tensors, shapes, stored, np_dtype)
     wanted = {t.name: t for t in tensors}
     missing = [t.name for t in tensors if t.name not in weight_map]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}{more}")
-    shapes = family.param_shapes(config)
     # Every shape is checked against the files' headers before the params are allocated, so a
     # config that implies absurd sizes is refused, not allocated.
     for name, handle, file in _iter_tensors(folder, weight_map):
@@ -454,7 +471,7 @@ def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -
     for name, handle, file in _iter_tensors(folder, weight_map):
         t = wanted.get(name)
         if t is None:
-            if family.tolerated(name):
+            if family.tolerated(name) or name in consumed:
                 continue
             if name in copies:
                 spares.append((name, handle.get_tensor(name), file))
@@ -479,6 +496,8 @@ def _read_params(folder: str, family: Family, config: Any, np_dtype: np.dtype) -
                 f"the config ties {name} to {original.name}, but {file} holds a {name} that "
                 f"differs from it; untie the config or drop the tensor"
             )
+    for key, leaf in quantized.items():
+        _node(host, key[:-1])[key[-1]] = leaf
     return host
 
 
@@ -528,6 +547,10 @@ def save_folder(
     as ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``,
     ``generation_config.json`` (given, or derived from ``config``) and the tokenizer files.
     Weight files already in the folder are removed first so no stale shard survives.
+    Quantized weights (:class:`~turbospark_jax.quant.weights.QuantizedWeight` leaves) are
+    written in a published layout with its ``quantization_config``: block-wise fp8 in the
+    ``fp8`` layout, the rest in compressed-tensors' (see
+    :func:`~turbospark_jax.io.quantized.write_quantized`).
 
     Args:
       path: the destination folder (created if needed).
@@ -568,9 +591,10 @@ def save_folder(
     if family.to_layer_layout is not None:
         params = family.to_layer_layout(params, family.native_layout)
     expected = jax.tree.leaves(shapes, is_leaf=_is_shape)
-    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params), is_leaf=_is_shape)
+    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params,
+                                       is_leaf=is_quantized), is_leaf=_is_shape)
     if jax.tree.structure(shapes, is_leaf=_is_shape) != jax.tree.structure(
-        jax.tree.map(lambda a: 0, params)
+        jax.tree.map(lambda a: 0, params, is_leaf=is_quantized)
     ) or list(map(tuple, expected)) != got:
         raise ModelLoadError("params do not match the layout the config implies")
     host = jax.tree.map(np.asarray, params)
@@ -580,15 +604,28 @@ def save_folder(
                             "model_type 'gemma4'")
 
     hf: dict[str, np.ndarray] = {}
+    quantized, plain_linear = {}, []
     for t in tensors:
         leaf = _node(host, t.key)
-        hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
+        leaf = leaf if t.stacked is None else leaf[t.stacked]
+        if is_quantized(leaf):
+            quantized[t.name] = leaf.matrix()
+            continue
+        if t.linear:
+            plain_linear.append(t.name)
+        hf[t.name] = t.to_hf(leaf)
     if vision is not None:
         vision_host = jax.tree.map(np.asarray, vision.params)
         for t in gemma4_vision.hf_tensors(vision.tower.config):
             leaf = _node(vision_host, t.key)
             hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
-    dtype_name = np.dtype(hf[tensors[0].name].dtype).name
+    first = quantized.get(tensors[0].name)
+    dtype_name = np.dtype(hf[tensors[0].name].dtype if first is None else first.dtype).name
+    quantization_config = None
+    if quantized:
+        written, quantization_config = stored_quantization.write_quantized(quantized,
+                                                                           plain_linear)
+        hf.update(written)
 
     for name in os.listdir(folder):
         if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and
@@ -619,6 +656,8 @@ def save_folder(
 
     config_dict = config.to_hf_dict()
     config_dict["dtype"] = dtype_name
+    if quantization_config is not None:
+        config_dict["quantization_config"] = quantization_config
     if vision is not None:
         config_dict["vision_config"] = vision.tower.config.to_hf_dict()
         config_dict.update(image_token_id=vision.tokens.image, boi_token_id=vision.tokens.begin,
