@@ -237,3 +237,18 @@ def test_a_qwen35_model_on_a_mesh_walks_its_rows_on_the_xla_loop():
     sharded = ShardedProducer(model, model.init_params(jax.random.PRNGKey(0)), mesh=tp_mesh(),
                               capacity=16, width=4)
     assert sharded.model.tape_rows() == 4 and sharded.model == model.for_mesh()
+
+
+def test_quantized_params_are_refused_before_placing():
+    from turbospark_jax.errors import UnsupportedCapabilityError
+    from turbospark_jax.models.dense import model as D
+    from turbospark_jax.parallel.sharding import shard_params, tp_mesh
+    from turbospark_jax.testing.fixtures import quantized
+
+    cfg = DenseConfig(model_type="llama", vocab_size=32, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16)
+    params = D.DenseModel(cfg, jax.numpy.float32).init_params(jax.random.PRNGKey(0))
+    with pytest.raises(UnsupportedCapabilityError, match="quantize"):
+        shard_params(quantized(D.FAMILY, cfg, params, "int8", jax.numpy.float32),
+                     tp_mesh(), cfg)

@@ -63,6 +63,7 @@ from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.models.gemma4.model import Gemma4Model
 from turbospark_jax.models.qwen3_5.model import Qwen35Model
 from turbospark_jax.parallel.tp_specs import TP, cache_specs, check_divisible, param_specs
+from turbospark_jax.quant.weights import is_quantized
 
 __all__ = ["TP", "ShardedProducer", "check_divisible",
            "init_sharded_params", "param_shardings", "param_specs", "shard_params",
@@ -115,8 +116,14 @@ def shard_params(params: Params, mesh: Mesh, config: Any) -> Params:
       BadInputError: ``mesh`` has no :data:`TP` axis; its size does not divide the query
         heads or the MLP width (or the dense family's KV heads), or the model is of a family
         without a layout.
+      UnsupportedCapabilityError: quantized params (tensor parallelism lays out plain
+        weights only).
     """
     check_divisible(config, tp_size(mesh))
+    if any(is_quantized(w) for w in jax.tree.leaves(params, is_leaf=is_quantized)):
+        raise UnsupportedCapabilityError(
+            "tensor parallelism shards plain weights only; load the model without quantize= "
+            "to shard it, or serve the quantized model on one device")
     return jax.device_put(params, param_shardings(mesh, config, params))
 
 
