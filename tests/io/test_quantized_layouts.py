@@ -127,6 +127,19 @@ def _ct_fp8(rng: np.random.Generator, n: int, k: int) -> tuple[dict[str, np.ndar
             weight.astype(np.float32) * scale.astype(np.float32))
 
 
+def _renamed(parts: tuple[dict[str, np.ndarray], np.ndarray],
+             names: dict[str, str]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    tensors, ref = parts
+    return {names.get(key, key): value for key, value in tensors.items()}, ref
+
+
+def _ct_fp8_per_tensor(rng: np.random.Generator, n: int, k: int) -> tuple[dict[str, Any],
+                                                                          np.ndarray]:
+    weight = rng.normal(0, 60, (n, k)).clip(-448, 448).astype(FP8)
+    scale = _scales(rng, (1,), np.float32)
+    return {"weight": weight, "weight_scale": scale}, weight.astype(np.float32) * scale[0]
+
+
 def _ct_config(fmt: str, weights: dict[str, Any], ignore: list[str]) -> dict[str, Any]:
     return {"quant_method": "compressed-tensors", "format": fmt,
             "quantization_status": "compressed", "ignore": ignore,
@@ -157,6 +170,21 @@ LAYOUTS: dict[str, tuple[dict[str, Any], Callable[..., Any]]] = {
     "ct-fp8": (_ct_config("float-quantized", {"num_bits": 8, "type": "float",
                                               "symmetric": True, "strategy": "channel"},
                           ["lm_head"]), _ct_fp8),
+    "gptq-one-group": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "sym": False},
+                       lambda rng, n, k: _gptq(rng, n, k, group=k)),
+    "ct-int4-channel": (_ct_config("pack-quantized", {"num_bits": 4, "type": "int",
+                                                      "symmetric": False,
+                                                      "strategy": "channel"}, ["lm_head"]),
+                        lambda rng, n, k: _ct_int4(rng, n, k, group=k)),
+    "ct-fp8-block": (_ct_config("float-quantized", {"num_bits": 8, "type": "float",
+                                                    "strategy": "block",
+                                                    "block_structure": [128, 128]},
+                                ["lm_head"]),
+                     lambda rng, n, k: _renamed(_fp8_block(rng, n, k),
+                                                {"weight_scale_inv": "weight_scale"})),
+    "ct-fp8-tensor": (_ct_config("float-quantized", {"num_bits": 8, "type": "float",
+                                                     "strategy": "tensor"}, ["lm_head"]),
+                      _ct_fp8_per_tensor),
 }
 
 
@@ -416,6 +444,15 @@ def test_wrong_dtype_is_named(dense_folder: Path, tmp_path: Path) -> None:
         load_folder(tmp_path)
 
 
+def test_gptq_v1_zero_point_of_sixteen_is_refused_by_name(dense_folder: Path,
+                                                        tmp_path: Path) -> None:
+    build_layout(dense_folder, tmp_path, "gptq-v1")
+    name = "model.layers.1.self_attn.v_proj.qzeros"
+    _edit(tmp_path, lambda t: t.update({name: np.full_like(t[name], -1)}))
+    with pytest.raises(UnsupportedCapabilityError, match=rf"{name}.*16"):
+        load_folder(tmp_path)
+
+
 def test_act_order_groups_are_refused(dense_folder: Path, tmp_path: Path) -> None:
     config = dict(LAYOUTS["gptq-v1"][0], desc_act=True)
     build_layout(dense_folder, tmp_path, "gptq-v1", quantization_config=config)
@@ -456,3 +493,17 @@ def test_quantizing_a_quantized_folder_is_refused(dense_folder: Path, tmp_path: 
     with pytest.raises(BadInputError, match=r"quantized already \(gptq\)"):
         load_folder(_with_config(dense_folder, tmp_path, LAYOUTS["gptq-v1"][0]),
                     quantize="int8")
+
+
+def test_a_multimodal_configs_text_part_names_the_quantization() -> None:
+    from turbospark_jax.io.quantized import checkpoint_quantization
+
+    text = {"quantization_config": dict(LAYOUTS["awq"][0], modules_to_not_convert=[
+        "vision_tower", "mlp.down_proj"])}
+    stored = checkpoint_quantization({"model_type": "gemma4", "text_config": text})
+    assert stored is not None and stored.method == "awq"
+    assert stored.format_of("model.language_model.layers.0.mlp.down_proj") is None
+    assert stored.format_of("model.language_model.layers.0.mlp.up_proj") is not None
+    assert stored.format_of("model.language_model.layers.10.mlp.up_proj") is not None
+    assert stored.format_of("lm_head") is None  # AWQ writers never quantize the head
+    assert checkpoint_quantization({"model_type": "llama"}) is None
