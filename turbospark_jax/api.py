@@ -29,6 +29,7 @@ from typing import Any
 import jax
 
 from turbospark_jax.core.checks import as_bool, as_int, as_token_ids
+from turbospark_jax.core.compile_cache import ensure_compile_cache
 from turbospark_jax.core.protocols import LogitProducer
 from turbospark_jax.core.sampling import SamplingConfig, is_greedy
 from turbospark_jax.core.streams import Stream
@@ -46,6 +47,7 @@ from turbospark_jax.io.loading import (
     serving_plan,
 )
 from turbospark_jax.io.vision import VisionEncoder, require_vision
+from turbospark_jax.quant.kv import check_kv_dtype
 from turbospark_jax.quant.weights import Quantization
 from turbospark_jax.speculative.choice import (
     DrafterChoice,
@@ -132,6 +134,7 @@ def load(
     exact: bool = True,
     prefill_width: int | None = None,
     quantize: str | Quantization | None = None,
+    kv_dtype: str | None = None,
 ) -> Model:
     """Load a Hugging Face folder (default: the embedded model) as a ready producer.
 
@@ -176,6 +179,16 @@ def load(
         ``"fp8-block"`` (e4m3, 128 x 128 blocks), or a
         :class:`~turbospark_jax.quant.weights.Quantization`; see the quantization guide.
         Every exactness guarantee holds within the quantized model.
+      kv_dtype: store the target's KV cache quantized: ``"int8"`` or ``"fp8"`` (e4m3), one
+        byte a value with a float32 scale a row and KV head, so a context takes about half
+        the cache memory of a 16-bit one (:mod:`~turbospark_jax.quant.kv`); ``None``: the
+        model dtype. Every exactness guarantee holds within the model loaded so; its logits
+        differ from the unquantized cache's by the rounding of the stored rows.
+
+    Compiled programs persist in a per-user cache folder, so the next process that builds the
+    same programs reads them back (:mod:`~turbospark_jax.core.compile_cache`;
+    ``TURBOSPARK_COMPILE_CACHE=off`` or :func:`turbospark_jax.use_compile_cache` turns it
+    off or moves it).
 
     Raises:
       ModelLoadError: the folder (or a drafter's folder) cannot be loaded (named, with the
@@ -217,6 +230,8 @@ def load(
         as_int("prefill_width", prefill_width, low=1)
     exact = as_bool("exact", exact)
     quantization = Quantization.parse(quantize)
+    ensure_compile_cache()  # compiled programs persist (core.compile_cache; off by choice)
+    kv_dtype = check_kv_dtype(kv_dtype)
     on_cpu = jax.default_backend() == "cpu"
     dtype = dtype if dtype is not None or not on_cpu else "float32"
     target_path = embedded_model_path(DEFAULT_TARGET) if path is None else path
@@ -236,7 +251,7 @@ def load(
         prefill_width = default_prefill_width(width, plan.widths_agree)
     check_prefill_width(prefill_width, width, plan.widths_agree)
     loaded = load_folder(target_path, dtype=dtype, layer_layout="list", plan=plan,
-                         quantize=quantization)
+                         quantize=quantization, kv_dtype=kv_dtype)
     capacity = context if context is not None else min(
         loaded.config.max_position_embeddings, 4096
     )

@@ -1,15 +1,19 @@
 """The turbospark-jax command: ``main`` and the run (modules: ``arguments`` for the parser and
-the checks that need no model, ``progress`` for what stderr shows while it works).
+the checks that need no model, ``progress`` for what stderr shows while it works, ``interrupt``
+for Ctrl-C, ``output`` for JSON records, ``batch`` for many completions decoded together).
 
 turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded default
 model; --model PATH takes any supported Hugging Face folder. --speculative drafts with the best
 drafter the model has (``turbospark_jax.speculative.choice``), --drafter names one (--draft-model
 PATH, --block-drafter PATH and --ngram N name theirs); --chat keeps one session across turns
-read from standard input and reports prefix reuse.
+read from standard input and reports prefix reuse; --prompts-file and -n decode many
+completions together and print JSON lines.
 
 The whole command line, the model's config.json and tokenizer are checked before any weights
-load, so a mistake costs no load time. Errors print one line and exit with status 1, never a
-traceback.
+load, so a mistake costs no load time; ``--help``, ``--version`` and a mistyped flag import no
+JAX. Errors print one line and exit with status 1, never a traceback; Ctrl-C prints one line and
+exits with 130 at any moment. Compiled programs persist in a per-user cache
+(:mod:`turbospark_jax.core.compile_cache`), so a second run skips most of its compile.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -30,15 +35,31 @@ from turbospark_jax.cli.arguments import (
     PROG,
     CommandLineError,
     check_arguments,
+    check_cache_flags,
     check_serve_arguments,
     parser,
     user_words,
 )
+from turbospark_jax.cli.arguments import chat_loop as is_chat_loop
+from turbospark_jax.cli.interrupt import INTERRUPTED, exit_on_interrupt
 from turbospark_jax.cli.progress import Bar, CompileClock, Spinner
 from turbospark_jax.errors import BadInputError, ModelLoadError, TurbosparkError
-from turbospark_jax.io.loading import DEFAULT_DRAFT, DEFAULT_TARGET, embedded_model_path
 
 __all__ = ["DEFAULT_DRAFT", "DEFAULT_TARGET", "embedded_model_path", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    # The loader's names, re-exported without importing it (it imports JAX).
+    if name in ("DEFAULT_DRAFT", "DEFAULT_TARGET", "embedded_model_path"):
+        from turbospark_jax.io import loading
+
+        return getattr(loading, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _plural(count: int, noun: str) -> str:
+    """``1 token``, ``2 tokens``, ``1,193 tokens``."""
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +82,9 @@ def _read_folder(path: Path, flag: str) -> _Folder:
       CommandLineError: the folder does not exist.
       ModelLoadError: no config.json, or not a JSON object.
     """
+    if path.is_file():
+        raise CommandLineError(f"{flag} {path}: a file, not a folder (a model is a folder "
+                               "holding config.json)")
     if not path.is_dir():
         raise CommandLineError(f"{flag} {path}: no such folder")
     config_path = path / "config.json"
@@ -93,7 +117,7 @@ def _check_length(args: argparse.Namespace, folder: _Folder, prompt_tokens: int,
     allocation) the prompt is the session's first turn, of at least one token."""
     need = prompt_tokens + args.max_tokens
     limit = folder.max_positions
-    prompt = (f"the prompt ({prompt_tokens:,} tokens)" if context is None else
+    prompt = (f"the prompt ({_plural(prompt_tokens, 'token')})" if context is None else
               "a chat turn (at least 1 token)")
     if limit is not None and need > limit:
         what = (f"{prompt} plus --max-tokens {args.max_tokens:,} "
@@ -156,7 +180,7 @@ def _prefill_note(args: argparse.Namespace, on_cpu: bool, prompt_tokens: int) ->
 
 @dataclasses.dataclass
 class _Clock:
-    """The command's own timings, for --stats."""
+    """The command's own timings, for --stats and --json."""
 
     load_s: float = 0.0
     compile_s: float = 0.0
@@ -167,7 +191,8 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
 
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights (docs/decisions/0011-listed-layers.md).
-    return load_folder(path, dtype=args.dtype, layer_layout="list", plan=args.plan)
+    return load_folder(path, dtype=args.dtype, layer_layout="list", plan=args.plan,
+                       quantize=args.quantization)
 
 
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
@@ -213,7 +238,8 @@ def _stop_ids(loaded: Any) -> list[int]:
     return sorted(stops)
 
 
-def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int]) -> Any:
+def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequence[int],
+             **fields: Any) -> Any:
     from turbospark_jax.generation.completion import CompletionRequest
 
     return CompletionRequest(
@@ -228,18 +254,25 @@ def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequenc
         prefill_chunk_size=max(64, 16 * args.width, args.prefill_width),
         parallel_prefill=args.parallel_prefill or not args.exact,
         draft_len=args.draft_len if args.drafting else None,
+        logprobs=args.logprobs,
+        stop_at_block_end=bool(args.block_end),
+        **fields,
     )
 
 
 def _warm_up(producer: Any, request: Any) -> None:
-    """Compile every program the run will call, on a scratch state and a two-token prompt
-    (a drafter is primed on all but the last prompt token), so that the run's prefill and
-    decode timings are not compile time."""
+    """Compile every program the run will call, on a scratch state, so that the run's
+    prefill and decode timings are not compile time: a two-token prompt (a drafter is primed
+    on all but the last prompt token) for the exact prefill, whose programs do not depend on
+    the prompt's length; the whole prompt for the parallel prefill, whose pass is as wide as
+    the prompt (rounded up to a power of two)."""
     from turbospark_jax.generation.driver import stream_completion
 
-    tiny = dataclasses.replace(request, prompt_ids=list(request.prompt_ids[:2]),
+    ids = request.prompt_ids if request.parallel_prefill else request.prompt_ids[:2]
+    tiny = dataclasses.replace(request, prompt_ids=list(ids),
                                max_tokens=min(request.max_tokens, 2 + (request.draft_len or 0)),
-                               stop_token_ids=[], stop_strings=[], injection=None)
+                               stop_token_ids=[], stop_strings=[], injection=None,
+                               stop_at_block_end=False)
     stream_completion(producer, tiny).drain()
 
 
@@ -248,16 +281,31 @@ def _stats_line(completion: Any, clock: _Clock, run_compile_s: float) -> str:
     u, t = completion.usage, completion.timings
     prefill_rate = u.prefilled_tokens / t.prefill_s if t.prefill_s > 0 else 0.0
     line = (
-        f"[{completion.finish_reason.value}] prompt {u.prompt_tokens} tokens (reused "
-        f"{u.reused_tokens}, prefilled {u.prefilled_tokens}), generated {u.generated_tokens}; "
-        f"load {clock.load_s:.2f}s, compile {clock.compile_s:.2f}s, prefill {t.prefill_s:.2f}s "
-        f"({prefill_rate:.1f} tok/s), first token {t.first_token_s:.2f}s, decode "
-        f"{t.decode_s:.2f}s ({t.decode_tokens_per_s(u.generated_tokens):.1f} tok/s)"
+        f"[{completion.finish_reason.value}] prompt {_plural(u.prompt_tokens, 'token')} "
+        f"(reused {u.reused_tokens}, prefilled {u.prefilled_tokens}), generated "
+        f"{u.generated_tokens}; load {clock.load_s:.2f}s, compile {clock.compile_s:.2f}s, "
+        f"prefill {t.prefill_s:.2f}s ({prefill_rate:.1f} tok/s), first token "
+        f"{t.first_token_s:.2f}s, decode {t.decode_s:.2f}s "
+        f"({t.decode_tokens_per_s(u.generated_tokens):.1f} tok/s)"
     )
     if run_compile_s >= 0.01:
         line += f"; {run_compile_s:.2f}s of the run went to compiling"
     if completion.error:
         line += f"; error: {completion.error}"
+    return line
+
+
+def _setup_line(cache: Any, compiling: CompileClock) -> str:
+    """``[setup] backend cpu (1 x cpu); compile cache DIR: 9 programs read back, 2
+    compiled and written``."""
+    import jax
+
+    devices = jax.devices()
+    line = (f"[setup] backend {jax.default_backend()} ({len(devices)} x "
+            f"{devices[0].device_kind if devices else 'none'}); {cache.describe()}")
+    if cache.folder is not None:
+        line += (f": {_plural(compiling.cache_hits, 'program')} read back, "
+                 f"{compiling.cache_writes} compiled and written")
     return line
 
 
@@ -294,6 +342,21 @@ def _image_tokens(args: argparse.Namespace, target: _Folder) -> int:
                        max_soft_tokens=budget).soft_tokens + 2 for path in args.image)
 
 
+def _check_image_markers(args: argparse.Namespace, target: _Folder, tok: Any,
+                         text: str) -> None:
+    """Refuse a prompt whose image tokens do not match the --image count, before loading."""
+    if not args.image:
+        return
+    marker = tok.id_to_token(int(target.config.get("image_token_id", 258_880)))
+    placed = text.count(marker) if marker else 0
+    if placed and placed != len(args.image):
+        raise CommandLineError(
+            f"the prompt places {_plural(placed, 'image')} ({marker}) but "
+            f"{_plural(len(args.image), '--image')} {'was' if len(args.image) == 1 else 'were'} "
+            "given; give one --image per image token, or leave the tokens out to put every "
+            "image first")
+
+
 def _with_markers(text: str, args: argparse.Namespace, target: _Folder, tok: Any) -> str:
     """A --chat message with one image token per --image before the text, unless the text
     already places them."""
@@ -308,6 +371,8 @@ def _with_markers(text: str, args: argparse.Namespace, target: _Folder, tok: Any
 def _prompt_text(args: argparse.Namespace, stdin: TextIO, stderr: TextIO) -> str:
     if args.prompt is not None:
         text = args.prompt
+    elif args.prompt_file is not None:
+        text = _read_text(args.prompt_file, "--prompt-file", stdin)
     else:
         if stdin.isatty():
             print(f"[{PROG}] reading the prompt from standard input (end it with Ctrl-D)",
@@ -318,12 +383,61 @@ def _prompt_text(args: argparse.Namespace, stdin: TextIO, stderr: TextIO) -> str
     return text
 
 
+def _read_text(path: str, flag: str, stdin: TextIO) -> str:
+    if path == "-":
+        return stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CommandLineError(f"{flag} {path}: not UTF-8 text ({exc.reason} at byte "
+                               f"{exc.start})") from exc
+
+
+def _templated(args: argparse.Namespace, target: _Folder, tok: Any, text: str) -> str:
+    """The prompt through the model's chat template when --chat or --system asks for it."""
+    if not (args.chat or args.system is not None):
+        return text
+    head = [] if args.system is None else [{"role": "system", "content": args.system}]
+    try:
+        return tok.apply_chat_template(
+            [*head, {"role": "user", "content": _with_markers(text, args, target, tok)}],
+            add_generation_prompt=True)
+    except BadInputError as exc:
+        flag = "--system" if args.system is not None else "--chat"
+        raise CommandLineError(f"{flag}: {exc}") from exc
+
+
+def _use_cache(args: argparse.Namespace) -> Any:
+    """The compile cache the flags (or the environment) ask for."""
+    from turbospark_jax.core.compile_cache import use_compile_cache
+
+    if args.no_compile_cache:
+        return use_compile_cache(False)
+    try:
+        return use_compile_cache(args.compile_cache if args.compile_cache else True)
+    except BadInputError as exc:
+        raise CommandLineError(f"--compile-cache: {exc}") from exc
+
+
+def _note(message: str, stderr: TextIO, kind: str = "note") -> None:
+    """``turbospark-jax: note: ...``, wrapped to the terminal's width on a terminal."""
+    line = f"{PROG}: {kind}: {message}"
+    if stderr.isatty():
+        import shutil
+
+        line = textwrap.fill(line, width=max(40, shutil.get_terminal_size().columns - 1),
+                             subsequent_indent="  ")
+    print(line, file=stderr, flush=True)
+
+
 def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: TextIO) -> int:
+    check_arguments(args)
+    target = _read_folder(Path(args.model) if args.model else _embedded(), "--model")
+    if args.block_end is None:
+        args.block_end = _folder_stops_at_block_end(target)
+    cache = _use_cache(args)
     import jax
 
-    check_arguments(args)
-    target = _read_folder(Path(args.model) if args.model else
-                          embedded_model_path(DEFAULT_TARGET), "--model")
     from turbospark_jax.io.loading import serving_plan
 
     args.plan = serving_plan(target.path, args.exact)  # the kernels, before any weights
@@ -333,8 +447,7 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     if (choice is not None and asked_len is None and args.sampling.temperature > 0
             and choice.plain_when_sampling):
         # auto's drafter measured sampled decoding slower than plain: decode plainly
-        print(f"{PROG}: note: {args.drafter_flag}: {choice.plain_when_sampling}",
-              file=stderr, flush=True)
+        _note(f"{args.drafter_flag}: {choice.plain_when_sampling}", stderr)
         choice, args.drafting, args.draft_len = None, False, None
     tok = _read_tokenizer(target)
     if args.dtype is None and on_cpu:
@@ -344,15 +457,18 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
 
         args.width = default_width(args.drafting, args.draft_len or 4, args.plan.widths_agree)
     _set_prefill_width(args)
-    chat_loop = args.chat and args.prompt is None
+    if args.batched:
+        from turbospark_jax.cli.batch import run_batch
+
+        prompts = _batch_prompts(args, target, tok, stdin, stderr)
+        return run_batch(args, target, tok, prompts, cache, stdout, stderr)
+    chat_loop = is_chat_loop(args)
     image_tokens = _image_tokens(args, target)
     ids: list[int] = []
     if not chat_loop:
         text = _prompt_text(args, stdin, stderr)
-        if args.chat:
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": _with_markers(text, args, target, tok)}],
-                add_generation_prompt=True)
+        _check_image_markers(args, target, tok, text)
+        text = _templated(args, target, tok, text)
         ids = tok.encode(text, add_special_tokens=False)
         if not ids:
             raise CommandLineError("the prompt is empty")
@@ -363,34 +479,77 @@ def _generate(args: argparse.Namespace, stdin: TextIO, stdout: TextIO, stderr: T
     for note in (_speculative_note(args, on_cpu, choice),
                  _prefill_note(args, on_cpu, len(ids))):
         if note is not None:
-            print(f"{PROG}: note: {note}", file=stderr, flush=True)
+            _note(note, stderr)
     if choice is not None and choice.warning is not None:
-        print(f"{PROG}: warning: {choice.warning}", file=stderr, flush=True)
+        _note(choice.warning, stderr, "warning")
 
     spinner = Spinner(stderr)
     clock = _Clock()
     try:
-        started = time.perf_counter()
-        producer, stops, vision = _assemble(
-            args, target, choice, spinner,
-            _capacity(args, None if chat_loop else len(ids) + image_tokens))
-        clock.load_s = time.perf_counter() - started
-        injection = None
-        if args.image and not chat_loop:
-            spinner.set("encoding images")
-            ids, injection = vision.prompt(ids, args.image)
-        request = dataclasses.replace(_request(args, ids or [tok.bos_token_id or 0] * 2, stops),
-                                      injection=injection)
-        spinner.set("compiling")
-        started = time.perf_counter()
-        _warm_up(producer, request)
-        clock.compile_s = time.perf_counter() - started
+        with CompileClock() as setup:
+            started = time.perf_counter()
+            producer, stops, vision = _assemble(
+                args, target, choice, spinner,
+                _capacity(args, None if chat_loop else len(ids) + image_tokens))
+            clock.load_s = time.perf_counter() - started
+            injection = None
+            if args.image and not chat_loop:
+                spinner.set("encoding images")
+                ids, injection = vision.prompt(ids, args.image)
+            request = _request(args, ids or [tok.bos_token_id or 0] * 2, stops,
+                               injection=injection)
+            spinner.set("compiling")
+            started = time.perf_counter()
+            _warm_up(producer, request)
+            clock.compile_s = time.perf_counter() - started
         spinner.done()
+        if args.stats:
+            print(_setup_line(cache, setup), file=stderr, flush=True)
         if chat_loop:
             return _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision)
         return _complete(args, producer, request, tok, clock, stdout, stderr, choice)
     finally:
         spinner.done()
+
+
+def _embedded() -> Path:
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path
+
+    return embedded_model_path(DEFAULT_TARGET)
+
+
+#: The key of a folder's ``generation_config.json`` that turns --block-end on by default.
+BLOCK_END_KEY = "stop_at_block_end"
+
+
+def _folder_stops_at_block_end(target: _Folder) -> bool:
+    """Whether the folder's ``generation_config.json`` asks code completions to stop at the
+    end of the block they open (the embedded code models do)."""
+    with contextlib.suppress(OSError, ValueError):
+        config = json.loads((target.path / "generation_config.json").read_text("utf-8"))
+        return isinstance(config, dict) and config.get(BLOCK_END_KEY) is True
+    return False
+
+
+def _batch_prompts(args: argparse.Namespace, target: _Folder, tok: Any, stdin: TextIO,
+                   stderr: TextIO) -> list[tuple[str, list[int]]]:
+    """(text as given, token ids) of every prompt of a batched run, each checked against the
+    model's positions before anything loads."""
+    from turbospark_jax.cli.output import read_prompts
+
+    if args.prompts_file is not None:
+        texts = read_prompts(_read_text(args.prompts_file, "--prompts-file", stdin),
+                             args.prompts_file)
+    else:
+        texts = [_prompt_text(args, stdin, stderr)]
+    prompts = []
+    for i, text in enumerate(texts):
+        ids = tok.encode(_templated(args, target, tok, text), add_special_tokens=False)
+        if not ids:
+            raise CommandLineError(f"--prompts-file: prompt {i + 1} is empty")
+        _check_length(args, target, len(ids), stderr)
+        prompts.append((text, ids))
+    return prompts
 
 
 def _set_prefill_width(args: argparse.Namespace) -> None:
@@ -441,7 +600,9 @@ def _choose(args: argparse.Namespace, target: _Folder, backend: str) -> Any:
 
 def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, clock: _Clock,
               stdout: TextIO, stderr: TextIO, choice: Any = None) -> int:
-    """One completion streamed to stdout, progress on stderr, --stats after it."""
+    """One completion streamed to stdout (or, with --json, printed as one record), progress
+    on stderr, --stats after it."""
+    from turbospark_jax.cli.output import completion_record, write_record
     from turbospark_jax.generation.driver import stream_completion
 
     show = args.progress or stderr.isatty()
@@ -456,19 +617,24 @@ def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, c
                 if generate_bar is None:
                     prefill_bar.close()
                     # Text on a terminal is its own progress; a redirected stdout gets a bar.
-                    generate_bar = Bar(show and not stdout.isatty(), stderr, "generate",
-                                        request.max_tokens)
+                    generate_bar = Bar(show and (args.json or not stdout.isatty()), stderr,
+                                       "generate", request.max_tokens)
                 generated += len(event.token_ids)
                 generate_bar.to(generated)
-                stdout.write(event.text)
-                stdout.flush()
+                if not args.json:
+                    stdout.write(event.text)
+                    stdout.flush()
         finally:
             prefill_bar.close()
             if generate_bar is not None:
                 generate_bar.close()
-    stdout.write("\n")
-    stdout.flush()
     result = stream.result
+    if args.json:
+        write_record(stdout, completion_record(result, tok, load_s=clock.load_s,
+                                               compile_s=clock.compile_s))
+    else:
+        stdout.write("\n")
+        stdout.flush()
     if args.stats or result.error:
         print(_stats_line(result, clock, compiling.seconds), file=stderr, flush=True)
         if choice is not None:
@@ -478,8 +644,16 @@ def _complete(args: argparse.Namespace, producer: Any, request: Any, tok: Any, c
     return 1 if result.error else 0
 
 
+#: What a --chat session from a terminal prints before each turn (on stderr).
+CHAT_PROMPT = ">>> "
+#: The line after each reply of a --chat session read from a pipe or file.
+CHAT_SEPARATOR = "-" * 8
+
+
 def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision=None) -> int:
-    """One session across turns: each line of stdin is a user turn."""
+    """One session across turns: each line of stdin is a user turn. On a terminal each turn
+    is asked for with a prompt marker; from a pipe or file each reply is followed by a
+    separator line. ``/reset`` starts the conversation over, ``/exit`` ends it."""
     from turbospark_jax.sessions.chat import ChatSession, default_stop_ids
     from turbospark_jax.sessions.session_pool import SessionPool
 
@@ -488,23 +662,64 @@ def _chat_loop(args, producer, tok, stops, stdin, stdout, stderr, vision=None) -
     settings = {f.name: getattr(request, f.name) for f in dataclasses.fields(request)
                 if f.name not in ("prompt_ids", "injection")}
     settings["stop_token_ids"] = sorted({*stops, *default_stop_ids(tok)})
-    session = ChatSession(pool, tok, session_id="cli", vision=vision, **settings)
+    session = ChatSession(pool, tok, session_id="cli", vision=vision, system=args.system,
+                          **settings)
+    interactive = stdin.isatty()
+    if interactive:
+        print(f"[{PROG}] chat: one message a line; /reset starts over, /exit or Ctrl-D ends",
+              file=stderr, flush=True)
     images = list(args.image)  # shown with the first turn
-    for line in _lines(stdin):
+    for line in _turns(stdin, stderr, interactive):
+        command = line.strip()
+        if command == "/exit":
+            break
+        if command == "/reset":
+            session.reset()
+            print("[turn] the conversation starts over", file=stderr, flush=True)
+            continue
         stream = session.stream(line, images)
         images = []
         for event in stream:
             stdout.write(event.text)
             stdout.flush()
-        stdout.write("\n")
+        stdout.write("\n" if interactive else f"\n{CHAT_SEPARATOR}\n")
         stdout.flush()
         print(f"[turn] {stream.result.summary()}", file=stderr, flush=True)
     return 0
 
 
+def _turns(stdin: TextIO, stderr: TextIO, interactive: bool) -> Iterator[str]:
+    """The user's non-blank lines; on a terminal each asked for with :data:`CHAT_PROMPT`
+    (with line editing and history where ``readline`` is available)."""
+    if not interactive:
+        yield from _lines(stdin)
+        return
+    if stdin is sys.stdin:
+        with contextlib.suppress(ImportError):
+            import readline  # noqa: F401  (input() then edits lines and keeps history)
+    while True:
+        stderr.write(CHAT_PROMPT)
+        stderr.flush()
+        line = stdin.readline() if stdin is not sys.stdin else _input()
+        if line is None or line == "":
+            stderr.write("\n")
+            return
+        line = line.rstrip("\n")
+        if line.strip():
+            yield line
+
+
+def _input() -> str | None:
+    try:
+        return input() + "\n"
+    except EOFError:
+        return None
+
+
 def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
     """``turbospark-jax serve``: load the model, then serve until interrupted."""
     check_serve_arguments(args)
+    check_cache_flags(args)
     try:
         from turbospark_jax.server.build import load_server
     except ImportError as exc:
@@ -512,10 +727,17 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
             f"serve needs the serve extra ({exc.name} is missing): "
             "pip install 'turbospark-jax[serve]'"
         ) from exc
+    cache = _use_cache(args)
     import jax
 
+    devices = jax.local_devices()
+    if args.replicas > len(devices):
+        raise CommandLineError(
+            f"--replicas {args.replicas} needs {args.replicas} devices, one a replica; this "
+            f"machine has {_plural(len(devices), jax.default_backend() + ' device')}")
     dtype = args.dtype if args.dtype is not None or jax.default_backend() != "cpu" else "float32"
-    print(f"{PROG}: loading {args.model or DEFAULT_TARGET}", file=stderr, flush=True)
+    print(f"{PROG}: loading {args.model or 'the embedded model'} ({cache.describe()})",
+          file=stderr, flush=True)
     server = load_server(args.model, slots=args.session_slots, context=args.context,
                          width=args.width, dtype=dtype, draft=args.draft_model,
                          ngram=args.ngram or 0, drafter=AUTO if args.speculative else None,
@@ -541,23 +763,25 @@ def _lines(stdin: TextIO) -> Iterator[str]:
 
 def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None,
          stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
-    """Entry point; returns the exit status (0, 1 for any error, 130 when interrupted)."""
+    """Entry point; returns the exit status (0, 1 for any error; Ctrl-C ends the process with
+    130 at once, see :mod:`~turbospark_jax.cli.interrupt`)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    try:
-        with contextlib.redirect_stdout(stdout):  # --help and --version
-            args = parser().parse_args(argv)
-        if args.command == "serve":
-            return _serve(args, stderr)
-        return _generate(args, stdin, stdout, stderr)
-    except SystemExit as exc:  # --help, --version
-        return exc.code if isinstance(exc.code, int) else 0
-    except CommandLineError as exc:
-        print(f"{PROG}: error: {exc}", file=stderr, flush=True)
-        return 1
-    except (TurbosparkError, OSError, ValueError) as exc:
-        print(f"{PROG}: error: {user_words(str(exc))}", file=stderr, flush=True)
-        return 1
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=stderr, flush=True)
-        return 130
+    with exit_on_interrupt(PROG, stderr):
+        try:
+            with contextlib.redirect_stdout(stdout):  # --help and --version
+                args = parser().parse_args(argv)
+            if args.command == "serve":
+                return _serve(args, stderr)
+            return _generate(args, stdin, stdout, stderr)
+        except SystemExit as exc:  # --help, --version
+            return exc.code if isinstance(exc.code, int) else 0
+        except CommandLineError as exc:
+            print(f"{PROG}: error: {exc}", file=stderr, flush=True)
+            return 1
+        except (TurbosparkError, OSError, ValueError) as exc:
+            print(f"{PROG}: error: {user_words(str(exc))}", file=stderr, flush=True)
+            return 1
+        except KeyboardInterrupt:  # outside the main thread, where no handler was set
+            print(f"{PROG}: interrupted", file=stderr, flush=True)
+            return INTERRUPTED

@@ -7,20 +7,28 @@ Parse errors and bad values raise :class:`CommandLineError` with a message in th
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
+import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.speculative.choice import (
-    AUTO,
-    DEFAULT_DRAFT_LEN,
-    DEFAULT_NGRAM,
-    DRAFTERS,
-    requested_drafter,
-)
 
 PROG = "turbospark-jax"
+
+# The parser imports no JAX (``--help``, ``--version`` and a mistyped flag answer at once), so
+# the speculative package's names it shows are repeated here; tests/cli checks they agree.
+#: ``--drafter``'s automatic choice.
+AUTO = "auto"
+#: The drafters ``--drafter`` names (``turbospark_jax.speculative.figures.DRAFTERS``).
+DRAFTERS = ("draft-model", "ngram", "mtp", "block", "assistant")
+#: Proposals per round when nothing measured says otherwise.
+DEFAULT_DRAFT_LEN = 4
+#: ``--drafter ngram``'s longest n-gram.
+DEFAULT_NGRAM = 3
+#: The most alternatives ``--logprobs`` reports per token (the server's bound too).
+MAX_LOGPROBS = 20
 
 DESCRIPTION = (
     'turbospark-jax generate "def fibonacci(n):" streams a completion from the embedded '
@@ -72,10 +80,47 @@ class CommandLineError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every parse error is one ``turbospark-jax: error: ...`` line and status 1."""
+    """Every parse error is one ``turbospark-jax: error: ...`` line and status 1; a mistyped
+    flag or command names the nearest known one."""
 
     def error(self, message: str) -> NoReturn:
-        raise CommandLineError(message)
+        raise CommandLineError(message + _suggestion(self, message))
+
+
+def _known_words(parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
+    """(every flag, every command) of ``parser`` and the commands under it."""
+    flags, commands = [], []
+    for action in parser._actions:
+        flags += [s for s in action.option_strings if s.startswith("--")]
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                commands.append(name)
+                flags += _known_words(sub)[0]
+    return flags, commands
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """``" (did you mean --max-tokens?)"`` for an unknown flag or command near a known one;
+    ``""`` otherwise."""
+    flags, commands = _known_words(parser)
+    unknown = re.match(r"unrecognized arguments: (.*)", message)
+    if unknown:
+        words, known = [w.split("=")[0] for w in unknown.group(1).split()
+                        if w.startswith("--")], flags
+    else:
+        choice = re.match(r"argument \S+: invalid choice: '([^']*)'", message)
+        words, known = ([choice.group(1)], commands) if choice else ([], [])
+    hints = [f"{w} -> {m}" if len(words) > 1 else m for w in words
+             if (m := _nearest(w, known)) is not None]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def _nearest(word: str, known: list[str]) -> str | None:
+    """The known word nearest ``word``, compared without their leading dashes (which every
+    flag shares); ``None`` when none is near."""
+    names = {k.lstrip("-"): k for k in known}
+    found = difflib.get_close_matches(word.lstrip("-"), sorted(names), n=1, cutoff=0.7)
+    return names[found[0]] if found else None
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -109,16 +154,18 @@ class _Version(argparse.Action):
 
 
 def version_line() -> str:
-    """``turbospark-jax 0.1.0, jax 0.10.2, backend cpu (cpu)``."""
-    from importlib.metadata import version
+    """``turbospark-jax 0.1.0, jax 0.10.2, jaxlib 0.10.2, python 3.11.9``, read from the
+    installed packages' metadata without importing JAX (``--stats`` names the backend)."""
+    from importlib.metadata import PackageNotFoundError, version
 
-    import jax
+    def of(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
 
-    devices = jax.devices()
-    kind = devices[0].device_kind if devices else "none"
-    return (f"{PROG} {version('turbospark-jax')}, jax {jax.__version__}, "
-            f"backend {jax.default_backend()} "
-            f"({len(devices)} x {kind})")
+    return (f"{PROG} {of('turbospark-jax')}, jax {of('jax')}, jaxlib {of('jaxlib')}, "
+            f"python {sys.version.split()[0]}")
 
 
 def unescape(text: str) -> str:
@@ -174,9 +221,29 @@ def parser() -> _Parser:
                           "Put one image token (<|image|> for Gemma 4) in the prompt where "
                           "each goes; without one they go first. With --chat and no PROMPT, "
                           "they go with the first turn")
+    gen.add_argument("--prompt-file", metavar="PATH",
+                     help="read the prompt from this file (UTF-8) instead of PROMPT")
+    gen.add_argument("--prompts-file", metavar="PATH",
+                     help="many prompts in one run: one per line, or JSON lines with a "
+                          "\"prompt\" key (\"-\" reads standard input); writes one JSON line "
+                          "per completion, in order, decoded together in batches on the device")
     gen.add_argument("--chat", action="store_true",
                      help="apply the model's chat template; without PROMPT, read one user turn "
-                          "per line of stdin and keep the session across turns")
+                          "per line of stdin and keep the session across turns (/reset starts "
+                          "over, /exit ends)")
+    gen.add_argument("--system", metavar="TEXT",
+                     help="a system prompt; applies the model's chat template (as --chat "
+                          "does)")
+    gen.add_argument("-n", "--num-completions", type=int, default=1, metavar="N",
+                     help="completions of the prompt, decoded together in one batch; "
+                          "completion k (from 0) samples with --seed + k")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per completion (text, finish reason, usage, "
+                          "timings, log-probabilities) instead of the text")
+    gen.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help=f"report each generated token's log-probability and the N "
+                          f"likeliest alternatives (0..{MAX_LOGPROBS}), under the model's raw "
+                          "logits; implies --json")
     gen.add_argument("--drafter", choices=[AUTO, *DRAFTERS], default=None,
                      help="speculative decoding with this drafter: auto picks the one with the "
                           "best measured speedup on this backend (the model folder's "
@@ -224,6 +291,13 @@ def parser() -> _Parser:
                           "on a CPU, where XLA's bfloat16 matrix products are slow)")
     gen.add_argument("--parallel-prefill", action="store_true",
                      help="batched prefill: faster, equal to the exact path within tolerance")
+    gen.add_argument("--quantize", metavar="SCHEME",
+                     help="store the linear weights quantized: int8, int4 (int4-g32, "
+                          "int4-g64 for smaller groups), fp8 or fp8-block")
+    gen.add_argument("--block-end", action=argparse.BooleanOptionalAction, default=None,
+                     help="when the prompt ends inside a def or class, stop where that block "
+                          "ends (default: on for models whose folder asks for it, as the "
+                          "embedded code models do)")
     gen.add_argument("--slots", type=int, default=1, metavar="N",
                      help="session slots of a --chat session pool")
     gen.add_argument("--progress", action="store_true",
@@ -231,8 +305,9 @@ def parser() -> _Parser:
                           "(default: only on a terminal; generation progress only when stdout "
                           "is not a terminal)")
     gen.add_argument("--stats", action="store_true",
-                     help="print token counts and timings (load, compile, prefill, decode) to "
-                          "stderr")
+                     help="print token counts and timings (load, compile, prefill, decode), "
+                          "the backend and the compile cache to stderr")
+    _cache_flags(gen)
     _serve_parser(sub)
     return top
 
@@ -280,6 +355,17 @@ def _serve_parser(sub: Any) -> None:
                             "--session-slots; a named session stays on its replica")
     serve.add_argument("--served-name", default=None, metavar="NAME",
                        help="the model id clients name (default: the folder's name)")
+    _cache_flags(serve)
+
+
+def _cache_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--compile-cache", metavar="DIR", default=None,
+                         help="keep compiled programs in DIR, so the next run skips their "
+                              "compile (default: $TURBOSPARK_COMPILE_CACHE, else "
+                              "$XDG_CACHE_HOME/turbospark_jax/jax or "
+                              "~/.cache/turbospark_jax/jax)")
+    command.add_argument("--no-compile-cache", action="store_true",
+                         help="compile every program afresh and keep nothing")
 
 
 def check_serve_arguments(args: argparse.Namespace) -> None:
@@ -326,19 +412,32 @@ def drafter_flags(args: argparse.Namespace) -> list[tuple[str, str]]:
     return named
 
 
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """Refuse ``--compile-cache`` beside ``--no-compile-cache``, or naming a file."""
+    if args.no_compile_cache and args.compile_cache is not None:
+        raise CommandLineError("choose one: --compile-cache DIR or --no-compile-cache")
+    if args.compile_cache is not None and _is_file(args.compile_cache):
+        raise CommandLineError(f"--compile-cache {args.compile_cache}: a file, not a folder")
+
+
+def _is_file(path: str) -> bool:
+    import os
+
+    return os.path.exists(path) and not os.path.isdir(path)
+
+
 def check_arguments(args: argparse.Namespace) -> None:
-    """Everything about the command line that needs no model.
+    """Everything about the command line that needs no model; the checks that need no
+    library module come first, so most mistakes are told before JAX is imported.
 
     Raises:
       CommandLineError: the first problem, in the flags' words.
     """
-    from turbospark_jax.core.sampling import SamplingConfig, request_key
-    from turbospark_jax.speculative.drafters import MAX_DRAFT
-
     if args.max_tokens < 1:
         raise CommandLineError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     for flag, value in (("--context", args.context), ("--width", args.width),
-                        ("--prefill-width", args.prefill_width), ("--slots", args.slots)):
+                        ("--prefill-width", args.prefill_width), ("--slots", args.slots),
+                        ("--num-completions", args.num_completions)):
         if value is not None and value < 1:
             raise CommandLineError(f"{flag} must be >= 1, got {value}")
     if args.ngram is not None and args.ngram < 1:
@@ -346,25 +445,79 @@ def check_arguments(args: argparse.Namespace) -> None:
             f"--ngram must be >= 1 (the longest n-gram to look up), got {args.ngram}; leave it "
             "out to decode without drafting"
         )
+    if args.logprobs is not None:
+        if not 0 <= args.logprobs <= MAX_LOGPROBS:
+            raise CommandLineError(f"--logprobs must be in 0..{MAX_LOGPROBS}, got "
+                                   f"{args.logprobs}")
+        args.json = True
+    check_cache_flags(args)
+    _check_prompt_sources(args)
     named = drafter_flags(args)
+    args.batched = args.prompts_file is not None or args.num_completions > 1
+    if args.batched:
+        what = "--prompts-file" if args.prompts_file is not None else "--num-completions"
+        for flag, given in ((named[0][0] if named else "", bool(named)),
+                            ("--image", bool(args.image))):
+            if given:
+                raise CommandLineError(f"{what} decodes prompts together in batches, "
+                                       f"without {flag}; drop one of them")
+    if args.draft_len is not None and not named:
+        raise CommandLineError(
+            "--draft-len sets proposals per speculative round; it needs --drafter, "
+            "--speculative, --draft-model, --block-drafter or --ngram"
+        )
+    if args.image and named:
+        raise CommandLineError(
+            f"--image decodes without drafting; drop {named[0][0]} to run a prompt with images"
+        )
+    args.stop = [unescape(s) for s in args.stop]
+    if any(s == "" for s in args.stop):
+        raise CommandLineError("--stop needs a non-empty text")
+    if args.slots > 1 and not args.chat:
+        raise CommandLineError("--slots sets the slots of a --chat session pool; add --chat")
+    if args.json and chat_loop(args):
+        raise CommandLineError("--json prints whole completions; a --chat session from "
+                               "standard input prints its turns as text (drop --json)")
+    _check_library_values(args, named)
+
+
+def chat_loop(args: argparse.Namespace) -> bool:
+    """Whether the run reads chat turns from standard input."""
+    return (args.chat and args.prompt is None and args.prompt_file is None
+            and args.prompts_file is None)
+
+
+def _check_prompt_sources(args: argparse.Namespace) -> None:
+    """At most one of PROMPT, --prompt-file and --prompts-file; a named file must exist."""
+    given = [flag for flag, on in (("PROMPT", args.prompt is not None),
+                                   ("--prompt-file", args.prompt_file is not None),
+                                   ("--prompts-file", args.prompts_file is not None)) if on]
+    if len(given) > 1:
+        raise CommandLineError(f"choose one prompt: {' or '.join(given)}")
+    for flag, path in (("--prompt-file", args.prompt_file), ("--prompts-file", args.prompts_file)):
+        if path is not None and path != "-":
+            import os
+
+            if os.path.isdir(path):
+                raise CommandLineError(f"{flag} {path}: a folder, not a file")
+            if not os.path.isfile(path):
+                raise CommandLineError(f"{flag} {path}: no such file")
+
+
+def _check_library_values(args: argparse.Namespace, named: list[tuple[str, str]]) -> None:
+    """The checks the library's own rules make (drafters, sampling, images, quantization)."""
+    from turbospark_jax.core.sampling import SamplingConfig, request_key
+    from turbospark_jax.speculative.choice import requested_drafter
+    from turbospark_jax.speculative.drafters import MAX_DRAFT
+
     try:
         args.requested_drafter = requested_drafter(named)
     except BadInputError as exc:
         raise CommandLineError(str(exc)) from exc
     args.drafter_flag = named[0][0] if named else None
     args.drafting = bool(named)
-    if args.draft_len is not None:
-        if not named:
-            raise CommandLineError(
-                "--draft-len sets proposals per speculative round; it needs --drafter, "
-                "--speculative, --draft-model, --block-drafter or --ngram"
-            )
-        if not 1 <= args.draft_len <= MAX_DRAFT:
-            raise CommandLineError(f"--draft-len must be in 1..{MAX_DRAFT}, got {args.draft_len}")
-    if args.image and named:
-        raise CommandLineError(
-            f"--image decodes without drafting; drop {named[0][0]} to run a prompt with images"
-        )
+    if args.draft_len is not None and not 1 <= args.draft_len <= MAX_DRAFT:
+        raise CommandLineError(f"--draft-len must be in 1..{MAX_DRAFT}, got {args.draft_len}")
     from turbospark_jax.io.images import decode
 
     for path in args.image:
@@ -372,11 +525,6 @@ def check_arguments(args: argparse.Namespace) -> None:
             decode(path)
         except BadInputError as exc:
             raise CommandLineError(f"--image: {exc}") from exc
-    args.stop = [unescape(s) for s in args.stop]
-    if any(s == "" for s in args.stop):
-        raise CommandLineError("--stop needs a non-empty text")
-    if args.slots > 1 and not args.chat:
-        raise CommandLineError("--slots sets the slots of a --chat session pool; add --chat")
     args.sampling = SamplingConfig(
         temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
@@ -386,3 +534,11 @@ def check_arguments(args: argparse.Namespace) -> None:
         request_key(args.seed)
     except BadInputError as exc:
         raise CommandLineError(user_words(str(exc), _SAMPLING_FLAGS)) from exc
+    args.quantization = None
+    if args.quantize is not None:
+        from turbospark_jax.quant.weights import Quantization
+
+        try:
+            args.quantization = Quantization.parse(args.quantize)
+        except BadInputError as exc:
+            raise CommandLineError(f"--quantize {args.quantize}: {exc}") from exc

@@ -74,26 +74,39 @@ class Bar:
 
 
 class CompileClock:
-    """Seconds jax spent tracing and compiling while it listens (jax.monitoring events)."""
+    """Seconds jax spent tracing and compiling while it listens (jax.monitoring events), and
+    how many programs the persistent compile cache gave back or took."""
 
     _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                "/jax/core/compile/jaxpr_to_mlir_module_duration",
                "/jax/core/compile/backend_compile_duration")
+    _HIT = "/jax/compilation_cache/cache_hits"
+    _WRITE = "/jax/compilation_cache/cache_misses"  # recorded as a compiled program is written
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.cache_hits = 0
+        self.cache_writes = 0
 
     def _hear(self, event: str, duration: float, **_: Any) -> None:
         if event in self._EVENTS:
             self.seconds += duration
 
+    def _count(self, event: str, **_: Any) -> None:
+        if event == self._HIT:
+            self.cache_hits += 1
+        elif event == self._WRITE:
+            self.cache_writes += 1
+
     def __enter__(self) -> CompileClock:
         import jax.monitoring
 
         jax.monitoring.register_event_duration_secs_listener(self._hear)
+        jax.monitoring.register_event_listener(self._count)
         return self
 
     def __exit__(self, *exc: object) -> None:
         import jax.monitoring
 
         jax.monitoring.unregister_event_duration_listener(self._hear)
+        jax.monitoring.unregister_event_listener(self._count)

@@ -46,13 +46,18 @@ __all__ = [
     "Emission",
     "FinishReason",
     "Timings",
+    "TokenLogprob",
     "Usage",
+    "open_block",
     "rewind_overshoot",
     "validate_request",
 ]
 
 #: The error reason when a producer hands back NaN or infinite logits.
 NON_FINITE_LOGITS = "the producer returned non-finite logits"
+
+#: The most alternatives a request may ask log-probabilities for, per token.
+MAX_TOP_LOGPROBS = 20
 
 #: Failures a producer may raise mid-generation; the driver turns them into an ERROR finish.
 PRODUCER_FAILURES = (ProducerExhaustedError, ProducerFailedError)
@@ -66,6 +71,7 @@ class FinishReason(enum.Enum):
 
     STOP_TOKEN = "stop_token"
     STOP_STRING = "stop_string"
+    BLOCK_END = "block_end"
     LENGTH = "length"
     ERROR = "error"
 
@@ -89,6 +95,14 @@ class CompletionRequest:
         a quarter of a second of decoding, so a fast model pays the fixed cost of a call
         rarely and a slow one still streams several times a second.
       record_logits: keep the logits each generated token was sampled from.
+      logprobs: ``None`` for no log-probabilities; ``N`` to report each generated token's
+        log-probability under the model's raw logits and its ``N`` likeliest alternatives
+        (0..:data:`MAX_TOP_LOGPROBS`) in :attr:`Completion.logprobs`. They are computed from
+        the recorded logits, so asking for them records the logits too.
+      stop_at_block_end: when the prompt ends inside a Python ``def`` or ``class``
+        (:func:`open_block`), end the completion before the first generated line that leaves
+        that block (a line indented no deeper than its header); a prompt outside any such
+        block is unaffected. Needs a tokenizer (the text decides).
       parallel_prefill: use the producer's batched prefill when it has one: faster, but equal
         to the exact path only within a stated tolerance.
       draft_len: proposals per speculative round, 1..``speculative.MAX_DRAFT``; ``None``
@@ -114,6 +128,8 @@ class CompletionRequest:
     prefill_chunk_size: int = 256
     burst: int | None = None
     record_logits: bool = False
+    logprobs: int | None = None
+    stop_at_block_end: bool = False
     parallel_prefill: bool = False
     draft_len: int | None = None
     injection: Injection | None = None
@@ -125,8 +141,12 @@ class CompletionRequest:
         keep("prompt_ids", tuple(as_token_ids("prompt_ids", self.prompt_ids, _ID_LIMIT)))
         keep("stop_token_ids", tuple(as_token_ids("stop_token_ids", self.stop_token_ids,
                                                   _ID_LIMIT, allow_empty=True)))
-        for flag in ("include_stop_string", "record_logits", "parallel_prefill"):
+        for flag in ("include_stop_string", "record_logits", "parallel_prefill",
+                     "stop_at_block_end"):
             keep(flag, as_bool(flag, getattr(self, flag)))
+        if self.logprobs is not None:
+            keep("logprobs", as_int("logprobs", self.logprobs, low=0, high=MAX_TOP_LOGPROBS))
+            keep("record_logits", True)
         keep("max_tokens", as_int("max_tokens", self.max_tokens, low=1))
         keep("prefill_chunk_size", as_int("prefill_chunk_size", self.prefill_chunk_size, low=1))
         if self.burst is not None:
@@ -208,8 +228,9 @@ class Usage:
     def summary(self) -> str:
         """One line for a log or a status bar."""
         line = (
-            f"prompt {self.prompt_tokens} tokens (reused {self.reused_tokens}, prefilled "
-            f"{self.prefilled_tokens}), generated {self.generated_tokens}"
+            f"prompt {self.prompt_tokens} token{'' if self.prompt_tokens == 1 else 's'} "
+            f"(reused {self.reused_tokens}, prefilled {self.prefilled_tokens}), generated "
+            f"{self.generated_tokens}"
         )
         if self.slot is not None:
             line += f", slot {self.slot}"
@@ -217,8 +238,37 @@ class Usage:
 
 
 @dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw logits, and alternatives.
+
+    Fields:
+      token: the id generated.
+      logprob: ``log softmax(logits)[token]`` (before temperature, penalties or filters).
+      top: the likeliest ``(id, logprob)`` pairs, best first.
+    """
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+    @classmethod
+    def of_row(cls, row: Any, token: int, top: int) -> TokenLogprob:
+        """From one logits row (host or device), in float32 as the sampler reads it."""
+        logits = np.asarray(row, np.float32)
+        shifted = logits - logits.max()
+        logp = shifted - np.log(np.exp(shifted).sum())
+        best = np.argsort(-logp, kind="stable")[:top] if top else np.zeros((0,), np.int64)
+        return cls(int(token), float(logp[token]),
+                   tuple((int(i), float(logp[i])) for i in best))
+
+
+@dataclasses.dataclass(frozen=True)
 class Timings:
     """Wall-clock seconds spent in each phase.
+
+    Every phase ends when its result is on the host or its device work has finished (the
+    clock is read after blocking on it), so work a device runs asynchronously is counted in
+    its own phase.
 
     Fields:
       prefill_s: reuse and feeding the prompt (the first call's compile included).
@@ -255,6 +305,7 @@ class Completion:
       logits: with ``record_logits``, float32 ``[len(token_ids), V]``: row ``i`` is what
         token ``i`` was sampled from.
       speculative: the speculative rounds' statistics, ``None`` for plain decoding.
+      logprobs: with ``logprobs``, one :class:`TokenLogprob` per generated token.
     """
 
     token_ids: list[int]
@@ -269,6 +320,7 @@ class Completion:
     state: Any
     logits: np.ndarray | None = None
     speculative: Any = None
+    logprobs: list[TokenLogprob] | None = None
 
     def summary(self) -> str:
         """:meth:`Usage.summary` plus the decode speed when there is one to report."""
@@ -325,6 +377,8 @@ def validate_request(
         )
     if request.stop_strings and tokenizer is None:
         raise BadInputError("stop strings need a tokenizer to see text; pass tokenizer=")
+    if request.stop_at_block_end and tokenizer is None:
+        raise BadInputError("stop_at_block_end needs a tokenizer to see text; pass tokenizer=")
     check_injection(producer, request.injection, len(prompt))
     if state is not None:
         producer.check_state(state)
@@ -380,8 +434,8 @@ class Emission:
             self.failure = f"the tokenizer cannot decode generated token {token}: {exc}"
             return None, FinishReason.ERROR
         event = StreamEvent(text=delta, token_ids=[token]) if delta or not hit else None
-        if hit:
-            return event, FinishReason.STOP_STRING
+        if hit is not None:
+            return event, hit
         if len(self.tokens) >= req.max_tokens:
             return event, FinishReason.LENGTH
         return event, None
@@ -411,7 +465,8 @@ class Emission:
         if finish is FinishReason.ERROR:
             state = None  # never offered for reuse
             error = error if error is not None else self.failure
-        tail = "" if finish is FinishReason.STOP_STRING else self.text.flush()
+        tail = "" if finish in (FinishReason.STOP_STRING, FinishReason.BLOCK_END) else (
+            self.text.flush())
         if finish is FinishReason.LENGTH and self.text.matched is not None:
             finish = FinishReason.STOP_STRING  # the flush settled a held-back stop string
         completion = Completion(
@@ -427,29 +482,48 @@ class Emission:
             state=state,
             logits=np.stack([np.asarray(r) for r in self.rows]) if self.rows else None,
             speculative=speculative,
+            logprobs=None if self.request.logprobs is None else [
+                TokenLogprob.of_row(row, token, self.request.logprobs)
+                for token, row in zip(self.tokens, self.rows, strict=True)],
         )
         return (StreamEvent(text=tail, token_ids=[]) if tail else None), completion
 
 
 class _TextPipeline:
-    """Detokenizer then stop matcher, in the loop's order; text-free without a tokenizer."""
+    """Detokenizer, stop matcher, then the block end, in the loop's order; text-free without a
+    tokenizer."""
 
     def __init__(self, tokenizer: Any | None, prompt: list[int], req: CompletionRequest) -> None:
         self.emitted = ""
         self.matched: str | None = None
         self._detok = None
+        self._block: _BlockEnd | None = None
         if tokenizer is not None:
             self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+            if req.stop_at_block_end:
+                opened = open_block(tokenizer.decode(prompt, skip_special_tokens=True))
+                self._block = None if opened is None else _BlockEnd(*opened)
         self._stop = StopMatcher(req.stop_strings, include_stop=req.include_stop_string)
 
-    def push(self, token: int) -> tuple[str, bool]:
+    def push(self, token: int) -> tuple[str, FinishReason | None]:
         if self._detok is None:
-            return "", False
+            return "", None
         out, hit = self._stop.push(self._detok.push(token))
-        self.emitted += out
         if hit:
             self.matched = self._stop.matched
-        return out, hit
+        out, ended = self._through_block(out)
+        self.emitted += out
+        if ended:
+            return out, FinishReason.BLOCK_END
+        return out, FinishReason.STOP_STRING if hit else None
+
+    def _through_block(self, text: str) -> tuple[str, bool]:
+        if self._block is None:
+            return text, False
+        out, ended = self._block.push(text)
+        if ended:
+            self.matched = None  # the block ended first
+        return out, ended
 
     def flush(self) -> str:
         if self._detok is None:
@@ -460,8 +534,67 @@ class _TextPipeline:
             # settled here, so ``matched`` is read after the flush.
             out += self._stop.flush()
         self.matched = self._stop.matched
+        out, ended = self._through_block(out)
+        if not ended and self._block is not None:
+            out += self._block.flush()
         self.emitted += out
         return out
+
+
+#: What opens a block whose end :func:`open_block` finds.
+_HEADERS = ("def ", "async def ", "class ")
+
+
+def open_block(text: str) -> tuple[int, bool] | None:
+    """The innermost Python ``def`` or ``class`` that ``text`` ends inside: ``(its header's
+    indentation, whether text ends at the start of a line)``; ``None`` when it ends inside no
+    such block. A header encloses the end when every non-blank line after it is indented
+    deeper (the lines of a header split over several lines are)."""
+    deepest = None  # the least indentation seen so far, from the end
+    for line in reversed(text.split("\n")):
+        body = line.lstrip()
+        if not body:
+            continue
+        indent = len(line) - len(body)
+        if body.startswith(_HEADERS) and (deepest is None or indent < deepest):
+            return indent, text.endswith("\n")
+        deepest = indent if deepest is None else min(deepest, indent)
+    return None
+
+
+class _BlockEnd:
+    """Holds back the whitespace that starts each generated line until the line's first
+    character shows its indentation; a line indented no deeper than the block's header ends
+    the completion before its newline."""
+
+    def __init__(self, indent: int, at_line_start: bool) -> None:
+        self.indent = indent
+        self.held = ""  # the newline and whitespace of a line not yet decided
+        self.column: int | None = 0 if at_line_start else None  # None: mid-line
+
+    def push(self, text: str) -> tuple[str, bool]:
+        out = []
+        for c in text:
+            if self.column is None:
+                if c == "\n":
+                    self.held, self.column = c, 0
+                else:
+                    out.append(c)
+            elif c == "\n":
+                self.held, self.column = self.held + c, 0  # a blank line decides nothing
+            elif c in " \t\r\f":
+                self.held, self.column = self.held + c, self.column + 1
+            elif self.column <= self.indent:
+                self.held = ""
+                return "".join(out), True
+            else:
+                out.append(self.held + c)
+                self.held, self.column = "", None
+        return "".join(out), False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held
 
 
 def rewind_overshoot(producer: LogitProducer, state: Any, count: int) -> Any:

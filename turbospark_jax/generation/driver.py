@@ -393,6 +393,9 @@ def drive(
             producer, state, prompt[reused:], reused, req.prefill_chunk_size,
             req.parallel_prefill, progress, injection, primes_drafter=primes_drafter,
         )
+        # A device call returns before its work is done: the prefill ends when its logits
+        # exist, not when the call that will make them returns.
+        logits = jax.block_until_ready(logits)
     except PRODUCER_FAILURES as exc:
         finish, error = FinishReason.ERROR, str(exc)
     prefill_s = time.perf_counter() - t0

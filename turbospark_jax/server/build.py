@@ -10,6 +10,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 
+from turbospark_jax.core.compile_cache import ensure_compile_cache
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
@@ -152,6 +153,7 @@ def load_server(
         raise BadInputError(_SPECULATIVE_REPLICAS)
     target = embedded_model_path(DEFAULT_TARGET) if path is None else path
     choice = _drafter_choice(target, draft, ngram, drafter)  # before loading, as the CLI does
+    ensure_compile_cache()  # compiled programs persist across restarts (core.compile_cache)
     # XLA's kernels: the batched programs' guarantee (a request's bits as if alone) rests on
     # their fixed shapes, not on widths agreeing, and they map the block step over the slots
     loaded = load_folder(target, dtype=dtype, layer_layout="list")

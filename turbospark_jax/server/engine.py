@@ -65,6 +65,7 @@ from turbospark_jax.generation.completion import (
     CompletionRequest,
     Emission,
     FinishReason,
+    TokenLogprob,
     validate_request,
 )
 from turbospark_jax.generation.driver import stream_completion
@@ -88,21 +89,6 @@ class ServeRequest:
     completion: CompletionRequest
     session_id: str | None = None
     top_logprobs: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the model's raw logits, and alternatives.
-
-    Fields:
-      token: the id generated.
-      logprob: ``log softmax(logits)[token]`` (before temperature, penalties or filters).
-      top: the likeliest ``(id, logprob)`` pairs, best first.
-    """
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclasses.dataclass(frozen=True)
