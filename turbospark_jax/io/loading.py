@@ -505,11 +505,18 @@ def quantize_params(host: Params, tensors: list[HFTensor], spec: Quantization,
                     dtype: Any) -> Params:
     """``host`` (a params tree of numpy leaves) with each leaf that holds linear weights
     (:attr:`~turbospark_jax.models.family.HFTensor.linear`) quantized by ``spec``; the output
-    head only when ``spec.head``, and only matrices the scheme fits
+    head only when ``spec.head``, the embedding table only when ``spec.embeddings``, and
+    only matrices the scheme fits
     (:meth:`~turbospark_jax.quant.weights.Quantization.fits`). Leaves are replaced in place
     of the tree's dicts."""
     done: set[tuple[Any, ...]] = set()
     for t in tensors:
+        if t.key == ("embed_tokens",) and spec.embeddings:
+            v, d = t.hf_shape
+            if spec.fits(d, v):  # as the head's [D, V] matrix: a column per token
+                host["embed_tokens"] = quantize_leaf(np.asarray(host["embed_tokens"]).T, d, 0,
+                                                     spec, dtype)
+            continue
         if not t.linear or t.key in done or (t.key[-1] == "lm_head" and not spec.head):
             continue
         if not spec.fits(t.hf_shape[1], t.hf_shape[0]):

@@ -56,6 +56,7 @@ from turbospark_jax.kernels.layers import (
     rope_cos_sin,
     swiglu_mlp,
 )
+from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
 Params = dict[str, Any]
 
@@ -333,7 +334,7 @@ class BlockDrafterModel:
         rows = jnp.arange(b, dtype=jnp.int32)
         tokens = jnp.full((b,), c.mask_token_id, jnp.int32).at[0].set(anchor)
         positions = base + rows
-        x = jnp.take(shared["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [B, D]
+        x = take_rows(shared["embed_tokens"], tokens, self.dtype)  # [B, D]
         cos, sin = self._rope(positions)
         slots = jnp.arange(ctx_k.shape[1], dtype=jnp.int32)
         # ``attend`` is causal on the positions it is given: context rows before ``base`` keep
@@ -361,10 +362,9 @@ class BlockDrafterModel:
                                        ctx_v.astype(self.dtype)))
         h = rms_norm(x, params["norm"], c.rms_norm_eps)
         if "lm_head" in shared:
-            return jnp.einsum("bd,dv->bv", h, shared["lm_head"],
+            return jnp.einsum("bd,dv->bv", h, as_array(shared["lm_head"], h.dtype),
                               preferred_element_type=jnp.float32)
-        return jnp.einsum("bd,vd->bv", h, shared["embed_tokens"],
-                          preferred_element_type=jnp.float32)
+        return tied_logits(h, shared["embed_tokens"])
 
 
 def shared_weights(target_params: Params, tied: bool) -> Params:

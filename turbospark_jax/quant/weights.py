@@ -180,6 +180,40 @@ def as_array(w: Any, dtype: Any) -> Any:
     return dequantize(w, dtype) if isinstance(w, QuantizedWeight) else w
 
 
+def take_rows(table: Any, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """Embedding rows ``[*tokens.shape, D]`` in ``dtype`` of a table ``[V, D]``: a plain
+    array's rows, or a quantized table's (stored as its transpose, the head's ``[D, V]``
+    matrix, one column per token) columns dequantized alone, bitwise as
+    :func:`dequantize` makes them."""
+    if not isinstance(table, QuantizedWeight):
+        return jnp.take(table, tokens, axis=0).astype(dtype)
+    flat = tokens.reshape(-1)
+    q = jnp.asarray(table.q)
+    if table.scheme == "int4":
+        packed = jnp.take(q, flat // 2, axis=1)
+        columns = jnp.where(flat % 2 == 0, packed & 0xF, packed >> 4)
+    else:
+        columns = jnp.take(q, flat, axis=1)  # [D, T]
+    values = columns.astype(jnp.float32)
+    d = values.shape[0]
+    groups = d // table.group
+    values = values.reshape(groups, table.group, -1)
+    if table.zero is not None:
+        values = values - jnp.take(jnp.asarray(table.zero), flat, axis=1).astype(
+            jnp.float32)[:, None, :]
+    scale = jnp.take(jnp.asarray(table.scale), flat, axis=1)[:, None, :]
+    rows = (values * scale).astype(dtype).reshape(d, -1).T
+    return rows.reshape(*tokens.shape, d)
+
+
+def tied_logits(h: jax.Array, table: Any) -> jax.Array:
+    """float32 logits ``h [W, D] @ table.T`` of a head tied to the embedding table ``[V, D]``
+    (a quantized table is stored as the head's ``[D, V]`` matrix already)."""
+    if isinstance(table, QuantizedWeight):
+        return jnp.matmul(h, dequantize(table, h.dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("wd,vd->wv", h, table, preferred_element_type=jnp.float32)
+
+
 def dequantize(w: QuantizedWeight, dtype: Any = None) -> jax.Array:
     """``w``'s matrix in ``dtype`` (``w.dtype`` when None), shaped as its leaf: each element
     ``(q - zero) * scale`` (or ``q * scale``) in float32, rounded once."""
@@ -223,13 +257,20 @@ class Quantization:
         points), ``"fp8"`` (e4m3, per output channel) or ``"fp8-block"`` (e4m3, one scale
         per 128 x 128 block).
       group: rows of ``K`` per scale for ``int4``: one of :data:`INT4_GROUPS`.
-      head: quantize the output head too (an untied ``lm_head``); the embedding table, and a
-        head tied to it, stay in the model's dtype.
+      head: quantize the output head (an untied ``lm_head``) too.
+      embeddings: quantize the embedding table too (and with it a head tied to it), stored
+        as the head's ``[D, V]`` matrix so a tied head multiplies by it in place; a token's
+        embedding is its column, dequantized (:func:`take_rows`).
+
+    Both stay in the model's dtype by default: the head is the product most sensitive to
+    rounding, and the table's rows are read one per token, so quantizing it saves memory
+    rather than decode time.
     """
 
     scheme: str
     group: int = 128
     head: bool = False
+    embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.scheme not in (*SCHEMES, "fp8-block"):
@@ -238,8 +279,9 @@ class Quantization:
         if self.scheme == "int4" and self.group not in INT4_GROUPS:
             raise BadInputError(f"int4 groups hold {', '.join(map(str, INT4_GROUPS))} rows; "
                                 f"got group={self.group!r}")
-        if not isinstance(self.head, bool):
-            raise BadInputError(f"head must be a bool; got {self.head!r}")
+        for name in ("head", "embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise BadInputError(f"{name} must be a bool; got {getattr(self, name)!r}")
 
     def fits(self, k: int, n: int) -> bool:
         """Whether a ``[k, n]`` matrix takes this scheme: whole groups (and blocks) and, for

@@ -70,7 +70,7 @@ from turbospark_jax.models.dense.attention import Attention, cached_attention, s
 from turbospark_jax.models.dense.config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
 from turbospark_jax.quant import kv as kv_quant
-from turbospark_jax.quant.weights import as_array
+from turbospark_jax.quant.weights import as_array, is_quantized, take_rows, tied_logits
 
 Params = dict[str, Any]
 
@@ -471,14 +471,14 @@ class DenseModel(BlockModel):
             h = row_kernels.rms_norm(self.plan, x, params["norm"], eps)
         if self.plan.row_invariant:  # a tied table [V, D] is read in place, not transposed
             if self.config.tie_word_embeddings:
-                return row_kernels.matmul(self.plan, h, params["embed_tokens"], jnp.float32,
-                                          w_layout="nk", label="head")
+                table = params["embed_tokens"]  # a quantized one is [D, V] already
+                return row_kernels.matmul(self.plan, h, table, jnp.float32,
+                                          w_layout="kn" if is_quantized(table) else "nk",
+                                          label="head")
             return row_kernels.matmul(self.plan, h, params["lm_head"], jnp.float32,
                                       label="head")
         if self.config.tie_word_embeddings:
-            return jnp.einsum(
-                "wd,vd->wv", h, params["embed_tokens"], preferred_element_type=jnp.float32
-            )
+            return tied_logits(h, params["embed_tokens"])
         return jnp.einsum("wd,dv->wv", h, as_array(params["lm_head"], h.dtype),
                           preferred_element_type=jnp.float32)
 
@@ -604,7 +604,7 @@ class DenseModel(BlockModel):
         write_at = jnp.where(rows < live, positions, capacity + rows)  # [W]
         key_positions = jnp.arange(capacity, dtype=jnp.int32)  # [C]
         with jax.named_scope("embed"):
-            x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [W, D]
+            x = take_rows(params["embed_tokens"], tokens, self.dtype)  # [W, D]
             cos, sin = self._rope(positions)
 
         limit = capacity if key_limit is None else min(key_limit, capacity)
@@ -656,7 +656,7 @@ class DenseModel(BlockModel):
     def _forward_one(self, params: Params, tokens: jax.Array) -> jax.Array:
         positions = jnp.arange(tokens.shape[0], dtype=jnp.int32)  # [T]
         with jax.named_scope("embed"):
-            x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)  # [T, D]
+            x = take_rows(params["embed_tokens"], tokens, self.dtype)  # [T, D]
             cos, sin = self._rope(positions)
 
         attention = sequence_attention(self.config, positions, cos, sin, self.plan)
@@ -684,7 +684,7 @@ class DenseModel(BlockModel):
 
         def one(seq: jax.Array) -> tuple[jax.Array, jax.Array]:
             positions = jnp.arange(seq.shape[0], dtype=jnp.int32)
-            x = jnp.take(params["embed_tokens"], seq, axis=0).astype(self.dtype)
+            x = take_rows(params["embed_tokens"], seq, self.dtype)
             cos, sin = self._rope(positions)
             attention = sequence_attention(self.config, positions, cos, sin, self.plan)
             x, _, taps = self._run_layers(params["layers"], x, None, self._layer(attention),

@@ -72,7 +72,7 @@ from turbospark_jax.kernels.layers import (
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4.config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
-from turbospark_jax.quant.weights import as_array
+from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
 #: Where a ring slot holds no position: below any window, so attention never sees it.
 EMPTY_SLOT = -(2**30)
@@ -351,7 +351,7 @@ class Gemma4Model(BlockModel):
     def embed_tokens(self, params: Params, tokens: jax.Array) -> jax.Array:
         """tokens [N] -> scaled input embeddings [N, D] (what the assistant drafter reads)."""
         # The scale is rounded to the weight dtype before the product, as the reference does.
-        x = jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)
+        x = take_rows(params["embed_tokens"], tokens, self.dtype)
         return x * jnp.asarray(self.config.hidden_size**0.5, self.dtype)
 
     def _embed(self, params: Params, tokens: jax.Array, embeds: jax.Array | None = None,
@@ -440,8 +440,7 @@ class Gemma4Model(BlockModel):
         """Output head and softcap: final-normed h [N, D] -> float32 logits [N, V]."""
         c = self.config
         if c.tie_word_embeddings:
-            logits = jnp.einsum("nd,vd->nv", h, params["embed_tokens"],
-                                preferred_element_type=jnp.float32)
+            logits = tied_logits(h, params["embed_tokens"])
         else:
             logits = jnp.einsum("nd,dv->nv", h, as_array(params["lm_head"], h.dtype),
                                 preferred_element_type=jnp.float32)

@@ -79,7 +79,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.qwen3_5.config import ARCHITECTURES, FULL, LINEAR, Qwen35Config
 from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
-from turbospark_jax.quant.weights import as_array
+from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -592,13 +592,12 @@ class Qwen35Model(BlockModel):
     def _logits(self, params: Params, hidden: jax.Array) -> jax.Array:
         """Normed hidden [W, D] -> float32 logits [W, V]."""
         if self.config.tie_word_embeddings:
-            return jnp.einsum("wd,vd->wv", hidden, params["embed_tokens"],
-                              preferred_element_type=jnp.float32)
+            return tied_logits(hidden, params["embed_tokens"])
         return jnp.einsum("wd,dv->wv", hidden, as_array(params["lm_head"], hidden.dtype),
                           preferred_element_type=jnp.float32)
 
     def _embed(self, params: Params, tokens: jax.Array) -> jax.Array:
-        return jnp.take(params["embed_tokens"], tokens, axis=0).astype(self.dtype)
+        return take_rows(params["embed_tokens"], tokens, self.dtype)
 
     @staticmethod
     def _kv_store(buffers: list[jax.Array], write_at: jax.Array,
