@@ -17,7 +17,8 @@ around every read and write; without it, a read that meets a half-written entry 
 decompression and JAX compiles the program instead (a warning, never a wrong program).
 
 A process whose JAX configuration already names a cache folder (``JAX_COMPILATION_CACHE_DIR``
-or ``jax.config.update``) keeps it: the default never overrides the user's own setting.
+or ``jax.config.update``) keeps it with its own settings: the default never overrides the
+user's own choice (``TURBOSPARK_COMPILE_CACHE`` and an explicit folder do).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class CacheSetting:
         if self.folder is None:
             why = {"environment": f" ({ENVIRONMENT}=off)", "argument": ""}.get(self.source, "")
             return f"compile cache off{why}"
-        return f"compile cache {self.folder}"
+        return f"compile cache {self.folder}" + (" (JAX's own setting)" if self.source == "jax"
+                                                 else "")
 
 
 #: The setting in force, once one was made (``None``: not yet).
@@ -91,11 +93,40 @@ def _from_environment() -> CacheSetting | None:
     return CacheSetting(Path(value).expanduser(), "environment")
 
 
+#: The JAX settings this module changes.
+_SETTINGS = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes", "jax_compilation_cache_max_size")
+
+#: Their values before this module first changed them: the process's own.
+_own: dict[str, object] | None = None
+
+
+def _jax_own() -> dict[str, object]:
+    global _own
+    if _own is None:
+        import jax
+
+        _own = {name: getattr(jax.config, name) for name in _SETTINGS}
+    return _own
+
+
+def _from_jax() -> CacheSetting | None:
+    """The folder the process's own JAX configuration named before this module changed it
+    (``JAX_COMPILATION_CACHE_DIR``, ``jax.config.update``), if any."""
+    own = _jax_own()
+    folder = own["jax_compilation_cache_dir"]
+    if not folder:
+        return None
+    return CacheSetting(Path(str(folder)), "jax",
+                        locked=own["jax_compilation_cache_max_size"] != -1)
+
+
 def use_compile_cache(folder: str | os.PathLike[str] | bool | None = True) -> CacheSetting:
-    """Turn the persistent compilation cache on in ``folder`` (``True``: the environment's
-    folder, else the default one) or off (``False``, ``None`` or ``"off"``); returns the
-    setting. Programs compiled before the call stay where they were; later ones use the new
-    setting.
+    """Turn the persistent compilation cache on in ``folder`` (``True``: the folder
+    :data:`ENVIRONMENT` names; else the one the process's JAX configuration already names,
+    kept with its own settings; else :func:`default_folder`) or off (``False``, ``None`` or
+    ``"off"``); returns the setting. Programs compiled before the call stay where they
+    were; later ones use the new setting.
 
     Raises:
       BadInputError: ``folder`` names a file, or a folder that cannot be made.
@@ -104,8 +135,16 @@ def use_compile_cache(folder: str | os.PathLike[str] | bool | None = True) -> Ca
     import jax
     from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+    own = _jax_own()
     if folder is True:
-        setting = _from_environment() or CacheSetting(default_folder(), "default")
+        setting = _from_environment() or _from_jax() or CacheSetting(default_folder(),
+                                                                     "default")
+        if setting.source == "jax":  # the process's own JAX settings stand as they were
+            for name, value in own.items():
+                jax.config.update(name, value)
+            jax_cache.reset_cache()
+            _current = setting
+            return setting
     elif folder is False or folder is None or (isinstance(folder, str)
                                                and folder.strip().lower() in _OFF):
         setting = CacheSetting(None, "argument")
@@ -137,19 +176,10 @@ def use_compile_cache(folder: str | os.PathLike[str] | bool | None = True) -> Ca
 
 
 def ensure_compile_cache() -> CacheSetting:
-    """The setting in force, making the default one on first use: the process's own JAX
-    setting when it names a folder, else :func:`use_compile_cache` with the environment's
-    folder or the default."""
-    global _current
-    if _current is not None:
-        return _current
-    import jax
-
-    own = jax.config.jax_compilation_cache_dir
-    if own and _from_environment() is None:
-        _current = CacheSetting(Path(own), "jax")
-        return _current
-    return use_compile_cache(True)
+    """The setting in force, making the default one on first use (:func:`use_compile_cache`
+    with ``True``: the environment's folder, else the process's own JAX setting, else the
+    per-user folder)."""
+    return _current if _current is not None else use_compile_cache(True)
 
 
 def compile_cache_setting() -> CacheSetting | None:
