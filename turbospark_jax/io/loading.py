@@ -46,6 +46,7 @@ from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4 import assistant as gemma4_assistant
 from turbospark_jax.models.gemma4 import vision as gemma4_vision
 from turbospark_jax.models.registry import family_of, family_of_config
+from turbospark_jax.quant.kv import check_kv_dtype
 from turbospark_jax.quant.weights import Quantization, is_quantized, quantize_leaf
 
 CONFIG_FILE = "config.json"
@@ -266,6 +267,7 @@ def load_folder(
     layer_layout: Literal["stacked", "list"] = "stacked",
     plan: KernelPlan | None = None,
     quantize: Quantization | str | None = None,
+    kv_dtype: str | None = None,
 ) -> LoadedModel:
     """Load a Hugging Face model folder of any family the registry knows.
 
@@ -286,6 +288,10 @@ def load_folder(
         :class:`~turbospark_jax.quant.weights.Quantization` or its name, such as ``"int8"``).
         A folder whose ``config.json`` carries a ``quantization_config`` loads in its own
         format without it (:mod:`turbospark_jax.io.quantized` lists the layouts read).
+      kv_dtype: the attention caches' stored form: ``None`` (the model dtype), ``"int8"`` or
+        ``"fp8"`` (e4m3): one byte a value and a float32 scale a row and KV head, about
+        half the bytes a token of a 16-bit cache takes (:mod:`turbospark_jax.quant.kv`).
+        Every bitwise guarantee holds within the model loaded so.
 
     Returns:
       The :class:`LoadedModel`.
@@ -294,7 +300,8 @@ def load_folder(
       BadInputError: ``path`` is not a path, ``dtype`` is not one we compute in,
         ``layer_layout`` is neither layout, or one the family does not have, ``plan`` is
         not a :class:`~turbospark_jax.kernels.plan.KernelPlan`, ``quantize`` for a folder
-        that is quantized already (all checked before any tensor is read).
+        that is quantized already, ``kv_dtype`` is none of the choices (all checked before
+        any tensor is read).
       UnsupportedCapabilityError: a plan other than XLA's for a family without
         row-invariant kernels (checked before any tensor is read); a quantization method,
         bit width or variant :mod:`turbospark_jax.io.quantized` does not read (named, before
@@ -306,12 +313,15 @@ def load_folder(
     """
     if not (plan is None or isinstance(plan, KernelPlan)):
         raise BadInputError(f"plan must be a KernelPlan or None; got {plan!r}")
+    kv_dtype = check_kv_dtype(kv_dtype)
     spec = Quantization.parse(quantize)
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
     stored = stored_quantization.checkpoint_quantization(
         _read_json(os.path.join(folder, CONFIG_FILE), "model config"))
     stored_quantization.refuse_requantizing(stored, spec)
     model = _with_plan(family.build(config, resolved, layer_layout), family, config, plan)
+    if kv_dtype is not None:
+        model = dataclasses.replace(model, kv_dtype=kv_dtype)
     host = _read_params(folder, family, config, np.dtype(resolved), stored)
     if spec is not None:
         host = quantize_params(host, family.hf_tensors(config), spec, resolved)

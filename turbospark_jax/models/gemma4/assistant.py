@@ -193,13 +193,13 @@ def draft_step(
     layers = gemma4.Gemma4Model(
         dataclasses.replace(text, sliding_window=text.sliding_window + 1), target.dtype)
     keys = {}
-    if tc.owners(FULL):
+    if tc.owners(FULL):  # the target's rows in its dtype (dequantized from a quantized cache)
         capacity = target_cache.k_full[-1].shape[0]
-        keys[FULL] = (target_cache.k_full[-1], target_cache.v_full[-1],
-                             jnp.arange(capacity, dtype=jnp.int32) + 1)
+        keys[FULL] = (*target.last_owner_kv(target_cache, FULL),
+                      jnp.arange(capacity, dtype=jnp.int32) + 1)
     if tc.owners(SLIDING):
-        keys[SLIDING] = (target_cache.k_ring[-1], target_cache.v_ring[-1],
-                                target_cache.ring_positions + 1)
+        keys[SLIDING] = (*target.last_owner_kv(target_cache, SLIDING),
+                         target_cache.ring_positions + 1)
     x = jnp.concatenate([target.embed_tokens(target_params, token[None]), hidden[None]], -1)
     x = x.astype(target.dtype) @ params["pre_projection"]
     x = layers.decoder(params["model"], x, None, position[None].astype(jnp.int32), None, keys)

@@ -72,6 +72,7 @@ from turbospark_jax.kernels.layers import (
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4.config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
+from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
 #: Where a ring slot holds no position: below any window, so attention never sees it.
@@ -207,6 +208,10 @@ class Gemma4Cache:
         final-normed hidden state: what the assistant drafter starts a round from.
       window_rows: static, ``sliding_window - 1``: the positions before the cursor a row
         still reads, i.e. the live part of the ring.
+      k_full_scale, v_full_scale, k_ring_scale, v_ring_scale: for a quantized cache
+        (:attr:`Gemma4Model.kv_dtype`), each stored row's float32 scale, ``[C, KVg]`` or
+        ``[R, KV]`` per layer beside its values (:mod:`~turbospark_jax.quant.kv`); ``()``
+        otherwise.
     """
 
     k_full: tuple[jax.Array, ...] = append_only(axis=1)
@@ -216,6 +221,10 @@ class Gemma4Cache:
     ring_positions: jax.Array = ring(axis=0, live="window_rows")
     hidden_rows: jax.Array = append_only(axis=0)
     window_rows: int = struct.field(pytree_node=False)
+    k_full_scale: tuple[jax.Array, ...] = kv_quant.scale_field(append_only(axis=1))
+    v_full_scale: tuple[jax.Array, ...] = kv_quant.scale_field(append_only(axis=1))
+    k_ring_scale: tuple[jax.Array, ...] = kv_quant.scale_field(ring(axis=1, live="window_rows"))
+    v_ring_scale: tuple[jax.Array, ...] = kv_quant.scale_field(ring(axis=1, live="window_rows"))
 
 
 def _linear(x: jax.Array, w: jax.Array, bias: jax.Array | None = None) -> jax.Array:
@@ -254,6 +263,9 @@ class Gemma4Model(BlockModel):
       pass_block: query rows a parallel-prefill pass attends at a time. Its float32 scores
         are ``[heads, pass_block, keys]``, so a smaller block bounds a long prompt's memory,
         and a larger one runs fewer, wider products.
+      kv_dtype: the stored form of the full layers' and the rings' K/V rows: ``None`` (the
+        model dtype), ``"int8"`` or ``"fp8"`` (:mod:`~turbospark_jax.quant.kv`; set by
+        :func:`~turbospark_jax.io.loading.load_folder`'s ``kv_dtype``).
     """
 
     parallel_prefill = True  # wide headless passes (pass_hidden)
@@ -263,9 +275,11 @@ class Gemma4Model(BlockModel):
     ring_margin: int = 256
     keep_hidden_rows: bool = False
     pass_block: int = ATTENTION_QUERY_BLOCK
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        kv_quant.check_kv_dtype(self.kv_dtype)
         if self.ring_margin < 0:
             raise BadInputError(f"ring_margin must be >= 0, got {self.ring_margin}")
         if self.pass_block < 1:
@@ -331,17 +345,34 @@ class Gemma4Model(BlockModel):
             raise BadInputError("every layer of this config reads shared K/V; it runs only as "
                                 "a drafter over its target's cache (drafters.gemma4_assistant)")
 
-        def zeros(kind: str, rows: int) -> tuple[jax.Array, ...]:
-            return tuple(jnp.zeros((rows, *c.dims(i)[::-1]), self.dtype) for i in c.owners(kind))
+        def zeros(kind: str, rows: int) -> tuple[tuple[jax.Array, ...], Any]:
+            made = [kv_quant.zeros((rows, *c.dims(i)[::-1]), self.kv_dtype, self.dtype)
+                    for i in c.owners(kind)]
+            scales = () if self.kv_dtype is None else tuple(s for _, s in made)
+            return tuple(b for b, _ in made), scales
 
+        (k_full, k_full_scale), (v_full, v_full_scale) = (zeros(FULL, capacity)
+                                                          for _ in range(2))
+        (k_ring, k_ring_scale), (v_ring, v_ring_scale) = (zeros(SLIDING, r) for _ in range(2))
         return Gemma4Cache(
-            k_full=zeros(FULL, capacity), v_full=zeros(FULL, capacity),
-            k_ring=zeros(SLIDING, r), v_ring=zeros(SLIDING, r),
+            k_full=k_full, v_full=v_full, k_ring=k_ring, v_ring=v_ring,
+            k_full_scale=k_full_scale, v_full_scale=v_full_scale,
+            k_ring_scale=k_ring_scale, v_ring_scale=v_ring_scale,
             ring_positions=jnp.full((r,), EMPTY_SLOT, jnp.int32),
             hidden_rows=jnp.zeros((capacity if self.keep_hidden_rows else 0, c.hidden_size),
                                   self.dtype),
             window_rows=c.sliding_window - 1,
         )
+
+    def last_owner_kv(self, cache: Gemma4Cache, kind: str) -> tuple[jax.Array, jax.Array]:
+        """The K/V rows of the last layer of ``kind`` that keeps them (the rows KV-shared
+        layers read), in the model dtype (dequantized from a quantized cache)."""
+        full = kind == FULL
+        k, v = (cache.k_full, cache.v_full) if full else (cache.k_ring, cache.v_ring)
+        ks, vs = ((cache.k_full_scale, cache.v_full_scale) if full
+                  else (cache.k_ring_scale, cache.v_ring_scale))
+        return (kv_quant.read(k[-1], ks[-1] if ks else (), self.dtype),
+                kv_quant.read(v[-1], vs[-1] if vs else (), self.dtype))
 
     # -- layer pieces -------------------------------------------------------------------------
 
@@ -580,30 +611,47 @@ class Gemma4Model(BlockModel):
         full_positions = jnp.arange(capacity, dtype=jnp.int32)
         full_index = {layer: j for j, layer in enumerate(c.owners(FULL))}
         ring_index = {layer: j for j, layer in enumerate(c.owners(SLIDING))}
-        k_full, v_full = list(cache.k_full), list(cache.v_full)
-        k_ring, v_ring = list(cache.k_ring), list(cache.v_ring)
+        kv_dtype = self.kv_dtype
+        # per kind: [k, v, k_scale, v_scale], each a list over the kind's owners (the scales
+        # empty lists without quantization)
+        stored = {FULL: [list(b) for b in (cache.k_full, cache.v_full, cache.k_full_scale,
+                                           cache.v_full_scale)],
+                  SLIDING: [list(b) for b in (cache.k_ring, cache.v_ring, cache.k_ring_scale,
+                                              cache.v_ring_scale)]}
+
+        def read(kind: str, j: int) -> tuple[jax.Array, jax.Array]:
+            k, v, ks, vs = stored[kind]
+            return (kv_quant.read(k[j], ks[j] if ks else (), self.dtype),
+                    kv_quant.read(v[j], vs[j] if vs else (), self.dtype))
 
         def store(i: int, k: jax.Array, v: jax.Array) -> Any:
-            if i in full_index:
-                j = full_index[i]
-                before = (k_full[j], v_full[j], full_positions)
-                k_full[j] = k_full[j].at[at_full].set(k, **scatter)
-                v_full[j] = v_full[j].at[at_full].set(v, **scatter)
-                return keys(FULL, (k, v, positions), before,
-                            (k_full[j], v_full[j], full_positions))
-            j = ring_index[i]
-            before = (k_ring[j], v_ring[j], before_positions)
-            k_ring[j] = k_ring[j].at[at_ring].set(k, **scatter)
-            v_ring[j] = v_ring[j].at[at_ring].set(v, **scatter)
-            return keys(SLIDING, (k, v, positions), before, (k_ring[j], v_ring[j], ring_positions))
+            kind = FULL if i in full_index else SLIDING
+            j = full_index[i] if kind == FULL else ring_index[i]
+            at = at_full if kind == FULL else at_ring
+            key_positions = full_positions if kind == FULL else before_positions
+            before = (*read(kind, j), key_positions)
+            bufs = stored[kind]
+            for n, rows in ((0, k), (1, v)):
+                bufs[n][j], scale = kv_quant.write(bufs[n][j], bufs[n + 2][j] if bufs[n + 2]
+                                                   else (), at, rows, kv_dtype, **scatter)
+                if kv_dtype is not None:
+                    bufs[n + 2][j] = scale
+            # the new rows as the cache gives them back, as every later block reads them
+            new = (kv_quant.round_trip(k, kv_dtype), kv_quant.round_trip(v, kv_dtype),
+                   positions)
+            after = (*read(kind, j), full_positions if kind == FULL else ring_positions)
+            return keys(kind, new, before, after)
 
         with jax.named_scope("embed"):
             x, ple = self._embed(params, tokens, embeds, embed_rows)
         x = self.decoder(params, x, ple, positions, store, attention=attention)
         h = self._norm(x, params["norm"])
+        (k_full, v_full, k_full_scale, v_full_scale), rings = stored[FULL], stored[SLIDING]
         return h, cache.replace(
-            k_full=tuple(k_full), v_full=tuple(v_full), k_ring=tuple(k_ring),
-            v_ring=tuple(v_ring), ring_positions=ring_positions,
+            k_full=tuple(k_full), v_full=tuple(v_full), k_ring=tuple(rings[0]),
+            v_ring=tuple(rings[1]), ring_positions=ring_positions,
+            k_full_scale=tuple(k_full_scale), v_full_scale=tuple(v_full_scale),
+            k_ring_scale=tuple(rings[2]), v_ring_scale=tuple(rings[3]),
             hidden_rows=cache.hidden_rows.at[at_full].set(h, **scatter))
 
     def forward(self, params: Params, tokens: jax.Array) -> jax.Array:

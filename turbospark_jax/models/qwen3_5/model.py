@@ -79,6 +79,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.qwen3_5.config import ARCHITECTURES, FULL, LINEAR, Qwen35Config
 from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
+from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
 # -- params ----------------------------------------------------------------------------------
@@ -235,10 +236,15 @@ class Qwen35Cache:
         output head and the MTP head read), for the last block.
       hidden_rows: ``[C, D]`` (``[0, D]`` without an MTP head), the same for every fed
         position: what the MTP drafter primes its own rows from.
+      k_scale, v_scale: for a quantized cache (:attr:`Qwen35Model.kv_dtype`), per full
+        layer each stored row's float32 scale ``[C, KV]`` (:mod:`~turbospark_jax.quant.kv`);
+        ``()`` otherwise. The linear layers' states are not a KV cache and stay as they are.
     """
 
     k: tuple[jax.Array, ...] | jax.Array = append_only(axis=1)
     v: tuple[jax.Array, ...] | jax.Array = append_only(axis=1)
+    k_scale: tuple[jax.Array, ...] = kv_quant.scale_field(append_only(axis=1))
+    v_scale: tuple[jax.Array, ...] = kv_quant.scale_field(append_only(axis=1))
     conv: tuple[jax.Array, ...]
     recurrent: tuple[jax.Array, ...]
     conv_tape: tuple[jax.Array, ...] = scratch()
@@ -305,6 +311,10 @@ class Qwen35Model(BlockModel):
         rows (:meth:`tape_rows`).
       tap_layers: layers whose output rows the cache records for every fed position
         (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
+      kv_dtype: the stored form of the full-attention layers' K/V rows: ``None`` (the model
+        dtype), ``"int8"`` or ``"fp8"`` (:mod:`~turbospark_jax.quant.kv`; set by
+        :func:`~turbospark_jax.io.loading.load_folder`'s ``kv_dtype``). The MTP head's own
+        rows stay in the model dtype.
 
     How the exact path walks the delta rule's rows follows from the backend and the head sizes
     (module docstring); :meth:`for_mesh` and :meth:`interpreted` pin it.
@@ -320,9 +330,11 @@ class Qwen35Model(BlockModel):
     max_width: int = 16
     tap_layers: tuple[int, ...] = ()
     _rows: str | None = dataclasses.field(default=None, repr=False)
+    kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
+        kv_quant.check_kv_dtype(self.kv_dtype)
         check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         if self.max_width < 1:
             raise BadInputError(f"max_width must be >= 1, got {self.max_width}")
@@ -365,12 +377,14 @@ class Qwen35Model(BlockModel):
     def init_params(self, key: jax.Array) -> Params:
         return init_params(self.config, key, self.dtype)
 
-    def _kv(self, capacity: int, layers: int) -> tuple[jax.Array, ...] | jax.Array:
+    def _kv(self, capacity: int, layers: int,
+            kv_dtype: str | None = None) -> tuple[jax.Array, ...] | jax.Array:
         c = self.config
         shape = (capacity, c.num_key_value_heads, c.head_dim)
+        dtype = kv_quant.stored_dtype(kv_dtype, self.dtype)
         if not layers:  # an empty tuple has no position axis for the cache machinery to see
-            return jnp.zeros((0, *shape), self.dtype)
-        return tuple(jnp.zeros(shape, self.dtype) for _ in range(layers))
+            return jnp.zeros((0, *shape), dtype)
+        return tuple(jnp.zeros(shape, dtype) for _ in range(layers))
 
     def _zero_states(self) -> list[State]:
         c = self.config
@@ -387,9 +401,16 @@ class Qwen35Model(BlockModel):
         taps = {}
         if self.tap_layers:
             taps["taps"] = jnp.zeros((capacity, len(self.tap_layers), c.hidden_size), self.dtype)
+        n_full = c.count(FULL)
+        scales = {}
+        if self.kv_dtype is not None and n_full:
+            shape = (capacity, c.num_key_value_heads)
+            scales = {name: tuple(jnp.zeros(shape, kv_quant.SCALE_DTYPE) for _ in range(n_full))
+                      for name in ("k_scale", "v_scale")}
         return (TappedQwen35Cache if taps else Qwen35Cache)(
-            **taps,
-            k=self._kv(capacity, c.count(FULL)), v=self._kv(capacity, c.count(FULL)),
+            **taps, **scales,
+            k=self._kv(capacity, n_full, self.kv_dtype), v=self._kv(capacity, n_full,
+                                                                    self.kv_dtype),
             conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
             conv_tape=tuple(jnp.zeros((wm, *s[0].shape), self.dtype) for s in states),
             recurrent_tape=tuple(jnp.zeros((self.tape_rows(), *s[1].shape), jnp.float32)
@@ -599,18 +620,27 @@ class Qwen35Model(BlockModel):
     def _embed(self, params: Params, tokens: jax.Array) -> jax.Array:
         return take_rows(params["embed_tokens"], tokens, self.dtype)
 
-    @staticmethod
-    def _kv_store(buffers: list[jax.Array], write_at: jax.Array,
-                  key_positions: jax.Array) -> Callable[[int], KVFn]:
+    def _kv_store(self, buffers: list[jax.Array], write_at: jax.Array,
+                  key_positions: jax.Array, scales: list[jax.Array] | None = None,
+                  ) -> Callable[[int], KVFn]:
         """A ``kv`` for :meth:`_decoder` writing into per-layer ``buffers`` (k, v interleaved)
-        in place; padding rows go to distinct out-of-range rows, which ``drop`` discards."""
+        in place; padding rows go to distinct out-of-range rows, which ``drop`` discards.
+        With ``scales`` (the buffers' row scales, interleaved alike) the rows are written
+        quantized by :attr:`kv_dtype` and read back dequantized."""
         scatter = {"mode": "drop", "unique_indices": True}
+        kv_dtype = self.kv_dtype if scales else None
 
         def for_layer(j: int) -> KVFn:
             def store(k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-                buffers[2 * j] = buffers[2 * j].at[write_at].set(k, **scatter)
-                buffers[2 * j + 1] = buffers[2 * j + 1].at[write_at].set(v, **scatter)
-                return buffers[2 * j], buffers[2 * j + 1], key_positions
+                read = []
+                for n, rows in ((2 * j, k), (2 * j + 1, v)):
+                    buffers[n], scale = kv_quant.write(
+                        buffers[n], scales[n] if kv_dtype else (), write_at, rows, kv_dtype,
+                        **scatter)
+                    if kv_dtype is not None:
+                        scales[n] = scale
+                    read.append(kv_quant.read(buffers[n], scale, self.dtype))
+                return read[0], read[1], key_positions
             return store
 
         return for_layer
@@ -651,20 +681,22 @@ class Qwen35Model(BlockModel):
         rows = jnp.arange(width, dtype=jnp.int32)
         write_at = jnp.where(rows < live, positions, capacity + rows)  # [W]
         buffers = [b for pair in zip(cache.k, cache.v, strict=True) for b in pair]
-        kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))
+        scales = [s for pair in zip(cache.k_scale, cache.v_scale, strict=True) for s in pair]
+        kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32), scales)
         x = self._embed(params, tokens)
         states = list(zip(cache.conv, cache.recurrent, strict=True))
         x, states, tapes, taps = self._decoder(params["layers"], x, positions, live, states,
                                                kv, None if parallel else cache.recurrent_tape,
                                                chunked=parallel)
         hidden = _norm(x, params["norm"], self.config.rms_norm_eps)
+        scaled = {"k_scale": tuple(scales[0::2]), "v_scale": tuple(scales[1::2])} if scales else {}
         if taps is not None:  # rows [W, K, D] at each live row's position
             cache = cache.replace(taps=cache.taps.at[write_at].set(
                 taps, mode="drop", unique_indices=True))
         if parallel:
             return jnp.zeros((width, self.vocab_size), jnp.float32), cache.replace(
                 k=tuple(buffers[0::2]) if n_full else cache.k,
-                v=tuple(buffers[1::2]) if n_full else cache.v,
+                v=tuple(buffers[1::2]) if n_full else cache.v, **scaled,
                 conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
                 hidden_rows=cache.hidden_rows.at[write_at].set(
                     hidden, mode="drop", unique_indices=True),
@@ -675,7 +707,7 @@ class Qwen35Model(BlockModel):
                                   hidden)
         return logits, cache.replace(
             k=tuple(buffers[0::2]) if n_full else cache.k,
-            v=tuple(buffers[1::2]) if n_full else cache.v,
+            v=tuple(buffers[1::2]) if n_full else cache.v, **scaled,
             conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
             conv_tape=tuple(t.at[:width].set(n[0])
                             for t, n in zip(cache.conv_tape, tapes, strict=True)),
