@@ -8,6 +8,7 @@ block-wise fp8 folder gives ``transformers`` the matrices we dequantize.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -140,3 +141,18 @@ def test_block_scales_that_differ_within_a_block_are_refused(dense_folder: Path,
                                         w.block_columns)
     with pytest.raises(BadInputError, match=r"up_proj.*one per 128-column block"):
         save_folder(tmp_path, loaded.config, dict(loaded.params, layers=layers))
+
+
+@pytest.mark.parametrize("scheme, tied", [("fp8-block", False), ("int4", True)])
+def test_quantized_embedding_table_round_trips(tmp_path: Path, scheme: str, tied: bool) -> None:
+    config = dataclasses.replace(CONFIG, vocab_size=128, tie_word_embeddings=tied)
+    save_folder(tmp_path / "dense", config, init_params(config, jax.random.PRNGKey(2)))
+    spec = Quantization(scheme, group=32, embeddings=True, head=not tied)
+    loaded = load_folder(tmp_path / "dense", quantize=spec)
+    assert isinstance(loaded.params["embed_tokens"], QuantizedWeight)
+    again = _save_and_reload(loaded, tmp_path / "saved")
+    qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"  # the fp8 layout has no tables
+    assert "model.embed_tokens" in qc["config_groups"]["group_0"]["targets"]
+    assert tree_bitwise_equal(loaded.params, again.params)
+    assert np.array_equal(_forward(loaded), _forward(again))

@@ -608,10 +608,15 @@ def save_folder(
     if family.to_layer_layout is not None:
         params = family.to_layer_layout(params, family.native_layout)
     expected = jax.tree.leaves(shapes, is_leaf=_is_shape)
-    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), params,
+    checked = params
+    table = params.get("embed_tokens") if isinstance(params, Mapping) else None
+    if is_quantized(table):  # kept as the tied head's [D, V] matrix; the file's is [V, D]
+        checked = dict(params, embed_tokens=jax.ShapeDtypeStruct((table.n, table.k),
+                                                                 table.dtype))
+    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), checked,
                                        is_leaf=is_quantized), is_leaf=_is_shape)
     if jax.tree.structure(shapes, is_leaf=_is_shape) != jax.tree.structure(
-        jax.tree.map(lambda a: 0, params, is_leaf=is_quantized)
+        jax.tree.map(lambda a: 0, checked, is_leaf=is_quantized)
     ) or list(map(tuple, expected)) != got:
         raise ModelLoadError("params do not match the layout the config implies")
     host = jax.tree.map(np.asarray, params)

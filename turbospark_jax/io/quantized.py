@@ -93,8 +93,9 @@ class CheckpointQuantization:
     Attributes:
       method: the ``quant_method`` it names.
       formats: ``(targets, format)`` pairs: a linear layer takes the first format whose
-        targets match its module name (``"Linear"`` matches every linear layer; ``re:``
-        entries are regular expressions; other entries are module names).
+        targets match its module name (``"Linear"`` matches every linear layer,
+        ``"Embedding"`` the embedding table; ``re:`` entries are regular expressions; other
+        entries are module names).
       excluded: module names (or ``re:`` patterns) stored unquantized.
       head_quantized: whether the output head (``lm_head``) is quantized when no exclusion
         names it (GPTQ's ``lm_head`` key; compressed-tensors lists it in ``ignore``).
@@ -105,14 +106,16 @@ class CheckpointQuantization:
     excluded: tuple[str, ...] = ()
     head_quantized: bool = False
 
-    def format_of(self, module: str) -> LinearFormat | None:
-        """The format of the linear layer ``module`` (``None``: stored as a plain weight)."""
+    def format_of(self, module: str, linear: bool = True) -> LinearFormat | None:
+        """The format of the linear layer (or, ``linear`` false, the embedding table)
+        ``module``; ``None``: stored as a plain weight."""
         if any(_names_match(entry, module) for entry in self.excluded):
             return None
         if module.split(".")[-1] == "lm_head" and not self.head_quantized:
             return None
+        kind = "Linear" if linear else "Embedding"
         for targets, fmt in self.formats:
-            if any(t == "Linear" or _names_match(t, module) for t in targets):
+            if any(t == kind or _names_match(t, module) for t in targets):
                 return fmt
         return None
 
@@ -598,7 +601,9 @@ def read_quantized(
     consumed: set[str] = set()
     for t in tensors:
         module = t.name.removesuffix(".weight")
-        fmt = stored.format_of(module) if t.linear and t.name.endswith(".weight") else None
+        table = t.key == ("embed_tokens",)  # quantized, it is stored as the head's [D, V]
+        fmt = stored.format_of(module, t.linear) if (t.linear or table) and t.name.endswith(
+            ".weight") else None
         if fmt is None:
             plain.append(t)
             continue
@@ -626,6 +631,8 @@ def _leaf(key: tuple[Any, ...], parts: list[tuple[int | None, QuantizedWeight]],
         shape = shape[k]
     shape = tuple(shape)
     first = parts[0][1]
+    if key == ("embed_tokens",):  # the table as the tied head's [D, V] matrix
+        return first
     slot = shape if parts[0][0] is None else shape[1:]
     split = next(i for i in range(len(slot) + 1) if math.prod(slot[:i]) == first.k)
     axes = {"in_shape": slot[:split], "out_shape": slot[split:]}
@@ -728,13 +735,16 @@ def write_quantized(weights: Mapping[str, QuantizedWeight],
                     plain: Iterable[str]) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The tensors and ``quantization_config`` of a folder holding ``weights``.
 
-    Block-wise fp8 weights (every one of them, the output head among the plain ones) are
-    written in the ``fp8`` layout ``transformers`` reads; everything else in
-    compressed-tensors': ``pack-quantized`` int4, ``int-quantized`` int8, ``float-quantized``
-    fp8, one config group per kind of weight.
+    Block-wise fp8 weights (every one of them, the output head and the embedding table among
+    the plain ones) are written in the ``fp8`` layout ``transformers`` reads; everything else
+    in compressed-tensors': ``pack-quantized`` int4, ``int-quantized`` int8,
+    ``float-quantized`` fp8, one config group per kind of weight. A quantized embedding
+    table (``[D, V]`` here) is written as the ``[V, D]`` matrix its file holds, named among
+    its group's targets.
 
     Args:
-      weights: ``weight`` tensor name -> its quantized matrix (one layer's).
+      weights: ``weight`` tensor name -> its quantized matrix (one layer's; the embedding
+        table's as the head's ``[D, V]``).
       plain: the names of the linear weights stored unquantized.
 
     Raises:
@@ -746,7 +756,8 @@ def write_quantized(weights: Mapping[str, QuantizedWeight],
     out: dict[str, np.ndarray] = {}
     blockwise = all(w.scheme == "fp8" and w.block_columns == FP8_BLOCK
                     and w.group == FP8_BLOCK for w in modules.values())
-    if blockwise and not any(m.split(".")[-1] == "lm_head" for m in modules):
+    tables = {m for m in modules if m.split(".")[-1] == "embed_tokens"}
+    if blockwise and not tables and not any(m.split(".")[-1] == "lm_head" for m in modules):
         for module, w in modules.items():
             out[f"{module}.weight"] = np.ascontiguousarray(np.asarray(w.q).T)
             out[f"{module}.weight_scale_inv"] = _uniform_blocks(w, module)
@@ -762,7 +773,8 @@ def write_quantized(weights: Mapping[str, QuantizedWeight],
     config_groups = {}
     for i, (args, members) in enumerate(groups.values()):
         config_groups[f"group_{i}"] = {
-            "targets": ["Linear"] if len(groups) == 1 else members, "weights": args,
+            "targets": ["Linear", *sorted(tables)] if len(groups) == 1 else members,
+            "weights": args,
             "input_activations": None, "output_activations": None,
             "format": layouts[args["type"]][args["num_bits"]]}
     formats = {g["format"] for g in config_groups.values()}
