@@ -389,6 +389,9 @@ def _with_config(dense: Path, dest: Path, qc: Any, corrupt: bool = True) -> Path
     (_ct_config("nvfp4-pack-quantized", {"num_bits": 4, "type": "float",
                                          "strategy": "tensor_group", "group_size": 16}, []),
      ["nvfp4"]),
+    (dict(_ct_config("float-quantized", {"num_bits": 8, "type": "float",
+                                         "strategy": "channel"}, []),
+          kv_cache_scheme={"num_bits": 8, "type": "float"}), ["kv_cache_scheme"]),
 ])
 def test_unsupported_quantization_is_refused_before_reading(dense_folder: Path, tmp_path: Path,
                                                             qc: Any, words: list[str]) -> None:

@@ -261,6 +261,10 @@ def _ct_config(qc: Mapping[str, Any]) -> CheckpointQuantization:
     if qc.get("sparsity_config") or qc.get("transform_config"):
         raise UnsupportedCapabilityError(
             "config.json: compressed-tensors sparsity or transforms are not loaded here")
+    if qc.get("kv_cache_scheme"):
+        raise UnsupportedCapabilityError(
+            "config.json: a compressed-tensors kv_cache_scheme (stored KV scales) is not loaded "
+            "here; load_folder's kv_dtype quantizes the cache on its own")
     groups = qc.get("config_groups")
     if not isinstance(groups, Mapping) or not groups:
         raise ModelLoadError(f"config.json: {what} quantization_config.config_groups must be a "
