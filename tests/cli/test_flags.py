@@ -185,3 +185,15 @@ def test_help_names_the_new_flags():
                  "--num-completions", "--quantize", "--block-end", "--no-block-end",
                  "--compile-cache", "--no-compile-cache"):
         assert flag in text, flag
+
+
+def test_the_warm_up_compiles_what_the_run_calls():
+    """A prompt past the warm-up's own length, prefilled in one parallel pass as wide as
+    itself, and a reply long enough for a second decode burst: every program is compiled
+    before the run, so the run's prefill and decode times are not compile time."""
+    code, _, err = run("x = 1\n" * 70, "--no-exact", "--max-tokens", "24", "--no-block-end",
+                       "--stats")
+    assert code == 0, err
+    stats = [line for line in err.splitlines() if line.startswith("[length]")]
+    assert len(stats) == 1 and "prefilled 2" in stats[0], err  # 2xx tokens: a 512-row pass
+    assert "went to compiling" not in err, err

@@ -265,12 +265,15 @@ def _warm_up(producer: Any, request: Any) -> None:
     prefill and decode timings are not compile time: a two-token prompt (a drafter is primed
     on all but the last prompt token) for the exact prefill, whose programs do not depend on
     the prompt's length; the whole prompt for the parallel prefill, whose pass is as wide as
-    the prompt (rounded up to a power of two)."""
+    the prompt (rounded up to a power of two); enough tokens for a second decode burst."""
+    from turbospark_jax.generation.completion import BurstSizer
     from turbospark_jax.generation.driver import stream_completion
 
     ids = request.prompt_ids if request.parallel_prefill else request.prompt_ids[:2]
+    # Past the first burst, so that a second one is chained to it as in a longer run.
+    most = BurstSizer.FIRST + 2 + (request.draft_len or 0)
     tiny = dataclasses.replace(request, prompt_ids=list(ids),
-                               max_tokens=min(request.max_tokens, 2 + (request.draft_len or 0)),
+                               max_tokens=min(request.max_tokens, most),
                                stop_token_ids=[], stop_strings=[], injection=None,
                                stop_at_block_end=False)
     stream_completion(producer, tiny).drain()
