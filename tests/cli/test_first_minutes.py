@@ -254,3 +254,44 @@ def test_the_prefill_timing_waits_for_the_device():
     result = stream_completion(_SlowPrefill(steps, work), request).drain()
     assert result.timings.prefill_s >= 0.7 * work_s, (result.timings, work_s)
     assert result.timings.first_token_s < 0.5 * work_s, (result.timings, work_s)
+
+
+@pytest.fixture
+def no_loading(monkeypatch):
+    """Fail the test if anything loads weights."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr("turbospark_jax.cli._load", refuse)
+    monkeypatch.setattr("turbospark_jax.io.loading.load_folder", refuse)
+
+
+def test_image_tokens_that_miss_the_images_are_refused_before_loading(no_loading, tmp_path):
+    from turbospark_jax.testing.vision import picture, save_tiny_vision_folder
+
+    folder = save_tiny_vision_folder(tmp_path / "tiny")
+    one = picture(tmp_path / "a.png")
+    code, out, err = _run("generate", "--model", folder, "--image", one,
+                          "<|image|> and <|image|>: compare")
+    assert code == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert "places 2 images" in err and "1 --image was given" in err
+
+
+def test_serve_replicas_beyond_the_devices_name_the_flag(no_loading):
+    pytest.importorskip("starlette")
+    if len(jax.local_devices()) >= 4:
+        pytest.skip("this machine has devices for 4 replicas")
+    code, out, err = _run("serve", "--replicas", "4")
+    assert code == 1 and out == "" and len(err.splitlines()) == 1, err
+    assert "--replicas 4 needs 4 devices" in err and "replicas=" not in err
+    assert f"has {len(jax.local_devices())} " in err and " 1 cpu devices" not in err
+
+
+def test_one_token_is_one_token():
+    from turbospark_jax.cli import _plural
+    from turbospark_jax.generation.completion import Usage
+
+    assert Usage(1, 0, 1, 3).summary().startswith("prompt 1 token (")
+    assert Usage(2, 0, 2, 3).summary().startswith("prompt 2 tokens (")
+    assert (_plural(1, "token"), _plural(1193, "token")) == ("1 token", "1,193 tokens")
