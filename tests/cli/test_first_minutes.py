@@ -295,3 +295,17 @@ def test_one_token_is_one_token():
     assert Usage(1, 0, 1, 3).summary().startswith("prompt 1 token (")
     assert Usage(2, 0, 2, 3).summary().startswith("prompt 2 tokens (")
     assert (_plural(1, "token"), _plural(1193, "token")) == ("1 token", "1,193 tokens")
+
+
+def test_the_parsers_names_are_the_librarys():
+    """The parser repeats a few library names so that it imports no JAX: they must agree."""
+    from turbospark_jax.cli import arguments
+    from turbospark_jax.engine.batching import MAX_TOP_LOGPROBS
+    from turbospark_jax.speculative import choice, figures
+    from turbospark_jax.speculative.drafters.base import DEFAULT_DRAFT_LEN
+
+    assert arguments.AUTO == choice.AUTO
+    assert arguments.DRAFTERS == figures.DRAFTERS
+    assert arguments.DEFAULT_NGRAM == choice.DEFAULT_NGRAM
+    assert arguments.DEFAULT_DRAFT_LEN == DEFAULT_DRAFT_LEN
+    assert arguments.MAX_LOGPROBS == MAX_TOP_LOGPROBS

@@ -28,6 +28,7 @@ from turbospark_jax.core.protocols import LogitProducer
 from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.core.stop import StopMatcher
 from turbospark_jax.core.streams import StreamEvent
+from turbospark_jax.engine.batching import MAX_TOP_LOGPROBS
 from turbospark_jax.errors import (
     BadInputError,
     ContextOverflowError,
@@ -55,9 +56,6 @@ __all__ = [
 
 #: The error reason when a producer hands back NaN or infinite logits.
 NON_FINITE_LOGITS = "the producer returned non-finite logits"
-
-#: The most alternatives a request may ask log-probabilities for, per token.
-MAX_TOP_LOGPROBS = 20
 
 #: Failures a producer may raise mid-generation; the driver turns them into an ERROR finish.
 PRODUCER_FAILURES = (ProducerExhaustedError, ProducerFailedError)
@@ -97,7 +95,8 @@ class CompletionRequest:
       record_logits: keep the logits each generated token was sampled from.
       logprobs: ``None`` for no log-probabilities; ``N`` to report each generated token's
         log-probability under the model's raw logits and its ``N`` likeliest alternatives
-        (0..:data:`MAX_TOP_LOGPROBS`) in :attr:`Completion.logprobs`. They are computed from
+        (0..:data:`~turbospark_jax.engine.batching.MAX_TOP_LOGPROBS`) in
+        :attr:`Completion.logprobs`. They are computed from
         the recorded logits, so asking for them records the logits too.
       stop_at_block_end: when the prompt ends inside a Python ``def`` or ``class``
         (:func:`open_block`), end the completion before the first generated line that leaves
