@@ -156,3 +156,14 @@ def test_quantized_embedding_table_round_trips(tmp_path: Path, scheme: str, tied
     assert "model.embed_tokens" in qc["config_groups"]["group_0"]["targets"]
     assert tree_bitwise_equal(loaded.params, again.params)
     assert np.array_equal(_forward(loaded), _forward(again))
+
+
+def test_sharded_loading_refuses_a_quantized_folder(dense_folder: Path, tmp_path: Path) -> None:
+    from turbospark_jax.errors import UnsupportedCapabilityError
+    from turbospark_jax.parallel.loading import load_sharded
+    from turbospark_jax.parallel.sharding import tp_mesh
+
+    loaded = load_folder(dense_folder, quantize="int8")
+    save_folder(tmp_path, loaded.config, loaded.params)
+    with pytest.raises(UnsupportedCapabilityError, match="quantized checkpoint"):
+        load_sharded(tmp_path, tp_mesh())

@@ -17,6 +17,7 @@ is read whole.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.errors import ModelLoadError, UnsupportedCapabilityError
 from turbospark_jax.io.loading import (
     LoadedModel,
     _header_shape,
@@ -36,6 +37,7 @@ from turbospark_jax.io.loading import (
     folder_config,
     folder_extras,
 )
+from turbospark_jax.io.quantized import checkpoint_quantization
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.parallel.sharding import check_divisible, param_shardings, tp_size
 
@@ -122,12 +124,18 @@ def load_sharded(
         not divide the query heads or MLP width (the dense family: or KV heads); or the
         folder's family has no tensor-parallel layout in :mod:`~turbospark_jax.parallel.tp_specs`
         (every registered family has one). All raised before any tensor is read.
+      UnsupportedCapabilityError: a quantized checkpoint (before any tensor is read).
       ModelLoadError: as :func:`~turbospark_jax.io.loading.load_folder`. A tied model's extra
         copy of its head is accepted without the bitwise comparison ``load_folder`` makes
         (that would read the whole embedding on one host).
     """
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
     check_divisible(config, tp_size(mesh))
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+        if checkpoint_quantization(json.load(f)) is not None:
+            raise UnsupportedCapabilityError(
+                f"{folder} holds a quantized checkpoint; tensor parallelism shards plain "
+                "weights only: load it with load_folder (or tsj.load) on one device")
     files = _weight_files(folder)
     tensors = _checked_tensors(folder, family, config, files)
     np_dtype = np.dtype(resolved)
