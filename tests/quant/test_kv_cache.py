@@ -181,7 +181,7 @@ def test_verify_rows_equal_decode(producer, prefix, feed):
 
 
 def test_reuse_equals_fresh_and_rollback_restores(producer):
-    C.check_reuse_matches_fresh(producer, PROMPT[:10], [5, 6], PROMPT[:7] + [9, 2])
+    C.check_reuse_matches_fresh(producer, PROMPT[:10], [5, 6], [*PROMPT[:7], 9, 2])
     C.check_rollback_restores(producer, [("chunk", PROMPT[:5])], [("verify", PROMPT[5:8])], 3)
 
 

@@ -149,13 +149,15 @@ def _amax(x: jax.Array) -> jax.Array:
 def _write_row(load: Any, cos: jax.Array, sin: jax.Array, at: Any, h: Any, *, q_rows: Any,
                q_out: Any, k_out: Any, v_out: Any, qn_ref: Any, kn_ref: Any, heads: int,
                kv_heads: int, capacity: int, eps: float, head_index: bool,
-               ks_out: Any = None, vs_out: Any = None) -> None:
+               ks_out: Any = None, vs_out: Any = None, interpret: bool = False) -> None:
     """One row's work for KV head ``h``: its query heads rotated into ``q_out[*q_rows]``,
     its key rotated and its value copied into cache row ``at`` (none when ``at >=
     capacity``). ``head_index``: the caches are whole ``[C, KV, hd]`` refs; else the head's
     own ``[C, hd]`` block. With scale refs (``ks_out``, ``vs_out``: ``[C, KV]`` or the
     head's ``[C]``) the cache is quantized: the key and value are stored quantized by their
-    own rows' scales (:mod:`~turbospark_jax.quant.kv`), and the scales beside them."""
+    own rows' scales (:mod:`~turbospark_jax.quant.kv`), and the scales beside them
+    (``interpret``: the rows rounded to their dtype first, as the interpreter's XLA may
+    not have: :func:`~turbospark_jax.quant.kv.rounded`)."""
     groups = heads // kv_heads
     half = cos.shape[-1]
     first, second = pl.ds(0, half), pl.ds(half, half)
@@ -171,6 +173,8 @@ def _write_row(load: Any, cos: jax.Array, sin: jax.Array, at: Any, h: Any, *, q_
         v = load(pl.ds(heads + kv_heads + h, 1), slice(None))  # [1, hd]
         if ks_out is not None:  # quantized: each row by its own scale (over both halves)
             kv_dtype = kv_quant.kv_dtype_of(k_out.dtype)
+            if interpret:
+                k1, k2, v = (kv_quant.rounded(x) for x in (k1, k2, v))
             k_scale = kv_quant.row_scale(jnp.maximum(_amax(k1), _amax(k2)), kv_dtype)
             v_scale = kv_quant.row_scale(_amax(v), kv_dtype)
             k1, k2 = (kv_quant.quantize_with(x, k_scale[:, None], kv_dtype) for x in (k1, k2))
@@ -183,7 +187,7 @@ def _write_row(load: Any, cos: jax.Array, sin: jax.Array, at: Any, h: Any, *, q_
 
 
 def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, quantized: bool, capacity: int,
-                       heads: int, kv_heads: int, parts: int) -> None:
+                       heads: int, kv_heads: int, parts: int, interpret: bool) -> None:
     at_ref, qkv_ref, cos_ref, sin_ref, *refs = refs
     qn_ref, kn_ref = refs[:2] if qk_norm else (None, None)
     refs = refs[2:] if qk_norm else refs
@@ -199,7 +203,7 @@ def _rope_store_kernel(*refs: Any, eps: float, qk_norm: bool, quantized: bool, c
     _write_row(load, cos, sin, at_ref[0], h, q_rows=(h, pl.ds(row * groups, groups)),
                q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
                heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps, head_index=True,
-               ks_out=ks_out, vs_out=vs_out)
+               ks_out=ks_out, vs_out=vs_out, interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("heads", "eps", "interpret"))
@@ -265,7 +269,8 @@ def rope_store(
     caches = [k_cache, v_cache] + ([k_scale, v_scale] if quantized else [])
     cache_specs = [whole(c.shape) for c in caches]
     kernel = functools.partial(_rope_store_kernel, eps=eps, qk_norm=qk_norm, quantized=quantized,
-                               capacity=capacity, heads=heads, kv_heads=kv_heads, parts=parts)
+                               capacity=capacity, heads=heads, kv_heads=kv_heads, parts=parts,
+                               interpret=interpret)
     kwargs = {}
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
@@ -287,10 +292,9 @@ def rope_store(
 
 def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, quantized: bool,
                            capacity: int, heads: int, kv_heads: int, parts: int, width: int,
-                           scale: float,
-                           split_len: int, window: int | None, rows: int | None,
+                           scale: float, split_len: int, window: int | None, rows: int | None,
                            split: bool, barrier: bool, fold_last: int = 0,
-                           dot_rows: int | None = None) -> None:
+                           dot_rows: int | None = None, interpret: bool = False) -> None:
     """One program per (KV head, query tile[, split]): every row's work of
     :func:`rope_store` for this KV head (the same code, :func:`_write_row`), a barrier so
     the program's own writes are visible to all of its threads, then the attention over
@@ -324,7 +328,7 @@ def _rope_attention_kernel(*refs: Any, eps: float, qk_norm: bool, quantized: boo
         _write_row(load, cos, sin, at_ref[w], h, q_rows=(pl.ds(w * groups, groups),),
                    q_out=q_out, k_out=k_out, v_out=v_out, qn_ref=qn_ref, kn_ref=kn_ref,
                    heads=heads, kv_heads=kv_heads, capacity=capacity, eps=eps,
-                   head_index=False, ks_out=ks_out, vs_out=vs_out)
+                   head_index=False, ks_out=ks_out, vs_out=vs_out, interpret=interpret)
     if barrier:  # a CTA barrier orders the program's global writes before its reads
         from jax.experimental.pallas import triton as plgpu
 
@@ -451,6 +455,7 @@ def rope_store_attention(
         heads=heads, kv_heads=kv_heads, parts=parts, width=width,
         scale=1.0 / math.sqrt(head_dim), split_len=split_len, window=window,
         rows=None if rows == padded else rows, split=not folding, barrier=not interpret,
+        interpret=interpret,
         fold_last=fold_last, dot_rows=interpret_dot_rows(interpret))
     # each cache (and scale) input is written through its output after the queries' scratch
     aliases = {len(operands) + i: len(result_shapes) + 1 + i for i in range(len(caches))}

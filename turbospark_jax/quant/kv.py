@@ -77,10 +77,24 @@ def quantize_with(x: jax.Array, scale: jax.Array, kv_dtype: str) -> jax.Array:
     return jnp.clip(y, -limit, limit).astype(_STORED[kv_dtype])
 
 
+def rounded(x: jax.Array) -> jax.Array:
+    """``x`` in float32 holding exactly values of its own dtype. XLA may carry a 16-bit
+    computation's float32 intermediate into a conversion to float32 unrounded (its excess
+    precision), which would quantize a value no row held, and differently where the
+    compiler fuses differently; rounding explicitly pins the value. (A compiled kernel's
+    16-bit values are rounded already, so kernels call this in the interpreter only.)"""
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        info = jnp.finfo(x.dtype)
+        return jax.lax.reduce_precision(x.astype(jnp.float32), exponent_bits=info.nexp,
+                                        mantissa_bits=info.nmant)
+    return x.astype(jnp.float32)
+
+
 def quantize(x: jax.Array, kv_dtype: str) -> tuple[jax.Array, jax.Array]:
     """Rows ``x [..., hd]`` in the stored form: ``(values [..., hd], scale float32 [...])``,
     each row from its own values only."""
-    scale = row_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1), kv_dtype)
+    x = rounded(x)
+    scale = row_scale(jnp.max(jnp.abs(x), axis=-1), kv_dtype)
     return quantize_with(x, scale[..., None], kv_dtype), scale
 
 
