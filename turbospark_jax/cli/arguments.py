@@ -183,7 +183,7 @@ def parser() -> _Parser:
     """The ``turbospark-jax`` parser and its ``generate`` command."""
     top = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=_HelpFormatter)
     top.add_argument("--version", action=_Version,
-                     help="print the package version, the jax version and the backend")
+                     help="print the versions of the package, jax, jaxlib and python")
     sub = top.add_subparsers(dest="command", metavar="COMMAND", required=True,
                              parser_class=_Parser)
     gen = sub.add_parser(
