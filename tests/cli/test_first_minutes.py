@@ -8,6 +8,7 @@ they act, so a slow machine makes them slower, not flaky.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -80,23 +81,34 @@ class _Run:
         return code
 
 
-@pytest.mark.parametrize("phase", ["start-up", "compile", "generation"])
+@pytest.mark.parametrize("phase", ["start-up", "compile", "generation", "records"])
 def test_ctrl_c_prints_one_line_and_exits_130(phase, tmp_path):
-    """SIGINT while the model loads, while it compiles (no cache: compiling takes seconds)
-    and while it streams text: one line, status 130, no traceback, no native crash."""
+    """SIGINT while the model loads, while it compiles (no cache: compiling takes seconds),
+    while it streams text, and between the JSON lines of a prompts file: one line, status
+    130, no traceback, no native crash, and only whole JSON lines on stdout."""
     argv = ["generate", "def main(argv):", "--no-compile-cache"]
     if phase == "generation":
         argv += ["--max-tokens", "1500", "--no-block-end"]
+    if phase == "records":
+        prompts = tmp_path / "prompts.txt"
+        prompts.write_text("".join(f"def f{i}(x):\n" for i in range(40)))
+        argv = ["generate", "--prompts-file", str(prompts), "--max-tokens", "16"]
     run = _Run(_command(*argv), _env())
     if phase == "start-up":
         run.wait_for(lambda r: any("loading" in line for line in r.err))
     elif phase == "compile":
         run.wait_for(lambda r: any("compiling" in line for line in r.err))
         time.sleep(0.5)  # inside XLA's compile
+    elif phase == "records":
+        run.wait_for(lambda r: "\n" in "".join(r.out))
     else:
         run.wait_for(lambda r: len("".join(r.out).strip()) > 10)
     code = run.interrupt()
     err = "".join(run.err)
+    if phase == "records":
+        lines = "".join(run.out).splitlines(keepends=True)
+        assert 1 <= len(lines) < 40 and all(line.endswith("\n") for line in lines)
+        assert all(json.loads(line)["prompt"].startswith("def f") for line in lines)
     assert code == 130, err
     assert err.splitlines()[-1] == "turbospark-jax: interrupted", err
     assert err.count("interrupted") == 1

@@ -69,7 +69,9 @@ def exit_on_interrupt(prog: str, stderr: TextIO | None = None) -> Iterator[None]
                 _exit(prog, stream)
 
     def handler(_signum: int, _frame: Any) -> None:
-        _exit(prog, stream)  # the main thread got here first
+        # The watcher ends the process: the main thread may be inside a record it holds the
+        # output lock for, and must be left to finish it.
+        return
 
     previous = signal.signal(signal.SIGINT, handler)
     previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
