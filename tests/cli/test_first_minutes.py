@@ -222,6 +222,7 @@ def test_the_version_line_names_the_versions_without_a_backend():
      "a file, not a folder"),
     (["generate", "hi", "--compile-cache", "x", "--no-compile-cache"], "choose one"),
     (["generate", "--chat", "--json"], "--json"),
+    (["serve", "--compile-cache", "x", "--no-compile-cache"], "choose one"),
 ])
 def test_new_flags_refuse_mistakes_in_one_line(argv, needle):
     code, out, err = _run(*argv)
