@@ -70,10 +70,10 @@ def quantize_with(x: jax.Array, scale: jax.Array, kv_dtype: str) -> jax.Array:
     """``x`` divided by ``scale`` (broadcast against it) in float32, rounded and clipped to
     the stored form. Elementwise, so a kernel quantizing a row in pieces gets the bits of
     the whole row's (given the same scale)."""
-    limit = jnp.float32(_LIMITS[kv_dtype])
+    limit = _LIMITS[kv_dtype]  # Python floats: the bounds are constants in a kernel too
     y = x.astype(jnp.float32) / scale
     if kv_dtype == "int8":
-        y = jnp.floor(y + jnp.float32(0.5))
+        y = jnp.floor(y + 0.5)
     return jnp.clip(y, -limit, limit).astype(_STORED[kv_dtype])
 
 
