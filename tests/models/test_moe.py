@@ -1,0 +1,163 @@
+"""The shared mixture-of-experts layer (:mod:`turbospark_jax.models.moe`).
+
+* It computes what ``transformers``' sparse blocks compute (Qwen3-MoE's, with and without
+  renormalised top-k; Qwen3-Next's, with the sigmoid-gated shared expert), float32, within
+  float32 rounding.
+* A row's output does not depend on the rows beside it: under the row-invariant form, bit for
+  bit whatever the row count and whatever the other rows hold (they route to other experts);
+  the control shows the check sees a change to the row itself.
+* A one-row call reads its ``k`` experts' weights, not the stack.
+* Quantized expert stacks multiply as their dequantized weights do, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models import moe
+from turbospark_jax.quant.weights import Quantization, is_quantized, quantize_leaf
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+D, F, E, K, S = 16, 8, 8, 2, 12
+
+
+def _hf_block(kind: str, normalize: bool):
+    common = dict(hidden_size=D, moe_intermediate_size=F, num_experts=E, num_experts_per_tok=K,
+                  norm_topk_prob=normalize)
+    if kind == "next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+        config = transformers.Qwen3NextConfig(**common, shared_expert_intermediate_size=S)
+        block = Qwen3NextSparseMoeBlock(config)
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        block = Qwen3MoeSparseMoeBlock(transformers.Qwen3MoeConfig(**common))
+    torch.manual_seed(3)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block.float().eval()
+
+
+def _ours(block) -> dict:
+    """The block's weights in our layout: experts ``[E, in, out]``, the router as stored."""
+    t = {k: v.detach().numpy() for k, v in block.state_dict().items()}
+    gate_up = t["experts.gate_up_proj"]  # [E, 2F, D]
+    w = {"router": jnp.asarray(t["gate.weight"]),
+         "expert_gate": jnp.asarray(gate_up[:, :F].transpose(0, 2, 1)),
+         "expert_up": jnp.asarray(gate_up[:, F:].transpose(0, 2, 1)),
+         "expert_down": jnp.asarray(t["experts.down_proj"].transpose(0, 2, 1))}
+    if "shared_expert_gate.weight" in t:
+        w.update(shared_gate=jnp.asarray(t["shared_expert.gate_proj.weight"].T),
+                 shared_up=jnp.asarray(t["shared_expert.up_proj.weight"].T),
+                 shared_down=jnp.asarray(t["shared_expert.down_proj.weight"].T),
+                 shared_expert_gate=jnp.asarray(t["shared_expert_gate.weight"].T))
+    return w
+
+
+def _rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).normal(size=(n, D)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kind, normalize", [("qwen3_moe", False), ("qwen3_moe", True),
+                                             ("next", True)])
+@pytest.mark.parametrize("row_invariant", [False, True])
+def test_block_matches_transformers(kind, normalize, row_invariant):
+    block = _hf_block(kind, normalize)
+    x = _rows(9)
+    with torch.no_grad():
+        want = block(torch.tensor(x)[None]).numpy()[0]
+    got = moe.moe_block(jnp.asarray(x), _ours(block), moe.Routing(E, K, normalize),
+                        row_invariant=row_invariant)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-6, rtol=1e-5)
+
+
+_invariant_block = jax.jit(moe.moe_block, static_argnames=("routing", "row_invariant"))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_rows_bits_do_not_depend_on_its_neighbours(dtype):
+    weights = jax.tree.map(lambda a: a.astype(dtype), _ours(_hf_block("next", True)))
+    routing = moe.Routing(E, K, True)
+    x = jnp.asarray(_rows(11), dtype)
+
+    def run(rows):
+        return np.asarray(_invariant_block(rows, weights, routing=routing,
+                                           row_invariant=True).astype(jnp.float32))
+
+    whole = run(x)
+    for n in (1, 2, 5, 8):  # other row counts: other programs
+        assert np.array_equal(run(x[:n]), whole[:n]), n
+    # Other rows, routed elsewhere: row 3 keeps its bits.
+    others = jnp.asarray(_rows(11, seed=7), dtype).at[3].set(x[3])
+    assert np.array_equal(run(others)[3], whole[3])
+    # Control: a change to row 3 itself shows.
+    assert not np.array_equal(run(x.at[3, 0].add(0.5))[3], whole[3])
+
+
+def test_decode_reads_only_its_experts():
+    """A one-row call's program touches each expert stack only through a gather of ``k``
+    experts' matrices (slices of one expert each), never the whole stack."""
+    e, d, f = 64, 32, 48
+    weights = {"router": jnp.zeros((e, d)), "expert_gate": jnp.zeros((e, d, f)),
+               "expert_up": jnp.zeros((e, d, f)), "expert_down": jnp.zeros((e, f, d))}
+    text = jax.jit(moe.moe_block, static_argnames=("routing", "row_invariant")).lower(
+        jnp.ones((1, d)), weights, routing=moe.Routing(e, 2, False),
+        row_invariant=False).compile().as_text()
+    for name, slice_sizes in (("expert_gate", f"{{1,{d},{f}}}"),
+                              ("expert_up", f"{{1,{d},{f}}}"),
+                              ("expert_down", f"{{1,{f},{d}}}")):
+        uses = [line for line in text.splitlines()
+                if f"{name}__" in line and "parameter(" not in line
+                and not line.startswith("ENTRY")]
+        assert uses and all("gather" in line for line in uses), uses
+        assert f"slice_sizes={slice_sizes}" in text
+
+
+def test_quantized_experts_multiply_as_their_dequantized_weights():
+    weights = _ours(_hf_block("qwen3_moe", True))
+    spec = Quantization.parse("int8")
+    quantized = dict(weights)
+    for key, k in (("expert_gate", D), ("expert_up", D), ("expert_down", F)):
+        quantized[key] = quantize_leaf(np.asarray(weights[key]), k, 1, spec, jnp.float32)
+        assert is_quantized(quantized[key]) and quantized[key].lead == (E,)
+    plain = {k: (v.dequantize(jnp.float32) if is_quantized(v) else v)
+             for k, v in quantized.items()}
+    routing = moe.Routing(E, K, True)
+    x = jnp.asarray(_rows(6))
+    for row_invariant in (False, True):
+        got = _invariant_block(x, quantized, routing=routing, row_invariant=row_invariant)
+        want = _invariant_block(x, plain, routing=routing, row_invariant=row_invariant)
+        assert np.array_equal(np.asarray(got), np.asarray(want))
+    # Control: the quantized experts are not the float ones.
+    exact = _invariant_block(x, weights, routing=routing, row_invariant=False)
+    assert not np.array_equal(np.asarray(exact), np.asarray(got))
+
+
+def test_terms_add_in_expert_order():
+    """The ``k`` terms add in the order of their expert index whatever order the router
+    ranked them in (as the reference's loop over experts adds them)."""
+    rng = np.random.default_rng(1)
+    gate, up, down = (jnp.asarray(rng.normal(size=s), jnp.bfloat16)
+                      for s in ((E, D, F), (E, D, F), (E, F, D)))
+    x = jnp.asarray(_rows(4), jnp.bfloat16)
+    experts = jnp.asarray([[5, 1, 3]] * 4, jnp.int32)
+    weights = jnp.asarray([[0.5, 0.3, 0.2]] * 4, jnp.float32)
+    order = jnp.asarray([1, 2, 0])
+    a = moe.routed_experts(x, weights, experts, gate, up, down)
+    b = moe.routed_experts(x, weights[:, order], experts[:, order], gate, up, down)
+    assert np.array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+def test_routing_is_checked():
+    with pytest.raises(ModelLoadError, match="num_experts must be positive"):
+        moe.Routing(0, 1, False)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
+        moe.Routing(4, 5, False)
+    assert dataclasses.replace(moe.Routing(4, 2, True), top_k=4).top_k == 4

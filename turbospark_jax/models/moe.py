@@ -1,0 +1,209 @@
+"""Mixture-of-experts layers shared by the families: a softmax top-k router, the routed
+experts' gated MLPs over stacked expert weights, and the Qwen-style block around them (with
+Qwen3-Next's and Qwen3.5-MoE's sigmoid-gated shared expert).
+
+Expert weights are stacked on a leading expert axis, ``[in, out]`` like every other matrix:
+``gate`` and ``up`` ``[E, D, F]``, ``down`` ``[E, F, D]`` (a family with stacked layers puts
+its layer axis in front). Any of them may be a
+:class:`~turbospark_jax.quant.weights.QuantizedWeight` of the same leaf shape.
+
+Exactness: a token's output never depends on the tokens beside it. Each row gathers its own
+``k`` experts' weights and multiplies by them alone (:func:`routed_experts`), so no product
+groups rows by expert, and the expert set a chunk, a verify block or a batch happens to hold
+changes no row's arithmetic. Under a row-invariant kernel plan the whole block (router
+product, softmax, top-k, experts) runs in the fixed-shape row tiles of
+:func:`~turbospark_jax.kernels.rowinv.row_tiled`, so programs of different widths agree bit
+for bit; under XLA's own kernels it runs on the rows as they come (exact at one program
+width, like the rest of such a model). A one-row decode step reads only its ``k`` experts'
+weights (a gather), never the whole stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.kernels.rowinv import row_tiled
+from turbospark_jax.quant.weights import as_array
+
+Activation = Callable[[jax.Array], jax.Array]
+
+
+def silu(x: jax.Array) -> jax.Array:
+    """SiLU computed in float32 and rounded once to ``x.dtype`` (as torch does for 16-bit
+    inputs)."""
+    return jax.nn.silu(x.astype(jnp.float32)).astype(x.dtype)
+
+
+def gelu_tanh(x: jax.Array) -> jax.Array:
+    """GELU's tanh approximation in float32, rounded once to ``x.dtype``."""
+    return jax.nn.gelu(x.astype(jnp.float32), approximate=True).astype(x.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """How a router picks a token's experts. Frozen and hashable (static under ``jit``).
+
+    Attributes:
+      num_experts: experts in each MoE layer (``E``).
+      top_k: experts each token runs (``k``).
+      normalize: divide the ``k`` chosen probabilities by their sum (Qwen's
+        ``norm_topk_prob``; Gemma 4 always does).
+    """
+
+    num_experts: int
+    top_k: int
+    normalize: bool
+
+    def __post_init__(self) -> None:
+        if self.num_experts <= 0:
+            raise ModelLoadError(f"num_experts must be positive, got {self.num_experts}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(f"num_experts_per_tok must be in 1..num_experts "
+                                 f"({self.num_experts}), got {self.top_k}")
+
+
+def top_k_softmax(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.Array]:
+    """A router's choice from its logits ``[T, E]``: the softmax (in float32) over the
+    experts, its ``k`` largest probabilities and their experts, renormalised to sum to one
+    when ``routing.normalize``.
+
+    Returns:
+      ``(weights, experts)``: float32 ``[T, k]`` and int32 ``[T, k]``, largest first.
+    """
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, routing.top_k)
+    if routing.normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts.astype(jnp.int32)
+
+
+def _rows_dot(x: jax.Array, w: jax.Array) -> jax.Array:
+    """Row ``t`` of ``x [T, ..., K]`` times its own matrix ``w[t] [..., K, N]`` (float32
+    sums, rounded to ``x.dtype``): a batched product whose batch is the row, so no row's
+    sums meet another row's."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    batch = tuple(range(x.ndim - 1))
+    out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (x.ndim - 1,)), (batch, batch)),
+                              preferred_element_type=jnp.float32, precision=precision)
+    return out.astype(x.dtype)
+
+
+def _gather(w: Any, experts: jax.Array, dtype: Any) -> jax.Array:
+    """The matrices of ``experts [T, k]`` out of a stack ``w [E, K, N]`` (plain or
+    quantized): ``[T, k, K, N]`` in ``dtype``, reading only those experts."""
+    return as_array(w[experts], dtype)
+
+
+def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: Any, up: Any,
+                   down: Any, act: Activation = silu) -> jax.Array:
+    """The routed experts' gated MLPs of rows ``x [T, D]``, weighted and summed:
+    ``sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over row ``t``'s experts
+    ``e = experts[t, j]``.
+
+    Each row multiplies by its own experts' gathered weights. The ``k`` terms are added in
+    the order of their expert index, in ``x.dtype``, as the reference's loop over experts
+    adds them.
+
+    Args:
+      x: ``[T, D]`` rows (already normed).
+      weights: ``[T, k]`` routing weights, any float dtype (rounded to ``x.dtype``).
+      experts: int ``[T, k]`` expert indices.
+      gate, up: ``[E, D, F]``; down: ``[E, F, D]`` (plain or quantized).
+      act: the gate's activation.
+
+    Returns:
+      ``[T, D]`` in ``x.dtype``.
+    """
+    order = jnp.argsort(experts, axis=-1)
+    experts = jnp.take_along_axis(experts, order, axis=-1)
+    weights = jnp.take_along_axis(weights, order, axis=-1).astype(x.dtype)
+    k = experts.shape[1]
+    rows = jnp.broadcast_to(x[:, None, :], (x.shape[0], k, x.shape[1]))  # [T, k, D]
+    g = _rows_dot(rows, _gather(gate, experts, x.dtype))
+    u = _rows_dot(rows, _gather(up, experts, x.dtype))
+    y = _rows_dot(act(g) * u, _gather(down, experts, x.dtype))  # [T, k, D]
+    out = y[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        out = out + y[:, j] * weights[:, j:j + 1]
+    return out
+
+
+def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
+    """``x [T, D]`` times a router stored as the file keeps it, ``[E, D]``: ``[T, E]`` in
+    ``x.dtype`` (float32 sums)."""
+    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    return jax.lax.dot_general(x, as_array(router, x.dtype), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32,
+                               precision=precision).astype(x.dtype)
+
+
+def _dense_dot(a: jax.Array, w: Any) -> jax.Array:
+    """``a [T, K] @ w [K, N]`` (plain or quantized) with float32 sums, rounded to
+    ``a.dtype``."""
+    precision = jax.lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return jnp.matmul(a, as_array(w, a.dtype), preferred_element_type=jnp.float32,
+                      precision=precision).astype(a.dtype)
+
+
+def _dense_swiglu(x: jax.Array, gate: Any, up: Any, down: Any, act: Activation) -> jax.Array:
+    return _dense_dot(act(_dense_dot(x, gate)) * _dense_dot(x, up), down)
+
+
+def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
+              row_invariant: bool, act: Activation = silu) -> jax.Array:
+    """The Qwen-style sparse MLP of rows ``x [T, D]`` (normed): the router's softmax top-k
+    over ``weights["router"]`` (``[E, D]``), the routed experts (``expert_gate``,
+    ``expert_up`` ``[E, D, F]``, ``expert_down`` ``[E, F, D]``), and, when ``weights`` holds
+    ``shared_gate`` (``[D, S]``), ``shared_up``, ``shared_down`` and ``shared_expert_gate``
+    (``[D, 1]``), a shared expert that every row runs, scaled by the sigmoid of its gate.
+
+    Args:
+      x: ``[T, D]``.
+      weights: the layer's MoE leaves (above).
+      routing: the router's rule.
+      row_invariant: run in fixed-shape row tiles, so a row's bits do not depend on the
+        number of rows in the call.
+      act: the experts' activation.
+
+    Returns:
+      ``[T, D]`` in ``x.dtype``.
+    """
+    def block(rows: jax.Array, w: Mapping[str, Any]) -> jax.Array:
+        probs, experts = top_k_softmax(router_logits(rows, w["router"]), routing)
+        out = routed_experts(rows, probs, experts, w["expert_gate"], w["expert_up"],
+                             w["expert_down"], act)
+        if "shared_gate" in w:
+            shared = _dense_swiglu(rows, w["shared_gate"], w["shared_up"], w["shared_down"],
+                                   act)
+            gate = jax.nn.sigmoid(_dense_dot(rows, w["shared_expert_gate"]).astype(
+                jnp.float32)).astype(rows.dtype)
+            out = out + gate * shared
+        return out
+
+    return per_row(block, x, shared=dict(weights), row_invariant=row_invariant)
+
+
+def per_row(fn: Callable[..., Any], *rows: jax.Array, shared: Any = None,
+            row_invariant: bool) -> Any:
+    """``fn(*rows, shared)`` of row-local ``fn``: in the fixed-shape tiles of
+    :func:`~turbospark_jax.kernels.rowinv.row_tiled` when ``row_invariant``, else on the
+    rows as they come."""
+    if row_invariant:
+        return row_tiled(fn, *rows, shared=(shared,))
+    return fn(*rows, shared)
+
+
+#: The leaves :func:`moe_block` reads, by whether the block has a shared expert.
+ROUTED_LEAVES = ("router", "expert_gate", "expert_up", "expert_down")
+SHARED_LEAVES = ("shared_gate", "shared_up", "shared_down", "shared_expert_gate")
+
+
+def moe_leaves(layer_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The MoE leaves of one layer's params (those :func:`moe_block` reads)."""
+    return {k: v for k, v in layer_params.items() if k in ROUTED_LEAVES + SHARED_LEAVES}
