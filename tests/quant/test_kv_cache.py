@@ -17,6 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import turbospark_jax as tsj
+from tests.quant.test_quantized_guarantees import PROMPT, _logits  # token-by-token logits
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import load_folder
@@ -34,7 +36,6 @@ pytestmark = pytest.mark.usefixtures("full_precision_products")
 
 VOCAB = 64
 KV_DTYPES = ("int8", "fp8")
-PROMPT = [5, 17, 3, 60, 41, 41, 9, 60, 2, 33, 14, 30, 63, 8, 51, 23, 1, 36]
 DENSE = DenseConfig(model_type="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                     head_dim=16)
@@ -88,6 +89,8 @@ def test_unknown_kv_dtype_is_refused_naming_the_choices(tmp_path):
     # before the folder is even looked at: this one does not exist
     with pytest.raises(BadInputError, match="kv_dtype"):
         load_folder(tmp_path / "absent", kv_dtype="int4")
+    with pytest.raises(BadInputError, match="kv_dtype"):
+        tsj.load(tmp_path / "absent", kv_dtype="int4")
 
 
 def test_bytes_per_token_halve():
@@ -230,12 +233,3 @@ def test_logits_near_the_unquantized_cache_not_equal(family, kv_dtype):
     a, b = _logits(build(None)), _logits(build(kv_dtype))
     gap = np.abs(a - b).max() / np.abs(a).max()
     assert 0 < gap <= DRIFT[kv_dtype], gap
-
-
-def _logits(producer):
-    """The logits of every position of ``PROMPT``, fed token by token."""
-    state, rows = producer.init_state(), []
-    for position, token in enumerate(PROMPT):
-        logits, state = producer.produce(state, token, position)
-        rows.append(np.asarray(logits))
-    return np.stack(rows)
