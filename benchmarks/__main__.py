@@ -1,11 +1,13 @@
 """``python -m benchmarks --suite SUITE --preset PRESET`` and ``python -m benchmarks --report``.
 
-Suites: ``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels``, ``train``, or ``all``
-(in that order). Presets: ``cpu`` (minutes on a laptop-class CPU), ``h100``, ``h200``, and
-``smoke`` (seconds: what the tests run). Each suite writes ``<out>/<suite>_<preset>.json``;
-``--report`` rebuilds ``<out>/REPORT.md`` and its plots from every such file in ``<out>``
-(a run of suites rebuilds it too). A preset too long for one sitting runs in parts with
-``--shapes``: each part replaces its own shapes' cases in the file and keeps the others.
+Suites: ``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels``, ``train``, ``quant``
+(quantized weights' speed), ``quality`` (quantized weights' perplexity and agreement on the
+embedded models), or ``all`` (in that order). Presets: ``cpu`` (minutes on a laptop-class
+CPU), ``h100``, ``h200``, and ``smoke`` (seconds: what the tests run). Each suite writes
+``<out>/<suite>_<preset>.json``; ``--report`` rebuilds ``<out>/REPORT.md`` and its plots from
+every such file in ``<out>`` (a run of suites rebuilds it too). A preset too long for one
+sitting runs in parts with ``--shapes``: each part replaces its own shapes' cases in the file
+and keeps the others.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SUITES = ("decode", "prefill", "speculative", "serve", "kernels", "train")
+SUITES = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality")
 PRESET_NAMES = ("smoke", "cpu", "h100", "h200")
 
 
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the results go (default benchmarks/results)")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shapes instead of the preset's (decode, prefill, "
-                             "kernels); the file keeps an earlier run's other shapes")
+                             "kernels, quant); the file keeps an earlier run's other shapes")
     parser.add_argument("--report", action="store_true",
                         help="rebuild REPORT.md and its plots from the JSON files in --out")
     parser.add_argument("--no-model-figures", action="store_true",

@@ -83,6 +83,7 @@ SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": _dense("llama", 2048, 16, 32, 8, 64, 8192, 128256, True),
     "qwen3-0.6b": _dense("qwen3", 1024, 28, 16, 8, 128, 3072, 151936, True),
     "llama-3.1-8b": _dense("llama", 4096, 32, 32, 8, 128, 14336, 128256, False),
+    "llama-3.1-70b": _dense("llama", 8192, 80, 64, 8, 128, 28672, 128256, False),
     "qwen3.5-0.8b": dict(
         model_type="qwen3_5_text", vocab_size=248320, hidden_size=1024, intermediate_size=3584,
         num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
@@ -103,6 +104,8 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size_per_layer_input=262144, final_logit_softcapping=30.0,
         layer_types=[FULL if (i + 1) % 5 == 0 else SLIDING for i in range(35)]),
     "tiny": _dense("qwen3", 64, 2, 4, 2, 16, 128, 256, True),
+    # small, untied, and wide enough for int4 groups of 128 inputs (the quant suite's smoke)
+    "tiny-llama": _dense("llama", 128, 2, 4, 2, 32, 256, 256, False),
     "small-60m": _dense("qwen3", 512, 8, 8, 4, 64, 1536, 32000, True),
     "qwen3.5-tiny": dict(
         model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -158,9 +161,16 @@ def build(shape: str, *, capacity: int, exact: bool = True, burst: int = 64,
           dtype: str = "bfloat16") -> Built:
     """A producer over :func:`random_model`'s weights at the widths :func:`widths` picks,
     donating its state as the CLI does."""
+    config, model, params = random_model(shape, dtype, exact)
+    return built_from(shape, config, model, params, capacity=capacity, exact=exact,
+                      burst=burst)
+
+
+def built_from(shape: str, config: Any, model: Any, params: Any, *, capacity: int,
+               exact: bool, burst: int = 64) -> Built:
+    """:func:`build`'s producer over weights made elsewhere (quantized ones, say)."""
     from turbospark_jax.engine.producer import BlockProducer
 
-    config, model, params = random_model(shape, dtype, exact)
     width, prefill_width = widths(model)
     producer = BlockProducer(model, params, capacity=capacity, width=width,
                              steps_per_call=burst, donate=True,
@@ -218,7 +228,8 @@ def step_bytes(config: Any, params: Any, context: int) -> int:
     """Bytes one decode step must read at ``context``: every weight but the input embedding
     table (one row of it is gathered; a tied head reads it whole) and Gemma 4's per-layer
     input table, the cache rows attended, and a recurrent layer's float32 state read and
-    written."""
+    written. A quantized weight counts as stored (its values, scales and zero points).
+    ``params`` may hold ``jax.ShapeDtypeStruct`` leaves: only shapes and dtypes are read."""
     import jax
 
     total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))

@@ -14,7 +14,7 @@ from typing import Any
 
 from benchmarks.speculative import table as drafter_table
 
-ORDER = ("decode", "prefill", "speculative", "serve", "kernels", "train")
+ORDER = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality")
 
 
 def load(out: Path) -> list[dict[str, Any]]:
@@ -133,11 +133,54 @@ def train_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def quant_lines(data: dict[str, Any]) -> list[str]:
+    decode = [c for c in data["cases"] if c.get("kind") == "decode"]
+    prefill = [c for c in data["cases"] if c.get("kind") == "prefill"]
+    lines = ["| shape | format | context | tokens/s | over unquantized | MiB read a step "
+             "| roofline | of roofline |", "|---|---|---|---|---|---|---|---|"]
+    for c in decode:
+        lines.append(f"| {c['shape']} | {c['format']} | {c['context']} | "
+                     f"{_num(c['tokens_per_s'])} | {_times(c.get('speedup_over_baseline'))} | "
+                     f"{c['step_bytes'] / 2**20:,.1f} | {_num(c['roofline_tokens_per_s'])} | "
+                     f"{c['fraction_of_roofline']:.0%} |")
+    if prefill:
+        lines += ["", "| shape | format | prompt | prefill tokens/s | over unquantized "
+                  "| at least 0.8x |", "|---|---|---|---|---|---|"]
+        for c in prefill:
+            bar = {True: "yes", False: "**NO**", None: "-"}[c.get("meets_bar")]
+            lines.append(f"| {c['shape']} | {c['format']} | {c['length']} | "
+                         f"{_num(c['tokens_per_s'])} | {_times(c.get('ratio_to_baseline'))} | "
+                         f"{bar} |")
+    return lines
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def quality_lines(data: dict[str, Any]) -> list[str]:
+    lines = ["| model | format | bits a weight | matrices quantized (kept) | perplexity "
+             "| vs float32 | greedy agreement | mean KL |", "|---|---|---|---|---|---|---|---|"]
+    for c in data["cases"]:
+        kept = (f"{c['quantized_matrices']} ({c['kept_matrices']})"
+                if "quantized_matrices" in c else "-")
+        ratio, agree, kl = (c.get(k) for k in ("perplexity_ratio", "greedy_agreement", "mean_kl"))
+        lines.append(f"| {c['model']} | {c['format']} | "
+                     f"{_num(c.get('bits_per_quantized_weight'), 2)} | {kept} | "
+                     f"{c['perplexity']:.4f} | "
+                     f"{'-' if ratio is None else f'{(ratio - 1) * 100:+.2f}%'} | "
+                     f"{'-' if agree is None else f'{agree:.2%}'} | "
+                     f"{'-' if kl is None else f'{kl:.2g}'} |")
+    return lines
+
+
 TABLES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines,
           "kernels": kernels_lines, "train": train_lines,
-          "speculative": lambda data: drafter_table(data)}
+          "speculative": lambda data: drafter_table(data), "quant": quant_lines,
+          "quality": quality_lines}
 TITLES = {"decode": "Decode (batch 1)", "prefill": "Prefill", "speculative": "Speculative decoding",
-          "serve": "Serving", "kernels": "Kernels", "train": "Training step"}
+          "serve": "Serving", "kernels": "Kernels", "train": "Training step",
+          "quant": "Quantized weights: speed", "quality": "Quantized weights: quality"}
 
 
 def write_report(out: Path) -> Path:
