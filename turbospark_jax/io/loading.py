@@ -161,10 +161,17 @@ def _node(tree: Any, key: tuple[str | int, ...]) -> Any:
     return tree
 
 
+def _stack_axes(t: HFTensor) -> int:
+    """How many leading axes of ``t``'s leaf index its slot: 0 (the leaf is the tensor), 1
+    (a stacked layer axis) or more (``stacked`` a tuple: a layer's expert stack)."""
+    if t.stacked is None:
+        return 0
+    return len(t.stacked) if isinstance(t.stacked, tuple) else 1
+
+
 def _slot_shape(shapes: Params, t: HFTensor) -> tuple[int, ...]:
-    """The shape ``t`` fills: its leaf's, less the stacked layer axis when it has one."""
-    shape = tuple(_node(shapes, t.key))
-    return shape[1:] if t.stacked is not None else shape
+    """The shape ``t`` fills: its leaf's, less the stacked axes it has."""
+    return tuple(_node(shapes, t.key))[_stack_axes(t):]
 
 
 def _is_shape(x: Any) -> bool:
@@ -533,8 +540,8 @@ def quantize_params(host: Params, tensors: list[HFTensor], spec: Quantization,
             continue
         done.add(t.key)
         parent = _node(host, t.key[:-1])
-        parent[t.key[-1]] = quantize_leaf(parent[t.key[-1]], t.hf_shape[1],
-                                          0 if t.stacked is None else 1, spec, dtype)
+        parent[t.key[-1]] = quantize_leaf(parent[t.key[-1]], t.hf_shape[1], _stack_axes(t),
+                                          spec, dtype)
     return host
 
 

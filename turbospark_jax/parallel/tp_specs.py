@@ -186,6 +186,10 @@ _FAMILIES: dict[type, tuple[Callable[..., dict[str, int]], Callable[..., Axes],
 
 
 def _family(config: Any) -> tuple[Callable[..., Any], ...]:
+    if isinstance(config, DenseConfig) and config.moe:
+        raise BadInputError(
+            "tensor parallelism does not split a mixture-of-experts model yet (its expert "
+            "stacks have no layout); serve it on one device or as replicas")
     layout = _FAMILIES.get(type(config))
     if layout is None:
         raise BadInputError(

@@ -11,7 +11,15 @@ llama      q,k,v,o if attention_bias   no                   never
 mistral    none                        no                   every layer if set
 qwen2      q,k,v always, o never       no                   layers marked sliding
 qwen3      q,k,v,o if attention_bias   yes, before RoPE     layers marked sliding
+qwen3_moe  q,k,v,o if attention_bias   yes, before RoPE     every layer if enabled
 =========  ==========================  ===================  ==========================
+
+``qwen3_moe`` replaces every layer's MLP by a sparse mixture of experts
+(:mod:`~turbospark_jax.models.moe`): ``num_experts`` experts of width
+``moe_intermediate_size``, ``num_experts_per_tok`` of them per token, picked by a softmax top-k
+router, renormalised when ``norm_topk_prob``. Its layers are stacked like the others', so they
+must all be alike: a config whose ``decoder_sparse_step`` or ``mlp_only_layers`` leaves some
+layers dense is refused.
 
 A key that ``config.json`` leaves out takes the value Hugging Face's config class for that
 ``model_type`` gives it, so a sparse file means the same model here as there.
@@ -26,6 +34,7 @@ from typing import Any
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.kernels.layers import SUPPORTED_ROPE_TYPES, RopeScaling
 from turbospark_jax.models.family import checkpoint_dtype, eos_ids, eos_to_json, hf_model_type
+from turbospark_jax.models.moe import Routing
 
 #: ``model_type`` values this module implements, with the HF class each saves as.
 ARCHITECTURES: dict[str, str] = {
@@ -33,6 +42,7 @@ ARCHITECTURES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(ARCHITECTURES)
 
@@ -54,6 +64,10 @@ _HF_DEFAULTS: dict[str, dict[str, Any]] = {
               "sliding_window": 4096},
     "qwen3": {"max_position_embeddings": 32768, "num_key_value_heads": 32,
               "sliding_window": 4096, "head_dim": 128},
+    "qwen3_moe": {"max_position_embeddings": 32768, "num_key_value_heads": 4,
+                  "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8,
+                  "moe_intermediate_size": 768, "norm_topk_prob": False,
+                  "decoder_sparse_step": 1},
 }
 
 _FULL, _SLIDING = "full_attention", "sliding_attention"
@@ -75,6 +89,11 @@ class DenseConfig:
       max_window_layers: Qwen's first sliding layer, kept so the config round-trips.
       eos_token_id: an int, a tuple of ints, or ``None``.
       dtype: the checkpoint dtype named in config.json (``"bfloat16"``...), if any.
+      num_experts, num_experts_per_tok, moe_intermediate_size, norm_topk_prob: a
+        ``qwen3_moe`` model's experts, experts per token, expert width and whether the
+        chosen probabilities are renormalised (``num_experts == 0``: no experts).
+      decoder_sparse_step, mlp_only_layers: which layers are sparse, kept so the config
+        round-trips (every layer must be, see the module docstring).
     """
 
     model_type: str
@@ -101,6 +120,12 @@ class DenseConfig:
     pad_token_id: int | None = None
     initializer_range: float = 0.02
     dtype: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.num_key_value_heads is None:
@@ -112,8 +137,10 @@ class DenseConfig:
             object.__setattr__(self, "max_window_layers", 28)  # the HF default, for round trips
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         if not self.layer_types:
-            slides = self.sliding_window is not None and self.model_type == "mistral"
+            slides = self.sliding_window is not None and self.model_type in ("mistral",
+                                                                             "qwen3_moe")
             object.__setattr__(
                 self, "layer_types", (_SLIDING if slides else _FULL,) * self.num_hidden_layers
             )
@@ -168,6 +195,32 @@ class DenseConfig:
                 f"unsupported rope_type {self.rope_scaling.rope_type!r}; supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)}"
             )
+        self._check_experts(bad)
+
+    def _check_experts(self, bad: Callable[[str], ModelLoadError]) -> None:
+        if self.model_type != "qwen3_moe":
+            if self.num_experts:
+                raise bad("num_experts is a qwen3_moe key; this model_type has no experts")
+            return
+        if self.num_experts < 0:
+            raise bad(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.decoder_sparse_step <= 0:
+            raise bad(f"decoder_sparse_step must be positive, got {self.decoder_sparse_step}")
+        sparse = self.sparse_layers
+        if any(sparse) and not all(sparse):
+            raise bad(
+                f"layers {[i for i, s in enumerate(sparse) if not s]} are dense and the others "
+                f"sparse (decoder_sparse_step={self.decoder_sparse_step}, mlp_only_layers="
+                f"{list(self.mlp_only_layers)}); the dense family stacks its layers, so they "
+                "must all be sparse or all dense"
+            )
+        if self.moe:
+            if self.moe_intermediate_size <= 0:
+                raise bad(f"moe_intermediate_size must be positive, got "
+                          f"{self.moe_intermediate_size}")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise bad(f"num_experts_per_tok must be in 1..num_experts ({self.num_experts}), "
+                          f"got {self.num_experts_per_tok}")
 
     # -- derived switches -----------------------------------------------------------------
 
@@ -176,12 +229,12 @@ class DenseConfig:
         """Whether q/k/v projections carry a bias (always for qwen2)."""
         if self.model_type == "qwen2":
             return True
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
     @property
     def o_bias(self) -> bool:
         """Whether the output projection carries a bias (never for qwen2 and mistral)."""
-        return self.attention_bias and self.model_type in ("llama", "qwen3")
+        return self.attention_bias and self.model_type in ("llama", "qwen3", "qwen3_moe")
 
     @property
     def has_mlp_bias(self) -> bool:
@@ -190,8 +243,28 @@ class DenseConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Whether q and k get a per-head RMSNorm before RoPE (qwen3)."""
-        return self.model_type == "qwen3"
+        """Whether q and k get a per-head RMSNorm before RoPE (qwen3, qwen3_moe)."""
+        return self.model_type in ("qwen3", "qwen3_moe")
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is a mixture of experts (transformers' rule)."""
+        return tuple(
+            self.num_experts > 0 and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_hidden_layers)
+        )
+
+    @property
+    def moe(self) -> bool:
+        """Whether the layers' MLPs are mixtures of experts (all of them; see the module
+        docstring)."""
+        return self.model_type == "qwen3_moe" and all(self.sparse_layers)
+
+    @property
+    def routing(self) -> Routing:
+        """The router's rule (a ``qwen3_moe`` model with experts only)."""
+        return Routing(self.num_experts, self.num_experts_per_tok, self.norm_topk_prob)
 
     @property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -270,8 +343,13 @@ class DenseConfig:
                     _SLIDING if window is not None and i >= max_window_layers else _FULL
                     for i in range(layers)
                 )
+        elif model_type == "qwen3_moe":
+            use_window = get("use_sliding_window", bool, False)
+            window = get("sliding_window", int) if use_window else None
+            layer_types = ()
         else:
             window, layer_types = None, ()
+        experts = _parse_experts(d, get) if model_type == "qwen3_moe" else {}
 
         theta, scaling = _parse_rope(d, get("max_position_embeddings", int))
         eos = d.get("eos_token_id")
@@ -308,6 +386,7 @@ class DenseConfig:
             pad_token_id=get("pad_token_id", int),
             initializer_range=get("initializer_range", float, 0.02),
             dtype=checkpoint_dtype(d),
+            **experts,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -341,7 +420,7 @@ class DenseConfig:
             "eos_token_id": eos_to_json(self.eos_token_id),
             "pad_token_id": self.pad_token_id,
         }
-        if self.model_type in ("llama", "qwen3"):
+        if self.model_type in ("llama", "qwen3", "qwen3_moe"):
             out["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             out["mlp_bias"] = self.mlp_bias
@@ -352,9 +431,40 @@ class DenseConfig:
             out["sliding_window"] = self.sliding_window
             out["max_window_layers"] = self.max_window_layers
             out["layer_types"] = list(self.layer_types)
+        if self.model_type == "qwen3_moe":
+            out.update(use_sliding_window=self.sliding_window is not None,
+                       sliding_window=self.sliding_window, num_experts=self.num_experts,
+                       num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size,
+                       norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step,
+                       mlp_only_layers=list(self.mlp_only_layers))
         if self.dtype is not None:
             out["dtype"] = self.dtype
         return out
+
+
+def _parse_experts(d: Mapping[str, Any], get: Callable) -> dict[str, Any]:
+    """A ``qwen3_moe`` config's expert keys. transformers 5 writes ``num_experts`` as
+    ``num_local_experts``; either name is read, and both must agree when both are given."""
+    if "num_experts" in d and "num_local_experts" in d and (
+            d["num_experts"] != d["num_local_experts"]):
+        raise ModelLoadError(f"config.json keys 'num_experts' ({d['num_experts']!r}) and "
+                             f"'num_local_experts' ({d['num_local_experts']!r}) disagree")
+    key = "num_local_experts" if "num_local_experts" in d else "num_experts"
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ModelLoadError(f"config.json key 'mlp_only_layers' must be a list of layer "
+                             f"indices, got {only!r}")
+    return dict(
+        num_experts=get(key, int),
+        num_experts_per_tok=get("num_experts_per_tok", int),
+        moe_intermediate_size=get("moe_intermediate_size", int),
+        norm_topk_prob=get("norm_topk_prob", bool),
+        decoder_sparse_step=get("decoder_sparse_step", int),
+        mlp_only_layers=tuple(only),
+    )
 
 
 def _parse_rope(d: Mapping[str, Any], max_positions: int) -> tuple[float, RopeScaling | None]:

@@ -28,6 +28,13 @@ layer, and per-layer leaves are stacked on a leading ``L`` axis::
       gate_bias, up_bias      [L, F]         when mlp_bias (llama)
       down_bias               [L, D]         when mlp_bias (llama)
 
+A ``qwen3_moe`` model (``E`` experts of width ``Fe``) has, instead of the three MLP matrices,
+the router as the file keeps it and the experts stacked (:mod:`~turbospark_jax.models.moe`)::
+
+      router                  [L, E, D]
+      expert_gate, expert_up  [L, E, D, Fe]
+      expert_down             [L, E, Fe, D]
+
 Two layer layouts are accepted everywhere (``block_forward``, ``forward``, ``save_folder``):
 
 * **stacked** (above; what :func:`init_params` and ``load_folder`` return by default): the
@@ -69,6 +76,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense.attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense.config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
+from turbospark_jax.models.moe import moe_block, moe_leaves
 from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, is_quantized, take_rows, tied_logits
 
@@ -89,10 +97,13 @@ def param_shapes(config: DenseConfig) -> Params:
         "v_proj": (n, d, kv, hd),
         "o_proj": (n, h, hd, d),
         "post_attention_layernorm": (n, d),
-        "gate_proj": (n, d, f),
-        "up_proj": (n, d, f),
-        "down_proj": (n, f, d),
     }
+    if c.moe:
+        e, fe = c.num_experts, c.moe_intermediate_size
+        layers.update(router=(n, e, d), expert_gate=(n, e, d, fe), expert_up=(n, e, d, fe),
+                      expert_down=(n, e, fe, d))
+    else:
+        layers.update(gate_proj=(n, d, f), up_proj=(n, d, f), down_proj=(n, f, d))
     if c.qkv_bias:
         layers.update(q_bias=(n, h, hd), k_bias=(n, kv, hd), v_bias=(n, kv, hd))
     if c.o_bias:
@@ -174,6 +185,13 @@ _HF_LAYER_NAMES: dict[str, tuple[str, bool]] = {
     "gate_bias": ("mlp.gate_proj.bias", False),
     "up_bias": ("mlp.up_proj.bias", False),
     "down_bias": ("mlp.down_proj.bias", False),
+    "router": ("mlp.gate.weight", False),  # kept [E, D] as the file has it
+}
+#: Expert stacks -> the name of expert ``e``'s matrix under ``model.layers.{i}.``.
+_HF_EXPERT_NAMES: dict[str, str] = {
+    "expert_gate": "mlp.experts.{e}.gate_proj.weight",
+    "expert_up": "mlp.experts.{e}.up_proj.weight",
+    "expert_down": "mlp.experts.{e}.down_proj.weight",
 }
 
 
@@ -184,11 +202,19 @@ def hf_tensors(config: DenseConfig) -> list[HFTensor]:
     out = [HFTensor("model.embed_tokens.weight", ("embed_tokens",), shapes["embed_tokens"])]
     for i in range(config.num_hidden_layers):
         for key, shape in shapes["layers"].items():
+            if key in _HF_EXPERT_NAMES:  # ours [in, out] per expert; HF [out, in]
+                hf = shape[2:][::-1]
+                out.extend(HFTensor(f"model.layers.{i}.{_HF_EXPERT_NAMES[key].format(e=e)}",
+                                    ("layers", key), hf, transpose=True, stacked=(i, e))
+                           for e in range(shape[1]))
+                continue
             suffix, linear = _HF_LAYER_NAMES[key]
             ours = shape[1:]
             if linear:  # ours is [in..., out...]; HF is [prod(out), prod(in)]
                 split = 2 if key == "o_proj" else 1
                 hf = (math.prod(ours[split:]), math.prod(ours[:split]))
+            elif key == "router":
+                hf = ours
             else:
                 hf = (math.prod(ours),)
             out.append(HFTensor(f"model.layers.{i}.{suffix}", ("layers", key), hf,
@@ -379,15 +405,15 @@ class DenseModel(BlockModel):
 
     def defers_sums(self, layers: Params) -> bool:
         """Whether the layers hand their residual deltas on unfinished (a row-invariant plan,
-        unrolled layers, no biases after a product, no tap layers): each output projection
-        and MLP gives float32 partial sums over K, which the next norm's kernel adds to the
-        residual itself (:func:`~turbospark_jax.kernels.plan.add_norm`), and the q/k/v
-        product's partial sums go to the RoPE-and-cache-write kernel. Bitwise the same
+        unrolled layers, no biases after a product, no tap layers, no experts): each output
+        projection and MLP gives float32 partial sums over K, which the next norm's kernel
+        adds to the residual itself (:func:`~turbospark_jax.kernels.plan.add_norm`), and the
+        q/k/v product's partial sums go to the RoPE-and-cache-write kernel. Bitwise the same
         arithmetic as finishing every product first, with the launches that would finish
         them saved (two or three a layer at decode widths)."""
         c = self.config
         return (self.plan.row_invariant and not self._scans(layers) and not self.tap_layers
-                and not c.o_bias and not c.has_mlp_bias)
+                and not c.o_bias and not c.has_mlp_bias and not c.moe)
 
     def _deferring_layer(self, attention: Attention) -> LayerFn:
         """:meth:`_layer` over a hidden state carried as ``(h, pending)``: the rows are
@@ -440,7 +466,10 @@ class DenseModel(BlockModel):
         return o
 
     def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
-        """SwiGLU of the normed rows, h [W, D] -> [W, D]."""
+        """SwiGLU (or the mixture of experts) of the normed rows, h [W, D] -> [W, D]."""
+        if self.config.moe:
+            return moe_block(h, moe_leaves(lp), self.config.routing,
+                             row_invariant=self.plan.row_invariant)
         bias = self.config.has_mlp_bias
         if self.plan.row_invariant and not bias:
             return row_kernels.matmul(self.plan, self._gated(h, lp), lp["down_proj"],
