@@ -118,8 +118,8 @@ def test_the_quant_suite_measures_every_format_against_the_unquantized(smoke):
     data = _file(smoke, "quant")
     decode = [c for c in data["cases"] if c["kind"] == "decode"]
     prefill = [c for c in data["cases"] if c["kind"] == "prefill"]
-    assert [c["format"] for c in decode] == ["float32", "int8", "int4", "fp8"]
-    assert [c["format"] for c in prefill] == ["float32", "int8", "int4", "fp8"]
+    assert [c["format"] for c in decode] == ["float32", "int4", "int8", "fp8"]
+    assert [c["format"] for c in prefill] == ["float32", "int4", "int8", "fp8"]
     assert decode[0]["speedup_over_baseline"] == 1.0 and prefill[0]["ratio_to_baseline"] == 1.0
     for c in decode:
         assert c["tokens_per_s"] > 0 and c["generated"] == 8 and c["fraction_of_roofline"] > 0
