@@ -186,7 +186,7 @@ _FAMILIES: dict[type, tuple[Callable[..., dict[str, int]], Callable[..., Axes],
 
 
 def _family(config: Any) -> tuple[Callable[..., Any], ...]:
-    if isinstance(config, DenseConfig) and config.moe:
+    if getattr(config, "moe", False):
         raise BadInputError(
             "tensor parallelism does not split a mixture-of-experts model yet (its expert "
             "stacks have no layout); serve it on one device or as replicas")

@@ -1,12 +1,18 @@
 """The Qwen3.5 / Qwen3-Next family's config: :class:`Qwen35Config`, parsed from and written
-back to a Hugging Face ``config.json`` (a ``qwen3_5_text`` or ``qwen3_next`` one, or a
-``qwen3_5`` one's ``text_config``).
+back to a Hugging Face ``config.json`` (a ``qwen3_5_text``, ``qwen3_5_moe_text`` or
+``qwen3_next`` one, or a ``qwen3_5`` or ``qwen3_5_moe`` one's ``text_config``).
 
 Keys left out take the transformers defaults of that model type (``layer_types`` from
 ``full_attention_interval``); RoPE is read from ``rope_parameters`` or the legacy top-level
-keys. A malformed value, a mixture-of-experts config (``qwen3_5_moe``, or ``qwen3_next``
-experts in any layer), a RoPE type other than the default, or inconsistent shapes is a
+keys. A malformed value, a RoPE type other than the default, or inconsistent shapes is a
 :class:`ModelLoadError` naming the key.
+
+Mixture of experts (:mod:`~turbospark_jax.models.moe`): a ``qwen3_5_moe`` model's every layer,
+and a ``qwen3_next`` model's layers by transformers' rule (``num_experts > 0``, ``(i + 1) %
+decoder_sparse_step == 0``, ``i`` not in ``mlp_only_layers``), run ``num_experts`` routed
+experts (``num_experts_per_tok`` a token, softmax top-k, renormalised; Qwen3-Next's
+``norm_topk_prob`` may turn that off) beside a shared expert scaled by a sigmoid gate. The MTP
+layers of a model with experts have them too.
 """
 
 from __future__ import annotations
@@ -25,19 +31,31 @@ from turbospark_jax.models.family import (
     token_ids,
     typed_value,
 )
+from turbospark_jax.models.moe import Routing
 
 LINEAR, FULL = "linear_attention", "full_attention"
 ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
-_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+#: Multimodal model types (the text decoder's keys under ``text_config``, its tensors under
+#: ``model.language_model.``) -> their text model type.
+MULTIMODAL = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_EXPERT_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size")
 # Keys whose transformers defaults differ between the two configuration classes.
 _TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen3_5_text": {},
     "qwen3_next": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
-                       num_hidden_layers=48, num_key_value_heads=2),
+                       num_hidden_layers=48, num_key_value_heads=2, num_experts=512,
+                       num_experts_per_tok=10, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512),
+    "qwen3_5_moe_text": dict(hidden_size=2048, num_hidden_layers=40, num_key_value_heads=2,
+                             num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                             shared_expert_intermediate_size=512),
 }
 
 
@@ -77,6 +95,13 @@ class Qwen35Config:
     eos_token_id: int | tuple[int, ...] | None = None
     pad_token_id: int | None = None
     dtype: str | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_types:  # the reference's default: every fourth layer attends fully
@@ -84,6 +109,7 @@ class Qwen35Config:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if isinstance(self.eos_token_id, list):
             object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
         self._check()
 
     def _check(self) -> None:
@@ -118,6 +144,20 @@ class Qwen35Config:
                                      f"only {LINEAR!r} and {FULL!r} are known")
         if self.mtp_num_hidden_layers < 0:
             raise bad("mtp_num_hidden_layers", f"must be >= 0, got {self.mtp_num_hidden_layers}")
+        if self.num_experts < 0:
+            raise bad("num_experts", f"must be >= 0, got {self.num_experts}")
+        if self.decoder_sparse_step <= 0:
+            raise bad("decoder_sparse_step", f"must be positive, got {self.decoder_sparse_step}")
+        if self.model_type in ("qwen3_5_text", "qwen3_5") and self.num_experts:
+            raise bad("num_experts", f"= {self.num_experts}: a {self.model_type} model has no "
+                                     "experts (its mixture-of-experts form is qwen3_5_moe)")
+        if self.moe:
+            for key in _EXPERT_KEYS[2:]:
+                if getattr(self, key) <= 0:
+                    raise bad(key, f"must be positive, got {getattr(self, key)}")
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise bad("num_experts_per_tok", f"must be in 1..num_experts "
+                          f"({self.num_experts}), got {self.num_experts_per_tok}")
 
     # -- derived shapes -----------------------------------------------------------------------
 
@@ -125,6 +165,30 @@ class Qwen35Config:
     def fused(self) -> bool:
         """Whether the DeltaNet projections are fused (Qwen3-Next's ``in_proj_qkvz``)."""
         return self.model_type == "qwen3_next"
+
+    @property
+    def sparse_layers(self) -> tuple[bool, ...]:
+        """Whether each layer's MLP is a mixture of experts (see the module docstring)."""
+        return tuple(
+            self.num_experts > 0 and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+            for i in range(self.num_hidden_layers)
+        )
+
+    @property
+    def moe(self) -> bool:
+        """Whether any layer (and then every MTP layer) has experts."""
+        return any(self.sparse_layers)
+
+    @property
+    def routing(self) -> Routing:
+        """The routers' rule (a model with experts only)."""
+        return Routing(self.num_experts, self.num_experts_per_tok, self.norm_topk_prob)
+
+    @property
+    def text_model_type(self) -> str:
+        """The model type of the text decoder (the ``text_config``'s, for a multimodal one)."""
+        return MULTIMODAL.get(self.model_type, self.model_type)
 
     @property
     def rotary_dim(self) -> int:
@@ -157,20 +221,21 @@ class Qwen35Config:
 
         Raises:
           ModelLoadError: naming the key, for a wrong model type, a malformed value, a
-            mixture-of-experts config (``qwen3_5_moe``, or ``qwen3_next`` experts in any
-            layer), a RoPE type other than the default, or inconsistent shapes.
+            RoPE type other than the default, or inconsistent shapes.
         """
         model_type = hf_model_type(d)
         outer: Mapping[str, Any] = {}
-        if model_type == "qwen3_5":
+        if model_type in MULTIMODAL:
             outer, d = d, text_config(d)
-        if model_type in _MOE_TYPES or d.get("model_type") in _MOE_TYPES:
-            raise ModelLoadError(f"model_type {model_type!r} is a mixture-of-experts model: MoE "
-                                 "is not supported by the Qwen3.5 family")
+            inner = d.get("model_type", MULTIMODAL[model_type])
+            if inner != MULTIMODAL[model_type]:
+                raise ModelLoadError(f"config.json's text_config has model_type {inner!r}; a "
+                                     f"{model_type} folder's is {MULTIMODAL[model_type]!r}")
         if model_type not in ARCHITECTURES:
             raise ModelLoadError(f"unsupported model_type {model_type!r} for the Qwen3.5 family "
                                  f"(supported: {', '.join(ARCHITECTURES)})")
-        base = "qwen3_next" if model_type == "qwen3_next" else "qwen3_5_text"
+        base = model_type if model_type in _TYPE_DEFAULTS else MULTIMODAL.get(model_type,
+                                                                              "qwen3_5_text")
         defaults = {f.name: f.default for f in dataclasses.fields(cls)} | _TYPE_DEFAULTS[base]
 
         def get(key: str, kind: type, source: Mapping[str, Any] = d, default: Any = None) -> Any:
@@ -180,7 +245,7 @@ class Qwen35Config:
             return typed_value(key, value, kind)
 
         layers = get("num_hidden_layers", int)
-        _refuse_moe(d, model_type, layers, get)
+        experts = _parse_experts(d, base, get)
         if get("mtp_use_dedicated_embeddings", bool, default=False):
             raise ModelLoadError("config.json key 'mtp_use_dedicated_embeddings' is true: an MTP "
                                  "head with its own embeddings is not supported")
@@ -217,11 +282,13 @@ class Qwen35Config:
             layer_types=tuple(types),
             dtype=checkpoint_dtype(d, outer),
             **tokens,
+            **experts,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """A config.json dict that transformers and :meth:`from_hf_dict` read as this config."""
-        skip = ("model_type", "rope_theta", "partial_rotary_factor", "eos_token_id", "dtype")
+        skip = ("model_type", "rope_theta", "partial_rotary_factor", "eos_token_id", "dtype",
+                *_EXPERT_KEYS, "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
         text: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                                 if f.name not in skip}
         text.update(
@@ -231,13 +298,18 @@ class Qwen35Config:
             eos_token_id=eos_to_json(self.eos_token_id),
             **({"dtype": self.dtype} if self.dtype is not None else {}),
         )
+        if self.model_type == "qwen3_next" or self.moe:
+            # (qwen3_next's reference default is 512 experts: a 0 must be written)
+            text.update({k: getattr(self, k) for k in _EXPERT_KEYS})
         if self.model_type == "qwen3_next":
-            text["num_experts"] = 0  # the reference's default is 512 experts
-        if self.model_type != "qwen3_5":
+            text.update(norm_topk_prob=self.norm_topk_prob,
+                        decoder_sparse_step=self.decoder_sparse_step,
+                        mlp_only_layers=list(self.mlp_only_layers))
+        if self.model_type not in MULTIMODAL:
             return {"architectures": [ARCHITECTURES[self.model_type]],
                     "model_type": self.model_type, **text}
-        return {"architectures": [ARCHITECTURES["qwen3_5"]], "model_type": "qwen3_5",
-                "text_config": {"model_type": "qwen3_5_text", **text},
+        return {"architectures": [ARCHITECTURES[self.model_type]], "model_type": self.model_type,
+                "text_config": {"model_type": self.text_model_type, **text},
                 "tie_word_embeddings": self.tie_word_embeddings,
                 **({"dtype": self.dtype} if self.dtype is not None else {})}
 
@@ -246,27 +318,28 @@ def _interval_types(layers: int, interval: int) -> tuple[str, ...]:
     return tuple(FULL if (i + 1) % interval == 0 else LINEAR for i in range(max(layers, 0)))
 
 
-def _refuse_moe(d: Mapping[str, Any], model_type: str, layers: int, get: Callable) -> None:
-    """Raise if any layer would get a mixture-of-experts MLP (transformers' rule for
-    ``qwen3_next``: experts in layer ``i`` unless ``i`` is in ``mlp_only_layers``, when
-    ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``)."""
-    experts = get("num_experts", int, default=512 if model_type == "qwen3_next" else 0)
-    if experts < 0:
-        raise ModelLoadError(f"config.json key 'num_experts' must be >= 0, got {experts}")
-    if not experts:
-        return
-    step = get("decoder_sparse_step", int, default=1)
-    only = d.get("mlp_only_layers") or []
-    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
-        raise ModelLoadError(f"config.json key 'mlp_only_layers' must be a list of layer "
-                             f"indices, got {only!r}")
-    if step <= 0:
-        raise ModelLoadError(f"config.json key 'decoder_sparse_step' must be positive, got {step}")
-    sparse = [i for i in range(layers) if i not in only and (i + 1) % step == 0]
-    if sparse or get("mtp_num_hidden_layers", int, default=0):
-        raise ModelLoadError(f"config.json key 'num_experts' = {experts} asks for "
-                             f"mixture-of-experts MLPs (layers {sparse[:8]}, or the MTP "
-                             "layer): MoE is not supported by the Qwen3.5 family")
+def _parse_experts(d: Mapping[str, Any], base: str, get: Callable) -> dict[str, Any]:
+    """The expert keys of a ``qwen3_next`` or ``qwen3_5_moe_text`` config (a
+    ``qwen3_5_text`` has none: empty). Qwen3.5-MoE always renormalises and has experts in
+    every layer, so only Qwen3-Next reads ``norm_topk_prob``, ``decoder_sparse_step`` and
+    ``mlp_only_layers``."""
+    if base == "qwen3_5_text":
+        if get("num_experts", int, default=0):
+            raise ModelLoadError(f"config.json key 'num_experts' = {d['num_experts']}: a "
+                                 "qwen3_5_text model has no experts (its mixture-of-experts "
+                                 "form is qwen3_5_moe_text)")
+        return {}
+    out = {k: get(k, int, default=0) for k in _EXPERT_KEYS}
+    if base == "qwen3_next":
+        only = d.get("mlp_only_layers") or []
+        if not isinstance(only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in only):
+            raise ModelLoadError(f"config.json key 'mlp_only_layers' must be a list of layer "
+                                 f"indices, got {only!r}")
+        out.update(norm_topk_prob=get("norm_topk_prob", bool, default=True),
+                   decoder_sparse_step=get("decoder_sparse_step", int, default=1),
+                   mlp_only_layers=tuple(only))
+    return out
 
 
 def _parse_rope(d: Mapping[str, Any]) -> tuple[float, float]:

@@ -48,6 +48,14 @@ and ``layers`` is a list::
                conv1d [K, C]  dt_bias, A_log [Hv]  gated_norm [dv]  out_proj [Hv*dv, D]
     mtp (mtp_num_hidden_layers > 0): pre_fc_norm_embedding, pre_fc_norm_hidden, norm [D];
                fc [2*D, D]; layers: full-attention layer dicts as above
+
+A layer with experts (``E`` experts of width ``Fe``, a shared expert of width ``S``;
+:mod:`~turbospark_jax.models.moe`) has, instead of ``gate_proj``, ``up_proj`` and
+``down_proj``::
+
+      router [E, D] (as the file keeps it)   expert_gate, expert_up [E, D, Fe]
+      expert_down [E, Fe, D]   shared_gate, shared_up [D, S]   shared_down [S, D]
+      shared_expert_gate [D, 1]
 """
 
 from __future__ import annotations
@@ -77,7 +85,14 @@ from turbospark_jax.kernels.layers import (
 )
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
-from turbospark_jax.models.qwen3_5.config import ARCHITECTURES, FULL, LINEAR, Qwen35Config
+from turbospark_jax.models.moe import moe_block, moe_leaves
+from turbospark_jax.models.qwen3_5.config import (
+    ARCHITECTURES,
+    FULL,
+    LINEAR,
+    MULTIMODAL,
+    Qwen35Config,
+)
 from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
 from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
@@ -85,13 +100,19 @@ from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 # -- params ----------------------------------------------------------------------------------
 
 
-def _full_layer_shapes(c: Qwen35Config) -> dict[str, tuple[int, ...]]:
+def _full_layer_shapes(c: Qwen35Config, sparse: bool) -> dict[str, tuple[int, ...]]:
     d, h, kv, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     lp = {"input_layernorm": (d,), "post_attention_layernorm": (d,),
           "q_proj": (d, h * 2 * hd), "k_proj": (d, kv * hd), "v_proj": (d, kv * hd),
-          "o_proj": (h * hd, d), "q_norm": (hd,), "k_norm": (hd,),
-          "gate_proj": (d, c.intermediate_size), "up_proj": (d, c.intermediate_size),
-          "down_proj": (c.intermediate_size, d)}
+          "o_proj": (h * hd, d), "q_norm": (hd,), "k_norm": (hd,)}
+    if sparse:
+        e, fe, sh = c.num_experts, c.moe_intermediate_size, c.shared_expert_intermediate_size
+        lp.update(router=(e, d), expert_gate=(e, d, fe), expert_up=(e, d, fe),
+                  expert_down=(e, fe, d), shared_gate=(d, sh), shared_up=(d, sh),
+                  shared_down=(sh, d), shared_expert_gate=(d, 1))
+    else:
+        lp.update(gate_proj=(d, c.intermediate_size), up_proj=(d, c.intermediate_size),
+                  down_proj=(c.intermediate_size, d))
     if c.attention_bias:
         lp.update(q_bias=(h * 2 * hd,), k_bias=(kv * hd,), v_bias=(kv * hd,), o_bias=(d,))
     return lp
@@ -106,8 +127,8 @@ def param_shapes(config: Qwen35Config) -> Params:
     if not c.tie_word_embeddings:
         tree["lm_head"] = (d, c.vocab_size)
     layers = []
-    for kind in c.layer_types:
-        lp = _full_layer_shapes(c)
+    for kind, sparse in zip(c.layer_types, c.sparse_layers, strict=True):
+        lp = _full_layer_shapes(c, sparse)
         if kind == LINEAR:
             for key in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
                         "q_bias", "k_bias", "v_bias", "o_bias"):
@@ -124,7 +145,8 @@ def param_shapes(config: Qwen35Config) -> Params:
     if c.mtp_num_hidden_layers:
         tree["mtp"] = {"pre_fc_norm_embedding": (d,), "pre_fc_norm_hidden": (d,),
                        "fc": (2 * d, d), "norm": (d,),
-                       "layers": [_full_layer_shapes(c) for _ in range(c.mtp_num_hidden_layers)]}
+                       "layers": [_full_layer_shapes(c, c.moe)
+                                  for _ in range(c.mtp_num_hidden_layers)]}
     return tree
 
 
@@ -140,19 +162,26 @@ _HF_LAYER_NAMES = {
                                               "out_proj", "conv1d")},
     "dt_bias": "linear_attn.dt_bias", "A_log": "linear_attn.A_log",
     "gated_norm": "linear_attn.norm.weight",
+    "router": "mlp.gate.weight",
+    **{f"shared_{k}": f"mlp.shared_expert.{k}_proj.weight" for k in ("gate", "up", "down")},
+    "shared_expert_gate": "mlp.shared_expert_gate.weight",
+    **{f"expert_{k}": f"mlp.experts.{{e}}.{k}_proj.weight" for k in ("gate", "up", "down")},
 }
 
 
 def hf_tensors(config: Qwen35Config) -> list[HFTensor]:
     """Every tensor a folder of ``config`` holds (MTP ones when ``mtp_num_hidden_layers``)."""
     c = config
-    top = "model.language_model." if c.model_type == "qwen3_5" else "model."
+    top = "model.language_model." if c.model_type in MULTIMODAL else "model."
     shapes = param_shapes(c)
     out: list[HFTensor] = []
 
     def add(name: str, key: tuple[str | int, ...], shape: tuple[int, ...]) -> None:
-        if key[-1] == "embed_tokens" or len(shape) == 1:  # vectors and the embedding as stored
+        if key[-1] in ("embed_tokens", "router") or len(shape) == 1:  # kept as stored
             out.append(HFTensor(name, key, shape))
+        elif key[-1].startswith("expert_"):  # one nn.Linear [out, in] per expert
+            out.extend(HFTensor(name.format(e=e), key, shape[:0:-1], transpose=True, stacked=e)
+                       for e in range(shape[0]))
         elif key[-1] == "conv1d":  # nn.Conv1d keeps [C, 1, K]; ours is [K, C]
             out.append(HFTensor(name, key, (shape[1], 1, shape[0]), transpose=True))
         else:  # nn.Linear keeps [out, in]; ours is [in, ...out]
@@ -572,6 +601,8 @@ class Qwen35Model(BlockModel):
 
     def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
         h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
+        if "router" in lp:  # XLA's kernels at one program width, like the rest of the model
+            return x + moe_block(h, moe_leaves(lp), self.config.routing, row_invariant=False)
         return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
 
     def _full_layer(self, lp: Params, x: jax.Array, positions: jax.Array,
