@@ -21,7 +21,7 @@ import turbospark_jax as tsj
 from tests.quant.test_quantized_guarantees import PROMPT, _logits  # token-by-token logits
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.loading import load_folder, save_folder
 from turbospark_jax.models.dense import model as D
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.gemma4 import config as GC
@@ -91,6 +91,20 @@ def test_unknown_kv_dtype_is_refused_naming_the_choices(tmp_path):
         load_folder(tmp_path / "absent", kv_dtype="int4")
     with pytest.raises(BadInputError, match="kv_dtype"):
         tsj.load(tmp_path / "absent", kv_dtype="int4")
+
+
+@pytest.mark.parametrize("family", ["dense", "qwen3_5"])
+def test_load_folder_sets_the_kv_dtype(tmp_path, family):
+    model, params = FAMILIES[family](None)
+    if family == "dense":
+        params = D.stack_layers(params)
+    save_folder(tmp_path, model.config, params)
+    loaded = load_folder(tmp_path, layer_layout="list", kv_dtype="fp8")
+    assert loaded.model.kv_dtype == "fp8"
+    assert load_folder(tmp_path, layer_layout="list").model.kv_dtype is None
+    producer = BlockProducer(loaded.model, loaded.params, capacity=16, width=4)
+    logits, _ = producer.prefill_chunk(producer.init_state(), PROMPT[:5], 0)
+    assert np.isfinite(np.asarray(logits)).all()
 
 
 def test_bytes_per_token_halve():
