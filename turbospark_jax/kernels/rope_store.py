@@ -27,8 +27,12 @@ The dense model runs it under a row-invariant plan with the Pallas kernels.
 A quantized cache (:mod:`~turbospark_jax.quant.kv`) is written quantized: each new key and
 value row is divided by its own scale (its largest magnitude over the stored form's) in
 registers, with the scale stored beside it, by the same elementwise functions as the XLA
-form (:func:`~turbospark_jax.quant.kv.quantize_with`), so the kernels write the bits
-:func:`rope_store_xla` writes; the attention after it dequantizes the tiles it reads.
+form (:func:`~turbospark_jax.quant.kv.quantize_with`); the attention after it dequantizes
+the tiles it reads. Both kernels run that one piece of code, so a row is stored alike
+whichever writes it, which is what the guarantees need: every exact path of a plan that runs
+them writes through them. (Triton's float32 division may round otherwise than XLA's, so
+against :func:`rope_store_xla` a compiled kernel's value may sit a step apart where the
+quotient falls on a rounding boundary; in the interpreter the two agree bitwise.)
 """
 
 from __future__ import annotations
