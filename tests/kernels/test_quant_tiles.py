@@ -1,7 +1,8 @@
-"""The matvec kernels read a quantized weight at its stored width and dequantize each tile in
-registers: a row's product is bitwise the product with the dequantized matrix in memory, and
-the wide kernels' (which multiply by that matrix), for every scheme, in the Pallas
-interpreter here and in the compiled kernels on a GPU (``JAX_PLATFORMS=cuda``)."""
+"""The row-invariant kernels read a quantized weight at its stored width and dequantize each
+tile in registers, the matvec kernels (decode, verify) and the matmul kernels (a prefill's
+wide rows) alike, so a row's product is bitwise the same in either, for every scheme: in the
+Pallas interpreter here and in the compiled kernels on a GPU (``JAX_PLATFORMS=cuda``). In the
+interpreter it is also the product with the dequantized matrix in memory."""
 
 import jax
 import jax.numpy as jnp
@@ -34,12 +35,13 @@ def test_matvec_reads_quantized_tiles_as_dequantized(scheme, group, n):
     in_place = rowinv_matmul(x, w, impl=IMPL, kernel="matvec", schedule=schedule)
     plain = rowinv_matmul(x, dequantize(w), impl=IMPL, kernel="matvec", schedule=schedule)
     wide = rowinv_matmul(x, w, impl=IMPL, kernel="matmul", schedule=schedule)
-    assert np.array_equal(in_place, plain)
     assert np.array_equal(in_place, wide)
     gated = rowinv_swiglu(x, w, w, impl=IMPL, kernel="matvec")
-    assert np.array_equal(gated, rowinv_swiglu(x, dequantize(w), dequantize(w), impl=IMPL,
-                                               kernel="matvec"))
     assert np.array_equal(gated, rowinv_swiglu(x, w, w, impl=IMPL, kernel="matmul"))
+    if not ON_GPU:  # the interpreter's tile product; see docs/decisions/0019
+        assert np.array_equal(in_place, plain)
+        assert np.array_equal(gated, rowinv_swiglu(x, dequantize(w), dequantize(w),
+                                                   impl=IMPL, kernel="matvec"))
 
 
 def test_quantized_beside_plain_weight_in_one_launch():

@@ -304,8 +304,10 @@ def _walk_k(x_ref: Any, w_ref: Any, shape: tuple[int, int], *, tiles: int, per: 
 
 
 def _matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int, tile_dot: Any,
-                   flat: bool, nk: bool, offsets: tuple[int, ...]) -> None:
-    *w_refs, o_ref = refs
+                   flat: bool, nk: bool, offsets: tuple[int, ...],
+                   layouts: tuple[Any, ...]) -> None:
+    *operand_refs, o_ref = refs
+    w_refs = bind(layouts, tuple(operand_refs))
     walk = functools.partial(_walk_k, x_ref, shape=o_ref.shape, tiles=tiles, per=per,
                              k_tile=k_tile, tile_dot=tile_dot, flat=flat, nk=nk)
 
@@ -323,11 +325,14 @@ def swiglu_gating(gate: jax.Array, up: jax.Array, dtype: Any) -> jax.Array:
     return jax.nn.silu(gate.astype(jnp.float32)).astype(dtype) * up
 
 
-def _gated_matmul_kernel(x_ref: Any, gate_ref: Any, up_ref: Any, o_ref: Any, *, tiles: int,
-                         per: int, k_tile: int, tile_dot: Any, flat: bool) -> None:
+def _gated_matmul_kernel(x_ref: Any, *refs: Any, tiles: int, per: int, k_tile: int,
+                         tile_dot: Any, flat: bool,
+                         layouts: tuple[Any, ...] = (None, None)) -> None:
     """The matmul kernel over a gate and an up weight's same column block, gated in the
     epilogue (:func:`swiglu_gating`): the MLP's hidden rows without the products leaving
     the chip."""
+    *operand_refs, o_ref = refs
+    gate_ref, up_ref = bind(layouts, tuple(operand_refs))
     walk = functools.partial(_walk_k, x_ref, shape=o_ref.shape, tiles=tiles, per=per,
                              k_tile=k_tile, tile_dot=tile_dot, flat=flat, nk=False)
     o_ref[...] = swiglu_gating(walk(gate_ref), walk(up_ref), o_ref.dtype)
@@ -478,15 +483,24 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
     kp, count, per = schedule.plan(k)
     cols = _Columns(tuple(w.shape[0 if nk else 1] for w in ws), tiles.bn)
     mp = _ceil_to(m, tiles.bm)
+    layouts = tuple(QuantLayout.of(w) if isinstance(w, QuantizedWeight) else None for w in ws)
     kernel = functools.partial(_matmul_kernel, tiles=count, per=per, k_tile=schedule.k_tile,
                                tile_dot=tile_dot_for(interpret),
-                               flat=tiles.flat_loop, nk=nk, offsets=cols.offsets)
-    if nk:
-        w_specs = [pl.BlockSpec((tiles.bn, kp), lambda i, j, w=w: (cols.spec_column(w, j), 0))
-                   for w in range(len(ws))]
-    else:
-        w_specs = [pl.BlockSpec((kp, tiles.bn), lambda i, j, w=w: (0, cols.spec_column(w, j)))
-                   for w in range(len(ws))]
+                               flat=tiles.flat_loop, nk=nk, offsets=cols.offsets,
+                               layouts=layouts)
+    w_specs, operands = [], []
+    for w, (a, layout) in enumerate(zip(ws, layouts, strict=True)):
+        if layout is not None:
+            w_specs += layout.specs(kp, tiles.bn, lambda i, j, w=w: (0, cols.spec_column(w, j)))
+            operands += layout.padded(a, kp, _ceil_to(a.shape[1], tiles.bn))
+        elif nk:
+            w_specs.append(pl.BlockSpec((tiles.bn, kp),
+                                        lambda i, j, w=w: (cols.spec_column(w, j), 0)))
+            operands += _weights_padded((a,), kp, tiles.bn, nk)
+        else:
+            w_specs.append(pl.BlockSpec((kp, tiles.bn),
+                                        lambda i, j, w=w: (0, cols.spec_column(w, j))))
+            operands += _weights_padded((a,), kp, tiles.bn, nk)
     out = pl.pallas_call(
         kernel,
         grid=(mp // tiles.bm, cols.offsets[-1]),
@@ -496,7 +510,7 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
         interpret=interpret,
         name="rowinv_matmul" + (f"_{label}" if label else ""),
         **compiler_params(interpret, tiles.warps, tiles.stages),
-    )(_pad(x, mp, kp), *_weights_padded(ws, kp, tiles.bn, nk))
+    )(_pad(x, mp, kp), *operands)
     return cols.gather(out, m)
 
 
@@ -663,7 +677,8 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
     dtype = jnp.dtype(jnp.float32) if parts else out_dtype
     interpret = impl == "interpret"
     matvec = impl != "xla" and (kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M))
-    ws = in_kernel(ws, schedule.k_tile, x.dtype) if matvec and not nk else dense(ws, x.dtype)
+    ws = in_kernel(ws, schedule.k_tile, x.dtype) if impl != "xla" and not nk else dense(
+        ws, x.dtype)
     if impl == "xla":
         out = _xla_tiled(x, ws, nk, dtype)
         return out[None] if parts else out
@@ -671,7 +686,8 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
         partials = _matvec(x, ws, nk, schedule, tiles, interpret, label)
         return partials if parts else sum_parts(partials, out_dtype)
     widths = tuple(w.shape[0 if nk else 1] for w in ws)
-    if _use_mosaic(kernel, x, widths, nk, tiles):
+    if not any(isinstance(w, QuantizedWeight) for w in ws) and _use_mosaic(
+            kernel, x, widths, nk, tiles):
         out = _mosaic(x, ws, dtype, schedule, tiles.mosaic, label)
     else:
         out = _matmul(x, ws, nk, dtype, schedule, tiles, interpret, label)
@@ -720,15 +736,14 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
                   interpret: bool, label: str) -> jax.Array:
     m, k = x.shape
     matvec = kernel == "matvec" or (kernel == "auto" and m <= SMALL_M)
-    if not matvec and _use_mosaic(kernel, x, (gate.shape[1],) * 2, False, tiles):
-        gate, up = dense((gate, up), x.dtype)
-        return _mosaic_gated(x, gate, up, tiles.mosaic, label)
+    pair = in_kernel((gate, up), Schedule.k_tile, x.dtype)
+    quantized = any(isinstance(w, QuantizedWeight) for w in pair)
+    if not (matvec or quantized) and _use_mosaic(kernel, x, (gate.shape[1],) * 2, False, tiles):
+        return _mosaic_gated(x, *pair, tiles.mosaic, label)
     kp, count, per = gated_schedule(k).plan(k)
     tile_dot = tile_dot_for(interpret)
     bn = tiles.gated_columns(gate.shape[1]) if matvec else tiles.bn
     cols = _Columns((gate.shape[1],), bn)
-    pair = (in_kernel((gate, up), Schedule.k_tile, x.dtype) if matvec
-            else dense((gate, up), x.dtype))
     layouts = tuple(QuantLayout.of(w) if isinstance(w, QuantizedWeight) else None
                     for w in pair)
     w_specs, ws = [], []
@@ -752,7 +767,7 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
         mp, bm = _ceil_to(m, tiles.bm), tiles.bm
         kernel_fn = functools.partial(_gated_matmul_kernel, tiles=count, per=per,
                                       k_tile=Schedule.k_tile, tile_dot=tile_dot,
-                                      flat=tiles.flat_loop)
+                                      flat=tiles.flat_loop, layouts=layouts)
         x_in, rows_out = _pad(x, mp, kp), mp
         params = compiler_params(interpret, tiles.warps, tiles.stages)
     out = pl.pallas_call(
