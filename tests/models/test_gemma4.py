@@ -403,7 +403,7 @@ def test_hub_spelling_of_full_layer_heads() -> None:
 
 
 REFUSED = {
-    "enable_moe_block": {"enable_moe_block": True},
+    "enable_moe_block": {"enable_moe_block": "yes"},  # its MoE form loads (test_moe_gemma4.py)
     "use_bidirectional_attention": {"use_bidirectional_attention": "all"},
     "hidden_activation": {"hidden_activation": "silu"},
     "hidden_size": {"hidden_size": "32"},

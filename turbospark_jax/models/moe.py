@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.kernels.layers import rms_norm
 from turbospark_jax.kernels.rowinv import row_tiled
 from turbospark_jax.quant.weights import as_array
 
@@ -83,13 +84,14 @@ def top_k_softmax(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.A
     return weights, experts.astype(jnp.int32)
 
 
-def _rows_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """Row ``t`` of ``x [T, ..., K]`` times its own matrix ``w[t] [..., K, N]`` (float32
-    sums, rounded to ``x.dtype``): a batched product whose batch is the row, so no row's
-    sums meet another row's."""
+def _rows_dot(x: jax.Array, w: jax.Array, nk: bool = False) -> jax.Array:
+    """Row ``t`` of ``x [T, ..., K]`` times its own matrix ``w[t] [..., K, N]`` (``[..., N,
+    K]`` when ``nk``), float32 sums rounded to ``x.dtype``: a batched product whose batch is
+    the row, so no row's sums meet another row's."""
     precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
     batch = tuple(range(x.ndim - 1))
-    out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (x.ndim - 1,)), (batch, batch)),
+    contract = w.ndim - 1 if nk else x.ndim - 1
+    out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), (batch, batch)),
                               preferred_element_type=jnp.float32, precision=precision)
     return out.astype(x.dtype)
 
@@ -112,7 +114,8 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: A
 
     Args:
       x: ``[T, D]`` rows (already normed).
-      weights: ``[T, k]`` routing weights, any float dtype (rounded to ``x.dtype``).
+      weights: ``[T, k]`` routing weights, any float dtype (rounded to ``x.dtype`` before
+        they scale the terms).
       experts: int ``[T, k]`` expert indices.
       gate, up: ``[E, D, F]``; down: ``[E, F, D]`` (plain or quantized).
       act: the gate's activation.
@@ -120,17 +123,57 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: A
     Returns:
       ``[T, D]`` in ``x.dtype``.
     """
-    order = jnp.argsort(experts, axis=-1)
-    experts = jnp.take_along_axis(experts, order, axis=-1)
-    weights = jnp.take_along_axis(weights, order, axis=-1).astype(x.dtype)
-    k = experts.shape[1]
-    rows = jnp.broadcast_to(x[:, None, :], (x.shape[0], k, x.shape[1]))  # [T, k, D]
+    weights, experts = _by_expert(weights, experts)
+    rows = _per_selection(x, experts.shape[1])
     g = _rows_dot(rows, _gather(gate, experts, x.dtype))
     u = _rows_dot(rows, _gather(up, experts, x.dtype))
     y = _rows_dot(act(g) * u, _gather(down, experts, x.dtype))  # [T, k, D]
-    out = y[:, 0] * weights[:, :1]
-    for j in range(1, k):
-        out = out + y[:, j] * weights[:, j:j + 1]
+    return _weighted_sum(y, weights.astype(x.dtype))
+
+
+def fused_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
+                         gate_up: jax.Array, down: jax.Array,
+                         act: Activation = gelu_tanh) -> jax.Array:
+    """:func:`routed_experts` over expert stacks kept as a checkpoint that fuses them stores
+    them (Gemma 4): ``gate_up [E, 2F, D]`` (the gate's ``F`` outputs, then the up
+    projection's) and ``down [E, D, F]``, each ``[out, in]``. The float32 routing weights
+    scale each term in float32, which is rounded once to ``x.dtype``, as the reference's
+    float32 weights promote the product.
+
+    Returns:
+      ``[T, D]`` in ``x.dtype``.
+    """
+    weights, experts = _by_expert(weights, experts)
+    rows = _per_selection(x, experts.shape[1])
+    gu = _rows_dot(rows, _gather(gate_up, experts, x.dtype), nk=True)  # [T, k, 2F]
+    half = gu.shape[-1] // 2
+    hidden = act(gu[..., :half]) * gu[..., half:]
+    y = _rows_dot(hidden, _gather(down, experts, x.dtype), nk=True)  # [T, k, D]
+    terms = (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(x.dtype)
+    return _weighted_sum(terms, None)
+
+
+def _by_expert(weights: jax.Array, experts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ``k`` selections of each row in the order of their expert index."""
+    order = jnp.argsort(experts, axis=-1)
+    return (jnp.take_along_axis(weights, order, axis=-1),
+            jnp.take_along_axis(experts, order, axis=-1))
+
+
+def _per_selection(x: jax.Array, k: int) -> jax.Array:
+    """Rows ``[T, D]`` repeated for each of their ``k`` selections: ``[T, k, D]``."""
+    return jnp.broadcast_to(x[:, None, :], (x.shape[0], k, x.shape[1]))
+
+
+def _weighted_sum(y: jax.Array, weights: jax.Array | None) -> jax.Array:
+    """``sum_j y[:, j] * weights[:, j]`` (``y [T, k, D]``), added left to right in
+    ``y.dtype``; ``weights`` None when the terms are weighted already."""
+    def term(j: int) -> jax.Array:
+        return y[:, j] if weights is None else y[:, j] * weights[:, j:j + 1]
+
+    out = term(0)
+    for j in range(1, y.shape[1]):
+        out = out + term(j)
     return out
 
 
@@ -141,6 +184,23 @@ def router_logits(x: jax.Array, router: jax.Array) -> jax.Array:
     return jax.lax.dot_general(x, as_array(router, x.dtype), (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32,
                                precision=precision).astype(x.dtype)
+
+
+def scaled_router(x: jax.Array, scale: jax.Array, proj: jax.Array, per_expert_scale: jax.Array,
+                  routing: Routing, eps: float) -> tuple[jax.Array, jax.Array]:
+    """Gemma 4's router of rows ``x [T, D]`` (the layer's residual stream, not normed): a
+    scale-free RMSNorm, times ``scale [D]`` and ``D ** -0.5``, the logits over ``proj [E,
+    D]``, the softmax top-k renormalised, then each chosen weight times its expert's
+    ``per_expert_scale [E]``.
+
+    Returns:
+      ``(weights, experts)``: float32 ``[T, k]`` and int32 ``[T, k]``.
+    """
+    h = rms_norm(x, None, eps) * scale
+    # a Python scalar multiplies in float32 and rounds once, as torch's does
+    h = (h.astype(jnp.float32) * jnp.float32(x.shape[-1] ** -0.5)).astype(x.dtype)
+    weights, experts = top_k_softmax(router_logits(h, proj), routing)
+    return weights * per_expert_scale[experts].astype(jnp.float32), experts
 
 
 def _dense_dot(a: jax.Array, w: Any) -> jax.Array:

@@ -72,7 +72,8 @@ class AssistantConfig:
         if not text.get("num_kv_shared_layers"):
             text["num_kv_shared_layers"] = text.get("num_hidden_layers", 30)
         text.setdefault("hidden_size_per_layer_input", 256)
-        for key, allowed in (("hidden_size_per_layer_input", 0), ("use_double_wide_mlp", False)):
+        for key, allowed in (("hidden_size_per_layer_input", 0), ("use_double_wide_mlp", False),
+                             ("enable_moe_block", False)):
             if text.get(key, allowed) != allowed:
                 raise ModelLoadError(f"config.json key 'text_config.{key}' must be {allowed} for "
                                      f"an assistant, got {text[key]!r}")

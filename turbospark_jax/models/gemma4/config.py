@@ -6,9 +6,12 @@ Besides the hyperparameters it derives the switches the model reads per layer: t
 one, whether its keys double as values, its MLP width and window, and each layer type's RoPE
 (:class:`Rope`). Two spellings of the full layers' head shape are read (``global_head_dim`` /
 ``num_global_key_value_heads`` and transformers' ``per_layer_config``); keys left out take
-``Gemma4TextConfig``'s defaults; a malformed value or an unsupported feature (the MoE block,
-bidirectional attention, another activation or RoPE type) is a :class:`ModelLoadError` naming
-the key.
+``Gemma4TextConfig``'s defaults; a malformed value or an unsupported feature (bidirectional
+attention, another activation or RoPE type) is a :class:`ModelLoadError` naming the key.
+
+``enable_moe_block`` adds a mixture of experts beside every layer's MLP
+(:mod:`~turbospark_jax.models.moe`): ``num_experts`` experts of width ``moe_intermediate_size``,
+``top_k_experts`` of them a token.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from turbospark_jax.models.family import (
     token_ids,
     typed_value,
 )
+from turbospark_jax.models.moe import Routing
 
 FULL, SLIDING = "full_attention", "sliding_attention"
 ARCHITECTURES = {"gemma4_text": "Gemma4ForCausalLM", "gemma4": "Gemma4ForConditionalGeneration"}
@@ -111,6 +115,10 @@ class Gemma4Config:
     pad_token_id: int | None = 0
     dtype: str | None = None
     use_bidirectional_attention: str | None = None
+    enable_moe_block: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         n = self.num_hidden_layers
@@ -168,8 +176,21 @@ class Gemma4Config:
                       f"smaller than vocab_size ({self.vocab_size}); some ids would have no PLE")
         if self.final_logit_softcapping is not None and self.final_logit_softcapping <= 0:
             raise bad("final_logit_softcapping", "must be positive or null")
+        if self.enable_moe_block:
+            for key in ("num_experts", "top_k_experts", "moe_intermediate_size"):
+                if not getattr(self, key) or getattr(self, key) <= 0:
+                    raise bad(key, f"must be positive with enable_moe_block, got "
+                                   f"{getattr(self, key)}")
+            if self.top_k_experts > self.num_experts:
+                raise bad("top_k_experts", f"({self.top_k_experts}) must be at most "
+                                           f"num_experts ({self.num_experts})")
 
     # -- derived switches -------------------------------------------------------------------
+
+    @property
+    def routing(self) -> Routing:
+        """The MoE block's router rule (always renormalised)."""
+        return Routing(self.num_experts, self.top_k_experts, True)
 
     @property
     def ple(self) -> bool:
@@ -228,8 +249,8 @@ class Gemma4Config:
 
         Raises:
           ModelLoadError: naming the key, for a wrong model type, a malformed value, an
-            unsupported feature (the MoE block, bidirectional attention, another activation
-            or RoPE type) or inconsistent shapes.
+            unsupported feature (bidirectional attention, another activation or RoPE type)
+            or inconsistent shapes.
         """
         model_type = hf_model_type(d)
         if not isinstance(model_type, str) or model_type not in ARCHITECTURES:
@@ -252,9 +273,6 @@ class Gemma4Config:
         moe = d.get("enable_moe_block", False)
         if not isinstance(moe, bool):
             raise ModelLoadError(f"config.json key 'enable_moe_block' must be bool, got {moe!r}")
-        if moe:
-            raise ModelLoadError("config.json key 'enable_moe_block' is true: the Gemma 4 "
-                                 "mixture-of-experts block is not supported")
         if d.get("use_bidirectional_attention") not in (None, "vision"):
             raise ModelLoadError("config.json key 'use_bidirectional_attention' = "
                                  f"{d['use_bidirectional_attention']!r} is not supported "
@@ -296,6 +314,9 @@ class Gemma4Config:
             use_double_wide_mlp=get("use_double_wide_mlp", bool),
             dtype=checkpoint_dtype(d, outer),
             use_bidirectional_attention=d.get("use_bidirectional_attention"),
+            enable_moe_block=moe,
+            **{k: get(k, int) for k in ("num_experts", "top_k_experts",
+                                        "moe_intermediate_size")},
             **tokens,
         )
 

@@ -42,6 +42,10 @@ MLP width, ``L`` layers, ``P`` PLE width); matrices are ``[in, out]``; ``layers`
                gate_proj, up_proj [D, F]  down_proj [F, D]
                per_layer_input_gate [D, P]  per_layer_projection [P, D]
                post_per_layer_input_norm [D]                        (PLE only)
+               router_proj [E, D]  router_scale [D]  per_expert_scale [E]
+               experts_gate_up [E, 2*Fe, D]  experts_down [E, D, Fe]  (as the file keeps them)
+               pre_feedforward_layernorm_2, post_feedforward_layernorm_1,
+               post_feedforward_layernorm_2 [D]                     (enable_moe_block only)
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from turbospark_jax.kernels.layers import (
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4.config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
+from turbospark_jax.models.moe import fused_routed_experts, scaled_router
 from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
@@ -114,6 +119,12 @@ def param_shapes(config: Gemma4Config) -> Params:
         if c.ple:
             lp.update(per_layer_input_gate=(d, p), per_layer_projection=(p, d),
                       post_per_layer_input_norm=(d,))
+        if c.enable_moe_block:
+            e, fe = c.num_experts, c.moe_intermediate_size
+            lp.update(router_proj=(e, d), router_scale=(d,), per_expert_scale=(e,),
+                      experts_gate_up=(e, 2 * fe, d), experts_down=(e, d, fe),
+                      pre_feedforward_layernorm_2=(d,), post_feedforward_layernorm_1=(d,),
+                      post_feedforward_layernorm_2=(d,))
         layers.append(lp)
     tree["layers"] = layers
     return tree
@@ -164,8 +175,14 @@ def _layer_tensor_name(key: str) -> tuple[str, bool]:
         return f"mlp.{key}.weight", True
     if key == "layer_scalar":
         return key, False
+    if key in _MOE_NAMES:  # kept as the file stores them
+        return _MOE_NAMES[key], False
     return f"{key}.weight", key in ("per_layer_input_gate", "per_layer_projection")
 
+
+_MOE_NAMES = {"router_proj": "router.proj.weight", "router_scale": "router.scale",
+              "per_expert_scale": "router.per_expert_scale",
+              "experts_gate_up": "experts.gate_up_proj", "experts_down": "experts.down_proj"}
 
 _TOLERATED = re.compile(
     r"^model\.(vision_tower|audio_tower|embed_vision|embed_audio)\."  # other modalities
@@ -188,7 +205,8 @@ def init_params(config: Gemma4Config, key: jax.Array, dtype: Any = jnp.float32) 
 @functools.partial(jax.jit, static_argnums=(0, 2))
 def _init_params(config: Gemma4Config, key: jax.Array, dtype: jnp.dtype) -> Params:
     return random_leaves(param_shapes(config), key, config.initializer_range, dtype,
-                         lambda name: 1.0 if name.endswith("norm") or name == "layer_scalar"
+                         lambda name: 1.0 if "norm" in name or name in (
+                             "layer_scalar", "router_scale", "per_expert_scale")
                          else 0.0 if name.endswith("bias") else None)
 
 
@@ -461,11 +479,23 @@ class Gemma4Model(BlockModel):
         x = x + self._norm(o, lp["post_attention_layernorm"])
         h = self._norm(x, lp["pre_feedforward_layernorm"])
         m = (_gelu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
+        if self.config.enable_moe_block:
+            m = (self._norm(m, lp["post_feedforward_layernorm_1"])
+                 + self._norm(self._experts(x, lp), lp["post_feedforward_layernorm_2"]))
         x = x + self._norm(m, lp["post_feedforward_layernorm"])
         if ple is not None:
             g = (_gelu(x @ lp["per_layer_input_gate"]) * ple) @ lp["per_layer_projection"]
             x = x + self._norm(g, lp["post_per_layer_input_norm"])
         return x * lp["layer_scalar"]
+
+    def _experts(self, x: jax.Array, lp: Params) -> jax.Array:
+        """The MoE block beside the MLP: routed by the residual rows ``x`` themselves, run
+        on their own pre-norm (:mod:`~turbospark_jax.models.moe`)."""
+        weights, experts = scaled_router(x, lp["router_scale"], lp["router_proj"],
+                                         lp["per_expert_scale"], self.config.routing,
+                                         self.config.rms_norm_eps)
+        return fused_routed_experts(self._norm(x, lp["pre_feedforward_layernorm_2"]), weights,
+                                    experts, lp["experts_gate_up"], lp["experts_down"])
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
         """Output head and softcap: final-normed h [N, D] -> float32 logits [N, V]."""
