@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +162,54 @@ def test_routing_is_checked():
     with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
         moe.Routing(4, 5, False)
     assert dataclasses.replace(moe.Routing(4, 2, True), top_k=4).top_k == 4
+
+
+# -- helpers the MoE family tests share ---------------------------------------------------------
+
+
+def fixture_tokenizer() -> Any:
+    """The byte-level fixture tokenizer as a transformers tokenizer, for folders both sides
+    read."""
+    from turbospark_jax.testing.tokenizers import byte_level_bpe
+
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=byte_level_bpe(), bos_token="<|bos|>", eos_token="<|eos|>",
+        pad_token="<|pad|>")
+
+
+def hf_greedy_text(hf: Any, fast: Any, prompt: str, new_tokens: int) -> str:
+    """``transformers``' greedy continuation of ``prompt``, decoded."""
+    ids = fast.encode(prompt)
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)
+    return fast.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+
+
+def cli_text(path: Any, prompt: str, new_tokens: int) -> str:
+    """What ``turbospark-jax generate`` prints for ``prompt`` on the folder."""
+    import io
+
+    from turbospark_jax.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["generate", "--model", str(path), prompt, "--max-tokens", str(new_tokens),
+                 "--context", "128"], stdin=io.StringIO(""), stdout=out, stderr=err)
+    assert code == 0, err.getvalue()
+    return out.getvalue()
+
+
+def check_conformance_with_controls(producer: Any, prompt: list[int]) -> None:
+    """Chunked == token by token, verify == decode and reuse == fresh on ``producer``, each
+    also run on a producer wrong by one bit or one position, where it must fail."""
+    from turbospark_jax.testing import conformance as C
+
+    checks = {
+        "chunk_logits_bit": lambda p: C.check_chunked_matches_sequential(p, prompt, [2, 7]),
+        "verify_row_bit": lambda p: C.check_verify_matches_decode(p, prompt[:5], prompt[5:9]),
+        "reuse_claims_one_more": lambda p: C.check_reuse_matches_fresh(
+            p, prompt, [7], [*prompt, 7, 8]),
+    }
+    for control, check in checks.items():
+        check(producer)
+        with pytest.raises(C.ConformanceError):
+            check(C.perturbed(producer, control))

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 import turbospark_jax as tsj
+from tests.models.test_moe import check_conformance_with_controls, fixture_tokenizer, hf_greedy_text
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.io.loading import load_folder
@@ -27,8 +28,6 @@ from turbospark_jax.models import moe
 from turbospark_jax.models.gemma4 import config as GC
 from turbospark_jax.models.gemma4.assistant import AssistantConfig
 from turbospark_jax.models.gemma4.model import Gemma4Model
-from turbospark_jax.testing import conformance as C
-from turbospark_jax.testing.tokenizers import byte_level_bpe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -58,9 +57,7 @@ def _randomise(module: Any, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> tuple[Path, Any, Any]:
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_bpe(), bos_token="<|bos|>", eos_token="<|eos|>",
-        pad_token="<|pad|>")
+    fast = fixture_tokenizer()
     torch.manual_seed(0)
     config = transformers.Gemma4TextConfig(**TINY, vocab_size=len(fast),
                                            vocab_size_per_layer_input=len(fast))
@@ -98,10 +95,7 @@ def test_logits_match_transformers(folder) -> None:
 def test_greedy_text_equals_transformers(folder) -> None:
     path, hf, fast = folder
     prompt = "def add(a, b):\n    return"
-    ids = fast.encode(prompt)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    want = fast.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    want = hf_greedy_text(hf, fast, prompt, NEW_TOKENS)
     assert want
     model = tsj.load(path, dtype="float32", context=128)
     assert tsj.generate(model, prompt, max_tokens=NEW_TOKENS).text == want
@@ -113,16 +107,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
 def test_conformance(folder) -> None:
     ours = load_folder(folder[0], dtype="float32", layer_layout="list")
     producer = BlockProducer(ours.model, ours.params, capacity=48, width=4, steps_per_call=2)
-    checks = {
-        "chunk_logits_bit": lambda p: C.check_chunked_matches_sequential(p, PROMPT, [2, 7]),
-        "verify_row_bit": lambda p: C.check_verify_matches_decode(p, PROMPT[:5], PROMPT[5:9]),
-        "reuse_claims_one_more": lambda p: C.check_reuse_matches_fresh(
-            p, PROMPT, [7], [*PROMPT[:6], 7, 8]),
-    }
-    for control, check in checks.items():
-        check(producer)
-        with pytest.raises(C.ConformanceError):
-            check(C.perturbed(producer, control))
+    check_conformance_with_controls(producer, PROMPT)
 
 
 def test_router_matches_transformers() -> None:

@@ -16,7 +16,6 @@ hold on it bit for bit.
 
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ import numpy as np
 import pytest
 
 import turbospark_jax as tsj
-from turbospark_jax.cli import main
+from tests.models.test_moe import cli_text, fixture_tokenizer, hf_greedy_text
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.io.loading import load_folder, save_folder
@@ -38,7 +37,6 @@ from turbospark_jax.parallel.tp_specs import check_divisible
 from turbospark_jax.quant.weights import is_quantized
 from turbospark_jax.testing import conformance as C
 from turbospark_jax.testing.fixtures import jitted_block
-from turbospark_jax.testing.tokenizers import byte_level_bpe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -49,9 +47,7 @@ NEW_TOKENS = 10
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> tuple[Path, Any, Any]:
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_bpe(), bos_token="<|bos|>", eos_token="<|eos|>",
-        pad_token="<|pad|>")
+    fast = fixture_tokenizer()
     config = transformers.Qwen3MoeConfig(
         vocab_size=len(fast), hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -96,24 +92,14 @@ def test_logits_match_transformers(folder) -> None:
     assert float(np.abs(nudged - ref).max()) > ATOL
 
 
-def _hf_greedy_text(hf: Any, fast: Any, ids: list[int]) -> str:
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    return fast.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
-
-
 def test_greedy_text_equals_transformers_through_the_api_and_the_cli(folder) -> None:
     path, hf, fast = folder
     prompt = "def add(a, b):\n    return"
-    want = _hf_greedy_text(hf, fast, fast.encode(prompt))
+    want = hf_greedy_text(hf, fast, prompt, NEW_TOKENS)
     assert want
     model = tsj.load(path, dtype="float32", context=128)
     assert tsj.generate(model, prompt, max_tokens=NEW_TOKENS).text == want
-    out, err = io.StringIO(), io.StringIO()
-    code = main(["generate", "--model", str(path), prompt, "--max-tokens", str(NEW_TOKENS),
-                 "--context", "128"], stdin=io.StringIO(""), stdout=out, stderr=err)
-    assert code == 0, err.getvalue()
-    assert out.getvalue() == want + "\n"
+    assert cli_text(path, prompt, NEW_TOKENS) == want + "\n"
 
 
 def _producer(folder, plan: KernelPlan, dtype: Any, width: int = 4,

@@ -15,7 +15,6 @@ layer with experts) and ``qwen3_next`` with experts (here mixed with dense layer
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,12 @@ import numpy as np
 import pytest
 
 import turbospark_jax as tsj
-from turbospark_jax.cli import main
+from tests.models.test_moe import (
+    check_conformance_with_controls,
+    cli_text,
+    fixture_tokenizer,
+    hf_greedy_text,
+)
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import load_folder, save_folder
@@ -33,7 +37,6 @@ from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.parallel.tp_specs import check_divisible
 from turbospark_jax.testing import conformance as C
-from turbospark_jax.testing.tokenizers import byte_level_bpe
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -71,9 +74,7 @@ def _hf(kind: str, vocab: int) -> Any:
 
 @pytest.fixture(scope="module", params=["qwen3_5_moe_text", "qwen3_next"])
 def folder(request, tmp_path_factory) -> tuple[str, Path, Any, Any]:
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=byte_level_bpe(), bos_token="<|bos|>", eos_token="<|eos|>",
-        pad_token="<|pad|>")
+    fast = fixture_tokenizer()
     torch.manual_seed(0)
     hf = _hf(request.param, len(fast))
     path = tmp_path_factory.mktemp(request.param)
@@ -106,20 +107,12 @@ def test_logits_match_transformers(folder) -> None:
 def test_greedy_text_equals_transformers(folder) -> None:
     kind, path, hf, fast = folder
     prompt = "def add(a, b):\n    return"
-    ids = fast.encode(prompt)
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
-    want = fast.decode(out[0, len(ids):].tolist(), skip_special_tokens=True)
+    want = hf_greedy_text(hf, fast, prompt, NEW_TOKENS)
     assert want
     model = tsj.load(path, dtype="float32", context=128)
     assert tsj.generate(model, prompt, max_tokens=NEW_TOKENS).text == want
     if kind == "qwen3_5_moe_text":  # the CLI once
-        out_text, err = io.StringIO(), io.StringIO()
-        code = main(["generate", "--model", str(path), prompt, "--max-tokens",
-                     str(NEW_TOKENS), "--context", "128"], stdin=io.StringIO(""),
-                    stdout=out_text, stderr=err)
-        assert code == 0, err.getvalue()
-        assert out_text.getvalue() == want + "\n"
+        assert cli_text(path, prompt, NEW_TOKENS) == want + "\n"
 
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
@@ -128,16 +121,7 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
 def test_conformance(folder) -> None:
     ours = load_folder(folder[1], dtype="float32", layer_layout="list")
     producer = BlockProducer(ours.model, ours.params, capacity=48, width=4, steps_per_call=2)
-    checks = {
-        "chunk_logits_bit": lambda p: C.check_chunked_matches_sequential(p, PROMPT, [2, 7]),
-        "verify_row_bit": lambda p: C.check_verify_matches_decode(p, PROMPT[:5], PROMPT[5:9]),
-        "reuse_claims_one_more": lambda p: C.check_reuse_matches_fresh(
-            p, PROMPT, [7], [*PROMPT, 7, 8]),
-    }
-    for control, check in checks.items():
-        check(producer)
-        with pytest.raises(C.ConformanceError):
-            check(C.perturbed(producer, control))
+    check_conformance_with_controls(producer, PROMPT)
     C.check_rollback_retaining_matches_decode(producer, PROMPT[:6], PROMPT[6:10], 2, 5)
 
 
