@@ -28,12 +28,11 @@ import pytest
 import turbospark_jax as tsj
 from tests.models.test_moe import cli_text, fixture_tokenizer, hf_greedy_text
 from turbospark_jax.engine.producer import BlockProducer
-from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.io.loading import load_folder, save_folder
 from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
-from turbospark_jax.parallel.tp_specs import check_divisible
 from turbospark_jax.quant.weights import is_quantized
 from turbospark_jax.testing import conformance as C
 from turbospark_jax.testing.fixtures import jitted_block
@@ -195,5 +194,3 @@ def test_config_keys(folder) -> None:
         DenseConfig.from_hf_dict({**raw, "num_experts_per_tok": 9})
     with pytest.raises(ModelLoadError, match="mlp_only_layers"):
         DenseConfig.from_hf_dict({**raw, "mlp_only_layers": "0"})
-    with pytest.raises(BadInputError, match="mixture-of-experts"):
-        check_divisible(config, 2)

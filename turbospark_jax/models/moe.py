@@ -1,11 +1,14 @@
-"""Mixture-of-experts layers shared by the families: a softmax top-k router, the routed
-experts' gated MLPs over stacked expert weights, and the Qwen-style block around them (with
-Qwen3-Next's and Qwen3.5-MoE's sigmoid-gated shared expert).
+"""Mixture-of-experts layers shared by the families: a softmax top-k router (and Gemma 4's
+scaled one, :func:`scaled_router`), the routed experts' gated MLPs over stacked expert
+weights, and the Qwen-style block around them (with Qwen3-Next's and Qwen3.5-MoE's
+sigmoid-gated shared expert).
 
 Expert weights are stacked on a leading expert axis, ``[in, out]`` like every other matrix:
 ``gate`` and ``up`` ``[E, D, F]``, ``down`` ``[E, F, D]`` (a family with stacked layers puts
 its layer axis in front). Any of them may be a
-:class:`~turbospark_jax.quant.weights.QuantizedWeight` of the same leaf shape.
+:class:`~turbospark_jax.quant.weights.QuantizedWeight` of the same leaf shape. Gemma 4's
+checkpoints fuse gate and up and keep ``[out, in]``; :func:`fused_routed_experts` multiplies
+by them as stored.
 
 Exactness: a token's output never depends on the tokens beside it. Each row gathers its own
 ``k`` experts' weights and multiplies by them alone (:func:`routed_experts`), so no product

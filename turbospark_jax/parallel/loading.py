@@ -124,13 +124,19 @@ def load_sharded(
         not divide the query heads or MLP width (the dense family: or KV heads); or the
         folder's family has no tensor-parallel layout in :mod:`~turbospark_jax.parallel.tp_specs`
         (every registered family has one). All raised before any tensor is read.
-      UnsupportedCapabilityError: a quantized checkpoint (before any tensor is read).
+      UnsupportedCapabilityError: a quantized checkpoint, or a mixture-of-experts model
+        (before any tensor is read).
       ModelLoadError: as :func:`~turbospark_jax.io.loading.load_folder`. A tied model's extra
         copy of its head is accepted without the bitwise comparison ``load_folder`` makes
         (that would read the whole embedding on one host).
     """
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
     check_divisible(config, tp_size(mesh))
+    if getattr(config, "moe", False):
+        raise UnsupportedCapabilityError(
+            f"{folder} holds a mixture-of-experts model, whose expert stacks are not read shard "
+            "by shard yet: load it with load_folder and split it with "
+            "turbospark_jax.parallel.sharding.shard_params")
     with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
         if checkpoint_quantization(json.load(f)) is not None:
             raise UnsupportedCapabilityError(

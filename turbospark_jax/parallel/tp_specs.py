@@ -8,9 +8,13 @@ whole on every device. Each family also names the counts that *must* divide (the
 and the MLP width: splitting neither would leave nothing worth the name tensor parallel), and
 :func:`check_divisible` refuses a mesh that cuts them.
 
-The layers whose reduction axis is the split one (``o_proj``, ``down_proj``, a DeltaNet's
-``out_proj``, Gemma 4's ``per_layer_projection``) are row-parallel: each device adds its own
-part of every sum and an all-reduce adds the parts (one all-reduce of ``[W, D]`` a layer).
+Mixture-of-experts stacks split on each expert's width, like an MLP: every device holds a
+slice of every expert, so a token's experts are on every device and no token moves.
+
+The layers whose reduction axis is the split one (``o_proj``, ``down_proj``, an expert's
+down projection, a DeltaNet's ``out_proj``, Gemma 4's ``per_layer_projection``) are
+row-parallel: each device adds its own part of every sum and an all-reduce adds the parts
+(one all-reduce of ``[W, D]`` a layer).
 """
 
 from __future__ import annotations
@@ -61,6 +65,14 @@ def refuse_indivisible(counts: dict[str, int], tp: int) -> None:
 # -- the dense family ----------------------------------------------------------------------
 
 
+def _expert_layer(fe: int) -> dict[str, Axes]:
+    """Expert stacks (:mod:`~turbospark_jax.models.moe`) split like an MLP, on each expert's
+    width: ``[.., E, D, Fe]`` column-parallel, ``[.., E, Fe, D]`` row-parallel (every
+    device holds a slice of every expert, so a token's experts are on every device and no
+    token moves); the router whole."""
+    return {"expert_gate": (None, fe), "expert_up": (None, fe), "expert_down": (fe, None)}
+
+
 def _dense_layer(c: DenseConfig) -> dict[str, Axes]:
     h, kv, f = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     return {
@@ -69,6 +81,7 @@ def _dense_layer(c: DenseConfig) -> dict[str, Axes]:
         "o_proj": (h, None, None),  # [H, hd, D]
         "gate_proj": (None, f), "up_proj": (None, f), "gate_bias": (f,), "up_bias": (f,),
         "down_proj": (f, None),  # [F, D]
+        **_expert_layer(c.moe_intermediate_size),
     }
 
 
@@ -81,9 +94,10 @@ def _dense_params(c: DenseConfig, key: tuple[Any, ...]) -> Axes:
 
 
 def _dense_check(c: DenseConfig) -> dict[str, int]:
+    mlp = ({"moe_intermediate_size": c.moe_intermediate_size} if c.moe
+           else {"intermediate_size": c.intermediate_size})
     return {"num_attention_heads": c.num_attention_heads,
-            "num_key_value_heads": c.num_key_value_heads,
-            "intermediate_size": c.intermediate_size}
+            "num_key_value_heads": c.num_key_value_heads, **mlp}
 
 
 def _dense_cache(c: DenseConfig, name: str) -> Axes:
@@ -97,6 +111,7 @@ def _dense_cache(c: DenseConfig, name: str) -> Axes:
 def _qwen_layer(c: Qwen35Config) -> dict[str, Axes]:
     h, kv, f = c.num_attention_heads, c.num_key_value_heads, c.intermediate_size
     hk, hv = c.linear_num_key_heads, c.linear_num_value_heads
+    sh = c.shared_expert_intermediate_size
     return {
         # gated full attention; the matrices are flat: [D, H*2*hd], [D, KV*hd], [H*hd, D]
         "q_proj": (None, h), "q_bias": (h,), "k_proj": (None, kv), "v_proj": (None, kv),
@@ -109,6 +124,9 @@ def _qwen_layer(c: Qwen35Config) -> dict[str, Axes]:
         "dt_bias": (hv,), "A_log": (hv,), "out_proj": (hv, None),
         # Qwen3-Next's fused projections, grouped per key head: [D, Hk, ...]
         "in_proj_qkvz": (None, hk, None), "in_proj_ba": (None, hk, None),
+        # experts, and the shared expert like an MLP (its sigmoid gate [D, 1] whole)
+        **_expert_layer(c.moe_intermediate_size),
+        "shared_gate": (None, sh), "shared_up": (None, sh), "shared_down": (sh, None),
     }
 
 
@@ -123,7 +141,10 @@ def _qwen_params(c: Qwen35Config, key: tuple[Any, ...]) -> Axes:
 
 
 def _qwen_check(c: Qwen35Config) -> dict[str, int]:
-    counts = {"intermediate_size": c.intermediate_size}
+    counts = {"intermediate_size": c.intermediate_size} if not all(c.sparse_layers) else {}
+    if c.moe:
+        counts.update(moe_intermediate_size=c.moe_intermediate_size,
+                      shared_expert_intermediate_size=c.shared_expert_intermediate_size)
     if FULL in c.layer_types or c.mtp_num_hidden_layers:
         counts = {"num_attention_heads": c.num_attention_heads, **counts}
     return counts
@@ -156,6 +177,9 @@ def _gemma_params(c: Gemma4Config, key: tuple[Any, ...]) -> Axes:
         "gate_proj": (None, f), "up_proj": (None, f), "down_proj": (f, None),
         "per_layer_input_gate": (None, p),
         "per_layer_projection": (p, None),  # [P, D]
+        # The MoE block's fused stacks ([E, 2F, D]: the gate's rows, then the up
+        # projection's) stay whole: a split of the 2F rows would part each gate row from
+        # its up row.
     }.get(name, ())
 
 
@@ -186,10 +210,6 @@ _FAMILIES: dict[type, tuple[Callable[..., dict[str, int]], Callable[..., Axes],
 
 
 def _family(config: Any) -> tuple[Callable[..., Any], ...]:
-    if getattr(config, "moe", False):
-        raise BadInputError(
-            "tensor parallelism does not split a mixture-of-experts model yet (its expert "
-            "stacks have no layout); serve it on one device or as replicas")
     layout = _FAMILIES.get(type(config))
     if layout is None:
         raise BadInputError(
