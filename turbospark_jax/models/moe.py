@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.kernels.layers import rms_norm
-from turbospark_jax.kernels.rowinv import row_tiled
+from turbospark_jax.kernels.rowinv import DOT_MIN_TILES, MIN_TILES, row_tiled
 from turbospark_jax.quant.weights import as_array
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -237,8 +237,11 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
     Returns:
       ``[T, D]`` in ``x.dtype``.
     """
-    def block(rows: jax.Array, w: Mapping[str, Any]) -> jax.Array:
-        probs, experts = top_k_softmax(router_logits(rows, w["router"]), routing)
+    def route(rows: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return top_k_softmax(router_logits(rows, router), routing)
+
+    def run(rows: jax.Array, probs: jax.Array, experts: jax.Array,
+            w: Mapping[str, Any]) -> jax.Array:
         out = routed_experts(rows, probs, experts, w["expert_gate"], w["expert_up"],
                              w["expert_down"], act)
         if "shared_gate" in w:
@@ -249,16 +252,23 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
             out = out + gate * shared
         return out
 
-    return per_row(block, x, shared=dict(weights), row_invariant=row_invariant)
+    probs, experts = per_row(route, x, shared=weights["router"], row_invariant=row_invariant)
+    # Products and elementwise work only: a one-row call runs one tile (see per_row)
+    return per_row(run, x, probs, experts, row_invariant=row_invariant, products_only=True,
+                   shared={k: v for k, v in weights.items() if k != "router"})
 
 
 def per_row(fn: Callable[..., Any], *rows: jax.Array, shared: Any = None,
-            row_invariant: bool) -> Any:
+            row_invariant: bool, products_only: bool = False) -> Any:
     """``fn(*rows, shared)`` of row-local ``fn``: in the fixed-shape tiles of
     :func:`~turbospark_jax.kernels.rowinv.row_tiled` when ``row_invariant``, else on the
-    rows as they come."""
+    rows as they come. ``products_only``: ``fn`` holds matrix products and elementwise work,
+    no reduction of its own, so one tile suffices, as for a product
+    (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`): a decode step then computes
+    its row's experts in one tile, not two."""
     if row_invariant:
-        return row_tiled(fn, *rows, shared=(shared,))
+        return row_tiled(fn, *rows, shared=(shared,),
+                         min_tiles=DOT_MIN_TILES if products_only else MIN_TILES)
     return fn(*rows, shared)
 
 
