@@ -30,6 +30,7 @@ import jax
 
 from turbospark_jax.core.checks import as_bool, as_int, as_token_ids
 from turbospark_jax.core.compile_cache import ensure_compile_cache
+from turbospark_jax.core.constraints import ConstraintSpec
 from turbospark_jax.core.protocols import LogitProducer
 from turbospark_jax.core.sampling import SamplingConfig, is_greedy
 from turbospark_jax.core.streams import Stream
@@ -280,6 +281,9 @@ def stream(
     seed: int = 0,
     draft_len: int | None = None,
     images: Sequence[Any] = (),
+    json_schema: Any = None,
+    regex: str | None = None,
+    grammar: str | None = None,
     **settings: Any,
 ) -> Stream[Completion]:
     """Start generating; iterate for text events, then read ``.result``.
@@ -291,6 +295,10 @@ def stream(
         prompt with none gets them all at its start. Each grows into the image's span.
       images: image files, bytes or Pillow images (a model with a vision tower only;
         decoded without drafting).
+      json_schema, regex, grammar: at most one, what the generated text must match: a JSON
+        schema (a dict or its JSON text), a regular expression over the whole text, or a
+        Lark grammar (``docs/guides/structured-output.md``). A constrained request decodes
+        without drafting and ends with ``constraint_end`` once the text is complete.
       max_tokens: the most tokens to generate.
       stop: stop strings (a single str is one stop string).
       seed: the sampling seed (same seed, same output).
@@ -306,7 +314,8 @@ def stream(
     Raises:
       BadInputError: an unknown setting, text for a model without a tokenizer, images for a
         model without a vision tower, an unreadable image, image spans that do not match the
-        images, or any invalid request value.
+        images, a schema, regex or grammar the engine refuses (named), or any invalid request
+        value.
     """
     if not isinstance(model, Model):
         raise BadInputError(f"model must come from turbospark_jax.load(), got "
@@ -319,6 +328,11 @@ def stream(
         ids = model.tokenizer.encode(prompt, add_special_tokens=False)
     else:
         ids = as_token_ids("prompt", prompt, model.producer.vocab_size)
+    constraint = ConstraintSpec.of(json_schema=json_schema, regex=regex, grammar=grammar)
+    if constraint is not None:
+        settings["constraint"] = constraint
+        if draft_len is None:
+            draft_len = 0  # rounds do not take a constraint
     images = as_image_list(images)
     require_vision(model.vision, len(images))
     injection = None

@@ -256,6 +256,7 @@ def _request(args: argparse.Namespace, prompt_ids: Sequence[int], stops: Sequenc
         draft_len=args.draft_len if args.drafting else None,
         logprobs=args.logprobs,
         stop_at_block_end=bool(args.block_end),
+        constraint=getattr(args, "constraint", None),
         **fields,
     )
 
@@ -275,7 +276,7 @@ def _warm_up(producer: Any, request: Any) -> None:
     tiny = dataclasses.replace(request, prompt_ids=list(ids),
                                max_tokens=min(request.max_tokens, most),
                                stop_token_ids=[], stop_strings=[], injection=None,
-                               stop_at_block_end=False)
+                               stop_at_block_end=False, constraint=None)
     stream_completion(producer, tiny).drain()
 
 

@@ -237,6 +237,14 @@ def parser() -> _Parser:
     gen.add_argument("-n", "--num-completions", type=int, default=1, metavar="N",
                      help="completions of the prompt, decoded together in one batch; "
                           "completion k (from 0) samples with --seed + k")
+    gen.add_argument("--json-schema", metavar="FILE", default=None,
+                     help="the output must be one JSON value valid under the JSON schema in "
+                          "FILE (decodes without drafting)")
+    gen.add_argument("--regex", metavar="REGEX", default=None,
+                     help="the whole output must match REGEX (decodes without drafting)")
+    gen.add_argument("--grammar", metavar="FILE", default=None,
+                     help="the output must derive from the Lark grammar in FILE (its start "
+                          "rule; decodes without drafting)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per completion (text, finish reason, usage, "
                           "timings, log-probabilities) instead of the text")
@@ -479,6 +487,43 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError("--json prints whole completions; a --chat session from "
                                "standard input prints its turns as text (drop --json)")
     _check_library_values(args, named)
+    _check_constraint(args, named)
+
+
+def _check_constraint(args: argparse.Namespace, named: list[tuple[str, str]]) -> None:
+    """Read --json-schema, --regex or --grammar into ``args.constraint`` (``None`` when none is
+    given); the engine refuses a bad one here, before any model is loaded."""
+    from turbospark_jax.core.constraints import ConstraintSpec
+
+    given = [(flag, value) for flag, value in (("--json-schema", args.json_schema),
+                                               ("--regex", args.regex),
+                                               ("--grammar", args.grammar)) if value is not None]
+    args.constraint = None
+    if not given:
+        return
+    if len(given) > 1:
+        raise CommandLineError(f"choose one constraint: {' or '.join(f for f, _ in given)}")
+    flag, value = given[0]
+    for other, on in ((named[0][0] if named else "", bool(named)), ("--chat", args.chat),
+                      ("--prompts-file", args.prompts_file is not None),
+                      ("--num-completions", args.num_completions > 1)):
+        if on:
+            raise CommandLineError(f"{flag} constrains one plain completion; drop {other}")
+    if flag != "--regex":
+        try:
+            with open(value, encoding="utf-8") as f:
+                value = f.read()
+        except OSError as exc:
+            raise CommandLineError(f"{flag} {value}: {exc.strerror or exc}") from exc
+    try:
+        if flag == "--json-schema":
+            args.constraint = ConstraintSpec.json_schema(value)
+        elif flag == "--regex":
+            args.constraint = ConstraintSpec.regex(value)
+        else:
+            args.constraint = ConstraintSpec.grammar(value)
+    except BadInputError as exc:
+        raise CommandLineError(f"{flag}: {exc}") from exc
 
 
 def chat_loop(args: argparse.Namespace) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 
 from turbospark_jax.core import sampling
 from turbospark_jax.core.checks import as_bool, as_int, as_token_ids
+from turbospark_jax.core.constraints import ConstraintSpec
 from turbospark_jax.core.detokenize import TOKENIZER_CALLS, IncrementalDetokenizer, provides
 from turbospark_jax.core.injection import Injection
 from turbospark_jax.core.protocols import LogitProducer
@@ -72,6 +73,10 @@ class FinishReason(enum.Enum):
     BLOCK_END = "block_end"
     LENGTH = "length"
     ERROR = "error"
+    #: The constraint admits nothing more: the text is complete (no stop token was needed).
+    CONSTRAINT_END = "constraint_end"
+    #: ``max_tokens`` came before the text satisfied the constraint.
+    CONSTRAINT_UNMET = "constraint_unmet"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +115,13 @@ class CompletionRequest:
       injection: embeddings injected at prompt positions (images in their placeholder
         spans, :mod:`turbospark_jax.core.injection`); needs a producer that
         ``accepts_embeddings`` and plain decoding. Prefix reuse compares its identities.
+      constraint: what the generated text must match (a JSON schema, a regex or a grammar,
+        :class:`~turbospark_jax.core.constraints.ConstraintSpec`); needs a tokenizer. Each
+        token is sampled from the logits with the ids the constraint forbids masked out, a
+        run the constraint forces is emitted without sampling, a stop token is allowed only
+        once the text is complete, and the completion ends with ``CONSTRAINT_END`` when
+        nothing more may follow, ``CONSTRAINT_UNMET`` when ``max_tokens`` comes first. A
+        constrained request decodes plainly (no speculative rounds).
 
     Raises:
       BadInputError: a field of the wrong type or range (checked here, once; what depends on
@@ -132,6 +144,7 @@ class CompletionRequest:
     parallel_prefill: bool = False
     draft_len: int | None = None
     injection: Injection | None = None
+    constraint: ConstraintSpec | None = None
 
     def __post_init__(self) -> None:
         def keep(name: str, value: Any) -> None:
@@ -162,6 +175,14 @@ class CompletionRequest:
         if self.injection is not None and not isinstance(self.injection, Injection):
             raise BadInputError(f"injection must be an Injection or None, got "
                                 f"{type(self.injection).__name__}")
+        if self.constraint is not None and not isinstance(self.constraint, ConstraintSpec):
+            raise BadInputError(
+                f"constraint must be a ConstraintSpec (ConstraintSpec.json_schema, .regex, "
+                f".grammar) or None, got {type(self.constraint).__name__}")
+        if self.constraint is not None and self.draft_len:
+            raise BadInputError(
+                f"a constrained request decodes plainly; draft_len={self.draft_len} asks for "
+                "speculative rounds (leave it unset or 0)")
 
     @property
     def params(self) -> sampling.SamplingParams:
@@ -378,6 +399,10 @@ def validate_request(
         raise BadInputError("stop strings need a tokenizer to see text; pass tokenizer=")
     if request.stop_at_block_end and tokenizer is None:
         raise BadInputError("stop_at_block_end needs a tokenizer to see text; pass tokenizer=")
+    if request.constraint is not None and tokenizer is None:
+        raise BadInputError(
+            f"a {request.constraint.kind} constraint needs a tokenizer to see text; pass "
+            "tokenizer=")
     check_injection(producer, request.injection, len(prompt))
     if state is not None:
         producer.check_state(state)

@@ -22,6 +22,9 @@ the end. Every completion goes through the same steps, in order:
    steppers:
 
    * :class:`HostSteps`: ``produce`` and a jitted sampler per token;
+   * :class:`ConstrainedSteps`: a constrained request's steps: the run of tokens the
+     constraint forces, fed as one chunk, or one ``produce`` and a sample from the logits
+     with the forbidden ids masked out;
    * :class:`DecodeBursts`: for a :class:`~turbospark_jax.core.protocols.DeviceDecoder`,
      bursts of decode steps (produce + sample + stop-token check in one jitted loop), each
      chained onto the one before it on the device before that one is read;
@@ -51,9 +54,11 @@ from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from turbospark_jax.core import sampling
+from turbospark_jax.core.constraints import Constraint
 from turbospark_jax.core.injection import Injection
 from turbospark_jax.core.protocols import (
     NON_FINITE,
@@ -80,6 +85,7 @@ from turbospark_jax.generation.completion import (
 
 __all__ = [
     "Begin",
+    "ConstrainedSteps",
     "DecodeBursts",
     "Decoding",
     "HostSteps",
@@ -109,6 +115,8 @@ class Decoding:
       key: its PRNG key (``request_key(seed)``).
       out: the emission: the tokens so far and the prompt.
       history: the penalty bookkeeping after every emitted token.
+      constraint: the request's constraint, followed through the emitted tokens (``None``:
+        unconstrained).
     """
 
     producer: Any
@@ -117,6 +125,7 @@ class Decoding:
     key: jax.Array
     out: Emission
     history: sampling.History
+    constraint: Constraint | None = None
 
     @property
     def emitted(self) -> int:
@@ -138,12 +147,15 @@ class Step:
       rows: the logits row behind each token (``None`` where not recorded).
       history: the penalty bookkeeping after all of ``tokens``.
       error: when set, generation fails after these tokens with this reason.
+      pending: the stepper holds tokens it has committed to that later steps emit (a
+        constraint's forced run, emitted one step a token).
     """
 
     tokens: Sequence[int]
     rows: Sequence[Any]
     history: sampling.History
     error: str | None = None
+    pending: bool = False
 
 
 class Stepper(abc.ABC):
@@ -170,14 +182,78 @@ class Stepper(abc.ABC):
         del decode_s
 
 
+#: The logits with the ids a constraint forbids set to minus infinity.
+masked_logits = jax.jit(lambda logits, allowed: jnp.where(allowed, logits, -jnp.inf))
+
+#: A constraint allowed no token at all (the engine's grammar has a dead end).
+CONSTRAINT_DEAD_END = "the constraint allows no next token"
+
+
 def host_token(logits: Any, run: Decoding) -> Step:
     """One token sampled on the host from ``logits`` (a prefill's or a host step's): token
-    ``run.emitted`` samples with ``token_key(key, run.emitted)``."""
+    ``run.emitted`` samples with ``token_key(key, run.emitted)``; a constrained run samples
+    from the masked logits (the row it records) and moves its constraint past the token."""
     if not bool(np.all(np.isfinite(np.asarray(logits)))):
         return Step(tokens=(), rows=(), history=run.history, error=NON_FINITE_LOGITS)
+    if run.constraint is not None:
+        allowed = run.constraint.allowed_mask()
+        if not allowed.any():
+            return Step(tokens=(), rows=(), history=run.history, error=CONSTRAINT_DEAD_END)
+        logits = masked_logits(logits, allowed)
     index_key = sampling.token_key(run.key, run.emitted)
     token = int(sampling.sample(logits, run.params, run.history, index_key))
+    if run.constraint is not None:
+        run.constraint.advance(token)
     return Step(tokens=(token,), rows=(logits,), history=add_to_history(run.history, token))
+
+
+class ConstrainedSteps(Stepper):
+    """A constrained request's steps (:class:`HostSteps` with a mask, and forced runs).
+
+    Where the constraint allows a single path, its tokens are emitted without sampling and
+    fed to the producer as one chunk before the next sampled token (a chunked producer feeds
+    them in one call; a producer's chunk is bitwise the same as feeding token by token). With
+    ``record_logits`` the forced tokens are fed one at a time instead, so each has the row it
+    was chosen from (the logits masked to that token alone); the tokens are the same.
+    """
+
+    def __init__(self) -> None:
+        self.fed = 0  # generated tokens the producer has consumed
+        self.queue: list[int] = []  # forced tokens taken from the constraint, not emitted
+
+    def advance(self, state: Any, run: Decoding) -> tuple[Step, Any]:
+        assert run.constraint is not None
+        if not self.queue:
+            self.queue = run.constraint.forced(run.left)
+        if self.queue and not run.request.record_logits:
+            tokens, self.queue = self.queue, []
+            history = run.history
+            for t in tokens:
+                history = add_to_history(history, t)
+            return Step(tokens=tokens, rows=[None] * len(tokens), history=history), state
+        logits, state = self._feed(state, run)
+        if not self.queue:
+            return host_token(logits, run), state
+        if not bool(np.all(np.isfinite(np.asarray(logits)))):
+            return Step(tokens=(), rows=(), history=run.history, error=NON_FINITE_LOGITS), state
+        token = self.queue.pop(0)
+        allowed = np.zeros(run.producer.vocab_size, bool)
+        allowed[token] = True
+        return Step(tokens=(token,), rows=(masked_logits(logits, allowed),),
+                    history=add_to_history(run.history, token),
+                    pending=bool(self.queue)), state
+
+    def _feed(self, state: Any, run: Decoding) -> tuple[Any, Any]:
+        """Feed the emitted tokens the producer has not consumed; the logits after them."""
+        tokens = run.out.tokens[self.fed:]
+        start = len(run.out.prompt) + self.fed
+        self.fed = run.emitted
+        p = run.producer
+        if len(tokens) > 1 and isinstance(p, ChunkedPrefillRunner):
+            return p.prefill_chunk_with_status(state, tokens, start, False)
+        for i, t in enumerate(tokens[:-1]):
+            state = p.produce_prefill(state, t, start + i)
+        return p.produce(state, tokens[-1], start + len(tokens) - 1)
 
 
 class HostSteps(Stepper):
@@ -338,7 +414,10 @@ def prepare(
 
     require_request(request)
     if speculative is None:
-        speculative = isinstance(producer, SpeculativeProducer) and request.draft_len != 0
+        speculative = (isinstance(producer, SpeculativeProducer) and request.draft_len != 0
+                       and request.constraint is None)
+    elif speculative and request.constraint is not None:
+        raise BadInputError("a constrained request decodes plainly, not in speculative rounds")
     if speculative:
         stepper = rounds_stepper(producer, request)
     elif request.draft_len:
@@ -348,16 +427,23 @@ def prepare(
             "(turbospark_jax.speculative.pair.SpeculativePair) or leave draft_len unset"
         )
     params = validate_request(producer, request, tokenizer)
-    if not speculative:
+    spec = request.constraint
+    if spec is not None:
+        stepper = ConstrainedSteps()
+    elif not speculative:
         stepper = (DecodeBursts(request.burst) if isinstance(producer, DeviceDecoder)
                    else HostSteps())
     # The text pipeline is built now too: a prompt id the tokenizer refuses is bad input.
     out = Emission(request, tokenizer, list(request.prompt_ids))
 
+    # The constraint is bound now too: the engine's matcher is built before any device work.
+    constraint = None if spec is None else spec.bind(
+        tokenizer, producer.vocab_size, request.stop_token_ids)
+
     def begin(state: Any, progress: PrefillProgress | None = None) -> Generator[
             StreamEvent, None, Completion]:
         return drive(producer, out, params, state, stepper, progress,
-                     primes_drafter=speculative)
+                     primes_drafter=speculative, constraint=constraint)
 
     return begin
 
@@ -371,10 +457,11 @@ def drive(
     progress: PrefillProgress | None = None,
     *,
     primes_drafter: bool = False,
+    constraint: Constraint | None = None,
 ) -> Generator[StreamEvent, None, Completion]:
     """The driver: reuse, prefill, the first token, ``stepper``'s steps, the overshoot's
     rewind and the completion (see the module docstring). The request is ``out.request``,
-    already validated against ``producer``."""
+    already validated against ``producer``; ``constraint`` is its bound constraint."""
     t0 = time.perf_counter()
     req, prompt = out.request, out.prompt
     state = state if state is not None else producer.init_state()
@@ -386,7 +473,8 @@ def drive(
                                                   injected=injection.identity_map())
     run = Decoding(producer=producer, request=req, params=params,
                    key=sampling.request_key(req.seed), out=out,
-                   history=sampling.History.from_prompt(prompt, producer.vocab_size))
+                   history=sampling.History.from_prompt(prompt, producer.vocab_size),
+                   constraint=constraint)
     finish, error, first_token_s = None, None, 0.0
     try:
         logits, state = prefill(
@@ -438,6 +526,12 @@ def _emit(step: Step, run: Decoding) -> Generator[
     run.history = step.history
     if finish is None and step.error is not None:
         return FinishReason.ERROR, step.error, kept
+    c = run.constraint
+    if c is not None:
+        if finish is None and c.is_done and not step.pending:
+            finish = FinishReason.CONSTRAINT_END
+        elif finish is FinishReason.LENGTH and not c.is_satisfied:
+            finish = FinishReason.CONSTRAINT_UNMET
     return finish, None, kept
 
 
