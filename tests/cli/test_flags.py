@@ -183,7 +183,7 @@ def test_help_names_the_new_flags():
     text = " ".join(out.split())
     for flag in ("--system", "--prompt-file", "--prompts-file", "--json", "--logprobs",
                  "--num-completions", "--quantize", "--block-end", "--no-block-end",
-                 "--compile-cache", "--no-compile-cache"):
+                 "--compile-cache", "--no-compile-cache", "--kv-dtype"):
         assert flag in text, flag
 
 

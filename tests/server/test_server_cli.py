@@ -55,3 +55,35 @@ def test_serve_refuses_a_drafter_the_model_does_not_have():
         load_server(None, slots=1, context=64, drafter="assistant")
     with pytest.raises(BadInputError, match="choose one drafter"):
         load_server(None, slots=1, context=64, drafter="auto", ngram=2)
+
+
+def test_serve_quantized_weights_and_kv_cache():
+    """``load_server(quantize=, kv_dtype=)`` serves the quantized model (what ``serve
+    --quantize --kv-dtype`` asks for): its params hold quantized weights, its caches store
+    bytes, and a completion comes back over HTTP."""
+    pytest.importorskip("starlette")
+    import httpx
+    import jax
+
+    from turbospark_jax.quant.weights import QuantizedWeight
+    from turbospark_jax.server.build import load_server
+    from turbospark_jax.testing.live_server import running
+
+    server = load_server(None, slots=1, context=64, dtype="float32", quantize="int8",
+                         kv_dtype="int8")
+    producer = server.engine.producer
+    assert producer.model.kv_dtype == "int8"
+    assert any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
+        producer.params, is_leaf=lambda w: isinstance(w, QuantizedWeight)))
+    with running(server) as url:
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": server.config.model_name, "prompt": "def add(a, b):", "max_tokens": 4,
+            "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_serve_refuses_a_bad_scheme_before_loading():
+    err = io.StringIO()
+    assert main(["serve", "--quantize", "int3"], stdout=io.StringIO(), stderr=err) == 1
+    assert "--quantize int3" in err.getvalue()

@@ -192,7 +192,7 @@ def _load(path: Path, args: argparse.Namespace) -> Any:
     # One dict per layer: inside the block program's loop XLA copies slices of stacked
     # weights (docs/decisions/0011-listed-layers.md).
     return load_folder(path, dtype=args.dtype, layer_layout="list", plan=args.plan,
-                       quantize=args.quantization)
+                       quantize=args.quantization, kv_dtype=args.kv_dtype)
 
 
 def _block_producer(loaded: Any, args: argparse.Namespace, capacity: int) -> Any:
@@ -747,7 +747,8 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
                          ngram=args.ngram or 0, drafter=AUTO if args.speculative else None,
                          model_name=args.served_name, max_waiting=args.max_waiting,
                          prefill_chunk=args.prefill_chunk, prefill_rows=args.prefill_rows,
-                         replicas=args.replicas)
+                         replicas=args.replicas, quantize=args.quantization,
+                         kv_dtype=args.kv_dtype)
     if server.drafter is not None:
         print(f"[drafter] {server.drafter.why}", file=stderr, flush=True)
     replicas = f" x {args.replicas} replicas" if args.replicas > 1 else ""

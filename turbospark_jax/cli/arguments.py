@@ -299,9 +299,7 @@ def parser() -> _Parser:
                           "on a CPU, where XLA's bfloat16 matrix products are slow)")
     gen.add_argument("--parallel-prefill", action="store_true",
                      help="batched prefill: faster, equal to the exact path within tolerance")
-    gen.add_argument("--quantize", metavar="SCHEME",
-                     help="store the linear weights quantized: int8, int4 (int4-g32, "
-                          "int4-g64 for smaller groups), fp8 or fp8-block")
+    _quant_flags(gen)
     gen.add_argument("--block-end", action=argparse.BooleanOptionalAction, default=None,
                      help="when the prompt ends inside a def or class, stop where that block "
                           "ends (default: on for models whose folder asks for it, as the "
@@ -363,7 +361,33 @@ def _serve_parser(sub: Any) -> None:
                             "--session-slots; a named session stays on its replica")
     serve.add_argument("--served-name", default=None, metavar="NAME",
                        help="the model id clients name (default: the folder's name)")
+    _quant_flags(serve)
     _cache_flags(serve)
+
+
+def _quant_flags(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--quantize", metavar="SCHEME",
+                         help="store the linear weights quantized: int8, int4 (int4-g32, "
+                              "int4-g64 for smaller groups), fp8 or fp8-block")
+    command.add_argument("--kv-dtype", choices=["int8", "fp8"], default=None,
+                         help="store the attention caches in one byte a value, with a scale "
+                              "per row and head: about twice the tokens in the same memory")
+
+
+def quantization(args: argparse.Namespace) -> None:
+    """``args.quantization``: ``--quantize`` parsed (None without it).
+
+    Raises:
+      CommandLineError: a scheme that is not one (the message names the schemes).
+    """
+    args.quantization = None
+    if args.quantize is not None:
+        from turbospark_jax.quant.weights import Quantization
+
+        try:
+            args.quantization = Quantization.parse(args.quantize)
+        except BadInputError as exc:
+            raise CommandLineError(f"--quantize {args.quantize}: {exc}") from exc
 
 
 def _cache_flags(command: argparse.ArgumentParser) -> None:
@@ -395,6 +419,7 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
     if args.replicas > 1 and (args.speculative or args.draft_model or args.ngram):
         raise CommandLineError("speculative decoding is served by one replica only: drop the "
                                "drafter or --replicas")
+    quantization(args)
 
 
 def user_words(message: str, names: dict[str, str] | None = None) -> str:
@@ -579,11 +604,4 @@ def _check_library_values(args: argparse.Namespace, named: list[tuple[str, str]]
         request_key(args.seed)
     except BadInputError as exc:
         raise CommandLineError(user_words(str(exc), _SAMPLING_FLAGS)) from exc
-    args.quantization = None
-    if args.quantize is not None:
-        from turbospark_jax.quant.weights import Quantization
-
-        try:
-            args.quantization = Quantization.parse(args.quantize)
-        except BadInputError as exc:
-            raise CommandLineError(f"--quantize {args.quantize}: {exc}") from exc
+    quantization(args)

@@ -15,6 +15,7 @@ from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
 from turbospark_jax.parallel.replicas import check_replica_count, replicas_one_per_device
+from turbospark_jax.quant.weights import Quantization
 from turbospark_jax.server.app import ServerConfig, build_app
 from turbospark_jax.server.engine import Engine
 from turbospark_jax.server.metrics import ServerMetrics
@@ -118,6 +119,8 @@ def load_server(
     drafter: str | None = None,
     model_name: str | None = None,
     replicas: int = 1,
+    quantize: str | Quantization | None = None,
+    kv_dtype: str | None = None,
     **options: Any,
 ) -> Server:
     """A server over a model folder (default: the embedded model).
@@ -138,6 +141,8 @@ def load_server(
       model_name: the served id (default: the folder's name).
       replicas: data-parallel replicas, one per local device (the first ``replicas`` of
         them), each a full copy of the weights with ``slots`` slots of its own.
+      quantize, kv_dtype: quantized weights and KV caches, as
+        :func:`~turbospark_jax.io.loading.load_folder` takes them (checked before loading).
       **options: :func:`make_server` keywords.
 
     Raises:
@@ -156,7 +161,8 @@ def load_server(
     ensure_compile_cache()  # compiled programs persist across restarts (core.compile_cache)
     # XLA's kernels: the batched programs' guarantee (a request's bits as if alone) rests on
     # their fixed shapes, not on widths agreeing, and they map the block step over the slots
-    loaded = load_folder(target, dtype=dtype, layer_layout="list")
+    loaded = load_folder(target, dtype=dtype, layer_layout="list", quantize=quantize,
+                         kv_dtype=kv_dtype)
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
     producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,
