@@ -23,6 +23,8 @@ if _cache:
     # lists and stats the whole cache under that lock, which made a cold suite run slower
     # than no cache at all. A read that meets an entry still being written fails to
     # decompress, and jax then warns and compiles afresh.
+else:  # nor may the library's own per-user cache fill the home folder from the tests
+    os.environ.setdefault("TURBOSPARK_COMPILE_CACHE", "off")
 if os.environ["JAX_PLATFORMS"] == "cpu" and "XLA_FLAGS" not in os.environ:
     # The tests' models are tiny: compiling, not running, is most of the suite's time. Less
     # LLVM optimisation compiles about 30% faster; the arithmetic is the same (no fast-math
