@@ -57,5 +57,5 @@ def test_regex_and_grammar(tmp_path):
     (("--regex", "a", "-n", "2"), "drop --num-completions"),
 ])
 def test_refused_before_loading(argv, said):
-    code, out, err = run("x", *argv)
+    code, _, err = run("x", *argv)
     assert code != 0 and said in err and "loading" not in err

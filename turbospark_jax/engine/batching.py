@@ -118,20 +118,27 @@ def _where_rows(mask: jax.Array, new: Any, old: Any) -> Any:
 
 def _draw_rows(
     logits: jax.Array, rows: RowControls, active: jax.Array, *, truncate: bool, logprobs: bool,
+    allowed: jax.Array | None = None,
 ) -> tuple[RowControls, StepResult]:
     """Sample each row's next token from its ``logits`` (``[B, V]``) with its own settings and
     key; the active rows' controls move on (the token to feed, penalty history, index).
+
+    ``allowed`` (bool[B, V], optional): the ids each row may draw (a constrained request's
+    mask; all set for a free row, whose logits then pass through unchanged). The masked
+    logits are what the row draws from and what comes back; ``finite`` reads the raw ones.
 
     ``truncate`` and ``logprobs`` are static: ``truncate`` False compiles the sampler without
     the top-k/top-p sort (:func:`~turbospark_jax.core.sampling.draw`), ``logprobs`` False without
     the log-softmax and top-``K`` (zeros come back). The caller chooses them from the rows in
     the call; neither changes any row's token or logits."""
     draw = functools.partial(sampling.draw, truncate=truncate)
+    finite = jnp.all(jnp.isfinite(logits), axis=-1)
+    if allowed is not None:
+        logits = jnp.where(allowed, logits, -jnp.inf)
     keys = jax.vmap(lambda data, i: sampling.token_key(jax.random.wrap_key_data(data), i))(
         rows.keys, rows.gen_index
     )
     drawn = jax.vmap(draw)(logits, rows.params, rows.history, keys).astype(jnp.int32)
-    finite = jnp.all(jnp.isfinite(logits), axis=-1)
     size, k = logits.shape[0], min(MAX_TOP_LOGPROBS, logits.shape[1])
     if logprobs:
         lp, top_ids, top_lp = jax.vmap(_logprob_row)(logits, drawn)
@@ -151,10 +158,11 @@ def _draw_rows(
 
 def decode_step(
     model: BlockModel, params: Any, stack: BlockState, rows: RowControls, active: jax.Array,
-    *, truncate: bool = True, logprobs: bool = True,
+    allowed: jax.Array | None = None, *, truncate: bool = True, logprobs: bool = True,
 ) -> tuple[BlockState, RowControls, StepResult]:
     """Advance every active row by one token (jittable; ``active`` is bool[B]): feed the row's
-    last drawn token, then draw the next from the logits."""
+    last drawn token, then draw the next from the logits (masked by ``allowed``, bool[B, V],
+    when given)."""
     live = active.astype(jnp.int32)
 
     def feed(state: BlockState, token: jax.Array, n: jax.Array) -> tuple[jax.Array, BlockState]:
@@ -162,14 +170,15 @@ def decode_step(
         return logits[0], state
 
     logits, stack = jax.vmap(feed)(stack, rows.tokens, live)
-    rows, out = _draw_rows(logits, rows, active, truncate=truncate, logprobs=logprobs)
+    rows, out = _draw_rows(logits, rows, active, truncate=truncate, logprobs=logprobs,
+                           allowed=allowed)
     return stack, rows, out
 
 
 def prefill_step(
     model: BlockModel, params: Any, stack: BlockState, rows: RowControls, index: jax.Array,
-    tokens: jax.Array, counts: jax.Array, final: jax.Array, *, truncate: bool = True,
-    logprobs: bool = True,
+    tokens: jax.Array, counts: jax.Array, final: jax.Array, allowed: jax.Array | None = None,
+    *, truncate: bool = True, logprobs: bool = True,
 ) -> tuple[BlockState, RowControls, StepResult]:
     """Feed prompt tokens to ``P`` rows at once and draw the first token of rows whose prompt
     ends here (jittable).
@@ -184,6 +193,7 @@ def prefill_step(
       counts: int32[P], tokens each row feeds (0: the row is left as it is).
       final: bool[P], whether the row's last fed token ends its prompt (then its first token
         is drawn and its controls move on).
+      allowed: bool[P, V] or ``None``: the ids each row's first token may take.
 
     Returns:
       The stack, the controls, and the draws (:class:`StepResult` over the ``P`` rows; a row
@@ -214,7 +224,8 @@ def prefill_step(
     sub, last = jax.lax.fori_loop(0, n_steps, body, (sub, last0))
     stack = jax.tree.map(lambda x, r: x.at[index].set(r, unique_indices=True), stack, sub)
     picked = jax.tree.map(lambda x: x[index], rows)
-    picked, out = _draw_rows(last, picked, ends, truncate=truncate, logprobs=logprobs)
+    picked, out = _draw_rows(last, picked, ends, truncate=truncate, logprobs=logprobs,
+                             allowed=allowed)
     rows = jax.tree.map(lambda x, r: x.at[index].set(r, unique_indices=True), rows, picked)
     return stack, rows, out
 
@@ -314,6 +325,7 @@ class BatchedDecoder:
 
     def prefill(
         self, feeds: list[tuple[int, list[int], bool]], *, logprobs: bool = False,
+        allowed: np.ndarray | None = None,
     ) -> StepResult:
         """Feed prompt tokens to up to ``P`` rows in one call.
 
@@ -322,6 +334,8 @@ class BatchedDecoder:
             feed at the row's cursor, and whether they end its prompt (then the row draws its
             first token with the controls :meth:`start_row` set).
           logprobs: whether to compute the drawn tokens' log-probabilities.
+          allowed: bool[len(feeds), V] or ``None``: the ids each feed's first token may take
+            (constrained requests; a free row's entry is all set).
 
         Returns:
           The draws, entry ``i`` for ``feeds[i]`` (meaningful where ``final``).
@@ -352,23 +366,39 @@ class BatchedDecoder:
         truncate = bool(np.any(self._truncates[index[: len(feeds)]] & final[: len(feeds)]))
         program = _compiled(self.producer.model, type(self).prefill_fn, truncate, logprobs)
         shaped = tokens.reshape(self.prefill_rows, -1, width)
+        extra = ()
+        if allowed is not None:
+            mask = np.ones((self.prefill_rows, self.producer.vocab_size), bool)
+            mask[: len(feeds)] = self._mask("allowed", allowed, len(feeds))
+            extra = (mask,)
         self.stack, self.controls, out = program(
             self.producer.params, self.stack, self.controls, index, shaped, counts, final,
+            *extra,
         )
         return out
 
-    def step(self, active: np.ndarray, *, logprobs: bool = True) -> StepResult:
+    def step(self, active: np.ndarray, *, logprobs: bool = True,
+             allowed: np.ndarray | None = None) -> StepResult:
         """Advance the rows where ``active`` (bool[B]) is set by one token, in one call;
-        ``logprobs`` False leaves the log-probabilities out (zeros)."""
+        ``logprobs`` False leaves the log-probabilities out (zeros); ``allowed`` (bool[B, V])
+        masks each row's draw (a program with the mask is compiled beside the one without)."""
         active = np.asarray(active, bool)
         if active.shape != (self.size,):
             raise BadInputError(f"active must be bool[{self.size}], got shape {active.shape}")
         truncate = bool(np.any(self._truncates & active))
         program = _compiled(self.producer.model, type(self).step_fn, truncate, logprobs)
+        extra = () if allowed is None else (self._mask("allowed", allowed, self.size),)
         self.stack, self.controls, out = program(
-            self.producer.params, self.stack, self.controls, active
+            self.producer.params, self.stack, self.controls, active, *extra
         )
         return out
+
+    def _mask(self, name: str, allowed: Any, rows: int) -> np.ndarray:
+        mask = np.asarray(allowed)
+        if mask.dtype != bool or mask.shape != (rows, self.producer.vocab_size):
+            raise BadInputError(f"{name} must be bool[{rows}, {self.producer.vocab_size}], got "
+                                f"{mask.dtype}{list(mask.shape)}")
+        return mask
 
     def _index(self, index: int) -> int:
         return as_int("index", index, low=0, high=self.size - 1)

@@ -1,7 +1,9 @@
 """The HTTP layer: OpenAI-compatible routes over an :class:`~turbospark_jax.server.engine.Engine`.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with SSE or
-not), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Every refusal is an OpenAI error
+not; ``response_format`` on both, ``tools`` and ``tool_choice`` on chat, tool calls parsed into
+``tool_calls`` and streamed as OpenAI streams them), ``GET /v1/models``, ``GET /health``,
+``GET /metrics``. Every refusal is an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
 request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
 no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
@@ -29,13 +31,14 @@ from starlette.routing import Route
 
 from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.errors import (
+    BadInputError,
     ContextOverflowError,
     OverloadedError,
     TurbosparkError,
     UnavailableError,
 )
 from turbospark_jax.generation.completion import CompletionRequest
-from turbospark_jax.server import responses
+from turbospark_jax.server import responses, tools
 from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
 from turbospark_jax.server.metrics import ServerMetrics
 from turbospark_jax.server.router import ReplicaRouter
@@ -153,6 +156,7 @@ class _Routes:
         try:
             body = await self._body(request, ChatBody if chat else CompletionBody)
             serve = self._serve_request(body, chat)
+            offered = self._offered_tools(body) if chat else []
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -168,11 +172,12 @@ class _Routes:
                 "created": responses.now(), "model": self.config.model_name}
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self._stream(queue, ticket, meta, chat, body.session_id, include_usage)
+            events = self._stream(queue, ticket, meta, chat, body.session_id, include_usage,
+                                  offered)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await self._whole(request, queue, meta, chat, body.session_id)
+            return await self._whole(request, queue, meta, chat, body.session_id, offered)
         finally:
             ticket.cancel()  # a client gone before the end frees the slot; after it, a no-op
 
@@ -194,13 +199,52 @@ class _Routes:
                            code="model_not_found")
         return body
 
+    @staticmethod
+    def _offered_tools(body: Any) -> list[Any]:
+        """The tools a chat reply may call (none with ``tool_choice: none``)."""
+        return list(body.tools or []) if body.tool_choice != "none" else []
+
+    def _constraint(self, body: Any, chat: bool) -> Any:
+        """The reply's constraint from ``response_format`` or ``tool_choice`` (400 when the
+        engine refuses a schema, naming it)."""
+        param = "response_format"
+        try:
+            spec = tools.response_format_constraint(body.response_format)
+            if chat and body.tools:
+                param = "tool_choice"
+                called = tools.constraint_for(self._offered_tools(body), body.tool_choice,
+                                              body.parallel_tool_calls)
+                if called is not None and spec is not None:
+                    raise BadInputError("give response_format or a tool_choice that forces a "
+                                        "call, not both")
+                spec = spec or called
+        except BadInputError as exc:
+            raise ApiError(400, f"{param}: {exc}", param=param, code="invalid_value") from exc
+        return spec
+
+    @staticmethod
+    def _message(m: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
+                               "content": m.text()}
+        if m.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            out["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            out["name"] = m.name
+        return out
+
     def _serve_request(self, body: Any, chat: bool) -> ServeRequest:
         tok = self.config.tokenizer
+        constraint = self._constraint(body, chat)
         if chat:
-            messages = [{"role": m.role if m.role != "developer" else "system",
-                         "content": m.text()} for m in body.messages]
+            messages = [self._message(m) for m in body.messages]
+            offered = self._offered_tools(body)
+            extra = {"tools": [t.model_dump(exclude_none=True) for t in offered]} if offered else {}
             try:
-                rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
+                rendered = tok.apply_chat_template(messages, add_generation_prompt=True, **extra)
             except TurbosparkError as exc:
                 raise ApiError(400, f"the chat template refused the messages: {exc}",
                                param="messages", code="invalid_value") from exc
@@ -237,6 +281,7 @@ class _Routes:
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
             ),
+            constraint=constraint,
         )
         return ServeRequest(completion=completion, session_id=body.session_id, top_logprobs=top)
 
@@ -256,8 +301,9 @@ class _Routes:
 
     # -- answers ------------------------------------------------------------------------------
 
-    def _choice(self, chat: bool, text: str, entries: list[Any], offset: int,
-                finish: str | None, delta: bool) -> dict[str, Any]:
+    def _choice(self, chat: bool, text: str | None, entries: list[Any], offset: int,
+                finish: str | None, delta: bool,
+                calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         logprobs = None
         if entries:
             logprobs = (responses.chat_logprobs(entries, self.texts) if chat
@@ -265,11 +311,13 @@ class _Routes:
         if chat:
             key = "delta" if delta else "message"
             content = {"content": text} if delta else {"role": "assistant", "content": text}
+            if calls:
+                content["tool_calls"] = calls
             return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
         return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     async def _whole(self, request: Request, queue: asyncio.Queue[Any], meta: dict[str, Any],
-                     chat: bool, session_id: str | None) -> Response:
+                     chat: bool, session_id: str | None, offered: list[Any]) -> Response:
         while True:
             event = await _next_event(request, queue)
             if event is None:  # the client went away: answer no one, free the slot
@@ -281,7 +329,12 @@ class _Routes:
             if isinstance(event, Done):
                 break
         c = event.completion
-        choice = self._choice(chat, c.text, event.logprobs, 0, responses.finish_reason(c), False)
+        finish = responses.finish_reason(c)
+        parsed = tools.parse_reply(c.text, offered)
+        if parsed.tool_calls:
+            finish = "tool_calls"
+        choice = self._choice(chat, parsed.content, event.logprobs, 0, finish, False,
+                              parsed.tool_calls)
         choice["token_ids"] = list(c.token_ids)  # an extension: the generated ids
         obj = "chat.completion" if chat else "text_completion"
         return JSONResponse({**meta, "object": obj, "choices": [choice],
@@ -289,13 +342,14 @@ class _Routes:
 
     async def _stream(self, queue: asyncio.Queue[Any], ticket: Ticket, meta: dict[str, Any],
                       chat: bool, session_id: str | None, include_usage: bool,
-                      ) -> AsyncIterator[str]:
+                      offered: list[Any]) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[Any], **extra: Any) -> str:
             return _sse({**meta, "object": obj, "choices": choices, **extra})
 
         offset = 0
+        held = tools.ToolTextFilter() if offered else None
         try:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -303,8 +357,10 @@ class _Routes:
             while True:
                 event = await queue.get()
                 if isinstance(event, Delta):
-                    yield chunk([self._choice(chat, event.text, event.logprobs, offset, None,
-                                              True)])
+                    text = event.text if held is None else held.push(event.text)
+                    if text or event.logprobs or held is None:
+                        yield chunk([self._choice(chat, text, event.logprobs, offset, None,
+                                                  True)])
                     offset += len(event.text)
                     continue
                 if isinstance(event, Failed):
@@ -313,11 +369,28 @@ class _Routes:
                     yield _sse(err.body())
                 else:
                     c = event.completion
-                    yield chunk([self._choice(chat, event.tail, [], offset,
-                                              responses.finish_reason(c), True)])
+                    finish, tail = responses.finish_reason(c), event.tail
+                    if held is not None:
+                        held.push(tail)
+                        tail, calls = held.finish(offered)
+                        if calls:
+                            finish = "tool_calls"
+                            yield chunk([{"index": 0, "delta": {"tool_calls": [
+                                {"index": k, **call} for k, call in enumerate(calls)]},
+                                "logprobs": None, "finish_reason": None}])
+                    yield chunk([self._choice(chat, tail, [], offset, finish, True)])
                     if include_usage:
                         yield chunk([], usage=responses.usage(c, session_id))
                 yield "data: [DONE]\n\n"
                 return
         finally:
             ticket.cancel()  # a disconnect lands here (the task is cancelled at the await)
+
+
+def _arguments(text: str) -> Any:
+    """A sent tool call's arguments as chat templates read them: the JSON object it holds
+    (the text itself when it is not JSON)."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -36,6 +36,13 @@ at a time, in a thread beside the scheduler; it holds no slot and reuses no pref
 speculative decoding emits the same tokens as plain greedy decoding; sampled requests (and any
 asking for logprobs) stay on the batched path, so no seed's output changes.
 
+**Constrained requests** (a ``constraint`` on the completion) decode on the batched path with
+a mask row each: the prefill or decode call that draws a constrained row's token takes a
+bool[rows, V] mask whose free rows are all set (their logits pass through unchanged, so a
+constrained neighbour never changes a free row's bits). A run of tokens the constraint forces
+is drawn one step a token under a mask holding that token alone, so the tokens are those of
+:func:`~turbospark_jax.generation.driver.stream_completion`.
+
 Results go to a per-request ``sink`` callable, from the scheduler thread: zero or more
 :class:`Delta`, then exactly one :class:`Done` or :class:`Failed` (none after a cancel).
 """
@@ -54,6 +61,7 @@ import numpy as np
 
 from turbospark_jax.core import sampling
 from turbospark_jax.core.checks import as_int
+from turbospark_jax.core.constraints import Constraint
 from turbospark_jax.core.protocols import SpeculativeProducer
 from turbospark_jax.core.streams import Stream
 from turbospark_jax.engine.batching import BatchedDecoder
@@ -195,6 +203,9 @@ class _Job:
     first_token_s: float = 0.0
     last_token_at: float = 0.0
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    constraint: Constraint | None = None
+    forced: list[int] = dataclasses.field(default_factory=list)  # taken, not yet drawn
+    drawing_forced: bool = False  # the mask of the call in flight holds one forced token
 
     @property
     def prompt(self) -> list[int]:
@@ -320,8 +331,10 @@ class Engine:
                              daemon=True).start()
             return ticket
         emission = Emission(req, self.tokenizer, [int(t) for t in req.prompt_ids])
+        constraint = None if req.constraint is None else req.constraint.bind(
+            self.tokenizer, self.producer.vocab_size, req.stop_token_ids)
         job = _Job(request=request, sink=sink, ticket=ticket, params=params, emission=emission,
-                   submitted=time.perf_counter())
+                   submitted=time.perf_counter(), constraint=constraint)
         with self._cond:
             self._refuse_if_unavailable()  # again: stop() may have begun since the first
             if len(self._waiting) + len(self._running) >= len(self.slots) + self.max_waiting:
@@ -505,8 +518,10 @@ class Engine:
             feeds.append((job.slot.index, job.prompt[job.fed:end], end == len(job.prompt)))
         wants = any(job.request.top_logprobs is not None for job, (_, _, last)
                     in zip(jobs, feeds, strict=True) if last)
+        allowed = self._masks([job if last else None for job, (_, _, last)
+                               in zip(jobs, feeds, strict=True)], first=True)
         started = time.perf_counter()
-        out = self.decoder.prefill(feeds, logprobs=wants)
+        out = self.decoder.prefill(feeds, logprobs=wants, allowed=allowed)
         self.observer.prefill(len(feeds), sum(len(toks) for _, toks, _ in feeds))
         finishing = []
         for i, (job, (_, toks, last)) in enumerate(zip(jobs, feeds, strict=True)):
@@ -528,8 +543,35 @@ class Engine:
         active[[i for i, _ in rows]] = True
         started = time.perf_counter()
         wants = any(j.request.top_logprobs is not None for _, j in rows)
-        out = self.decoder.step(active, logprobs=wants)
+        by_slot: list[_Job | None] = [None] * len(self.slots)
+        for i, j in rows:
+            by_slot[i] = j
+        allowed = self._masks(by_slot, first=False)
+        out = self.decoder.step(active, logprobs=wants, allowed=allowed)
         self._emit(rows, out, started, first=False)
+
+    def _masks(self, jobs: list[_Job | None], *, first: bool) -> np.ndarray | None:
+        """The mask rows of a call's draws (entry ``i`` for ``jobs[i]``; ``None`` and free jobs
+        all set), or ``None`` when no job drawing in it is constrained. A constrained job's row
+        holds its forced token alone while it has a forced run to emit (taken from the
+        constraint after its first token, as the plain driver takes it), else the
+        constraint's mask."""
+        if not any(j is not None and j.constraint is not None for j in jobs):
+            return None
+        allowed = np.ones((len(jobs), self.producer.vocab_size), bool)
+        for i, job in enumerate(jobs):
+            if job is None or job.constraint is None:
+                continue
+            if not first and not job.forced:
+                left = job.request.completion.max_tokens - len(job.emission.tokens)
+                job.forced = job.constraint.forced(left)
+            job.drawing_forced = bool(job.forced)
+            if job.forced:
+                allowed[i] = False
+                allowed[i, job.forced[0]] = True
+            else:
+                allowed[i] = job.constraint.allowed_mask()
+        return allowed
 
     def _emit(self, rows: list[tuple[int, _Job]], out: Any, started: float, *,
               first: bool) -> None:
@@ -576,7 +618,18 @@ class Engine:
                                                            strict=True))
             entries = [TokenLogprob(token=token, logprob=float(lp), top=top)]
             job.logprobs += entries
+        c = job.constraint
+        if c is not None:
+            if job.drawing_forced:
+                job.forced.pop(0)
+            else:
+                c.advance(token)
         event, finish = job.emission.push(token, row)
+        if c is not None:
+            if finish is None and c.is_done and not job.forced:
+                finish = FinishReason.CONSTRAINT_END
+            elif finish is FinishReason.LENGTH and not c.is_satisfied:
+                finish = FinishReason.CONSTRAINT_UNMET
         if event is not None:
             job.sink(Delta(text=event.text, token_ids=list(event.token_ids), logprobs=entries))
         elif entries:
@@ -611,6 +664,7 @@ class Engine:
     def _speculates(self, request: ServeRequest) -> bool:
         req = request.completion
         return (self.speculative is not None and req.draft_len != 0
+                and req.constraint is None
                 and req.sampling.temperature == 0 and request.top_logprobs is None
                 and not req.record_logits)
 

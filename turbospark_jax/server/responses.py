@@ -13,8 +13,10 @@ __all__ = ["TokenTexts", "chat_logprobs", "finish_reason", "text_logprobs", "usa
 
 
 def finish_reason(completion: Completion) -> str:
-    """OpenAI's ``finish_reason``: ``length`` when ``max_tokens`` ended it, else ``stop``."""
-    return "length" if completion.finish_reason is FinishReason.LENGTH else "stop"
+    """OpenAI's ``finish_reason``: ``length`` when ``max_tokens`` ended it (a constrained reply
+    still incomplete included), else ``stop``."""
+    ended = completion.finish_reason
+    return "length" if ended in (FinishReason.LENGTH, FinishReason.CONSTRAINT_UNMET) else "stop"
 
 
 def usage(completion: Completion, session_id: str | None) -> dict[str, Any]:

@@ -3,7 +3,9 @@
 Bodies are validated strictly (a string where a number belongs is an error, not coerced) and
 unknown fields are refused, so a misspelt setting is reported rather than silently ignored.
 Beyond OpenAI's fields a body may carry ``session_id`` (continue that conversation's slot),
-``top_k``, ``min_p`` and ``repetition_penalty``.
+``top_k``, ``min_p`` and ``repetition_penalty``. ``response_format`` (both endpoints) and
+``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (chat) are read into constraints by
+:mod:`turbospark_jax.server.tools`.
 """
 
 from __future__ import annotations
@@ -89,6 +91,72 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the reply must be valid under (``strict``
+    or not, the reply is constrained to it)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (free), ``json_object`` (any JSON object) or
+    ``json_schema``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class FunctionDef(BaseModel):
+    """A tool's function: its name, what it does and its parameters' JSON schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    """One entry of ``tools``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the one function to call."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message made (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class _Settings(BaseModel):
     """Fields both endpoints share."""
 
@@ -113,6 +181,7 @@ class _Settings(BaseModel):
     n: Literal[1] = 1
     user: str | None = None
     session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+    response_format: ResponseFormat | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         """``stop`` as a tuple (a single string is one stop string)."""
@@ -143,12 +212,16 @@ class Message(BaseModel):
     """A chat message; content is a string or a list of text parts."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         """The content as one string."""
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
@@ -162,3 +235,6 @@ class ChatBody(_Settings):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
