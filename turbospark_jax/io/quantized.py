@@ -637,13 +637,15 @@ def _leaf(key: tuple[Any, ...], parts: list[tuple[int | None, QuantizedWeight]],
     first = parts[0][1]
     if key == ("embed_tokens",):  # the table as the tied head's [D, V] matrix
         return first
-    slot = shape if parts[0][0] is None else shape[1:]
+    index = parts[0][0]  # None, a layer, or (layer, expert) for a layer's expert stack
+    lead = 0 if index is None else len(index) if isinstance(index, tuple) else 1
+    slot = shape[lead:]
     split = next(i for i in range(len(slot) + 1) if math.prod(slot[:i]) == first.k)
     axes = {"in_shape": slot[:split], "out_shape": slot[split:]}
-    if parts[0][0] is None:
+    if index is None:
         return dataclasses.replace(first, **axes)
     statics = {(w.scheme, w.group, w.block_columns, w.zero is None) for _, w in parts}
-    if len(statics) != 1 or len(parts) != shape[0]:
+    if len(statics) != 1 or len(parts) != math.prod(shape[:lead]):
         raise ModelLoadError(
             f"the layers of params leaf {'/'.join(map(str, key))} are not all stored in one "
             "quantized format (a config that quantizes only some layers of a kind is not "
@@ -652,7 +654,8 @@ def _leaf(key: tuple[Any, ...], parts: list[tuple[int | None, QuantizedWeight]],
 
     def stacked(name: str) -> Any:
         values = [getattr(w, name) for w in ordered]
-        return None if values[0] is None else np.stack(values)
+        return None if values[0] is None else np.stack(values).reshape(
+            *shape[:lead], *np.shape(values[0]))
 
     return dataclasses.replace(first, q=stacked("q"), scale=stacked("scale"),
                                zero=stacked("zero"), **axes)
