@@ -108,14 +108,15 @@ class HFTensor:
       transpose: Hugging Face keeps ``nn.Linear`` weights as ``[out, in]``; we keep
         ``[in, out]`` (then reshape to the leaf's shape).
       stacked: the index on a stacked leading layer axis of the leaf, ``None`` when the leaf
-        holds this tensor alone.
+        holds this tensor alone; a tuple indexes several leading axes (one expert of a
+        stacked layer's expert stack: ``(layer, expert)``).
     """
 
     name: str
     key: tuple[str | int, ...]
     hf_shape: tuple[int, ...]
     transpose: bool = False
-    stacked: int | None = None
+    stacked: int | tuple[int, ...] | None = None
 
     @property
     def linear(self) -> bool:
