@@ -121,6 +121,7 @@ class _Routes:
                  metrics: ServerMetrics) -> None:
         self.engine, self.config, self.metrics = engine, config, metrics
         self.texts = responses.TokenTexts(config.tokenizer)
+        self.tool_form = tools.tool_format(getattr(config.tokenizer, "chat_template", None))
         self.capacity = engine.producer.max_positions
 
     # -- plain routes -----------------------------------------------------------------------
@@ -213,7 +214,7 @@ class _Routes:
             if chat and body.tools:
                 param = "tool_choice"
                 called = tools.constraint_for(self._offered_tools(body), body.tool_choice,
-                                              body.parallel_tool_calls)
+                                              body.parallel_tool_calls, self.tool_form)
                 if called is not None and spec is not None:
                     raise BadInputError("give response_format or a tool_choice that forces a "
                                         "call, not both")
@@ -330,7 +331,7 @@ class _Routes:
                 break
         c = event.completion
         finish = responses.finish_reason(c)
-        parsed = tools.parse_reply(c.text, offered)
+        parsed = tools.parse_reply(c.text, offered, self.tool_form)
         if parsed.tool_calls:
             finish = "tool_calls"
         choice = self._choice(chat, parsed.content, event.logprobs, 0, finish, False,
@@ -349,7 +350,7 @@ class _Routes:
             return _sse({**meta, "object": obj, "choices": choices, **extra})
 
         offset = 0
-        held = tools.ToolTextFilter() if offered else None
+        held = tools.ToolTextFilter(self.tool_form) if offered else None
         try:
             if chat:
                 yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
