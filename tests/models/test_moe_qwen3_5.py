@@ -224,12 +224,12 @@ def test_mtp_drafting_on_a_moe_target_equals_plain_decoding(tmp_path) -> None:
     params = Q.init_params(config, jax.random.PRNGKey(2))
     save_folder(tmp_path, config, params)
     prompt = [5, 17, 3, 88, 41, 41, 9, 60, 2]
-    plain = tsj.generate(tsj.load(tmp_path, dtype="float32", context=64), prompt,
-                         max_tokens=10, stop_token_ids=())
     drafted = tsj.load(tmp_path, dtype="float32", context=64, drafter="mtp", draft_len=2)
     assert drafted.drafter is not None
+    plain = tsj.generate(drafted, prompt, max_tokens=10, stop_token_ids=(), draft_len=0)
     got = tsj.generate(drafted, prompt, max_tokens=10, stop_token_ids=())
     assert got.token_ids == plain.token_ids and got.speculative is not None
+    assert plain.speculative is None  # the reference really decoded plainly
 
 
 def test_multimodal_moe_config_and_names() -> None:
