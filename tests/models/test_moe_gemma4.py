@@ -3,7 +3,7 @@
 scales randomised so they count) loads and matches ``transformers``.
 
 * logits within the family's ``ATOL`` of ``transformers`` (float32), with a control;
-* greedy text through ``tsj.generate`` equals ``transformers``' ``generate``;
+* greedy text through ``tsj.generate`` and the CLI equals ``transformers``' ``generate``;
 * chunked == token by token, verify == decode, reuse == fresh, bitwise, with controls;
 * the router alone matches ``transformers``' ``Gemma4TextRouter`` (weights and experts);
 * the config's expert keys are checked, and the assistant drafter's config refuses them.
@@ -20,7 +20,12 @@ import numpy as np
 import pytest
 
 import turbospark_jax as tsj
-from tests.models.test_moe import check_conformance_with_controls, fixture_tokenizer, hf_greedy_text
+from tests.models.test_moe import (
+    check_conformance_with_controls,
+    cli_text,
+    fixture_tokenizer,
+    hf_greedy_text,
+)
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import ModelLoadError
 from turbospark_jax.io.loading import load_folder
@@ -99,6 +104,7 @@ def test_greedy_text_equals_transformers(folder) -> None:
     assert want
     model = tsj.load(path, dtype="float32", context=128)
     assert tsj.generate(model, prompt, max_tokens=NEW_TOKENS).text == want
+    assert cli_text(path, prompt, NEW_TOKENS) == want + "\n"
 
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]
