@@ -297,8 +297,9 @@ def stream(
         decoded without drafting).
       json_schema, regex, grammar: at most one, what the generated text must match: a JSON
         schema (a dict or its JSON text), a regular expression over the whole text, or a
-        Lark grammar (``docs/guides/structured-output.md``). A constrained request decodes
-        without drafting and ends with ``constraint_end`` once the text is complete.
+        Lark grammar (``docs/guides/structured-output.md``). A constrained request ends
+        with ``constraint_end`` once the text is complete; with a drafter it runs host
+        rounds that emit the tokens plain constrained decoding emits.
       max_tokens: the most tokens to generate.
       stop: stop strings (a single str is one stop string).
       seed: the sampling seed (same seed, same output).
@@ -331,8 +332,6 @@ def stream(
     constraint = ConstraintSpec.of(json_schema=json_schema, regex=regex, grammar=grammar)
     if constraint is not None:
         settings["constraint"] = constraint
-        if draft_len is None:
-            draft_len = 0  # rounds do not take a constraint
     images = as_image_list(images)
     require_vision(model.vision, len(images))
     injection = None

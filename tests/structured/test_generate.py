@@ -121,7 +121,6 @@ def test_equals_token_by_token_reference_bitwise(model):
     ({"regex": "(a"}, "unclosed group"),
     ({"grammar": "start: nowhere"}, "nowhere"),
     ({"regex": "a", "json_schema": {}}, "at most one"),
-    ({"regex": "a", "draft_len": 2}, "decodes plainly"),
 ])
 def test_bad_constraints_refused_before_work(model, kwargs, named, monkeypatch):
     calls = []

@@ -120,8 +120,11 @@ class CompletionRequest:
         token is sampled from the logits with the ids the constraint forbids masked out, a
         run the constraint forces is emitted without sampling, a stop token is allowed only
         once the text is complete, and the completion ends with ``CONSTRAINT_END`` when
-        nothing more may follow, ``CONSTRAINT_UNMET`` when ``max_tokens`` comes first. A
-        constrained request decodes plainly (no speculative rounds).
+        nothing more may follow, ``CONSTRAINT_UNMET`` when ``max_tokens`` comes first. In
+        speculative rounds the proposals are checked against the constraint and each
+        verified row is masked and sampled as plain decoding would
+        (:class:`~turbospark_jax.generation.speculative_loop.ConstrainedRounds`): the same
+        tokens as plain constrained decoding.
 
     Raises:
       BadInputError: a field of the wrong type or range (checked here, once; what depends on
@@ -179,10 +182,6 @@ class CompletionRequest:
             raise BadInputError(
                 f"constraint must be a ConstraintSpec (ConstraintSpec.json_schema, .regex, "
                 f".grammar) or None, got {type(self.constraint).__name__}")
-        if self.constraint is not None and self.draft_len:
-            raise BadInputError(
-                f"a constrained request decodes plainly; draft_len={self.draft_len} asks for "
-                "speculative rounds (leave it unset or 0)")
 
     @property
     def params(self) -> sampling.SamplingParams:

@@ -414,10 +414,7 @@ def prepare(
 
     require_request(request)
     if speculative is None:
-        speculative = (isinstance(producer, SpeculativeProducer) and request.draft_len != 0
-                       and request.constraint is None)
-    elif speculative and request.constraint is not None:
-        raise BadInputError("a constrained request decodes plainly, not in speculative rounds")
+        speculative = isinstance(producer, SpeculativeProducer) and request.draft_len != 0
     if speculative:
         stepper = rounds_stepper(producer, request)
     elif request.draft_len:
@@ -428,7 +425,7 @@ def prepare(
         )
     params = validate_request(producer, request, tokenizer)
     spec = request.constraint
-    if spec is not None:
+    if spec is not None and not speculative:
         stepper = ConstrainedSteps()
     elif not speculative:
         stepper = (DecodeBursts(request.burst) if isinstance(producer, DeviceDecoder)

@@ -15,7 +15,11 @@ two ways:
 * :class:`HostRounds`, round by round through the protocol's methods: the reference the
   device rounds are tested against, and the path for pairs that cannot run rounds on the
   device (a drafter without a device form, a target that is no block producer, a draft
-  length past the target's verify width).
+  length past the target's verify width);
+* :class:`ConstrainedRounds`, host rounds for a constrained request: the proposals are
+  checked against the constraint before the verify, each verified row is masked as plain
+  decoding masks it and sampled as plain decoding samples it, so the tokens and the masked
+  rows are those of plain constrained decoding.
 
 **A host round**, with the last emitted token ``t`` not yet fed:
 
@@ -57,7 +61,14 @@ from turbospark_jax.generation.completion import (
     CompletionRequest,
     add_to_history,
 )
-from turbospark_jax.generation.driver import Decoding, Step, Stepper, device_step, start
+from turbospark_jax.generation.driver import (
+    Decoding,
+    Step,
+    Stepper,
+    device_step,
+    masked_logits,
+    start,
+)
 from turbospark_jax.speculative.drafters.base import DEFAULT_DRAFT_LEN, MAX_DRAFT
 from turbospark_jax.speculative.rounds import (
     judge,
@@ -68,6 +79,7 @@ from turbospark_jax.speculative.rounds import (
 
 __all__ = [
     "MAX_DRAFT",
+    "ConstrainedRounds",
     "DeviceRounds",
     "HostRounds",
     "SpeculativeStats",
@@ -225,6 +237,8 @@ def rounds_stepper(producer: Any, request: CompletionRequest) -> Stepper:
         raise BadInputError(
             f"draft_len must be an integer in 1..{MAX_DRAFT} for speculative decoding, got 0"
         )
+    if request.constraint is not None:
+        return ConstrainedRounds(producer, draft_len)
     if draft_len <= producer.device_draft_limit():
         return DeviceRounds(draft_len, request.burst)
     return HostRounds(producer, draft_len)
@@ -342,6 +356,103 @@ class HostRounds(Stepper):
 
     def report(self, decode_s: float) -> SpeculativeStats:
         return self.stats.freeze(decode_s)
+
+
+class ConstrainedRounds(HostRounds):
+    """Host rounds for a constrained request, emitting exactly what
+    :class:`~turbospark_jax.generation.driver.ConstrainedSteps` emits.
+
+    A round with the pending token ``t`` fed first:
+
+    * when the constraint forces a run, the run (up to the draft width a round) is the
+      round's block: verified after ``t`` and emitted whole, each token's row the logits
+      masked to it alone;
+    * otherwise the drafter proposes; the proposals are walked through a copy of the
+      constraint and cut before the first one it forbids, and before any position where a
+      forced run begins or the text is complete (plain decoding samples nothing there).
+      After the verify, row ``i`` is masked with the constraint's mask after the first ``i``
+      proposals and sampled with token ``index + i``'s key and the history so far, exactly as
+      plain decoding samples it; the round keeps going while the sample equals the proposal,
+      and emits the first sample that differs (or the one after the last proposal).
+
+    Acceptance by equality with plain decoding's own sample makes the output that of plain
+    decoding, sampled or greedy, for any drafter; a drafter that agrees more often only makes
+    rounds longer.
+    """
+
+    def __init__(self, producer: SpeculativeProducer, draft_len: int) -> None:
+        super().__init__(producer, draft_len)
+        self.queue: list[int] = []  # a forced run taken from the constraint, not emitted
+
+    def advance(self, state: Any, run: Decoding) -> tuple[Step, Any]:
+        p, stats, c = self.producer, self.stats, run.constraint
+        assert c is not None
+        pending, index = run.out.tokens[-1], run.emitted
+        base = len(run.out.prompt) + index - 1
+        state = _realign_drafter(p, state, base)
+        point = p.checkpoint(state)
+        if not self.queue:
+            self.queue = c.forced(run.left)
+        if self.queue:
+            block, self.queue = self.queue[:MAX_DRAFT], self.queue[MAX_DRAFT:]
+            masks = []
+            for t in block:
+                only = np.zeros(p.vocab_size, bool)
+                only[t] = True
+                masks.append(only)
+            proposals, walked = block, None
+        else:
+            m_cap = min(self.draft_len, run.left - 1)
+            started = time.perf_counter()
+            drafted, _, state = stats.timed("draft", started,
+                                            _draft(p, state, pending, base, m_cap, run, index))
+            proposals, masks = _allowed_prefix(c.fork(), drafted, run.request.stop_token_ids)
+            walked = len(drafted)
+        feed = [pending, *proposals]
+        started = time.perf_counter()
+        rows, state = stats.timed("verify", started, p.verify(state, feed, base))
+        self.pending = _Round(point=point, feed=feed, base=base)
+        tokens, kept_rows, history = [], [], run.history
+        for i, allowed in enumerate(masks):
+            if not bool(jnp.all(jnp.isfinite(rows[i]))):
+                return Step(tokens=tokens, rows=kept_rows, history=history,
+                            error=NON_FINITE_LOGITS), state
+            row = masked_logits(rows[i], allowed)
+            if walked is None:  # a forced token: emitted, not sampled
+                token = proposals[i]
+            else:
+                key = sampling.token_key(run.key, index + i)
+                token = int(sampling.sample(row, run.params, history, key))
+                c.advance(token)
+            tokens.append(token)
+            kept_rows.append(row)
+            history = add_to_history(history, token)
+            if walked is not None and (i >= len(proposals) or token != proposals[i]):
+                break
+        if walked is not None:
+            stats.record(walked, sum(1 for i, t in enumerate(tokens[: len(proposals)])
+                                     if t == proposals[i]))
+        return Step(tokens=tokens, rows=kept_rows, history=history,
+                    pending=bool(self.queue)), state
+
+
+def _allowed_prefix(walk: Any, drafted: list[int],
+                    stops: tuple[int, ...]) -> tuple[list[int], list[np.ndarray]]:
+    """The proposals the constraint allows in a row (``walk``, a copy, moves past them) and
+    the masks to sample under: one per kept proposal, plus one for the position after them
+    unless a forced run begins there or the text is complete."""
+    kept: list[int] = []
+    masks: list[np.ndarray] = []
+    for t in [*drafted, None]:
+        if walk.is_done or walk.fork().forced(1):
+            return kept, masks  # plain decoding samples nothing at this position
+        allowed = walk.allowed_mask()
+        masks.append(allowed)
+        if t is None or not allowed[t] or t in stops:
+            return kept, masks
+        walk.advance(t)
+        kept.append(t)
+    return kept, masks
 
 
 def _draft(p: Any, state: Any, anchor: int, base: int, m_cap: int, run: Decoding,
