@@ -42,6 +42,9 @@ def test_regex_and_grammar(tmp_path):
     code, out, err = run("n = ", "--regex", "[0-9]{2}", "--max-tokens", "8")
     assert code == 0, err
     assert len(out.strip()) == 2 and out.strip().isdigit()
+    code, drafted, err = run("n = ", "--regex", "[0-9]{2}", "--max-tokens", "8", "--ngram", "3")
+    assert code == 0, err
+    assert drafted == out  # drafting emits what plain decoding emits
     path = tmp_path / "g.lark"
     path.write_text('start: "yes" | "no"\n')
     code, out, err = run("ok? ", "--grammar", str(path), "--max-tokens", "8")
@@ -53,7 +56,7 @@ def test_regex_and_grammar(tmp_path):
     (("--regex", "(a"), "unclosed group"),
     (("--regex", "a", "--grammar", "g.lark"), "choose one constraint"),
     (("--grammar", "/nonexistent/g.lark"), "No such file"),
-    (("--regex", "a", "--drafter", "auto"), "drop --drafter"),
+    (("--regex", "a", "--chat"), "drop --chat"),
     (("--regex", "a", "-n", "2"), "drop --num-completions"),
 ])
 def test_refused_before_loading(argv, said):

@@ -239,12 +239,12 @@ def parser() -> _Parser:
                           "completion k (from 0) samples with --seed + k")
     gen.add_argument("--json-schema", metavar="FILE", default=None,
                      help="the output must be one JSON value valid under the JSON schema in "
-                          "FILE (decodes without drafting)")
+                          "FILE")
     gen.add_argument("--regex", metavar="REGEX", default=None,
-                     help="the whole output must match REGEX (decodes without drafting)")
+                     help="the whole output must match REGEX")
     gen.add_argument("--grammar", metavar="FILE", default=None,
                      help="the output must derive from the Lark grammar in FILE (its start "
-                          "rule; decodes without drafting)")
+                          "rule)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object per completion (text, finish reason, usage, "
                           "timings, log-probabilities) instead of the text")
@@ -512,10 +512,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError("--json prints whole completions; a --chat session from "
                                "standard input prints its turns as text (drop --json)")
     _check_library_values(args, named)
-    _check_constraint(args, named)
+    _check_constraint(args)
 
 
-def _check_constraint(args: argparse.Namespace, named: list[tuple[str, str]]) -> None:
+def _check_constraint(args: argparse.Namespace) -> None:
     """Read --json-schema, --regex or --grammar into ``args.constraint`` (``None`` when none is
     given); the engine refuses a bad one here, before any model is loaded."""
     from turbospark_jax.core.constraints import ConstraintSpec
@@ -529,7 +529,9 @@ def _check_constraint(args: argparse.Namespace, named: list[tuple[str, str]]) ->
     if len(given) > 1:
         raise CommandLineError(f"choose one constraint: {' or '.join(f for f, _ in given)}")
     flag, value = given[0]
-    for other, on in ((named[0][0] if named else "", bool(named)), ("--chat", args.chat),
+    # drafting keeps the constraint (its rounds emit what plain decoding emits); batches and
+    # chat sessions do not take one
+    for other, on in (("--chat", args.chat),
                       ("--prompts-file", args.prompts_file is not None),
                       ("--num-completions", args.num_completions > 1)):
         if on:
