@@ -7,19 +7,10 @@ import numpy as np
 import pytest
 
 import turbospark_jax as tsj
+from tests.structured.test_generate import PERSON, PROMPT
 from turbospark_jax.core.constraints import ConstraintSpec
 from turbospark_jax.generation.completion import FinishReason
 from turbospark_jax.generation.speculative_loop import _allowed_prefix
-
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 10},
-                   "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-    "required": ["name", "age", "tags"],
-    "additionalProperties": False,
-}
-PROMPT = "# one person as JSON\n"
 
 
 @pytest.fixture(scope="module")
