@@ -171,6 +171,7 @@ def test_parallel_prefill_runs_on_xla_kernels(chunk):
     np.testing.assert_allclose(nxt[0], nxt[1], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.usefixtures("full_precision_products")  # TF32 on a GPU misses the bars
 def test_a_parallel_pass_takes_a_last_row_head_on_xla_kernels():
     """``parallel_head``: a parallel pass (``fresh`` or ``key_limit``) gives the last live
     row's logits under XLA's kernels too (no bitwise claim there), the row a full head gives
@@ -198,6 +199,7 @@ def _attention_operands(rows: int, length: int = 600, seed: int = 2):
     return q, k, v, jnp.arange(length, dtype=jnp.int32)
 
 
+@pytest.mark.usefixtures("full_precision_products")  # TF32 on a GPU misses the bars
 @pytest.mark.parametrize("window", [None, 100])
 def test_blocked_attention_is_attention_and_its_rows_ignore_the_tiles_bound(window):
     """The XLA form's attention walks the keys in 256-key blocks up to the last one its tile
@@ -217,6 +219,7 @@ def test_blocked_attention_is_attention_and_its_rows_ignore_the_tiles_bound(wind
         layers.attend(q, k, v, far, kp, window)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("full_precision_products")  # TF32 on a GPU misses the bars
 def test_control_a_row_follows_its_blocks_boundaries(monkeypatch):
     """The bitwise comparison above can fail: where the online softmax folds (the block
     boundaries, fixed offsets of the cache) does change a row's last bits, here a row at
