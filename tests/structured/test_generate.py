@@ -142,3 +142,14 @@ def test_masked_sample_keys_are_the_plain_ones(model):
     a = tsj.generate(model, PROMPT, max_tokens=48, json_schema=PERSON, temperature=1.0, seed=4)
     b = tsj.generate(model, PROMPT, max_tokens=48, json_schema=PERSON, temperature=1.0, seed=4)
     assert a.token_ids == b.token_ids
+
+
+def test_a_session_pool_turn_takes_the_constraint(model):
+    from turbospark_jax.sessions.session_pool import SessionPool
+
+    ids = model.tokenizer.encode(PROMPT, add_special_tokens=False)
+    req = CompletionRequest(prompt_ids=ids, max_tokens=48, stop_token_ids=model.stop_token_ids,
+                            constraint=ConstraintSpec.json_schema(PERSON))
+    turn = SessionPool(model.producer, 2).stream("s", req, tokenizer=model.tokenizer).drain()
+    alone = tsj.generate(model, PROMPT, max_tokens=48, json_schema=PERSON)
+    assert turn.token_ids == alone.token_ids and turn.finish_reason is alone.finish_reason
