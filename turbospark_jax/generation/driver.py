@@ -193,10 +193,11 @@ def host_token(logits: Any, run: Decoding) -> Step:
     """One token sampled on the host from ``logits`` (a prefill's or a host step's): token
     ``run.emitted`` samples with ``token_key(key, run.emitted)``; a constrained run samples
     from the masked logits (the row it records) and moves its constraint past the token."""
+    # The mask is computed before the logits are read: the device works on them meanwhile.
+    allowed = None if run.constraint is None else run.constraint.allowed_mask()
     if not bool(np.all(np.isfinite(np.asarray(logits)))):
         return Step(tokens=(), rows=(), history=run.history, error=NON_FINITE_LOGITS)
-    if run.constraint is not None:
-        allowed = run.constraint.allowed_mask()
+    if allowed is not None:
         if not allowed.any():
             return Step(tokens=(), rows=(), history=run.history, error=CONSTRAINT_DEAD_END)
         logits = masked_logits(logits, allowed)
