@@ -121,6 +121,21 @@ def test_models_and_health(server):
     assert health["status"] == "ok" and health["slots"] == SLOTS
 
 
+def test_a_missing_model_is_the_served_one(server):
+    url = server[1]
+    body = {"prompt": "x = 1", "max_tokens": 4, "temperature": 0, "seed": 3}
+    named = post(url, "/v1/completions", {**body, "model": NAME})
+    omitted = post(url, "/v1/completions", body)
+    assert named.status_code == omitted.status_code == 200
+    assert omitted.json()["model"] == NAME
+    assert omitted.json()["choices"][0]["text"] == named.json()["choices"][0]["text"]
+    chat = post(url, "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["model"] == NAME
+    wrong = post(url, "/v1/completions", {**body, "model": "gpt-9"})  # control
+    assert wrong.status_code == 400 and wrong.json()["error"]["code"] == "model_not_found"
+
+
 def _alone_then_together(url, bodies):
     alone = [post(url, "/v1/completions", b).json() for b in bodies]
     together = [None] * len(bodies)

@@ -194,7 +194,7 @@ class _Routes:
             body = model.model_validate(data)
         except ValidationError as exc:
             raise from_validation_error(exc) from exc
-        if body.model != self.config.model_name:
+        if body.model is not None and body.model != self.config.model_name:
             raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
                            f"{self.config.model_name!r} (GET /v1/models)", param="model",
                            code="model_not_found")

@@ -162,7 +162,7 @@ class _Settings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str
+    model: str | None = None  # omitted: the served model (as vLLM takes it)
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
