@@ -23,6 +23,26 @@ def test_bad_serve_flags_fail_before_loading(argv, words):
     assert words in err.getvalue() and err.getvalue().count("\n") == 1
 
 
+def test_a_port_out_of_range_or_in_use_fails_before_loading():
+    import socket
+
+    err = io.StringIO()
+    assert main(["serve", "--port", "70000"], stdout=io.StringIO(), stderr=err) == 1
+    assert "--port must be <= 65535, got 70000" in err.getvalue()
+    assert err.getvalue().count("\n") == 1
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        err = io.StringIO()
+        assert main(["serve", "--port", str(port)], stdout=io.StringIO(), stderr=err) == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in err.getvalue()
+        assert err.getvalue().count("\n") == 1
+    from turbospark_jax.cli.arguments import check_port_free
+
+    check_port_free("127.0.0.1", port)  # control: the same port, released, is free
+
+
 def test_serve_help_names_the_endpoints():
     out = io.StringIO()
     assert main(["serve", "--help"], stdout=out, stderr=io.StringIO()) == 0

@@ -420,6 +420,32 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
         raise CommandLineError("speculative decoding is served by one replica only: drop the "
                                "drafter or --replicas")
     quantization(args)
+    if args.port > 65535:
+        raise CommandLineError(f"--port must be <= 65535, got {args.port}")
+    check_port_free(args.host, args.port)
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Refuse a port another process listens on (or an address this host lacks) before the
+    model loads, rather than after. Binds as uvicorn binds (address reuse on), then lets go."""
+    import socket
+
+    if port == 0:  # any free port
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise CommandLineError(f"--host {host}: {exc.strerror}") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise CommandLineError(
+                f"cannot listen on {host}:{port} ({exc.strerror}); another process may hold "
+                f"it: pick another --port") from exc
 
 
 def user_words(message: str, names: dict[str, str] | None = None) -> str:
