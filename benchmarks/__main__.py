@@ -2,12 +2,13 @@
 
 Suites: ``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels``, ``train``, ``quant``
 (quantized weights' speed), ``quality`` (quantized weights' perplexity and agreement on the
-embedded models), or ``all`` (in that order). Presets: ``cpu`` (minutes on a laptop-class
-CPU), ``h100``, ``h200``, and ``smoke`` (seconds: what the tests run). Each suite writes
-``<out>/<suite>_<preset>.json``; ``--report`` rebuilds ``<out>/REPORT.md`` and its plots from
-every such file in ``<out>`` (a run of suites rebuilds it too). A preset too long for one
-sitting runs in parts with ``--shapes``: each part replaces its own shapes' cases in the file
-and keeps the others.
+embedded models), ``structured`` (validity of constrained outputs, schema compile times,
+constrained against plain tokens/s), or ``all`` (in that order). Presets: ``cpu`` (minutes
+on a laptop-class CPU), ``h100``, ``h200``, and ``smoke`` (seconds: what the tests run).
+Each suite writes ``<out>/<suite>_<preset>.json``; ``--report`` rebuilds ``<out>/REPORT.md``
+and its plots from every such file in ``<out>`` (a run of suites rebuilds it too). A preset
+too long for one sitting runs in parts with ``--shapes``: each part replaces its own shapes'
+cases in the file and keeps the others.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-SUITES = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality")
+SUITES = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality",
+          "structured")
 PRESET_NAMES = ("smoke", "cpu", "h100", "h200")
 
 

@@ -14,7 +14,8 @@ from typing import Any
 
 from benchmarks.speculative import table as drafter_table
 
-ORDER = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality")
+ORDER = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality",
+         "structured")
 
 
 def load(out: Path) -> list[dict[str, Any]]:
@@ -174,13 +175,43 @@ def quality_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def structured_lines(data: dict[str, Any]) -> list[str]:
+    """The validity summary and the speed cases; the runs one by one stay in the file."""
+    lines = []
+    about = data["meta"].get("schemas", {})
+    for c in data["cases"]:
+        if c["kind"] != "validity":
+            continue
+        share = f" ({c['valid'] / c['finished']:.0%})" if c["finished"] else ""
+        lines += [f"Schemas: {about.get('source', '-')}.", "",
+                  "| schemas | refused by name | compiled | compile p50 / p99 ms "
+                  "| runs (greedy + sampled) | finished | valid | constraint unmet |",
+                  "|---|---|---|---|---|---|---|---|",
+                  f"| {c['schemas']} | {c['refused']} | {c['compiled']} | "
+                  f"{_num(c['compile_ms_p50'])} / {_num(c['compile_ms_p99'])} | {c['runs']} | "
+                  f"{c['finished']} | {c['valid']}{share} | {c['unmet']} |", ""]
+    speed = [c for c in data["cases"] if c["kind"] == "speed"]
+    if speed:
+        bar = data["meta"].get("speed", {}).get("bar")
+        lines += ["| model | batch | tokens | plain tokens/s | constrained tokens/s "
+                  f"| constrained / plain | at least {bar}x |", "|---|---|---|---|---|---|---|"]
+        for c in speed:
+            meets = "yes" if c["meets_bar"] else "**NO**"
+            lines.append(f"| {c['model']} | {c['batch']} | {c['new_tokens']} | "
+                         f"{_num(c['plain_tokens_per_s'])} | "
+                         f"{_num(c['constrained_tokens_per_s'])} | {_times(c['ratio'])} | "
+                         f"{meets} |")
+    return lines
+
+
 TABLES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines,
           "kernels": kernels_lines, "train": train_lines,
           "speculative": lambda data: drafter_table(data), "quant": quant_lines,
-          "quality": quality_lines}
+          "quality": quality_lines, "structured": structured_lines}
 TITLES = {"decode": "Decode (batch 1)", "prefill": "Prefill", "speculative": "Speculative decoding",
           "serve": "Serving", "kernels": "Kernels", "train": "Training step",
-          "quant": "Quantized weights: speed", "quality": "Quantized weights: quality"}
+          "quant": "Quantized weights: speed", "quality": "Quantized weights: quality",
+          "structured": "Structured output"}
 
 
 def write_report(out: Path) -> Path:
