@@ -752,10 +752,15 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
     if server.drafter is not None:
         print(f"[drafter] {server.drafter.why}", file=stderr, flush=True)
     replicas = f" x {args.replicas} replicas" if args.replicas > 1 else ""
-    print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots"
-          f"{replicas} on "
-          f"http://{args.host}:{args.port}/v1", file=stderr, flush=True)
-    server.run(host=args.host, port=args.port)
+    url = f"http://{args.host}:{args.port}"
+    print(f"{PROG}: compiling every program before serving ({url}/health answers 503 "
+          f"'starting' until then)", file=stderr, flush=True)
+
+    def ready() -> None:
+        print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots"
+              f"{replicas} on {url}/v1", file=stderr, flush=True)
+
+    server.run(host=args.host, port=args.port, on_ready=ready)
     return 0
 
 

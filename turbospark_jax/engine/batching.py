@@ -38,7 +38,9 @@ only when some row asks for them. Neither changes any row's token or logits
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -236,6 +238,13 @@ def _compiled(model: BlockModel, fn: Callable[..., Any], truncate: bool, logprob
                    donate_argnums=(1, 2))
 
 
+def _device_of(tree: Any) -> jax.Device | None:
+    """The one device ``tree``'s arrays live on, else ``None`` (the default)."""
+    devices = {d for leaf in jax.tree.leaves(tree) if isinstance(leaf, jax.Array)
+               for d in leaf.devices()}
+    return devices.pop() if len(devices) == 1 else None
+
+
 @functools.cache
 def _row_io() -> tuple[Any, Any]:
     take = jax.jit(lambda tree, i: jax.tree.map(lambda x: x[i], tree))
@@ -392,6 +401,40 @@ class BatchedDecoder:
             self.producer.params, self.stack, self.controls, active, *extra
         )
         return out
+
+    def warm_up(self, workers: int | None = None) -> None:
+        """Compile every program a call can reach, ahead of the calls: both programs with and
+        without the sort, the log-probabilities and the mask, on ``workers`` threads (default:
+        one a CPU core; the compiler releases the interpreter lock), then the row copies and a
+        row's controls. Nothing runs on the rows but a copy of row 0 onto itself."""
+        vocab, width = self.producer.vocab_size, self.producer.width
+        fill_args = (self.producer.params, self.stack, self.controls,
+                     np.zeros((self.prefill_rows,), np.int32),
+                     np.zeros((self.prefill_rows, self.prefill_chunk // width, width), np.int32),
+                     np.zeros((self.prefill_rows,), np.int32),
+                     np.zeros((self.prefill_rows,), bool))
+        step_args = (self.producer.params, self.stack, self.controls,
+                     np.zeros((self.size,), bool))
+        jobs = []
+        for truncate in (False, True):
+            for logprobs in (False, True):
+                fill = _compiled(self.producer.model, type(self).prefill_fn, truncate, logprobs)
+                step = _compiled(self.producer.model, type(self).step_fn, truncate, logprobs)
+                jobs += [(fill, fill_args), (fill, (*fill_args, np.ones((self.prefill_rows,
+                                                                          vocab), bool))),
+                         (step, step_args), (step, (*step_args, np.ones((self.size, vocab),
+                                                                         bool)))]
+        device = _device_of(self.stack)
+
+        def compile_one(job: tuple[Any, tuple[Any, ...]]) -> None:
+            with jax.default_device(device):
+                job[0].lower(*job[1]).compile()
+
+        with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
+            list(pool.map(compile_one, jobs))
+        self.put_row(0, self.take_row(0))
+        one = sampling.SamplingParams.greedy()
+        self.start_row(0, params=one, history=sampling.History.from_prompt([0], vocab), seed=0)
 
     def _mask(self, name: str, allowed: Any, rows: int) -> np.ndarray:
         mask = np.asarray(allowed)

@@ -7,10 +7,11 @@ not; ``response_format`` on both, ``tools`` and ``tool_choice`` on chat, tool ca
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
 request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
 no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
-(``GET /health`` answers 503 too then). A request that fails after its stream started ends
-with an ``error`` event and ``[DONE]``; a client that disconnects cancels its request, which
-frees its slot before the next decode step (a response without streaming notices within
-:data:`DISCONNECT_POLL_S`).
+(``GET /health`` answers 503 too then, and while the engine still compiles its programs at
+start, with ``status: starting``; requests sent meanwhile wait until it is ready). A request
+that fails after its stream started ends with an ``error`` event and ``[DONE]``; a client that
+disconnects cancels its request, which frees its slot before the next decode step (a response
+without streaming notices within :data:`DISCONNECT_POLL_S`).
 """
 
 from __future__ import annotations
@@ -138,6 +139,9 @@ class _Routes:
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason,
                                  **self.engine.load()}, status_code=503)
+        if self.engine.starting:  # still compiling: requests wait until it is done
+            return JSONResponse({"status": "starting", **self.engine.load()}, status_code=503,
+                                headers={"Retry-After": "1"})
         return JSONResponse({"status": "ok", **self.engine.load()})
 
     async def metrics_page(self, request: Request) -> Response:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -50,11 +51,21 @@ class Server:
     config: ServerConfig
     drafter: DrafterChoice | None = None
 
-    def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-        """Serve until interrupted (uvicorn), with the engine running meanwhile."""
+    def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+            on_ready: Callable[[], None] | None = None) -> None:
+        """Serve until interrupted (uvicorn), with the engine running meanwhile.
+
+        The engine compiles its programs first (``GET /health`` answers 503 ``starting``
+        until then); ``on_ready`` is called, from another thread, once it has."""
         import uvicorn
 
         self.engine.start()
+        if on_ready is not None:
+            def announce() -> None:
+                if self.engine.wait_ready() and self.engine.unavailable() is None:
+                    on_ready()
+
+            threading.Thread(target=announce, name="turbospark-ready", daemon=True).start()
         try:
             uvicorn.run(self.app, host=host, port=port, log_level=log_level)
         finally:
@@ -73,6 +84,7 @@ def make_server(
     prefill_chunk: int = 64,
     prefill_rows: int = 4,
     engine_options: dict[str, Any] | None = None,
+    warm_up: bool = False,
 ) -> Server:
     """A server over a ready producer (the tests build one over a toy model).
 
@@ -89,6 +101,8 @@ def make_server(
       prefill_chunk: the most tokens of one prompt fed between two decode steps.
       prefill_rows: prompts fed together between two decode steps (one device call).
       engine_options: further :class:`~turbospark_jax.server.engine.Engine` keywords.
+      warm_up: compile every program before serving (``GET /health`` is 503 ``starting``
+        until then); :func:`load_server` turns it on, a toy server in a test leaves it off.
     """
     metrics = ServerMetrics()
     producers = [producer] if isinstance(producer, BlockProducer) else list(producer)
@@ -96,7 +110,7 @@ def make_server(
         raise BadInputError(_SPECULATIVE_REPLICAS)
     engines = [Engine(p, slots=slots, tokenizer=tokenizer, max_waiting=max_waiting,
                       speculative=speculative, observer=metrics, prefill_rows=prefill_rows,
-                      prefill_chunk=prefill_chunk, **(engine_options or {}))
+                      prefill_chunk=prefill_chunk, warm_up=warm_up, **(engine_options or {}))
                for p in producers]
     engine = engines[0] if len(engines) == 1 else ReplicaRouter(engines)
     chat_stops = tuple(sorted({*stop_token_ids, *default_stop_ids(tokenizer)}))
@@ -178,6 +192,7 @@ def load_server(
     if loaded.tokenizer.eos_token_id is not None:
         stops.add(loaded.tokenizer.eos_token_id)
     name = model_name or os.path.basename(os.path.normpath(str(target)))
+    options.setdefault("warm_up", True)
     server = make_server(producers, loaded.tokenizer, model_name=name, slots=slots,
                          stop_token_ids=tuple(sorted(stops)), speculative=speculative, **options)
     return dataclasses.replace(server, drafter=choice)

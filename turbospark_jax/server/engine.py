@@ -229,6 +229,9 @@ class Engine:
         prompt tokens and runs at most ``C / W`` block steps before its decode step: the
         budget that bounds how long prompts stall the streams in flight.
       decoder: the batched decoder class (the tests pass a row-mixing control).
+      warm_up: compile every program a request can reach when the scheduler starts, before
+        it takes requests (:meth:`warm_up`); off, each compiles on the first request that
+        needs it (a toy model in a test, where start-up time matters more).
 
     Raises:
       BadInputError: an argument of the wrong kind or range.
@@ -246,6 +249,7 @@ class Engine:
         prefill_rows: int = 4,
         prefill_chunk: int = 64,
         decoder: type[BatchedDecoder] = BatchedDecoder,
+        warm_up: bool = True,
     ) -> None:
         if speculative is not None and not isinstance(speculative, SpeculativeProducer):
             raise BadInputError(
@@ -277,13 +281,18 @@ class Engine:
         self._fault: str | None = None  # why the scheduler thread died, if it did
         self._thread: threading.Thread | None = None
         self._spec_lock = threading.Lock()
+        self._warm = threading.Event()  # every program compiled (start() warms them first)
+        if not warm_up:
+            self._warm.set()
         self.evictions = 0
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> Engine:
         """Start the scheduler thread (idempotent; restarts one that failed); returns the
-        engine."""
+        engine. The thread first compiles every program a request can reach
+        (:meth:`warm_up`), so :attr:`starting` holds until then; requests submitted meanwhile
+        wait for it."""
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping, self._fault = False, None
@@ -406,6 +415,32 @@ class Engine:
         except Exception as exc:  # a device failure ends every running row
             self._fail_running(f"the model step failed: {type(exc).__name__}: {exc}")
 
+    def warm_up(self) -> None:
+        """Compile every program a request can reach, so no request pays a compile: the
+        batched prefill and decode in each variant a call picks
+        (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.warm_up`, rows left as they
+        were) and the producer's state work of a request's setup (a fresh state, a prefix
+        reuse, a rewind where the model can rewind)."""
+        with jax.default_device(self.device):
+            self.decoder.warm_up()
+            p = self.producer
+            state = p.init_state()
+            _, state = p.try_reuse_prefix(state, [0, 0])
+            if p.can_rewind:
+                state = p.rewind(state, 0)
+            jax.block_until_ready(state)
+        self._warm.set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`warm_up` has run (or ``timeout`` seconds); whether it has."""
+        return self._warm.wait(timeout)
+
+    @property
+    def starting(self) -> bool:
+        """Whether the scheduler runs but is still compiling (:meth:`warm_up`)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive() and not self._warm.is_set()
+
     @property
     def idle(self) -> bool:
         """Whether no request waits or runs."""
@@ -415,6 +450,8 @@ class Engine:
     def _loop(self) -> None:
         message = "the server is shutting down"
         try:
+            if not self._warm.is_set():
+                self.warm_up()
             while True:
                 with self._cond:
                     while not (self._stopping or self._waiting or self._running):

@@ -74,6 +74,15 @@ class ReplicaRouter:
         """Whether no request waits or runs on any replica."""
         return all(e.idle for e in self.engines)
 
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until every replica has compiled (:meth:`Engine.wait_ready`)."""
+        return all(e.wait_ready(timeout) for e in self.engines)
+
+    @property
+    def starting(self) -> bool:
+        """Whether some replica is still compiling (:attr:`Engine.starting`)."""
+        return any(e.starting for e in self.engines)
+
     def unavailable(self) -> str | None:
         """Why no replica takes work, or ``None`` when one does."""
         reasons = [e.unavailable() for e in self.engines]
