@@ -25,7 +25,12 @@ wrote for the reply are rewound away and prefilled again when a new prompt repea
 reason is measured, not assumed: on the CPU the vmapped decode program writes KV rows that
 differ in the last bits from what the prefill program writes for the same tokens, so reusing
 them would make a continued conversation differ from the same prompt served fresh
-(``tests/engine/test_batching.py`` checks reuse against fresh bitwise). A request's
+(``tests/engine/test_batching.py`` checks reuse against fresh bitwise). A model that cannot
+rewind (a recurrent state, as Qwen3.5's) cannot move back to the prompt's end at all, so its
+prefill stops one token short of each prompt's end and the slot keeps a copy of the row's
+state there (:attr:`~turbospark_jax.server.slots.SlotRecord.saved`): the same prompt again, or
+a longer one that repeats it (a session's next turn), restarts from the copy and feeds the
+rest (``tests/server/test_server_reuse.py`` checks it against fresh bitwise). A request's
 output depends only on its own prompt, settings and seed: its prompt and first token are a row
 of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
 and neither program's rows interact (see :mod:`turbospark_jax.engine.batching`).
@@ -466,7 +471,7 @@ class Engine:
             for job in [*self._waiting, *self._running]:
                 job.sink(Failed(message))
                 if job.slot is not None:
-                    job.slot.busy, job.slot.fed_ids = False, ()
+                    job.slot.busy, job.slot.fed_ids, job.slot.saved = False, (), None
             self._waiting.clear()
             self._running.clear()
 
@@ -497,7 +502,7 @@ class Engine:
             if choice.evicts or slot.owner != job.request.session_id:
                 slot.owner = job.request.session_id
             if choice.evicts:
-                slot.fed_ids = ()
+                slot.fed_ids, slot.saved = (), None
             self._running.append(job)
 
     def _release(self, job: _Job, fed_ids: tuple[int, ...]) -> None:
@@ -516,16 +521,21 @@ class Engine:
             self.observer.request_ended("error", len(job.emission.tokens))
             job.sink(Failed(message))
         for slot in self.slots:
-            slot.fed_ids = ()
+            slot.fed_ids, slot.saved = (), None
 
     # -- prefill --------------------------------------------------------------------------
 
     def _setup(self, job: _Job) -> None:
-        """Point the job's row at the longest prefix of its prompt the slot's state can reuse
-        (rows the prefill program wrote only; see the module docstring), and set its controls
+        """Point the job's row at the longest prefix of its prompt the slot's state (or, for
+        a model that cannot rewind, its kept copy) can reuse (rows the prefill program wrote
+        only; see the module docstring), and set its controls
         to draw the first token at the end of the prompt."""
         p, slot = self.producer, job.slot
-        if slot.fed_ids:
+        saved = slot.saved
+        if saved is not None and len(saved[0]) < len(job.prompt) and tuple(
+                job.prompt[: len(saved[0])]) == saved[0]:
+            job.reused, state = len(saved[0]), saved[1]  # a model that cannot rewind
+        elif slot.fed_ids:
             state = self.decoder.take_row(slot.index)
             if int(state.fed.count) > len(slot.fed_ids):
                 state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
@@ -551,7 +561,7 @@ class Engine:
         chunk = self.decoder.prefill_chunk
         feeds = []
         for job in jobs:
-            end = min(job.fed + chunk, len(job.prompt))
+            end = min(job.fed + chunk, self._stop_at(job))
             feeds.append((job.slot.index, job.prompt[job.fed:end], end == len(job.prompt)))
         wants = any(job.request.top_logprobs is not None for job, (_, _, last)
                     in zip(jobs, feeds, strict=True) if last)
@@ -565,10 +575,23 @@ class Engine:
             job.fed += len(toks)
             if last:
                 finishing.append((i, job))
+            elif not self.producer.can_rewind and job.fed == len(job.prompt) - 1:
+                job.slot.saved = (tuple(job.prompt[: job.fed]),
+                                  self.decoder.take_row(job.slot.index))
         if finishing:
             self._emit(finishing, out, started, first=True)
             for _, job in finishing:
                 job.decoding = job in self._running  # not when its first token ended it
+
+    def _stop_at(self, job: _Job) -> int:
+        """Where the job's next prefill call ends at the latest: the prompt's end, except that
+        a model that cannot rewind stops one token short of it first, so the slot keeps a copy
+        of the state there (:attr:`SlotRecord.saved`) from which the same prompt, or a longer
+        one that repeats it, restarts."""
+        short = len(job.prompt) - 1
+        if self.producer.can_rewind or job.fed >= short:
+            return len(job.prompt)
+        return short
 
     # -- decode ---------------------------------------------------------------------------
 

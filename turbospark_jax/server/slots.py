@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 from turbospark_jax.core.kv_prefix import common_prefix
 
@@ -29,6 +30,9 @@ class SlotRecord:
       fed_ids: what the row's state has consumed (empty: start it fresh).
       last_used: a clock stamp of the last request it served (0: never).
       busy: whether a request runs in it now.
+      saved: for a model that cannot rewind, the ids a prompt's prefill had fed when it
+        stopped one token short of the prompt's end, and a copy of the row's state there
+        (``None``: none kept). A later prompt that extends those ids restarts from the copy.
     """
 
     index: int
@@ -36,6 +40,7 @@ class SlotRecord:
     fed_ids: tuple[int, ...] = ()
     last_used: int = 0
     busy: bool = False
+    saved: tuple[tuple[int, ...], Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
