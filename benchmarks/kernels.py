@@ -3,7 +3,10 @@
 * ``matvec``: each matrix product of a decode step of a shape (merged q/k/v, output projection,
   merged gate/up, down projection, output head) at one row, the row-invariant kernel against
   XLA's dot: microseconds a product and GB/s of weight reads, timed over enough distinct
-  weight buffers in one program to overflow the L2 cache.
+  weight buffers in one program to overflow the L2 cache. With a preset's ``formats``, the
+  products with ``[K, N]`` weights also run with the weights quantized (``format``: int8,
+  int4, fp8), read at their stored width and dequantized in the kernel; GB/s then counts the
+  stored bytes (docs/decisions/0020-quantized-products.md).
 * ``norm``: the row-invariant RMSNorm at one row and at a prefill block of rows.
 
 The products and the norm also record whether a row alone gets the bits it gets inside a
@@ -43,13 +46,16 @@ class Preset:
     copies_bytes: int
     #: the products of :func:`products_of` to time (None: every one)
     products: tuple[str, ...] | None = None
+    #: quantized formats the ``[K, N]`` products also run in
+    formats: tuple[str, ...] = ()
 
 
 _GPU = Preset(("llama-3.2-1b", "qwen3-0.6b", "llama-3.1-8b"), (128, 4096, 16384), 2048,
-              ((16, 128, 128), (32, 128, 128)), 16, 20, 5, 256 << 20)
+              ((16, 128, 128), (32, 128, 128)), 16, 20, 5, 256 << 20,
+              formats=("int8", "int4", "fp8"))
 PRESETS = {
     "smoke": Preset(("tiny",), (32,), 8, ((2, 16, 16),), 4, 1, 1, 1 << 16,
-                    products=("o", "gate_up")),
+                    products=("o", "gate_up"), formats=("int4-g32",)),
     "cpu": Preset(("tiny",), (64,), 16, ((2, 16, 16),), 4, 1, 2, 1 << 18),
     "h100": _GPU,
     "h200": _GPU,
@@ -93,18 +99,29 @@ def products_of(shape: str) -> list[tuple[str, int, tuple[int, ...], str]]:
 
 
 def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
-                copies_bytes: int, repeats: int, block_rows: int) -> dict[str, Any]:
+                copies_bytes: int, repeats: int, block_rows: int,
+                fmt: str | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
     from turbospark_jax.kernels.rowinv import rowinv_matmul, rowinv_swiglu
 
-    nbytes = k * sum(ns) * jnp.dtype(dtype).itemsize
+    if fmt is None:
+        nbytes = k * sum(ns) * jnp.dtype(dtype).itemsize
+    else:
+        nbytes = sum(_stored(k, n, fmt, dtype).stored_bytes for n in ns)
     copies = int(max(2, min(32, -(-copies_bytes // nbytes))))
     keys = jax.random.split(jax.random.PRNGKey(k + sum(ns)), copies * len(ns))
-    ws = [tuple((jax.random.normal(keys[c * len(ns) + i], (n, k) if layout == "nk" else (k, n),
-                                   jnp.float32) / np.sqrt(k)).astype(dtype)
-                for i, n in enumerate(ns)) for c in range(copies)]
+    if fmt is None:
+        ws = [tuple((jax.random.normal(keys[c * len(ns) + i],
+                                       (n, k) if layout == "nk" else (k, n),
+                                       jnp.float32) / np.sqrt(k)).astype(dtype)
+                    for i, n in enumerate(ns)) for c in range(copies)]
+    else:
+        from benchmarks.quant import random_quantized_params
+
+        ws = [tuple(random_quantized_params([_stored(k, n, fmt, dtype)], seed=c * len(ns) + i)[0]
+                    for i, n in enumerate(ns)) for c in range(copies)]
     x = jax.random.normal(jax.random.PRNGKey(1), (1, k), jnp.float32).astype(dtype)
     if impl == "xla":
         def product(x: Any, w: tuple[Any, ...]) -> Any:
@@ -123,6 +140,16 @@ def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
     return {"us": round(per * 1e6, 2), "GBps": round(nbytes / per / 1e9, 2), "copies": copies,
             "row_alone_equals_row_in_block": same_row_bits(
                 jax.jit(lambda x: product(x, ws[0])), x, block_rows)}
+
+
+def _stored(k: int, n: int, fmt: str, dtype: Any) -> Any:
+    """The stored layout of a ``[k, n]`` matrix in ``fmt``, with shape-only leaves."""
+    import jax
+
+    from benchmarks.quant import stored_layout
+    from turbospark_jax.quant.weights import Quantization
+
+    return stored_layout(jax.ShapeDtypeStruct((k, n), dtype), k, Quantization.parse(fmt), dtype)
 
 
 def same_row_bits(fn: Callable[[Any], Any], row: Any, rows: int) -> bool:
@@ -154,6 +181,12 @@ def run(preset: Preset, results: common.Results) -> None:
                              lambda k=k, ns=ns, layout=layout, kind=kind: matvec_case(
                                  k, ns, layout, kind, dtype, preset.copies_bytes,
                                  preset.repeats, preset.block_rows))
+            for fmt in preset.formats if layout == "kn" else ():
+                results.case({"kernel": "matvec", "shape": shape, "product": name, "K": k,
+                              "N": list(ns), "impl": impl, "format": fmt},
+                             lambda k=k, ns=ns, fmt=fmt: matvec_case(
+                                 k, ns, "kn", impl, dtype, preset.copies_bytes,
+                                 preset.repeats, preset.block_rows, fmt))
         s = common.SHAPES[shape]
         for rows in (1, preset.block_rows):
             results.case({"kernel": "norm", "shape": shape, "rows": rows, "impl": impl},

@@ -100,6 +100,8 @@ def kernels_lines(data: dict[str, Any]) -> list[str]:
         kernel = c["kernel"]
         if kernel == "matvec":
             case = f"{c['shape']} {c['product']} K={c['K']} N={'+'.join(map(str, c['N']))}"
+            if c.get("format"):
+                case += f" ({c['format']}, stored bytes)"
             rate = c.get("GBps")
         elif kernel == "norm":
             case, rate = f"{c['shape']} {c['rows']} rows", None
