@@ -90,7 +90,7 @@ def test_serve_quantized_weights_and_kv_cache():
     from turbospark_jax.testing.live_server import running
 
     server = load_server(None, slots=1, context=64, dtype="float32", quantize="int8",
-                         kv_dtype="int8")
+                         kv_dtype="int8", warm_up=False)  # the start-up tests cover warm-up
     producer = server.engine.producer
     assert producer.model.kv_dtype == "int8"
     assert any(isinstance(w, QuantizedWeight) for w in jax.tree.leaves(
