@@ -38,13 +38,13 @@ from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import layers
 from turbospark_jax.kernels.rowinv import (
+    dense,
     row_tiled,
     rowinv_matmul,
     rowinv_swiglu,
     schedule_for,
     sum_parts,
 )
-from turbospark_jax.quant.weights import as_array
 
 #: Values of :attr:`KernelPlan.pallas`.
 PALLAS = ("off", "compiled", "interpret")
@@ -151,7 +151,7 @@ def matmul(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     if plan.row_invariant:
         return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype, impl=plan.impl,
                              schedule=_schedule(x, w, w_layout), label=label)
-    ws = _dense(w if isinstance(w, tuple) else (w,), x.dtype)
+    ws = dense(w if isinstance(w, tuple) else (w,), x.dtype)
     if w_layout == "nk":
         ws = tuple(a.T for a in ws)
     w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=1)
@@ -181,13 +181,6 @@ def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array,
     _require_row_invariant(plan, "a product's partial sums")
     return rowinv_matmul(x, w, parts=True, impl=plan.impl, schedule=_schedule(x, w, "kn"),
                          label=label)
-
-
-def _dense(w: Any, dtype: Any) -> Any:
-    """``w`` (a weight or a tuple of them) with quantized weights dequantized to ``dtype``."""
-    if isinstance(w, tuple):
-        return tuple(as_array(a, dtype) for a in w)
-    return as_array(w, dtype)
 
 
 def _schedule(x: jax.Array, w: Any, w_layout: str) -> Any:

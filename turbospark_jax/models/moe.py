@@ -38,6 +38,15 @@ from turbospark_jax.quant.weights import as_array
 Activation = Callable[[jax.Array], jax.Array]
 
 
+def sparse_layers(num_experts: int, mlp_only_layers: Any, decoder_sparse_step: int,
+                  num_hidden_layers: int) -> tuple[bool, ...]:
+    """Whether each layer's MLP is a mixture of experts, by the rule the Qwen MoE configs
+    share (transformers'): experts at all, the layer not listed as MLP-only, and a multiple of
+    the sparse step."""
+    return tuple(num_experts > 0 and i not in mlp_only_layers
+                 and (i + 1) % decoder_sparse_step == 0 for i in range(num_hidden_layers))
+
+
 def silu(x: jax.Array) -> jax.Array:
     """SiLU computed in float32 and rounded once to ``x.dtype`` (as torch does for 16-bit
     inputs)."""

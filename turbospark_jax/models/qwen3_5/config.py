@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.models import moe
 from turbospark_jax.models.family import (
     checkpoint_dtype,
     eos_ids,
@@ -169,11 +170,8 @@ class Qwen35Config:
     @property
     def sparse_layers(self) -> tuple[bool, ...]:
         """Whether each layer's MLP is a mixture of experts (see the module docstring)."""
-        return tuple(
-            self.num_experts > 0 and i not in self.mlp_only_layers
-            and (i + 1) % self.decoder_sparse_step == 0
-            for i in range(self.num_hidden_layers)
-        )
+        return moe.sparse_layers(self.num_experts, self.mlp_only_layers,
+                                 self.decoder_sparse_step, self.num_hidden_layers)
 
     @property
     def moe(self) -> bool:
