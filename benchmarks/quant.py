@@ -83,14 +83,14 @@ def stored_layout(leaf: Any, k: int, spec: Any, dtype: Any) -> Any:
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.errors import BadInputError
-    from turbospark_jax.quant.weights import FP8_BLOCK, QuantizedWeight, stored_dtype
+    from turbospark_jax.quant.weights import (
+        FP8_BLOCK,
+        QuantizedWeight,
+        split_inputs,
+        stored_dtype,
+    )
 
-    shape = tuple(leaf.shape)
-    split = next((i for i in range(len(shape) + 1) if math.prod(shape[:i]) == k), None)
-    if split is None:
-        raise BadInputError(f"a leaf of shape {shape} has no {k} inputs to quantize")
-    in_shape, out_shape = shape[:split], shape[split:]
+    in_shape, out_shape = split_inputs(leaf.shape, k)
     n = math.prod(out_shape)
     scheme = "fp8" if spec.scheme == "fp8-block" else spec.scheme
     group = {"int4": spec.group, "fp8-block": FP8_BLOCK}.get(spec.scheme, k)

@@ -388,6 +388,20 @@ def _fp8(x: np.ndarray) -> np.ndarray:
     return np.clip(x, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn)
 
 
+def split_inputs(shape: tuple[int, ...], k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A matrix leaf's axes ``shape`` as ``(inputs, outputs)``: the leading axes whose product
+    is ``k``, and the rest.
+
+    Raises:
+      BadInputError: no leading axes make ``k``.
+    """
+    shape = tuple(shape)
+    split = next((i for i in range(len(shape) + 1) if math.prod(shape[:i]) == k), None)
+    if split is None:
+        raise BadInputError(f"a leaf of shape {shape} has no {k} inputs to quantize")
+    return shape[:split], shape[split:]
+
+
 def quantize_leaf(leaf: np.ndarray, k: int, lead: int, spec: Quantization,
                   dtype: Any) -> QuantizedWeight:
     """A params leaf ``[*stack, *in, *out]`` (host numpy) whose matrix has ``k`` inputs,
@@ -398,11 +412,8 @@ def quantize_leaf(leaf: np.ndarray, k: int, lead: int, spec: Quantization,
       BadInputError: the axes after the stack do not split into ``k`` inputs.
     """
     leaf = np.asarray(leaf)
-    stack, matrix = leaf.shape[:lead], leaf.shape[lead:]
-    split = next((i for i in range(len(matrix) + 1) if math.prod(matrix[:i]) == k), None)
-    if split is None:
-        raise BadInputError(f"a leaf of shape {leaf.shape} has no {k} inputs to quantize")
-    in_shape, out_shape = matrix[:split], matrix[split:]
+    stack = leaf.shape[:lead]
+    in_shape, out_shape = split_inputs(leaf.shape[lead:], k)
     n = math.prod(out_shape)
     parts = [quantize(m, spec.scheme, group=spec.group, in_shape=in_shape,
                       out_shape=out_shape, dtype=dtype) for m in leaf.reshape(-1, k, n)]
