@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 import turbospark_jax as tsj
 from tests.quant.test_quantized_guarantees import PROMPT, _logits  # token-by-token logits
+from tests.quant.tiny import QWEN35
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import load_folder, save_folder
@@ -26,7 +27,6 @@ from turbospark_jax.models.dense import model as D
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.gemma4 import config as GC
 from turbospark_jax.models.gemma4 import model as G
-from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.testing import conformance as C
@@ -139,12 +139,7 @@ def _dense(kv_dtype, dtype=jnp.bfloat16, plan=None):
 
 
 def _qwen35(kv_dtype):
-    config = QC.Qwen35Config(model_type="qwen3_5_text", vocab_size=VOCAB, hidden_size=64,
-                             intermediate_size=128, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                             linear_num_key_heads=2, linear_num_value_heads=4,
-                             linear_key_head_dim=16, linear_value_head_dim=16,
-                             layer_types=(QC.LINEAR, QC.FULL, QC.LINEAR, QC.FULL))
+    config = QWEN35
     model = dataclasses.replace(Q.FAMILY.build(config, jnp.float32, "list"), kv_dtype=kv_dtype)
     return model, model.init_params(jax.random.PRNGKey(4))
 
