@@ -471,6 +471,33 @@ class _Columns:
                                 for o, n in zip(self.offsets, self.widths, strict=False)], axis=1)
 
 
+def _weight_operands(ws: tuple[Any, ...], layouts: tuple[Any, ...], cols: _Columns,
+                     k_rows: int, kp: int, nk: bool, k_block: Any,
+                     shared_columns: bool = False) -> tuple[list[Any], list[Any]]:
+    """The kernels' weight operands and their BlockSpecs: each weight's blocks of ``k_rows``
+    rows (``k_block(*grid)``: which) and ``cols.bn`` columns (grid axis 1, through
+    ``cols``; every weight at the grid's column with ``shared_columns``), a quantized one as
+    its :class:`~turbospark_jax.kernels.quant_tiles.QuantLayout` operands, all padded to
+    ``kp`` rows and whole column blocks."""
+    bn = cols.bn
+    specs, operands = [], []
+    for w, (a, layout) in enumerate(zip(ws, layouts, strict=True)):
+        def index(*grid: Any, w: int = w) -> tuple[Any, Any]:
+            column = grid[1] if shared_columns else cols.spec_column(w, grid[1])
+            return k_block(*grid), column
+
+        if layout is not None:
+            specs += layout.specs(k_rows, bn, index)
+            operands += layout.padded(a, kp, _ceil_to(a.shape[1], bn))
+        elif nk:
+            specs.append(pl.BlockSpec((bn, k_rows), lambda *grid, index=index: index(*grid)[::-1]))
+            operands += _weights_padded((a,), kp, bn, nk)
+        else:
+            specs.append(pl.BlockSpec((k_rows, bn), index))
+            operands += _weights_padded((a,), kp, bn, nk)
+    return specs, operands
+
+
 def _weights_padded(ws: tuple[jax.Array, ...], kp: int, bn: int, nk: bool) -> list[jax.Array]:
     if nk:
         return [_pad(w, _ceil_to(w.shape[0], bn), kp) for w in ws]
@@ -488,19 +515,7 @@ def _matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
                                tile_dot=tile_dot_for(interpret),
                                flat=tiles.flat_loop, nk=nk, offsets=cols.offsets,
                                layouts=layouts)
-    w_specs, operands = [], []
-    for w, (a, layout) in enumerate(zip(ws, layouts, strict=True)):
-        if layout is not None:
-            w_specs += layout.specs(kp, tiles.bn, lambda i, j, w=w: (0, cols.spec_column(w, j)))
-            operands += layout.padded(a, kp, _ceil_to(a.shape[1], tiles.bn))
-        elif nk:
-            w_specs.append(pl.BlockSpec((tiles.bn, kp),
-                                        lambda i, j, w=w: (cols.spec_column(w, j), 0)))
-            operands += _weights_padded((a,), kp, tiles.bn, nk)
-        else:
-            w_specs.append(pl.BlockSpec((kp, tiles.bn),
-                                        lambda i, j, w=w: (0, cols.spec_column(w, j))))
-            operands += _weights_padded((a,), kp, tiles.bn, nk)
+    w_specs, operands = _weight_operands(ws, layouts, cols, kp, kp, nk, lambda i, j: 0)
     out = pl.pallas_call(
         kernel,
         grid=(mp // tiles.bm, cols.offsets[-1]),
@@ -528,19 +543,8 @@ def _matvec(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, schedule: Schedul
                                tile_dot=tile_dot_for(interpret), nk=nk,
                                offsets=cols.offsets, rows=None if m == mp else m,
                                layouts=layouts, pdl=not interpret)
-    w_specs, operands = [], []
-    for w, (a, layout) in enumerate(zip(ws, layouts, strict=True)):
-        if layout is not None:
-            w_specs += layout.specs(seg_len, bn, lambda i, j, s, w=w: (s, cols.spec_column(w, j)))
-            operands += layout.padded(a, kp, _ceil_to(a.shape[1], bn))
-        elif nk:
-            w_specs.append(pl.BlockSpec((bn, seg_len),
-                                        lambda i, j, s, w=w: (cols.spec_column(w, j), s)))
-            operands += _weights_padded((a,), kp, bn, nk)
-        else:
-            w_specs.append(pl.BlockSpec((seg_len, bn),
-                                        lambda i, j, s, w=w: (s, cols.spec_column(w, j))))
-            operands += _weights_padded((a,), kp, bn, nk)
+    w_specs, operands = _weight_operands(ws, layouts, cols, seg_len, kp, nk,
+                                         lambda i, j, s: s)
     width = cols.offsets[-1] * bn
     # x and the partial sums keep the call's own rows: a decode step's one row is neither
     # padded to the row tile before the launch nor cut out of it after (each an XLA copy
@@ -746,14 +750,9 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
     cols = _Columns((gate.shape[1],), bn)
     layouts = tuple(QuantLayout.of(w) if isinstance(w, QuantizedWeight) else None
                     for w in pair)
-    w_specs, ws = [], []
-    for w, layout in zip(pair, layouts, strict=True):
-        if layout is None:
-            w_specs.append(pl.BlockSpec((kp, bn), lambda i, j: (0, j)))
-            ws += _weights_padded((w,), kp, bn, False)
-        else:
-            w_specs += layout.specs(kp, bn, lambda i, j: (0, j))
-            ws += layout.padded(w, kp, _ceil_to(w.shape[1], bn))
+    # both weights read the same column block: one weight's columns in the grid
+    w_specs, ws = _weight_operands(pair, layouts, cols, kp, kp, False, lambda i, j: 0,
+                                   shared_columns=True)
     name = "rowinv_" + ("matvec" if matvec else "matmul") + (f"_{label}" if label else "")
     if matvec:  # the call's own rows, as the matvec kernel reads and writes them
         mp, bm = _ceil_to(m, ROW_TILE), ROW_TILE
