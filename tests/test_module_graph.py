@@ -95,3 +95,18 @@ def test_control_an_upward_import_is_caught(tmp_path):
         body = tmp_path / "body.py"
         body.write_text(line)
         assert _violations(fake, body) == expected
+
+
+@pytest.mark.parametrize("module", ["turbospark_jax.speculative.rounds",
+                                    "turbospark_jax.speculative.pair",
+                                    "turbospark_jax.speculative.drafters.draft_model"])
+def test_a_module_imports_first_in_a_fresh_process(module):
+    """The package loads its names lazily, so a module may be the first one a process imports:
+    it must not meet a package still half-initialised (the rounds import the drafters package,
+    whose modules must not import the rounds back at import time)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                         text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-2000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,9 @@ from turbospark_jax.engine.program import BlockState, feed_block
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.speculative.drafters.base import MAX_DRAFT, DeviceDrafter, Drafter, draft_loop
-from turbospark_jax.speculative.rounds import DraftSampler
+
+if TYPE_CHECKING:  # the rounds import the drafters package; an annotation needs no cycle
+    from turbospark_jax.speculative.rounds import DraftSampler
 
 
 class DraftModelDrafter(Drafter):
