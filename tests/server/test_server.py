@@ -21,6 +21,7 @@ from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.server.build import make_server
+from turbospark_jax.server.engine import choice_seed
 from turbospark_jax.testing.live_server import running
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import ToyAttentionModel
@@ -167,10 +168,54 @@ def test_concurrent_clients_get_what_they_get_alone(server):
     wait_idle(srv)
 
 
-def test_disconnect_frees_the_slot_at_once(server):
+def test_several_choices_are_each_the_request_alone_with_its_seed(server, client):
+    """``n = 3``: choice ``i`` is the same request with ``n = 1`` and ``choice_seed(seed, i)``,
+    whole or streamed; the usage counts the prompt once and every choice's tokens."""
+    srv, url = server
+    body = {"model": NAME, "prompt": "for i in range(", "max_tokens": 7, "temperature": 0.9,
+            "seed": 11, "logprobs": 1}
+    alone = [post(url, "/v1/completions", {**body, "seed": choice_seed(11, i)}).json()
+             for i in range(3)]
+    r = post(url, "/v1/completions", {**body, "n": 3}).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    for c, a in zip(r["choices"], alone, strict=True):
+        assert c["token_ids"] == a["choices"][0]["token_ids"]
+        assert c["logprobs"] == a["choices"][0]["logprobs"]
+    assert r["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+    assert r["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in r["choices"])
+    assert len({tuple(c["token_ids"]) for c in r["choices"]}) > 1
+    parts = list(client.completions.create(
+        model=NAME, prompt=body["prompt"], max_tokens=7, temperature=0.9, seed=11, n=3,
+        stream=True, stream_options={"include_usage": True}))
+    texts = ["".join(p.choices[0].text for p in parts if p.choices and p.choices[0].index == i)
+             for i in range(3)]
+    assert texts == [c["text"] for c in r["choices"]]
+    finishes = [p.choices[0].finish_reason for p in parts if p.choices
+                and p.choices[0].finish_reason]
+    assert len(finishes) == 3
+    assert parts[-1].usage.completion_tokens == r["usage"]["completion_tokens"]
+    messages = [{"role": "user", "content": "hello"}]
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=5, n=2,
+                                          temperature=1.0, seed=4)
+    one = [client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                          temperature=1.0, seed=choice_seed(4, i))
+           for i in range(2)]
+    assert [c.message.content for c in chat.choices] == [o.choices[0].message.content
+                                                          for o in one]
+    stream = list(client.chat.completions.create(model=NAME, messages=messages, max_tokens=5,
+                                                 n=2, temperature=1.0, seed=4, stream=True))
+    for i in range(2):
+        deltas = [c.choices[0].delta for c in stream if c.choices[0].index == i]
+        assert deltas[0].role == "assistant"
+        assert "".join(d.content or "" for d in deltas) == chat.choices[i].message.content
+    wait_idle(srv)
+
+
+@pytest.mark.parametrize("n", [1, SLOTS])
+def test_disconnect_frees_the_slot_at_once(server, n):
     srv, url = server
     body = {"model": NAME, "prompt": "x = 1", "max_tokens": 120, "temperature": 0,
-            "stream": True}
+            "stream": True, "n": n}
     with httpx.Client(timeout=30) as http, http.stream("POST", url + "/v1/completions",
                                                        json=body) as resp:
         lines = resp.iter_lines()
@@ -258,7 +303,10 @@ ERRORS = [
      "too_many_stop_strings"),
     ("empty message list", "/v1/chat/completions", {"model": NAME, "messages": []},
      "messages", "empty_messages"),
-    ("n above 1", "/v1/completions", {"model": NAME, "prompt": "a", "n": 2}, "n",
+    ("n above the slots", "/v1/completions", {"model": NAME, "prompt": "a", "n": SLOTS + 1},
+     "n", "invalid_value"),
+    ("n zero", "/v1/chat/completions",
+     {"model": NAME, "messages": [{"role": "user", "content": "a"}], "n": 0}, "n",
      "invalid_value"),
 ]
 
@@ -409,7 +457,7 @@ def test_metrics_parse(server, client):
                  "turbospark_time_to_first_token_seconds", "turbospark_inter_token_seconds",
                  "turbospark_busy_slots", "turbospark_decode_batch_rows",
                  "turbospark_cached_prompt_tokens", "turbospark_prefilled_prompt_tokens",
-                 "turbospark_prefill_batch_rows"):
+                 "turbospark_prefill_batch_rows", "turbospark_parallel_choices"):
         assert name in families, sorted(families)
 
     def sample(family, suffix):

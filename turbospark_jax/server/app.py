@@ -3,7 +3,9 @@
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming with SSE or
 not; ``response_format`` on both, ``tools`` and ``tool_choice`` on chat, tool calls parsed into
 ``tool_calls`` and streamed as OpenAI streams them), ``GET /v1/models``, ``GET /health``,
-``GET /metrics``. Every refusal is an OpenAI error
+``GET /metrics``. ``n`` asks for several choices (at most the engine's slots): each is its own
+request with its own seed (:func:`~turbospark_jax.server.engine.choice_seed`), the prompt
+prefilled once, and stream chunks name their choice by ``index``. Every refusal is an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
 request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
 no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
@@ -178,11 +180,12 @@ class _Routes:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = self._stream(queue, ticket, meta, chat, body.session_id, include_usage,
-                                  offered)
+                                  offered, body.n)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         try:
-            return await self._whole(request, queue, meta, chat, body.session_id, offered)
+            return await self._whole(request, queue, meta, chat, body.session_id, offered,
+                                     body.n)
         finally:
             ticket.cancel()  # a client gone before the end frees the slot; after it, a no-op
 
@@ -288,7 +291,13 @@ class _Routes:
             ),
             constraint=constraint,
         )
-        return ServeRequest(completion=completion, session_id=body.session_id, top_logprobs=top)
+        limit = self.engine.max_choices
+        if body.n > limit:
+            raise ApiError(400, f"n is {body.n}, but this server generates at most {limit} "
+                           f"choices a request (one a session slot): ask for fewer or send "
+                           f"several requests", param="n", code="invalid_value")
+        return ServeRequest(completion=completion, session_id=body.session_id, top_logprobs=top,
+                            n=body.n)
 
     def _submit(self, serve: ServeRequest, sink: Any) -> Ticket:
         try:
@@ -306,7 +315,7 @@ class _Routes:
 
     # -- answers ------------------------------------------------------------------------------
 
-    def _choice(self, chat: bool, text: str | None, entries: list[Any], offset: int,
+    def _choice(self, chat: bool, index: int, text: str | None, entries: list[Any], offset: int,
                 finish: str | None, delta: bool,
                 calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         logprobs = None
@@ -318,78 +327,92 @@ class _Routes:
             content = {"content": text} if delta else {"role": "assistant", "content": text}
             if calls:
                 content["tool_calls"] = calls
-            return {"index": 0, key: content, "logprobs": logprobs, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            return {"index": index, key: content, "logprobs": logprobs, "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
 
     async def _whole(self, request: Request, queue: asyncio.Queue[Any], meta: dict[str, Any],
-                     chat: bool, session_id: str | None, offered: list[Any]) -> Response:
-        while True:
+                     chat: bool, session_id: str | None, offered: list[Any],
+                     n: int) -> Response:
+        done: dict[int, Done] = {}
+        while len(done) < n:
             event = await _next_event(request, queue)
-            if event is None:  # the client went away: answer no one, free the slot
+            if event is None:  # the client went away: answer no one, free the slots
                 return Response(status_code=499)
             if isinstance(event, Failed):
-                err = ApiError(500, f"generation failed: {event.message}", code="generation_failed",
-                               kind="server_error")
-                return _error_response(err)
+                return _error_response(_failure(event))
             if isinstance(event, Done):
-                break
-        c = event.completion
-        finish = responses.finish_reason(c)
-        parsed = tools.parse_reply(c.text, offered, self.tool_form)
-        if parsed.tool_calls:
-            finish = "tool_calls"
-        choice = self._choice(chat, parsed.content, event.logprobs, 0, finish, False,
-                              parsed.tool_calls)
-        choice["token_ids"] = list(c.token_ids)  # an extension: the generated ids
+                done[event.index] = event
+        choices = []
+        for index in range(n):
+            event = done[index]
+            c = event.completion
+            finish = responses.finish_reason(c)
+            parsed = tools.parse_reply(c.text, offered, self.tool_form)
+            if parsed.tool_calls:
+                finish = "tool_calls"
+            choice = self._choice(chat, index, parsed.content, event.logprobs, 0, finish, False,
+                                  parsed.tool_calls)
+            choice["token_ids"] = list(c.token_ids)  # an extension: the generated ids
+            choices.append(choice)
         obj = "chat.completion" if chat else "text_completion"
-        return JSONResponse({**meta, "object": obj, "choices": [choice],
-                             "usage": responses.usage(c, session_id)})
+        usage = responses.usage([done[i].completion for i in range(n)], session_id)
+        return JSONResponse({**meta, "object": obj, "choices": choices, "usage": usage})
 
     async def _stream(self, queue: asyncio.Queue[Any], ticket: Ticket, meta: dict[str, Any],
                       chat: bool, session_id: str | None, include_usage: bool,
-                      offered: list[Any]) -> AsyncIterator[str]:
+                      offered: list[Any], n: int) -> AsyncIterator[str]:
+        """The SSE events of a request's ``n`` choices, interleaved as they come; each chunk
+        carries one choice, named by its ``index``."""
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(choices: list[Any], **extra: Any) -> str:
             return _sse({**meta, "object": obj, "choices": choices, **extra})
 
-        offset = 0
-        held = tools.ToolTextFilter(self.tool_form) if offered else None
+        offsets = [0] * n
+        held = [tools.ToolTextFilter(self.tool_form) if offered else None for _ in range(n)]
+        done: dict[int, Any] = {}
         try:
             if chat:
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                              "logprobs": None, "finish_reason": None}])
-            while True:
+                for index in range(n):
+                    yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""},
+                                  "logprobs": None, "finish_reason": None}])
+            while len(done) < n:
                 event = await queue.get()
-                if isinstance(event, Delta):
-                    text = event.text if held is None else held.push(event.text)
-                    if text or event.logprobs or held is None:
-                        yield chunk([self._choice(chat, text, event.logprobs, offset, None,
-                                                  True)])
-                    offset += len(event.text)
-                    continue
                 if isinstance(event, Failed):
-                    err = ApiError(500, f"generation failed: {event.message}",
-                                   code="generation_failed", kind="server_error")
-                    yield _sse(err.body())
-                else:
-                    c = event.completion
-                    finish, tail = responses.finish_reason(c), event.tail
-                    if held is not None:
-                        held.push(tail)
-                        tail, calls = held.finish(offered)
-                        if calls:
-                            finish = "tool_calls"
-                            yield chunk([{"index": 0, "delta": {"tool_calls": [
-                                {"index": k, **call} for k, call in enumerate(calls)]},
-                                "logprobs": None, "finish_reason": None}])
-                    yield chunk([self._choice(chat, tail, [], offset, finish, True)])
-                    if include_usage:
-                        yield chunk([], usage=responses.usage(c, session_id))
-                yield "data: [DONE]\n\n"
-                return
+                    yield _sse(_failure(event).body())
+                    yield "data: [DONE]\n\n"
+                    return
+                i, filt = event.index, held[event.index]
+                if isinstance(event, Delta):
+                    text = event.text if filt is None else filt.push(event.text)
+                    if text or event.logprobs or filt is None:
+                        yield chunk([self._choice(chat, i, text, event.logprobs, offsets[i],
+                                                  None, True)])
+                    offsets[i] += len(event.text)
+                    continue
+                c = event.completion
+                done[i] = c
+                finish, tail = responses.finish_reason(c), event.tail
+                if filt is not None:
+                    filt.push(tail)
+                    tail, calls = filt.finish(offered)
+                    if calls:
+                        finish = "tool_calls"
+                        yield chunk([{"index": i, "delta": {"tool_calls": [
+                            {"index": k, **call} for k, call in enumerate(calls)]},
+                            "logprobs": None, "finish_reason": None}])
+                yield chunk([self._choice(chat, i, tail, [], offsets[i], finish, True)])
+            if include_usage:
+                yield chunk([], usage=responses.usage([done[i] for i in range(n)], session_id))
+            yield "data: [DONE]\n\n"
         finally:
             ticket.cancel()  # a disconnect lands here (the task is cancelled at the await)
+
+
+def _failure(event: Failed) -> ApiError:
+    """The error a failed request answers with (in its stream, or as the response)."""
+    return ApiError(500, f"generation failed: {event.message}", code="generation_failed",
+                    kind="server_error")
 
 
 def _arguments(text: str) -> Any:

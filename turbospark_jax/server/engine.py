@@ -35,6 +35,16 @@ output depends only on its own prompt, settings and seed: its prompt and first t
 of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
 and neither program's rows interact (see :mod:`turbospark_jax.engine.batching`).
 
+**Several choices** (``ServeRequest.n`` above 1) are one request each, run on their own rows
+with their own seeds (:func:`choice_seed`; choice 0 keeps the request's seed, so it is the
+same request with ``n = 1``). The prompt is prefilled once: the first choice's prefill stops
+one token short of the prompt's end and keeps a copy of its row there, and every other choice
+starts from that copy and feeds the last prompt token itself (its first token is drawn from
+that token's logits with its own seed). By the block program's guarantee (any split of a
+prompt gives the same bits) each choice is bitwise the same prompt served alone with its seed
+(``tests/server/test_server_choices.py``). The other choices wait for the copy, then take
+slots as any request does; a cancel of the request drops every choice.
+
 **Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
 request without logprobs runs the existing speculative loop on a fresh state of its own, one
 at a time, in a thread beside the scheduler; it holds no slot and reuses no prefix. Greedy
@@ -56,6 +66,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -85,7 +96,25 @@ from turbospark_jax.generation.driver import stream_completion
 from turbospark_jax.server.slots import SlotRecord, choose_slot, open_prefix
 
 __all__ = ["Delta", "Done", "Engine", "EngineObserver", "Failed", "ServeRequest", "Ticket",
-           "TokenLogprob"]
+           "TokenLogprob", "choice_seed"]
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed choice ``index`` of a request with several choices samples with.
+
+    Choice 0 keeps ``seed``, so a request's first choice is the request with one choice;
+    choice ``i > 0`` takes the first 8 bytes (little-endian) of the BLAKE2b digest of the
+    text ``"{seed}:{i}"``, a seed in ``[0, 2**64)`` that no nearby seed's choices share. A
+    choice is reproduced alone by sending this seed with one choice.
+
+    Raises:
+      BadInputError: ``seed`` or ``index`` is not a non-negative integer.
+    """
+    seed, index = as_int("seed", seed, low=0), as_int("index", index, low=0)
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +126,15 @@ class ServeRequest:
       session_id: the session to continue, or ``None`` to let the engine pick a slot.
       top_logprobs: ``None`` for no log-probabilities; else report the chosen token's and this
         many alternatives' (0..20) per token.
+      n: how many choices to generate (at most the engine's slots); choice ``i`` samples
+        with :func:`choice_seed` of the completion's seed and ``i``, and its events carry
+        ``index = i``. Only choice 0 continues the named session's slot.
     """
 
     completion: CompletionRequest
     session_id: str | None = None
     top_logprobs: int | None = None
+    n: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,11 +145,13 @@ class Delta:
       text: the released text.
       token_ids: the tokens it accounts for.
       logprobs: one entry per token when the request asked for them.
+      index: the choice it belongs to (0 for a request with one choice).
     """
 
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprob]
+    index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,18 +163,22 @@ class Done:
         ``None`` for a speculative request); ``completion.text`` is every delta's text joined.
       logprobs: every generated token's entry (when asked for).
       tail: text released at the end (held back for a stop string that did not complete).
+      index: the choice it belongs to.
     """
 
     completion: Completion
     logprobs: list[TokenLogprob]
     tail: str
+    index: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Failed:
-    """The request failed after it started; the text already streamed stays valid."""
+    """The request (or one of its choices, ``index``) failed after it started; the text
+    already streamed stays valid."""
 
     message: str
+    index: int = 0
 
 
 Event = Delta | Done | Failed
@@ -169,7 +208,11 @@ class EngineObserver:
         """A later token came ``seconds`` after the request's previous one."""
 
     def request_ended(self, outcome: str, generated: int) -> None:
-        """A request ended (``outcome``: a finish reason, ``error`` or ``cancelled``)."""
+        """A request ended (``outcome``: a finish reason, ``error`` or ``cancelled``); each
+        choice of a request with several ends on its own."""
+
+    def choices(self, n: int) -> None:
+        """A request asking for ``n > 1`` choices was queued."""
 
     def step(self, rows: int, seconds: float) -> None:
         """One batched decode step advanced ``rows`` requests in ``seconds``."""
@@ -192,6 +235,19 @@ class Ticket:
 
 
 @dataclasses.dataclass(eq=False)
+class _Group:
+    """The choices of one request with ``n > 1``: where the first one's row stood one token
+    short of the prompt's end (``None`` until its prefill gets there)."""
+
+    saved: Any = None
+
+
+def _indexed(sink: Sink, index: int) -> Sink:
+    """``sink`` with every event stamped as choice ``index``'s."""
+    return lambda event: sink(dataclasses.replace(event, index=index))
+
+
+@dataclasses.dataclass(eq=False)
 class _Job:
     request: ServeRequest
     sink: Sink
@@ -211,10 +267,22 @@ class _Job:
     constraint: Constraint | None = None
     forced: list[int] = dataclasses.field(default_factory=list)  # taken, not yet drawn
     drawing_forced: bool = False  # the mask of the call in flight holds one forced token
+    index: int = 0  # the choice it is of its request
+    group: _Group | None = None  # the request's choices, when it has several
 
     @property
     def prompt(self) -> list[int]:
         return self.emission.prompt
+
+    @property
+    def follows(self) -> bool:
+        """Whether it starts from the first choice's copy rather than a prefill of its own."""
+        return self.group is not None and self.index > 0
+
+    @property
+    def session(self) -> str | None:
+        """The session whose slot it continues (choice 0 only)."""
+        return self.request.session_id if self.index == 0 else None
 
 
 class Engine:
@@ -331,7 +399,8 @@ class Engine:
         req = request.completion
         if request.top_logprobs is not None:
             as_int("top_logprobs", request.top_logprobs, low=0, high=20)
-        speculates = self._speculates(request)
+        n = as_int("n", request.n, low=1, high=self.max_choices)
+        speculates = n == 1 and self._speculates(request)
         if speculates:  # validated against the pair now; it runs when the thread reads it
             stream = stream_completion(self.speculative, req, tokenizer=self.tokenizer)
         else:
@@ -344,22 +413,38 @@ class Engine:
             threading.Thread(target=self._speculate, args=(stream, sink, ticket),
                              daemon=True).start()
             return ticket
-        emission = Emission(req, self.tokenizer, [int(t) for t in req.prompt_ids])
-        constraint = None if req.constraint is None else req.constraint.bind(
-            self.tokenizer, self.producer.vocab_size, req.stop_token_ids)
-        job = _Job(request=request, sink=sink, ticket=ticket, params=params, emission=emission,
-                   submitted=time.perf_counter(), constraint=constraint)
+        group = _Group() if n > 1 else None
+        submitted = time.perf_counter()
+        jobs = []
+        for i in range(n):
+            one = req if i == 0 else dataclasses.replace(req, seed=choice_seed(req.seed, i))
+            constraint = None if one.constraint is None else one.constraint.bind(
+                self.tokenizer, self.producer.vocab_size, one.stop_token_ids)
+            jobs.append(_Job(
+                request=dataclasses.replace(request, completion=one),
+                sink=sink if group is None else _indexed(sink, i), ticket=ticket,
+                params=params, emission=Emission(one, self.tokenizer,
+                                                 [int(t) for t in one.prompt_ids]),
+                submitted=submitted, constraint=constraint, index=i, group=group))
         with self._cond:
             self._refuse_if_unavailable()  # again: stop() may have begun since the first
-            if len(self._waiting) + len(self._running) >= len(self.slots) + self.max_waiting:
+            held = len(self._waiting) + len(self._running)
+            if held + n > len(self.slots) + self.max_waiting:
                 raise OverloadedError(
                     f"every one of the {len(self.slots)} slots is busy and {len(self._waiting)} "
                     f"requests already wait (at most {self.max_waiting}); retry shortly",
                     retry_after=1.0,
                 )
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
             self._cond.notify_all()
+        if n > 1:
+            self.observer.choices(n)
         return ticket
+
+    @property
+    def max_choices(self) -> int:
+        """The most choices one request may ask for: the slots (each choice holds one)."""
+        return len(self.slots)
 
     def unavailable(self) -> str | None:
         """Why the engine takes no work now, or ``None`` when it does: after :meth:`stop`
@@ -489,7 +574,9 @@ class Engine:
 
     def _admit(self) -> None:
         for job in list(self._waiting):
-            choice = choose_slot(self.slots, job.request.session_id, job.prompt)
+            if job.follows and job.group.saved is None:
+                continue  # the first choice has not prefilled the prompt yet
+            choice = choose_slot(self.slots, job.session, job.prompt)
             if choice is None:
                 continue
             self._waiting.remove(job)
@@ -499,8 +586,8 @@ class Engine:
             if choice.evicts:
                 self.evictions += 1
             job.slot, job.evicted = slot, choice.evicts
-            if choice.evicts or slot.owner != job.request.session_id:
-                slot.owner = job.request.session_id
+            if choice.evicts or slot.owner != job.session:
+                slot.owner = job.session
             if choice.evicts:
                 slot.fed_ids, slot.saved = (), None
             self._running.append(job)
@@ -516,8 +603,15 @@ class Engine:
     def _fail_running(self, message: str) -> None:
         # The stack may have been consumed by the failed call: start every row afresh.
         self.decoder = self._make_decoder()
-        for job in list(self._running):
+        failed = list(self._running)
+        with self._cond:  # choices still waiting for a copy that will never come fail too
+            orphans = [j for j in self._waiting if j.follows and j.group.saved is None
+                       and any(f.group is j.group for f in failed)]
+            for job in orphans:
+                self._waiting.remove(job)
+        for job in failed:
             self._release(job, ())
+        for job in [*failed, *orphans]:
             self.observer.request_ended("error", len(job.emission.tokens))
             job.sink(Failed(message))
         for slot in self.slots:
@@ -532,7 +626,9 @@ class Engine:
         to draw the first token at the end of the prompt."""
         p, slot = self.producer, job.slot
         saved = slot.saved
-        if saved is not None and len(saved[0]) < len(job.prompt) and tuple(
+        if job.follows:  # another choice: from the first one's copy
+            job.reused, state = len(job.prompt) - 1, job.group.saved
+        elif saved is not None and len(saved[0]) < len(job.prompt) and tuple(
                 job.prompt[: len(saved[0])]) == saved[0]:
             job.reused, state = len(saved[0]), saved[1]  # a model that cannot rewind
         elif slot.fed_ids:
@@ -545,6 +641,7 @@ class Engine:
             job.reused, state = 0, p.init_state()
         self.decoder.put_row(slot.index, state)
         job.fed = job.reused
+        self._keep_for_choices(job)
         self.decoder.start_row(slot.index, params=job.params, seed=job.request.completion.seed,
                                history=sampling.History.from_prompt(job.prompt, p.vocab_size))
         self.observer.request_started(len(job.prompt), job.reused, job.evicted)
@@ -578,6 +675,7 @@ class Engine:
             elif not self.producer.can_rewind and job.fed == len(job.prompt) - 1:
                 job.slot.saved = (tuple(job.prompt[: job.fed]),
                                   self.decoder.take_row(job.slot.index))
+            self._keep_for_choices(job)
         if finishing:
             self._emit(finishing, out, started, first=True)
             for _, job in finishing:
@@ -587,11 +685,21 @@ class Engine:
         """Where the job's next prefill call ends at the latest: the prompt's end, except that
         a model that cannot rewind stops one token short of it first, so the slot keeps a copy
         of the state there (:attr:`SlotRecord.saved`) from which the same prompt, or a longer
-        one that repeats it, restarts."""
+        one that repeats it, restarts; and so does the first of several choices, whose copy
+        there the others start from."""
         short = len(job.prompt) - 1
-        if self.producer.can_rewind or job.fed >= short:
+        leads = job.group is not None and job.index == 0
+        if (self.producer.can_rewind and not leads) or job.fed >= short:
             return len(job.prompt)
         return short
+
+    def _keep_for_choices(self, job: _Job) -> None:
+        """Copy the first choice's row for the others once it stands one token short of the
+        prompt's end."""
+        group = job.group
+        if (group is not None and job.index == 0 and group.saved is None
+                and job.fed == len(job.prompt) - 1):
+            group.saved = self.decoder.take_row(job.slot.index)
 
     # -- decode ---------------------------------------------------------------------------
 

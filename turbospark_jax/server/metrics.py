@@ -34,6 +34,8 @@ class ServerMetrics(EngineObserver):
                                  "requests that discarded another session's state", registry=r)
         self.outcomes = Counter("turbospark_requests_finished", "requests ended, by outcome",
                                 ["outcome"], registry=r)
+        self.choices_asked = Counter("turbospark_parallel_choices",
+                                     "choices asked for by requests with n > 1", registry=r)
         self.ttft = Histogram("turbospark_time_to_first_token_seconds",
                               "submission to first token", buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("turbospark_inter_token_seconds", "time between a request's tokens",
@@ -56,6 +58,9 @@ class ServerMetrics(EngineObserver):
         self.cached_tokens.inc(cached_tokens)
         if evicted:
             self.evictions.inc()
+
+    def choices(self, n: int) -> None:
+        self.choices_asked.inc(n)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

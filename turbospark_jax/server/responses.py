@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from turbospark_jax.generation.completion import Completion, FinishReason
@@ -19,18 +20,21 @@ def finish_reason(completion: Completion) -> str:
     return "length" if ended in (FinishReason.LENGTH, FinishReason.CONSTRAINT_UNMET) else "stop"
 
 
-def usage(completion: Completion, session_id: str | None) -> dict[str, Any]:
-    """OpenAI's usage, with ``cached_tokens`` the prompt tokens reused from the slot's state,
-    plus where it ran: ``slot``, ``evicted`` (whether it discarded another session's state)
-    and ``session_id``."""
-    u = completion.usage
+def usage(completions: Sequence[Completion], session_id: str | None) -> dict[str, Any]:
+    """OpenAI's usage over a request's choices (``completions``, choice 0 first): the prompt
+    counted once, the generated tokens of every choice; ``cached_tokens`` the prompt tokens
+    choice 0 reused from its slot's state (the other choices start from its copy and
+    prefill nothing but the prompt's last token). Plus where it ran: ``slot`` (choice 0's),
+    ``evicted`` (whether some choice discarded another session's state) and ``session_id``."""
+    first = completions[0].usage
+    generated = sum(c.usage.generated_tokens for c in completions)
     return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.generated_tokens,
-        "total_tokens": u.prompt_tokens + u.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.reused_tokens},
-        "slot": u.slot,
-        "evicted": u.evicted,
+        "prompt_tokens": first.prompt_tokens,
+        "completion_tokens": generated,
+        "total_tokens": first.prompt_tokens + generated,
+        "prompt_tokens_details": {"cached_tokens": first.reused_tokens},
+        "slot": first.slot,
+        "evicted": any(bool(c.usage.evicted) for c in completions),
         "session_id": session_id,
     }
 

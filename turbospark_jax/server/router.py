@@ -70,6 +70,12 @@ class ReplicaRouter:
             e.run_once()
 
     @property
+    def max_choices(self) -> int:
+        """The most choices one request may ask for (:attr:`Engine.max_choices`; every
+        choice of a request runs on one replica)."""
+        return min(e.max_choices for e in self.engines)
+
+    @property
     def idle(self) -> bool:
         """Whether no request waits or runs on any replica."""
         return all(e.idle for e in self.engines)

@@ -178,7 +178,7 @@ class _Settings(BaseModel):
            | None) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Annotated[int, Field(ge=1)] = 1  # at most the server's slots (checked by the routes)
     user: str | None = None
     session_id: Annotated[str, Field(min_length=1, max_length=256)] | None = None
     response_format: ResponseFormat | None = None
