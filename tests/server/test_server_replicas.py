@@ -22,7 +22,7 @@ from turbospark_jax.errors import BadInputError, UnavailableError
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.parallel.replicas import replicas_one_per_device
 from turbospark_jax.server.build import load_server, make_server
-from turbospark_jax.server.engine import Engine, ServeRequest
+from turbospark_jax.server.engine import Engine, Failed, ServeRequest
 from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.testing.live_server import running
 from turbospark_jax.testing.tokenizers import byte_level_bpe
@@ -205,3 +205,20 @@ def test_more_replicas_than_devices_are_refused_before_loading():
         load_server(None, replicas=2)
     with pytest.raises(BadInputError, match="replicas=0"):
         replicas_one_per_device(MODEL, producer().params, 0, capacity=96)
+
+
+def test_drain_over_replicas_shares_one_deadline():
+    """Every replica stops admitting at once; with no scheduler running, the grace period
+    of 0 cuts off each replica's request (one each) and frees their slots."""
+    r = router()
+    events = []
+    for prompt in (A, B):
+        r.submit(ask(prompt), events.append)
+    r.run_once()
+    assert sum(e.load()["running"] for e in r.engines) == 2
+    assert r.drain(0) == 2 and r.stopping and r.idle
+    failed = [e for e in events if isinstance(e, Failed)]
+    assert len(failed) == 2 and all(e.shutdown for e in failed)
+    assert [e.load()["running"] for e in r.engines] == [0, 0]
+    with pytest.raises(UnavailableError):
+        r.submit(ask(C), events.append)

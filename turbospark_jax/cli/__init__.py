@@ -760,7 +760,8 @@ def _serve(args: argparse.Namespace, stderr: TextIO) -> int:
         print(f"{PROG}: serving {server.config.model_name!r} with {args.session_slots} slots"
               f"{replicas} on {url}/v1", file=stderr, flush=True)
 
-    server.run(host=args.host, port=args.port, on_ready=ready)
+    server.run(host=args.host, port=args.port, on_ready=ready,
+               shutdown_grace=args.shutdown_grace)
     return 0
 
 

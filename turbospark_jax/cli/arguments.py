@@ -361,6 +361,9 @@ def _serve_parser(sub: Any) -> None:
                             "--session-slots; a named session stays on its replica")
     serve.add_argument("--served-name", default=None, metavar="NAME",
                        help="the model id clients name (default: the folder's name)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM, stop admitting (503) and give the requests in flight "
+                            "this long to finish before cutting them off (Ctrl-C exits at once)")
     _quant_flags(serve)
     _cache_flags(serve)
 
@@ -407,7 +410,8 @@ def check_serve_arguments(args: argparse.Namespace) -> None:
                              ("--prefill-chunk", args.prefill_chunk, 1),
                              ("--prefill-rows", args.prefill_rows, 1),
                              ("--max-waiting", args.max_waiting, 0),
-                             ("--replicas", args.replicas, 1)):
+                             ("--replicas", args.replicas, 1),
+                             ("--shutdown-grace", args.shutdown_grace, 0)):
         if value < low:
             raise CommandLineError(f"{flag} must be >= {low}, got {value}")
     if args.width < 1:

@@ -9,11 +9,13 @@ prefilled once, and stream chunks name their choice by ``index``. Every refusal 
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
 request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
 no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
-(``GET /health`` answers 503 too then, and while the engine still compiles its programs at
-start, with ``status: starting``; requests sent meanwhile wait until it is ready). A request
-that fails after its stream started ends with an ``error`` event and ``[DONE]``; a client that
-disconnects cancels its request, which frees its slot before the next decode step (a response
-without streaming notices within :data:`DISCONNECT_POLL_S`).
+(``GET /health`` answers 503 too then: ``status: stopping`` while a graceful shutdown lets the
+requests in flight finish, and ``status: starting`` while the engine still compiles its
+programs at start; requests sent meanwhile wait until it is ready). A request that fails after
+its stream started ends with an ``error`` event and ``[DONE]`` (code ``server_shutdown`` when
+a shutdown's grace period ran out before it ended; a response without streaming is then a
+503); a client that disconnects cancels its request, which frees its slot before the next
+decode step (a response without streaming notices within :data:`DISCONNECT_POLL_S`).
 """
 
 from __future__ import annotations
@@ -42,7 +44,15 @@ from turbospark_jax.errors import (
 )
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server import responses, tools
-from turbospark_jax.server.engine import Delta, Done, Engine, Failed, ServeRequest, Ticket
+from turbospark_jax.server.engine import (
+    UNAVAILABLE_RETRY_S,
+    Delta,
+    Done,
+    Engine,
+    Failed,
+    ServeRequest,
+    Ticket,
+)
 from turbospark_jax.server.metrics import ServerMetrics
 from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.server.wire import (
@@ -137,6 +147,9 @@ class _Routes:
         }]})
 
     async def health(self, request: Request) -> Response:
+        if self.engine.stopping:  # draining: the requests in flight finish, no new ones
+            return JSONResponse({"status": "stopping", **self.engine.load()}, status_code=503,
+                                headers={"Retry-After": str(round(UNAVAILABLE_RETRY_S))})
         reason = self.engine.unavailable()
         if reason is not None:
             return JSONResponse({"status": "unavailable", "reason": reason,
@@ -410,7 +423,11 @@ class _Routes:
 
 
 def _failure(event: Failed) -> ApiError:
-    """The error a failed request answers with (in its stream, or as the response)."""
+    """The error a failed request answers with (in its stream, or as the response): a 503
+    with a retry hint when the server shut down before the reply was complete."""
+    if event.shutdown:
+        return ApiError(503, f"{event.message}; retry later", code="server_shutdown",
+                        kind="server_error", retry_after=UNAVAILABLE_RETRY_S)
     return ApiError(500, f"generation failed: {event.message}", code="generation_failed",
                     kind="server_error")
 

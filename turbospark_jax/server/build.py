@@ -3,17 +3,21 @@ and uvicorn to run them."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import os
+import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 
+from turbospark_jax.core.checks import as_real
 from turbospark_jax.core.compile_cache import ensure_compile_cache
 from turbospark_jax.engine.producer import BlockProducer
-from turbospark_jax.errors import BadInputError
+from turbospark_jax.errors import BadInputError, TurbosparkError
 from turbospark_jax.io.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
 from turbospark_jax.parallel.replicas import check_replica_count, replicas_one_per_device
 from turbospark_jax.quant.weights import Quantization
@@ -25,7 +29,35 @@ from turbospark_jax.sessions.chat import default_stop_ids
 from turbospark_jax.speculative.choice import DrafterChoice, choose_drafter, pair_with_drafter
 from turbospark_jax.speculative.pair import SpeculativePair
 
-__all__ = ["Server", "load_server", "make_server"]
+__all__ = ["DEFAULT_SHUTDOWN_GRACE_S", "Server", "load_server", "make_server"]
+
+#: Seconds the requests in flight get to finish after SIGTERM or SIGINT (``serve
+#: --shutdown-grace``).
+DEFAULT_SHUTDOWN_GRACE_S = 30.0
+
+#: Seconds uvicorn waits for connections to close once the engine has drained (every reply
+#: has ended by then; only idle keep-alive connections remain).
+_CLOSE_S = 5.0
+
+#: How often the serving thread looks whether uvicorn still runs.
+_POLL_S = 0.5
+
+_log = logging.getLogger("uvicorn.error")
+
+
+@contextlib.contextmanager
+def _caught(event: threading.Event, signals: tuple[int, ...]) -> Iterator[None]:
+    """While inside, each of ``signals`` sets ``event`` (main thread only; the handlers before
+    are restored on the way out)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda _sig, _frame: event.set()) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 # Speculative requests run outside the batch on the engine's own thread; one replica only.
 _SPECULATIVE_REPLICAS = ("speculative decoding is served by one replica only; drop the drafter "
@@ -52,13 +84,32 @@ class Server:
     drafter: DrafterChoice | None = None
 
     def run(self, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-            on_ready: Callable[[], None] | None = None) -> None:
-        """Serve until interrupted (uvicorn), with the engine running meanwhile.
+            on_ready: Callable[[], None] | None = None,
+            shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE_S) -> None:
+        """Serve (uvicorn) until SIGTERM or SIGINT, with the engine running meanwhile, then
+        shut down gracefully and return.
 
         The engine compiles its programs first (``GET /health`` answers 503 ``starting``
-        until then); ``on_ready`` is called, from another thread, once it has."""
+        until then); ``on_ready`` is called, from another thread, once it has. On the signal
+        the server stops admitting (new requests get 503 with ``Retry-After``, ``GET
+        /health`` answers 503 ``stopping``), lets the requests in flight finish for up to
+        ``shutdown_grace`` seconds, ends the rest (their streams with a ``server_shutdown``
+        error event), then stops listening. Signals are caught only when called from the
+        main thread; elsewhere it serves until the process ends. (Under the command line,
+        Ctrl-C still ends the process at once with status 130:
+        :mod:`~turbospark_jax.cli.interrupt` sees SIGINT first.)
+
+        Raises:
+          BadInputError: ``shutdown_grace`` is negative.
+          TurbosparkError: the HTTP server stopped by itself (it could not listen).
+        """
         import uvicorn
 
+        grace = as_real("shutdown_grace", shutdown_grace, low=0.0)
+        config = uvicorn.Config(self.app, host=host, port=port, log_level=log_level,
+                                timeout_graceful_shutdown=_CLOSE_S)
+        web = uvicorn.Server(config)
+        signalled = threading.Event()
         self.engine.start()
         if on_ready is not None:
             def announce() -> None:
@@ -66,10 +117,25 @@ class Server:
                     on_ready()
 
             threading.Thread(target=announce, name="turbospark-ready", daemon=True).start()
+        thread = threading.Thread(target=web.run, name="uvicorn", daemon=True)
         try:
-            uvicorn.run(self.app, host=host, port=port, log_level=log_level)
+            with _caught(signalled, (signal.SIGTERM, signal.SIGINT)):
+                thread.start()
+                while thread.is_alive() and not signalled.wait(_POLL_S):
+                    pass
+                if signalled.is_set():
+                    _log.info("shutting down: the requests in flight have %.0f s to finish",
+                              grace)
+                    cut = self.engine.drain(grace)
+                    if cut:
+                        _log.info("shutting down: %d requests cut off", cut)
         finally:
+            web.should_exit = True
+            thread.join(timeout=_CLOSE_S + 5)
             self.engine.stop()
+        if not signalled.is_set():
+            raise TurbosparkError(f"the HTTP server on {host}:{port} stopped by itself (could "
+                                  f"it listen there?)")
 
 
 def make_server(

@@ -58,6 +58,12 @@ constrained neighbour never changes a free row's bits). A run of tokens the cons
 is drawn one step a token under a mask holding that token alone, so the tokens are those of
 :func:`~turbospark_jax.generation.driver.stream_completion`.
 
+**Shutting down** (:meth:`Engine.drain`): the engine stops admitting (a new request gets
+:class:`~turbospark_jax.errors.UnavailableError`, :attr:`Engine.stopping` holds), lets the
+requests in flight, speculative ones included, finish for up to a grace period, then ends the
+rest with :class:`Failed` marked ``shutdown`` (the scheduler does it at the start of its next
+tick, so no row is cut in the middle of a device call) and frees their slots.
+
 Results go to a per-request ``sink`` callable, from the scheduler thread: zero or more
 :class:`Delta`, then exactly one :class:`Done` or :class:`Failed` (none after a cancel).
 """
@@ -76,7 +82,7 @@ import jax
 import numpy as np
 
 from turbospark_jax.core import sampling
-from turbospark_jax.core.checks import as_int
+from turbospark_jax.core.checks import as_int, as_real
 from turbospark_jax.core.constraints import Constraint
 from turbospark_jax.core.protocols import SpeculativeProducer
 from turbospark_jax.core.streams import Stream
@@ -175,16 +181,21 @@ class Done:
 @dataclasses.dataclass(frozen=True)
 class Failed:
     """The request (or one of its choices, ``index``) failed after it started; the text
-    already streamed stays valid."""
+    already streamed stays valid. ``shutdown``: the engine shut down before it ended (a
+    retry elsewhere or later may succeed)."""
 
     message: str
     index: int = 0
+    shutdown: bool = False
 
 
 Event = Delta | Done | Failed
 
 #: The retry hint of a refusal because the engine takes no work (a restart takes a while).
 UNAVAILABLE_RETRY_S = 5.0
+
+#: Why a request cut off by a shutdown ended.
+SHUTDOWN_MESSAGE = "the server shut down before the reply was complete"
 Sink = Callable[[Event], None]
 
 
@@ -240,6 +251,15 @@ class _Group:
     short of the prompt's end (``None`` until its prefill gets there)."""
 
     saved: Any = None
+
+
+def _fed_so_far(job: _Job) -> tuple[int, ...]:
+    """What a job's row holds when it stops before its end: a decoding row its prompt as the
+    prefill wrote it, a prefilling one the part fed so far, one not yet set up the slot's
+    previous state."""
+    if job.fed is None:
+        return job.slot.fed_ids
+    return tuple(job.prompt[: len(job.prompt) if job.decoding else job.fed])
 
 
 def _indexed(sink: Sink, index: int) -> Sink:
@@ -351,6 +371,9 @@ class Engine:
         self._cond = threading.Condition()
         self._clock = 0
         self._stopping = False
+        self._draining = False  # refusing new work while the work in flight ends (drain)
+        self._cut = False  # end every request now (a drain's grace is over)
+        self._speculating = 0  # speculative requests in flight (outside the slot rows)
         self._fault: str | None = None  # why the scheduler thread died, if it did
         self._thread: threading.Thread | None = None
         self._spec_lock = threading.Lock()
@@ -369,6 +392,7 @@ class Engine:
         with self._cond:
             if self._thread is None or not self._thread.is_alive():
                 self._stopping, self._fault = False, None
+                self._draining = self._cut = False
                 self._thread = threading.Thread(target=self._loop, name="turbospark-scheduler",
                                                 daemon=True)
                 self._thread.start()
@@ -383,6 +407,66 @@ class Engine:
             thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+
+    def drain(self, grace: float) -> int:
+        """Shut down gracefully: stop admitting now (:meth:`begin_drain`), let the requests
+        in flight finish for up to ``grace`` seconds, then end the rest with
+        :class:`Failed` (``shutdown`` set) and free their slots (:meth:`finish_drain`). The
+        scheduler keeps running; :meth:`stop` it after. Returns how many requests (choices
+        counted one by one) were cut off.
+
+        Raises:
+          BadInputError: ``grace`` is negative or not a number.
+        """
+        self.begin_drain()
+        return self.finish_drain(time.monotonic() + as_real("grace", grace, low=0.0))
+
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (:class:`~turbospark_jax.errors.UnavailableError`,
+        :attr:`stopping`); the ones in flight carry on."""
+        with self._cond:
+            self._draining = True
+            self._cond.notify_all()
+
+    def finish_drain(self, deadline: float) -> int:
+        """Wait until no request is in flight or ``deadline`` (a :func:`time.monotonic`
+        time) passes, then cut off the rest; returns how many were cut off."""
+        with self._cond:
+            while not self._drained() and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            if self._drained():
+                return 0
+            self._cut = True
+            self._cond.notify_all()
+            thread = self._thread
+            if thread is None or not thread.is_alive() or not self._warm.is_set():
+                return self._cut_off()  # no scheduler tick will come soon: cut them here
+            count = len(self._waiting) + len(self._running) + self._speculating
+            while not self._drained():
+                self._cond.wait(0.05)
+            return count
+
+    @property
+    def stopping(self) -> bool:
+        """Whether a graceful shutdown (:meth:`drain`) has begun: no new requests, the ones
+        in flight finish (after :meth:`stop` the engine is :meth:`unavailable` instead)."""
+        return self._draining
+
+    def _drained(self) -> bool:
+        return not (self._waiting or self._running or self._speculating)
+
+    def _cut_off(self) -> int:
+        """End every request waiting or running (the caller holds the lock, between two
+        device calls): each gets :class:`Failed` with ``shutdown`` set."""
+        jobs = [*self._waiting, *self._running]
+        self._waiting.clear()
+        for job in jobs:
+            if job.slot is not None and job in self._running:
+                self._release(job, _fed_so_far(job))
+            self.observer.request_ended("shutdown", len(job.emission.tokens))
+            job.sink(Failed(SHUTDOWN_MESSAGE, shutdown=True))
+        self._cond.notify_all()
+        return len(jobs)
 
     # -- requests -------------------------------------------------------------------------
 
@@ -410,6 +494,9 @@ class Engine:
         self._refuse_if_unavailable()
         ticket = Ticket(self)
         if speculates:
+            with self._cond:
+                self._refuse_if_unavailable()
+                self._speculating += 1
             threading.Thread(target=self._speculate, args=(stream, sink, ticket),
                              daemon=True).start()
             return ticket
@@ -452,7 +539,7 @@ class Engine:
         started takes work (a test drives it with :meth:`run_once`)."""
         if self._fault is not None:
             return f"the scheduler failed ({self._fault})"
-        if self._stopping:
+        if self._stopping or self._draining:
             return "the server is shutting down"
         return None
 
@@ -496,6 +583,9 @@ class Engine:
         chunk, one batched decode step. The scheduler thread loops over it; a test may call it
         directly (without :meth:`start`) to control exactly when each request arrives."""
         with self._cond:
+            if self._cut:
+                self._cut_off()
+                return
             self._drop_cancelled()
             self._admit()
         try:
@@ -554,7 +644,7 @@ class Engine:
             message = f"the scheduler failed: {self._fault}"
         with self._cond:
             for job in [*self._waiting, *self._running]:
-                job.sink(Failed(message))
+                job.sink(Failed(message, shutdown=self._fault is None))
                 if job.slot is not None:
                     job.slot.busy, job.slot.fed_ids, job.slot.saved = False, (), None
             self._waiting.clear()
@@ -565,11 +655,7 @@ class Engine:
             self._waiting.remove(job)
             self.observer.request_ended("cancelled", 0)
         for job in [j for j in self._running if j.ticket.cancelled]:
-            # A decoding row holds its prompt as the prefill wrote it, a prefilling one the
-            # part fed so far, and one not yet set up the slot's previous state.
-            fed = (job.slot.fed_ids if job.fed is None
-                   else job.prompt[: len(job.prompt) if job.decoding else job.fed])
-            self._release(job, fed)
+            self._release(job, _fed_so_far(job))
             self.observer.request_ended("cancelled", len(job.emission.tokens))
 
     def _admit(self) -> None:
@@ -842,6 +928,10 @@ class Engine:
         except Exception as exc:  # the client must hear of it, not wait forever
             self.observer.request_ended("error", 0)
             sink(Failed(f"{type(exc).__name__}: {exc}"))
+        finally:
+            with self._cond:
+                self._speculating -= 1
+                self._cond.notify_all()
 
     def _speculate_unguarded(self, stream: Stream[Completion], sink: Sink,
                              ticket: Ticket) -> None:
@@ -852,6 +942,10 @@ class Engine:
                 for event in stream:
                     if ticket.cancelled:
                         self.observer.request_ended("cancelled", 0)
+                        return
+                    if self._cut:
+                        self.observer.request_ended("shutdown", 0)
+                        sink(Failed(SHUTDOWN_MESSAGE, shutdown=True))
                         return
                     if first:
                         self.observer.first_token(time.perf_counter() - submitted)

@@ -21,8 +21,10 @@ share nothing but the metrics collector.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 
+from turbospark_jax.core.checks import as_real
 from turbospark_jax.errors import BadInputError, UnavailableError
 from turbospark_jax.server.engine import UNAVAILABLE_RETRY_S, Engine, ServeRequest, Sink, Ticket
 
@@ -88,6 +90,19 @@ class ReplicaRouter:
     def starting(self) -> bool:
         """Whether some replica is still compiling (:attr:`Engine.starting`)."""
         return any(e.starting for e in self.engines)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether every replica is shutting down (:attr:`Engine.stopping`)."""
+        return all(e.stopping for e in self.engines)
+
+    def drain(self, grace: float) -> int:
+        """Shut every replica down gracefully under one grace period (:meth:`Engine.drain`);
+        returns how many requests were cut off."""
+        deadline = time.monotonic() + as_real("grace", grace, low=0.0)
+        for e in self.engines:
+            e.begin_drain()
+        return sum(e.finish_drain(deadline) for e in self.engines)
 
     def unavailable(self) -> str | None:
         """Why no replica takes work, or ``None`` when one does."""
