@@ -19,6 +19,12 @@ product, softmax, top-k, experts) runs in the fixed-shape row tiles of
 for bit; under XLA's own kernels it runs on the rows as they come (exact at one program
 width, like the rest of such a model). A one-row decode step reads only its ``k`` experts'
 weights (a gather), never the whole stack.
+
+Expert parallelism (:class:`ExpertParallel`): the stacks split on their expert axis over a
+mesh axis, each device holding ``E / n`` whole experts, and every routed form takes a
+``placement`` that runs its per-selection products where the experts live
+(:func:`expert_outputs`). The result is bitwise the one-device result; that function says
+why.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
 
-from turbospark_jax.errors import ModelLoadError
+from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.kernels.layers import rms_norm
 from turbospark_jax.kernels.rowinv import DOT_MIN_TILES, MIN_TILES, row_tiled
 from turbospark_jax.quant.weights import as_array
@@ -115,7 +123,8 @@ def _gather(w: Any, experts: jax.Array, dtype: Any) -> jax.Array:
 
 
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: Any, up: Any,
-                   down: Any, act: Activation = silu) -> jax.Array:
+                   down: Any, act: Activation = silu,
+                   placement: ExpertParallel | None = None) -> jax.Array:
     """The routed experts' gated MLPs of rows ``x [T, D]``, weighted and summed:
     ``sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over row ``t``'s experts
     ``e = experts[t, j]``.
@@ -131,21 +140,27 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: A
       experts: int ``[T, k]`` expert indices.
       gate, up: ``[E, D, F]``; down: ``[E, F, D]`` (plain or quantized).
       act: the gate's activation.
+      placement: the stacks split over a mesh axis (expert parallelism), or None: on
+        every device whole (or split as ``jit`` places them).
 
     Returns:
       ``[T, D]`` in ``x.dtype``.
     """
+    def terms(rows: jax.Array, chosen: jax.Array, g: Any, u: Any, d: Any) -> jax.Array:
+        rows = _per_selection(rows, chosen.shape[1])
+        hidden = act(_rows_dot(rows, _gather(g, chosen, rows.dtype))) * _rows_dot(
+            rows, _gather(u, chosen, rows.dtype))
+        return _rows_dot(hidden, _gather(d, chosen, rows.dtype))  # [T, k, D]
+
     weights, experts = _by_expert(weights, experts)
-    rows = _per_selection(x, experts.shape[1])
-    g = _rows_dot(rows, _gather(gate, experts, x.dtype))
-    u = _rows_dot(rows, _gather(up, experts, x.dtype))
-    y = _rows_dot(act(g) * u, _gather(down, experts, x.dtype))  # [T, k, D]
+    y = expert_outputs(terms, x, experts, (gate, up, down), placement)
     return _weighted_sum(y, weights.astype(x.dtype))
 
 
 def fused_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
                          gate_up: jax.Array, down: jax.Array,
-                         act: Activation = gelu_tanh) -> jax.Array:
+                         act: Activation = gelu_tanh,
+                         placement: ExpertParallel | None = None) -> jax.Array:
     """:func:`routed_experts` over expert stacks kept as a checkpoint that fuses them stores
     them (Gemma 4): ``gate_up [E, 2F, D]`` (the gate's ``F`` outputs, then the up
     projection's) and ``down [E, D, F]``, each ``[out, in]``. The float32 routing weights
@@ -155,14 +170,109 @@ def fused_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     Returns:
       ``[T, D]`` in ``x.dtype``.
     """
+    def outputs(rows: jax.Array, chosen: jax.Array, gu_w: Any, d: Any) -> jax.Array:
+        rows = _per_selection(rows, chosen.shape[1])
+        gu = _rows_dot(rows, _gather(gu_w, chosen, rows.dtype), nk=True)  # [T, k, 2F]
+        half = gu.shape[-1] // 2
+        hidden = act(gu[..., :half]) * gu[..., half:]
+        return _rows_dot(hidden, _gather(d, chosen, rows.dtype), nk=True)  # [T, k, D]
+
     weights, experts = _by_expert(weights, experts)
-    rows = _per_selection(x, experts.shape[1])
-    gu = _rows_dot(rows, _gather(gate_up, experts, x.dtype), nk=True)  # [T, k, 2F]
-    half = gu.shape[-1] // 2
-    hidden = act(gu[..., :half]) * gu[..., half:]
-    y = _rows_dot(hidden, _gather(down, experts, x.dtype), nk=True)  # [T, k, D]
+    y = expert_outputs(outputs, x, experts, (gate_up, down), placement)
     terms = (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(x.dtype)
     return _weighted_sum(terms, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """Expert parallelism: every expert stack (leading axis ``E``, after any layer axis) is
+    split over the mesh axis ``axis`` of ``mesh``, so the device at index ``i`` of that axis
+    holds experts ``i * E / n`` to ``(i + 1) * E / n - 1`` whole. Frozen and hashable (a
+    model field, static under ``jit``). :func:`~turbospark_jax.parallel.tp_specs.check_divisible`
+    refuses a count of experts the axis does not divide.
+
+    Raises:
+      BadInputError: ``mesh`` is not a ``jax.sharding.Mesh`` or has no axis ``axis``.
+    """
+
+    mesh: Mesh
+    axis: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mesh, Mesh) or self.axis not in self.mesh.axis_names:
+            raise BadInputError(f"expert parallelism needs a jax.sharding.Mesh with an axis "
+                                f"{self.axis!r}; got {self.mesh!r}")
+
+def _shard_map(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
+    """``shard_map`` under its public name (``jax.shard_map``) or, on a JAX without it,
+    the experimental one."""
+    if hasattr(jax, "shard_map"):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    from jax.experimental.shard_map import shard_map  # pragma: no cover (older JAX)
+
+    return shard_map(fn, mesh, in_specs=in_specs, out_specs=out_specs)  # pragma: no cover
+
+
+def expert_outputs(terms: Callable[..., jax.Array], x: jax.Array, experts: jax.Array,
+                   stacks: tuple[Any, ...], placement: ExpertParallel | None) -> jax.Array:
+    """``terms(x, experts, *stacks)``: each selection's expert output ``[T, k, D]``, computed
+    on one device (``placement`` None) or where each expert lives.
+
+    Under ``placement`` the rows ``x``, the choices ``experts`` and the result are replicated
+    over the mesh and the stacks split on their expert axis. Each device runs ``terms`` on
+    its local stacks, with every selection's expert index shifted to its local one (a
+    selection of an expert held elsewhere reads local expert 0 and its result is dropped),
+    keeps the selections whose expert it holds, writes zeros elsewhere, and one all-reduce
+    over the axis adds the devices' ``[T, k, D]``.
+
+    Why the result is bitwise the one-device result:
+
+    * a kept selection's arithmetic is the one-device arithmetic: the same rows times the same
+      gathered matrices (the local stack holds them unchanged), in products of the same
+      shapes ``[T, k, ...]``;
+    * each selection is kept on exactly one device, and the all-reduce adds the bit patterns
+      as unsigned integers: one pattern plus zeros is that pattern, in any order the
+      collective adds them (a float sum would turn an expert's ``-0.0`` into ``+0.0``);
+    * the caller then weighs and adds the ``k`` outputs of a row as on one device.
+
+    Every device computes every selection's shape (one device's compute); the weights split
+    ``n`` ways and the activations that move are ``[T, k, D]`` a layer, never a weight.
+    """
+    if placement is None:
+        return terms(x, experts, *stacks)
+
+    def local(rows: jax.Array, chosen: jax.Array, *parts: Any) -> jax.Array:
+        held = jax.tree.leaves(parts[0])[0].shape[0]  # experts on this device
+        first = jax.lax.axis_index(placement.axis) * held
+        index = chosen - first
+        owned = (index >= 0) & (index < held)
+        y = terms(rows, jnp.where(owned, index, 0), *parts)
+        return _owner_sum(y, owned, placement.axis)
+
+    split = PartitionSpec(placement.axis)
+    whole = PartitionSpec()
+    run = _shard_map(local, placement.mesh, (whole, whole, *(split,) * len(stacks)), whole)
+    return run(x, experts, *stacks)
+
+
+def _owner_sum(y: jax.Array, owned: jax.Array, axis: str) -> jax.Array:
+    """The all-reduce over ``axis`` of ``y [T, k, D]`` where ``owned [T, k]`` and zero
+    elsewhere, adding bit patterns as unsigned integers (exact: one operand a selection is
+    nonzero). Two 16-bit values travel as one 32-bit word, so a bfloat16 ``y`` moves as many
+    bytes as it holds (an odd width widens each to 32 bits)."""
+    shape, dtype = y.shape, y.dtype
+    if dtype.itemsize == 2 and shape[-1] % 2 == 0:
+        bits = jax.lax.bitcast_convert_type(y.reshape(*shape[:-1], -1, 2), jnp.uint32)
+    elif dtype.itemsize == 2:
+        bits = jax.lax.bitcast_convert_type(y, jnp.uint16).astype(jnp.uint32)
+    else:
+        bits = jax.lax.bitcast_convert_type(y, np.dtype(f"uint{8 * dtype.itemsize}"))
+    bits = jax.lax.psum(jnp.where(owned[..., None], bits, jnp.zeros((), bits.dtype)), axis)
+    if dtype.itemsize == 2 and shape[-1] % 2 == 0:
+        return jax.lax.bitcast_convert_type(bits, dtype).reshape(shape)
+    if dtype.itemsize == 2:
+        return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype)
+    return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def _by_expert(weights: jax.Array, experts: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -228,7 +338,8 @@ def _dense_swiglu(x: jax.Array, gate: Any, up: Any, down: Any, act: Activation) 
 
 
 def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
-              row_invariant: bool, act: Activation = silu) -> jax.Array:
+              row_invariant: bool, act: Activation = silu,
+              placement: ExpertParallel | None = None) -> jax.Array:
     """The Qwen-style sparse MLP of rows ``x [T, D]`` (normed): the router's softmax top-k
     over ``weights["router"]`` (``[E, D]``), the routed experts (``expert_gate``,
     ``expert_up`` ``[E, D, F]``, ``expert_down`` ``[E, F, D]``), and, when ``weights`` holds
@@ -242,6 +353,8 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
       row_invariant: run in fixed-shape row tiles, so a row's bits do not depend on the
         number of rows in the call.
       act: the experts' activation.
+      placement: the expert stacks split over a mesh axis (:func:`expert_outputs`), or
+        None.
 
     Returns:
       ``[T, D]`` in ``x.dtype``.
@@ -252,7 +365,7 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
     def run(rows: jax.Array, probs: jax.Array, experts: jax.Array,
             w: Mapping[str, Any]) -> jax.Array:
         out = routed_experts(rows, probs, experts, w["expert_gate"], w["expert_up"],
-                             w["expert_down"], act)
+                             w["expert_down"], act, placement)
         if "shared_gate" in w:
             shared = _dense_swiglu(rows, w["shared_gate"], w["shared_up"], w["shared_down"],
                                    act)

@@ -39,7 +39,12 @@ from turbospark_jax.io.loading import (
 )
 from turbospark_jax.io.quantized import checkpoint_quantization
 from turbospark_jax.models.family import Family, HFTensor, Params
-from turbospark_jax.parallel.sharding import check_divisible, param_shardings, tp_size
+from turbospark_jax.parallel.sharding import (
+    check_divisible,
+    ep_size,
+    param_shardings,
+    tp_size,
+)
 
 Index = tuple[slice, ...]
 
@@ -131,7 +136,7 @@ def load_sharded(
         (that would read the whole embedding on one host).
     """
     folder, family, config, resolved = folder_config(path, dtype, layer_layout)
-    check_divisible(config, tp_size(mesh))
+    check_divisible(config, tp_size(mesh), ep_size(mesh))
     if getattr(config, "moe", False):
         raise UnsupportedCapabilityError(
             f"{folder} holds a mixture-of-experts model, whose expert stacks are not read shard "

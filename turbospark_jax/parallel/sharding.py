@@ -16,7 +16,10 @@ inserts the collectives. For the dense family:
   the logits and the sampler gathers them;
 * the KV cache on its KV-head axis, beside the ``k_proj``/``v_proj`` columns that write it:
   a device reads and writes only its own heads' rows;
-* norms, biases of row-parallel layers and the fed record: replicated.
+* norms, biases of row-parallel layers and the fed record: replicated;
+* mixture-of-experts stacks: on each expert's width, like an MLP; or, on a mesh with an
+  :data:`EP` axis (``tp_mesh(devices, ep=n)``), whole experts split over that axis (expert
+  parallelism, below).
 
 Qwen3.5 adds its DeltaNet layers (conv channels, value heads, the recurrent state and its
 tape on them) and Gemma 4 its ring and per-layer inputs; see
@@ -30,10 +33,19 @@ bitwise equal to a one-device run: the row-parallel layers sum partial products 
 devices, in another order than one device's matrix product does, and even a column slice of a
 product can round differently from the whole product (the tolerance is measured in
 ``tests/parallel/test_sharding.py``; docs/decisions/0013-sharded-tolerance.md).
+
+Expert parallelism: a mesh of two axes, :data:`TP` and :data:`EP`, splits every other leaf
+over :data:`TP` as above (replicated along :data:`EP`) and the expert stacks on their expert
+axis over :data:`EP` (whole along :data:`TP`). The routed experts then run in a
+``shard_map`` (:func:`~turbospark_jax.models.moe.expert_outputs`): each device computes the
+selections of the experts it holds and one all-reduce of ``[T, k, D]`` a layer brings them
+together. That step is bitwise the one-device one, so a mesh whose :data:`TP` axis has one
+device (``tp_mesh(devices, ep=len(devices))``) runs bitwise the one-device model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,11 +73,12 @@ from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.models.gemma4.model import Gemma4Model
+from turbospark_jax.models.moe import ExpertParallel
 from turbospark_jax.models.qwen3_5.model import Qwen35Model
-from turbospark_jax.parallel.tp_specs import TP, cache_specs, check_divisible, param_specs
+from turbospark_jax.parallel.tp_specs import EP, TP, cache_specs, check_divisible, param_specs
 from turbospark_jax.quant.weights import is_quantized
 
-__all__ = ["TP", "ShardedProducer", "check_divisible",
+__all__ = ["EP", "TP", "ShardedProducer", "check_divisible", "ep_size",
            "init_sharded_params", "param_shardings", "param_specs", "shard_params",
            "state_shardings", "tp_mesh", "tp_size"]
 
@@ -75,13 +88,25 @@ _SHARDABLE = (DenseModel, Qwen35Model, Gemma4Model)
 Params = dict[str, Any]
 
 
-def tp_mesh(devices: Sequence[jax.Device] | None = None) -> Mesh:
+def tp_mesh(devices: Sequence[jax.Device] | None = None, *, ep: int = 1) -> Mesh:
     """A one-axis mesh named :data:`TP` over ``devices`` (default: every device of every
-    process, which is the global mesh of a multi-host run)."""
+    process, which is the global mesh of a multi-host run); with ``ep > 1``, a mesh of
+    ``len(devices) // ep`` by ``ep`` devices named :data:`TP` and :data:`EP`, whose
+    :data:`EP` axis the expert stacks split over (expert parallelism; consecutive devices
+    share a :data:`TP` index).
+
+    Raises:
+      BadInputError: no devices, or ``ep`` is not a positive divisor of their count.
+    """
     devices = jax.devices() if devices is None else list(devices)
     if not devices:
         raise BadInputError("a mesh needs at least one device")
-    return Mesh(np.asarray(devices), (TP,))
+    if not isinstance(ep, int) or ep < 1 or len(devices) % ep:
+        raise BadInputError(f"ep must be a positive divisor of the {len(devices)} devices; "
+                            f"got {ep!r}")
+    if ep == 1:
+        return Mesh(np.asarray(devices), (TP,))
+    return Mesh(np.asarray(devices).reshape(len(devices) // ep, ep), (TP, EP))
 
 
 def tp_size(mesh: Mesh) -> int:
@@ -97,9 +122,20 @@ def tp_size(mesh: Mesh) -> int:
     return int(mesh.shape[TP])
 
 
+def ep_size(mesh: Mesh) -> int:
+    """The number of devices the :data:`EP` axis splits the experts over (1: no such axis,
+    each expert's width splits over :data:`TP` instead)."""
+    return int(mesh.shape[EP]) if EP in mesh.axis_names else 1
+
+
+def _check_mesh(mesh: Mesh, config: Any) -> None:
+    check_divisible(config, tp_size(mesh), ep_size(mesh))
+
+
 def param_shardings(mesh: Mesh, config: Any, params: Params) -> Params:
-    """:func:`~turbospark_jax.parallel.tp_specs.param_specs` as ``NamedSharding`` s on ``mesh``."""
-    specs = param_specs(config, params, tp_size(mesh))
+    """:func:`~turbospark_jax.parallel.tp_specs.param_specs` as ``NamedSharding`` s on ``mesh``
+    (the expert stacks over its :data:`EP` axis when it has one)."""
+    specs = param_specs(config, params, tp_size(mesh), ep_size(mesh))
     return _named(mesh, specs)
 
 
@@ -115,11 +151,12 @@ def shard_params(params: Params, mesh: Mesh, config: Any) -> Params:
     Raises:
       BadInputError: ``mesh`` has no :data:`TP` axis; its size does not divide the query
         heads or the MLP width (or the dense family's KV heads), or the model is of a family
-        without a layout.
+        without a layout; the mesh has an :data:`EP` axis and the model no experts, or
+        their count is not a multiple of its size.
       UnsupportedCapabilityError: quantized params (tensor parallelism lays out plain
         weights only).
     """
-    check_divisible(config, tp_size(mesh))
+    _check_mesh(mesh, config)
     if any(is_quantized(w) for w in jax.tree.leaves(params, is_leaf=is_quantized)):
         raise UnsupportedCapabilityError(
             "tensor parallelism shards plain weights only; load the model without quantize= "
@@ -147,7 +184,7 @@ def init_sharded_params(
     if layer_layout not in ("stacked", "list"):
         raise BadInputError(f"layer_layout must be 'stacked' or 'list', got {layer_layout!r}")
     config = model.config
-    check_divisible(config, tp_size(mesh))
+    _check_mesh(mesh, config)
 
     def make(k: jax.Array) -> Params:
         params = model.init_params(k)
@@ -186,14 +223,19 @@ class ShardedProducer(BlockProducer):
       params: its params, anywhere: they are placed on the mesh (a no-op for params already
         sharded, as :func:`init_sharded_params` and
         :func:`~turbospark_jax.parallel.loading.load_sharded` make them).
-      mesh: a mesh with a :data:`TP` axis (:func:`tp_mesh`).
+      mesh: a mesh with a :data:`TP` axis (:func:`tp_mesh`); with an :data:`EP` axis too
+        (``tp_mesh(devices, ep=n)``), the experts of a mixture-of-experts model split over
+        it whole, each device computing its own experts' selections (expert parallelism),
+        and the model runs with
+        :class:`~turbospark_jax.models.moe.ExpertParallel` on that axis.
       capacity, width, steps_per_call, donate: as :class:`BlockProducer`.
 
     Raises:
       UnsupportedCapabilityError: ``model`` is of another family.
       BadInputError: ``mesh`` has no :data:`TP` axis, or its size does not divide the query
         heads and MLP width (the dense family: and KV heads; the message lists the sizes
-        that do); and as :class:`BlockProducer`.
+        that do); the mesh has an :data:`EP` axis and the model has no experts or a count
+        of them its size does not divide; and as :class:`BlockProducer`.
     """
 
     def __init__(
@@ -217,6 +259,8 @@ class ShardedProducer(BlockProducer):
             model = model.for_mesh()  # the Pallas kernels are single-device custom calls
         self.mesh = mesh
         params = shard_params(params, mesh, model.config)
+        if ep_size(mesh) > 1:
+            model = dataclasses.replace(model, expert_parallel=ExpertParallel(mesh, EP))
         super().__init__(model, params, capacity=capacity, width=width,
                          steps_per_call=steps_per_call, donate=donate)
         # Every process of a multi-host run must stamp the same identity into its states.

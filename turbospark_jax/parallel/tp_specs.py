@@ -9,7 +9,10 @@ and the MLP width: splitting neither would leave nothing worth the name tensor p
 :func:`check_divisible` refuses a mesh that cuts them.
 
 Mixture-of-experts stacks split on each expert's width, like an MLP: every device holds a
-slice of every expert, so a token's experts are on every device and no token moves.
+slice of every expert, so a token's experts are on every device and no token moves. On a
+mesh with an :data:`EP` axis they split on their expert axis over it instead (expert
+parallelism: whole experts a device, :class:`~turbospark_jax.models.moe.ExpertParallel`),
+and stay whole along :data:`TP`.
 
 The layers whose reduction axis is the split one (``o_proj``, ``down_proj``, an expert's
 down projection, a DeltaNet's ``out_proj``, Gemma 4's ``per_layer_projection``) are
@@ -32,6 +35,13 @@ from turbospark_jax.models.qwen3_5.config import FULL, Qwen35Config
 
 #: The mesh axis tensor parallelism splits over.
 TP = "tp"
+#: The mesh axis expert parallelism splits the expert stacks over (a mesh without it splits
+#: each expert's width over :data:`TP`).
+EP = "ep"
+
+#: The expert stacks' leaf names (the Qwen forms', then Gemma 4's fused ones); each has its
+#: expert axis third from the end.
+EXPERT_STACKS = ("expert_gate", "expert_up", "expert_down", "experts_gate_up", "experts_down")
 
 Params = dict[str, Any]
 #: One leaf's split: per dimension (counted from the last), ``None`` or the number of whole
@@ -219,25 +229,50 @@ def _family(config: Any) -> tuple[Callable[..., Any], ...]:
     return layout
 
 
-def check_divisible(config: Any, tp: int) -> None:
+def check_divisible(config: Any, tp: int, ep: int = 1) -> None:
     """Refuse a split that would cut a query head or an MLP column group across devices
     (other counts, KV heads say, stay whole where ``tp`` does not divide them; the dense
-    family also requires its KV heads to divide).
+    family also requires its KV heads to divide), and, with ``ep > 1`` devices on an
+    :data:`EP` axis, a model without experts or with an expert count ``ep`` does not divide
+    (the experts' width then need not divide ``tp``: they stay whole along it).
 
     Raises:
-      BadInputError: naming each count that ``tp`` does not divide and the sizes that
-        would; or the config is of a family without a layout.
+      BadInputError: naming each count that ``tp`` or ``ep`` does not divide and the sizes
+        that would; or the config is of a family without a layout.
     """
-    refuse_indivisible(_family(config)[0](config), tp)
+    counts = _family(config)[0](config)
+    if ep > 1:
+        experts = num_experts(config)
+        if not experts:
+            raise BadInputError(
+                f"the mesh has an expert axis {EP!r} of {ep} devices but this "
+                f"{type(config).__name__} has no experts; use a mesh without it (tp_mesh "
+                f"with ep=1)")
+        if experts % ep:
+            fits = [d for d in range(1, experts + 1) if experts % d == 0]
+            raise BadInputError(
+                f"cannot split {experts} experts over the {ep} devices of mesh axis {EP!r}: "
+                f"num_experts={experts} is not a multiple of {ep}. Use an expert axis of "
+                f"{' or '.join(map(str, fits))} devices")
+        counts.pop("moe_intermediate_size", None)
+    refuse_indivisible(counts, tp)
+
+
+def num_experts(config: Any) -> int:
+    """The routed experts in each MoE layer of ``config``; 0 for a model without them."""
+    if isinstance(config, Gemma4Config):
+        return (config.num_experts or 0) if config.enable_moe_block else 0
+    return config.num_experts if config.moe else 0
 
 
 def _key(path: Sequence[Any]) -> tuple[Any, ...]:
     return tuple(p.key if hasattr(p, "key") else p.idx for p in path)
 
 
-def param_specs(config: Any, params: Params, tp: int) -> Params:
+def param_specs(config: Any, params: Params, tp: int, ep: int = 1) -> Params:
     """A ``PartitionSpec`` for every leaf of ``params`` (arrays or shape structs; the dense
-    family's stacked or list layout alike).
+    family's stacked or list layout alike). With ``ep > 1`` the expert stacks split on their
+    expert axis over :data:`EP` and are whole along :data:`TP`.
 
     Raises:
       BadInputError: a family without a layout.
@@ -249,6 +284,8 @@ def param_specs(config: Any, params: Params, tp: int) -> Params:
         key = _key(path)
         if dense and key[0] == "layers" and isinstance(key[1], int):
             key = (key[0], key[2])  # the dense list layout: layers/<i>/<name>
+        if ep > 1 and key[-1] in EXPERT_STACKS:
+            return PartitionSpec(*(None,) * (len(leaf.shape) - 3), EP, None, None)
         return resolve(axes(config, key), len(leaf.shape), tp)
 
     return jax.tree_util.tree_map_with_path(spec, params)

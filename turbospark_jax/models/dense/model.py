@@ -76,7 +76,7 @@ from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.dense.attention import Attention, cached_attention, sequence_attention
 from turbospark_jax.models.dense.config import ARCHITECTURES, DenseConfig
 from turbospark_jax.models.family import Family, HFTensor
-from turbospark_jax.models.moe import moe_block, moe_leaves
+from turbospark_jax.models.moe import ExpertParallel, moe_block, moe_leaves
 from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, is_quantized, take_rows, tied_logits
 
@@ -310,6 +310,10 @@ class DenseModel(BlockModel):
         ``"fp8"`` (one byte a value and a float32 scale a row and KV head, quantized on
         write and dequantized on read: :mod:`~turbospark_jax.quant.kv`).
         :func:`~turbospark_jax.io.loading.load_folder`'s ``kv_dtype`` sets it.
+      expert_parallel: a mixture of experts' stacks split over a mesh axis
+        (:class:`~turbospark_jax.models.moe.ExpertParallel`; set by
+        :class:`~turbospark_jax.parallel.sharding.ShardedProducer` on a mesh with an expert
+        axis), or None.
     """
 
     parallel_prefill = True
@@ -333,6 +337,7 @@ class DenseModel(BlockModel):
     tap_layers: tuple[int, ...] = ()
     plan: KernelPlan = XLA_PLAN
     kv_dtype: str | None = None
+    expert_parallel: ExpertParallel | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -469,7 +474,8 @@ class DenseModel(BlockModel):
         """SwiGLU (or the mixture of experts) of the normed rows, h [W, D] -> [W, D]."""
         if self.config.moe:
             return moe_block(h, moe_leaves(lp), self.config.routing,
-                             row_invariant=self.plan.row_invariant)
+                             row_invariant=self.plan.row_invariant,
+                             placement=self.expert_parallel)
         bias = self.config.has_mlp_bias
         if self.plan.row_invariant and not bias:
             return row_kernels.matmul(self.plan, self._gated(h, lp), lp["down_proj"],

@@ -76,7 +76,7 @@ from turbospark_jax.kernels.layers import (
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4.config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
-from turbospark_jax.models.moe import fused_routed_experts, scaled_router
+from turbospark_jax.models.moe import ExpertParallel, fused_routed_experts, scaled_router
 from turbospark_jax.quant import kv as kv_quant
 from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
 
@@ -284,6 +284,10 @@ class Gemma4Model(BlockModel):
       kv_dtype: the stored form of the full layers' and the rings' K/V rows: ``None`` (the
         model dtype), ``"int8"`` or ``"fp8"`` (:mod:`~turbospark_jax.quant.kv`; set by
         :func:`~turbospark_jax.io.loading.load_folder`'s ``kv_dtype``).
+      expert_parallel: the MoE block's fused expert stacks split over a mesh axis
+        (:class:`~turbospark_jax.models.moe.ExpertParallel`; set by
+        :class:`~turbospark_jax.parallel.sharding.ShardedProducer` on a mesh with an expert
+        axis), or None.
     """
 
     parallel_prefill = True  # wide headless passes (pass_hidden)
@@ -294,6 +298,7 @@ class Gemma4Model(BlockModel):
     keep_hidden_rows: bool = False
     pass_block: int = ATTENTION_QUERY_BLOCK
     kv_dtype: str | None = None
+    expert_parallel: ExpertParallel | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -495,7 +500,8 @@ class Gemma4Model(BlockModel):
                                          lp["per_expert_scale"], self.config.routing,
                                          self.config.rms_norm_eps)
         return fused_routed_experts(self._norm(x, lp["pre_feedforward_layernorm_2"]), weights,
-                                    experts, lp["experts_gate_up"], lp["experts_down"])
+                                    experts, lp["experts_gate_up"], lp["experts_down"],
+                                    placement=self.expert_parallel)
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
         """Output head and softcap: final-normed h [N, D] -> float32 logits [N, V]."""

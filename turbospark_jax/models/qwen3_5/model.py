@@ -85,7 +85,7 @@ from turbospark_jax.kernels.layers import (
 )
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
-from turbospark_jax.models.moe import moe_block, moe_leaves
+from turbospark_jax.models.moe import ExpertParallel, moe_block, moe_leaves
 from turbospark_jax.models.qwen3_5.config import (
     ARCHITECTURES,
     FULL,
@@ -344,6 +344,10 @@ class Qwen35Model(BlockModel):
         dtype), ``"int8"`` or ``"fp8"`` (:mod:`~turbospark_jax.quant.kv`; set by
         :func:`~turbospark_jax.io.loading.load_folder`'s ``kv_dtype``). The MTP head's own
         rows stay in the model dtype.
+      expert_parallel: the expert stacks split over a mesh axis
+        (:class:`~turbospark_jax.models.moe.ExpertParallel`; set by
+        :class:`~turbospark_jax.parallel.sharding.ShardedProducer` on a mesh with an expert
+        axis), or None.
 
     How the exact path walks the delta rule's rows follows from the backend and the head sizes
     (module docstring); :meth:`for_mesh` and :meth:`interpreted` pin it.
@@ -360,6 +364,7 @@ class Qwen35Model(BlockModel):
     tap_layers: tuple[int, ...] = ()
     _rows: str | None = dataclasses.field(default=None, repr=False)
     kv_dtype: str | None = None
+    expert_parallel: ExpertParallel | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -602,7 +607,8 @@ class Qwen35Model(BlockModel):
     def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
         h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
         if "router" in lp:  # XLA's kernels at one program width, like the rest of the model
-            return x + moe_block(h, moe_leaves(lp), self.config.routing, row_invariant=False)
+            return x + moe_block(h, moe_leaves(lp), self.config.routing, row_invariant=False,
+                                 placement=self.expert_parallel)
         return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
 
     def _full_layer(self, lp: Params, x: jax.Array, positions: jax.Array,
