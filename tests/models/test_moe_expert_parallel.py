@@ -3,7 +3,8 @@
 computes the selections of the experts it holds, and one all-reduce of activations brings
 them together (``models.moe.expert_outputs``).
 
-* On a mesh whose ``tp`` axis has one device, a ``qwen3_moe``, a ``qwen3_5_moe_text`` and a
+* On a mesh whose ``tp`` axis has one device, a ``qwen3_moe`` (listed layers, and stacked
+  layers in a scan under the row-invariant plan's row tiles), a ``qwen3_5_moe_text`` and a
   Gemma 4 MoE model run bitwise the one-device model: the logits of a greedy completion and
   the cache after a prefill;
 * on every mesh the guarantees hold bitwise (chunked == token by token, verify == decode,
@@ -49,6 +50,7 @@ SCRIPT = textwrap.dedent('''
     from turbospark_jax.engine.producer import BlockProducer
     from turbospark_jax.generation.completion import CompletionRequest
     from turbospark_jax.generation.driver import run_raw_completion
+    from turbospark_jax.kernels.plan import kernel_plan
     from turbospark_jax.models import moe
     from turbospark_jax.models.dense.config import DenseConfig
     from turbospark_jax.models.dense.model import DenseModel, unstack_layers
@@ -130,6 +132,11 @@ SCRIPT = textwrap.dedent('''
     down = lambda p: p["layers"][0]["expert_down"]
     cases = [run("qwen3_moe", dmodel, dparams, 1, 8, down),
              run("qwen3_moe tp=2", dmodel, dparams, 2, 4, down, full=False)]
+    # stacked layers in a scan, and the experts in the row-invariant plan's row tiles
+    tiled = DenseModel(dense, jnp.float32, plan=kernel_plan("cpu", True, True))
+    assert tiled.plan.row_invariant and tiled.scan_layers
+    cases.append(run("qwen3_moe row tiles", tiled, tiled.init_params(jax.random.PRNGKey(10)),
+                     1, 4, lambda p: p["layers"]["expert_up"], full=False))
     qwen = Qwen35Config(model_type="qwen3_5_moe_text", vocab_size=M.VOCAB, hidden_size=64,
                         num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                         head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -170,7 +177,7 @@ def report(tmp_path_factory):
     return result
 
 
-CASES = ["qwen3_moe", "qwen3_moe tp=2", "qwen3_5_moe", "gemma4"]
+CASES = ["qwen3_moe", "qwen3_moe tp=2", "qwen3_moe row tiles", "qwen3_5_moe", "gemma4"]
 
 
 def _case(report, name):
@@ -188,7 +195,7 @@ def test_guarantees_hold_bitwise_with_experts_split(report, name):
         assert all(case["controls_fire"].values()), case["controls_fire"]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_5_moe", "gemma4"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen3_moe row tiles", "qwen3_5_moe", "gemma4"])
 def test_expert_parallel_is_bitwise_one_device(report, name):
     case = _case(report, name)
     assert case["tp"] == 1 and case["ep"] > 1
