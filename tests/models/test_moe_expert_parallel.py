@@ -12,6 +12,9 @@ them together (``models.moe.expert_outputs``).
   controls), also beside tensor parallelism (``tp=2, ep=4``);
 * controls: a weight one bit off in an expert held by one device, and the ``k`` outputs added
   in another order, each break the bitwise equality;
+* every bit pattern (``-0.0``, infinities, NaN; 32- and 16-bit values) comes back through
+  the experts' all-reduce, which a float all-reduce would not (its control);
+* ``init_sharded_params`` makes the experts in their shards;
 * the compiled programs move activations, never weights: no collective's operand has an
   expert's width among its dimensions, and the experts' all-reduce is there;
 * a mesh whose expert axis does not divide the experts, or a model without experts, is
@@ -58,7 +61,7 @@ SCRIPT = textwrap.dedent('''
     from turbospark_jax.models.gemma4.model import Gemma4Model
     from turbospark_jax.models.qwen3_5.config import Qwen35Config
     from turbospark_jax.models.qwen3_5.model import Qwen35Model
-    from turbospark_jax.parallel.sharding import ShardedProducer, tp_mesh
+    from turbospark_jax.parallel.sharding import ShardedProducer, init_sharded_params, tp_mesh
 
     WIDTH = int(sys.argv[1])
     REQUEST = CompletionRequest(prompt_ids=M.PROMPT, max_tokens=8, record_logits=True)
@@ -157,8 +160,51 @@ SCRIPT = textwrap.dedent('''
     gmodel = Gemma4Model(gemma, jnp.float32, ring_margin=8)
     cases.append(run("gemma4", gmodel, gmodel.init_params(jax.random.PRNGKey(9)), 1, 2,
                      lambda p: p["layers"][0]["experts_down"], full=False))
+    def bit_patterns():
+        """expert_outputs of a lookup, experts[t, j]'s row of a table [E, D] holding -0.0,
+        inf and NaN, against the table read on one device: every float width and both 16-bit
+        paths (an even and an odd D); and a float psum of the same, which loses -0.0."""
+        mesh = tp_mesh(jax.devices()[:8], ep=4)
+        place = moe.ExpertParallel(mesh, "ep")
+        lookup = lambda rows, chosen, table: table[chosen]
+        out = {}
+        for dtype, d in (("float32", 6), ("bfloat16", 6), ("float16", 5)):
+            table = jax.random.normal(jax.random.PRNGKey(d), (8, d)).astype(dtype)
+            table = table.at[0, 0].set(-0.0).at[5, 1].set(-0.0).at[6, 2].set(jnp.inf)
+            table = table.at[7, 3].set(jnp.nan).at[3].set(-0.0)
+            experts = jax.random.randint(jax.random.PRNGKey(1), (5, 3), 0, 8)
+            experts = experts.at[0].set(jnp.array([0, 3, 5]))
+            got = jax.jit(lambda e, t: moe.expert_outputs(lookup, jnp.zeros((5, 1)), e, (t,),
+                                                           place))(experts, table)
+            want = np.asarray(table)[np.asarray(experts)]
+            out[f"{dtype} D={d}"] = bool(np.array_equal(np.asarray(got).view(np.uint8),
+                                                        want.view(np.uint8)))
+        owner_sum = moe._owner_sum
+        moe._owner_sum = lambda y, owned, axis: jax.lax.psum(
+            jnp.where(owned[..., None], y, 0.0), axis)
+        try:
+            got = jax.jit(lambda e, t: moe.expert_outputs(lookup, jnp.zeros((5, 1)), e, (t,),
+                                                           place))(experts, table)
+        finally:
+            moe._owner_sum = owner_sum
+        out["float psum"] = bool(np.array_equal(np.asarray(got).view(np.uint8),
+                                                want.view(np.uint8)))
+        return out
+
+    def made_in_shards():
+        """init_sharded_params on an expert mesh: the experts on the ep axis, each device
+        holding one expert of the model's shapes."""
+        made = init_sharded_params(dmodel, jax.random.PRNGKey(7), tp_mesh(jax.devices(), ep=8),
+                                   layer_layout="list")
+        leaf = made["layers"][1]["expert_gate"]
+        return {"spec": str(leaf.sharding.spec),
+                "shards": sorted({s.data.shape for s in leaf.addressable_shards}),
+                "shapes": jax.tree.map(lambda x: x.shape, made)
+                == jax.tree.map(lambda x: x.shape, dparams)}
+
     print(json.dumps({"devices": len(jax.devices()), "cases": cases,
-                      "controls": controls(dmodel, dparams, "expert_down", 4)}))
+                      "controls": controls(dmodel, dparams, "expert_down", 4),
+                      "bit_patterns": bit_patterns(), "made_in_shards": made_in_shards()}))
 ''')
 
 
@@ -213,6 +259,19 @@ def test_controls_break_the_bitwise_equality(report):
     controls = report["controls"]
     assert not controls["weight_bit_equal"], controls
     assert not controls["reordered_equal"], controls
+
+
+def test_every_bit_pattern_comes_back(report):
+    patterns = dict(report["bit_patterns"])
+    # the control: a float all-reduce turns an expert's -0.0 into +0.0
+    assert not patterns.pop("float psum"), "a float sum kept -0.0"
+    assert all(patterns.values()), patterns
+
+
+def test_params_made_in_their_shards(report):
+    made = report["made_in_shards"]
+    assert "'ep'" in made["spec"] and made["shapes"], made
+    assert made["shards"] == [[1, 64, WIDTH]], made
 
 
 _COLLECTIVE = re.compile(
