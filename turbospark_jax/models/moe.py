@@ -203,6 +203,7 @@ class ExpertParallel:
             raise BadInputError(f"expert parallelism needs a jax.sharding.Mesh with an axis "
                                 f"{self.axis!r}; got {self.mesh!r}")
 
+
 def _shard_map(fn: Callable[..., Any], mesh: Mesh, in_specs: Any, out_specs: Any) -> Any:
     """``shard_map`` under its public name (``jax.shard_map``) or, on a JAX without it,
     the experimental one."""
