@@ -202,7 +202,15 @@ SCRIPT = textwrap.dedent('''
                 "shapes": jax.tree.map(lambda x: x.shape, made)
                 == jax.tree.map(lambda x: x.shape, dparams)}
 
-    print(json.dumps({"devices": len(jax.devices()), "cases": cases,
+    def refusal():
+        """A producer on an expert axis of 3 devices for 8 experts: its error."""
+        try:
+            sharded(dmodel, dparams, 2, 3)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "accepted"
+
+    print(json.dumps({"devices": len(jax.devices()), "cases": cases, "refusal": refusal(),
                       "controls": controls(dmodel, dparams, "expert_down", 4),
                       "bit_patterns": bit_patterns(), "made_in_shards": made_in_shards()}))
 ''')
@@ -301,6 +309,11 @@ def test_only_activations_move(report):
     # the experts' all-reduce: bit patterns [T, k, D] of each selection's output
     assert any(op == "all-reduce" and t == "u32" and dims[-2:] == [3, 64]
                for op, shapes in collectives for t, dims in shapes), collectives
+
+
+def test_a_producer_on_an_expert_axis_that_cuts_the_experts_is_refused(report):
+    assert report["refusal"].startswith("BadInputError"), report["refusal"]
+    assert "num_experts=8 is not a multiple of 3" in report["refusal"], report["refusal"]
 
 
 def test_an_expert_axis_that_cuts_the_experts_is_refused():
