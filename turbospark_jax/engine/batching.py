@@ -12,6 +12,13 @@ work on the stack:
   inside one loop with a traced trip count), scatters them back, and draws the first token of
   the rows whose prompt ends there.
 
+**Images** (embeddings injected at prompt positions, :mod:`turbospark_jax.core.injection`): the
+prefill takes, beside the tokens, each fed position's injected identity and embedding row
+(``injected``, ``embeds``), which the block program reads instead of the token's embedding
+and records in the row's fed record (so prefix reuse tells one image from another). That
+variant of the prefill is traced only when a call feeds an image; text-only calls run the
+program without those inputs, unchanged.
+
 A request joins by having its row set between two calls and leaves by being marked idle; rows a
 call does not advance are fed with ``live = 0``, which writes nothing to their cache or fed
 record, and keep their sampling controls unchanged.
@@ -180,6 +187,7 @@ def decode_step(
 def prefill_step(
     model: BlockModel, params: Any, stack: BlockState, rows: RowControls, index: jax.Array,
     tokens: jax.Array, counts: jax.Array, final: jax.Array, allowed: jax.Array | None = None,
+    injected: jax.Array | None = None, embeds: jax.Array | None = None,
     *, truncate: bool = True, logprobs: bool = True,
 ) -> tuple[BlockState, RowControls, StepResult]:
     """Feed prompt tokens to ``P`` rows at once and draw the first token of rows whose prompt
@@ -196,6 +204,9 @@ def prefill_step(
       final: bool[P], whether the row's last fed token ends its prompt (then its first token
         is drawn and its controls move on).
       allowed: bool[P, V] or ``None``: the ids each row's first token may take.
+      injected: int32[P, S, W] or ``None``: the identity of the embedding injected at each
+        fed position (0: the token's own embedding), laid out as ``tokens``; with it,
+        ``embeds`` ([P, S, W, D]) holds the rows (a model that accepts embeddings only).
 
     Returns:
       The stack, the controls, and the draws (:class:`StepResult` over the ``P`` rows; a row
@@ -217,9 +228,13 @@ def prefill_step(
         here = ends & (counts > i * width) & (counts <= (i + 1) * width)
         # One head flag for the whole step (unbatched): the head runs only on steps where some
         # prompt ends, and a row's logits are taken only from the step its prompt ends on.
-        step = jax.vmap(functools.partial(feed_block, model, params),
-                        in_axes=(0, 0, 0, None))
-        logits, sub = step(sub, tokens[:, i], live, jnp.any(here))
+        feed = functools.partial(feed_block, model, params)
+        if injected is None:
+            logits, sub = jax.vmap(feed, in_axes=(0, 0, 0, None))(
+                sub, tokens[:, i], live, jnp.any(here))
+        else:
+            logits, sub = jax.vmap(feed, in_axes=(0, 0, 0, None, 0, 0))(
+                sub, tokens[:, i], live, jnp.any(here), injected[:, i], embeds[:, i])
         row = jnp.take_along_axis(logits, jnp.maximum(live - 1, 0)[:, None, None], axis=1)[:, 0]
         return sub, jnp.where(here[:, None], row, last)
 
@@ -335,6 +350,7 @@ class BatchedDecoder:
     def prefill(
         self, feeds: list[tuple[int, list[int], bool]], *, logprobs: bool = False,
         allowed: np.ndarray | None = None,
+        injected: list[tuple[np.ndarray, np.ndarray] | None] | None = None,
     ) -> StepResult:
         """Feed prompt tokens to up to ``P`` rows in one call.
 
@@ -345,6 +361,10 @@ class BatchedDecoder:
           logprobs: whether to compute the drawn tokens' log-probabilities.
           allowed: bool[len(feeds), V] or ``None``: the ids each feed's first token may take
             (constrained requests; a free row's entry is all set).
+          injected: ``None`` (nothing injected), or per feed ``None`` or ``(identities,
+            embeds)``: int32 ``[n]`` and ``[n, D]`` for its ``n`` tokens, the identity and
+            row of the embedding each position takes instead of its token's (0: none). The
+            call then runs the prefill variant with embeddings.
 
         Returns:
           The draws, entry ``i`` for ``feeds[i]`` (meaningful where ``final``).
@@ -375,16 +395,43 @@ class BatchedDecoder:
         truncate = bool(np.any(self._truncates[index[: len(feeds)]] & final[: len(feeds)]))
         program = _compiled(self.producer.model, type(self).prefill_fn, truncate, logprobs)
         shaped = tokens.reshape(self.prefill_rows, -1, width)
-        extra = ()
+        extra: tuple[Any, ...] = ()
         if allowed is not None:
             mask = np.ones((self.prefill_rows, self.producer.vocab_size), bool)
             mask[: len(feeds)] = self._mask("allowed", allowed, len(feeds))
             extra = (mask,)
+        if injected is not None and any(x is not None for x in injected):
+            extra = (extra[0] if extra else None, *self._injected(feeds, injected))
         self.stack, self.controls, out = program(
             self.producer.params, self.stack, self.controls, index, shaped, counts, final,
             *extra,
         )
         return out
+
+    def _injected(self, feeds: list[tuple[int, list[int], bool]],
+                  injected: list[tuple[np.ndarray, np.ndarray] | None]) -> tuple[Any, Any]:
+        """The prefill's ``injected`` and ``embeds`` inputs from each feed's rows."""
+        model = self.producer.model
+        if not model.accepts_embeddings:
+            raise BadInputError(f"{type(model).__name__} takes no injected embeddings")
+        if len(injected) != len(feeds):
+            raise BadInputError(f"injected needs one entry per feed ({len(feeds)}), got "
+                                f"{len(injected)}")
+        width, size = self.producer.width, model.embedding_size
+        ids = np.zeros((self.prefill_rows, self.prefill_chunk), np.int32)
+        rows = np.zeros((self.prefill_rows, self.prefill_chunk, size), model.embedding_dtype)
+        for i, ((_, toks, _), entry) in enumerate(zip(feeds, injected, strict=True)):
+            if entry is None:
+                continue
+            identities, embeds = np.asarray(entry[0], np.int32), np.asarray(entry[1])
+            if identities.shape != (len(toks),) or embeds.shape != (len(toks), size):
+                raise BadInputError(
+                    f"feed {i} has {len(toks)} tokens: its injected identities and embeds must "
+                    f"be [{len(toks)}] and [{len(toks)}, {size}], got {list(identities.shape)} "
+                    f"and {list(embeds.shape)}")
+            ids[i, : len(toks)], rows[i, : len(toks)] = identities, embeds
+        return (ids.reshape(self.prefill_rows, -1, width),
+                rows.reshape(self.prefill_rows, -1, width, size))
 
     def step(self, active: np.ndarray, *, logprobs: bool = True,
              allowed: np.ndarray | None = None) -> StepResult:

@@ -5,7 +5,10 @@ not; ``response_format`` on both, ``tools`` and ``tool_choice`` on chat, tool ca
 ``tool_calls`` and streamed as OpenAI streams them), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. ``n`` asks for several choices (at most the engine's slots): each is its own
 request with its own seed (:func:`~turbospark_jax.server.engine.choice_seed`), the prompt
-prefilled once, and stream chunks name their choice by ``index``. Every refusal is an OpenAI error
+prefilled once, and stream chunks name their choice by ``index``. A chat message may hold
+``image_url`` parts with ``data:`` URLs for a model with a vision tower (``ServerConfig.vision``):
+each becomes the model's image token in the rendered prompt, grown into the image's span, and
+the request carries the tower's output as its injection. Every refusal is an OpenAI error
 body ``{"error": {"message", "type", "param", "code"}}``: bad input is a 400 raised before the
 request reaches the engine (so no slot is touched), a full queue a 429 and an engine that takes
 no work at all (shutting down, its scheduler stopped or failed) a 503, both with ``Retry-After``
@@ -21,9 +24,12 @@ decode step (a response without streaming notices within :data:`DISCONNECT_POLL_
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import json
 import os
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -78,6 +84,7 @@ class ServerConfig:
         follow the engine's own ``prefill_chunk``).
       default_chat_tokens: ``max_tokens`` of a chat request that sets none (at most what the
         context has left).
+      vision: the model's vision tower (``None``: text only; image parts are refused).
     """
 
     model_name: str
@@ -86,6 +93,7 @@ class ServerConfig:
     chat_stop_token_ids: tuple[int, ...]
     prefill_chunk: int = 64
     default_chat_tokens: int = 256
+    vision: Any = None
 
 
 def build_app(engine: Engine | ReplicaRouter, config: ServerConfig,
@@ -136,6 +144,7 @@ class _Routes:
         self.texts = responses.TokenTexts(config.tokenizer)
         self.tool_form = tools.tool_format(getattr(config.tokenizer, "chat_template", None))
         self.capacity = engine.producer.max_positions
+        self._vision_lock = threading.Lock()
 
     # -- plain routes -----------------------------------------------------------------------
 
@@ -175,7 +184,11 @@ class _Routes:
         endpoint = "chat" if chat else "completions"
         try:
             body = await self._body(request, ChatBody if chat else CompletionBody)
-            serve = self._serve_request(body, chat)
+            if chat and any(m.image_urls() for m in body.messages):
+                # the images are decoded and the tower runs off the event loop
+                serve = await asyncio.to_thread(self._serve_request, body, chat)
+            else:
+                serve = self._serve_request(body, chat)
             offered = self._offered_tools(body) if chat else []
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -244,9 +257,9 @@ class _Routes:
         return spec
 
     @staticmethod
-    def _message(m: Any) -> dict[str, Any]:
+    def _message(m: Any, image_marker: str = "") -> dict[str, Any]:
         out: dict[str, Any] = {"role": m.role if m.role != "developer" else "system",
-                               "content": m.text()}
+                               "content": m.text(image_marker)}
         if m.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
@@ -260,8 +273,10 @@ class _Routes:
     def _serve_request(self, body: Any, chat: bool) -> ServeRequest:
         tok = self.config.tokenizer
         constraint = self._constraint(body, chat)
+        injection = None
         if chat:
-            messages = [self._message(m) for m in body.messages]
+            images, marker = self._images(body)
+            messages = [self._message(m, marker) for m in body.messages]
             offered = self._offered_tools(body)
             extra = {"tools": [t.model_dump(exclude_none=True) for t in offered]} if offered else {}
             try:
@@ -271,6 +286,8 @@ class _Routes:
                                param="messages", code="invalid_value") from exc
             ids = list(tok.encode(rendered, add_special_tokens=False)) if isinstance(
                 rendered, str) else list(rendered)
+            if images:
+                ids, injection = self._with_images(ids, images)
             stops = self.config.chat_stop_token_ids
             top = (body.top_logprobs or 0) if body.logprobs else None
             asked = body.max_completion_tokens or body.max_tokens
@@ -302,7 +319,7 @@ class _Routes:
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
             ),
-            constraint=constraint,
+            constraint=constraint, injection=injection,
         )
         limit = self.engine.max_choices
         if body.n > limit:
@@ -311,6 +328,39 @@ class _Routes:
                            f"several requests", param="n", code="invalid_value")
         return ServeRequest(completion=completion, session_id=body.session_id, top_logprobs=top,
                             n=body.n)
+
+    def _images(self, body: Any) -> tuple[list[bytes], str]:
+        """The chat's images (decoded from their ``data:`` URLs, in order) and the text that
+        places each in its message (the model's image token); 400 for images a model
+        without a vision tower is sent, too many, or a URL that is not a base64 ``data:``
+        URL."""
+        urls = [url for m in body.messages for url in m.image_urls()]
+        if not urls:
+            return [], ""
+        vision = self.config.vision
+        if vision is None:
+            raise ApiError(400, f"the messages hold {len(urls)} image(s), but "
+                           f"{self.config.model_name!r} takes text only (no vision tower); "
+                           f"send text, or serve a model with one", param="messages",
+                           code="images_not_supported")
+        if len(urls) > MAX_IMAGES:
+            raise ApiError(400, f"the messages hold {len(urls)} images; at most {MAX_IMAGES} "
+                           f"a request", param="messages", code="too_many_images")
+        marker = self.config.tokenizer.id_to_token(vision.tokens.image)
+        if marker is None:  # a folder whose tokenizer lacks its own image token
+            raise ApiError(400, "this model's tokenizer has no image token; send text",
+                           param="messages", code="images_not_supported")
+        return [_data_url_bytes(url, k) for k, url in enumerate(urls)], marker
+
+    def _with_images(self, ids: list[int], images: list[bytes]) -> tuple[list[int], Any]:
+        """The prompt with each image token grown into its image's span, and the injection
+        that fills the spans (the tower runs here, once per distinct image)."""
+        try:
+            with self._vision_lock:  # the encoder's cache of tower outputs is shared
+                return self.config.vision.prompt(ids, images)
+        except BadInputError as exc:
+            raise ApiError(400, f"an image could not be used: {exc}", param="messages",
+                           code="invalid_image") from exc
 
     def _submit(self, serve: ServeRequest, sink: Any) -> Ticket:
         try:
@@ -420,6 +470,29 @@ class _Routes:
             yield "data: [DONE]\n\n"
         finally:
             ticket.cancel()  # a disconnect lands here (the task is cancelled at the await)
+
+
+#: Images one request may carry.
+MAX_IMAGES = 8
+
+
+def _data_url_bytes(url: str, k: int) -> bytes:
+    """The image bytes of a ``data:image/...;base64,`` URL (400 naming image ``k`` for any
+    other URL: remote images are not fetched)."""
+    param = "messages"
+    if not url.startswith("data:"):
+        raise ApiError(400, f"image {k}: only data: URLs are accepted (data:image/png;base64,"
+                       f"...); this server does not fetch remote images", param=param,
+                       code="unsupported_image_url")
+    head, sep, payload = url[len("data:"):].partition(",")
+    if not sep or not head.endswith(";base64") or not head.startswith("image/"):
+        raise ApiError(400, f"image {k}: a data URL must read data:image/<type>;base64,<data>",
+                       param=param, code="unsupported_image_url")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ApiError(400, f"image {k}: its data is not valid base64: {exc}", param=param,
+                       code="invalid_image") from exc
 
 
 def _failure(event: Failed) -> ApiError:

@@ -19,6 +19,7 @@ from turbospark_jax.core.compile_cache import ensure_compile_cache
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, TurbosparkError
 from turbospark_jax.io.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
+from turbospark_jax.io.vision import VisionEncoder
 from turbospark_jax.parallel.replicas import check_replica_count, replicas_one_per_device
 from turbospark_jax.quant.weights import Quantization
 from turbospark_jax.server.app import ServerConfig, build_app
@@ -151,6 +152,7 @@ def make_server(
     prefill_rows: int = 4,
     engine_options: dict[str, Any] | None = None,
     warm_up: bool = False,
+    vision: VisionEncoder | None = None,
 ) -> Server:
     """A server over a ready producer (the tests build one over a toy model).
 
@@ -169,6 +171,8 @@ def make_server(
       engine_options: further :class:`~turbospark_jax.server.engine.Engine` keywords.
       warm_up: compile every program before serving (``GET /health`` is 503 ``starting``
         until then); :func:`load_server` turns it on, a toy server in a test leaves it off.
+      vision: the model's vision tower, for chat messages with images (``None``: text only).
+        The prefill's variant with image embeddings compiles on the first image.
     """
     metrics = ServerMetrics()
     producers = [producer] if isinstance(producer, BlockProducer) else list(producer)
@@ -182,7 +186,8 @@ def make_server(
     chat_stops = tuple(sorted({*stop_token_ids, *default_stop_ids(tokenizer)}))
     config = ServerConfig(model_name=model_name, tokenizer=tokenizer,
                           stop_token_ids=tuple(stop_token_ids),
-                          chat_stop_token_ids=chat_stops, prefill_chunk=prefill_chunk)
+                          chat_stop_token_ids=chat_stops, prefill_chunk=prefill_chunk,
+                          vision=vision)
     return Server(engine=engine, app=build_app(engine, config, metrics), metrics=metrics,
                   config=config)
 
@@ -260,7 +265,8 @@ def load_server(
     name = model_name or os.path.basename(os.path.normpath(str(target)))
     options.setdefault("warm_up", True)
     server = make_server(producers, loaded.tokenizer, model_name=name, slots=slots,
-                         stop_token_ids=tuple(sorted(stops)), speculative=speculative, **options)
+                         stop_token_ids=tuple(sorted(stops)), speculative=speculative,
+                         vision=loaded.vision, **options)
     return dataclasses.replace(server, drafter=choice)
 
 

@@ -45,6 +45,13 @@ prompt gives the same bits) each choice is bitwise the same prompt served alone 
 (``tests/server/test_server_choices.py``). The other choices wait for the copy, then take
 slots as any request does; a cancel of the request drops every choice.
 
+**Images** (a completion with an ``injection``): a prefill chunk holding image positions runs
+the batched prefill's variant with embeddings, and one call feeds chunks of one kind only, so
+whether a chunk runs it depends on that chunk alone. Prefix reuse passes the prompt's image
+identities to :meth:`~turbospark_jax.engine.producer.BlockProducer.try_reuse_prefix`, which
+compares them with the row's fed record: another image at the same positions is a miss. A
+model that cannot rewind keeps no ids-keyed copy of a prompt with images.
+
 **Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
 request without logprobs runs the existing speculative loop on a fresh state of its own, one
 at a time, in a thread beside the scheduler; it holds no slot and reuses no prefix. Greedy
@@ -293,6 +300,11 @@ class _Job:
     @property
     def prompt(self) -> list[int]:
         return self.emission.prompt
+
+    @property
+    def injection(self) -> Any:
+        """The request's injected embeddings (images), or ``None``."""
+        return self.request.completion.injection
 
     @property
     def follows(self) -> bool:
@@ -712,9 +724,10 @@ class Engine:
         to draw the first token at the end of the prompt."""
         p, slot = self.producer, job.slot
         saved = slot.saved
+        marks = None if job.injection is None else job.injection.identity_map()
         if job.follows:  # another choice: from the first one's copy
             job.reused, state = len(job.prompt) - 1, job.group.saved
-        elif saved is not None and len(saved[0]) < len(job.prompt) and tuple(
+        elif saved is not None and marks is None and len(saved[0]) < len(job.prompt) and tuple(
                 job.prompt[: len(saved[0])]) == saved[0]:
             job.reused, state = len(saved[0]), saved[1]  # a model that cannot rewind
         elif slot.fed_ids:
@@ -722,7 +735,9 @@ class Engine:
             if int(state.fed.count) > len(slot.fed_ids):
                 state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
                          else p.init_state())
-            job.reused, state = p.try_reuse_prefix(state, job.prompt)
+            # The row's fed record keeps each position's image identity: a prompt reuses a
+            # position only where it injects the same image there (or none, as the row did).
+            job.reused, state = p.try_reuse_prefix(state, job.prompt, injected=marks)
         else:
             job.reused, state = 0, p.init_state()
         self.decoder.put_row(slot.index, state)
@@ -734,24 +749,35 @@ class Engine:
 
     def _prefill_once(self) -> None:
         """One prefill call: the oldest ``P`` prompts still prefilling get up to ``C`` tokens
-        each; a prompt that ends draws its first token in the same call and joins the batch."""
-        jobs = [j for j in self._running if not j.decoding][: self.decoder.prefill_rows]
-        if not jobs:
-            return
-        for job in jobs:
+        each; a prompt that ends draws its first token in the same call and joins the batch.
+
+        A chunk holding image positions runs the prefill variant with embeddings, and a call
+        feeds chunks of one kind only (the oldest prompt's chunk decides): whether a chunk
+        runs that variant then depends on the chunk alone, never on its neighbours, and
+        text-only serving runs the plain variant throughout."""
+        jobs: list[_Job] = []
+        images: list[tuple[np.ndarray, np.ndarray] | None] = []
+        for job in [j for j in self._running if not j.decoding]:
+            if len(jobs) == self.decoder.prefill_rows:
+                break
             if job.fed is None:
                 self._setup(job)
-        chunk = self.decoder.prefill_chunk
-        feeds = []
-        for job in jobs:
-            end = min(job.fed + chunk, self._stop_at(job))
-            feeds.append((job.slot.index, job.prompt[job.fed:end], end == len(job.prompt)))
+            rows = self._image_rows(job)
+            if jobs and (rows is None) != (images[0] is None):
+                continue  # another kind of chunk: a later call feeds it
+            jobs.append(job)
+            images.append(rows)
+        if not jobs:
+            return
+        feeds = [(job.slot.index, job.prompt[job.fed:self._chunk_end(job)],
+                  self._chunk_end(job) == len(job.prompt)) for job in jobs]
         wants = any(job.request.top_logprobs is not None for job, (_, _, last)
                     in zip(jobs, feeds, strict=True) if last)
         allowed = self._masks([job if last else None for job, (_, _, last)
                                in zip(jobs, feeds, strict=True)], first=True)
         started = time.perf_counter()
-        out = self.decoder.prefill(feeds, logprobs=wants, allowed=allowed)
+        out = self.decoder.prefill(feeds, logprobs=wants, allowed=allowed,
+                                   injected=None if images[0] is None else images)
         self.observer.prefill(len(feeds), sum(len(toks) for _, toks, _ in feeds))
         finishing = []
         for i, (job, (_, toks, last)) in enumerate(zip(jobs, feeds, strict=True)):
@@ -759,13 +785,34 @@ class Engine:
             if last:
                 finishing.append((i, job))
             elif not self.producer.can_rewind and job.fed == len(job.prompt) - 1:
-                job.slot.saved = (tuple(job.prompt[: job.fed]),
-                                  self.decoder.take_row(job.slot.index))
+                # The copy is keyed on ids alone: a prompt with images keeps none.
+                job.slot.saved = None if job.injection is not None else (
+                    tuple(job.prompt[: job.fed]), self.decoder.take_row(job.slot.index))
             self._keep_for_choices(job)
         if finishing:
             self._emit(finishing, out, started, first=True)
             for _, job in finishing:
                 job.decoding = job in self._running  # not when its first token ended it
+
+    def _chunk_end(self, job: _Job) -> int:
+        """Where the job's next prefill chunk ends."""
+        return min(job.fed + self.decoder.prefill_chunk, self._stop_at(job))
+
+    def _image_rows(self, job: _Job) -> tuple[np.ndarray, np.ndarray] | None:
+        """The injected identities and embedding rows of the job's next chunk, or ``None``
+        when no position of it takes an image's embedding."""
+        injection = job.injection
+        if injection is None:
+            return None
+        count = self._chunk_end(job) - job.fed
+        rows, identities = injection.rows_for(job.fed, count)
+        hit = rows >= 0
+        if not hit.any():
+            return None
+        model = self.producer.model
+        embeds = np.zeros((count, model.embedding_size), model.embedding_dtype)
+        embeds[hit] = np.asarray(injection.embeds)[rows[hit]]
+        return identities, embeds
 
     def _stop_at(self, job: _Job) -> int:
         """Where the job's next prefill call ends at the latest: the prompt's end, except that
@@ -918,7 +965,7 @@ class Engine:
     def _speculates(self, request: ServeRequest) -> bool:
         req = request.completion
         return (self.speculative is not None and req.draft_len != 0
-                and req.constraint is None
+                and req.constraint is None and req.injection is None
                 and req.sampling.temperature == 0 and request.top_logprobs is None
                 and not req.record_logits)
 

@@ -2,6 +2,7 @@
 
 Bodies are validated strictly (a string where a number belongs is an error, not coerced) and
 unknown fields are refused, so a misspelt setting is reported rather than silently ignored.
+A chat message's content may hold ``image_url`` parts (``data:`` URLs only, read by the routes).
 Beyond OpenAI's fields a body may carry ``session_id`` (continue that conversation's slot),
 ``top_k``, ``min_p`` and ``repetition_penalty``. ``response_format`` (both endpoints) and
 ``tools`` / ``tool_choice`` / ``parallel_tool_calls`` (chat) are read into constraints by
@@ -208,23 +209,51 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    """``image_url``: the image as a ``data:`` URL (``detail`` is accepted and ignored: the
+    model's processor decides the resolution)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    url: Annotated[str, Field(min_length=1)]
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ImagePart(BaseModel):
+    """One image part of a message's content list."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+_Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 class Message(BaseModel):
-    """A chat message; content is a string or a list of text parts."""
+    """A chat message; content is a string or a list of text and image parts."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[_Part] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
-    def text(self) -> str:
-        """The content as one string."""
+    def text(self, image_marker: str = "") -> str:
+        """The content as one string, each image part written as ``image_marker`` (the
+        model's image token, which the image's span replaces)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text if isinstance(part, TextPart) else image_marker
+                       for part in self.content)
+
+    def image_urls(self) -> list[str]:
+        """The URLs of the content's image parts, in order."""
+        if not isinstance(self.content, list):
+            return []
+        return [p.image_url.url for p in self.content if isinstance(p, ImagePart)]
 
 
 class ChatBody(_Settings):
