@@ -285,3 +285,16 @@ def test_speculative_greedy_requests_give_the_same_tokens():
     assert isinstance(done, Done) and done.completion.speculative is not None
     assert done.completion.token_ids == plain.completion.token_ids
     assert done.completion.finish_reason is FinishReason.LENGTH
+
+
+def test_injected_embeddings_are_refused_where_they_cannot_go():
+    """The prefill's embeddings input: a model that takes none refuses it, and rows that do
+    not match their feed's tokens are named (nothing is fed either way)."""
+    decoder = BatchedDecoder(producer(), SLOTS, **PREFILL)
+    before = jax.tree.map(np.asarray, decoder.stack)
+    rows = (np.ones((3,), np.int32), np.zeros((3, 16), np.float32))
+    with pytest.raises(BadInputError, match="takes no injected embeddings"):
+        decoder.prefill([(0, [1, 2, 3], True)], injected=[rows])
+    assert all(np.array_equal(a, b) for a, b in zip(
+        jax.tree.leaves(before), jax.tree.leaves(decoder.stack), strict=True))
+    decoder.prefill([(0, [1, 2, 3], True)], injected=[None])  # nothing injected: plain

@@ -53,7 +53,8 @@ compares them with the row's fed record: another image at the same positions is 
 model that cannot rewind keeps no ids-keyed copy of a prompt with images.
 
 **Speculative requests** (an engine built with ``speculative=``) are not batched: a greedy
-request without logprobs runs the existing speculative loop on a fresh state of its own, one
+request without logprobs, constraint or images and with one choice runs the existing
+speculative loop on a fresh state of its own, one
 at a time, in a thread beside the scheduler; it holds no slot and reuses no prefix. Greedy
 speculative decoding emits the same tokens as plain greedy decoding; sampled requests (and any
 asking for logprobs) stay on the batched path, so no seed's output changes.
