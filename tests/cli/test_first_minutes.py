@@ -117,9 +117,10 @@ def test_ctrl_c_prints_one_line_and_exits_130(phase, tmp_path):
 
 
 def test_a_second_identical_command_reads_its_programs_back(tmp_path):
-    """The first run compiles and writes every program to the cache folder; the second reads
-    them all back, compiles nothing and prints the same text. TURBOSPARK_COMPILE_CACHE=off
-    (the control) writes nothing."""
+    """The first run compiles and writes every program to the cache folder, the block
+    program also whole to its programs folder; the second reads them all back, compiles
+    nothing and prints the same text. TURBOSPARK_COMPILE_CACHE=off (the control) writes
+    nothing."""
     cache = tmp_path / "cache"
     argv = _command("generate", "def add(a, b):", "--max-tokens", "8", "--stats")
     env = _env(TURBOSPARK_COMPILE_CACHE=str(cache))
@@ -132,6 +133,8 @@ def test_a_second_identical_command_reads_its_programs_back(tmp_path):
     assert written and int(written.group(1)) > 0, first.stderr
     entries = list(cache.glob("*-cache"))
     assert len(entries) == int(written.group(1))
+    stored = sorted((cache / "programs").glob("*.program"))
+    assert stored, first.stderr
     read = re.search(r"(\d+) programs read back, 0 compiled and written", second.stderr)
     assert read and int(read.group(1)) >= len(entries), second.stderr
     assert second.stdout == first.stdout
@@ -143,6 +146,7 @@ def test_a_second_identical_command_reads_its_programs_back(tmp_path):
     assert off.returncode == 0, off.stderr
     assert "compile cache off (TURBOSPARK_COMPILE_CACHE=off)" in off.stderr
     assert len(list(cache.glob("*-cache"))) == len(entries)
+    assert sorted((cache / "programs").glob("*.program")) == stored
 
 
 def test_commands_that_need_no_model_import_no_jax():

@@ -412,15 +412,24 @@ def _templated(args: argparse.Namespace, target: _Folder, tok: Any, text: str) -
 
 
 def _use_cache(args: argparse.Namespace) -> Any:
-    """The compile cache the flags (or the environment) ask for."""
-    from turbospark_jax.core.compile_cache import use_compile_cache
+    """The compile cache the flags (or the environment) ask for, and beside it the store of
+    whole block programs (its ``programs`` folder), which a warm run reads back untraced."""
+    from turbospark_jax.core.compile_cache import (
+        program_store,
+        use_compile_cache,
+        use_program_store,
+    )
 
+    args.previous_store = program_store()  # given back when the command ends
     if args.no_compile_cache:
-        return use_compile_cache(False)
-    try:
-        return use_compile_cache(args.compile_cache if args.compile_cache else True)
-    except BadInputError as exc:
-        raise CommandLineError(f"--compile-cache: {exc}") from exc
+        setting = use_compile_cache(False)
+    else:
+        try:
+            setting = use_compile_cache(args.compile_cache if args.compile_cache else True)
+        except BadInputError as exc:
+            raise CommandLineError(f"--compile-cache: {exc}") from exc
+    use_program_store(None if setting.folder is None else setting.folder / "programs")
+    return setting
 
 
 def _note(message: str, stderr: TextIO, kind: str = "note") -> None:
@@ -784,7 +793,13 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None,
                 args = parser().parse_args(argv)
             if args.command == "serve":
                 return _serve(args, stderr)
-            return _generate(args, stdin, stdout, stderr)
+            try:
+                return _generate(args, stdin, stdout, stderr)
+            finally:
+                if "previous_store" in args:  # a caller's own store (or none) again
+                    from turbospark_jax.core.compile_cache import use_program_store
+
+                    use_program_store(args.previous_store)
         except SystemExit as exc:  # --help, --version
             return exc.code if isinstance(exc.code, int) else 0
         except CommandLineError as exc:

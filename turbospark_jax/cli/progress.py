@@ -75,7 +75,8 @@ class Bar:
 
 class CompileClock:
     """Seconds jax spent tracing and compiling while it listens (jax.monitoring events), and
-    how many programs the persistent compile cache gave back or took."""
+    how many programs the persistent compile cache gave back or took (a program read back
+    from the program store counts as read back)."""
 
     _EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -87,6 +88,7 @@ class CompileClock:
         self.seconds = 0.0
         self.cache_hits = 0
         self.cache_writes = 0
+        self._store_hits = 0
 
     def _hear(self, event: str, duration: float, **_: Any) -> None:
         if event in self._EVENTS:
@@ -103,6 +105,7 @@ class CompileClock:
 
         jax.monitoring.register_event_duration_secs_listener(self._hear)
         jax.monitoring.register_event_listener(self._count)
+        self._store_hits = _store_hits()
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -110,3 +113,12 @@ class CompileClock:
 
         jax.monitoring.unregister_event_duration_listener(self._hear)
         jax.monitoring.unregister_event_listener(self._count)
+        self.cache_hits += _store_hits() - self._store_hits
+
+
+def _store_hits() -> int:
+    """Programs the program store has read back so far in this process."""
+    from turbospark_jax.core.compile_cache import program_store
+
+    store = program_store()
+    return 0 if store is None else store.hits

@@ -19,14 +19,34 @@ decompression and JAX compiles the program instead (a warning, never a wrong pro
 A process whose JAX configuration already names a cache folder (``JAX_COMPILATION_CACHE_DIR``
 or ``jax.config.update``) keeps it with its own settings: the default never overrides the
 user's own choice (``TURBOSPARK_COMPILE_CACHE`` and an explicit folder do).
+
+JAX's cache is keyed by the lowered program, so a process that reads a program back has
+still traced and lowered it, which for the block program is most of a warm start.
+:class:`ProgramStore` keeps whole executables under a key computed without tracing: the
+package's source, the library versions, the backend and its CPU, the JAX configuration,
+the environment's JAX and XLA settings, the model's every field and the call's argument
+types. Anything it cannot describe exactly makes the call an ordinary ``jit`` call, so a
+changed input is a miss, never a stale program. The command line turns it on
+(:func:`use_program_store`, in the cache folder's ``programs``); the library leaves it off,
+where a test may patch a model's code in memory without changing a source file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import enum
+import hashlib
 import importlib.util
 import os
+import pickle
+import platform
+import re
+import sys
+import zlib
+from collections.abc import Hashable
 from pathlib import Path
+from typing import Any
 
 from turbospark_jax.errors import BadInputError
 
@@ -34,10 +54,13 @@ __all__ = [
     "ENVIRONMENT",
     "MAX_BYTES",
     "CacheSetting",
+    "ProgramStore",
     "compile_cache_setting",
     "default_folder",
     "ensure_compile_cache",
+    "program_store",
     "use_compile_cache",
+    "use_program_store",
 ]
 
 #: The environment variable that moves the cache (a folder) or turns it off (``off``).
@@ -185,3 +208,317 @@ def ensure_compile_cache() -> CacheSetting:
 def compile_cache_setting() -> CacheSetting | None:
     """The setting in force (``None``: none was made in this process)."""
     return _current
+
+
+#: Executables a :class:`ProgramStore` keeps; the least recently used go first past it.
+MAX_PROGRAMS = 64
+
+#: The suffix of a stored executable (JAX's own entries end in ``-cache``).
+_PROGRAM_SUFFIX = ".program"
+
+#: Bumped whenever what a stored entry holds, or how its key is made, changes.
+_STORE_FORMAT = "turbospark-program-1"
+
+
+#: Packages whose classes a key may name: this one (its source is in the key), and
+#: NumPy's and JAX's, whose versions are.
+_DESCRIBED_PACKAGES = ("turbospark_jax", "numpy", "jax", "jaxlib", "ml_dtypes")
+
+#: The libraries whose versions go into every key (a trace runs their code).
+_LIBRARIES = ("jax", "jaxlib", "numpy", "ml_dtypes", "flax", "chex")
+
+
+class _Undescribable(Exception):
+    """A value whose exact description is unknown: the call is not stored."""
+
+
+def _describe(value: Any) -> Any:
+    """A plain, repr-stable description of ``value`` (a model and its settings): every field
+    of a dataclass (those hidden from its repr too), containers item by item, arrays by
+    their bytes. Raises :class:`_Undescribable` for anything else."""
+    if value is None or isinstance(value, bool | int | float | complex | str | bytes):
+        return (type(value).__name__, repr(value))
+    if isinstance(value, enum.Enum | type) or dataclasses.is_dataclass(value):
+        cls = value if isinstance(value, type) else type(value)
+        if cls.__module__.split(".")[0] not in _DESCRIBED_PACKAGES:
+            # its code is not in the source digest: an edit to it would not change the key
+            raise _Undescribable(f"{cls.__module__}.{cls.__qualname__}")
+    if isinstance(value, enum.Enum):
+        return ("enum", type(value).__qualname__, value.name)
+    if isinstance(value, type):
+        return ("type", value.__module__, value.__qualname__)
+    if dataclasses.is_dataclass(value):
+        cls = type(value)
+        return ("dataclass", cls.__module__, cls.__qualname__,
+                tuple((f.name, _describe(getattr(value, f.name)))
+                      for f in dataclasses.fields(value)))
+    if isinstance(value, tuple | list | frozenset | set):
+        items = [_describe(v) for v in value]
+        if isinstance(value, frozenset | set):
+            items.sort(key=repr)
+        return (type(value).__name__, tuple(items))
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted(((repr(k), _describe(v)) for k, v in value.items()),
+                                     key=lambda kv: kv[0])))
+    import numpy as np
+
+    if isinstance(value, np.dtype):
+        return ("dtype", value.str, value.name)
+    if isinstance(value, np.generic | np.ndarray) or type(value).__module__.startswith("jax"):
+        try:
+            array = np.asarray(value)
+        except Exception as exc:  # a tracer, a device-only value
+            raise _Undescribable(type(value).__name__) from exc
+        if array.dtype == object:
+            raise _Undescribable("an object array")
+        return ("array", array.shape, array.dtype.str,
+                hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest())
+    raise _Undescribable(type(value).__qualname__)
+
+
+#: The package's source digest, made once per process.
+_source_digest: str | None = None
+
+
+def _package_digest() -> str:
+    """A digest of every Python file of the package: any edit makes every key new."""
+    global _source_digest
+    if _source_digest is None:
+        root = Path(__file__).resolve().parent.parent
+        h = hashlib.sha256()
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root)).encode())
+            h.update(b"\0")
+            h.update(path.read_bytes())
+        _source_digest = h.hexdigest()
+    return _source_digest
+
+
+def _cpu_features() -> str:
+    """The host CPU's feature flags where the system tells them (an executable for the CPU
+    is machine code for this processor)."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo", encoding="utf-8") as f:
+        for line in f:
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[-1].strip()
+    return platform.processor()
+
+
+def _setting_digest() -> str:
+    """What besides the program decides its executable: library versions, the backend and
+    its devices, the host CPU, the JAX configuration (global and this thread's) and the
+    environment's JAX and XLA settings."""
+    import importlib.metadata
+
+    import jax
+    from jax._src import config as jax_config
+
+    versions = [sys.version]
+    for name in _LIBRARIES:
+        try:
+            versions.append((name, importlib.metadata.version(name)))
+        except importlib.metadata.PackageNotFoundError:
+            versions.append((name, None))
+    devices = [(d.platform, d.device_kind, d.id, getattr(d.client, "platform_version", ""))
+               for d in jax.devices()]
+    config = sorted((name, repr(value)) for name, value in jax.config.values.items())
+    # Outside any trace (the store passes tracers by) the context's objects are the empty
+    # defaults, whose reprs differ from process to process only by their addresses.
+    trace_context = re.sub(r" at 0x[0-9a-fA-F]+", "", repr(jax_config.trace_context())
+                           if hasattr(jax_config, "trace_context") else "")
+    environment = sorted((k, v) for k, v in os.environ.items()
+                         if k.startswith(("JAX_", "XLA_", "TF_", "TURBOSPARK_", "LIBTPU",
+                                          "CUDA", "NVIDIA_", "TPU_")))
+    text = repr((versions, devices, platform.machine(), _cpu_features(), config,
+                 trace_context, environment))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _signature(args: tuple[Any, ...], statics: dict[str, Any]) -> Hashable | None:
+    """The call's argument types as a hashable key (``None``: a call the store passes by:
+    an argument on several devices, or one that is not an array)."""
+    import jax
+
+    leaves, tree = jax.tree.flatten(args)
+    types = []
+    default = None
+    for leaf in leaves:
+        if isinstance(leaf, jax.core.Tracer):  # called inside another trace: inlined there
+            return None
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None:  # a host value: it goes to the default device
+            if default is None:
+                default = jax.config.jax_default_device or jax.devices()[0]
+                default = getattr(default, "id", default)
+            device = default
+        elif len(sharding.device_set) == 1:
+            device = next(iter(sharding.device_set)).id
+        else:
+            return None
+        try:
+            types.append((jax.typeof(leaf), device))
+        except TypeError:
+            return None
+    try:
+        return tree, tuple(sorted(statics.items())), tuple(types)
+    except TypeError:  # an unhashable static
+        return None
+
+
+class _Heard:
+    """Whether the compile it wraps compiled afresh: JAX asked its persistent cache and did
+    not find the program (no event at all: this process had it in memory)."""
+
+    def __enter__(self) -> _Heard:
+        import jax.monitoring
+
+        self._events: set[str] = set()
+        jax.monitoring.register_event_listener(self._hear)
+        return self
+
+    def _hear(self, event: str, **_: Any) -> None:
+        self._events.add(event)
+
+    def __exit__(self, *exc: object) -> None:
+        import jax.monitoring
+
+        jax.monitoring.unregister_event_listener(self._hear)
+
+    @property
+    def fresh(self) -> bool:
+        return ("/jax/compilation_cache/compile_requests_use_cache" in self._events
+                and "/jax/compilation_cache/cache_hits" not in self._events)
+
+
+class ProgramStore:
+    """Compiled programs kept on disk under a key that needs no tracing (see the module
+    docstring); at most :data:`MAX_PROGRAMS` of them, the least recently used evicted.
+
+    Fields:
+      folder: where the entries live.
+      hits: programs this process read back from the folder.
+      writes: programs this process compiled and wrote to it.
+    """
+
+    def __init__(self, folder: str | os.PathLike[str]) -> None:
+        self.folder = Path(folder)
+        self.hits = 0
+        self.writes = 0
+        self._loaded: dict[Hashable, Any] = {}
+
+    def call(self, jitted: Any, identity: Any, args: tuple[Any, ...],
+             statics: dict[str, Any]) -> Any:
+        """``jitted(*args, **statics)`` (every keyword static), run by the executable stored
+        for ``identity`` (what, besides the arguments, decides the program: the function,
+        its model, its jit options) and these argument types; compiled and stored first
+        when there is none. An identity or argument the store cannot describe exactly runs
+        ``jitted`` as it is."""
+        signature = _signature(args, statics)
+        if signature is None:
+            return jitted(*args, **statics)
+        compiled = self._loaded.get((jitted, signature))
+        if compiled is None:
+            compiled = self._compiled(jitted, identity, args, statics, signature)
+            if compiled is None:
+                return jitted(*args, **statics)
+            self._loaded[jitted, signature] = compiled
+        return compiled(*args)
+
+    def _key(self, identity: Any, signature: Hashable) -> str | None:
+        """The entry's name (``None``: a call the store cannot key exactly, which runs as an
+        ordinary ``jit`` call)."""
+        try:
+            text = repr((_STORE_FORMAT, _package_digest(), _setting_digest(),
+                         _describe(identity), signature))
+        except Exception:  # undescribable, or a JAX without what the key reads
+            return None
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _compiled(self, jitted: Any, identity: Any, args: tuple[Any, ...],
+                  statics: dict[str, Any], signature: Hashable) -> Any:
+        from jax.experimental import serialize_executable
+
+        key = self._key(identity, signature)
+        if key is None:
+            return None
+        path = self.folder / f"{key}{_PROGRAM_SUFFIX}"
+        compiled = self._read(path)
+        if compiled is not None:
+            self.hits += 1
+            return compiled
+        lowered = jitted.trace(*args, **statics).lower()
+        with _Heard() as heard:
+            compiled = lowered.compile()
+        if not heard.fresh:
+            # Read from JAX's cache, or compiled earlier in this process: a CPU executable
+            # that was itself deserialized serializes without some of its functions.
+            return compiled
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            blob = pickle.dumps((zlib.compress(payload), in_tree, out_tree))
+        except Exception:  # a program this backend or JAX cannot serialize: not stored
+            return compiled
+        self._write(path, blob)
+        return compiled
+
+    def _read(self, path: Path) -> Any:
+        """The executable stored at ``path`` (``None``: none, or one that does not load: a
+        half-written or foreign entry is a miss, and is written again)."""
+        from jax.experimental import serialize_executable
+
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(blob)
+            compiled = serialize_executable.deserialize_and_load(
+                zlib.decompress(payload), in_tree, out_tree)
+        except Exception:  # any failure to load is a miss: the program compiles instead
+            with contextlib.suppress(OSError):
+                path.unlink()  # entries are written whole: this one will never load
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recently used
+        return compiled
+
+    def _write(self, path: Path, blob: bytes) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            scratch.write_bytes(blob)
+            os.replace(scratch, path)  # readers see a whole entry or none
+        except OSError:
+            return  # a read-only or full disk: the run goes on uncached
+        self.writes += 1
+        self._evict()
+
+    def _evict(self) -> None:
+        entries = []
+        for entry in self.folder.glob(f"*{_PROGRAM_SUFFIX}"):
+            with contextlib.suppress(OSError):
+                entries.append((entry.stat().st_mtime, entry))
+        entries.sort()
+        for _, entry in entries[:max(0, len(entries) - MAX_PROGRAMS)]:
+            with contextlib.suppress(OSError):
+                entry.unlink()
+
+
+#: The store in force (``None``: off, the default).
+_store: ProgramStore | None = None
+
+
+def use_program_store(
+        folder: str | os.PathLike[str] | ProgramStore | None) -> ProgramStore | None:
+    """Keep whole executables in ``folder`` from now on (a store: that one; ``None``: stop);
+    returns the store in force."""
+    global _store
+    _store = folder if folder is None or isinstance(folder, ProgramStore) else ProgramStore(
+        folder)
+    return _store
+
+
+def program_store() -> ProgramStore | None:
+    """The store in force (``None``: off)."""
+    return _store
+

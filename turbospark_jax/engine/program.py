@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from turbospark_jax.core import sampling
+from turbospark_jax.core.compile_cache import program_store
 from turbospark_jax.core.protocols import NON_FINITE, RUNNING, STOPPED_ON_TOKEN
 from turbospark_jax.core.state import FedRecord, auxiliary, buffers_only, by_value, merge_parts
 from turbospark_jax.engine import loop_graphs as device_flags
@@ -340,24 +341,39 @@ def compiled_parallel(model: BlockModel, donate: bool) -> Any:
                    static_argnames=("key_limit", "fresh", "head"))
 
 
+#: The block program's static arguments (keywords).
+_STATICS = ("last_row_head", "draw", "max_keys")
+
+
 class BlockPrograms:
     """The jitted block program: one jit for every path, and for a model whose widths agree
     a second jit of the same function for its decode programs (a ``draw`` other than
     ``"any"``), compiled with :func:`~turbospark_jax.engine.loop_graphs.decode_program_options`
-    (their loops as CUDA graphs). Both take the same arguments."""
+    (their loops as CUDA graphs). Both take the same arguments. While a program store is in
+    force (:func:`~turbospark_jax.core.compile_cache.use_program_store`, the command line's),
+    a call runs the executable stored for it, which a warm process then neither traces nor
+    lowers."""
 
     def __init__(self, model: BlockModel, donate: bool, **jit_options: Any) -> None:
         fn = functools.partial(_run_blocks, model)
         options = dict(donate_argnums=(1,) if donate else (),  # 1: the append-only buffers
-                       static_argnames=("last_row_head", "draw", "max_keys"), **jit_options)
+                       static_argnames=_STATICS, **jit_options)
         self.any = jax.jit(fn, **options)
         decode = device_flags.decode_program_options() if model.widths_agree else None
         self.decode = self.any if decode is None else jax.jit(
             fn, compiler_options=decode, **options)
+        # What decides the programs besides their arguments, for a program store; a pinned
+        # layout (a device mesh) is not stored.
+        self._identity = None if jit_options else (
+            "engine.program._run_blocks", model, donate, decode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         decoding = kwargs.get("draw", "any") != "any"
-        return (self.decode if decoding else self.any)(*args, **kwargs)
+        jitted = self.decode if decoding else self.any
+        store = program_store()
+        if store is None or self._identity is None or not kwargs.keys() <= set(_STATICS):
+            return jitted(*args, **kwargs)
+        return store.call(jitted, (*self._identity, decoding), args, kwargs)
 
 
 @functools.cache
