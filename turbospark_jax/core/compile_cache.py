@@ -455,7 +455,7 @@ class ProgramStore:
             return compiled
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-            blob = pickle.dumps((zlib.compress(payload), in_tree, out_tree))
+            blob = pickle.dumps((zlib.compress(payload, 1), in_tree, out_tree))
         except Exception:  # a program this backend or JAX cannot serialize: not stored
             return compiled
         self._write(path, blob)
