@@ -43,6 +43,7 @@ import pickle
 import platform
 import re
 import sys
+import threading
 import zlib
 from collections.abc import Hashable
 from pathlib import Path
@@ -367,17 +368,20 @@ def _signature(args: tuple[Any, ...], statics: dict[str, Any]) -> Hashable | Non
 
 class _Heard:
     """Whether the compile it wraps compiled afresh: JAX asked its persistent cache and did
-    not find the program (no event at all: this process had it in memory)."""
+    not find the program (no event at all: this process had it in memory). JAX tells its
+    listeners in the thread that compiles, so another thread's compile is not heard."""
 
     def __enter__(self) -> _Heard:
         import jax.monitoring
 
         self._events: set[str] = set()
+        self._thread = threading.get_ident()
         jax.monitoring.register_event_listener(self._hear)
         return self
 
     def _hear(self, event: str, **_: Any) -> None:
-        self._events.add(event)
+        if threading.get_ident() == self._thread:
+            self._events.add(event)
 
     def __exit__(self, *exc: object) -> None:
         import jax.monitoring
