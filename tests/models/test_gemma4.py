@@ -206,7 +206,8 @@ def test_cache_memory_at_32k_for_e2b_shape() -> None:
 
 #: The parallel prefill against the exact path, float32: the last prompt row's logits and every
 #: cache row it leaves (ring, full layers, hidden rows) within this absolute tolerance
-#: (measured up to ~1e-5 on a CPU, with logits of order 1).
+#: (measured up to ~1e-5 on a CPU, with logits of order 1). Float32 products: the tests of the
+#: parallel pass run at full precision, since a GPU's default rounds their inputs to TF32.
 PARALLEL_ATOL = 1e-4
 
 PARALLEL = {
@@ -258,6 +259,7 @@ def _prefilled(p: Any, prefix: list[int] = ()) -> Any:
     return p.prefill_chunk(p.init_state(), prefix, 0)[1] if prefix else p.init_state()
 
 
+@pytest.mark.usefixtures("full_precision_products")
 @pytest.mark.parametrize("case", sorted(PARALLEL))
 @pytest.mark.parametrize("start, chunk", [(0, 2048), (19, 5), (3, 16)])
 def test_parallel_prefill_is_close_and_continues_alike(case: str, start: int,
@@ -270,6 +272,7 @@ def test_parallel_prefill_is_close_and_continues_alike(case: str, start: int,
     print(f"{case} start={start} chunk={chunk}: logits {gap:.1e} from the exact path's")
 
 
+@pytest.mark.usefixtures("full_precision_products")
 def test_parallel_prefill_after_moving_back() -> None:
     """The cursor moved back (a reused prefix) leaves ring rows past it; the pass reads none
     of them, and replaces them as the exact path does."""
@@ -294,6 +297,7 @@ class _WiderPassWindow(G.Gemma4Model):
         return wider.pass_hidden(params, cache, *args, **kwargs)
 
 
+@pytest.mark.usefixtures("full_precision_products")
 def test_parallel_check_catches_a_wrong_window() -> None:
     """Control: the check fires on a pass that is wrong in one row of its window (its logits
     were measured 1.6 apart, against logits of up to 1.6)."""
@@ -304,6 +308,7 @@ def test_parallel_check_catches_a_wrong_window() -> None:
         _check_parallel(p, _prefilled, PROMPT, 2048, fast_p=wrong)
 
 
+@pytest.mark.usefixtures("full_precision_products")
 def test_parallel_prefill_through_completions() -> None:
     """``run_raw_completion(..., parallel_prefill=True)``: a first turn (one fresh pass) and a
     second that reuses it (passes after the reused rows) give the exact path's tokens, their
