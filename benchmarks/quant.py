@@ -52,6 +52,9 @@ class Preset:
     only: tuple[tuple[str, tuple[str, ...]], ...] = ()
     exact: bool = True
     budget_s: float | None = None
+    #: shapes whose decode is also measured with a quantized KV cache, at :attr:`kv_context`
+    kv_shapes: tuple[str, ...] = ()
+    kv_context: int = 0
 
     def formats_of(self, shape: str) -> tuple[str, ...]:
         return dict(self.only).get(shape, self.formats)
@@ -62,9 +65,10 @@ _FORMATS = (BASELINE, "int4", "int8", "fp8")
 _GPU = Preset(shapes=("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"), formats=_FORMATS,
               contexts=(128, 4096), prefill_lengths=(2048, 8192), new_tokens=128, repeats=2,
               dtype="bfloat16", copy_bytes=4 << 30, only=(("llama-3.1-70b", ("int4",)),),
-              budget_s=300.0)
+              budget_s=300.0, kv_shapes=("llama-3.1-8b",), kv_context=32768)
 PRESETS = {
-    "smoke": Preset(("tiny-llama",), _FORMATS, (16,), (32,), 8, 1, "float32", 1 << 20),
+    "smoke": Preset(("tiny-llama",), _FORMATS, (16,), (32,), 8, 1, "float32", 1 << 20,
+                    kv_shapes=("tiny-llama",), kv_context=24),
     "cpu": Preset(("small-60m",), _FORMATS, (128, 1024), (256, 1024), 32, 2, "float32",
                   64 << 20),
     "h100": _GPU,
@@ -221,6 +225,53 @@ def run(preset: Preset, results: common.Results) -> None:
         for fmt in formats:
             shape_case(shape, fmt, preset, results, bandwidth, limit, capacity, lengths, base)
             jax.clear_caches()
+        if shape in preset.kv_shapes:
+            kv_cases(shape, preset, results)
+
+
+#: The KV cache's stored forms the KV cases compare (``None``: the model's dtype).
+KV_DTYPES = (None, "int8", "fp8")
+
+
+def kv_cases(shape: str, preset: Preset, results: common.Results) -> None:
+    """Decode at :attr:`Preset.kv_context` with the weights in the preset's dtype and the KV
+    cache in each of :data:`KV_DTYPES`; each case's ratio is over the unquantized cache's."""
+    import dataclasses as dc
+
+    import jax
+
+    family, config, model = common.model_of(shape, preset.dtype, preset.exact)
+    params = random_quantized_params(quantized_shapes(family, config, model, BASELINE))
+    capacity = preset.kv_context + preset.new_tokens + 64
+    limit = device_memory()
+    base: dict[tuple[str, int], float] = {}
+    for kv in KV_DTYPES:
+        kv_model = dc.replace(model, kv_dtype=kv)
+        cache = nbytes(jax.eval_shape(lambda m=kv_model: m.init_cache(capacity)))
+        label = {"shape": shape, "format": preset.dtype, "quantized": False, "kind": "kv_decode",
+                 "kv_dtype": kv or preset.dtype, "context": preset.kv_context,
+                 "cache_bytes": cache}
+        need = nbytes(params) + cache
+        if limit is not None and need > MEMORY_SHARE * limit:
+            results.skip(f"its weights and cache take {need / 2**30:.1f} GiB; the device holds "
+                         f"{limit / 2**30:.1f} GiB", **label)
+            continue
+        try:
+            built = common.built_from(shape, config, kv_model, params, capacity=capacity,
+                                      exact=preset.exact, burst=min(64, preset.new_tokens))
+        except Exception as exc:  # out of memory, say: recorded, next form
+            results.data["errors"].append({**label, "error": f"{type(exc).__name__}: {exc}"[:600]})
+            continue
+        case = results.case(label, lambda b=built: completion_rate(
+            b.producer, preset.kv_context, preset.new_tokens, "greedy", preset.repeats,
+            config.vocab_size))
+        if case is not None:
+            case["speedup_over_baseline"] = _over(base, ("kv", preset.kv_context),
+                                                  BASELINE if kv is None else kv,
+                                                  case["tokens_per_s"])
+            results.write()
+        del built
+        jax.clear_caches()
 
 
 def shape_case(shape: str, fmt: str, preset: Preset, results: common.Results,

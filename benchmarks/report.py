@@ -154,6 +154,14 @@ def quant_lines(data: dict[str, Any]) -> list[str]:
             lines.append(f"| {c['shape']} | {c['format']} | {c['length']} | "
                          f"{_num(c['tokens_per_s'])} | {_times(c.get('ratio_to_baseline'))} | "
                          f"{bar} |")
+    kv = [c for c in data["cases"] if c.get("kind") == "kv_decode"]
+    if kv:
+        lines += ["", "| shape | KV cache | context | tokens/s | over unquantized cache "
+                  "| cache MiB |", "|---|---|---|---|---|---|"]
+        for c in kv:
+            lines.append(f"| {c['shape']} | {c['kv_dtype']} | {c['context']} | "
+                         f"{_num(c['tokens_per_s'])} | {_times(c.get('speedup_over_baseline'))} "
+                         f"| {c['cache_bytes'] / 2**20:,.1f} |")
     return lines
 
 

@@ -129,6 +129,17 @@ def test_the_quant_suite_measures_every_format_against_the_unquantized(smoke):
     assert all(isinstance(c["meets_bar"], bool) for c in prefill)
 
 
+def test_the_quant_suite_decodes_with_each_kv_cache_form(smoke):
+    data = _file(smoke, "quant")
+    kv = [c for c in data["cases"] if c["kind"] == "kv_decode"]
+    assert [c["kv_dtype"] for c in kv] == ["float32", "int8", "fp8"]
+    assert kv[0]["speedup_over_baseline"] == 1.0
+    assert all(c["tokens_per_s"] > 0 and c["context"] == 24 for c in kv)
+    sizes = {c["kv_dtype"]: c["cache_bytes"] for c in kv}
+    # one byte a value and a float32 scale a row and head, against four bytes a value
+    assert sizes["int8"] == sizes["fp8"] < sizes["float32"] / 2
+
+
 def test_the_quality_suite_compares_each_format_with_the_reference(smoke):
     data = _file(smoke, "quality")
     cases = {c["format"]: c for c in data["cases"]}
