@@ -65,7 +65,7 @@ _FORMATS = (BASELINE, "int4", "int8", "fp8")
 _GPU = Preset(shapes=("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"), formats=_FORMATS,
               contexts=(128, 4096), prefill_lengths=(2048, 8192), new_tokens=128, repeats=2,
               dtype="bfloat16", copy_bytes=4 << 30, only=(("llama-3.1-70b", ("int4",)),),
-              budget_s=300.0, kv_shapes=("llama-3.1-8b",), kv_context=32768)
+              budget_s=300.0, kv_shapes=("llama-3.2-1b",), kv_context=32768)
 PRESETS = {
     "smoke": Preset(("tiny-llama",), _FORMATS, (16,), (32,), 8, 1, "float32", 1 << 20,
                     kv_shapes=("tiny-llama",), kv_context=24),
