@@ -21,7 +21,8 @@ from turbospark_jax.engine.batching import BatchedDecoder, decode_step, prefill_
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, OverloadedError
 from turbospark_jax.generation.completion import CompletionRequest, FinishReason
-from turbospark_jax.server.engine import Done, Engine, Failed, ServeRequest
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Done, Failed, ServeRequest
 from turbospark_jax.server.slots import SlotRecord, choose_slot
 from turbospark_jax.speculative.drafters import NGramDrafter
 from turbospark_jax.speculative.pair import SpeculativePair

@@ -21,7 +21,7 @@ from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.server.build import make_server
-from turbospark_jax.server.engine import choice_seed
+from turbospark_jax.server.requests import choice_seed
 from turbospark_jax.testing.live_server import running
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import ToyAttentionModel

@@ -13,7 +13,8 @@ import pytest
 from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generation.completion import CompletionRequest
-from turbospark_jax.server.engine import Delta, Done, Engine, ServeRequest, choice_seed
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Delta, Done, ServeRequest, choice_seed
 from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
 VOCAB, SLOTS = 40, 3

@@ -14,7 +14,8 @@ import turbospark_jax as tsj
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server.build import make_server
-from turbospark_jax.server.engine import Done, Engine, ServeRequest
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Done, ServeRequest
 from turbospark_jax.testing.live_server import running
 from turbospark_jax.testing.vision import IMAGE_TOKEN, picture, save_tiny_vision_folder
 

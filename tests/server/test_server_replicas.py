@@ -22,7 +22,8 @@ from turbospark_jax.errors import BadInputError, UnavailableError
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.parallel.replicas import replicas_one_per_device
 from turbospark_jax.server.build import load_server, make_server
-from turbospark_jax.server.engine import Engine, Failed, ServeRequest
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Failed, ServeRequest
 from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.testing.live_server import running
 from turbospark_jax.testing.tokenizers import byte_level_bpe
@@ -155,7 +156,8 @@ import jax
 import numpy as np
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.parallel.replicas import replicas_one_per_device
-from turbospark_jax.server.engine import Done, Engine, ServeRequest
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Done, ServeRequest
 from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.testing.toy import ToyAttentionModel
 

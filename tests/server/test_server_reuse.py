@@ -10,7 +10,8 @@ import numpy as np
 
 from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.generation.completion import CompletionRequest
-from turbospark_jax.server.engine import Done, Engine, ServeRequest
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Done, ServeRequest
 from turbospark_jax.testing.toy import toy_recurrent_producer
 
 VOCAB = 40

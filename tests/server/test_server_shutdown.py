@@ -23,8 +23,9 @@ from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.errors import UnavailableError
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server.build import make_server
-from turbospark_jax.server.engine import Done, Engine, Failed, ServeRequest
+from turbospark_jax.server.engine import Engine
 from turbospark_jax.server.metrics import ServerMetrics
+from turbospark_jax.server.requests import Done, Failed, ServeRequest
 from turbospark_jax.testing.live_server import free_port, running
 from turbospark_jax.testing.toy import toy_attention_producer
 

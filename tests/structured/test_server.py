@@ -21,7 +21,8 @@ from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.generation.completion import CompletionRequest, FinishReason
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.server.build import make_server
-from turbospark_jax.server.engine import Done, Engine, ServeRequest
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import Done, ServeRequest
 from turbospark_jax.testing.live_server import running
 from turbospark_jax.testing.tokenizers import byte_level_bpe
 from turbospark_jax.testing.toy import ToyAttentionModel

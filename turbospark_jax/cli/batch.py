@@ -40,7 +40,8 @@ def run_batch(args: argparse.Namespace, target: Any, tok: Any,
     """Decode every prompt ``args.num_completions`` times, in batches; returns the exit
     status (1 when any completion failed)."""
     from turbospark_jax import cli
-    from turbospark_jax.server.engine import Done, Engine, ServeRequest
+    from turbospark_jax.server.engine import Engine
+    from turbospark_jax.server.requests import Done, ServeRequest
 
     jobs = [_Job(i, k, text, ids) for i, (text, ids) in enumerate(prompts)
             for k in range(args.num_completions)]
@@ -108,7 +109,7 @@ def run_batch(args: argparse.Namespace, target: Any, tok: Any,
 
 
 def _end(job: _Job, event: Any, keep: Any) -> None:
-    from turbospark_jax.server.engine import Delta
+    from turbospark_jax.server.requests import Delta
 
     if not isinstance(event, Delta):
         keep(job, event)
@@ -124,7 +125,7 @@ def _drain(engine: Any, requests: list[Any]) -> None:
 
 def _write(args: argparse.Namespace, job: _Job, tok: Any, clock: Any, stdout: TextIO, *,
            first: bool) -> None:
-    from turbospark_jax.server.engine import Done
+    from turbospark_jax.server.requests import Done
 
     head: dict[str, Any] = {}
     if args.prompts_file is not None:

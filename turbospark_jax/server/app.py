@@ -4,7 +4,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both streaming 
 not; ``response_format`` on both, ``tools`` and ``tool_choice`` on chat, tool calls parsed into
 ``tool_calls`` and streamed as OpenAI streams them), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics``. ``n`` asks for several choices (at most the engine's slots): each is its own
-request with its own seed (:func:`~turbospark_jax.server.engine.choice_seed`), the prompt
+request with its own seed (:func:`~turbospark_jax.server.requests.choice_seed`), the prompt
 prefilled once, and stream chunks name their choice by ``index``. A chat message may hold
 ``image_url`` parts with ``data:`` URLs for a model with a vision tower (``ServerConfig.vision``):
 each becomes the model's image token in the rendered prompt, grown into the image's span, and
@@ -50,16 +50,16 @@ from turbospark_jax.errors import (
 )
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server import responses, tools
-from turbospark_jax.server.engine import (
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.metrics import ServerMetrics
+from turbospark_jax.server.requests import (
     UNAVAILABLE_RETRY_S,
     Delta,
     Done,
-    Engine,
     Failed,
     ServeRequest,
     Ticket,
 )
-from turbospark_jax.server.metrics import ServerMetrics
 from turbospark_jax.server.router import ReplicaRouter
 from turbospark_jax.server.wire import (
     ApiError,

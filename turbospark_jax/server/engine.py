@@ -36,14 +36,14 @@ of the fixed-shape prefill program, every later token a row of the fixed-shape d
 and neither program's rows interact (see :mod:`turbospark_jax.engine.batching`).
 
 **Several choices** (``ServeRequest.n`` above 1) are one request each, run on their own rows
-with their own seeds (:func:`choice_seed`; choice 0 keeps the request's seed, so it is the
-same request with ``n = 1``). The prompt is prefilled once: the first choice's prefill stops
-one token short of the prompt's end and keeps a copy of its row there, and every other choice
-starts from that copy and feeds the last prompt token itself (its first token is drawn from
-that token's logits with its own seed). By the block program's guarantee (any split of a
-prompt gives the same bits) each choice is bitwise the same prompt served alone with its seed
-(``tests/server/test_server_choices.py``). The other choices wait for the copy, then take
-slots as any request does; a cancel of the request drops every choice.
+with their own seeds (:func:`~turbospark_jax.server.requests.choice_seed`; choice 0 keeps the
+request's seed, so it is the same request with ``n = 1``). The prompt is prefilled once: the
+first choice's prefill stops one token short of the prompt's end and keeps a copy of its row
+there, and every other choice starts from that copy and feeds the last prompt token itself
+(its first token is drawn from that token's logits with its own seed). By the block program's
+guarantee (any split of a prompt gives the same bits) each choice is bitwise the same prompt
+served alone with its seed (``tests/server/test_server_choices.py``). The other choices wait
+for the copy, then take slots as any request does; a cancel of the request drops every choice.
 
 **Images** (a completion with an ``injection``): a prefill chunk holding image positions runs
 the batched prefill's variant with embeddings, and one call feeds chunks of one kind only, so
@@ -66,145 +66,57 @@ constrained neighbour never changes a free row's bits). A run of tokens the cons
 is drawn one step a token under a mask holding that token alone, so the tokens are those of
 :func:`~turbospark_jax.generation.driver.stream_completion`.
 
-**Shutting down** (:meth:`Engine.drain`): the engine stops admitting (a new request gets
-:class:`~turbospark_jax.errors.UnavailableError`, :attr:`Engine.stopping` holds), lets the
-requests in flight, speculative ones included, finish for up to a grace period, then ends the
-rest with :class:`Failed` marked ``shutdown`` (the scheduler does it at the start of its next
-tick, so no row is cut in the middle of a device call) and frees their slots.
+**Shutting down** (:meth:`Engine.drain`) lets the requests in flight finish for a grace
+period, then cuts off the rest between two device calls (see
+:mod:`~turbospark_jax.server.lifecycle`).
 
 Results go to a per-request ``sink`` callable, from the scheduler thread: zero or more
-:class:`Delta`, then exactly one :class:`Done` or :class:`Failed` (none after a cancel).
+:class:`~turbospark_jax.server.requests.Delta`, then exactly one
+:class:`~turbospark_jax.server.requests.Done` or
+:class:`~turbospark_jax.server.requests.Failed` (none after a cancel).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
 from turbospark_jax.core import sampling
-from turbospark_jax.core.checks import as_int, as_real
-from turbospark_jax.core.constraints import Constraint
+from turbospark_jax.core.checks import as_int
 from turbospark_jax.core.protocols import SpeculativeProducer
 from turbospark_jax.core.streams import Stream
 from turbospark_jax.engine.batching import BatchedDecoder
 from turbospark_jax.engine.producer import BlockProducer
-from turbospark_jax.errors import BadInputError, OverloadedError, UnavailableError
+from turbospark_jax.errors import BadInputError, OverloadedError
 from turbospark_jax.generation.completion import (
     NON_FINITE_LOGITS,
     Completion,
-    CompletionRequest,
     Emission,
     FinishReason,
-    TokenLogprob,
     validate_request,
 )
 from turbospark_jax.generation.driver import stream_completion
+from turbospark_jax.server.jobs import ChoiceGroup, Job, indexed_sink, run_speculative
+from turbospark_jax.server.lifecycle import SchedulerThread
+from turbospark_jax.server.requests import (
+    SHUTDOWN_MESSAGE,
+    Done,
+    EngineObserver,
+    Failed,
+    ServeRequest,
+    Sink,
+    Ticket,
+    choice_seed,
+)
 from turbospark_jax.server.slots import SlotRecord, choose_slot, open_prefix
 
-__all__ = ["Delta", "Done", "Engine", "EngineObserver", "Failed", "ServeRequest", "Ticket",
-           "TokenLogprob", "choice_seed"]
-
-
-def choice_seed(seed: int, index: int) -> int:
-    """The seed choice ``index`` of a request with several choices samples with.
-
-    Choice 0 keeps ``seed``, so a request's first choice is the request with one choice;
-    choice ``i > 0`` takes the first 8 bytes (little-endian) of the BLAKE2b digest of the
-    text ``"{seed}:{i}"``, a seed in ``[0, 2**64)`` that no nearby seed's choices share. A
-    choice is reproduced alone by sending this seed with one choice.
-
-    Raises:
-      BadInputError: ``seed`` or ``index`` is not a non-negative integer.
-    """
-    seed, index = as_int("seed", seed, low=0), as_int("index", index, low=0)
-    if index == 0:
-        return seed
-    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
-
-
-@dataclasses.dataclass(frozen=True)
-class ServeRequest:
-    """One request to the engine.
-
-    Fields:
-      completion: what to generate (its ``prompt_ids`` are the whole prompt).
-      session_id: the session to continue, or ``None`` to let the engine pick a slot.
-      top_logprobs: ``None`` for no log-probabilities; else report the chosen token's and this
-        many alternatives' (0..20) per token.
-      n: how many choices to generate (at most the engine's slots); choice ``i`` samples
-        with :func:`choice_seed` of the completion's seed and ``i``, and its events carry
-        ``index = i``. Only choice 0 continues the named session's slot.
-    """
-
-    completion: CompletionRequest
-    session_id: str | None = None
-    top_logprobs: int | None = None
-    n: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    """Text released by one generated token (possibly empty while a stop string is undecided).
-
-    Fields:
-      text: the released text.
-      token_ids: the tokens it accounts for.
-      logprobs: one entry per token when the request asked for them.
-      index: the choice it belongs to (0 for a request with one choice).
-    """
-
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob]
-    index: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Done:
-    """The request ended normally.
-
-    Fields:
-      completion: the whole result; ``usage.slot`` and ``usage.evicted`` are filled in (slot
-        ``None`` for a speculative request); ``completion.text`` is every delta's text joined.
-      logprobs: every generated token's entry (when asked for).
-      tail: text released at the end (held back for a stop string that did not complete).
-      index: the choice it belongs to.
-    """
-
-    completion: Completion
-    logprobs: list[TokenLogprob]
-    tail: str
-    index: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-    """The request (or one of its choices, ``index``) failed after it started; the text
-    already streamed stays valid. ``shutdown``: the engine shut down before it ended (a
-    retry elsewhere or later may succeed)."""
-
-    message: str
-    index: int = 0
-    shutdown: bool = False
-
-
-Event = Delta | Done | Failed
-
-#: The retry hint of a refusal because the engine takes no work (a restart takes a while).
-UNAVAILABLE_RETRY_S = 5.0
-
-#: Why a request cut off by a shutdown ended.
-SHUTDOWN_MESSAGE = "the server shut down before the reply was complete"
-Sink = Callable[[Event], None]
+__all__ = ["Engine"]
 
 
 def _home_device(producer: BlockProducer) -> jax.Device | None:
@@ -214,111 +126,7 @@ def _home_device(producer: BlockProducer) -> jax.Device | None:
     return devices.pop() if len(devices) == 1 else None
 
 
-class EngineObserver:
-    """What the engine tells a metrics collector; every hook does nothing by default."""
-
-    def request_started(self, prompt_tokens: int, cached_tokens: int, evicted: bool) -> None:
-        """A request got its slot and reused ``cached_tokens`` of its prompt."""
-
-    def first_token(self, seconds: float) -> None:
-        """A request's first token came ``seconds`` after it was submitted."""
-
-    def next_token(self, seconds: float) -> None:
-        """A later token came ``seconds`` after the request's previous one."""
-
-    def request_ended(self, outcome: str, generated: int) -> None:
-        """A request ended (``outcome``: a finish reason, ``error`` or ``cancelled``); each
-        choice of a request with several ends on its own."""
-
-    def choices(self, n: int) -> None:
-        """A request asking for ``n > 1`` choices was queued."""
-
-    def step(self, rows: int, seconds: float) -> None:
-        """One batched decode step advanced ``rows`` requests in ``seconds``."""
-
-    def prefill(self, rows: int, tokens: int) -> None:
-        """One prefill call fed ``tokens`` prompt tokens over ``rows`` requests."""
-
-
-class Ticket:
-    """A submitted request: cancel it when its client goes away."""
-
-    def __init__(self, engine: Engine) -> None:
-        self._engine = engine
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        """Stop the request; its slot is free before the next decode step. Idempotent."""
-        self.cancelled = True
-        self._engine._wake()
-
-
-@dataclasses.dataclass(eq=False)
-class _Group:
-    """The choices of one request with ``n > 1``: where the first one's row stood one token
-    short of the prompt's end (``None`` until its prefill gets there)."""
-
-    saved: Any = None
-
-
-def _fed_so_far(job: _Job) -> tuple[int, ...]:
-    """What a job's row holds when it stops before its end: a decoding row its prompt as the
-    prefill wrote it, a prefilling one the part fed so far, one not yet set up the slot's
-    previous state."""
-    if job.fed is None:
-        return job.slot.fed_ids
-    return tuple(job.prompt[: len(job.prompt) if job.decoding else job.fed])
-
-
-def _indexed(sink: Sink, index: int) -> Sink:
-    """``sink`` with every event stamped as choice ``index``'s."""
-    return lambda event: sink(dataclasses.replace(event, index=index))
-
-
-@dataclasses.dataclass(eq=False)
-class _Job:
-    request: ServeRequest
-    sink: Sink
-    ticket: Ticket
-    params: sampling.SamplingParams
-    emission: Emission
-    submitted: float
-    slot: SlotRecord | None = None
-    reused: int = 0
-    evicted: bool = False
-    fed: int | None = None  # prompt positions the row holds while prefilling (None: not set up)
-    decoding: bool = False
-    prefill_s: float = 0.0
-    first_token_s: float = 0.0
-    last_token_at: float = 0.0
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    constraint: Constraint | None = None
-    forced: list[int] = dataclasses.field(default_factory=list)  # taken, not yet drawn
-    drawing_forced: bool = False  # the mask of the call in flight holds one forced token
-    index: int = 0  # the choice it is of its request
-    group: _Group | None = None  # the request's choices, when it has several
-
-    @property
-    def prompt(self) -> list[int]:
-        return self.emission.prompt
-
-    @property
-    def injection(self) -> Any:
-        """The request's injected embeddings (images), or ``None``."""
-        return self.request.completion.injection
-
-    @property
-    def follows(self) -> bool:
-        """Whether it starts from the first choice's copy rather than a prefill of its own."""
-        return self.group is not None and self.index > 0
-
-    @property
-    def session(self) -> str | None:
-        """The session whose slot it continues (choice 0 only)."""
-        return self.request.session_id if self.index == 0 else None
-
-
-class Engine:
+class Engine(SchedulerThread):
     """Serve completions from ``slots`` session slots with batched decoding.
 
     Args:
@@ -367,6 +175,7 @@ class Engine:
         self.max_waiting = as_int("max_waiting", max_waiting, low=0)
         self.speculative = speculative
         self.observer = observer or EngineObserver()
+        super().__init__(warm_up=warm_up)
         # A replica's producer keeps its params on its own device: the stack and every fresh
         # state are made there too, not on the default device and moved on first use.
         self.device = _home_device(producer)
@@ -379,103 +188,38 @@ class Engine:
         self._make_decoder = make_decoder
         self.decoder = self._make_decoder()
         self.slots = [SlotRecord(index=i) for i in range(self.decoder.size)]
-        self._waiting: collections.deque[_Job] = collections.deque()
-        self._running: list[_Job] = []
-        self._cond = threading.Condition()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._running: list[Job] = []
         self._clock = 0
-        self._stopping = False
-        self._draining = False  # refusing new work while the work in flight ends (drain)
-        self._cut = False  # end every request now (a drain's grace is over)
         self._speculating = 0  # speculative requests in flight (outside the slot rows)
-        self._fault: str | None = None  # why the scheduler thread died, if it did
-        self._thread: threading.Thread | None = None
         self._spec_lock = threading.Lock()
-        self._warm = threading.Event()  # every program compiled (start() warms them first)
-        if not warm_up:
-            self._warm.set()
         self.evictions = 0
 
-    # -- lifecycle ------------------------------------------------------------------------
+    # -- the thread's hooks ----------------------------------------------------------------
 
-    def start(self) -> Engine:
-        """Start the scheduler thread (idempotent; restarts one that failed); returns the
-        engine. The thread first compiles every program a request can reach
-        (:meth:`warm_up`), so :attr:`starting` holds until then; requests submitted meanwhile
-        wait for it."""
-        with self._cond:
-            if self._thread is None or not self._thread.is_alive():
-                self._stopping, self._fault = False, None
-                self._draining = self._cut = False
-                self._thread = threading.Thread(target=self._loop, name="turbospark-scheduler",
-                                                daemon=True)
-                self._thread.start()
-        return self
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running)
 
-    def stop(self) -> None:
-        """Stop the scheduler; requests still waiting or running fail, and later ones are
-        refused (:class:`~turbospark_jax.errors.UnavailableError`) until :meth:`start`."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-            thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
+    def _in_flight(self) -> int:
+        return len(self._waiting) + len(self._running) + self._speculating
 
-    def drain(self, grace: float) -> int:
-        """Shut down gracefully: stop admitting now (:meth:`begin_drain`), let the requests
-        in flight finish for up to ``grace`` seconds, then end the rest with
-        :class:`Failed` (``shutdown`` set) and free their slots (:meth:`finish_drain`). The
-        scheduler keeps running; :meth:`stop` it after. Returns how many requests (choices
-        counted one by one) were cut off.
-
-        Raises:
-          BadInputError: ``grace`` is negative or not a number.
-        """
-        self.begin_drain()
-        return self.finish_drain(time.monotonic() + as_real("grace", grace, low=0.0))
-
-    def begin_drain(self) -> None:
-        """Refuse new requests from now on (:class:`~turbospark_jax.errors.UnavailableError`,
-        :attr:`stopping`); the ones in flight carry on."""
-        with self._cond:
-            self._draining = True
-            self._cond.notify_all()
-
-    def finish_drain(self, deadline: float) -> int:
-        """Wait until no request is in flight or ``deadline`` (a :func:`time.monotonic`
-        time) passes, then cut off the rest; returns how many were cut off."""
-        with self._cond:
-            while not self._drained() and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            if self._drained():
-                return 0
-            self._cut = True
-            self._cond.notify_all()
-            thread = self._thread
-            if thread is None or not thread.is_alive() or not self._warm.is_set():
-                return self._cut_off()  # no scheduler tick will come soon: cut them here
-            count = len(self._waiting) + len(self._running) + self._speculating
-            while not self._drained():
-                self._cond.wait(0.05)
-            return count
-
-    @property
-    def stopping(self) -> bool:
-        """Whether a graceful shutdown (:meth:`drain`) has begun: no new requests, the ones
-        in flight finish (after :meth:`stop` the engine is :meth:`unavailable` instead)."""
-        return self._draining
-
-    def _drained(self) -> bool:
-        return not (self._waiting or self._running or self._speculating)
+    def _end_all(self, message: str, *, shutdown: bool) -> None:
+        for job in [*self._waiting, *self._running]:
+            job.sink(Failed(message, shutdown=shutdown))
+            if job.slot is not None:
+                job.slot.busy, job.slot.fed_ids, job.slot.saved = False, (), None
+        self._waiting.clear()
+        self._running.clear()
 
     def _cut_off(self) -> int:
         """End every request waiting or running (the caller holds the lock, between two
-        device calls): each gets :class:`Failed` with ``shutdown`` set."""
+        device calls): each gets :class:`~turbospark_jax.server.requests.Failed` with
+        ``shutdown`` set."""
         jobs = [*self._waiting, *self._running]
         self._waiting.clear()
         for job in jobs:
             if job.slot is not None and job in self._running:
-                self._release(job, _fed_so_far(job))
+                self._release(job, job.fed_so_far())
             self.observer.request_ended("shutdown", len(job.emission.tokens))
             job.sink(Failed(SHUTDOWN_MESSAGE, shutdown=True))
         self._cond.notify_all()
@@ -513,16 +257,16 @@ class Engine:
             threading.Thread(target=self._speculate, args=(stream, sink, ticket),
                              daemon=True).start()
             return ticket
-        group = _Group() if n > 1 else None
+        group = ChoiceGroup() if n > 1 else None
         submitted = time.perf_counter()
         jobs = []
         for i in range(n):
             one = req if i == 0 else dataclasses.replace(req, seed=choice_seed(req.seed, i))
             constraint = None if one.constraint is None else one.constraint.bind(
                 self.tokenizer, self.producer.vocab_size, one.stop_token_ids)
-            jobs.append(_Job(
+            jobs.append(Job(
                 request=dataclasses.replace(request, completion=one),
-                sink=sink if group is None else _indexed(sink, i), ticket=ticket,
+                sink=sink if group is None else indexed_sink(sink, i), ticket=ticket,
                 params=params, emission=Emission(one, self.tokenizer,
                                                  [int(t) for t in one.prompt_ids]),
                 submitted=submitted, constraint=constraint, index=i, group=group))
@@ -546,16 +290,6 @@ class Engine:
         """The most choices one request may ask for: the slots (each choice holds one)."""
         return len(self.slots)
 
-    def unavailable(self) -> str | None:
-        """Why the engine takes no work now, or ``None`` when it does: after :meth:`stop`
-        (until :meth:`start`), or once the scheduler thread has failed. An engine never
-        started takes work (a test drives it with :meth:`run_once`)."""
-        if self._fault is not None:
-            return f"the scheduler failed ({self._fault})"
-        if self._stopping or self._draining:
-            return "the server is shutting down"
-        return None
-
     def holds(self, session_id: str) -> bool:
         """Whether ``session_id`` owns a slot here or has a request waiting or running here
         (a router keeps the session's next requests on this engine)."""
@@ -569,11 +303,6 @@ class Engine:
         with self._cond:
             return open_prefix(self.slots, prompt)
 
-    def _refuse_if_unavailable(self) -> None:
-        reason = self.unavailable()
-        if reason is not None:
-            raise UnavailableError(f"{reason}; retry later", retry_after=UNAVAILABLE_RETRY_S)
-
     def load(self) -> dict[str, int]:
         """Counts for health and metrics: slots, busy slots, running and waiting requests."""
         with self._cond:
@@ -586,10 +315,6 @@ class Engine:
             }
 
     # -- the scheduler --------------------------------------------------------------------
-
-    def _wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
 
     def run_once(self) -> None:
         """One scheduler iteration: drop cancelled requests, admit waiting ones, one prefill
@@ -624,51 +349,18 @@ class Engine:
             jax.block_until_ready(state)
         self._warm.set()
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`warm_up` has run (or ``timeout`` seconds); whether it has."""
-        return self._warm.wait(timeout)
-
-    @property
-    def starting(self) -> bool:
-        """Whether the scheduler runs but is still compiling (:meth:`warm_up`)."""
-        thread = self._thread
-        return thread is not None and thread.is_alive() and not self._warm.is_set()
-
     @property
     def idle(self) -> bool:
         """Whether no request waits or runs."""
         with self._cond:
             return not (self._waiting or self._running)
 
-    def _loop(self) -> None:
-        message = "the server is shutting down"
-        try:
-            if not self._warm.is_set():
-                self.warm_up()
-            while True:
-                with self._cond:
-                    while not (self._stopping or self._waiting or self._running):
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                self.run_once()
-        except Exception as exc:  # a fault outside the device calls: take no more work
-            self._fault = f"{type(exc).__name__}: {exc}"
-            message = f"the scheduler failed: {self._fault}"
-        with self._cond:
-            for job in [*self._waiting, *self._running]:
-                job.sink(Failed(message, shutdown=self._fault is None))
-                if job.slot is not None:
-                    job.slot.busy, job.slot.fed_ids, job.slot.saved = False, (), None
-            self._waiting.clear()
-            self._running.clear()
-
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.ticket.cancelled]:
             self._waiting.remove(job)
             self.observer.request_ended("cancelled", 0)
         for job in [j for j in self._running if j.ticket.cancelled]:
-            self._release(job, _fed_so_far(job))
+            self._release(job, job.fed_so_far())
             self.observer.request_ended("cancelled", len(job.emission.tokens))
 
     def _admit(self) -> None:
@@ -691,7 +383,7 @@ class Engine:
                 slot.fed_ids, slot.saved = (), None
             self._running.append(job)
 
-    def _release(self, job: _Job, fed_ids: tuple[int, ...]) -> None:
+    def _release(self, job: Job, fed_ids: tuple[int, ...]) -> None:
         with self._cond:
             job.slot.busy = False
             job.slot.fed_ids = tuple(fed_ids)
@@ -718,7 +410,7 @@ class Engine:
 
     # -- prefill --------------------------------------------------------------------------
 
-    def _setup(self, job: _Job) -> None:
+    def _setup(self, job: Job) -> None:
         """Point the job's row at the longest prefix of its prompt the slot's state (or, for
         a model that cannot rewind, its kept copy) can reuse (rows the prefill program wrote
         only; see the module docstring), and set its controls
@@ -756,14 +448,14 @@ class Engine:
         feeds chunks of one kind only (the oldest prompt's chunk decides): whether a chunk
         runs that variant then depends on the chunk alone, never on its neighbours, and
         text-only serving runs the plain variant throughout."""
-        jobs: list[_Job] = []
+        jobs: list[Job] = []
         images: list[tuple[np.ndarray, np.ndarray] | None] = []
         for job in [j for j in self._running if not j.decoding]:
             if len(jobs) == self.decoder.prefill_rows:
                 break
             if job.fed is None:
                 self._setup(job)
-            rows = self._image_rows(job)
+            rows = job.image_rows(self._chunk_end(job), self.producer.model)
             if jobs and (rows is None) != (images[0] is None):
                 continue  # another kind of chunk: a later call feeds it
             jobs.append(job)
@@ -795,27 +487,11 @@ class Engine:
             for _, job in finishing:
                 job.decoding = job in self._running  # not when its first token ended it
 
-    def _chunk_end(self, job: _Job) -> int:
+    def _chunk_end(self, job: Job) -> int:
         """Where the job's next prefill chunk ends."""
         return min(job.fed + self.decoder.prefill_chunk, self._stop_at(job))
 
-    def _image_rows(self, job: _Job) -> tuple[np.ndarray, np.ndarray] | None:
-        """The injected identities and embedding rows of the job's next chunk, or ``None``
-        when no position of it takes an image's embedding."""
-        injection = job.injection
-        if injection is None:
-            return None
-        count = self._chunk_end(job) - job.fed
-        rows, identities = injection.rows_for(job.fed, count)
-        hit = rows >= 0
-        if not hit.any():
-            return None
-        model = self.producer.model
-        embeds = np.zeros((count, model.embedding_size), model.embedding_dtype)
-        embeds[hit] = np.asarray(injection.embeds)[rows[hit]]
-        return identities, embeds
-
-    def _stop_at(self, job: _Job) -> int:
+    def _stop_at(self, job: Job) -> int:
         """Where the job's next prefill call ends at the latest: the prompt's end, except that
         a model that cannot rewind stops one token short of it first, so the slot keeps a copy
         of the state there (:attr:`SlotRecord.saved`) from which the same prompt, or a longer
@@ -827,7 +503,7 @@ class Engine:
             return len(job.prompt)
         return short
 
-    def _keep_for_choices(self, job: _Job) -> None:
+    def _keep_for_choices(self, job: Job) -> None:
         """Copy the first choice's row for the others once it stands one token short of the
         prompt's end."""
         group = job.group
@@ -845,14 +521,14 @@ class Engine:
         active[[i for i, _ in rows]] = True
         started = time.perf_counter()
         wants = any(j.request.top_logprobs is not None for _, j in rows)
-        by_slot: list[_Job | None] = [None] * len(self.slots)
+        by_slot: list[Job | None] = [None] * len(self.slots)
         for i, j in rows:
             by_slot[i] = j
         allowed = self._masks(by_slot, first=False)
         out = self.decoder.step(active, logprobs=wants, allowed=allowed)
         self._emit(rows, out, started, first=False)
 
-    def _masks(self, jobs: list[_Job | None], *, first: bool) -> np.ndarray | None:
+    def _masks(self, jobs: list[Job | None], *, first: bool) -> np.ndarray | None:
         """The mask rows of a call's draws (entry ``i`` for ``jobs[i]``; ``None`` and free jobs
         all set), or ``None`` when no job drawing in it is constrained. A constrained job's row
         holds its forced token alone while it has a forced run to emit (taken from the
@@ -862,20 +538,11 @@ class Engine:
             return None
         allowed = np.ones((len(jobs), self.producer.vocab_size), bool)
         for i, job in enumerate(jobs):
-            if job is None or job.constraint is None:
-                continue
-            if not first and not job.forced:
-                left = job.request.completion.max_tokens - len(job.emission.tokens)
-                job.forced = job.constraint.forced(left)
-            job.drawing_forced = bool(job.forced)
-            if job.forced:
-                allowed[i] = False
-                allowed[i, job.forced[0]] = True
-            else:
-                allowed[i] = job.constraint.allowed_mask()
+            if job is not None and job.constraint is not None:
+                job.constrain(allowed[i], first=first)
         return allowed
 
-    def _emit(self, rows: list[tuple[int, _Job]], out: Any, started: float, *,
+    def _emit(self, rows: list[tuple[int, Job]], out: Any, started: float, *,
               first: bool) -> None:
         """Push each row's drawn token (entry ``i`` of ``out`` for ``(i, job)``) through its
         job; a row with non-finite logits ends its request alone."""
@@ -900,7 +567,7 @@ class Engine:
             self._push_guarded(job, int(sampled[i]), None if logits is None else logits[i],
                                lp[i], top_ids[i], top_lp[i])
 
-    def _push_guarded(self, job: _Job, *args: Any) -> bool:
+    def _push_guarded(self, job: Job, *args: Any) -> bool:
         """:meth:`_push`, with a failure in this request's own text work (its tokenizer, its
         stop matcher) ending this request alone."""
         try:
@@ -911,37 +578,15 @@ class Engine:
             job.sink(Failed(f"{type(exc).__name__}: {exc}"))
             return True
 
-    def _push(self, job: _Job, token: int, row: Any, lp: Any, top_ids: Any, top_lp: Any) -> bool:
+    def _push(self, job: Job, token: int, row: Any, lp: Any, top_ids: Any, top_lp: Any) -> bool:
         """Emit one token; finish the job when it ends there. Returns whether it ended."""
-        entries = []
-        wanted = job.request.top_logprobs
-        if wanted is not None:
-            top = tuple((int(t), float(v)) for t, v in zip(top_ids[:wanted], top_lp[:wanted],
-                                                           strict=True))
-            entries = [TokenLogprob(token=token, logprob=float(lp), top=top)]
-            job.logprobs += entries
-        c = job.constraint
-        if c is not None:
-            if job.drawing_forced:
-                job.forced.pop(0)
-            else:
-                c.advance(token)
-        event, finish = job.emission.push(token, row)
-        if c is not None:
-            if finish is None and c.is_done and not job.forced:
-                finish = FinishReason.CONSTRAINT_END
-            elif finish is FinishReason.LENGTH and not c.is_satisfied:
-                finish = FinishReason.CONSTRAINT_UNMET
-        if event is not None:
-            job.sink(Delta(text=event.text, token_ids=list(event.token_ids), logprobs=entries))
-        elif entries:
-            job.sink(Delta(text="", token_ids=[token], logprobs=entries))
+        finish = job.push(token, row, lp, top_ids, top_lp)
         if finish is None:
             return False
         self._finish(job, finish, None, fed=() if finish is FinishReason.ERROR else job.prompt)
         return True
 
-    def _finish(self, job: _Job, finish: FinishReason, error: str | None,
+    def _finish(self, job: Job, finish: FinishReason, error: str | None,
                 fed: tuple[int, ...]) -> None:
         tail_event, completion = job.emission.finish(
             self.producer, finish, error, None, reused=job.reused, started=job.submitted,
@@ -972,7 +617,8 @@ class Engine:
 
     def _speculate(self, stream: Stream[Completion], sink: Sink, ticket: Ticket) -> None:
         try:
-            self._speculate_unguarded(stream, sink, ticket)
+            run_speculative(stream, sink, ticket, self.observer, self._spec_lock,
+                            lambda: self._cut)
         except Exception as exc:  # the client must hear of it, not wait forever
             self.observer.request_ended("error", 0)
             sink(Failed(f"{type(exc).__name__}: {exc}"))
@@ -980,30 +626,3 @@ class Engine:
             with self._cond:
                 self._speculating -= 1
                 self._cond.notify_all()
-
-    def _speculate_unguarded(self, stream: Stream[Completion], sink: Sink,
-                             ticket: Ticket) -> None:
-        submitted = time.perf_counter()
-        with self._spec_lock:
-            first = True
-            with stream:
-                for event in stream:
-                    if ticket.cancelled:
-                        self.observer.request_ended("cancelled", 0)
-                        return
-                    if self._cut:
-                        self.observer.request_ended("shutdown", 0)
-                        sink(Failed(SHUTDOWN_MESSAGE, shutdown=True))
-                        return
-                    if first:
-                        self.observer.first_token(time.perf_counter() - submitted)
-                        first = False
-                    sink(Delta(text=event.text, token_ids=list(event.token_ids), logprobs=[]))
-            completion = stream.result
-        assert completion is not None
-        self.observer.request_ended(completion.finish_reason.value, len(completion.token_ids))
-        if completion.finish_reason is FinishReason.ERROR:
-            sink(Failed(completion.error or "generation failed"))
-        else:
-            sink(Done(completion=dataclasses.replace(completion, state=None), logprobs=[],
-                      tail=""))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from turbospark_jax.server.engine import EngineObserver
+from turbospark_jax.server.requests import EngineObserver
 
 __all__ = ["ServerMetrics"]
 

@@ -7,8 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from turbospark_jax.generation.completion import Completion, FinishReason
-from turbospark_jax.server.engine import TokenLogprob
+from turbospark_jax.generation.completion import Completion, FinishReason, TokenLogprob
 
 __all__ = ["TokenTexts", "chat_logprobs", "finish_reason", "text_logprobs", "usage"]
 

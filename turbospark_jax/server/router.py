@@ -26,7 +26,8 @@ from collections.abc import Sequence
 
 from turbospark_jax.core.checks import as_real
 from turbospark_jax.errors import BadInputError, UnavailableError
-from turbospark_jax.server.engine import UNAVAILABLE_RETRY_S, Engine, ServeRequest, Sink, Ticket
+from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.requests import UNAVAILABLE_RETRY_S, ServeRequest, Sink, Ticket
 
 __all__ = ["ReplicaRouter"]
 
