@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, kernel_plan
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, UnknownBackendWarning, kernel_plan
 
 ROWINV_GPU = KernelPlan(row_invariant=True, pallas="compiled")
+ROWINV_TPU = KernelPlan(row_invariant=True, pallas="tpu")
 ROWINV_TILED = KernelPlan(row_invariant=True, pallas="off")
 
 
@@ -17,14 +20,42 @@ ROWINV_TILED = KernelPlan(row_invariant=True, pallas="off")
     ("gpu", False, True, ROWINV_GPU),
     ("cpu", True, True, ROWINV_TILED),      # the fixed-shape tiled forms
     ("cpu", False, True, XLA_PLAN),         # XLA's own kernels decode faster there
-    ("tpu", True, True, ROWINV_TILED),
+    ("tpu", True, True, ROWINV_TPU),        # the TPU's products, XLA's tiles for the rest
+    ("tpu", False, True, XLA_PLAN),
+    ("tpu", True, False, XLA_PLAN),
     ("gpu", True, False, XLA_PLAN),         # a family without row-invariant kernels
     ("cpu", False, False, XLA_PLAN),
 ])
 def test_kernel_plan_by_backend_exactness_and_family(backend, exact, family, want):
-    got = kernel_plan(backend, exact, family)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known backend gives no notice
+        got = kernel_plan(backend, exact, family)
     assert got == want
     assert got.widths_agree == (family and (exact or backend == "gpu"))
+
+
+@pytest.mark.parametrize("backend", ["METAL", "rocm", "neuron", ""])
+@pytest.mark.parametrize("exact", [True, False])
+def test_an_unknown_backend_gets_xla_and_one_notice(backend, exact):
+    with pytest.warns(UnknownBackendWarning) as caught:
+        got = kernel_plan(backend, exact, True)
+    assert got == XLA_PLAN
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert repr(backend) in message and "XLA's own kernels run" in message
+    assert "\n" not in message
+
+
+def test_the_tpu_plan_runs_only_its_products_in_pallas():
+    assert ROWINV_TPU.impl == "tpu" and ROWINV_TPU.widths_agree
+    # the norm, RoPE and attention take the forms of a plan without the GPU's kernels
+    assert not ROWINV_TPU.uses_pallas and not KernelPlan.interpreted(target="tpu").uses_pallas
+    assert KernelPlan.interpreted(target="tpu") == KernelPlan(row_invariant=True,
+                                                              pallas="tpu_interpret")
+    assert KernelPlan.interpreted(target="tpu").impl == "tpu_interpret"
+    assert ROWINV_TPU.parallel() == KernelPlan(pallas="tpu")
+    with pytest.raises(BadInputError, match="target must be 'gpu' or 'tpu'"):
+        KernelPlan.interpreted(target="metal")
 
 
 def test_the_plan_of_a_parallel_pass_and_the_interpreted_fixture():
@@ -39,6 +70,9 @@ def test_the_plan_of_a_parallel_pass_and_the_interpreted_fixture():
 def test_bad_plans_and_choices_are_refused():
     with pytest.raises(BadInputError, match="pallas must be one of off, compiled, interpret"):
         KernelPlan(pallas="triton")
+    with pytest.raises(BadInputError, match="pallas must be one of off, compiled, interpret, "
+                                            "tpu, tpu_interpret"):
+        KernelPlan(pallas="mosaic_tpu")
     with pytest.raises(BadInputError, match="row_invariant must be True or False"):
         KernelPlan(row_invariant="yes")
     with pytest.raises(BadInputError, match="exact must be True or False"):

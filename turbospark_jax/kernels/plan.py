@@ -14,21 +14,27 @@ A :class:`KernelPlan` has two facts, and every choice below follows from them:
   fused kernel (:mod:`~turbospark_jax.kernels.attention`) fed by the RoPE-and-cache-write
   kernel (:mod:`~turbospark_jax.kernels.rope_store`), which in the row-invariant form runs
   inside the attention's first kernel for a decode or verify block and folds a long
-  context's splits in the last split program. ``"off"`` elsewhere: XLA's operations, and
+  context's splits in the last split program. ``"tpu"`` on a TPU: the row-invariant
+  products in Pallas' TPU dialect (:mod:`~turbospark_jax.kernels.tpu_products`), every other
+  piece in XLA's row-invariant tiled form. ``"off"`` elsewhere: XLA's operations, and
   under ``row_invariant`` their fixed-shape tiled forms of
   :data:`~turbospark_jax.kernels.rowinv.XLA_ROW_TILE` rows
   (:func:`~turbospark_jax.kernels.rowinv.row_tiled`), since XLA's own CPU reductions and
-  products change with the row count. ``"interpret"`` runs the GPU's kernels in the Pallas
-  interpreter: a test fixture (:meth:`KernelPlan.interpreted`) that checks the GPU graph's
-  wiring on a CPU, never a serving choice.
+  products change with the row count. ``"interpret"`` and ``"tpu_interpret"`` run the
+  GPU's or the TPU's kernels in the Pallas interpreter: test fixtures
+  (:meth:`KernelPlan.interpreted`) that check a graph's wiring on a CPU, never a serving
+  choice.
 
 :func:`kernel_plan` resolves the plan a loaded model serves with from the backend and the
-user's one choice, ``exact``.
+user's one choice, ``exact``: the backend picks the kernel set once, when the model is
+built, and a backend without kernels of ours gets XLA's with a notice
+(:class:`UnknownBackendWarning`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -47,7 +53,12 @@ from turbospark_jax.kernels.rowinv import (
 )
 
 #: Values of :attr:`KernelPlan.pallas`.
-PALLAS = ("off", "compiled", "interpret")
+PALLAS = ("off", "compiled", "interpret", "tpu", "tpu_interpret")
+#: The ``impl`` of the row-invariant products under each :attr:`KernelPlan.pallas`.
+_IMPL = {"off": "xla", "compiled": "pallas", "interpret": "interpret", "tpu": "tpu",
+         "tpu_interpret": "tpu_interpret"}
+#: The backends with kernels of ours; any other runs XLA's (:func:`kernel_plan`).
+BACKENDS = ("cpu", "gpu", "tpu")
 #: The CPU's tiled attention runs at least one tile, like the product
 #: (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`), not the norms' two: a one-row
 #: decode step then attends with one tile of query rows, not two, and every width still
@@ -65,8 +76,9 @@ class KernelPlan:
       row_invariant: a row's bits do not depend on the number of rows in the call, so block
         programs of different widths agree bitwise (:attr:`widths_agree`).
       pallas: one of :data:`PALLAS`: ``"compiled"`` (the Pallas kernels on a GPU),
-        ``"off"`` (XLA's operations only) or ``"interpret"`` (the GPU's kernels in the
-        Pallas interpreter; tests only).
+        ``"tpu"`` (the TPU's Pallas products, XLA's tiled forms for the rest), ``"off"``
+        (XLA's operations only), ``"interpret"`` or ``"tpu_interpret"`` (the GPU's or the
+        TPU's kernels in the Pallas interpreter; tests only).
     """
 
     row_invariant: bool = False
@@ -79,10 +91,13 @@ class KernelPlan:
                 f"pallas must be one of {', '.join(PALLAS)}; got {self.pallas!r}")
 
     @classmethod
-    def interpreted(cls, row_invariant: bool = True) -> KernelPlan:
-        """The GPU's plan with every Pallas kernel in the interpreter, for tests on a CPU
-        (slow: tiny models only)."""
-        return cls(row_invariant=row_invariant, pallas="interpret")
+    def interpreted(cls, row_invariant: bool = True, target: str = "gpu") -> KernelPlan:
+        """The GPU's (or with ``target="tpu"`` the TPU's) plan with every Pallas kernel in
+        the interpreter, for tests on a CPU (slow: tiny models only)."""
+        if target not in ("gpu", "tpu"):
+            raise BadInputError(f"target must be 'gpu' or 'tpu'; got {target!r}")
+        return cls(row_invariant=row_invariant,
+                   pallas="interpret" if target == "gpu" else "tpu_interpret")
 
     @property
     def widths_agree(self) -> bool:
@@ -91,13 +106,16 @@ class KernelPlan:
 
     @property
     def uses_pallas(self) -> bool:
-        """Whether the Pallas kernels run (compiled or interpreted)."""
-        return self.pallas != "off"
+        """Whether the GPU's Pallas kernels run (compiled or interpreted): the norm, the
+        RoPE-and-cache-write and the fused attention kernels with the products. The TPU's
+        plan runs only its products in Pallas (:attr:`impl`); its other pieces take the
+        forms of a plan without Pallas."""
+        return self.pallas in ("compiled", "interpret")
 
     @property
     def impl(self) -> str:
         """The ``impl`` the row-invariant products and norm take under this plan."""
-        return {"off": "xla", "compiled": "pallas", "interpret": "interpret"}[self.pallas]
+        return _IMPL[self.pallas]
 
     def parallel(self) -> KernelPlan:
         """The plan of a parallel prefill pass: it stands outside every bitwise guarantee,
@@ -110,16 +128,24 @@ class KernelPlan:
 XLA_PLAN = KernelPlan()
 
 
+class UnknownBackendWarning(UserWarning):
+    """A model loads on a backend without kernels of ours (not one of :data:`BACKENDS`): it
+    runs XLA's own kernels, at one program width."""
+
+
 def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> KernelPlan:
-    """The plan a loaded model serves with.
+    """The plan a loaded model serves with: the backend picks its kernel set here, once.
 
     Args:
-      backend: the JAX backend (``jax.default_backend()``).
+      backend: the JAX backend (``jax.default_backend()``). ``"gpu"``: the Pallas (Triton
+        and Mosaic GPU) kernels; ``"tpu"``: the row-invariant products in Pallas' TPU
+        dialect beside XLA's tiled forms for the other pieces; ``"cpu"``: XLA's tiled forms.
+        Any other backend runs XLA's own kernels, with an :class:`UnknownBackendWarning`.
       exact: whether the exact prefill should run in wide blocks that agree bitwise with
         token-by-token decoding (the row-invariant plan). On a GPU the row-invariant kernels
         are also the fastest, so both choices take them there; on another backend the
-        row-invariant forms are fixed-shape tiles that decode slower than XLA's own kernels,
-        which ``exact=False`` takes instead.
+        row-invariant forms are fixed-shape tiles (and on a TPU, products of fixed blocks)
+        that decode slower than XLA's own kernels, which ``exact=False`` takes instead.
       row_invariant_family: the family has row-invariant kernels
         (:attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`); one without
         them always runs XLA's kernels at one program width.
@@ -130,11 +156,18 @@ def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> Kernel
     exact = as_bool("exact", exact)
     if not isinstance(backend, str):
         raise BadInputError(f"backend must be a JAX backend name; got {backend!r}")
-    if not as_bool("row_invariant_family", row_invariant_family):
+    family = as_bool("row_invariant_family", row_invariant_family)
+    if backend not in BACKENDS:
+        warnings.warn(f"turbospark_jax has no kernels for the {backend!r} backend; XLA's own "
+                      "kernels run (no row-invariant plan, one program width)",
+                      UnknownBackendWarning, stacklevel=2)
         return XLA_PLAN
-    gpu = backend == "gpu"
-    if exact or gpu:
-        return KernelPlan(row_invariant=True, pallas="compiled" if gpu else "off")
+    if not family:
+        return XLA_PLAN
+    if backend == "gpu":
+        return KernelPlan(row_invariant=True, pallas="compiled")
+    if exact:
+        return KernelPlan(row_invariant=True, pallas="tpu" if backend == "tpu" else "off")
     return XLA_PLAN
 
 
