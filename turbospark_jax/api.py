@@ -34,7 +34,8 @@ from turbospark_jax.core.constraints import ConstraintSpec
 from turbospark_jax.core.protocols import LogitProducer
 from turbospark_jax.core.sampling import SamplingConfig, is_greedy
 from turbospark_jax.core.streams import Stream
-from turbospark_jax.engine.producer import BlockProducer, check_prefill_width
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.engine.sizing import check_prefill_width
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generation.completion import Completion, CompletionRequest
 from turbospark_jax.generation.driver import stream_completion

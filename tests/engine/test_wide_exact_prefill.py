@@ -7,7 +7,7 @@
   the same comparison between widths 1 and 16 differs in float32.
 * Injected embeddings land in wide blocks as they do token by token (a test model that
   takes embeddings; its control: the injection changes the logits).
-* Block widths (:func:`~turbospark_jax.engine.producer.prefill_block_widths`): full blocks of
+* Block widths (:func:`~turbospark_jax.engine.sizing.prefill_block_widths`): full blocks of
   ``prefill_width``, the rest in one power of two, so a few programs serve every length; the
   producer's calls follow them.
 * Refusals, before any work: ``prefill_width`` other than ``width`` for a model whose widths
@@ -31,7 +31,8 @@ import turbospark_jax as tsj
 from turbospark_jax import api, cli
 from turbospark_jax.cli import main
 from turbospark_jax.core.injection import Injection
-from turbospark_jax.engine.producer import BlockProducer, prefill_block_widths
+from turbospark_jax.engine.producer import BlockProducer
+from turbospark_jax.engine.sizing import prefill_block_widths
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.io.loading import GenerationConfig, save_folder
 from turbospark_jax.io.tokenizer import Tokenizer

@@ -574,7 +574,7 @@ def _set_prefill_width(args: argparse.Namespace) -> None:
         do not agree.
     """
     from turbospark_jax.api import default_prefill_width
-    from turbospark_jax.engine.producer import check_prefill_width
+    from turbospark_jax.engine.sizing import check_prefill_width
 
     if args.prefill_width is None:
         args.prefill_width = default_prefill_width(args.width, args.plan.widths_agree)

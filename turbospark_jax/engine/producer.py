@@ -3,11 +3,15 @@
 Every method routes through :func:`~turbospark_jax.engine.program.compiled_program` (one
 executable per model and shape), so prefill chunks, verifies and decode bursts that a
 guarantee compares are the same program called with different data.
+
+This module holds the state, the prefill and the plans and program call every path shares;
+the target side of speculative decoding is :mod:`~turbospark_jax.engine.verifying`, the
+device-side decode bursts :mod:`~turbospark_jax.engine.bursts`, and the block widths and
+memory checks :mod:`~turbospark_jax.engine.sizing`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -22,13 +26,7 @@ from turbospark_jax.core.checks import as_bool, as_int, as_token, as_token_ids, 
 from turbospark_jax.core.injection import Injection
 from turbospark_jax.core.kv_prefix import common_prefix, reusable_prefix
 from turbospark_jax.core.protocols import (
-    NON_FINITE,
-    RUNNING,
     ChunkedPrefillRunner,
-    DeviceBurst,
-    DeviceDecoder,
-    LaunchedBurst,
-    VerifyingTarget,
     require_prompt,
 )
 from turbospark_jax.core.state import (
@@ -37,11 +35,11 @@ from turbospark_jax.core.state import (
     by_value,
     durable_values,
     merge_parts,
-    restore_by_value,
     restore_durable,
     with_auxiliary,
     without_auxiliary,
 )
+from turbospark_jax.engine.bursts import BlockBursts
 from turbospark_jax.engine.program import (
     MAX_STOP_IDS,
     BlockState,
@@ -53,11 +51,16 @@ from turbospark_jax.engine.program import (
     compiled_parallel,
     compiled_program,
 )
+from turbospark_jax.engine.sizing import (
+    MAX_CAPACITY,
+    check_prefill_width,
+    prefill_block_widths,
+    require_memory,
+)
+from turbospark_jax.engine.verifying import BlockVerifying
 from turbospark_jax.errors import (
     BadInputError,
     ContextOverflowError,
-    ProducerFailedError,
-    UnsupportedCapabilityError,
 )
 from turbospark_jax.models.base import BlockModel
 
@@ -86,13 +89,7 @@ SHORT_DECODE_KEYS = 512
 #: ``[S, W, D]`` "nothing injected" block per program width.
 PREFILL_CALL_ROWS = 8192
 
-#: The largest capacity: positions are int32 inside the programs.
-_MAX_CAPACITY = 2**31 - 1
-
-
-class BlockProducer(
-    ChunkedPrefillRunner[BlockState], VerifyingTarget[BlockState, BlockState], DeviceDecoder
-):
+class BlockProducer(ChunkedPrefillRunner[BlockState], BlockVerifying, BlockBursts):
     """A :class:`BlockModel` served through the one block program.
 
     Args:
@@ -109,12 +106,12 @@ class BlockProducer(
         (:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`: a dense model under a
         row-invariant kernel plan): a chunk then runs in blocks of ``prefill_width`` rows and its
         rest in one block of a power of two between ``width`` and ``prefill_width``
-        (:func:`prefill_block_widths`), so a few programs serve every prompt, each block
-        reading the weights once for all its rows, and every row keeps the bits of
-        token-by-token decoding. A prefill program of ``w > W`` rows runs ``S * W // w``
-        blocks a call (at least one), so a call holds about as many rows as a decode burst;
-        the ``prefill_width`` program, which feeds the full blocks of long prompts, at least
-        :data:`PREFILL_CALL_ROWS` rows' worth (at most ``S`` blocks).
+        (:func:`~turbospark_jax.engine.sizing.prefill_block_widths`), so a few programs serve
+        every prompt, each block reading the weights once for all its rows, and every row
+        keeps the bits of token-by-token decoding. A prefill program of ``w > W`` rows runs
+        ``S * W // w`` blocks a call (at least one), so a call holds about as many rows as a
+        decode burst; the ``prefill_width`` program, which feeds the full blocks of long
+        prompts, at least :data:`PREFILL_CALL_ROWS` rows' worth (at most ``S`` blocks).
       short_decode_keys: decode bursts whose rows all sit below this many positions run a
         program bounded by it, on a model that declares
         :attr:`~turbospark_jax.models.base.BlockModel.bounds_keys` (:data:`SHORT_DECODE_KEYS`;
@@ -172,11 +169,11 @@ class BlockProducer(
         #: Bytes one state of this producer takes (its cache and fed record).
         self.state_bytes = sum(int(np.prod(shape)) * dtype.itemsize
                                for shape, dtype in self._state_leaves)
-        _require_memory(self.state_bytes, f"a state of {capacity} positions")
-        if capacity > _MAX_CAPACITY:
+        require_memory(self.state_bytes, f"a state of {capacity} positions")
+        if capacity > MAX_CAPACITY:
             raise ContextOverflowError(
                 f"capacity {capacity} is past the int32 positions the programs use "
-                f"(at most {_MAX_CAPACITY})"
+                f"(at most {MAX_CAPACITY})"
             )
         self.model = model
         self.params = params
@@ -309,10 +306,10 @@ class BlockProducer(
         injection: Injection | None = None,
     ) -> tuple[jax.Array, BlockState]:
         """:meth:`~turbospark_jax.core.protocols.ChunkedPrefillRunner.prefill_chunk`, in blocks of
-        :func:`prefill_block_widths` (blocks of ``width`` rows unless ``prefill_width`` is
-        wider); the rows of ``injection`` that fall inside the chunk replace their tokens'
-        embeddings (bitwise the same as feeding the chunk token by token with the same
-        injection)."""
+        :func:`~turbospark_jax.engine.sizing.prefill_block_widths` (blocks of ``width`` rows
+        unless ``prefill_width`` is wider); the rows of ``injection`` that fall inside the
+        chunk replace their tokens' embeddings (bitwise the same as feeding the chunk token by
+        token with the same injection)."""
         self._check_injection(injection)
         tokens = self._check_tokens(tokens, start_position, state, what="prefill chunk")
         blocks, at = [], 0
@@ -397,239 +394,7 @@ class BlockProducer(
             return logits, state
         return self.produce(state, tokens[-1], start_position + len(body))
 
-    # -- target side of speculative decoding ------------------------------------------
-
-    def verify(
-        self, state: BlockState, feed: Sequence[int], base: int
-    ) -> tuple[jax.Array, BlockState]:
-        feed = self._check_tokens(feed, base, state, what="verify block")
-        rows = []
-        for i in range(0, len(feed), self.width):
-            block = feed[i : i + self.width]
-            plan = self._plan([block], head_on_last=True)
-            out, state = self._call(state, plan, self._idle, 1)
-            rows.append(out.logits[: len(block)])
-        return (rows[0] if len(rows) == 1 else jnp.concatenate(rows)), state
-
-    def checkpoint(self, state: BlockState) -> BlockState:
-        self._require_state(state)
-        return by_value(state)
-
-    def rollback(self, state: BlockState, point: BlockState) -> BlockState:
-        self._check_ancestor(state, point)
-        return restore_by_value(state, point)
-
-    def supports_retaining_rollback(self) -> bool:
-        return True
-
-    def retaining_rollback_keeps(self, verified_rows: int, keep_rows: int) -> bool:
-        return not 0 < keep_rows <= self._tape_gone(verified_rows)
-
-    def _tape_gone(self, fed: int) -> int:
-        """Rows of a verify of ``fed`` rows that the tape no longer holds: all but the last
-        block's, for a model that records one (none otherwise)."""
-        if not self.model.records_tape or not fed:
-            return 0
-        return self.width * ((fed - 1) // self.width)
-
-    def rollback_retaining(
-        self, state: BlockState, point: BlockState, keep_rows: int
-    ) -> BlockState:
-        # Rows the verify wrote stay in the append-only buffers; keeping them is moving the
-        # cursor past them. Models with by-value recurrent leaves replay them from a tape.
-        self._check_ancestor(state, point)
-        base = int(point.fed.count)
-        if not is_int(keep_rows) or not 0 <= int(keep_rows) <= int(state.fed.count) - base:
-            raise BadInputError(
-                f"keep_rows={keep_rows!r} but the last verify fed "
-                f"{int(state.fed.count) - base} rows after the checkpoint"
-            )
-        keep_rows = int(keep_rows)
-        restored = restore_by_value(state, point)
-        if self.model.records_tape:
-            # The tape holds the rows of the last block only; a verify wider than the block
-            # ran in several, and the earlier rows' states are gone.
-            fed = int(state.fed.count) - base
-            last_block = self._tape_gone(fed)
-            if 0 < keep_rows <= last_block:
-                raise UnsupportedCapabilityError(
-                    f"the verify fed {fed} rows in blocks of {self.width}; the tape keeps only "
-                    f"the last block, so keep_rows={keep_rows} cannot be replayed. Verify at "
-                    f"most width={self.width} rows per round, or use rollback and re-verify"
-                )
-            restored = restored.replace(
-                cache=self.model.retain_rows(restored.cache, state.cache, keep_rows - last_block)
-            )
-        return self._with_count(restored, base + keep_rows)
-
-    def record_committed(self, state: BlockState, tokens: Sequence[int], pos0: int) -> BlockState:
-        # verify already recorded what it fed; this checks the caller and the record agree, so
-        # a loop that miscounts fails here rather than answering a later turn wrongly.
-        self._require_state(state)
-        tokens = as_token_ids("tokens", tokens, self.vocab_size, allow_empty=True)
-        pos0 = as_int("pos0", pos0, low=0)
-        record = state.fed.to_host()
-        end = pos0 + len(tokens)
-        if end > record.count or list(record.ids[pos0:end]) != [int(t) for t in tokens]:
-            raise ProducerFailedError(
-                f"record_committed({list(tokens)}, pos0={pos0}) disagrees with the fed record "
-                f"{list(record.ids[pos0:end])} (cursor {record.count})"
-            )
-        return state
-
-    # -- device-side decode -------------------------------------------------------------
-
-    def launch_decode(
-        self,
-        state: BlockState,
-        token: int,
-        steps: int,
-        *,
-        params: sampling.SamplingParams,
-        history: sampling.History,
-        key: jax.Array,
-        gen_index: int,
-        stop_ids: Sequence[int] = (),
-        record_logits: bool = True,
-    ) -> tuple[LaunchedBurst, BlockState]:
-        """Feed ``token`` and decode up to ``steps`` tokens on the device in one call, without
-        waiting for it (:meth:`collect` reads it back).
-
-        Step ``i`` samples with ``token_key(key, gen_index + i)``, so the tokens do not depend
-        on how a generation is split into bursts. The burst ends early after sampling a stop
-        id (which is returned but not fed) or on non-finite logits. The last sampled token is
-        never fed: the next burst starts with it.
-        """
-        count = self._require_state(state)
-        steps = as_int("steps", steps, low=1, high=self.steps_per_call)
-        stop_ids = as_token_ids("stop_ids", stop_ids, self.vocab_size, allow_empty=True)
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise BadInputError(f"at most {MAX_STOP_IDS} stop ids, got {len(stop_ids)}")
-        sampling.check_sampling_args(params, history, key, self.vocab_size)
-        gen_index = as_int("gen_index", gen_index, low=0, high=_MAX_CAPACITY)
-        record_logits = as_bool("record_logits", record_logits)
-        token = as_token("token", token, self.vocab_size)
-        self._check_feed([token], count, count, "token")
-        self._check_reach(count, steps)
-        stops = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stops[: len(stop_ids)] = list(stop_ids)
-        # A model whose widths agree may decode in a program of its own (its rows are the
-        # same bits in any program), so that program draws by the settings' plan with no
-        # branch on them; otherwise decode runs the one program prefill and verify run.
-        draw = sampling.draw_plan(params, self.vocab_size) if self.model.widths_agree else "any"
-        # Host scalars and arrays go to the program as they are: the call transfers them with
-        # its arguments, where an eager jnp op per field costs a dispatch each on a GPU.
-        call = _BurstCall(
-            producer=self.identity, params=params, key=key, stop_ids=stops, draw=draw,
-            record_logits=record_logits, first=np.int32(token), gen_index=np.int32(gen_index),
-            ended=np.bool_(False), out=None, cursor=None,
-        )
-        plan = self._decode_plan(steps, first=token)
-        return self._launch(state, call, plan, history, np.int32(steps), count, steps)
-
-    def continue_decode(
-        self, state: BlockState, after: LaunchedBurst, steps: int
-    ) -> tuple[LaunchedBurst, BlockState]:
-        """Chain up to ``steps`` more tokens onto ``after`` without waiting for it (see
-        :meth:`~turbospark_jax.core.protocols.DeviceDecoder.continue_decode`). Nothing here reads
-        the device: the checks hold ``state`` to the one ``after``'s launch returned, and the
-        context to ``after.reach``."""
-        prior = self._own_call(after, "continue_decode continues")
-        require_launched_state(state, state, prior.cursor)
-        steps = as_int("steps", steps, low=1, high=self.steps_per_call)
-        self._check_reach(after.reach, steps)
-        plan = self._decode_plan(steps, first=0)
-        # The first token, its index and whether the generation already ended come from the
-        # burst before, on the device: the host never waits for it here.
-        tokens, gen_index, n_steps, first, ended = _chained_inputs(
-            prior.out.steps, prior.out.sampled, prior.out.finish, prior.first,
-            prior.gen_index, prior.ended, plan.tokens, np.int32(steps),
-        )
-        call = dataclasses.replace(prior, first=first, gen_index=gen_index, ended=ended)
-        return self._launch(state, call, plan.replace(tokens=tokens), prior.out.history,
-                            n_steps, after.reach, steps)
-
-    def collect(self, launched: LaunchedBurst) -> DeviceBurst:
-        """Wait for a launched burst and read its tokens (and logits, when recorded) back."""
-        call = self._own_call(launched, "collect reads")
-        out = call.out
-        # One transfer for the scalars and tokens; slicing on the device by a count that
-        # changes from call to call would compile a new program per count.
-        n, finish, sampled = jax.device_get((out.steps, out.finish, out.sampled))
-        n, finish = int(n), int(finish)
-        toks = [int(t) for t in sampled[:n]]
-        if finish == NON_FINITE:
-            toks = toks[: n - 1]
-        logits = np.asarray(out.logits)[: len(toks)] if call.record_logits else None
-        return DeviceBurst(tokens=toks, finish=finish, history=out.history, logits=logits)
-
     # -- internals ------------------------------------------------------------------------
-
-    def _own_call(self, launched: Any, doing: str) -> _BurstCall:
-        """The record of a burst this producer launched; anything else is refused."""
-        if not isinstance(launched, LaunchedBurst) or not isinstance(
-            launched.call, _BurstCall
-        ) or launched.call.producer != self.identity:
-            raise BadInputError(
-                f"{doing} a burst this producer launched (launch_decode or continue_decode); "
-                f"got {type(launched).__name__}"
-            )
-        return launched.call
-
-    def _check_reach(self, count: int, steps: int) -> None:
-        if count + steps > self.capacity:
-            raise ContextOverflowError(
-                f"decoding {steps} tokens from position {count} overflows the "
-                f"context of {self.capacity} positions"
-            )
-
-    def _decode_plan(self, steps: int, first: int) -> Plan:
-        return self._plan([[first]] + [[0]] * (steps - 1), head_on_last=False, head_all=True,
-                          offsets=np.arange(self.steps_per_call, dtype=np.int32))
-
-    def _launch(
-        self, state: BlockState, call: _BurstCall, plan: Plan, history: Any, n_steps: Any,
-        count: int, steps: int,
-    ) -> tuple[LaunchedBurst, BlockState]:
-        control = Control(
-            feedback=np.bool_(True),
-            params=call.params,
-            history=history,
-            key=call.key,
-            gen_index=call.gen_index,
-            stop_ids=call.stop_ids,
-        )
-        # Every row this burst feeds (padding rows too) sits below count + steps + W - 1.
-        out, state = self._call(state, plan, control, n_steps, draw=call.draw,
-                                max_keys=self.key_bound(count + steps + self.width - 1))
-        call = dataclasses.replace(call, out=out, cursor=state.fed.count)
-        return LaunchedBurst(steps=steps, reach=count + steps, call=call), state
-
-    def _check_ancestor(self, state: BlockState, point: BlockState) -> None:
-        """Refuse a checkpoint that is not of this producer or not an ancestor of ``state``."""
-        self._require_state(state)
-        if not isinstance(point, BlockState) or not isinstance(point.fed, FedRecord):
-            raise BadInputError(
-                f"a checkpoint must come from checkpoint(); got {type(point).__name__}"
-            )
-        if int(point.fed.owner) != self.identity:
-            raise BadInputError(
-                "this checkpoint was taken from another producer; roll a state back only to "
-                "checkpoints of the producer that made it"
-            )
-        # A recurrent model restores its leaves by value from anywhere; a ring only what it holds.
-        floor = self.rewind_floor(state) if self.can_rewind else 0
-        if int(point.fed.count) < min(floor, int(state.fed.count)):
-            raise BadInputError(
-                f"this checkpoint (at position {int(point.fed.count)}) is older than the "
-                f"sliding-window cache still holds (from {floor} on)"
-            )
-        if not state.fed.descends_from(point.fed):
-            raise BadInputError(
-                f"this checkpoint (at position {int(point.fed.count)}) is not an ancestor of "
-                f"the state (at position {int(state.fed.count)}): the state never fed what the "
-                "checkpoint had, so rolling back would claim positions it never consumed"
-            )
 
     def _snapshot(self, state: BlockState) -> BlockState:
         """``state`` keeping a :class:`Snapshot` at its cursor (the newest ``MAX_SNAPSHOTS``)."""
@@ -849,61 +614,10 @@ class BlockProducer(
         return out, with_auxiliary(merge_parts(buffers, values), held)
 
 
-def require_launched_state(state: Any, target: Any, cursor: Any) -> None:
-    """Refuse to chain a device call onto anything but the state the call before it returned
-    (``target``: that state's block-producer part, whose cursor leaf must be ``cursor``),
-    and a state whose buffers a later call consumed. Reads nothing from the device."""
-    if not isinstance(target, BlockState) or target.fed.count is not cursor:
-        raise BadInputError(
-            "continue with the state its launch returned (and nothing since): a chained "
-            "call starts where the one before it stops"
-        )
-    if any(isinstance(x, jax.Array) and x.is_deleted() for x in jax.tree.leaves(state)):
-        raise BadInputError(
-            "this state's buffers were consumed by an earlier call (the producer donates "
-            "them); continue from the state that call returned"
-        )
-
-
 def program_steps(n_steps: Any) -> Any:
     """A call's step count as the program takes it: an int32 scalar, left on the device when
     it is there (a chained burst's count is computed there)."""
     return n_steps if isinstance(n_steps, jax.Array) else np.int32(n_steps)
-
-
-@dataclasses.dataclass(frozen=True)
-class _BurstCall:
-    """A launched decode burst's record: its outputs, what a burst chained onto it takes
-    from them (the token step 0 fed, the index it sampled, whether an earlier burst ended
-    the generation), the settings it keeps, and the returned state's cursor leaf (a chained
-    burst must continue that very state)."""
-
-    out: Any
-    first: Any
-    gen_index: Any
-    ended: Any
-    cursor: Any
-    producer: int
-    params: Any
-    key: Any
-    stop_ids: Any
-    draw: str
-    record_logits: bool
-
-
-@jax.jit
-def _chained_inputs(
-    steps_run: jax.Array, sampled: jax.Array, finish: jax.Array, first: jax.Array,
-    gen_index: jax.Array, ended: jax.Array, tokens: jax.Array, steps: jax.Array,
-) -> tuple[jax.Array, ...]:
-    """A chained burst's inputs from the burst before it, on the device: its plan's tokens
-    with the last token that burst sampled first (the token it fed itself when it ran no
-    step), the index its first step samples, its step count (none once a burst has stopped
-    on a stop id or non-finite logits), and the token and flag a burst after it takes."""
-    last = jnp.where(steps_run > 0, sampled[jnp.maximum(steps_run - 1, 0)], first)
-    done = ended | (finish != RUNNING)
-    n_steps = jnp.where(done, jnp.int32(0), steps).astype(jnp.int32)
-    return tokens.at[0, 0].set(last), gen_index + steps_run, n_steps, last, done
 
 
 def program_statics(last_row_head: bool, draw: str, max_keys: int | None) -> dict[str, Any]:
@@ -915,95 +629,3 @@ def program_statics(last_row_head: bool, draw: str, max_keys: int | None) -> dic
     if max_keys is not None:
         extra["max_keys"] = max_keys
     return extra
-
-
-def check_prefill_width(prefill_width: int, width: int, widths_agree: bool) -> None:
-    """Refuse a ``prefill_width`` that the block program cannot honour exactly.
-
-    Args:
-      prefill_width: the most rows an exact-prefill block would hold.
-      width: the producer's own width (decode and verify blocks).
-      widths_agree: whether the model's programs of different widths agree bitwise
-        (:attr:`~turbospark_jax.models.base.BlockModel.widths_agree`).
-
-    Raises:
-      BadInputError: ``prefill_width`` below ``width``, or other than ``width`` when the
-        widths do not agree; the message says why and what to do instead.
-    """
-    if prefill_width < width:
-        raise BadInputError(
-            f"prefill_width={prefill_width} is below width={width}: the exact prefill runs "
-            f"in blocks of at least width rows; pass prefill_width >= {width}"
-        )
-    if prefill_width != width and not widths_agree:
-        raise BadInputError(
-            f"prefill_width={prefill_width} differs from width={width}, but this model's "
-            "programs of different widths do not agree bit for bit: with XLA's kernels they "
-            "round differently, so a chunked prefill in wider blocks would no longer equal "
-            "token-by-token decoding. Load a dense model with exact=True (its row-invariant "
-            f"kernels), or leave prefill_width out (it is then width={width})"
-        )
-
-
-def prefill_block_widths(n_tokens: int, width: int, prefill_width: int) -> list[int]:
-    """The block widths an exact prefill of ``n_tokens`` tokens runs in, in order.
-
-    Full blocks of ``prefill_width`` rows, then the rest in one block of the smallest power of
-    two that holds it, kept between ``width`` and ``prefill_width``. So a producer compiles
-    programs of ``width``, ``prefill_width`` and the powers of two between them only (one
-    program when the two are equal). A rest of 904 tokens at ``width=1``,
-    ``prefill_width=2048`` runs in a block of 1024 rows.
-
-    Raises:
-      BadInputError: ``n_tokens`` below 0, ``width`` below 1, ``prefill_width`` below
-        ``width``.
-    """
-    n_tokens = as_int("n_tokens", n_tokens, low=0)
-    width = as_int("width", width, low=1)
-    prefill_width = as_int("prefill_width", prefill_width, low=width)
-    full, rest = divmod(n_tokens, prefill_width)
-    widths = [prefill_width] * full
-    if rest:
-        widths.append(min(prefill_width, max(width, 1 << (rest - 1).bit_length())))
-    return widths
-
-
-def _require_memory(needed: int, what: str) -> None:
-    """Refuse, before allocating, ``needed`` bytes that the default device cannot hold.
-
-    The figure to compare with: what the device's allocator reports free
-    (``memory_stats()``: ``bytes_limit - bytes_in_use``, GPUs and TPUs); on a CPU, which
-    reports nothing, the host's available memory (``MemAvailable`` in ``/proc/meminfo``, else
-    all physical pages). A platform that reports neither is not checked.
-
-    Raises:
-      ContextOverflowError: naming the bytes needed and available.
-    """
-    device = jax.local_devices()[0]  # addressable in every process of a multi-host run
-    available = _available_bytes(device)
-    if available is None or needed <= available[0]:
-        return
-    free, where = available
-    raise ContextOverflowError(
-        f"{what} needs {needed:,} bytes ({needed / 2**30:.1f} GiB), but {where} has "
-        f"{free:,} bytes ({free / 2**30:.1f} GiB) available; use a smaller capacity"
-    )
-
-
-def _available_bytes(device: Any) -> tuple[int, str] | None:
-    stats = device.memory_stats()
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0)), str(device)
-    if device.platform != "cpu":
-        return None
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, "the host"
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "the host"
-    except (OSError, ValueError):
-        return None

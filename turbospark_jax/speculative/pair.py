@@ -37,7 +37,8 @@ from turbospark_jax.core.state import (
     with_auxiliary,
     without_auxiliary,
 )
-from turbospark_jax.engine.producer import BlockProducer, require_launched_state
+from turbospark_jax.engine.bursts import require_launched_state
+from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.engine.program import MAX_STOP_IDS
 from turbospark_jax.errors import BadInputError, ContextOverflowError
 from turbospark_jax.speculative.drafters.base import MAX_DRAFT, Drafter, catch_up_compiled
