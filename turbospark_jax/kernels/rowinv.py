@@ -34,6 +34,13 @@ computes each of its rows alike, whatever the row holds and wherever it sits; th
 tests check both facts. In the Pallas interpreter the kernels' tile products are such dots
 too, so the interpreted kernels show the schedule's invariance on a CPU; the hardware's own
 tile product is checked on the GPU.
+
+On a TPU (``impl="tpu"``; ``"tpu_interpret"`` in Pallas' TPU interpreter) every product runs
+on :func:`~turbospark_jax.kernels.tpu_products.tpu_matmul`, whose K order is its own (a
+function of ``K``; ``schedule`` and ``tiles`` do not apply): each weight of a tuple as one
+call, the results side by side; a quantized weight dequantized first, as the XLA form takes
+it; ``parts`` as one finished float32 part; the gated product as the two products, then
+:func:`swiglu_gating` in XLA.
 """
 
 from __future__ import annotations
@@ -52,6 +59,7 @@ from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import pdl as pallas_pdl
 from turbospark_jax.kernels.mosaic_matmul import MosaicTiles, mosaic_gated, mosaic_matmul
 from turbospark_jax.kernels.quant_tiles import QuantLayout, QuantTile, bind, fits_tiles
+from turbospark_jax.kernels.tpu_products import TPU_IMPLS, tpu_matmul
 from turbospark_jax.quant.weights import QuantizedWeight, dequantize
 
 #: Rows of the matvec kernel's row tile (Triton's smallest matrix-product tile), and of the
@@ -72,9 +80,11 @@ MIN_TILES = 2
 DOT_MIN_TILES = 1
 #: At most this many rows go to the matvec kernel under ``kernel="auto"``.
 SMALL_M = 16
-#: Values of ``impl``: ``"auto"`` (Pallas on a GPU, the XLA form elsewhere), ``"pallas"``,
-#: ``"interpret"`` (the Pallas kernels in the interpreter, for CPU tests) and ``"xla"``.
-IMPLS = ("auto", "pallas", "interpret", "xla")
+#: Values of ``impl``: ``"auto"`` (Pallas on a GPU, the TPU kernel on a TPU, the XLA form
+#: elsewhere), ``"pallas"``, ``"interpret"`` (the Pallas kernels in the interpreter, for CPU
+#: tests), ``"tpu"`` and ``"tpu_interpret"`` (the TPU kernel, compiled or in Pallas' TPU
+#: interpreter) and ``"xla"``.
+IMPLS = ("auto", "pallas", "interpret", "tpu", "tpu_interpret", "xla")
 #: Values of ``kernel``: which Pallas kernel runs (``"auto"`` picks by the row count and the
 #: GPU).
 KERNELS = ("auto", "matvec", "matmul", "mosaic")
@@ -629,6 +639,14 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
     return row_tiled(tile, x, shared=tuple(ws), min_tiles=DOT_MIN_TILES)
 
 
+def _tpu_products(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
+                  impl: str, label: str) -> jax.Array:
+    """The product on the TPU kernel: one call a weight, their results side by side."""
+    out = [tpu_matmul(x, w, w_layout="nk" if nk else "kn", out_dtype=out_dtype, impl=impl,
+                      label=label) for w in ws]
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
+
+
 def _hopper() -> bool:
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
@@ -680,11 +698,12 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
                    parts: bool = False, label: str = "") -> jax.Array:
     dtype = jnp.dtype(jnp.float32) if parts else out_dtype
     interpret = impl == "interpret"
-    matvec = impl != "xla" and (kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M))
-    ws = in_kernel(ws, schedule.k_tile, x.dtype) if impl != "xla" and not nk else dense(
-        ws, x.dtype)
-    if impl == "xla":
-        out = _xla_tiled(x, ws, nk, dtype)
+    triton = impl in ("pallas", "interpret")
+    matvec = triton and (kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M))
+    ws = in_kernel(ws, schedule.k_tile, x.dtype) if triton and not nk else dense(ws, x.dtype)
+    if impl in ("xla", *TPU_IMPLS):
+        out = (_xla_tiled(x, ws, nk, dtype) if impl == "xla"
+               else _tpu_products(x, ws, nk, dtype, impl, label))
         return out[None] if parts else out
     if matvec:
         partials = _matvec(x, ws, nk, schedule, tiles, interpret, label)
@@ -785,8 +804,10 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
 @functools.partial(jax.jit, static_argnames=("impl", "kernel", "tiles", "label"))
 def _rowinv_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, impl: str, kernel: str,
                    tiles: Tiles, label: str) -> jax.Array:
-    if impl == "xla":
-        both = _xla_tiled(x, dense((gate, up), x.dtype), False, x.dtype)
+    if impl in ("xla", *TPU_IMPLS):
+        pair = dense((gate, up), x.dtype)
+        both = (_xla_tiled(x, pair, False, x.dtype) if impl == "xla"
+                else _tpu_products(x, pair, False, x.dtype, impl, label))
         f = gate.shape[1]
         return swiglu_gating(both[:, :f], both[:, f:], x.dtype)
     return _gated_pallas(x, gate, up, kernel, tiles, impl == "interpret", label)
@@ -846,25 +867,37 @@ def _resolve_call(impl: str, kernel: str, label: str) -> str:
         raise BadInputError(f"kernel must be one of {', '.join(KERNELS)}; got {kernel!r}")
     if not isinstance(label, str) or not all(c.isalnum() or c == "_" for c in label):
         raise BadInputError(f"label must be letters, digits and underscores; got {label!r}")
-    impl = resolve_impl(impl)
+    impl = resolve_impl(impl, tpu=True)
     if kernel == "mosaic" and impl != "pallas":
         raise BadInputError(f"kernel='mosaic' runs on a Hopper GPU only (impl 'pallas'); "
                             f"impl {impl!r} has no Mosaic kernel: use kernel='matmul'")
     return impl
 
 
-def resolve_impl(impl: str) -> str:
+def resolve_impl(impl: str, tpu: bool = False) -> str:
     """``impl`` with ``"auto"`` made concrete for the default backend.
 
+    Args:
+      impl: one of :data:`IMPLS`.
+      tpu: the caller has a TPU kernel (the products do; the norm does not, and takes
+        neither TPU impl).
+
     Raises:
-      BadInputError: ``impl`` is not one of :data:`IMPLS`, or ``"pallas"`` off a GPU.
+      BadInputError: ``impl`` is not one of :data:`IMPLS`, ``"pallas"`` off a GPU, ``"tpu"``
+        off a TPU, or a TPU impl where the caller has no TPU kernel.
     """
     if impl not in IMPLS:
         raise BadInputError(f"impl must be one of {', '.join(IMPLS)}; got {impl!r}")
-    on_gpu = jax.default_backend() == "gpu"
+    backend = jax.default_backend()
     if impl == "auto":
-        return "pallas" if on_gpu else "xla"
-    if impl == "pallas" and not on_gpu:
+        return {"gpu": "pallas", "tpu": "tpu" if tpu else "xla"}.get(backend, "xla")
+    if impl in TPU_IMPLS and not tpu:
+        raise BadInputError(f"impl={impl!r}: this kernel has no TPU form; use 'xla'")
+    if impl == "tpu" and backend != "tpu":
+        raise BadInputError(
+            f"impl='tpu' needs a TPU (the backend is {backend!r}); use 'tpu_interpret' to "
+            "run the TPU kernel in Pallas' TPU interpreter, or 'xla'")
+    if impl == "pallas" and backend != "gpu":
         raise BadInputError(
             f"impl='pallas' needs a GPU (the backend is {jax.default_backend()!r}); use "
             "'interpret' to run the kernels in the Pallas interpreter, or 'xla'"
@@ -903,7 +936,7 @@ def rowinv_matmul(
       impl: one of :data:`IMPLS`.
       kernel: one of :data:`KERNELS` (Pallas impls only; ``"auto"``: matvec for at most
         :data:`SMALL_M` rows, matmul above).
-      schedule: the reduction order over ``K`` (Pallas impls only).
+      schedule: the reduction order over ``K`` (the GPU's Pallas impls only).
       tiles: the kernels' tile sizes and Triton settings (speed only).
       parts: return the product unfinished, as float32 partial sums over K ``[S, M, N]``
         (``S`` segments from the matvec kernel, 1 from the others) that :func:`sum_parts`
@@ -919,7 +952,7 @@ def rowinv_matmul(
     Raises:
       BadInputError: operands that are not 2-D, empty, of different or unsupported dtypes,
         or whose inner dimensions differ; an unknown ``w_layout``, ``impl``, ``kernel`` or
-        ``out_dtype``; ``impl="pallas"`` off a GPU.
+        ``out_dtype``; ``impl="pallas"`` off a GPU, ``impl="tpu"`` off a TPU.
     """
     if w_layout not in ("kn", "nk"):
         raise BadInputError(f"w_layout must be 'kn' or 'nk'; got {w_layout!r}")
