@@ -11,6 +11,7 @@ with the TPU product itself on that mesh under ``shard_map``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -19,7 +20,7 @@ import pytest
 from jax import export
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from turbospark_jax.kernels import tpu_products
+from turbospark_jax.kernels import tpu_attention, tpu_products
 from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
@@ -60,6 +61,32 @@ def test_the_tpu_product_lowers_for_a_tpu(name):
     assert "stablehlo.dot_general" not in text  # the product is the kernel's, none left to XLA
 
 
+def _attention(window):
+    # the jitted core, past the check that refuses impl="tpu" on a machine without a TPU
+    return lambda q, k, v, qp, kp: tpu_attention._tpu_attention(q, k, v, qp, kp, window, "tpu")
+
+
+CACHE = S((2048, 2, 128), BF16)
+ATTENTION = {
+    "one row": (_attention(None), S((1, 8, 128), BF16), CACHE, CACHE, S((1,), jnp.int32),
+                S((2048,), jnp.int32)),
+    "40 rows, a window, float32": (
+        _attention(512), S((40, 8, 128), F32), S((2048, 2, 128), F32), S((2048, 2, 128), F32),
+        S((40,), jnp.int32), S((2048,), jnp.int32)),
+    "a capacity of one block": (_attention(None), S((3, 2, 256), BF16), S((200, 1, 256), BF16),
+                                S((200, 1, 256), BF16), S((3,), jnp.int32),
+                                S((200,), jnp.int32)),
+}
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_the_tpu_attention_lowers_for_a_tpu(name):
+    fn, *args = ATTENTION[name]
+    text, _ = _tpu_text(fn, *args)
+    assert MOSAIC in text and 'kernel_name = "tpu_attention"' in text
+    assert "stablehlo.dot_general" not in text
+
+
 CONFIG = DenseConfig(model_type="qwen3", vocab_size=512, hidden_size=128, intermediate_size=256,
                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=32, tie_word_embeddings=True, bos_token_id=0, eos_token_id=1)
@@ -94,9 +121,21 @@ def test_a_one_row_decode_step_under_the_tpu_plan_lowers_with_mosaic_products(mo
     assert {"tpu_rowinv_matmul_o", "tpu_rowinv_matmul_gate_up", "tpu_rowinv_matmul_down",
             "tpu_rowinv_matmul_head"} <= names, names
     # control: the CPU's row-invariant plan lowers the same step without a Mosaic kernel
+    assert "tpu_attention" not in names  # heads of 32: XLA's tiled attention
     tiled = DenseModel(CONFIG, BF16, scan_layers=False,
                        plan=KernelPlan(row_invariant=True, pallas="off"))
     assert MOSAIC not in _decode(tiled)[0]
+
+
+def test_a_decode_step_with_heads_of_128_runs_the_tpu_attention(monkeypatch):
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    config = dataclasses.replace(CONFIG, num_attention_heads=2, num_key_value_heads=1,
+                                 head_dim=128)
+    model = DenseModel(config, BF16, scan_layers=False,
+                       plan=KernelPlan(row_invariant=True, pallas="tpu"))
+    text, _ = _decode(model)
+    assert "tpu_attention" in _kernel_names(text)
+    assert "stablehlo.dot_general" not in text  # every product and attention in a kernel
 
 
 MESH = AbstractMesh((2, 2), ("dp", TP))

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import plan as kplan
 from turbospark_jax.kernels.plan import KernelPlan
@@ -28,10 +27,7 @@ from turbospark_jax.kernels.tpu_products import (
     row_tile_for,
     tpu_matmul,
 )
-from turbospark_jax.models.dense.config import DenseConfig
-from turbospark_jax.models.dense.model import DenseModel
 from turbospark_jax.quant.weights import dequantize, quantize
-from turbospark_jax.testing import conformance
 
 IMPL = "tpu_interpret"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -163,18 +159,3 @@ def test_bad_inputs_are_refused():
     with pytest.raises(BadInputError, match="has no TPU form"):  # the norm has no TPU kernel
         row_rms_norm(x, None, 1e-6, impl=IMPL)
 
-
-def test_a_dense_model_under_the_tpu_plan_agrees_across_program_widths():
-    """A width-1 producer (token-by-token prefill, decode) and a width-16 one (chunked
-    prefill, a verify of four rows) give bitwise equal logits and state, with every product on
-    the interpreted TPU kernel and the other pieces in XLA's tiled forms. (The control, XLA's
-    own kernels failing this check in float32, is in tests/models/test_dense_widths_agree.py.)"""
-    config = DenseConfig(model_type="qwen3", vocab_size=96, hidden_size=48,
-                         intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=12, tie_word_embeddings=True)
-    model = DenseModel(config, jnp.float32, plan=KernelPlan.interpreted(target="tpu"))
-    params = model.init_params(jax.random.PRNGKey(3))
-    decoder, prefiller = (BlockProducer(model, params, capacity=64, width=w, steps_per_call=2)
-                          for w in (1, 16))
-    prompt = [5, 17, 3, 88, 41, 41, 9, 60, 2, 77, 14, 30, 65, 8, 51, 23, 90, 1, 36, 70]
-    conformance.check_widths_agree(decoder, prefiller, prompt, [7, 9], [12, 45, 3, 80])

@@ -15,8 +15,9 @@ A :class:`KernelPlan` has two facts, and every choice below follows from them:
   kernel (:mod:`~turbospark_jax.kernels.rope_store`), which in the row-invariant form runs
   inside the attention's first kernel for a decode or verify block and folds a long
   context's splits in the last split program. ``"tpu"`` on a TPU: the row-invariant
-  products in Pallas' TPU dialect (:mod:`~turbospark_jax.kernels.tpu_products`), every other
-  piece in XLA's row-invariant tiled form. ``"off"`` elsewhere: XLA's operations, and
+  products and attention in Pallas' TPU dialect (:mod:`~turbospark_jax.kernels.tpu_products`,
+  :mod:`~turbospark_jax.kernels.tpu_attention` where it takes the shapes), the norm and RoPE
+  in XLA's row-invariant tiled forms. ``"off"`` elsewhere: XLA's operations, and
   under ``row_invariant`` their fixed-shape tiled forms of
   :data:`~turbospark_jax.kernels.rowinv.XLA_ROW_TILE` rows
   (:func:`~turbospark_jax.kernels.rowinv.row_tiled`), since XLA's own CPU reductions and
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels import layers
+from turbospark_jax.kernels import layers, tpu_attention
 from turbospark_jax.kernels.rowinv import (
     dense,
     row_tiled,
@@ -51,6 +52,7 @@ from turbospark_jax.kernels.rowinv import (
     schedule_for,
     sum_parts,
 )
+from turbospark_jax.kernels.tpu_products import TPU_IMPLS
 
 #: Values of :attr:`KernelPlan.pallas`.
 PALLAS = ("off", "compiled", "interpret", "tpu", "tpu_interpret")
@@ -76,7 +78,8 @@ class KernelPlan:
       row_invariant: a row's bits do not depend on the number of rows in the call, so block
         programs of different widths agree bitwise (:attr:`widths_agree`).
       pallas: one of :data:`PALLAS`: ``"compiled"`` (the Pallas kernels on a GPU),
-        ``"tpu"`` (the TPU's Pallas products, XLA's tiled forms for the rest), ``"off"``
+        ``"tpu"`` (the TPU's Pallas products and attention, XLA's tiled forms for the
+        rest), ``"off"``
         (XLA's operations only), ``"interpret"`` or ``"tpu_interpret"`` (the GPU's or the
         TPU's kernels in the Pallas interpreter; tests only).
     """
@@ -108,8 +111,8 @@ class KernelPlan:
     def uses_pallas(self) -> bool:
         """Whether the GPU's Pallas kernels run (compiled or interpreted): the norm, the
         RoPE-and-cache-write and the fused attention kernels with the products. The TPU's
-        plan runs only its products in Pallas (:attr:`impl`); its other pieces take the
-        forms of a plan without Pallas."""
+        plan runs its products and attention in Pallas (:attr:`impl`); its norm and RoPE
+        take the forms of a plan without Pallas."""
         return self.pallas in ("compiled", "interpret")
 
     @property
@@ -138,9 +141,10 @@ def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> Kernel
 
     Args:
       backend: the JAX backend (``jax.default_backend()``). ``"gpu"``: the Pallas (Triton
-        and Mosaic GPU) kernels; ``"tpu"``: the row-invariant products in Pallas' TPU
-        dialect beside XLA's tiled forms for the other pieces; ``"cpu"``: XLA's tiled forms.
-        Any other backend runs XLA's own kernels, with an :class:`UnknownBackendWarning`.
+        and Mosaic GPU) kernels; ``"tpu"``: the row-invariant products and attention in
+        Pallas' TPU dialect beside XLA's tiled forms for the other pieces; ``"cpu"``: XLA's
+        tiled forms. Any other backend runs XLA's own kernels, with an
+        :class:`UnknownBackendWarning`.
       exact: whether the exact prefill should run in wide blocks that agree bitwise with
         token-by-token decoding (the row-invariant plan). On a GPU the row-invariant kernels
         are also the fastest, so both choices take them there; on another backend the
@@ -283,13 +287,19 @@ def attend(plan: KernelPlan, q: jax.Array, k: jax.Array, v: jax.Array, q_positio
            k_positions: jax.Array, window: Any) -> jax.Array:
     """:func:`~turbospark_jax.kernels.layers.attend` of queries ``[W, H, hd]`` over keys and
     values ``[S, KV, hd]``; under a row-invariant plan the queries go in fixed-shape tiles,
-    so a query row's score and value products have one shape whatever ``W`` is. Without the
+    so a query row's score and value products have one shape whatever ``W`` is. Under the
+    TPU's plan the TPU kernel runs where it takes the shapes
+    (:func:`~turbospark_jax.kernels.tpu_attention.supported`): it walks the keys in blocks at
+    fixed offsets with query tiles of one height, the same structure. Without the
     Pallas kernels each tile walks the keys in blocks up to the last one its rows see
     (:func:`_attend_blocks`); beside them (where this is the fallback for shapes the fused
     kernel does not take) it takes the whole softmax, since on a GPU a loop whose trip count
     is data waits on the host, per block."""
     if not plan.row_invariant:
         return layers.attend(q, k, v, q_positions, k_positions, window)
+    if plan.impl in TPU_IMPLS and tpu_attention.supported(q.shape[-1], window):
+        return tpu_attention.tpu_attention(q, k, v, q_positions, k_positions, window,
+                                           impl=plan.impl)
     attend_tile = layers.attend if plan.uses_pallas else _attend_blocks
     return row_tiled(
         lambda qt, pt, k, v, kp: attend_tile(qt, k, v, pt, kp, window), q, q_positions,
