@@ -31,7 +31,7 @@ from turbospark_jax.quant.weights import dequantize, quantize
 
 IMPL = "tpu_interpret"
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
-#: K over two blocks, the last padded; N over three lane blocks, the last padded.
+#: K over two blocks, padded to whole lanes; N over three lane blocks, the last padded.
 K, N = 700, 300
 WIDTHS = (1, 3, 8, 16)
 
@@ -49,7 +49,8 @@ def _tpu(x, w, **kwargs):
 
 
 def test_blocks_follow_k_alone_and_row_tiles_the_dtype():
-    assert k_block_for(700) == 512 and k_block_for(100) == 128 and k_block_for(128) == 128
+    assert [k_block_for(k) for k in (100, 128, 700, 896, 2048, 1536)] == [
+        128, 128, 384, 128, 512, 512]  # 700: 768 columns in two blocks; 896: seven lanes
     assert [row_tile_for(m, jnp.float32) for m in (1, 8, 9, 300)] == [8, 8, 16, MAX_ROW_TILE]
     assert [row_tile_for(m, jnp.bfloat16) for m in (1, 16, 17)] == [16, 16, 32]
 

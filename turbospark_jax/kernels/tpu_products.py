@@ -6,7 +6,7 @@
 
 What fixes a row's arithmetic is the K order, a function of ``K`` alone
 (:func:`k_block_for`): ``K`` is cut into blocks of ``k_block`` columns (zero columns pad it
-to whole blocks; they add exact zeros), and a program per ``[bm, 128]`` output tile walks
+to whole lanes; they add exact zeros), and a program per ``[bm, 128]`` output tile walks
 them in order, the grid's last axis, adding each block's float32 product onto an accumulator
 in VMEM that starts at ``-0.0`` (the exact additive identity), then rounds the total once to
 the output's dtype. The row tile ``bm`` (a power of two from the dtype's sublane count, see
@@ -69,8 +69,11 @@ def row_tile_for(m: int, dtype: Any) -> int:
 
 def k_block_for(k: int) -> int:
     """The K columns of one grid step: a function of ``k`` alone, so every row count walks
-    ``K`` in the same blocks. ``k`` rounded up to lanes, at most :data:`MAX_K_BLOCK`."""
-    return min(_ceil_to(k, LANES), MAX_K_BLOCK)
+    ``K`` in the same blocks. The largest multiple of the lanes, at most
+    :data:`MAX_K_BLOCK`, that divides ``k`` rounded up to lanes: a weight whose ``K`` is a
+    whole number of lanes is then read in place, never padded by a copy at each call."""
+    lanes = _ceil_to(k, LANES) // LANES
+    return LANES * max(d for d in range(1, MAX_K_BLOCK // LANES + 1) if lanes % d == 0)
 
 
 def _block_dot(a: jax.Array, b: jax.Array, nk: bool, interpret: bool) -> jax.Array:
