@@ -149,7 +149,7 @@ def load(
       draft: a draft model folder for speculative decoding, or ``True`` for the embedded
         draft model (``drafter="draft-model"`` with that folder).
       block_drafter: a block drafter folder trained for this model
-        (:func:`~turbospark_jax.io.loading.save_block_drafter`): the target then records the
+        (:func:`~turbospark_jax.io.drafter_folders.save_block_drafter`): the target then records the
         layers it reads, and it proposes a block per pass (``drafter="block"``).
       ngram: draft by prompt lookup with n-grams up to this length (0: off; with
         ``drafter="ngram"`` the default is 3).

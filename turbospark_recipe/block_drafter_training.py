@@ -15,8 +15,8 @@ The target never changes: its params are not an argument of the gradient.
 :func:`train_block_drafter` is the loop (AdamW on the recipe's warmup-cosine schedule, fresh
 anchors every step, a held-out evaluation: the weighted cross-entropy and the greedy top-1
 acceptance by block position); :func:`export_block_drafter` writes the folder
-:func:`~turbospark_jax.io.loading.load_block_drafter` reads; :func:`default_drafter_config` is
-the shape the recipe trains for a target.
+:func:`~turbospark_jax.io.drafter_folders.load_block_drafter` reads;
+:func:`default_drafter_config` is the shape the recipe trains for a target.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from flax import struct
 from tqdm import tqdm
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.io import loading
+from turbospark_jax.io import drafter_folders
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.block_drafter import (
     BlockDrafterConfig,
@@ -403,7 +403,7 @@ def train_block_drafter(
 def export_block_drafter(folder: str | os.PathLike[str], config: BlockDrafterConfig,
                          params: Params, dtype: str = "bfloat16") -> None:
     """Write a drafter folder (``config.json``, ``model.safetensors`` in ``dtype``) that
-    :func:`~turbospark_jax.io.loading.load_block_drafter` and ``--block-drafter`` read.
+    :func:`~turbospark_jax.io.drafter_folders.load_block_drafter` and ``--block-drafter`` read.
 
     Raises:
       BadInputError: ``dtype`` is not float32, bfloat16 or float16, or ``config`` not a
@@ -414,4 +414,4 @@ def export_block_drafter(folder: str | os.PathLike[str], config: BlockDrafterCon
         raise BadInputError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
     host = jax.tree.map(lambda a: np.asarray(jax.device_get(a)).astype(jnp.dtype(dtype)),
                         params)
-    loading.save_block_drafter(folder, config, host)
+    drafter_folders.save_block_drafter(folder, config, host)

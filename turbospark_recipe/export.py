@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from turbospark_jax.io import loading
+from turbospark_jax.io import loading, saving
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_recipe.train import TrainResult
 
@@ -47,6 +47,6 @@ def export_model(
         pad_token_id=tokenizer.pad_token_id,
         extra={"do_sample": False},
     )
-    loading.save_folder(folder, result.config, params, tokenizer=tokenizer,
-                        generation_config=generation, max_shard_bytes=SHARD_BYTES)
+    saving.save_folder(folder, result.config, params, tokenizer=tokenizer,
+                       generation_config=generation, max_shard_bytes=SHARD_BYTES)
     (folder / "README.md").write_text(card, encoding="utf-8")

@@ -18,7 +18,8 @@ import pytest
 from turbospark_jax import cli
 from turbospark_jax.cli import main
 from turbospark_jax.cli.arguments import unescape
-from turbospark_jax.io.loading import GenerationConfig, save_folder
+from turbospark_jax.io.loading import GenerationConfig
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import init_params
@@ -503,7 +504,7 @@ def test_library_messages_are_put_in_the_flags_words():
 def test_generate_with_a_block_drafter(our_folder, tmp_path):
     from turbospark_jax import api
     from turbospark_jax.errors import BadInputError
-    from turbospark_jax.io.loading import save_block_drafter
+    from turbospark_jax.io.drafter_folders import save_block_drafter
     from turbospark_jax.models import block_drafter as BD
 
     vocab = json.loads((our_folder / "config.json").read_text())["vocab_size"]
@@ -532,7 +533,7 @@ def test_generate_with_a_block_drafter(our_folder, tmp_path):
 def test_generate_with_a_block_drafter_over_a_qwen3_5_target(tmp_path):
     """A Qwen3.5 target folder (DeltaNet layers, tap rows in its cache) with --block-drafter:
     the flag loads the drafter, taps the target and runs the rounds."""
-    from turbospark_jax.io.loading import save_block_drafter
+    from turbospark_jax.io.drafter_folders import save_block_drafter
     from turbospark_jax.models import block_drafter as BD
     from turbospark_jax.models.qwen3_5 import config as QC
     from turbospark_jax.models.qwen3_5 import model as Q

@@ -34,7 +34,8 @@ from turbospark_jax.core.injection import Injection
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.engine.sizing import prefill_block_widths
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.io.loading import GenerationConfig, save_folder
+from turbospark_jax.io.loading import GenerationConfig
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.models.dense import model as dense
 from turbospark_jax.models.dense.config import DenseConfig

@@ -28,7 +28,8 @@ from turbospark_jax.cli import main
 from turbospark_jax.cli.arguments import parser
 from turbospark_jax.errors import BadInputError, UnsupportedCapabilityError
 from turbospark_jax.io import loading
-from turbospark_jax.io.loading import GenerationConfig, load_folder, save_folder, serving_plan
+from turbospark_jax.io.loading import GenerationConfig, load_folder, serving_plan
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.dense import model as dense

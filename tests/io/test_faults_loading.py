@@ -26,7 +26,8 @@ from safetensors import safe_open
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.io import loading
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import init_params

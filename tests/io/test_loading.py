@@ -32,7 +32,8 @@ from turbospark_jax.errors import (  # noqa: E402
     UnsupportedCapabilityError,
 )
 from turbospark_jax.io import loading  # noqa: E402
-from turbospark_jax.io.loading import GenerationConfig, load_folder, save_folder  # noqa: E402
+from turbospark_jax.io.loading import GenerationConfig, load_folder  # noqa: E402
+from turbospark_jax.io.saving import save_folder  # noqa: E402
 from turbospark_jax.io.tokenizer import Tokenizer  # noqa: E402
 from turbospark_jax.kernels.layers import RopeScaling  # noqa: E402
 from turbospark_jax.models.dense import model as dense  # noqa: E402

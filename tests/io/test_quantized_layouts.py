@@ -24,7 +24,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import init_params
 from turbospark_jax.quant.weights import QuantizedWeight, dequantize

@@ -28,7 +28,8 @@ from tests.io.test_quantized_layouts import (
 )
 from turbospark_jax.core.state import tree_bitwise_equal
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.models.dense.model import init_params
 from turbospark_jax.quant.weights import Quantization, QuantizedWeight, dequantize, quantize
 

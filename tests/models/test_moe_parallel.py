@@ -109,7 +109,7 @@ def test_loading_shard_by_shard_is_refused_before_reading(tmp_path):
     import jax
 
     from turbospark_jax.errors import UnsupportedCapabilityError
-    from turbospark_jax.io.loading import save_folder
+    from turbospark_jax.io.saving import save_folder
     from turbospark_jax.models.dense.model import init_params
     from turbospark_jax.parallel.loading import load_sharded
     from turbospark_jax.parallel.sharding import tp_mesh

@@ -29,7 +29,8 @@ import turbospark_jax as tsj
 from tests.models.test_moe import cli_text, fixture_tokenizer, hf_greedy_text
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import ModelLoadError
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers

@@ -31,7 +31,8 @@ from tests.models.test_moe import (
     hf_greedy_text,
 )
 from turbospark_jax.engine.producer import BlockProducer
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.testing import conformance as C

@@ -22,7 +22,8 @@ from tests.quant.test_quantized_guarantees import PROMPT, _logits  # token-by-to
 from tests.quant.tiny import QWEN35
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.models.dense import model as D
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.gemma4 import config as GC

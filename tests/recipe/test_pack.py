@@ -83,12 +83,8 @@ def test_recipe_runs_end_to_end_with_a_block_drafter(tmp_path: Path) -> None:
     and its block drafter trained, exported, packed and summarised; each folder loads."""
     import json
 
-    from turbospark_jax.io.loading import (
-        DEFAULT_TARGET,
-        embedded_model_path,
-        load_block_drafter,
-        load_folder,
-    )
+    from turbospark_jax.io.drafter_folders import load_block_drafter
+    from turbospark_jax.io.loading import DEFAULT_TARGET, embedded_model_path, load_folder
     from turbospark_jax.io.tokenizer import Tokenizer
 
     corpus = tmp_path / "corpus"

@@ -17,7 +17,7 @@ from turbospark_jax.core.state import live_equal, tree_bitwise_equal
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.generation.speculative_loop import MAX_DRAFT, run_raw_completion_speculative
-from turbospark_jax.io.loading import load_block_drafter, save_block_drafter
+from turbospark_jax.io.drafter_folders import load_block_drafter, save_block_drafter
 from turbospark_jax.models import block_drafter as BD
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel

@@ -15,7 +15,7 @@ from turbospark_jax import CompletionRequest, SamplingConfig, run_raw_completion
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
-from turbospark_jax.io.loading import load_block_drafter
+from turbospark_jax.io.drafter_folders import load_block_drafter
 from turbospark_jax.models import block_drafter as BD
 from turbospark_jax.models.dense.model import DenseModel
 from turbospark_jax.models.qwen3_5 import config as QC

@@ -286,7 +286,8 @@ def test_written_figures_replace_their_pairs_and_keep_the_rest(tmp_path: Path) -
 
 @pytest.fixture(scope="module")
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from turbospark_jax.io.loading import GenerationConfig, save_folder
+    from turbospark_jax.io.loading import GenerationConfig
+    from turbospark_jax.io.saving import save_folder
     from turbospark_jax.models.dense.model import init_params
 
     config = DenseConfig.from_hf_dict(DENSE)
@@ -355,7 +356,7 @@ def test_an_assistant_folder_loads_as_written(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
     from tests.testing.assistant_folders import write_assistant_folder
-    from turbospark_jax.io.loading import load_assistant
+    from turbospark_jax.io.drafter_folders import load_assistant
 
     raw = {"model_type": "gemma4_assistant", "backbone_hidden_size": 32,
            "use_ordered_embeddings": True, "num_centroids": 8, "centroid_intermediate_top_k": 2,

@@ -1,9 +1,11 @@
-"""Load and save model folders in the Hugging Face layout.
+"""Load model folders in the Hugging Face layout.
 
 A folder holds ``config.json``, the weights as ``model.safetensors`` or as shards listed in
 ``model.safetensors.index.json``, optionally ``generation_config.json`` and tokenizer files.
 Weights are read with ``safetensors`` in numpy mode (bfloat16 arrives as an ``ml_dtypes``
-array); nothing is ever unpickled, so ``pytorch_model.bin`` folders are refused.
+array); nothing is ever unpickled, so ``pytorch_model.bin`` folders are refused. Writing such
+a folder is :mod:`~turbospark_jax.io.saving`'s; drafter folders (block drafters, Gemma 4
+assistants) are :mod:`~turbospark_jax.io.drafter_folders`'.
 
 The loader is generic: ``config.json``'s ``model_type`` picks a family from
 :mod:`~turbospark_jax.models.registry`, whose :class:`~turbospark_jax.models.family.Family`
@@ -32,31 +34,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from turbospark_jax.core.checks import as_bool, as_int
+from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError, ModelLoadError, UnsupportedCapabilityError
 from turbospark_jax.io import quantized as stored_quantization
 from turbospark_jax.io.tokenizer import TOKENIZER_FILE, Tokenizer
 from turbospark_jax.io.vision import ImageTokens, VisionEncoder
 from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, kernel_plan
-from turbospark_jax.models import block_drafter
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
-from turbospark_jax.models.gemma4 import assistant as gemma4_assistant
 from turbospark_jax.models.gemma4 import vision as gemma4_vision
-from turbospark_jax.models.registry import family_of, family_of_config
+from turbospark_jax.models.registry import family_of
 from turbospark_jax.quant.kv import check_kv_dtype
-from turbospark_jax.quant.weights import Quantization, is_quantized, quantize_leaf
+from turbospark_jax.quant.weights import Quantization, quantize_leaf
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 PROCESSOR_CONFIG_FILE = "processor_config.json"
-
-#: Default shard limit for :func:`save_folder` (transformers' historical default).
-DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 _DTYPES: dict[str, Any] = {
     "float32": jnp.float32,
@@ -550,279 +546,6 @@ def _header_shape(handle: Any, name: str, file: str) -> tuple[int, ...]:
         return tuple(handle.get_slice(name).get_shape())
     except Exception as e:  # the library's errors for a damaged header entry
         raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
-
-
-# -- saving ----------------------------------------------------------------------------------
-
-
-def save_folder(
-    path: str | os.PathLike[str],
-    config: Any,
-    params: Params,
-    tokenizer: Tokenizer | None = None,
-    generation_config: GenerationConfig | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-    vision: VisionEncoder | None = None,
-) -> None:
-    """Write a Hugging Face folder that this loader and ``transformers`` both load.
-
-    Writes ``config.json`` (with ``architectures``, and ``dtype`` set to the params' dtype),
-    the weights in the params' dtype as ``model.safetensors`` or, past ``max_shard_bytes``,
-    as ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``,
-    ``generation_config.json`` (given, or derived from ``config``) and the tokenizer files.
-    Weight files already in the folder are removed first so no stale shard survives.
-    Quantized weights (:class:`~turbospark_jax.quant.weights.QuantizedWeight` leaves) are
-    written in a published layout with its ``quantization_config``: block-wise fp8 in the
-    ``fp8`` layout, the rest in compressed-tensors' (see
-    :func:`~turbospark_jax.io.quantized.write_quantized`).
-
-    Args:
-      path: the destination folder (created if needed).
-      config: the model config (its ``model_type`` picks the family).
-      params: the params tree, in either layer layout the family has (see
-        :mod:`turbospark_jax.models.dense.model`).
-      tokenizer: written alongside when given.
-      generation_config: written as ``generation_config.json``; derived when ``None``.
-      max_shard_bytes: the most tensor bytes in one file (a larger tensor gets a file alone).
-      vision: a vision tower to save beside a ``gemma4`` text model (its config goes into
-        ``vision_config``, its budget into ``processor_config.json``).
-
-    Raises:
-      ModelLoadError: no family saves ``config.model_type``, or the params do not have the
-        shapes ``config`` implies.
-      BadInputError: an argument of the wrong type (a config that is no family's, a
-        tokenizer that is not ours, ``max_shard_bytes`` below 1).
-    """
-    if not isinstance(path, str | os.PathLike):
-        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
-    if tokenizer is not None and not isinstance(tokenizer, Tokenizer):
-        raise BadInputError(
-            f"tokenizer must be a turbospark_jax.io.tokenizer.Tokenizer, got "
-            f"{type(tokenizer).__name__}"
-        )
-    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-        raise BadInputError(
-            f"generation_config must be a GenerationConfig, got "
-            f"{type(generation_config).__name__}"
-        )
-    max_shard_bytes = as_int("max_shard_bytes", max_shard_bytes, low=1)
-    family_of_config(config)  # a config of some family, not a dict
-    family = family_of(config.model_type)
-    folder = os.fspath(path)
-    os.makedirs(folder, exist_ok=True)
-    shapes = family.param_shapes(config)
-    tensors = family.hf_tensors(config)
-    if family.to_layer_layout is not None:
-        params = family.to_layer_layout(params, family.native_layout)
-    expected = jax.tree.leaves(shapes, is_leaf=_is_shape)
-    checked = params
-    table = params.get("embed_tokens") if isinstance(params, Mapping) else None
-    if is_quantized(table):  # kept as the tied head's [D, V] matrix; the file's is [V, D]
-        checked = dict(params, embed_tokens=jax.ShapeDtypeStruct((table.n, table.k),
-                                                                 table.dtype))
-    got = jax.tree.leaves(jax.tree.map(lambda a: tuple(a.shape), checked,
-                                       is_leaf=is_quantized), is_leaf=_is_shape)
-    if jax.tree.structure(shapes, is_leaf=_is_shape) != jax.tree.structure(
-        jax.tree.map(lambda a: 0, checked, is_leaf=is_quantized)
-    ) or list(map(tuple, expected)) != got:
-        raise ModelLoadError("params do not match the layout the config implies")
-    host = jax.tree.map(np.asarray, params)
-    if vision is not None and (not isinstance(vision, VisionEncoder)
-                               or config.model_type != "gemma4"):
-        raise BadInputError("vision must be a VisionEncoder, saved beside a config of "
-                            "model_type 'gemma4'")
-
-    hf: dict[str, np.ndarray] = {}
-    quantized, plain_linear = {}, []
-    for t in tensors:
-        leaf = _node(host, t.key)
-        leaf = leaf if t.stacked is None else leaf[t.stacked]
-        if is_quantized(leaf):
-            quantized[t.name] = leaf.matrix()
-            continue
-        if t.linear:
-            plain_linear.append(t.name)
-        hf[t.name] = t.to_hf(leaf)
-    if vision is not None:
-        vision_host = jax.tree.map(np.asarray, vision.params)
-        for t in gemma4_vision.hf_tensors(vision.tower.config):
-            leaf = _node(vision_host, t.key)
-            hf[t.name] = t.to_hf(leaf if t.stacked is None else leaf[t.stacked])
-    first = quantized.get(tensors[0].name)
-    dtype_name = np.dtype(hf[tensors[0].name].dtype if first is None else first.dtype).name
-    quantization_config = None
-    if quantized:
-        written, quantization_config = stored_quantization.write_quantized(quantized,
-                                                                           plain_linear)
-        hf.update(written)
-
-    for name in os.listdir(folder):
-        if name == WEIGHTS_INDEX_FILE or (name.startswith("model") and
-                                          name.endswith(".safetensors")):
-            os.remove(os.path.join(folder, name))
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, array in hf.items():
-        if shards[-1] and size + array.nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += array.nbytes
-    metadata = {"format": "pt"}  # transformers expects the torch layout tag
-    if len(shards) == 1:
-        save_file(hf, os.path.join(folder, WEIGHTS_FILE), metadata=metadata)
-    else:
-        weight_map: dict[str, str] = {}
-        for i, names in enumerate(shards, start=1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: hf[n] for n in names}, os.path.join(folder, file), metadata=metadata)
-            weight_map.update(dict.fromkeys(names, file))
-        index = {
-            "metadata": {"total_size": int(sum(a.nbytes for a in hf.values()))},
-            "weight_map": weight_map,
-        }
-        _write_json(os.path.join(folder, WEIGHTS_INDEX_FILE), index)
-
-    config_dict = config.to_hf_dict()
-    config_dict["dtype"] = dtype_name
-    if quantization_config is not None:
-        config_dict["quantization_config"] = quantization_config
-    if vision is not None:
-        config_dict["vision_config"] = vision.tower.config.to_hf_dict()
-        config_dict.update(image_token_id=vision.tokens.image, boi_token_id=vision.tokens.begin,
-                           eoi_token_id=vision.tokens.end)
-        _write_json(os.path.join(folder, PROCESSOR_CONFIG_FILE),
-                    {"image_processor": {"max_soft_tokens": vision.max_soft_tokens}})
-    _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
-    generation = generation_config or GenerationConfig.from_model_config(config)
-    _write_json(os.path.join(folder, GENERATION_CONFIG_FILE), generation.to_hf_dict())
-    if tokenizer is not None:
-        tokenizer.save(folder)
-
-
-def _write_json(path: str, data: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, sort_keys=True)
-        f.write("\n")
-
-
-# -- block drafters -------------------------------------------------------------------------
-
-
-def save_block_drafter(path: str | os.PathLike[str], config: block_drafter.BlockDrafterConfig,
-                       params: Params) -> None:
-    """Write a block drafter folder: ``config.json`` (``model_type``
-    :data:`~turbospark_jax.models.block_drafter.MODEL_TYPE`, ``dtype`` the params') and
-    ``model.safetensors`` with one tensor per params leaf, named by its dotted path.
-
-    Raises:
-      BadInputError: ``config`` is not a block drafter config, or ``path`` not a path.
-      ModelLoadError: the params do not have the shapes ``config`` implies.
-    """
-    if not isinstance(path, str | os.PathLike):
-        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
-    if not isinstance(config, block_drafter.BlockDrafterConfig):
-        raise BadInputError(f"config must be a BlockDrafterConfig, got {type(config).__name__}")
-    tensors = {k: np.asarray(v) for k, v in block_drafter.flat_tensors(params).items()}
-    block_drafter.unflatten_tensors(config, tensors)  # refuses a params tree of other shapes
-    folder = os.fspath(path)
-    os.makedirs(folder, exist_ok=True)
-    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "np"})
-    config_dict = config.to_hf_dict()
-    config_dict["dtype"] = np.dtype(next(iter(tensors.values())).dtype).name
-    _write_json(os.path.join(folder, CONFIG_FILE), config_dict)
-
-
-def _drafter_folder(path: Any, dtype: Any, what: str) -> tuple[str, Any, jnp.dtype]:
-    """A drafter folder's checks before any tensor is read: ``(folder, its config.json,
-    the dtype to load in)`` (``dtype``, else the folder's ``dtype``, else float32)."""
-    if not isinstance(path, str | os.PathLike):
-        raise BadInputError(f"path must be a folder path (str or os.PathLike), got {path!r}")
-    _check_dtype_argument(dtype)
-    folder = os.fspath(path)
-    config_path = os.path.join(folder, CONFIG_FILE)
-    if not os.path.isfile(config_path):
-        raise ModelLoadError(f"no {CONFIG_FILE} in {folder} (is it a {what} folder?)")
-    raw = _read_json(config_path, f"{what} config")
-    if dtype is None:
-        dtype = raw.get("dtype") if isinstance(raw, Mapping) and raw.get("dtype") in _DTYPES \
-            else "float32"
-    return folder, raw, jnp.dtype(_DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype)
-
-
-def load_block_drafter(
-    path: str | os.PathLike[str], dtype: Any = None
-) -> tuple[block_drafter.BlockDrafterConfig, Params]:
-    """Read a folder :func:`save_block_drafter` wrote.
-
-    Args:
-      path: the folder.
-      dtype: as :func:`load_folder`'s (default: the folder's ``dtype``, else float32).
-
-    Returns:
-      ``(config, params)``, for :class:`~turbospark_jax.speculative.drafters.block.BlockDrafter`.
-
-    Raises:
-      BadInputError: ``path`` or ``dtype`` of the wrong kind.
-      ModelLoadError: a missing folder or file, a ``config.json`` of another model type or
-        with a bad value, a tensor missing, unexpected or of the wrong shape (each named).
-    """
-    folder, raw, resolved = _drafter_folder(path, dtype, "block drafter")
-    config = block_drafter.BlockDrafterConfig.from_hf_dict(raw)
-    weight_map = _weight_files(folder)
-    host: dict[str, np.ndarray] = {}
-    for name, handle, file in _iter_tensors(folder, weight_map):
-        try:
-            host[name] = handle.get_tensor(name).astype(np.dtype(resolved))
-        except Exception as e:
-            raise ModelLoadError(f"could not read tensor {name} from {file}: {e}") from e
-    params = block_drafter.unflatten_tensors(config, host)
-    return config, jax.tree.map(jnp.asarray, params)
-
-
-def load_assistant(path: str | os.PathLike[str], dtype: Any = None) -> tuple[Any, Params]:
-    """Read a Gemma 4 assistant folder (``model_type`` ``gemma4_assistant``, the Hugging Face
-    layout), for
-    :class:`~turbospark_jax.speculative.drafters.gemma4_assistant.Gemma4AssistantDrafter`.
-
-    Args:
-      path: the folder.
-      dtype: as :func:`load_folder`'s (default: the folder's ``dtype``, else float32); the
-        token ordering of ordered embeddings stays int32.
-
-    Returns:
-      ``(config, params)``: an :class:`~turbospark_jax.models.gemma4.assistant.AssistantConfig`
-      and its params tree.
-
-    Raises:
-      BadInputError: ``path`` or ``dtype`` of the wrong kind.
-      ModelLoadError: a missing folder or file, a config of another model type or with a bad
-        value, a tensor missing or of the wrong shape (each named).
-    """
-    folder, raw, dtype = _drafter_folder(path, dtype, "assistant")
-    config = gemma4_assistant.AssistantConfig.from_hf_dict(raw)
-    resolved = np.dtype(dtype)
-    tensors = {t.name: t for t in gemma4_assistant.hf_tensors(config)}
-    shapes = gemma4_assistant.param_shapes(config)
-    weight_map = _weight_files(folder)
-    missing = sorted(set(tensors) - set(weight_map))
-    if missing:
-        raise ModelLoadError(f"tensor {missing[0]} is missing from {folder}")
-    params: Params = jax.tree.map(lambda s: None, shapes, is_leaf=_is_shape)
-    for name, handle, file in _iter_tensors(folder, weight_map):
-        t = tensors.get(name)
-        if t is None:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                continue  # a tied head's saved copy: the tied embedding is what runs
-            raise ModelLoadError(f"unexpected tensor {name} in {file}")
-        got = _header_shape(handle, name, file)
-        if got != t.hf_shape:
-            raise ModelLoadError(
-                f"tensor {name} in {file} has shape {list(got)}, expected {list(t.hf_shape)}")
-        array = t.to_ours(handle.get_tensor(name), _node(shapes, t.key))
-        kind = np.int32 if np.issubdtype(array.dtype, np.integer) else resolved
-        _node(params, t.key[:-1])[t.key[-1]] = jnp.asarray(array.astype(kind, copy=False))
-    return config, params
 
 
 # -- the embedded models ---------------------------------------------------------------------

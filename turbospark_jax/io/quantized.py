@@ -6,7 +6,7 @@ A folder whose ``config.json`` (or a multimodal config's ``text_config``) carrie
 layout instead of one ``weight``. :func:`checkpoint_quantization` reads that config (and
 refuses what we do not load, before any tensor is read); :func:`read_quantized` turns the
 tensors of each quantized layer into a ``QuantizedWeight`` without passing through a dense
-matrix; :func:`write_quantized` does the reverse for :func:`~turbospark_jax.io.loading.save_folder`.
+matrix; :func:`write_quantized` does the reverse for :func:`~turbospark_jax.io.saving.save_folder`.
 
 Layouts read (``K`` inputs, ``N`` outputs; ours is ``[K, N]``, every file here is ``[N, K]`` or
 packs it):

@@ -31,7 +31,7 @@ heads, ``hd`` head dim, ``F`` intermediate); matrices are ``[in, out]``::
 
 A saved folder holds ``config.json`` (``model_type`` :data:`MODEL_TYPE`) and
 ``model.safetensors`` with one tensor per leaf, named by its path (``layers.q_proj``); see
-:func:`~turbospark_jax.io.loading.load_block_drafter`.
+:func:`~turbospark_jax.io.drafter_folders.load_block_drafter`.
 """
 
 from __future__ import annotations

@@ -42,13 +42,8 @@ from typing import Any
 
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
-from turbospark_jax.io.loading import (
-    LoadedModel,
-    folder_config,
-    load_assistant,
-    load_block_drafter,
-    load_folder,
-)
+from turbospark_jax.io.drafter_folders import load_assistant, load_block_drafter
+from turbospark_jax.io.loading import LoadedModel, folder_config, load_folder
 from turbospark_jax.models.block_drafter import MODEL_TYPE as BLOCK_DRAFTER_TYPE
 from turbospark_jax.models.gemma4.config import Gemma4Config
 from turbospark_jax.models.gemma4.model import Gemma4Model

@@ -42,7 +42,8 @@ from turbospark_jax.errors import BadInputError
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.generation.driver import run_raw_completion
 from turbospark_jax.generation.speculative_loop import run_raw_completion_speculative
-from turbospark_jax.io.loading import load_folder, save_folder
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.models import block_drafter
 from turbospark_jax.models.block_drafter import BlockDrafterConfig
 from turbospark_jax.models.dense.config import DenseConfig

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from PIL import Image
 
-from turbospark_jax.io.loading import save_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.io.tokenizer import Tokenizer
 from turbospark_jax.io.vision import ImageTokens, VisionEncoder
 from turbospark_jax.models.gemma4 import config as gemma4_config

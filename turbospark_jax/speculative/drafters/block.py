@@ -92,7 +92,7 @@ class BlockDrafter(CatchUpDrafter):
         family declares ``can_tap``, built with ``tap_layers=config.target_layer_ids``
         (:func:`tapped_target`).
       config, params: the drafter's (:func:`~turbospark_jax.models.block_drafter.init_params`
-        or :func:`~turbospark_jax.io.loading.load_block_drafter`).
+        or :func:`~turbospark_jax.io.drafter_folders.load_block_drafter`).
       bidirectional: see :class:`~turbospark_jax.models.block_drafter.BlockDrafterModel`
         (``False`` only for the control).
 
