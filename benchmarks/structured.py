@@ -12,9 +12,13 @@ checkout's ``data/``); without it the local set runs and the file says so under 
 
 Speed: tokens/s of a batch-1 greedy completion with and without a constraint on the same
 producer and prompt, the best of ``repeats`` after a run that compiles. The constraint is
-:data:`SPEED_REGEX`, which never forces a token and never ends the text, so every token pays
-one device call and one host mask; the stop ids are left out so both runs generate
-``new_tokens``. The bar is :data:`BAR` (constrained over plain). The model is the embedded one
+:data:`SPEED_REGEX`, which never forces a token and never ends the text; the stop ids are left
+out so both runs generate ``new_tokens``. Being greedy, the constrained run decodes in
+optimistic bursts (plain greedy bursts whose tokens the constraint keeps up to the first it
+forbids, drawn masked from that burst's row; see ``docs/guides/structured-output.md``), so what
+it measures is how often the model breaks the constraint and what each break costs: the
+embedded model, after :data:`PROMPT`, keeps reaching for a call's parenthesis that the regex
+forbids. The bar is :data:`BAR` (constrained over plain). The model is the embedded one
 (``embedded``) or a shape of :data:`benchmarks.common.SHAPES` with random weights, whose
 constraint reads the embedded tokenizer (ids past it are never allowed).
 """

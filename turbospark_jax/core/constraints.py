@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import json
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -231,6 +231,44 @@ class Constraint:
         if end and len(self._stop):
             mask[self._stop] = True
         return mask
+
+    def allows(self, token: int) -> bool:
+        """Whether ``allowed_mask()[token]`` is set, read from the engine's bitmask for this
+        one id (no full mask is built)."""
+        t = int(token)
+        if not 0 <= t < self.vocab_size:
+            return False
+        if self._matcher.is_accepting() and t in self._stop:
+            return True
+        if t == self._table.eos_token or t >= self._table.vocab_size:
+            return False
+        bits = self._matcher.compute_bitmask()
+        return bool(bits[t // 8] >> (t % 8) & 1)
+
+    def follow(self, tokens: Sequence[int]) -> int:
+        """Take the longest prefix of ``tokens`` that token-by-token greedy constrained
+        decoding could have emitted itself, and return its length.
+
+        A greedy draw over the masked logits is the unmasked draw whenever the mask allows
+        that: so each token is taken while the mask allows it and the grammar forces no run
+        at its place (a forced run is emitted without sampling, whatever the model prefers);
+        a stop id ends the prefix after it, and so does a token after which the text is done.
+        """
+        taken = 0
+        for t in tokens:
+            if taken and self.forced_next():
+                break
+            if not self.allows(t):
+                break
+            self.advance(t)
+            taken += 1
+            if int(t) in self._stop or self.is_done:
+                break
+        return taken
+
+    def forced_next(self) -> bool:
+        """Whether the grammar forces a run here (:meth:`forced` would take tokens)."""
+        return not self.is_done and bool(self._matcher.compute_ff_tokens())
 
     def advance(self, token: int) -> None:
         """Take ``token`` (a stop id ends the text and is not matched).

@@ -24,7 +24,8 @@ the end. Every completion goes through the same steps, in order:
    * :class:`HostSteps`: ``produce`` and a jitted sampler per token;
    * :class:`ConstrainedSteps`: a constrained request's steps: the run of tokens the
      constraint forces, fed as one chunk, or one ``produce`` and a sample from the logits
-     with the forbidden ids masked out;
+     with the forbidden ids masked out; a greedy one decodes optimistic bursts (plain
+     greedy bursts kept up to the first token the constraint forbids);
    * :class:`DecodeBursts`: for a :class:`~turbospark_jax.core.protocols.DeviceDecoder`,
      bursts of decode steps (produce + sample + stop-token check in one jitted loop), each
      chained onto the one before it on the device before that one is read;
@@ -66,6 +67,7 @@ from turbospark_jax.core.protocols import (
     DeviceDecoder,
     LogitProducer,
     SpeculativeProducer,
+    VerifyingTarget,
 )
 from turbospark_jax.core.streams import Stream, StreamEvent
 from turbospark_jax.errors import BadInputError
@@ -189,23 +191,28 @@ masked_logits = jax.jit(lambda logits, allowed: jnp.where(allowed, logits, -jnp.
 CONSTRAINT_DEAD_END = "the constraint allows no next token"
 
 
-def host_token(logits: Any, run: Decoding) -> Step:
+def host_token(logits: Any, run: Decoding, *, index: int | None = None,
+               history: sampling.History | None = None) -> Step:
     """One token sampled on the host from ``logits`` (a prefill's or a host step's): token
     ``run.emitted`` samples with ``token_key(key, run.emitted)``; a constrained run samples
-    from the masked logits (the row it records) and moves its constraint past the token."""
+    from the masked logits (the row it records) and moves its constraint past the token.
+    ``index`` and ``history`` stand for the token's index and the bookkeeping before it when
+    tokens the step also emits come first (``None``: ``run``'s)."""
+    index = run.emitted if index is None else index
+    history = run.history if history is None else history
     # The mask is computed before the logits are read: the device works on them meanwhile.
     allowed = None if run.constraint is None else run.constraint.allowed_mask()
     if not bool(np.all(np.isfinite(np.asarray(logits)))):
-        return Step(tokens=(), rows=(), history=run.history, error=NON_FINITE_LOGITS)
+        return Step(tokens=(), rows=(), history=history, error=NON_FINITE_LOGITS)
     if allowed is not None:
         if not allowed.any():
-            return Step(tokens=(), rows=(), history=run.history, error=CONSTRAINT_DEAD_END)
+            return Step(tokens=(), rows=(), history=history, error=CONSTRAINT_DEAD_END)
         logits = masked_logits(logits, allowed)
-    index_key = sampling.token_key(run.key, run.emitted)
-    token = int(sampling.sample(logits, run.params, run.history, index_key))
+    index_key = sampling.token_key(run.key, index)
+    token = int(sampling.sample(logits, run.params, history, index_key))
     if run.constraint is not None:
         run.constraint.advance(token)
-    return Step(tokens=(token,), rows=(logits,), history=add_to_history(run.history, token))
+    return Step(tokens=(token,), rows=(logits,), history=add_to_history(history, token))
 
 
 class ConstrainedSteps(Stepper):
@@ -216,11 +223,31 @@ class ConstrainedSteps(Stepper):
     them in one call; a producer's chunk is bitwise the same as feeding token by token). With
     ``record_logits`` the forced tokens are fed one at a time instead, so each has the row it
     was chosen from (the logits masked to that token alone); the tokens are the same.
+
+    ``optimistic`` (:func:`optimistic`: a greedy request without recorded rows on a
+    :class:`~turbospark_jax.core.protocols.DeviceDecoder` that can go back, by rewinding or
+    by rolling back to a checkpoint): where the last token is the only one not fed, a plain
+    greedy burst runs on the device (with its rows) and the constraint takes the longest
+    prefix of it that masked decoding would have drawn itself
+    (:meth:`~turbospark_jax.core.constraints.Constraint.follow`: a masked argmax is the plain
+    argmax whenever the mask allows it). At the first refused token the masked draw is made
+    on the host from the row the burst drew that token from, and the state goes back to
+    just after the last taken token (a rewind, or a rollback and the taken tokens fed again
+    as one chunk). Where a forced run starts inside the burst, or a step fails, the state
+    goes back to before the burst and the steps above take over. The tokens are those of
+    the token-by-token path. The burst length adapts like a drafter's: after a refusal the
+    next burst is sized to end on the token where the last refusal came (a constraint that
+    the model breaks at a steady rhythm then needs no going back); past that point, and on
+    a fresh run, it doubles after each burst taken whole.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, optimistic: bool = False) -> None:
         self.fed = 0  # generated tokens the producer has consumed
         self.queue: list[int] = []  # forced tokens taken from the constraint, not emitted
+        self.optimistic = optimistic
+        self.burst = BurstSizer.GRAIN  # the next optimistic burst's length, past a prediction
+        self.streak = 0  # tokens bursts gave since the last masked or forced token
+        self.period: int | None = None  # the tokens a burst gave before its last refusal
 
     def advance(self, state: Any, run: Decoding) -> tuple[Step, Any]:
         assert run.constraint is not None
@@ -232,6 +259,10 @@ class ConstrainedSteps(Stepper):
             for t in tokens:
                 history = add_to_history(history, t)
             return Step(tokens=tokens, rows=[None] * len(tokens), history=history), state
+        if self.optimistic and not self.queue and self.fed == run.emitted - 1:
+            step, state = self._burst(state, run)
+            if step is not None:
+                return step, state
         logits, state = self._feed(state, run)
         if not self.queue:
             return host_token(logits, run), state
@@ -243,6 +274,75 @@ class ConstrainedSteps(Stepper):
         return Step(tokens=(token,), rows=(masked_logits(logits, allowed),),
                     history=add_to_history(run.history, token),
                     pending=bool(self.queue)), state
+
+    def _burst(self, state: Any, run: Decoding) -> tuple[Step | None, Any]:
+        """An optimistic burst (see the class): the step of the tokens the constraint took
+        (and the masked draw after a refused one), or ``None`` (the state as it was) for a
+        masked step now."""
+        p, req, c = run.producer, run.request, run.constraint
+        assert c is not None
+        want = self.burst
+        if self.period is not None and self.period >= self.streak:
+            want = self.period - self.streak + 1  # to end on the refusal the last run saw
+        steps = min(want, p.steps_per_call, run.left)
+        before = len(run.out.prompt) + run.emitted - 1  # positions fed before the burst
+        mark = None if p.can_rewind else p.checkpoint(state)
+        burst, state = p.decode(
+            state, run.out.tokens[-1], steps, params=run.params, history=run.history,
+            key=run.key, gen_index=run.emitted, stop_ids=list(req.stop_token_ids),
+            record_logits=True,
+        )
+        taken = c.follow(burst.tokens)
+        tokens = list(burst.tokens[:taken])
+        history = run.history
+        for t in tokens:
+            history = add_to_history(history, t)
+        if taken == len(burst.tokens) and burst.finish != NON_FINITE:
+            # taken whole, or up to a stop id; an end's overshoot is rewound at the finish
+            self.fed = run.emitted + taken - 1
+            self.streak += taken
+            if self.period is not None and self.streak > self.period:
+                self.period = None  # past the prediction: grow from the last run's length
+            elif self.period is None and taken == steps:
+                self.burst = min(2 * self.burst, BurstSizer.MOST)
+            return Step(tokens=tokens, rows=[None] * taken, history=history), state
+        if tokens and (tokens[-1] in req.stop_token_ids or c.is_done):
+            return Step(tokens=tokens, rows=[None] * taken, history=history), state
+        if taken == len(burst.tokens) or c.forced_next():
+            # a failed step or a forced run: back to just after the last taken token (a
+            # rewind) or to before the burst (a rollback; the next steps feed the taken
+            # tokens as a chunk), and on as the token-by-token path goes
+            if mark is None:
+                state = p.rewind(state, before + taken)
+                self.fed = run.emitted + taken - 1
+            else:
+                state = p.rollback(state, mark)
+            self.streak, self.period = 0, None
+            self.burst = max(1, taken)
+            if not tokens:
+                return None, state
+            return Step(tokens=tokens, rows=[None] * taken, history=history), state
+        # Refused: the masked draw comes from the row the refused token was drawn from, and
+        # the state keeps what the burst fed up to the last taken token.
+        fed = before + taken + 1
+        if int(p.fed_record(state).count) > fed:
+            if mark is None:
+                state = p.rewind(state, fed)
+            else:
+                state = p.rollback(state, mark)
+                chunk = [run.out.tokens[-1], *tokens]
+                if isinstance(p, ChunkedPrefillRunner):
+                    state = p.prefill_chunk_with_status(state, chunk, before, False)[1]
+                else:
+                    for i, t in enumerate(chunk):
+                        state = p.produce_prefill(state, t, before + i)
+        self.period, self.streak = self.streak + taken, 0
+        self.burst = self.period + 1  # where growth resumes once past the prediction
+        drawn = host_token(burst.logits[taken], run, index=run.emitted + taken,
+                           history=history)
+        self.fed = run.emitted + taken
+        return Step(tokens=[*tokens, *drawn.tokens], rows=[None] * (taken + len(drawn.tokens)),
+                    history=drawn.history, error=drawn.error), state
 
     def _feed(self, state: Any, run: Decoding) -> tuple[Any, Any]:
         """Feed the emitted tokens the producer has not consumed; the logits after them."""
@@ -302,6 +402,16 @@ class DecodeBursts(Stepper):
         self.sizer.observed(len(burst.tokens), now - self.since)
         self.since = now
         return device_step(burst), state
+
+
+def optimistic(producer: Any, request: CompletionRequest,
+               params: sampling.SamplingParams) -> bool:
+    """Whether a constrained request runs optimistic bursts (:class:`ConstrainedSteps`):
+    greedy, no recorded rows, and a device decoder whose state can go back to before a
+    burst."""
+    return (isinstance(producer, DeviceDecoder) and params.is_greedy
+            and not request.record_logits
+            and (producer.can_rewind or isinstance(producer, VerifyingTarget)))
 
 
 def device_step(burst: Any) -> Step:
@@ -427,7 +537,7 @@ def prepare(
     params = validate_request(producer, request, tokenizer)
     spec = request.constraint
     if spec is not None and not speculative:
-        stepper = ConstrainedSteps()
+        stepper = ConstrainedSteps(optimistic=optimistic(producer, request, params))
     elif not speculative:
         stepper = (DecodeBursts(request.burst) if isinstance(producer, DeviceDecoder)
                    else HostSteps())
