@@ -181,3 +181,64 @@ def test_a_model_that_cannot_go_back_takes_the_token_by_token_path(toy_tokenizer
                             stop_token_ids=(toy_tokenizer.eos_token_id,))
     c = tsj.run_raw_completion(producer, req, tokenizer=toy_tokenizer)
     assert c.token_ids and not calls
+
+
+def _gemma4_ring(vocab: int):
+    """A tiny Gemma 4 whose sliding layers keep a ring of window 3 + 8 slots, decoding in
+    bursts of up to 32 steps: a burst runs past what the ring lets a rewind reach."""
+    import jax
+    import jax.numpy as jnp
+
+    from turbospark_jax.engine.producer import BlockProducer
+    from turbospark_jax.models.gemma4 import config as GC
+    from turbospark_jax.models.gemma4 import model as G
+
+    s, f = GC.SLIDING, GC.FULL
+    config = GC.Gemma4Config.from_hf_dict(dict(
+        model_type="gemma4_text", vocab_size=vocab, hidden_size=32, intermediate_size=48,
+        num_hidden_layers=3, layer_types=[s, f, s], num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, global_head_dim=16, sliding_window=3,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab,
+        num_kv_shared_layers=0, initializer_range=0.1))
+    model = G.Gemma4Model(config, jnp.float32, ring_margin=8)
+    params = model.init_params(jax.random.PRNGKey(4))
+    return BlockProducer(model, params, capacity=128, width=4, steps_per_call=32,
+                         donate=True)
+
+
+@pytest.mark.parametrize("pattern", ["[^q]+", "[^qz]+", "[^x]+"])
+def test_a_sliding_window_ring_keeps_its_bursts_within_reach(toy_tokenizer, monkeypatch,
+                                                             pattern):
+    """A ring that keeps a sliding window's last rows can take a state back only so far, so
+    an optimistic burst stays within that reach (``step_back_limit``): the tokens equal the
+    token-by-token path's."""
+    producer = _gemma4_ring(toy_tokenizer.vocab_size)
+    assert producer.can_rewind and producer.step_back_limit == 9
+    prompt = toy_tokenizer.encode("ab ", add_special_tokens=False)
+    went_back = []
+    real = driver._go_back
+
+    def spy(p, state, mark, count):
+        went_back.append(count)
+        return real(p, state, mark, count)
+
+    monkeypatch.setattr(driver, "_go_back", spy)
+    # a constraint the random model keeps for long stretches: bursts grow, refusals come late
+    args = (producer, toy_tokenizer, ConstraintSpec.regex(pattern), prompt, 100, ())
+    want = complete(*args, optimistic=False, monkeypatch=monkeypatch)
+    got = complete(*args, optimistic=True, monkeypatch=monkeypatch)
+    assert_same(got, want)
+    assert went_back, "no burst was taken back"
+
+
+def test_control_a_burst_past_the_rings_reach_cannot_go_back(toy_tokenizer, monkeypatch):
+    """Without the limit, a refusal late in a long burst lies further back than the ring
+    holds rows for, and going back fails: the limit is what the test above relies on."""
+    from turbospark_jax.errors import BadInputError
+
+    producer = _gemma4_ring(toy_tokenizer.vocab_size)
+    monkeypatch.setattr(type(producer), "step_back_limit", property(lambda self: None))
+    prompt = toy_tokenizer.encode("ab ", add_special_tokens=False)
+    args = (producer, toy_tokenizer, ConstraintSpec.regex("[^x]+"), prompt, 100, ())
+    with pytest.raises(BadInputError, match="sliding-window"):
+        complete(*args, optimistic=True, monkeypatch=monkeypatch)

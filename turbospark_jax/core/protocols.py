@@ -290,6 +290,10 @@ class DeviceDecoder(abc.ABC):
 
     #: The most steps one :meth:`decode` call runs.
     steps_per_call: int
+    #: How far back from the furthest position it fed a state may still be moved (a rewind
+    #: or a rollback to a checkpoint taken before a burst), or ``None`` for any distance. A
+    #: caller that may take a burst back keeps the burst within it.
+    step_back_limit: int | None = None
 
     @abc.abstractmethod
     def launch_decode(

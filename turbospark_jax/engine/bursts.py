@@ -38,6 +38,10 @@ class BlockBursts(DeviceDecoder):
     """Decode bursts on the device for :class:`~turbospark_jax.engine.producer.BlockProducer`
     (see :class:`~turbospark_jax.core.protocols.DeviceDecoder`)."""
 
+    @property
+    def step_back_limit(self) -> int | None:
+        return self.model.rewind_reach()
+
     def launch_decode(
         self,
         state: BlockState,

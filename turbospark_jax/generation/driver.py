@@ -285,8 +285,12 @@ class ConstrainedSteps(Stepper):
         if self.period is not None and self.period >= self.streak:
             want = self.period - self.streak + 1  # to end on the refusal the last run saw
         steps = min(want, p.steps_per_call, run.left)
+        if p.step_back_limit is not None:  # a burst the state cannot be taken back from
+            steps = min(steps, p.step_back_limit)
         before = len(run.out.prompt) + run.emitted - 1  # positions fed before the burst
-        mark = None if p.can_rewind else p.checkpoint(state)
+        # A checkpoint whenever the producer takes one (it holds the small by-value leaves
+        # only): a rewind cannot reach back past a sliding-window ring's margin.
+        mark = p.checkpoint(state) if isinstance(p, VerifyingTarget) else None
         burst, state = p.decode(
             state, run.out.tokens[-1], steps, params=run.params, history=run.history,
             key=run.key, gen_index=run.emitted, stop_ids=list(req.stop_token_ids),
@@ -312,11 +316,9 @@ class ConstrainedSteps(Stepper):
             # a failed step or a forced run: back to just after the last taken token (a
             # rewind) or to before the burst (a rollback; the next steps feed the taken
             # tokens as a chunk), and on as the token-by-token path goes
-            if mark is None:
-                state = p.rewind(state, before + taken)
+            state, rewound = _go_back(p, state, mark, before + taken)
+            if rewound:
                 self.fed = run.emitted + taken - 1
-            else:
-                state = p.rollback(state, mark)
             self.streak, self.period = 0, None
             self.burst = max(1, taken)
             if not tokens:
@@ -326,10 +328,8 @@ class ConstrainedSteps(Stepper):
         # the state keeps what the burst fed up to the last taken token.
         fed = before + taken + 1
         if int(p.fed_record(state).count) > fed:
-            if mark is None:
-                state = p.rewind(state, fed)
-            else:
-                state = p.rollback(state, mark)
+            state, rewound = _go_back(p, state, mark, fed)
+            if not rewound:
                 chunk = [run.out.tokens[-1], *tokens]
                 if isinstance(p, ChunkedPrefillRunner):
                     state = p.prefill_chunk_with_status(state, chunk, before, False)[1]
@@ -355,6 +355,16 @@ class ConstrainedSteps(Stepper):
         for i, t in enumerate(tokens[:-1]):
             state = p.produce_prefill(state, t, start + i)
         return p.produce(state, tokens[-1], start + len(tokens) - 1)
+
+
+def _go_back(p: Any, state: Any, mark: Any, count: int) -> tuple[Any, bool]:
+    """``state`` moved back to ``count`` positions fed: a rewind where the producer can and
+    still holds the rows (a sliding-window ring past its margin does not), else the rollback
+    to ``mark``, taken before the burst (the caller feeds the kept tokens again). ``True``
+    where it rewound."""
+    if p.can_rewind and (mark is None or p.rewind_floor(state) <= count):
+        return p.rewind(state, count), True
+    return p.rollback(state, mark), False
 
 
 class HostSteps(Stepper):

@@ -170,6 +170,12 @@ class BlockModel(abc.ABC):
         program gives it bitwise the same result whether 1 or ``W`` rows are live.
         """
 
+    def rewind_reach(self) -> int | None:
+        """How far back from the furthest position its cache was written to a cursor may be
+        moved (rollback, rewind), or ``None`` for any distance: a cache that keeps every row.
+        A ring that keeps only a sliding window's last rows answers its margin."""
+        return None
+
     def rewind_floor(self, cache: Any) -> int:
         """The earliest position a cursor over ``cache`` may be moved back to (rollback,
         prefix reuse, rewind): 0 for caches that keep every row; a ring that keeps only the

@@ -344,6 +344,9 @@ class Gemma4Model(BlockModel):
         """
         return 0 if not self.ring_slots else max(0, count - self.ring_margin - 1)
 
+    def rewind_reach(self) -> int | None:
+        return self.ring_margin + 1 if self.ring_slots else None
+
     def rewind_floor(self, cache: Gemma4Cache) -> int:
         return self.oldest_rewind(self.reach(cache))
 
