@@ -211,6 +211,13 @@ def structured_lines(data: dict[str, Any]) -> list[str]:
                          f"{_num(c['plain_tokens_per_s'])} | "
                          f"{_num(c['constrained_tokens_per_s'])} | {_times(c['ratio'])} | "
                          f"{meets} |")
+    for c in (c for c in data["cases"] if c["kind"] == "server"):
+        meets = "yes" if c["meets_bar"] else "**NO**"
+        lines += ["", "| server, model | streams | plain tokens/s | half constrained tokens/s "
+                  "| ratio | at least 0.85x |", "|---|---|---|---|---|---|",
+                  f"| {c['model']} | {c['streams']} | {_num(c['plain_tokens_per_s'])} | "
+                  f"{_num(c['half_constrained_tokens_per_s'])} | {_times(c['ratio'])} | "
+                  f"{meets} |"]
     return lines
 
 

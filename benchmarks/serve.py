@@ -110,10 +110,10 @@ def our_server(preset: Preset) -> Any:
                        prefill_chunk=preset.prefill_chunk, prefill_rows=preset.prefill_rows)
 
 
-async def _stream_one(http: Any, url: str, prompt: list[int], tokens: int
-                      ) -> tuple[float, list[float], int]:
+async def _stream_one(http: Any, url: str, prompt: list[int], tokens: int,
+                      extra: dict[str, Any] | None = None) -> tuple[float, list[float], int]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "stream": True}
+            "stream": True, **(extra or {})}
     start = time.perf_counter()
     stamps: list[float] = []
     async with http.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -125,15 +125,19 @@ async def _stream_one(http: Any, url: str, prompt: list[int], tokens: int
     return stamps[0] - start, list(np.diff(stamps)), len(stamps)
 
 
-def drive(url: str, prompts: list[list[int]], tokens: int) -> dict[str, float]:
-    """Every prompt streamed at once; the level's figures."""
+def drive(url: str, prompts: list[list[int]], tokens: int,
+          extras: list[dict[str, Any] | None] | None = None) -> dict[str, float]:
+    """Every prompt streamed at once (prompt ``i`` with the request fields ``extras[i]``); the
+    level's figures."""
     import httpx
 
     async def all_at_once() -> tuple[list[Any], float]:
         limits = httpx.Limits(max_connections=len(prompts) + 4)
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
             start = time.perf_counter()
-            runs = await asyncio.gather(*[_stream_one(http, url, p, tokens) for p in prompts])
+            runs = await asyncio.gather(*[
+                _stream_one(http, url, p, tokens, (extras or [None] * len(prompts))[i])
+                for i, p in enumerate(prompts)])
             return runs, time.perf_counter() - start
 
     runs, wall = asyncio.run(all_at_once())

@@ -21,6 +21,10 @@ embedded model, after :data:`PROMPT`, keeps reaching for a call's parenthesis th
 forbids. The bar is :data:`BAR` (constrained over plain). The model is the embedded one
 (``embedded``) or a shape of :data:`benchmarks.common.SHAPES` with random weights, whose
 constraint reads the embedded tokenizer (ids past it are never allowed).
+
+Server: :data:`Preset.server_streams` greedy streams at once through one live server on the
+embedded model, all plain and then every other one constrained (:data:`SERVER_FORMAT`, a
+``response_format``), aggregate tokens/s of each and their ratio (bar :data:`SERVER_BAR`).
 """
 
 from __future__ import annotations
@@ -109,12 +113,15 @@ class Preset:
     new_tokens: int
     repeats: int
     dtype: str
+    #: streams of the server case (the embedded model; 0: no server case)
+    server_streams: int = 0
 
 
-_GPU = Preset("bench", None, 8, 128, ("embedded", "llama-3.2-1b"), 256, 3, "bfloat16")
+_GPU = Preset("bench", None, 8, 128, ("embedded", "llama-3.2-1b"), 256, 3, "bfloat16",
+              server_streams=32)
 PRESETS = {
-    "smoke": Preset("local", 3, 8, 24, ("tiny",), 8, 1, "float32"),
-    "cpu": Preset("bench", None, 8, 128, ("embedded",), 128, 2, "float32"),
+    "smoke": Preset("local", 3, 8, 24, ("tiny",), 8, 1, "float32", server_streams=2),
+    "cpu": Preset("bench", None, 8, 128, ("embedded",), 128, 2, "float32", server_streams=8),
     "h100": _GPU,
     "h200": _GPU,
 }
@@ -223,6 +230,36 @@ def speed(producer: Any, tokenizer: Any, prompt: list[int], new_tokens: int,
             "generated": generated["constrained"], "plain_generated": generated["plain"]}
 
 
+#: The server case's constraint on its constrained half: a JSON string of lower-case words.
+SERVER_FORMAT = {"response_format": {"type": "json_schema", "json_schema": {
+    "name": "words", "schema": {"type": "string", "pattern": "^[a-z_ ]+$"}}}}
+#: Server throughput with half the streams constrained, over all plain, should reach this.
+SERVER_BAR = 0.85
+
+
+def server_mix(streams: int, new_tokens: int, dtype: str) -> dict[str, Any]:
+    """Aggregate tokens/s of ``streams`` greedy streams through one live server on the
+    embedded model, all plain and then half of them constrained (:data:`SERVER_FORMAT`), and
+    their ratio; each after a warm-up that compiles both programs' plain and masked forms."""
+    from benchmarks import serve
+    from turbospark_jax.testing.live_server import running
+
+    settings = serve.Preset("embedded", (streams,), 16, new_tokens, 16 + new_tokens + 32, 1,
+                            dtype, prefill_rows=4, prefill_chunk=16, hf=False)
+    server = serve.our_server(settings)
+    vocab = server.engine.producer.vocab_size
+    half = [SERVER_FORMAT if i % 2 else None for i in range(streams)]
+    with running(server) as url:
+        serve.drive(url, serve.prompts_for(2, 16, vocab, seed=7), 2, [None, SERVER_FORMAT])
+        plain = serve.drive(url, serve.prompts_for(streams, 16, vocab, seed=1), new_tokens)
+        mixed = serve.drive(url, serve.prompts_for(streams, 16, vocab, seed=2), new_tokens, half)
+    ratio = mixed["tokens_per_s"] / plain["tokens_per_s"]
+    return {"plain_tokens_per_s": round(plain["tokens_per_s"], 2),
+            "half_constrained_tokens_per_s": round(mixed["tokens_per_s"], 2),
+            "plain_tokens": plain["tokens"], "half_constrained_tokens": mixed["tokens"],
+            "ratio": round(ratio, 3), "meets_bar": ratio >= SERVER_BAR}
+
+
 def run(preset: Preset, results: common.Results) -> None:
     import jax
 
@@ -253,4 +290,8 @@ def run(preset: Preset, results: common.Results) -> None:
             preset.repeats))
         del built
         jax.clear_caches()
+    if preset.server_streams:
+        results.case({"kind": "server", "model": "embedded", "streams": preset.server_streams,
+                      "new_tokens": preset.new_tokens},
+                     lambda: server_mix(preset.server_streams, preset.new_tokens, preset.dtype))
     results.write()

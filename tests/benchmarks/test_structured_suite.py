@@ -39,6 +39,10 @@ def test_the_smoke_file_is_well_formed(smoke):
     assert c["model"] == "tiny" and c["generated"] == c["plain_generated"] == 8
     assert c["plain_tokens_per_s"] > 0 and c["constrained_tokens_per_s"] > 0
     assert isinstance(c["meets_bar"], bool)
+    [server] = [c for c in data["cases"] if c["kind"] == "server"]
+    assert server["streams"] == 2 and server["plain_tokens"] > 0
+    assert server["half_constrained_tokens"] > 0 and server["ratio"] > 0
+    assert isinstance(server["meets_bar"], bool)
 
 
 def test_the_report_shows_the_suite(smoke):
