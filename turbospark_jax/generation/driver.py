@@ -330,12 +330,7 @@ class ConstrainedSteps(Stepper):
         if int(p.fed_record(state).count) > fed:
             state, rewound = _go_back(p, state, mark, fed)
             if not rewound:
-                chunk = [run.out.tokens[-1], *tokens]
-                if isinstance(p, ChunkedPrefillRunner):
-                    state = p.prefill_chunk_with_status(state, chunk, before, False)[1]
-                else:
-                    for i, t in enumerate(chunk):
-                        state = p.produce_prefill(state, t, before + i)
+                state = _feed_tokens(p, state, [run.out.tokens[-1], *tokens], before)[1]
         self.period, self.streak = self.streak + taken, 0
         self.burst = self.period + 1  # where growth resumes once past the prediction
         drawn = host_token(burst.logits[taken], run, index=run.emitted + taken,
@@ -349,12 +344,17 @@ class ConstrainedSteps(Stepper):
         tokens = run.out.tokens[self.fed:]
         start = len(run.out.prompt) + self.fed
         self.fed = run.emitted
-        p = run.producer
-        if len(tokens) > 1 and isinstance(p, ChunkedPrefillRunner):
-            return p.prefill_chunk_with_status(state, tokens, start, False)
-        for i, t in enumerate(tokens[:-1]):
-            state = p.produce_prefill(state, t, start + i)
-        return p.produce(state, tokens[-1], start + len(tokens) - 1)
+        return _feed_tokens(run.producer, state, tokens, start)
+
+
+def _feed_tokens(p: Any, state: Any, tokens: list[int], start: int) -> tuple[Any, Any]:
+    """``tokens`` fed from position ``start``: one chunk where the producer takes chunks,
+    else one token at a time; the logits after the last and the state."""
+    if len(tokens) > 1 and isinstance(p, ChunkedPrefillRunner):
+        return p.prefill_chunk_with_status(state, tokens, start, False)
+    for i, t in enumerate(tokens[:-1]):
+        state = p.produce_prefill(state, t, start + i)
+    return p.produce(state, tokens[-1], start + len(tokens) - 1)
 
 
 def _go_back(p: Any, state: Any, mark: Any, count: int) -> tuple[Any, bool]:
