@@ -639,9 +639,12 @@ def _xla_tiled(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any
     return row_tiled(tile, x, shared=tuple(ws), min_tiles=DOT_MIN_TILES)
 
 
-def _tpu_products(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
-                  impl: str, label: str) -> jax.Array:
-    """The product on the TPU kernel: one call a weight, their results side by side."""
+def _unfused(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype: Any,
+             impl: str, label: str) -> jax.Array:
+    """The product where no Triton kernel runs: the XLA form's row tiles (``impl="xla"``) or
+    the TPU kernel, one call a weight with their results side by side."""
+    if impl == "xla":
+        return _xla_tiled(x, ws, nk, out_dtype)
     out = [tpu_matmul(x, w, w_layout="nk" if nk else "kn", out_dtype=out_dtype, impl=impl,
                       label=label) for w in ws]
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=1)
@@ -702,8 +705,7 @@ def _rowinv_matmul(x: jax.Array, ws: tuple[jax.Array, ...], nk: bool, out_dtype:
     matvec = triton and (kernel == "matvec" or (kernel == "auto" and x.shape[0] <= SMALL_M))
     ws = in_kernel(ws, schedule.k_tile, x.dtype) if triton and not nk else dense(ws, x.dtype)
     if impl in ("xla", *TPU_IMPLS):
-        out = (_xla_tiled(x, ws, nk, dtype) if impl == "xla"
-               else _tpu_products(x, ws, nk, dtype, impl, label))
+        out = _unfused(x, ws, nk, dtype, impl, label)
         return out[None] if parts else out
     if matvec:
         partials = _matvec(x, ws, nk, schedule, tiles, interpret, label)
@@ -805,9 +807,7 @@ def _gated_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, kernel: str, til
 def _rowinv_swiglu(x: jax.Array, gate: jax.Array, up: jax.Array, impl: str, kernel: str,
                    tiles: Tiles, label: str) -> jax.Array:
     if impl in ("xla", *TPU_IMPLS):
-        pair = dense((gate, up), x.dtype)
-        both = (_xla_tiled(x, pair, False, x.dtype) if impl == "xla"
-                else _tpu_products(x, pair, False, x.dtype, impl, label))
+        both = _unfused(x, dense((gate, up), x.dtype), False, x.dtype, impl, label)
         f = gate.shape[1]
         return swiglu_gating(both[:, :f], both[:, f:], x.dtype)
     return _gated_pallas(x, gate, up, kernel, tiles, impl == "interpret", label)
