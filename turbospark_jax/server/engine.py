@@ -353,7 +353,7 @@ class Engine(SchedulerThread):
     def idle(self) -> bool:
         """Whether no request waits or runs."""
         with self._cond:
-            return not (self._waiting or self._running)
+            return not self._has_work()
 
     def _drop_cancelled(self) -> None:
         for job in [j for j in self._waiting if j.ticket.cancelled]:
