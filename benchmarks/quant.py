@@ -251,10 +251,7 @@ def kv_cases(shape: str, preset: Preset, results: common.Results) -> None:
         label = {"shape": shape, "format": preset.dtype, "quantized": False, "kind": "kv_decode",
                  "kv_dtype": kv or preset.dtype, "context": preset.kv_context,
                  "cache_bytes": cache}
-        need = nbytes(params) + cache
-        if limit is not None and need > MEMORY_SHARE * limit:
-            results.skip(f"its weights and cache take {need / 2**30:.1f} GiB; the device holds "
-                         f"{limit / 2**30:.1f} GiB", **label)
+        if not _fits(results, nbytes(params) + cache, limit, label):
             continue
         try:
             built = common.built_from(shape, config, kv_model, params, capacity=capacity,
@@ -287,9 +284,7 @@ def shape_case(shape: str, fmt: str, preset: Preset, results: common.Results,
     need = nbytes(shapes) + cache
     label = {"shape": shape, "format": preset.dtype if fmt == BASELINE else fmt,
              "quantized": fmt != BASELINE}
-    if limit is not None and need > MEMORY_SHARE * limit:
-        results.skip(f"its weights and cache take {need / 2**30:.1f} GiB; the device holds "
-                     f"{limit / 2**30:.1f} GiB", **label)
+    if not _fits(results, need, limit, label):
         return
     try:
         params = random_quantized_params(shapes)
@@ -324,6 +319,17 @@ def shape_case(shape: str, fmt: str, preset: Preset, results: common.Results,
             case["ratio_to_baseline"] = ratio
             case["meets_bar"] = None if ratio is None else ratio >= PREFILL_BAR
             results.write()
+
+
+def _fits(results: common.Results, need: int, limit: int | None,
+          label: dict[str, Any]) -> bool:
+    """Whether ``need`` bytes fit the device's share (:data:`MEMORY_SHARE`); a case that does
+    not is recorded as skipped, with both sizes."""
+    if limit is None or need <= MEMORY_SHARE * limit:
+        return True
+    results.skip(f"its weights and cache take {need / 2**30:.1f} GiB; the device holds "
+                 f"{limit / 2**30:.1f} GiB", **label)
+    return False
 
 
 def _over(base: dict[tuple[str, int], float], key: tuple[str, int], fmt: str,
