@@ -427,11 +427,12 @@ class Gemma4Model(BlockModel):
         if not c.ple:
             return x, None
         n, p = c.num_hidden_layers, c.hidden_size_per_layer_input
-        own = jnp.take(params["embed_tokens_per_layer"], tokens, axis=0).astype(dt)
-        own = (own * jnp.asarray(p**0.5, dt)).reshape(-1, n, p)
-        mixed = (x @ params["per_layer_model_projection"]) * c.hidden_size**-0.5
-        mixed = self._norm(mixed.reshape(-1, n, p), params["per_layer_projection_norm"])
-        return x, (mixed + own) * 2.0**-0.5
+        with jax.named_scope("ple"):
+            own = jnp.take(params["embed_tokens_per_layer"], tokens, axis=0).astype(dt)
+            own = (own * jnp.asarray(p**0.5, dt)).reshape(-1, n, p)
+            mixed = (x @ params["per_layer_model_projection"]) * c.hidden_size**-0.5
+            mixed = self._norm(mixed.reshape(-1, n, p), params["per_layer_projection_norm"])
+            return x, (mixed + own) * 2.0**-0.5
 
     def _ropes(self, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         c = self.config
@@ -462,38 +463,43 @@ class Gemma4Model(BlockModel):
             kind = c.layer_types[i]
             cos, sin = ropes[kind]
             with jax.named_scope(f"layer_{i}"):
-                h = self._norm(x, lp["input_layernorm"])
-                q = self._norm(_linear(h, lp["q_proj"], lp["q_bias"] if bias else None),
-                               lp["q_norm"])
-                q = apply_rope(q, cos, sin)
-                if c.owns_kv(i):
-                    k = _linear(h, lp["k_proj"], lp["k_bias"] if bias else None)
-                    v = k if c.k_eq_v(i) else _linear(h, lp["v_proj"],
-                                                      lp["v_bias"] if bias else None)
-                    k = apply_rope(self._norm(k, lp["k_norm"]), cos, sin)
-                    assert kv_fn is not None
-                    keys[kind] = kv_fn(i, k, self._norm(v, None))
-                if kind not in keys:
-                    raise BadInputError(f"layer {i} reads shared {kind} K/V and none was given")
-                attn = attention(q, keys[kind], c.window(i))
+                with jax.named_scope("attention"):
+                    h = self._norm(x, lp["input_layernorm"])
+                    q = self._norm(_linear(h, lp["q_proj"], lp["q_bias"] if bias else None),
+                                   lp["q_norm"])
+                    q = apply_rope(q, cos, sin)
+                    if c.owns_kv(i):
+                        k = _linear(h, lp["k_proj"], lp["k_bias"] if bias else None)
+                        v = k if c.k_eq_v(i) else _linear(h, lp["v_proj"],
+                                                          lp["v_bias"] if bias else None)
+                        k = apply_rope(self._norm(k, lp["k_norm"]), cos, sin)
+                        assert kv_fn is not None
+                        keys[kind] = kv_fn(i, k, self._norm(v, None))
+                    if kind not in keys:
+                        raise BadInputError(
+                            f"layer {i} reads shared {kind} K/V and none was given")
+                    attn = attention(q, keys[kind], c.window(i))
                 x = self._tail(x, attn, lp, None if ple is None else ple[:, i])
         return x
 
     def _tail(self, x: jax.Array, attn: jax.Array, lp: Params,
               ple: jax.Array | None) -> jax.Array:
         """Output projection and the sandwich-normed residuals: attention, MLP, PLE, scalar."""
-        o = _linear(attn.reshape(attn.shape[0], -1), lp["o_proj"].reshape(-1, x.shape[-1]),
-                    lp["o_bias"] if self.config.attention_bias else None)
-        x = x + self._norm(o, lp["post_attention_layernorm"])
-        h = self._norm(x, lp["pre_feedforward_layernorm"])
-        m = (_gelu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
-        if self.config.enable_moe_block:
-            m = (self._norm(m, lp["post_feedforward_layernorm_1"])
-                 + self._norm(self._experts(x, lp), lp["post_feedforward_layernorm_2"]))
-        x = x + self._norm(m, lp["post_feedforward_layernorm"])
+        with jax.named_scope("attention"):
+            o = _linear(attn.reshape(attn.shape[0], -1), lp["o_proj"].reshape(-1, x.shape[-1]),
+                        lp["o_bias"] if self.config.attention_bias else None)
+            x = x + self._norm(o, lp["post_attention_layernorm"])
+        with jax.named_scope("mlp"):
+            h = self._norm(x, lp["pre_feedforward_layernorm"])
+            m = (_gelu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
+            if self.config.enable_moe_block:
+                m = (self._norm(m, lp["post_feedforward_layernorm_1"])
+                     + self._norm(self._experts(x, lp), lp["post_feedforward_layernorm_2"]))
+            x = x + self._norm(m, lp["post_feedforward_layernorm"])
         if ple is not None:
-            g = (_gelu(x @ lp["per_layer_input_gate"]) * ple) @ lp["per_layer_projection"]
-            x = x + self._norm(g, lp["post_per_layer_input_norm"])
+            with jax.named_scope("ple"):
+                g = (_gelu(x @ lp["per_layer_input_gate"]) * ple) @ lp["per_layer_projection"]
+                x = x + self._norm(g, lp["post_per_layer_input_norm"])
         return x * lp["layer_scalar"]
 
     def _experts(self, x: jax.Array, lp: Params) -> jax.Array:
