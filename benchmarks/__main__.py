@@ -3,7 +3,8 @@
 Suites: ``decode``, ``prefill``, ``speculative``, ``serve``, ``kernels``, ``train``, ``quant``
 (quantized weights' speed), ``quality`` (quantized weights' perplexity and agreement on the
 embedded models), ``structured`` (validity of constrained outputs, schema compile times,
-constrained against plain tokens/s), or ``all`` (in that order). Presets: ``cpu`` (minutes
+constrained against plain tokens/s), ``profile`` (a decode's device timeline: kernels a
+token, busy share, time by layer kind), or ``all`` (in that order). Presets: ``cpu`` (minutes
 on a laptop-class CPU), ``h100``, ``h200``, and ``smoke`` (seconds: what the tests run).
 Each suite writes ``<out>/<suite>_<preset>.json``; ``--report`` rebuilds ``<out>/REPORT.md``
 and its plots from every such file in ``<out>`` (a run of suites rebuilds it too). A preset
@@ -23,7 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 SUITES = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality",
-          "structured")
+          "structured", "profile")
 PRESET_NAMES = ("smoke", "cpu", "h100", "h200")
 
 

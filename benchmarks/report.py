@@ -15,7 +15,7 @@ from typing import Any
 from benchmarks.speculative import table as drafter_table
 
 ORDER = ("decode", "prefill", "speculative", "serve", "kernels", "train", "quant", "quality",
-         "structured")
+         "structured", "profile")
 
 
 def load(out: Path) -> list[dict[str, Any]]:
@@ -221,14 +221,32 @@ def structured_lines(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def profile_lines(data: dict[str, Any]) -> list[str]:
+    """Per shape: the decode's kernels a token, busy share and mapped share, then its device
+    time a token by layer kind (every kind a case has, largest first)."""
+    lines = ["| shape | tokens/s untraced (traced) | kernels a token | device us a token "
+             "| busy (device span) | busy (host decode) | time mapped |",
+             "|---|---|---|---|---|---|---|"]
+    for c in data["cases"]:
+        lines.append(f"| {c['shape']} | {_num(c['untraced_tokens_per_s'])} "
+                     f"({_num(c['traced_tokens_per_s'])}) | {_num(c['kernels_per_token'])} | "
+                     f"{_num(c['device_us_per_token'])} | {c['device_busy']:.0%} | "
+                     f"{c['device_busy_of_host_decode']:.0%} | {c['mapped_time_share']:.0%} |")
+    lines += ["", "| shape | device us a token by kind |", "|---|---|"]
+    for c in data["cases"]:
+        kinds = ", ".join(f"{k} {_num(v)}" for k, v in c["us_per_token_by_kind"].items())
+        lines.append(f"| {c['shape']} | {kinds} |")
+    return lines
+
+
 TABLES = {"decode": decode_lines, "prefill": prefill_lines, "serve": serve_lines,
           "kernels": kernels_lines, "train": train_lines,
           "speculative": lambda data: drafter_table(data), "quant": quant_lines,
-          "quality": quality_lines, "structured": structured_lines}
+          "quality": quality_lines, "structured": structured_lines, "profile": profile_lines}
 TITLES = {"decode": "Decode (batch 1)", "prefill": "Prefill", "speculative": "Speculative decoding",
           "serve": "Serving", "kernels": "Kernels", "train": "Training step",
           "quant": "Quantized weights: speed", "quality": "Quantized weights: quality",
-          "structured": "Structured output"}
+          "structured": "Structured output", "profile": "Decode profile"}
 
 
 def write_report(out: Path) -> Path:
