@@ -17,7 +17,8 @@ ROWINV_TILED = KernelPlan(row_invariant=True, pallas="off")
 
 @pytest.mark.parametrize(("backend", "exact", "family", "want"), [
     ("gpu", True, True, ROWINV_GPU),        # the exact plan is also the fastest on a GPU
-    ("gpu", False, True, ROWINV_GPU),
+    ("gpu", False, True, KernelPlan(row_invariant=True, pallas="compiled",
+                                    quant_matvec=True)),  # quantized decode on CUDA cores
     ("cpu", True, True, ROWINV_TILED),      # the fixed-shape tiled forms
     ("cpu", False, True, XLA_PLAN),         # XLA's own kernels decode faster there
     ("tpu", True, True, ROWINV_TPU),        # the TPU's products, XLA's tiles for the rest

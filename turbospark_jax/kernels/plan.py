@@ -26,6 +26,10 @@ A :class:`KernelPlan` has two facts, and every choice below follows from them:
   (:meth:`KernelPlan.interpreted`) that check a graph's wiring on a CPU, never a serving
   choice.
 
+One more field gives up the bits for speed, where no bits are promised:
+``quant_matvec``, the few-row products of quantized weights on the CUDA cores
+(:mod:`~turbospark_jax.kernels.quant_matvec`), which the GPU's non-exact plan takes.
+
 :func:`kernel_plan` resolves the plan a loaded model serves with from the backend and the
 user's one choice, ``exact``: the backend picks the kernel set once, when the model is
 built, and a backend without kernels of ours gets XLA's with a notice
@@ -43,7 +47,7 @@ import jax.numpy as jnp
 
 from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels import layers, tpu_attention
+from turbospark_jax.kernels import layers, quant_matvec, tpu_attention
 from turbospark_jax.kernels.rowinv import (
     dense,
     row_tiled,
@@ -82,13 +86,24 @@ class KernelPlan:
         rest), ``"off"``
         (XLA's operations only), ``"interpret"`` or ``"tpu_interpret"`` (the GPU's or the
         TPU's kernels in the Pallas interpreter; tests only).
+      quant_matvec: products of quantized weights at up to
+        :data:`~turbospark_jax.kernels.quant_matvec.MAX_ROWS` rows (decode, a short verify)
+        run on the CUDA cores (:mod:`~turbospark_jax.kernels.quant_matvec`), where the GPU's
+        kernels run under ``row_invariant`` (elsewhere it changes nothing). That kernel sums
+        in its own order, so such a product agrees bitwise across those row counts but not
+        with a wider block's, which runs the tensor-core kernels: the plan of
+        ``exact=False``, which promises no bits. Programs of different widths then still
+        serve together (:attr:`widths_agree` picks the widths they run at) and agree to
+        rounding.
     """
 
     row_invariant: bool = False
     pallas: str = "off"
+    quant_matvec: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "row_invariant", as_bool("row_invariant", self.row_invariant))
+        object.__setattr__(self, "quant_matvec", as_bool("quant_matvec", self.quant_matvec))
         if self.pallas not in PALLAS:
             raise BadInputError(
                 f"pallas must be one of {', '.join(PALLAS)}; got {self.pallas!r}")
@@ -104,7 +119,9 @@ class KernelPlan:
 
     @property
     def widths_agree(self) -> bool:
-        """Whether block programs of different widths agree bitwise, row for row."""
+        """Whether block programs of different widths agree row for row, so a model may
+        serve at several widths: bitwise, except in the products of quantized weights under
+        :attr:`quant_matvec` (equal to rounding there)."""
         return self.row_invariant
 
     @property
@@ -115,6 +132,14 @@ class KernelPlan:
         take the forms of a plan without Pallas."""
         return self.pallas in ("compiled", "interpret")
 
+    def quant_rows(self, x: jax.Array, ws: tuple[Any, ...]) -> bool:
+        """Whether ``x @ ws`` runs on the CUDA-core kernel (:attr:`quant_matvec`): few
+        enough rows, every weight quantized and taken by the kernel."""
+        if not (self.quant_matvec and self.row_invariant and self.uses_pallas):
+            return False
+        return x.shape[0] <= quant_matvec.MAX_ROWS and all(
+            quant_matvec.refusal(w) is None for w in ws)
+
     @property
     def impl(self) -> str:
         """The ``impl`` the row-invariant products and norm take under this plan."""
@@ -123,7 +148,7 @@ class KernelPlan:
     def parallel(self) -> KernelPlan:
         """The plan of a parallel prefill pass: it stands outside every bitwise guarantee,
         so XLA's kernels (and the faster, non-invariant forms of the Pallas ones)."""
-        return dataclasses.replace(self, row_invariant=False)
+        return dataclasses.replace(self, row_invariant=False, quant_matvec=False)
 
 
 #: XLA's own kernels, no Pallas: a model's plan until loading resolves another (training and
@@ -147,9 +172,11 @@ def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> Kernel
         :class:`UnknownBackendWarning`.
       exact: whether the exact prefill should run in wide blocks that agree bitwise with
         token-by-token decoding (the row-invariant plan). On a GPU the row-invariant kernels
-        are also the fastest, so both choices take them there; on another backend the
-        row-invariant forms are fixed-shape tiles (and on a TPU, products of fixed blocks)
-        that decode slower than XLA's own kernels, which ``exact=False`` takes instead.
+        are also the fastest, so both choices take them there, and ``exact=False`` adds
+        :attr:`KernelPlan.quant_matvec` (a quantized weight's decode product on the CUDA
+        cores, which no wide block sums alike); on another backend the row-invariant forms
+        are fixed-shape tiles (and on a TPU, products of fixed blocks) that decode slower
+        than XLA's own kernels, which ``exact=False`` takes instead.
       row_invariant_family: the family has row-invariant kernels
         (:attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`); one without
         them always runs XLA's kernels at one program width.
@@ -169,7 +196,7 @@ def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> Kernel
     if not family:
         return XLA_PLAN
     if backend == "gpu":
-        return KernelPlan(row_invariant=True, pallas="compiled")
+        return KernelPlan(row_invariant=True, pallas="compiled", quant_matvec=not exact)
     if exact:
         return KernelPlan(row_invariant=True, pallas="tpu" if backend == "tpu" else "off")
     return XLA_PLAN
@@ -184,7 +211,12 @@ def matmul(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     head); ``label`` names the row-invariant kernel in a profile. A weight may be a
     :class:`~turbospark_jax.quant.weights.QuantizedWeight` (``[K, N]``): the row-invariant
     kernels read it at its stored width where they can (a decode step's), XLA's multiply by
-    it dequantized."""
+    it dequantized, and under :attr:`KernelPlan.quant_matvec` a few rows' product of
+    quantized weights runs on the CUDA cores."""
+    ws = w if isinstance(w, tuple) else (w,)
+    if w_layout == "kn" and plan.quant_rows(x, ws):
+        return quant_matvec.quant_matmul(x, ws, out_dtype=out_dtype, impl=plan.impl,
+                                         label=label)
     if plan.row_invariant:
         return rowinv_matmul(x, w, w_layout=w_layout, out_dtype=out_dtype, impl=plan.impl,
                              schedule=_schedule(x, w, w_layout), label=label)
@@ -207,6 +239,8 @@ def swiglu(plan: KernelPlan, x: jax.Array, gate: jax.Array, up: jax.Array) -> ja
     launch on a GPU that gates in its epilogue
     (:func:`~turbospark_jax.kernels.rowinv.rowinv_swiglu`), labelled ``gate_up``."""
     _require_row_invariant(plan, "the gated product")
+    if plan.quant_rows(x, (gate, up)):
+        return quant_matvec.quant_swiglu(x, gate, up, impl=plan.impl, label="gate_up")
     return rowinv_swiglu(x, gate, up, impl=plan.impl, label="gate_up")
 
 
@@ -216,6 +250,8 @@ def matmul_parts(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array,
     ``[S, W, N]`` (:func:`~turbospark_jax.kernels.rowinv.sum_parts` finishes them; so do
     :func:`add_norm` and the RoPE-and-cache-write kernel, without a launch of their own)."""
     _require_row_invariant(plan, "a product's partial sums")
+    if plan.quant_rows(x, w if isinstance(w, tuple) else (w,)):
+        return quant_matvec.quant_matmul(x, w, parts=True, impl=plan.impl, label=label)
     return rowinv_matmul(x, w, parts=True, impl=plan.impl, schedule=_schedule(x, w, "kn"),
                          label=label)
 
