@@ -72,8 +72,8 @@ PRESETS = {
 MARK = "turbospark_profile_completion"
 #: Threads of a device's trace that repeat its kernels (one event per HLO op or module, or a
 #: step), left out where kernel threads are there.
-DERIVED = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source code", "TensorFlow",
-           "Launch Stats", "XLA TraceMe")
+DERIVED = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework", "Source code",
+           "TensorFlow", "Launch Stats", "XLA TraceMe", "_counters_")
 #: Scopes that name a layer's part (the innermost one of these wins).
 PARTS = ("mlp", "attention", "delta_rule", "ple")
 #: Top-level scopes outside the layers, in the order they are looked for.
@@ -351,7 +351,8 @@ def device_events(trace: dict[str, Any]) -> tuple[list[Event], str]:
 
 
 def _leaves(events: list[Event]) -> list[Event]:
-    """``events`` less those that enclose another event of their thread."""
+    """``events`` less those that enclose another event of their thread (an event of the
+    same span as another, or one of no duration, encloses nothing)."""
     parents: set[int] = set()
     by_thread: dict[str, list[int]] = collections.defaultdict(list)
     for i, e in enumerate(events):
@@ -363,8 +364,11 @@ def _leaves(events: list[Event]) -> list[Event]:
             e = events[i]
             while open_ and events[open_[-1]].ts + events[open_[-1]].dur <= e.ts:
                 open_.pop()
-            if open_ and e.ts + e.dur <= events[open_[-1]].ts + events[open_[-1]].dur:
-                parents.add(open_[-1])
+            if open_ and e.dur > 0:
+                parent = events[open_[-1]]
+                end, parent_end = e.ts + e.dur, parent.ts + parent.dur
+                if end <= parent_end and (e.ts > parent.ts or end < parent_end):
+                    parents.add(open_[-1])
             open_.append(i)
     return sorted((e for i, e in enumerate(events) if i not in parents), key=lambda e: e.ts)
 
