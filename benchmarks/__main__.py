@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the results go (default benchmarks/results)")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shapes instead of the preset's (decode, prefill, "
-                             "kernels, quant); the file keeps an earlier run's other shapes")
+                             "kernels, quant, profile); the file keeps an earlier run's other "
+                             "shapes")
     parser.add_argument("--report", action="store_true",
                         help="rebuild REPORT.md and its plots from the JSON files in --out")
     parser.add_argument("--no-model-figures", action="store_true",
