@@ -238,3 +238,54 @@ def test_the_kernel_lowers_for_cuda(scheme, group, native):
         assert "xla.gpu.triton" in text and "quant_matvec_q" in text
         text = cuda_text(lambda x, w: qm._quant_swiglu(x, w, w, tiles, False, "g"), x, w)
         assert "xla.gpu.triton" in text and "stablehlo.dot_general" not in text
+
+
+# -- a whole model under the plan ------------------------------------------------------------
+
+
+def test_a_quantized_model_decodes_on_the_kernel_and_verify_rows_equal_decode(monkeypatch):
+    """A tiny quantized dense model under the plan, every kernel interpreted: its decode
+    (products handed on as partial sums, the gated product, the quantized tied head) is
+    the XLA plan's to float32 rounding, and a verify of a few rows, which runs the same kernel,
+    gives each row the bits of decoding it alone. The 24-token prefill runs the tensor-core
+    kernels' interpreted form, so its last row need not agree bitwise with a decode step."""
+    from turbospark_jax.core.state import copy_state
+    from turbospark_jax.engine.producer import BlockProducer
+    from turbospark_jax.models.dense import model as dense
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.testing.fixtures import quantized
+
+    config = DenseConfig(model_type="llama", vocab_size=64, hidden_size=64,
+                         intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    spec = Quantization("int4", group=32, embeddings=True)
+    prompt = [int(t) for t in np.random.default_rng(3).integers(0, 64, 24)]
+    feed = [7, 30, 2, 51]
+
+    def run(plan, width):
+        model = dense.DenseModel(config, F32, scan_layers=False, plan=plan)
+        params = dense.unstack_layers(quantized(dense.FAMILY, config, model.init_params(
+            jax.random.PRNGKey(2)), spec, F32))
+        producer = BlockProducer(model, params, capacity=64, width=width, steps_per_call=1)
+        _, state = producer.prefill_chunk(producer.init_state(), prompt, 0)
+        steps, s = [], copy_state(state)
+        for i, token in enumerate(feed):
+            logits, s = producer.produce(s, token, len(prompt) + i)
+            steps.append(np.asarray(logits))
+        return np.stack(steps), producer, state
+
+    calls = []
+    for name, real in (("quant_matmul", qm.quant_matmul), ("quant_swiglu", qm.quant_swiglu)):
+        def counted(*args, name=name, real=real, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(qm, name, counted)
+    with jax.default_matmul_precision("highest"):
+        want, _, _ = run(KernelPlan(), 1)
+        assert not calls
+        got, producer, state = run(QUANT_PLAN, len(feed))
+        rows, _ = producer.verify(state, feed, len(prompt))
+    assert set(calls) == {"quant_matmul", "quant_swiglu"}
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+    assert np.array_equal(np.asarray(rows), got)
