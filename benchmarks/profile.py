@@ -197,42 +197,76 @@ def _kernel_key(name: str) -> str:
 
 class HloIndex:
     """The instructions of the programs compiled for a run, found by the names a trace gives
-    an event: the ``hlo_op`` (and ``hlo_module``) it carries, else its kernel's name."""
+    an event: the ``hlo_op`` (and ``hlo_module``) it carries, else its kernel's name.
+
+    A module name compiled more than once stands for one of its programs at a time (the
+    newest, until :meth:`choose` picks by what a trace ran). A name that would pick between
+    instructions of different scopes finds none: an event is unmapped rather than guessed."""
 
     def __init__(self, texts: list[str]) -> None:
-        # module name -> its programs' tables, newest last (a name may be compiled again)
-        self.modules: dict[str, list[dict[str, Op]]] = collections.defaultdict(list)
-        self.kernels: dict[str, list[Op]] = collections.defaultdict(list)
+        # module name -> its programs (instruction tables and custom kernel names), newest last
+        self.modules: dict[str, list[tuple[dict[str, Op], dict[str, str]]]] = \
+            collections.defaultdict(list)
         for text in texts:
             module, table, kernels = parse_hlo(text)
-            self.modules[module].append(table)
+            self.modules[module].append((table, kernels))
+        self.choose({})
+
+    def choose(self, seen: dict[str, set[str]]) -> None:
+        """For each module name, the program that holds the most of the op names a trace ran
+        under it (``seen``: trace module name -> op names; ties go to the newest)."""
+        ran: dict[str, set[str]] = collections.defaultdict(set)
+        for module, names in seen.items():
+            resolved = self.resolve(module)
+            if resolved is not None:
+                ran[resolved] |= names
+        self.chosen: dict[str, dict[str, Op]] = {}
+        self.kernels: dict[str, list[Op]] = collections.defaultdict(list)
+        for module, programs in self.modules.items():
+            names = ran.get(module, set())
+            best = max(range(len(programs)),
+                       key=lambda i: (len(names & programs[i][0].keys()), i))
+            table, kernels = programs[best]
+            self.chosen[module] = table
             for op in table.values():
                 self.kernels[_kernel_key(op.name)].append(op)
             for kernel, name in kernels.items():
                 self.kernels[_kernel_key(kernel)].append(table[name])
-        self.chosen: dict[str, dict[str, Op]] = {}
 
-    def choose(self, seen: dict[str, set[str]]) -> None:
-        """Where a module name was compiled more than once, keep the program that holds the
-        most of the op names the trace ran under it (ties: the newest)."""
-        for module, tables in self.modules.items():
-            names = seen.get(module, set())
-            best = max(range(len(tables)), key=lambda i: (len(names & tables[i].keys()), i))
-            self.chosen[module] = tables[best]
+    def resolve(self, module: str | None) -> str | None:
+        """The captured module name a trace's ``hlo_module`` names: itself, else the longest
+        captured name it starts with (a trace may add a suffix)."""
+        if module is None:
+            return None
+        if module in self.modules:
+            return module
+        prefixes = [m for m in self.modules if m and module.startswith(m)]
+        return max(prefixes, key=len) if prefixes else None
 
     def find(self, op: str | None, module: str | None, kernel: str) -> Op | None:
         if op:
-            if module in self.chosen and op in self.chosen[module]:
-                return self.chosen[module][op]
-            if module is None or module not in self.modules:
-                for table in self.chosen.values():
-                    if op in table:
-                        return table[op]
+            resolved = self.resolve(module)
+            if resolved is not None:
+                if op in self.chosen[resolved]:
+                    return self.chosen[resolved][op]
+                # another program of the name (both ran): where its scope is not in doubt
+                found = _one_scope([t[op] for t, _ in self.modules[resolved] if op in t])
+                if found is not None:
+                    return found
+            else:
+                found = _one_scope([t[op] for t in self.chosen.values() if op in t])
+                if found is not None:
+                    return found
         for key in (_kernel_key(kernel), re.sub(r"_\d+$", "", _kernel_key(kernel))):
-            candidates = self.kernels.get(key, [])
-            if len({o.scope for o in candidates}) == 1:  # one scope: no guess made
-                return candidates[0]
+            found = _one_scope(self.kernels.get(key, []))
+            if found is not None:
+                return found
         return None
+
+
+def _one_scope(candidates: list[Op]) -> Op | None:
+    """The first of ``candidates`` where they all have one scope, else None."""
+    return candidates[0] if candidates and len({o.scope for o in candidates}) == 1 else None
 
 
 @contextlib.contextmanager
@@ -565,7 +599,7 @@ def _dump(path: Path, trace: dict[str, Any], events: list[Event], index: HloInde
         "selection": how,
         "processes": {str(k): v for k, v in processes.items()},
         "threads": sorted(set(threads.values())),
-        "modules": {m: [len(t) for t in tables] for m, tables in index.modules.items()},
+        "modules": {m: [len(t) for t, _ in programs] for m, programs in index.modules.items()},
         "events": raw, "unmapped": unmapped}, indent=1, default=str) + "\n")
 
 
@@ -606,7 +640,7 @@ def profile_case(shape: str, preset: Preset, results: common.Results) -> dict[st
         **summarize(events, index, tuple(built.config.layer_types), tokens, preset.top),
         "event_selection": how,
         "window": where,
-        "hlo_programs_captured": sum(len(t) for t in index.modules.values()),
+        "hlo_programs_captured": sum(len(p) for p in index.modules.values()),
         "command_buffers_in_profile": "xla_enable_command_buffers_during_profiling=true"
         in os.environ.get("XLA_FLAGS", ""),
     }

@@ -185,3 +185,28 @@ def test_the_dump_and_the_report(tmp_path):
 ])
 def test_a_scope_falls_in_its_bucket(scope, expected):
     assert profile.bucket(scope, LAYERS) == expected
+
+
+def program(module, *ops):
+    lines = [f"HloModule {module}, is_scheduled=true", "",
+             "ENTRY %main (x: f32[]) -> f32[] {", "  %x = f32[] parameter(0)"]
+    lines += [f'  %{name} = f32[] negate(%x), metadata={{op_name="jit(f)/{scope}/neg"}}'
+              for name, scope in ops]
+    return "\n".join([*lines, "}", ""])
+
+
+def test_a_name_compiled_twice_or_in_two_modules_maps_only_where_its_scope_is_certain():
+    first = program("jit_step", ("fusion.1", "layer_0/mlp"))
+    second = program("jit_step", ("fusion.1", "layer_1/attention"), ("fusion.2", "layer_1/mlp"))
+    index = profile.HloIndex([first, second])
+    index.choose({"jit_step": {"fusion.2"}})  # the trace ran the second program
+    assert index.find("fusion.1", "jit_step", "k").scope == "jit(f)/layer_1/attention/neg"
+    # a trace's module name with a suffix still finds its program
+    assert index.find("fusion.2", "jit_step.3", "k").scope == "jit(f)/layer_1/mlp/neg"
+    index.choose({"jit_step": {"fusion.1"}})  # both hold it: the newest
+    assert index.find("fusion.1", "jit_step", "k").scope == "jit(f)/layer_1/attention/neg"
+    other = profile.HloIndex([first, program("jit_other", ("fusion.1", "head"))])
+    assert other.find("fusion.1", "jit_other", "k").scope == "jit(f)/head/neg"
+    # no module named, two scopes for the name: unmapped, not guessed
+    assert other.find("fusion.1", None, "fusion_1") is None
+    assert other.find(None, None, "fusion_1") is None
