@@ -6,7 +6,10 @@
   weight buffers in one program to overflow the L2 cache. With a preset's ``formats``, the
   products with ``[K, N]`` weights also run with the weights quantized (``format``: int8,
   int4, fp8), read at their stored width and dequantized in the kernel; GB/s then counts the
-  stored bytes (docs/decisions/0020-quantized-products.md).
+  stored bytes (docs/decisions/0020-quantized-products.md). The same quantized products run
+  once more marked ``exact: false``: the CUDA-core kernel of the non-exact plan
+  (:mod:`~turbospark_jax.kernels.quant_matvec`), whose row is compared bitwise with itself in
+  a block of its most rows only (its wide blocks run the row-invariant kernels).
 * ``norm``: the row-invariant RMSNorm at one row and at a prefill block of rows.
 
 The products and the norm also record whether a row alone gets the bits it gets inside a
@@ -100,10 +103,11 @@ def products_of(shape: str) -> list[tuple[str, int, tuple[int, ...], str]]:
 
 def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
                 copies_bytes: int, repeats: int, block_rows: int,
-                fmt: str | None = None) -> dict[str, Any]:
+                fmt: str | None = None, exact: bool = True) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
+    from turbospark_jax.kernels import quant_matvec
     from turbospark_jax.kernels.rowinv import rowinv_matmul, rowinv_swiglu
 
     if fmt is None:
@@ -128,6 +132,14 @@ def matvec_case(k: int, ns: tuple[int, ...], layout: str, impl: str, dtype: Any,
             mats = [m.T for m in w] if layout == "nk" else list(w)
             return jnp.dot(x, jnp.concatenate(mats, axis=1) if len(mats) > 1 else mats[0],
                            preferred_element_type=jnp.float32).astype(x.dtype)
+    elif not exact:  # the non-exact plan's CUDA-core kernel (quantized weights only)
+        block_rows = min(block_rows, quant_matvec.MAX_ROWS)
+        gated = len(ns) == 2 and ns[0] == ns[1]
+
+        def product(x: Any, w: tuple[Any, ...]) -> Any:
+            if gated:
+                return quant_matvec.quant_swiglu(x, w[0], w[1], impl=impl)
+            return quant_matvec.quant_matmul(x, w, impl=impl)
     elif len(ns) == 2 and ns[0] == ns[1] and layout == "kn":  # gate/up: the gated kernel
         def product(x: Any, w: tuple[Any, ...]) -> Any:
             return rowinv_swiglu(x, w[0], w[1], impl=impl)
@@ -182,11 +194,13 @@ def run(preset: Preset, results: common.Results) -> None:
                                  k, ns, layout, kind, dtype, preset.copies_bytes,
                                  preset.repeats, preset.block_rows))
             for fmt in preset.formats if layout == "kn" else ():
-                results.case({"kernel": "matvec", "shape": shape, "product": name, "K": k,
-                              "N": list(ns), "impl": impl, "format": fmt},
-                             lambda k=k, ns=ns, fmt=fmt: matvec_case(
-                                 k, ns, "kn", impl, dtype, preset.copies_bytes,
-                                 preset.repeats, preset.block_rows, fmt))
+                for exact in (True, False):  # the exact plan's kernels, then the CUDA cores'
+                    label = {} if exact else {"exact": False}
+                    results.case({"kernel": "matvec", "shape": shape, "product": name,
+                                  "K": k, "N": list(ns), "impl": impl, "format": fmt, **label},
+                                 lambda k=k, ns=ns, fmt=fmt, exact=exact: matvec_case(
+                                     k, ns, "kn", impl, dtype, preset.copies_bytes,
+                                     preset.repeats, preset.block_rows, fmt, exact))
         s = common.SHAPES[shape]
         for rows in (1, preset.block_rows):
             results.case({"kernel": "norm", "shape": shape, "rows": rows, "impl": impl},
