@@ -26,11 +26,14 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from safetensors import safe_open
 
 from turbospark_jax.core.kv_prefix import reusable_prefix
 from turbospark_jax.core.state import live_equal
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.io.loading import load_folder
+from turbospark_jax.io.saving import save_folder
 from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.testing import conformance as C
@@ -92,7 +95,8 @@ def state_dict(hf: Any) -> dict[str, np.ndarray]:
 
 
 def convert(config: QC.Qwen35Config, tensors: dict[str, np.ndarray]) -> Q.Params:
-    """Hugging Face tensors by name as our params, through the family declaration alone."""
+    """Hugging Face tensors by name as our params, through the family declaration alone, the
+    DeltaNet projections then joined as loading joins them."""
     shapes = Q.param_shapes(config)
     params = jax.tree.map(lambda s: None, shapes, is_leaf=lambda x: isinstance(x, tuple))
     for t in Q.FAMILY.hf_tensors(config):
@@ -101,7 +105,7 @@ def convert(config: QC.Qwen35Config, tensors: dict[str, np.ndarray]) -> Q.Params
         for k in t.key[:-1]:
             node, leaf = node[k], leaf[k]
         node[t.key[-1]] = jnp.asarray(t.to_ours(tensors[t.name], leaf[t.key[-1]]))
-    return params
+    return Q.FAMILY.join_params(config, params)
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
@@ -200,6 +204,33 @@ def test_parity_check_can_fail(case: Any) -> None:
     got = np.asarray(_forward(model, {**params, "layers": layers},
                               jnp.asarray(tokens, jnp.int32)))
     assert float(np.abs(got - out.logits.numpy()).max()) > ATOL
+
+
+def test_projections_are_joined_and_part_again_for_a_folder(case: Any, tmp_path: Any) -> None:
+    """The DeltaNet input projections run as one ``in_proj``; saving parts them again (the
+    folder has transformers' tensors, bitwise) and loading joins them again; the same params
+    with the parts apart (how a quantized or tensor-parallel model runs them) agree."""
+    _, hf, model, params, producer, tokens, _ = case
+    layer = params["layers"][0]
+    parts = Q.projection_parts(model.config)
+    assert "in_proj" in layer and not set(parts) & set(layer)
+    assert layer["in_proj"].shape == (32, model.config.conv_dim + 4 * 8 + 2 * 4)
+    save_folder(tmp_path, model.config, params)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        theirs, names = state_dict(hf), set(f.keys())
+        assert names == {t.name for t in Q.FAMILY.hf_tensors(model.config)}
+        assert all(np.array_equal(f.get_tensor(k), theirs[k]) for k in names)
+    loaded = load_folder(tmp_path, layer_layout="list")
+    assert jax.tree.all(jax.tree.map(np.array_equal, loaded.params, params))
+    apart = Q.split_projections(model.config, params)
+    assert set(parts) <= set(apart["layers"][0]) and "in_proj" not in apart["layers"][0]
+    assert jax.tree.all(jax.tree.map(np.array_equal, Q.join_projections(model.config, apart),
+                                     params))
+    split = BlockProducer(model, apart, capacity=CAPACITY, width=WIDTH, steps_per_call=4)
+    prompt = [int(t) for t in tokens[0, :PROMPT]]
+    want, _ = producer.prefill_chunk(producer.init_state(), prompt, 0)
+    got, _ = split.prefill_chunk(split.init_state(), prompt, 0)
+    np.testing.assert_allclose(got, want, atol=1e-5)
 
 
 def test_multimodal_folder_loads_the_text_decoder() -> None:

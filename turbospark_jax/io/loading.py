@@ -330,6 +330,8 @@ def load_folder(
         host = quantize_params(host, family.hf_tensors(config), spec, resolved)
     vision = _load_vision(folder, np.dtype(resolved))
     tokenizer, generation = folder_extras(folder, config)
+    if family.join_params is not None:  # after quantizing: quantized parts stay apart
+        host = family.join_params(config, host)
     params = jax.tree.map(jnp.asarray, host)
     if layer_layout != family.native_layout:
         params = family.to_layer_layout(params, layer_layout)

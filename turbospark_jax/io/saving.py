@@ -104,6 +104,8 @@ def save_folder(
     tensors = family.hf_tensors(config)
     if family.to_layer_layout is not None:
         params = family.to_layer_layout(params, family.native_layout)
+    if family.split_params is not None:  # Qwen3.5's joined DeltaNet projections, parted
+        params = family.split_params(config, params)
     expected = jax.tree.leaves(shapes, is_leaf=_is_shape)
     checked = params
     table = params.get("embed_tokens") if isinstance(params, Mapping) else None

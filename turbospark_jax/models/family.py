@@ -165,6 +165,13 @@ class Family:
         ``"stacked"``).
       config_type: the class :attr:`parse_config` returns (how ``save_folder`` tells a
         config of this family from anything else).
+      join_params: ``(config, params)`` -> the params as the model runs them, from the
+        layout :attr:`param_shapes` describes (a family that stores matrices read by the
+        same rows side by side joins them here; ``load_folder`` calls it after quantizing, so
+        quantized matrices stay apart). ``None``:
+        the model runs that layout.
+      split_params: :attr:`join_params` undone (saving and a tensor-parallel mesh lay out
+        the folder's tensors); ``None`` where :attr:`join_params` is.
     """
 
     name: str
@@ -178,6 +185,8 @@ class Family:
     list_layout_only: bool = False
     to_layer_layout: Callable[[Params, str], Params] | None = None
     config_type: type = object
+    join_params: Callable[[Any, Params], Params] | None = None
+    split_params: Callable[[Any, Params], Params] | None = None
 
     @property
     def native_layout(self) -> str:

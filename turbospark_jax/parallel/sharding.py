@@ -74,7 +74,7 @@ from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.models.gemma4.model import Gemma4Model
 from turbospark_jax.models.moe import ExpertParallel
-from turbospark_jax.models.qwen3_5.model import Qwen35Model
+from turbospark_jax.models.qwen3_5.model import Qwen35Model, split_projections
 from turbospark_jax.parallel.tp_specs import EP, TP, cache_specs, check_divisible, param_specs
 from turbospark_jax.quant.weights import is_quantized
 
@@ -164,6 +164,12 @@ def shard_params(params: Params, mesh: Mesh, config: Any) -> Params:
     return jax.device_put(params, param_shardings(mesh, config, params))
 
 
+def _mesh_layout(model: BlockModel, params: Params) -> Params:
+    """``params`` as the mesh lays them out: a Qwen3.5 model's joined DeltaNet projections
+    parted again, so each splits on its own heads and channels."""
+    return split_projections(model.config, params) if isinstance(model, Qwen35Model) else params
+
+
 def init_sharded_params(
     model: BlockModel, key: jax.Array, mesh: Mesh, layer_layout: str = "stacked"
 ) -> Params:
@@ -189,7 +195,7 @@ def init_sharded_params(
     def make(k: jax.Array) -> Params:
         params = model.init_params(k)
         dense_list = isinstance(model, DenseModel) and layer_layout == "list"
-        return unstack_layers(params) if dense_list else params
+        return unstack_layers(params) if dense_list else _mesh_layout(model, params)
 
     shapes = jax.eval_shape(make, key)
     shardings = param_shardings(mesh, config, shapes)
@@ -258,7 +264,7 @@ class ShardedProducer(BlockProducer):
         if isinstance(model, DenseModel | Qwen35Model):
             model = model.for_mesh()  # the Pallas kernels are single-device custom calls
         self.mesh = mesh
-        params = shard_params(params, mesh, model.config)
+        params = shard_params(_mesh_layout(model, params), mesh, model.config)
         if ep_size(mesh) > 1:
             model = dataclasses.replace(model, expert_parallel=ExpertParallel(mesh, EP))
         super().__init__(model, params, capacity=capacity, width=width,

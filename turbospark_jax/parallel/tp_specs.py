@@ -128,7 +128,8 @@ def _qwen_layer(c: Qwen35Config) -> dict[str, Axes]:
         "k_bias": (kv,), "v_bias": (kv,), "o_proj": (h, None),
         "gate_proj": (None, f), "up_proj": (None, f), "down_proj": (f, None),
         # the DeltaNet: conv channels [q | k | v] in contiguous ranges (the depthwise conv is
-        # local); z, b, a and the recurrence on their value heads
+        # local); z, b, a and the recurrence on their value heads. The mesh gets the input
+        # projections apart (a joined in_proj mixes their units, so it is parted first).
         "in_proj_qkv": (None, c.conv_dim), "conv1d": (None, c.conv_dim),
         "in_proj_z": (None, hv), "in_proj_b": (None, hv), "in_proj_a": (None, hv),
         "dt_bias": (hv,), "A_log": (hv,), "out_proj": (hv, None),

@@ -35,10 +35,13 @@ def quantized(family: Family, config: Any, params: Any, spec: Quantization | str
               dtype: Any) -> Any:
     """``params`` (in the family's native layout) with its linear weights quantized as
     loading a folder with ``quantize=spec`` would."""
-    host = jax.tree.map(np.asarray, params)
-    spec = Quantization.parse(spec)
-    return jax.tree.map(jnp.asarray, quantize_params(host, family.hf_tensors(config), spec,
-                                                     dtype))
+    if family.split_params is not None:
+        params = family.split_params(config, params)
+    host = quantize_params(jax.tree.map(np.asarray, params), family.hf_tensors(config),
+                           Quantization.parse(spec), dtype)
+    if family.join_params is not None:
+        host = family.join_params(config, host)
+    return jax.tree.map(jnp.asarray, host)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -46,6 +46,14 @@ and ``layers`` is a list::
       linear:  in_proj_qkv [D, C]  in_proj_z [D, Hv*dv]  in_proj_b, in_proj_a [D, Hv]  (qwen3_5)
                in_proj_qkvz [D, Hk, 2*dk + 2*r*dv]  in_proj_ba [D, Hk, 2*r]  (qwen3_next, r=Hv/Hk)
                conv1d [K, C]  dt_bias, A_log [Hv]  gated_norm [dv]  out_proj [Hv*dv, D]
+
+That is the layout of a folder (:func:`param_shapes`, what loading reads and saving writes).
+The model runs a linear layer's input projections as one product: :func:`join_projections`
+stores them side by side as ``in_proj [D, N]`` (the parts' columns in the order above,
+flattened; ``N = C + Hv*dv + 2*Hv`` either way) when the params are initialised or loaded,
+and :func:`split_projections` parts them again for saving and for a tensor-parallel mesh
+(which splits each part on its own units). Quantized parts stay apart: the layer then runs
+the parts' products and joins their outputs.
     mtp (mtp_num_hidden_layers > 0): pre_fc_norm_embedding, pre_fc_norm_hidden, norm [D];
                fc [2*D, D]; layers: full-attention layer dicts as above
 
@@ -69,6 +77,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from turbospark_jax.core.state import append_only, scratch
@@ -95,7 +104,7 @@ from turbospark_jax.models.qwen3_5.config import (
 )
 from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_chunked
 from turbospark_jax.quant import kv as kv_quant
-from turbospark_jax.quant.weights import as_array, take_rows, tied_logits
+from turbospark_jax.quant.weights import as_array, is_quantized, take_rows, tied_logits
 
 # -- params ----------------------------------------------------------------------------------
 
@@ -215,8 +224,59 @@ def tolerated(name: str) -> bool:
 
 def init_params(config: Qwen35Config, key: jax.Array, dtype: Any = jnp.float32) -> Params:
     """Random params like the reference's init: matrices ~ N(0, initializer_range), zero-centred
-    norms 0, the gated norm and ``dt_bias`` 1, biases 0, ``A_log`` = log U(1, 16)."""
-    return _init_params(config, key, jnp.dtype(dtype))
+    norms 0, the gated norm and ``dt_bias`` 1, biases 0, ``A_log`` = log U(1, 16); the
+    DeltaNet input projections joined (:func:`join_projections`)."""
+    return join_projections(config, _init_params(config, key, jnp.dtype(dtype)))
+
+
+def projection_parts(config: Qwen35Config) -> tuple[str, ...]:
+    """A linear layer's input projections as a folder keeps them, in the order their columns
+    are joined into ``in_proj``."""
+    if config.fused:
+        return ("in_proj_qkvz", "in_proj_ba")
+    return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+
+def join_projections(config: Qwen35Config, params: Params) -> Params:
+    """``params`` (numpy or jax leaves) with each linear layer's input projections joined into
+    one ``in_proj [D, N]``, so the layer runs one product where it ran several on the same
+    rows (a product's columns do not mix, so each part's outputs are what its own product
+    gives, up to how the compiler blocks the wider product). A layer whose parts are
+    quantized, or joined already, is left as it is. The other leaves are shared, not
+    copied."""
+    names = projection_parts(config)
+
+    def join(lp: Params) -> Params:
+        parts = [lp.get(n) for n in names]
+        if any(p is None or is_quantized(p) for p in parts):
+            return lp
+        lib = np if all(isinstance(p, np.ndarray) for p in parts) else jnp
+        joined = lib.concatenate([p.reshape(p.shape[0], -1) for p in parts], axis=1)
+        return {**{k: v for k, v in lp.items() if k not in names}, "in_proj": joined}
+
+    return {**params, "layers": [join(lp) if kind == LINEAR else lp for kind, lp in
+                                 zip(config.layer_types, params["layers"], strict=True)]}
+
+
+def split_projections(config: Qwen35Config, params: Params) -> Params:
+    """:func:`join_projections` undone: each joined ``in_proj`` parted into the projections a
+    folder keeps (shapes as :func:`param_shapes`); params without one are returned as they
+    are."""
+    names = projection_parts(config)
+    shapes = param_shapes(config)["layers"]
+
+    def split(lp: Params, shape: Params) -> Params:
+        if "in_proj" not in lp:
+            return lp
+        joined, start, parts = lp["in_proj"], 0, {}
+        for name in names:
+            width = math.prod(shape[name][1:])
+            parts[name] = joined[:, start : start + width].reshape(shape[name])
+            start += width
+        return {**{k: v for k, v in lp.items() if k != "in_proj"}, **parts}
+
+    return {**params, "layers": [split(lp, sh) for lp, sh in
+                                 zip(params["layers"], shapes, strict=True)]}
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -514,19 +574,31 @@ class Qwen35Model(BlockModel):
         gated = (attn * jax.nn.sigmoid(gate)).reshape(*attn.shape[:-2], -1)
         return gated @ lp["o_proj"] + (lp["o_bias"] if self.config.attention_bias else 0)
 
-    def _delta_inputs(self, lp: Params, h: jax.Array) -> tuple[jax.Array, ...]:
-        """h [W, D] -> conv input [W, C] (q, k, v channels), z [W, Hv, dv], b, a [W, Hv]."""
-        c, w = self.config, h.shape[0]
+    def _projected(self, lp: Params, h: jax.Array) -> jax.Array:
+        """h [W, D] -> the linear layer's input projections [W, N], columns as ``in_proj``'s:
+        one product where they are joined, else each part's (quantized parts) side by
+        side."""
+        if "in_proj" in lp:
+            return h @ lp["in_proj"]
+        return jnp.concatenate([h @ lp[name].reshape(h.shape[-1], -1)
+                                for name in projection_parts(self.config)], axis=-1)
+
+    def _delta_inputs(self, proj: jax.Array) -> tuple[jax.Array, ...]:
+        """The projections [W, N] -> conv input [W, C] (q, k, v channels), z [W, Hv, dv], b,
+        a [W, Hv]."""
+        c, w = self.config, proj.shape[0]
         nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
                           c.linear_key_head_dim, c.linear_value_head_dim)
         if not c.fused:
-            return (h @ lp["in_proj_qkv"], (h @ lp["in_proj_z"]).reshape(w, nv, dv),
-                    h @ lp["in_proj_b"], h @ lp["in_proj_a"])
-        # Qwen3-Next groups the outputs per key head: [q, k, v of its r value heads, z of them].
+            mixed, z, b, a = jnp.split(proj, [c.conv_dim, c.conv_dim + nv * dv,
+                                              c.conv_dim + nv * dv + nv], axis=-1)
+            return mixed, z.reshape(w, nv, dv), b, a
+        # Qwen3-Next groups the outputs per key head: [q, k, v of its r value heads, z of them],
+        # then [b, a of them].
         r = nv // nk
-        qkvz = (h @ lp["in_proj_qkvz"].reshape(c.hidden_size, -1)).reshape(w, nk, -1)
+        qkvz = proj[:, : nk * (2 * dk + 2 * r * dv)].reshape(w, nk, -1)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-        ba = (h @ lp["in_proj_ba"].reshape(c.hidden_size, -1)).reshape(w, nk, 2 * r)
+        ba = proj[:, nk * (2 * dk + 2 * r * dv) :].reshape(w, nk, 2 * r)
         mixed = jnp.concatenate([q.reshape(w, -1), k.reshape(w, -1), v.reshape(w, -1)], axis=-1)
         return mixed, z.reshape(w, nv, dv), ba[..., :r].reshape(w, nv), ba[..., r:].reshape(w, nv)
 
@@ -543,7 +615,7 @@ class Qwen35Model(BlockModel):
         c, w = self.config, h.shape[0]
         taps, f32 = c.linear_conv_kernel_dim, jnp.float32
         nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
-        mixed, z, b, a = self._delta_inputs(lp, h)
+        mixed, z, b, a = self._delta_inputs(self._projected(lp, h))
         conv_state, rec = state
         buf = jnp.concatenate([conv_state, mixed.astype(self.dtype)], axis=0)  # [K-1+W, C]
         weight = lp["conv1d"].astype(f32)  # [K, C]
@@ -932,4 +1004,6 @@ FAMILY = Family(
     build=_build,
     tolerated=tolerated,
     list_layout_only=True,
+    join_params=join_projections,
+    split_params=split_projections,
 )
