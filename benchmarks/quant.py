@@ -220,7 +220,7 @@ def run(preset: Preset, results: common.Results) -> None:
     for shape in preset.shapes:
         formats = preset.formats_of(shape)
         lengths = preset.prefill_lengths if BASELINE in formats else ()
-        capacity = max(max(preset.contexts) + preset.new_tokens, *lengths) + 64
+        capacity = max([max(preset.contexts) + preset.new_tokens, *lengths]) + 64
         base: dict[tuple[str, int], float] = {}
         for fmt in formats:
             shape_case(shape, fmt, preset, results, bandwidth, limit, capacity, lengths, base)

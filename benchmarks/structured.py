@@ -215,11 +215,16 @@ def speed(producer: Any, tokenizer: Any, prompt: list[int], new_tokens: int,
 
     rates: dict[str, float] = {}
     generated: dict[str, int] = {}
+    # A random-weight shape with a larger vocabulary than the tokenizer's draws ids the
+    # tokenizer cannot detokenize: its plain run then decodes ids alone (the constraint keeps
+    # the constrained run inside the tokenizer's ids).
+    plain_tokenizer = tokenizer if producer.vocab_size <= tokenizer.vocab_size else None
     for name, constraint in (("plain", None), ("constrained", ConstraintSpec.regex(SPEED_REGEX))):
         request = tsj.CompletionRequest(prompt_ids=prompt, max_tokens=new_tokens,
                                         stop_token_ids=(), constraint=constraint)
-        tsj.run_raw_completion(producer, request, tokenizer=tokenizer)
-        runs = [tsj.run_raw_completion(producer, request, tokenizer=tokenizer)
+        told = tokenizer if constraint is not None else plain_tokenizer
+        tsj.run_raw_completion(producer, request, tokenizer=told)
+        runs = [tsj.run_raw_completion(producer, request, tokenizer=told)
                 for _ in range(max(1, repeats))]
         rates[name] = max(r.timings.decode_tokens_per_s(len(r.token_ids)) for r in runs)
         generated[name] = len(runs[0].token_ids)
