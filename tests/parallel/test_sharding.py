@@ -233,10 +233,14 @@ def test_a_qwen35_model_on_a_mesh_walks_its_rows_on_the_xla_loop():
                        linear_num_key_heads=2, linear_num_value_heads=2,
                        layer_types=("linear_attention",))
     model = Qwen35Model(cfg, max_width=4).interpreted()
-    assert model.tape_rows() == 16  # the kernel's block of rows
+    assert model._row_kernel()
     sharded = ShardedProducer(model, model.init_params(jax.random.PRNGKey(0)), mesh=tp_mesh(),
                               capacity=16, width=4)
-    assert sharded.model.tape_rows() == 4 and sharded.model == model.for_mesh()
+    assert not sharded.model._row_kernel() and sharded.model == model.for_mesh()
+    # the mesh lays out the DeltaNet projections apart (each split on its own units)
+    assert "in_proj" in model.init_params(jax.random.PRNGKey(0))["layers"][0]
+    assert "in_proj_qkv" in sharded.params["layers"][0]
+    assert "in_proj" not in sharded.params["layers"][0]
 
 
 def test_quantized_params_are_refused_before_placing():

@@ -51,7 +51,7 @@ from turbospark_jax.models.dense.model import DenseModel, unstack_layers
 from turbospark_jax.models.gemma4.config import FULL, SLIDING, Gemma4Config
 from turbospark_jax.models.gemma4.model import Gemma4Model
 from turbospark_jax.models.qwen3_5.config import Qwen35Config
-from turbospark_jax.models.qwen3_5.model import Qwen35Model
+from turbospark_jax.models.qwen3_5.model import Qwen35Model, split_projections
 from turbospark_jax.parallel.loading import load_sharded
 from turbospark_jax.parallel.replicas import ReplicaPool, replicas_on_devices
 from turbospark_jax.parallel.sharding import ShardedProducer, tp_mesh
@@ -341,7 +341,10 @@ def sharded_load() -> dict[str, Any]:
         save_folder(folder, family_model.config, family_model.init_params(jax.random.PRNGKey(3)),
                     max_shard_bytes=40_000)
         got = load_sharded(folder, tp_mesh(jax.devices()[:tp]), layer_layout="list")
-        out[name] = shard_by_shard(got.params, load_folder(folder, layer_layout="list").params)
+        plain = load_folder(folder, layer_layout="list").params
+        if name == "qwen3_5_mtp":  # the mesh keeps the DeltaNet projections apart
+            plain = split_projections(family_model.config, plain)
+        out[name] = shard_by_shard(got.params, plain)
         if name == "qwen3_5_mtp":  # the MTP head's layer; conv1d, [C, 1, K] in the file
             mtp = got.params["mtp"]["layers"][0]
             out["shards"] = {k: list(leaf.addressable_shards[0].data.shape) for k, leaf in (
