@@ -145,6 +145,12 @@ def test_bad_calls_are_refused():
     stacked = quantize_leaf(np.ones((2, K, N), np.float32), K, 1, Quantization("int8"), F32)
     with pytest.raises(BadInputError, match="stacked quantized weight"):
         qm.quant_matmul(_rows(1), stacked, impl="interpret")
+    odd_groups = dataclasses.replace(_weight("int4", 32, k=96), group=48,
+                                     scale=jnp.ones((2, N), F32), zero=jnp.zeros((2, N),
+                                                                                 jnp.uint8))
+    with pytest.raises(BadInputError, match="groups of 48 rows"):
+        qm.quant_matmul(_rows(1, k=96), odd_groups, impl="interpret")
+    assert not QUANT_PLAN.quant_rows(_rows(1, k=96), (odd_groups,))  # the plan keeps rowinv
     with pytest.raises(BadInputError, match="needs equal K"):
         qm.quant_matmul(_rows(1, k=128), w, impl="interpret")
     with pytest.raises(BadInputError, match="share one dtype"):

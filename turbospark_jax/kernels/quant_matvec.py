@@ -138,11 +138,15 @@ def tiles_for(k: int, n: int, gated: bool = False) -> QuantMatvecTiles:
 def refusal(w: Any) -> str | None:
     """Why the kernel cannot multiply by ``w`` (None when it can): it takes a
     :class:`~turbospark_jax.quant.weights.QuantizedWeight` of one matrix (not a stack of
-    layers)."""
+    layers) with one scale row for all of K or groups of a power of two (every scheme
+    :func:`~turbospark_jax.quant.weights.quantize` makes)."""
     if not isinstance(w, QuantizedWeight):
         return f"a {type(w).__name__} is not a quantized weight"
     if w.lead:
         return f"a stacked quantized weight {w.shape} (index its layer first)"
+    if w.group != w.k and not (_power_of_two(w.group) and w.group >= 16):
+        return (f"groups of {w.group} rows (the kernel steps through whole groups of a power "
+                "of two, at least 16)")
     return None
 
 
