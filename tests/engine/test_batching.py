@@ -5,9 +5,16 @@ index, with prompts prefilled a few at a time in chunks between decode steps.
 The engine is driven step by step (``Engine.run_once``, no thread), so a test decides exactly
 when each request arrives. The controls swap in a decode or prefill program that mixes rows (a
 tiny batch-wide term in the logits) and expect the same check to fail.
+
+Decode buckets (a program over the lowest ``b`` rows, rows swapped to keep the busy ones low)
+are checked with :class:`RowByRowToy`: the toy whose block runs row by row under ``vmap``, so
+its rows keep their bits for any row count, as the row-invariant kernels keep a real model's.
+The plain toy's dots do not (XLA's CPU dot sums a single row another way), so it keeps the one
+bucket of every row; the bucket control is a program that reads its row count.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +22,16 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax.custom_batching import custom_vmap
 
 from turbospark_jax.core.sampling import SamplingConfig
-from turbospark_jax.engine.batching import BatchedDecoder, decode_step, prefill_step
+from turbospark_jax.engine.batching import (
+    BatchedDecoder,
+    buckets,
+    decode_step,
+    prefill_step,
+    rows_agree_in_batches,
+)
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, OverloadedError
 from turbospark_jax.generation.completion import CompletionRequest, FinishReason
@@ -64,8 +78,68 @@ class MixingPrefill(BatchedDecoder):
     prefill_fn = staticmethod(_mixing_prefill)
 
 
+class RowByRowToy(ToyAttentionModel):
+    """The toy attention model whose block, under ``vmap``, runs each row on its own (a loop
+    over the rows of one unmapped body): a row's bits then never depend on how many rows are
+    mapped, which is what the decode buckets need of a model."""
+
+    def block_forward(self, params, cache, tokens, positions, live, need_head, **kw):
+        plain = functools.partial(ToyAttentionModel.block_forward, self, **kw)
+        forward = custom_vmap(plain)
+
+        @forward.def_vmap
+        def each_row(axis_size, in_batched, *args):
+            leaves, tree = jax.tree.flatten(args)
+            mapped = jax.tree.leaves(in_batched)
+
+            def one(row):
+                it = iter(row)
+                return plain(*jax.tree.unflatten(
+                    tree, [next(it) if m else x for x, m in zip(leaves, mapped, strict=True)]))
+
+            out = jax.lax.map(one, [x for x, m in zip(leaves, mapped, strict=True) if m])
+            return out, jax.tree.map(lambda _: True, out)
+
+        return forward(params, cache, tokens, positions, live, need_head)
+
+
+ROW_MODEL = RowByRowToy(vocab=VOCAB, dim=16)
+
+
+class BucketedDecoder(BatchedDecoder):
+    """Decode buckets for the row-by-row toy; records every decode call's row count and every
+    row swap."""
+
+    rows_agree = staticmethod(lambda model: True)
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.bucket_calls, self.swaps = [], []
+
+    def step(self, active, **kw):
+        self.bucket_calls.append(self.bucket_for(active))
+        return super().step(active, **kw)
+
+    def swap_rows(self, i, j):
+        self.swaps.append((i, j))
+        super().swap_rows(i, j)
+
+
+def _bucket_step(model, params, stack, rows, active, *extra, **variant):
+    """The bucket control: a decode program whose logits read how many rows it runs."""
+    stack, rows, out = decode_step(model, params, stack, rows, active, *extra, **variant)
+    return stack, rows, out.replace(logits=out.logits * (1 + 1e-3 * active.shape[0]))
+
+
+class BucketSensitive(BucketedDecoder):
+    step_fn = staticmethod(_bucket_step)
+
+
 def engine(decoder=BatchedDecoder, **kw):
-    return Engine(producer(), slots=SLOTS, decoder=decoder, **PREFILL, **kw)
+    model = ROW_MODEL if issubclass(decoder, BucketedDecoder) else MODEL
+    made = BlockProducer(model, PARAMS, capacity=CAPACITY, width=5, steps_per_call=8,
+                         donate=True)
+    return Engine(made, slots=SLOTS, decoder=decoder, **PREFILL, **kw)
 
 
 SETTINGS = [
@@ -101,7 +175,11 @@ def serve(engine, arrivals):
 
 
 def alone(req, decoder=BatchedDecoder):
-    return serve(engine(decoder), [(0, req)])[0]
+    eng = engine(decoder)
+    done = serve(eng, [(0, req)])[0]
+    if issubclass(decoder, BucketedDecoder):
+        assert set(eng.decoder.bucket_calls) <= {1}  # alone: the one-row program
+    return done
 
 
 def same(a, b):
@@ -139,6 +217,81 @@ def test_each_request_bitwise_equal_to_serving_it_alone(arrivals):
     together = serve(engine(), arrivals)
     for (_, req), got in zip(arrivals, together, strict=True):
         assert same(got, alone(req)), got.completion.usage
+
+
+@settings(max_examples=8)
+@given(workloads())
+def test_each_request_bitwise_equal_to_serving_it_alone_in_any_bucket(arrivals):
+    """The same fuzzed mixes with decode buckets: each request runs in whichever bucket its
+    neighbours make, in rows that move as they come and go, and gets its one-row bits."""
+    eng = engine(BucketedDecoder)
+    together = serve(eng, arrivals)
+    for (_, req), got in zip(arrivals, together, strict=True):
+        assert same(got, alone(req, BucketedDecoder)), got.completion.usage
+    busy = [s.row for s in eng.slots if s.busy]
+    assert sorted(s.row for s in eng.slots) == list(range(SLOTS)) and not busy
+
+
+def test_buckets_follow_the_live_rows():
+    assert buckets(1) == (1,) and buckets(2) == (1, 2) and buckets(8) == (1, 2, 4, 8)
+    assert buckets(6) == (1, 2, 4, 6) and len(buckets(64)) == 7
+    assert not rows_agree_in_batches(MODEL)  # XLA's dots: one bucket of every row
+    assert BatchedDecoder(producer(), SLOTS, **PREFILL).buckets == (SLOTS,)
+    decoder = BucketedDecoder(producer(), SLOTS, **PREFILL)
+    assert decoder.buckets == (1, 2, 4)
+    picks = [decoder.bucket_for(np.array(a, bool)) for a in
+             ([1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0])]
+    assert picks == [1, 2, 4, 4, 1]
+
+
+def test_a_row_moved_down_mid_generation_keeps_its_bits():
+    """The request in row 0 ends first: the one in row 1 is swapped down to row 0 between two
+    decode steps and carries on in the one-row program, bitwise as alone."""
+    eng = engine(BucketedDecoder)
+    short = ServeRequest(completion=request([3, 1, 4], setting=1, seed=4, max_tokens=3))
+    long = ServeRequest(completion=request([2, 7, 1, 8, 2, 8], setting=2, seed=9,
+                                           max_tokens=12))
+    got = serve(eng, [(0, short), (0, long)])
+    assert got[1].completion.usage.slot == 1 and [sorted(w) for w in eng.decoder.swaps] == [[0, 1]]
+    calls = eng.decoder.bucket_calls
+    assert calls[0] == 2 and calls[-1] == 1 and calls == sorted(calls, reverse=True)
+    for g, r in zip(got, [short, long], strict=True):
+        assert same(g, alone(r, BucketedDecoder))
+
+
+def test_a_reused_prefix_above_the_live_rows_moves_down_with_its_slot():
+    """A slot whose prompt a new request extends sits above the busy rows: it is swapped down
+    to the first idle row, and its fed record and reuse go with it."""
+    eng = engine(BucketedDecoder)
+    first = [request([5, 6, 7, 8, 9], max_tokens=2), request([9, 9, 1, 2], max_tokens=2),
+             request([30, 31, 32], max_tokens=2)]
+    serve(eng, [(0, ServeRequest(completion=r)) for r in first])
+    home = next(s for s in eng.slots if s.fed_ids[:5] == (5, 6, 7, 8, 9))
+    assert home.row >= 2  # the first finisher is swapped above the others
+    other = ServeRequest(completion=request([40, 41, 42], seed=1, max_tokens=20))
+    grown = ServeRequest(completion=request([5, 6, 7, 8, 9, 3], setting=1, seed=2,
+                                            max_tokens=4))
+    events = {}
+    eng.submit(other, lambda ev: events.setdefault("other", []).append(ev))
+    eng.run_once()  # the unrelated request holds row 0 from here on
+    moved_from, eng.decoder.swaps = home.row, []
+    eng.submit(grown, lambda ev: events.setdefault("grown", []).append(ev))
+    eng.run_once()
+    assert home.busy and home.row == 1 and sorted(eng.decoder.swaps[0]) == [1, moved_from]
+    while not eng.idle:
+        eng.run_once()
+    done = events["grown"][-1]
+    assert done.completion.usage.slot == home.index and done.completion.usage.reused_tokens == 5
+    assert same(done, alone(grown, BucketedDecoder))
+    assert same(events["other"][-1], alone(other, BucketedDecoder))
+
+
+def test_control_a_bucket_reading_program_fails_the_check():
+    reqs = [(0, ServeRequest(completion=request([3, 1, 4, 1, 5], seed=1))),
+            (0, ServeRequest(completion=request([2, 7, 1, 8], setting=1, seed=2)))]
+    together = serve(engine(BucketSensitive), reqs)
+    refs = [alone(r, BucketSensitive) for _, r in reqs]
+    assert not any(same(g, r) for g, r in zip(together, refs, strict=True))
 
 
 def test_every_slot_index_gives_the_same_result():

@@ -1,12 +1,20 @@
 """Batched serving: every session slot's state stacked on one leading axis, advanced together.
 
 A server holding ``B`` session slots keeps their :class:`~turbospark_jax.engine.program.BlockState`
-values stacked into one pytree whose leaves have a leading axis of ``B``. Two compiled programs
-work on the stack:
+values stacked into one pytree whose leaves have a leading axis of ``B``. Three kinds of
+compiled program work on the stack:
 
 * **decode** (:func:`decode_step`): ``jax.vmap`` of the single-sequence block step
   (:func:`~turbospark_jax.engine.program.feed_block` with one live row), then per-row sampling,
-  advances every decoding row by one token per call;
+  advances every decoding row by one token per call. For a model whose rows keep their bits
+  whatever the number of rows mapped (:func:`rows_agree_in_batches`) it comes in
+  **buckets** (:func:`buckets`): one program for each ``b`` in the powers of two below ``B``
+  and ``B`` itself, over the first ``b`` rows of the stack (:func:`on_first_rows`), and a
+  call runs the smallest bucket that holds every active row. So one stream in row 0 costs
+  one row's work, not ``B``'s, provided the caller keeps its live rows packed at the bottom
+  of the stack. Any other model has the one bucket of ``B`` rows;
+* **row swap** (:meth:`BatchedDecoder.swap_rows`): exchanges two rows' states and controls on
+  the device, which is how a caller packs its rows (one program whatever the rows);
 * **prefill** (:func:`prefill_step`): gathers ``P`` rows, feeds each up to ``C`` prompt tokens in
   ``W``-wide blocks (``jax.vmap`` of ``feed_block`` with ``W`` rows, ``live`` of them real,
   inside one loop with a traced trip count), scatters them back, and draws the first token of
@@ -26,15 +34,27 @@ record, and keep their sampling controls unchanged.
 Why a row's result does not depend on its neighbours: ``B``, ``P``, ``C`` and ``W`` are fixed,
 so each program and every shape in it are the same on every call whoever is in flight; ``vmap``
 maps each row's computation independently (no reduction runs across rows), so a row's values
-flow only from its own inputs. What such a program *may* still depend on is the row's index (a
-GEMM kernel can treat rows differently by their place in a tile), and for the prefill, where a
-prompt's blocks start: they start ``W`` apart from wherever the row's state stood, and the
-block program's guarantee (any split of a prompt into live counts gives the same bits, padding
-rows writing nothing) is what makes a prompt fed in chunks, after any reused prefix, equal to
-the same prompt fed alone. The batching tests check that a request's tokens and logits
-are bitwise equal to serving it alone in every slot index and for the neighbour mixes, arrival
-orders, shared prefixes and prompt lengths it fuzzes, on XLA's CPU backend with the toy
-attention model. On a GPU it must be checked again on the device (the same test runs there).
+flow only from its own inputs. What such a program *may* still depend on is the row's index,
+the bucket's row count, and for the prefill, where a prompt's blocks start. A GEMM kernel can
+treat rows differently by their place in a tile; and ``vmap`` folds the mapped rows into the
+rows of each product, so a library dot (XLA's on the CPU, a GPU's GEMM) may sum a row another
+way for another row count. That is why only a model whose kernels are the row-invariant Pallas
+kernels (:mod:`turbospark_jax.kernels.rowinv`: under ``vmap`` each row runs programs of its
+own, the same for any row count) gets buckets. A prompt's blocks start ``W`` apart from
+wherever the row's state stood, and the block program's guarantee (any split of a prompt into
+live counts gives the same bits, padding rows writing nothing) is what makes a prompt fed in
+chunks, after any reused prefix, equal to the same prompt fed alone. The batching tests check
+that a request's tokens and logits are bitwise equal to serving it alone in every slot index
+and for the neighbour mixes, arrival orders, shared prefixes and prompt lengths they fuzz, on
+XLA's CPU backend with the toy attention model, and across buckets and rows moved in
+mid-generation with a toy whose block runs row by row under ``vmap`` (what the row-invariant
+kernels give a real model). On a GPU it must be checked again on the device (the same tests
+run there).
+
+What a bucket costs beside its rows' work: the program reads the first ``b`` rows as a slice
+of the donated stack and writes them back with one ``dynamic_update_slice``; XLA materialises
+the slice, so a step copies the ``b`` rows' state in and out once (the rows above are not
+touched). The ``B`` bucket has no such copy (its slice is the whole stack).
 
 Sampling cost: under ``vmap`` the sampler's ``lax.cond`` becomes a select that computes both
 branches for every row, so each program comes in variants chosen per call from the rows in it:
@@ -62,10 +82,11 @@ from turbospark_jax.core.state import without_auxiliary
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.engine.program import BlockState, feed_block
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.base import BlockModel
 
-__all__ = ["MAX_TOP_LOGPROBS", "BatchedDecoder", "RowControls", "StepResult", "decode_step",
-           "prefill_step"]
+__all__ = ["MAX_TOP_LOGPROBS", "BatchedDecoder", "RowControls", "StepResult", "buckets",
+           "decode_step", "on_first_rows", "prefill_step", "rows_agree_in_batches"]
 
 #: Alternatives per token the step reports log-probabilities for (OpenAI's limit is 20).
 MAX_TOP_LOGPROBS = 20
@@ -247,10 +268,57 @@ def prefill_step(
     return stack, rows, out
 
 
+def rows_agree_in_batches(model: BlockModel) -> bool:
+    """Whether ``model``'s rows keep their bits whatever the number of rows a ``vmap`` maps
+    its block step over: its plan runs the row-invariant Pallas kernels. (The XLA forms of
+    those kernels keep a row's bits across a *block's* widths, but under ``vmap`` their fixed
+    tiles take the mapped rows as rows of the tile's product, whose sums XLA's CPU dot orders
+    by the row count.)"""
+    plan = getattr(model, "plan", None)
+    return isinstance(plan, KernelPlan) and plan.row_invariant and plan.uses_pallas
+
+
+def buckets(size: int) -> tuple[int, ...]:
+    """The row counts decode programs are compiled for over a stack of ``size`` rows: every
+    power of two below ``size``, then ``size`` (``floor(log2(size)) + 1`` or ``+ 2`` of them)."""
+    size = as_int("size", size, low=1)
+    return (*(1 << k for k in range(size.bit_length()) if 1 << k < size), size)
+
+
+def on_first_rows(
+    step: Callable[..., Any], model: BlockModel, params: Any, stack: BlockState,
+    rows: RowControls, active: jax.Array, *extra: Any, **variant: Any,
+) -> tuple[BlockState, RowControls, StepResult]:
+    """Run the batched ``step`` over the first ``len(active)`` rows of ``stack`` and ``rows``
+    (jittable; ``active`` and any mask in ``extra`` cover those rows only) and write them back
+    into the stack in place; the rows above are left as they are. Returns the whole stack and
+    controls and the draws of the rows run."""
+    size = active.shape[0]
+
+    def first(x: jax.Array) -> jax.Array:
+        return x[:size]
+
+    def put(x: jax.Array, new: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(x, new, 0, axis=0)
+
+    sub, sub_rows, out = step(model, params, jax.tree.map(first, stack),
+                              jax.tree.map(first, rows), active, *extra, **variant)
+    return jax.tree.map(put, stack, sub), jax.tree.map(put, rows, sub_rows), out
+
+
 @functools.cache
 def _compiled(model: BlockModel, fn: Callable[..., Any], truncate: bool, logprobs: bool) -> Any:
     return jax.jit(functools.partial(fn, model, truncate=truncate, logprobs=logprobs),
                    donate_argnums=(1, 2))
+
+
+@functools.cache
+def _compiled_step(model: BlockModel, fn: Callable[..., Any], truncate: bool,
+                   logprobs: bool) -> Any:
+    """The bucketed decode program (one jit; each bucket's row count is a shape, so each
+    compiles once)."""
+    return jax.jit(functools.partial(on_first_rows, fn, model, truncate=truncate,
+                                     logprobs=logprobs), donate_argnums=(1, 2))
 
 
 def _device_of(tree: Any) -> jax.Device | None:
@@ -270,9 +338,21 @@ def _row_io() -> tuple[Any, Any]:
     return take, put
 
 
+@functools.cache
+def _row_swap() -> Any:
+    def swap(tree: Any, i: jax.Array, j: jax.Array) -> Any:
+        def one(x: jax.Array) -> jax.Array:
+            return x.at[i].set(x[j]).at[j].set(x[i])
+
+        return jax.tree.map(one, tree)
+
+    return jax.jit(swap, donate_argnums=(0,))
+
+
 class BatchedDecoder:
     """``B`` rows of one :class:`BlockProducer`'s states: prompts fed to several rows per call,
-    decoded one token per call, together.
+    decoded one token per call, together, by the smallest bucket of rows that holds every
+    active one (:attr:`buckets`; the caller keeps live rows low with :meth:`swap_rows`).
 
     Args:
       producer: the single-sequence producer (its model, params, capacity and block width
@@ -290,6 +370,9 @@ class BatchedDecoder:
     step_fn: Callable[..., Any] = staticmethod(decode_step)
     #: The batched prefill.
     prefill_fn: Callable[..., Any] = staticmethod(prefill_step)
+    #: Whether a model's rows agree across buckets (then it gets them); the tests swap in
+    #: their own answer for a toy whose rows do.
+    rows_agree: Callable[[BlockModel], bool] = staticmethod(rows_agree_in_batches)
 
     def __init__(self, producer: BlockProducer, rows: int, *, prefill_rows: int = 4,
                  prefill_chunk: int = 64) -> None:
@@ -302,6 +385,10 @@ class BatchedDecoder:
         self.prefill_rows = min(as_int("prefill_rows", prefill_rows, low=1), self.size)
         width = producer.width
         self.prefill_chunk = -(-as_int("prefill_chunk", prefill_chunk, low=1) // width) * width
+        #: The row counts of the decode programs, smallest first: :func:`buckets` for a model
+        #: whose rows agree across them (:attr:`rows_agree`), else ``B`` alone.
+        self.buckets = buckets(self.size) if type(self).rows_agree(producer.model) else (
+            self.size,)
         fresh = without_auxiliary(producer.init_state())[0]
         self.stack: BlockState = jax.tree.map(lambda x: jnp.stack([x] * self.size), fresh)
         vocab = producer.vocab_size
@@ -320,6 +407,7 @@ class BatchedDecoder:
         # of its rows does.
         self._truncates = np.zeros((self.size,), bool)
         self._take, self._put = _row_io()
+        self._swap = _row_swap()
 
     def take_row(self, index: int) -> BlockState:
         """A copy of row ``index``'s state, a state of :attr:`producer`."""
@@ -330,6 +418,23 @@ class BatchedDecoder:
         self.producer.check_state(state)
         bare = without_auxiliary(state)[0]
         self.stack = self._put(self.stack, np.int32(self._index(index)), bare)
+
+    def swap_rows(self, i: int, j: int) -> None:
+        """Exchange rows ``i`` and ``j`` whole (states, controls, whether a row needs the
+        sort), on the device in one call; a request in either row carries on from its new
+        row with the same bits (each row's result depends on its own inputs alone)."""
+        i, j = self._index(i), self._index(j)
+        if i == j:
+            return
+        self.stack, self.controls = self._swap((self.stack, self.controls), np.int32(i),
+                                               np.int32(j))
+        self._truncates[[i, j]] = self._truncates[[j, i]]
+
+    def bucket_for(self, active: np.ndarray) -> int:
+        """The rows a decode call over ``active`` (bool[B]) runs: the smallest bucket holding
+        every active row."""
+        used = int(np.flatnonzero(active)[-1]) + 1 if active.any() else 1
+        return next(b for b in self.buckets if b >= used)
 
     def start_row(
         self, index: int, *, params: sampling.SamplingParams, history: sampling.History,
@@ -435,42 +540,52 @@ class BatchedDecoder:
 
     def step(self, active: np.ndarray, *, logprobs: bool = True,
              allowed: np.ndarray | None = None) -> StepResult:
-        """Advance the rows where ``active`` (bool[B]) is set by one token, in one call;
-        ``logprobs`` False leaves the log-probabilities out (zeros); ``allowed`` (bool[B, V])
-        masks each row's draw (a program with the mask is compiled beside the one without)."""
+        """Advance the rows where ``active`` (bool[B]) is set by one token, in one call of the
+        smallest bucket holding them (:meth:`bucket_for`); ``logprobs`` False leaves the
+        log-probabilities out (zeros); ``allowed`` (bool[B, V]) masks each row's draw (a
+        program with the mask is compiled beside the one without).
+
+        Returns:
+          The draws of the bucket's ``b`` rows (entry ``i`` for row ``i``; rows past ``b``
+          are not run).
+        """
         active = np.asarray(active, bool)
         if active.shape != (self.size,):
             raise BadInputError(f"active must be bool[{self.size}], got shape {active.shape}")
+        rows = self.bucket_for(active)
         truncate = bool(np.any(self._truncates & active))
-        program = _compiled(self.producer.model, type(self).step_fn, truncate, logprobs)
-        extra = () if allowed is None else (self._mask("allowed", allowed, self.size),)
+        program = _compiled_step(self.producer.model, type(self).step_fn, truncate, logprobs)
+        extra = () if allowed is None else (self._mask("allowed", allowed, self.size)[:rows],)
         self.stack, self.controls, out = program(
-            self.producer.params, self.stack, self.controls, active, *extra
+            self.producer.params, self.stack, self.controls, active[:rows], *extra
         )
         return out
 
     def warm_up(self, workers: int | None = None) -> None:
-        """Compile every program a call can reach, ahead of the calls: both programs with and
-        without the sort, the log-probabilities and the mask, on ``workers`` threads (default:
-        one a CPU core; the compiler releases the interpreter lock), then the row copies and a
-        row's controls. Nothing runs on the rows but a copy of row 0 onto itself."""
+        """Compile every program a call can reach, ahead of the calls: the prefill and every
+        bucket's decode program with and without the sort, the log-probabilities and the
+        mask, on ``workers`` threads (default: one a CPU core; the compiler releases the
+        interpreter lock), then the row copies, the row swap and a row's controls. Nothing
+        runs on the rows but a copy of row 0 onto itself."""
         vocab, width = self.producer.vocab_size, self.producer.width
         fill_args = (self.producer.params, self.stack, self.controls,
                      np.zeros((self.prefill_rows,), np.int32),
                      np.zeros((self.prefill_rows, self.prefill_chunk // width, width), np.int32),
                      np.zeros((self.prefill_rows,), np.int32),
                      np.zeros((self.prefill_rows,), bool))
-        step_args = (self.producer.params, self.stack, self.controls,
-                     np.zeros((self.size,), bool))
         jobs = []
         for truncate in (False, True):
             for logprobs in (False, True):
                 fill = _compiled(self.producer.model, type(self).prefill_fn, truncate, logprobs)
-                step = _compiled(self.producer.model, type(self).step_fn, truncate, logprobs)
+                step = _compiled_step(self.producer.model, type(self).step_fn, truncate,
+                                      logprobs)
                 jobs += [(fill, fill_args), (fill, (*fill_args, np.ones((self.prefill_rows,
-                                                                          vocab), bool))),
-                         (step, step_args), (step, (*step_args, np.ones((self.size, vocab),
-                                                                         bool)))]
+                                                                          vocab), bool)))]
+                for rows in self.buckets:
+                    step_args = (self.producer.params, self.stack, self.controls,
+                                 np.zeros((rows,), bool))
+                    jobs += [(step, step_args),
+                             (step, (*step_args, np.ones((rows, vocab), bool)))]
         device = _device_of(self.stack)
 
         def compile_one(job: tuple[Any, tuple[Any, ...]]) -> None:
@@ -480,6 +595,9 @@ class BatchedDecoder:
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(compile_one, jobs))
         self.put_row(0, self.take_row(0))
+        if self.size > 1:  # compiles the swap; twice leaves the rows as they were
+            self.swap_rows(0, 1)
+            self.swap_rows(0, 1)
         one = sampling.SamplingParams.greedy()
         self.start_row(0, params=one, history=sampling.History.from_prompt([0], vocab), seed=0)
 

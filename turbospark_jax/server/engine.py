@@ -5,19 +5,28 @@ scheduler thread owns the device and loops over ticks:
 
 1. drop requests whose client went away (their slot is free from this point on);
 2. give waiting requests slots (:func:`~turbospark_jax.server.slots.choose_slot`); a request
-   whose session's slot is busy waits without holding up the others;
+   whose session's slot is busy waits without holding up the others; a slot taken from above
+   the busy ones is swapped down to the first idle row;
 3. run **one prefill call** (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.prefill`) for the
    oldest ``P`` requests still prefilling, each fed up to ``C`` more prompt tokens on its own
    row; a request whose prompt ends in the call draws its first token in it and joins the batch;
 4. run **one batched decode step** for every row in the batch
    (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.step`); each row's token goes through the
    request's own :class:`~turbospark_jax.generation.completion.Emission` (stop tokens, detokenizer,
-   stop
-   strings, ``max_tokens``), and a finished row leaves the batch.
+   stop strings, ``max_tokens``), and a finished row leaves the batch.
 
 So a tick's prompt work is bounded (``P * C`` tokens, at most ``C / W`` block steps): a long
 prompt delays the streams in flight by one chunk per tick, not by its whole prefill, and
 several prompts progress in the same call.
+
+**The decode step costs the live rows, not the slots.** The decode program is compiled for a
+few row counts (buckets: the powers of two below ``B``, and ``B``), each over the lowest rows of
+the stack, and a step runs the smallest one holding every decoding row. The engine keeps the
+busy slots in the lowest rows: a slot is taken at the first idle row (its state swapped down
+there if it sat higher), and a slot freed below the highest busy row swaps rows with it
+(:mod:`~turbospark_jax.server.slots`; the swap is one device call over the two rows, and the
+slot's record, owner, fed ids and kept copy go with its state). One stream therefore runs the
+one-row program.
 
 **Prefix reuse covers prompt rows only.** A slot remembers the prompt its last request
 prefilled, and a later request reuses at most that prefix: the rows the batched decode program
@@ -32,8 +41,9 @@ state there (:attr:`~turbospark_jax.server.slots.SlotRecord.saved`): the same pr
 a longer one that repeats it (a session's next turn), restarts from the copy and feeds the
 rest (``tests/server/test_server_reuse.py`` checks it against fresh bitwise). A request's
 output depends only on its own prompt, settings and seed: its prompt and first token are a row
-of the fixed-shape prefill program, every later token a row of the fixed-shape decode program,
-and neither program's rows interact (see :mod:`turbospark_jax.engine.batching`).
+of the fixed-shape prefill program, every later token a row of one of the fixed-shape decode
+programs, no program's rows interact, and neither the bucket nor the row a request's state
+sits in changes its bits (see :mod:`turbospark_jax.engine.batching`).
 
 **Several choices** (``ServeRequest.n`` above 1) are one request each, run on their own rows
 with their own seeds (:func:`~turbospark_jax.server.requests.choice_seed`; choice 0 keeps the
@@ -114,7 +124,14 @@ from turbospark_jax.server.requests import (
     Ticket,
     choice_seed,
 )
-from turbospark_jax.server.slots import SlotRecord, choose_slot, open_prefix
+from turbospark_jax.server.slots import (
+    SlotRecord,
+    choose_slot,
+    open_prefix,
+    row_to_free,
+    row_to_take,
+    swap_rows,
+)
 
 __all__ = ["Engine"]
 
@@ -373,6 +390,7 @@ class Engine(SchedulerThread):
             self._waiting.remove(job)
             slot = choice.slot
             self._clock += 1
+            self._move(slot, row_to_take(self.slots, slot))
             slot.busy, slot.last_used = True, self._clock
             if choice.evicts:
                 self.evictions += 1
@@ -385,11 +403,20 @@ class Engine(SchedulerThread):
 
     def _release(self, job: Job, fed_ids: tuple[int, ...]) -> None:
         with self._cond:
+            if job.slot.busy:
+                self._move(job.slot, row_to_free(self.slots, job.slot))
             job.slot.busy = False
             job.slot.fed_ids = tuple(fed_ids)
             if job in self._running:
                 self._running.remove(job)
             self._cond.notify_all()
+
+    def _move(self, slot: SlotRecord, other: SlotRecord | None) -> None:
+        """Swap the rows of ``slot`` and ``other`` (``None``: nothing to move), states and
+        records alike, so the busy slots stay the lowest rows."""
+        if other is not None:
+            self.decoder.swap_rows(slot.row, other.row)
+            swap_rows(slot, other)
 
     def _fail_running(self, message: str) -> None:
         # The stack may have been consumed by the failed call: start every row afresh.
@@ -424,7 +451,7 @@ class Engine(SchedulerThread):
                 job.prompt[: len(saved[0])]) == saved[0]:
             job.reused, state = len(saved[0]), saved[1]  # a model that cannot rewind
         elif slot.fed_ids:
-            state = self.decoder.take_row(slot.index)
+            state = self.decoder.take_row(slot.row)
             if int(state.fed.count) > len(slot.fed_ids):
                 state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
                          else p.init_state())
@@ -433,10 +460,10 @@ class Engine(SchedulerThread):
             job.reused, state = p.try_reuse_prefix(state, job.prompt, injected=marks)
         else:
             job.reused, state = 0, p.init_state()
-        self.decoder.put_row(slot.index, state)
+        self.decoder.put_row(slot.row, state)
         job.fed = job.reused
         self._keep_for_choices(job)
-        self.decoder.start_row(slot.index, params=job.params, seed=job.request.completion.seed,
+        self.decoder.start_row(slot.row, params=job.params, seed=job.request.completion.seed,
                                history=sampling.History.from_prompt(job.prompt, p.vocab_size))
         self.observer.request_started(len(job.prompt), job.reused, job.evicted)
 
@@ -462,7 +489,7 @@ class Engine(SchedulerThread):
             images.append(rows)
         if not jobs:
             return
-        feeds = [(job.slot.index, job.prompt[job.fed:self._chunk_end(job)],
+        feeds = [(job.slot.row, job.prompt[job.fed:self._chunk_end(job)],
                   self._chunk_end(job) == len(job.prompt)) for job in jobs]
         wants = any(job.request.top_logprobs is not None for job, (_, _, last)
                     in zip(jobs, feeds, strict=True) if last)
@@ -480,7 +507,7 @@ class Engine(SchedulerThread):
             elif not self.producer.can_rewind and job.fed == len(job.prompt) - 1:
                 # The copy is keyed on ids alone: a prompt with images keeps none.
                 job.slot.saved = None if job.injection is not None else (
-                    tuple(job.prompt[: job.fed]), self.decoder.take_row(job.slot.index))
+                    tuple(job.prompt[: job.fed]), self.decoder.take_row(job.slot.row))
             self._keep_for_choices(job)
         if finishing:
             self._emit(finishing, out, started, first=True)
@@ -509,12 +536,12 @@ class Engine(SchedulerThread):
         group = job.group
         if (group is not None and job.index == 0 and group.saved is None
                 and job.fed == len(job.prompt) - 1):
-            group.saved = self.decoder.take_row(job.slot.index)
+            group.saved = self.decoder.take_row(job.slot.row)
 
     # -- decode ---------------------------------------------------------------------------
 
     def _decode_once(self) -> None:
-        rows = [(j.slot.index, j) for j in self._running if j.decoding]
+        rows = [(j.slot.row, j) for j in self._running if j.decoding]
         if not rows:
             return
         active = np.zeros((len(self.slots),), bool)

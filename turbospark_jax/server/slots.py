@@ -7,6 +7,15 @@ when no slot shares anything, a never-used slot, else the least recently used on
 every idle slot belongs to another named session does it take the least recently used of those.
 Taking a slot whose state the request will not continue (another owner's, or an anonymous one
 sharing nothing) is an eviction, reported in the response's usage.
+
+A slot is an identity (its :attr:`SlotRecord.index`, the ``slot`` a response reports), not a
+place: its state sits in some row of the batched stack (:attr:`SlotRecord.row`), and the rows
+move. The busy slots are kept in the lowest rows, so a decode call runs only as many rows as
+its bucket needs (:mod:`turbospark_jax.engine.batching`): a slot taken from above them is
+swapped down to the first idle row (:func:`row_to_take`), and a slot freed below the highest
+busy row is swapped with that row (:func:`row_to_free`). A swap exchanges the two records'
+rows along with the rows' states, so the owner, the fed record and the kept copy stay with the
+state they describe.
 """
 
 from __future__ import annotations
@@ -17,7 +26,8 @@ from typing import Any
 
 from turbospark_jax.core.kv_prefix import common_prefix
 
-__all__ = ["Choice", "SlotRecord", "choose_slot", "open_prefix"]
+__all__ = ["Choice", "SlotRecord", "choose_slot", "open_prefix", "row_to_free", "row_to_take",
+           "swap_rows"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -25,7 +35,7 @@ class SlotRecord:
     """The host's view of one slot.
 
     Fields:
-      index: the row of the batched stack it names.
+      index: the slot's identity (what a response reports as its ``slot``).
       owner: the named session that owns it, ``None`` for anonymous or never used.
       fed_ids: what the row's state has consumed (empty: start it fresh).
       last_used: a clock stamp of the last request it served (0: never).
@@ -33,6 +43,8 @@ class SlotRecord:
       saved: for a model that cannot rewind, the ids a prompt's prefill had fed when it
         stopped one token short of the prompt's end, and a copy of the row's state there
         (``None``: none kept). A later prompt that extends those ids restarts from the copy.
+      row: the row of the batched stack its state sits in now (left at -1, the row
+        ``index``).
     """
 
     index: int
@@ -41,6 +53,11 @@ class SlotRecord:
     last_used: int = 0
     busy: bool = False
     saved: tuple[tuple[int, ...], Any] | None = None
+    row: int = -1
+
+    def __post_init__(self) -> None:
+        if self.row < 0:
+            self.row = self.index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,3 +100,26 @@ def open_prefix(slots: Sequence[SlotRecord], prompt: Sequence[int]) -> int:
     """The longest prefix of ``prompt`` that a slot no named session owns has fed (busy or
     not): what a request without a slot of its own could reuse here (0: nothing)."""
     return max((_shared(s, prompt) for s in slots if s.owner is None), default=0)
+
+
+def _at_row(slots: Sequence[SlotRecord], row: int) -> SlotRecord:
+    return next(s for s in slots if s.row == row)
+
+
+def row_to_take(slots: Sequence[SlotRecord], slot: SlotRecord) -> SlotRecord | None:
+    """The record whose row ``slot`` (idle, about to turn busy) must swap with so the busy
+    slots stay the lowest rows, or ``None`` when it already sits at the first idle row."""
+    first_idle = sum(s.busy for s in slots)
+    return None if slot.row == first_idle else _at_row(slots, first_idle)
+
+
+def row_to_free(slots: Sequence[SlotRecord], slot: SlotRecord) -> SlotRecord | None:
+    """The record whose row ``slot`` (busy, about to turn idle) must swap with so the busy
+    slots stay the lowest rows, or ``None`` when it already sits at the highest busy row."""
+    last_busy = sum(s.busy for s in slots) - 1
+    return None if slot.row == last_busy else _at_row(slots, last_busy)
+
+
+def swap_rows(a: SlotRecord, b: SlotRecord) -> None:
+    """Record that the states of ``a`` and ``b`` have exchanged rows."""
+    a.row, b.row = b.row, a.row
