@@ -242,6 +242,7 @@ def test_the_kernel_lowers_for_cuda(scheme, group, native):
         x = jax.ShapeDtypeStruct((rows, 512), BF16)
         text = cuda_text(lambda x, w: qm._quant_matmul(x, (w,), tiles, False, "q"), x, w)
         assert "xla.gpu.triton" in text and "quant_matvec_q" in text
+        assert "griddepcontrol.launch_dependents" in text  # PDL, as the decode kernels do
         text = cuda_text(lambda x, w: qm._quant_swiglu(x, w, w, tiles, False, "g"), x, w)
         assert "xla.gpu.triton" in text and "stablehlo.dot_general" not in text
 

@@ -33,6 +33,10 @@ The arithmetic, per scheme (:class:`~turbospark_jax.quant.weights.QuantizedWeigh
 * int4's two nibbles of a byte (columns ``2j`` and ``2j + 1``) stay in two accumulators of
   half width, interleaved only in the finished ``[bn]`` sums.
 
+Compiled, it takes part in programmatic dependent launch as the row-invariant decode kernels
+do (:mod:`~turbospark_jax.kernels.pdl`): the next kernel is scheduled while it streams, and it
+waits for the kernel ahead before reading ``x``.
+
 A product's K may split into segments (grid axis 1) whose float32 partial sums come out
 ``[S, M, N]``, as the row-invariant matvec kernel's do, for the kernels that add them
 (:func:`~turbospark_jax.kernels.rowinv.sum_parts`, the norm and the RoPE-store).
@@ -47,8 +51,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from turbospark_jax.errors import BadInputError
+from turbospark_jax.kernels import pdl as pallas_pdl
 from turbospark_jax.kernels.quant_tiles import QuantLayout
 from turbospark_jax.kernels.rowinv import (
     _ceil_to,
@@ -239,11 +245,12 @@ class _Weight:
         row = (step * block_k) // self.layout.group
         return ref[pl.ds(row, 1), :]
 
-    def sums(self, x_ref: Any, rows: int, block_k: int, steps: int,
-             native: bool) -> list[jax.Array]:
+    def sums(self, x_ref: Any, rows: int, block_k: int, steps: int, native: bool,
+             gate: jax.Array | None) -> list[jax.Array]:
         """Each row's float32 sum over this program's segment, ``[bn]``: a ``[block_k,
         bn]`` accumulator per row (per nibble plane for int4), reduced over K once at the
-        end."""
+        end. ``gate``: :func:`~turbospark_jax.kernels.pdl.ready`'s, masking the reads of
+        ``x`` (the kernel ahead's output); None without PDL."""
         layout = self.layout
         int4 = layout.scheme == "int4"
         planes = 2 if int4 else 1
@@ -272,7 +279,12 @@ class _Weight:
             vs = values(step)
             new = []
             for r in range(rows):
-                x = x_ref[r, at].astype(jnp.float32)[:, None]
+                if gate is None:
+                    x = x_ref[r, at]
+                else:
+                    x = plgpu.load(x_ref.at[r, at],
+                                   mask=pallas_pdl.masked(None, gate, (block_k,)), other=0)
+                x = x.astype(jnp.float32)[:, None]
                 new += [accs[r * planes + p] + x * vs[p] for p in range(planes)]
             return tuple(new)
 
@@ -300,27 +312,36 @@ def _bind(layouts: tuple[QuantLayout, ...], refs: tuple[Any, ...]) -> list[_Weig
     return out
 
 
+def _pdl_gate(pdl: bool) -> jax.Array | None:
+    """Let the next kernel be scheduled now and wait for the one ahead (whose output ``x``
+    is) before ``x`` is read (:mod:`~turbospark_jax.kernels.pdl`); None in the
+    interpreter."""
+    return pallas_pdl.ready(pallas_pdl.start(pdl))
+
+
 def _matvec_kernel(x_ref: Any, *refs: Any, layouts: tuple[QuantLayout, ...],
                    offsets: tuple[int, ...], rows: int, block_k: int, steps: int,
-                   native: bool) -> None:
+                   native: bool, pdl: bool) -> None:
     # x [M, segment]; each weight's blocks [segment, bn] (packed: bn / 2) with their scale
     # and zero-point rows; the output block [M, bn] of this segment's partial sums.
     *operand_refs, o_ref = refs
     weights = _bind(layouts, tuple(operand_refs))
+    gate = _pdl_gate(pdl)
 
     def compute(w: _Weight) -> None:
-        for r, total in enumerate(w.sums(x_ref, rows, block_k, steps, native)):
+        for r, total in enumerate(w.sums(x_ref, rows, block_k, steps, native, gate)):
             o_ref[r, :] = total
 
     _for_each_weight(offsets, pl.program_id(0), tuple(weights), compute)
 
 
 def _gated_kernel(x_ref: Any, *refs: Any, layouts: tuple[QuantLayout, ...], rows: int,
-                  block_k: int, steps: int, native: bool) -> None:
+                  block_k: int, steps: int, native: bool, pdl: bool) -> None:
     *operand_refs, o_ref = refs
-    gate, up = _bind(layouts, tuple(operand_refs))
-    g = gate.sums(x_ref, rows, block_k, steps, native)
-    u = up.sums(x_ref, rows, block_k, steps, native)
+    gate_w, up_w = _bind(layouts, tuple(operand_refs))
+    gate = _pdl_gate(pdl)
+    g = gate_w.sums(x_ref, rows, block_k, steps, native, gate)
+    u = up_w.sums(x_ref, rows, block_k, steps, native, gate)
     for r in range(rows):
         o_ref[r, :] = swiglu_gating(g[r], u[r], o_ref.dtype)
 
@@ -410,7 +431,7 @@ def _quant_matmul(x: jax.Array, ws: tuple[QuantizedWeight, ...], tiles: QuantMat
     kernel = functools.partial(
         _matvec_kernel, layouts=tuple(QuantLayout.of(w) for w in ws), offsets=cols.offsets,
         rows=m, block_k=geo.block_k, steps=geo.seg // geo.block_k,
-        native=tiles.native_convert)
+        native=tiles.native_convert, pdl=not interpret)
     width = cols.offsets[-1] * cols.bn
     partials = pl.pallas_call(
         kernel,
@@ -458,7 +479,8 @@ def _quant_swiglu(x: jax.Array, gate: QuantizedWeight, up: QuantizedWeight,
     specs, operands = _operands((gate, up), cols, geo, shared_columns=True)
     kernel = functools.partial(
         _gated_kernel, layouts=(QuantLayout.of(gate), QuantLayout.of(up)), rows=m,
-        block_k=geo.block_k, steps=geo.seg // geo.block_k, native=tiles.native_convert)
+        block_k=geo.block_k, steps=geo.seg // geo.block_k, native=tiles.native_convert,
+        pdl=not interpret)
     out = pl.pallas_call(
         kernel,
         grid=(cols.offsets[-1], 1),
