@@ -1,6 +1,6 @@
 """The CUDA-core product of a few rows and quantized weights (``kernels/quant_matvec.py``) in
-the Pallas interpreter, its lowering for CUDA, and the plan that takes it (``exact=False`` on a
-GPU).
+the Pallas interpreter (compiled on a GPU, ``JAX_PLATFORMS=cuda``), its lowering for CUDA, and
+the plan that takes it (``exact=False`` on a GPU).
 
 The kernel is not exact against any other product: it sums in its own order and never rounds a
 dequantized weight to the model's dtype. So against ``x @ dequantize(w)`` it is held to a
@@ -27,6 +27,8 @@ from turbospark_jax.kernels.rowinv import sum_parts
 from turbospark_jax.quant.weights import Quantization, dequantize, quantize, quantize_leaf
 from turbospark_jax.testing.cuda_export import cuda_text
 
+ON_GPU = jax.default_backend() == "gpu"  # the compiled kernels there, the interpreter here
+IMPL = "pallas" if ON_GPU else "interpret"
 K, N = 256, 96
 #: small tiles, so a product walks several steps, segments and (padded) column blocks
 TILES = qm.QuantMatvecTiles(block_k=64, block_n=64, splits=2)
@@ -56,9 +58,9 @@ def _within_float32(out, x, w):
 def test_the_product_is_x_times_the_dequantized_matrix(scheme, group):
     w = _weight(scheme, group, n=256 if scheme == "fp8-block" else N)
     x = _rows(3)
-    parts = qm.quant_matmul(x, w, parts=True, impl="interpret", tiles=TILES)
+    parts = qm.quant_matmul(x, w, parts=True, impl=IMPL, tiles=TILES)
     assert parts.shape == (2, 3, w.n) and parts.dtype == F32
-    out = qm.quant_matmul(x, w, impl="interpret", tiles=TILES)
+    out = qm.quant_matmul(x, w, impl=IMPL, tiles=TILES)
     assert np.array_equal(out, sum_parts(parts, F32))
     assert _within_float32(out, x, w)
     # the control: one stored value changed by one step misses the tolerance
@@ -72,7 +74,7 @@ def test_the_product_is_x_times_the_dequantized_matrix(scheme, group):
 def test_bfloat16_rows_and_the_default_tiles(scheme, group):
     w = _weight(scheme, group, dtype=jnp.bfloat16)
     x = _rows(1, dtype=jnp.bfloat16)
-    out = qm.quant_matmul(x, w, impl="interpret")  # tiles_for's choice
+    out = qm.quant_matmul(x, w, impl=IMPL)  # tiles_for's choice
     assert out.dtype == jnp.bfloat16
     ref = np.asarray(x, np.float64) @ np.asarray(dequantize(w, F32), np.float64)
     bound = np.abs(np.asarray(x, np.float64)) @ np.abs(np.asarray(dequantize(w, F32)))
@@ -85,8 +87,8 @@ def test_a_row_alone_gets_the_bits_it_gets_among_others(scheme, group):
     decode step and a verify of up to MAX_ROWS rows agree bitwise."""
     w = _weight(scheme, group)
     block = _rows(qm.MAX_ROWS)
-    for fn in (lambda x: qm.quant_matmul(x, w, impl="interpret", tiles=TILES),
-               lambda x: qm.quant_swiglu(x, w, w, impl="interpret")):
+    for fn in (lambda x: qm.quant_matmul(x, w, impl=IMPL, tiles=TILES),
+               lambda x: qm.quant_swiglu(x, w, w, impl=IMPL)):
         together = np.asarray(fn(block))
         for r in (0, 5):
             assert np.array_equal(np.asarray(fn(block[r : r + 1]))[0], together[r])
@@ -96,16 +98,16 @@ def test_a_row_alone_gets_the_bits_it_gets_among_others(scheme, group):
 def test_the_gated_product_and_weights_side_by_side():
     gate, up = _weight("int4", 32, seed=2), _weight("int4", 32, seed=3)
     x = _rows(2)
-    gated = qm.quant_swiglu(x, gate, up, impl="interpret", tiles=TILES)
+    gated = qm.quant_swiglu(x, gate, up, impl=IMPL, tiles=TILES)
     g = np.asarray(x, np.float64) @ np.asarray(dequantize(gate), np.float64)
     u = np.asarray(x, np.float64) @ np.asarray(dequantize(up), np.float64)
     assert np.allclose(gated, g / (1 + np.exp(-g)) * u, rtol=1e-4, atol=1e-6)
     # a q/k/v-like tuple: one launch, each product's columns as its own product's
     narrow = _weight("int4", 32, n=32, seed=4)
-    both = qm.quant_matmul(x, (gate, narrow), impl="interpret", tiles=TILES)
+    both = qm.quant_matmul(x, (gate, narrow), impl=IMPL, tiles=TILES)
     assert both.shape == (2, N + 32)
-    assert np.array_equal(both[:, :N], qm.quant_matmul(x, gate, impl="interpret", tiles=TILES))
-    assert np.array_equal(both[:, N:], qm.quant_matmul(x, narrow, impl="interpret",
+    assert np.array_equal(both[:, :N], qm.quant_matmul(x, gate, impl=IMPL, tiles=TILES))
+    assert np.array_equal(both[:, N:], qm.quant_matmul(x, narrow, impl=IMPL,
                                                       tiles=TILES))
 
 
@@ -115,10 +117,10 @@ def test_odd_shapes_are_padded():
     for scheme in ("int8", "fp8"):
         w = _weight(scheme, None, k=200, n=50)
         x = _rows(3, k=200)
-        assert _within_float32(qm.quant_matmul(x, w, impl="interpret", tiles=TILES), x, w)
+        assert _within_float32(qm.quant_matmul(x, w, impl=IMPL, tiles=TILES), x, w)
     w = _weight("int4", 32, k=96, n=22)
     x = _rows(1, k=96)
-    assert _within_float32(qm.quant_matmul(x, w, impl="interpret", tiles=TILES), x, w)
+    assert _within_float32(qm.quant_matmul(x, w, impl=IMPL, tiles=TILES), x, w)
 
 
 def test_the_bit_conversions_are_exact_for_every_code():
@@ -139,26 +141,26 @@ def test_the_bit_conversions_are_exact_for_every_code():
 def test_bad_calls_are_refused():
     w = _weight("int8", None)
     with pytest.raises(BadInputError, match=f"at most {qm.MAX_ROWS} rows"):
-        qm.quant_matmul(_rows(qm.MAX_ROWS + 1), w, impl="interpret")
+        qm.quant_matmul(_rows(qm.MAX_ROWS + 1), w, impl=IMPL)
     with pytest.raises(BadInputError, match="is not a quantized weight"):
-        qm.quant_matmul(_rows(1), jnp.ones((K, N)), impl="interpret")
+        qm.quant_matmul(_rows(1), jnp.ones((K, N)), impl=IMPL)
     stacked = quantize_leaf(np.ones((2, K, N), np.float32), K, 1, Quantization("int8"), F32)
     with pytest.raises(BadInputError, match="stacked quantized weight"):
-        qm.quant_matmul(_rows(1), stacked, impl="interpret")
+        qm.quant_matmul(_rows(1), stacked, impl=IMPL)
     odd_groups = dataclasses.replace(_weight("int4", 32, k=96), group=48,
                                      scale=jnp.ones((2, N), F32), zero=jnp.zeros((2, N),
                                                                                  jnp.uint8))
     with pytest.raises(BadInputError, match="groups of 48 rows"):
-        qm.quant_matmul(_rows(1, k=96), odd_groups, impl="interpret")
+        qm.quant_matmul(_rows(1, k=96), odd_groups, impl=IMPL)
     assert not QUANT_PLAN.quant_rows(_rows(1, k=96), (odd_groups,))  # the plan keeps rowinv
     with pytest.raises(BadInputError, match="needs equal K"):
-        qm.quant_matmul(_rows(1, k=128), w, impl="interpret")
+        qm.quant_matmul(_rows(1, k=128), w, impl=IMPL)
     with pytest.raises(BadInputError, match="share one dtype"):
-        qm.quant_matmul(_rows(1, dtype=jnp.bfloat16), w, impl="interpret")
+        qm.quant_matmul(_rows(1, dtype=jnp.bfloat16), w, impl=IMPL)
     with pytest.raises(BadInputError, match="impl 'xla'"):
         qm.quant_matmul(_rows(1), w, impl="xla")
     with pytest.raises(BadInputError, match="one shape"):
-        qm.quant_swiglu(_rows(1), w, _weight("int8", None, n=64), impl="interpret")
+        qm.quant_swiglu(_rows(1), w, _weight("int8", None, n=64), impl=IMPL)
     with pytest.raises(BadInputError, match="block_k must be a power of two"):
         qm.QuantMatvecTiles(block_k=96)
     with pytest.raises(BadInputError, match=r"splits must be None or 1\.\.8"):
@@ -175,7 +177,9 @@ def test_tiles_depend_on_the_shape_alone():
 
 # -- the plan --------------------------------------------------------------------------------
 
-QUANT_PLAN = KernelPlan(row_invariant=True, pallas="interpret", quant_matvec=True)
+PALLAS = "compiled" if ON_GPU else "interpret"
+QUANT_PLAN = KernelPlan(row_invariant=True, pallas=PALLAS, quant_matvec=True)
+EXACT_PLAN = KernelPlan(row_invariant=True, pallas=PALLAS)
 
 
 @pytest.mark.parametrize(("backend", "exact", "quant"), [
@@ -205,7 +209,7 @@ def test_the_plan_routes_few_rows_of_quantized_weights_to_the_kernel():
             (QUANT_PLAN, _rows(qm.MAX_ROWS), w, (True, False)),
             (QUANT_PLAN, wide, w, (False, True)),        # a prefill block: tensor cores
             (QUANT_PLAN, one, plain, (False, True)),     # bfloat16 stays where it streams
-            (KernelPlan.interpreted(), one, w, (False, True))]:  # the exact plan
+            (EXACT_PLAN, one, w, (False, True))]:  # the exact plan
         assert _kernels_in(lambda x, w, p=plan: row_kernels.matmul(p, x, w), x, weight) == want
         assert _kernels_in(lambda x, w, p=plan: row_kernels.matmul_parts(p, x, w),
                            x, weight) == want
@@ -222,7 +226,7 @@ def test_the_plan_gives_the_kernels_result():
     w = _weight("fp8", None)
     x = _rows(2)
     got = row_kernels.matmul(QUANT_PLAN, x, w, out_dtype=F32)
-    assert np.array_equal(got, qm.quant_matmul(x, w, out_dtype=F32, impl="interpret"))
+    assert np.array_equal(got, qm.quant_matmul(x, w, out_dtype=F32, impl=IMPL))
     assert _within_float32(got, x, w)
 
 
