@@ -173,6 +173,9 @@ def test_tiles_depend_on_the_shape_alone():
     assert qm.tiles_for(14336, 4096).splits == 4
     assert qm.tiles_for(4096, 14336, gated=True).splits == 1
     assert qm.tiles_for(64, 64).splits == 1  # too short a K to split
+    w, x = _weight("int8", None), _rows(1)
+    unsplit = qm.quant_matmul(x, w, parts=True, impl=IMPL, tiles=qm.QuantMatvecTiles())
+    assert unsplit.shape[0] == qm.tiles_for(K, N).splits == 2  # None: tiles_for's splits
 
 
 # -- the plan --------------------------------------------------------------------------------

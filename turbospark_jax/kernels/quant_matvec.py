@@ -7,8 +7,8 @@ layout; that conversion, not the bytes read, bounds them, so a quantized weight 
 faster there than a bfloat16 one (docs/decisions/0020-quantized-products.md). For one row
 (or a few) the tensor cores have nothing to gain: this kernel reads each stored weight once,
 turns it into float32 in registers, multiplies it by the row's inputs and accumulates
-elementwise, reducing over K once at the end of its share of the rows. No tensor-core layout
-is ever built.
+elementwise, reducing over K once at the end of its share of K. No tensor-core layout is ever
+built.
 
 Its order of summation is its own (a function of the weight's shape and the tiles of
 :func:`tiles_for`, never of the row count: every row runs the same code on its own
@@ -19,13 +19,14 @@ to the non-exact plan (:attr:`~turbospark_jax.kernels.plan.KernelPlan.quant_matv
 
 The arithmetic, per scheme (:class:`~turbospark_jax.quant.weights.QuantizedWeight`):
 
-* the stored value becomes float32 by bit arithmetic on the CUDA cores' full-rate integer
-  and float units (an integer ``v`` in ``[0, 2**23)`` ORed into the bits of ``2**23`` reads
-  as ``2**23 + v``; a subtraction then leaves ``v``, or ``v - zero`` with the zero point in
-  the same subtraction; an e4m3 value's exponent and mantissa move into a float32's and
-  its exponent bias is added), exactly the value :func:`~turbospark_jax.quant.weights.dequantize`
-  starts from. ``QuantMatvecTiles.native_convert`` takes the GPU's conversion instructions
-  instead;
+* the stored value becomes float32 by bit arithmetic on the CUDA cores' integer and float
+  units rather than their conversion instructions, which run at a fraction of the rate (an
+  integer ``v`` in ``[0, 2**23)`` put into the low bits of ``2**23`` reads as ``2**23 + v``;
+  a subtraction then leaves ``v``, or ``v - zero`` with the zero point in the same
+  subtraction; an e4m3 value's exponent and mantissa move into a float32's and the bias
+  difference is added), exactly the value :func:`~turbospark_jax.quant.weights.dequantize`
+  starts from. ``QuantMatvecTiles.native_convert`` takes the conversion instructions
+  instead, until the GPU has timed both;
 * a scale per output channel multiplies the finished sum (one multiply a column); scales per
   group of rows multiply each value first, as :func:`~turbospark_jax.quant.weights.dequantize`
   does, but the value is never rounded to the model's dtype, so the product is closer to the
@@ -415,7 +416,9 @@ def quant_matmul(x: jax.Array, w: Any, *, out_dtype: Any = None, parts: bool = F
     out = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     if out not in _DTYPES:
         raise BadInputError(f"out_dtype must be bfloat16, float16 or float32; got {out}")
-    tiles = tiles or tiles_for(x.shape[1], sum(a.n for a in ws))
+    chosen = tiles_for(x.shape[1], sum(a.n for a in ws))
+    if tiles is None or tiles.splits is None:
+        tiles = dataclasses.replace(tiles or chosen, splits=chosen.splits)
     result = _quant_matmul(x, tuple(a.matrix() for a in ws), tiles, impl == "interpret",
                            label)
     return result if parts else sum_parts(result, out)
