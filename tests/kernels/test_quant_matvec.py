@@ -11,6 +11,7 @@ miss it; only its own rows (one alone, the same row among others) and its bit co
 from __future__ import annotations
 
 import dataclasses
+import re
 import warnings
 
 import jax
@@ -303,3 +304,34 @@ def test_a_quantized_model_decodes_on_the_kernel_and_verify_rows_equal_decode(mo
     assert set(calls) == {"quant_matmul", "quant_swiglu"}
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     assert np.array_equal(np.asarray(rows), got)
+
+
+@pytest.mark.parametrize("width", [1, 5, 64])
+def test_a_quantized_decode_step_lowers_with_every_product_in_the_kernel(width, monkeypatch):
+    """The block program of a quantized dense model under the GPU's non-exact plan, lowered
+    for CUDA: at decode and verify widths every product (q/k/v, o, the gated MLP, down, the
+    quantized tied head) is a quant_matvec launch and XLA has no product left; a prefill
+    block's rows run the row-invariant kernels instead."""
+    from turbospark_jax.models.dense import model as dense
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.testing.fixtures import quantized
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the products check it
+    config = DenseConfig(model_type="llama", vocab_size=256, hidden_size=128,
+                         intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, tie_word_embeddings=True)
+    plan = KernelPlan(row_invariant=True, pallas="compiled", quant_matvec=True)
+    model = dense.DenseModel(config, BF16, scan_layers=False, plan=plan)
+    params = dense.unstack_layers(quantized(dense.FAMILY, config, model.init_params(
+        jax.random.PRNGKey(0)), Quantization("int8", embeddings=True), BF16))
+    cache = jax.eval_shape(lambda: model.init_cache(256))
+    rows = jax.ShapeDtypeStruct((width,), jnp.int32)
+    text = cuda_text(lambda p, c, t, pos, live, head: model.block_forward(
+        p, c, t, pos, live, head), params, cache, rows, rows,
+        jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((), jnp.bool_))
+    names = set(re.findall(r'name = "(quant_matvec\w*|rowinv\w*)"', text))
+    if width <= qm.MAX_ROWS:
+        assert names == {f"quant_matvec_{p}" for p in ("qkv", "o", "gate_up", "down", "head")}
+    else:
+        assert not any(n.startswith("quant_matvec") for n in names) and names
+    assert "stablehlo.dot_general" not in text
