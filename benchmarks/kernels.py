@@ -17,8 +17,9 @@ block of ``block_rows`` (``row_alone_equals_row_in_block``): the row-invariant k
 XLA's forms (the control) need not.
 * ``attention``: the fused attention kernel in its row-invariant form, one decode row over a
   cache of each preset context.
-* ``delta_rule``: the gated delta rule's row kernel (Qwen3.5's recurrent layers) over a block
-  of rows, against XLA's row-by-row scan.
+* ``delta_rule``: the DeltaNet row kernel (Qwen3.5's recurrent layers: the conv, norms and
+  gates of each row and the gated delta rule) over a block of rows, against XLA's row-by-row
+  scan of the rule alone.
 
 Calls other than the products are timed as one program that runs the kernel ``calls`` times
 in a loop, each call's input fed by the last output (a call timed alone from the host carries
@@ -254,28 +255,40 @@ def attention_case(shape: dict[str, Any], context: int, interpret: bool, dtype: 
 
 def delta_rule_case(heads: int, dk: int, dv: int, kind: str, interpret: bool,
                     preset: Preset) -> dict[str, Any]:
+    """The DeltaNet row kernel (a key head per value head, a 4-wide conv: the conv, norms,
+    gates and rule of each row) or XLA's row-by-row scan of the rule alone."""
     import jax
     import jax.numpy as jnp
 
-    from turbospark_jax.kernels.delta_rule import delta_rule_rows
+    from turbospark_jax.kernels.delta_rule import GateColumns, delta_net_rows
     from turbospark_jax.models.qwen3_5.delta_rule import delta_rule_scan
 
     w = preset.delta_rows
     keys = jax.random.split(jax.random.PRNGKey(0), 6)
-
-    def unit(key: Any, shape: tuple[int, ...]) -> Any:
-        x = jax.random.normal(key, shape, jnp.float32)
-        return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-
-    q, k = unit(keys[0], (w, heads, dk)), unit(keys[1], (w, heads, dk))
-    v = jax.random.normal(keys[2], (w, heads, dv), jnp.float32)
-    g = -jax.nn.softplus(jax.random.normal(keys[3], (w, heads), jnp.float32))
-    beta = jax.nn.sigmoid(jax.random.normal(keys[4], (w, heads), jnp.float32))
-    state = jax.random.normal(keys[5], (heads, dk, dv), jnp.float32) * 0.1
+    normal = lambda i, shape: jax.random.normal(keys[i], shape, jnp.float32)  # noqa: E731
+    state = normal(5, (heads, dk, dv)) * 0.1
     if kind == "kernel":
-        def fn(q: Any, *rest: Any) -> Any:
-            return delta_rule_rows(q, *rest, jnp.int32(w), interpret=interpret)
+        taps, channels = 4, 2 * heads * dk + heads * dv
+        gates = GateColumns(channels + heads * dv, channels + heads * dv + heads, 1)
+
+        def fn(a_log: Any, buf: Any, proj: Any, weight: Any, state: Any) -> Any:
+            return delta_net_rows(buf, proj, weight, a_log, jnp.ones_like(a_log), state,
+                                  jnp.int32(w), key_heads=heads, gates=gates,
+                                  interpret=interpret)
+
+        first = jnp.zeros((heads,), jnp.float32)
+        rest = (normal(0, (taps - 1 + w, channels)),
+                normal(1, (w, channels + heads * dv + 2 * heads)),
+                normal(2, (taps, channels)) * 0.5, state)
     else:
+        def unit(key: Any, shape: tuple[int, ...]) -> Any:
+            x = jax.random.normal(key, shape, jnp.float32)
+            return x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+
         fn = delta_rule_scan
-    per = looped_seconds(fn, q, (k, v, g, beta, state), preset.calls, preset.repeats)
+        first = unit(keys[0], (w, heads, dk))
+        rest = (unit(keys[1], (w, heads, dk)), normal(2, (w, heads, dv)),
+                -jax.nn.softplus(normal(3, (w, heads))), jax.nn.sigmoid(normal(4, (w, heads))),
+                state)
+    per = looped_seconds(fn, first, rest, preset.calls, preset.repeats)
     return {"us": round(per * 1e6, 2), "state_MiB": round(heads * dk * dv * 4 / 2**20, 3)}

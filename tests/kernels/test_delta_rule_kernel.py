@@ -1,9 +1,11 @@
-"""The delta-rule row kernel (``kernels/delta_rule.py``) in the Pallas interpreter: close to
-the XLA row loop, and, as the exact path of a Qwen3.5 model (``Qwen35Model.interpreted``),
-every bitwise guarantee of that path, each with its control."""
+"""The DeltaNet row kernel (``kernels/delta_rule.py``: the conv, norms, gates and delta rule of
+a block's live rows in one launch) in the Pallas interpreter: close to the layer written out
+row by row, and, as the exact path of a Qwen3.5 model (``Qwen35Model.interpreted``), close to
+the XLA loop and every bitwise guarantee of that path, each with its control."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -13,87 +15,131 @@ import pytest
 
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels.delta_rule import delta_rule_rows, tape_rows
+from turbospark_jax.kernels.delta_rule import GateColumns, delta_net_rows
 from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.testing import conformance as C
+from turbospark_jax.testing.cuda_export import export_for_cuda
 
 L, F = QC.LINEAR, QC.FULL
-VOCAB, WIDTH, CAPACITY = 48, 5, 40  # a width that is no power of two: the kernel pads it
+VOCAB, WIDTH, CAPACITY = 48, 5, 40  # a width that is no power of two
 CONFIG = QC.Qwen35Config(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=16,
     linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
     layer_types=(L, F, L))
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
+TAPS = 4
 
 
-def _rows(width: int, heads: int, dk: int, dv: int, seed: int = 0) -> tuple[jax.Array, ...]:
-    ks = jax.random.split(jax.random.PRNGKey(seed), 6)
-    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
-    q = unit(jax.random.normal(ks[0], (width, heads, dk))) * dk**-0.5
-    k = unit(jax.random.normal(ks[1], (width, heads, dk)))
-    v = jax.random.normal(ks[2], (width, heads, dv))
-    g = -jax.nn.softplus(jax.random.normal(ks[3], (width, heads)))
-    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (width, heads)))
-    state = jax.random.normal(ks[5], (heads, dk, dv))
-    return q, k, v, g, beta, state
+def _layer(width: int, hk: int, hv: int, dk: int, dv: int, seed: int = 0
+           ) -> tuple[dict[str, Any], GateColumns]:
+    """A layer's kernel inputs: the conv window, projected rows ([qkv | z | b | a]), the conv
+    weights, the decay parameters and a state."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    channels = 2 * hk * dk + hv * dv
+    return dict(
+        buf=jax.random.normal(ks[0], (TAPS - 1 + width, channels)),
+        proj=jax.random.normal(ks[1], (width, channels + hv * dv + 2 * hv)),
+        conv_weight=jax.random.normal(ks[2], (TAPS, channels)) * 0.5,
+        a_log=jnp.log(jax.random.uniform(ks[3], (hv,), minval=1.0, maxval=16.0)),
+        dt_bias=jnp.ones((hv,)),
+        state=jax.random.normal(ks[4], (hv, dk, dv)),
+    ), GateColumns(channels + hv * dv, channels + hv * dv + hv, hv // hk)
 
 
-def _reference(q, k, v, g, beta, state, live):
-    """The rule written out in numpy, one row at a time (float64)."""
-    s = np.asarray(state, np.float64)
-    out = np.zeros(v.shape, np.float64)
-    tape = []
-    for r in range(q.shape[0]):
-        if r < live:
-            s = s * np.exp(np.asarray(g[r], np.float64))[:, None, None]
-            read = np.einsum("hkv,hk->hv", s, np.asarray(k[r], np.float64))
-            delta = (np.asarray(v[r], np.float64) - read) * np.asarray(beta[r])[:, None]
-            s = s + np.asarray(k[r], np.float64)[:, :, None] * delta[:, None, :]
-            out[r] = np.einsum("hkv,hk->hv", s, np.asarray(q[r], np.float64))
+def _reference(layer: dict[str, Any], gates: GateColumns, live: int, hk: int
+               ) -> tuple[np.ndarray, ...]:
+    """The layer written out in numpy, one row at a time (float64)."""
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    buf, proj, weight = f64(layer["buf"]), f64(layer["proj"]), f64(layer["conv_weight"])
+    s = f64(layer["state"])
+    hv, dk, dv = s.shape
+    width, r = proj.shape[0], hv // hk
+    out, tape = np.zeros((width, hv, dv)), []
+    for row in range(width):
+        if row < live:
+            x = (buf[row : row + TAPS] * weight).sum(axis=0)
+            x = x / (1 + np.exp(-x))  # SiLU
+            q, k = x[: hk * dk].reshape(hk, dk), x[hk * dk : 2 * hk * dk].reshape(hk, dk)
+            q = np.repeat(q / np.sqrt((q * q).sum(-1, keepdims=True) + 1e-6), r, 0) * dk**-0.5
+            k = np.repeat(k / np.sqrt((k * k).sum(-1, keepdims=True) + 1e-6), r, 0)
+            v = x[2 * hk * dk :].reshape(hv, dv)
+            col = np.arange(hv) // r * gates.stride + np.arange(hv) % r
+            a, b = proj[row, gates.a_start + col], proj[row, gates.b_start + col]
+            g = -np.exp(f64(layer["a_log"])) * np.log1p(np.exp(a + f64(layer["dt_bias"])))
+            s = s * np.exp(g)[:, None, None]
+            delta = (v - np.einsum("hkv,hk->hv", s, k)) / (1 + np.exp(-b))[:, None]
+            s = s + k[:, :, None] * delta[:, None, :]
+            out[row] = np.einsum("hkv,hk->hv", s, q)
         tape.append(s)
-    return out, s, np.stack(tape)
+    return out.reshape(width, -1), s, np.stack(tape)
 
 
-@pytest.mark.parametrize("width, live", [(5, 0), (5, 3), (5, 5), (16, 16), (3, 1)])
-def test_kernel_follows_the_rule_row_by_row(width: int, live: int) -> None:
-    args = _rows(width, 3, 16, 32)
+@pytest.mark.parametrize("width, live, hk", [(5, 0, 2), (5, 3, 2), (5, 5, 1), (3, 1, 2)])
+def test_kernel_follows_the_layer_row_by_row(width: int, live: int, hk: int) -> None:
+    layer, gates = _layer(width, hk, 4, 16, 32)
     # The tape's rows past the live count keep what they held: a marker here.
-    old = jnp.full((tape_rows(width) + 2, 3, 16, 32), 7.0, jnp.float32)
-    out, state, tape = delta_rule_rows(*args, jnp.int32(live), tape=old, interpret=True)
-    want_out, want_state, want_tape = _reference(*args, live)
+    old = jnp.full((width + 2, 4, 16, 32), 7.0, jnp.float32)
+    out, state, tape = delta_net_rows(**layer, live=jnp.int32(live), tape=old, key_heads=hk,
+                                      gates=gates, interpret=True)
+    want_out, want_state, want_tape = _reference(layer, gates, live, hk)
     np.testing.assert_allclose(out, want_out, atol=1e-5)
     np.testing.assert_allclose(state, want_state, atol=1e-5)
     np.testing.assert_allclose(tape[:live], want_tape[:live], atol=1e-5)
     assert np.all(np.asarray(tape)[live:] == 7.0) and tape.shape == old.shape
     assert not np.any(np.asarray(out)[live:])  # padding rows read as zeros
-    bare, _, none = delta_rule_rows(*args, jnp.int32(live), interpret=True)
+    bare, _, none = delta_net_rows(**layer, live=jnp.int32(live), key_heads=hk, gates=gates,
+                                   interpret=True)
     assert none is None and np.array_equal(bare, out)
 
 
-def test_a_tape_shorter_than_the_kernels_block_is_refused() -> None:
-    args = _rows(5, 3, 16, 32)
-    with pytest.raises(BadInputError, match="a tape of 5 rows; blocks of 5 rows need 16"):
-        delta_rule_rows(*args, jnp.int32(5), tape=jnp.zeros((5, 3, 16, 32)), interpret=True)
+def test_a_tape_shorter_than_the_block_is_refused() -> None:
+    layer, gates = _layer(5, 2, 4, 16, 32)
+    with pytest.raises(BadInputError, match="a tape of 4 rows cannot hold a block of 5"):
+        delta_net_rows(**layer, live=jnp.int32(5), tape=jnp.zeros((4, 4, 16, 32)), key_heads=2,
+                       gates=gates, interpret=True)
 
 
 def test_kernel_rows_one_call_each_equal_one_call_for_all_bitwise() -> None:
-    q, k, v, g, beta, state = _rows(5, 2, 16, 16, seed=1)
-    whole, end, _ = delta_rule_rows(q, k, v, g, beta, state, jnp.int32(5), interpret=True)
-    s, outs = state, []
+    """Each row fed alone (its conv window and projected row first in a block of the same
+    width, live 1) gives the bits the whole block gives."""
+    layer, gates = _layer(5, 2, 2, 16, 16, seed=1)
+    run = lambda state, **parts: delta_net_rows(  # noqa: E731
+        **{**layer, "state": state, **parts}, key_heads=2, gates=gates, interpret=True)
+    whole, end, _ = run(layer["state"], live=jnp.int32(5))
+    s, outs = layer["state"], []
     for r in range(5):
-        one = [jnp.zeros_like(x).at[0].set(x[r]) for x in (q, k, v, g, beta)]
-        o, s, _ = delta_rule_rows(*one, s, jnp.int32(1), interpret=True)
+        buf = jnp.zeros_like(layer["buf"]).at[:TAPS].set(layer["buf"][r : r + TAPS])
+        proj = jnp.zeros_like(layer["proj"]).at[0].set(layer["proj"][r])
+        o, s, _ = run(s, buf=buf, proj=proj, live=jnp.int32(1))
         outs.append(o[0])
     assert np.array_equal(np.stack(outs), whole) and np.array_equal(s, end)
     # Control: the same walk from a state with one element off by about 1e-3 of itself
     # differs (a last-bit change can round away in the outputs).
-    bad = np.array(state).reshape(-1)
+    bad = np.array(layer["state"]).reshape(-1)
     bad[0] = (bad[:1].view(np.uint32) ^ np.uint32(1 << 13)).view(np.float32)[0]
-    other, _, _ = delta_rule_rows(q, k, v, g, beta, jnp.asarray(bad.reshape(state.shape)),
-                                  jnp.int32(5), interpret=True)
+    other, _, _ = run(jnp.asarray(bad.reshape(layer["state"].shape)), live=jnp.int32(5))
     assert not np.array_equal(other, whole)
+
+
+@pytest.mark.parametrize("width, key_heads", [(1, 16), (16, 8)])
+def test_kernel_lowers_for_a_gpu(width: int, key_heads: int) -> None:
+    """Triton's lowering (run by ``jax.export`` for CUDA on the CPU) takes the kernel at
+    Qwen3.5-0.8B's head sizes in bfloat16, with a tape, a decode row and a 16-row block, one
+    or two value heads per key head."""
+    heads, dk, dv, bf16 = 16, 128, 128, jnp.bfloat16
+    channels = 2 * key_heads * dk + heads * dv
+    r = heads // key_heads
+    gates = GateColumns(channels + heads * dv, channels + heads * dv + heads, r)
+    S = jax.ShapeDtypeStruct
+    args = [S((TAPS - 1 + width, channels), bf16), S((width, channels + heads * dv + 2 * heads),
+            bf16), S((TAPS, channels), bf16), S((heads,), bf16), S((heads,), bf16),
+            S((heads, dk, dv), jnp.float32), S((), jnp.int32), S((16, heads, dk, dv),
+                                                                 jnp.float32)]
+    text = export_for_cuda(lambda *a: delta_net_rows(*a, key_heads=key_heads, gates=gates),
+                           *args).mlir_module()
+    assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 @pytest.fixture(scope="module")
@@ -161,12 +207,23 @@ def test_a_row_walk_outside_the_two_pins_is_refused() -> None:
         Q.Qwen35Model(CONFIG, _rows="triton")
 
 
-def test_the_kernel_tape_and_the_loop_tape() -> None:
-    """The kernel walks a power-of-two block of at least 16 rows, so its tape holds that many;
-    the XLA loop's holds ``max_width``."""
+def test_qwen3_next_layout_on_the_kernel_is_close_to_the_xla_loop() -> None:
+    """Qwen3-Next's projections (b and a grouped per key head) and a 3-wide conv."""
+    config = dataclasses.replace(CONFIG, model_type="qwen3_next", linear_conv_kernel_dim=3,
+                                 num_hidden_layers=1, layer_types=(L,))
+    xla = Q.Qwen35Model(config, max_width=WIDTH).for_mesh()
+    params = xla.init_params(jax.random.PRNGKey(1))
+    assert set(params["layers"][0]) >= {"in_proj", "conv1d"}
+    got, want = (BlockProducer(m, params, capacity=CAPACITY, width=WIDTH, steps_per_call=4)
+                 for m in (xla.interpreted(), xla))
+    got, want = (p.prefill_chunk(p.init_state(), PROMPT[:8], 0)[0] for p in (got, want))
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_the_tape_holds_max_width_rows_on_either_walk() -> None:
     model = Q.Qwen35Model(CONFIG, max_width=WIDTH)
-    assert model.interpreted().tape_rows() == tape_rows(WIDTH) == 16
-    assert model.for_mesh().tape_rows() == WIDTH
+    for walk in (model.interpreted(), model.for_mesh()):
+        assert walk.init_cache(8).recurrent_tape[0].shape == (WIDTH, 4, 16, 32)
     assert model.interpreted().for_mesh() == model.for_mesh()
 
 
@@ -175,7 +232,7 @@ def test_off_a_gpu_the_rows_walk_on_the_xla_loop(producers: Any) -> None:
     _, xla = producers
     plain = BlockProducer(Q.Qwen35Model(CONFIG, max_width=WIDTH), xla.params,
                           capacity=CAPACITY, width=WIDTH, steps_per_call=4)
-    assert plain.model.tape_rows() == WIDTH
+    assert not plain.model._row_kernel()
     got, _ = plain.prefill_chunk(plain.init_state(), PROMPT, 0)
     want, _ = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
     assert np.array_equal(got, want)

@@ -18,17 +18,19 @@ Row by row: the recurrence walks the rows of a block one at a time, every row by
 body (padding rows leave the state as it was), so decode, chunked prefill and verify are one
 program and chunked == token by token holds bitwise. Where the walk runs follows from the
 backend, not from an option: on a GPU where the head sizes suit it, one Pallas kernel per layer
-walks the live rows (:mod:`~turbospark_jax.kernels.delta_rule`; a loop of XLA kernels there
-returns to the host on every pass); elsewhere, and on a tensor-parallel mesh
-(:meth:`Qwen35Model.for_mesh`: the kernel is a single-device custom call), a loop of XLA kernels
-walks all ``W`` rows, selecting the padding ones away. The two agree within float32 rounding;
-each is one program for every path, so the bitwise guarantees hold within either.
+walks the live rows, the causal conv, the q/k norms and the gates of each row included
+(:mod:`~turbospark_jax.kernels.delta_rule`; a loop of XLA kernels there returns to the host on
+every pass, and the preamble is several small kernels more); elsewhere, and on a
+tensor-parallel mesh (:meth:`Qwen35Model.for_mesh`: the kernel is a single-device custom call),
+a loop of XLA kernels walks all ``W`` rows, selecting the padding ones away. The two agree
+within float32 rounding; each is one program for every path, so the bitwise guarantees hold
+within either.
 
 The walk also writes a tape: each live row's conv and recurrent state (``retain_rows`` selects
 from it, so ``rollback_retaining`` needs no replay) and each row's final hidden state (what the
 MTP head reads). The recurrent tape is written in place and only for live rows, so a decode
-step writes one state per layer; it holds ``max_width`` rows per linear layer (16 at least
-under the kernel), ``Hv * dk * dv * 4`` bytes each.
+step writes one state per layer; it holds ``max_width`` rows per linear layer, ``Hv * dk *
+dv * 4`` bytes each.
 
 Training and the parallel prefill (:meth:`Qwen35Model.train_forward`, wide headless passes) run
 the chunked delta rule (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`) instead: matrix
@@ -317,10 +319,9 @@ class Qwen35Cache:
       conv: per linear layer ``[K - 1, conv_dim]``, the last ``K - 1`` conv inputs (model dtype).
       recurrent: per linear layer float32 ``[Hv, dk, dv]``, the delta-rule state.
       conv_tape, recurrent_tape: scratch, per linear layer ``[Wm, K - 1, conv_dim]`` and
-        ``[Wt, Hv, dk, dv]`` (``Wt`` = :meth:`Qwen35Model.tape_rows`): the state after each
-        row of the last block. Only the rows below its live count mean anything (past it the
-        conv tape repeats the last live row's state and the recurrent tape keeps whatever
-        an earlier block left).
+        ``[Wm, Hv, dk, dv]``: the state after each row of the last block. Only the rows below
+        its live count mean anything (past it the conv tape repeats the last live row's state
+        and the recurrent tape keeps whatever an earlier block left).
       hidden: scratch ``[Wm, D]``, each row's final hidden state after the final norm (what the
         output head and the MTP head read), for the last block.
       hidden_rows: ``[C, D]`` (``[0, D]`` without an MTP head), the same for every fed
@@ -380,6 +381,21 @@ def _l2norm(x: jax.Array) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
 
 
+def _delta_row(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+               live: jax.Array, r: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Row ``r`` of the XLA walk (``carry``: state, outputs, tape or None); a padding row
+    changes nothing, its values selected away."""
+    s, outs, states = carry
+    decayed = s * jnp.exp(g[r])[:, None, None]  # [Hv, dk, dv]
+    delta = (v[r] - jnp.einsum("hkv,hk->hv", decayed, k[r])) * beta[r][:, None]
+    new = decayed + k[r][:, :, None] * delta[:, None, :]
+    on = r < live
+    outs = outs.at[r].set(jnp.where(on, jnp.einsum("hkv,hk->hv", new, q[r]), outs[r]))
+    if states is not None:
+        states = states.at[r].set(jnp.where(on, new, states[r]))
+    return jnp.where(on, new, s), outs, states
+
+
 #: Row walks the exact path may be pinned to (``Qwen35Model._rows``): the XLA loop
 #: (:meth:`Qwen35Model.for_mesh`) or the kernel in the Pallas interpreter
 #: (:meth:`Qwen35Model.interpreted`).
@@ -396,8 +412,7 @@ class Qwen35Model(BlockModel):
       config: the hyperparameters.
       dtype: activation / KV / conv-state dtype; params should match. The recurrent state is
         always float32.
-      max_width: the widest block ``block_forward`` accepts: the tapes keep at least this many
-        rows (:meth:`tape_rows`).
+      max_width: the widest block ``block_forward`` accepts: the tapes keep this many rows.
       tap_layers: layers whose output rows the cache records for every fed position
         (:class:`TappedQwen35Cache`), for a block drafter; empty: none.
       kv_dtype: the stored form of the full-attention layers' K/V rows: ``None`` (the model
@@ -457,13 +472,6 @@ class Qwen35Model(BlockModel):
         return jax.default_backend() == "gpu" and pallas_delta_rule.supported(
             c.linear_key_head_dim, c.linear_value_head_dim)
 
-    def tape_rows(self) -> int:
-        """Rows of each layer's recurrent tape: ``max_width``, or the kernel's power-of-two
-        block of rows where the kernel walks them (it writes the tape in place)."""
-        if self._row_kernel():
-            return pallas_delta_rule.tape_rows(self.max_width)
-        return self.max_width
-
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
@@ -507,7 +515,7 @@ class Qwen35Model(BlockModel):
                                                                     self.kv_dtype),
             conv=tuple(s[0] for s in states), recurrent=tuple(s[1] for s in states),
             conv_tape=tuple(jnp.zeros((wm, *s[0].shape), self.dtype) for s in states),
-            recurrent_tape=tuple(jnp.zeros((self.tape_rows(), *s[1].shape), jnp.float32)
+            recurrent_tape=tuple(jnp.zeros((wm, *s[1].shape), jnp.float32)
                                  for s in states),
             hidden=jnp.zeros((wm, c.hidden_size), self.dtype),
             hidden_rows=jnp.zeros((capacity if c.mtp_num_hidden_layers else 0, c.hidden_size),
@@ -602,24 +610,30 @@ class Qwen35Model(BlockModel):
         mixed = jnp.concatenate([q.reshape(w, -1), k.reshape(w, -1), v.reshape(w, -1)], axis=-1)
         return mixed, z.reshape(w, nv, dv), ba[..., :r].reshape(w, nv), ba[..., r:].reshape(w, nv)
 
-    def _delta_net(self, lp: Params, h: jax.Array, state: State, live: jax.Array,
-                   tape: jax.Array | None, chunked: bool = False,
-                   ) -> tuple[jax.Array, State, Any]:
-        """The gated DeltaNet over W rows from ``state``; rows ``>= live`` leave it unchanged.
-        Returns ``(out [W, D], new state, tape)``. Given the layer's recurrent tape ``[Wt, Hv,
-        dk, dv]``, the returned tape is the conv state after each row ``[W, K-1, C]`` and that
-        recurrent tape with rows ``< live`` set to the state after each row (``None`` without
-        a tape). ``chunked`` runs the recurrence in its chunked form
-        (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`; the parallel prefill's and
-        training's, within a tolerance of the row-by-row walk; no tape)."""
-        c, w = self.config, h.shape[0]
-        taps, f32 = c.linear_conv_kernel_dim, jnp.float32
+    def _gate_columns(self) -> pallas_delta_rule.GateColumns:
+        """Where each value head's ``b`` and ``a`` sit among the projected columns
+        (:meth:`_projected`)."""
+        c = self.config
+        nk, nv, dk, dv = (c.linear_num_key_heads, c.linear_num_value_heads,
+                          c.linear_key_head_dim, c.linear_value_head_dim)
+        r = nv // nk
+        if not c.fused:  # [qkv | z | b | a], b and a per value head
+            return pallas_delta_rule.GateColumns(c.conv_dim + nv * dv,
+                                                 c.conv_dim + nv * dv + nv, r)
+        ba = nk * (2 * dk + 2 * r * dv)  # then [b, a] of each key head's r value heads
+        return pallas_delta_rule.GateColumns(ba, ba + r, 2 * r)
+
+    def _delta_preamble(self, lp: Params, buf: jax.Array, b: jax.Array, a: jax.Array
+                        ) -> tuple[jax.Array, ...]:
+        """The delta rule's inputs for the XLA walks: the conv window ``buf [K-1+W, C]``
+        convolved and SiLU'd, q and k L2-normalised (q scaled) and repeated over their value
+        heads ``[W, Hv, dk]``, v ``[W, Hv, dv]``, and ``g``, ``beta [W, Hv]``, all float32."""
+        c, f32 = self.config, jnp.float32
         nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
-        mixed, z, b, a = self._delta_inputs(self._projected(lp, h))
-        conv_state, rec = state
-        buf = jnp.concatenate([conv_state, mixed.astype(self.dtype)], axis=0)  # [K-1+W, C]
+        w = buf.shape[0] - c.linear_conv_kernel_dim + 1
         weight = lp["conv1d"].astype(f32)  # [K, C]
-        acc = sum(buf[t : t + w].astype(f32) * weight[t] for t in range(taps))
+        acc = sum(buf[t : t + w].astype(f32) * weight[t]
+                  for t in range(c.linear_conv_kernel_dim))
         conv_out = jax.nn.silu(acc).astype(self.dtype)  # [W, C]
         key_dim = nk * dk
         q = conv_out[:, :key_dim].reshape(w, nk, dk).astype(f32)
@@ -630,40 +644,51 @@ class Qwen35Model(BlockModel):
         k = jnp.repeat(_l2norm(k), nv // nk, axis=1)
         beta = jax.nn.sigmoid(b).astype(f32)  # [W, Hv]
         g = -jnp.exp(lp["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + lp["dt_bias"])
+        return q, k, v, g, beta
 
-        def row(r: jax.Array, carry: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
-            s, outs, states = carry
-            decayed = s * jnp.exp(g[r])[:, None, None]  # [Hv, dk, dv]
-            delta = (v[r] - jnp.einsum("hkv,hk->hv", decayed, k[r])) * beta[r][:, None]
-            new = decayed + k[r][:, :, None] * delta[:, None, :]
-            on = r < live  # a padding row changes nothing: its values are selected away
-            outs = outs.at[r].set(jnp.where(on, jnp.einsum("hkv,hk->hv", new, q[r]), outs[r]))
-            if states is not None:
-                states = states.at[r].set(jnp.where(on, new, states[r]))
-            return jnp.where(on, new, s), outs, states
-
+    def _delta_net(self, lp: Params, h: jax.Array, state: State, live: jax.Array,
+                   tape: jax.Array | None, chunked: bool = False,
+                   ) -> tuple[jax.Array, State, Any]:
+        """The gated DeltaNet over W rows from ``state``; rows ``>= live`` leave it unchanged.
+        Returns ``(out [W, D], new state, tape)``. Given the layer's recurrent tape ``[Wm, Hv,
+        dk, dv]``, the returned tape is the conv state after each row ``[W, K-1, C]`` and that
+        recurrent tape with rows ``< live`` set to the state after each row (``None`` without
+        a tape). ``chunked`` runs the recurrence in its chunked form
+        (:mod:`~turbospark_jax.models.qwen3_5.delta_rule`; the parallel prefill's and
+        training's, within a tolerance of the row-by-row walk; no tape)."""
+        c, w = self.config, h.shape[0]
+        taps, f32 = c.linear_conv_kernel_dim, jnp.float32
+        proj = self._projected(lp, h)
+        mixed, z, b, a = self._delta_inputs(proj)
+        conv_state, rec = state
+        buf = jnp.concatenate([conv_state, mixed.astype(self.dtype)], axis=0)  # [K-1+W, C]
         rows = jnp.arange(w, dtype=jnp.int32)
-        if chunked:
-            # Padding rows write nothing (beta 0) and decay nothing (g 0).
-            real = (rows < live)[:, None]
-            core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
-                                           jnp.where(real, beta, 0.0), rec)
-            tape = None
+        # Every row runs the same loop body whatever the block's width or live count, so
+        # chunked == token by token holds bitwise on either walk. Padding rows' outputs stay
+        # zero and their tape rows as they were.
+        if not chunked and self._row_kernel():
+            # One launch: the conv, the norms, the gates and the walk over the live rows.
+            core, rec, tape = pallas_delta_rule.delta_net_rows(
+                buf, proj, lp["conv1d"], lp["A_log"], lp["dt_bias"], rec, live, tape,
+                key_heads=c.linear_num_key_heads, gates=self._gate_columns(),
+                interpret=self._rows == "interpret")
+            core = core.reshape(w, c.linear_num_value_heads, -1)  # [W, Hv, dv]
         else:
-            # Every row runs the same loop body whatever the block's width or live count, so
-            # chunked == token by token still holds bitwise. Padding rows' outputs stay zero
-            # and their tape rows as they were. The kernel walks the live rows in one launch;
-            # the XLA loop walks all W rows, padding ones selected away, so its trip count is
-            # a constant: a loop that stops on data would read back to the host every pass
-            # on a GPU, and must not sit inside the speculative rounds' recorded loops.
-            if self._row_kernel():
-                core, rec, tape = pallas_delta_rule.delta_rule_rows(
-                    q, k, v, g, beta, rec, live, tape=tape,
-                    interpret=self._rows == "interpret")
+            q, k, v, g, beta = self._delta_preamble(lp, buf, b, a)
+            if chunked:
+                # Padding rows write nothing (beta 0) and decay nothing (g 0).
+                real = (rows < live)[:, None]
+                core, rec = delta_rule_chunked(q, k, v, jnp.where(real, g, 0.0),
+                                               jnp.where(real, beta, 0.0), rec)
+                tape = None
             else:
+                # All W rows, padding ones selected away, so the trip count is a constant: a
+                # loop that stops on data would read back to the host every pass on a GPU,
+                # and must not sit inside the speculative rounds' recorded loops.
                 rec, core, tape = jax.lax.fori_loop(
-                    0, w, row, (rec, jnp.zeros(v.shape, f32), tape))
-        core = core.astype(self.dtype)  # [W, Hv, dv]
+                    0, w, functools.partial(_delta_row, q, k, v, g, beta, live),
+                    (rec, jnp.zeros(v.shape, f32), tape))
+            core = core.astype(self.dtype)  # [W, Hv, dv]
         gated = rms_norm(core, lp["gated_norm"], c.rms_norm_eps).astype(f32)
         gated = (gated * jax.nn.silu(z.astype(f32))).astype(self.dtype)
         out = gated.reshape(w, -1) @ lp["out_proj"]
@@ -677,16 +702,19 @@ class Qwen35Model(BlockModel):
         return out, (new_conv, rec), tapes
 
     def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
-        h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
-        if "router" in lp:  # XLA's kernels at one program width, like the rest of the model
-            return x + moe_block(h, moe_leaves(lp), self.config.routing, row_invariant=False,
-                                 placement=self.expert_parallel)
-        return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
+        with jax.named_scope("mlp"):
+            h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
+            if "router" in lp:  # XLA's kernels at one program width, like the rest of the model
+                return x + moe_block(h, moe_leaves(lp), self.config.routing, row_invariant=False,
+                                     placement=self.expert_parallel)
+            return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
 
     def _full_layer(self, lp: Params, x: jax.Array, positions: jax.Array,
                     rope: tuple[jax.Array, jax.Array], kv: KVFn) -> jax.Array:
-        h = _norm(x, lp["input_layernorm"], self.config.rms_norm_eps)
-        return self._mlp(lp, x + self._attention(lp, h, positions, rope, kv))
+        with jax.named_scope("attention"):
+            h = _norm(x, lp["input_layernorm"], self.config.rms_norm_eps)
+            x = x + self._attention(lp, h, positions, rope, kv)
+        return self._mlp(lp, x)
 
     def _decoder(self, layers: list[Params], x: jax.Array, positions: jax.Array,
                  live: jax.Array, states: list[State], kv: Callable[[int], KVFn],
@@ -705,10 +733,11 @@ class Qwen35Model(BlockModel):
                 if c.layer_types[i] == FULL:
                     x = self._full_layer(lp, x, positions, rope, kv(j))
                 else:
-                    h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
-                    o, states[j], layer_tape = self._delta_net(
-                        lp, h, states[j], live, None if tapes_in is None else tapes_in[j],
-                        chunked)
+                    with jax.named_scope("delta_rule"):
+                        h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
+                        o, states[j], layer_tape = self._delta_net(
+                            lp, h, states[j], live, None if tapes_in is None else tapes_in[j],
+                            chunked)
                     tapes.append(layer_tape)
                     x = self._mlp(lp, x + o)
             # Every layer's output rows are materialised as they are, tapped or not: on a GPU
