@@ -243,7 +243,8 @@ class _Weight:
         """The scale (or zero point) row of this step, ``[1, bn]``."""
         if self.layout.per_channel:
             return ref[0:1, :]
-        row = (step * block_k) // self.layout.group
+        # lax.div: the rows are never negative, and jnp's floor division adds a sign fix-up
+        row = jax.lax.div(step * block_k, self.layout.group)
         return ref[pl.ds(row, 1), :]
 
     def sums(self, x_ref: Any, rows: int, block_k: int, steps: int, native: bool,
