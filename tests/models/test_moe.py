@@ -6,7 +6,8 @@
 * A row's output does not depend on the rows beside it: under the row-invariant form, bit for
   bit whatever the row count and whatever the other rows hold (they route to other experts);
   the control shows the check sees a change to the row itself.
-* A one-row call reads its ``k`` experts' weights, not the stack.
+* A one-row call reads its ``k`` experts' weights, not the stack (the grouped tiles slice one
+  expert each; the grouped products themselves are tested in ``test_moe_grouped.py``).
 * Quantized expert stacks multiply as their dequantized weights do, bit for bit.
 """
 
@@ -127,22 +128,20 @@ def test_a_rows_bits_do_not_depend_on_its_neighbours(dtype):
 
 
 def test_decode_reads_only_its_experts():
-    """A one-row call's program touches each expert stack only through a gather of ``k``
-    experts' matrices (slices of one expert each), never the whole stack."""
+    """A one-row call's program touches each expert stack only through slices of one expert
+    (the grouped tiles' dynamic slices, or a gather), never the whole stack: the stacks
+    only pass through the loop over tiles to the instructions that slice them."""
     e, d, f = 64, 32, 48
     weights = {"router": jnp.zeros((e, d)), "expert_gate": jnp.zeros((e, d, f)),
                "expert_up": jnp.zeros((e, d, f)), "expert_down": jnp.zeros((e, f, d))}
     text = jax.jit(moe.moe_block, static_argnames=("routing", "row_invariant")).lower(
         jnp.ones((1, d)), weights, routing=moe.Routing(e, 2, False),
         row_invariant=False).compile().as_text()
-    for name, slice_sizes in (("expert_gate", f"{{1,{d},{f}}}"),
-                              ("expert_up", f"{{1,{d},{f}}}"),
-                              ("expert_down", f"{{1,{f},{d}}}")):
-        uses = [line for line in text.splitlines()
-                if f"{name}__" in line and "parameter(" not in line
-                and not line.startswith("ENTRY")]
-        assert uses and all(_reads_by_gather(line, text) for line in uses), uses
-        assert f"slice_sizes={slice_sizes}" in text
+    stacks = (f"f32[{e},{d},{f}]", f"f32[{e},{f},{d}]")
+    readers = _stack_readers(text, stacks)
+    assert readers and all(_reads_one_expert(line) for line in readers), readers
+    assert f"dynamic_slice_sizes={{1,{d},{f}}}" in text
+    assert f"dynamic_slice_sizes={{1,{f},{d}}}" in text
 
 
 def test_control_a_whole_stack_read_is_seen():
@@ -150,22 +149,40 @@ def test_control_a_whole_stack_read_is_seen():
     stack = jnp.zeros((64, 32, 48))
     text = jax.jit(lambda x, w: jnp.einsum("td,edf->tef", x, w)).lower(
         jnp.ones((1, 32)), stack).compile().as_text()
-    uses = [line for line in text.splitlines() if "parameter(" not in line
-            and not line.startswith("ENTRY") and "f32[64,32,48]" in line.split("=", 1)[-1]]
-    assert uses and not all(_reads_by_gather(line, text) for line in uses)
+    readers = _stack_readers(text, ("f32[64,32,48]",))
+    assert readers and not all(_reads_one_expert(line) for line in readers)
 
 
-def _reads_by_gather(line: str, text: str) -> bool:
-    """Whether an instruction of the compiled module ``text`` that takes an expert stack reads
-    it through a gather: it is one, or (a GPU fuses the gather into the product after it) it
-    is a fusion whose fused computation holds one."""
-    if "gather(" in line:
-        return True
-    called = re.search(r"calls=(%[\w.\-]+)", line)
-    if " fusion(" not in line or called is None:
-        return False
-    body = re.search(rf"^{re.escape(called.group(1))} .*?^}}", text, re.M | re.S)
-    return body is not None and "gather(" in body.group(0)
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+#: Instructions that hand a stack on without reading it (a fusion's own instructions are
+#: checked in its computation).
+_PASS_ON = ("parameter", "tuple", "while", "get-tuple-element", "fusion", "bitcast")
+
+
+def _stack_readers(text: str, stacks: tuple[str, ...]) -> list[str]:
+    """The instructions of the compiled module ``text`` (in every computation, fused ones
+    too) that take an operand typed as an expert stack, other than those that pass it on."""
+    types, lines = {}, []
+    for line in text.splitlines():
+        found = _INSTRUCTION.match(line)
+        if found:
+            types[found.group(1)] = found.group(2).split(" ", 1)[0]
+            lines.append(found.group(2))
+    readers = []
+    for rest in lines:
+        opcode = re.match(r"(?:\(.*?\)|\S+) ([\w\-]+)\(", rest)
+        if opcode is None or opcode.group(1) in _PASS_ON:
+            continue
+        operands = re.findall(r"(?<![=\w])%([\w.\-]+)", rest.split("),", 1)[0])
+        if any(types.get(name, "").startswith(stacks) for name in operands):
+            readers.append(rest)
+    return readers
+
+
+def _reads_one_expert(line: str) -> bool:
+    """Whether an instruction that takes a stack reads one expert's slice of it."""
+    sizes = re.search(r"(?:dynamic_)?slice_sizes=\{1,", line)
+    return sizes is not None and (" dynamic-slice(" in line or " gather(" in line)
 
 
 def test_quantized_experts_multiply_as_their_dequantized_weights():

@@ -229,6 +229,14 @@ def matmul(plan: KernelPlan, x: jax.Array, w: jax.Array | tuple[jax.Array, ...],
     return jnp.matmul(x, w, preferred_element_type=out_dtype)
 
 
+def grouped_impl(plan: KernelPlan) -> str:
+    """The form the grouped expert products take under ``plan``
+    (:func:`~turbospark_jax.kernels.grouped.expert_mlp`): the Pallas kernels where the
+    GPU's kernels run (compiled or interpreted), the XLA loop over tiles elsewhere. Every
+    plan groups, so a decode step and a prefill compute a token's experts alike."""
+    return plan.impl if plan.uses_pallas else "xla"
+
+
 def _require_row_invariant(plan: KernelPlan, what: str) -> None:
     if not plan.row_invariant:
         raise BadInputError(f"{what} is a row-invariant kernel; the plan {plan} is not")

@@ -10,15 +10,23 @@ its layer axis in front). Any of them may be a
 checkpoints fuse gate and up and keep ``[out, in]``; :func:`fused_routed_experts` multiplies
 by them as stored.
 
-Exactness: a token's output never depends on the tokens beside it. Each row gathers its own
-``k`` experts' weights and multiplies by them alone (:func:`routed_experts`), so no product
-groups rows by expert, and the expert set a chunk, a verify block or a batch happens to hold
-changes no row's arithmetic. Under a row-invariant kernel plan the whole block (router
-product, softmax, top-k, experts) runs in the fixed-shape row tiles of
+Exactness: a token's output never depends on the tokens beside it. The routed experts'
+products run grouped by expert in tiles of one fixed shape
+(:mod:`~turbospark_jax.kernels.grouped`): a block's selections (a row and one of its
+experts) are sorted by expert into tiles that each hold one expert's selections, and every
+tile multiplies by its expert's matrices in products whose shape never follows the row
+count, so a selection's bits depend on its row and its expert alone, not on which other
+tokens (and experts) a chunk, a verify block or a batch holds. Every width takes that path,
+a one-row decode step included (``k`` tiles of one live selection, reading its ``k``
+experts' matrices and no others), so decode and prefill compute a token alike. The ``k``
+outputs of a row are then weighed and added in the order of their expert index. Under a
+row-invariant kernel plan the rest of the block (router product, softmax, top-k, the
+weighted sum, the shared expert) runs in the fixed-shape row tiles of
 :func:`~turbospark_jax.kernels.rowinv.row_tiled`, so programs of different widths agree bit
-for bit; under XLA's own kernels it runs on the rows as they come (exact at one program
-width, like the rest of such a model). A one-row decode step reads only its ``k`` experts'
-weights (a gather), never the whole stack.
+for bit; under XLA's own kernels that part runs on the rows as they come (exact at one
+program width, like the rest of such a model). The plan picks the grouped products' form
+(:func:`~turbospark_jax.kernels.plan.grouped_impl`): the Pallas kernels where the GPU's
+kernels run, the XLA loop over tiles elsewhere.
 
 Expert parallelism (:class:`ExpertParallel`): the stacks split on their expert axis over a
 mesh axis, each device holding ``E / n`` whole experts, and every routed form takes a
@@ -39,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from turbospark_jax.errors import BadInputError, ModelLoadError
+from turbospark_jax.kernels.grouped import expert_mlp
 from turbospark_jax.kernels.layers import rms_norm
 from turbospark_jax.kernels.rowinv import DOT_MIN_TILES, MIN_TILES, row_tiled
 from turbospark_jax.quant.weights import as_array
@@ -104,34 +113,17 @@ def top_k_softmax(logits: jax.Array, routing: Routing) -> tuple[jax.Array, jax.A
     return weights, experts.astype(jnp.int32)
 
 
-def _rows_dot(x: jax.Array, w: jax.Array, nk: bool = False) -> jax.Array:
-    """Row ``t`` of ``x [T, ..., K]`` times its own matrix ``w[t] [..., K, N]`` (``[..., N,
-    K]`` when ``nk``), float32 sums rounded to ``x.dtype``: a batched product whose batch is
-    the row, so no row's sums meet another row's."""
-    precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-    batch = tuple(range(x.ndim - 1))
-    contract = w.ndim - 1 if nk else x.ndim - 1
-    out = jax.lax.dot_general(x, w, (((x.ndim - 1,), (contract,)), (batch, batch)),
-                              preferred_element_type=jnp.float32, precision=precision)
-    return out.astype(x.dtype)
-
-
-def _gather(w: Any, experts: jax.Array, dtype: Any) -> jax.Array:
-    """The matrices of ``experts [T, k]`` out of a stack ``w [E, K, N]`` (plain or
-    quantized): ``[T, k, K, N]`` in ``dtype``, reading only those experts."""
-    return as_array(w[experts], dtype)
-
-
 def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: Any, up: Any,
                    down: Any, act: Activation = silu,
-                   placement: ExpertParallel | None = None) -> jax.Array:
+                   placement: ExpertParallel | None = None, *, impl: str = "xla",
+                   live: jax.Array | None = None) -> jax.Array:
     """The routed experts' gated MLPs of rows ``x [T, D]``, weighted and summed:
     ``sum_j weights[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t))`` over row ``t``'s experts
     ``e = experts[t, j]``.
 
-    Each row multiplies by its own experts' gathered weights. The ``k`` terms are added in
-    the order of their expert index, in ``x.dtype``, as the reference's loop over experts
-    adds them.
+    The products run grouped by expert (:func:`selection_outputs`); the ``k`` terms are then
+    added in the order of their expert index, in ``x.dtype``, as the reference's loop over
+    experts adds them.
 
     Args:
       x: ``[T, D]`` rows (already normed).
@@ -142,25 +134,23 @@ def routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array, gate: A
       act: the gate's activation.
       placement: the stacks split over a mesh axis (expert parallelism), or None: on
         every device whole (or split as ``jit`` places them).
+      impl: the grouped products' form (:func:`~turbospark_jax.kernels.grouped.expert_mlp`).
+      live: bool ``[T]``, the rows that are not padding (None: all): a padding row's
+        selections read no weights and its output is zeros.
 
     Returns:
       ``[T, D]`` in ``x.dtype``.
     """
-    def terms(rows: jax.Array, chosen: jax.Array, g: Any, u: Any, d: Any) -> jax.Array:
-        rows = _per_selection(rows, chosen.shape[1])
-        hidden = act(_rows_dot(rows, _gather(g, chosen, rows.dtype))) * _rows_dot(
-            rows, _gather(u, chosen, rows.dtype))
-        return _rows_dot(hidden, _gather(d, chosen, rows.dtype))  # [T, k, D]
-
-    weights, experts = _by_expert(weights, experts)
-    y = expert_outputs(terms, x, experts, (gate, up, down), placement)
-    return _weighted_sum(y, weights.astype(x.dtype))
+    y = selection_outputs(x, experts, (gate, up, down), act, placement=placement, impl=impl,
+                          live=live)
+    return combine_terms(y, weights, experts)
 
 
 def fused_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
                          gate_up: jax.Array, down: jax.Array,
                          act: Activation = gelu_tanh,
-                         placement: ExpertParallel | None = None) -> jax.Array:
+                         placement: ExpertParallel | None = None, *, impl: str = "xla",
+                         live: jax.Array | None = None) -> jax.Array:
     """:func:`routed_experts` over expert stacks kept as a checkpoint that fuses them stores
     them (Gemma 4): ``gate_up [E, 2F, D]`` (the gate's ``F`` outputs, then the up
     projection's) and ``down [E, D, F]``, each ``[out, in]``. The float32 routing weights
@@ -170,17 +160,44 @@ def fused_routed_experts(x: jax.Array, weights: jax.Array, experts: jax.Array,
     Returns:
       ``[T, D]`` in ``x.dtype``.
     """
-    def outputs(rows: jax.Array, chosen: jax.Array, gu_w: Any, d: Any) -> jax.Array:
-        rows = _per_selection(rows, chosen.shape[1])
-        gu = _rows_dot(rows, _gather(gu_w, chosen, rows.dtype), nk=True)  # [T, k, 2F]
-        half = gu.shape[-1] // 2
-        hidden = act(gu[..., :half]) * gu[..., half:]
-        return _rows_dot(hidden, _gather(d, chosen, rows.dtype), nk=True)  # [T, k, D]
+    y = selection_outputs(x, experts, (gate_up, None, down), act, nk=True,
+                          placement=placement, impl=impl, live=live)
+    return combine_terms(y, weights, experts, scale_in_float32=True)
 
-    weights, experts = _by_expert(weights, experts)
-    y = expert_outputs(outputs, x, experts, (gate_up, down), placement)
-    terms = (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(x.dtype)
-    return _weighted_sum(terms, None)
+
+def selection_outputs(x: jax.Array, experts: jax.Array, stacks: tuple[Any, Any, Any],
+                      act: Activation, *, nk: bool = False,
+                      placement: ExpertParallel | None = None, impl: str = "xla",
+                      live: jax.Array | None = None) -> jax.Array:
+    """Each selection's expert output ``[T, k, D]`` (unweighted), grouped by expert
+    (:func:`~turbospark_jax.kernels.grouped.expert_mlp`; ``stacks`` is its ``(gate, up,
+    down)``, ``up`` None for a fused stack), on one device or where the experts live
+    (:func:`expert_outputs`). ``live``: bool ``[T]``; a padding row's selections take no
+    tile (zeros)."""
+    if live is not None:
+        experts = jnp.where(live[:, None], experts, -1)
+    gate, up, down = stacks
+
+    def terms(rows: jax.Array, chosen: jax.Array, g: Any, d: Any, *u: Any) -> jax.Array:
+        return expert_mlp(rows, chosen, g, u[0] if u else None, d, act, nk=nk, impl=impl)
+
+    held = (gate, down) if up is None else (gate, down, up)
+    return expert_outputs(terms, x, experts, held, placement)
+
+
+def combine_terms(y: jax.Array, weights: jax.Array, experts: jax.Array,
+                  scale_in_float32: bool = False) -> jax.Array:
+    """``sum_j weights[:, j] * y[:, j]`` over the selections of each row (``y [T, k, D]``),
+    added in the order of their expert index, in ``y.dtype``. The weights are rounded to
+    ``y.dtype`` before they scale (Qwen), or with ``scale_in_float32`` scale in float32 and
+    each term is rounded once (Gemma 4)."""
+    order = jnp.argsort(experts, axis=-1)
+    weights = jnp.take_along_axis(weights, order, axis=-1)
+    y = jnp.take_along_axis(y, order[..., None], axis=1)
+    if scale_in_float32:
+        terms = (y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None]).astype(y.dtype)
+        return _weighted_sum(terms, None)
+    return _weighted_sum(y, weights.astype(y.dtype))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,22 +239,25 @@ def expert_outputs(terms: Callable[..., jax.Array], x: jax.Array, experts: jax.A
     Under ``placement`` the rows ``x``, the choices ``experts`` and the result are replicated
     over the mesh and the stacks split on their expert axis. Each device runs ``terms`` on
     its local stacks, with every selection's expert index shifted to its local one (a
-    selection of an expert held elsewhere reads local expert 0 and its result is dropped),
-    keeps the selections whose expert it holds, writes zeros elsewhere, and one all-reduce
-    over the axis adds the devices' ``[T, k, D]``.
+    selection of an expert held elsewhere gets index ``-1``, which ``terms`` skips: it takes
+    no tile and reads nothing), keeps the selections whose expert it holds, writes zeros
+    elsewhere, and one all-reduce over the axis adds the devices' ``[T, k, D]``.
 
     Why the result is bitwise the one-device result:
 
-    * a kept selection's arithmetic is the one-device arithmetic: the same rows times the same
-      gathered matrices (the local stack holds them unchanged), in products of the same
-      shapes ``[T, k, ...]``;
+    * a kept selection's arithmetic is the one-device arithmetic: the same row times the same
+      expert's matrices (the local stack holds them unchanged) in tiles of the same fixed
+      shape, whose rows do not depend on their tile-mates
+      (:mod:`~turbospark_jax.kernels.grouped`), so grouping fewer selections a device
+      changes no bit;
     * each selection is kept on exactly one device, and the all-reduce adds the bit patterns
       as unsigned integers: one pattern plus zeros is that pattern, in any order the
       collective adds them (a float sum would turn an expert's ``-0.0`` into ``+0.0``);
     * the caller then weighs and adds the ``k`` outputs of a row as on one device.
 
-    Every device computes every selection's shape (one device's compute); the weights split
-    ``n`` ways and the activations that move are ``[T, k, D]`` a layer, never a weight.
+    Each device groups only the selections of the experts it holds, so its tiles, its
+    weight reads and its compute are its share; the weights split ``n`` ways and the
+    activations that move are ``[T, k, D]`` a layer, never a weight.
     """
     if placement is None:
         return terms(x, experts, *stacks)
@@ -247,7 +267,7 @@ def expert_outputs(terms: Callable[..., jax.Array], x: jax.Array, experts: jax.A
         first = jax.lax.axis_index(placement.axis) * held
         index = chosen - first
         owned = (index >= 0) & (index < held)
-        y = terms(rows, jnp.where(owned, index, 0), *parts)
+        y = terms(rows, jnp.where(owned, index, -1), *parts)
         return _owner_sum(y, owned, placement.axis)
 
     split = PartitionSpec(placement.axis)
@@ -274,18 +294,6 @@ def _owner_sum(y: jax.Array, owned: jax.Array, axis: str) -> jax.Array:
     if dtype.itemsize == 2:
         return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), dtype)
     return jax.lax.bitcast_convert_type(bits, dtype)
-
-
-def _by_expert(weights: jax.Array, experts: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """The ``k`` selections of each row in the order of their expert index."""
-    order = jnp.argsort(experts, axis=-1)
-    return (jnp.take_along_axis(weights, order, axis=-1),
-            jnp.take_along_axis(experts, order, axis=-1))
-
-
-def _per_selection(x: jax.Array, k: int) -> jax.Array:
-    """Rows ``[T, D]`` repeated for each of their ``k`` selections: ``[T, k, D]``."""
-    return jnp.broadcast_to(x[:, None, :], (x.shape[0], k, x.shape[1]))
 
 
 def _weighted_sum(y: jax.Array, weights: jax.Array | None) -> jax.Array:
@@ -340,7 +348,8 @@ def _dense_swiglu(x: jax.Array, gate: Any, up: Any, down: Any, act: Activation) 
 
 def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
               row_invariant: bool, act: Activation = silu,
-              placement: ExpertParallel | None = None) -> jax.Array:
+              placement: ExpertParallel | None = None, impl: str = "xla",
+              live: jax.Array | None = None) -> jax.Array:
     """The Qwen-style sparse MLP of rows ``x [T, D]`` (normed): the router's softmax top-k
     over ``weights["router"]`` (``[E, D]``), the routed experts (``expert_gate``,
     ``expert_up`` ``[E, D, F]``, ``expert_down`` ``[E, F, D]``), and, when ``weights`` holds
@@ -351,11 +360,16 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
       x: ``[T, D]``.
       weights: the layer's MoE leaves (above).
       routing: the router's rule.
-      row_invariant: run in fixed-shape row tiles, so a row's bits do not depend on the
-        number of rows in the call.
+      row_invariant: run the router, the weighted sum and the shared expert in fixed-shape
+        row tiles, so a row's bits do not depend on the number of rows in the call (the
+        routed experts' grouped tiles are of a fixed shape under any plan).
       act: the experts' activation.
       placement: the expert stacks split over a mesh axis (:func:`expert_outputs`), or
         None.
+      impl: the grouped products' form (:func:`~turbospark_jax.kernels.plan.grouped_impl`
+        gives a plan's).
+      live: bool ``[T]``, the rows that are not padding (None: all); a padding row's
+        selections read no expert weights.
 
     Returns:
       ``[T, D]`` in ``x.dtype``.
@@ -363,10 +377,9 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
     def route(rows: jax.Array, router: jax.Array) -> tuple[jax.Array, jax.Array]:
         return top_k_softmax(router_logits(rows, router), routing)
 
-    def run(rows: jax.Array, probs: jax.Array, experts: jax.Array,
-            w: Mapping[str, Any]) -> jax.Array:
-        out = routed_experts(rows, probs, experts, w["expert_gate"], w["expert_up"],
-                             w["expert_down"], act, placement)
+    def finish(rows: jax.Array, probs: jax.Array, experts: jax.Array, y: jax.Array,
+               w: Mapping[str, Any]) -> jax.Array:
+        out = combine_terms(y, probs, experts)
         if "shared_gate" in w:
             shared = _dense_swiglu(rows, w["shared_gate"], w["shared_up"], w["shared_down"],
                                    act)
@@ -376,9 +389,13 @@ def moe_block(x: jax.Array, weights: Mapping[str, Any], routing: Routing, *,
         return out
 
     probs, experts = per_row(route, x, shared=weights["router"], row_invariant=row_invariant)
+    y = selection_outputs(x, experts, (weights["expert_gate"], weights["expert_up"],
+                                       weights["expert_down"]), act, placement=placement,
+                          impl=impl, live=live)
     # Products and elementwise work only: a one-row call runs one tile (see per_row)
-    return per_row(run, x, probs, experts, row_invariant=row_invariant, products_only=True,
-                   shared={k: v for k, v in weights.items() if k != "router"})
+    return per_row(finish, x, probs, experts, y, row_invariant=row_invariant,
+                   products_only=True,
+                   shared={k: v for k, v in weights.items() if k in SHARED_LEAVES})
 
 
 def per_row(fn: Callable[..., Any], *rows: jax.Array, shared: Any = None,

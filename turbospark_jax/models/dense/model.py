@@ -392,9 +392,10 @@ class DenseModel(BlockModel):
 
     # -- one layer ----------------------------------------------------------------------------
 
-    def _layer(self, attention: Attention) -> LayerFn:
+    def _layer(self, attention: Attention, live: jax.Array | None = None) -> LayerFn:
         """One pre-norm decoder layer around ``attention``:
-        ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``."""
+        ``h = x + o_proj(attention(norm(x))); out = h + mlp(norm(h))``. ``live``: bool
+        ``[W]``, the block's rows that are not padding (the experts skip the others)."""
         eps = self.config.rms_norm_eps
         norm = functools.partial(row_kernels.rms_norm, self.plan, eps=eps)
 
@@ -403,7 +404,7 @@ class DenseModel(BlockModel):
                 attn, kv = attention(norm(x, lp["input_layernorm"]), lp, kv, index, window)
             h = x + self._output_projection(attn, lp)
             with jax.named_scope("mlp"):
-                out = h + self._mlp(norm(h, lp["post_attention_layernorm"]), lp)
+                out = h + self._mlp(norm(h, lp["post_attention_layernorm"]), lp, live)
             return out, kv
 
         return layer
@@ -447,11 +448,12 @@ class DenseModel(BlockModel):
 
         return layer
 
-    def _layers_in(self, layers: Params, x: jax.Array, attention: Attention) -> tuple[Any, Any]:
+    def _layers_in(self, layers: Params, x: jax.Array, attention: Attention,
+                   live: jax.Array | None = None) -> tuple[Any, Any]:
         """The hidden state and layer function :meth:`_run_layers` starts from."""
         if self.defers_sums(layers):
             return (x, None), self._deferring_layer(attention)
-        return x, self._layer(attention)
+        return x, self._layer(attention, live)
 
     def _rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config
@@ -470,12 +472,13 @@ class DenseModel(BlockModel):
             o = o + lp["o_bias"]
         return o
 
-    def _mlp(self, h: jax.Array, lp: Params) -> jax.Array:
+    def _mlp(self, h: jax.Array, lp: Params, live: jax.Array | None = None) -> jax.Array:
         """SwiGLU (or the mixture of experts) of the normed rows, h [W, D] -> [W, D]."""
         if self.config.moe:
             return moe_block(h, moe_leaves(lp), self.config.routing,
                              row_invariant=self.plan.row_invariant,
-                             placement=self.expert_parallel)
+                             placement=self.expert_parallel,
+                             impl=row_kernels.grouped_impl(self.plan), live=live)
         bias = self.config.has_mlp_bias
         if self.plan.row_invariant and not bias:
             return row_kernels.matmul(self.plan, self._gated(h, lp), lp["down_proj"],
@@ -648,7 +651,7 @@ class DenseModel(BlockModel):
             write_at=write_at, cos=cos, sin=sin, key_positions=key_positions, limit=limit,
             max_keys=max_keys,
         )
-        x, layer = self._layers_in(params["layers"], x, attention)
+        x, layer = self._layers_in(params["layers"], x, attention, rows < live)
         ran = self._run_layers(params["layers"], x,
                                (cache.k, cache.v, cache.k_scale, cache.v_scale), layer,
                                self.tap_layers)
