@@ -41,18 +41,17 @@ def has_choice(model: Any) -> bool:
 
 
 def with_exactness(model: Any, exact: bool) -> Any:
-    """``model`` on the exact path (programs of every width give a row the same bits) or on
-    the fastest path that is exact only at one program width. A family without the choice
-    runs its one path."""
+    """``model`` on the plan ``tsj.load(exact=exact)`` gives it on this backend: the exact
+    path (programs of every width give a row the same bits) or the path that trades bits for
+    speed. A family without the choice runs its one path."""
     if not has_choice(model):
         return model
     import jax
 
-    from turbospark_jax.kernels.plan import KernelPlan
+    from turbospark_jax.kernels.plan import kernel_plan
 
-    gpu = jax.default_backend() == "gpu"
-    return dataclasses.replace(
-        model, plan=KernelPlan(row_invariant=exact, pallas="compiled" if gpu else "off"))
+    # the plan tsj.load resolves for this choice on this backend
+    return dataclasses.replace(model, plan=kernel_plan(jax.default_backend(), exact, True))
 
 
 def widths(model: Any) -> tuple[int, int]:
