@@ -167,8 +167,9 @@ def load(
         request prefills in parallel passes (its logits equal the exact path's to rounding,
         not bitwise; a request may still ask for the exact prefill), and off a GPU a dense
         model decodes on XLA's own kernels, faster there than the row-invariant forms (on a
-        GPU the row-invariant kernels are the faster ones either way;
-        :func:`~turbospark_jax.kernels.plan.kernel_plan`).
+        GPU the row-invariant kernels are the faster ones either way, except that a
+        quantized model's decode products run on the CUDA cores, which no wide block sums
+        alike; :func:`~turbospark_jax.kernels.plan.kernel_plan`).
       prefill_width: the most rows one block of the target's exact prefill holds
         (:class:`~turbospark_jax.engine.producer.BlockProducer`); default
         :func:`default_prefill_width`: wide blocks (the same bits, faster) where the
