@@ -14,6 +14,10 @@ quantizing a large model's weights through the host takes minutes. Which matrice
 quantized follows the loader's rule (``quantize_params`` in :mod:`turbospark_jax.io.loading`):
 the family's linear tensors the scheme fits, the output head left in the model's dtype.
 
+A preset with ``fast_decode`` also decodes each quantized format on the plan ``exact=False``
+loads (records with ``"exact": false``; on a GPU its few-row products of quantized weights run
+on the CUDA cores, :mod:`turbospark_jax.kernels.quant_matvec`), against the same baseline.
+
 A format whose weights and cache would not fit the device's memory is skipped with the bytes
 it needs (a 70B shape in bfloat16 on one 80 GB card); a shape measured without its baseline
 reports decode figures only.
@@ -51,6 +55,9 @@ class Preset:
     #: the baseline on one device)
     only: tuple[tuple[str, tuple[str, ...]], ...] = ()
     exact: bool = True
+    #: quantized formats' decode is also measured on the plan ``exact=False`` loads (on a GPU
+    #: their products run on the CUDA cores there)
+    fast_decode: bool = False
     budget_s: float | None = None
     #: shapes whose decode is also measured with a quantized KV cache, at :attr:`kv_context`
     kv_shapes: tuple[str, ...] = ()
@@ -65,10 +72,10 @@ _FORMATS = (BASELINE, "int4", "int8", "fp8")
 _GPU = Preset(shapes=("llama-3.2-1b", "llama-3.1-8b", "llama-3.1-70b"), formats=_FORMATS,
               contexts=(128, 4096), prefill_lengths=(2048, 8192), new_tokens=128, repeats=2,
               dtype="bfloat16", copy_bytes=4 << 30, only=(("llama-3.1-70b", ("int4",)),),
-              budget_s=300.0, kv_shapes=("llama-3.2-1b",), kv_context=32768)
+              budget_s=300.0, kv_shapes=("llama-3.2-1b",), kv_context=32768, fast_decode=True)
 PRESETS = {
     "smoke": Preset(("tiny-llama",), _FORMATS, (16,), (32,), 8, 1, "float32", 1 << 20,
-                    kv_shapes=("tiny-llama",), kv_context=24),
+                    kv_shapes=("tiny-llama",), kv_context=24, fast_decode=True),
     "cpu": Preset(("small-60m",), _FORMATS, (128, 1024), (256, 1024), 32, 2, "float32",
                   64 << 20),
     "h100": _GPU,
@@ -294,22 +301,15 @@ def shape_case(shape: str, fmt: str, preset: Preset, results: common.Results,
         results.data["errors"].append({**label, "error": f"{type(exc).__name__}: {exc}"[:600]})
         results.write()
         return
-    weights = common.step_bytes(config, shapes, 0)
+    decode_cases(built, preset.exact, label, fmt, preset, results, bandwidth, shapes, base)
+    if preset.fast_decode and preset.exact and fmt != BASELINE:
+        fast = common.with_exactness(model, False)
+        if fast.plan != model.plan:
+            fast_built = common.built_from(shape, config, fast, params, capacity=capacity,
+                                           exact=False, burst=min(64, preset.new_tokens))
+            decode_cases(fast_built, False, label, fmt, preset, results, bandwidth, shapes,
+                         base)
     vocab = config.vocab_size
-    for context in preset.contexts:
-        need = common.step_bytes(config, shapes, context)
-        roof = bandwidth / need
-        case = results.case(
-            {**label, "kind": "decode", "exact": preset.exact, "width": built.producer.width,
-             "context": context, "weight_bytes": weights, "step_bytes": need,
-             "roofline_tokens_per_s": round(roof, 2)},
-            lambda c=context: completion_rate(built.producer, c, preset.new_tokens, "greedy",
-                                              preset.repeats, vocab))
-        if case is not None:
-            case["fraction_of_roofline"] = round(case["tokens_per_s"] / roof, 4)
-            case["speedup_over_baseline"] = _over(base, ("decode", context), fmt,
-                                                  case["tokens_per_s"])
-            results.write()
     for length in lengths:
         case = results.case({**label, "kind": "prefill", "length": length},
                             lambda n=length: prefill_rate(built.producer, n, vocab,
@@ -318,6 +318,28 @@ def shape_case(shape: str, fmt: str, preset: Preset, results: common.Results,
             ratio = _over(base, ("prefill", length), fmt, case["tokens_per_s"])
             case["ratio_to_baseline"] = ratio
             case["meets_bar"] = None if ratio is None else ratio >= PREFILL_BAR
+            results.write()
+
+
+def decode_cases(built: Any, exact: bool, label: dict[str, Any], fmt: str, preset: Preset,
+                 results: common.Results, bandwidth: float, shapes: Any,
+                 base: dict[tuple[str, int], float]) -> None:
+    """Decode at each of the preset's contexts on ``built``; the speed-up is over the
+    baseline's exact decode."""
+    weights = common.step_bytes(built.config, shapes, 0)
+    for context in preset.contexts:
+        need = common.step_bytes(built.config, shapes, context)
+        roof = bandwidth / need
+        case = results.case(
+            {**label, "kind": "decode", "exact": exact, "width": built.producer.width,
+             "context": context, "weight_bytes": weights, "step_bytes": need,
+             "roofline_tokens_per_s": round(roof, 2)},
+            lambda c=context: completion_rate(built.producer, c, preset.new_tokens, "greedy",
+                                              preset.repeats, built.config.vocab_size))
+        if case is not None:
+            case["fraction_of_roofline"] = round(case["tokens_per_s"] / roof, 4)
+            case["speedup_over_baseline"] = _over(base, ("decode", context), fmt,
+                                                  case["tokens_per_s"])
             results.write()
 
 
