@@ -95,6 +95,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
         linear_num_value_heads=32, tie_word_embeddings=True,
         layer_types=[LIN, LIN, LIN, FULL] * 8, mtp_num_hidden_layers=1),
+    "qwen3-30b-a3b": dict(
+        _dense("qwen3_moe", 2048, 48, 32, 4, 128, 6144, 151936, False), rms_norm_eps=1e-6,
+        rope_theta=1000000.0, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[]),
     "gemma4-e2b": dict(
         model_type="gemma4_text", vocab_size=262144, hidden_size=1536, intermediate_size=6144,
         num_hidden_layers=35, num_attention_heads=8, num_key_value_heads=1, head_dim=256,
@@ -226,12 +231,24 @@ def prompt_ids(length: int, vocab: int, seed: int = 0) -> list[int]:
 def step_bytes(config: Any, params: Any, context: int) -> int:
     """Bytes one decode step must read at ``context``: every weight but the input embedding
     table (one row of it is gathered; a tied head reads it whole) and Gemma 4's per-layer
-    input table, the cache rows attended, and a recurrent layer's float32 state read and
-    written. A quantized weight counts as stored (its values, scales and zero points).
-    ``params`` may hold ``jax.ShapeDtypeStruct`` leaves: only shapes and dtypes are read."""
+    input table, of a mixture of experts the router and the ``k`` of ``E`` experts a token
+    runs (the active parameters), the cache rows attended, and a recurrent layer's float32
+    state read and written. A quantized weight counts as stored (its values, scales and zero
+    points). ``params`` may hold ``jax.ShapeDtypeStruct`` leaves: only shapes and dtypes are
+    read."""
     import jax
 
-    total = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+    # expert stacks (Qwen's and Gemma 4's keys): a token reads k of their E experts
+    stacks = ("expert_gate", "expert_up", "expert_down", "experts_gate_up", "experts_down")
+
+    def nbytes(path: Any, x: Any) -> float:
+        size = x.size * x.dtype.itemsize
+        if any(getattr(p, "key", None) in stacks for p in path):
+            routing = config.routing
+            return size * routing.top_k / routing.num_experts
+        return size
+
+    total = sum(nbytes(path, x) for path, x in jax.tree_util.tree_leaves_with_path(params))
     top = params if isinstance(params, dict) else {}
     embed = top.get("embed_tokens")
     if embed is not None and not config.tie_word_embeddings:
