@@ -9,8 +9,9 @@ SiLU, the L2 norms of q and k, the decay ``g`` and the write strength ``beta``) 
 more small kernels a layer. This kernel does both in one launch per layer: each program
 takes one value head and a tile of ``BV`` of its ``dv`` state columns, holds that ``[dk,
 BV]`` slice of the float32 state in registers, and for each live row convolves the channels
-it needs (its key head's ``dk`` q and k channels, its ``BV`` v channels: the q/k work is
-repeated by every tile of a head, which costs less than a second launch), normalises q and
+it needs (its key head's ``dk`` q and k channels, its ``BV`` v channels: every tile of a
+head repeats the q/k work, ``2 * K * dk`` multiply-adds against the ``[dk, BV]`` state
+update's several times that, where sharing it would take a second launch), normalises q and
 k, forms ``g`` and ``beta`` from the row's ``a`` and ``b``, and applies the delta rule.
 
 Exactness: the rows are walked by one loop body (``fori_loop`` over ``0..live``), so a row's
