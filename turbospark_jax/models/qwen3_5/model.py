@@ -130,7 +130,9 @@ def _full_layer_shapes(c: Qwen35Config, sparse: bool) -> dict[str, tuple[int, ..
 
 
 def param_shapes(config: Qwen35Config) -> Params:
-    """The params tree with a shape tuple at every leaf (layout in the module docstring)."""
+    """The params tree with a shape tuple at every leaf, as a folder lays them out (module
+    docstring); the model runs each linear layer's input projections joined
+    (:func:`join_projections`)."""
     c = config
     d, nk, nv = c.hidden_size, c.linear_num_key_heads, c.linear_num_value_heads
     dk, dv, r = c.linear_key_head_dim, c.linear_value_head_dim, nv // nk
