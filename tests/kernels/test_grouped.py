@@ -159,9 +159,9 @@ def test_layout_tiles_hold_one_expert_and_skipped_selections_take_none():
     assert len(set(taken)) == 7 and all(source[i] == 5 for i in range(empty) if i not in taken)
 
 
-def test_the_tile_bound_holds_at_its_worst():
-    """Every expert with one selection more than whole tiles: the bound is met, not
-    exceeded."""
+def test_the_tile_bound_holds_where_every_expert_pads():
+    """Every expert with one selection past whole tiles (each pads a tile): the used count
+    stays within the static bound, which sizes the layout."""
     tm, experts = 4, np.repeat(np.arange(E), 5)[:, None]  # 5 selections an expert
     g = group(jnp.asarray(experts, jnp.int32), E, tm)
     assert int(g.used) == 2 * E <= tile_bound(5 * E, E, tm)
