@@ -404,8 +404,8 @@ def per_row(fn: Callable[..., Any], *rows: jax.Array, shared: Any = None,
     :func:`~turbospark_jax.kernels.rowinv.row_tiled` when ``row_invariant``, else on the
     rows as they come. ``products_only``: ``fn`` holds matrix products and elementwise work,
     no reduction of its own, so one tile suffices, as for a product
-    (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`): a decode step then computes
-    its row's experts in one tile, not two."""
+    (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`): a decode step then weighs its
+    experts' outputs and runs the shared expert in one tile, not two."""
     if row_invariant:
         return row_tiled(fn, *rows, shared=(shared,),
                          min_tiles=DOT_MIN_TILES if products_only else MIN_TILES)
