@@ -595,11 +595,11 @@ class BatchedDecoder:
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(compile_one, jobs))
         self.put_row(0, self.take_row(0))
-        if self.size > 1:  # compiles the swap; twice leaves the rows as they were
-            self.swap_rows(0, 1)
-            self.swap_rows(0, 1)
         one = sampling.SamplingParams.greedy()
         self.start_row(0, params=one, history=sampling.History.from_prompt([0], vocab), seed=0)
+        if self.size > 1:  # compiles the swap on rows as a request leaves them; twice: a no-op
+            self.swap_rows(0, 1)
+            self.swap_rows(0, 1)
 
     def _mask(self, name: str, allowed: Any, rows: int) -> np.ndarray:
         mask = np.asarray(allowed)

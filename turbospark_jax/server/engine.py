@@ -352,9 +352,9 @@ class Engine(SchedulerThread):
 
     def warm_up(self) -> None:
         """Compile every program a request can reach, so no request pays a compile: the
-        batched prefill and decode in each variant a call picks
-        (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.warm_up`, rows left as they
-        were) and the producer's state work of a request's setup (a fresh state, a prefix
+        batched prefill and every bucket's decode in each variant a call picks, and the row
+        swap (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.warm_up`, rows left as
+        they were) and the producer's state work of a request's setup (a fresh state, a prefix
         reuse, a rewind where the model can rewind)."""
         with jax.default_device(self.device):
             self.decoder.warm_up()
@@ -413,9 +413,11 @@ class Engine(SchedulerThread):
 
     def _move(self, slot: SlotRecord, other: SlotRecord | None) -> None:
         """Swap the rows of ``slot`` and ``other`` (``None``: nothing to move), states and
-        records alike, so the busy slots stay the lowest rows."""
+        records alike, so the busy slots stay the lowest rows. (On the engine's device, as
+        every call of the ticks: the swap then runs the program warm-up compiled.)"""
         if other is not None:
-            self.decoder.swap_rows(slot.row, other.row)
+            with jax.default_device(self.device):
+                self.decoder.swap_rows(slot.row, other.row)
             swap_rows(slot, other)
 
     def _fail_running(self, message: str) -> None:
