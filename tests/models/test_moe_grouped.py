@@ -25,7 +25,7 @@ import pytest
 
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.kernels import grouped
-from turbospark_jax.kernels.plan import KernelPlan
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, grouped_impl
 from turbospark_jax.models import moe
 from turbospark_jax.models.dense.config import DenseConfig
 from turbospark_jax.models.dense.model import DenseModel, unstack_layers
@@ -175,6 +175,16 @@ def test_widths_agree_on_the_gpu_plan_interpreted():
     with pytest.raises(C.ConformanceError):
         C.check_widths_agree(decoder, C.perturbed(prefiller, "verify_row_bit"), PROMPT[:10],
                              [4], FEED[:2])
+
+
+def test_the_plan_declares_the_form():
+    """The GPU's kernels (compiled or interpreted) take the Pallas form; every other plan,
+    the TPU's included, the XLA loop."""
+    assert grouped_impl(KernelPlan(row_invariant=True, pallas="compiled")) == "pallas"
+    assert grouped_impl(KernelPlan.interpreted()) == "interpret"
+    for plan in (XLA_PLAN, KernelPlan(row_invariant=True), KernelPlan(row_invariant=True,
+                                                                       pallas="tpu")):
+        assert grouped_impl(plan) == "xla"
 
 
 def test_padding_rows_create_no_tiles(monkeypatch):
