@@ -9,6 +9,13 @@ transformers: ``model.generate_batch`` over the same prompts with ``record_times
 process, its throughput from the first request's creation to the last token (the call's own
 start-up and shut-down kept apart as ``call_s``). Every request generates exactly
 ``new_tokens`` (no stop token).
+
+One stream against the plain loop: the same server streams one request at a time (its decode
+step runs only as many rows as its bucket needs, not every slot's), beside
+:func:`~turbospark_jax.generation.driver.run_raw_completion` on the server's own producer, each
+the median of a few runs of the same prompt; the figure is the stream's tokens/s after its first
+token (``stream_tokens_per_s``) and their ratio (bar 0.95), in the results file's
+``one_stream_vs_plain`` entry.
 """
 
 from __future__ import annotations
@@ -77,9 +84,18 @@ def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [common.prompt_ids(length, vocab, seed=seed * 1000 + i) for i in range(n)]
 
 
+#: The one stream's tokens/s after its first token over the plain loop's: at least this.
+ONE_STREAM_BAR = 0.95
+#: Runs of each side of the one-stream comparison (the median is kept).
+ONE_STREAM_RUNS = 3
+
+
 def latency_summary(ttft: list[float], gaps: list[float], tokens: int, wall: float
                     ) -> dict[str, float]:
+    """``stream_tokens_per_s``: tokens after a stream's first one per second of the gaps
+    between them (one stream: its decode rate)."""
     return {"tokens_per_s": tokens / wall,
+            "stream_tokens_per_s": len(gaps) / sum(gaps) if gaps else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p99_s": float(np.percentile(ttft, 99)),
             "itl_p50_s": float(np.percentile(gaps, 50)) if gaps else 0.0,
@@ -143,6 +159,47 @@ def drive(url: str, prompts: list[list[int]], tokens: int,
     runs, wall = asyncio.run(all_at_once())
     return latency_summary([r[0] for r in runs], [g for r in runs for g in r[1]],
                            sum(r[2] for r in runs), wall)
+
+
+def one_stream_vs_plain(url: str, producer: Any, preset: Preset, vocab: int
+                        ) -> dict[str, Any]:
+    """One greedy stream through the server against the plain loop on ``producer`` (the
+    server's own, called while the server is idle), the same prompt for both."""
+    from turbospark_jax.generation.completion import CompletionRequest
+    from turbospark_jax.generation.driver import run_raw_completion
+
+    prompt = prompts_for(1, preset.prompt_tokens, vocab, seed=20_000)[0]
+    drive(url, [prompt], 2)  # the same prefix for every run: a warm slot, as the plain loop's
+    served = [drive(url, [prompt], preset.new_tokens)["stream_tokens_per_s"]
+              for _ in range(ONE_STREAM_RUNS)]
+    run_raw_completion(producer, CompletionRequest(prompt_ids=prompt, max_tokens=2))
+    plain = []
+    for _ in range(ONE_STREAM_RUNS):
+        done = run_raw_completion(producer, CompletionRequest(prompt_ids=prompt,
+                                                              max_tokens=preset.new_tokens))
+        plain.append(done.timings.decode_tokens_per_s(done.usage.generated_tokens))
+    ours, theirs = float(np.median(served)), float(np.median(plain))
+    return {"stream_tokens_per_s": ours, "plain_tokens_per_s": theirs, "ratio": ours / theirs,
+            "bar": ONE_STREAM_BAR, "passes": ours / theirs >= ONE_STREAM_BAR,
+            "runs": {"server": served, "plain": plain}}
+
+
+def one_stream(results: common.Results, url: str, server: Any, preset: Preset) -> None:
+    """:func:`one_stream_vs_plain` into the results file's ``one_stream_vs_plain`` entry (kept
+    apart from the concurrency levels' cases, which the report tabulates); a failure is an
+    error like a case's."""
+    engine = server.engine
+    label = {"slots": len(engine.slots), "buckets": list(engine.decoder.buckets)}
+    try:
+        figures = one_stream_vs_plain(url, engine.producer, preset, engine.producer.vocab_size)
+    except Exception as exc:  # a failure is a result; the levels still run
+        results.data["errors"].append({"case": "one_stream_vs_plain",
+                                       "error": f"{type(exc).__name__}: {exc}"[:600]})
+    else:
+        results.data["one_stream_vs_plain"] = {**label, **figures}
+        print(json.dumps({"one_stream_vs_plain": results.data["one_stream_vs_plain"]}),
+              flush=True)
+    results.write()
 
 
 # -- transformers ---------------------------------------------------------------------------
@@ -209,6 +266,7 @@ def run(preset: Preset, results: common.Results) -> None:
             except Exception as exc:
                 results.data["errors"].append({"system": "transformers_generate_batch",
                                                "error": f"{type(exc).__name__}: {exc}"[:600]})
+        one_stream(results, url, server, preset)
         # level by level, ours then theirs: a budget that runs out cuts both alike
         for n in preset.concurrency:
             results.case({"system": "turbospark_jax", "concurrency": n,
