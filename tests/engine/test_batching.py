@@ -37,7 +37,13 @@ from turbospark_jax.errors import BadInputError, OverloadedError
 from turbospark_jax.generation.completion import CompletionRequest, FinishReason
 from turbospark_jax.server.engine import Engine
 from turbospark_jax.server.requests import Done, Failed, ServeRequest
-from turbospark_jax.server.slots import SlotRecord, choose_slot
+from turbospark_jax.server.slots import (
+    SlotRecord,
+    choose_slot,
+    row_to_free,
+    row_to_take,
+    swap_rows,
+)
 from turbospark_jax.speculative.drafters import NGramDrafter
 from turbospark_jax.speculative.pair import SpeculativePair
 from turbospark_jax.testing.toy import ToyAttentionModel
@@ -159,7 +165,8 @@ def request(prompt, setting=0, seed=0, max_tokens=10, stops=()):
 
 def serve(engine, arrivals):
     """Run ``arrivals`` (``(step, ServeRequest)`` pairs) to the end; return the Done events in
-    the order given and the slot each ran in."""
+    the order given and the slot each ran in. After every tick the busy slots hold the lowest
+    rows."""
     results = {}
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
     step = 0
@@ -168,6 +175,8 @@ def serve(engine, arrivals):
             i, (_, req) = pending.pop(0)
             engine.submit(req, lambda ev, i=i: results.setdefault(i, []).append(ev))
         engine.run_once()
+        busy = sorted(s.row for s in engine.slots if s.busy)
+        assert busy == list(range(len(busy))), busy
         step += 1
     ends = [results[i][-1] for i in range(len(arrivals))]
     assert all(isinstance(e, Done) for e in ends), ends
@@ -386,6 +395,22 @@ def test_slot_choice_rule():
     assert taken.slot.index == 1 and taken.evicts  # only another session's slot is left
     slots[1].busy = True
     assert choose_slot(slots, None, [1]) is None
+
+
+def test_busy_slots_keep_the_lowest_rows():
+    """Taking a slot above the busy rows swaps it with the first idle row; freeing one below
+    the highest busy row swaps it with that row; the records carry their rows."""
+    slots = [SlotRecord(i) for i in range(4)]
+    assert [s.row for s in slots] == [0, 1, 2, 3]
+    slots[0].busy = True
+    assert row_to_take(slots, slots[1]) is None  # already the first idle row
+    other = row_to_take(slots, slots[3])
+    assert other is slots[1]
+    swap_rows(slots[3], other)
+    slots[3].busy = True
+    assert (slots[3].row, slots[1].row) == (1, 3)
+    assert row_to_free(slots, slots[3]) is None  # the highest busy row
+    assert row_to_free(slots, slots[0]) is slots[3]
 
 
 def test_cancel_frees_the_slot_and_keeps_others_exact():

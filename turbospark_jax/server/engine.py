@@ -148,7 +148,8 @@ class Engine(SchedulerThread):
 
     Args:
       producer: the model as a :class:`~turbospark_jax.engine.producer.BlockProducer`.
-      slots: session slots, which is also the decode batch ``B``.
+      slots: session slots, which is also the decode batch ``B`` (the most rows a decode
+        step runs; fewer when the model has buckets and fewer requests decode).
       tokenizer: for text, stop strings and deltas.
       max_waiting: requests that may wait while every slot is busy; more are refused with
         :class:`~turbospark_jax.errors.OverloadedError` (no unbounded queue).
