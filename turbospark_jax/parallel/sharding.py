@@ -164,10 +164,14 @@ def shard_params(params: Params, mesh: Mesh, config: Any) -> Params:
     return jax.device_put(params, param_shardings(mesh, config, params))
 
 
-def _mesh_layout(model: BlockModel, params: Params) -> Params:
-    """``params`` as the mesh lays them out: a Qwen3.5 model's joined DeltaNet projections
-    parted again, so each splits on its own heads and channels."""
-    return split_projections(model.config, params) if isinstance(model, Qwen35Model) else params
+def _mesh_layout(model: BlockModel, params: Params, mesh: Mesh) -> Params:
+    """``params`` as the mesh lays them out: under tensor parallelism a Qwen3.5 model's joined
+    DeltaNet projections are parted again, so each splits on its own heads and channels; a
+    mesh that splits no heads (experts only) keeps them joined, so its products are the
+    one-device model's."""
+    if isinstance(model, Qwen35Model) and tp_size(mesh) > 1:
+        return split_projections(model.config, params)
+    return params
 
 
 def init_sharded_params(
@@ -195,7 +199,7 @@ def init_sharded_params(
     def make(k: jax.Array) -> Params:
         params = model.init_params(k)
         dense_list = isinstance(model, DenseModel) and layer_layout == "list"
-        return unstack_layers(params) if dense_list else _mesh_layout(model, params)
+        return unstack_layers(params) if dense_list else _mesh_layout(model, params, mesh)
 
     shapes = jax.eval_shape(make, key)
     shardings = param_shardings(mesh, config, shapes)
@@ -264,7 +268,7 @@ class ShardedProducer(BlockProducer):
         if isinstance(model, DenseModel | Qwen35Model):
             model = model.for_mesh()  # the Pallas kernels are single-device custom calls
         self.mesh = mesh
-        params = shard_params(_mesh_layout(model, params), mesh, model.config)
+        params = shard_params(_mesh_layout(model, params, mesh), mesh, model.config)
         if ep_size(mesh) > 1:
             model = dataclasses.replace(model, expert_parallel=ExpertParallel(mesh, EP))
         super().__init__(model, params, capacity=capacity, width=width,
