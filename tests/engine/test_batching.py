@@ -295,6 +295,38 @@ def test_a_reused_prefix_above_the_live_rows_moves_down_with_its_slot():
     assert same(events["other"][-1], alone(other, BucketedDecoder))
 
 
+class FailingSwap(BucketedDecoder):
+    """A swap that fails once when armed (a device fault); the engine's next decoder is
+    another instance, so the switch is the class's."""
+
+    armed = False
+
+    def swap_rows(self, i, j):
+        if FailingSwap.armed:
+            FailingSwap.armed = False
+            raise RuntimeError("the device went away")
+        super().swap_rows(i, j)
+
+
+def test_a_failed_swap_at_admission_loses_no_request():
+    """A swap that fails while a request is admitted is a fault of the scheduler (the thread
+    ends and answers every request with it): the request is still there to be answered."""
+    eng = engine(FailingSwap)
+    serve(eng, [(0, ServeRequest(completion=request([k, 2, 3], max_tokens=2)))
+                for k in (4, 5, 6)])
+    eng.submit(ServeRequest(completion=request([40, 41], max_tokens=20)), lambda ev: None)
+    eng.run_once()
+    events = []
+    eng.submit(ServeRequest(completion=request([4, 2, 3, 9], max_tokens=3)), events.append)
+    FailingSwap.armed = True  # the slot that fed [4, 2, 3] sits above the first idle row
+    with pytest.raises(RuntimeError, match="the device went away"):
+        eng.run_once()
+    assert eng.load()["waiting"] == 1 and eng.load()["busy_slots"] == 1
+    with eng._cond:
+        eng._end_all("the scheduler failed", shutdown=False)
+    assert isinstance(events[-1], Failed) and events[-1].message == "the scheduler failed"
+
+
 def test_control_a_bucket_reading_program_fails_the_check():
     reqs = [(0, ServeRequest(completion=request([3, 1, 4, 1, 5], seed=1))),
             (0, ServeRequest(completion=request([2, 7, 1, 8], setting=1, seed=2)))]

@@ -19,14 +19,16 @@ So a tick's prompt work is bounded (``P * C`` tokens, at most ``C / W`` block st
 prompt delays the streams in flight by one chunk per tick, not by its whole prefill, and
 several prompts progress in the same call.
 
-**The decode step costs the live rows, not the slots.** The decode program is compiled for a
-few row counts (buckets: the powers of two below ``B``, and ``B``), each over the lowest rows of
-the stack, and a step runs the smallest one holding every decoding row. The engine keeps the
-busy slots in the lowest rows: a slot is taken at the first idle row (its state swapped down
-there if it sat higher), and a slot freed below the highest busy row swaps rows with it
-(:mod:`~turbospark_jax.server.slots`; the swap is one device call over the two rows, and the
-slot's record, owner, fed ids and kept copy go with its state). One stream therefore runs the
-one-row program.
+**The decode step costs the live rows, not the slots.** For a model whose rows keep their bits
+for any row count (:func:`~turbospark_jax.engine.batching.rows_agree_in_batches`: the
+row-invariant Pallas kernels), the decode program is compiled for a few row counts (buckets: the
+powers of two below ``B``, and ``B``), each over the lowest rows of the stack, and a step runs
+the smallest one holding every decoding row; any other model has the one of ``B`` rows. The
+engine keeps the busy slots in the lowest rows: a slot is taken at the first idle row (its state
+swapped down there if it sat higher), and a slot freed below the highest busy row swaps rows
+with it (:mod:`~turbospark_jax.server.slots`; the swap is one device call over the two rows, and
+the slot's record, owner, fed ids and kept copy go with its state). One stream therefore runs
+the one-row program.
 
 **Prefix reuse covers prompt rows only.** A slot remembers the prompt its last request
 prefilled, and a later request reuses at most that prefix: the rows the batched decode program
@@ -388,10 +390,12 @@ class Engine(SchedulerThread):
             choice = choose_slot(self.slots, job.session, job.prompt)
             if choice is None:
                 continue
-            self._waiting.remove(job)
             slot = choice.slot
-            self._clock += 1
+            # First: should the swap fail (a fault that ends the scheduler), the request is
+            # still waiting, and the scheduler's end answers it.
             self._move(slot, row_to_take(self.slots, slot))
+            self._waiting.remove(job)
+            self._clock += 1
             slot.busy, slot.last_used = True, self._clock
             if choice.evicts:
                 self.evictions += 1
