@@ -112,11 +112,8 @@ class RowByRowToy(ToyAttentionModel):
 ROW_MODEL = RowByRowToy(vocab=VOCAB, dim=16)
 
 
-class BucketedDecoder(BatchedDecoder):
-    """Decode buckets for the row-by-row toy; records every decode call's row count and every
-    row swap."""
-
-    rows_agree = staticmethod(lambda model: True)
+class RecordingDecoder(BatchedDecoder):
+    """Records every decode call's row count and every row swap."""
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
@@ -129,6 +126,13 @@ class BucketedDecoder(BatchedDecoder):
     def swap_rows(self, i, j):
         self.swaps.append((i, j))
         super().swap_rows(i, j)
+
+
+class BucketedDecoder(RecordingDecoder):
+    """Decode buckets for the row-by-row toy (whose rows agree across them, though it has no
+    row-invariant kernels to say so)."""
+
+    rows_agree = staticmethod(lambda model: True)
 
 
 def _bucket_step(model, params, stack, rows, active, *extra, **variant):
@@ -325,6 +329,41 @@ def test_a_failed_swap_at_admission_loses_no_request():
     with eng._cond:
         eng._end_all("the scheduler failed", shutdown=False)
     assert isinstance(events[-1], Failed) and events[-1].message == "the scheduler failed"
+
+
+def test_a_model_on_the_row_invariant_kernels_keeps_its_bits_in_every_bucket():
+    """A dense model on the row-invariant Pallas kernels (compiled on a GPU, in the
+    interpreter on a CPU) gets buckets of its own accord, and two requests served together,
+    one moved down when the other ends, are bitwise what each gets alone in the one-row
+    program. (The interpreter's tile products are XLA dots: on a CPU this speaks for the
+    kernels' schedule under ``vmap``; run on a GPU it checks the hardware's.)"""
+    from turbospark_jax.kernels.plan import KernelPlan
+    from turbospark_jax.models.dense.config import DenseConfig
+    from turbospark_jax.models.dense.model import DenseModel, unstack_layers
+    from turbospark_jax.testing.fixtures import backend_plan
+
+    plan = backend_plan() if jax.default_backend() == "gpu" else KernelPlan.interpreted()
+    config = DenseConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=32,
+                         intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=16, tie_word_embeddings=True)
+    model = DenseModel(config, jnp.float32, scan_layers=False, plan=plan)
+    params = unstack_layers(model.init_params(jax.random.PRNGKey(1)))
+
+    def dense_engine():
+        made = BlockProducer(model, params, capacity=48, width=4, steps_per_call=8,
+                             donate=True)
+        return Engine(made, slots=SLOTS, decoder=RecordingDecoder, **PREFILL)
+
+    assert rows_agree_in_batches(model)
+    reqs = [ServeRequest(completion=request([3, 1, 4], setting=1, seed=4, max_tokens=3)),
+            ServeRequest(completion=request([2, 7, 1, 8, 2], setting=2, seed=9, max_tokens=8))]
+    eng = dense_engine()
+    assert eng.decoder.buckets == (1, 2, 4)
+    together = serve(eng, [(0, r) for r in reqs])
+    assert 2 in eng.decoder.bucket_calls and eng.decoder.bucket_calls[-1] == 1
+    assert eng.decoder.swaps  # the long one moved down to row 0
+    for got, req in zip(together, reqs, strict=True):
+        assert same(got, serve(dense_engine(), [(0, req)])[0])
 
 
 def test_control_a_bucket_reading_program_fails_the_check():
