@@ -47,9 +47,9 @@ chunks, after any reused prefix, equal to the same prompt fed alone. The batchin
 that a request's tokens and logits are bitwise equal to serving it alone in every slot index
 and for the neighbour mixes, arrival orders, shared prefixes and prompt lengths they fuzz, on
 XLA's CPU backend with the toy attention model, and across buckets and rows moved in
-mid-generation with a toy whose block runs row by row under ``vmap`` (what the row-invariant
-kernels give a real model). On a GPU it must be checked again on the device (the same tests
-run there).
+mid-generation with a toy whose block runs row by row under ``vmap`` and with a dense model on
+the row-invariant kernels (in the Pallas interpreter on a CPU). On a GPU it must be checked
+again on the device (the same tests run there, the dense model on the compiled kernels).
 
 What a bucket costs beside its rows' work: the program reads the first ``b`` rows as a slice
 of the donated stack and writes them back with one ``dynamic_update_slice``; XLA materialises
