@@ -8,7 +8,8 @@ This module is the only one that talks to the engine (llguidance,
   does not support, a regex or grammar that does not parse, is refused with BadInputError
   naming the construct), before any work on the device.
 * :class:`Constraint`, a spec bound to a tokenizer and followed through one completion:
-  :meth:`Constraint.allowed_mask` is the boolean mask of the ids the next token may take,
+  :meth:`Constraint.allowed_mask` is the boolean mask of the ids the next token may take
+  (:meth:`Constraint.allowed_words` the same packed in bits),
   :meth:`Constraint.advance` takes the token that was chosen, :meth:`Constraint.forced` is the
   run of tokens the grammar allows as the only continuation, and :attr:`Constraint.is_done`
   says that nothing but the end may follow.
@@ -219,18 +220,29 @@ class Constraint:
     def allowed_mask(self) -> np.ndarray:
         """``bool[vocab_size]``: the ids the next token may take (the request's stop ids once
         the text so far is complete; ids past the tokenizer's vocabulary never)."""
-        bits = np.frombuffer(self._matcher.compute_bitmask(), np.uint8)
-        allowed = np.unpackbits(bits, bitorder="little")[: self._table.vocab_size].astype(bool)
-        mask = np.zeros(self.vocab_size, bool)
-        n = min(self.vocab_size, allowed.shape[0])
-        mask[:n] = allowed[:n]
+        bits = np.unpackbits(self.allowed_words().view(np.uint8), bitorder="little")
+        return bits[: self.vocab_size].astype(bool)
+
+    def allowed_words(self) -> np.ndarray:
+        """:meth:`allowed_mask` packed 32 ids a word: ``uint32[ceil(vocab_size / 32)]``, id
+        ``i`` at bit ``i % 32`` of word ``i // 32`` (bits past ``vocab_size`` clear). Built
+        from the engine's own bitmask without unpacking it, a thirty-second of the mask's
+        bytes to send to a device (``sampling.unpack_mask`` unpacks it there)."""
+        v = self.vocab_size
+        n = min(v, self._table.vocab_size)  # ids the engine has bits for
+        engine = np.frombuffer(self._matcher.compute_bitmask(), "<u4")
+        words = np.zeros(-(-v // 32), "<u4")
+        whole = n // 32
+        words[:whole] = engine[:whole]
+        if n % 32:
+            words[whole] = engine[whole] & np.uint32((1 << (n % 32)) - 1)
         eos = self._table.eos_token
-        end = bool(self._matcher.is_accepting())
-        if 0 <= eos < self.vocab_size:
-            mask[eos] = False  # the end is spelled by the request's stop ids
-        if end and len(self._stop):
-            mask[self._stop] = True
-        return mask
+        if 0 <= eos < v:
+            words[eos // 32] &= np.uint32(~(1 << (eos % 32)) & 0xFFFFFFFF)  # spelled by stops
+        if self._matcher.is_accepting():
+            for t in self._stop.tolist():
+                words[t // 32] |= np.uint32(1 << (t % 32))
+        return words
 
     def allows(self, token: int) -> bool:
         """Whether ``allowed_mask()[token]`` is set, read from the engine's bitmask for this

@@ -88,6 +88,7 @@ __all__ = [
     "request_key",
     "sample",
     "token_key",
+    "unpack_mask",
 ]
 
 
@@ -844,6 +845,16 @@ def draw_processed(processed: jax.Array, params: SamplingParams, key: jax.Array)
         lambda x: jnp.argmax(x).astype(jnp.int32),
         processed,
     )
+
+
+def unpack_mask(words: jax.Array, vocab_size: int) -> jax.Array:
+    """``bool[vocab_size]`` from a mask packed 32 ids a word (id ``i`` at bit ``i % 32`` of
+    ``words[i // 32]``, as ``Constraint.allowed_words`` packs it), for use inside a compiled
+    program (traced ``words``, static ``vocab_size``): a host sends the words, a
+    thirty-second of the boolean mask, and the device spreads them with shifts alone."""
+    shifts = lax.iota(jnp.uint32, 32)
+    bits = (words.astype(jnp.uint32)[:, None] >> shifts[None, :]) & jnp.uint32(1)
+    return bits.reshape(-1)[:vocab_size].astype(jnp.bool_)
 
 
 def token_key(base_key: jax.Array, index: jax.Array | int) -> jax.Array:

@@ -21,11 +21,12 @@ the end. Every completion goes through the same steps, in order:
    goes through the stop matcher; a matched stop string or ``max_tokens`` ends it). The
    steppers:
 
-   * :class:`HostSteps`: ``produce`` and a jitted sampler per token;
+   * :class:`HostSteps`: ``produce`` and one compiled draw per token (:func:`draw_step`);
    * :class:`ConstrainedSteps`: a constrained request's steps: the run of tokens the
-     constraint forces, fed as one chunk, or one ``produce`` and a sample from the logits
-     with the forbidden ids masked out; a greedy one decodes optimistic bursts (plain
-     greedy bursts kept up to the first token the constraint forbids);
+     constraint forces, fed as one chunk, or one ``produce`` and one compiled draw from the
+     logits with the forbidden ids masked out (the mask goes up packed in bits); a greedy
+     one decodes optimistic bursts (plain greedy bursts kept up to the first token the
+     constraint forbids);
    * :class:`DecodeBursts`: for a :class:`~turbospark_jax.core.protocols.DeviceDecoder`,
      bursts of decode steps (produce + sample + stop-token check in one jitted loop), each
      chained onto the one before it on the device before that one is read;
@@ -50,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Generator, Sequence
 from typing import Any
@@ -119,6 +121,8 @@ class Decoding:
       history: the penalty bookkeeping after every emitted token.
       constraint: the request's constraint, followed through the emitted tokens (``None``:
         unconstrained).
+      plan: the kind of draw ``params`` need (:func:`~turbospark_jax.core.sampling.draw_plan`),
+        so a host draw compiles without branching on them.
     """
 
     producer: Any
@@ -128,6 +132,7 @@ class Decoding:
     out: Emission
     history: sampling.History
     constraint: Constraint | None = None
+    plan: str = "any"
 
     @property
     def emitted(self) -> int:
@@ -191,28 +196,51 @@ masked_logits = jax.jit(lambda logits, allowed: jnp.where(allowed, logits, -jnp.
 CONSTRAINT_DEAD_END = "the constraint allows no next token"
 
 
+@functools.partial(jax.jit, static_argnames=("plan", "recorded"))
+def draw_step(logits: jax.Array, words: jax.Array | None, params: sampling.SamplingParams,
+              history: sampling.History, key: jax.Array, index: jax.Array, *, plan: str,
+              recorded: bool) -> tuple[jax.Array, jax.Array, sampling.History,
+                                       jax.Array | None]:
+    """A host step's draw as one program: whether ``logits`` are all finite, the logits
+    masked to the ids ``words`` allow (a mask packed as
+    :meth:`~turbospark_jax.core.constraints.Constraint.allowed_words` packs it; ``None``:
+    unmasked), the token :func:`~turbospark_jax.core.sampling.draw_as` draws from them under
+    ``plan`` with ``token_key(key, index)``, and the history after it. Returns ``(token,
+    finite, history, row)``, ``row`` the masked logits when ``recorded``, else ``None`` (so
+    nothing of ``[V]`` need leave the device). Bitwise what masking with
+    :data:`masked_logits` and drawing with ``sampling.sample`` give, in one call instead of
+    four and with one read back instead of two."""
+    finite = jnp.all(jnp.isfinite(logits))
+    if words is not None:
+        logits = jnp.where(sampling.unpack_mask(words, logits.shape[0]), logits, -jnp.inf)
+    token = sampling.draw_as(plan, logits, params, history, sampling.token_key(key, index))
+    return token, finite, history.add(token), logits if recorded else None
+
+
 def host_token(logits: Any, run: Decoding, *, index: int | None = None,
                history: sampling.History | None = None) -> Step:
     """One token sampled on the host from ``logits`` (a prefill's or a host step's): token
     ``run.emitted`` samples with ``token_key(key, run.emitted)``; a constrained run samples
     from the masked logits (the row it records) and moves its constraint past the token.
     ``index`` and ``history`` stand for the token's index and the bookkeeping before it when
-    tokens the step also emits come first (``None``: ``run``'s)."""
+    tokens the step also emits come first (``None``: ``run``'s). One device call
+    (:func:`draw_step`) and one read of its token and finite flag."""
     index = run.emitted if index is None else index
     history = run.history if history is None else history
-    # The mask is computed before the logits are read: the device works on them meanwhile.
-    allowed = None if run.constraint is None else run.constraint.allowed_mask()
-    if not bool(np.all(np.isfinite(np.asarray(logits)))):
+    # The mask is computed before the draw is dispatched: the device works on the logits
+    # meanwhile, and the draw waits for them on the device, not here.
+    words = None if run.constraint is None else run.constraint.allowed_words()
+    token, finite, after, row = draw_step(logits, words, run.params, history, run.key, index,
+                                          plan=run.plan, recorded=run.request.record_logits)
+    token, finite = jax.device_get((token, finite))
+    if not finite:
         return Step(tokens=(), rows=(), history=history, error=NON_FINITE_LOGITS)
-    if allowed is not None:
-        if not allowed.any():
-            return Step(tokens=(), rows=(), history=history, error=CONSTRAINT_DEAD_END)
-        logits = masked_logits(logits, allowed)
-    index_key = sampling.token_key(run.key, index)
-    token = int(sampling.sample(logits, run.params, history, index_key))
+    if words is not None and not words.any():
+        return Step(tokens=(), rows=(), history=history, error=CONSTRAINT_DEAD_END)
+    token = int(token)
     if run.constraint is not None:
         run.constraint.advance(token)
-    return Step(tokens=(token,), rows=(logits,), history=add_to_history(history, token))
+    return Step(tokens=(token,), rows=(row,), history=after)
 
 
 class ConstrainedSteps(Stepper):
@@ -592,7 +620,7 @@ def drive(
     run = Decoding(producer=producer, request=req, params=params,
                    key=sampling.request_key(req.seed), out=out,
                    history=sampling.History.from_prompt(prompt, producer.vocab_size),
-                   constraint=constraint)
+                   constraint=constraint, plan=sampling.draw_plan(params, producer.vocab_size))
     finish, error, first_token_s = None, None, 0.0
     try:
         logits, state = prefill(
