@@ -169,8 +169,8 @@ def request(prompt, setting=0, seed=0, max_tokens=10, stops=()):
 
 def serve(engine, arrivals):
     """Run ``arrivals`` (``(step, ServeRequest)`` pairs) to the end; return the Done events in
-    the order given and the slot each ran in. After every tick the busy slots hold the lowest
-    rows."""
+    the order given and the slot each ran in. After every tick each engine's busy slots hold
+    the lowest rows (``engine`` may be a replica router)."""
     results = {}
     pending = sorted(enumerate(arrivals), key=lambda x: x[1][0])
     step = 0
@@ -179,8 +179,9 @@ def serve(engine, arrivals):
             i, (_, req) = pending.pop(0)
             engine.submit(req, lambda ev, i=i: results.setdefault(i, []).append(ev))
         engine.run_once()
-        busy = sorted(s.row for s in engine.slots if s.busy)
-        assert busy == list(range(len(busy))), busy
+        for one in getattr(engine, "engines", [engine]):
+            busy = sorted(s.row for s in one.slots if s.busy)
+            assert busy == list(range(len(busy))), busy
         step += 1
     ends = [results[i][-1] for i in range(len(arrivals))]
     assert all(isinstance(e, Done) for e in ends), ends
