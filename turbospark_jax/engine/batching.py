@@ -270,12 +270,14 @@ def prefill_step(
 
 def rows_agree_in_batches(model: BlockModel) -> bool:
     """Whether ``model``'s rows keep their bits whatever the number of rows a ``vmap`` maps
-    its block step over: its plan runs the row-invariant Pallas kernels. (The XLA forms of
-    those kernels keep a row's bits across a *block's* widths, but under ``vmap`` their fixed
-    tiles take the mapped rows as rows of the tile's product, whose sums XLA's CPU dot orders
-    by the row count.)"""
+    its block step over: its family has row-invariant kernels and its plan runs them as
+    Pallas kernels. (The XLA forms of those kernels keep a row's bits across a *block's*
+    widths, but under ``vmap`` their fixed tiles take the mapped rows as rows of the tile's
+    product, whose sums XLA's CPU dot orders by the row count; a family on XLA's own products
+    has no such promise at all.)"""
     plan = getattr(model, "plan", None)
-    return isinstance(plan, KernelPlan) and plan.row_invariant and plan.uses_pallas
+    return (model.row_invariant_kernels and isinstance(plan, KernelPlan)
+            and plan.row_invariant and plan.uses_pallas)
 
 
 def buckets(size: int) -> tuple[int, ...]:
