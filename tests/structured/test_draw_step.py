@@ -44,9 +44,13 @@ def old_draw(logits, allowed, params, history, key, index):
 
 def new_draw(logits, words, params, history, key, index):
     plan = sampling.draw_plan(params, logits.shape[0])
-    token, finite, after, row = driver.draw_step(logits, words, params, history, key, index,
-                                                 plan=plan, recorded=True)
+    token, finite, free, after, row = driver.draw_step(logits, words, params, history, key,
+                                                       index, plan=plan, recorded=True)
     assert bool(finite)
+    if plan == "greedy":  # free: the mask allows the unmasked greedy token
+        plain = sampling.sample(logits, params, history, key)
+        assert bool(free) == bool(np.unpackbits(words.view(np.uint8),
+                                                bitorder="little")[int(plain)])
     return int(token), np.asarray(row), after
 
 
@@ -93,9 +97,9 @@ def test_unmasked_and_non_finite_draws():
     key = sampling.request_key(3)
     logits, _, history, index = next(cases(5, 1))
     token = int(sampling.sample(logits, params, history, sampling.token_key(key, index)))
-    got, finite, _, row = driver.draw_step(logits, None, params, history, key, index,
+    got, finite, free, _, row = driver.draw_step(logits, None, params, history, key, index,
                                            plan="sampled", recorded=False)
-    assert int(got) == token and bool(finite) and row is None
+    assert int(got) == token and bool(finite) and bool(free) and row is None
     bad = logits.at[7].set(np.nan)
     assert not bool(driver.draw_step(bad, None, params, history, key, index, plan="sampled",
                                      recorded=False)[1])
@@ -176,3 +180,51 @@ def test_a_constrained_token_is_one_produce_and_one_draw(toy_tokenizer, monkeypa
     # the first token is drawn from the prefill's logits; each later one after a produce
     assert counts == {"produce": n - 1, "draw": n, "other": 0}
     assert len(reads) == n
+
+
+def _complete(producer, tokenizer, spec, optimistic, monkeypatch, **extra):
+    with monkeypatch.context() as m:
+        if not optimistic:
+            m.setattr(driver, "optimistic", lambda *a: False)
+        req = CompletionRequest(prompt_ids=[40, 41, 42], max_tokens=48, stop_token_ids=(),
+                                constraint=spec, **extra)
+        return tsj.run_raw_completion(producer, req, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("pattern", ["[^q]+", "[a-z_ ]+"])
+def test_penalized_greedy_bursts_equal_token_by_token(toy_tokenizer, monkeypatch, pattern):
+    """Greedy with penalties: bursts kept whole hand on the burst's own history, refused ones
+    one update of the kept tokens; the tokens equal the token-by-token path's (a control
+    without the penalties draws others)."""
+    producer = toy_attention_producer(vocab=300, capacity=128, steps_per_call=16, seed=3)
+    spec = ConstraintSpec.regex(pattern)
+    penalized = {"sampling": tsj.SamplingConfig(repetition_penalty=1.5, presence_penalty=0.7,
+                                                frequency_penalty=0.4)}
+    want = _complete(producer, toy_tokenizer, spec, False, monkeypatch, **penalized)
+    got = _complete(producer, toy_tokenizer, spec, True, monkeypatch, **penalized)
+    assert np.array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids))
+    plain = _complete(producer, toy_tokenizer, spec, True, monkeypatch)
+    assert not np.array_equal(np.asarray(plain.token_ids), np.asarray(want.token_ids))
+
+
+def test_a_model_that_breaks_every_token_takes_masked_steps(toy_tokenizer, monkeypatch):
+    """Where the model broke the constraint at a burst's first token, the next burst would
+    be one step: a masked step (produce and one draw) is taken instead, and its draw says
+    whether the model kept the constraint, so bursts come back once it does."""
+    producer = toy_attention_producer(vocab=300, capacity=128, steps_per_call=16, seed=3)
+    calls = {"decode": 0, "produce": 0}
+    for name in calls:
+        real = getattr(type(producer), name)
+
+        def counted(*args, _name=name, _real=real, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(type(producer), name, counted)
+    spec = ConstraintSpec.regex("[a-z_ ]+")
+    got = _complete(producer, toy_tokenizer, spec, True, monkeypatch)
+    # one device step a token at most (the first comes from the prefill), mostly produce
+    assert calls["decode"] + calls["produce"] <= len(got.token_ids)
+    assert calls["produce"] > 4 * calls["decode"] > 0
+    want = _complete(producer, toy_tokenizer, spec, False, monkeypatch)
+    assert np.array_equal(np.asarray(got.token_ids), np.asarray(want.token_ids))

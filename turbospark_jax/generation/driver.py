@@ -199,22 +199,28 @@ CONSTRAINT_DEAD_END = "the constraint allows no next token"
 @functools.partial(jax.jit, static_argnames=("plan", "recorded"))
 def draw_step(logits: jax.Array, words: jax.Array | None, params: sampling.SamplingParams,
               history: sampling.History, key: jax.Array, index: jax.Array, *, plan: str,
-              recorded: bool) -> tuple[jax.Array, jax.Array, sampling.History,
+              recorded: bool) -> tuple[jax.Array, jax.Array, jax.Array, sampling.History,
                                        jax.Array | None]:
     """A host step's draw as one program: whether ``logits`` are all finite, the logits
     masked to the ids ``words`` allow (a mask packed as
     :meth:`~turbospark_jax.core.constraints.Constraint.allowed_words` packs it; ``None``:
     unmasked), the token :func:`~turbospark_jax.core.sampling.draw_as` draws from them under
     ``plan`` with ``token_key(key, index)``, and the history after it. Returns ``(token,
-    finite, history, row)``, ``row`` the masked logits when ``recorded``, else ``None`` (so
-    nothing of ``[V]`` need leave the device). Bitwise what masking with
-    :data:`masked_logits` and drawing with ``sampling.sample`` give, in one call instead of
-    four and with one read back instead of two."""
+    finite, free, history, row)``: ``free`` whether the mask allows the unmasked greedy token
+    (a masked greedy draw is that token then; always true unmasked or sampled), ``row`` the
+    masked logits when ``recorded``, else ``None`` (so nothing of ``[V]`` need leave the
+    device). Bitwise what masking with :data:`masked_logits` and drawing with
+    ``sampling.sample`` give, in one call instead of four and with one read back instead of
+    two."""
     finite = jnp.all(jnp.isfinite(logits))
+    free = jnp.bool_(True)
     if words is not None:
-        logits = jnp.where(sampling.unpack_mask(words, logits.shape[0]), logits, -jnp.inf)
+        allowed = sampling.unpack_mask(words, logits.shape[0])
+        if plan == "greedy":
+            free = allowed[sampling.greedy_token(logits, params, history)]
+        logits = jnp.where(allowed, logits, -jnp.inf)
     token = sampling.draw_as(plan, logits, params, history, sampling.token_key(key, index))
-    return token, finite, history.add(token), logits if recorded else None
+    return token, finite, free, history.add(token), logits if recorded else None
 
 
 def host_token(logits: Any, run: Decoding, *, index: int | None = None,
@@ -224,23 +230,41 @@ def host_token(logits: Any, run: Decoding, *, index: int | None = None,
     from the masked logits (the row it records) and moves its constraint past the token.
     ``index`` and ``history`` stand for the token's index and the bookkeeping before it when
     tokens the step also emits come first (``None``: ``run``'s). One device call
-    (:func:`draw_step`) and one read of its token and finite flag."""
+    (:func:`draw_step`) and one read of its token and flags."""
+    return _host_draw(logits, run, index, history)[0]
+
+
+def _host_draw(logits: Any, run: Decoding, index: int | None = None,
+               history: sampling.History | None = None) -> tuple[Step, bool]:
+    """:func:`host_token`'s step, and whether the constraint allowed the unmasked greedy
+    token (``draw_step``'s ``free``: what a greedy burst of one step would have kept)."""
     index = run.emitted if index is None else index
     history = run.history if history is None else history
     # The mask is computed before the draw is dispatched: the device works on the logits
     # meanwhile, and the draw waits for them on the device, not here.
     words = None if run.constraint is None else run.constraint.allowed_words()
-    token, finite, after, row = draw_step(logits, words, run.params, history, run.key, index,
-                                          plan=run.plan, recorded=run.request.record_logits)
-    token, finite = jax.device_get((token, finite))
+    token, finite, free, after, row = draw_step(
+        logits, words, run.params, history, run.key, index, plan=run.plan,
+        recorded=run.request.record_logits)
+    token, finite, free = jax.device_get((token, finite, free))
     if not finite:
-        return Step(tokens=(), rows=(), history=history, error=NON_FINITE_LOGITS)
+        return Step(tokens=(), rows=(), history=history, error=NON_FINITE_LOGITS), True
     if words is not None and not words.any():
-        return Step(tokens=(), rows=(), history=history, error=CONSTRAINT_DEAD_END)
+        return Step(tokens=(), rows=(), history=history, error=CONSTRAINT_DEAD_END), True
     token = int(token)
     if run.constraint is not None:
         run.constraint.advance(token)
-    return Step(tokens=(token,), rows=(row,), history=after)
+    return Step(tokens=(token,), rows=(row,), history=after), bool(free)
+
+
+def added(history: sampling.History, tokens: Sequence[int]) -> sampling.History:
+    """``history`` after ``tokens``, in one call: the ids go as one array padded with ids the
+    update drops, to a power-of-two length (a program per length bucket, not per count)."""
+    if len(tokens) <= 1:
+        return add_to_history(history, tokens[0]) if tokens else history
+    ids = np.full(1 << (len(tokens) - 1).bit_length(), -1, np.int32)
+    ids[: len(tokens)] = tokens
+    return add_to_history(history, ids)
 
 
 class ConstrainedSteps(Stepper):
@@ -283,12 +307,19 @@ class ConstrainedSteps(Stepper):
             self.queue = run.constraint.forced(run.left)
         if self.queue and not run.request.record_logits:
             tokens, self.queue = self.queue, []
-            history = run.history
-            for t in tokens:
-                history = add_to_history(history, t)
-            return Step(tokens=tokens, rows=[None] * len(tokens), history=history), state
+            return Step(tokens=tokens, rows=[None] * len(tokens),
+                        history=added(run.history, tokens)), state
         if self.optimistic and not self.queue and self.fed == run.emitted - 1:
-            step, state = self._burst(state, run)
+            steps = self._burst_length(run)
+            if steps == 1:  # a burst of one step costs more than a masked step and tells no more
+                logits, state = self._feed(state, run)
+                step, free = _host_draw(logits, run)
+                if free:
+                    self._kept_whole(1, 1)
+                else:
+                    self._refused(0)
+                return step, state
+            step, state = self._burst(state, run, steps)
             if step is not None:
                 return step, state
         logits, state = self._feed(state, run)
@@ -303,18 +334,36 @@ class ConstrainedSteps(Stepper):
                     history=add_to_history(run.history, token),
                     pending=bool(self.queue)), state
 
-    def _burst(self, state: Any, run: Decoding) -> tuple[Step | None, Any]:
-        """An optimistic burst (see the class): the step of the tokens the constraint took
-        (and the masked draw after a refused one), or ``None`` (the state as it was) for a
-        masked step now."""
-        p, req, c = run.producer, run.request, run.constraint
-        assert c is not None
+    def _burst_length(self, run: Decoding) -> int:
+        """The next optimistic burst's length (see the class)."""
+        p = run.producer
         want = self.burst
         if self.period is not None and self.period >= self.streak:
             want = self.period - self.streak + 1  # to end on the refusal the last run saw
         steps = min(want, p.steps_per_call, run.left)
         if p.step_back_limit is not None:  # a burst the state cannot be taken back from
             steps = min(steps, p.step_back_limit)
+        return steps
+
+    def _kept_whole(self, taken: int, steps: int) -> None:
+        """A burst of ``steps`` steps kept whole (``taken`` tokens, fewer where it stopped)."""
+        self.streak += taken
+        if self.period is not None and self.streak > self.period:
+            self.period = None  # past the prediction: grow from the last run's length
+        elif self.period is None and taken == steps:
+            self.burst = min(2 * self.burst, BurstSizer.MOST)
+
+    def _refused(self, taken: int) -> None:
+        """A burst refused after ``taken`` tokens: the next one is sized to end there."""
+        self.period, self.streak = self.streak + taken, 0
+        self.burst = self.period + 1  # where growth resumes once past the prediction
+
+    def _burst(self, state: Any, run: Decoding, steps: int) -> tuple[Step | None, Any]:
+        """An optimistic burst of ``steps`` steps (see the class): the step of the tokens the
+        constraint took (and the masked draw after a refused one), or ``None`` (the state as
+        it was) for a masked step now."""
+        p, req, c = run.producer, run.request, run.constraint
+        assert c is not None
         before = len(run.out.prompt) + run.emitted - 1  # positions fed before the burst
         # A checkpoint whenever the producer takes one (it holds the small by-value leaves
         # only): a rewind cannot reach back past a sliding-window ring's margin.
@@ -326,21 +375,17 @@ class ConstrainedSteps(Stepper):
         )
         taken = c.follow(burst.tokens)
         tokens = list(burst.tokens[:taken])
-        history = run.history
-        for t in tokens:
-            history = add_to_history(history, t)
-        if taken == len(burst.tokens) and burst.finish != NON_FINITE:
+        whole = taken == len(burst.tokens)
+        # the burst's own history where it was kept whole (the same bits), else one update
+        history = burst.history if whole else added(run.history, tokens)
+        if whole and burst.finish != NON_FINITE:
             # taken whole, or up to a stop id; an end's overshoot is rewound at the finish
             self.fed = run.emitted + taken - 1
-            self.streak += taken
-            if self.period is not None and self.streak > self.period:
-                self.period = None  # past the prediction: grow from the last run's length
-            elif self.period is None and taken == steps:
-                self.burst = min(2 * self.burst, BurstSizer.MOST)
+            self._kept_whole(taken, steps)
             return Step(tokens=tokens, rows=[None] * taken, history=history), state
         if tokens and (tokens[-1] in req.stop_token_ids or c.is_done):
             return Step(tokens=tokens, rows=[None] * taken, history=history), state
-        if taken == len(burst.tokens) or c.forced_next():
+        if whole or c.forced_next():
             # a failed step or a forced run: back to just after the last taken token (a
             # rewind) or to before the burst (a rollback; the next steps feed the taken
             # tokens as a chunk), and on as the token-by-token path goes
@@ -359,8 +404,7 @@ class ConstrainedSteps(Stepper):
             state, rewound = _go_back(p, state, mark, fed)
             if not rewound:
                 state = _feed_tokens(p, state, [run.out.tokens[-1], *tokens], before)[1]
-        self.period, self.streak = self.streak + taken, 0
-        self.burst = self.period + 1  # where growth resumes once past the prediction
+        self._refused(taken)
         drawn = host_token(burst.logits[taken], run, index=run.emitted + taken,
                            history=history)
         self.fed = run.emitted + taken
