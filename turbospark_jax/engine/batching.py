@@ -15,6 +15,9 @@ compiled program work on the stack:
   of the stack. Any other model has the one bucket of ``B`` rows;
 * **row swap** (:meth:`BatchedDecoder.swap_rows`): exchanges two rows' states and controls on
   the device, which is how a caller packs its rows (one program whatever the rows);
+* **row copy** (:meth:`BatchedDecoder.copy_row`): overwrites one row's state with another's on
+  the device, the source left as it was, which is how a caller lets a request start from a
+  prefix another row has fed (one program whatever the rows);
 * **prefill** (:func:`prefill_step`): gathers ``P`` rows, feeds each up to ``C`` prompt tokens in
   ``W``-wide blocks (``jax.vmap`` of ``feed_block`` with ``W`` rows, ``live`` of them real,
   inside one loop with a traced trip count), scatters them back, and draws the first token of
@@ -351,6 +354,14 @@ def _row_swap() -> Any:
     return jax.jit(swap, donate_argnums=(0,))
 
 
+@functools.cache
+def _row_copy() -> Any:
+    def copy(tree: Any, source: jax.Array, target: jax.Array) -> Any:
+        return jax.tree.map(lambda x: x.at[target].set(x[source]), tree)
+
+    return jax.jit(copy, donate_argnums=(0,))
+
+
 class BatchedDecoder:
     """``B`` rows of one :class:`BlockProducer`'s states: prompts fed to several rows per call,
     decoded one token per call, together, by the smallest bucket of rows that holds every
@@ -410,6 +421,7 @@ class BatchedDecoder:
         self._truncates = np.zeros((self.size,), bool)
         self._take, self._put = _row_io()
         self._swap = _row_swap()
+        self._copy = _row_copy()
 
     def take_row(self, index: int) -> BlockState:
         """A copy of row ``index``'s state, a state of :attr:`producer`."""
@@ -431,6 +443,15 @@ class BatchedDecoder:
         self.stack, self.controls = self._swap((self.stack, self.controls), np.int32(i),
                                                np.int32(j))
         self._truncates[[i, j]] = self._truncates[[j, i]]
+
+    def copy_row(self, source: int, target: int) -> None:
+        """Overwrite row ``target``'s state with row ``source``'s, on the device in one call
+        over the stack (no copy of the row passes through the host). Row ``source`` keeps its
+        state bit for bit, and no row's controls change (:meth:`start_row` sets the target's
+        for its request)."""
+        source, target = self._index(source), self._index(target)
+        if source != target:
+            self.stack = self._copy(self.stack, np.int32(source), np.int32(target))
 
     def bucket_for(self, active: np.ndarray) -> int:
         """The rows a decode call over ``active`` (bool[B]) runs: the smallest bucket holding
@@ -568,7 +589,7 @@ class BatchedDecoder:
         bucket's decode program with and without the sort, the log-probabilities and the
         mask, on ``workers`` threads (default: one a CPU core; the compiler releases the
         interpreter lock), then the row copies, the row swap and a row's controls. Nothing
-        runs on the rows but a copy of row 0 onto itself."""
+        runs on the rows but copies of row 0 onto itself."""
         vocab, width = self.producer.vocab_size, self.producer.width
         fill_args = (self.producer.params, self.stack, self.controls,
                      np.zeros((self.prefill_rows,), np.int32),
@@ -597,6 +618,7 @@ class BatchedDecoder:
         with concurrent.futures.ThreadPoolExecutor(workers or os.cpu_count() or 1) as pool:
             list(pool.map(compile_one, jobs))
         self.put_row(0, self.take_row(0))
+        self.stack = self._copy(self.stack, np.int32(0), np.int32(0))
         one = sampling.SamplingParams.greedy()
         self.start_row(0, params=one, history=sampling.History.from_prompt([0], vocab), seed=0)
         if self.size > 1:  # compiles the swap on rows as a request leaves them; twice: a no-op

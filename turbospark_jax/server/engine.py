@@ -101,6 +101,7 @@ import numpy as np
 
 from turbospark_jax.core import sampling
 from turbospark_jax.core.checks import as_int
+from turbospark_jax.core.kv_prefix import common_prefix
 from turbospark_jax.core.protocols import SpeculativeProducer
 from turbospark_jax.core.streams import Stream
 from turbospark_jax.engine.batching import BatchedDecoder
@@ -128,6 +129,8 @@ from turbospark_jax.server.requests import (
 )
 from turbospark_jax.server.slots import (
     SlotRecord,
+    choose_donor,
+    choose_kept,
     choose_slot,
     open_prefix,
     row_to_free,
@@ -170,6 +173,10 @@ class Engine(SchedulerThread):
     Raises:
       BadInputError: an argument of the wrong kind or range.
     """
+
+    #: Whether a request may start from a prefix another slot holds (off only in the tests'
+    #: and the benchmark's comparison without it; not a serving option).
+    _shares_prefixes = True
 
     def __init__(
         self,
@@ -227,7 +234,8 @@ class Engine(SchedulerThread):
         for job in [*self._waiting, *self._running]:
             job.sink(Failed(message, shutdown=shutdown))
             if job.slot is not None:
-                job.slot.busy, job.slot.fed_ids, job.slot.saved = False, (), None
+                job.slot.busy = False
+                job.slot.forget()
         self._waiting.clear()
         self._running.clear()
 
@@ -403,7 +411,7 @@ class Engine(SchedulerThread):
             if choice.evicts or slot.owner != job.session:
                 slot.owner = job.session
             if choice.evicts:
-                slot.fed_ids, slot.saved = (), None
+                slot.forget()
             self._running.append(job)
 
     def _release(self, job: Job, fed_ids: tuple[int, ...]) -> None:
@@ -411,7 +419,8 @@ class Engine(SchedulerThread):
             if job.slot.busy:
                 self._move(job.slot, row_to_free(self.slots, job.slot))
             job.slot.busy = False
-            job.slot.fed_ids = tuple(fed_ids)
+            if job.fed is not None or tuple(fed_ids) != job.slot.fed_ids:
+                job.slot.holds(fed_ids, job.marks(len(fed_ids)) if fed_ids else None)
             if job in self._running:
                 self._running.remove(job)
             self._cond.notify_all()
@@ -440,39 +449,84 @@ class Engine(SchedulerThread):
             self.observer.request_ended("error", len(job.emission.tokens))
             job.sink(Failed(message))
         for slot in self.slots:
-            slot.fed_ids, slot.saved = (), None
+            slot.forget()
 
     # -- prefill --------------------------------------------------------------------------
 
     def _setup(self, job: Job) -> None:
-        """Point the job's row at the longest prefix of its prompt the slot's state (or, for
-        a model that cannot rewind, its kept copy) can reuse (rows the prefill program wrote
-        only; see the module docstring), and set its controls
-        to draw the first token at the end of the prompt."""
+        """Point the job's row at the longest prefix of its prompt that some slot holds (rows
+        the prefill program wrote only; see the module docstring), and set its controls to
+        draw the first token at the end of the prompt.
+
+        The prefix comes from the job's own slot or, when another slot (busy or idle, any
+        session's) holds a longer one, from that slot: its row is copied into the job's on
+        the device and rewound to the shared prompt rows, or for a model that cannot rewind
+        its kept copy is taken (:meth:`_kept_copy`, :meth:`_copy_donor`)."""
         p, slot = self.producer, job.slot
-        saved = slot.saved
         marks = None if job.injection is None else job.injection.identity_map()
+        kept = None if job.follows or p.can_rewind or marks is not None else self._kept_copy(job)
         if job.follows:  # another choice: from the first one's copy
             job.reused, state = len(job.prompt) - 1, job.group.saved
-        elif saved is not None and marks is None and len(saved[0]) < len(job.prompt) and tuple(
-                job.prompt[: len(saved[0])]) == saved[0]:
-            job.reused, state = len(saved[0]), saved[1]  # a model that cannot rewind
-        elif slot.fed_ids:
-            state = self.decoder.take_row(slot.row)
-            if int(state.fed.count) > len(slot.fed_ids):
-                state = (p.rewind(state, len(slot.fed_ids)) if p.can_rewind
-                         else p.init_state())
-            # The row's fed record keeps each position's image identity: a prompt reuses a
-            # position only where it injects the same image there (or none, as the row did).
-            job.reused, state = p.try_reuse_prefix(state, job.prompt, injected=marks)
+        elif kept is not None:  # a model that cannot rewind
+            job.reused, state = len(kept.saved[0]), kept.saved[1]
+            job.shared_from = None if kept is slot else kept
         else:
+            self._copy_donor(job, marks)  # the row may now hold another slot's prefix
             job.reused, state = 0, p.init_state()
+            if slot.fed_ids:
+                state, held = self.decoder.take_row(slot.row), len(slot.fed_ids)
+                if int(state.fed.count) > held:
+                    # Back to the prompt rows the row's prefill wrote; a ring that no longer
+                    # holds them (a sliding window past them) starts afresh.
+                    state = (p.rewind(state, held)
+                             if p.can_rewind and held >= p.rewind_floor(state)
+                             else p.init_state())
+                # The row's fed record keeps each position's image identity: a prompt reuses
+                # a position only where it injects the same image there (or none, as the row
+                # did).
+                job.reused, state = p.try_reuse_prefix(state, job.prompt, injected=marks)
         self.decoder.put_row(slot.row, state)
         job.fed = job.reused
         self._keep_for_choices(job)
         self.decoder.start_row(slot.row, params=job.params, seed=job.request.completion.seed,
                                history=sampling.History.from_prompt(job.prompt, p.vocab_size))
         self.observer.request_started(len(job.prompt), job.reused, job.evicted)
+        if job.shared_from is not None:
+            self.observer.prefix_shared(job.reused)
+
+    def _kept_copy(self, job: Job) -> SlotRecord | None:
+        """For a model that cannot rewind: the slot whose kept copy stands for the longest
+        proper prefix of the job's prompt (its own slot's on a tie; another slot's only while
+        sharing is on), or ``None``."""
+        own = job.slot
+        return choose_kept(self.slots if self._shares_prefixes else [own], own, job.prompt)
+
+    def _copy_donor(self, job: Job, marks: dict[int, int] | None) -> None:
+        """When another slot's row holds a longer prefix of the job's prompt than the job's own
+        row (ids and image identities alike), copy that row into the job's on the device and
+        record in the job's slot the prompt rows the copy holds (the caller rewinds it there:
+        rows past them are a reply the decode program wrote); else leave the job's row as it
+        is. The donor's row is only read: its own request carries on with the same bits."""
+        if not (self._shares_prefixes and self.producer.can_rewind):
+            return
+        slot = job.slot
+        others = [(s, *self._held(s)) for s in self.slots if s is not slot]
+        own = common_prefix(slot.fed_ids, slot.fed_marks, job.prompt, marks)
+        donor = choose_donor(others, job.prompt, marks, beyond=own)
+        if donor is not None:
+            record, _ = donor
+            self.decoder.copy_row(record.row, slot.row)
+            slot.holds(*self._held(record))
+            job.shared_from = record
+
+    def _held(self, slot: SlotRecord) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+        """The prompt ids ``slot``'s row holds as the prefill wrote them, and their image
+        identities: a running request's fed part once set up, else the slot's record."""
+        job = next((j for j in self._running if j.slot is slot and j.fed is not None), None)
+        if job is None:
+            return slot.fed_ids, slot.fed_marks
+        ids = job.fed_so_far()
+        return ids, job.marks(len(ids))
 
     def _prefill_once(self) -> None:
         """One prefill call: the oldest ``P`` prompts still prefilling get up to ``C`` tokens

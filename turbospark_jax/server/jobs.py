@@ -22,6 +22,7 @@ import numpy as np
 
 from turbospark_jax.core import sampling
 from turbospark_jax.core.constraints import Constraint
+from turbospark_jax.core.kv_prefix import NOT_INJECTED
 from turbospark_jax.core.streams import Stream
 from turbospark_jax.generation.completion import Completion, Emission, FinishReason, TokenLogprob
 from turbospark_jax.server.requests import (
@@ -64,6 +65,7 @@ class Job:
     submitted: float
     slot: SlotRecord | None = None
     reused: int = 0
+    shared_from: SlotRecord | None = None  # the other slot whose row or copy it started from
     evicted: bool = False
     fed: int | None = None  # prompt positions the row holds while prefilling (None: not set up)
     decoding: bool = False
@@ -95,6 +97,14 @@ class Job:
     def session(self) -> str | None:
         """The session whose slot it continues (choice 0 only)."""
         return self.request.session_id if self.index == 0 else None
+
+    def marks(self, count: int) -> tuple[int, ...] | None:
+        """The image identity each of the prompt's first ``count`` positions takes (0: its
+        token's own embedding), or ``None`` for a prompt without images."""
+        if self.injection is None:
+            return None
+        identities = self.injection.identity_map()
+        return tuple(identities.get(i, NOT_INJECTED) for i in range(count))
 
     def fed_so_far(self) -> tuple[int, ...]:
         """What the job's row holds when it stops before its end: a decoding row its prompt

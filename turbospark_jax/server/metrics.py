@@ -29,6 +29,12 @@ class ServerMetrics(EngineObserver):
                                      registry=r)
         self.cached_tokens = Counter("turbospark_cached_prompt_tokens",
                                      "prompt tokens reused from a slot's state", registry=r)
+        self.shared_tokens = Counter("turbospark_shared_prompt_tokens",
+                                     "prompt tokens reused from another slot's state (among the "
+                                     "cached prompt tokens)", registry=r)
+        self.shared_requests = Counter("turbospark_shared_prefix_requests",
+                                       "requests that started from another slot's state",
+                                       registry=r)
         self.generated = Counter("turbospark_generated_tokens", "tokens generated", registry=r)
         self.evictions = Counter("turbospark_slot_evictions",
                                  "requests that discarded another session's state", registry=r)
@@ -58,6 +64,10 @@ class ServerMetrics(EngineObserver):
         self.cached_tokens.inc(cached_tokens)
         if evicted:
             self.evictions.inc()
+
+    def prefix_shared(self, tokens: int) -> None:
+        self.shared_tokens.inc(tokens)
+        self.shared_requests.inc()
 
     def choices(self, n: int) -> None:
         self.choices_asked.inc(n)

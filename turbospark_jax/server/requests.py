@@ -125,6 +125,10 @@ class EngineObserver:
     def request_started(self, prompt_tokens: int, cached_tokens: int, evicted: bool) -> None:
         """A request got its slot and reused ``cached_tokens`` of its prompt."""
 
+    def prefix_shared(self, tokens: int) -> None:
+        """A request's reused ``tokens`` came from another slot's row or kept copy (they are
+        among its ``cached_tokens`` too)."""
+
     def first_token(self, seconds: float) -> None:
         """A request's first token came ``seconds`` after it was submitted."""
 

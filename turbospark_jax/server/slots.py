@@ -16,18 +16,26 @@ swapped down to the first idle row (:func:`row_to_take`), and a slot freed below
 busy row is swapped with that row (:func:`row_to_free`). A swap exchanges the two records'
 rows along with the rows' states, so the owner, the fed record and the kept copy stay with the
 state they describe.
+
+A request need not sit in the slot that fed its prefix to reuse it: :func:`choose_donor` finds
+the slot (busy or idle, any owner's) whose row holds the longest prefix of the prompt's ids and
+image identities, and the engine copies that row into the request's before it feeds the rest;
+for a model that cannot rewind, :func:`choose_kept` finds the longest kept copy the prompt
+extends. Both are a linear scan over the ``B`` records, each a prefix compare bounded by the
+prompt's length: at the slot counts served (tens of rows) that costs far less than one prefill
+call, so no tree over the records is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from turbospark_jax.core.kv_prefix import common_prefix
 
-__all__ = ["Choice", "SlotRecord", "choose_slot", "open_prefix", "row_to_free", "row_to_take",
-           "swap_rows"]
+__all__ = ["Choice", "SlotRecord", "choose_donor", "choose_kept", "choose_slot", "open_prefix",
+           "row_to_free", "row_to_take", "swap_rows"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -45,6 +53,8 @@ class SlotRecord:
         (``None``: none kept). A later prompt that extends those ids restarts from the copy.
       row: the row of the batched stack its state sits in now (left at -1, the row
         ``index``).
+      fed_marks: the image identity each position of :attr:`fed_ids` took (0: its token's
+        own embedding), or ``None`` when no position took an image.
     """
 
     index: int
@@ -54,10 +64,22 @@ class SlotRecord:
     busy: bool = False
     saved: tuple[tuple[int, ...], Any] | None = None
     row: int = -1
+    fed_marks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.row < 0:
             self.row = self.index
+
+    def holds(self, fed_ids: Sequence[int], fed_marks: Sequence[int] | None = None) -> None:
+        """Record that the row's state has fed ``fed_ids`` (with the image identities
+        ``fed_marks``, ``None`` where no position took one)."""
+        self.fed_ids = tuple(fed_ids)
+        self.fed_marks = None if fed_marks is None else tuple(fed_marks)
+
+    def forget(self) -> None:
+        """Record that nothing in the row (nor a kept copy) is to be reused."""
+        self.holds(())
+        self.saved = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +122,40 @@ def open_prefix(slots: Sequence[SlotRecord], prompt: Sequence[int]) -> int:
     """The longest prefix of ``prompt`` that a slot no named session owns has fed (busy or
     not): what a request without a slot of its own could reuse here (0: nothing)."""
     return max((_shared(s, prompt) for s in slots if s.owner is None), default=0)
+
+
+def choose_donor(
+    holdings: Iterable[tuple[SlotRecord, Sequence[int], Sequence[int] | None]],
+    prompt: Sequence[int], injected: Mapping[int, int] | None, *, beyond: int,
+) -> tuple[SlotRecord, int] | None:
+    """The record whose row holds the longest prefix of ``prompt``, and that length, when it is
+    longer than ``beyond`` (what the request's own row holds), else ``None``.
+
+    Each holding is ``(record, ids, marks)``: the prompt ids the record's row holds as the
+    prefill wrote them and their image identities (``None``: no image). A position matches
+    where the ids and the image identity the prompt injects there (``injected``: position ->
+    identity) both agree, so a prompt with another picture at the same positions shares
+    nothing from there on. The earliest record wins a tie."""
+    best: tuple[SlotRecord, int] | None = None
+    for record, ids, marks in holdings:
+        shared = common_prefix(ids, marks, prompt, injected)
+        if shared > (beyond if best is None else best[1]):
+            best = (record, shared)
+    return best
+
+
+def choose_kept(slots: Sequence[SlotRecord], own: SlotRecord,
+                prompt: Sequence[int]) -> SlotRecord | None:
+    """For a model that cannot rewind: the record whose kept copy (:attr:`SlotRecord.saved`)
+    stands for the longest proper prefix of ``prompt``, ``own`` on a tie, or ``None`` when none
+    does. (A copy is kept only for a prompt without images.)"""
+    def length(s: SlotRecord) -> int:
+        ids = s.saved[0] if s.saved is not None else None
+        fits = ids is not None and len(ids) < len(prompt) and tuple(prompt[: len(ids)]) == ids
+        return len(ids) if fits else -1
+
+    best = max(slots, key=lambda s: (length(s), s is own))
+    return best if length(best) >= 0 else None
 
 
 def _at_row(slots: Sequence[SlotRecord], row: int) -> SlotRecord:
