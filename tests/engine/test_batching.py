@@ -485,6 +485,25 @@ def test_busy_slots_keep_the_lowest_rows():
     assert row_to_free(slots, slots[0]) is slots[3]
 
 
+def test_a_row_copy_writes_the_target_alone():
+    """copy_row overwrites the target row's state with the source's, bit for bit, and leaves
+    every other row's state and every row's controls as they were."""
+    decoder = BatchedDecoder(producer(), SLOTS, **PREFILL)
+    decoder.prefill([(1, [5, 6, 7, 8, 9, 10], False), (2, [11, 12], False)])
+    before = jax.device_get((decoder.stack, decoder.controls))
+    decoder.copy_row(1, 3)
+    decoder.copy_row(2, 2)  # onto itself: nothing moves
+    stack, controls = jax.device_get((decoder.stack, decoder.controls))
+    for got, was in zip(jax.tree.leaves(stack), jax.tree.leaves(before[0]), strict=True):
+        assert np.array_equal(got[:3], was[:3]) and np.array_equal(got[3], was[1])
+    assert all(np.array_equal(x, y) for x, y in zip(
+        jax.tree.leaves(controls), jax.tree.leaves(before[1]), strict=True))
+    # The control: the copy changed row 3 (it held a fresh state, not row 1's).
+    assert not all(np.array_equal(x[3], x[1]) for x in jax.tree.leaves(before[0]))
+    with pytest.raises(BadInputError):
+        decoder.copy_row(0, SLOTS)
+
+
 def test_cancel_frees_the_slot_and_keeps_others_exact():
     engine = Engine(producer(), slots=SLOTS, **PREFILL)
     other = ServeRequest(completion=request([4, 4, 2], setting=2, seed=5, max_tokens=12))
