@@ -41,7 +41,24 @@ rewind (a recurrent state, as Qwen3.5's) cannot move back to the prompt's end at
 prefill stops one token short of each prompt's end and the slot keeps a copy of the row's
 state there (:attr:`~turbospark_jax.server.slots.SlotRecord.saved`): the same prompt again, or
 a longer one that repeats it (a session's next turn), restarts from the copy and feeds the
-rest (``tests/server/test_server_reuse.py`` checks it against fresh bitwise). A request's
+rest (``tests/server/test_server_reuse.py`` checks it against fresh bitwise).
+
+**A prefix is shared across slots.** A request is not limited to what its own slot holds: when
+another slot's row (busy or idle, any session's) holds a longer prefix of its prompt, ids and
+image identities alike (:func:`~turbospark_jax.server.slots.choose_donor`), that row is copied
+into the request's on the device (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.copy_row`,
+one program over the stack) and rewound to the shared prompt rows, never into the donor's
+reply rows; a model that cannot rewind starts from the longest kept copy of any slot that the
+prompt extends (:func:`~turbospark_jax.server.slots.choose_kept`). So many requests behind one
+long system prompt prefill it once while a slot holds it. The donor's row is only read, so its
+own request carries on with the same bits, and the copy is the rows its prefill wrote, so the
+request is bitwise the same prompt served fresh (``tests/server/test_server_shared_prefix.py``).
+The shared rows count in ``usage.prompt_tokens_details.cached_tokens`` as any reused rows do,
+and in the metrics' shared prompt tokens. The donor is found by a linear scan of the ``B``
+records (see :mod:`~turbospark_jax.server.slots`); a prefix lives only as long as some slot
+keeps it (no cache beyond the slots, no pages).
+
+A request's
 output depends only on its own prompt, settings and seed: its prompt and first token are a row
 of the fixed-shape prefill program, every later token a row of one of the fixed-shape decode
 programs, no program's rows interact, and neither the bucket nor the row a request's state
@@ -364,8 +381,8 @@ class Engine(SchedulerThread):
     def warm_up(self) -> None:
         """Compile every program a request can reach, so no request pays a compile: the
         batched prefill and every bucket's decode in each variant a call picks, and the row
-        swap (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.warm_up`, rows left as
-        they were) and the producer's state work of a request's setup (a fresh state, a prefix
+        swap and copy (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.warm_up`, rows
+        left as they were) and the producer's state work of a request's setup (a fresh state, a prefix
         reuse, a rewind where the model can rewind)."""
         with jax.default_device(self.device):
             self.decoder.warm_up()
