@@ -382,8 +382,8 @@ class Engine(SchedulerThread):
         """Compile every program a request can reach, so no request pays a compile: the
         batched prefill and every bucket's decode in each variant a call picks, and the row
         swap and copy (:meth:`~turbospark_jax.engine.batching.BatchedDecoder.warm_up`, rows
-        left as they were) and the producer's state work of a request's setup (a fresh state, a prefix
-        reuse, a rewind where the model can rewind)."""
+        left as they were) and the producer's state work of a request's setup (a fresh state,
+        a prefix reuse, a rewind where the model can rewind)."""
         with jax.default_device(self.device):
             self.decoder.warm_up()
             p = self.producer

@@ -22,9 +22,10 @@ def finish_reason(completion: Completion) -> str:
 def usage(completions: Sequence[Completion], session_id: str | None) -> dict[str, Any]:
     """OpenAI's usage over a request's choices (``completions``, choice 0 first): the prompt
     counted once, the generated tokens of every choice; ``cached_tokens`` the prompt tokens
-    choice 0 reused from its slot's state (the other choices start from its copy and
-    prefill nothing but the prompt's last token). Plus where it ran: ``slot`` (choice 0's),
-    ``evicted`` (whether some choice discarded another session's state) and ``session_id``."""
+    choice 0 reused from a slot's state, its own or another's (the other choices start from
+    its copy and prefill nothing but the prompt's last token). Plus where it ran: ``slot``
+    (choice 0's), ``evicted`` (whether some choice discarded another session's state) and
+    ``session_id``."""
     first = completions[0].usage
     generated = sum(c.usage.generated_tokens for c in completions)
     return {
