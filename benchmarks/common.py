@@ -43,15 +43,18 @@ def has_choice(model: Any) -> bool:
 def with_exactness(model: Any, exact: bool) -> Any:
     """``model`` on the plan ``tsj.load(exact=exact)`` gives it on this backend: the exact
     path (programs of every width give a row the same bits) or the path that trades bits for
-    speed. A family without the choice runs its one path."""
-    if not has_choice(model):
+    speed. A family without the choice runs its one path, on the backend's kernels where it
+    has some (Qwen3.5's delta-rule walk, grouped experts)."""
+    own = bool(getattr(model, "backend_kernels", False))
+    if not (has_choice(model) or own):
         return model
     import jax
 
     from turbospark_jax.kernels.plan import kernel_plan
 
     # the plan tsj.load resolves for this choice on this backend
-    return dataclasses.replace(model, plan=kernel_plan(jax.default_backend(), exact, True))
+    plan = kernel_plan(jax.default_backend(), exact, has_choice(model), backend_kernels=own)
+    return dataclasses.replace(model, plan=plan)
 
 
 def widths(model: Any) -> tuple[int, int]:

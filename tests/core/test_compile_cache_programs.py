@@ -13,6 +13,7 @@ import pytest
 from tests.quant.tiny import QWEN35
 from turbospark_jax.core import compile_cache
 from turbospark_jax.core.compile_cache import ProgramStore
+from turbospark_jax.core.constraints import ConstraintSpec
 from turbospark_jax.models.qwen3_5.model import Qwen35Model
 
 
@@ -110,15 +111,18 @@ def test_a_stored_program_is_read_back_untraced_with_the_same_results(tmp_path):
 
 
 def test_the_key_sees_every_field_of_a_model():
-    """Two models that differ only in a field hidden from their repr are two programs; a
-    class from outside the package (its code is not in the key) is not keyed at all."""
+    """Two models that differ only in one field are two programs, and so are two values
+    that differ only in a field hidden from their repr; a class from outside the package
+    (its code is not in the key) is not keyed at all."""
     store = ProgramStore("unused")
     signature = ("a signature",)
     model = Qwen35Model(QWEN35)
-    pinned = model.for_mesh()  # only the hidden _rows field differs
-    assert repr(model) == repr(pinned)
+    pinned = model.interpreted()  # only the kernel plan differs
     keys = {store._key(m, signature) for m in (model, pinned, Qwen35Model(QWEN35))}
     assert None not in keys and len(keys) == 2
+    hidden = [ConstraintSpec("regex", "a+", compiled) for compiled in ("one", "two")]
+    assert repr(hidden[0]) == repr(hidden[1])
+    assert store._key(hidden[0], signature) != store._key(hidden[1], signature)
 
     @dataclasses.dataclass(frozen=True)
     class Outside:

@@ -123,9 +123,15 @@ def folders(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
-def test_a_family_without_rowinv_is_exact_at_one_width(folders, no_tensor_read, family):
-    for exact in (True, False):
-        assert serving_plan(folders[family], exact) == KernelPlan()
+def test_a_family_without_rowinv_is_exact_at_one_width(folders, no_tensor_read, family,
+                                                       monkeypatch):
+    # the backend's kernels, never row-invariant ones, whatever exact says
+    real = jax.default_backend
+    for backend, pallas in (("cpu", "off"), ("gpu", "compiled"), ("tpu", "tpu")):
+        monkeypatch.setattr(jax, "default_backend", lambda backend=backend: backend)
+        for exact in (True, False):
+            assert serving_plan(folders[family], exact) == KernelPlan(pallas=pallas)
+    monkeypatch.setattr(jax, "default_backend", real)
     with pytest.raises(BadInputError, match="prefill_width=64 differs from width=1"):
         tsj.load(folders[family], width=1, prefill_width=64)
     with pytest.raises(UnsupportedCapabilityError) as caught:
@@ -133,6 +139,12 @@ def test_a_family_without_rowinv_is_exact_at_one_width(folders, no_tensor_read, 
     assert f"the {family} family" in str(caught.value), caught.value
     config, module = FAMILIES[family]
     assert not module.FAMILY.build(config, np.float32, "list").row_invariant_kernels
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_a_family_with_backend_kernels_loads_with_the_plan_it_is_given(folders, family):
+    plan = KernelPlan(pallas="tpu_interpret")
+    assert load_folder(folders[family], layer_layout="list", plan=plan).model.plan == plan
 
 
 @pytest.mark.parametrize("bad", ["yes", None, 1])

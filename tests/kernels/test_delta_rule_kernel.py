@@ -1,6 +1,6 @@
 """The DeltaNet row kernel (``kernels/delta_rule.py``: the conv, norms, gates and delta rule of
 a block's live rows in one launch) in the Pallas interpreter: close to the layer written out
-row by row, and, as the exact path of a Qwen3.5 model (``Qwen35Model.interpreted``), close to
+row by row, and, as the exact path of a Qwen3.5 model (``Qwen35Model.interpreted()``), close to
 the XLA loop and every bitwise guarantee of that path, each with its control."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels.delta_rule import GateColumns, delta_net_rows
+from turbospark_jax.kernels.plan import KernelPlan
 from turbospark_jax.models.qwen3_5 import config as QC
 from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.testing import conformance as C
@@ -202,9 +203,11 @@ def _keeps_one_more(producer: BlockProducer) -> Any:
     return KeepsOneMore()
 
 
-def test_a_row_walk_outside_the_two_pins_is_refused() -> None:
-    with pytest.raises(BadInputError, match="_rows must be None or one of xla, interpret"):
-        Q.Qwen35Model(CONFIG, _rows="triton")
+def test_a_plan_the_family_cannot_run_is_refused() -> None:
+    with pytest.raises(BadInputError, match="plan must be a KernelPlan"):
+        Q.Qwen35Model(CONFIG, plan="triton")
+    with pytest.raises(BadInputError, match="no row-invariant kernels"):
+        Q.Qwen35Model(CONFIG, plan=KernelPlan(row_invariant=True, pallas="compiled"))
 
 
 def test_qwen3_next_layout_on_the_kernel_is_close_to_the_xla_loop() -> None:
@@ -227,12 +230,14 @@ def test_the_tape_holds_max_width_rows_on_either_walk() -> None:
     assert model.interpreted().for_mesh() == model.for_mesh()
 
 
-@pytest.mark.skipif(jax.default_backend() == "gpu", reason="a GPU walks the rows on the kernel")
-def test_off_a_gpu_the_rows_walk_on_the_xla_loop(producers: Any) -> None:
-    _, xla = producers
+def test_a_model_built_without_a_plan_walks_on_the_xla_loop(producers: Any) -> None:
+    """The walk is the plan's, never probed from the backend: a model built without one
+    (XLA's plan) walks on the XLA loop on any backend; loading resolves the backend's."""
+    kernel, xla = producers
+    assert kernel.model.row_walk == "interpret" and xla.model.row_walk == "xla"
     plain = BlockProducer(Q.Qwen35Model(CONFIG, max_width=WIDTH), xla.params,
                           capacity=CAPACITY, width=WIDTH, steps_per_call=4)
-    assert not plain.model._row_kernel()
+    assert plain.model.row_walk == "xla"
     got, _ = plain.prefill_chunk(plain.init_state(), PROMPT, 0)
     want, _ = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
     assert np.array_equal(got, want)

@@ -1,5 +1,7 @@
 """The kernel plan (``kernels/plan.py``): what :func:`kernel_plan` resolves for each backend,
-``exact`` and family, and the refusals of a bad plan or a bad choice."""
+``exact`` and family (one with row-invariant kernels, one with kernels per backend, one with
+neither), the delta-rule walk a plan picks, and the refusals of a bad plan or a bad
+choice."""
 
 from __future__ import annotations
 
@@ -8,7 +10,14 @@ import warnings
 import pytest
 
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, UnknownBackendWarning, kernel_plan
+from turbospark_jax.kernels.plan import (
+    DELTA_RULE_WALKS,
+    XLA_PLAN,
+    KernelPlan,
+    UnknownBackendWarning,
+    delta_rule_walk,
+    kernel_plan,
+)
 
 ROWINV_GPU = KernelPlan(row_invariant=True, pallas="compiled")
 ROWINV_TPU = KernelPlan(row_invariant=True, pallas="tpu")
@@ -35,11 +44,37 @@ def test_kernel_plan_by_backend_exactness_and_family(backend, exact, family, wan
     assert got.widths_agree == (family and (exact or backend == "gpu"))
 
 
+@pytest.mark.parametrize(("backend", "want"), [
+    ("gpu", KernelPlan(pallas="compiled")), ("tpu", KernelPlan(pallas="tpu")),
+    ("cpu", XLA_PLAN)])
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_family_with_backend_kernels_gets_the_backends_set_whatever_exact(backend, want,
+                                                                            exact):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = kernel_plan(backend, exact, False, backend_kernels=True)
+    assert got == want and not got.widths_agree
+    # a row-invariant family's plan does not follow the flag
+    assert kernel_plan(backend, exact, True, backend_kernels=True) == kernel_plan(
+        backend, exact, True)
+
+
+@pytest.mark.parametrize(("pallas", "heads", "want"), [
+    ("compiled", (128, 128), "pallas"), ("compiled", (16, 24), "xla"),  # Triton's tiles
+    ("tpu", (128, 128), "tpu"), ("tpu", (16, 32), "xla"),  # whole lane blocks of dv
+    ("interpret", (16, 24), "interpret"), ("tpu_interpret", (16, 32), "tpu_interpret"),
+    ("off", (128, 128), "xla")])
+def test_the_delta_rule_walk_follows_the_plan_and_the_heads(pallas, heads, want):
+    assert delta_rule_walk(KernelPlan(pallas=pallas), *heads) == want
+    assert want in DELTA_RULE_WALKS
+
+
 @pytest.mark.parametrize("backend", ["METAL", "rocm", "neuron", ""])
 @pytest.mark.parametrize("exact", [True, False])
-def test_an_unknown_backend_gets_xla_and_one_notice(backend, exact):
+@pytest.mark.parametrize("own", [True, False])
+def test_an_unknown_backend_gets_xla_and_one_notice(backend, exact, own):
     with pytest.warns(UnknownBackendWarning) as caught:
-        got = kernel_plan(backend, exact, True)
+        got = kernel_plan(backend, exact, not own, backend_kernels=own)
     assert got == XLA_PLAN
     assert len(caught) == 1
     message = str(caught[0].message)
@@ -80,3 +115,5 @@ def test_bad_plans_and_choices_are_refused():
         kernel_plan("cpu", 1, True)
     with pytest.raises(BadInputError, match="backend must be a JAX backend name"):
         kernel_plan(None, True, True)
+    with pytest.raises(BadInputError, match="backend_kernels must be True or False"):
+        kernel_plan("cpu", True, False, backend_kernels="yes")

@@ -233,10 +233,10 @@ def test_a_qwen35_model_on_a_mesh_walks_its_rows_on_the_xla_loop():
                        linear_num_key_heads=2, linear_num_value_heads=2,
                        layer_types=("linear_attention",))
     model = Qwen35Model(cfg, max_width=4).interpreted()
-    assert model._row_kernel()
+    assert model.row_walk == "interpret"
     sharded = ShardedProducer(model, model.init_params(jax.random.PRNGKey(0)), mesh=tp_mesh(),
                               capacity=16, width=4)
-    assert not sharded.model._row_kernel() and sharded.model == model.for_mesh()
+    assert sharded.model.row_walk == "xla" and sharded.model == model.for_mesh()
     # a mesh that splits heads lays out the DeltaNet projections apart (each split on its own
     # units); one that splits none keeps the one-device model's joined product
     assert "in_proj" in model.init_params(jax.random.PRNGKey(0))["layers"][0]

@@ -348,13 +348,22 @@ def load_folder(
 
 def _with_plan(model: BlockModel, family: Family, config: Any,
                plan: KernelPlan | None) -> BlockModel:
-    """``model`` running ``plan``; a family without row-invariant kernels takes XLA's only."""
-    if plan is None or (plan == XLA_PLAN and not model.row_invariant_kernels):
+    """``model`` running ``plan``: a family with row-invariant kernels takes any plan, one
+    with kernels per backend (:attr:`~turbospark_jax.models.base.BlockModel.backend_kernels`)
+    a plan without ``row_invariant``, any other XLA's only."""
+    takes_plan = model.row_invariant_kernels or model.backend_kernels
+    if plan is None or (plan == XLA_PLAN and not takes_plan):
         return model
-    if not model.row_invariant_kernels:
+    if not takes_plan:
         raise UnsupportedCapabilityError(
             f"the {family.name} family (model_type {config.model_type!r}) runs XLA's kernels "
             f"only, so the plan {plan} is not available for it; load it without a plan"
+        )
+    if plan.row_invariant and not model.row_invariant_kernels:
+        raise UnsupportedCapabilityError(
+            f"the {family.name} family (model_type {config.model_type!r}) has no row-invariant "
+            f"kernels, so the plan {plan} is not available for it; load it with a plan "
+            f"without row_invariant (serving_plan resolves the backend's)"
         )
     return dataclasses.replace(model, plan=plan)
 
@@ -370,7 +379,8 @@ def serving_plan(path: str | os.PathLike[str], exact: bool) -> KernelPlan:
     exact = as_bool("exact", exact)
     _, family, config, resolved = folder_config(path, None, "list")
     model = family.build(config, resolved, "list")
-    return kernel_plan(jax.default_backend(), exact, model.row_invariant_kernels)
+    return kernel_plan(jax.default_backend(), exact, model.row_invariant_kernels,
+                       backend_kernels=model.backend_kernels)
 
 
 def folder_config(path: Any, dtype: Any, layer_layout: str) -> tuple[str, Family, Any, Any]:

@@ -34,6 +34,12 @@ One more field gives up the bits for speed, where no bits are promised:
 user's one choice, ``exact``: the backend picks the kernel set once, when the model is
 built, and a backend without kernels of ours gets XLA's with a notice
 (:class:`UnknownBackendWarning`).
+
+Families without row-invariant kernels (Qwen3.5, Gemma 4) take a plan too, never
+row-invariant: its ``pallas`` names the backend's kernel set, from which they run what they
+have at their one program width. Qwen3.5's delta rule walks its rows as
+:func:`delta_rule_walk` says (the GPU's fused kernel, the TPU's, or an XLA loop), and the
+grouped experts of any family take :func:`grouped_impl`.
 """
 
 from __future__ import annotations
@@ -47,7 +53,13 @@ import jax.numpy as jnp
 
 from turbospark_jax.core.checks import as_bool
 from turbospark_jax.errors import BadInputError
-from turbospark_jax.kernels import layers, quant_matvec, tpu_attention
+from turbospark_jax.kernels import (
+    delta_rule,
+    layers,
+    quant_matvec,
+    tpu_attention,
+    tpu_delta_rule,
+)
 from turbospark_jax.kernels.rowinv import (
     dense,
     row_tiled,
@@ -65,6 +77,8 @@ _IMPL = {"off": "xla", "compiled": "pallas", "interpret": "interpret", "tpu": "t
          "tpu_interpret": "tpu_interpret"}
 #: The backends with kernels of ours; any other runs XLA's (:func:`kernel_plan`).
 BACKENDS = ("cpu", "gpu", "tpu")
+#: The :attr:`KernelPlan.pallas` of each backend's kernel set.
+_BACKEND_PALLAS = {"cpu": "off", "gpu": "compiled", "tpu": "tpu"}
 #: The CPU's tiled attention runs at least one tile, like the product
 #: (:data:`~turbospark_jax.kernels.rowinv.DOT_MIN_TILES`), not the norms' two: a one-row
 #: decode step then attends with one tile of query rows, not two, and every width still
@@ -161,7 +175,8 @@ class UnknownBackendWarning(UserWarning):
     runs XLA's own kernels, at one program width."""
 
 
-def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> KernelPlan:
+def kernel_plan(backend: str, exact: bool, row_invariant_family: bool, *,
+                backend_kernels: bool = False) -> KernelPlan:
     """The plan a loaded model serves with: the backend picks its kernel set here, once.
 
     Args:
@@ -179,26 +194,34 @@ def kernel_plan(backend: str, exact: bool, row_invariant_family: bool) -> Kernel
         than XLA's own kernels, which ``exact=False`` takes instead.
       row_invariant_family: the family has row-invariant kernels
         (:attr:`~turbospark_jax.models.base.BlockModel.row_invariant_kernels`); one without
-        them always runs XLA's kernels at one program width.
+        them runs at one program width.
+      backend_kernels: the family, without row-invariant kernels, has kernels of its own
+        per backend (:attr:`~turbospark_jax.models.base.BlockModel.backend_kernels`: Qwen3.5's
+        delta-rule walk, the grouped experts of Qwen3.5 and Gemma 4): it gets the backend's
+        kernel set (``pallas``) without ``row_invariant``, whatever ``exact`` says, since
+        each of those kernels is the one program of every path. Otherwise such a family
+        runs XLA's kernels.
 
     Raises:
-      BadInputError: ``exact`` or ``row_invariant_family`` not a bool, ``backend`` not a str.
+      BadInputError: ``exact``, ``row_invariant_family`` or ``backend_kernels`` not a bool,
+        ``backend`` not a str.
     """
     exact = as_bool("exact", exact)
     if not isinstance(backend, str):
         raise BadInputError(f"backend must be a JAX backend name; got {backend!r}")
     family = as_bool("row_invariant_family", row_invariant_family)
+    own = as_bool("backend_kernels", backend_kernels)
     if backend not in BACKENDS:
         warnings.warn(f"turbospark_jax has no kernels for the {backend!r} backend; XLA's own "
                       "kernels run (no row-invariant plan, one program width)",
                       UnknownBackendWarning, stacklevel=2)
         return XLA_PLAN
     if not family:
-        return XLA_PLAN
+        return KernelPlan(pallas=_BACKEND_PALLAS[backend]) if own else XLA_PLAN
     if backend == "gpu":
         return KernelPlan(row_invariant=True, pallas="compiled", quant_matvec=not exact)
     if exact:
-        return KernelPlan(row_invariant=True, pallas="tpu" if backend == "tpu" else "off")
+        return KernelPlan(row_invariant=True, pallas=_BACKEND_PALLAS[backend])
     return XLA_PLAN
 
 
@@ -235,6 +258,42 @@ def grouped_impl(plan: KernelPlan) -> str:
     GPU's kernels run (compiled or interpreted), the XLA loop over tiles elsewhere. Every
     plan groups, so a decode step and a prefill compute a token's experts alike."""
     return plan.impl if plan.uses_pallas else "xla"
+
+
+def check_backend_plan(plan: Any, family: str) -> None:
+    """Refuse what a family without row-invariant kernels cannot run as its plan: anything
+    but a :class:`KernelPlan`, or one with ``row_invariant``.
+
+    Raises:
+      BadInputError: naming ``family`` and the plan.
+    """
+    if not isinstance(plan, KernelPlan):
+        raise BadInputError(f"plan must be a KernelPlan (turbospark_jax.kernels.plan); "
+                            f"got {plan!r}")
+    if plan.row_invariant:
+        raise BadInputError(f"the {family} family has no row-invariant kernels; its plan "
+                            f"must not be row_invariant, got {plan}")
+
+
+#: Values of :func:`delta_rule_walk`.
+DELTA_RULE_WALKS = ("xla", "pallas", "interpret", "tpu", "tpu_interpret")
+
+
+def delta_rule_walk(plan: KernelPlan, key_dim: int, value_dim: int) -> str:
+    """How a gated DeltaNet layer's exact path walks its rows under ``plan``, for heads of
+    ``key_dim`` and ``value_dim``: ``"pallas"``, the GPU's kernel with the layer's preamble
+    fused in (:mod:`~turbospark_jax.kernels.delta_rule`), where its tiles fit the heads;
+    ``"tpu"``, the TPU's (:mod:`~turbospark_jax.kernels.tpu_delta_rule`), likewise; either
+    one's interpreted form (``"interpret"``, ``"tpu_interpret"``: tests, any heads); else
+    ``"xla"``, a loop of XLA's operations. Every walk runs one loop body per row whatever
+    the live count; two walks agree within float32 rounding, not bitwise."""
+    if plan.pallas in ("interpret", "tpu_interpret"):
+        return plan.pallas
+    if plan.pallas == "compiled" and delta_rule.supported(key_dim, value_dim):
+        return "pallas"
+    if plan.pallas == "tpu" and tpu_delta_rule.supported(key_dim, value_dim):
+        return "tpu"
+    return "xla"
 
 
 def _require_row_invariant(plan: KernelPlan, what: str) -> None:

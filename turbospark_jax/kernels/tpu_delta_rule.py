@@ -4,8 +4,8 @@ The exact path of a gated DeltaNet layer runs its recurrence row by row (each ro
 update reads the last). Written as an XLA loop, every row reads and writes the float32
 state ``[Hv, dk, dv]`` through memory; here a program per value head and block of ``BV``
 state columns holds its ``[dk, BV]`` slice of the state in VMEM for the whole block, walks
-the live rows, and writes the state (and, when asked, each row's state to the tape) once
-per row it needs it.
+the live rows, and writes the state out once. With a tape, each live row's state is copied
+into it where it lies in HBM (the rows past the live count are neither read nor written).
 
 The preamble (the causal conv with its SiLU, the L2 norms of q and k, the decay ``g`` and
 the strength ``beta``) stays in XLA: it is elementwise work and reductions within a row,

@@ -72,6 +72,12 @@ class BlockModel(abc.ABC):
         ``dataclasses.replace(model, plan=...)`` sets it), and under a row-invariant plan a
         row's result does not depend on how many rows the call has, so block programs of
         different widths agree bit for bit. The dense family does.
+      backend_kernels: the family has kernels of its own per backend without row-invariant
+        forms: its instances take a ``plan`` whose
+        :attr:`~turbospark_jax.kernels.plan.KernelPlan.pallas` picks them (loading sets it,
+        :func:`~turbospark_jax.kernels.plan.kernel_plan`'s ``backend_kernels``), and it runs
+        at one program width. The Qwen3.5 family (its delta-rule walk, its grouped experts)
+        and the Gemma 4 family (its grouped experts) do.
 
     Declared per instance (a property, since it follows the instance's settings):
       widths_agree: block programs of different widths give this instance's rows bitwise
@@ -97,6 +103,7 @@ class BlockModel(abc.ABC):
     tap_layers: tuple[int, ...] = ()
     accepts_embeddings: ClassVar[bool] = False
     row_invariant_kernels: ClassVar[bool] = False
+    backend_kernels: ClassVar[bool] = False
 
     @property
     def widths_agree(self) -> bool:

@@ -229,7 +229,8 @@ class ShardedProducer(BlockProducer):
         model. The dense family's Pallas kernels are single-device custom calls the compiler
         cannot split, so an ``"auto"`` attention or RoPE-store mode runs as ``"xla"`` here;
         so does Qwen3.5's delta-rule kernel, whose rows walk as the XLA loop here
-        (:meth:`~turbospark_jax.models.qwen3_5.model.Qwen35Model.for_mesh`).
+        (:meth:`~turbospark_jax.models.qwen3_5.model.Qwen35Model.for_mesh`), and the grouped
+        experts of every family run XLA's loop over tiles.
       params: its params, anywhere: they are placed on the mesh (a no-op for params already
         sharded, as :func:`init_sharded_params` and
         :func:`~turbospark_jax.parallel.loading.load_sharded` make them).
@@ -265,8 +266,7 @@ class ShardedProducer(BlockProducer):
                 f"families; got {type(model).__name__}. Serve it on one device with "
                 f"BlockProducer"
             )
-        if isinstance(model, DenseModel | Qwen35Model):
-            model = model.for_mesh()  # the Pallas kernels are single-device custom calls
+        model = model.for_mesh()  # the Pallas kernels are single-device custom calls
         self.mesh = mesh
         params = shard_params(_mesh_layout(model, params, mesh), mesh, model.config)
         if ep_size(mesh) > 1:

@@ -10,7 +10,9 @@ attention scale is 1), norms before and after both attention and MLP (GELU-tanh)
 per-layer input embeddings (PLE), a per-layer output scalar, KV sharing for the last
 ``num_kv_shared_layers`` layers (they read the K/V of the last earlier layer of their kind, and
 may have a double-wide MLP), keys doubling as values in full layers (``attention_k_eq_v``), and
-final logit softcapping. The MoE block is refused.
+final logit softcapping. Where the config enables it (``enable_moe_block``), a mixture of
+experts runs beside the MLP, its grouped products in the form the model's kernel plan picks
+(:func:`~turbospark_jax.kernels.plan.grouped_impl`).
 
 Cache: full layers keep every row (``append_only``); sliding layers keep a RING of
 ``sliding_window + ring_margin`` rows (memory bounded by the window, not the context); shared
@@ -73,6 +75,7 @@ from turbospark_jax.kernels.layers import (
     rope_cos_sin,
     wide_attend,
 )
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, check_backend_plan, grouped_impl
 from turbospark_jax.models.base import BlockModel
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.gemma4.config import ARCHITECTURES, FULL, SLIDING, Gemma4Config
@@ -288,9 +291,14 @@ class Gemma4Model(BlockModel):
         (:class:`~turbospark_jax.models.moe.ExpertParallel`; set by
         :class:`~turbospark_jax.parallel.sharding.ShardedProducer` on a mesh with an expert
         axis), or None.
+      plan: the backend's kernels (:class:`~turbospark_jax.kernels.plan.KernelPlan`, never
+        row-invariant here): the MoE block's grouped expert products take its form
+        (:func:`~turbospark_jax.kernels.plan.grouped_impl`). XLA's by default; loading
+        resolves the backend's (:func:`~turbospark_jax.io.loading.serving_plan`).
     """
 
     parallel_prefill = True  # wide headless passes (pass_hidden)
+    backend_kernels = True
 
     config: Gemma4Config
     dtype: Any = jnp.float32
@@ -299,14 +307,22 @@ class Gemma4Model(BlockModel):
     pass_block: int = ATTENTION_QUERY_BLOCK
     kv_dtype: str | None = None
     expert_parallel: ExpertParallel | None = None
+    plan: KernelPlan = XLA_PLAN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
         kv_quant.check_kv_dtype(self.kv_dtype)
+        check_backend_plan(self.plan, "Gemma 4")
         if self.ring_margin < 0:
             raise BadInputError(f"ring_margin must be >= 0, got {self.ring_margin}")
         if self.pass_block < 1:
             raise BadInputError(f"pass_block must be >= 1, got {self.pass_block}")
+
+    def for_mesh(self) -> Gemma4Model:
+        """This model with its plan's Pallas kernels off (the grouped experts on XLA's loop),
+        which a tensor-parallel mesh splits: a kernel is a single-device custom call the
+        compiler cannot split."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, pallas="off"))
 
     @property
     def accepts_embeddings(self) -> bool:  # type: ignore[override]
@@ -443,8 +459,11 @@ class Gemma4Model(BlockModel):
     def decoder(self, params: Params, x: jax.Array, ple: jax.Array | None,
                 positions: jax.Array, kv_fn: KVFn | None,
                 keys: Mapping[str, Any] | None = None,
-                attention: AttentionFn | None = None) -> jax.Array:
-        """Every layer over rows ``x [N, D]`` at ``positions [N]`` (pre-norm output).
+                attention: AttentionFn | None = None,
+                live: jax.Array | None = None) -> jax.Array:
+        """Every layer over rows ``x [N, D]`` at ``positions [N]`` (pre-norm output);
+        ``live``: bool ``[N]``, the rows that are not padding (None: all), whose experts
+        alone take tiles in the MoE block.
 
         A KV owner hands its new k/v rows to ``kv_fn(layer, k, v)``, which stores them and
         returns what that layer's kind attends over; a shared layer attends over what the
@@ -479,11 +498,11 @@ class Gemma4Model(BlockModel):
                         raise BadInputError(
                             f"layer {i} reads shared {kind} K/V and none was given")
                     attn = attention(q, keys[kind], c.window(i))
-                x = self._tail(x, attn, lp, None if ple is None else ple[:, i])
+                x = self._tail(x, attn, lp, None if ple is None else ple[:, i], live)
         return x
 
     def _tail(self, x: jax.Array, attn: jax.Array, lp: Params,
-              ple: jax.Array | None) -> jax.Array:
+              ple: jax.Array | None, live: jax.Array | None = None) -> jax.Array:
         """Output projection and the sandwich-normed residuals: attention, MLP, PLE, scalar."""
         with jax.named_scope("attention"):
             o = _linear(attn.reshape(attn.shape[0], -1), lp["o_proj"].reshape(-1, x.shape[-1]),
@@ -494,7 +513,8 @@ class Gemma4Model(BlockModel):
             m = (_gelu(h @ lp["gate_proj"]) * (h @ lp["up_proj"])) @ lp["down_proj"]
             if self.config.enable_moe_block:
                 m = (self._norm(m, lp["post_feedforward_layernorm_1"])
-                     + self._norm(self._experts(x, lp), lp["post_feedforward_layernorm_2"]))
+                     + self._norm(self._experts(x, lp, live),
+                                  lp["post_feedforward_layernorm_2"]))
             x = x + self._norm(m, lp["post_feedforward_layernorm"])
         if ple is not None:
             with jax.named_scope("ple"):
@@ -502,15 +522,17 @@ class Gemma4Model(BlockModel):
                 x = x + self._norm(g, lp["post_per_layer_input_norm"])
         return x * lp["layer_scalar"]
 
-    def _experts(self, x: jax.Array, lp: Params) -> jax.Array:
+    def _experts(self, x: jax.Array, lp: Params, live: jax.Array | None = None) -> jax.Array:
         """The MoE block beside the MLP: routed by the residual rows ``x`` themselves, run
-        on their own pre-norm (:mod:`~turbospark_jax.models.moe`)."""
+        on their own pre-norm (:mod:`~turbospark_jax.models.moe`) in the plan's grouped form;
+        a padding row (``live`` false) takes no tile."""
         weights, experts = scaled_router(x, lp["router_scale"], lp["router_proj"],
                                          lp["per_expert_scale"], self.config.routing,
                                          self.config.rms_norm_eps)
         return fused_routed_experts(self._norm(x, lp["pre_feedforward_layernorm_2"]), weights,
                                     experts, lp["experts_gate_up"], lp["experts_down"],
-                                    placement=self.expert_parallel)
+                                    placement=self.expert_parallel,
+                                    impl=grouped_impl(self.plan), live=live)
 
     def _head(self, params: Params, h: jax.Array) -> jax.Array:
         """Output head and softcap: final-normed h [N, D] -> float32 logits [N, V]."""
@@ -689,7 +711,7 @@ class Gemma4Model(BlockModel):
 
         with jax.named_scope("embed"):
             x, ple = self._embed(params, tokens, embeds, embed_rows)
-        x = self.decoder(params, x, ple, positions, store, attention=attention)
+        x = self.decoder(params, x, ple, positions, store, attention=attention, live=written)
         h = self._norm(x, params["norm"])
         (k_full, v_full, k_full_scale, v_full_scale), rings = stored[FULL], stored[SLIDING]
         return h, cache.replace(

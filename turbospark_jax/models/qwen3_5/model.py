@@ -12,19 +12,25 @@ as wide, each head split into query and gate; per-head q/k norms; RoPE on the fi
 ``partial_rotary_factor`` of each head; the output times ``sigmoid(gate)``). Every layer ends in
 a dense SwiGLU MLP; every RMSNorm but the gated one is zero-centred (scale ``1 + w``, in float32).
 Qwen3-Next fuses the DeltaNet projections (``in_proj_qkvz`` / ``in_proj_ba``, grouped per key
-head); Qwen3.5 keeps them apart. Mixture-of-experts MLPs are refused.
+head); Qwen3.5 keeps them apart. A layer may hold a mixture of experts instead of the dense MLP
+(:mod:`~turbospark_jax.models.moe`).
 
 Row by row: the recurrence walks the rows of a block one at a time, every row by the same loop
 body (padding rows leave the state as it was), so decode, chunked prefill and verify are one
-program and chunked == token by token holds bitwise. Where the walk runs follows from the
-backend, not from an option: on a GPU where the head sizes suit it, one Pallas kernel per layer
-walks the live rows, the causal conv, the q/k norms and the gates of each row included
-(:mod:`~turbospark_jax.kernels.delta_rule`; a loop of XLA kernels there returns to the host on
-every pass, and the preamble is several small kernels more); elsewhere, and on a
-tensor-parallel mesh (:meth:`Qwen35Model.for_mesh`: the kernel is a single-device custom call),
-a loop of XLA kernels walks all ``W`` rows, selecting the padding ones away. The two agree
-within float32 rounding; each is one program for every path, so the bitwise guarantees hold
-within either.
+program and chunked == token by token holds bitwise. Where the walk runs is the model's kernel
+plan (:attr:`Qwen35Model.plan`), which loading resolves from the backend
+(:func:`~turbospark_jax.kernels.plan.kernel_plan`;
+:func:`~turbospark_jax.kernels.plan.delta_rule_walk` reads it): on a GPU where the head sizes
+suit it, one Pallas kernel per layer walks the live rows, the causal conv, the q/k norms and
+the gates of each row included (:mod:`~turbospark_jax.kernels.delta_rule`; a loop of XLA
+kernels there returns to the host on every pass, and the preamble is several small kernels
+more); on a TPU where they suit it, a Pallas TPU kernel walks the live rows with the state held
+in VMEM, after the preamble in XLA (:mod:`~turbospark_jax.kernels.tpu_delta_rule`); elsewhere,
+and on a tensor-parallel mesh (:meth:`Qwen35Model.for_mesh`: a kernel is a single-device custom
+call), a loop of XLA kernels walks all ``W`` rows, selecting the padding ones away. The walks
+agree within float32 rounding; each is one program for every path, so the bitwise guarantees
+hold within any of them. The plan also picks the grouped experts' form of a mixture-of-experts
+layer (:func:`~turbospark_jax.kernels.plan.grouped_impl`).
 
 The walk also writes a tape: each live row's conv and recurrent state (``retain_rows`` selects
 from it, so ``rollback_retaining`` needs no replay) and each row's final hidden state (what the
@@ -85,6 +91,8 @@ from flax import struct
 from turbospark_jax.core.state import append_only, scratch
 from turbospark_jax.errors import BadInputError, ModelLoadError
 from turbospark_jax.kernels import delta_rule as pallas_delta_rule
+from turbospark_jax.kernels import plan as kernel_plans
+from turbospark_jax.kernels import tpu_delta_rule
 from turbospark_jax.kernels.layers import (
     apply_rope,
     attend,
@@ -94,6 +102,7 @@ from turbospark_jax.kernels.layers import (
     rope_inv_freq,
     swiglu_mlp,
 )
+from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan, check_backend_plan
 from turbospark_jax.models.base import BlockModel, check_tap_layers
 from turbospark_jax.models.family import Family, HFTensor, Params
 from turbospark_jax.models.moe import ExpertParallel, moe_block, moe_leaves
@@ -398,10 +407,6 @@ def _delta_row(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax
     return jnp.where(on, new, s), outs, states
 
 
-#: Row walks the exact path may be pinned to (``Qwen35Model._rows``): the XLA loop
-#: (:meth:`Qwen35Model.for_mesh`) or the kernel in the Pallas interpreter
-#: (:meth:`Qwen35Model.interpreted`).
-_ROW_WALKS = ("xla", "interpret")
 KVFn = Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array, jax.Array]]
 State = tuple[jax.Array, jax.Array]  # (conv [K-1, C], recurrent float32 [Hv, dk, dv])
 
@@ -425,23 +430,26 @@ class Qwen35Model(BlockModel):
         (:class:`~turbospark_jax.models.moe.ExpertParallel`; set by
         :class:`~turbospark_jax.parallel.sharding.ShardedProducer` on a mesh with an expert
         axis), or None.
-
-    How the exact path walks the delta rule's rows follows from the backend and the head sizes
-    (module docstring); :meth:`for_mesh` and :meth:`interpreted` pin it.
+      plan: the backend's kernels (:class:`~turbospark_jax.kernels.plan.KernelPlan`, never
+        row-invariant here): how the exact path walks the delta rule's rows
+        (:attr:`row_walk`) and the grouped experts' form. XLA's by default; loading resolves
+        the backend's (:func:`~turbospark_jax.io.loading.serving_plan`), and
+        :meth:`for_mesh` and :meth:`interpreted` set others.
     """
 
     can_tap = True
     rewindable = False  # the recurrent leaves summarise every fed token: no cursor rewinds them
     parallel_prefill = True  # wide headless passes with the chunked delta rule
     records_tape = True
+    backend_kernels = True
 
     config: Qwen35Config
     dtype: Any = jnp.float32
     max_width: int = 16
     tap_layers: tuple[int, ...] = ()
-    _rows: str | None = dataclasses.field(default=None, repr=False)
     kv_dtype: str | None = None
     expert_parallel: ExpertParallel | None = None
+    plan: KernelPlan = XLA_PLAN
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", jnp.dtype(self.dtype))
@@ -449,30 +457,29 @@ class Qwen35Model(BlockModel):
         check_tap_layers(self.tap_layers, self.config.num_hidden_layers)
         if self.max_width < 1:
             raise BadInputError(f"max_width must be >= 1, got {self.max_width}")
-        if self._rows is not None and self._rows not in _ROW_WALKS:
-            raise BadInputError(f"_rows must be None or one of {', '.join(_ROW_WALKS)}; "
-                                f"got {self._rows!r}")
+        check_backend_plan(self.plan, "Qwen3.5")
 
     def for_mesh(self) -> Qwen35Model:
-        """This model with the exact path's rows on the XLA loop, which a tensor-parallel
-        mesh splits over the value heads (the kernel is a single-device custom call the
-        compiler cannot split)."""
-        return dataclasses.replace(self, _rows="xla")
+        """This model with its plan's Pallas kernels off: the exact path's rows on the XLA
+        loop, which a tensor-parallel mesh splits over the value heads, and the grouped
+        experts on XLA's loop (a kernel is a single-device custom call the compiler cannot
+        split)."""
+        return dataclasses.replace(self, plan=dataclasses.replace(self.plan, pallas="off"))
 
-    def interpreted(self) -> Qwen35Model:
-        """This model with the exact path's rows on the delta-rule kernel in the Pallas
-        interpreter: a test fixture that runs the GPU's walk on a CPU (slow: tiny models
+    def interpreted(self, target: str = "gpu") -> Qwen35Model:
+        """This model on the GPU's (or with ``target="tpu"`` the TPU's) kernels in the Pallas
+        interpreter: a test fixture that runs that backend's walk on a CPU (slow: tiny models
         only), never a serving choice."""
-        return dataclasses.replace(self, _rows="interpret")
+        plan = KernelPlan.interpreted(row_invariant=False, target=target)
+        return dataclasses.replace(self, plan=plan)
 
-    def _row_kernel(self) -> bool:
-        """Whether the exact path's rows run as the kernel: on a GPU where it tiles the head
-        sizes, unless pinned (``_rows``)."""
-        if self._rows is not None:
-            return self._rows == "interpret"
+    @property
+    def row_walk(self) -> str:
+        """How the exact path walks the delta rule's rows
+        (:func:`~turbospark_jax.kernels.plan.delta_rule_walk` of the plan and head sizes)."""
         c = self.config
-        return jax.default_backend() == "gpu" and pallas_delta_rule.supported(
-            c.linear_key_head_dim, c.linear_value_head_dim)
+        return kernel_plans.delta_rule_walk(self.plan, c.linear_key_head_dim,
+                                            c.linear_value_head_dim)
 
     @property
     def vocab_size(self) -> int:
@@ -625,11 +632,12 @@ class Qwen35Model(BlockModel):
         ba = nk * (2 * dk + 2 * r * dv)  # then [b, a] of each key head's r value heads
         return pallas_delta_rule.GateColumns(ba, ba + r, 2 * r)
 
-    def _delta_preamble(self, lp: Params, buf: jax.Array, b: jax.Array, a: jax.Array
-                        ) -> tuple[jax.Array, ...]:
-        """The delta rule's inputs for the XLA walks: the conv window ``buf [K-1+W, C]``
-        convolved and SiLU'd, q and k L2-normalised (q scaled) and repeated over their value
-        heads ``[W, Hv, dk]``, v ``[W, Hv, dv]``, and ``g``, ``beta [W, Hv]``, all float32."""
+    def _delta_preamble(self, lp: Params, buf: jax.Array, b: jax.Array, a: jax.Array,
+                        repeat: bool = True) -> tuple[jax.Array, ...]:
+        """The delta rule's inputs for the walks after an XLA preamble: the conv window
+        ``buf [K-1+W, C]`` convolved and SiLU'd, q and k L2-normalised (q scaled) and
+        repeated over their value heads ``[W, Hv, dk]`` (``repeat``; else per key head, ``[W,
+        Hk, dk]``), v ``[W, Hv, dv]``, and ``g``, ``beta [W, Hv]``, all float32."""
         c, f32 = self.config, jnp.float32
         nk, nv, dk = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim
         w = buf.shape[0] - c.linear_conv_kernel_dim + 1
@@ -641,9 +649,9 @@ class Qwen35Model(BlockModel):
         q = conv_out[:, :key_dim].reshape(w, nk, dk).astype(f32)
         k = conv_out[:, key_dim : 2 * key_dim].reshape(w, nk, dk).astype(f32)
         v = conv_out[:, 2 * key_dim :].reshape(w, nv, -1).astype(f32)
-        # Each key head serves nv / nk consecutive value heads.
-        q = jnp.repeat(_l2norm(q), nv // nk, axis=1) * dk**-0.5  # [W, Hv, dk]
-        k = jnp.repeat(_l2norm(k), nv // nk, axis=1)
+        q, k = _l2norm(q) * dk**-0.5, _l2norm(k)
+        if repeat:  # each key head serves nv / nk consecutive value heads
+            q, k = (jnp.repeat(t, nv // nk, axis=1) for t in (q, k))  # [W, Hv, dk]
         beta = jax.nn.sigmoid(b).astype(f32)  # [W, Hv]
         g = -jnp.exp(lp["A_log"].astype(f32)) * jax.nn.softplus(a.astype(f32) + lp["dt_bias"])
         return q, k, v, g, beta
@@ -668,13 +676,19 @@ class Qwen35Model(BlockModel):
         # Every row runs the same loop body whatever the block's width or live count, so
         # chunked == token by token holds bitwise on either walk. Padding rows' outputs stay
         # zero and their tape rows as they were.
-        if not chunked and self._row_kernel():
+        walk = "chunked" if chunked else self.row_walk
+        if walk in ("pallas", "interpret"):
             # One launch: the conv, the norms, the gates and the walk over the live rows.
             core, rec, tape = pallas_delta_rule.delta_net_rows(
                 buf, proj, lp["conv1d"], lp["A_log"], lp["dt_bias"], rec, live, tape,
                 key_heads=c.linear_num_key_heads, gates=self._gate_columns(),
-                interpret=self._rows == "interpret")
+                interpret=walk == "interpret")
             core = core.reshape(w, c.linear_num_value_heads, -1)  # [W, Hv, dv]
+        elif walk in ("tpu", "tpu_interpret"):
+            q, k, v, g, beta = self._delta_preamble(lp, buf, b, a, repeat=False)
+            core, rec, tape = tpu_delta_rule.tpu_delta_rule(q, k, v, g, beta, rec, live, tape,
+                                                            impl=walk)
+            core = core.astype(self.dtype)  # [W, Hv, dv]
         else:
             q, k, v, g, beta = self._delta_preamble(lp, buf, b, a)
             if chunked:
@@ -703,20 +717,24 @@ class Qwen35Model(BlockModel):
             tapes = (buf[kept[:, None] + jnp.arange(taps - 1)[None, :]], tape)
         return out, (new_conv, rec), tapes
 
-    def _mlp(self, lp: Params, x: jax.Array) -> jax.Array:
+    def _mlp(self, lp: Params, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """The layer's MLP with its residual, rows x [W, D]; ``live``: bool [W], the rows
+        that are not padding (a padding row's experts take no tile)."""
         with jax.named_scope("mlp"):
             h = _norm(x, lp["post_attention_layernorm"], self.config.rms_norm_eps)
-            if "router" in lp:  # XLA's kernels at one program width, like the rest of the model
+            if "router" in lp:  # at one program width, like the rest of the model
                 return x + moe_block(h, moe_leaves(lp), self.config.routing, row_invariant=False,
-                                     placement=self.expert_parallel)
+                                     placement=self.expert_parallel,
+                                     impl=kernel_plans.grouped_impl(self.plan), live=live)
             return x + swiglu_mlp(h, lp["gate_proj"], lp["up_proj"], lp["down_proj"])
 
     def _full_layer(self, lp: Params, x: jax.Array, positions: jax.Array,
-                    rope: tuple[jax.Array, jax.Array], kv: KVFn) -> jax.Array:
+                    rope: tuple[jax.Array, jax.Array], kv: KVFn,
+                    live: jax.Array | None = None) -> jax.Array:
         with jax.named_scope("attention"):
             h = _norm(x, lp["input_layernorm"], self.config.rms_norm_eps)
             x = x + self._attention(lp, h, positions, rope, kv)
-        return self._mlp(lp, x)
+        return self._mlp(lp, x, live)
 
     def _decoder(self, layers: list[Params], x: jax.Array, positions: jax.Array,
                  live: jax.Array, states: list[State], kv: Callable[[int], KVFn],
@@ -728,12 +746,13 @@ class Qwen35Model(BlockModel):
         :attr:`tap_layers` (``None`` without any)."""
         c = self.config
         rope = self._rope(positions)
+        real = jnp.arange(x.shape[0], dtype=jnp.int32) < live  # [W]
         states, tapes, taps = list(states), [], []
         for i, lp in enumerate(layers):
             j = c.kind_index(i)
             with jax.named_scope(f"layer_{i}"):
                 if c.layer_types[i] == FULL:
-                    x = self._full_layer(lp, x, positions, rope, kv(j))
+                    x = self._full_layer(lp, x, positions, rope, kv(j), real)
                 else:
                     with jax.named_scope("delta_rule"):
                         h = _norm(x, lp["input_layernorm"], c.rms_norm_eps)
@@ -741,7 +760,7 @@ class Qwen35Model(BlockModel):
                             lp, h, states[j], live, None if tapes_in is None else tapes_in[j],
                             chunked)
                     tapes.append(layer_tape)
-                    x = self._mlp(lp, x + o)
+                    x = self._mlp(lp, x + o, real)
             # Every layer's output rows are materialised as they are, tapped or not: on a GPU
             # the tap's extra reader can change how XLA fuses them into the next layer, and a
             # tapped target would then decode apart from an untapped one.
@@ -1011,7 +1030,8 @@ class Qwen35Model(BlockModel):
         buffers = [mtp_cache.k[layer], mtp_cache.v[layer]]
         kv = self._kv_store(buffers, write_at, jnp.arange(capacity, dtype=jnp.int32))(0)
         x = self._mtp_input(params, hidden, next_tokens)
-        x = self._full_layer(mp["layers"][layer], x, positions, self._rope(positions), kv)
+        x = self._full_layer(mp["layers"][layer], x, positions, self._rope(positions), kv,
+                             rows < live)
         new_hidden = _norm(x, mp["norm"], c.rms_norm_eps)
         k, v = list(mtp_cache.k), list(mtp_cache.v)
         k[layer], v[layer] = buffers
