@@ -674,7 +674,7 @@ class Qwen35Model(BlockModel):
         buf = jnp.concatenate([conv_state, mixed.astype(self.dtype)], axis=0)  # [K-1+W, C]
         rows = jnp.arange(w, dtype=jnp.int32)
         # Every row runs the same loop body whatever the block's width or live count, so
-        # chunked == token by token holds bitwise on either walk. Padding rows' outputs stay
+        # chunked == token by token holds bitwise on any walk. Padding rows' outputs stay
         # zero and their tape rows as they were.
         walk = "chunked" if chunked else self.row_walk
         if walk in ("pallas", "interpret"):
