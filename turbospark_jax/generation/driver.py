@@ -290,7 +290,11 @@ class ConstrainedSteps(Stepper):
     the token-by-token path. The burst length adapts like a drafter's: after a refusal the
     next burst is sized to end on the token where the last refusal came (a constraint that
     the model breaks at a steady rhythm then needs no going back); past that point, and on
-    a fresh run, it doubles after each burst taken whole.
+    a fresh run, it doubles after each burst taken whole. A burst sized to one step (the
+    model broke the constraint at the last burst's first token) is a masked step instead:
+    ``produce`` and the masked draw, whose ``free`` flag (:func:`draw_step`) says what the
+    burst would have found, so the sizing learns as before and a model that breaks the
+    constraint at every token pays what the token-by-token path pays.
     """
 
     def __init__(self, optimistic: bool = False) -> None:
@@ -311,7 +315,7 @@ class ConstrainedSteps(Stepper):
                         history=added(run.history, tokens)), state
         if self.optimistic and not self.queue and self.fed == run.emitted - 1:
             steps = self._burst_length(run)
-            if steps == 1:  # a burst of one step costs more than a masked step and tells no more
+            if steps == 1:  # a masked step: a burst of one step tells no more, costs more
                 logits, state = self._feed(state, run)
                 step, free = _host_draw(logits, run)
                 if free:
