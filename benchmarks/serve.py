@@ -16,6 +16,15 @@ step runs only as many rows as its bucket needs, not every slot's), beside
 the median of a few runs of the same prompt; the figure is the stream's tokens/s after its first
 token (``stream_tokens_per_s``) and their ratio (bar 0.95), in the results file's
 ``one_stream_vs_plain`` entry.
+
+A shared system prompt: a server of its own, with one slot a request, takes ``requests``
+streams at once, each a long system prompt (the same for all) and a short user turn of its own,
+twice: once with the engine's sharing of prefixes across slots turned off, once with it on (each
+run with a system prompt of its own, so neither finds the other's in a slot). The figures are
+the prompt tokens prefilled (the prompt tokens less the ``cached_tokens`` each response
+reports), the tokens/s and the time to first token of each run, and their ratios, in the results
+file's ``shared_prefix`` entry. All streams arrive together: the first prefill call's requests
+find nothing to share and prefill the system prompt themselves; the rest copy it from them.
 """
 
 from __future__ import annotations
@@ -33,6 +42,17 @@ from benchmarks import common
 
 
 @dataclasses.dataclass(frozen=True)
+class SharedPrompt:
+    """The shared-system-prompt case: ``requests`` streams of ``system_tokens`` shared tokens
+    and ``turn_tokens`` of their own, each generating ``new_tokens``."""
+
+    system_tokens: int
+    requests: int
+    turn_tokens: int
+    new_tokens: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Preset:
     #: "embedded" (the default model folder) or a shape of :data:`common.SHAPES`
     model: str
@@ -46,16 +66,18 @@ class Preset:
     prefill_chunk: int
     hf: bool
     budget_s: float | None = None
+    shared: SharedPrompt | None = None
 
 
 _GPU = Preset("llama-3.2-1b", (1, 8, 32, 64), 128, 256, 512, 16, "bfloat16", 8, 128, hf=True,
-              budget_s=420.0)
+              budget_s=420.0, shared=SharedPrompt(2048, 64, 32, 64))
 PRESETS = {
-    "smoke": Preset("tiny", (1, 2), 8, 4, 32, 4, "float32", 2, 8, hf=False),
+    "smoke": Preset("tiny", (1, 2), 8, 4, 32, 4, "float32", 2, 8, hf=False,
+                    shared=SharedPrompt(24, 4, 4, 4)),
     # A dense shape: transformers' continuous batching refuses the embedded model's
     # linear-attention layers.
     "cpu": Preset("small-60m", (1, 4, 16), 32, 32, 128, 16, "float32", 8, 32, hf=True,
-                  budget_s=120.0),
+                  budget_s=120.0, shared=SharedPrompt(256, 16, 16, 16)),
     "h100": _GPU,
     "h200": _GPU,
 }
@@ -127,9 +149,13 @@ def our_server(preset: Preset) -> Any:
 
 
 async def _stream_one(http: Any, url: str, prompt: list[int], tokens: int,
-                      extra: dict[str, Any] | None = None) -> tuple[float, list[float], int]:
+                      extra: dict[str, Any] | None = None,
+                      usages: list[dict[str, Any]] | None = None
+                      ) -> tuple[float, list[float], int]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": tokens, "temperature": 0,
             "stream": True, **(extra or {})}
+    if usages is not None:
+        body["stream_options"] = {"include_usage": True}
     start = time.perf_counter()
     stamps: list[float] = []
     async with http.stream("POST", url + "/v1/completions", json=body) as resp:
@@ -138,13 +164,16 @@ async def _stream_one(http: Any, url: str, prompt: list[int], tokens: int,
                 chunk = json.loads(line[6:])
                 if chunk["choices"] and chunk["choices"][0]["finish_reason"] is None:
                     stamps.append(time.perf_counter())
+                if usages is not None and chunk.get("usage"):
+                    usages.append(chunk["usage"])
     return stamps[0] - start, list(np.diff(stamps)), len(stamps)
 
 
 def drive(url: str, prompts: list[list[int]], tokens: int,
-          extras: list[dict[str, Any] | None] | None = None) -> dict[str, float]:
+          extras: list[dict[str, Any] | None] | None = None,
+          usages: list[dict[str, Any]] | None = None) -> dict[str, float]:
     """Every prompt streamed at once (prompt ``i`` with the request fields ``extras[i]``); the
-    level's figures."""
+    level's figures. ``usages``: each response's usage is appended to it."""
     import httpx
 
     async def all_at_once() -> tuple[list[Any], float]:
@@ -152,7 +181,8 @@ def drive(url: str, prompts: list[list[int]], tokens: int,
         async with httpx.AsyncClient(timeout=600, limits=limits) as http:
             start = time.perf_counter()
             runs = await asyncio.gather(*[
-                _stream_one(http, url, p, tokens, (extras or [None] * len(prompts))[i])
+                _stream_one(http, url, p, tokens, (extras or [None] * len(prompts))[i],
+                            usages)
                 for i, p in enumerate(prompts)])
             return runs, time.perf_counter() - start
 
@@ -199,6 +229,62 @@ def one_stream(results: common.Results, url: str, server: Any, preset: Preset) -
         results.data["one_stream_vs_plain"] = {**label, **figures}
         print(json.dumps({"one_stream_vs_plain": results.data["one_stream_vs_plain"]}),
               flush=True)
+    results.write()
+
+
+def shared_prompt_run(url: str, engine: Any, case: SharedPrompt, vocab: int, seed: int,
+                      *, shares: bool) -> dict[str, Any]:
+    """One run of the shared-system-prompt case, with the engine's sharing across slots on or
+    off; its figures and the prompt tokens prefilled."""
+    system = common.prompt_ids(case.system_tokens, vocab, seed=seed)
+    prompts = [system + turn for turn in prompts_for(case.requests, case.turn_tokens, vocab,
+                                                     seed=seed + 1)]
+    usages: list[dict[str, Any]] = []
+    engine._shares_prefixes = shares  # the benchmark's switch; not a serving option
+    try:
+        figures = drive(url, prompts, case.new_tokens, usages=usages)
+    finally:
+        engine._shares_prefixes = True
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    prompt = sum(u["prompt_tokens"] for u in usages)
+    return {**figures, "prompt_tokens": prompt, "cached_tokens": cached,
+            "prefilled_tokens": prompt - cached}
+
+
+def shared_prompt(results: common.Results, preset: Preset) -> None:
+    """The shared-system-prompt case (:class:`SharedPrompt`) on a server of its own, without
+    and with sharing across slots, into the results file's ``shared_prefix`` entry."""
+    from turbospark_jax.testing.live_server import running
+
+    case = preset.shared
+    if case is None or results.out_of_time():
+        return
+    context = -(-(case.system_tokens + case.turn_tokens + case.new_tokens) // 128) * 128
+    server = our_server(dataclasses.replace(preset, concurrency=(case.requests,),
+                                            context=context))
+    engine, vocab = server.engine, server.engine.producer.vocab_size
+    try:
+        with running(server) as url:
+            # compile every program the runs reach on prompts they do not share: a session's
+            # prompt, then its next turn (reused in its slot) and another prompt repeating
+            # most of it (in another slot, from a copy)
+            warm = prompts_for(2, case.system_tokens + case.turn_tokens, vocab, seed=30_000)
+            session = {"session_id": "warm-up"}
+            drive(url, [warm[0]], 2, [session])
+            drive(url, [warm[0][:-1] + warm[1][-1:], warm[0][:-2] + warm[1][-2:]], 2,
+                  [session, None])
+            off = shared_prompt_run(url, engine, case, vocab, 40_000, shares=False)
+            on = shared_prompt_run(url, engine, case, vocab, 50_000, shares=True)
+    except Exception as exc:  # a failure is a result; the other cases stand
+        results.data["errors"].append({"case": "shared_prefix",
+                                       "error": f"{type(exc).__name__}: {exc}"[:600]})
+    else:
+        results.data["shared_prefix"] = {
+            **dataclasses.asdict(case), "slots": len(engine.slots), "without": off, "with": on,
+            "prefill_tokens_saved": off["prefilled_tokens"] - on["prefilled_tokens"],
+            "tokens_per_s_ratio": on["tokens_per_s"] / off["tokens_per_s"],
+            "ttft_p50_ratio": on["ttft_p50_s"] / off["ttft_p50_s"]}
+        print(json.dumps({"shared_prefix": results.data["shared_prefix"]}), flush=True)
     results.write()
 
 
@@ -276,3 +362,4 @@ def run(preset: Preset, results: common.Results) -> None:
             if theirs is not None:
                 results.case({"system": "transformers_generate_batch", "concurrency": n},
                              lambda n=n: theirs(n))
+    shared_prompt(results, preset)
