@@ -9,24 +9,16 @@ the kept copy and expect the comparison to fail; with sharing off nothing is cac
 import jax
 import numpy as np
 
+from tests.server.test_server_choices import PRODUCERS, SLOTS, same
 from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.engine.batching import BatchedDecoder
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server.engine import Engine
 from turbospark_jax.server.requests import Done, EngineObserver, ServeRequest
 from turbospark_jax.server.slots import SlotRecord, choose_donor, choose_kept
-from turbospark_jax.testing.toy import toy_attention_producer, toy_recurrent_producer
 
-VOCAB, SLOTS = 40, 3
 COMMON = [3, 9, 1, 17, 22, 5, 5, 30, 2, 11, 8, 4, 19, 6, 6, 21, 33, 7]  # over two chunks
 A, B, C = [*COMMON, 12, 13], [*COMMON, 25, 26, 27], [*COMMON, 1]
-
-PRODUCERS = {
-    "attention": lambda: toy_attention_producer(vocab=VOCAB, dim=16, capacity=96, width=4,
-                                                donate=True),
-    "recurrent": lambda: toy_recurrent_producer(vocab=VOCAB, dim=16, capacity=96, width=4,
-                                                donate=True),
-}
 
 
 class Shared(EngineObserver):
@@ -69,13 +61,6 @@ def serve(eng, arrivals):
 
 def alone(req, kind="attention"):
     return serve(engine(kind), [(0, req)])[0]
-
-
-def same(a, b):
-    ca, cb = a.completion, b.completion
-    return ca.token_ids == cb.token_ids and np.array_equal(ca.logits, cb.logits) and [
-        (e.token, e.logprob, e.top) for e in a.logprobs] == [
-        (e.token, e.logprob, e.top) for e in b.logprobs]
 
 
 def test_another_session_starts_from_a_busy_slots_prefix():
