@@ -143,24 +143,34 @@ def test_kernel_lowers_for_a_gpu(width: int, key_heads: int) -> None:
     assert text.count("__gpu$xla.gpu.triton") == 1
 
 
-@pytest.fixture(scope="module")
-def producers() -> tuple[BlockProducer, BlockProducer]:
-    """The same params on the kernel (interpreted) and on the XLA loop."""
+def kernel_and_xla(target: str) -> tuple[BlockProducer, BlockProducer]:
+    """The same params on the ``target`` backend's kernel walk (interpreted) and on the XLA
+    loop."""
     xla = Q.Qwen35Model(CONFIG, max_width=WIDTH).for_mesh()  # the XLA loop on any backend
     params = xla.init_params(jax.random.PRNGKey(0))
-    kernel = xla.interpreted()
+    kernel = xla.interpreted(target)
     make = lambda m: BlockProducer(m, params, capacity=CAPACITY, width=WIDTH,  # noqa: E731
                                    steps_per_call=4)
     return make(kernel), make(xla)
 
 
-def test_kernel_path_is_close_to_the_xla_loop(producers: Any) -> None:
-    kernel, xla = producers
+def check_close_to_the_xla_loop(kernel: BlockProducer, xla: BlockProducer) -> None:
+    """A prompt's logits and recurrent states on the kernel walk are within float32
+    rounding of the XLA loop's."""
     got, kstate = kernel.prefill_chunk(kernel.init_state(), PROMPT, 0)
     want, xstate = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
     np.testing.assert_allclose(got, want, atol=1e-5)
     for a, b in zip(kstate.cache.recurrent, xstate.cache.recurrent, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def producers() -> tuple[BlockProducer, BlockProducer]:
+    return kernel_and_xla("gpu")
+
+
+def test_kernel_path_is_close_to_the_xla_loop(producers: Any) -> None:
+    check_close_to_the_xla_loop(*producers)
 
 
 def test_kernel_path_chunked_equals_token_by_token(producers: Any) -> None:

@@ -14,16 +14,18 @@ import numpy as np
 import pytest
 from jax import export
 
-from tests.kernels.test_delta_rule_kernel import _keeps_one_more
+from tests.kernels.test_delta_rule_kernel import (
+    PROMPT,
+    _keeps_one_more,
+    check_close_to_the_xla_loop,
+    kernel_and_xla,
+)
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError
 from turbospark_jax.kernels import tpu_delta_rule as tdr
-from turbospark_jax.models.qwen3_5 import config as QC
-from turbospark_jax.models.qwen3_5 import model as Q
 from turbospark_jax.testing import conformance as C
 
 IMPL = "tpu_interpret"
-L, F = QC.LINEAR, QC.FULL
 WIDTH, KEY_HEADS, HEADS, DK, DV = 5, 2, 4, 16, 32  # a width that is no power of two
 
 
@@ -114,33 +116,19 @@ def test_which_heads_a_tpu_takes() -> None:
     assert not tdr.supported(DK, DV) and not tdr.supported(12, 128)
 
 
-CONFIG = QC.Qwen35Config(
-    vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_key_head_dim=DK,
-    linear_value_head_dim=DV, linear_num_key_heads=KEY_HEADS, linear_num_value_heads=HEADS,
-    layer_types=(L, F, L))
-PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7]
-
-
 @pytest.fixture(scope="module")
 def producers() -> tuple[BlockProducer, BlockProducer]:
-    """The same params on the TPU walk (interpreted) and on the XLA loop."""
-    xla = Q.Qwen35Model(CONFIG, max_width=WIDTH)
-    params = xla.init_params(jax.random.PRNGKey(0))
-    tpu = xla.interpreted(target="tpu")
-    assert tpu.row_walk == IMPL and xla.row_walk == "xla"
-    make = lambda m: BlockProducer(m, params, capacity=40, width=WIDTH,  # noqa: E731
-                                   steps_per_call=4)
-    return make(tpu), make(xla)
+    """A tiny Qwen3.5 model (the GPU kernel's tests', heads as above) on the TPU walk,
+    interpreted, and on the XLA loop."""
+    tpu, xla = kernel_and_xla("tpu")
+    assert tpu.model.row_walk == IMPL and xla.model.row_walk == "xla"
+    config = tpu.model.config
+    assert (config.linear_key_head_dim, config.linear_value_head_dim) == (DK, DV)
+    return tpu, xla
 
 
 def test_the_tpu_walk_is_close_to_the_xla_loop(producers: Any) -> None:
-    tpu, xla = producers
-    got, tstate = tpu.prefill_chunk(tpu.init_state(), PROMPT, 0)
-    want, xstate = xla.prefill_chunk(xla.init_state(), PROMPT, 0)
-    np.testing.assert_allclose(got, want, atol=1e-5)
-    for a, b in zip(tstate.cache.recurrent, xstate.cache.recurrent, strict=True):
-        np.testing.assert_allclose(a, b, atol=1e-5)
+    check_close_to_the_xla_loop(*producers)
 
 
 def test_the_tpu_walk_chunked_equals_token_by_token(producers: Any) -> None:
