@@ -14,6 +14,7 @@ from turbospark_jax.core.sampling import SamplingConfig
 from turbospark_jax.engine.batching import BatchedDecoder
 from turbospark_jax.generation.completion import CompletionRequest
 from turbospark_jax.server.engine import Engine
+from turbospark_jax.server.metrics import ServerMetrics
 from turbospark_jax.server.requests import Done, EngineObserver, ServeRequest
 from turbospark_jax.server.slots import SlotRecord, choose_donor, choose_kept
 
@@ -75,6 +76,16 @@ def test_another_session_starts_from_a_busy_slots_prefix():
     assert b.completion.usage.reused_tokens == len(COMMON)
     assert seen.tokens == [len(COMMON)]
     assert same(a, alone(ra)) and same(b, alone(rb))
+
+
+def test_the_metrics_count_the_shared_tokens():
+    metrics = ServerMetrics()
+    eng = engine(observer=metrics)
+    serve(eng, [(0, request(A, "a", max_tokens=12)), (4, request(B, "b"))])
+    text = metrics.render(eng.load()).decode()
+    assert f"turbospark_shared_prompt_tokens_total {float(len(COMMON))}" in text
+    assert "turbospark_shared_prefix_requests_total 1.0" in text
+    assert f"turbospark_cached_prompt_tokens_total {float(len(COMMON))}" in text
 
 
 def test_idle_slots_share_and_a_session_keeps_its_own_prefix():
