@@ -163,7 +163,8 @@ def load(
       exact: keep every path bitwise equal to token-by-token decoding (the default): a
         dense model then runs the row-invariant kernels, so any ``width`` gives the same
         tokens and logits and the prefill runs in wide blocks; a family without them runs
-        XLA's kernels at one program width. ``False`` trades that identity for speed: a
+        at one program width (on the backend's kernels where it has some: Qwen3.5's
+        delta-rule walk, grouped experts). ``False`` trades that identity for speed: a
         request prefills in parallel passes (its logits equal the exact path's to rounding,
         not bitwise; a request may still ask for the exact prefill), and off a GPU a dense
         model decodes on XLA's own kernels, faster there than the row-invariant forms (on a
