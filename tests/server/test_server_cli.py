@@ -107,3 +107,22 @@ def test_serve_refuses_a_bad_scheme_before_loading():
     err = io.StringIO()
     assert main(["serve", "--quantize", "int3"], stdout=io.StringIO(), stderr=err) == 1
     assert "--quantize int3" in err.getvalue()
+
+
+def test_serve_takes_the_backends_pallas_plan_and_xla_elsewhere(monkeypatch):
+    """``load_server`` serves a model on the backend's Pallas kernels where the backend has
+    them (a GPU: the dense family's decode then runs in buckets, Qwen3.5 walks on its
+    kernel) and on XLA's own kernels elsewhere; faked here by the plan ``serving_plan``
+    resolves."""
+    pytest.importorskip("starlette")
+    from turbospark_jax.kernels.plan import XLA_PLAN, KernelPlan
+    from turbospark_jax.server import build
+
+    pallas = KernelPlan(row_invariant=False, pallas="interpret")
+    monkeypatch.setattr(build, "serving_plan", lambda path, exact: pallas)
+    served = build.load_server(None, slots=1, context=64, dtype="float32", warm_up=False)
+    assert served.engine.producer.model.plan == pallas
+    no_pallas = KernelPlan(row_invariant=True, pallas="off")  # the CPU's tiled forms
+    monkeypatch.setattr(build, "serving_plan", lambda path, exact: no_pallas)
+    served = build.load_server(None, slots=1, context=64, dtype="float32", warm_up=False)
+    assert served.engine.producer.model.plan == XLA_PLAN

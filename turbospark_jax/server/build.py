@@ -18,7 +18,13 @@ from turbospark_jax.core.checks import as_real
 from turbospark_jax.core.compile_cache import ensure_compile_cache
 from turbospark_jax.engine.producer import BlockProducer
 from turbospark_jax.errors import BadInputError, TurbosparkError
-from turbospark_jax.io.loading import DEFAULT_TARGET, LoadedModel, embedded_model_path, load_folder
+from turbospark_jax.io.loading import (
+    DEFAULT_TARGET,
+    LoadedModel,
+    embedded_model_path,
+    load_folder,
+    serving_plan,
+)
 from turbospark_jax.io.vision import VisionEncoder
 from turbospark_jax.parallel.replicas import check_replica_count, replicas_one_per_device
 from turbospark_jax.quant.weights import Quantization
@@ -244,10 +250,14 @@ def load_server(
     target = embedded_model_path(DEFAULT_TARGET) if path is None else path
     choice = _drafter_choice(target, draft, ngram, drafter)  # before loading, as the CLI does
     ensure_compile_cache()  # compiled programs persist across restarts (core.compile_cache)
-    # XLA's kernels: the batched programs' guarantee (a request's bits as if alone) rests on
-    # their fixed shapes, not on widths agreeing, and they map the block step over the slots
+    # The backend's Pallas kernels where it has them (a GPU): the dense family's row-invariant
+    # kernels let the decode run in buckets of the busy rows (engine.batching), the other
+    # families walk and group on their kernels. Elsewhere XLA's own kernels: the batched
+    # programs' guarantee (a request's bits as if alone) rests on their fixed shapes, not on
+    # widths agreeing, and the CPU's tiled forms would only be slower.
+    plan = serving_plan(target, exact=True)
     loaded = load_folder(target, dtype=dtype, layer_layout="list", quantize=quantize,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, plan=plan if plan.uses_pallas else None)
     if loaded.tokenizer is None:
         raise BadInputError(f"{target} has no tokenizer; the server needs one for text")
     producers = replicas_one_per_device(loaded.model, loaded.params, replicas, capacity=context,
