@@ -108,9 +108,14 @@ def no_tensor_read(monkeypatch):
 def key_bounds_seen(monkeypatch):
     """The dense model declares ``bounds_keys`` in its row-invariant mode here too (on the CPU,
     where its XLA attention ignores the hint), and every ``max_keys`` its attention is handed
-    while a program is traced goes into the list this returns (``None``: unbounded)."""
+    while a program is traced goes into the list this returns (``None``: unbounded). The
+    caches of traced programs are cleared first: a program an earlier test in the same worker
+    traced would otherwise be reused untraced, and the list would miss it."""
+    import jax
+
     from turbospark_jax.models.dense import model as dense
 
+    jax.clear_caches()
     seen = []
     real = dense.cached_attention
 
