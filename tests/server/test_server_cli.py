@@ -126,3 +126,18 @@ def test_serve_takes_the_backends_pallas_plan_and_xla_elsewhere(monkeypatch):
     monkeypatch.setattr(build, "serving_plan", lambda path, exact: no_pallas)
     served = build.load_server(None, slots=1, context=64, dtype="float32", warm_up=False)
     assert served.engine.producer.model.plan == XLA_PLAN
+
+
+def test_a_serve_command_gives_the_callers_program_store_back():
+    """``serve`` turns the CLI's program store on for its run; a command that ends (here on a
+    replica count the machine cannot hold, refused after the store is set up) leaves the
+    caller's store as it found it, as the generating commands do."""
+    pytest.importorskip("starlette")
+    from turbospark_jax.cli import main
+    from turbospark_jax.core import compile_cache
+
+    before = compile_cache.program_store()
+    err = io.StringIO()
+    assert main(["serve", "--replicas", "4096"], stdout=io.StringIO(), stderr=err) == 1
+    assert "--replicas 4096" in err.getvalue()
+    assert compile_cache.program_store() is before

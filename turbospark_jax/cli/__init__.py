@@ -791,9 +791,9 @@ def main(argv: Sequence[str] | None = None, *, stdin: TextIO | None = None,
         try:
             with contextlib.redirect_stdout(stdout):  # --help and --version
                 args = parser().parse_args(argv)
-            if args.command == "serve":
-                return _serve(args, stderr)
             try:
+                if args.command == "serve":
+                    return _serve(args, stderr)
                 return _generate(args, stdin, stdout, stderr)
             finally:
                 if "previous_store" in args:  # a caller's own store (or none) again
